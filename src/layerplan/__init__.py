@@ -1,0 +1,20 @@
+"""layerplan: run a transformer language model's layers by plan."""
+
+from layerplan.cache import KVCache
+from layerplan.models import LoadedModel, ModelError, available_models, load_model, wrap_model
+from layerplan.plan import LayerPlan, PlanError, Step, load_plan, parse_plan
+
+__all__ = [
+    "KVCache",
+    "LayerPlan",
+    "LoadedModel",
+    "ModelError",
+    "PlanError",
+    "Step",
+    "available_models",
+    "load_model",
+    "load_plan",
+    "parse_plan",
+    "wrap_model",
+]
+__version__ = "0.1.0"

@@ -1,0 +1,81 @@
+"""KV cache whose slots belong to plan steps, not to layer modules.
+
+A repeated layer runs in two steps and so owns two slots: sharing one would make the second pass
+attend to the first pass's keys, which is a different model. Buffers are preallocated and written
+by position (gpt-fast style), so rolling back after a rejected draft is just `crop(length)`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class KVCache:
+    """K/V buffers of shape (batch, kv_heads, capacity, head_dim), one per plan step."""
+
+    def __init__(self, num_slots: int, capacity: int = 256) -> None:
+        self.capacity = capacity  # initial positions per buffer; grows by doubling when exceeded
+        self.keys: list[torch.Tensor | None] = [None] * num_slots
+        self.values: list[torch.Tensor | None] = [None] * num_slots
+        self.lengths = [0] * num_slots  # positions written (and valid) per slot
+        self.write_pos = 0  # first position of the chunk being run; set by the runner
+        self.views = tuple(_SlotView(self, i) for i in range(num_slots))
+
+    @property
+    def num_slots(self) -> int:
+        return len(self.keys)
+
+    @property
+    def length(self) -> int:
+        """Positions valid in every slot that has been written."""
+        written = [n for n, k in zip(self.lengths, self.keys) if k is not None]
+        return min(written) if written else 0
+
+    def write(self, slot: int, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store key/value (B, H, T, D) at positions [write_pos, write_pos+T); return all keys and
+        values of the slot up to the end of the chunk, views into the buffer."""
+        start = self.write_pos
+        end = start + key.shape[2]
+        if start > self.lengths[slot]:
+            raise RuntimeError(
+                f"KV slot {slot} holds {self.lengths[slot]} positions but a write starts at {start}: "
+                "a step that skipped earlier positions cannot attend to them"
+            )
+        buf_k, buf_v = self.keys[slot], self.values[slot]
+        if buf_k is None or end > buf_k.shape[2] or buf_k.shape[0] != key.shape[0]:
+            buf_k, buf_v = self._allocate(slot, key, value, end)
+        buf_k[:, :, start:end] = key
+        buf_v[:, :, start:end] = value
+        self.lengths[slot] = end
+        return buf_k[:, :, :end], buf_v[:, :, :end]
+
+    def _allocate(self, slot: int, key: torch.Tensor, value: torch.Tensor, needed: int):
+        old_k, old_v = self.keys[slot], self.values[slot]
+        keep = self.lengths[slot] if old_k is not None and old_k.shape[0] == key.shape[0] else 0
+        size = max(self.capacity, needed, 2 * old_k.shape[2] if old_k is not None else 0)
+        b, h, _, d = key.shape
+        new_k = key.new_empty(b, h, size, d)
+        new_v = value.new_empty(b, h, size, value.shape[3])
+        if keep:
+            new_k[:, :, :keep] = old_k[:, :, :keep]
+            new_v[:, :, :keep] = old_v[:, :, :keep]
+        self.keys[slot], self.values[slot], self.lengths[slot] = new_k, new_v, keep
+        return new_k, new_v
+
+    def crop(self, length: int) -> None:
+        """Forget every position from `length` on (rollback after rejected drafts)."""
+        self.lengths = [min(n, length) for n in self.lengths]
+
+
+class _SlotView:
+    """What an attention module sees as `past_key_values`: it calls update(k, v, layer_idx) and
+    gets the slot's keys back. The module's own layer_idx is ignored: the plan step decides."""
+
+    __slots__ = ("cache", "slot")
+
+    def __init__(self, cache: KVCache, slot: int) -> None:
+        self.cache = cache
+        self.slot = slot
+
+    def update(self, key_states, value_states, layer_idx=None, cache_kwargs=None, *args, **kwargs):
+        return self.cache.write(self.slot, key_states, value_states)

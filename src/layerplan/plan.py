@@ -1,0 +1,499 @@
+"""Layer plans: which decoder layers run, in which order, with which sub-layers switched on.
+
+A plan is frozen, validated data. It is parsed once (from a string, a file or another tool's
+format) and everything downstream trusts it. Formats:
+
+- the human string: ``"0-26,20-31"``, ``"skip:attn=3,5,6;mlp=6,9"``, ``"exit:8"``, combined
+  with ``;`` (``"0-26,20-31;skip:attn=3;exit:20"``). Ranges are inclusive, order and repeats are
+  kept. An order item is ``A``, ``A-B`` (descending allowed), optionally ``*K`` (repeat K times),
+  ``/attn``, ``/mlp`` or ``/none`` (which sub-layers run) and ``@S`` (residual scale).
+- Draft & Verify JSON: ``{"attention": [...], "mlp": [...]}``, the skipped sub-layers;
+- llama.cpp ``run_layers``: per layer 0 skip, 1 attention only, 2 MLP only, 3 both;
+- mergekit passthrough ``slices:`` YAML (``layer_range`` half-open);
+- PEFT ``layer_replication``: ``[[start, end), ...]`` pairs.
+
+A whole-layer skip keeps its step (both sub-layers off) so that step indices, which own the KV
+cache slots, stay aligned between a plan and the drafts derived from it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from layerplan.files import write_text_atomic
+
+
+class PlanError(ValueError):
+    """A plan that cannot be parsed or does not fit the model; the message names the culprit."""
+
+
+@dataclass(frozen=True)
+class Step:
+    """One pass through a decoder layer."""
+
+    layer: int  # index of the model's decoder layer this step runs
+    attention: bool = True  # run the attention sub-layer (False: its residual update is skipped)
+    mlp: bool = True  # run the MLP sub-layer
+    scale: float = 1.0  # multiplies each sub-layer's residual update (weighted repeats)
+
+    @property
+    def active(self) -> bool:
+        return self.attention or self.mlp
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    """An ordered tuple of steps over a model of `num_layers` layers, plus an optional exit."""
+
+    steps: tuple[Step, ...]
+    num_layers: int  # depth of the model the plan was validated against
+    exit: int | None = None  # run only the first `exit` steps, then the final norm and LM head
+    model_name: str = "the model"  # used in error messages only
+
+    def __post_init__(self) -> None:
+        if self.num_layers < 1:
+            raise PlanError(f"a model needs at least one layer, got num_layers={self.num_layers}")
+        if not self.steps:
+            raise PlanError("the plan is empty: it must run at least one layer")
+        for step in self.steps:
+            if not 0 <= step.layer < self.num_layers:
+                raise PlanError(_out_of_range(step.layer, self.num_layers, self.model_name))
+            if not math.isfinite(step.scale):
+                raise PlanError(f"layer {step.layer} has a non-finite residual scale {step.scale}")
+        if self.exit is not None and not 1 <= self.exit <= len(self.steps):
+            raise PlanError(
+                f"exit:{self.exit} is out of range: the plan has {len(self.steps)} steps, "
+                f"so exit must be 1–{len(self.steps)}"
+            )
+        if not any(step.active for step in self.active_steps):
+            raise PlanError("the plan skips every sub-layer: at least one attention or MLP must run")
+
+    # ----- constructors -------------------------------------------------------------------
+    @classmethod
+    def full(cls, num_layers: int, model_name: str = "the model") -> LayerPlan:
+        return cls(tuple(Step(i) for i in range(num_layers)), num_layers, model_name=model_name)
+
+    @classmethod
+    def from_skips(
+        cls,
+        num_layers: int,
+        attention: Iterable[int] = (),
+        mlp: Iterable[int] = (),
+        layers: Iterable[int] = (),
+        exit: int | None = None,
+        model_name: str = "the model",
+    ) -> LayerPlan:
+        """The model's own order with the given layers / sub-layers skipped."""
+        return LayerPlan.full(num_layers, model_name).with_skips(attention, mlp, layers, exit)
+
+    # ----- views --------------------------------------------------------------------------
+    @property
+    def active_steps(self) -> tuple[Step, ...]:
+        return self.steps if self.exit is None else self.steps[: self.exit]
+
+    @property
+    def is_identity(self) -> bool:
+        return self == LayerPlan.full(self.num_layers, self.model_name)
+
+    @property
+    def is_model_order(self) -> bool:
+        """Steps are layers 0..n-1 once each at scale 1 (sub-layers may be off)."""
+        return len(self.steps) == self.num_layers and all(
+            s.layer == i and s.scale == 1.0 for i, s in enumerate(self.steps)
+        )
+
+    @property
+    def cost(self) -> float:
+        """Fraction of the full model's sub-layers this plan runs (a crude compute estimate)."""
+        ran = sum(int(s.attention) + int(s.mlp) for s in self.active_steps)
+        return ran / (2 * self.num_layers)
+
+    def skipped(self) -> dict[str, list[int]]:
+        """Skipped sub-layers by layer index (model-order plans only), exits counted as skips."""
+        run = self.to_run_layers()
+        return {
+            "attention": [i for i, v in enumerate(run) if not v & 1],
+            "mlp": [i for i, v in enumerate(run) if not v & 2],
+        }
+
+    def with_skips(
+        self,
+        attention: Iterable[int] = (),
+        mlp: Iterable[int] = (),
+        layers: Iterable[int] = (),
+        exit: int | None = None,
+    ) -> LayerPlan:
+        """Switch off sub-layers in every step that runs the named layers."""
+        attention, mlp, layers = set(attention), set(mlp), set(layers)
+        present = {s.layer for s in self.steps}
+        for idx in sorted(attention | mlp | layers):
+            if not 0 <= idx < self.num_layers:
+                raise PlanError(_out_of_range(idx, self.num_layers, self.model_name))
+            if idx not in present:
+                raise PlanError(f"layer {idx} is skipped but the plan never runs it")
+        steps = tuple(
+            replace(
+                s,
+                attention=s.attention and s.layer not in attention | layers,
+                mlp=s.mlp and s.layer not in mlp | layers,
+            )
+            for s in self.steps
+        )
+        return replace(self, steps=steps, exit=self.exit if exit is None else exit)
+
+    def with_exit(self, exit: int | None) -> LayerPlan:
+        return replace(self, exit=exit)
+
+    def is_draft_of(self, target: LayerPlan) -> bool:
+        """True when this plan runs a subset of `target`'s sub-layers with the same step indices,
+        so both can share one KV cache (a step's slot holds the same layer's keys)."""
+        if len(self.active_steps) > len(target.steps):
+            return False
+        return all(
+            d.layer == t.layer and d.scale == t.scale and d.attention <= t.attention and d.mlp <= t.mlp
+            for d, t in zip(self.active_steps, target.steps)
+        )
+
+    # ----- the human string ---------------------------------------------------------------
+    def to_string(self) -> str:
+        clauses: list[str] = []
+        if self.is_model_order:
+            off = [s.layer for s in self.steps if not s.active]
+            attn = [s.layer for s in self.steps if s.mlp and not s.attention]
+            mlp = [s.layer for s in self.steps if s.attention and not s.mlp]
+            parts = []
+            if off:
+                parts.append("layers=" + _compress(off))
+            if attn:
+                parts.append("attn=" + _compress(attn))
+            if mlp:
+                parts.append("mlp=" + _compress(mlp))
+            clauses.append("skip:" + ";".join(parts) if parts else "full")
+        else:
+            clauses.append(",".join(_order_items(self.steps)))
+        if self.exit is not None:
+            clauses.append(f"exit:{self.exit}")
+        return ";".join(clauses)
+
+    def __str__(self) -> str:
+        return self.to_string()
+
+    # ----- other tools' formats -----------------------------------------------------------
+    def to_draft_verify(self) -> dict[str, list[int]]:
+        """Draft & Verify's skip sets: {"attention": [...], "mlp": [...]} of skipped layers."""
+        return self.skipped()
+
+    @classmethod
+    def from_draft_verify(cls, obj: dict[str, Any] | str, num_layers: int, model_name: str = "the model") -> LayerPlan:
+        if isinstance(obj, str):
+            obj = json.loads(obj)
+        unknown = set(obj) - {"attention", "mlp"}
+        if unknown:
+            raise PlanError(f"unknown key(s) {sorted(unknown)} in a Draft & Verify skip set; expected 'attention' and 'mlp'")
+        attention = [_as_layer_index(v, num_layers, model_name) for v in obj.get("attention", [])]
+        mlp = [_as_layer_index(v, num_layers, model_name) for v in obj.get("mlp", [])]
+        return cls.from_skips(num_layers, attention=attention, mlp=mlp, model_name=model_name)
+
+    def to_run_layers(self) -> list[int]:
+        """llama.cpp's run_layers vector (needs the model's own layer order)."""
+        if not self.is_model_order:
+            raise PlanError(f"run_layers can only express the model's own layer order, not '{self.to_string()}'")
+        limit = len(self.active_steps)
+        return [int(s.attention) + 2 * int(s.mlp) if i < limit else 0 for i, s in enumerate(self.steps)]
+
+    @classmethod
+    def from_run_layers(cls, vector: Sequence[int], num_layers: int | None = None, model_name: str = "the model") -> LayerPlan:
+        n = len(vector) if num_layers is None else num_layers
+        if len(vector) != n:
+            raise PlanError(f"run_layers has {len(vector)} entries but {model_name} has {n} layers")
+        steps = []
+        for i, value in enumerate(vector):
+            if value not in (0, 1, 2, 3):
+                raise PlanError(f"run_layers[{i}] = {value!r}: each entry must be 0 (skip), 1 (attention), 2 (MLP) or 3 (both)")
+            steps.append(Step(i, attention=bool(value & 1), mlp=bool(value & 2)))
+        return cls(tuple(steps), n, model_name=model_name)
+
+    def to_layer_replication(self) -> list[list[int]]:
+        """PEFT's layer_replication: half-open [start, end) ranges, concatenated."""
+        self._require_whole_layers("layer_replication")
+        return [[a, b + 1] for a, b in _ascending_runs([s.layer for s in self.active_steps])]
+
+    @classmethod
+    def from_layer_replication(cls, pairs: Sequence[Sequence[int]], num_layers: int, model_name: str = "the model") -> LayerPlan:
+        layers: list[int] = []
+        for pair in pairs:
+            if len(pair) != 2:
+                raise PlanError(f"layer_replication entry {list(pair)!r} must be a [start, end) pair")
+            start, end = (_as_layer_index(v, num_layers + 1, model_name) for v in pair)
+            if end <= start:
+                raise PlanError(f"layer_replication entry [{start}, {end}) is empty: end must exceed start")
+            if end > num_layers:
+                raise PlanError(_out_of_range(end - 1, num_layers, model_name))
+            layers.extend(range(start, end))
+        return cls(tuple(Step(i) for i in layers), num_layers, model_name=model_name)
+
+    def to_mergekit(self, model: str, dtype: str = "bfloat16") -> str:
+        """mergekit passthrough YAML that builds this plan as a real checkpoint."""
+        self._require_whole_layers("mergekit passthrough")
+        slices = [
+            {"sources": [{"model": model, "layer_range": [a, b + 1]}]}
+            for a, b in _ascending_runs([s.layer for s in self.active_steps])
+        ]
+        return yaml.safe_dump({"slices": slices, "merge_method": "passthrough", "dtype": dtype}, sort_keys=False)
+
+    @classmethod
+    def from_mergekit(cls, text_or_obj: str | dict[str, Any], num_layers: int, model_name: str = "the model") -> LayerPlan:
+        obj = yaml.safe_load(text_or_obj) if isinstance(text_or_obj, str) else text_or_obj
+        if not isinstance(obj, dict) or "slices" not in obj:
+            raise PlanError("a mergekit config needs a top-level 'slices:' list")
+        method = obj.get("merge_method", "passthrough")
+        if method != "passthrough":
+            raise PlanError(f"merge_method '{method}' blends weights; only 'passthrough' is a layer plan")
+        layers: list[int] = []
+        models: set[str] = set()
+        for k, piece in enumerate(obj["slices"]):
+            sources = piece.get("sources") if isinstance(piece, dict) else None
+            if not sources or len(sources) != 1:
+                raise PlanError(f"slice {k} must have exactly one source for a passthrough merge")
+            source = sources[0]
+            models.add(str(source.get("model")))
+            rng = source.get("layer_range")
+            if not isinstance(rng, (list, tuple)) or len(rng) != 2:
+                raise PlanError(f"slice {k}: layer_range must be [start, end), got {rng!r}")
+            start, end = int(rng[0]), int(rng[1])
+            if end <= start:
+                raise PlanError(f"slice {k}: layer_range [{start}, {end}) is empty")
+            if start < 0 or end > num_layers:
+                bad = start if start < 0 else end - 1
+                raise PlanError(f"slice {k}: " + _out_of_range(bad, num_layers, model_name))
+            layers.extend(range(start, end))
+        if len(models) > 1:
+            raise PlanError(f"slices name {len(models)} models ({', '.join(sorted(models))}); a plan runs one model")
+        return cls(tuple(Step(i) for i in layers), num_layers, model_name=model_name)
+
+    # ----- JSON ---------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return {"format": "layerplan", "version": 1, "num_layers": self.num_layers, "plan": self.to_string()}
+
+    @classmethod
+    def from_dict(cls, obj: dict[str, Any], num_layers: int | None = None, model_name: str = "the model") -> LayerPlan:
+        n = int(obj["num_layers"]) if num_layers is None else num_layers
+        if num_layers is not None and int(obj.get("num_layers", n)) != n:
+            raise PlanError(f"the saved plan was made for {obj['num_layers']} layers but {model_name} has {n}")
+        return parse_plan(obj["plan"], n, model_name)
+
+    def save(self, path: str | Path) -> Path:
+        path = Path(path)
+        if path.suffix in (".yaml", ".yml"):
+            return write_text_atomic(path, self.to_mergekit(self.model_name))
+        return write_text_atomic(path, json.dumps(self.to_dict(), indent=2) + "\n")
+
+    def _require_whole_layers(self, what: str) -> None:
+        if any(not (s.attention and s.mlp) or s.scale != 1.0 for s in self.active_steps):
+            raise PlanError(f"{what} can only express whole layers at scale 1, not '{self.to_string()}'")
+
+
+# ----- parsing ------------------------------------------------------------------------------
+_ITEM = re.compile(
+    r"^(?P<a>\d+)(?:-(?P<b>\d+))?(?:\*(?P<k>\d+))?(?:/(?P<sub>attn|attention|mlp|none))?(?:@(?P<s>[-+]?[0-9.]+(?:e[-+]?\d+)?))?$"
+)
+_SKIP_KINDS = {"attn": "attention", "attention": "attention", "mlp": "mlp", "ffn": "mlp", "layers": "layers", "layer": "layers"}
+
+
+def parse_plan(text: str, num_layers: int, model_name: str = "the model") -> LayerPlan:
+    """Parse the human plan string (see the module docstring) against a model depth."""
+    if not isinstance(text, str) or not text.strip():
+        raise PlanError("the plan is empty: give layers like '0-26,20-31', 'skip:attn=3,5' or 'exit:8'")
+    steps: list[Step] | None = None
+    skips: dict[str, list[int]] = {"attention": [], "mlp": [], "layers": []}
+    exit: int | None = None
+    in_skip = False
+    for raw in text.split(";"):
+        clause = raw.strip()
+        if not clause:
+            raise PlanError(f"empty clause in plan '{text}' (two ';' in a row?)")
+        keyword, sep, body = clause.partition(":")
+        keyword = keyword.strip().lower()
+        if clause.lower() in ("full", "all", "identity"):
+            steps = _set_order(steps, [Step(i) for i in range(num_layers)], clause)
+            in_skip = False
+        elif sep and keyword == "exit":
+            exit = _parse_int(body.strip(), clause, "an exit step count like exit:8")
+            in_skip = False
+        elif sep and keyword in ("layers", "order"):
+            steps = _set_order(steps, _parse_order(body, num_layers, model_name), clause)
+            in_skip = False
+        elif sep and keyword == "skip":
+            _parse_skip_part(body, skips, num_layers, model_name)
+            in_skip = True
+        elif in_skip and not sep:
+            _parse_skip_part(clause, skips, num_layers, model_name)
+        elif not sep and clause[:1].isdigit():
+            steps = _set_order(steps, _parse_order(clause, num_layers, model_name), clause)
+            in_skip = False
+        else:
+            raise PlanError(
+                f"cannot read '{clause}' in plan '{text}': expected layers (0-26,20-31), "
+                f"skip:attn=...;mlp=..., or exit:N ({model_name} has layers 0–{num_layers - 1})"
+            )
+    base = LayerPlan(tuple(steps) if steps else tuple(Step(i) for i in range(num_layers)), num_layers, model_name=model_name)
+    return base.with_skips(skips["attention"], skips["mlp"], skips["layers"], exit)
+
+
+def _set_order(current: list[Step] | None, new: list[Step], clause: str) -> list[Step]:
+    if current is not None:
+        raise PlanError(f"the plan gives a layer order twice (second: '{clause}'); join them with commas")
+    return new
+
+
+def _parse_order(body: str, num_layers: int, model_name: str) -> list[Step]:
+    steps: list[Step] = []
+    for token in body.split(","):
+        item = token.strip()
+        m = _ITEM.match(item.lower())
+        if not m:
+            raise PlanError(
+                f"cannot read '{item}' as a layer item: expected N, A-B, with optional *K, /attn, /mlp, "
+                f"/none, @scale ({model_name} has layers 0–{num_layers - 1})"
+            )
+        a = int(m["a"])
+        b = int(m["b"]) if m["b"] is not None else a
+        for idx in (a, b):
+            if idx >= num_layers:
+                raise PlanError(f"'{item}': " + _out_of_range(idx, num_layers, model_name))
+        repeat = int(m["k"]) if m["k"] is not None else 1
+        if repeat < 1:
+            raise PlanError(f"'{item}': a repeat count must be at least 1")
+        sub = m["sub"]
+        attention = sub in (None, "attn", "attention")
+        mlp = sub in (None, "mlp")
+        scale = 1.0
+        if m["s"] is not None:
+            try:
+                scale = float(m["s"])
+            except ValueError:
+                raise PlanError(f"'{item}': cannot read the residual scale '{m['s']}'") from None
+        layers = range(a, b + 1) if a <= b else range(a, b - 1, -1)
+        for idx in layers:
+            steps.extend(Step(idx, attention, mlp, scale) for _ in range(repeat))
+    return steps
+
+
+def _parse_skip_part(body: str, skips: dict[str, list[int]], num_layers: int, model_name: str) -> None:
+    kind_name, sep, values = body.partition("=")
+    if sep:
+        kind = _SKIP_KINDS.get(kind_name.strip().lower())
+        if kind is None:
+            raise PlanError(f"unknown skip kind '{kind_name.strip()}': use attn=, mlp= or layers=")
+    else:
+        kind, values = "layers", kind_name
+    for token in values.split(","):
+        item = token.strip()
+        m = re.fullmatch(r"(\d+)(?:-(\d+))?", item)
+        if not m:
+            raise PlanError(
+                f"cannot read '{item}' in skip:{body}: expected layer numbers or ranges like 3,5-7 "
+                f"({model_name} has layers 0–{num_layers - 1})"
+            )
+        a = int(m[1])
+        b = int(m[2]) if m[2] is not None else a
+        for idx in (a, b):
+            if idx >= num_layers:
+                raise PlanError(f"'{item}' in skip: " + _out_of_range(idx, num_layers, model_name))
+        skips[kind].extend(range(min(a, b), max(a, b) + 1))
+
+
+def _parse_int(value: str, clause: str, expected: str) -> int:
+    if not re.fullmatch(r"\d+", value):
+        raise PlanError(f"cannot read '{clause}': expected {expected}")
+    return int(value)
+
+
+def _as_layer_index(value: Any, num_layers: int, model_name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise PlanError(f"{value!r} is not a layer index ({model_name} has layers 0–{num_layers - 1})")
+    if not 0 <= value < num_layers:
+        raise PlanError(_out_of_range(value, num_layers, model_name))
+    return value
+
+
+def _out_of_range(idx: int, num_layers: int, model_name: str) -> str:
+    return f"layer {idx} is out of range: {model_name} has layers 0–{num_layers - 1}"
+
+
+def _ascending_runs(layers: Sequence[int]) -> list[tuple[int, int]]:
+    """[0,1,2,5,6,3] -> [(0,2),(5,6),(3,3)]: maximal runs of consecutive ascending layers."""
+    runs: list[tuple[int, int]] = []
+    for idx in layers:
+        if runs and idx == runs[-1][1] + 1:
+            runs[-1] = (runs[-1][0], idx)
+        else:
+            runs.append((idx, idx))
+    return runs
+
+
+def _compress(layers: Sequence[int]) -> str:
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in _ascending_runs(sorted(set(layers))))
+
+
+def _order_items(steps: Sequence[Step]) -> list[str]:
+    """Steps as order items, joining ascending runs of steps that share flags and scale."""
+    items: list[str] = []
+    run: list[Step] = []
+
+    def flush() -> None:
+        if not run:
+            return
+        first, last = run[0], run[-1]
+        text = str(first.layer) if len(run) == 1 else f"{first.layer}-{last.layer}"
+        if not (first.attention and first.mlp):
+            text += "/attn" if first.attention else "/mlp" if first.mlp else "/none"
+        if first.scale != 1.0:
+            text += f"@{first.scale!r}"
+        items.append(text)
+        run.clear()
+
+    for step in steps:
+        if run and (
+            step.layer == run[-1].layer + 1
+            and (step.attention, step.mlp, step.scale) == (run[-1].attention, run[-1].mlp, run[-1].scale)
+        ):
+            run.append(step)
+        else:
+            flush()
+            run.append(step)
+    flush()
+    return items
+
+
+def load_plan(source: str | Path, num_layers: int, model_name: str = "the model") -> LayerPlan:
+    """A plan from a string, or from a file: .json (layerplan or Draft & Verify), .yaml (mergekit),
+    or a text file holding a plan string."""
+    text = str(source)
+    path = Path(text)
+    looks_like_file = path.suffix.lower() in (".json", ".yaml", ".yml", ".txt", ".plan")
+    if looks_like_file and not path.exists():
+        raise PlanError(f"plan file not found: {path.resolve()}")
+    if looks_like_file:
+        content = path.read_text()
+        if path.suffix.lower() in (".yaml", ".yml"):
+            return LayerPlan.from_mergekit(content, num_layers, model_name)
+        if path.suffix.lower() == ".json":
+            obj = json.loads(content)
+            if isinstance(obj, list):
+                return LayerPlan.from_run_layers(obj, num_layers, model_name)
+            if obj.get("format") == "layerplan":
+                return LayerPlan.from_dict(obj, num_layers, model_name)
+            if "layer_replication" in obj:
+                return LayerPlan.from_layer_replication(obj["layer_replication"], num_layers, model_name)
+            return LayerPlan.from_draft_verify(obj, num_layers, model_name)
+        return parse_plan(content.strip(), num_layers, model_name)
+    return parse_plan(text, num_layers, model_name)

@@ -1,0 +1,182 @@
+"""The one loop that runs a layer plan over a model's own modules.
+
+    embeddings -> for each plan step: [norm -> attention -> (post-norm) -> residual add]
+                                      [norm -> MLP       -> (post-norm) -> residual add]
+               -> final norm -> LM head
+
+Prefill (many tokens), incremental decoding (one token) and verification (a few tokens) are the
+same call with a different `start_pos`. Attention modules are called as transformers calls them,
+with our RoPE, our mask and a per-step view of our KV cache.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from layerplan.cache import KVCache
+from layerplan.models import LoadedModel
+from layerplan.plan import LayerPlan
+
+# observe(step_index, sub_layer, hidden) is called before each sub-layer ("attention" / "mlp")
+Observer = Callable[[int, str, torch.Tensor], None]
+
+
+@dataclass(frozen=True)
+class Resume:
+    """Start a run mid-plan from a residual stream captured before `sub_layer` of step `step`."""
+
+    hidden: torch.Tensor  # (B, T, hidden)
+    step: int
+    sub_layer: str = "attention"  # "attention" or "mlp"
+
+
+def new_cache(plan: LayerPlan, capacity: int = 256) -> KVCache:
+    return KVCache(len(plan.steps), capacity)
+
+
+@torch.inference_mode()
+def forward(
+    model: LoadedModel,
+    input_ids: torch.Tensor,
+    plan: LayerPlan | None = None,
+    cache: KVCache | None = None,
+    start_pos: int = 0,
+    last_only: bool = False,
+) -> torch.Tensor:
+    """Logits (B, T, vocab) — or (B, 1, vocab) with last_only — for tokens at positions
+    [start_pos, start_pos+T). With a cache, earlier positions come from it and the new ones are
+    written to it."""
+    hidden = run_hidden(model, input_ids, plan, cache, start_pos)
+    return head(model, hidden[:, -1:] if last_only else hidden)
+
+
+@torch.inference_mode()
+def embed(model: LoadedModel, input_ids: torch.Tensor, start_pos: int = 0) -> torch.Tensor:
+    parts = model.parts
+    hidden = parts.embed(input_ids)  # (B, T, hidden)
+    if parts.position_embed is not None:
+        positions = torch.arange(start_pos, start_pos + input_ids.shape[1], device=input_ids.device)
+        hidden = hidden + parts.position_embed(positions)[None]
+    return hidden
+
+
+@torch.inference_mode()
+def head(model: LoadedModel, hidden: torch.Tensor) -> torch.Tensor:
+    """Final norm and LM head (and Gemma's logit soft-capping) on a residual stream."""
+    parts = model.parts
+    logits = parts.lm_head(parts.final_norm(hidden))
+    if parts.final_logit_softcapping is not None:
+        cap = parts.final_logit_softcapping
+        logits = torch.tanh(logits / cap) * cap
+    return logits
+
+
+@torch.inference_mode()
+def run_hidden(
+    model: LoadedModel,
+    input_ids: torch.Tensor | None,
+    plan: LayerPlan | None = None,
+    cache: KVCache | None = None,
+    start_pos: int = 0,
+    resume: Resume | None = None,
+    observe: Observer | None = None,
+    stop_step: int | None = None,
+) -> torch.Tensor:
+    """The residual stream after the plan's active steps (before the final norm).
+
+    resume: start from a captured residual stream instead of the embeddings (input_ids unused).
+    stop_step: run steps [.., stop_step) only (an exit that does not change the plan object).
+    """
+    plan = plan if plan is not None else model.plan()
+    parts = model.parts
+    if resume is not None:
+        hidden, first_step, first_sub = resume.hidden, resume.step, resume.sub_layer
+    else:
+        hidden, first_step, first_sub = embed(model, input_ids, start_pos), 0, "attention"
+    length = hidden.shape[1]
+    device = hidden.device
+    positions = torch.arange(start_pos, start_pos + length, device=device)[None]  # (1, T)
+    end_step = len(plan.active_steps) if stop_step is None else min(stop_step, len(plan.active_steps))
+
+    if cache is not None:
+        cache.write_pos = start_pos
+        kv_start = 0
+    else:
+        kv_start = start_pos  # without a cache, keys are this chunk's tokens only
+    kv_length = start_pos + length - kv_start
+    eager = getattr(model.hf.config, "_attn_implementation", "sdpa") == "eager"
+
+    rope: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    masks: dict[int | None, torch.Tensor | None] = {}
+
+    for index in range(first_step, end_step):
+        step = plan.steps[index]
+        layer = parts.layers[step.layer]
+        resumes_at_mlp = index == first_step and first_sub == "mlp"
+        if observe is not None and not resumes_at_mlp:
+            observe(index, "attention", hidden)
+        if step.attention and not resumes_at_mlp:
+            window = layer.sliding_window
+            if window not in masks:
+                masks[window] = _attention_mask(start_pos, length, kv_start, kv_length, window, eager, hidden.dtype, device)
+            kwargs = {}
+            if parts.rotary is not None:
+                key = layer.layer_type if parts.rope_per_layer_type else ""
+                if key not in rope:
+                    rope[key] = (
+                        parts.rotary(hidden, positions, key) if parts.rope_per_layer_type else parts.rotary(hidden, positions)
+                    )
+                kwargs["position_embeddings"] = rope[key]
+            update = layer.attention(
+                layer.attention_norm(hidden),
+                attention_mask=masks[window],
+                past_key_values=cache.views[index] if cache is not None else None,
+                **kwargs,
+            )[0]
+            if layer.attention_post_norm is not None:
+                update = layer.attention_post_norm(update)
+            hidden = hidden + update if step.scale == 1.0 else hidden + step.scale * update
+        if observe is not None:
+            observe(index, "mlp", hidden)
+        if step.mlp:
+            update = layer.mlp(layer.mlp_norm(hidden))
+            if layer.mlp_post_norm is not None:
+                update = layer.mlp_post_norm(update)
+            hidden = hidden + update if step.scale == 1.0 else hidden + step.scale * update
+    return hidden
+
+
+def _attention_mask(
+    q_start: int,
+    q_length: int,
+    kv_start: int,
+    kv_length: int,
+    window: int | None,
+    eager: bool,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> torch.Tensor | None:
+    """Causal (and sliding-window) mask, shape (1, 1, q_length, kv_length); True = may attend.
+
+    None where SDPA's defaults already say it: a single query sees every key, and a chunk that
+    starts at its keys' first position is plainly causal. Eager attention adds the mask to the
+    scores, so it gets an additive float mask and never None for several queries."""
+    last_query = q_start + q_length - 1
+    if window is not None and last_query - window < kv_start:
+        window = None  # the window reaches back past the first key: it hides nothing
+    if not eager and window is None and (q_length == 1 or (q_start == kv_start and q_length == kv_length)):
+        return None
+    if eager and q_length == 1 and window is None:
+        return None
+    q_pos = torch.arange(q_start, q_start + q_length, device=device)[:, None]
+    kv_pos = torch.arange(kv_start, kv_start + kv_length, device=device)[None, :]
+    allowed = kv_pos <= q_pos
+    if window is not None:
+        allowed &= kv_pos > q_pos - window
+    allowed = allowed[None, None]  # (1, 1, q, kv)
+    if not eager:
+        return allowed
+    return torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill(~allowed, torch.finfo(dtype).min)
