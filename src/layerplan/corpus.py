@@ -1,0 +1,38 @@
+"""Evaluation text that needs no download: Python's own documentation topics, which ship with
+every Python as `pydoc_data.topics`, plus readers for the user's own text and JSONL files."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+# A fixed selection, so every run and every machine measures on the same tokens.
+DEFAULT_TOPICS = ("assignment", "class", "function", "for", "if", "while", "try", "with", "import",
+                  "lambda", "numbers", "strings", "typesseq", "typesmapping", "exceptions", "execmodel")
+
+
+def default_corpus() -> str:
+    from pydoc_data.topics import topics
+
+    return "\n\n".join(topics[name].strip() for name in DEFAULT_TOPICS if name in topics)
+
+
+def read_texts(path: str | Path, field: str = "text") -> list[str]:
+    """A plain text file is one text; a .jsonl file gives one text per line (its `field`)."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"text file not found: {path.resolve()}")
+    if path.suffix.lower() == ".jsonl":
+        texts = []
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as error:
+                raise ValueError(f"{path}:{number}: not valid JSON ({error.msg})") from None
+            if field not in record:
+                raise ValueError(f"{path}:{number}: no '{field}' field (has {', '.join(record)})")
+            texts.append(str(record[field]))
+        return texts
+    return [path.read_text()]

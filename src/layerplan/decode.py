@@ -1,0 +1,126 @@
+"""Plain generation through a plan: prefill the prompt, then one token per step."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from layerplan.models import LoadedModel
+from layerplan.plan import LayerPlan
+from layerplan.runner import forward, new_cache
+from layerplan.sampling import SamplingParams, pick
+
+
+@dataclass
+class GenerationResult:
+    text: str  # the new text (stop string removed)
+    token_ids: list[int]  # the new tokens
+    prompt_tokens: int
+    stop_reason: str  # "eos", "stop", "length"
+    seconds: float  # decoding time, prefill included
+    prefill_seconds: float
+    plan: str
+    stats: dict = field(default_factory=dict)
+
+    @property
+    def tokens_per_second(self) -> float:
+        decode = self.seconds - self.prefill_seconds
+        return len(self.token_ids) / decode if decode > 0 else float("nan")
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "tokens_per_second": self.tokens_per_second}
+
+
+class TextStream:
+    """Tracks the decoded text of new tokens, stop strings, and streams text deltas."""
+
+    def __init__(self, tokenizer, stop: Sequence[str], on_text: Callable[[str], None] | None) -> None:
+        self.tokenizer, self.stop, self.on_text = tokenizer, tuple(s for s in stop if s), on_text
+        self.emitted = 0
+        self.text = ""
+
+    def update(self, token_ids: list[int]) -> bool:
+        """Decode the tokens so far; return True when a stop string appeared (text is cut there)."""
+        if self.tokenizer is None:
+            return False
+        text = self.tokenizer.decode(token_ids, skip_special_tokens=True)
+        hit = min((text.find(s) for s in self.stop if s in text), default=-1)
+        stopped = hit >= 0
+        if stopped:
+            text = text[:hit]
+        self.text = text
+        # hold back a possible prefix of a stop string and an incomplete UTF-8 character
+        safe = len(text) if stopped else len(text) - max((len(s) - 1 for s in self.stop), default=0)
+        if text.endswith("\ufffd"):
+            safe = min(safe, len(text) - 1)
+        if self.on_text and safe > self.emitted:
+            self.on_text(text[self.emitted : safe])
+            self.emitted = safe
+        return stopped
+
+    def finish(self) -> None:
+        if self.on_text and len(self.text) > self.emitted:
+            self.on_text(self.text[self.emitted :])
+            self.emitted = len(self.text)
+
+
+def prompt_ids(model: LoadedModel, prompt: str | torch.Tensor | Sequence[int], chat: bool = False) -> torch.Tensor:
+    if isinstance(prompt, str):
+        return model.encode(prompt, chat=chat)
+    ids = torch.as_tensor(prompt, dtype=torch.long)
+    return ids.reshape(1, -1).to(model.device)
+
+
+@torch.inference_mode()
+def generate(
+    model: LoadedModel,
+    prompt: str | torch.Tensor | Sequence[int],
+    plan: LayerPlan | None = None,
+    max_new_tokens: int = 64,
+    sampling: SamplingParams | None = None,
+    seed: int | None = None,
+    stop: Sequence[str] = (),
+    stop_at_eos: bool = True,
+    chat: bool = False,
+    on_text: Callable[[str], None] | None = None,
+) -> GenerationResult:
+    """Generate with the model run by `plan` (the full model by default)."""
+    if max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    plan = plan if plan is not None else model.plan()
+    sampling = sampling or SamplingParams()
+    generator = torch.Generator(device="cpu").manual_seed(seed) if seed is not None else None
+    ids = prompt_ids(model, prompt, chat)
+    eos = set(model.eos_token_ids) if stop_at_eos else set()
+    stream = TextStream(model.tokenizer, stop, on_text)
+
+    start = time.perf_counter()
+    cache = new_cache(plan, capacity=ids.shape[1] + max_new_tokens + 1)
+    logits = forward(model, ids, plan, cache, 0, last_only=True)[0, -1]
+    prefill = time.perf_counter() - start
+    context = ids[0].tolist()
+    new: list[int] = []
+    reason = "length"
+    while len(new) < max_new_tokens:
+        seen = torch.tensor(context, device=logits.device) if sampling.repetition_penalty != 1.0 else None
+        token = pick(logits, sampling, seen, generator)
+        new.append(token)
+        context.append(token)
+        if token in eos:
+            reason = "eos"
+            break
+        if stream.update(new):
+            reason = "stop"
+            break
+        if len(new) == max_new_tokens:
+            break
+        step = torch.tensor([[token]], device=ids.device)
+        logits = forward(model, step, plan, cache, len(context) - 1, last_only=True)[0, -1]
+    elapsed = time.perf_counter() - start
+    if reason != "stop":
+        stream.update([t for t in new if t not in eos])
+    stream.finish()
+    return GenerationResult(stream.text, new, ids.shape[1], reason, elapsed, prefill, plan.to_string())

@@ -1,0 +1,87 @@
+"""Plans as real checkpoints: copy each step's layer into a new, deeper or shallower model.
+
+The exported folder is what mergekit's passthrough merge would build from `plan.to_mergekit()`;
+transformers loads it as an ordinary model whose logits equal the in-memory plan's.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+from layerplan.models import LoadedModel, arch_spec
+from layerplan.plan import LayerPlan, PlanError
+
+
+def _layer_prefix(model: LoadedModel) -> str:
+    spec = arch_spec(model.hf.config.model_type)
+    return f"{spec.backbone}.{spec.layers}."
+
+
+def plan_state_dict(model: LoadedModel, plan: LayerPlan) -> dict[str, torch.Tensor]:
+    """The model's weights rearranged so that layer j of the result is the layer step j runs."""
+    if any(not (s.attention and s.mlp) or s.scale != 1.0 for s in plan.active_steps):
+        raise PlanError(f"only whole layers at scale 1 can be exported as a checkpoint, not '{plan.to_string()}'")
+    prefix = _layer_prefix(model)
+    source = model.hf.state_dict()
+    by_layer: dict[int, dict[str, torch.Tensor]] = {}
+    result: dict[str, torch.Tensor] = {}
+    for key, tensor in source.items():
+        if key.startswith(prefix):
+            index, rest = key[len(prefix):].split(".", 1)
+            by_layer.setdefault(int(index), {})[rest] = tensor
+        else:
+            result[key] = tensor
+    for new_index, step in enumerate(plan.active_steps):
+        for rest, tensor in by_layer[step.layer].items():
+            result[f"{prefix}{new_index}.{rest}"] = tensor.clone()  # repeats must not share storage
+    return result
+
+
+def plan_config(model: LoadedModel, plan: LayerPlan):
+    """The model's config with the plan's depth (and per-layer `layer_types` rebuilt)."""
+    config = copy.deepcopy(model.hf.config)
+    layers = [s.layer for s in plan.active_steps]
+    if hasattr(config, "n_layer") and config.model_type == "gpt2":
+        config.n_layer = len(layers)
+    else:
+        config.num_hidden_layers = len(layers)
+    if getattr(config, "layer_types", None) is not None:
+        config.layer_types = [model.hf.config.layer_types[i] for i in layers]
+    if hasattr(config, "max_window_layers") and getattr(config, "layer_types", None) is not None:
+        config.max_window_layers = len(layers)  # layer_types already says which layers slide
+    return config
+
+
+def export_checkpoint(model: LoadedModel, plan: LayerPlan, folder: str | os.PathLike) -> Path:
+    """Write the plan as a Hugging Face folder (config.json, safetensors, tokenizer), atomically."""
+    from transformers import AutoModelForCausalLM
+
+    folder = Path(folder)
+    config = plan_config(model, plan)
+    state = plan_state_dict(model, plan)
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(config, dtype=model.dtype)
+    skeleton.load_state_dict(state, strict=False, assign=True)
+    if getattr(config, "tie_word_embeddings", False):
+        skeleton.tie_weights()
+    missing = [name for name, p in skeleton.named_parameters() if p.is_meta]
+    if missing:
+        raise RuntimeError(f"export left parameters unset: {missing[:5]}")
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{folder.name}."))
+    try:
+        skeleton.save_pretrained(staging)
+        if model.tokenizer is not None:
+            model.tokenizer.save_pretrained(staging)
+        if folder.exists():
+            shutil.rmtree(folder)
+        os.replace(staging, folder)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return folder

@@ -1,0 +1,120 @@
+"""Layer-importance scan: switch off each layer, attention and MLP in turn and measure the damage.
+
+The residual stream up to the switched-off sub-layer is exactly the base plan's, so it is captured
+once and each candidate resumes from there: on average half the model is run per candidate
+(`reuse=False` recomputes from the embeddings, the naive baseline).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from layerplan.evaluate import Reference
+from layerplan.models import LoadedModel
+from layerplan.plan import LayerPlan, PlanError
+from layerplan.runner import Resume, head, run_hidden
+
+KINDS = ("attention", "mlp", "layer")
+
+
+@dataclass(frozen=True)
+class ScanItem:
+    kind: str  # "attention", "mlp" or "layer" (both)
+    step: int  # index of the plan step switched off
+    layer: int  # the decoder layer that step runs
+    perplexity: float
+    perplexity_delta: float  # perplexity minus the base plan's
+    kl: float  # mean KL(base || candidate) per token
+    top1_agreement: float
+
+
+@dataclass
+class ScanResult:
+    model: str
+    base_plan: str
+    tokens: int
+    base_perplexity: float
+    items: list[ScanItem] = field(default_factory=list)
+    seconds: float = 0.0
+    reuse: bool = True
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def item(self, kind: str, layer: int) -> ScanItem | None:
+        return next((i for i in self.items if i.kind == kind and i.layer == layer), None)
+
+    def ranked(self, kind: str, key: str = "kl") -> list[ScanItem]:
+        """Items of one kind, least harmful first."""
+        return sorted((i for i in self.items if i.kind == kind), key=lambda i: getattr(i, key))
+
+    def table(self) -> str:
+        lines = [f"{'layer':>5} {'kind':<9} {'ppl':>10} {'Δppl':>10} {'KL':>8} {'top1':>6}"]
+        for item in sorted(self.items, key=lambda i: (i.layer, KINDS.index(i.kind))):
+            lines.append(
+                f"{item.layer:>5} {item.kind:<9} {item.perplexity:>10.3f} {item.perplexity_delta:>+10.3f} "
+                f"{item.kl:>8.4f} {item.top1_agreement:>6.3f}"
+            )
+        return "\n".join(lines)
+
+
+@torch.inference_mode()
+def scan(
+    model: LoadedModel,
+    ids: torch.Tensor,
+    plan: LayerPlan | None = None,
+    kinds: Sequence[str] = KINDS,
+    reuse: bool = True,
+    on_progress: Callable[[int, int], None] | None = None,
+) -> ScanResult:
+    """Switch off each active step's attention / MLP / both and compare with the base plan on ids (B, T)."""
+    unknown = set(kinds) - set(KINDS)
+    if unknown:
+        raise ValueError(f"unknown scan kind(s) {sorted(unknown)}; choose from {', '.join(KINDS)}")
+    plan = plan if plan is not None else model.plan()
+    start = time.perf_counter()
+    captured: dict[tuple[int, str], torch.Tensor] = {}
+
+    def capture(step: int, sub_layer: str, hidden: torch.Tensor) -> None:
+        captured[(step, sub_layer)] = hidden
+
+    observe = capture if reuse else None
+    base_logits = head(model, run_hidden(model, ids, plan, observe=observe))
+    reference = Reference(base_logits, ids)
+    result = ScanResult(model.name, plan.to_string(), int(ids.numel()), reference.perplexity, reuse=reuse)
+
+    candidates = []
+    for index, step in enumerate(plan.active_steps):
+        for kind in kinds:
+            off_attention = kind in ("attention", "layer")
+            off_mlp = kind in ("mlp", "layer")
+            if (off_attention and not step.attention) or (off_mlp and not step.mlp):
+                continue  # already off in the base plan: nothing to measure
+            candidates.append((index, step.layer, kind, off_attention, off_mlp))
+
+    for done, (index, layer, kind, off_attention, off_mlp) in enumerate(candidates, 1):
+        try:
+            candidate = plan.with_step(
+                index, attention=False if off_attention else None, mlp=False if off_mlp else None
+            )
+        except PlanError:
+            continue  # switching this off would leave nothing running
+        if reuse:
+            sub_layer = "mlp" if kind == "mlp" else "attention"
+            resume = Resume(captured[(index, sub_layer)], index, sub_layer)
+            hidden = run_hidden(model, None, candidate, resume=resume)
+        else:
+            hidden = run_hidden(model, ids, candidate)
+        metrics = reference.divergence(head(model, hidden))
+        result.items.append(
+            ScanItem(kind, index, layer, metrics.perplexity, metrics.perplexity - reference.perplexity,
+                     metrics.kl, metrics.top1_agreement)
+        )
+        if on_progress:
+            on_progress(done, len(candidates))
+    result.seconds = time.perf_counter() - start
+    return result

@@ -1,0 +1,80 @@
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from layerplan.corpus import default_corpus, read_texts
+from layerplan.evaluate import Reference, compare, perplexity
+from layerplan.runner import forward
+from tiny import VOCAB, tiny_model
+
+
+def hf_sliding_perplexity(hf, ids, window, stride):
+    """transformers' doc recipe, counting each scored token exactly once."""
+    nll, count, prev_end = 0.0, 0, 0
+    for begin in range(0, ids.shape[1], stride):
+        end = min(begin + window, ids.shape[1])
+        chunk = ids[:, begin:end]
+        with torch.no_grad():
+            logits = hf(chunk).logits
+        losses = F.cross_entropy(logits[0, :-1], chunk[0, 1:], reduction="none")
+        first = max(prev_end, begin + 1) - begin - 1
+        nll += float(losses[first:].sum())
+        count += losses[first:].numel()
+        prev_end = end
+        if end == ids.shape[1]:
+            break
+    return math.exp(nll / count), count
+
+
+@pytest.mark.parametrize("window, stride, scored", [(16, 16, 34), (16, 5, 36), (40, 40, 36), (12, 1, 36)])
+def test_sliding_perplexity_matches_direct_computation(window, stride, scored):
+    model = tiny_model("llama")
+    ids = torch.randint(3, VOCAB, (1, 37), generator=torch.Generator().manual_seed(0))
+    expected, count = hf_sliding_perplexity(model.hf, ids, window, stride)
+    result = perplexity(model, ids, window=window, stride=stride)
+    assert result.tokens == count == scored  # without overlap a window's first token has no context
+    assert result.perplexity == pytest.approx(expected, rel=1e-5)
+
+
+def test_reference_divergence_matches_textbook_formulas():
+    model = tiny_model("gemma3")
+    ids = torch.randint(3, VOCAB, (2, 12), generator=torch.Generator().manual_seed(1))
+    full = forward(model, ids)
+    skipped = forward(model, ids, model.plan("skip:attn=1"))
+    d = Reference(full, ids).divergence(skipped)
+    p, q = F.log_softmax(full.double(), -1), F.log_softmax(skipped.double(), -1)
+    assert d.kl == pytest.approx(float((p.exp() * (p - q)).sum(-1).mean()), rel=1e-4)
+    assert d.top1_agreement == pytest.approx(float((full.argmax(-1) == skipped.argmax(-1)).double().mean()))
+    nll = F.cross_entropy(skipped[:, :-1].reshape(-1, VOCAB), ids[:, 1:].reshape(-1))
+    assert d.perplexity == pytest.approx(math.exp(float(nll)), rel=1e-5)
+    same = Reference(full, ids).divergence(full)
+    assert same.kl == pytest.approx(0.0, abs=1e-6) and same.top1_agreement == 1.0
+
+
+def test_compare_identity_is_perfect():
+    model = tiny_model("qwen2")
+    ids = torch.randint(3, VOCAB, (1, 10))
+    result = compare(model, ids, model.plan())
+    assert result.top1_agreement == 1.0 and result.kl < 1e-6
+
+
+def test_corpus_needs_no_download(tmp_path):
+    text = default_corpus()
+    assert len(text) > 20000
+    jsonl = tmp_path / "t.jsonl"
+    jsonl.write_text('{"text": "a"}\n\n{"text": "b"}\n')
+    assert read_texts(jsonl) == ["a", "b"]
+    (tmp_path / "bad.jsonl").write_text('{"body": "a"}\n')
+    with pytest.raises(ValueError, match="bad.jsonl:1: no 'text' field"):
+        read_texts(tmp_path / "bad.jsonl")
+    with pytest.raises(FileNotFoundError, match="text file not found"):
+        read_texts(tmp_path / "nope.txt")
+
+
+@pytest.mark.real
+def test_real_model_perplexity_agrees_with_transformers(smollm2):
+    ids = smollm2.tokenizer(default_corpus(), return_tensors="pt").input_ids[:, :300]
+    expected, _ = hf_sliding_perplexity(smollm2.hf, ids, 128, 64)
+    assert perplexity(smollm2, ids, window=128, stride=64).perplexity == pytest.approx(expected, rel=1e-5)

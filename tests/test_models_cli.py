@@ -1,0 +1,61 @@
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from layerplan.cli import main
+from layerplan.models import ModelError, load_model, model_depth
+
+
+def test_missing_model_says_what_was_looked_for(tmp_path):
+    with pytest.raises(ModelError, match="no model at .*looked for a folder with config.json"):
+        load_model(tmp_path / "nothing")
+
+
+def test_hf_folder_round_trip(tmp_path):
+    from tiny import tiny_hf
+
+    hf = tiny_hf("qwen2")
+    hf.save_pretrained(tmp_path / "m")
+    assert model_depth(tmp_path / "m") == (3, "m")
+
+
+def test_cli_plan_conversions_and_errors():
+    runner = CliRunner()
+    result = runner.invoke(main, ["plan", "0-7,4-11", "--layers", "12", "--to", "layer-replication"])
+    assert result.exit_code == 0 and json.loads(result.output) == [[0, 8], [4, 12]]
+    result = runner.invoke(main, ["plan", "skip:attn=1;mlp=2", "--layers", "4", "--to", "run-layers"])
+    assert json.loads(result.output) == [3, 2, 1, 3]
+    result = runner.invoke(main, ["plan", "0-12", "--layers", "12"])
+    assert result.exit_code == 1
+    assert "layer 12 is out of range: the model has layers 0–11" in result.output
+
+
+@pytest.mark.real
+def test_cli_plan_against_default_model_names_it():
+    result = CliRunner().invoke(main, ["plan", "0-31"])
+    assert result.exit_code == 1
+    assert "layer 31 is out of range: SmolLM2-135M-Instruct has layers 0–29" in result.output
+
+
+@pytest.mark.real
+def test_cli_scan_writes_json_and_png(tmp_path):
+    result = CliRunner().invoke(main, ["scan", "--tokens", "64", "--kinds", "attention", "--dtype", "bfloat16",
+                                       "--out", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    data = json.loads((tmp_path / "scan.json").read_text())
+    assert len(data["items"]) == 30 and data["tokens"] == 64
+    assert (tmp_path / "scan.png").read_bytes()[:4] == b"\x89PNG"
+    assert "least harmful to skip" in result.output
+
+
+@pytest.mark.real
+def test_cli_generate_and_ppl():
+    runner = CliRunner()
+    result = runner.invoke(main, ["generate", "Write a Python function that adds two numbers.", "--chat",
+                                  "-n", "30", "--no-stream"])
+    assert result.exit_code == 0 and "def " in result.output
+    result = runner.invoke(main, ["ppl", "--plan", "skip:attn=20", "--window", "128", "--stride", "128"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.output[result.output.index("{"):])
+    assert report["perplexity"] > 1 and 0 < report["vs_full_model"]["top1_agreement"] < 1

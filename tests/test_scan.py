@@ -1,0 +1,42 @@
+import pytest
+import torch
+
+from layerplan.evaluate import Reference
+from layerplan.report import scan_heatmap
+from layerplan.runner import forward
+from layerplan.scan import scan
+from tiny import VOCAB, tiny_model
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3", "gpt2"])
+def test_reuse_gives_the_same_numbers_as_recomputing(arch):
+    model = tiny_model(arch, num_layers=4)
+    ids = torch.randint(3, VOCAB, (2, 16), generator=torch.Generator().manual_seed(0))
+    fast, naive = scan(model, ids), scan(model, ids, reuse=False)
+    assert len(fast.items) == 12
+    for a, b in zip(fast.items, naive.items):
+        assert (a.kind, a.layer) == (b.kind, b.layer)
+        assert a.kl == pytest.approx(b.kl, rel=1e-5, abs=1e-7)
+        assert a.perplexity == pytest.approx(b.perplexity, rel=1e-5)
+
+
+def test_scan_item_equals_direct_evaluation_of_the_skip_plan():
+    model = tiny_model("qwen3", num_layers=3)
+    ids = torch.randint(3, VOCAB, (1, 20), generator=torch.Generator().manual_seed(1))
+    result = scan(model, ids)
+    expected = Reference(forward(model, ids), ids).divergence(forward(model, ids, model.plan("skip:mlp=1")))
+    item = result.item("mlp", 1)
+    assert item.kl == pytest.approx(expected.kl, rel=1e-5)
+    assert item.top1_agreement == expected.top1_agreement
+
+
+def test_scan_of_a_partial_plan_skips_what_is_already_off(tmp_path):
+    model = tiny_model("llama", num_layers=3)
+    ids = torch.randint(3, VOCAB, (1, 12))
+    result = scan(model, ids, model.plan("skip:attn=1"), kinds=["attention", "mlp"])
+    assert result.item("attention", 1) is None
+    assert result.item("mlp", 1) is not None
+    png = scan_heatmap(result, tmp_path / "scan.png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    with pytest.raises(ValueError, match="unknown scan kind"):
+        scan(model, ids, kinds=["heads"])
