@@ -79,35 +79,41 @@ def _time_layerplan(model: LoadedModel, ids: torch.Tensor, new_tokens: int) -> t
 
 def bench_plain(
     model: LoadedModel,
+    packed: LoadedModel | None = None,
     prompts: dict[str, str] | None = None,
     new_tokens: int = 64,
     repeats: int = 3,
     on_progress: Callable[[int, int], None] | None = None,
 ) -> BenchResult:
-    """Plain greedy decoding: layerplan's loop against transformers' generate, same model object,
-    same prompt, dtype and threads. Times are whole calls (prefill included) per token produced;
-    both stop at EOS."""
+    """Plain greedy decoding, same prompt, dtype and threads: transformers' generate and
+    layerplan's loop on the stock model, and layerplan on `packed` (the same weights with bf16
+    linears prepacked, as `load_model` does by default on CPU). Times are whole calls (prefill
+    included) per token produced; all stop at EOS."""
     prompts = prompts or PROMPTS
     result = BenchResult(model.name, str(model.dtype).replace("torch.", ""), torch.get_num_threads(), new_tokens, repeats)
-    methods: Sequence[tuple[str, Callable]] = (("transformers generate", _time_transformers),
-                                               ("layerplan plain", _time_layerplan))
+    methods: list[tuple[str, Callable, LoadedModel]] = [
+        ("transformers generate", _time_transformers, model),
+        ("layerplan, unpacked", _time_layerplan, model),
+    ]
+    if packed is not None:
+        methods.append(("layerplan", _time_layerplan, packed))
     total, done = len(prompts) * repeats * len(methods), 0
     for label, prompt in prompts.items():
         ids = model.encode(prompt, chat=label == "chat")
-        _time_layerplan(model, ids, 4)  # warm-up: first calls allocate
-        _time_transformers(model, ids, 4)
-        samples: dict[str, list[float]] = {name: [] for name, _ in methods}
+        for _, run, target in methods:
+            run(target, ids, 4)  # warm-up: first calls allocate
+        samples: dict[str, list[float]] = {name: [] for name, _, _ in methods}
         outputs: dict[str, list[int]] = {}
         for _ in range(repeats):
-            for name, run in methods:
-                seconds, tokens = run(model, ids, new_tokens)
+            for name, run, target in methods:
+                seconds, tokens = run(target, ids, new_tokens)
                 samples[name].append(1000 * seconds / max(len(tokens), 1))
                 outputs[name] = tokens
                 done += 1
                 if on_progress:
                     on_progress(done, total)
         reference = statistics.median(samples["transformers generate"])
-        for name, _ in methods:
+        for name, _, _ in methods:
             ms = statistics.median(samples[name])
             result.rows.append(BenchRow(name, label, ms, 1000 / ms, reference / ms,
                                         outputs[name] == outputs["transformers generate"], samples[name]))

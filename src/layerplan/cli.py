@@ -238,15 +238,16 @@ def plan_command(plan, model, layers, fmt, out) -> None:
 @main.command()
 @model_option
 @click.option("--dtype", default="bfloat16", show_default=True, type=click.Choice(["float32", "bfloat16", "float16"]))
-@device_option
 @threads_option
 @click.option("--new-tokens", default=64, show_default=True)
 @click.option("--repeats", default=3, show_default=True)
 @click.option("--prompt", "prompt_names", multiple=True, help="built-in prompt(s) to use: code, chat, summary, continuation")
 @click.option("--out", type=click.Path(dir_okay=False), default="runs/bench.json", show_default=True)
-def bench(model, dtype, device, threads, new_tokens, repeats, prompt_names, out) -> None:
-    """Time layerplan's greedy decoding against transformers' generate, in the same run."""
+def bench(model, dtype, threads, new_tokens, repeats, prompt_names, out) -> None:
+    """Time layerplan's greedy decoding against transformers' generate, in the same run (CPU)."""
     from layerplan.bench import PROMPTS, bench_plain
+    from layerplan.cpu_pack import packing_supported
+    from layerplan.models import load_model
 
     _threads(threads)
     with _user_errors():
@@ -254,13 +255,16 @@ def bench(model, dtype, device, threads, new_tokens, repeats, prompt_names, out)
         if unknown:
             raise ValueError(f"unknown prompt(s) {sorted(unknown)}; built-in: {', '.join(PROMPTS)}")
         prompts = {k: PROMPTS[k] for k in prompt_names} if prompt_names else PROMPTS
-        loaded = _load(model, dtype, device)
+        click.echo(f"loading {model} ({dtype}) twice: stock, and with packed linears…", err=True)
+        stock = load_model(model, dtype=dtype, pack=False)
+        packed = load_model(model, dtype=dtype, pack=True) if packing_supported(stock.dtype, "cpu") else None
         progress = _Progress("bench")
         try:
-            result = bench_plain(loaded, prompts, new_tokens, repeats, on_progress=progress)
+            result = bench_plain(stock, packed, prompts, new_tokens, repeats, on_progress=progress)
         finally:
             progress.close()
-    click.echo(f"{result.model}, {result.dtype}, {result.threads} threads, {new_tokens} new tokens, median of {repeats}")
+    click.echo(f"{result.model}, {result.dtype}, {result.threads} threads, up to {new_tokens} new tokens, "
+               f"median of {repeats}; 'vs HF' = transformers ms/token ÷ this row's")
     click.echo(result.table())
     write_json_atomic(out, result.to_dict())
     click.echo(f"wrote {out}")

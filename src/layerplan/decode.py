@@ -74,6 +74,41 @@ def prompt_ids(model: LoadedModel, prompt: str | torch.Tensor | Sequence[int], c
     return ids.reshape(1, -1).to(model.device)
 
 
+class Emitter:
+    """Collects emitted tokens and decides when to stop: EOS, a stop string, or the budget."""
+
+    def __init__(self, model: LoadedModel, max_new_tokens: int, stop: Sequence[str], stop_at_eos: bool,
+                 on_text: Callable[[str], None] | None) -> None:
+        self.max_new_tokens = max_new_tokens
+        self.eos = set(model.eos_token_ids) if stop_at_eos else set()
+        self.stream = TextStream(model.tokenizer, stop, on_text)
+        self.tokens: list[int] = []
+        self.reason: str | None = None if max_new_tokens > 0 else "length"
+
+    @property
+    def done(self) -> bool:
+        return self.reason is not None
+
+    def emit(self, tokens: Sequence[int]) -> None:
+        """Append tokens in order until one of them ends the generation."""
+        for token in tokens:
+            if self.done:
+                return
+            self.tokens.append(token)
+            if token in self.eos:
+                self.reason = "eos"
+            elif self.stream.update(self.tokens):
+                self.reason = "stop"
+            elif len(self.tokens) >= self.max_new_tokens:
+                self.reason = "length"
+
+    def finish(self) -> str:
+        if self.reason != "stop":
+            self.stream.update([t for t in self.tokens if t not in self.eos])
+        self.stream.finish()
+        return self.stream.text
+
+
 @torch.inference_mode()
 def generate(
     model: LoadedModel,
@@ -86,41 +121,39 @@ def generate(
     stop_at_eos: bool = True,
     chat: bool = False,
     on_text: Callable[[str], None] | None = None,
+    draft=None,
+    draft_length=None,
 ) -> GenerationResult:
-    """Generate with the model run by `plan` (the full model by default)."""
+    """Generate with the model run by `plan` (the full model by default).
+
+    draft: a drafter (or its name, e.g. "ngram", "exit:8", "skip:attn=3,5") makes this lossless
+    speculative decoding: same greedy output, same sampling distribution (see speculative.py)."""
     if max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    if draft is not None:
+        from layerplan.speculative import speculative_generate
+
+        return speculative_generate(model, prompt, draft, plan, max_new_tokens, sampling, seed, stop,
+                                    stop_at_eos, chat, on_text, draft_length)
     plan = plan if plan is not None else model.plan()
     sampling = sampling or SamplingParams()
     generator = torch.Generator(device="cpu").manual_seed(seed) if seed is not None else None
     ids = prompt_ids(model, prompt, chat)
-    eos = set(model.eos_token_ids) if stop_at_eos else set()
-    stream = TextStream(model.tokenizer, stop, on_text)
+    out = Emitter(model, max_new_tokens, stop, stop_at_eos, on_text)
 
     start = time.perf_counter()
     cache = new_cache(plan, capacity=ids.shape[1] + max_new_tokens + 1)
     logits = forward(model, ids, plan, cache, 0, last_only=True)[0, -1]
     prefill = time.perf_counter() - start
     context = ids[0].tolist()
-    new: list[int] = []
-    reason = "length"
-    while len(new) < max_new_tokens:
+    while not out.done:
         seen = torch.tensor(context, device=logits.device) if sampling.repetition_penalty != 1.0 else None
         token = pick(logits, sampling, seen, generator)
-        new.append(token)
         context.append(token)
-        if token in eos:
-            reason = "eos"
-            break
-        if stream.update(new):
-            reason = "stop"
-            break
-        if len(new) == max_new_tokens:
-            break
-        step = torch.tensor([[token]], device=ids.device)
-        logits = forward(model, step, plan, cache, len(context) - 1, last_only=True)[0, -1]
+        out.emit([token])
+        if not out.done:
+            step = torch.tensor([[token]], device=ids.device)
+            logits = forward(model, step, plan, cache, len(context) - 1, last_only=True)[0, -1]
     elapsed = time.perf_counter() - start
-    if reason != "stop":
-        stream.update([t for t in new if t not in eos])
-    stream.finish()
-    return GenerationResult(stream.text, new, ids.shape[1], reason, elapsed, prefill, plan.to_string())
+    text = out.finish()
+    return GenerationResult(text, out.tokens, ids.shape[1], out.reason, elapsed, prefill, plan.to_string())

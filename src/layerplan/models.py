@@ -336,8 +336,12 @@ def load_model(
     source: str | os.PathLike | None = None,
     dtype: str | torch.dtype = "float32",
     device: str | torch.device = "cpu",
+    pack: bool | None = None,
 ) -> LoadedModel:
-    """Load a HF folder, a GGUF file or the packaged default ('smollm2') for plan-driven runs."""
+    """Load a HF folder, a GGUF file or the packaged default ('smollm2') for plan-driven runs.
+
+    pack: prepack bf16 linears for oneDNN (see cpu_pack); None = when dtype is bf16 on a CPU
+    that supports it."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     folder, name, origin = _resolve(source)
@@ -348,6 +352,12 @@ def load_model(
     arch_spec("gemma3_text" if model_type == "gemma3" else model_type)  # fail before loading weights
     hf = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation="sdpa")
     hf.to(device).eval()
+    from layerplan.cpu_pack import pack_linears, packing_supported
+
+    if pack or (pack is None and packing_supported(dtype, device)):
+        if not packing_supported(dtype, device):
+            raise ModelError(f"weight packing needs bfloat16 on a CPU with oneDNN bf16 support, not {dtype} on {device}")
+        pack_linears(hf)
     tokenizer = AutoTokenizer.from_pretrained(folder)
     return LoadedModel(name=name, hf=hf, tokenizer=tokenizer, source=origin)
 

@@ -1,0 +1,69 @@
+"""The speculative acceptance rule (Leviathan et al. 2023; Chen et al. 2023), as a pure function.
+
+Vocabulary (as in vLLM's rejection sampler): each drafted token is **accepted** or rejected; at
+the first rejection the target's correction is the **recovered** token, drawn from the residual
+norm(max(0, p − q)); when every draft is accepted, one **bonus** token is drawn from the target's
+next distribution. Either way a round emits accepted + 1 tokens, and the emitted sequence has
+exactly the target's distribution.
+
+Greedy decoding is the same rule on one-hot distributions: a draft is accepted iff it is the
+target's argmax, and the recovered / bonus token is the argmax. A drafter that proposes tokens
+without a distribution (n-gram lookup) counts as q = one-hot on its proposal, which is still exact.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Verdict:
+    accepted: int  # how many drafted tokens were accepted (a prefix of the draft)
+    next_token: int  # the recovered token (after a rejection) or the bonus token (all accepted)
+    bonus: bool  # True when every drafted token was accepted
+
+    def emitted(self, draft: list[int]) -> list[int]:
+        return draft[: self.accepted] + [self.next_token]
+
+
+def accept_draft(
+    draft: list[int],
+    target_probs: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    generator: torch.Generator | None = None,
+) -> Verdict:
+    """draft: γ proposed tokens. target_probs: (γ+1, V), p_i = the target's distribution for the
+    position of draft[i] (the last row is for the bonus). draft_probs: (γ, V) q_i the proposals
+    were drawn from, after the same logits processing as p; None means deterministic proposals."""
+    gamma = len(draft)
+    if target_probs.shape[0] != gamma + 1:
+        raise ValueError(f"need {gamma + 1} target distributions for {gamma} drafted tokens, got {target_probs.shape[0]}")
+    for i, token in enumerate(draft):
+        p = target_probs[i]
+        q_token = 1.0 if draft_probs is None else float(draft_probs[i, token])
+        p_token = float(p[token])
+        if q_token > 0 and p_token >= q_token:
+            continue  # min(1, p/q) = 1: accepted without drawing
+        u = float(torch.rand((), generator=generator))
+        if q_token > 0 and u * q_token < p_token:
+            continue  # accepted with probability p/q
+        if draft_probs is None:
+            residual = p.clone()
+            residual[token] = 0.0
+        else:
+            residual = (p - draft_probs[i]).clamp_min(0.0)
+        return Verdict(i, _draw(residual, generator), bonus=False)
+    return Verdict(gamma, _draw(target_probs[gamma], generator), bonus=True)
+
+
+def _draw(weights: torch.Tensor, generator: torch.Generator | None) -> int:
+    """A token from unnormalised weights; argmax when they are one-hot (greedy: no randomness used)."""
+    total = float(weights.sum())
+    if total <= 0:
+        raise ValueError("the residual distribution is empty: target and draft distributions are inconsistent")
+    top = int(weights.argmax())
+    if float(weights[top]) == total:
+        return top
+    return int(torch.multinomial(weights / total, 1, generator=generator))

@@ -1,0 +1,248 @@
+"""Lossless speculative decoding: draft a few tokens cheaply, verify them in one target pass.
+
+Per round (the pending token is chosen but not yet run through the target):
+
+    draft   : the drafter proposes up to γ tokens d1..dγ (self-drafts write their own KV slots)
+    verify  : the target runs [pending, d1..dγ] at once → p0..pγ (and writes every slot)
+    accept  : accept_draft keeps d1..dn and adds a recovered or bonus token
+    rollback: the cache is cropped to the verified prefix; the new token becomes pending
+
+The prompt always goes through the full target (skipping layers on it ruins acceptance). Greedy
+output equals plain greedy output token for token; sampled output has the target's distribution.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from layerplan.acceptance import accept_draft
+from layerplan.decode import Emitter, GenerationResult, prompt_ids
+from layerplan.drafters import DraftState, Drafter, make_drafter
+from layerplan.models import LoadedModel
+from layerplan.plan import LayerPlan
+from layerplan.runner import forward, new_cache
+from layerplan.sampling import SamplingParams, next_token_probs, pick
+
+
+@dataclass
+class SpeculativeStats:
+    drafter: str
+    rounds: int = 0  # target passes after the prefill
+    drafted: int = 0
+    accepted: int = 0
+    emitted: int = 0  # tokens produced by the rounds (accepted + recovered/bonus)
+    plain_rounds: int = 0  # rounds with nothing drafted (a plain decoding step)
+    draft_seconds: float = 0.0
+    verify_seconds: float = 0.0
+    drafted_at: list[int] = field(default_factory=list)  # per draft position: times drafted
+    accepted_at: list[int] = field(default_factory=list)  # per draft position: times accepted
+    gamma_history: list[int] = field(default_factory=list)
+
+    @property
+    def acceptance_rate(self) -> float:
+        """accepted / drafted."""
+        return self.accepted / self.drafted if self.drafted else float("nan")
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens emitted per target pass (1.0 is plain decoding)."""
+        return self.emitted / self.rounds if self.rounds else float("nan")
+
+    def record(self, gamma: int, drafted: int, accepted: int, emitted: int, draft_s: float, verify_s: float) -> None:
+        self.rounds += 1
+        self.drafted += drafted
+        self.accepted += accepted
+        self.emitted += emitted
+        self.plain_rounds += drafted == 0
+        self.draft_seconds += draft_s
+        self.verify_seconds += verify_s
+        self.gamma_history.append(gamma)
+        while len(self.drafted_at) < drafted:
+            self.drafted_at.append(0)
+            self.accepted_at.append(0)
+        for i in range(drafted):
+            self.drafted_at[i] += 1
+            self.accepted_at[i] += i < accepted
+
+    def to_dict(self) -> dict:
+        data = asdict(self)
+        data.pop("gamma_history")
+        data["acceptance_rate"] = self.acceptance_rate
+        data["mean_accepted_length"] = self.mean_accepted_length
+        data["per_position_acceptance"] = [a / d if d else None for a, d in zip(self.accepted_at, self.drafted_at)]
+        data["mean_gamma"] = sum(self.gamma_history) / len(self.gamma_history) if self.gamma_history else 0.0
+        return data
+
+
+# ----- draft length -------------------------------------------------------------------------
+class FixedLength:
+    """Always draft γ tokens."""
+
+    def __init__(self, gamma: int = 4) -> None:
+        self.gamma = gamma
+
+    def next_gamma(self) -> int:
+        return self.gamma
+
+    def update(self, gamma: int, drafted: int, accepted: int, draft_s: float, verify_s: float) -> None:
+        pass
+
+
+class HeuristicLength(FixedLength):
+    """transformers' schedule: +2 after a fully accepted round, −1 otherwise (at least 1)."""
+
+    def __init__(self, gamma: int = 4, max_gamma: int = 16) -> None:
+        super().__init__(gamma)
+        self.max_gamma = max_gamma
+
+    def update(self, gamma: int, drafted: int, accepted: int, draft_s: float, verify_s: float) -> None:
+        if drafted:
+            self.gamma = min(self.max_gamma, self.gamma + 2) if accepted == drafted else max(1, self.gamma - 1)
+
+
+def expected_speedup(alpha: float, gamma: int, draft_cost: float, verify_cost: float = 1.0) -> float:
+    """Leviathan et al.: tokens per round / cost per round, in units of one plain target step.
+    alpha: per-token acceptance; draft_cost: one draft step; verify_cost: one verify pass."""
+    if gamma == 0:
+        return 1.0
+    tokens = gamma + 1 if alpha >= 1.0 else (1 - alpha ** (gamma + 1)) / (1 - alpha)
+    return tokens / (gamma * draft_cost + verify_cost)
+
+
+class AdaptiveLength:
+    """Picks γ ∈ 0..max_gamma maximising the expected speedup from measured acceptance and costs;
+    γ = 0 (plain decoding) when no γ is expected to beat plain. While plain, it probes again
+    every `probe_every` rounds so that a drafter that starts to pay is noticed.
+
+    Costs are measured in the same run: a plain round times one target step; a drafting round
+    times its draft steps and its verify pass."""
+
+    def __init__(self, max_gamma: int = 8, probe_every: int = 16, smoothing: float = 0.3) -> None:
+        self.max_gamma, self.probe_every, self.smoothing = max_gamma, probe_every, smoothing
+        self.alpha = 0.5  # per-token acceptance estimate (start optimistic enough to try)
+        self.plain_step: float | None = None  # seconds of one plain target step
+        self.draft_step: float | None = None  # seconds of one draft step
+        self.verify_extra: float = 0.0  # verify pass seconds beyond one plain step, per drafted token
+        self.since_probe = 0
+        self.gamma = min(4, max_gamma)
+
+    def _ema(self, old: float | None, new: float) -> float:
+        return new if old is None else (1 - self.smoothing) * old + self.smoothing * new
+
+    def next_gamma(self) -> int:
+        if self.plain_step is None:
+            return 0  # measure a plain step first
+        if self.draft_step is None:
+            return self.gamma  # and one drafting round
+        draft_cost = self.draft_step / self.plain_step
+        best, best_s = 0, 1.0
+        for gamma in range(1, self.max_gamma + 1):
+            s = expected_speedup(self.alpha, gamma, draft_cost, 1.0 + gamma * self.verify_extra / self.plain_step)
+            if s > best_s:
+                best, best_s = gamma, s
+        if best == 0:
+            self.since_probe += 1
+            if self.since_probe >= self.probe_every:
+                self.since_probe = 0
+                return 1  # probe: acceptance may have changed with the text
+        return best
+
+    def update(self, gamma: int, drafted: int, accepted: int, draft_s: float, verify_s: float) -> None:
+        if drafted == 0:
+            self.plain_step = self._ema(self.plain_step, verify_s)
+            return
+        self.draft_step = self._ema(self.draft_step, draft_s / max(gamma, 1))
+        if self.plain_step is not None:
+            self.verify_extra = max(0.0, self._ema(self.verify_extra, (verify_s - self.plain_step) / drafted))
+        # per-token acceptance from this round: accepted of drafted, with a partial-round estimate
+        observed = accepted / drafted if accepted < drafted else 1.0 - 0.5 / (drafted + 1)
+        self.alpha = min(0.99, self._ema(self.alpha, observed))
+
+
+DRAFT_LENGTHS = {"fixed": FixedLength, "heuristic": HeuristicLength, "adaptive": AdaptiveLength}
+
+
+def make_draft_length(spec: str | object | None, gamma: int = 4):
+    """'fixed' (γ), 'heuristic', 'adaptive' (default), or a policy object."""
+    if spec is None:
+        spec = "adaptive"
+    if not isinstance(spec, str):
+        return spec
+    if spec not in DRAFT_LENGTHS:
+        raise ValueError(f"unknown draft length policy '{spec}'; choose from {', '.join(DRAFT_LENGTHS)}")
+    if spec == "adaptive":
+        return AdaptiveLength(max_gamma=max(gamma, 1) * 2)
+    return DRAFT_LENGTHS[spec](gamma)
+
+
+# ----- the loop -----------------------------------------------------------------------------
+@torch.inference_mode()
+def speculative_generate(
+    model: LoadedModel,
+    prompt: str | torch.Tensor | Sequence[int],
+    drafter: Drafter | str,
+    plan: LayerPlan | None = None,
+    max_new_tokens: int = 64,
+    sampling: SamplingParams | None = None,
+    seed: int | None = None,
+    stop: Sequence[str] = (),
+    stop_at_eos: bool = True,
+    chat: bool = False,
+    on_text: Callable[[str], None] | None = None,
+    draft_length=None,
+) -> GenerationResult:
+    target = plan if plan is not None else model.plan()
+    drafter = make_drafter(drafter, model, target)
+    lengths = make_draft_length(draft_length)
+    sampling = sampling or SamplingParams()
+    generator = torch.Generator(device="cpu").manual_seed(seed) if seed is not None else None
+    ids = prompt_ids(model, prompt, chat)
+    out = Emitter(model, max_new_tokens, stop, stop_at_eos, on_text)
+    stats = SpeculativeStats(drafter.name)
+
+    start = time.perf_counter()
+    max_gamma = getattr(lengths, "max_gamma", getattr(lengths, "gamma", 8))
+    cache = new_cache(target, capacity=ids.shape[1] + max_new_tokens + max_gamma + 2)
+    logits = forward(model, ids, target, cache, 0, last_only=True)[0, -1]  # the full target, always
+    prefill = time.perf_counter() - start
+    context = ids[0].tolist()
+    token = pick(logits, sampling, _seen(context, sampling, logits.device), generator)
+    context.append(token)  # pending: chosen, not yet in the cache
+    out.emit([token])
+
+    while not out.done:
+        gamma = min(lengths.next_gamma(), max_new_tokens - len(out.tokens) - 1)
+        t0 = time.perf_counter()
+        state = DraftState(model, target, cache, context, sampling, generator)
+        proposal = drafter.propose(state, gamma) if gamma > 0 else None
+        draft = proposal.tokens[:gamma] if proposal else []
+        t1 = time.perf_counter()
+        position = len(context) - 1  # of the pending token
+        verify_ids = torch.tensor([context[-1:] + draft], device=ids.device)
+        target_logits = forward(model, verify_ids, target, cache, position)[0]  # (γ+1, V)
+        target_probs = torch.stack([
+            next_token_probs(target_logits[i], sampling, _seen(context + draft[:i], sampling, target_logits.device))
+            for i in range(len(draft) + 1)
+        ])
+        draft_probs = proposal.probs[: len(draft)] if proposal is not None and proposal.probs is not None else None
+        verdict = accept_draft(draft, target_probs, draft_probs, generator)
+        cache.crop(position + 1 + verdict.accepted)  # keep the pending token and the accepted drafts
+        t2 = time.perf_counter()
+        emitted = verdict.emitted(draft)
+        context.extend(emitted)  # the last one is the new pending token
+        out.emit(emitted)
+        stats.record(gamma, len(draft), verdict.accepted, len(emitted), t1 - t0, t2 - t1)
+        lengths.update(gamma, len(draft), verdict.accepted, t1 - t0, t2 - t1)
+    elapsed = time.perf_counter() - start
+    text = out.finish()
+    return GenerationResult(text, out.tokens, ids.shape[1], out.reason, elapsed, prefill, target.to_string(),
+                            stats=stats.to_dict())
+
+
+def _seen(context: list[int], sampling: SamplingParams, device) -> torch.Tensor | None:
+    return torch.tensor(context, device=device) if sampling.repetition_penalty != 1.0 else None
+
