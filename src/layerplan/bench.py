@@ -1,14 +1,15 @@
-"""Benchmarks that time layerplan against a peer in the same run and report ratios.
+"""Benchmarks that time layerplan against peers in the same run and report ratios.
 
-Runs are interleaved (A, B, A, B, ...) so that drift in machine speed hits both sides alike, and
-each figure is the median over repeats.
+Methods run interleaved (A, B, C, A, B, C, ...) so that drift in machine speed hits all alike;
+each figure is the median over repeats. Times are whole calls (prefill included) per token
+produced; every method stops at EOS or after `new_tokens`.
 """
 
 from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -18,7 +19,11 @@ from layerplan.models import LoadedModel
 
 # Small prompts of different kinds; the continuation is what gets timed.
 PROMPTS = {
-    "code": 'def binary_search(items, target):\n    """Return the index of target in the sorted list items, or -1."""\n',
+    "code": (
+        "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n"
+        "        self.items.append(item)\n\n    def pop(self):\n        return self.items.pop()\n\n"
+        "class Queue:\n    def __init__(self):\n"
+    ),
     "chat": "What are three good habits for writing readable Python code?",
     "summary": (
         "Summarise in one sentence: The Python standard library is very extensive, offering a wide "
@@ -28,16 +33,23 @@ PROMPTS = {
     ),
     "continuation": "The history of the printing press begins in",
 }
+CHAT_PROMPTS = {"chat", "summary"}
+
+# run(ids, new_tokens) -> (seconds, tokens, speculative stats or None)
+Runner = Callable[[torch.Tensor, int], tuple[float, list[int], dict | None]]
 
 
 @dataclass
 class BenchRow:
     method: str
     prompt: str
-    ms_per_token: float  # median over repeats, decode only where the method reports it
+    ms_per_token: float  # median over repeats
     tokens_per_second: float
-    speedup: float  # transformers' ms/token divided by this row's (>1 is faster)
-    identical: bool  # same tokens as transformers' greedy output
+    speedup: float  # transformers' plain ms/token divided by this row's (>1 is faster)
+    same_as_plain: bool  # same tokens as layerplan's plain greedy decoding of this prompt
+    tokens: int
+    acceptance_rate: float | None = None
+    mean_accepted_length: float | None = None
     samples_ms: list[float] = field(default_factory=list)
 
 
@@ -54,67 +66,102 @@ class BenchResult:
         return asdict(self)
 
     def table(self) -> str:
-        lines = [f"{'prompt':<13} {'method':<26} {'ms/token':>9} {'tok/s':>7} {'vs HF':>7} {'same':>5}"]
+        lines = [f"{'prompt':<13} {'method':<34} {'ms/tok':>7} {'tok/s':>6} {'vs HF':>6} {'=plain':>6} {'accept':>6} {'tok/pass':>8}"]
         for row in self.rows:
+            acc = f"{row.acceptance_rate:.2f}" if row.acceptance_rate is not None and row.acceptance_rate == row.acceptance_rate else "-"
+            mal = f"{row.mean_accepted_length:.2f}" if row.mean_accepted_length is not None else "-"
             lines.append(
-                f"{row.prompt:<13} {row.method:<26} {row.ms_per_token:>9.2f} {row.tokens_per_second:>7.1f} "
-                f"{row.speedup:>6.2f}x {'yes' if row.identical else 'NO':>5}"
+                f"{row.prompt:<13} {row.method:<34} {row.ms_per_token:>7.1f} {row.tokens_per_second:>6.1f} "
+                f"{row.speedup:>5.2f}x {'yes' if row.same_as_plain else 'NO':>6} {acc:>6} {mal:>8}"
             )
         return "\n".join(lines)
 
 
-def _time_transformers(model: LoadedModel, ids: torch.Tensor, new_tokens: int) -> tuple[float, list[int]]:
-    with torch.inference_mode():
-        start = time.perf_counter()
-        out = model.hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, do_sample=False,
-                                pad_token_id=model.eos_token_ids[0] if model.eos_token_ids else 0)
-        elapsed = time.perf_counter() - start
-    return elapsed, out[0, ids.shape[1]:].tolist()
+def transformers_runner(model: LoadedModel, **options) -> Runner:
+    """transformers' own generate (greedy), with extra options such as assistant_early_exit=4
+    or prompt_lookup_num_tokens=10."""
+    pad = model.eos_token_ids[0] if model.eos_token_ids else 0
+
+    def run(ids: torch.Tensor, new_tokens: int):
+        with torch.inference_mode():
+            start = time.perf_counter()
+            out = model.hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                                    do_sample=False, pad_token_id=pad, **options)
+            elapsed = time.perf_counter() - start
+        return elapsed, out[0, ids.shape[1]:].tolist(), None
+
+    return run
 
 
-def _time_layerplan(model: LoadedModel, ids: torch.Tensor, new_tokens: int) -> tuple[float, list[int]]:
-    result = generate(model, ids, max_new_tokens=new_tokens)  # stops at EOS, as generate does
-    return result.seconds, result.token_ids
+def layerplan_runner(model: LoadedModel, draft=None, draft_length=None) -> Runner:
+    def run(ids: torch.Tensor, new_tokens: int):
+        result = generate(model, ids, max_new_tokens=new_tokens, draft=draft, draft_length=draft_length)
+        return result.seconds, result.token_ids, result.stats or None
+
+    return run
 
 
-def bench_plain(
+def run_bench(
     model: LoadedModel,
-    packed: LoadedModel | None = None,
-    prompts: dict[str, str] | None = None,
+    methods: dict[str, Runner],
+    prompts: dict[str, str],
     new_tokens: int = 64,
     repeats: int = 3,
+    reference: str = "transformers generate",
+    plain: str = "layerplan plain",
     on_progress: Callable[[int, int], None] | None = None,
 ) -> BenchResult:
-    """Plain greedy decoding, same prompt, dtype and threads: transformers' generate and
-    layerplan's loop on the stock model, and layerplan on `packed` (the same weights with bf16
-    linears prepacked, as `load_model` does by default on CPU). Times are whole calls (prefill
-    included) per token produced; all stop at EOS."""
-    prompts = prompts or PROMPTS
-    result = BenchResult(model.name, str(model.dtype).replace("torch.", ""), torch.get_num_threads(), new_tokens, repeats)
-    methods: list[tuple[str, Callable, LoadedModel]] = [
-        ("transformers generate", _time_transformers, model),
-        ("layerplan, unpacked", _time_layerplan, model),
-    ]
-    if packed is not None:
-        methods.append(("layerplan", _time_layerplan, packed))
+    if reference not in methods:
+        raise ValueError(f"the methods must include the reference '{reference}'")
+    result = BenchResult(model.name, str(model.dtype).replace("torch.", ""), torch.get_num_threads(),
+                         new_tokens, repeats)
     total, done = len(prompts) * repeats * len(methods), 0
     for label, prompt in prompts.items():
-        ids = model.encode(prompt, chat=label == "chat")
-        for _, run, target in methods:
-            run(target, ids, 4)  # warm-up: first calls allocate
-        samples: dict[str, list[float]] = {name: [] for name, _, _ in methods}
+        ids = model.encode(prompt, chat=label in CHAT_PROMPTS)
+        for run in methods.values():
+            run(ids, 4)  # warm-up: first calls allocate
+        samples: dict[str, list[float]] = {name: [] for name in methods}
         outputs: dict[str, list[int]] = {}
+        stats: dict[str, dict | None] = {}
         for _ in range(repeats):
-            for name, run, target in methods:
-                seconds, tokens = run(target, ids, new_tokens)
+            for name, run in methods.items():
+                seconds, tokens, extra = run(ids, new_tokens)
                 samples[name].append(1000 * seconds / max(len(tokens), 1))
-                outputs[name] = tokens
+                outputs[name], stats[name] = tokens, extra
                 done += 1
                 if on_progress:
                     on_progress(done, total)
-        reference = statistics.median(samples["transformers generate"])
-        for name, _, _ in methods:
+        ref_ms = statistics.median(samples[reference])
+        plain_tokens = outputs.get(plain, outputs[reference])
+        for name in methods:
             ms = statistics.median(samples[name])
-            result.rows.append(BenchRow(name, label, ms, 1000 / ms, reference / ms,
-                                        outputs[name] == outputs["transformers generate"], samples[name]))
+            extra = stats[name] or {}
+            result.rows.append(BenchRow(
+                name, label, ms, 1000 / ms, ref_ms / ms, outputs[name] == plain_tokens, len(outputs[name]),
+                extra.get("acceptance_rate"), extra.get("mean_accepted_length"), samples[name],
+            ))
     return result
+
+
+def bench_methods(
+    stock: LoadedModel,
+    packed: LoadedModel | None,
+    drafts: list[str] = (),
+    hf_early_exits: list[int] = (),
+    hf_prompt_lookup: int | None = None,
+    draft_length: str | None = None,
+) -> dict[str, Runner]:
+    """transformers on the stock model; layerplan on the packed model (if any), unpacked too."""
+    fast = packed if packed is not None else stock
+    methods: dict[str, Runner] = {"transformers generate": transformers_runner(stock)}
+    for exit_layer in hf_early_exits:
+        methods[f"transformers early_exit={exit_layer}"] = transformers_runner(stock, assistant_early_exit=exit_layer)
+    if hf_prompt_lookup:
+        methods[f"transformers prompt_lookup={hf_prompt_lookup}"] = transformers_runner(
+            stock, prompt_lookup_num_tokens=hf_prompt_lookup)
+    if packed is not None:
+        methods["layerplan plain, unpacked"] = layerplan_runner(stock)
+    methods["layerplan plain"] = layerplan_runner(fast)
+    for draft in drafts:
+        methods[f"layerplan draft={draft}"] = layerplan_runner(fast, draft, draft_length)
+    return methods

@@ -145,9 +145,15 @@ def scan(model, dtype, device, threads, base_plan, tokens, text, kinds, no_reuse
 @click.option("--stop", multiple=True, help="stop string (repeatable)")
 @click.option("--chat/--no-chat", default=False, help="wrap the prompt in the model's chat template")
 @click.option("--stream/--no-stream", default=True, show_default=True)
-@click.option("--stats", is_flag=True, help="print timing statistics as JSON on stderr")
+@click.option("--draft", default=None,
+              help="lossless speculative decoding with this drafter: ngram, exit:E, skip:attn=..., model:PATH, "
+                   "a|b (first that proposes), auto (saved search result, else ngram)")
+@click.option("--draft-length", default=None, type=click.Choice(["fixed", "heuristic", "adaptive"]),
+              help="draft length policy (default adaptive: picks γ from measured acceptance and cost, "
+                   "falls back to plain decoding when drafting does not pay)")
+@click.option("--stats", is_flag=True, help="print timing and speculative statistics as JSON on stderr")
 def generate(prompt, model, dtype, device, threads, plan, max_new_tokens, temperature, top_k, top_p,
-             repetition_penalty, seed, stop, chat, stream, stats) -> None:
+             repetition_penalty, seed, stop, chat, stream, draft, draft_length, stats) -> None:
     """Generate a continuation of PROMPT."""
     from layerplan.decode import generate as run_generate
     from layerplan.sampling import SamplingParams
@@ -158,10 +164,11 @@ def generate(prompt, model, dtype, device, threads, plan, max_new_tokens, temper
         params = SamplingParams(temperature, top_k, top_p, repetition_penalty)
         on_text = (lambda piece: click.echo(piece, nl=False)) if stream else None
         result = run_generate(loaded, prompt, loaded.plan(plan), max_new_tokens, params, seed, stop,
-                              chat=chat, on_text=on_text)
+                              chat=chat, on_text=on_text, draft=draft, draft_length=draft_length)
     click.echo("" if stream else result.text)
     if stats:
-        click.echo(json.dumps(result.to_dict() | {"text": None}, indent=2), err=True)
+        summary = {k: v for k, v in result.to_dict().items() if k not in ("text", "token_ids")}
+        click.echo(json.dumps(summary, indent=2), err=True)
 
 
 @main.command()
@@ -241,11 +248,23 @@ def plan_command(plan, model, layers, fmt, out) -> None:
 @threads_option
 @click.option("--new-tokens", default=64, show_default=True)
 @click.option("--repeats", default=3, show_default=True)
-@click.option("--prompt", "prompt_names", multiple=True, help="built-in prompt(s) to use: code, chat, summary, continuation")
+@click.option("--prompt", "prompt_names", multiple=True, help="built-in prompt(s): code, chat, summary, continuation")
+@click.option("--draft", "drafts", multiple=True,
+              help="layerplan drafter(s) to time: ngram, exit:E, skip:..., model:PATH, a|b, auto (repeatable)")
+@click.option("--draft-length", default=None, type=click.Choice(["fixed", "heuristic", "adaptive"]),
+              help="draft length policy (default: adaptive)")
+@click.option("--hf-early-exit", "hf_exits", multiple=True, type=int,
+              help="also time transformers' assistant_early_exit=E (repeatable)")
+@click.option("--hf-prompt-lookup", type=int, default=None, help="also time transformers' prompt_lookup_num_tokens=N")
 @click.option("--out", type=click.Path(dir_okay=False), default="runs/bench.json", show_default=True)
-def bench(model, dtype, threads, new_tokens, repeats, prompt_names, out) -> None:
-    """Time layerplan's greedy decoding against transformers' generate, in the same run (CPU)."""
-    from layerplan.bench import PROMPTS, bench_plain
+def bench(model, dtype, threads, new_tokens, repeats, prompt_names, drafts, draft_length, hf_exits,
+          hf_prompt_lookup, out) -> None:
+    """Time decoding against transformers' generate in the same run (ratios, CPU).
+
+    Rows: transformers plain (and its early-exit / prompt-lookup assistants when asked),
+    layerplan plain (stock and packed weights), and each layerplan drafter. '=plain' says whether
+    the tokens equal layerplan's plain greedy output for the prompt."""
+    from layerplan.bench import PROMPTS, bench_methods, run_bench
     from layerplan.cpu_pack import packing_supported
     from layerplan.models import load_model
 
@@ -255,16 +274,17 @@ def bench(model, dtype, threads, new_tokens, repeats, prompt_names, out) -> None
         if unknown:
             raise ValueError(f"unknown prompt(s) {sorted(unknown)}; built-in: {', '.join(PROMPTS)}")
         prompts = {k: PROMPTS[k] for k in prompt_names} if prompt_names else PROMPTS
-        click.echo(f"loading {model} ({dtype}) twice: stock, and with packed linears…", err=True)
+        click.echo(f"loading {model} ({dtype}): stock, and with packed linears…", err=True)
         stock = load_model(model, dtype=dtype, pack=False)
         packed = load_model(model, dtype=dtype, pack=True) if packing_supported(stock.dtype, "cpu") else None
+        methods = bench_methods(stock, packed, list(drafts), list(hf_exits), hf_prompt_lookup, draft_length)
         progress = _Progress("bench")
         try:
-            result = bench_plain(stock, packed, prompts, new_tokens, repeats, on_progress=progress)
+            result = run_bench(stock, methods, prompts, new_tokens, repeats, on_progress=progress)
         finally:
             progress.close()
     click.echo(f"{result.model}, {result.dtype}, {result.threads} threads, up to {new_tokens} new tokens, "
-               f"median of {repeats}; 'vs HF' = transformers ms/token ÷ this row's")
+               f"median of {repeats}; 'vs HF' = transformers plain ms/token ÷ this row's")
     click.echo(result.table())
     write_json_atomic(out, result.to_dict())
     click.echo(f"wrote {out}")

@@ -208,6 +208,14 @@ def make_drafter(spec: str | Drafter, model: LoadedModel, target: LayerPlan | No
         staged = StagedDrafter([make_drafter(p, model, target, min_confidence) for p in parts])
         return staged
     text = parts[0]
+    if text == "auto":
+        saved = saved_draft_path(model)
+        if saved.exists():
+            return StagedDrafter([NgramDrafter(), make_drafter(str(saved), model, target, min_confidence)])
+        return NgramDrafter()
+    if text.startswith("exit:") and text[5:].isdigit() and not target.is_identity:
+        drafter = PlanDrafter(target.with_exit(int(text[5:])), min_confidence)  # exit within the target plan
+        return drafter
     if text == "ngram":
         return NgramDrafter()
     if text.startswith("ngram:"):
@@ -225,3 +233,11 @@ def make_drafter(spec: str | Drafter, model: LoadedModel, target: LayerPlan | No
     drafter = PlanDrafter(model.plan(text), min_confidence)
     drafter.check(target)
     return drafter
+
+
+def saved_draft_path(model: LoadedModel):
+    """Where a search saves the best draft plan for a model; `--draft auto` reads it."""
+    from layerplan.models import cache_dir
+
+    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in model.name)
+    return cache_dir() / "plans" / f"{safe}.json"

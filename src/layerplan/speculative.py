@@ -115,20 +115,25 @@ def expected_speedup(alpha: float, gamma: int, draft_cost: float, verify_cost: f
 
 class AdaptiveLength:
     """Picks γ ∈ 0..max_gamma maximising the expected speedup from measured acceptance and costs;
-    γ = 0 (plain decoding) when no γ is expected to beat plain. While plain, it probes again
-    every `probe_every` rounds so that a drafter that starts to pay is noticed.
+    γ = 0 (plain decoding) when no γ is expected to beat plain, probing again every
+    `probe_every` rounds so that a drafter that starts to pay is noticed.
 
-    Costs are measured in the same run: a plain round times one target step; a drafting round
-    times its draft steps and its verify pass."""
+    Measured in the same run: a plain round times one target step; a drafting round times its
+    draft steps and its verify pass. Per-token acceptance α follows the geometric model behind
+    the formula: accepted tokens / (accepted + rejections), over exponentially decayed counts."""
 
-    def __init__(self, max_gamma: int = 8, probe_every: int = 16, smoothing: float = 0.3) -> None:
-        self.max_gamma, self.probe_every, self.smoothing = max_gamma, probe_every, smoothing
-        self.alpha = 0.5  # per-token acceptance estimate (start optimistic enough to try)
+    def __init__(self, max_gamma: int = 8, probe_every: int = 16, decay: float = 0.9, smoothing: float = 0.3) -> None:
+        self.max_gamma, self.probe_every, self.decay, self.smoothing = max_gamma, probe_every, decay, smoothing
+        self.accepted_count, self.rejected_count = 1.0, 1.0  # prior: α = 0.5
         self.plain_step: float | None = None  # seconds of one plain target step
         self.draft_step: float | None = None  # seconds of one draft step
-        self.verify_extra: float = 0.0  # verify pass seconds beyond one plain step, per drafted token
+        self.verify_extra = 0.0  # verify seconds beyond a plain step, per drafted token
         self.since_probe = 0
-        self.gamma = min(4, max_gamma)
+        self.gamma = min(4, max_gamma)  # first drafting round
+
+    @property
+    def alpha(self) -> float:
+        return self.accepted_count / (self.accepted_count + self.rejected_count)
 
     def _ema(self, old: float | None, new: float) -> float:
         return new if old is None else (1 - self.smoothing) * old + self.smoothing * new
@@ -139,9 +144,10 @@ class AdaptiveLength:
         if self.draft_step is None:
             return self.gamma  # and one drafting round
         draft_cost = self.draft_step / self.plain_step
+        verify_cost = self.verify_extra / self.plain_step
         best, best_s = 0, 1.0
         for gamma in range(1, self.max_gamma + 1):
-            s = expected_speedup(self.alpha, gamma, draft_cost, 1.0 + gamma * self.verify_extra / self.plain_step)
+            s = expected_speedup(self.alpha, gamma, draft_cost, 1.0 + gamma * verify_cost)
             if s > best_s:
                 best, best_s = gamma, s
         if best == 0:
@@ -152,15 +158,17 @@ class AdaptiveLength:
         return best
 
     def update(self, gamma: int, drafted: int, accepted: int, draft_s: float, verify_s: float) -> None:
-        if drafted == 0:
+        if gamma == 0 or self.plain_step is None:
             self.plain_step = self._ema(self.plain_step, verify_s)
             return
-        self.draft_step = self._ema(self.draft_step, draft_s / max(gamma, 1))
-        if self.plain_step is not None:
-            self.verify_extra = max(0.0, self._ema(self.verify_extra, (verify_s - self.plain_step) / drafted))
-        # per-token acceptance from this round: accepted of drafted, with a partial-round estimate
-        observed = accepted / drafted if accepted < drafted else 1.0 - 0.5 / (drafted + 1)
-        self.alpha = min(0.99, self._ema(self.alpha, observed))
+        if drafted == 0:  # the drafter had nothing (no n-gram match): a plain step plus lookup time
+            self.plain_step = self._ema(self.plain_step, verify_s)
+            return
+        self.draft_step = self._ema(self.draft_step, draft_s / drafted)
+        extra = (verify_s - self.plain_step) / drafted
+        self.verify_extra = min(max(self._ema(self.verify_extra, extra), 0.0), self.plain_step)
+        self.accepted_count = self.decay * self.accepted_count + accepted
+        self.rejected_count = self.decay * self.rejected_count + (accepted < drafted)
 
 
 DRAFT_LENGTHS = {"fixed": FixedLength, "heuristic": HeuristicLength, "adaptive": AdaptiveLength}

@@ -1,0 +1,242 @@
+"""Lossless speculative decoding: greedy equality, the acceptance rule, and the distribution."""
+
+import itertools
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from layerplan.acceptance import accept_draft
+from layerplan.decode import generate
+from layerplan.drafters import DraftState, ModelDrafter, NgramDrafter, make_drafter
+from layerplan.models import wrap_model
+from layerplan.plan import PlanError
+from layerplan.runner import forward, new_cache
+from layerplan.sampling import SamplingParams, next_token_probs
+from layerplan.speculative import AdaptiveLength, HeuristicLength, expected_speedup, speculative_generate
+from tiny import ARCHS, tiny_hf, tiny_model
+
+PROMPT = [5, 6, 7, 8, 9, 5, 6, 7, 8]  # repeats, so n-gram lookup has something to find
+
+
+# ----- the acceptance rule on hand-made distributions ----------------------------------------
+def one_hot(i, v=5):
+    return torch.nn.functional.one_hot(torch.tensor(i), v).float()
+
+
+def test_greedy_rule_accepts_prefix_then_recovers():
+    target = torch.stack([one_hot(1), one_hot(2), one_hot(4), one_hot(0)])  # argmaxes 1, 2, 4 | bonus 0
+    verdict = accept_draft([1, 2, 3], target, None)
+    assert (verdict.accepted, verdict.next_token, verdict.bonus) == (2, 4, False)
+    assert verdict.emitted([1, 2, 3]) == [1, 2, 4]
+
+
+def test_greedy_rule_all_accepted_gives_bonus():
+    target = torch.stack([one_hot(1), one_hot(2), one_hot(3)])
+    verdict = accept_draft([1, 2], target, torch.stack([one_hot(1), one_hot(2)]))
+    assert (verdict.accepted, verdict.next_token, verdict.bonus) == (2, 3, True)
+
+
+def test_empty_draft_is_a_plain_step():
+    verdict = accept_draft([], torch.stack([one_hot(3)]), None)
+    assert (verdict.accepted, verdict.next_token, verdict.bonus) == (0, 3, True)
+
+
+def test_sampled_rule_residual_excludes_overproposed_mass():
+    p = torch.tensor([[0.5, 0.5, 0.0], [1.0, 0.0, 0.0]])
+    q = torch.tensor([[0.0, 1.0, 0.0]])  # the draft always proposes token 1; p(1)/q(1) = 0.5
+    counts = {"accepted": 0, "recovered": 0}
+    g = torch.Generator().manual_seed(0)
+    for _ in range(4000):
+        verdict = accept_draft([1], p, q, g)
+        if verdict.accepted:
+            counts["accepted"] += 1
+            assert verdict.next_token == 0  # bonus from p[1]
+        else:
+            counts["recovered"] += 1
+            assert verdict.next_token == 0  # residual max(0, p - q) = [0.5, 0, 0]
+    assert abs(counts["accepted"] / 4000 - 0.5) < 0.03
+
+
+def test_rule_rejects_inconsistent_shapes():
+    with pytest.raises(ValueError, match="need 3 target distributions for 2 drafted tokens"):
+        accept_draft([1, 2], torch.ones(2, 5) / 5, None)
+
+
+# ----- greedy: identical to plain greedy, token for token (float32) ---------------------------
+@pytest.mark.parametrize("arch", ARCHS)
+def test_greedy_speculative_equals_plain_for_every_drafter(arch):
+    model = tiny_model(arch, num_layers=4)
+    plain = generate(model, PROMPT, max_new_tokens=24, stop_at_eos=False).token_ids
+    for draft in ["ngram", "exit:2", "skip:attn=1;mlp=2", "skip:attn=1-2", "ngram|exit:3", "auto"]:
+        for policy in ["fixed", "heuristic", "adaptive"]:
+            result = generate(model, PROMPT, max_new_tokens=24, stop_at_eos=False, draft=draft, draft_length=policy)
+            assert result.token_ids == plain, (draft, policy)
+            stats = result.stats
+            assert stats["emitted"] == len(result.token_ids) - 1  # the first token comes from the prefill
+            assert stats["accepted"] <= stats["drafted"]
+
+
+def test_greedy_with_a_separate_draft_model_and_stop_at_eos():
+    model = tiny_model("llama", num_layers=3, seed=0)
+    draft_model = wrap_model(tiny_hf("llama", num_layers=2, seed=1))
+    drafter = ModelDrafter(draft_model)
+    plain = generate(model, PROMPT, max_new_tokens=20)
+    result = generate(model, PROMPT, max_new_tokens=20, draft=drafter, draft_length="fixed")
+    assert result.token_ids == plain.token_ids and result.stop_reason == plain.stop_reason
+    # the drafter caught up with the accepted text, cropping its own cache as needed
+    assert drafter.fed[: len(PROMPT)] == PROMPT
+
+
+def test_greedy_on_a_frankenmerge_target_with_exit_draft():
+    model = tiny_model("qwen2", num_layers=3)
+    target = model.plan("0,1,1,2")
+    plain = generate(model, PROMPT, plan=target, max_new_tokens=16, stop_at_eos=False).token_ids
+    result = generate(model, PROMPT, plan=target, max_new_tokens=16, stop_at_eos=False, draft="exit:3")
+    assert result.token_ids == plain
+
+
+def test_draft_plan_must_share_the_cache_layout():
+    model = tiny_model("llama", num_layers=3)
+    with pytest.raises(PlanError, match="not a sub-plan of the target"):
+        generate(model, PROMPT, max_new_tokens=4, draft="0,2,1")
+
+
+def test_cache_after_a_round_holds_exactly_the_verified_prefix():
+    """Run one draft round by hand: after crop, the next step sees the accepted prefix only."""
+    model = tiny_model("mistral", num_layers=3)
+    plan = model.plan()
+    ids = torch.tensor([PROMPT])
+    cache = new_cache(plan)
+    forward(model, ids[:, :-1], plan, cache, 0)
+    state = DraftState(model, plan, cache, PROMPT, SamplingParams())
+    proposal = make_drafter("exit:1", model).propose(state, 3)
+    assert len(proposal.tokens) == 3
+    verify = forward(model, torch.tensor([PROMPT[-1:] + proposal.tokens]), plan, cache, len(PROMPT) - 1)[0]
+    verdict = accept_draft(proposal.tokens, torch.stack([next_token_probs(v, SamplingParams()) for v in verify]),
+                           proposal.probs)
+    cache.crop(len(PROMPT) + verdict.accepted)
+    kept = PROMPT + proposal.tokens[: verdict.accepted]
+    step = forward(model, torch.tensor([[verdict.next_token]]), plan, cache, len(kept))[0, -1]
+    fresh = forward(model, torch.tensor([kept + [verdict.next_token]]))[0, -1]
+    assert (step - fresh).abs().max() < 1e-4
+
+
+def test_ngram_drafter_proposes_what_followed_the_latest_match():
+    state = DraftState(None, None, None, [1, 2, 3, 4, 9, 1, 2, 3, 7, 1, 2, 3], SamplingParams())
+    assert NgramDrafter().propose(state, 3).tokens == [7, 1, 2]
+    assert NgramDrafter().propose(DraftState(None, None, None, [1, 2, 3], SamplingParams()), 3).tokens == []
+
+
+# ----- sampling: the output has the target's distribution ------------------------------------
+def exact_joint(model, prompt, params, length):
+    """P(t1..tL) of the target model, by enumerating every continuation (top-k keeps it small)."""
+    table = {(): 1.0}
+    for _ in range(length):
+        grown = {}
+        for prefix, mass in table.items():
+            context = prompt + list(prefix)
+            logits = forward(model, torch.tensor([context]))[0, -1]
+            probs = next_token_probs(logits, params, torch.tensor(context))
+            for token in torch.nonzero(probs).flatten().tolist():
+                grown[prefix + (token,)] = mass * float(probs[token])
+        table = grown
+    return table
+
+
+def empirical(model, prompt, params, length, runs, draft):
+    counts = {}
+    for seed in range(runs):
+        out = generate(model, prompt, max_new_tokens=length, sampling=params, seed=seed, stop_at_eos=False,
+                       draft=draft, draft_length="fixed")
+        key = tuple(out.token_ids)
+        counts[key] = counts.get(key, 0) + 1
+    return counts
+
+
+def chi_square_p(counts, table, runs):
+    keys = sorted(table)
+    observed = [counts.get(k, 0) for k in keys]
+    assert sum(observed) == runs, "a sampled sequence has zero probability under the target"
+    total = sum(table.values())
+    expected = [table[k] / total * runs for k in keys]
+    return chisquare(observed, expected).pvalue
+
+
+def total_variation(counts, table, runs):
+    keys = set(counts) | set(table)
+    return 0.5 * sum(abs(counts.get(k, 0) / runs - table.get(k, 0.0)) for k in keys)
+
+
+@pytest.mark.parametrize("draft", ["exit:1", "ngram"])
+def test_speculative_sampling_preserves_the_target_distribution(draft):
+    """3 tokens with top-k 3 and a repetition penalty: 27 possible sequences, 2500 seeded runs.
+    Stated bounds: the chi-square test against the exact enumeration does not reject at
+    p < 0.001, and the total variation distance is below 0.08 (its expected value here is
+    ≤ 0.045). Power: the draft's own distribution is more than 0.3 away from what we sample."""
+    model = tiny_model("llama", num_layers=3, seed=2)
+    prompt = [5, 6, 7, 5, 6]
+    params = SamplingParams(temperature=1.0, top_k=3, repetition_penalty=1.3)
+    table = exact_joint(model, prompt, params, 3)
+    assert sum(table.values()) == pytest.approx(1.0)
+    runs = 2500
+    counts = empirical(model, prompt, params, 3, runs, draft)
+    assert chi_square_p(counts, table, runs) > 1e-3
+    assert total_variation(counts, table, runs) < 0.08
+    assert total_variation(counts, exact_joint_draft(model, prompt, params, 3), runs) > 0.3
+
+
+def exact_joint_draft(model, prompt, params, length):
+    plan = model.plan("exit:1")
+    table = {(): 1.0}
+    for _ in range(length):
+        grown = {}
+        for prefix, mass in table.items():
+            context = prompt + list(prefix)
+            probs = next_token_probs(forward(model, torch.tensor([context]), plan)[0, -1], params, torch.tensor(context))
+            for token in torch.nonzero(probs).flatten().tolist():
+                grown[prefix + (token,)] = mass * float(probs[token])
+        table = grown
+    return table
+
+
+# ----- draft length ----------------------------------------------------------------------------
+def test_expected_speedup_formula():
+    assert expected_speedup(0.0, 4, 0.0) == pytest.approx(1.0)
+    assert expected_speedup(0.8, 4, 0.1) == pytest.approx((1 - 0.8**5) / (0.2 * 1.4))
+    assert expected_speedup(1.0, 3, 0.0) == pytest.approx(4.0)
+
+
+def test_adaptive_length_falls_back_to_plain_when_drafting_does_not_pay():
+    policy = AdaptiveLength(max_gamma=8, probe_every=5)
+    policy.update(0, 0, 0, 0.0, 1.0)  # a plain step costs 1 s
+    assert policy.next_gamma() == policy.gamma  # one drafting round to measure
+    for _ in range(5):
+        policy.update(4, 4, 0, 3.6, 1.1)  # draft steps cost 0.9 each, nothing accepted
+    gammas = [policy.next_gamma() for _ in range(10)]
+    assert gammas.count(0) == 8 and gammas.count(1) == 2  # plain, probing every 5 rounds
+
+
+def test_adaptive_length_drafts_long_when_drafts_are_free_and_good():
+    policy = AdaptiveLength(max_gamma=8)
+    policy.update(0, 0, 0, 0.0, 1.0)
+    for _ in range(10):
+        policy.update(8, 8, 7, 0.001, 1.05)
+    assert policy.next_gamma() >= 6
+
+
+def test_heuristic_schedule():
+    policy = HeuristicLength(4)
+    policy.update(4, 4, 4, 0, 0)
+    assert policy.next_gamma() == 6
+    policy.update(6, 6, 2, 0, 0)
+    assert policy.next_gamma() == 5
+
+
+@pytest.mark.real
+def test_real_model_greedy_speculative_equals_plain_in_float32(smollm2):
+    ids = smollm2.encode("class Stack:\n    def push(self, item):\n        self.items.append(item)\n\n    def pop(self):\n")
+    plain = generate(smollm2, ids, max_new_tokens=32).token_ids
+    for draft in ["ngram", "skip:attn=5-8", "exit:24"]:
+        result = speculative_generate(smollm2, ids, draft, max_new_tokens=32, draft_length="fixed")
+        assert result.token_ids == plain, draft
