@@ -59,3 +59,32 @@ def test_cli_generate_and_ppl():
     assert result.exit_code == 0, result.output
     report = json.loads(result.output[result.output.index("{"):])
     assert report["perplexity"] > 1 and 0 < report["vs_full_model"]["top1_agreement"] < 1
+
+
+def test_cli_export_mergekit(tmp_path):
+    out = tmp_path / "merge.yaml"
+    result = CliRunner().invoke(main, ["export", "0-5,3-9", "--model", str(_tiny_folder(tmp_path)),
+                                       "--to", "mergekit", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    assert "passthrough" in out.read_text() and "- 3\n" in out.read_text()
+
+
+def _tiny_folder(tmp_path):
+    from tiny import tiny_hf
+
+    hf = tiny_hf("llama", num_layers=10)
+    hf.save_pretrained(tmp_path / "tiny")
+    return tmp_path / "tiny"
+
+
+@pytest.mark.real
+def test_cli_explore_and_export_checkpoint(tmp_path):
+    runner = CliRunner()
+    result = runner.invoke(main, ["explore", "--recompute", "20", "--rewind", "10", "--tokens", "64",
+                                  "--dtype", "bfloat16", "--out", str(tmp_path / "explore")])
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / "explore" / "explore.png").read_bytes()[:4] == b"\x89PNG"
+    assert "0-19,10-29" in result.output
+    result = runner.invoke(main, ["export", "0-9", "--out", str(tmp_path / "pruned")])
+    assert result.exit_code == 0, result.output
+    assert '"num_hidden_layers": 10' in (tmp_path / "pruned" / "config.json").read_text()

@@ -68,7 +68,7 @@ def test_rule_rejects_inconsistent_shapes():
 def test_greedy_speculative_equals_plain_for_every_drafter(arch):
     model = tiny_model(arch, num_layers=4)
     plain = generate(model, PROMPT, max_new_tokens=24, stop_at_eos=False).token_ids
-    for draft in ["ngram", "exit:2", "skip:attn=1;mlp=2", "skip:attn=1-2", "ngram|exit:3", "auto"]:
+    for draft in ["ngram", "exit:2", "skip:attn=1;mlp=2", "skip:attn=1-2", "ngram|exit:3", "auto", "window:2,3"]:
         for policy in ["fixed", "heuristic", "adaptive"]:
             result = generate(model, PROMPT, max_new_tokens=24, stop_at_eos=False, draft=draft, draft_length=policy)
             assert result.token_ids == plain, (draft, policy)
@@ -120,6 +120,31 @@ def test_cache_after_a_round_holds_exactly_the_verified_prefix():
     step = forward(model, torch.tensor([[verdict.next_token]]), plan, cache, len(kept))[0, -1]
     fresh = forward(model, torch.tensor([kept + [verdict.next_token]]))[0, -1]
     assert (step - fresh).abs().max() < 1e-4
+
+
+def test_windowed_draft_equals_transformers_with_the_same_mask():
+    """A windowed read attends to the first 2 and last 3 positions: the same as transformers run
+    with a custom 4-D mask that allows exactly those keys for the last query."""
+    model = tiny_model("llama", num_layers=2)
+    context = list(range(3, 23))
+    length = len(context)
+    allowed = torch.ones(length, length, dtype=torch.bool).tril()
+    allowed[-1] = False
+    allowed[-1, [0, 1, length - 3, length - 2, length - 1]] = True
+    with torch.no_grad():
+        reference = model.hf(torch.tensor([context]), attention_mask=allowed[None, None]).logits[0, -1]
+    plan = model.plan()
+    cache = new_cache(plan)
+    forward(model, torch.tensor([context[:-1]]), plan, cache, 0)
+    cache.read_window = (2, 3)
+    windowed = forward(model, torch.tensor([context[-1:]]), plan, cache, length - 1)[0, -1]
+    cache.read_window = None
+    assert (windowed - reference).abs().max() < 1e-4
+    full = forward(model, torch.tensor([context]))[0, -1]
+    assert (full - windowed).abs().max() > 1e-3  # the window really changed something
+    assert make_drafter("window:2,3", model).window == (2, 3)
+    with pytest.raises(ValueError, match="expected window:SINK,RECENT"):
+        make_drafter("window:4", model)
 
 
 def test_ngram_drafter_proposes_what_followed_the_latest_match():

@@ -19,6 +19,9 @@ class KVCache:
         self.values: list[torch.Tensor | None] = [None] * num_slots
         self.lengths = [0] * num_slots  # positions written (and valid) per slot
         self.write_pos = 0  # first position of the chunk being run; set by the runner
+        # (sink, recent): single-token reads return only the first `sink` and the last `recent`
+        # positions (a windowed draft, StreamingLLM-style); None returns everything
+        self.read_window: tuple[int, int] | None = None
         self.views = tuple(_SlotView(self, i) for i in range(num_slots))
 
     @property
@@ -47,6 +50,12 @@ class KVCache:
         buf_k[:, :, start:end] = key
         buf_v[:, :, start:end] = value
         self.lengths[slot] = end
+        if self.read_window is not None and end - start == 1:
+            sink, recent = self.read_window
+            if end > sink + recent:
+                keys = torch.cat([buf_k[:, :, :sink], buf_k[:, :, end - recent : end]], 2)
+                values = torch.cat([buf_v[:, :, :sink], buf_v[:, :, end - recent : end]], 2)
+                return keys, values
         return buf_k[:, :, :end], buf_v[:, :, :end]
 
     def _allocate(self, slot: int, key: torch.Tensor, value: torch.Tensor, needed: int):

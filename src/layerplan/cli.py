@@ -146,14 +146,18 @@ def scan(model, dtype, device, threads, base_plan, tokens, text, kinds, no_reuse
 @click.option("--chat/--no-chat", default=False, help="wrap the prompt in the model's chat template")
 @click.option("--stream/--no-stream", default=True, show_default=True)
 @click.option("--draft", default=None,
-              help="lossless speculative decoding with this drafter: ngram, exit:E, skip:attn=..., model:PATH, "
-                   "a|b (first that proposes), auto (saved search result, else ngram)")
+              help="lossless speculative decoding with this drafter: ngram, exit:E, skip:attn=..., window:SINK,RECENT, "
+                   "model:PATH, a|b (first that proposes), auto (saved search result, else ngram)")
 @click.option("--draft-length", default=None, type=click.Choice(["fixed", "heuristic", "adaptive"]),
               help="draft length policy (default adaptive: picks γ from measured acceptance and cost, "
                    "falls back to plain decoding when drafting does not pay)")
+@click.option("--draft-model", type=click.Path(), default=None, help="shorthand for --draft model:PATH")
+@click.option("--draft-confidence", default=0.0, show_default=True,
+              help="a model drafter stops a round when its top-1 probability falls below this")
 @click.option("--stats", is_flag=True, help="print timing and speculative statistics as JSON on stderr")
 def generate(prompt, model, dtype, device, threads, plan, max_new_tokens, temperature, top_k, top_p,
-             repetition_penalty, seed, stop, chat, stream, draft, draft_length, stats) -> None:
+             repetition_penalty, seed, stop, chat, stream, draft, draft_length, draft_model, draft_confidence,
+             stats) -> None:
     """Generate a continuation of PROMPT."""
     from layerplan.decode import generate as run_generate
     from layerplan.sampling import SamplingParams
@@ -163,8 +167,13 @@ def generate(prompt, model, dtype, device, threads, plan, max_new_tokens, temper
         loaded = _load(model, dtype, device)
         params = SamplingParams(temperature, top_k, top_p, repetition_penalty)
         on_text = (lambda piece: click.echo(piece, nl=False)) if stream else None
+        if draft_model:
+            if draft:
+                raise ValueError("give either --draft or --draft-model, not both")
+            draft = f"model:{draft_model}"
         result = run_generate(loaded, prompt, loaded.plan(plan), max_new_tokens, params, seed, stop,
-                              chat=chat, on_text=on_text, draft=draft, draft_length=draft_length)
+                              chat=chat, on_text=on_text, draft=draft, draft_length=draft_length,
+                              draft_confidence=draft_confidence)
     click.echo("" if stream else result.text)
     if stats:
         summary = {k: v for k, v in result.to_dict().items() if k not in ("text", "token_ids")}
@@ -208,6 +217,82 @@ def ppl(model, dtype, device, threads, plan, text, window, stride, max_tokens, c
             ids = torch.cat(token_ids, 1)[:, : min(window, 512)]
             report["vs_full_model"] = run_compare(loaded, ids, layer_plan).to_dict()
     click.echo(json.dumps(report, indent=2))
+
+
+@main.command()
+@model_option
+@dtype_option
+@device_option
+@threads_option
+@click.option("--recompute", default="6,8,10,12", show_default=True, help="layers run before each rewind (list)")
+@click.option("--rewind", default="1,2,4,6", show_default=True, help="layers stepped back each time (list)")
+@click.option("--plan", "plans", multiple=True, help="extra plan(s) to evaluate alongside the grid")
+@click.option("--tokens", default=512, show_default=True, help="evaluation tokens (built-in corpus unless --text)")
+@click.option("--text", type=click.Path(dir_okay=False), default=None, help=".txt or .jsonl")
+@click.option("--out", type=click.Path(file_okay=False), default="runs/explore", show_default=True)
+def explore(model, dtype, device, threads, recompute, rewind, plans, tokens, text, out) -> None:
+    """Evaluate a grid of recompute/rewind layer orders: perplexity against added compute."""
+    from layerplan.corpus import read_texts
+    from layerplan.evaluate import calibration_ids
+    from layerplan.explore import explore as run_explore, recompute_rewind_grid
+    from layerplan.report import explore_plot
+
+    _threads(threads)
+    with _user_errors():
+        numbers = {}
+        for name, value in (("recompute", recompute), ("rewind", rewind)):
+            try:
+                numbers[name] = [int(v) for v in value.split(",") if v.strip()]
+            except ValueError:
+                raise ValueError(f"--{name} takes integers separated by commas, got '{value}'") from None
+        loaded = _load(model, dtype, device)
+        candidates = recompute_rewind_grid(loaded, numbers["recompute"], numbers["rewind"])
+        candidates += [loaded.plan(p) for p in plans]
+        ids = calibration_ids(loaded, "\n\n".join(read_texts(text)) if text else None, tokens)
+        progress = _Progress("explore")
+        try:
+            result = run_explore(loaded, ids, candidates, on_progress=progress)
+        finally:
+            progress.close()
+    click.echo(result.table())
+    out_dir = Path(out)
+    write_json_atomic(out_dir / "explore.json", result.to_dict())
+    explore_plot(result, out_dir / "explore.png")
+    best = result.best()
+    click.echo(f"\nfull model perplexity {result.base_perplexity:.3f}; best order {best.plan} "
+               f"({best.perplexity:.3f}, {best.added_compute:+.0%} compute)")
+    click.echo(f"wrote {out_dir / 'explore.json'} and {out_dir / 'explore.png'}")
+
+
+@main.command()
+@click.argument("plan")
+@model_option
+@dtype_option
+@click.option("--out", type=click.Path(), required=True, help="folder (checkpoint) or .yaml file (mergekit)")
+@click.option("--to", "fmt", type=click.Choice(["checkpoint", "mergekit"]), default="checkpoint", show_default=True)
+@click.option("--source", default=None, help="model name written into mergekit YAML (default: --model)")
+def export(plan, model, dtype, out, fmt, source) -> None:
+    """Write PLAN as a real Hugging Face checkpoint, or as mergekit passthrough YAML.
+
+    \b
+    The checkpoint loads in transformers (and converts for llama.cpp / vLLM) like any model;
+    a plan with fewer layers is a pruned model usable as a standalone draft model."""
+    from layerplan.merge import export_checkpoint
+
+    with _user_errors():
+        if fmt == "mergekit":
+            from layerplan.models import model_depth
+            from layerplan.plan import load_plan
+
+            depth, name = model_depth(model)
+            text = load_plan(plan, depth, name).to_mergekit(source or model, dtype)
+            write_text_atomic(out, text)
+        else:
+            loaded = _load(model, dtype)
+            folder = export_checkpoint(loaded, loaded.plan(plan), out)
+            click.echo(f"wrote {folder} ({len(loaded.plan(plan).active_steps)} layers)")
+            return
+    click.echo(f"wrote {out}")
 
 
 FORMATS = ("string", "json", "draft-verify", "run-layers", "mergekit", "layer-replication")

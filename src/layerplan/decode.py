@@ -123,6 +123,7 @@ def generate(
     on_text: Callable[[str], None] | None = None,
     draft=None,
     draft_length=None,
+    draft_confidence: float = 0.0,
 ) -> GenerationResult:
     """Generate with the model run by `plan` (the full model by default).
 
@@ -134,7 +135,7 @@ def generate(
         from layerplan.speculative import speculative_generate
 
         return speculative_generate(model, prompt, draft, plan, max_new_tokens, sampling, seed, stop,
-                                    stop_at_eos, chat, on_text, draft_length)
+                                    stop_at_eos, chat, on_text, draft_length, draft_confidence)
     plan = plan if plan is not None else model.plan()
     sampling = sampling or SamplingParams()
     generator = torch.Generator(device="cpu").manual_seed(seed) if seed is not None else None

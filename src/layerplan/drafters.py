@@ -4,7 +4,7 @@ A drafter sees a `DraftState` (the context, whose last token is *pending*: chose
 through the target, and the target's KV cache) and returns a `Proposal`: tokens, and the
 distributions q they were drawn from (after the same logits processing as the target's), or None
 for deterministic proposals. Registry: `make_drafter("ngram" | "exit:8" | "skip:attn=3,5" |
-"model:PATH" | "ngram|exit:8" ...)`.
+"window:4,64" | "model:PATH" | "ngram|exit:8" | "auto")`.
 """
 
 from __future__ import annotations
@@ -108,6 +108,26 @@ class PlanDrafter(_AutoregressiveDrafter):
             return forward(state.model, ids, self.plan, state.cache, position, last_only=True)[0, -1]
 
         return self._draft_loop(state, max_tokens, step)
+
+
+class WindowedDrafter(PlanDrafter):
+    """A self-draft that attends only to the first `sink` tokens and the `recent` latest ones
+    (MagicDec / StreamingLLM style): at long context the draft's attention stops growing with
+    the context, while the target still verifies against all of it."""
+
+    def __init__(self, plan: LayerPlan, sink: int = 4, recent: int = 64, min_confidence: float = 0.0) -> None:
+        if sink < 0 or recent < 1:
+            raise ValueError(f"a draft window needs sink >= 0 and recent >= 1, got {sink}, {recent}")
+        super().__init__(plan, min_confidence)
+        self.window = (sink, recent)
+        self.name = f"window:{sink},{recent}" + ("" if plan.is_identity else f"/{plan}")
+
+    def propose(self, state: DraftState, max_tokens: int) -> Proposal:
+        state.cache.read_window = self.window
+        try:
+            return super().propose(state, max_tokens)
+        finally:
+            state.cache.read_window = None
 
 
 class ModelDrafter(_AutoregressiveDrafter):
@@ -215,6 +235,16 @@ def make_drafter(spec: str | Drafter, model: LoadedModel, target: LayerPlan | No
         return NgramDrafter()
     if text.startswith("exit:") and text[5:].isdigit() and not target.is_identity:
         drafter = PlanDrafter(target.with_exit(int(text[5:])), min_confidence)  # exit within the target plan
+        return drafter
+    if text.startswith("window:"):
+        window, _, rest = text[len("window:"):].partition("/")
+        sizes = window.split(",")
+        if len(sizes) != 2 or not all(v.strip().isdigit() for v in sizes):
+            raise ValueError(f"cannot read '{text}': expected window:SINK,RECENT (e.g. window:4,64), "
+                             "optionally /PLAN for a cheaper draft plan")
+        plan = model.plan(rest) if rest else target
+        drafter = WindowedDrafter(plan, int(sizes[0]), int(sizes[1]), min_confidence)
+        drafter.check(target)
         return drafter
     if text == "ngram":
         return NgramDrafter()

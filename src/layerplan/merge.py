@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from layerplan.models import LoadedModel, arch_spec
-from layerplan.plan import LayerPlan, PlanError
+from layerplan.plan import LayerPlan
 
 
 def _layer_prefix(model: LoadedModel) -> str:
@@ -24,9 +24,13 @@ def _layer_prefix(model: LoadedModel) -> str:
 
 
 def plan_state_dict(model: LoadedModel, plan: LayerPlan) -> dict[str, torch.Tensor]:
-    """The model's weights rearranged so that layer j of the result is the layer step j runs."""
-    if any(not (s.attention and s.mlp) or s.scale != 1.0 for s in plan.active_steps):
-        raise PlanError(f"only whole layers at scale 1 can be exported as a checkpoint, not '{plan.to_string()}'")
+    """The model's weights rearranged so that layer j of the result is the layer step j runs.
+
+    A step's residual scale s (and a switched-off sub-layer, s = 0) is folded into the weights
+    that produce the sub-layer's update: the output projection (weight and bias), or the post-norm
+    where one follows (Gemma: (offset + w) · s). The exported layer then adds exactly s times
+    its update, as the plan does."""
+    spec = arch_spec(model.hf.config.model_type)
     prefix = _layer_prefix(model)
     source = model.hf.state_dict()
     by_layer: dict[int, dict[str, torch.Tensor]] = {}
@@ -38,8 +42,22 @@ def plan_state_dict(model: LoadedModel, plan: LayerPlan) -> dict[str, torch.Tens
         else:
             result[key] = tensor
     for new_index, step in enumerate(plan.active_steps):
-        for rest, tensor in by_layer[step.layer].items():
-            result[f"{prefix}{new_index}.{rest}"] = tensor.clone()  # repeats must not share storage
+        weights = {rest: tensor.clone() for rest, tensor in by_layer[step.layer].items()}  # repeats: own storage
+        for scale, post_norm, output in (
+            (step.scale if step.attention else 0.0, spec.attention_post_norm, spec.attention_output),
+            (step.scale if step.mlp else 0.0, spec.mlp_post_norm, spec.mlp_output),
+        ):
+            if scale == 1.0:
+                continue
+            if post_norm is not None:
+                offset = spec.norm_weight_offset
+                weights[f"{post_norm}.weight"] = (offset + weights[f"{post_norm}.weight"].float()) * scale - offset
+            else:
+                for name in (f"{output}.weight", f"{output}.bias"):
+                    if name in weights:
+                        weights[name] = weights[name].float() * scale
+        for rest, tensor in weights.items():
+            result[f"{prefix}{new_index}.{rest}"] = tensor.to(by_layer[step.layer][rest].dtype)
     return result
 
 

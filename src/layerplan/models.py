@@ -45,6 +45,11 @@ class ArchSpec:
     mlp_post_norm: str | None = None  # norm on the MLP output (Gemma)
     position_embed: str | None = None  # learned absolute positions (GPT-2); None means RoPE
     rope_per_layer_type: bool = False  # rotary_emb(x, pos, layer_type) gives one RoPE per layer type
+    # for exports: the linear whose output is the attention / MLP residual update (scaling its
+    # weight and bias scales the update); unused where a post-norm follows (Gemma)
+    attention_output: str = "self_attn.o_proj"
+    mlp_output: str = "mlp.down_proj"
+    norm_weight_offset: float = 0.0  # Gemma's RMSNorm multiplies by (offset + weight)
 
 
 _LLAMA_LIKE = ArchSpec(
@@ -76,6 +81,7 @@ ARCHITECTURES: dict[str, ArchSpec] = {
         mlp_norm="pre_feedforward_layernorm",
         mlp_post_norm="post_feedforward_layernorm",
         rope_per_layer_type=True,
+        norm_weight_offset=1.0,
     ),
     "gpt2": ArchSpec(
         backbone="transformer",
@@ -87,6 +93,8 @@ ARCHITECTURES: dict[str, ArchSpec] = {
         mlp="mlp",
         mlp_norm="ln_2",
         position_embed="wpe",
+        attention_output="attn.c_proj",
+        mlp_output="mlp.c_proj",
     ),
 }
 

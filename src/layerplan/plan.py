@@ -7,6 +7,8 @@ format) and everything downstream trusts it. Formats:
   with ``;`` (``"0-26,20-31;skip:attn=3;exit:20"``). Ranges are inclusive, order and repeats are
   kept. An order item is ``A``, ``A-B`` (descending allowed), optionally ``*K`` (repeat K times),
   ``/attn``, ``/mlp`` or ``/none`` (which sub-layers run) and ``@S`` (residual scale).
+  Generated orders: ``pattern:recompute=8,rewind=4`` (8 layers, back 4, repeat) and
+  ``frac:0.0-0.6,0.2-0.8,0.6-1.0`` (half-open slices as fractions of the depth).
 - Draft & Verify JSON: ``{"attention": [...], "mlp": [...]}``, the skipped sub-layers;
 - llama.cpp ``run_layers``: per layer 0 skip, 1 attention only, 2 MLP only, 3 both;
 - mergekit passthrough ``slices:`` YAML (``layer_range`` half-open);
@@ -344,6 +346,12 @@ def parse_plan(text: str, num_layers: int, model_name: str = "the model") -> Lay
         elif sep and keyword in ("layers", "order"):
             steps = _set_order(steps, _parse_order(body, num_layers, model_name), clause)
             in_skip = False
+        elif sep and keyword == "frac":
+            steps = _set_order(steps, [Step(i) for i in fractional_layers(body, num_layers)], clause)
+            in_skip = False
+        elif sep and keyword == "pattern":
+            steps = _set_order(steps, [Step(i) for i in _parse_pattern(body, num_layers)], clause)
+            in_skip = False
         elif sep and keyword == "skip":
             _parse_skip_part(body, skips, num_layers, model_name)
             in_skip = True
@@ -398,6 +406,48 @@ def _parse_order(body: str, num_layers: int, model_name: str) -> list[Step]:
         for idx in layers:
             steps.extend(Step(idx, attention, mlp, scale) for _ in range(repeat))
     return steps
+
+
+def recompute_rewind_layers(num_layers: int, recompute: int, rewind: int) -> list[int]:
+    """The common merge shape: run `recompute` layers, step back `rewind`, repeat to the end.
+    (8, 4) on 16 layers: 0-7, 4-11, 8-15."""
+    if recompute < 1 or not 0 <= rewind < recompute:
+        raise PlanError(f"pattern needs recompute >= 1 and 0 <= rewind < recompute, got {recompute}, {rewind}")
+    layers: list[int] = []
+    start = 0
+    while True:
+        end = min(start + recompute, num_layers)
+        layers.extend(range(start, end))
+        if end == num_layers:
+            return layers
+        start = end - rewind
+
+
+def fractional_layers(body: str, num_layers: int) -> list[int]:
+    """"0.0-0.6,0.2-0.8,0.6-1.0": half-open slices given as fractions of the depth."""
+    layers: list[int] = []
+    for token in body.split(","):
+        item = token.strip()
+        m = re.fullmatch(r"([01](?:\.\d+)?)-([01](?:\.\d+)?)", item)
+        if not m or not 0.0 <= float(m[1]) < float(m[2]) <= 1.0:
+            raise PlanError(f"cannot read '{item}' in frac:{body}: expected fractions A-B with 0 <= A < B <= 1")
+        start, end = round(float(m[1]) * num_layers), round(float(m[2]) * num_layers)
+        if end <= start:
+            raise PlanError(f"'{item}' covers no layer of a {num_layers}-layer model")
+        layers.extend(range(start, end))
+    return layers
+
+
+def _parse_pattern(body: str, num_layers: int) -> list[int]:
+    values: dict[str, int] = {}
+    for token in body.split(","):
+        key, sep, value = token.strip().partition("=")
+        if not sep or key not in ("recompute", "rewind") or not value.strip().isdigit():
+            raise PlanError(f"cannot read '{token.strip()}' in pattern:{body}: expected recompute=N,rewind=M")
+        values[key] = int(value)
+    if "recompute" not in values:
+        raise PlanError(f"pattern:{body} needs recompute=N (and rewind=M)")
+    return recompute_rewind_layers(num_layers, values["recompute"], values.get("rewind", 0))
 
 
 def _parse_skip_part(body: str, skips: dict[str, list[int]], num_layers: int, model_name: str) -> None:

@@ -38,3 +38,31 @@ def scan_heatmap(result: ScanResult, path: str | Path, metric: str = "kl") -> Pa
     fig.savefig(buffer, format="png")
     plt.close(fig)
     return write_bytes_atomic(path, buffer.getvalue())
+
+
+def explore_plot(result, path: str | Path) -> Path:
+    """Perplexity against added compute for every explored layer order, as a PNG."""
+    import io
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=120)
+    xs = [100 * row.added_compute for row in result.rows]
+    ys = [row.perplexity for row in result.rows]
+    ax.scatter(xs, ys, s=18, color="tab:blue", label="layer orders")
+    ax.scatter([0], [result.base_perplexity], s=40, color="tab:red", marker="*", label="the model itself")
+    best = result.best()
+    ax.annotate(best.plan[:30], (100 * best.added_compute, best.perplexity), fontsize=7,
+                xytext=(5, 5), textcoords="offset points")
+    ax.set_xlabel("added compute (%)")
+    ax.set_ylabel(f"perplexity ({result.tokens} tokens)")
+    ax.set_title(f"{result.model}: in-situ frankenmerges", fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png")
+    plt.close(fig)
+    return write_bytes_atomic(path, buffer.getvalue())

@@ -101,6 +101,7 @@ def run_hidden(
     positions = torch.arange(start_pos, start_pos + length, device=device)[None]  # (1, T)
     end_step = len(plan.active_steps) if stop_step is None else min(stop_step, len(plan.active_steps))
 
+    windowed_read = cache is not None and cache.read_window is not None and length == 1
     if cache is not None:
         cache.write_pos = start_pos
         kv_start = 0
@@ -121,7 +122,8 @@ def run_hidden(
         if step.attention and not resumes_at_mlp:
             window = layer.sliding_window
             if window not in masks:
-                masks[window] = _attention_mask(start_pos, length, kv_start, kv_length, window, eager, hidden.dtype, device)
+                masks[window] = None if windowed_read else _attention_mask(
+                    start_pos, length, kv_start, kv_length, window, eager, hidden.dtype, device)
             kwargs = {}
             if parts.rotary is not None:
                 key = layer.layer_type if parts.rope_per_layer_type else ""

@@ -202,9 +202,11 @@ def speculative_generate(
     chat: bool = False,
     on_text: Callable[[str], None] | None = None,
     draft_length=None,
+    draft_confidence: float = 0.0,
 ) -> GenerationResult:
+    """draft_confidence: a model drafter stops its round when its top-1 probability falls below this."""
     target = plan if plan is not None else model.plan()
-    drafter = make_drafter(drafter, model, target)
+    drafter = make_drafter(drafter, model, target, draft_confidence)
     lengths = make_draft_length(draft_length)
     sampling = sampling or SamplingParams()
     generator = torch.Generator(device="cpu").manual_seed(seed) if seed is not None else None

@@ -1,0 +1,69 @@
+"""In-situ frankenmerges: generated orders, exports that transformers loads, exploration."""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from layerplan.explore import explore, recompute_rewind_grid
+from layerplan.merge import export_checkpoint
+from layerplan.plan import LayerPlan, PlanError, parse_plan, recompute_rewind_layers
+from layerplan.runner import forward, new_cache
+from tiny import VOCAB, tiny_model
+
+
+def test_recompute_rewind_pattern():
+    assert recompute_rewind_layers(16, 8, 4) == list(range(8)) + list(range(4, 12)) + list(range(8, 16))
+    assert [s.layer for s in parse_plan("pattern:recompute=3,rewind=1", 5).steps] == [0, 1, 2, 2, 3, 4]
+    with pytest.raises(PlanError, match="0 <= rewind < recompute"):
+        parse_plan("pattern:recompute=3,rewind=3", 5)
+    with pytest.raises(PlanError, match="expected recompute=N,rewind=M"):
+        parse_plan("pattern:every=3", 5)
+
+
+def test_fractional_chunks():
+    plan = parse_plan("frac:0.0-0.6,0.2-0.8,0.6-1.0", 10)
+    assert [s.layer for s in plan.steps] == list(range(6)) + list(range(2, 8)) + list(range(6, 10))
+    with pytest.raises(PlanError, match="0 <= A < B <= 1"):
+        parse_plan("frac:0.5-0.2", 10)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3", "gpt2"])
+@pytest.mark.parametrize("plan_text", ["0,1,1,2", "0-2,1*2@0.5", "0/mlp,1,2/attn,1@0.25"])
+def test_export_then_transformers_load_equals_in_memory_plan(arch, plan_text, tmp_path):
+    """Repeats, weighted repeats and switched-off sub-layers are all folded into real weights."""
+    model = tiny_model(arch, num_layers=3)
+    plan = model.plan(plan_text)
+    folder = export_checkpoint(model, plan, tmp_path / "merged")
+    loaded = AutoModelForCausalLM.from_pretrained(folder, attn_implementation="sdpa").eval()
+    assert loaded.config.num_hidden_layers == len(plan.steps)
+    if getattr(loaded.config, "layer_types", None) is not None:
+        assert loaded.config.layer_types == [model.hf.config.layer_types[s.layer] for s in plan.steps]
+    ids = torch.randint(3, VOCAB, (1, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        reference = loaded(ids).logits
+    assert (forward(model, ids, plan) - reference).abs().max() < 1e-4
+    cache = new_cache(plan)  # and through incremental decoding
+    pieces = [forward(model, ids[:, :7], plan, cache, 0)] + [
+        forward(model, ids[:, t : t + 1], plan, cache, t) for t in range(7, 12)]
+    assert (torch.cat(pieces, 1) - reference).abs().max() < 1e-4
+
+
+def test_mergekit_multi_slice_round_trip_and_model_checks():
+    text = parse_plan("0-5,3-9", 10).to_mergekit("org/base")
+    assert LayerPlan.from_mergekit(text, 10) == parse_plan("0-5,3-9", 10)
+    two_models = text.replace("org/base", "org/other", 1)
+    with pytest.raises(PlanError, match="slices name 2 models"):
+        LayerPlan.from_mergekit(two_models, 10)
+
+
+def test_explore_grid_ranks_orders_against_the_full_model():
+    model = tiny_model("llama", num_layers=4)
+    plans = recompute_rewind_grid(model, [2, 3], [1, 2])
+    assert [p.to_string() for p in plans] == ["0-1,1-2,2-3", "0-2,2-3", "0-2,1-3"]
+    ids = torch.randint(3, VOCAB, (1, 24))
+    result = explore(model, ids, plans + [model.plan()])
+    full = next(r for r in result.rows if r.plan == "full")
+    assert full.kl < 1e-6 and full.added_compute == 0.0
+    assert next(r for r in result.rows if r.plan == "0-1,1-2,2-3").added_compute == pytest.approx(0.5)
+    with pytest.raises(PlanError, match="no pair"):
+        recompute_rewind_grid(model, [2], [2])
