@@ -22,6 +22,7 @@ demo: $(STAMP)
 	$(VENV)/bin/layerplan scan --out runs/scan
 
 test: $(STAMP)
+	@bash .ci/install-postgresql
 	$(PY) -m pytest -q
 
 bench: $(STAMP)

@@ -88,3 +88,22 @@ def test_cli_explore_and_export_checkpoint(tmp_path):
     result = runner.invoke(main, ["export", "0-9", "--out", str(tmp_path / "pruned")])
     assert result.exit_code == 0, result.output
     assert '"num_hidden_layers": 10' in (tmp_path / "pruned" / "config.json").read_text()
+
+
+@pytest.mark.real
+def test_cli_search_writes_plan_report_plots_and_resumes(tmp_path):
+    args = ["search", "--objective", "agreement", "--trials", "5", "--budget", "2", "--tokens", "64",
+            "--dtype", "bfloat16", "--out", str(tmp_path), "--no-save-draft"]
+    first = CliRunner().invoke(main, args)
+    assert first.exit_code == 0, first.output
+    report = json.loads((tmp_path / "search.json").read_text())
+    assert len(report["greedy"]["steps"]) == 2
+    assert len([t for t in report["study"]["trials"] if t["state"] == "COMPLETE"]) == 5
+    assert report["study"]["trials"][0]["plan"] == "full"  # seeded with the full model, then greedy's plan
+    assert report["study"]["trials"][1]["plan"] == report["greedy"]["best_plan"]
+    for name in ("best_plan.json", "greedy.png", "trajectory.png", "skip-frequency.png", "study.db"):
+        assert (tmp_path / name).exists(), name
+    again = CliRunner().invoke(main, args[:4] + ["7"] + args[5:])
+    assert again.exit_code == 0, again.output
+    report = json.loads((tmp_path / "search.json").read_text())
+    assert len([t for t in report["study"]["trials"] if t["state"] == "COMPLETE"]) == 7

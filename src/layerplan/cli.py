@@ -295,6 +295,124 @@ def export(plan, model, dtype, out, fmt, source) -> None:
     click.echo(f"wrote {out}")
 
 
+@main.command(epilog="Objectives — " + "kl: mean KL(full || plan) per token (minimise); ppl: perplexity of the plan "
+              "(minimise); agreement: top-1 agreement with the full model = greedy draft acceptance (maximise); "
+              "speedup: predicted self-speculative speedup from agreement and the measured cost of the plan "
+              "(maximise); tokens-per-second: measured speculative decoding speed on the prompts (maximise, slow).")
+@model_option
+@dtype_option
+@threads_option
+@click.option("--method", type=click.Choice(["greedy", "bayes", "both"]), default="both", show_default=True,
+              help="greedy skipping, an Optuna study, or greedy first and its result seeding the study")
+@click.option("--objective", type=click.Choice(["kl", "ppl", "agreement", "speedup", "tokens-per-second"]),
+              default="speedup", show_default=True, help="what to optimise (see below)")
+@click.option("--multi", is_flag=True, help="optimise the objective and the plan's cost together (Pareto front)")
+@click.option("--trials", default=100, show_default=True, help="finished trials in the study, all workers together")
+@click.option("--budget", type=int, default=None, help="greedy: sub-layers (or layers) to switch; default 20")
+@click.option("--granularity", type=click.Choice(["sublayer", "layer"]), default="sublayer", show_default=True)
+@click.option("--mode", type=click.Choice(["forward", "anti"]), default="forward", show_default=True,
+              help="greedy: skip the least harmful (forward) or start skipped and add back the most useful (anti)")
+@click.option("--sampler", type=click.Choice(["tpe", "gp", "nsga2", "random"]), default="tpe", show_default=True)
+@click.option("--storage", default=None, help="Optuna storage: SQLite path (default OUT/study.db), any RDB URL "
+              "(postgresql://user@host/db), or journal:PATH")
+@click.option("--study", "study_name", default=None, help="study name (default: MODEL-OBJECTIVE); share it across machines")
+@click.option("--tokens", default=512, show_default=True, help="calibration tokens")
+@click.option("--text", type=click.Path(dir_okay=False), default=None, help="calibration text (.txt/.jsonl)")
+@click.option("--allow-ends", is_flag=True, help="allow skipping the first and last layers")
+@click.option("--save-draft/--no-save-draft", default=None,
+              help="save the best plan for `--draft auto` (default: for agreement/speedup/tokens-per-second)")
+@click.option("--seed", default=0, show_default=True)
+@click.option("--out", type=click.Path(file_okay=False), default="runs/search", show_default=True)
+def search(model, dtype, threads, method, objective, multi, trials, budget, granularity, mode, sampler, storage,
+           study_name, tokens, text, allow_ends, save_draft, seed, out) -> None:
+    """Find a good plan: greedy skipping and/or a Bayesian (Optuna) study; resumable, shareable.
+
+    \b
+    Interrupt it (Ctrl-C, kill) and run the same command again: it resumes from its storage.
+    Run the same command with the same --storage URL and --study name on several machines and
+    they share one study."""
+    from layerplan.bench import PROMPTS
+    from layerplan.corpus import read_texts
+    from layerplan.drafters import saved_draft_path
+    from layerplan.evaluate import calibration_ids
+    from layerplan.report import pareto_plot, search_trajectory, skip_frequency_plot
+    from layerplan.search.bayes import run_study
+    from layerplan.search.evaluator import OBJECTIVES, PlanEvaluator, measure_costs
+    from layerplan.search.greedy import greedy_search
+
+    _threads(threads)
+    out_dir = Path(out)
+    report: dict = {"model": model, "objective": objective, "multi": multi}
+    with _user_errors():
+        if method == "greedy" and objective == "tokens-per-second":
+            raise ValueError("greedy search scores many candidates per pass; use --method bayes for tokens-per-second")
+        loaded = _load(model, dtype)
+        ids = calibration_ids(loaded, "\n\n".join(read_texts(text)) if text else None, tokens)
+        evaluator = PlanEvaluator(loaded, ids)
+        costs = measure_costs(loaded) if objective in ("speedup", "tokens-per-second") or multi else None
+        if costs:
+            report["costs"] = costs.to_dict()
+        prompts = [loaded.encode(p) for p in PROMPTS.values()] if objective == "tokens-per-second" else None
+        direction = OBJECTIVES[objective].direction
+        seeds = [loaded.plan()]
+        best = None
+        if method in ("greedy", "both"):
+            progress = _Progress("greedy pass")
+            try:
+                greedy = greedy_search(evaluator, objective if objective != "tokens-per-second" else "speedup",
+                                       budget=budget if budget is not None else 20, granularity=granularity,
+                                       mode=mode, allow_ends=allow_ends,
+                                       state_file=out_dir / f"greedy-{objective}-{mode}-{granularity}.json",
+                                       costs=costs, on_progress=progress)
+            finally:
+                progress.close()
+            report["greedy"] = greedy.to_dict()
+            values = [step.value for step in greedy.steps]
+            if values:
+                search_trajectory(values, direction, f"{objective} after each greedy step", out_dir / "greedy.png")
+                pick = min if direction == "minimize" else max
+                best_step = pick(greedy.steps, key=lambda st: st.value) if objective in ("speedup", "agreement") else greedy.steps[-1]
+                best = best_step.plan
+                seeds.append(loaded.plan(best))
+            click.echo(f"greedy: {len(greedy.steps)} steps, {greedy.evaluations} evaluations; plan {greedy.best_plan}")
+        if method in ("bayes", "both"):
+            progress = _Progress("trials")
+            try:
+                study = run_study(evaluator, objective, trials, str(storage or out_dir / "study.db"), study_name,
+                                  sampler, multi, seeds, allow_ends, costs, prompts, seed, on_trial=progress)
+            finally:
+                progress.close()
+            report["study"] = study.to_dict()
+            done = [t for t in study.trials if t.state == "COMPLETE"]
+            search_trajectory([t.values[0] for t in done], direction, objective, out_dir / "trajectory.png")
+            if multi:
+                pareto_plot([(t.values[0], t.values[1]) for t in done],
+                            [(t.values[0], t.values[1]) for t in study.pareto], objective, out_dir / "pareto.png")
+            ranked = sorted(done, key=lambda t: t.values[0], reverse=direction == "maximize")
+            top = [loaded.plan(t.plan) for t in ranked[: max(1, len(ranked) // 10)] if t.plan]
+            if top:
+                skip_frequency_plot(top, loaded.num_layers, out_dir / "skip-frequency.png")
+            best = study.best_plan
+            click.echo(f"study '{study.study}': {len(done)} finished trials; best {objective} {study.best_value} "
+                       f"with plan {study.best_plan}")
+        best_plan = loaded.plan(best or "full")
+        report["best_plan"] = best_plan.to_string()
+        report["best"] = evaluator.divergence(best_plan).to_dict()
+        if costs:
+            report["best"]["relative_cost"] = costs.relative_cost(best_plan)
+        best_plan.save(out_dir / "best_plan.json")
+        write_json_atomic(out_dir / "search.json", report)
+        if save_draft if save_draft is not None else objective in ("agreement", "speedup", "tokens-per-second"):
+            if best_plan.is_identity:
+                click.echo("no skip plan beats the full model here: nothing saved for --draft auto (it uses n-gram)")
+            else:
+                best_plan.save(saved_draft_path(loaded))
+                click.echo(f"saved for --draft auto: {saved_draft_path(loaded)}")
+    click.echo(f"best plan: {best_plan}  (agreement {report['best']['top1_agreement']:.3f}, "
+               f"KL {report['best']['kl']:.4f})")
+    click.echo(f"wrote {out_dir / 'best_plan.json'}, {out_dir / 'search.json'} and plots in {out_dir}")
+
+
 FORMATS = ("string", "json", "draft-verify", "run-layers", "mergekit", "layer-replication")
 
 

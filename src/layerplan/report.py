@@ -66,3 +66,72 @@ def explore_plot(result, path: str | Path) -> Path:
     fig.savefig(buffer, format="png")
     plt.close(fig)
     return write_bytes_atomic(path, buffer.getvalue())
+
+
+def _save(fig, path) -> Path:
+    import io
+
+    import matplotlib.pyplot as plt
+
+    buffer = io.BytesIO()
+    fig.tight_layout()
+    fig.savefig(buffer, format="png")
+    plt.close(fig)
+    return write_bytes_atomic(path, buffer.getvalue())
+
+
+def _figure(width: float = 6.4, height: float = 4.0):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt.subplots(figsize=(width, height), dpi=120)
+
+
+def search_trajectory(values: list[float], direction: str, label: str, path: str | Path) -> Path:
+    """Objective per trial (or greedy step) and the best so far."""
+    fig, ax = _figure()
+    best, running = [], None
+    for value in values:
+        running = value if running is None else (min(running, value) if direction == "minimize" else max(running, value))
+        best.append(running)
+    ax.plot(range(len(values)), values, ".", color="tab:gray", label="trial")
+    ax.plot(range(len(values)), best, "-", color="tab:blue", label="best so far")
+    ax.set_xlabel("trial")
+    ax.set_ylabel(label)
+    ax.legend(fontsize=8)
+    return _save(fig, path)
+
+
+def pareto_plot(points: list[tuple[float, float]], front: list[tuple[float, float]], label: str, path: str | Path) -> Path:
+    """Objective against relative cost for all trials, with the Pareto front."""
+    fig, ax = _figure()
+    if points:
+        ax.scatter([c for _, c in points], [v for v, _ in points], s=10, color="tab:gray", label="trials")
+    if front:
+        front = sorted(front, key=lambda p: p[1])
+        ax.plot([c for _, c in front], [v for v, _ in front], "o-", color="tab:red", label="Pareto front")
+    ax.set_xlabel("relative cost of one decode step")
+    ax.set_ylabel(label)
+    ax.legend(fontsize=8)
+    return _save(fig, path)
+
+
+def skip_frequency_plot(plans, num_layers: int, path: str | Path) -> Path:
+    """How often each layer's attention / MLP is skipped among the given (best) plans."""
+    import numpy as np
+
+    counts = np.zeros((2, num_layers))
+    for plan in plans:
+        skipped = plan.skipped()
+        for row, kind in enumerate(("attention", "mlp")):
+            counts[row, skipped[kind]] += 1
+    fig, ax = _figure(max(6.0, 0.3 * num_layers + 2), 2.4)
+    image = ax.imshow(counts / max(len(plans), 1), aspect="auto", cmap="Blues", vmin=0, vmax=1)
+    ax.set_yticks([0, 1], ["attention", "MLP"])
+    ax.set_xticks(range(num_layers), [str(i) for i in range(num_layers)], fontsize=7)
+    ax.set_xlabel("layer")
+    ax.set_title(f"skip frequency among the best {len(plans)} plans", fontsize=9)
+    fig.colorbar(image, ax=ax, fraction=0.03)
+    return _save(fig, path)

@@ -1,0 +1,1 @@
+"""Finding plans: a shared evaluator and objectives, greedy skipping, Optuna studies."""

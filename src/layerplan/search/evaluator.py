@@ -1,0 +1,169 @@
+"""Scoring candidate plans fast: each candidate resumes from the full model's residual stream at
+its first changed sub-layer (identical up to there), results are memoised by plan, and decode
+cost comes from a cost model measured once."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+from layerplan.evaluate import Divergence, Reference
+from layerplan.models import LoadedModel
+from layerplan.plan import LayerPlan
+from layerplan.runner import Resume, embed, forward, head, new_cache, run_hidden
+from layerplan.speculative import expected_speedup
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Seconds of one decode step, split into a fixed part (embeddings, LM head, overheads) and
+    per-sub-layer averages, measured on the model in its dtype on this machine."""
+
+    full_step: float
+    fixed: float
+    attention: float  # one attention sub-layer
+    mlp: float  # one MLP sub-layer
+
+    def relative_cost(self, plan: LayerPlan) -> float:
+        """c: one decode step of `plan` divided by one step of the full model."""
+        attention = sum(s.attention for s in plan.active_steps)
+        mlp = sum(s.mlp for s in plan.active_steps)
+        return (self.fixed + attention * self.attention + mlp * self.mlp) / self.full_step
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@torch.inference_mode()
+def measure_costs(model: LoadedModel, context: int = 128, repeats: int = 12) -> CostModel:
+    """Median times of single-token decode steps: the full model, every attention off, every MLP
+    off, and embeddings + LM head alone (the fixed part). The per-sub-layer parts are scaled so
+    that the parts add up to the full step exactly (timings on a busy machine need not)."""
+    n = model.num_layers
+    full = model.plan()
+    ids = torch.randint(0, model.hf.config.vocab_size, (1, context + 1), generator=torch.Generator().manual_seed(0))
+    ids = ids.to(model.device)
+
+    def median(run) -> float:
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            run()
+            times.append(time.perf_counter() - start)
+        return sorted(times)[len(times) // 2]
+
+    def step_time(plan: LayerPlan) -> float:
+        cache = new_cache(full, capacity=context + 2)
+        forward(model, ids[:, :context], full, cache, 0)
+
+        def run():
+            forward(model, ids[:, context:], plan, cache, context, last_only=True)
+            cache.crop(context)
+
+        return median(run)
+
+    full_s = step_time(full)
+    no_attention = step_time(LayerPlan.from_skips(n, attention=range(n)))
+    no_mlp = step_time(LayerPlan.from_skips(n, mlp=range(n)))
+    fixed = min(median(lambda: head(model, embed(model, ids[:, context:], context))), full_s)
+    attention = max(full_s - no_attention, 1e-9)
+    mlp = max(full_s - no_mlp, 1e-9)
+    share = (full_s - fixed) / (attention + mlp)  # make fixed + all sub-layers == the full step
+    return CostModel(full_s, fixed, attention * share / n, mlp * share / n)
+
+
+class PlanEvaluator:
+    """Quality of many plans against one reference plan (default: the full model) on fixed ids."""
+
+    def __init__(self, model: LoadedModel, ids: torch.Tensor, reference: LayerPlan | None = None) -> None:
+        self.model, self.ids = model, ids
+        self.reference_plan = reference if reference is not None else model.plan()
+        self.captured: dict[tuple[int, str], torch.Tensor] = {}
+        with torch.inference_mode():
+            hidden = run_hidden(model, ids, self.reference_plan,
+                                observe=lambda i, sub, h: self.captured.__setitem__((i, sub), h))
+            self.reference = Reference(head(model, hidden), ids)
+        self.cache: dict[LayerPlan, Divergence] = {}
+        self.evaluations = 0  # model runs actually made (memo hits excluded)
+
+    def _resume_point(self, plan: LayerPlan) -> tuple[int, str] | None:
+        """First (step, sub-layer) where `plan` differs from the reference; None if identical."""
+        ref = self.reference_plan
+        for i, step in enumerate(plan.active_steps):
+            if i >= len(ref.active_steps):
+                return 0, "attention"  # longer than the reference: nothing captured to resume from
+            other = ref.steps[i]
+            if step.layer != other.layer or step.scale != other.scale:
+                return i, "attention"
+            if step.attention != other.attention:
+                return i, "attention"
+            if step.mlp != other.mlp:
+                return i, "mlp"
+        if len(plan.active_steps) != len(ref.active_steps):
+            return len(plan.active_steps), "attention"  # an earlier exit: resume at the exit
+        return None
+
+    @torch.inference_mode()
+    def divergence(self, plan: LayerPlan) -> Divergence:
+        if plan in self.cache:
+            return self.cache[plan]
+        point = self._resume_point(plan)
+        if point is None:
+            logits = self.reference.logits
+        elif point[0] >= len(plan.active_steps):  # nothing left to run: the exit point itself
+            logits = head(self.model, self.captured[(point[0], "attention")])
+        else:
+            resume = Resume(self.captured[point], point[0], point[1])
+            logits = head(self.model, run_hidden(self.model, None, plan, resume=resume))
+        self.evaluations += 1
+        result = self.reference.divergence(logits, plan.to_string())
+        self.cache[plan] = result
+        return result
+
+
+@dataclass(frozen=True)
+class Objective:
+    name: str
+    direction: str  # "minimize" or "maximize"
+    help: str
+
+
+OBJECTIVES = {
+    "kl": Objective("kl", "minimize", "mean KL(full model || plan) per token on the calibration text"),
+    "ppl": Objective("ppl", "minimize", "perplexity of the plan on the calibration text"),
+    "agreement": Objective("agreement", "maximize", "top-1 agreement with the full model (= greedy draft acceptance)"),
+    "speedup": Objective("speedup", "maximize",
+                         "predicted self-speculative speedup from agreement and the measured cost of the plan"),
+    "tokens-per-second": Objective("tokens-per-second", "maximize",
+                                   "measured speculative decoding speed on the prompts (slow, honest)"),
+}
+
+
+def score(objective: str, plan: LayerPlan, evaluator: PlanEvaluator, costs: CostModel | None = None,
+          prompts: list[torch.Tensor] | None = None, new_tokens: int = 32) -> float:
+    """The objective's value for one plan (see OBJECTIVES)."""
+    if objective == "tokens-per-second":
+        from layerplan.speculative import speculative_generate
+
+        total_tokens, total_seconds = 0, 0.0
+        for ids in prompts or []:
+            result = speculative_generate(evaluator.model, ids, plan.to_string(), max_new_tokens=new_tokens,
+                                          draft_length="adaptive")
+            total_tokens += len(result.token_ids)
+            total_seconds += result.seconds
+        return total_tokens / total_seconds if total_seconds else 0.0
+    metrics = evaluator.divergence(plan)
+    if objective == "kl":
+        return metrics.kl
+    if objective == "ppl":
+        return metrics.perplexity
+    if objective == "agreement":
+        return metrics.top1_agreement
+    if objective == "speedup":
+        if costs is None:
+            raise ValueError("the speedup objective needs a measured cost model")
+        c = costs.relative_cost(plan)
+        return max(expected_speedup(metrics.top1_agreement, gamma, c) for gamma in range(1, 9))
+    raise ValueError(f"unknown objective '{objective}'; choose from {', '.join(OBJECTIVES)}")

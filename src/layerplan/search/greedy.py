@@ -1,0 +1,134 @@
+"""Greedy (incremental) skipping, as in the llama.cpp layer-skip demo, and its reverse.
+
+forward mode: repeatedly switch off the item (sub-layer or whole layer) whose removal hurts the
+objective least, re-scoring the remaining items with it off. anti mode: start with everything
+but the protected ends off and switch back on the item that helps most.
+
+Each pass is one scan against the current plan (every candidate resumes from the full model's
+stream at its first change). Candidates that ranked in the worst `prune` fraction in a pass are
+dropped from later passes (never below `min_alive`). A state file lets an interrupted search resume where it stopped.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from layerplan.files import write_json_atomic
+from layerplan.plan import LayerPlan, PlanError
+from layerplan.search.evaluator import OBJECTIVES, PlanEvaluator, score
+
+Item = tuple[str, int]  # ("attention" | "mlp" | "layer", layer index)
+
+
+@dataclass
+class GreedyStep:
+    item: str  # e.g. "attention 7"
+    plan: str
+    value: float  # objective after this step
+    cost: float  # plan.cost: fraction of sub-layers still running
+
+
+@dataclass
+class GreedyResult:
+    model: str
+    objective: str
+    mode: str
+    steps: list[GreedyStep] = field(default_factory=list)
+    evaluations: int = 0
+
+    @property
+    def best_plan(self) -> str:
+        return self.steps[-1].plan if self.steps else "full"
+
+    def to_dict(self) -> dict:
+        return asdict(self) | {"best_plan": self.best_plan}
+
+
+def candidate_items(num_layers: int, granularity: str, allow_ends: bool) -> list[Item]:
+    layers = range(num_layers) if allow_ends else range(1, num_layers - 1)
+    if granularity == "layer":
+        return [("layer", i) for i in layers]
+    return [(kind, i) for i in layers for kind in ("attention", "mlp")]
+
+
+def _switch(plan: LayerPlan, item: Item, on: bool) -> LayerPlan:
+    kind, layer = item
+    steps = [i for i, s in enumerate(plan.steps) if s.layer == layer]
+    for index in steps:
+        if kind in ("attention", "layer"):
+            plan = plan.with_step(index, attention=on)
+        if kind in ("mlp", "layer"):
+            plan = plan.with_step(index, mlp=on)
+    return plan
+
+
+def greedy_search(
+    evaluator: PlanEvaluator,
+    objective: str = "kl",
+    budget: int | None = None,
+    max_cost_cut: float | None = None,
+    granularity: str = "sublayer",
+    mode: str = "forward",
+    allow_ends: bool = False,
+    prune: float = 0.3,
+    min_alive: int = 8,
+    state_file: str | Path | None = None,
+    costs=None,
+    on_progress: Callable[[int, int], None] | None = None,
+) -> GreedyResult:
+    """budget: items to switch (default: until max_cost_cut or all); max_cost_cut: stop once the
+    plan's cost fell by this fraction (forward) / rose to 1 − this (anti)."""
+    model = evaluator.model
+    if objective == "tokens-per-second":
+        raise ValueError("greedy search scores many candidates per pass; use kl, ppl, agreement or speedup")
+    sign = 1.0 if OBJECTIVES[objective].direction == "minimize" else -1.0
+    items = candidate_items(model.num_layers, granularity, allow_ends)
+    plan = evaluator.reference_plan
+    if mode == "anti":
+        for item in items:
+            plan = _switch(plan, item, on=False)
+    elif mode != "forward":
+        raise ValueError(f"unknown greedy mode '{mode}'; use forward or anti")
+    result = GreedyResult(model.name, objective, mode)
+    state_path = Path(state_file) if state_file else None
+    done_items: list[Item] = []
+    if state_path is not None and state_path.exists():
+        saved = json.loads(state_path.read_text())
+        if (saved.get("model"), saved.get("objective"), saved.get("mode")) == (model.name, objective, mode):
+            for record in saved["steps"]:
+                kind, layer = record["item"].split()
+                done_items.append((kind, int(layer)))
+                plan = _switch(plan, done_items[-1], on=mode == "anti")
+                result.steps.append(GreedyStep(**record))
+    remaining = [i for i in items if i not in done_items]
+    limit = budget if budget is not None else len(items)
+    alive = list(remaining)
+    while remaining and len(result.steps) < limit:
+        if max_cost_cut is not None:
+            cut = 1.0 - plan.cost
+            if (mode == "forward" and cut >= max_cost_cut) or (mode == "anti" and cut <= max_cost_cut):
+                break
+        scored: list[tuple[float, Item, LayerPlan]] = []
+        for k, item in enumerate(alive, 1):
+            try:
+                candidate = _switch(plan, item, on=mode == "anti")
+            except PlanError:
+                continue  # would switch off everything
+            scored.append((sign * score(objective, candidate, evaluator, costs), item, candidate))
+            if on_progress:
+                on_progress(k, len(alive))
+        if not scored:
+            break
+        scored.sort(key=lambda x: x[0])
+        value, item, plan = scored[0]
+        remaining.remove(item)
+        keep = max(min_alive, int(len(scored) * (1 - prune))) if prune else len(scored)
+        alive = [i for _, i, _ in scored[1 : keep + 1]]
+        result.steps.append(GreedyStep(f"{item[0]} {item[1]}", plan.to_string(), sign * value, plan.cost))
+        if state_path is not None:
+            write_json_atomic(state_path, result.to_dict())
+    result.evaluations = evaluator.evaluations
+    return result

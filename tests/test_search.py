@@ -1,0 +1,177 @@
+"""Plan search: the shared evaluator, greedy skipping, Optuna studies, resumption, shared storage."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from layerplan.evaluate import Reference
+from layerplan.runner import forward
+from layerplan.scan import scan
+from layerplan.search.bayes import plan_from_params, run_study
+from layerplan.search.evaluator import PlanEvaluator, measure_costs, score
+from layerplan.search.greedy import greedy_search
+from tiny import VOCAB, tiny_model
+
+
+@pytest.fixture(scope="module")
+def setup():
+    model = tiny_model("llama", num_layers=4)
+    ids = torch.randint(3, VOCAB, (1, 32), generator=torch.Generator().manual_seed(0))
+    return model, ids
+
+
+@pytest.mark.parametrize("text", ["full", "skip:attn=2", "skip:mlp=1;attn=3", "exit:3", "skip:layers=0", "0,1,1,2,3"])
+def test_evaluator_resume_equals_direct_evaluation(setup, text):
+    model, ids = setup
+    plan = model.plan(text)
+    expected = Reference(forward(model, ids), ids).divergence(forward(model, ids, plan))
+    got = PlanEvaluator(model, ids).divergence(plan)
+    assert got.kl == pytest.approx(expected.kl, rel=1e-5, abs=1e-7)
+    assert got.top1_agreement == expected.top1_agreement
+
+
+def test_greedy_first_step_is_the_scans_least_harmful_item_and_resumes(setup, tmp_path):
+    model, ids = setup
+    least = min(scan(model, ids, kinds=["attention", "mlp"]).items, key=lambda i: i.kl)
+    state = tmp_path / "greedy.json"
+    first = greedy_search(PlanEvaluator(model, ids), "kl", budget=2, allow_ends=True, state_file=state)
+    assert first.steps[0].item == f"{least.kind} {least.layer}"
+    assert [s.cost for s in first.steps] == [0.875, 0.75]
+    assert first.steps[0].value <= first.steps[1].value  # each step adds damage
+    evaluator = PlanEvaluator(model, ids)
+    resumed = greedy_search(evaluator, "kl", budget=3, allow_ends=True, state_file=state)
+    assert [s.item for s in resumed.steps[:2]] == [s.item for s in first.steps]
+    assert len(resumed.steps) == 3
+    assert evaluator.evaluations <= 6  # only the third pass ran
+    assert json.loads(state.read_text())["steps"][2]["item"] == resumed.steps[2].item
+
+
+def test_greedy_keeps_the_ends_and_anti_mode_adds_back(setup):
+    model, ids = setup
+    forward_result = greedy_search(PlanEvaluator(model, ids), "kl", budget=10)
+    assert all(s.item.split()[1] in ("1", "2") for s in forward_result.steps)
+    assert len(forward_result.steps) == 4  # every sub-layer of layers 1-2; layers 0 and 3 are kept
+    assert forward_result.best_plan == "skip:layers=1-2"
+    anti = greedy_search(PlanEvaluator(model, ids), "kl", budget=2, mode="anti")
+    assert anti.steps[0].cost == pytest.approx(5 / 8)  # ends on (4 sub-layers) + one added back
+    assert anti.steps[1].value <= anti.steps[0].value
+
+
+def test_study_is_seeded_resumes_and_reports(setup, tmp_path):
+    model, ids = setup
+    storage = str(tmp_path / "study.db")
+    evaluator = PlanEvaluator(model, ids)
+    seeds = [model.plan(), model.plan("skip:attn=1")]
+    first = run_study(evaluator, "kl", 6, storage, "s", seeds=seeds)
+    assert [t.plan for t in first.trials[:2]] == ["full", "skip:attn=1"]
+    assert first.best_plan == "full" and first.best_value == pytest.approx(0.0, abs=1e-6)
+    again = run_study(PlanEvaluator(model, ids), "kl", 9, storage, "s", seeds=seeds)
+    complete = [t for t in again.trials if t.state == "COMPLETE"]
+    assert len(complete) == 9
+    assert [t.plan for t in again.trials[:6]] == [t.plan for t in first.trials]  # nothing finished was lost
+
+
+def test_multi_objective_study_on_a_journal_file(setup, tmp_path):
+    model, ids = setup
+    result = run_study(PlanEvaluator(model, ids), "agreement", 8, f"journal:{tmp_path / 'j.log'}", "m",
+                       multi_objective=True, seeds=[model.plan()])
+    assert result.directions == ["maximize", "minimize"]
+    assert result.pareto and all(len(p.values) == 2 for p in result.pareto)
+
+
+def test_speedup_objective_uses_measured_costs(setup):
+    model, ids = setup
+    costs = measure_costs(model, context=16, repeats=5)
+    assert costs.relative_cost(model.plan()) == pytest.approx(1.0)
+    assert costs.relative_cost(model.plan("exit:2")) < 1.0
+    evaluator = PlanEvaluator(model, ids)
+    assert score("speedup", model.plan(), evaluator, costs) == pytest.approx(1.0)
+    with pytest.raises(ValueError, match="needs a measured cost model"):
+        score("speedup", model.plan(), evaluator)
+
+
+def test_plan_from_trial_params():
+    plan = plan_from_params(4, {"attn_1": False, "mlp_1": True, "attn_2": True, "mlp_2": False})
+    assert plan.to_string() == "skip:attn=1;mlp=2"
+
+
+WORKER = textwrap.dedent("""
+    import sys, torch
+    sys.path.insert(0, {tests!r})
+    from tiny import tiny_model, VOCAB
+    from layerplan.search.bayes import run_study
+    from layerplan.search.evaluator import PlanEvaluator
+    model = tiny_model("llama", num_layers=4)
+    ids = torch.randint(3, VOCAB, (1, 32), generator=torch.Generator().manual_seed(0))
+    run_study(PlanEvaluator(model, ids), "kl", 12, {storage!r}, "shared", seed=int(sys.argv[1]))
+""")
+
+
+def _run_workers(storage: str, count: int = 2) -> None:
+    script = WORKER.format(tests=str(Path(__file__).parent), storage=storage)
+    procs = [subprocess.Popen([sys.executable, "-c", script, str(seed)]) for seed in range(count)]
+    assert all(p.wait(timeout=300) == 0 for p in procs)
+
+
+def _complete(storage_url: str) -> int:
+    import optuna
+
+    from layerplan.search.bayes import make_storage
+
+    study = optuna.load_study(study_name="shared", storage=make_storage(storage_url))
+    return len([t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE])
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "journal"])
+def test_two_worker_processes_share_one_study(tmp_path, kind):
+    storage = str(tmp_path / "shared.db") if kind == "sqlite" else f"journal:{tmp_path / 'shared.log'}"
+    _run_workers(storage)
+    assert 12 <= _complete(storage) <= 13  # both stop at 12 finished; one may finish a trial in flight
+
+
+def _pg_bin() -> Path | None:
+    found = sorted(Path("/usr/lib/postgresql").glob("*/bin/pg_ctl")) if Path("/usr/lib/postgresql").exists() else []
+    return found[-1].parent if found else None
+
+
+@pytest.fixture
+def postgres():
+    """A throwaway PostgreSQL server on 127.0.0.1, run as the 'postgres' user."""
+    import tempfile
+
+    bin_dir = _pg_bin()
+    if bin_dir is None or shutil.which("runuser") is None:
+        pytest.skip("PostgreSQL is not installed (Debian package 'postgresql'; .ci/run installs it when it can)")
+    pytest.importorskip("psycopg", reason="psycopg (3) is needed to talk to PostgreSQL")
+    if os.geteuid() != 0:
+        pytest.skip("starting a PostgreSQL server as the 'postgres' user needs root (runuser)")
+    tmp_path = Path(tempfile.mkdtemp(prefix="layerplan-pg-"))  # pytest's tmp root is private to root
+    data = tmp_path / "pgdata"
+    data.mkdir()
+    shutil.chown(tmp_path, "postgres")
+    shutil.chown(data, "postgres")
+    port = 54329
+
+    def as_postgres(*args):
+        subprocess.run(["runuser", "-u", "postgres", "--", *args], check=True, capture_output=True)
+
+    as_postgres(str(bin_dir / "initdb"), "-D", str(data), "-A", "trust", "-U", "postgres")
+    as_postgres(str(bin_dir / "pg_ctl"), "-D", str(data), "-o", f"-p {port} -k {tmp_path} -h 127.0.0.1",
+                "-l", str(tmp_path / "pg.log"), "-w", "start")
+    try:
+        yield f"postgresql://postgres@127.0.0.1:{port}/postgres"
+    finally:
+        as_postgres(str(bin_dir / "pg_ctl"), "-D", str(data), "-m", "fast", "-w", "stop")
+        shutil.rmtree(tmp_path, ignore_errors=True)
+
+
+def test_two_workers_share_a_study_in_postgresql(postgres):
+    _run_workers(postgres)
+    assert 12 <= _complete(postgres) <= 13
