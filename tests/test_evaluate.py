@@ -78,3 +78,18 @@ def test_real_model_perplexity_agrees_with_transformers(smollm2):
     ids = smollm2.tokenizer(default_corpus(), return_tensors="pt").input_ids[:, :300]
     expected, _ = hf_sliding_perplexity(smollm2.hf, ids, 128, 64)
     assert perplexity(smollm2, ids, window=128, stride=64).perplexity == pytest.approx(expected, rel=1e-5)
+
+
+@pytest.mark.parametrize("chunk", [1, 5, 64])
+def test_chunked_divergence_of_hidden_equals_whole_logits(chunk):
+    from layerplan.runner import head, run_hidden
+
+    model = tiny_model("gemma3")
+    ids = torch.randint(3, VOCAB, (2, 13), generator=torch.Generator().manual_seed(3))
+    reference = Reference(forward(model, ids), ids)
+    hidden = run_hidden(model, ids, model.plan("skip:mlp=1"))
+    whole = reference.divergence(head(model, hidden))
+    chunked = reference.divergence_of_hidden(lambda h: head(model, h), hidden, chunk=chunk)
+    assert chunked.kl == pytest.approx(whole.kl, rel=1e-5, abs=1e-8)
+    assert chunked.perplexity == pytest.approx(whole.perplexity, rel=1e-6)
+    assert chunked.top1_agreement == whole.top1_agreement

@@ -48,12 +48,59 @@ def test_export_then_transformers_load_equals_in_memory_plan(arch, plan_text, tm
     assert (torch.cat(pieces, 1) - reference).abs().max() < 1e-4
 
 
-def test_mergekit_multi_slice_round_trip_and_model_checks():
+def test_mergekit_multi_slice_multi_model_round_trip():
     text = parse_plan("0-5,3-9", 10).to_mergekit("org/base")
     assert LayerPlan.from_mergekit(text, 10) == parse_plan("0-5,3-9", 10)
-    two_models = text.replace("org/base", "org/other", 1)
-    with pytest.raises(PlanError, match="slices name 2 models"):
-        LayerPlan.from_mergekit(two_models, 10)
+    two = """
+slices:
+  - sources: [{model: org/A, layer_range: [0, 6]}]
+  - sources: [{model: org/B, layer_range: [3, 10]}]
+  - sources: [{model: org/A, layer_range: [8, 10]}]
+merge_method: passthrough
+"""
+    plan = LayerPlan.from_mergekit(two, 10)
+    assert plan.to_string() == "a:0-5,b:3-9,a:8-9"
+    assert LayerPlan.mergekit_models(two) == {"": "org/A", "b": "org/B"}
+    assert LayerPlan.from_mergekit(plan.to_mergekit("org/A", sources={"b": "org/B"}), 10) == plan
+    with pytest.raises(PlanError, match="give their paths"):
+        plan.to_mergekit("org/A")
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_two_model_plan_equals_the_merged_checkpoint(arch, tmp_path):
+    model = tiny_model(arch, num_layers=3, seed=0)
+    other = tiny_model(arch, num_layers=3, seed=1)
+    model.attach(other, "b")
+    plan = model.plan("a:0-1,b:1-2,a:2")
+    assert plan.models == ("b",)
+    folder = export_checkpoint(model, plan, tmp_path / "two")
+    merged = AutoModelForCausalLM.from_pretrained(folder, attn_implementation="sdpa").eval()
+    ids = torch.randint(3, VOCAB, (1, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        reference = merged(ids).logits
+    assert (forward(model, ids, plan) - reference).abs().max() < 1e-4
+    cache = new_cache(plan)
+    pieces = [forward(model, ids[:, :6], plan, cache, 0)] + [
+        forward(model, ids[:, t : t + 1], plan, cache, t) for t in range(6, 12)]
+    assert (torch.cat(pieces, 1) - reference).abs().max() < 1e-4
+    # the second model's layers really are used
+    assert (forward(model, ids, model.plan("0-1,1-2,2")) - reference).abs().max() > 1e-3
+
+
+def test_two_model_errors_come_before_any_computation():
+    model = tiny_model("llama", num_layers=3)
+    with pytest.raises(PlanError, match="takes layers from model.s. b, but only a is loaded"):
+        model.plan("a:0-1,b:1-2")
+    with pytest.raises(PlanError, match="hidden_size is 64, not 32"):
+        bigger = tiny_model("llama", num_layers=3)
+        bigger.hf.config.hidden_size = 64
+        model.attach(bigger, "b")
+    with pytest.raises(PlanError, match="does not match .*num_hidden_layers is 4, not 3"):
+        model.attach(tiny_model("llama", num_layers=4), "b")
+    with pytest.raises(PlanError, match="'a' is this model"):
+        model.attach(tiny_model("llama", num_layers=3), "a")
+    with pytest.raises(PlanError, match="layer 3 is out of range"):
+        model.plan("b:0-3")
 
 
 def test_explore_grid_ranks_orders_against_the_full_model():

@@ -49,6 +49,20 @@ def _load(model: str, dtype: str, device: str = "cpu"):
     return load_model(model, dtype=dtype, device=device)
 
 
+def _attach(loaded, model_b: str | None, dtype: str, device: str = "cpu"):
+    """Load --model-b and make its layers available to plans as 'b:…'."""
+    if model_b:
+        from layerplan.models import load_model
+
+        click.echo(f"loading {model_b} as model b…", err=True)
+        loaded.attach(load_model(model_b, dtype=dtype, device=device), "b")
+    return loaded
+
+
+model_b_option = click.option("--model-b", default=None,
+                              help="a second model of the same architecture and size; plans name its layers as b:8-23")
+
+
 def _threads(threads: int | None) -> None:
     if threads:
         import torch
@@ -136,6 +150,7 @@ def scan(model, dtype, device, threads, base_plan, tokens, text, kinds, no_reuse
 @device_option
 @threads_option
 @click.option("--plan", default=None, help="run the model by this plan (lossy unless it is the full model)")
+@model_b_option
 @click.option("--max-new-tokens", "-n", default=128, show_default=True)
 @click.option("--temperature", "-t", default=0.0, show_default=True, help="0 = greedy")
 @click.option("--top-k", default=0, show_default=True)
@@ -155,7 +170,7 @@ def scan(model, dtype, device, threads, base_plan, tokens, text, kinds, no_reuse
 @click.option("--draft-confidence", default=0.0, show_default=True,
               help="a model drafter stops a round when its top-1 probability falls below this")
 @click.option("--stats", is_flag=True, help="print timing and speculative statistics as JSON on stderr")
-def generate(prompt, model, dtype, device, threads, plan, max_new_tokens, temperature, top_k, top_p,
+def generate(prompt, model, dtype, device, threads, plan, model_b, max_new_tokens, temperature, top_k, top_p,
              repetition_penalty, seed, stop, chat, stream, draft, draft_length, draft_model, draft_confidence,
              stats) -> None:
     """Generate a continuation of PROMPT."""
@@ -164,7 +179,7 @@ def generate(prompt, model, dtype, device, threads, plan, max_new_tokens, temper
 
     _threads(threads)
     with _user_errors():
-        loaded = _load(model, dtype, device)
+        loaded = _attach(_load(model, dtype, device), model_b, dtype, device)
         params = SamplingParams(temperature, top_k, top_p, repetition_penalty)
         on_text = (lambda piece: click.echo(piece, nl=False)) if stream else None
         if draft_model:
@@ -186,13 +201,14 @@ def generate(prompt, model, dtype, device, threads, plan, max_new_tokens, temper
 @device_option
 @threads_option
 @click.option("--plan", default=None, help="plan to evaluate (default: full model)")
+@model_b_option
 @click.option("--text", type=click.Path(dir_okay=False), default=None, help=".txt or .jsonl; default: built-in corpus")
 @click.option("--window", default=512, show_default=True)
 @click.option("--stride", default=256, show_default=True)
 @click.option("--max-tokens", default=4096, show_default=True, help="score at most this many tokens per text (0: all)")
 @click.option("--compare/--no-compare", default=True, show_default=True,
               help="also report KL and top-1 agreement against the full model")
-def ppl(model, dtype, device, threads, plan, text, window, stride, max_tokens, compare) -> None:
+def ppl(model, dtype, device, threads, plan, model_b, text, window, stride, max_tokens, compare) -> None:
     """Sliding-window perplexity of the model (under a plan) on a text."""
     from layerplan.corpus import default_corpus, read_texts
     import torch
@@ -201,7 +217,7 @@ def ppl(model, dtype, device, threads, plan, text, window, stride, max_tokens, c
 
     _threads(threads)
     with _user_errors():
-        loaded = _load(model, dtype, device)
+        loaded = _attach(_load(model, dtype, device), model_b, dtype, device)
         layer_plan = loaded.plan(plan)
         texts = read_texts(text) if text else [default_corpus()]
         token_ids = [loaded.tokenizer(t, return_tensors="pt").input_ids for t in texts]
@@ -271,7 +287,8 @@ def explore(model, dtype, device, threads, recompute, rewind, plans, tokens, tex
 @click.option("--out", type=click.Path(), required=True, help="folder (checkpoint) or .yaml file (mergekit)")
 @click.option("--to", "fmt", type=click.Choice(["checkpoint", "mergekit"]), default="checkpoint", show_default=True)
 @click.option("--source", default=None, help="model name written into mergekit YAML (default: --model)")
-def export(plan, model, dtype, out, fmt, source) -> None:
+@model_b_option
+def export(plan, model, dtype, out, fmt, source, model_b) -> None:
     """Write PLAN as a real Hugging Face checkpoint, or as mergekit passthrough YAML.
 
     \b
@@ -285,10 +302,11 @@ def export(plan, model, dtype, out, fmt, source) -> None:
             from layerplan.plan import load_plan
 
             depth, name = model_depth(model)
-            text = load_plan(plan, depth, name).to_mergekit(source or model, dtype)
+            text = load_plan(plan, depth, name).to_mergekit(source or model, dtype,
+                                                            {"b": model_b} if model_b else None)
             write_text_atomic(out, text)
         else:
-            loaded = _load(model, dtype)
+            loaded = _attach(_load(model, dtype), model_b, dtype)
             folder = export_checkpoint(loaded, loaded.plan(plan), out)
             click.echo(f"wrote {folder} ({len(loaded.plan(plan).active_steps)} layers)")
             return
@@ -309,6 +327,8 @@ def export(plan, model, dtype, out, fmt, source) -> None:
 @click.option("--multi", is_flag=True, help="optimise the objective and the plan's cost together (Pareto front)")
 @click.option("--trials", default=100, show_default=True, help="finished trials in the study, all workers together")
 @click.option("--budget", type=int, default=None, help="greedy: sub-layers (or layers) to switch; default 20")
+@click.option("--max-cost-cut", type=float, default=None,
+              help="greedy: stop once this fraction of the model's sub-layers is switched off (e.g. 0.3)")
 @click.option("--granularity", type=click.Choice(["sublayer", "layer"]), default="sublayer", show_default=True)
 @click.option("--mode", type=click.Choice(["forward", "anti"]), default="forward", show_default=True,
               help="greedy: skip the least harmful (forward) or start skipped and add back the most useful (anti)")
@@ -323,8 +343,8 @@ def export(plan, model, dtype, out, fmt, source) -> None:
               help="save the best plan for `--draft auto` (default: for agreement/speedup/tokens-per-second)")
 @click.option("--seed", default=0, show_default=True)
 @click.option("--out", type=click.Path(file_okay=False), default="runs/search", show_default=True)
-def search(model, dtype, threads, method, objective, multi, trials, budget, granularity, mode, sampler, storage,
-           study_name, tokens, text, allow_ends, save_draft, seed, out) -> None:
+def search(model, dtype, threads, method, objective, multi, trials, budget, max_cost_cut, granularity, mode, sampler,
+           storage, study_name, tokens, text, allow_ends, save_draft, seed, out) -> None:
     """Find a good plan: greedy skipping and/or a Bayesian (Optuna) study; resumable, shareable.
 
     \b
@@ -360,7 +380,8 @@ def search(model, dtype, threads, method, objective, multi, trials, budget, gran
             progress = _Progress("greedy pass")
             try:
                 greedy = greedy_search(evaluator, objective if objective != "tokens-per-second" else "speedup",
-                                       budget=budget if budget is not None else 20, granularity=granularity,
+                                       budget=budget if budget is not None else (None if max_cost_cut else 20),
+                                       max_cost_cut=max_cost_cut, granularity=granularity,
                                        mode=mode, allow_ends=allow_ends,
                                        state_file=out_dir / f"greedy-{objective}-{mode}-{granularity}.json",
                                        costs=costs, on_progress=progress)

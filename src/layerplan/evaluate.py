@@ -145,6 +145,36 @@ class Reference:
         )
 
 
+    def divergence_of_hidden(self, head_fn, hidden: torch.Tensor, plan: str = "", chunk: int = 64) -> Divergence:
+        """The same as divergence(head_fn(hidden)), computed over chunks of positions so that
+        the (positions × vocabulary) logits never exist at once: less memory traffic and no
+        allocation churn of 100 MB tensors per candidate."""
+        batch, length, _ = hidden.shape
+        kl_sum, nll_sum, agree = 0.0, 0.0, 0
+        for b in range(batch):
+            for start in range(0, length, chunk):
+                end = min(start + chunk, length)
+                logits = head_fn(hidden[b : b + 1, start:end]).float()[0]  # (c, V)
+                lse = torch.logsumexp(logits, -1)
+                shift = (self.probs[b, start:end] * (logits - self.logits[b, start:end])).sum(-1)
+                kl_sum += float((lse - self.lse[b, start:end] - shift).sum())
+                scored = min(end, length - 1) - start  # positions that predict a next token
+                if scored > 0:
+                    targets = self.ids[b, start + 1 : start + 1 + scored]
+                    picked = logits[:scored].gather(-1, targets[:, None])[:, 0]
+                    nll_sum += float((lse[:scored] - picked).sum())
+                agree += int((logits.argmax(-1) == self.top1[b, start:end]).sum())
+        positions = batch * length
+        return Divergence(
+            perplexity=math.exp(nll_sum / (batch * (length - 1))),
+            reference_perplexity=self.perplexity,
+            kl=max(kl_sum / positions, 0.0),
+            top1_agreement=agree / positions,
+            tokens=int(self.ids.numel()),
+            plan=plan,
+        )
+
+
 def divergence_from_logits(reference: torch.Tensor, logits: torch.Tensor, ids: torch.Tensor, plan: str = "") -> Divergence:
     """Compare logits (B, T, V) of a plan with reference logits on the same ids."""
     return Reference(reference, ids).divergence(logits, plan)

@@ -31,18 +31,21 @@ def plan_state_dict(model: LoadedModel, plan: LayerPlan) -> dict[str, torch.Tens
     where one follows (Gemma: (offset + w) · s). The exported layer then adds exactly s times
     its update, as the plan does."""
     spec = arch_spec(model.hf.config.model_type)
+    model.check_plan(plan)
     prefix = _layer_prefix(model)
-    source = model.hf.state_dict()
-    by_layer: dict[int, dict[str, torch.Tensor]] = {}
     result: dict[str, torch.Tensor] = {}
-    for key, tensor in source.items():
-        if key.startswith(prefix):
-            index, rest = key[len(prefix):].split(".", 1)
-            by_layer.setdefault(int(index), {})[rest] = tensor
-        else:
-            result[key] = tensor
+    by_layer: dict[tuple[str, int], dict[str, torch.Tensor]] = {}
+    sources = {"": model, **{label: model.others[label] for label in plan.models}}
+    for label, source in sources.items():
+        for key, tensor in source.hf.state_dict().items():
+            if key.startswith(prefix):
+                index, rest = key[len(prefix):].split(".", 1)
+                by_layer.setdefault((label, int(index)), {})[rest] = tensor
+            elif not label:
+                result[key] = tensor  # embeddings, final norm and head come from the primary model
     for new_index, step in enumerate(plan.active_steps):
-        weights = {rest: tensor.clone() for rest, tensor in by_layer[step.layer].items()}  # repeats: own storage
+        source_layer = by_layer[(step.model, step.layer)]
+        weights = {rest: tensor.clone() for rest, tensor in source_layer.items()}  # repeats: own storage
         for scale, post_norm, output in (
             (step.scale if step.attention else 0.0, spec.attention_post_norm, spec.attention_output),
             (step.scale if step.mlp else 0.0, spec.mlp_post_norm, spec.mlp_output),
@@ -57,7 +60,7 @@ def plan_state_dict(model: LoadedModel, plan: LayerPlan) -> dict[str, torch.Tens
                     if name in weights:
                         weights[name] = weights[name].float() * scale
         for rest, tensor in weights.items():
-            result[f"{prefix}{new_index}.{rest}"] = tensor.to(by_layer[step.layer][rest].dtype)
+            result[f"{prefix}{new_index}.{rest}"] = tensor.to(source_layer[rest].dtype)
     return result
 
 

@@ -189,9 +189,31 @@ class LoadedModel:
     tokenizer: Any
     source: str  # where it came from (folder, GGUF file), for reports
     parts: ModelParts = field(init=False)
+    # extra models whose layers plans may name ("b" -> parts), for in-situ merges of two models
+    others: dict[str, LoadedModel] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.parts = model_parts(self.hf)
+
+    def layers_of(self, label: str) -> tuple[LayerParts, ...]:
+        return self.parts.layers if not label else self.others[label].parts.layers
+
+    def attach(self, other: LoadedModel, label: str = "b") -> None:
+        """Let plans take layers from `other` ("b:8-23"); it must have this model's architecture
+        and sizes, and its embeddings, final norm and head are not used."""
+        from layerplan.plan import PlanError
+
+        if not label or label == "a" or not label.isidentifier():
+            raise PlanError(f"model label '{label}' is taken or not a name: 'a' is this model; use b, c, …")
+        fields = ("model_type", "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+                  "num_hidden_layers", "n_embd", "n_head", "n_layer")
+        for name in fields:
+            mine, theirs = getattr(self.hf.config, name, None), getattr(other.hf.config, name, None)
+            if mine != theirs:
+                raise PlanError(f"model '{label}' ({other.name}) does not match {self.name}: {name} is {theirs}, not {mine}")
+        if other.dtype != self.dtype or other.device != self.device:
+            raise PlanError(f"model '{label}' is {other.dtype} on {other.device}, not {self.dtype} on {self.device}")
+        self.others[label] = other
 
     @property
     def num_layers(self) -> int:
@@ -224,7 +246,19 @@ class LoadedModel:
 
         if text is None:
             return LayerPlan.full(self.num_layers, self.name)
-        return load_plan(text, self.num_layers, self.name)
+        plan = load_plan(text, self.num_layers, self.name)
+        self.check_plan(plan)
+        return plan
+
+    def check_plan(self, plan) -> None:
+        """Every model the plan names is attached (checked before any computation)."""
+        from layerplan.plan import PlanError
+
+        missing = [label for label in plan.models if label not in self.others]
+        if missing:
+            loaded = ", ".join(["a"] + sorted(self.others))
+            raise PlanError(f"the plan takes layers from model(s) {', '.join(missing)}, but only {loaded} "
+                            f"{'is' if not self.others else 'are'} loaded (attach them, e.g. --model-b PATH)")
 
     def encode(self, text: str, chat: bool = False) -> torch.Tensor:
         """Token ids, shape (1, T); with chat=True the tokenizer's chat template wraps the text."""

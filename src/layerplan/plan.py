@@ -45,6 +45,7 @@ class Step:
     attention: bool = True  # run the attention sub-layer (False: its residual update is skipped)
     mlp: bool = True  # run the MLP sub-layer
     scale: float = 1.0  # multiplies each sub-layer's residual update (weighted repeats)
+    model: str = ""  # which loaded model the layer comes from ("" = the primary one, "a")
 
     @property
     def active(self) -> bool:
@@ -109,8 +110,13 @@ class LayerPlan:
     def is_model_order(self) -> bool:
         """Steps are layers 0..n-1 once each at scale 1 (sub-layers may be off)."""
         return len(self.steps) == self.num_layers and all(
-            s.layer == i and s.scale == 1.0 for i, s in enumerate(self.steps)
+            s.layer == i and s.scale == 1.0 and not s.model for i, s in enumerate(self.steps)
         )
+
+    @property
+    def models(self) -> tuple[str, ...]:
+        """Labels of the extra models the plan's steps use ("" = the primary model only)."""
+        return tuple(sorted({s.model for s in self.steps if s.model}))
 
     @property
     def cost(self) -> float:
@@ -170,7 +176,8 @@ class LayerPlan:
         if len(self.active_steps) > len(target.steps):
             return False
         return all(
-            d.layer == t.layer and d.scale == t.scale and d.attention <= t.attention and d.mlp <= t.mlp
+            d.layer == t.layer and d.model == t.model and d.scale == t.scale
+            and d.attention <= t.attention and d.mlp <= t.mlp
             for d, t in zip(self.active_steps, target.steps)
         )
 
@@ -236,6 +243,8 @@ class LayerPlan:
     def to_layer_replication(self) -> list[list[int]]:
         """PEFT's layer_replication: half-open [start, end) ranges, concatenated."""
         self._require_whole_layers("layer_replication")
+        if self.models:
+            raise PlanError("layer_replication repeats layers of one model; this plan uses several")
         return [[a, b + 1] for a, b in _ascending_runs([s.layer for s in self.active_steps])]
 
     @classmethod
@@ -255,13 +264,18 @@ class LayerPlan:
             layers.extend(range(start, end))
         return cls(tuple(Step(i) for i in layers), num_layers, model_name=model_name)
 
-    def to_mergekit(self, model: str, dtype: str = "bfloat16") -> str:
-        """mergekit passthrough YAML that builds this plan as a real checkpoint."""
+    def to_mergekit(self, model: str, dtype: str = "bfloat16", sources: dict[str, str] | None = None) -> str:
+        """mergekit passthrough YAML that builds this plan as a real checkpoint.
+        sources: model path per extra label ("b": "org/other") for plans over several models."""
         self._require_whole_layers("mergekit passthrough")
-        slices = [
-            {"sources": [{"model": model, "layer_range": [a, b + 1]}]}
-            for a, b in _ascending_runs([s.layer for s in self.active_steps])
-        ]
+        names = {"": model, **(sources or {})}
+        missing = [label for label in self.models if label not in names]
+        if missing:
+            raise PlanError(f"the plan uses model(s) {', '.join(missing)}: give their paths for the mergekit config")
+        slices = []
+        for label, run in _model_runs(self.active_steps):
+            for a, b in _ascending_runs([s.layer for s in run]):
+                slices.append({"sources": [{"model": names[label], "layer_range": [a, b + 1]}]})
         return yaml.safe_dump({"slices": slices, "merge_method": "passthrough", "dtype": dtype}, sort_keys=False)
 
     @classmethod
@@ -272,14 +286,16 @@ class LayerPlan:
         method = obj.get("merge_method", "passthrough")
         if method != "passthrough":
             raise PlanError(f"merge_method '{method}' blends weights; only 'passthrough' is a layer plan")
-        layers: list[int] = []
-        models: set[str] = set()
+        steps: list[Step] = []
+        labels: dict[str, str] = {}  # model path -> label: the first model is "", then b, c, ...
         for k, piece in enumerate(obj["slices"]):
             sources = piece.get("sources") if isinstance(piece, dict) else None
             if not sources or len(sources) != 1:
                 raise PlanError(f"slice {k} must have exactly one source for a passthrough merge")
             source = sources[0]
-            models.add(str(source.get("model")))
+            name = str(source.get("model"))
+            if name not in labels:
+                labels[name] = "" if not labels else "bcdefghijklmnopqrstuvwxyz"[len(labels) - 1]
             rng = source.get("layer_range")
             if not isinstance(rng, (list, tuple)) or len(rng) != 2:
                 raise PlanError(f"slice {k}: layer_range must be [start, end), got {rng!r}")
@@ -289,10 +305,19 @@ class LayerPlan:
             if start < 0 or end > num_layers:
                 bad = start if start < 0 else end - 1
                 raise PlanError(f"slice {k}: " + _out_of_range(bad, num_layers, model_name))
-            layers.extend(range(start, end))
-        if len(models) > 1:
-            raise PlanError(f"slices name {len(models)} models ({', '.join(sorted(models))}); a plan runs one model")
-        return cls(tuple(Step(i) for i in layers), num_layers, model_name=model_name)
+            steps.extend(Step(i, model=labels[name]) for i in range(start, end))
+        return cls(tuple(steps), num_layers, model_name=model_name)
+
+    @staticmethod
+    def mergekit_models(text_or_obj: str | dict[str, Any]) -> dict[str, str]:
+        """Label -> model path of a mergekit config, in the order from_mergekit assigns them."""
+        obj = yaml.safe_load(text_or_obj) if isinstance(text_or_obj, str) else text_or_obj
+        labels: dict[str, str] = {}
+        for piece in obj.get("slices", []):
+            name = str(piece["sources"][0].get("model"))
+            if name not in labels.values():
+                labels["" if not labels else "bcdefghijklmnopqrstuvwxyz"[len(labels) - 1]] = name
+        return labels
 
     # ----- JSON ---------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -318,8 +343,9 @@ class LayerPlan:
 
 # ----- parsing ------------------------------------------------------------------------------
 _ITEM = re.compile(
-    r"^(?P<a>\d+)(?:-(?P<b>\d+))?(?:\*(?P<k>\d+))?(?:/(?P<sub>attn|attention|mlp|none))?(?:@(?P<s>[-+]?[0-9.]+(?:e[-+]?\d+)?))?$"
+    r"^(?:(?P<m>[a-z][a-z0-9_]*):)?(?P<a>\d+)(?:-(?P<b>\d+))?(?:\*(?P<k>\d+))?(?:/(?P<sub>attn|attention|mlp|none))?(?:@(?P<s>[-+]?[0-9.]+(?:e[-+]?\d+)?))?$"
 )
+_KEYWORDS = ("exit", "layers", "order", "skip", "frac", "pattern")
 _SKIP_KINDS = {"attn": "attention", "attention": "attention", "mlp": "mlp", "ffn": "mlp", "layers": "layers", "layer": "layers"}
 
 
@@ -357,7 +383,7 @@ def parse_plan(text: str, num_layers: int, model_name: str = "the model") -> Lay
             in_skip = True
         elif in_skip and not sep:
             _parse_skip_part(clause, skips, num_layers, model_name)
-        elif not sep and clause[:1].isdigit():
+        elif clause[:1].isdigit() or (sep and keyword not in _KEYWORDS and re.fullmatch(r"[a-z][a-z0-9_]*", keyword)):
             steps = _set_order(steps, _parse_order(clause, num_layers, model_name), clause)
             in_skip = False
         else:
@@ -377,6 +403,7 @@ def _set_order(current: list[Step] | None, new: list[Step], clause: str) -> list
 
 def _parse_order(body: str, num_layers: int, model_name: str) -> list[Step]:
     steps: list[Step] = []
+    label = ""  # a model prefix ("b:8-23") holds for the following items until the next prefix
     for token in body.split(","):
         item = token.strip()
         m = _ITEM.match(item.lower())
@@ -402,9 +429,11 @@ def _parse_order(body: str, num_layers: int, model_name: str) -> list[Step]:
                 scale = float(m["s"])
             except ValueError:
                 raise PlanError(f"'{item}': cannot read the residual scale '{m['s']}'") from None
+        if m["m"] is not None:
+            label = "" if m["m"] == "a" else m["m"]
         layers = range(a, b + 1) if a <= b else range(a, b - 1, -1)
         for idx in layers:
-            steps.extend(Step(idx, attention, mlp, scale) for _ in range(repeat))
+            steps.extend(Step(idx, attention, mlp, scale, label) for _ in range(repeat))
     return steps
 
 
@@ -492,6 +521,17 @@ def _out_of_range(idx: int, num_layers: int, model_name: str) -> str:
     return f"layer {idx} is out of range: {model_name} has layers 0–{num_layers - 1}"
 
 
+def _model_runs(steps: Sequence[Step]) -> list[tuple[str, list[Step]]]:
+    """Consecutive steps grouped by model label."""
+    runs: list[tuple[str, list[Step]]] = []
+    for step in steps:
+        if runs and runs[-1][0] == step.model:
+            runs[-1][1].append(step)
+        else:
+            runs.append((step.model, [step]))
+    return runs
+
+
 def _ascending_runs(layers: Sequence[int]) -> list[tuple[int, int]]:
     """[0,1,2,5,6,3] -> [(0,2),(5,6),(3,3)]: maximal runs of consecutive ascending layers."""
     runs: list[tuple[int, int]] = []
@@ -511,12 +551,17 @@ def _order_items(steps: Sequence[Step]) -> list[str]:
     """Steps as order items, joining ascending runs of steps that share flags and scale."""
     items: list[str] = []
     run: list[Step] = []
+    multi = any(s.model for s in steps)
+    current = [None]  # the model label of the last item written
 
     def flush() -> None:
         if not run:
             return
         first, last = run[0], run[-1]
         text = str(first.layer) if len(run) == 1 else f"{first.layer}-{last.layer}"
+        if multi and first.model != current[0]:
+            text = f"{first.model or 'a'}:{text}"
+            current[0] = first.model
         if not (first.attention and first.mlp):
             text += "/attn" if first.attention else "/mlp" if first.mlp else "/none"
         if first.scale != 1.0:
@@ -527,7 +572,8 @@ def _order_items(steps: Sequence[Step]) -> list[str]:
     for step in steps:
         if run and (
             step.layer == run[-1].layer + 1
-            and (step.attention, step.mlp, step.scale) == (run[-1].attention, run[-1].mlp, run[-1].scale)
+            and (step.attention, step.mlp, step.scale, step.model)
+            == (run[-1].attention, run[-1].mlp, run[-1].scale, run[-1].model)
         ):
             run.append(step)
         else:

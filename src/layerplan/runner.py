@@ -115,7 +115,7 @@ def run_hidden(
 
     for index in range(first_step, end_step):
         step = plan.steps[index]
-        layer = parts.layers[step.layer]
+        layer = parts.layers[step.layer] if not step.model else model.layers_of(step.model)[step.layer]
         resumes_at_mlp = index == first_step and first_sub == "mlp"
         if observe is not None and not resumes_at_mlp:
             observe(index, "attention", hidden)

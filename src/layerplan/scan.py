@@ -109,7 +109,7 @@ def scan(
             hidden = run_hidden(model, None, candidate, resume=resume)
         else:
             hidden = run_hidden(model, ids, candidate)
-        metrics = reference.divergence(head(model, hidden))
+        metrics = reference.divergence_of_hidden(lambda h: head(model, h), hidden)
         result.items.append(
             ScanItem(kind, index, layer, metrics.perplexity, metrics.perplexity - reference.perplexity,
                      metrics.kl, metrics.top1_agreement)

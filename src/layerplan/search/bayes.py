@@ -37,10 +37,22 @@ def make_storage(url: str | None, heartbeat: int = 60):
     retry_class = getattr(optuna.storages, "RetryHeartbeatStaleTrialCallback", None) or optuna.storages.RetryFailedTrialCallback
     keyword = ("heartbeat_stale_trial_callback" if "heartbeat_stale_trial_callback"
                in inspect.signature(optuna.storages.RDBStorage).parameters else "failed_trial_callback")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # heartbeats are marked experimental
-        return optuna.storages.RDBStorage(url, heartbeat_interval=heartbeat, grace_period=2 * heartbeat,
-                                          **{keyword: retry_class(max_retry=3)})
+    import time
+
+    from sqlalchemy.exc import IntegrityError, OperationalError
+
+    for attempt in range(5):
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # heartbeats are marked experimental
+                return optuna.storages.RDBStorage(url, heartbeat_interval=heartbeat, grace_period=2 * heartbeat,
+                                                  **{keyword: retry_class(max_retry=3)})
+        except (IntegrityError, OperationalError):
+            # workers started together race to create the schema in an empty database: the
+            # loser finds the tables made by the winner on the next try
+            if attempt == 4:
+                raise
+            time.sleep(0.5 * (attempt + 1))
 
 
 def plan_from_params(num_layers: int, params: dict[str, bool], model_name: str = "the model") -> LayerPlan:

@@ -77,8 +77,10 @@ def measure_costs(model: LoadedModel, context: int = 128, repeats: int = 12) -> 
 class PlanEvaluator:
     """Quality of many plans against one reference plan (default: the full model) on fixed ids."""
 
-    def __init__(self, model: LoadedModel, ids: torch.Tensor, reference: LayerPlan | None = None) -> None:
+    def __init__(self, model: LoadedModel, ids: torch.Tensor, reference: LayerPlan | None = None,
+                 reuse: bool = True) -> None:
         self.model, self.ids = model, ids
+        self.reuse = reuse  # False: every candidate from the embeddings, no memo (the naive baseline)
         self.reference_plan = reference if reference is not None else model.plan()
         self.captured: dict[tuple[int, str], torch.Tensor] = {}
         with torch.inference_mode():
@@ -107,18 +109,22 @@ class PlanEvaluator:
 
     @torch.inference_mode()
     def divergence(self, plan: LayerPlan) -> Divergence:
-        if plan in self.cache:
+        if self.reuse and plan in self.cache:
             return self.cache[plan]
         point = self._resume_point(plan)
-        if point is None:
-            logits = self.reference.logits
+        if not self.reuse:
+            hidden = run_hidden(self.model, self.ids, plan)
+        elif point is None:
+            hidden = None
         elif point[0] >= len(plan.active_steps):  # nothing left to run: the exit point itself
-            logits = head(self.model, self.captured[(point[0], "attention")])
+            hidden = self.captured[(point[0], "attention")]
         else:
-            resume = Resume(self.captured[point], point[0], point[1])
-            logits = head(self.model, run_hidden(self.model, None, plan, resume=resume))
+            hidden = run_hidden(self.model, None, plan, resume=Resume(self.captured[point], point[0], point[1]))
         self.evaluations += 1
-        result = self.reference.divergence(logits, plan.to_string())
+        if hidden is None:
+            result = self.reference.divergence(self.reference.logits, plan.to_string())
+        else:
+            result = self.reference.divergence_of_hidden(lambda h: head(self.model, h), hidden, plan.to_string())
         self.cache[plan] = result
         return result
 
