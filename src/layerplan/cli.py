@@ -41,6 +41,12 @@ class _Progress:
     def close(self) -> None:
         self.bar.close()
 
+    def __enter__(self) -> _Progress:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
 
 def _load(model: str, dtype: str, device: str = "cpu"):
     from layerplan.models import load_model
@@ -126,12 +132,9 @@ def scan(model, dtype, device, threads, base_plan, tokens, text, kinds, no_reuse
         plan = loaded.plan(base_plan)
         calibration = "\n\n".join(read_texts(text)) if text else None
         ids = calibration_ids(loaded, calibration, tokens)
-        progress = _Progress("scan")
-        try:
+        with _Progress("scan") as progress:
             result = run_scan(loaded, ids, plan, kinds=[k.strip() for k in kinds.split(",")],
                               reuse=not no_reuse, on_progress=progress)
-        finally:
-            progress.close()
     click.echo(result.table())
     out_dir = Path(out)
     write_json_atomic(out_dir / "scan.json", result.to_dict())
@@ -223,11 +226,8 @@ def ppl(model, dtype, device, threads, plan, model_b, text, window, stride, max_
         token_ids = [loaded.tokenizer(t, return_tensors="pt").input_ids for t in texts]
         if max_tokens:
             token_ids = [ids[:, :max_tokens] for ids in token_ids]
-        progress = _Progress("perplexity")
-        try:
+        with _Progress("perplexity") as progress:
             result = perplexity(loaded, token_ids, layer_plan, window, stride, on_progress=progress)
-        finally:
-            progress.close()
         report = result.to_dict()
         if compare and not layer_plan.is_identity:
             ids = torch.cat(token_ids, 1)[:, : min(window, 512)]
@@ -265,11 +265,8 @@ def explore(model, dtype, device, threads, recompute, rewind, plans, tokens, tex
         candidates = recompute_rewind_grid(loaded, numbers["recompute"], numbers["rewind"])
         candidates += [loaded.plan(p) for p in plans]
         ids = calibration_ids(loaded, "\n\n".join(read_texts(text)) if text else None, tokens)
-        progress = _Progress("explore")
-        try:
+        with _Progress("explore") as progress:
             result = run_explore(loaded, ids, candidates, on_progress=progress)
-        finally:
-            progress.close()
     click.echo(result.table())
     out_dir = Path(out)
     write_json_atomic(out_dir / "explore.json", result.to_dict())
@@ -377,16 +374,13 @@ def search(model, dtype, threads, method, objective, multi, trials, budget, max_
         seeds = [loaded.plan()]
         best = None
         if method in ("greedy", "both"):
-            progress = _Progress("greedy pass")
-            try:
+            with _Progress("greedy pass") as progress:
                 greedy = greedy_search(evaluator, objective if objective != "tokens-per-second" else "speedup",
                                        budget=budget if budget is not None else (None if max_cost_cut else 20),
                                        max_cost_cut=max_cost_cut, granularity=granularity,
                                        mode=mode, allow_ends=allow_ends,
                                        state_file=out_dir / f"greedy-{objective}-{mode}-{granularity}.json",
                                        costs=costs, on_progress=progress)
-            finally:
-                progress.close()
             report["greedy"] = greedy.to_dict()
             values = [step.value for step in greedy.steps]
             if values:
@@ -397,12 +391,9 @@ def search(model, dtype, threads, method, objective, multi, trials, budget, max_
                 seeds.append(loaded.plan(best))
             click.echo(f"greedy: {len(greedy.steps)} steps, {greedy.evaluations} evaluations; plan {greedy.best_plan}")
         if method in ("bayes", "both"):
-            progress = _Progress("trials")
-            try:
+            with _Progress("trials") as progress:
                 study = run_study(evaluator, objective, trials, str(storage or out_dir / "study.db"), study_name,
                                   sampler, multi, seeds, allow_ends, costs, prompts, seed, on_trial=progress)
-            finally:
-                progress.close()
             report["study"] = study.to_dict()
             done = [t for t in study.trials if t.state == "COMPLETE"]
             search_trajectory([t.values[0] for t in done], direction, objective, out_dir / "trajectory.png")
@@ -502,11 +493,8 @@ def bench(model, dtype, threads, new_tokens, repeats, prompt_names, drafts, draf
         stock = load_model(model, dtype=dtype, pack=False)
         packed = load_model(model, dtype=dtype, pack=True) if packing_supported(stock.dtype, "cpu") else None
         methods = bench_methods(stock, packed, list(drafts), list(hf_exits), hf_prompt_lookup, draft_length)
-        progress = _Progress("bench")
-        try:
+        with _Progress("bench") as progress:
             result = run_bench(stock, methods, prompts, new_tokens, repeats, on_progress=progress)
-        finally:
-            progress.close()
     click.echo(f"{result.model}, {result.dtype}, {result.threads} threads, up to {new_tokens} new tokens, "
                f"median of {repeats}; 'vs HF' = transformers plain ms/token ÷ this row's")
     click.echo(result.table())

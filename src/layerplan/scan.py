@@ -1,8 +1,8 @@
 """Layer-importance scan: switch off each layer, attention and MLP in turn and measure the damage.
 
-The residual stream up to the switched-off sub-layer is exactly the base plan's, so it is captured
-once and each candidate resumes from there: on average half the model is run per candidate
-(`reuse=False` recomputes from the embeddings, the naive baseline).
+The residual stream up to the switched-off sub-layer is exactly the base plan's, so the
+evaluator captures it once and each candidate resumes from there: on average half the model is
+run per candidate (`reuse=False` recomputes from the embeddings, the naive baseline).
 """
 
 from __future__ import annotations
@@ -13,10 +13,9 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from layerplan.evaluate import Reference
 from layerplan.models import LoadedModel
 from layerplan.plan import LayerPlan, PlanError
-from layerplan.runner import Resume, head, run_hidden
+from layerplan.search.evaluator import PlanEvaluator
 
 KINDS = ("attention", "mlp", "layer")
 
@@ -77,15 +76,9 @@ def scan(
         raise ValueError(f"unknown scan kind(s) {sorted(unknown)}; choose from {', '.join(KINDS)}")
     plan = plan if plan is not None else model.plan()
     start = time.perf_counter()
-    captured: dict[tuple[int, str], torch.Tensor] = {}
-
-    def capture(step: int, sub_layer: str, hidden: torch.Tensor) -> None:
-        captured[(step, sub_layer)] = hidden
-
-    observe = capture if reuse else None
-    base_logits = head(model, run_hidden(model, ids, plan, observe=observe))
-    reference = Reference(base_logits, ids)
-    result = ScanResult(model.name, plan.to_string(), int(ids.numel()), reference.perplexity, reuse=reuse)
+    evaluator = PlanEvaluator(model, ids, reference=plan, reuse=reuse)
+    base = evaluator.reference.perplexity
+    result = ScanResult(model.name, plan.to_string(), int(ids.numel()), base, reuse=reuse)
 
     candidates = []
     for index, step in enumerate(plan.active_steps):
@@ -103,16 +96,10 @@ def scan(
             )
         except PlanError:
             continue  # switching this off would leave nothing running
-        if reuse:
-            sub_layer = "mlp" if kind == "mlp" else "attention"
-            resume = Resume(captured[(index, sub_layer)], index, sub_layer)
-            hidden = run_hidden(model, None, candidate, resume=resume)
-        else:
-            hidden = run_hidden(model, ids, candidate)
-        metrics = reference.divergence_of_hidden(lambda h: head(model, h), hidden)
+        metrics = evaluator.divergence(candidate)
         result.items.append(
-            ScanItem(kind, index, layer, metrics.perplexity, metrics.perplexity - reference.perplexity,
-                     metrics.kl, metrics.top1_agreement)
+            ScanItem(kind, index, layer, metrics.perplexity, metrics.perplexity - base, metrics.kl,
+                     metrics.top1_agreement)
         )
         if on_progress:
             on_progress(done, len(candidates))
