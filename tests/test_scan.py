@@ -40,3 +40,18 @@ def test_scan_of_a_partial_plan_skips_what_is_already_off(tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     with pytest.raises(ValueError, match="unknown scan kind"):
         scan(model, ids, kinds=["heads"])
+
+
+def test_exit_scan_equals_direct_exits_and_plots(tmp_path):
+    from layerplan.report import exits_plot
+
+    model = tiny_model("qwen2", num_layers=4)
+    ids = torch.randint(3, VOCAB, (1, 16), generator=torch.Generator().manual_seed(2))
+    result = scan(model, ids, kinds=["exit"])
+    assert [i.step for i in result.items] == [1, 2, 3]
+    reference = Reference(forward(model, ids), ids)
+    for item in result.items:
+        expected = reference.divergence(forward(model, ids, model.plan(f"exit:{item.step}")))
+        assert item.kl == pytest.approx(expected.kl, rel=1e-5)
+        assert item.layer == item.step - 1
+    assert exits_plot(result, tmp_path / "exits.png").read_bytes()[:4] == b"\x89PNG"

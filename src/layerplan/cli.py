@@ -117,13 +117,14 @@ def models() -> None:
 @click.option("--tokens", default=512, show_default=True, help="calibration tokens")
 @click.option("--text", type=click.Path(dir_okay=False), default=None, help="calibration text (.txt or .jsonl); default: built-in corpus")
 @click.option("--kinds", default="attention,mlp,layer", show_default=True, help="what to switch off in turn")
+@click.option("--exits", is_flag=True, help="scan every exit point instead (logit lens): writes exits.png")
 @click.option("--no-reuse", is_flag=True, help="recompute from the embeddings for every candidate (naive baseline)")
 @click.option("--out", type=click.Path(file_okay=False), default="runs/scan", show_default=True, help="folder for scan.json and scan.png")
-def scan(model, dtype, device, threads, base_plan, tokens, text, kinds, no_reuse, out) -> None:
+def scan(model, dtype, device, threads, base_plan, tokens, text, kinds, exits, no_reuse, out) -> None:
     """Skip each layer, attention and MLP in turn; report perplexity, KL and top-1 agreement."""
     from layerplan.corpus import read_texts
     from layerplan.evaluate import calibration_ids
-    from layerplan.report import scan_heatmap
+    from layerplan.report import exits_plot, scan_heatmap
     from layerplan.scan import scan as run_scan
 
     _threads(threads)
@@ -133,10 +134,15 @@ def scan(model, dtype, device, threads, base_plan, tokens, text, kinds, no_reuse
         calibration = "\n\n".join(read_texts(text)) if text else None
         ids = calibration_ids(loaded, calibration, tokens)
         with _Progress("scan") as progress:
-            result = run_scan(loaded, ids, plan, kinds=[k.strip() for k in kinds.split(",")],
+            result = run_scan(loaded, ids, plan, kinds=["exit"] if exits else [k.strip() for k in kinds.split(",")],
                               reuse=not no_reuse, on_progress=progress)
     click.echo(result.table())
     out_dir = Path(out)
+    if exits:
+        write_json_atomic(out_dir / "exits.json", result.to_dict())
+        exits_plot(result, out_dir / "exits.png")
+        click.echo(f"wrote {out_dir / 'exits.json'} and {out_dir / 'exits.png'}")
+        return
     write_json_atomic(out_dir / "scan.json", result.to_dict())
     scan_heatmap(result, out_dir / "scan.png")
     least = ", ".join(f"{i.kind[:4]}{i.layer}" for i in sorted(result.items, key=lambda i: i.kl)[:6])

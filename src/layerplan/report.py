@@ -19,9 +19,10 @@ def scan_heatmap(result: ScanResult, path: str | Path, metric: str = "kl") -> Pa
     import numpy as np
     from matplotlib.colors import LogNorm
 
-    layers = sorted({item.layer for item in result.items})
+    items = [item for item in result.items if item.kind in KINDS]
+    layers = sorted({item.layer for item in items})
     grid = np.full((len(KINDS), len(layers)), np.nan)
-    for item in result.items:
+    for item in items:
         grid[KINDS.index(item.kind), layers.index(item.layer)] = max(getattr(item, metric), 1e-6)
     fig, ax = plt.subplots(figsize=(max(6.0, 0.32 * len(layers) + 2), 2.8), dpi=120)
     finite = grid[np.isfinite(grid)]
@@ -134,4 +135,21 @@ def skip_frequency_plot(plans, num_layers: int, path: str | Path) -> Path:
     ax.set_xlabel("layer")
     ax.set_title(f"skip frequency among the best {len(plans)} plans", fontsize=9)
     fig.colorbar(image, ax=ax, fraction=0.03)
+    return _save(fig, path)
+
+
+def exits_plot(result: ScanResult, path: str | Path) -> Path:
+    """The logit lens: perplexity and top-1 agreement of exiting after each step."""
+    exits = sorted((i for i in result.items if i.kind == "exit"), key=lambda i: i.step)
+    fig, ax = _figure(6.4, 3.6)
+    ax.plot([i.step for i in exits], [i.perplexity for i in exits], "o-", color="tab:red", ms=3, label="perplexity")
+    ax.axhline(result.base_perplexity, color="tab:red", ls=":", lw=1)
+    ax.set_yscale("log")
+    ax.set_xlabel("exit after step")
+    ax.set_ylabel("perplexity", color="tab:red")
+    twin = ax.twinx()
+    twin.plot([i.step for i in exits], [i.top1_agreement for i in exits], "s-", color="tab:blue", ms=3)
+    twin.set_ylabel("top-1 agreement with the full plan", color="tab:blue")
+    twin.set_ylim(0, 1)
+    ax.set_title(f"{result.model}: early exits ({result.tokens} tokens)", fontsize=9)
     return _save(fig, path)

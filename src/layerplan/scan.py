@@ -18,13 +18,14 @@ from layerplan.plan import LayerPlan, PlanError
 from layerplan.search.evaluator import PlanEvaluator
 
 KINDS = ("attention", "mlp", "layer")
+EXIT = "exit"  # exit after `step` steps: the final norm and LM head on that residual stream
 
 
 @dataclass(frozen=True)
 class ScanItem:
-    kind: str  # "attention", "mlp" or "layer" (both)
-    step: int  # index of the plan step switched off
-    layer: int  # the decoder layer that step runs
+    kind: str  # "attention", "mlp", "layer" (both), or "exit"
+    step: int  # index of the plan step switched off (for "exit": steps run before the exit)
+    layer: int  # the decoder layer that step runs (for "exit": the last layer run)
     perplexity: float
     perplexity_delta: float  # perplexity minus the base plan's
     kl: float  # mean KL(base || candidate) per token
@@ -53,7 +54,8 @@ class ScanResult:
 
     def table(self) -> str:
         lines = [f"{'layer':>5} {'kind':<9} {'ppl':>10} {'Δppl':>10} {'KL':>8} {'top1':>6}"]
-        for item in sorted(self.items, key=lambda i: (i.layer, KINDS.index(i.kind))):
+        order = KINDS + (EXIT,)
+        for item in sorted(self.items, key=lambda i: (i.layer, order.index(i.kind))):
             lines.append(
                 f"{item.layer:>5} {item.kind:<9} {item.perplexity:>10.3f} {item.perplexity_delta:>+10.3f} "
                 f"{item.kl:>8.4f} {item.top1_agreement:>6.3f}"
@@ -71,9 +73,9 @@ def scan(
     on_progress: Callable[[int, int], None] | None = None,
 ) -> ScanResult:
     """Switch off each active step's attention / MLP / both and compare with the base plan on ids (B, T)."""
-    unknown = set(kinds) - set(KINDS)
+    unknown = set(kinds) - set(KINDS) - {EXIT}
     if unknown:
-        raise ValueError(f"unknown scan kind(s) {sorted(unknown)}; choose from {', '.join(KINDS)}")
+        raise ValueError(f"unknown scan kind(s) {sorted(unknown)}; choose from {', '.join(KINDS + (EXIT,))}")
     plan = plan if plan is not None else model.plan()
     start = time.perf_counter()
     evaluator = PlanEvaluator(model, ids, reference=plan, reuse=reuse)
@@ -82,18 +84,25 @@ def scan(
 
     candidates = []
     for index, step in enumerate(plan.active_steps):
-        for kind in kinds:
+        for kind in (k for k in kinds if k != EXIT):
             off_attention = kind in ("attention", "layer")
             off_mlp = kind in ("mlp", "layer")
             if (off_attention and not step.attention) or (off_mlp and not step.mlp):
                 continue  # already off in the base plan: nothing to measure
             candidates.append((index, step.layer, kind, off_attention, off_mlp))
 
+    if EXIT in kinds:  # the logit lens: every earlier exit point of the plan
+        candidates += [(steps, plan.active_steps[steps - 1].layer, EXIT, False, False)
+                       for steps in range(1, len(plan.active_steps))]
+
     for done, (index, layer, kind, off_attention, off_mlp) in enumerate(candidates, 1):
         try:
-            candidate = plan.with_step(
-                index, attention=False if off_attention else None, mlp=False if off_mlp else None
-            )
+            if kind == EXIT:
+                candidate = plan.with_exit(index)
+            else:
+                candidate = plan.with_step(
+                    index, attention=False if off_attention else None, mlp=False if off_mlp else None
+                )
         except PlanError:
             continue  # switching this off would leave nothing running
         metrics = evaluator.divergence(candidate)
