@@ -431,6 +431,37 @@ def search(model, dtype, threads, method, objective, multi, trials, budget, max_
     click.echo(f"wrote {out_dir / 'best_plan.json'}, {out_dir / 'search.json'} and plots in {out_dir}")
 
 
+@main.command("train-exit")
+@click.option("--exit", "exits", multiple=True, type=int, required=True, help="exit after this many steps (repeatable)")
+@model_option
+@threads_option
+@click.option("--tokens", default=2560, show_default=True, help="training + held-out tokens (built-in corpus unless --text)")
+@click.option("--text", type=click.Path(dir_okay=False), default=None, help=".txt or .jsonl")
+@click.option("--steps", default=150, show_default=True, help="optimiser steps (batches of 256 positions)")
+@click.option("--out", type=click.Path(dir_okay=False), default=None,
+              help="where to save (default: the cache, where --draft exit:E+head finds it)")
+def train_exit(exits, model, threads, tokens, text, steps, out) -> None:
+    """Train light exit heads by self-distillation; use them with --draft exit:E+head."""
+    from layerplan.corpus import read_texts
+    from layerplan.evaluate import calibration_ids
+    from layerplan.exit_heads import default_head_path, save_head, train_exit_head
+
+    _threads(threads)
+    with _user_errors():
+        if out and len(exits) > 1:
+            raise ValueError("--out names one file: give one --exit with it")
+        loaded = _load(model, "float32")
+        ids = calibration_ids(loaded, "\n\n".join(read_texts(text)) if text else None, tokens)
+        rows = tokens // 512 if tokens % 512 == 0 else 1
+        ids = ids.reshape(rows, -1)
+        for exit in exits:
+            with _Progress(f"exit {exit}") as progress:
+                head, report = train_exit_head(loaded, ids, exit, steps=steps, on_progress=progress)
+            path = save_head(head, out or default_head_path(loaded, exit), loaded, report)
+            click.echo(f"exit {exit}: held-out top-1 agreement {report.agreement_before:.3f} -> {report.agreement_after:.3f}, "
+                       f"KL {report.kl_before:.3f} -> {report.kl_after:.3f} ({report.seconds:.0f}s); saved {path}")
+
+
 FORMATS = ("string", "json", "draft-verify", "run-layers", "mergekit", "layer-replication")
 
 

@@ -4,7 +4,7 @@ A drafter sees a `DraftState` (the context, whose last token is *pending*: chose
 through the target, and the target's KV cache) and returns a `Proposal`: tokens, and the
 distributions q they were drawn from (after the same logits processing as the target's), or None
 for deterministic proposals. Registry: `make_drafter("ngram" | "exit:8" | "skip:attn=3,5" |
-"window:4,64" | "model:PATH" | "ngram|exit:8" | "auto")`.
+"window:4,64" | "exit:20+head" | "model:PATH" | "ngram|exit:8" | "auto")`.
 """
 
 from __future__ import annotations
@@ -106,6 +106,30 @@ class PlanDrafter(_AutoregressiveDrafter):
         def step(token: int, position: int) -> torch.Tensor:
             ids = torch.tensor([[token]], device=device)
             return forward(state.model, ids, self.plan, state.cache, position, last_only=True)[0, -1]
+
+        return self._draft_loop(state, max_tokens, step)
+
+
+class ExitHeadDrafter(PlanDrafter):
+    """Early exit after E steps, read through a trained exit head (exit_heads.py) instead of
+    the bare final norm and LM head."""
+
+    def __init__(self, plan: LayerPlan, head, min_confidence: float = 0.0) -> None:
+        super().__init__(plan, min_confidence)
+        self.head = head
+        self.name = f"exit:{len(plan.active_steps)}+head"
+
+    def propose(self, state: DraftState, max_tokens: int) -> Proposal:
+        from layerplan.runner import head as lm_head
+        from layerplan.runner import run_hidden
+
+        device = state.model.device
+
+        @torch.inference_mode()
+        def step(token: int, position: int) -> torch.Tensor:
+            ids = torch.tensor([[token]], device=device)
+            hidden = run_hidden(state.model, ids, self.plan, state.cache, position)[:, -1:]
+            return lm_head(state.model, self.head(hidden))[0, -1]
 
         return self._draft_loop(state, max_tokens, step)
 
@@ -233,6 +257,19 @@ def make_drafter(spec: str | Drafter, model: LoadedModel, target: LayerPlan | No
         if saved.exists():
             return StagedDrafter([NgramDrafter(), make_drafter(str(saved), model, target, min_confidence)])
         return NgramDrafter()
+    if text.startswith("exit:") and "+head" in text:
+        from layerplan.exit_heads import default_head_path, load_head
+
+        exit_text, _, path = text[len("exit:"):].partition("+head")
+        if not exit_text.isdigit():
+            raise ValueError(f"cannot read '{text}': expected exit:E+head or exit:E+head=PATH")
+        exit = int(exit_text)
+        head = load_head(path[1:] if path.startswith("=") else default_head_path(model, exit), model)
+        if head.exit and head.exit != exit:
+            raise ValueError(f"the exit head was trained for exit:{head.exit}, not exit:{exit}")
+        drafter = ExitHeadDrafter(target.with_exit(exit), head, min_confidence)
+        drafter.check(target)
+        return drafter
     if text.startswith("exit:") and text[5:].isdigit() and not target.is_identity:
         drafter = PlanDrafter(target.with_exit(int(text[5:])), min_confidence)  # exit within the target plan
         return drafter

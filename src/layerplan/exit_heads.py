@@ -1,0 +1,165 @@
+"""Light exit heads trained by self-distillation (tuned-lens / Kangaroo style).
+
+An exit head maps the residual stream after `exit` steps to something the model's own final norm
+and LM head read well: h' = h + W h + b, with W, b zero at the start (the plain logit lens). Only
+W and b are trained, on the full model's own next-token distributions (KL(full || exit)) over the
+built-in corpus or the user's text: no labels, no download, minutes on a CPU.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from layerplan.files import write_bytes_atomic
+from layerplan.models import LoadedModel, cache_dir
+from layerplan.runner import run_hidden
+
+
+class ExitHead(nn.Module):
+    def __init__(self, hidden_size: int, exit: int) -> None:
+        super().__init__()
+        self.exit = exit  # steps run before the head
+        self.proj = nn.Linear(hidden_size, hidden_size)
+        nn.init.zeros_(self.proj.weight)
+        nn.init.zeros_(self.proj.bias)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return hidden + self.proj(hidden)
+
+
+@dataclass
+class TrainReport:
+    exit: int
+    steps: int
+    seconds: float
+    train_tokens: int
+    eval_tokens: int
+    kl_before: float  # held-out KL(full || plain exit)
+    kl_after: float  # held-out KL(full || exit + head)
+    agreement_before: float  # held-out top-1 agreement with the full model
+    agreement_after: float
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _frozen_head(model: LoadedModel, hidden: torch.Tensor) -> torch.Tensor:
+    """The model's final norm and LM head with detached parameters: gradients reach the input
+    only, and nothing is accumulated into the model."""
+    from torch.func import functional_call
+
+    parts = model.parts
+    norm = functional_call(parts.final_norm, {k: v.detach() for k, v in parts.final_norm.named_parameters()}, (hidden,))
+    logits = functional_call(parts.lm_head, {k: v.detach() for k, v in parts.lm_head.named_parameters()}, (norm,))
+    if parts.final_logit_softcapping is not None:
+        cap = parts.final_logit_softcapping
+        logits = torch.tanh(logits / cap) * cap
+    return logits
+
+
+@torch.inference_mode()
+def _collect(model: LoadedModel, ids: torch.Tensor, exit: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(hidden after `exit` steps, final hidden) for every position, shape (N, hidden)."""
+    captured = {}
+    final = run_hidden(model, ids, observe=lambda i, sub, h: captured.__setitem__(i, h) if i == exit and sub == "attention" else None)
+    return captured[exit].reshape(-1, captured[exit].shape[-1]).clone(), final.reshape(-1, final.shape[-1]).clone()
+
+
+def _evaluate(model, head, exit_hidden, final_hidden, chunk=256) -> tuple[float, float, float, float]:
+    kl_plain = kl_head = agree_plain = agree_head = 0.0
+    with torch.no_grad():
+        for start in range(0, exit_hidden.shape[0], chunk):
+            h, f = exit_hidden[start : start + chunk], final_hidden[start : start + chunk]
+            target = F.log_softmax(_frozen_head(model, f).float(), -1)
+            for use_head in (False, True):
+                logits = _frozen_head(model, head(h) if use_head else h).float()
+                kl = F.kl_div(F.log_softmax(logits, -1), target, log_target=True, reduction="sum").item()
+                agree = (logits.argmax(-1) == target.argmax(-1)).sum().item()
+                if use_head:
+                    kl_head, agree_head = kl_head + kl, agree_head + agree
+                else:
+                    kl_plain, agree_plain = kl_plain + kl, agree_plain + agree
+    n = exit_hidden.shape[0]
+    return kl_plain / n, kl_head / n, agree_plain / n, agree_head / n
+
+
+def train_exit_head(
+    model: LoadedModel,
+    ids: torch.Tensor,
+    exit: int,
+    steps: int = 300,
+    batch: int = 256,
+    lr: float = 1e-3,
+    eval_fraction: float = 0.2,
+    seed: int = 0,
+    on_progress: Callable[[int, int], None] | None = None,
+) -> tuple[ExitHead, TrainReport]:
+    """Train a head for an exit after `exit` steps on ids (B, T) of the model's own text."""
+    if not 1 <= exit < model.num_layers:
+        raise ValueError(f"exit must be 1–{model.num_layers - 1} for {model.name}, got {exit}")
+    if model.dtype != torch.float32:
+        raise ValueError("train exit heads on the float32 model (the head is saved in float32 and works in any dtype)")
+    exit_hidden, final_hidden = _collect(model, ids, exit)
+    n_eval = max(1, int(exit_hidden.shape[0] * eval_fraction))
+    train_h, eval_h = exit_hidden[:-n_eval], exit_hidden[-n_eval:]
+    train_f, eval_f = final_hidden[:-n_eval], final_hidden[-n_eval:]
+    head = ExitHead(exit_hidden.shape[-1], exit)
+    optimizer = torch.optim.Adam(head.parameters(), lr=lr)
+    generator = torch.Generator().manual_seed(seed)
+    start = time.perf_counter()
+    for step in range(steps):
+        rows = torch.randint(0, train_h.shape[0], (min(batch, train_h.shape[0]),), generator=generator)
+        with torch.no_grad():
+            target = F.log_softmax(_frozen_head(model, train_f[rows]).float(), -1)
+        logits = _frozen_head(model, head(train_h[rows])).float()
+        loss = F.kl_div(F.log_softmax(logits, -1), target, log_target=True, reduction="batchmean")
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        if on_progress:
+            on_progress(step + 1, steps)
+    seconds = time.perf_counter() - start
+    kl_plain, kl_head, agree_plain, agree_head = _evaluate(model, head, eval_h, eval_f)
+    report = TrainReport(exit, steps, seconds, train_h.shape[0], n_eval, kl_plain, kl_head, agree_plain, agree_head)
+    return head.eval(), report
+
+
+def default_head_path(model: LoadedModel, exit: int) -> Path:
+    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in model.name)
+    return cache_dir() / "heads" / f"{safe}-exit{exit}.safetensors"
+
+
+def save_head(head: ExitHead, path: str | Path, model: LoadedModel, report: TrainReport | None = None) -> Path:
+    from safetensors.torch import save
+
+    metadata = {"exit": str(head.exit), "model": model.name, "hidden_size": str(head.proj.in_features)}
+    if report is not None:
+        metadata["report"] = json.dumps(report.to_dict())
+    tensors = {k: v.detach().float().contiguous() for k, v in head.state_dict().items()}
+    return write_bytes_atomic(path, save(tensors, metadata=metadata))
+
+
+def load_head(path: str | Path, model: LoadedModel) -> ExitHead:
+    from safetensors import safe_open
+
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"exit head not found: {path} (train one with `layerplan train-exit --exit E`)")
+    with safe_open(str(path), "pt") as handle:
+        metadata = handle.metadata() or {}
+        tensors = {k: handle.get_tensor(k) for k in handle.keys()}
+    hidden = int(metadata.get("hidden_size", tensors["proj.weight"].shape[0]))
+    if hidden != model.hf.config.hidden_size:
+        raise ValueError(f"exit head {path} is for hidden size {hidden}, but {model.name} has {model.hf.config.hidden_size}")
+    head = ExitHead(hidden, int(metadata.get("exit", 0)))
+    head.load_state_dict(tensors)
+    return head.to(dtype=model.dtype, device=model.device).eval()
+

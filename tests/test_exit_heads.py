@@ -1,0 +1,42 @@
+import pytest
+import torch
+
+from layerplan.decode import generate
+from layerplan.drafters import make_drafter
+from layerplan.exit_heads import load_head, save_head, train_exit_head
+from tiny import VOCAB, tiny_model
+
+
+def test_exit_head_training_beats_the_plain_exit_and_round_trips(tmp_path):
+    model = tiny_model("llama", num_layers=4)
+    ids = torch.randint(3, VOCAB, (4, 64), generator=torch.Generator().manual_seed(0))
+    before = {n: p.clone() for n, p in model.hf.named_parameters()}
+    head, report = train_exit_head(model, ids, exit=2, steps=60, batch=64, lr=3e-3)
+    assert report.kl_after < report.kl_before  # held-out positions
+    assert report.train_tokens + report.eval_tokens == ids.numel()
+    assert all(torch.equal(p, before[n]) for n, p in model.hf.named_parameters())  # the model is untouched
+    assert all(p.grad is None for p in model.hf.parameters())
+    path = save_head(head, tmp_path / "head.safetensors", model, report)
+    loaded = load_head(path, model)
+    hidden = torch.randn(1, 3, 32)
+    assert torch.equal(loaded(hidden), head(hidden))
+    with pytest.raises(ValueError, match="exit must be 1–3"):
+        train_exit_head(model, ids, exit=4)
+
+
+def test_exit_head_drafter_is_lossless(tmp_path):
+    model = tiny_model("qwen3", num_layers=4)
+    ids = torch.randint(3, VOCAB, (2, 48), generator=torch.Generator().manual_seed(1))
+    head, report = train_exit_head(model, ids, exit=2, steps=20, batch=32)
+    path = save_head(head, tmp_path / "h.safetensors", model, report)
+    prompt = [5, 6, 7, 8, 9, 5, 6, 7]
+    plain = generate(model, prompt, max_new_tokens=20, stop_at_eos=False).token_ids
+    drafter = make_drafter(f"exit:2+head={path}", model)
+    assert drafter.name == "exit:2+head"
+    for policy in ("fixed", "adaptive"):
+        result = generate(model, prompt, max_new_tokens=20, stop_at_eos=False, draft=drafter, draft_length=policy)
+        assert result.token_ids == plain
+    with pytest.raises(ValueError, match="trained for exit:2, not exit:3"):
+        make_drafter(f"exit:3+head={path}", model)
+    with pytest.raises(FileNotFoundError, match="exit head not found"):
+        make_drafter(f"exit:2+head={tmp_path / 'none.safetensors'}", model)
