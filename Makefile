@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 demo: $(STAMP)
-	$(VENV)/bin/layerplan scan --dtype bfloat16 --out runs/scan
+	$(VENV)/bin/layerplan tune --out runs/tune
 
 test: $(STAMP)
 	@bash .ci/install-postgresql

@@ -107,3 +107,18 @@ def test_cli_search_writes_plan_report_plots_and_resumes(tmp_path):
     assert again.exit_code == 0, again.output
     report = json.loads((tmp_path / "search.json").read_text())
     assert len([t for t in report["study"]["trials"] if t["state"] == "COMPLETE"]) == 7
+
+
+@pytest.mark.real
+def test_cli_tune_writes_report_and_checks_exactness(tmp_path):
+    result = CliRunner().invoke(main, ["tune", "--tokens", "64", "--steps", "1", "--repeats", "1", "--new-tokens", "8",
+                                       "--prompt", "code", "--out", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["best"]["draft"] in [c["draft"] for c in report["choices"]]
+    assert all(c["same_as_plain_fp32"] for c in report["choices"])  # the exactness guarantee
+    assert {r["method"] for r in report["bench"]["rows"]} >= {"transformers generate", "layerplan plain",
+                                                             "layerplan draft=ngram"}
+    html_text = (tmp_path / "report.html").read_text()
+    assert "data:image/png;base64," in html_text and "layerplan generate --dtype bfloat16" in html_text
+    assert "use it: layerplan generate" in result.output

@@ -462,6 +462,59 @@ def train_exit(exits, model, threads, tokens, text, steps, out) -> None:
                        f"KL {report.kl_before:.3f} -> {report.kl_after:.3f} ({report.seconds:.0f}s); saved {path}")
 
 
+@main.command()
+@model_option
+@click.option("--dtype", default="bfloat16", show_default=True, type=click.Choice(["float32", "bfloat16", "float16"]))
+@threads_option
+@click.option("--tokens", default=256, show_default=True, help="calibration tokens for the scan and search")
+@click.option("--steps", default=8, show_default=True, help="greedy search steps")
+@click.option("--repeats", default=3, show_default=True, help="timings per method and prompt")
+@click.option("--new-tokens", default=48, show_default=True)
+@click.option("--prompt", "prompt_names", multiple=True, help="built-in prompts to tune on (default: code, summary)")
+@click.option("--out", type=click.Path(file_okay=False), default="runs/tune", show_default=True)
+def tune(model, dtype, threads, tokens, steps, repeats, new_tokens, prompt_names, out) -> None:
+    """The whole job: scan, search a draft, benchmark against plain decoding and transformers,
+    check exactness, save the plan, write report.html and report.json."""
+    from layerplan.bench import PROMPTS
+    from layerplan.cpu_pack import packing_supported
+    from layerplan.drafters import saved_draft_path
+    from layerplan.models import load_model
+    from layerplan.plan import load_plan
+    from layerplan.report import scan_heatmap, search_trajectory, tune_html
+    from layerplan.tune import tune as run_tune
+
+    _threads(threads)
+    out_dir = Path(out)
+    with _user_errors():
+        unknown = set(prompt_names) - set(PROMPTS)
+        if unknown:
+            raise ValueError(f"unknown prompt(s) {sorted(unknown)}; built-in: {', '.join(PROMPTS)}")
+        prompts = {k: PROMPTS[k] for k in prompt_names} if prompt_names else None
+        click.echo(f"loading {model} ({dtype}): stock (for transformers) and with packed linears…", err=True)
+        stock = load_model(model, dtype=dtype, pack=False)
+        fast = load_model(model, dtype=dtype) if packing_supported(stock.dtype, "cpu") else stock
+        with _Progress("tune") as progress:
+            result = run_tune(fast, lambda: load_model(model, dtype="float32"), prompts, tokens, steps, repeats,
+                              new_tokens, stock=stock, on_stage=lambda text: progress.bar.write(f"· {text}", file=sys.stderr),
+                              on_progress=progress)
+    scan_heatmap(result.scan, out_dir / "scan.png")
+    if result.greedy.steps:
+        search_trajectory([s.value for s in result.greedy.steps], "maximize", "predicted speedup",
+                          out_dir / "search.png")
+    if result.saved_plan:
+        load_plan(result.saved_plan, fast.num_layers, fast.name).save(saved_draft_path(fast))
+    write_json_atomic(out_dir / "report.json", result.to_dict())
+    tune_html(result, {"Damage from skipping each sub-layer": out_dir / "scan.png",
+                       "Greedy search for a faster draft": out_dir / "search.png"}, out_dir / "report.html")
+    best = result.best
+    click.echo(f"\nbest draft: {best.draft}: {best.speedup_median:.2f}x transformers' plain greedy "
+               f"(range {best.speedup_min:.2f}-{best.speedup_max:.2f}x over prompts); "
+               f"identical to plain greedy in float32: {'yes' if best.same_as_plain_fp32 else 'NO'}")
+    click.echo(f"searched skip plan: {result.saved_plan or 'none pays on this model (n-gram drafting does)'}")
+    click.echo(f"use it: {result.command()}")
+    click.echo(f"wrote {out_dir / 'report.html'} and {out_dir / 'report.json'}")
+
+
 FORMATS = ("string", "json", "draft-verify", "run-layers", "mergekit", "layer-replication")
 
 

@@ -153,3 +153,54 @@ def exits_plot(result: ScanResult, path: str | Path) -> Path:
     twin.set_ylim(0, 1)
     ax.set_title(f"{result.model}: early exits ({result.tokens} tokens)", fontsize=9)
     return _save(fig, path)
+
+
+def tune_html(result, images: dict[str, Path], path: str | Path) -> Path:
+    """A one-page report of `layerplan tune`, with the plots inline (no external files)."""
+    import base64
+    import html
+
+    def table(rows: list[list[str]], header: list[str]) -> str:
+        head = "".join(f"<th>{html.escape(h)}</th>" for h in header)
+        body = "".join("<tr>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in row) + "</tr>" for row in rows)
+        return f"<table><tr>{head}</tr>{body}</table>"
+
+    best = result.best
+    pictures = "".join(
+        f'<h3>{html.escape(title)}</h3><img alt="{html.escape(title)}" src="data:image/png;base64,'
+        f'{base64.b64encode(Path(p).read_bytes()).decode()}">'
+        for title, p in images.items() if Path(p).exists()
+    )
+    choices = table(
+        [[c.draft, f"{c.speedup_median:.2f}x", f"{c.speedup_min:.2f}–{c.speedup_max:.2f}x", f"±{c.spread_ms / 2:.1f} ms",
+          "yes" if c.same_as_plain_fp32 else "NO", "yes" if c.same_as_plain_bf16 else "no (near-ties)"]
+         for c in result.choices],
+        ["draft", "speedup vs transformers (median)", "range over prompts", "timing spread",
+         "= plain greedy (float32)", f"= plain greedy ({result.dtype})"],
+    )
+    bench = table(
+        [[r.prompt, r.method, f"{r.ms_per_token:.1f}", f"{r.speedup:.2f}x",
+          "-" if r.acceptance_rate is None else f"{r.acceptance_rate:.2f}",
+          "-" if r.mean_accepted_length is None else f"{r.mean_accepted_length:.2f}"] for r in result.bench.rows],
+        ["prompt", "method", "ms/token", "vs transformers", "acceptance", "tokens/pass"],
+    )
+    least = sorted(result.scan.items, key=lambda i: i.kl)[:8]
+    scan_rows = table([[f"{i.kind} {i.layer}", f"{i.kl:.4f}", f"{i.top1_agreement:.3f}"] for i in least],
+                      ["sub-layer", "KL to full", "top-1 agreement"])
+    plan_text = result.saved_plan or "none: no skip plan is predicted to beat plain decoding on this model"
+    page = f"""<!doctype html><html><head><meta charset="utf-8"><title>layerplan tune: {html.escape(result.model)}</title>
+<style>body{{font-family:system-ui,sans-serif;max-width:60rem;margin:2rem auto;padding:0 1rem;color:#222}}
+table{{border-collapse:collapse;margin:.5rem 0 1.5rem}}td,th{{border:1px solid #ccc;padding:.25rem .5rem;text-align:left}}
+code{{background:#f4f4f4;padding:.1rem .3rem}}img{{max-width:100%}}</style></head><body>
+<h1>layerplan tune — {html.escape(result.model)} ({html.escape(result.dtype)})</h1>
+<p><b>Best draft:</b> <code>{html.escape(best.draft if best else "none")}</code>, {best.speedup_median if best else 1:.2f}× transformers'
+plain greedy <code>generate</code> (median over prompts, range {best.speedup_min if best else 1:.2f}–{best.speedup_max if best else 1:.2f}×),
+greedy output identical to plain decoding in float32: <b>{"yes" if best and best.same_as_plain_fp32 else "NO"}</b>.</p>
+<p><b>Use it:</b> <code>{html.escape(result.command())}</code></p>
+<p><b>Searched skip plan:</b> <code>{html.escape(plan_text)}</code> (predicted speedup {result.predicted_speedup:.2f}×)</p>
+<h2>Drafts</h2>{choices}
+<h2>Benchmark (same run, interleaved, median of {result.bench.repeats})</h2>{bench}
+<h2>Sub-layers that hurt least when skipped</h2>{scan_rows}
+{pictures}
+</body></html>"""
+    return write_bytes_atomic(path, page.encode("utf-8"))

@@ -1,0 +1,109 @@
+"""The whole job in one call: scan, search a draft, benchmark it against plain decoding and
+transformers, check exactness, save the plan. Printing and files live in the CLI and report."""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+
+from layerplan.bench import PROMPTS, BenchResult, bench_methods, run_bench
+from layerplan.decode import generate
+from layerplan.evaluate import calibration_ids
+from layerplan.models import LoadedModel
+from layerplan.scan import ScanResult, scan
+from layerplan.search.evaluator import PlanEvaluator, measure_costs
+from layerplan.search.greedy import GreedyResult, greedy_search
+
+
+@dataclass
+class DraftChoice:
+    draft: str
+    speedup_median: float  # vs transformers' plain generate, median over prompts
+    speedup_min: float
+    speedup_max: float
+    spread_ms: float  # largest spread (max − min ms/token) over the repeated timings of one prompt
+    same_as_plain_bf16: bool  # every prompt's tokens equal layerplan's plain greedy in the bench dtype
+    same_as_plain_fp32: bool  # greedy equality checked in float32 (the exactness guarantee)
+
+
+@dataclass
+class TuneResult:
+    model: str
+    dtype: str
+    scan: ScanResult
+    greedy: GreedyResult
+    predicted_speedup: float  # of the searched skip plan, from agreement and measured cost
+    bench: BenchResult
+    choices: list[DraftChoice] = field(default_factory=list)
+    best: DraftChoice | None = None
+    saved_plan: str | None = None  # the skip plan saved for --draft auto, if it was worth saving
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def command(self) -> str:
+        draft = self.best.draft if self.best else "ngram"
+        return f'layerplan generate --dtype {self.dtype} --draft "{draft}" "your prompt"'
+
+
+def _stage(on_stage: Callable[[str], None] | None, text: str) -> None:
+    if on_stage:
+        on_stage(text)
+
+
+def tune(
+    model: LoadedModel,
+    fp32_model: Callable[[], LoadedModel],
+    prompts: dict[str, str] | None = None,
+    tokens: int = 256,
+    greedy_steps: int = 8,
+    repeats: int = 3,
+    new_tokens: int = 48,
+    stock: LoadedModel | None = None,
+    on_stage: Callable[[str], None] | None = None,
+    on_progress: Callable[[int, int], None] | None = None,
+) -> TuneResult:
+    """model: the model to decode with (e.g. bf16, packed); stock: the same weights unpacked, for
+    transformers' generate; fp32_model: loads the float32 model for the exactness check."""
+    from layerplan.search.evaluator import score
+
+    prompts = prompts or {k: PROMPTS[k] for k in ("code", "summary")}
+    ids = calibration_ids(model, tokens=tokens)
+    _stage(on_stage, "scan: every attention and MLP switched off in turn")
+    scanned = scan(model, ids, kinds=["attention", "mlp"], on_progress=on_progress)
+    _stage(on_stage, "search: greedy skip plan for predicted speculative speedup")
+    costs = measure_costs(model)
+    evaluator = PlanEvaluator(model, ids)
+    greedy = greedy_search(evaluator, "speedup", budget=greedy_steps, costs=costs, on_progress=on_progress)
+    best_step = max(greedy.steps, key=lambda s: s.value) if greedy.steps else None
+    plan = model.plan(best_step.plan) if best_step and best_step.value > 1.0 else None
+    predicted = score("speedup", plan, evaluator, costs) if plan is not None else 1.0
+
+    drafts = ["ngram"] + ([plan.to_string(), f"ngram|{plan.to_string()}"] if plan is not None else [])
+    _stage(on_stage, f"bench: {', '.join(drafts)} against plain decoding and transformers")
+    stock = stock or model
+    packed = model if model is not stock else None
+    methods = bench_methods(stock, packed, drafts)
+    bench = run_bench(stock, methods, prompts, new_tokens, repeats, on_progress=on_progress)
+
+    _stage(on_stage, "exactness: greedy speculative == plain greedy in float32")
+    exact = fp32_model()
+    choices = []
+    for draft in drafts:
+        rows = [r for r in bench.rows if r.method == f"layerplan draft={draft}"]
+        speedups = [r.speedup for r in rows]
+        same_fp32 = all(
+            generate(exact, exact.encode(p, chat=k in ("chat", "summary")), max_new_tokens=new_tokens, draft=draft).token_ids
+            == generate(exact, exact.encode(p, chat=k in ("chat", "summary")), max_new_tokens=new_tokens).token_ids
+            for k, p in prompts.items()
+        )
+        choices.append(DraftChoice(
+            draft, statistics.median(speedups), min(speedups), max(speedups),
+            max(max(r.samples_ms) - min(r.samples_ms) for r in rows),
+            all(r.same_as_plain for r in rows), same_fp32,
+        ))
+    best = max(choices, key=lambda c: c.speedup_median)
+    return TuneResult(model.name, str(model.dtype).replace("torch.", ""), scanned, greedy, predicted, bench,
+                      choices, best, plan.to_string() if plan is not None else None)
+
