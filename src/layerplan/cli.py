@@ -316,10 +316,13 @@ def export(plan, model, dtype, out, fmt, source, model_b) -> None:
     click.echo(f"wrote {out}")
 
 
-@main.command(epilog="Objectives — " + "kl: mean KL(full || plan) per token (minimise); ppl: perplexity of the plan "
-              "(minimise); agreement: top-1 agreement with the full model = greedy draft acceptance (maximise); "
-              "speedup: predicted self-speculative speedup from agreement and the measured cost of the plan "
-              "(maximise); tokens-per-second: measured speculative decoding speed on the prompts (maximise, slow).")
+@main.command(epilog="\b\nObjectives:\n" + "\n".join([
+    "  kl                 mean KL(full model || plan) per token on the calibration text (minimise)",
+    "  ppl                perplexity of the plan on the calibration text (minimise)",
+    "  agreement          top-1 agreement with the full model = greedy draft acceptance (maximise)",
+    "  speedup            predicted self-speculative speedup from agreement and measured plan cost (maximise)",
+    "  tokens-per-second  measured speculative decoding speed on the built-in prompts (maximise; slow)",
+]))
 @model_option
 @dtype_option
 @threads_option
