@@ -1,7 +1,5 @@
 """Lossless speculative decoding: greedy equality, the acceptance rule, and the distribution."""
 
-import itertools
-
 import pytest
 import torch
 from scipy.stats import chisquare

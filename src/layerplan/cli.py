@@ -69,6 +69,28 @@ model_b_option = click.option("--model-b", default=None,
                               help="a second model of the same architecture and size; plans name its layers as b:8-23")
 
 
+def _pick_prompts(names, default=None) -> dict[str, str] | None:
+    """The built-in prompts named on the command line (default when none)."""
+    from layerplan.bench import PROMPTS
+
+    unknown = set(names) - set(PROMPTS)
+    if unknown:
+        raise ValueError(f"unknown prompt(s) {sorted(unknown)}; built-in: {', '.join(PROMPTS)}")
+    return {k: PROMPTS[k] for k in names} if names else default
+
+
+def _load_stock_and_packed(model: str, dtype: str):
+    """The model twice: stock (what transformers' generate runs on) and with packed bf16
+    linears (layerplan's default on CPU); packed is None where packing is not supported."""
+    from layerplan.cpu_pack import packing_supported
+    from layerplan.models import load_model
+
+    click.echo(f"loading {model} ({dtype}): stock, and with packed linears…", err=True)
+    stock = load_model(model, dtype=dtype, pack=False)
+    packed = load_model(model, dtype=dtype, pack=True) if packing_supported(stock.dtype, "cpu") else None
+    return stock, packed
+
+
 def _threads(threads: int | None) -> None:
     if threads:
         import torch
@@ -478,8 +500,6 @@ def train_exit(exits, model, threads, tokens, text, steps, out) -> None:
 def tune(model, dtype, threads, tokens, steps, repeats, new_tokens, prompt_names, out) -> None:
     """The whole job: scan, search a draft, benchmark against plain decoding and transformers,
     check exactness, save the plan, write report.html and report.json."""
-    from layerplan.bench import PROMPTS
-    from layerplan.cpu_pack import packing_supported
     from layerplan.drafters import saved_draft_path
     from layerplan.models import load_model
     from layerplan.plan import load_plan
@@ -489,13 +509,9 @@ def tune(model, dtype, threads, tokens, steps, repeats, new_tokens, prompt_names
     _threads(threads)
     out_dir = Path(out)
     with _user_errors():
-        unknown = set(prompt_names) - set(PROMPTS)
-        if unknown:
-            raise ValueError(f"unknown prompt(s) {sorted(unknown)}; built-in: {', '.join(PROMPTS)}")
-        prompts = {k: PROMPTS[k] for k in prompt_names} if prompt_names else None
-        click.echo(f"loading {model} ({dtype}): stock (for transformers) and with packed linears…", err=True)
-        stock = load_model(model, dtype=dtype, pack=False)
-        fast = load_model(model, dtype=dtype) if packing_supported(stock.dtype, "cpu") else stock
+        prompts = _pick_prompts(prompt_names)
+        stock, packed = _load_stock_and_packed(model, dtype)
+        fast = packed or stock
         with _Progress("tune") as progress:
             result = run_tune(fast, lambda: load_model(model, dtype="float32"), prompts, tokens, steps, repeats,
                               new_tokens, stock=stock, on_stage=lambda text: progress.bar.write(f"· {text}", file=sys.stderr),
@@ -573,18 +589,11 @@ def bench(model, dtype, threads, new_tokens, repeats, prompt_names, drafts, draf
     layerplan plain (stock and packed weights), and each layerplan drafter. '=plain' says whether
     the tokens equal layerplan's plain greedy output for the prompt."""
     from layerplan.bench import PROMPTS, bench_methods, run_bench
-    from layerplan.cpu_pack import packing_supported
-    from layerplan.models import load_model
 
     _threads(threads)
     with _user_errors():
-        unknown = set(prompt_names) - set(PROMPTS)
-        if unknown:
-            raise ValueError(f"unknown prompt(s) {sorted(unknown)}; built-in: {', '.join(PROMPTS)}")
-        prompts = {k: PROMPTS[k] for k in prompt_names} if prompt_names else PROMPTS
-        click.echo(f"loading {model} ({dtype}): stock, and with packed linears…", err=True)
-        stock = load_model(model, dtype=dtype, pack=False)
-        packed = load_model(model, dtype=dtype, pack=True) if packing_supported(stock.dtype, "cpu") else None
+        prompts = _pick_prompts(prompt_names, PROMPTS)
+        stock, packed = _load_stock_and_packed(model, dtype)
         methods = bench_methods(stock, packed, list(drafts), list(hf_exits), hf_prompt_lookup, draft_length)
         with _Progress("bench") as progress:
             result = run_bench(stock, methods, prompts, new_tokens, repeats, on_progress=progress)

@@ -20,7 +20,7 @@ from torch import nn
 
 from layerplan.files import write_bytes_atomic
 from layerplan.models import LoadedModel, cache_dir
-from layerplan.runner import run_hidden
+from layerplan.runner import run_hidden, softcap
 
 
 class ExitHead(nn.Module):
@@ -59,10 +59,7 @@ def _frozen_head(model: LoadedModel, hidden: torch.Tensor) -> torch.Tensor:
     parts = model.parts
     norm = functional_call(parts.final_norm, {k: v.detach() for k, v in parts.final_norm.named_parameters()}, (hidden,))
     logits = functional_call(parts.lm_head, {k: v.detach() for k, v in parts.lm_head.named_parameters()}, (norm,))
-    if parts.final_logit_softcapping is not None:
-        cap = parts.final_logit_softcapping
-        logits = torch.tanh(logits / cap) * cap
-    return logits
+    return softcap(parts, logits)
 
 
 @torch.inference_mode()

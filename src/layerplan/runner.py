@@ -67,11 +67,15 @@ def embed(model: LoadedModel, input_ids: torch.Tensor, start_pos: int = 0) -> to
 def head(model: LoadedModel, hidden: torch.Tensor) -> torch.Tensor:
     """Final norm and LM head (and Gemma's logit soft-capping) on a residual stream."""
     parts = model.parts
-    logits = parts.lm_head(parts.final_norm(hidden))
-    if parts.final_logit_softcapping is not None:
-        cap = parts.final_logit_softcapping
-        logits = torch.tanh(logits / cap) * cap
-    return logits
+    return softcap(parts, parts.lm_head(parts.final_norm(hidden)))
+
+
+def softcap(parts, logits: torch.Tensor) -> torch.Tensor:
+    """Gemma's final logit soft-capping (identity for models without it)."""
+    if parts.final_logit_softcapping is None:
+        return logits
+    cap = parts.final_logit_softcapping
+    return torch.tanh(logits / cap) * cap
 
 
 @torch.inference_mode()

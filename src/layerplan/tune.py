@@ -7,7 +7,7 @@ import statistics
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
-from layerplan.bench import PROMPTS, BenchResult, bench_methods, run_bench
+from layerplan.bench import CHAT_PROMPTS, PROMPTS, BenchResult, bench_methods, run_bench
 from layerplan.decode import generate
 from layerplan.evaluate import calibration_ids
 from layerplan.models import LoadedModel
@@ -89,15 +89,14 @@ def tune(
 
     _stage(on_stage, "exactness: greedy speculative == plain greedy in float32")
     exact = fp32_model()
+    encoded = [exact.encode(p, chat=k in CHAT_PROMPTS) for k, p in prompts.items()]
+    plain = [generate(exact, ids, max_new_tokens=new_tokens).token_ids for ids in encoded]
     choices = []
     for draft in drafts:
         rows = [r for r in bench.rows if r.method == f"layerplan draft={draft}"]
         speedups = [r.speedup for r in rows]
-        same_fp32 = all(
-            generate(exact, exact.encode(p, chat=k in ("chat", "summary")), max_new_tokens=new_tokens, draft=draft).token_ids
-            == generate(exact, exact.encode(p, chat=k in ("chat", "summary")), max_new_tokens=new_tokens).token_ids
-            for k, p in prompts.items()
-        )
+        same_fp32 = all(generate(exact, ids, max_new_tokens=new_tokens, draft=draft).token_ids == tokens
+                        for ids, tokens in zip(encoded, plain))
         choices.append(DraftChoice(
             draft, statistics.median(speedups), min(speedups), max(speedups),
             max(max(r.samples_ms) - min(r.samples_ms) for r in rows),
