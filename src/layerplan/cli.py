@@ -604,5 +604,34 @@ def bench(model, dtype, threads, new_tokens, repeats, prompt_names, drafts, draf
     click.echo(f"wrote {out}")
 
 
+@main.command()
+@model_option
+@click.option("--dtype", default="bfloat16", show_default=True, type=click.Choice(["float32", "bfloat16", "float16"]))
+@device_option
+@threads_option
+@click.option("--plan", default=None, help="serve the model run by this plan (lossy unless it is the full model)")
+@click.option("--draft", default=None, help="lossless speculative decoding with this drafter (as in generate)")
+@click.option("--draft-length", default=None, type=click.Choice(["fixed", "heuristic", "adaptive"]))
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", default=8000, show_default=True)
+@click.option("--api-key", envvar="LAYERPLAN_API_KEY", default=None,
+              help="require 'Authorization: Bearer KEY' on /v1/* (or set LAYERPLAN_API_KEY)")
+@click.option("--served-name", default=None, help="the model id clients send (default: the model's name)")
+def serve(model, dtype, device, threads, plan, draft, draft_length, host, port, api_key, served_name) -> None:
+    """OpenAI-compatible HTTP server: /v1/completions, /v1/chat/completions (SSE streaming),
+    /v1/models, /health. One decode at a time, requests served in arrival order."""
+    from layerplan.serve import create_app
+
+    _threads(threads)
+    with _user_errors():
+        loaded = _load(model, dtype, device)
+        app = create_app(loaded, loaded.plan(plan) if plan else None, draft, draft_length, api_key, served_name)
+    import uvicorn
+
+    name = served_name or loaded.name
+    click.echo(f"serving '{name}' on http://{host}:{port}/v1 (draft: {draft or 'none'})", err=True)
+    uvicorn.run(app, host=host, port=port, log_level="info")
+
+
 if __name__ == "__main__":
     main()

@@ -19,7 +19,7 @@ class GenerationResult:
     text: str  # the new text (stop string removed)
     token_ids: list[int]  # the new tokens
     prompt_tokens: int
-    stop_reason: str  # "eos", "stop", "length"
+    stop_reason: str  # "eos", "stop", "length", or "cancelled" (should_stop said so)
     seconds: float  # decoding time, prefill included
     prefill_seconds: float
     plan: str
@@ -75,11 +75,13 @@ def prompt_ids(model: LoadedModel, prompt: str | torch.Tensor | Sequence[int], c
 
 
 class Emitter:
-    """Collects emitted tokens and decides when to stop: EOS, a stop string, or the budget."""
+    """Collects emitted tokens and decides when to stop: EOS, a stop string, the budget, or
+    should_stop() (a caller that lost interest, e.g. a server whose client disconnected)."""
 
     def __init__(self, model: LoadedModel, max_new_tokens: int, stop: Sequence[str], stop_at_eos: bool,
-                 on_text: Callable[[str], None] | None) -> None:
+                 on_text: Callable[[str], None] | None, should_stop: Callable[[], bool] | None = None) -> None:
         self.max_new_tokens = max_new_tokens
+        self.should_stop = should_stop
         self.eos = set(model.eos_token_ids) if stop_at_eos else set()
         self.stream = TextStream(model.tokenizer, stop, on_text)
         self.tokens: list[int] = []
@@ -101,6 +103,8 @@ class Emitter:
                 self.reason = "stop"
             elif len(self.tokens) >= self.max_new_tokens:
                 self.reason = "length"
+        if self.should_stop is not None and not self.done and self.should_stop():
+            self.reason = "cancelled"
 
     def finish(self) -> str:
         if self.reason != "stop":
@@ -124,6 +128,7 @@ def generate(
     draft=None,
     draft_length=None,
     draft_confidence: float = 0.0,
+    should_stop: Callable[[], bool] | None = None,
 ) -> GenerationResult:
     """Generate with the model run by `plan` (the full model by default).
 
@@ -135,12 +140,12 @@ def generate(
         from layerplan.speculative import speculative_generate
 
         return speculative_generate(model, prompt, draft, plan, max_new_tokens, sampling, seed, stop,
-                                    stop_at_eos, chat, on_text, draft_length, draft_confidence)
+                                    stop_at_eos, chat, on_text, draft_length, draft_confidence, should_stop)
     plan = plan if plan is not None else model.plan()
     sampling = sampling or SamplingParams()
     generator = torch.Generator(device="cpu").manual_seed(seed) if seed is not None else None
     ids = prompt_ids(model, prompt, chat)
-    out = Emitter(model, max_new_tokens, stop, stop_at_eos, on_text)
+    out = Emitter(model, max_new_tokens, stop, stop_at_eos, on_text, should_stop)
 
     start = time.perf_counter()
     cache = new_cache(plan, capacity=ids.shape[1] + max_new_tokens + 1)

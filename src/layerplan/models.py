@@ -220,6 +220,12 @@ class LoadedModel:
         return len(self.parts.layers)
 
     @property
+    def context_length(self) -> int:
+        """The longest sequence the model was trained for (prompt plus generated tokens)."""
+        config = self.hf.config
+        return int(getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", 2048))
+
+    @property
     def dtype(self) -> torch.dtype:
         return self.parts.lm_head.weight.dtype
 

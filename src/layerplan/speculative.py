@@ -203,6 +203,7 @@ def speculative_generate(
     on_text: Callable[[str], None] | None = None,
     draft_length=None,
     draft_confidence: float = 0.0,
+    should_stop: Callable[[], bool] | None = None,
 ) -> GenerationResult:
     """draft_confidence: a model drafter stops its round when its top-1 probability falls below this."""
     target = plan if plan is not None else model.plan()
@@ -211,7 +212,7 @@ def speculative_generate(
     sampling = sampling or SamplingParams()
     generator = torch.Generator(device="cpu").manual_seed(seed) if seed is not None else None
     ids = prompt_ids(model, prompt, chat)
-    out = Emitter(model, max_new_tokens, stop, stop_at_eos, on_text)
+    out = Emitter(model, max_new_tokens, stop, stop_at_eos, on_text, should_stop)
     stats = SpeculativeStats(drafter.name)
 
     start = time.perf_counter()

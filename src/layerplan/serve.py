@@ -1,0 +1,418 @@
+"""An OpenAI-compatible HTTP server over layerplan's decoding (`layerplan serve`).
+
+One model, one decode at a time: on a CPU, interleaving decodes only makes each slower. Requests
+wait in a first-come-first-served queue (one worker thread), each generation gets its own KV
+cache, and a client that disconnects has its generation stopped at its next token so the queue
+moves on. Speculative statistics ride in each response's `usage` block.
+
+Endpoints: GET /health, GET /v1/models, POST /v1/completions, POST /v1/chat/completions (both
+with `"stream": true` for server-sent events, and `stream_options.include_usage`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from layerplan.decode import GenerationResult, generate
+from layerplan.models import LoadedModel
+from layerplan.plan import LayerPlan
+from layerplan.sampling import SamplingParams
+
+
+# ----- errors ------------------------------------------------------------------------------------
+class APIError(Exception):
+    """An error the client caused (or may retry), answered in OpenAI's error shape."""
+
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 kind: str = "invalid_request_error", code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.kind, self.code = status, message, param, kind, code
+
+    def response(self) -> JSONResponse:
+        body = {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+        return JSONResponse(body, status_code=self.status)
+
+
+# ----- request bodies ----------------------------------------------------------------------------
+class _GenerationRequest(BaseModel):
+    # clients send fields we have no use for (user, logit_bias, ...): ignore them, reject only
+    # the ones whose meaning we would silently change
+    model_config = ConfigDict(extra="ignore")
+
+    model: str
+    max_tokens: int | None = Field(None, ge=0)
+    temperature: float = Field(1.0, ge=0, le=2)  # OpenAI's default; 0 = greedy
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(0, ge=0)  # extension (as in vLLM); 0 keeps all tokens
+    repetition_penalty: float = Field(1.0, gt=0)  # extension
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    n: int = Field(1, ge=1, le=1)  # one decode per request
+    stream: bool = False
+    stream_options: dict[str, Any] | None = None
+    logprobs: Any = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+
+    def check_supported(self) -> None:
+        if self.logprobs not in (None, False, 0):
+            raise APIError(400, "logprobs are not supported by this server", "logprobs")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name):
+                raise APIError(400, f"{name} is not supported (use repetition_penalty)", name)
+
+    def sampling(self) -> SamplingParams:
+        return SamplingParams(self.temperature, self.top_k, self.top_p, self.repetition_penalty)
+
+    def stops(self) -> tuple[str, ...]:
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+
+
+class CompletionRequest(_GenerationRequest):
+    prompt: str | list[int] | list[str]
+    echo: bool = False
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):  # content parts: keep the text ones
+            return "".join(part.get("text", "") for part in self.content if part.get("type") == "text")
+        return self.content or ""
+
+
+class ChatRequest(_GenerationRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=0)  # the newer name of max_tokens
+
+
+# ----- the decode queue --------------------------------------------------------------------------
+@dataclass
+class Job:
+    prompt_ids: list[int]
+    max_tokens: int
+    sampling: SamplingParams
+    seed: int | None
+    stop: tuple[str, ...]
+    on_text: Callable[[str], None] | None = None
+    cancelled: threading.Event = field(default_factory=threading.Event)
+
+
+@dataclass
+class EngineCounters:
+    waiting: int = 0  # submitted, not started
+    running: int = 0
+    finished: int = 0
+    cancelled: int = 0  # stopped (or never started) because the client went away
+    failed: int = 0
+
+
+class Engine:
+    """Runs one generation at a time on a single worker thread, in arrival order."""
+
+    def __init__(self, model: LoadedModel, plan: LayerPlan | None = None, draft=None,
+                 draft_length: str | None = None) -> None:
+        from layerplan.drafters import make_drafter
+
+        self.model = model
+        self.plan = plan if plan is not None else model.plan()
+        # built once: a model drafter keeps its own cache between requests (it re-syncs by prefix)
+        self.drafter = make_drafter(draft, model, self.plan) if draft else None  # checks it, fails at startup
+        self.draft_length = draft_length
+        self.counters = EngineCounters()
+        self._lock = threading.Lock()
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="layerplan-decode")  # FIFO
+
+    def submit(self, job: Job) -> Future:
+        with self._lock:
+            self.counters.waiting += 1
+        return self._worker.submit(self._run, job)
+
+    def _count(self, **changes: int) -> None:
+        with self._lock:
+            for name, delta in changes.items():
+                setattr(self.counters, name, getattr(self.counters, name) + delta)
+
+    def _run(self, job: Job) -> GenerationResult | None:
+        if job.cancelled.is_set():
+            self._count(waiting=-1, cancelled=1)
+            return None
+        self._count(waiting=-1, running=1)
+        try:
+            result = generate(self.model, job.prompt_ids, self.plan, job.max_tokens, job.sampling, job.seed,
+                              job.stop, on_text=job.on_text, draft=self.drafter, draft_length=self.draft_length,
+                              should_stop=job.cancelled.is_set)
+        except Exception:
+            self._count(running=-1, failed=1)
+            raise
+        self._count(running=-1, **({"cancelled": 1} if result.stop_reason == "cancelled" else {"finished": 1}))
+        return result
+
+    def close(self) -> None:
+        self._worker.shutdown(wait=False, cancel_futures=True)
+
+
+class RequireKey:
+    """ASGI middleware: /v1/* needs 'Authorization: Bearer KEY'; /health stays open for probes.
+    (A plain ASGI wrapper: starlette's BaseHTTPMiddleware would hide client disconnects from streams.)"""
+
+    def __init__(self, app, key: str) -> None:
+        self.app, self.expected = app, f"Bearer {key}".encode()
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not secrets.compare_digest(given, self.expected):
+                response = APIError(401, "missing or wrong API key (send 'Authorization: Bearer KEY')",
+                                    kind="authentication_error", code="invalid_api_key").response()
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+# ----- the app -----------------------------------------------------------------------------------
+FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length", "cancelled": "stop"}
+
+
+def _finite(value):
+    """JSON has no NaN (e.g. the acceptance rate of a run that drafted nothing): use null."""
+    if isinstance(value, float) and value != value:
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_finite(v) for v in value]
+    return value
+
+
+def _usage(result: GenerationResult) -> dict:
+    usage = {"prompt_tokens": result.prompt_tokens, "completion_tokens": len(result.token_ids),
+             "total_tokens": result.prompt_tokens + len(result.token_ids),
+             "decode_seconds": round(result.seconds, 4), "tokens_per_second": round(result.tokens_per_second, 2)}
+    if result.stats:
+        usage["speculative"] = result.stats
+    return _finite(usage)
+
+
+def _sse(payload: dict | str) -> str:
+    return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
+
+
+def create_app(model: LoadedModel, plan: LayerPlan | None = None, draft=None, draft_length: str | None = None,
+               api_key: str | None = None, served_name: str | None = None) -> FastAPI:
+    """The FastAPI app serving `model` (run by `plan`, speculatively when `draft` is given)."""
+    engine = Engine(model, plan, draft, draft_length)
+    name = served_name or model.name
+    created = int(time.time())
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI):
+        yield
+        engine.close()
+
+    app = FastAPI(title="layerplan", description=f"OpenAI-compatible server for {name}", lifespan=lifespan)
+    app.state.engine = engine
+
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, error: APIError):
+        return error.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, error: RequestValidationError):
+        problems = error.errors()
+        if any(p.get("type") == "json_invalid" for p in problems):
+            return APIError(400, f"malformed JSON body: {problems[0].get('ctx', {}).get('error', problems[0]['msg'])}").response()
+        first = problems[0]
+        where = ".".join(str(part) for part in first.get("loc", ())[1:]) or "body"
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        return APIError(400, f"{where}: {first['msg']}{more}", where).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, error: StarletteHTTPException):
+        kind = "not_found_error" if error.status_code == 404 else "invalid_request_error"
+        return APIError(error.status_code, str(error.detail), kind=kind).response()
+
+    if api_key:
+        app.add_middleware(RequireKey, key=api_key)
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok", "model": name, "plan": engine.plan.to_string(),
+                "draft": getattr(engine.drafter, "name", None), **vars(engine.counters)}
+
+    @app.get("/v1/models")
+    async def list_models():
+        return {"object": "list", "data": [{"id": name, "object": "model", "created": created, "owned_by": "layerplan"}]}
+
+    def _check_model(requested: str) -> None:
+        if requested != name:
+            raise APIError(404, f"model '{requested}' is not served here; this server serves '{name}'",
+                           "model", code="model_not_found")
+
+    def _budget(prompt_ids: list[int], asked: int | None, default: int | None) -> int:
+        limit = model.context_length
+        if len(prompt_ids) >= limit:
+            raise APIError(400, f"the prompt is {len(prompt_ids)} tokens; the model's context is {limit} tokens",
+                           "messages" if default is None else "prompt", code="context_length_exceeded")
+        room = limit - len(prompt_ids)
+        if asked is None:
+            return room if default is None else min(default, room)
+        if asked > room:
+            raise APIError(400, f"max_tokens={asked} does not fit: the prompt is {len(prompt_ids)} tokens and the "
+                                f"model's context is {limit} tokens (at most {room} new tokens)",
+                           "max_tokens", code="context_length_exceeded")
+        return asked
+
+    async def _run(request: Request, body: _GenerationRequest, prompt_ids: list[int], max_tokens: int,
+                   shape: Callable[..., dict]):
+        """Queue the job; answer with one JSON object or with server-sent events."""
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue = asyncio.Queue()
+        stream = body.stream
+        job = Job(prompt_ids, max_tokens, body.sampling(), body.seed, body.stops(),
+                  on_text=(lambda piece: loop.call_soon_threadsafe(events.put_nowait, piece)) if stream else None)
+        future = engine.submit(job)
+        done = asyncio.wrap_future(future)
+        if not stream:
+            try:
+                while not done.done():  # poll for a vanished client while queued or decoding
+                    await asyncio.wait({done}, timeout=0.2)
+                    if not done.done() and await request.is_disconnected():
+                        job.cancelled.set()
+                result = await done
+            except Exception as error:  # noqa: BLE001 - the server stays up; the client learns why
+                raise APIError(500, f"generation failed: {error}", kind="server_error") from error
+            if result is None:
+                raise APIError(499, "client closed the request")
+            return {**shape(result.text, FINISH_REASONS[result.stop_reason]), "usage": _usage(result)}
+
+        include_usage = bool((body.stream_options or {}).get("include_usage"))
+        done.add_done_callback(lambda _: events.put_nowait(None))
+
+        async def event_stream():
+            try:
+                if (opening := shape("", None, first=True)) is not None:
+                    yield _sse(opening)
+                checked = time.monotonic()
+                while True:
+                    try:
+                        piece = await asyncio.wait_for(events.get(), timeout=0.2)
+                    except TimeoutError:
+                        piece = ""
+                    if piece is None:
+                        break
+                    if time.monotonic() - checked > 0.2:  # notice a vanished client even while nothing is sent
+                        checked = time.monotonic()
+                        if await request.is_disconnected():
+                            return
+                    if piece:
+                        yield _sse(shape(piece, None))
+                try:
+                    result = await done
+                except Exception as error:  # noqa: BLE001
+                    yield _sse({"error": {"message": f"generation failed: {error}", "type": "server_error"}})
+                    yield _sse("[DONE]")
+                    return
+                yield _sse(shape("", FINISH_REASONS[result.stop_reason]))
+                if include_usage:
+                    yield _sse({**shape("", None), "choices": [], "usage": _usage(result)})
+                yield _sse("[DONE]")
+            finally:
+                job.cancelled.set()  # a disconnect lands here: stop decoding at the next token
+
+        return StreamingResponse(event_stream(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        _check_model(body.model)
+        body.check_supported()
+        if body.echo:
+            raise APIError(400, "echo is not supported by this server", "echo")
+        prompt = body.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+            if len(prompt) != 1:
+                raise APIError(400, f"one prompt per request, got {len(prompt)}", "prompt")
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            prompt_ids = model.tokenizer(prompt).input_ids
+        else:
+            vocab = model.hf.config.vocab_size
+            bad = [t for t in prompt if not 0 <= t < vocab]
+            if bad:
+                raise APIError(400, f"token id {bad[0]} is out of range: the vocabulary has ids 0–{vocab - 1}", "prompt")
+            prompt_ids = list(prompt)
+        if not prompt_ids:
+            raise APIError(400, "the prompt is empty", "prompt")
+        max_tokens = _budget(prompt_ids, body.max_tokens, default=16)  # OpenAI's default for completions
+        ident, stamp = f"cmpl-{uuid.uuid4().hex[:24]}", int(time.time())
+
+        def shape(text: str, finish: str | None, first: bool = False) -> dict | None:
+            if first:
+                return None  # completions streams start with text
+            return {"id": ident, "object": "text_completion", "created": stamp, "model": name,
+                    "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]}
+
+        return await _run(request, body, prompt_ids, max_tokens, shape)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatRequest, request: Request):
+        _check_model(body.model)
+        body.check_supported()
+        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        prompt_ids = chat_prompt_ids(model, messages)
+        max_tokens = _budget(prompt_ids, body.max_completion_tokens if body.max_tokens is None else body.max_tokens,
+                             default=None)
+        ident, stamp = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time())
+
+        def shape(text: str, finish: str | None, first: bool = False) -> dict:
+            if body.stream:  # the first chunk names the role, later ones carry text, the last one the reason
+                delta: dict = {"role": "assistant", "content": ""} if first else ({"content": text} if text else {})
+                choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+                kind = "chat.completion.chunk"
+            else:
+                choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                          "finish_reason": finish}
+                kind = "chat.completion"
+            return {"id": ident, "object": kind, "created": stamp, "model": name, "choices": [choice]}
+
+        return await _run(request, body, prompt_ids, max_tokens, shape)
+
+    return app
+
+
+def chat_prompt_ids(model: LoadedModel, messages: list[dict[str, str]]) -> list[int]:
+    """Token ids of a conversation, ready for the assistant's turn: the tokenizer's chat template,
+    or plain 'role: content' lines for a model without one."""
+    tokenizer = model.tokenizer
+    if getattr(tokenizer, "chat_template", None):
+        encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)
+        return list(encoded["input_ids"])
+    text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
+    return tokenizer(text).input_ids
+
+
+def serve(model: LoadedModel, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info", **options) -> None:
+    """Run the server until interrupted (options: see create_app)."""
+    import uvicorn
+
+    uvicorn.run(create_app(model, **options), host=host, port=port, log_level=log_level)
