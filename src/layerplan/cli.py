@@ -604,6 +604,43 @@ def bench(model, dtype, threads, new_tokens, repeats, prompt_names, drafts, draf
     click.echo(f"wrote {out}")
 
 
+@main.command("eval")
+@click.option("--tasks", required=True, help="lm-evaluation-harness task names, comma-separated")
+@model_option
+@dtype_option
+@device_option
+@threads_option
+@click.option("--plan", default=None, help="evaluate the model run by this plan")
+@click.option("--draft", default=None, help="drafter for generate_until tasks (same output, faster)")
+@click.option("--include-path", type=click.Path(exists=True, file_okay=False), default=None,
+              help="folder of your own task YAML files")
+@click.option("--limit", type=float, default=None, help="documents per task (or a fraction)")
+@click.option("--num-fewshot", type=int, default=None)
+@click.option("--out", type=click.Path(dir_okay=False), default="runs/eval.json", show_default=True)
+def eval_command(tasks, model, dtype, device, threads, plan, draft, include_path, limit, num_fewshot, out) -> None:
+    """Evaluate the model under a plan with lm-evaluation-harness (pip install 'layerplan[eval]').
+    Tasks whose data is not on disk are downloaded by lm_eval itself."""
+    _threads(threads)
+    with _user_errors():
+        try:
+            import lm_eval
+            from lm_eval.tasks import TaskManager
+            from lm_eval.utils import make_table
+        except ImportError:
+            raise ValueError("lm-evaluation-harness is not installed: pip install 'layerplan[eval]'") from None
+        from layerplan.integrations.harness import LayerplanLM
+
+        lm = LayerplanLM(pretrained=_load(model, dtype, device), plan=plan, draft=draft)
+        result = lm_eval.simple_evaluate(model=lm, tasks=[t.strip() for t in tasks.split(",") if t.strip()],
+                                         task_manager=TaskManager(include_path=include_path), limit=limit,
+                                         num_fewshot=num_fewshot)
+    click.echo(make_table(result))
+    summary = {"model": model, "plan": lm.plan.to_string(), "results": result["results"],
+               "config": {k: v for k, v in result.get("config", {}).items() if isinstance(v, (str, int, float, type(None)))}}
+    write_json_atomic(out, summary)
+    click.echo(f"wrote {out}")
+
+
 @main.command()
 @model_option
 @click.option("--dtype", default="bfloat16", show_default=True, type=click.Choice(["float32", "bfloat16", "float16"]))

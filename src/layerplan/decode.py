@@ -78,11 +78,12 @@ class Emitter:
     """Collects emitted tokens and decides when to stop: EOS, a stop string, the budget, or
     should_stop() (a caller that lost interest, e.g. a server whose client disconnected)."""
 
-    def __init__(self, model: LoadedModel, max_new_tokens: int, stop: Sequence[str], stop_at_eos: bool,
+    def __init__(self, model: LoadedModel, max_new_tokens: int, stop: Sequence[str], stop_at_eos: bool | Sequence[int],
                  on_text: Callable[[str], None] | None, should_stop: Callable[[], bool] | None = None) -> None:
         self.max_new_tokens = max_new_tokens
         self.should_stop = should_stop
-        self.eos = set(model.eos_token_ids) if stop_at_eos else set()
+        # stop_at_eos: True = the model's EOS ids, False = none, or the ids to stop at
+        self.eos = set(model.eos_token_ids) if stop_at_eos is True else set(stop_at_eos or ())
         self.stream = TextStream(model.tokenizer, stop, on_text)
         self.tokens: list[int] = []
         self.reason: str | None = None if max_new_tokens > 0 else "length"
@@ -122,7 +123,7 @@ def generate(
     sampling: SamplingParams | None = None,
     seed: int | None = None,
     stop: Sequence[str] = (),
-    stop_at_eos: bool = True,
+    stop_at_eos: bool | Sequence[int] = True,
     chat: bool = False,
     on_text: Callable[[str], None] | None = None,
     draft=None,

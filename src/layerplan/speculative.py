@@ -198,7 +198,7 @@ def speculative_generate(
     sampling: SamplingParams | None = None,
     seed: int | None = None,
     stop: Sequence[str] = (),
-    stop_at_eos: bool = True,
+    stop_at_eos: bool | Sequence[int] = True,
     chat: bool = False,
     on_text: Callable[[str], None] | None = None,
     draft_length=None,

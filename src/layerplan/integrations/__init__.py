@@ -1,0 +1,2 @@
+"""Bridges to tools users already have: transformers' `generate` (hf_generate) and
+lm-evaluation-harness (harness)."""

@@ -1,0 +1,158 @@
+"""transformers' generate with layerplan's loop (custom_generate), and lm-evaluation-harness."""
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from tiny import tiny_hf
+
+from layerplan.decode import generate
+from layerplan.integrations.hf_generate import layerplan_generate, loaded
+
+
+# ----- transformers custom_generate ---------------------------------------------------------------
+@pytest.mark.parametrize("arch", ["llama", "gemma3", "gpt2"])
+def test_custom_generate_equals_transformers_greedy(arch):
+    model = tiny_hf(arch, num_layers=3)
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10, 5, 6]])
+    expected = model.generate(ids, max_new_tokens=12, do_sample=False)
+    for draft in (None, "ngram", "exit:2"):
+        got = model.generate(ids, max_new_tokens=12, do_sample=False, custom_generate=layerplan_generate, draft=draft)
+        assert torch.equal(got, expected), (arch, draft)
+
+
+def test_custom_generate_runs_a_plan_and_left_padded_batches():
+    model = tiny_hf("llama", num_layers=3)
+    lm = loaded(model)
+    plan = "skip:mlp=1"
+    rows = [[5, 6, 7, 8, 9], [11, 12, 13]]
+    ids = torch.tensor([rows[0], [0, 0] + rows[1]])
+    mask = torch.tensor([[1] * 5, [0, 0, 1, 1, 1]])
+    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False,
+                         custom_generate=layerplan_generate, plan=plan, eos_token_id=None, pad_token_id=0)
+    for i, row in enumerate(rows):
+        direct = generate(lm, row, lm.plan(plan), 6, stop_at_eos=False).token_ids
+        assert out[i, ids.shape[1]:].tolist() == direct
+
+
+def test_custom_generate_refuses_what_it_cannot_apply():
+    model = tiny_hf("llama", num_layers=2)
+    ids = torch.tensor([[5, 6, 7]])
+    with pytest.raises(ValueError, match="NoRepeatNGram"):
+        model.generate(ids, max_new_tokens=4, do_sample=False, no_repeat_ngram_size=2,
+                       custom_generate=layerplan_generate)
+
+
+@pytest.mark.real
+def test_transformers_example_runs(smollm2):
+    example = Path(__file__).parent.parent / "examples" / "transformers_generate.py"
+    done = subprocess.run([sys.executable, str(example)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "identical to transformers' greedy output: True" in done.stdout
+
+
+# ----- lm-evaluation-harness -----------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def harness_lm(smollm2):
+    from layerplan.integrations.harness import LayerplanLM
+
+    return LayerplanLM(pretrained=smollm2)
+
+
+class _Request:
+    def __init__(self, *args):
+        self.args = args
+
+
+@pytest.mark.real
+def test_loglikelihood_equals_transformers_logits(smollm2, harness_lm):
+    context, choices = "The capital of France is", [" Paris", " a large city in Europe", " Berlin"]
+    results = harness_lm.loglikelihood([_Request(context, c) for c in choices])
+    tok = smollm2.tokenizer
+    for choice, (loglik, greedy) in zip(choices, results):
+        ctx = tok.encode(context, add_special_tokens=False)
+        whole = tok.encode(context + choice, add_special_tokens=False)
+        with torch.no_grad():
+            logp = torch.log_softmax(smollm2.hf(torch.tensor([whole])).logits[0].float(), -1)
+        target = torch.tensor(whole[len(ctx):])
+        rows = logp[len(ctx) - 1 : len(whole) - 1]
+        assert loglik == pytest.approx(float(rows.gather(1, target[:, None]).sum()), abs=2e-3)
+        assert greedy == bool((rows.argmax(-1) == target).all())
+    assert results[0][0] > results[2][0]  # Paris beats Berlin
+
+
+@pytest.mark.real
+def test_plan_changes_scores_and_rolling_matches_perplexity(smollm2):
+    from layerplan.integrations.harness import LayerplanLM
+
+    full = LayerplanLM(pretrained=smollm2)
+    cut = LayerplanLM(pretrained=smollm2, plan="exit:20")
+    request = [_Request("Water boils at one hundred degrees Celsius at sea level.")]
+    full_ll, cut_ll = full.loglikelihood_rolling(request)[0], cut.loglikelihood_rolling(request)[0]
+    assert cut_ll < full_ll < 0
+    ids = [full.prefix_token] + smollm2.tokenizer.encode(request[0].args[0], add_special_tokens=False)
+    with torch.no_grad():
+        logp = torch.log_softmax(smollm2.hf(torch.tensor([ids])).logits[0].float(), -1)
+    assert full_ll == pytest.approx(float(logp[:-1].gather(1, torch.tensor(ids[1:])[:, None]).sum()), abs=2e-3)
+
+
+TASKS = {
+    "lp_tiny_mc": """
+        task: lp_tiny_mc
+        dataset_path: json
+        dataset_kwargs: {{data_files: {{test: "{data}"}}}}
+        test_split: test
+        output_type: multiple_choice
+        doc_to_text: "{{{{question}}}}"
+        doc_to_choice: "{{{{choices}}}}"
+        doc_to_target: "{{{{answer}}}}"
+        metric_list: [{{metric: acc}}]
+        """,
+    "lp_tiny_gen": """
+        task: lp_tiny_gen
+        dataset_path: json
+        dataset_kwargs: {{data_files: {{test: "{data}"}}}}
+        test_split: test
+        output_type: generate_until
+        doc_to_text: "{{{{question}}}}"
+        doc_to_target: "{{{{target}}}}"
+        generation_kwargs: {{until: ["\\n"], max_gen_toks: 8, do_sample: false}}
+        metric_list: [{{metric: exact_match}}]
+        """,
+    "lp_tiny_ppl": """
+        task: lp_tiny_ppl
+        dataset_path: json
+        dataset_kwargs: {{data_files: {{test: "{data}"}}}}
+        test_split: test
+        output_type: loglikelihood_rolling
+        doc_to_text: ""
+        doc_to_target: "{{{{text}}}}"
+        metric_list: [{{metric: word_perplexity}}]
+        """,
+}
+DOCS = [
+    {"question": "Q: What colour is the sky on a clear day?\nA:", "choices": [" blue", " green", " purple"],
+     "answer": 0, "target": " blue", "text": "The sky is blue on a clear day."},
+    {"question": "Q: How many legs does a cat have?\nA:", "choices": [" two", " four", " eight"], "answer": 1,
+     "target": " four", "text": "A cat has four legs and a long tail."},
+]
+
+
+@pytest.mark.real
+def test_simple_evaluate_on_local_tasks(smollm2, harness_lm, tmp_path):
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    data = tmp_path / "docs.jsonl"
+    data.write_text("".join(json.dumps(doc) + "\n" for doc in DOCS))
+    for name, text in TASKS.items():
+        (tmp_path / f"{name}.yaml").write_text(textwrap.dedent(text.format(data=data)))
+    results = lm_eval.simple_evaluate(model=harness_lm, tasks=list(TASKS),
+                                      task_manager=TaskManager(include_path=str(tmp_path)))["results"]
+    assert 0.0 <= results["lp_tiny_mc"]["acc,none"] <= 1.0
+    assert results["lp_tiny_ppl"]["word_perplexity,none"] > 1.0
+    assert "exact_match,none" in results["lp_tiny_gen"]
