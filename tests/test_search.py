@@ -175,3 +175,12 @@ def postgres():
 def test_two_workers_share_a_study_in_postgresql(postgres):
     _run_workers(postgres)
     assert 12 <= _complete(postgres) <= 13
+
+
+def test_storage_in_a_folder_that_does_not_exist_yet(tmp_path):
+    from layerplan.search.bayes import make_storage
+
+    for url in (str(tmp_path / "new" / "a" / "study.db"), f"journal:{tmp_path / 'other' / 'b' / 'journal.log'}"):
+        storage = make_storage(url)
+        assert storage is not None
+    assert (tmp_path / "new" / "a" / "study.db").exists()

@@ -28,8 +28,14 @@ def make_storage(url: str | None, heartbeat: int = 60):
         from optuna.storages import JournalStorage
         from optuna.storages.journal import JournalFileBackend
 
+        from pathlib import Path
+
+        Path(url[len("journal:"):]).parent.mkdir(parents=True, exist_ok=True)
         return JournalStorage(JournalFileBackend(url[len("journal:"):]))
     if "://" not in url:
+        from pathlib import Path
+
+        Path(url).parent.mkdir(parents=True, exist_ok=True)  # a fresh --out folder
         url = f"sqlite:///{url}"
     import inspect
     import warnings
