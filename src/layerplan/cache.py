@@ -22,6 +22,9 @@ class KVCache:
         # (sink, recent): single-token reads return only the first `sink` and the last `recent`
         # positions (a windowed draft, StreamingLLM-style); None returns everything
         self.read_window: tuple[int, int] | None = None
+        # zero-fill the positions a step skipped instead of refusing the write: set while a
+        # dynamic-exit draft leaves deeper slots unwritten (the verify pass rewrites them)
+        self.fill_gaps = False
         self.views = tuple(_SlotView(self, i) for i in range(num_slots))
 
     @property
@@ -39,7 +42,7 @@ class KVCache:
         values of the slot up to the end of the chunk, views into the buffer."""
         start = self.write_pos
         end = start + key.shape[2]
-        if start > self.lengths[slot]:
+        if start > self.lengths[slot] and not (self.fill_gaps and self.keys[slot] is not None):
             raise RuntimeError(
                 f"KV slot {slot} holds {self.lengths[slot]} positions but a write starts at {start}: "
                 "a step that skipped earlier positions cannot attend to them"
@@ -47,6 +50,9 @@ class KVCache:
         buf_k, buf_v = self.keys[slot], self.values[slot]
         if buf_k is None or end > buf_k.shape[2] or buf_k.shape[0] != key.shape[0]:
             buf_k, buf_v = self._allocate(slot, key, value, end)
+        if start > self.lengths[slot]:  # fill_gaps: zero keys and values, a defined placeholder
+            buf_k[:, :, self.lengths[slot] : start] = 0
+            buf_v[:, :, self.lengths[slot] : start] = 0
         buf_k[:, :, start:end] = key
         buf_v[:, :, start:end] = value
         self.lengths[slot] = end

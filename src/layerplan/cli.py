@@ -192,18 +192,22 @@ def scan(model, dtype, device, threads, base_plan, tokens, text, kinds, exits, n
 @click.option("--chat/--no-chat", default=False, help="wrap the prompt in the model's chat template")
 @click.option("--stream/--no-stream", default=True, show_default=True)
 @click.option("--draft", default=None,
-              help="lossless speculative decoding with this drafter: ngram, exit:E, skip:attn=..., window:SINK,RECENT, "
-                   "model:PATH, a|b (first that proposes), auto (saved search result, else ngram)")
+              help="lossless speculative decoding with this drafter: ngram, exit:E, exit:E+head, skip:attn=..., "
+                   "dynamic:confidence=P,min=N, window:SINK,RECENT, model:PATH, a|b (first that proposes), "
+                   "auto (saved search result, else ngram); add +vocab=K to a layer-plan draft for a reduced LM head")
 @click.option("--draft-length", default=None, type=click.Choice(["fixed", "heuristic", "adaptive"]),
               help="draft length policy (default adaptive: picks γ from measured acceptance and cost, "
                    "falls back to plain decoding when drafting does not pay)")
 @click.option("--draft-model", type=click.Path(), default=None, help="shorthand for --draft model:PATH")
 @click.option("--draft-confidence", default=0.0, show_default=True,
               help="a model drafter stops a round when its top-1 probability falls below this")
+@click.option("--exit-policy", default=None,
+              help="lossy dynamic early exit per token: confidence=P | entropy=H | cosine=C, then min=N, every=K, "
+                   "vocab=K (as a lossless draft: --draft dynamic:POLICY)")
 @click.option("--stats", is_flag=True, help="print timing and speculative statistics as JSON on stderr")
 def generate(prompt, model, dtype, device, threads, plan, model_b, max_new_tokens, temperature, top_k, top_p,
              repetition_penalty, seed, stop, chat, stream, draft, draft_length, draft_model, draft_confidence,
-             stats) -> None:
+             exit_policy, stats) -> None:
     """Generate a continuation of PROMPT."""
     from layerplan.decode import generate as run_generate
     from layerplan.sampling import SamplingParams
@@ -219,7 +223,7 @@ def generate(prompt, model, dtype, device, threads, plan, model_b, max_new_token
             draft = f"model:{draft_model}"
         result = run_generate(loaded, prompt, loaded.plan(plan), max_new_tokens, params, seed, stop,
                               chat=chat, on_text=on_text, draft=draft, draft_length=draft_length,
-                              draft_confidence=draft_confidence)
+                              draft_confidence=draft_confidence, exit_policy=exit_policy)
     click.echo("" if stream else result.text)
     if stats:
         summary = {k: v for k, v in result.to_dict().items() if k not in ("text", "token_ids")}

@@ -130,13 +130,20 @@ def generate(
     draft_length=None,
     draft_confidence: float = 0.0,
     should_stop: Callable[[], bool] | None = None,
+    exit_policy=None,
 ) -> GenerationResult:
     """Generate with the model run by `plan` (the full model by default).
+
+    exit_policy: dynamic early exit per token (an ExitPolicy or its text, e.g.
+    "confidence=0.9,min=12"; see dynamic_exit.py). Lossy, like any plan that is not the full
+    model; the prompt always runs through the whole plan.
 
     draft: a drafter (or its name, e.g. "ngram", "exit:8", "skip:attn=3,5") makes this lossless
     speculative decoding: same greedy output, same sampling distribution (see speculative.py)."""
     if max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    if draft is not None and exit_policy is not None:
+        raise ValueError("exit_policy makes generation lossy; as a lossless draft use draft='dynamic:POLICY'")
     if draft is not None:
         from layerplan.speculative import speculative_generate
 
@@ -152,6 +159,12 @@ def generate(
     cache = new_cache(plan, capacity=ids.shape[1] + max_new_tokens + 1)
     logits = forward(model, ids, plan, cache, 0, last_only=True)[0, -1]
     prefill = time.perf_counter() - start
+    dynamic = None
+    if exit_policy is not None:
+        from layerplan.dynamic_exit import DynamicExit, ExitPolicy
+
+        policy = ExitPolicy.parse(exit_policy) if isinstance(exit_policy, str) else exit_policy
+        dynamic = DynamicExit(model, plan, policy)
     context = ids[0].tolist()
     while not out.done:
         seen = torch.tensor(context, device=logits.device) if sampling.repetition_penalty != 1.0 else None
@@ -159,8 +172,12 @@ def generate(
         context.append(token)
         out.emit([token])
         if not out.done:
-            step = torch.tensor([[token]], device=ids.device)
-            logits = forward(model, step, plan, cache, len(context) - 1, last_only=True)[0, -1]
+            if dynamic is not None:
+                logits = dynamic(token, cache, len(context) - 1, propagate=True)
+            else:
+                step = torch.tensor([[token]], device=ids.device)
+                logits = forward(model, step, plan, cache, len(context) - 1, last_only=True)[0, -1]
     elapsed = time.perf_counter() - start
     text = out.finish()
-    return GenerationResult(text, out.tokens, ids.shape[1], out.reason, elapsed, prefill, plan.to_string())
+    return GenerationResult(text, out.tokens, ids.shape[1], out.reason, elapsed, prefill, plan.to_string(),
+                            stats=dynamic.stats() if dynamic is not None else {})

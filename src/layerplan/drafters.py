@@ -4,7 +4,8 @@ A drafter sees a `DraftState` (the context, whose last token is *pending*: chose
 through the target, and the target's KV cache) and returns a `Proposal`: tokens, and the
 distributions q they were drawn from (after the same logits processing as the target's), or None
 for deterministic proposals. Registry: `make_drafter("ngram" | "exit:8" | "skip:attn=3,5" |
-"window:4,64" | "exit:20+head" | "model:PATH" | "ngram|exit:8" | "auto")`.
+"window:4,64" | "exit:20+head" | "exit:20+head+vocab=8192" | "dynamic:confidence=0.8,min=12" |
+"model:PATH" | "ngram|exit:8" | "auto")`.
 """
 
 from __future__ import annotations
@@ -100,11 +101,17 @@ class PlanDrafter(_AutoregressiveDrafter):
                 "switch sub-layers off or exit early, so that both share the KV cache step by step"
             )
 
+    reduced_head = None  # a draft_vocab.ReducedHead: score only frequent tokens (cheaper LM head)
+
     def propose(self, state: DraftState, max_tokens: int) -> Proposal:
+        from layerplan.runner import run_hidden
+
         device = state.model.device
 
         def step(token: int, position: int) -> torch.Tensor:
             ids = torch.tensor([[token]], device=device)
+            if self.reduced_head is not None:
+                return self.reduced_head(run_hidden(state.model, ids, self.plan, state.cache, position)[:, -1:])[0, -1]
             return forward(state.model, ids, self.plan, state.cache, position, last_only=True)[0, -1]
 
         return self._draft_loop(state, max_tokens, step)
@@ -128,8 +135,10 @@ class ExitHeadDrafter(PlanDrafter):
         @torch.inference_mode()
         def step(token: int, position: int) -> torch.Tensor:
             ids = torch.tensor([[token]], device=device)
-            hidden = run_hidden(state.model, ids, self.plan, state.cache, position)[:, -1:]
-            return lm_head(state.model, self.head(hidden))[0, -1]
+            hidden = self.head(run_hidden(state.model, ids, self.plan, state.cache, position)[:, -1:])
+            if self.reduced_head is not None:
+                return self.reduced_head(hidden)[0, -1]
+            return lm_head(state.model, hidden)[0, -1]
 
         return self._draft_loop(state, max_tokens, step)
 
@@ -152,6 +161,25 @@ class WindowedDrafter(PlanDrafter):
             return super().propose(state, max_tokens)
         finally:
             state.cache.read_window = None
+
+
+class DynamicExitDrafter(_AutoregressiveDrafter):
+    """Per-token early exit inside the target plan (dynamic_exit.py): each draft token stops at
+    the first step where the policy is satisfied. Lossless: the target verifies."""
+
+    def __init__(self, model: LoadedModel, target: LayerPlan, policy, min_confidence: float = 0.0) -> None:
+        from layerplan.dynamic_exit import DynamicExit
+
+        self.runner = DynamicExit(model, target, policy)
+        self.name = f"dynamic:{policy.to_string()}"
+        self.min_confidence = min_confidence
+
+    def propose(self, state: DraftState, max_tokens: int) -> Proposal:
+        state.cache.fill_gaps = self.runner.policy.kv == "verify"  # deeper slots may skip positions
+        try:
+            return self._draft_loop(state, max_tokens, lambda token, position: self.runner(token, state.cache, position))
+        finally:
+            state.cache.fill_gaps = False
 
 
 class ModelDrafter(_AutoregressiveDrafter):
@@ -252,6 +280,22 @@ def make_drafter(spec: str | Drafter, model: LoadedModel, target: LayerPlan | No
         staged = StagedDrafter([make_drafter(p, model, target, min_confidence) for p in parts])
         return staged
     text = parts[0]
+    if "+vocab=" in text:  # a self-draft whose LM head scores only the K most frequent tokens
+        inner, _, size = text.rpartition("+vocab=")
+        if not size.isdigit():
+            raise ValueError(f"cannot read '{text}': expected DRAFT+vocab=K with K a token count, e.g. exit:24+head+vocab=8192")
+        drafter = make_drafter(inner, model, target, min_confidence)
+        if not isinstance(drafter, PlanDrafter):
+            raise ValueError(f"+vocab=K applies to layer-plan drafts (exit:E, exit:E+head, skip:...), not '{inner}'")
+        from layerplan.draft_vocab import ReducedHead, frequent_tokens
+
+        drafter.reduced_head = ReducedHead(model, frequent_tokens(model, int(size)))
+        drafter.name = f"{drafter.name}+vocab={size}"
+        return drafter
+    if text.startswith("dynamic:"):
+        from layerplan.dynamic_exit import ExitPolicy
+
+        return DynamicExitDrafter(model, target, ExitPolicy.parse(text[len("dynamic:"):]), min_confidence)
     if text == "auto":
         saved = saved_draft_path(model)
         if saved.exists():
