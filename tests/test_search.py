@@ -184,3 +184,29 @@ def test_storage_in_a_folder_that_does_not_exist_yet(tmp_path):
         storage = make_storage(url)
         assert storage is not None
     assert (tmp_path / "new" / "a" / "study.db").exists()
+
+
+@pytest.mark.parametrize("objective", ["kl", "ppl", "agreement"])
+def test_early_abort_changes_nothing_but_the_work(objective):
+    model = tiny_model("llama", num_layers=8)
+    ids = torch.randint(3, VOCAB, (1, 320), generator=torch.Generator().manual_seed(1))  # 5 chunks of 64
+    runs = {}
+    for abort in (False, True):
+        evaluator = PlanEvaluator(model, ids)
+        result = greedy_search(evaluator, objective, budget=4, allow_ends=True, prune=0.5, min_alive=2,
+                               early_abort=abort)
+        runs[abort] = ([(s.item, s.plan, s.value) for s in result.steps], evaluator.aborted)
+    assert runs[True][0] == runs[False][0]
+    assert runs[False][1] == 0
+    if objective == "kl":  # on this model and text, some KL candidate is provably out before the end
+        assert runs[True][1] > 0
+
+
+def test_bounds_of_an_aborted_candidate_are_on_the_right_side(setup):
+    model, _ = setup
+    ids = torch.randint(3, VOCAB, (1, 256), generator=torch.Generator().manual_seed(2))
+    plan = model.plan("skip:layers=1")
+    full = PlanEvaluator(model, ids).divergence(plan)
+    early = PlanEvaluator(model, ids).divergence(plan, give_up=lambda bounds: True)
+    assert not early.complete and full.complete
+    assert early.kl <= full.kl and early.perplexity <= full.perplexity and early.top1_agreement >= full.top1_agreement

@@ -38,6 +38,9 @@ class Divergence:
     top1_agreement: float  # fraction of positions where both argmaxes agree
     tokens: int
     plan: str
+    # False: scoring stopped early (give_up); kl and perplexity are then lower bounds and
+    # top1_agreement an upper bound, from the positions scored plus the best case for the rest
+    complete: bool = True
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -145,14 +148,26 @@ class Reference:
         )
 
 
-    def divergence_of_hidden(self, head_fn, hidden: torch.Tensor, plan: str = "", chunk: int = 64) -> Divergence:
+    def divergence_of_hidden(self, head_fn, hidden: torch.Tensor, plan: str = "", chunk: int = 64,
+                             give_up: Callable[[Divergence], bool] | None = None) -> Divergence:
         """The same as divergence(head_fn(hidden)), computed over chunks of positions so that
         the (positions × vocabulary) logits never exist at once: less memory traffic and no
-        allocation churn of 100 MB tensors per candidate."""
+        allocation churn of 100 MB tensors per candidate.
+
+        give_up(bounds): called after each chunk with the bounds so far (complete=False); True
+        stops scoring and returns them. Per-position KL and NLL are >= 0, so the partial sums
+        bound the final means from below, and agreement is bounded above by assuming the
+        unscored positions agree."""
         batch, length, _ = hidden.shape
-        kl_sum, nll_sum, agree = 0.0, 0.0, 0
+        positions, predicting = batch * length, batch * (length - 1)
+        kl_sum, nll_sum, agree, done = 0.0, 0.0, 0, 0
         for b in range(batch):
             for start in range(0, length, chunk):
+                if give_up is not None and done:
+                    bounds = Divergence(math.exp(nll_sum / predicting), self.perplexity, max(kl_sum / positions, 0.0),
+                                        (agree + positions - done) / positions, int(self.ids.numel()), plan, False)
+                    if give_up(bounds):
+                        return bounds
                 end = min(start + chunk, length)
                 logits = head_fn(hidden[b : b + 1, start:end]).float()[0]  # (c, V)
                 lse = torch.logsumexp(logits, -1)
@@ -164,9 +179,9 @@ class Reference:
                     picked = logits[:scored].gather(-1, targets[:, None])[:, 0]
                     nll_sum += float((lse[:scored] - picked).sum())
                 agree += int((logits.argmax(-1) == self.top1[b, start:end]).sum())
-        positions = batch * length
+                done += end - start
         return Divergence(
-            perplexity=math.exp(nll_sum / (batch * (length - 1))),
+            perplexity=math.exp(nll_sum / predicting),
             reference_perplexity=self.perplexity,
             kl=max(kl_sum / positions, 0.0),
             top1_agreement=agree / positions,

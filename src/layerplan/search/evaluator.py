@@ -89,6 +89,7 @@ class PlanEvaluator:
             self.reference = Reference(head(model, hidden), ids)
         self.cache: dict[LayerPlan, Divergence] = {}
         self.evaluations = 0  # model runs actually made (memo hits excluded)
+        self.aborted = 0  # of which stopped early because they could no longer matter
 
     def _resume_point(self, plan: LayerPlan) -> tuple[int, str] | None:
         """First (step, sub-layer) where `plan` differs from the reference; None if identical."""
@@ -108,7 +109,8 @@ class PlanEvaluator:
         return None
 
     @torch.inference_mode()
-    def divergence(self, plan: LayerPlan) -> Divergence:
+    def divergence(self, plan: LayerPlan, give_up=None) -> Divergence:
+        """give_up: see Reference.divergence_of_hidden; an early-stopped result is not memoised."""
         if self.reuse and plan in self.cache:
             return self.cache[plan]
         point = self._resume_point(plan)
@@ -124,8 +126,12 @@ class PlanEvaluator:
         if hidden is None:
             result = self.reference.divergence(self.reference.logits, plan.to_string())
         else:
-            result = self.reference.divergence_of_hidden(lambda h: head(self.model, h), hidden, plan.to_string())
-        self.cache[plan] = result
+            result = self.reference.divergence_of_hidden(lambda h: head(self.model, h), hidden, plan.to_string(),
+                                                         give_up=give_up)
+        if result.complete:
+            self.cache[plan] = result
+        else:
+            self.aborted += 1
         return result
 
 
@@ -148,8 +154,12 @@ OBJECTIVES = {
 
 
 def score(objective: str, plan: LayerPlan, evaluator: PlanEvaluator, costs: CostModel | None = None,
-          prompts: list[torch.Tensor] | None = None, new_tokens: int = 32) -> float:
-    """The objective's value for one plan (see OBJECTIVES)."""
+          prompts: list[torch.Tensor] | None = None, new_tokens: int = 32, bound: float | None = None) -> float:
+    """The objective's value for one plan (see OBJECTIVES).
+
+    bound: the caller only cares whether the value beats this; scoring may stop early and return
+    a bound that is worse than it (a lower bound for minimised objectives, an upper bound for
+    maximised ones). Used by greedy search to drop candidates that would be pruned anyway."""
     if objective == "tokens-per-second":
         from layerplan.speculative import speculative_generate
 
@@ -160,7 +170,17 @@ def score(objective: str, plan: LayerPlan, evaluator: PlanEvaluator, costs: Cost
             total_tokens += len(result.token_ids)
             total_seconds += result.seconds
         return total_tokens / total_seconds if total_seconds else 0.0
-    metrics = evaluator.divergence(plan)
+    give_up = None
+    if bound is not None:
+        # stop scoring once even the best case for the unscored positions cannot beat `bound`
+        sign = 1.0 if OBJECTIVES[objective].direction == "minimize" else -1.0
+
+        def give_up(bounds: Divergence) -> bool:
+            return sign * _value(objective, bounds, plan, costs) > sign * bound
+    return _value(objective, evaluator.divergence(plan, give_up), plan, costs)
+
+
+def _value(objective: str, metrics: Divergence, plan: LayerPlan, costs: CostModel | None) -> float:
     if objective == "kl":
         return metrics.kl
     if objective == "ppl":

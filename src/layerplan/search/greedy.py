@@ -6,11 +6,13 @@ but the protected ends off and switch back on the item that helps most.
 
 Each pass is one scan against the current plan (every candidate resumes from the full model's
 stream at its first change). Candidates that ranked in the worst `prune` fraction in a pass are
-dropped from later passes (never below `min_alive`). A state file lets an interrupted search resume where it stopped.
+dropped from later passes (never below `min_alive`), and a candidate whose partial score already
+proves it would be dropped stops being scored. A state file lets an interrupted search resume where it stopped.
 """
 
 from __future__ import annotations
 
+import bisect
 import json
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -78,9 +80,11 @@ def greedy_search(
     state_file: str | Path | None = None,
     costs=None,
     on_progress: Callable[[int, int], None] | None = None,
+    early_abort: bool = True,
 ) -> GreedyResult:
     """budget: items to switch (default: until max_cost_cut or all); max_cost_cut: stop once the
-    plan's cost fell by this fraction (forward) / rose to 1 − this (anti)."""
+    plan's cost fell by this fraction (forward) / rose to 1 − this (anti). early_abort: stop
+    scoring a candidate once its bound shows it would be pruned (same result, less work)."""
     model = evaluator.model
     if objective == "tokens-per-second":
         raise ValueError("greedy search scores many candidates per pass; use kl, ppl, agreement or speedup")
@@ -111,13 +115,22 @@ def greedy_search(
             cut = 1.0 - plan.cost
             if (mode == "forward" and cut >= max_cost_cut) or (mode == "anti" and cut <= max_cost_cut):
                 break
+        # the winner and the `keep` runners-up survive the pass; a candidate that provably
+        # cannot rank among them is dropped mid-scoring (its value is then only a bound)
+        keep = max(min_alive, int(len(alive) * (1 - prune))) if prune else len(alive)
         scored: list[tuple[float, Item, LayerPlan]] = []
+        complete: list[float] = []  # sorted signed values of fully scored candidates
         for k, item in enumerate(alive, 1):
             try:
                 candidate = _switch(plan, item, on=mode == "anti")
             except PlanError:
                 continue  # would switch off everything
-            scored.append((sign * score(objective, candidate, evaluator, costs), item, candidate))
+            bound = sign * complete[keep] if early_abort and len(complete) > keep else None
+            aborted_before = evaluator.aborted
+            value = sign * score(objective, candidate, evaluator, costs, bound=bound)
+            if evaluator.aborted == aborted_before:
+                complete.insert(bisect.bisect(complete, value), value)
+            scored.append((value, item, candidate))
             if on_progress:
                 on_progress(k, len(alive))
         if not scored:
@@ -125,7 +138,7 @@ def greedy_search(
         scored.sort(key=lambda x: x[0])
         value, item, plan = scored[0]
         remaining.remove(item)
-        keep = max(min_alive, int(len(scored) * (1 - prune))) if prune else len(scored)
+        # best first: the next pass meets strong candidates early, which tightens its bound
         alive = [i for _, i, _ in scored[1 : keep + 1]]
         result.steps.append(GreedyStep(f"{item[0]} {item[1]}", plan.to_string(), sign * value, plan.cost))
         if state_path is not None:
