@@ -41,8 +41,8 @@ def main() -> None:
     evaluator = PlanEvaluator(model, ids)
     result = greedy_search(evaluator, "kl", budget=args.steps)
     ours = time.perf_counter() - start
-    print(f"greedy {args.steps} steps (reuse, prune 30%, memo): {ours:.1f}s, {evaluator.evaluations} evaluations; "
-          f"plan {result.best_plan}")
+    print(f"greedy {args.steps} steps (reuse, prune 30%, memo, early abort): {ours:.1f}s, {evaluator.evaluations} "
+          f"evaluations ({evaluator.aborted} stopped early); plan {result.best_plan}")
 
     start = time.perf_counter()
     naive_evaluator = PlanEvaluator(model, ids, reuse=False)

@@ -465,7 +465,7 @@ def search(model, dtype, threads, method, objective, multi, trials, budget, max_
 @model_option
 @threads_option
 @click.option("--tokens", default=2560, show_default=True, help="training + held-out tokens (built-in corpus unless --text)")
-@click.option("--text", type=click.Path(dir_okay=False), default=None, help=".txt or .jsonl")
+@click.option("--text", default=None, help=".txt or .jsonl, or builtin:code (standard-library Python source)")
 @click.option("--steps", default=150, show_default=True, help="optimiser steps (batches of 256 positions)")
 @click.option("--out", type=click.Path(dir_okay=False), default=None,
               help="where to save (default: the cache, where --draft exit:E+head finds it)")

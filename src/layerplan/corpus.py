@@ -1,5 +1,6 @@
 """Evaluation text that needs no download: Python's own documentation topics, which ship with
-every Python as `pydoc_data.topics`, plus readers for the user's own text and JSONL files."""
+every Python as `pydoc_data.topics`, Python source from the standard library (code-domain text),
+plus readers for the user's own text and JSONL files."""
 
 from __future__ import annotations
 
@@ -17,8 +18,30 @@ def default_corpus() -> str:
     return "\n\n".join(topics[name].strip() for name in DEFAULT_TOPICS if name in topics)
 
 
+# Python source that ships with every Python: code-domain text for exit heads and calibration
+CODE_MODULES = ("textwrap", "json.decoder", "json.encoder", "functools", "dataclasses", "argparse", "shlex",
+                "fractions", "heapq", "bisect", "calendar", "difflib")
+
+
+def code_corpus() -> str:
+    import importlib.util
+
+    sources = []
+    for name in CODE_MODULES:
+        spec = importlib.util.find_spec(name)
+        if spec is not None and spec.origin and spec.origin.endswith(".py"):
+            sources.append(Path(spec.origin).read_text())
+    return "\n\n".join(sources)
+
+
+BUILTIN = {"builtin:docs": default_corpus, "builtin:code": code_corpus}
+
+
 def read_texts(path: str | Path, field: str = "text") -> list[str]:
-    """A plain text file is one text; a .jsonl file gives one text per line (its `field`)."""
+    """A plain text file is one text; a .jsonl file gives one text per line (its `field`);
+    builtin:docs (the default corpus) and builtin:code (Python standard-library source) need no file."""
+    if str(path) in BUILTIN:
+        return [BUILTIN[str(path)]()]
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"text file not found: {path.resolve()}")
