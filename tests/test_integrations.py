@@ -156,3 +156,19 @@ def test_simple_evaluate_on_local_tasks(smollm2, harness_lm, tmp_path):
     assert 0.0 <= results["lp_tiny_mc"]["acc,none"] <= 1.0
     assert results["lp_tiny_ppl"]["word_perplexity,none"] > 1.0
     assert "exact_match,none" in results["lp_tiny_gen"]
+
+
+@pytest.mark.real
+def test_layerplan_eval_runs_the_example_task(smollm2, tmp_path, monkeypatch):
+    from click.testing import CliRunner
+
+    from layerplan.cli import main
+
+    monkeypatch.chdir(Path(__file__).parent.parent)  # the example task names its data relative to the repo
+    out = tmp_path / "eval.json"
+    result = CliRunner().invoke(main, ["eval", "--tasks", "layerplan_example_mc", "--include-path", "examples/eval_task",
+                                       "--plan", "exit:24", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    report = json.loads(out.read_text())
+    assert report["plan"].endswith("exit:24")
+    assert 0.0 <= report["results"]["layerplan_example_mc"]["acc,none"] <= 1.0
