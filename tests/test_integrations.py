@@ -3,7 +3,6 @@
 import json
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest
@@ -100,40 +99,26 @@ def test_plan_changes_scores_and_rolling_matches_perplexity(smollm2):
     assert full_ll == pytest.approx(float(logp[:-1].gather(1, torch.tensor(ids[1:])[:, None]).sum()), abs=2e-3)
 
 
-TASKS = {
-    "lp_tiny_mc": """
-        task: lp_tiny_mc
-        dataset_path: json
-        dataset_kwargs: {{data_files: {{test: "{data}"}}}}
-        test_split: test
-        output_type: multiple_choice
-        doc_to_text: "{{{{question}}}}"
-        doc_to_choice: "{{{{choices}}}}"
-        doc_to_target: "{{{{answer}}}}"
-        metric_list: [{{metric: acc}}]
-        """,
-    "lp_tiny_gen": """
-        task: lp_tiny_gen
-        dataset_path: json
-        dataset_kwargs: {{data_files: {{test: "{data}"}}}}
-        test_split: test
-        output_type: generate_until
-        doc_to_text: "{{{{question}}}}"
-        doc_to_target: "{{{{target}}}}"
-        generation_kwargs: {{until: ["\\n"], max_gen_toks: 8, do_sample: false}}
-        metric_list: [{{metric: exact_match}}]
-        """,
-    "lp_tiny_ppl": """
-        task: lp_tiny_ppl
-        dataset_path: json
-        dataset_kwargs: {{data_files: {{test: "{data}"}}}}
-        test_split: test
-        output_type: loglikelihood_rolling
-        doc_to_text: ""
-        doc_to_target: "{{{{text}}}}"
-        metric_list: [{{metric: word_perplexity}}]
-        """,
+TASKS = {  # what differs between the three local tasks; _write_tasks adds the shared fields
+    "lp_tiny_mc": {"output_type": "multiple_choice", "doc_to_text": "{{question}}", "doc_to_choice": "{{choices}}",
+                   "doc_to_target": "{{answer}}", "metric_list": [{"metric": "acc"}]},
+    "lp_tiny_gen": {"output_type": "generate_until", "doc_to_text": "{{question}}", "doc_to_target": "{{target}}",
+                    "generation_kwargs": {"until": ["\n"], "max_gen_toks": 8, "do_sample": False},
+                    "metric_list": [{"metric": "exact_match"}]},
+    "lp_tiny_ppl": {"output_type": "loglikelihood_rolling", "doc_to_text": "", "doc_to_target": "{{text}}",
+                    "metric_list": [{"metric": "word_perplexity"}]},
 }
+
+
+def _write_tasks(folder: Path, data: Path) -> None:
+    import yaml
+
+    for name, fields in TASKS.items():
+        task = {"task": name, "dataset_path": "json", "dataset_kwargs": {"data_files": {"test": str(data)}},
+                "test_split": "test", **fields}
+        (folder / f"{name}.yaml").write_text(yaml.safe_dump(task))
+
+
 DOCS = [
     {"question": "Q: What colour is the sky on a clear day?\nA:", "choices": [" blue", " green", " purple"],
      "answer": 0, "target": " blue", "text": "The sky is blue on a clear day."},
@@ -149,8 +134,7 @@ def test_simple_evaluate_on_local_tasks(smollm2, harness_lm, tmp_path):
 
     data = tmp_path / "docs.jsonl"
     data.write_text("".join(json.dumps(doc) + "\n" for doc in DOCS))
-    for name, text in TASKS.items():
-        (tmp_path / f"{name}.yaml").write_text(textwrap.dedent(text.format(data=data)))
+    _write_tasks(tmp_path, data)
     results = lm_eval.simple_evaluate(model=harness_lm, tasks=list(TASKS),
                                       task_manager=TaskManager(include_path=str(tmp_path)))["results"]
     assert 0.0 <= results["lp_tiny_mc"]["acc,none"] <= 1.0
