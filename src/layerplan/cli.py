@@ -661,17 +661,15 @@ def eval_command(tasks, model, dtype, device, threads, plan, draft, include_path
 def serve(model, dtype, device, threads, plan, draft, draft_length, host, port, api_key, served_name) -> None:
     """OpenAI-compatible HTTP server: /v1/completions, /v1/chat/completions (SSE streaming),
     /v1/models, /health. One decode at a time, requests served in arrival order."""
-    from layerplan.serve import create_app
+    from layerplan.serve import serve as run_server
 
     _threads(threads)
-    with _user_errors():
+    with _user_errors():  # a bad plan or draft fails here, before the server starts
         loaded = _load(model, dtype, device)
-        app = create_app(loaded, loaded.plan(plan) if plan else None, draft, draft_length, api_key, served_name)
-    import uvicorn
-
-    name = served_name or loaded.name
-    click.echo(f"serving '{name}' on http://{host}:{port}/v1 (draft: {draft or 'none'})", err=True)
-    uvicorn.run(app, host=host, port=port, log_level="info")
+        click.echo(f"serving '{served_name or loaded.name}' on http://{host}:{port}/v1 (draft: {draft or 'none'}); "
+                   "Ctrl-C stops", err=True)
+        run_server(loaded, host, port, plan=loaded.plan(plan) if plan else None, draft=draft,
+                   draft_length=draft_length, api_key=api_key, served_name=served_name)
 
 
 if __name__ == "__main__":
