@@ -23,6 +23,7 @@ Plain lossy generation (`generate(..., exit_policy=...)`) always propagates.
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
@@ -114,7 +115,7 @@ class DynamicExit:
         self.model, self.plan, self.policy = model, plan, policy
         self.head = head if not policy.vocab else _reduced_head(model, policy.vocab)
         self._propagation: dict[int, LayerPlan] = {}
-        self.exits: list[int] = []  # steps run per token (the last one included)
+        self.exits: Counter[int] = Counter()  # steps run per token -> tokens (bounded: a server reuses drafters)
 
     def _propagation_plan(self, exit_step: int) -> LayerPlan:
         """The plan with steps after `exit_step` turned into KV writers: attention at residual
@@ -158,17 +159,18 @@ class DynamicExit:
                 continue
             stop, logits = self._wants_exit(index, before, hidden)
             if stop:
-                self.exits.append(steps_run)
+                self.exits[steps_run] += 1
                 if propagate:
                     run_hidden(self.model, None, self._propagation_plan(steps_run), cache, position,
                                resume=Resume(hidden, steps_run))
                 return logits if logits is not None else self._head(hidden)
-        self.exits.append(active)
+        self.exits[active] += 1
         return self._head(hidden)
 
     def stats(self) -> dict:
-        mean = sum(self.exits) / len(self.exits) if self.exits else math.nan
-        return {"exit_policy": self.policy.to_string(), "tokens": len(self.exits), "mean_steps": mean,
+        tokens = sum(self.exits.values())
+        mean = sum(steps * n for steps, n in self.exits.items()) / tokens if tokens else math.nan
+        return {"exit_policy": self.policy.to_string(), "tokens": tokens, "mean_steps": mean,
                 "steps_total": len(self.plan.active_steps)}
 
 
