@@ -19,7 +19,7 @@ import torch
 from layerplan.cache import KVCache
 from layerplan.models import LoadedModel
 from layerplan.plan import LayerPlan, PlanError
-from layerplan.runner import forward, new_cache
+from layerplan.runner import forward, new_cache, run_hidden
 from layerplan.sampling import SamplingParams, process_logits
 
 
@@ -93,6 +93,7 @@ class PlanDrafter(_AutoregressiveDrafter):
         self.plan = plan
         self.name = plan.to_string()
         self.min_confidence = min_confidence
+        self.reduced_head = None  # a draft_vocab.ReducedHead (+vocab=K): score only frequent tokens
 
     def check(self, target: LayerPlan) -> None:
         if not self.plan.is_draft_of(target):
@@ -101,11 +102,7 @@ class PlanDrafter(_AutoregressiveDrafter):
                 "switch sub-layers off or exit early, so that both share the KV cache step by step"
             )
 
-    reduced_head = None  # a draft_vocab.ReducedHead: score only frequent tokens (cheaper LM head)
-
     def propose(self, state: DraftState, max_tokens: int) -> Proposal:
-        from layerplan.runner import run_hidden
-
         device = state.model.device
 
         def step(token: int, position: int) -> torch.Tensor:
@@ -128,7 +125,6 @@ class ExitHeadDrafter(PlanDrafter):
 
     def propose(self, state: DraftState, max_tokens: int) -> Proposal:
         from layerplan.runner import head as lm_head
-        from layerplan.runner import run_hidden
 
         device = state.model.device
 
