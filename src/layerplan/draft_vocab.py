@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections import Counter
 
 import torch
-import torch.nn.functional as F
+from torch import nn
 
 from layerplan.models import LoadedModel
 from layerplan.runner import softcap
@@ -41,20 +41,21 @@ class ReducedHead:
     """Final norm + LM head restricted to `ids`; returns full-size logits with -inf elsewhere."""
 
     def __init__(self, model: LoadedModel, ids: torch.Tensor) -> None:
+        from layerplan.cpu_pack import PackedLinear, packing_supported
+
         parts = model.parts
         self.parts = parts
         self.vocab = model.hf.config.vocab_size
         self.ids = ids.to(model.device)
-        weight = parts.lm_head.weight.detach()[self.ids].contiguous()  # (K, hidden)
-        bias = getattr(parts.lm_head, "bias", None)
-        self.bias = bias.detach()[self.ids] if bias is not None else None
-        from layerplan.cpu_pack import packing_supported
-
-        if packing_supported(weight.dtype, weight.device):  # same oneDNN packing as the model's own linears
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, 1)
-            self.weight = None
-        else:
-            self.packed, self.weight = None, weight
+        full = parts.lm_head
+        bias = getattr(full, "bias", None)
+        linear = nn.Linear(full.weight.shape[1], len(self.ids), bias=bias is not None,
+                           dtype=full.weight.dtype, device=full.weight.device)
+        linear.weight = nn.Parameter(full.weight.detach()[self.ids].contiguous(), requires_grad=False)  # (K, H)
+        if bias is not None:
+            linear.bias = nn.Parameter(bias.detach()[self.ids], requires_grad=False)
+        # the same oneDNN packing as the model's own linears, where it applies
+        self.linear = PackedLinear(linear) if packing_supported(linear.weight.dtype, linear.weight.device) else linear
 
     @property
     def size(self) -> int:
@@ -63,12 +64,12 @@ class ReducedHead:
     @torch.inference_mode()
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden (..., H) -> logits (..., V), -inf outside the subset."""
-        normed = self.parts.final_norm(hidden)
-        if self.packed is not None:
-            sub = torch.ops.mkldnn._linear_pointwise(normed, self.packed, self.bias, "none", [], "")
-        else:
-            sub = F.linear(normed, self.weight, self.bias)
-        sub = softcap(self.parts, sub)
+        sub = softcap(self.parts, self.linear(self.parts.final_norm(hidden)))
         full = torch.full((*sub.shape[:-1], self.vocab), float("-inf"), dtype=sub.dtype, device=sub.device)
         full[..., self.ids] = sub
         return full
+
+
+def reduced_head(model: LoadedModel, k: int, text: str | None = None) -> ReducedHead:
+    """A ReducedHead over the k most frequent tokens of `text` (default: the built-in corpus)."""
+    return ReducedHead(model, frequent_tokens(model, k, text))

@@ -283,9 +283,9 @@ def make_drafter(spec: str | Drafter, model: LoadedModel, target: LayerPlan | No
         drafter = make_drafter(inner, model, target, min_confidence)
         if not isinstance(drafter, PlanDrafter):
             raise ValueError(f"+vocab=K applies to layer-plan drafts (exit:E, exit:E+head, skip:...), not '{inner}'")
-        from layerplan.draft_vocab import ReducedHead, frequent_tokens
+        from layerplan.draft_vocab import reduced_head
 
-        drafter.reduced_head = ReducedHead(model, frequent_tokens(model, int(size)))
+        drafter.reduced_head = reduced_head(model, int(size))
         drafter.name = f"{drafter.name}+vocab={size}"
         return drafter
     if text.startswith("dynamic:"):

@@ -113,7 +113,12 @@ class DynamicExit:
 
     def __init__(self, model: LoadedModel, plan: LayerPlan, policy: ExitPolicy) -> None:
         self.model, self.plan, self.policy = model, plan, policy
-        self.head = head if not policy.vocab else _reduced_head(model, policy.vocab)
+        if policy.vocab:
+            from layerplan.draft_vocab import reduced_head
+
+            self.head = reduced_head(model, policy.vocab)  # hidden (1, 1, H) -> logits (1, 1, V)
+        else:
+            self.head = lambda hidden: head(model, hidden)
         self._propagation: dict[int, LayerPlan] = {}
         self.exits: Counter[int] = Counter()  # steps run per token -> tokens (bounded: a server reuses drafters)
 
@@ -128,7 +133,7 @@ class DynamicExit:
         return self._propagation[exit_step]
 
     def _head(self, hidden: torch.Tensor) -> torch.Tensor:
-        return (self.head(self.model, hidden) if self.head is head else self.head(hidden))[0, -1]
+        return self.head(hidden)[0, -1]
 
     def _wants_exit(self, index: int, before: torch.Tensor, after: torch.Tensor) -> tuple[bool, torch.Tensor | None]:
         policy = self.policy
@@ -172,9 +177,3 @@ class DynamicExit:
         mean = sum(steps * n for steps, n in self.exits.items()) / tokens if tokens else math.nan
         return {"exit_policy": self.policy.to_string(), "tokens": tokens, "mean_steps": mean,
                 "steps_total": len(self.plan.active_steps)}
-
-
-def _reduced_head(model: LoadedModel, k: int):
-    from layerplan.draft_vocab import ReducedHead, frequent_tokens
-
-    return ReducedHead(model, frequent_tokens(model, k))
