@@ -80,8 +80,8 @@ def test_real_model_perplexity_agrees_with_transformers(smollm2):
     assert perplexity(smollm2, ids, window=128, stride=64).perplexity == pytest.approx(expected, rel=1e-5)
 
 
-@pytest.mark.parametrize("chunk", [1, 5, 64])
-def test_chunked_divergence_of_hidden_equals_whole_logits(chunk):
+@pytest.mark.parametrize("chunk, head_rows", [(1, 256), (5, 256), (64, 256), (3, 4), (5, 4)])
+def test_chunked_divergence_of_hidden_equals_whole_logits(chunk, head_rows):
     from layerplan.runner import head, run_hidden
 
     model = tiny_model("gemma3")
@@ -89,7 +89,24 @@ def test_chunked_divergence_of_hidden_equals_whole_logits(chunk):
     reference = Reference(forward(model, ids), ids)
     hidden = run_hidden(model, ids, model.plan("skip:mlp=1"))
     whole = reference.divergence(head(model, hidden))
-    chunked = reference.divergence_of_hidden(lambda h: head(model, h), hidden, chunk=chunk)
+    chunked = reference.divergence_of_hidden(lambda h: head(model, h), hidden, chunk=chunk, head_rows=head_rows)
     assert chunked.kl == pytest.approx(whole.kl, rel=1e-5, abs=1e-8)
     assert chunked.perplexity == pytest.approx(whole.perplexity, rel=1e-6)
     assert chunked.top1_agreement == whole.top1_agreement
+
+
+@pytest.mark.parametrize("vocab, block", [(12, 4), (10, 4), (7, 1024)])
+def test_first_argmax_is_argmax_with_its_first_index_rule(vocab, block):
+    from layerplan.evaluate import first_argmax_is
+
+    generator = torch.Generator().manual_seed(0)
+    # few distinct values: many rows have their maximum twice or more (ties, as in bf16 logits)
+    logits = torch.randint(0, 4, (200, vocab), generator=generator).float()
+    targets = torch.randint(0, vocab, (200,), generator=generator)
+    targets[::3] = logits[::3].argmax(-1)  # plenty of true matches
+    last_max = vocab - 1 - logits.flip(-1).argmax(-1)
+    targets[1::3] = last_max[1::3]  # a maximum, but not the first one where tied
+    got = first_argmax_is(logits, logits.amax(-1), targets, block=block)
+    assert torch.equal(got, logits.argmax(-1) == targets)
+    assert got.any() and (~got).any()
+    assert (logits == logits.amax(-1, keepdim=True)).sum(-1).gt(1).any()  # ties were really exercised

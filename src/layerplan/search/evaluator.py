@@ -86,7 +86,8 @@ class PlanEvaluator:
         with torch.inference_mode():
             hidden = run_hidden(model, ids, self.reference_plan,
                                 observe=lambda i, sub, h: self.captured.__setitem__((i, sub), h))
-            self.reference = Reference(head(model, hidden), ids)
+            self.final_hidden = hidden  # (B, T, hidden): scoring the reference plan itself reads it
+            self.reference = Reference.from_hidden(lambda h: head(model, h), hidden, ids)
         self.cache: dict[LayerPlan, Divergence] = {}
         self.evaluations = 0  # model runs actually made (memo hits excluded)
         self.aborted = 0  # of which stopped early because they could no longer matter
@@ -116,18 +117,15 @@ class PlanEvaluator:
         point = self._resume_point(plan)
         if not self.reuse:
             hidden = run_hidden(self.model, self.ids, plan)
-        elif point is None:
-            hidden = None
+        elif point is None:  # the reference plan itself
+            hidden = self.final_hidden
         elif point[0] >= len(plan.active_steps):  # nothing left to run: the exit point itself
             hidden = self.captured[(point[0], "attention")]
         else:
             hidden = run_hidden(self.model, None, plan, resume=Resume(self.captured[point], point[0], point[1]))
         self.evaluations += 1
-        if hidden is None:
-            result = self.reference.divergence(self.reference.logits, plan.to_string())
-        else:
-            result = self.reference.divergence_of_hidden(lambda h: head(self.model, h), hidden, plan.to_string(),
-                                                         give_up=give_up)
+        result = self.reference.divergence_of_hidden(lambda h: head(self.model, h), hidden, plan.to_string(),
+                                                     give_up=give_up)
         if result.complete:
             self.cache[plan] = result
         else:
