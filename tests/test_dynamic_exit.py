@@ -163,3 +163,9 @@ def test_real_model_dynamic_and_reduced_vocab_drafts_are_lossless(smollm2):
         assert result.token_ids == plain.token_ids, draft
     ids = frequent_tokens(smollm2, 4096)
     assert 4096 <= len(ids) <= 4096 + 32 and set(smollm2.eos_token_ids) <= set(ids.tolist())
+    # a text with fewer distinct tokens than K: its tokens, the special ones, then the lowest ids
+    text = "hello hello world"
+    short = frequent_tokens(smollm2, 100, text).tolist()
+    assert len(short) == 100 and short == sorted(set(short))
+    assert set(smollm2.tokenizer.encode(text, add_special_tokens=False)) <= set(short)
+    assert set(range(10)) <= set(short)

@@ -184,12 +184,13 @@ def test_storage_in_a_folder_that_does_not_exist_yet(tmp_path):
         storage = make_storage(url)
         assert storage is not None
     assert (tmp_path / "new" / "a" / "study.db").exists()
+    assert (tmp_path / "other" / "b").is_dir()
 
 
 @pytest.mark.parametrize("objective", ["kl", "ppl", "agreement"])
 def test_early_abort_changes_nothing_but_the_work(objective):
     model = tiny_model("llama", num_layers=8)
-    ids = torch.randint(3, VOCAB, (1, 320), generator=torch.Generator().manual_seed(1))  # 5 chunks of 64
+    ids = torch.randint(3, VOCAB, (1, 320), generator=torch.Generator().manual_seed(1))  # 10 chunks of 32
     runs = {}
     for abort in (False, True):
         evaluator = PlanEvaluator(model, ids)

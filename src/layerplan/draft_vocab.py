@@ -32,8 +32,10 @@ def frequent_tokens(model: LoadedModel, k: int, text: str | None = None) -> torc
     keep.update(model.eos_token_ids)
     for special in model.tokenizer.all_special_ids:
         keep.add(int(special))
-    if len(keep) < k:  # the text had fewer distinct tokens than k: fill with the lowest ids
-        keep.update(i for i in range(vocab) if len(keep) < k or i in keep)
+    for i in range(vocab):  # the text had fewer distinct tokens than k: fill with the lowest ids
+        if len(keep) >= k:
+            break
+        keep.add(i)
     return torch.tensor(sorted(t for t in keep if 0 <= t < vocab), dtype=torch.long)
 
 

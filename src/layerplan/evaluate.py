@@ -203,9 +203,9 @@ class Reference:
 
     def divergence(self, logits: torch.Tensor, plan: str = "") -> Divergence:
         """Compare a candidate's logits (B, T, V) on the same ids."""
-        # the chunk scorer overwrites its input: give it a copy even where .float() would not make one
-        return self.divergence_of_hidden(lambda part: part.float().clone(memory_format=torch.contiguous_format)
-                                         if part.dtype == torch.float32 else part.float(), logits, plan)
+        # the scorer overwrites float32 chunks in place (other dtypes are copied to float32 anyway)
+        return self.divergence_of_hidden(lambda part: part.clone() if part.dtype == torch.float32 else part,
+                                         logits, plan)
 
     @torch.inference_mode()
     def divergence_of_hidden(self, head_fn, hidden: torch.Tensor, plan: str = "", chunk: int | None = None,

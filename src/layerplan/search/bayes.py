@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 from layerplan.plan import LayerPlan, PlanError
 from layerplan.search.evaluator import OBJECTIVES, CostModel, PlanEvaluator, score
@@ -28,14 +29,11 @@ def make_storage(url: str | None, heartbeat: int = 60):
         from optuna.storages import JournalStorage
         from optuna.storages.journal import JournalFileBackend
 
-        from pathlib import Path
-
-        Path(url[len("journal:"):]).parent.mkdir(parents=True, exist_ok=True)
-        return JournalStorage(JournalFileBackend(url[len("journal:"):]))
+        path = Path(url[len("journal:"):])
+        path.parent.mkdir(parents=True, exist_ok=True)  # a fresh --out folder
+        return JournalStorage(JournalFileBackend(str(path)))
     if "://" not in url:
-        from pathlib import Path
-
-        Path(url).parent.mkdir(parents=True, exist_ok=True)  # a fresh --out folder
+        Path(url).parent.mkdir(parents=True, exist_ok=True)
         url = f"sqlite:///{url}"
     import inspect
     import warnings
