@@ -12,8 +12,6 @@ was counted on and on standard-library code.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
 
@@ -21,17 +19,11 @@ from layerplan.draft_vocab import ReducedHead, frequent_tokens
 from layerplan.evaluate import calibration_ids
 from layerplan.models import load_model
 from layerplan.runner import forward, head, new_cache, run_hidden
+from timing import median_ms
 
 
 def timed(run, repeats: int) -> float:
-    for _ in range(5):
-        run()
-    samples = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        run()
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples) * 1e3
+    return median_ms(run, repeats, warmup=5)
 
 
 @torch.inference_mode()

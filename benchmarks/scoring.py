@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import time
 
 import torch
@@ -26,16 +25,7 @@ from layerplan.models import load_model
 from layerplan.runner import head, run_hidden
 from layerplan.scan import scan
 from layerplan.search.evaluator import PlanEvaluator
-
-
-def median_ms(run, repeats: int) -> float:
-    run()
-    samples = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        run()
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples) * 1e3
+from timing import median_ms
 
 
 def blocked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block: int = 64) -> torch.Tensor:
