@@ -15,10 +15,10 @@ import argparse
 
 import torch
 
-from layerplan.draft_vocab import ReducedHead, frequent_tokens
-from layerplan.evaluate import calibration_ids
-from layerplan.models import load_model
-from layerplan.runner import forward, head, new_cache, run_hidden
+from layerplan.decoding.drafters.heads import ReducedHead, frequent_tokens
+from layerplan.engine.runner import forward, head, new_cache, run_hidden
+from layerplan.models.loading import load_model
+from layerplan.search.evaluate import calibration_ids
 from timing import median_ms
 
 

@@ -15,8 +15,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-from layerplan.models import load_model
-from layerplan.runner import forward, new_cache
+from layerplan.engine.runner import forward, new_cache
+from layerplan.models.loading import load_model
 
 
 def per_call_us(fn, n: int = 200) -> float:

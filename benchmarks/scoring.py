@@ -20,11 +20,11 @@ import time
 import torch
 import torch.nn.functional as F
 
-from layerplan.evaluate import Reference, calibration_ids
-from layerplan.models import load_model
-from layerplan.runner import head, run_hidden
-from layerplan.scan import scan
+from layerplan.engine.runner import head, run_hidden
+from layerplan.models.loading import load_model
+from layerplan.search.evaluate import Reference, calibration_ids
 from layerplan.search.evaluator import PlanEvaluator
+from layerplan.search.scan import scan
 from timing import median_ms
 
 

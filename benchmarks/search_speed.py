@@ -15,11 +15,11 @@ import time
 
 import torch
 
-from layerplan.evaluate import calibration_ids
-from layerplan.models import load_model
-from layerplan.scan import scan
+from layerplan.models.loading import load_model
+from layerplan.search.evaluate import calibration_ids
 from layerplan.search.evaluator import PlanEvaluator
 from layerplan.search.greedy import greedy_search
+from layerplan.search.scan import scan
 
 
 def main() -> None:

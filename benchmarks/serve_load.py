@@ -20,11 +20,11 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import uvicorn
 
-from layerplan.bench import PROMPTS
-from layerplan.decode import generate
-from layerplan.models import load_model
-from layerplan.sampling import SamplingParams
-from layerplan.serve import create_app
+from layerplan.app.bench import PROMPTS
+from layerplan.app.serve import create_app
+from layerplan.decoding.generate import generate
+from layerplan.decoding.sampling import SamplingParams
+from layerplan.models.loading import load_model
 
 
 def main() -> None:

@@ -8,8 +8,8 @@ import time
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from layerplan.integrations.hf_generate import layerplan_generate
-from layerplan.models import convert_gguf, default_gguf_path
+from layerplan.app.integrations.hf_generate import layerplan_generate
+from layerplan.models.loading import convert_gguf, default_gguf_path
 
 folder = convert_gguf(default_gguf_path())  # any HF checkpoint folder works the same way
 model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)

@@ -1,10 +1,10 @@
 import pytest
 import torch
 
-from layerplan.cpu_pack import PackedLinear, pack_linears, packing_supported
-from layerplan.merge import export_checkpoint
-from layerplan.models import wrap_model
-from layerplan.runner import forward
+from layerplan.engine.cpu_pack import PackedLinear, pack_linears, packing_supported
+from layerplan.engine.runner import forward
+from layerplan.export import export_checkpoint
+from layerplan.models.loading import wrap_model
 from tiny import VOCAB, tiny_hf
 
 pytestmark = pytest.mark.skipif(not packing_supported(torch.bfloat16, "cpu"),

@@ -1,8 +1,8 @@
 import pytest
 import torch
 
-from layerplan.decode import generate
-from layerplan.sampling import SamplingParams, next_token_probs, process_logits
+from layerplan.decoding.generate import generate
+from layerplan.decoding.sampling import SamplingParams, next_token_probs, process_logits
 from tiny import ARCHS, VOCAB, tiny_model
 
 

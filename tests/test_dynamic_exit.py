@@ -5,11 +5,12 @@ import pytest
 import torch
 from tiny import tiny_model
 
-from layerplan.decode import generate
-from layerplan.draft_vocab import ReducedHead, frequent_tokens
-from layerplan.drafters import DynamicExitDrafter, PlanDrafter, make_drafter
-from layerplan.dynamic_exit import DynamicExit, ExitPolicy
-from layerplan.runner import head, new_cache, run_hidden
+from layerplan.decoding.drafters.dynamic_exit import DynamicExit, DynamicExitDrafter, ExitPolicy
+from layerplan.decoding.drafters.heads import ReducedHead, frequent_tokens
+from layerplan.decoding.drafters.plan import PlanDrafter
+from layerplan.decoding.drafters.registry import make_drafter
+from layerplan.decoding.generate import generate
+from layerplan.engine.runner import head, new_cache, run_hidden
 
 PROMPT = [5, 6, 7, 8, 9, 10, 5, 6, 7, 11]
 
@@ -108,22 +109,21 @@ def test_reduced_vocabulary_draft_is_lossless(arch):
     model = tiny_model(arch, num_layers=4)
     plain = generate(model, PROMPT, max_new_tokens=16)
     for k in (8, 48, 96):
-        drafter = PlanDrafter(model.plan("exit:2"))
-        drafter.reduced_head = ReducedHead(model, torch.randperm(96, generator=torch.Generator().manual_seed(k))[:k])
+        subset = torch.randperm(96, generator=torch.Generator().manual_seed(k))[:k]
+        drafter = PlanDrafter(model.plan("exit:2"), head=ReducedHead(model, subset))
         result = generate(model, PROMPT, max_new_tokens=16, draft=drafter, draft_length="fixed")
         assert result.token_ids == plain.token_ids
-    dynamic = DynamicExitDrafter(model, model.plan(), ExitPolicy.parse("confidence=0.05,min=1"))
-    dynamic.runner.head = ReducedHead(model, torch.arange(0, 96, 3))
+    dynamic = DynamicExitDrafter(model, model.plan(), ExitPolicy.parse("confidence=0.05,min=1"),
+                                 head=ReducedHead(model, torch.arange(0, 96, 3)))
     assert generate(model, PROMPT, max_new_tokens=16, draft=dynamic).token_ids == plain.token_ids
 
 
 def test_sampling_with_a_reduced_draft_keeps_draft_probabilities_on_the_subset():
     model = tiny_model("llama", num_layers=4)
     subset = torch.arange(0, 96, 2)
-    drafter = PlanDrafter(model.plan("exit:2"))
-    drafter.reduced_head = ReducedHead(model, subset)
-    from layerplan.drafters import DraftState
-    from layerplan.sampling import SamplingParams
+    drafter = PlanDrafter(model.plan("exit:2"), head=ReducedHead(model, subset))
+    from layerplan.decoding.drafters.base import DraftState
+    from layerplan.decoding.sampling import SamplingParams
 
     cache = new_cache(model.plan(), 64)
     run_hidden(model, torch.tensor([PROMPT[:-1]]), model.plan(), cache, 0)

@@ -5,8 +5,8 @@ import torch
 import torch.nn.functional as F
 
 from layerplan.corpus import default_corpus, read_texts
-from layerplan.evaluate import Reference, compare, perplexity
-from layerplan.runner import forward
+from layerplan.engine.runner import forward
+from layerplan.search.evaluate import Reference, compare, perplexity
 from tiny import VOCAB, tiny_model
 
 
@@ -82,7 +82,7 @@ def test_real_model_perplexity_agrees_with_transformers(smollm2):
 
 @pytest.mark.parametrize("chunk, head_rows", [(1, 256), (5, 256), (64, 256), (3, 4), (5, 4)])
 def test_chunked_divergence_of_hidden_equals_whole_logits(chunk, head_rows):
-    from layerplan.runner import head, run_hidden
+    from layerplan.engine.runner import head, run_hidden
 
     model = tiny_model("gemma3")
     ids = torch.randint(3, VOCAB, (2, 13), generator=torch.Generator().manual_seed(3))
@@ -97,7 +97,7 @@ def test_chunked_divergence_of_hidden_equals_whole_logits(chunk, head_rows):
 
 @pytest.mark.parametrize("vocab, block", [(12, 4), (10, 4), (7, 1024)])
 def test_first_argmax_is_argmax_with_its_first_index_rule(vocab, block):
-    from layerplan.evaluate import first_argmax_is
+    from layerplan.search.evaluate import first_argmax_is
 
     generator = torch.Generator().manual_seed(0)
     # few distinct values: many rows have their maximum twice or more (ties, as in bf16 logits)

@@ -1,9 +1,9 @@
 import pytest
 import torch
 
-from layerplan.decode import generate
-from layerplan.drafters import make_drafter
-from layerplan.exit_heads import load_head, save_head, train_exit_head
+from layerplan.decoding.drafters.heads import load_head, save_head, train_exit_head
+from layerplan.decoding.drafters.registry import make_drafter
+from layerplan.decoding.generate import generate
 from tiny import VOCAB, tiny_model
 
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 from tiny import tiny_hf
 
-from layerplan.decode import generate
-from layerplan.integrations.hf_generate import layerplan_generate, loaded
+from layerplan.app.integrations.hf_generate import layerplan_generate, loaded
+from layerplan.decoding.generate import generate
 
 
 # ----- transformers custom_generate ---------------------------------------------------------------
@@ -57,7 +57,7 @@ def test_transformers_example_runs(smollm2):
 # ----- lm-evaluation-harness -----------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def harness_lm(smollm2):
-    from layerplan.integrations.harness import LayerplanLM
+    from layerplan.app.integrations.harness import LayerplanLM
 
     return LayerplanLM(pretrained=smollm2)
 
@@ -86,7 +86,7 @@ def test_loglikelihood_equals_transformers_logits(smollm2, harness_lm):
 
 @pytest.mark.real
 def test_plan_changes_scores_and_rolling_matches_perplexity(smollm2):
-    from layerplan.integrations.harness import LayerplanLM
+    from layerplan.app.integrations.harness import LayerplanLM
 
     full = LayerplanLM(pretrained=smollm2)
     cut = LayerplanLM(pretrained=smollm2, plan="exit:20")
@@ -146,7 +146,7 @@ def test_simple_evaluate_on_local_tasks(smollm2, harness_lm, tmp_path):
 def test_layerplan_eval_runs_the_example_task(smollm2, tmp_path, monkeypatch):
     from click.testing import CliRunner
 
-    from layerplan.cli import main
+    from layerplan.app.cli import main
 
     monkeypatch.chdir(Path(__file__).parent.parent)  # the example task names its data relative to the repo
     out = tmp_path / "eval.json"

@@ -4,10 +4,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from layerplan.explore import explore, recompute_rewind_grid
-from layerplan.merge import export_checkpoint
-from layerplan.plan import LayerPlan, PlanError, parse_plan, recompute_rewind_layers
-from layerplan.runner import forward, new_cache
+from layerplan.engine.runner import forward, new_cache
+from layerplan.export import export_checkpoint
+from layerplan.plan.formats import from_mergekit, mergekit_models, to_mergekit
+from layerplan.plan.plan import PlanError, parse_plan, recompute_rewind_layers
+from layerplan.search.explore import explore, recompute_rewind_grid
 from tiny import VOCAB, tiny_model
 
 
@@ -49,8 +50,8 @@ def test_export_then_transformers_load_equals_in_memory_plan(arch, plan_text, tm
 
 
 def test_mergekit_multi_slice_multi_model_round_trip():
-    text = parse_plan("0-5,3-9", 10).to_mergekit("org/base")
-    assert LayerPlan.from_mergekit(text, 10) == parse_plan("0-5,3-9", 10)
+    text = to_mergekit(parse_plan("0-5,3-9", 10), "org/base")
+    assert from_mergekit(text, 10) == parse_plan("0-5,3-9", 10)
     two = """
 slices:
   - sources: [{model: org/A, layer_range: [0, 6]}]
@@ -58,12 +59,12 @@ slices:
   - sources: [{model: org/A, layer_range: [8, 10]}]
 merge_method: passthrough
 """
-    plan = LayerPlan.from_mergekit(two, 10)
+    plan = from_mergekit(two, 10)
     assert plan.to_string() == "a:0-5,b:3-9,a:8-9"
-    assert LayerPlan.mergekit_models(two) == {"": "org/A", "b": "org/B"}
-    assert LayerPlan.from_mergekit(plan.to_mergekit("org/A", sources={"b": "org/B"}), 10) == plan
+    assert mergekit_models(two) == {"": "org/A", "b": "org/B"}
+    assert from_mergekit(to_mergekit(plan, "org/A", sources={"b": "org/B"}), 10) == plan
     with pytest.raises(PlanError, match="give their paths"):
-        plan.to_mergekit("org/A")
+        to_mergekit(plan, "org/A")
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])

@@ -3,8 +3,8 @@ import json
 import pytest
 from click.testing import CliRunner
 
-from layerplan.cli import main
-from layerplan.models import ModelError, load_model, model_depth
+from layerplan.app.cli import main
+from layerplan.models.loading import ModelError, load_model, model_depth
 
 
 def test_missing_model_says_what_was_looked_for(tmp_path):

@@ -4,7 +4,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from layerplan.plan import LayerPlan, PlanError, Step, load_plan, parse_plan
+from layerplan.plan import formats
+from layerplan.plan.formats import load_plan, save_plan
+from layerplan.plan.plan import LayerPlan, PlanError, Step, parse_plan
 
 N = 30
 NAME = "SmolLM2-135M-Instruct"
@@ -94,32 +96,32 @@ def test_bad_plans_name_the_token_and_range(text, fragment):
 
 def test_draft_verify_round_trip():
     obj = {"attention": [3, 5, 6], "mlp": [6, 9]}
-    plan = LayerPlan.from_draft_verify(obj, N)
-    assert plan.to_draft_verify() == obj
-    assert LayerPlan.from_draft_verify(json.dumps(obj), N) == plan
+    plan = formats.from_draft_verify(obj, N)
+    assert formats.to_draft_verify(plan) == obj
+    assert formats.from_draft_verify(json.dumps(obj), N) == plan
     with pytest.raises(PlanError, match="unknown key"):
-        LayerPlan.from_draft_verify({"attn": [1]}, N)
+        formats.from_draft_verify({"attn": [1]}, N)
     with pytest.raises(PlanError, match="layer 30 is out of range"):
-        LayerPlan.from_draft_verify({"mlp": [30]}, N)
+        formats.from_draft_verify({"mlp": [30]}, N)
 
 
 def test_run_layers_round_trip():
     vector = [3] * 5 + [1, 2, 0] + [3] * 22
-    plan = LayerPlan.from_run_layers(vector, N)
-    assert plan.to_run_layers() == vector
+    plan = formats.from_run_layers(vector, N)
+    assert formats.to_run_layers(plan) == vector
     assert plan.steps[5] == Step(5, True, False)
-    assert parse_plan("exit:2", 4).to_run_layers() == [3, 3, 0, 0]
+    assert formats.to_run_layers(parse_plan("exit:2", 4)) == [3, 3, 0, 0]
     with pytest.raises(PlanError, match=r"run_layers\[1\] = 7"):
-        LayerPlan.from_run_layers([3, 7, 3], 3)
+        formats.from_run_layers([3, 7, 3], 3)
     with pytest.raises(PlanError, match="model's own layer order"):
-        parse_plan("0,0,1", N).to_run_layers()
+        formats.to_run_layers(parse_plan("0,0,1", N))
 
 
 def test_mergekit_round_trip_half_open():
     plan = parse_plan("0-26,20-29", N)
-    text = plan.to_mergekit("HuggingFaceTB/SmolLM2-135M-Instruct")
+    text = formats.to_mergekit(plan, "HuggingFaceTB/SmolLM2-135M-Instruct")
     assert "layer_range:\n    - 0\n    - 27" in text or "[0, 27]" in text
-    assert LayerPlan.from_mergekit(text, N) == plan
+    assert formats.from_mergekit(text, N) == plan
     yaml_text = """
 slices:
   - sources:
@@ -131,31 +133,31 @@ slices:
 merge_method: passthrough
 dtype: bfloat16
 """
-    assert layers_of(LayerPlan.from_mergekit(yaml_text, 12)) == list(range(8)) + list(range(4, 12))
+    assert layers_of(formats.from_mergekit(yaml_text, 12)) == list(range(8)) + list(range(4, 12))
     with pytest.raises(PlanError, match="layer 12 is out of range"):
-        LayerPlan.from_mergekit(yaml_text.replace("[4, 12]", "[4, 13]"), 12)
+        formats.from_mergekit(yaml_text.replace("[4, 12]", "[4, 13]"), 12)
     with pytest.raises(PlanError, match="only 'passthrough'"):
-        LayerPlan.from_mergekit(yaml_text.replace("passthrough", "slerp"), 12)
+        formats.from_mergekit(yaml_text.replace("passthrough", "slerp"), 12)
     with pytest.raises(PlanError, match="whole layers"):
-        parse_plan("skip:attn=3", N).to_mergekit("m")
+        formats.to_mergekit(parse_plan("skip:attn=3", N), "m")
 
 
 def test_layer_replication_round_trip():
     pairs = [[0, 4], [2, 5]]
-    plan = LayerPlan.from_layer_replication(pairs, 5)
+    plan = formats.from_layer_replication(pairs, 5)
     assert layers_of(plan) == [0, 1, 2, 3, 2, 3, 4]
-    assert plan.to_layer_replication() == pairs
+    assert formats.to_layer_replication(plan) == pairs
     with pytest.raises(PlanError, match="empty"):
-        LayerPlan.from_layer_replication([[3, 3]], 5)
+        formats.from_layer_replication([[3, 3]], 5)
     with pytest.raises(PlanError, match="layer 5 is out of range"):
-        LayerPlan.from_layer_replication([[0, 6]], 5)
+        formats.from_layer_replication([[0, 6]], 5)
 
 
 def test_files_round_trip(tmp_path):
     plan = parse_plan("0-26,20-29;exit:30", N)
-    json_path = plan.save(tmp_path / "plan.json")
+    json_path = save_plan(plan, tmp_path / "plan.json")
     assert load_plan(json_path, N) == plan
-    yaml_path = parse_plan("0-26,20-29", N).save(tmp_path / "plan.yaml")
+    yaml_path = save_plan(parse_plan("0-26,20-29", N), tmp_path / "plan.yaml")
     assert load_plan(yaml_path, N) == parse_plan("0-26,20-29", N)
     dv = tmp_path / "dv.json"
     dv.write_text(json.dumps({"attention": [1], "mlp": []}))
@@ -189,7 +191,7 @@ def test_string_round_trip_property(items, with_exit):
 @settings(max_examples=150, deadline=None)
 @given(st.lists(st.sampled_from([0, 1, 2, 3]), min_size=N, max_size=N).filter(lambda v: any(v)))
 def test_run_layers_property(vector):
-    plan = LayerPlan.from_run_layers(vector, N)
-    assert plan.to_run_layers() == vector
+    plan = formats.from_run_layers(vector, N)
+    assert formats.to_run_layers(plan) == vector
     assert parse_plan(plan.to_string(), N) == plan
-    assert LayerPlan.from_draft_verify(plan.to_draft_verify(), N) == plan
+    assert formats.from_draft_verify(formats.to_draft_verify(plan), N) == plan

@@ -4,10 +4,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from layerplan.merge import export_checkpoint
-from layerplan.models import wrap_model
-from layerplan.plan import parse_plan
-from layerplan.runner import Resume, forward, head, new_cache, run_hidden
+from layerplan.engine.runner import Resume, forward, head, new_cache, run_hidden
+from layerplan.export import export_checkpoint
+from layerplan.models.loading import wrap_model
+from layerplan.plan.plan import parse_plan
 from tiny import ARCHS, VOCAB, tiny_model
 
 TOL = 1e-4
@@ -145,7 +145,7 @@ def test_writing_past_a_hole_is_refused():
 def test_wrap_model_and_unsupported_architecture():
     from transformers import BertConfig, BertLMHeadModel
 
-    from layerplan.models import ModelError
+    from layerplan.models.loading import ModelError
 
     bert = BertLMHeadModel(BertConfig(vocab_size=32, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
                                       intermediate_size=32, is_decoder=True))

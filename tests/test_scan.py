@@ -1,10 +1,10 @@
 import pytest
 import torch
 
-from layerplan.evaluate import Reference
-from layerplan.report import scan_heatmap
-from layerplan.runner import forward
-from layerplan.scan import scan
+from layerplan.app.report import scan_heatmap
+from layerplan.engine.runner import forward
+from layerplan.search.evaluate import Reference
+from layerplan.search.scan import scan
 from tiny import VOCAB, tiny_model
 
 
@@ -43,7 +43,7 @@ def test_scan_of_a_partial_plan_skips_what_is_already_off(tmp_path):
 
 
 def test_exit_scan_equals_direct_exits_and_plots(tmp_path):
-    from layerplan.report import exits_plot
+    from layerplan.app.report import exits_plot
 
     model = tiny_model("qwen2", num_layers=4)
     ids = torch.randint(3, VOCAB, (1, 16), generator=torch.Generator().manual_seed(2))

@@ -11,12 +11,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from layerplan.evaluate import Reference
-from layerplan.runner import forward
-from layerplan.scan import scan
+from layerplan.engine.runner import forward
 from layerplan.search.bayes import plan_from_params, run_study
-from layerplan.search.evaluator import PlanEvaluator, measure_costs, score
+from layerplan.search.evaluate import Reference
+from layerplan.search.evaluator import PlanEvaluator, measure_costs
 from layerplan.search.greedy import greedy_search
+from layerplan.search.objectives import score
+from layerplan.search.scan import scan
 from tiny import VOCAB, tiny_model
 
 

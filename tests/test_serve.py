@@ -10,9 +10,9 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from layerplan.decode import generate
-from layerplan.sampling import SamplingParams
-from layerplan.serve import chat_prompt_ids, create_app
+from layerplan.app.serve import chat_prompt_ids, create_app
+from layerplan.decoding.generate import generate
+from layerplan.decoding.sampling import SamplingParams
 
 pytestmark = pytest.mark.real
 KEY = "test-key"

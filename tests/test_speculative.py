@@ -4,14 +4,18 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from layerplan.acceptance import accept_draft
-from layerplan.decode import generate
-from layerplan.drafters import DraftState, ModelDrafter, NgramDrafter, make_drafter
-from layerplan.models import wrap_model
-from layerplan.plan import PlanError
-from layerplan.runner import forward, new_cache
-from layerplan.sampling import SamplingParams, next_token_probs
-from layerplan.speculative import AdaptiveLength, HeuristicLength, expected_speedup, speculative_generate
+from layerplan.decoding.acceptance import accept_draft
+from layerplan.decoding.draft_length import AdaptiveLength, HeuristicLength, expected_speedup
+from layerplan.decoding.drafters.base import DraftState
+from layerplan.decoding.drafters.model import ModelDrafter
+from layerplan.decoding.drafters.ngram import NgramDrafter
+from layerplan.decoding.drafters.registry import make_drafter
+from layerplan.decoding.generate import generate
+from layerplan.decoding.sampling import SamplingParams, next_token_probs
+from layerplan.decoding.speculative import speculative_generate
+from layerplan.engine.runner import forward, new_cache
+from layerplan.models.loading import wrap_model
+from layerplan.plan.plan import PlanError
 from tiny import ARCHS, tiny_hf, tiny_model
 
 PROMPT = [5, 6, 7, 8, 9, 5, 6, 7, 8]  # repeats, so n-gram lookup has something to find

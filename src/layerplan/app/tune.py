@@ -7,13 +7,14 @@ import statistics
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
-from layerplan.bench import CHAT_PROMPTS, PROMPTS, BenchResult, bench_methods, run_bench
-from layerplan.decode import generate
-from layerplan.evaluate import calibration_ids
-from layerplan.models import LoadedModel
-from layerplan.scan import ScanResult, scan
+from layerplan.app.bench import CHAT_PROMPTS, PROMPTS, BenchResult, bench_methods, run_bench
+from layerplan.decoding.generate import generate
+from layerplan.models.loading import LoadedModel
+from layerplan.search.evaluate import calibration_ids
 from layerplan.search.evaluator import PlanEvaluator, measure_costs
 from layerplan.search.greedy import GreedyResult, greedy_search
+from layerplan.search.objectives import score
+from layerplan.search.scan import ScanResult, scan
 
 
 @dataclass
@@ -66,8 +67,6 @@ def tune(
 ) -> TuneResult:
     """model: the model to decode with (e.g. bf16, packed); stock: the same weights unpacked, for
     transformers' generate; fp32_model: loads the float32 model for the exactness check."""
-    from layerplan.search.evaluator import score
-
     prompts = prompts or {k: PROMPTS[k] for k in ("code", "summary")}
     ids = calibration_ids(model, tokens=tokens)
     _stage(on_stage, "scan: every attention and MLP switched off in turn")

@@ -19,13 +19,15 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from layerplan.acceptance import accept_draft
-from layerplan.decode import Emitter, GenerationResult, prompt_ids
-from layerplan.drafters import DraftState, Drafter, make_drafter
-from layerplan.models import LoadedModel
-from layerplan.plan import LayerPlan
-from layerplan.runner import forward, new_cache
-from layerplan.sampling import SamplingParams, next_token_probs, pick
+from layerplan.decoding.acceptance import accept_draft
+from layerplan.decoding.draft_length import make_draft_length
+from layerplan.decoding.drafters.base import DraftState, Drafter
+from layerplan.decoding.drafters.registry import make_drafter
+from layerplan.decoding.output import Emitter, GenerationResult, prompt_ids
+from layerplan.decoding.sampling import SamplingParams, next_token_probs, pick
+from layerplan.engine.runner import forward, new_cache
+from layerplan.models.loading import LoadedModel
+from layerplan.plan.plan import LayerPlan
 
 
 @dataclass
@@ -78,116 +80,6 @@ class SpeculativeStats:
         return data
 
 
-# ----- draft length -------------------------------------------------------------------------
-class FixedLength:
-    """Always draft γ tokens."""
-
-    def __init__(self, gamma: int = 4) -> None:
-        self.gamma = gamma
-
-    def next_gamma(self) -> int:
-        return self.gamma
-
-    def update(self, gamma: int, drafted: int, accepted: int, draft_s: float, verify_s: float) -> None:
-        pass
-
-
-class HeuristicLength(FixedLength):
-    """transformers' schedule: +2 after a fully accepted round, −1 otherwise (at least 1)."""
-
-    def __init__(self, gamma: int = 4, max_gamma: int = 16) -> None:
-        super().__init__(gamma)
-        self.max_gamma = max_gamma
-
-    def update(self, gamma: int, drafted: int, accepted: int, draft_s: float, verify_s: float) -> None:
-        if drafted:
-            self.gamma = min(self.max_gamma, self.gamma + 2) if accepted == drafted else max(1, self.gamma - 1)
-
-
-def expected_speedup(alpha: float, gamma: int, draft_cost: float, verify_cost: float = 1.0) -> float:
-    """Leviathan et al.: tokens per round / cost per round, in units of one plain target step.
-    alpha: per-token acceptance; draft_cost: one draft step; verify_cost: one verify pass."""
-    if gamma == 0:
-        return 1.0
-    tokens = gamma + 1 if alpha >= 1.0 else (1 - alpha ** (gamma + 1)) / (1 - alpha)
-    return tokens / (gamma * draft_cost + verify_cost)
-
-
-class AdaptiveLength:
-    """Picks γ ∈ 0..max_gamma maximising the expected speedup from measured acceptance and costs;
-    γ = 0 (plain decoding) when no γ is expected to beat plain, probing again every
-    `probe_every` rounds so that a drafter that starts to pay is noticed.
-
-    Measured in the same run: a plain round times one target step; a drafting round times its
-    draft steps and its verify pass. Per-token acceptance α follows the geometric model behind
-    the formula: accepted tokens / (accepted + rejections), over exponentially decayed counts."""
-
-    def __init__(self, max_gamma: int = 8, probe_every: int = 16, decay: float = 0.9, smoothing: float = 0.3) -> None:
-        self.max_gamma, self.probe_every, self.decay, self.smoothing = max_gamma, probe_every, decay, smoothing
-        self.accepted_count, self.rejected_count = 1.0, 1.0  # prior: α = 0.5
-        self.plain_step: float | None = None  # seconds of one plain target step
-        self.draft_step: float | None = None  # seconds of one draft step
-        self.verify_extra = 0.0  # verify seconds beyond a plain step, per drafted token
-        self.since_probe = 0
-        self.gamma = min(4, max_gamma)  # first drafting round
-
-    @property
-    def alpha(self) -> float:
-        return self.accepted_count / (self.accepted_count + self.rejected_count)
-
-    def _ema(self, old: float | None, new: float) -> float:
-        return new if old is None else (1 - self.smoothing) * old + self.smoothing * new
-
-    def next_gamma(self) -> int:
-        if self.plain_step is None:
-            return 0  # measure a plain step first
-        if self.draft_step is None:
-            return self.gamma  # and one drafting round
-        draft_cost = self.draft_step / self.plain_step
-        verify_cost = self.verify_extra / self.plain_step
-        best, best_s = 0, 1.0
-        for gamma in range(1, self.max_gamma + 1):
-            s = expected_speedup(self.alpha, gamma, draft_cost, 1.0 + gamma * verify_cost)
-            if s > best_s:
-                best, best_s = gamma, s
-        if best == 0:
-            self.since_probe += 1
-            if self.since_probe >= self.probe_every:
-                self.since_probe = 0
-                return 1  # probe: acceptance may have changed with the text
-        return best
-
-    def update(self, gamma: int, drafted: int, accepted: int, draft_s: float, verify_s: float) -> None:
-        if gamma == 0 or self.plain_step is None:
-            self.plain_step = self._ema(self.plain_step, verify_s)
-            return
-        if drafted == 0:  # the drafter had nothing (no n-gram match): a plain step plus lookup time
-            self.plain_step = self._ema(self.plain_step, verify_s)
-            return
-        self.draft_step = self._ema(self.draft_step, draft_s / drafted)
-        extra = (verify_s - self.plain_step) / drafted
-        self.verify_extra = min(max(self._ema(self.verify_extra, extra), 0.0), self.plain_step)
-        self.accepted_count = self.decay * self.accepted_count + accepted
-        self.rejected_count = self.decay * self.rejected_count + (accepted < drafted)
-
-
-DRAFT_LENGTHS = {"fixed": FixedLength, "heuristic": HeuristicLength, "adaptive": AdaptiveLength}
-
-
-def make_draft_length(spec: str | object | None, gamma: int = 4):
-    """'fixed' (γ), 'heuristic', 'adaptive' (default), or a policy object."""
-    if spec is None:
-        spec = "adaptive"
-    if not isinstance(spec, str):
-        return spec
-    if spec not in DRAFT_LENGTHS:
-        raise ValueError(f"unknown draft length policy '{spec}'; choose from {', '.join(DRAFT_LENGTHS)}")
-    if spec == "adaptive":
-        return AdaptiveLength(max_gamma=max(gamma, 1) * 2)
-    return DRAFT_LENGTHS[spec](gamma)
-
-
-# ----- the loop -----------------------------------------------------------------------------
 @torch.inference_mode()
 def speculative_generate(
     model: LoadedModel,

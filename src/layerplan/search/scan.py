@@ -13,8 +13,8 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from layerplan.models import LoadedModel
-from layerplan.plan import LayerPlan, PlanError
+from layerplan.models.loading import LoadedModel
+from layerplan.plan.plan import LayerPlan, PlanError
 from layerplan.search.evaluator import PlanEvaluator
 
 KINDS = ("attention", "mlp", "layer")

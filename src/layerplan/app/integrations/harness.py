@@ -1,7 +1,7 @@
 """lm-evaluation-harness under a plan: an `LM` subclass registered as "layerplan".
 
     import lm_eval
-    from layerplan.integrations.harness import LayerplanLM
+    from layerplan.app.integrations.harness import LayerplanLM
     lm = LayerplanLM(pretrained="smollm2", plan="skip:mlp=20", dtype="float32")
     lm_eval.simple_evaluate(model=lm, tasks=["arc_easy"])
 
@@ -21,10 +21,10 @@ import torch.nn.functional as F
 from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
 
-from layerplan.decode import generate
-from layerplan.models import LoadedModel, load_model
-from layerplan.runner import forward, new_cache
-from layerplan.sampling import SamplingParams
+from layerplan.decoding.generate import generate
+from layerplan.decoding.sampling import SamplingParams
+from layerplan.engine.runner import forward, new_cache
+from layerplan.models.loading import LoadedModel, load_model
 
 
 @register_model("layerplan")

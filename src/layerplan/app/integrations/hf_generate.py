@@ -1,6 +1,6 @@
 """layerplan's decoding inside transformers' own `model.generate`, via its `custom_generate` hook.
 
-    from layerplan.integrations.hf_generate import layerplan_generate
+    from layerplan.app.integrations.hf_generate import layerplan_generate
     out = model.generate(**inputs, custom_generate=layerplan_generate, max_new_tokens=64,
                          do_sample=False, draft="ngram")          # or plan="skip:mlp=20", ...
 
@@ -15,9 +15,9 @@ import weakref
 
 import torch
 
-from layerplan.decode import generate
-from layerplan.models import LoadedModel, wrap_model
-from layerplan.sampling import SamplingParams
+from layerplan.decoding.generate import generate
+from layerplan.decoding.sampling import SamplingParams
+from layerplan.models.loading import LoadedModel, wrap_model
 
 # the logits processors transformers builds from the settings we translate into SamplingParams;
 # any other (no_repeat_ngram_size, bad_words_ids, ...) has no layerplan equivalent yet

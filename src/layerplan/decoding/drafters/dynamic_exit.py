@@ -30,9 +30,11 @@ from dataclasses import dataclass, field, replace
 import torch
 import torch.nn.functional as F
 
-from layerplan.models import LoadedModel
-from layerplan.plan import LayerPlan
-from layerplan.runner import Resume, embed, head, run_hidden
+from layerplan.decoding.drafters.base import AutoregressiveDrafter, DraftState, Proposal
+from layerplan.decoding.drafters.heads import Head, final_head, reduced_head
+from layerplan.engine.runner import Resume, embed, run_hidden
+from layerplan.models.loading import LoadedModel
+from layerplan.plan.plan import LayerPlan, PlanError
 
 Criterion = Callable[[int, torch.Tensor, "torch.Tensor | None"], bool]
 KINDS = ("confidence", "entropy", "cosine")
@@ -45,7 +47,7 @@ class ExitPolicy:
     min_steps: int = 1  # never exit before this many steps: the first layers are never enough
     every: int = 1  # test every k-th step only (tests with logits cost an LM head each)
     kv: str = "propagate"  # how later tokens see the skipped layers (module docstring)
-    vocab: int = 0  # >0: exit logits over this many frequent tokens (draft_vocab.py)
+    vocab: int = 0  # >0: exit logits over this many frequent tokens (heads.ReducedHead)
     fn: Criterion | None = field(default=None, compare=False)  # the callable policy
     fn_needs_logits: bool = True
 
@@ -109,16 +111,16 @@ class ExitPolicy:
 
 
 class DynamicExit:
-    """Runs one token through a plan step by step and stops where the policy says."""
+    """Runs one token through a plan step by step and stops where the policy says.
 
-    def __init__(self, model: LoadedModel, plan: LayerPlan, policy: ExitPolicy) -> None:
+    head: hidden (1, 1, H) -> logits (1, 1, V) at an exit; default: a reduced head over
+    policy.vocab tokens where the policy names one, else the model's own."""
+
+    def __init__(self, model: LoadedModel, plan: LayerPlan, policy: ExitPolicy, head: Head | None = None) -> None:
         self.model, self.plan, self.policy = model, plan, policy
-        if policy.vocab:
-            from layerplan.draft_vocab import reduced_head
-
-            self.head = reduced_head(model, policy.vocab)  # hidden (1, 1, H) -> logits (1, 1, V)
-        else:
-            self.head = lambda hidden: head(model, hidden)
+        if head is None:
+            head = reduced_head(model, policy.vocab) if policy.vocab else final_head(model)
+        self.head = head
         self._propagation: dict[int, LayerPlan] = {}
         self.exits: Counter[int] = Counter()  # steps run per token -> tokens (bounded: a server reuses drafters)
 
@@ -177,3 +179,28 @@ class DynamicExit:
         mean = sum(steps * n for steps, n in self.exits.items()) / tokens if tokens else math.nan
         return {"exit_policy": self.policy.to_string(), "tokens": tokens, "mean_steps": mean,
                 "steps_total": len(self.plan.active_steps)}
+
+
+class DynamicExitDrafter(AutoregressiveDrafter):
+    """Per-token early exit inside the target plan: each draft token stops at the first step
+    where the policy is satisfied. Lossless: the target verifies."""
+
+    def __init__(self, model: LoadedModel, target: LayerPlan, policy: ExitPolicy, min_confidence: float = 0.0,
+                 head: Head | None = None) -> None:
+        self.runner = DynamicExit(model, target, policy, head)
+        self.name = f"dynamic:{policy.to_string()}"
+        self.min_confidence = min_confidence
+
+    def check(self, model: LoadedModel, target: LayerPlan) -> None:
+        if self.runner.model is not model:
+            raise ValueError(f"the dynamic-exit draft was built for {self.runner.model.name}, not this {model.name}")
+        if not self.runner.plan.is_draft_of(target):
+            raise PlanError(f"the dynamic-exit draft runs '{self.runner.plan}', which is not a sub-plan of the "
+                            f"target '{target}'")
+
+    def propose(self, state: DraftState, max_tokens: int) -> Proposal:
+        state.cache.fill_gaps = self.runner.policy.kv == "verify"  # deeper slots may skip positions
+        try:
+            return self._draft_loop(state, max_tokens, lambda token, position: self.runner(token, state.cache, position))
+        finally:
+            state.cache.fill_gaps = False

@@ -1,28 +1,58 @@
-"""Light exit heads trained by self-distillation (tuned-lens / Kangaroo style).
+"""Everything that turns a residual stream into logits for a draft: the model's own head, light
+exit heads trained by self-distillation, and a head over a reduced vocabulary. A drafter takes
+its head as a constructor argument.
 
-An exit head maps the residual stream after `exit` steps to something the model's own final norm
-and LM head read well: h' = h + W h + b, with W, b zero at the start (the plain logit lens). Only
-W and b are trained, on the full model's own next-token distributions (KL(full || exit)) over the
-built-in corpus or the user's text: no labels, no download, minutes on a CPU.
+Exit heads (tuned-lens / Kangaroo style) map the residual stream after `exit` steps to something
+the model's own final norm and LM head read well: h' = h + W h + b, with W, b zero at the start
+(the plain logit lens). Only W and b are trained, on the full model's own next-token
+distributions (KL(full || exit)) over the built-in corpus or the user's text: no labels, no
+download, minutes on a CPU.
+
+The reduced head (frequency-ranked, as in FR-Spec) scores only the K most frequent tokens of
+calibration text, so it costs K/V of the full LM head; tokens outside the subset get probability
+0 in the draft. The target still verifies with the whole vocabulary, so output stays exactly the
+target's: a token the draft cannot propose only lowers acceptance.
 """
 
 from __future__ import annotations
 
 import json
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from safetensors import safe_open
+from safetensors.torch import save
 from torch import nn
+from torch.func import functional_call
 
+from layerplan.corpus import default_corpus
+from layerplan.engine.cpu_pack import PackedLinear, packing_supported
+from layerplan.engine.runner import head as lm_head
+from layerplan.engine.runner import run_hidden, softcap
 from layerplan.files import write_bytes_atomic
-from layerplan.models import LoadedModel, cache_dir
-from layerplan.runner import run_hidden, softcap
+from layerplan.models.loading import LoadedModel, cache_dir
+
+Head = Callable[[torch.Tensor], torch.Tensor]  # hidden (..., H) -> logits (..., V)
 
 
+def final_head(model: LoadedModel) -> Head:
+    """The model's own final norm and LM head (with logit soft-capping where it has one)."""
+    return partial(lm_head, model)
+
+
+def named(base: str, head: Head | None) -> str:
+    """A drafter's name with what its head adds ("exit:8" + a vocab=K head: "exit:8+vocab=K")."""
+    label = getattr(head, "name", "")
+    return f"{base}+{label}" if label else base
+
+
+# ----- exit heads -------------------------------------------------------------------------------
 class ExitHead(nn.Module):
     def __init__(self, hidden_size: int, exit: int) -> None:
         super().__init__()
@@ -54,8 +84,6 @@ class TrainReport:
 def _frozen_head(model: LoadedModel, hidden: torch.Tensor) -> torch.Tensor:
     """The model's final norm and LM head with detached parameters: gradients reach the input
     only, and nothing is accumulated into the model."""
-    from torch.func import functional_call
-
     parts = model.parts
     norm = functional_call(parts.final_norm, {k: v.detach() for k, v in parts.final_norm.named_parameters()}, (hidden,))
     logits = functional_call(parts.lm_head, {k: v.detach() for k, v in parts.lm_head.named_parameters()}, (norm,))
@@ -135,8 +163,6 @@ def default_head_path(model: LoadedModel, exit: int) -> Path:
 
 
 def save_head(head: ExitHead, path: str | Path, model: LoadedModel, report: TrainReport | None = None) -> Path:
-    from safetensors.torch import save
-
     metadata = {"exit": str(head.exit), "model": model.name, "hidden_size": str(head.proj.in_features)}
     if report is not None:
         metadata["report"] = json.dumps(report.to_dict())
@@ -145,8 +171,6 @@ def save_head(head: ExitHead, path: str | Path, model: LoadedModel, report: Trai
 
 
 def load_head(path: str | Path, model: LoadedModel) -> ExitHead:
-    from safetensors import safe_open
-
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"exit head not found: {path} (train one with `layerplan train-exit --exit E`)")
@@ -160,3 +184,60 @@ def load_head(path: str | Path, model: LoadedModel) -> ExitHead:
     head.load_state_dict(tensors)
     return head.to(dtype=model.dtype, device=model.device).eval()
 
+
+# ----- a reduced vocabulary ------------------------------------------------------------------
+def frequent_tokens(model: LoadedModel, k: int, text: str | None = None) -> torch.Tensor:
+    """The k most frequent token ids of `text` (default: the built-in corpus), plus the special
+    tokens (EOS must stay proposable), sorted."""
+    vocab = model.hf.config.vocab_size
+    if model.tokenizer is None:
+        raise ValueError("a reduced draft vocabulary is counted on text, and this model has no tokenizer")
+    if not 1 <= k <= vocab:
+        raise ValueError(f"a reduced draft vocabulary needs 1 <= K <= {vocab}, got {k}")
+    counts = Counter(model.tokenizer.encode(text if text is not None else default_corpus(), add_special_tokens=False))
+    keep = {t for t, _ in counts.most_common(k)}
+    keep.update(model.eos_token_ids)
+    for special in model.tokenizer.all_special_ids:
+        keep.add(int(special))
+    for i in range(vocab):  # the text had fewer distinct tokens than k: fill with the lowest ids
+        if len(keep) >= k:
+            break
+        keep.add(i)
+    return torch.tensor(sorted(t for t in keep if 0 <= t < vocab), dtype=torch.long)
+
+
+class ReducedHead:
+    """Final norm + LM head restricted to `ids`; returns full-size logits with -inf elsewhere."""
+
+    def __init__(self, model: LoadedModel, ids: torch.Tensor, name: str = "") -> None:
+        parts = model.parts
+        self.name = name  # "vocab=K": what a drafter's name says about its head
+        self.parts = parts
+        self.vocab = model.hf.config.vocab_size
+        self.ids = ids.to(model.device)
+        full = parts.lm_head
+        bias = getattr(full, "bias", None)
+        linear = nn.Linear(full.weight.shape[1], len(self.ids), bias=bias is not None,
+                           dtype=full.weight.dtype, device=full.weight.device)
+        linear.weight = nn.Parameter(full.weight.detach()[self.ids].contiguous(), requires_grad=False)  # (K, H)
+        if bias is not None:
+            linear.bias = nn.Parameter(bias.detach()[self.ids], requires_grad=False)
+        # the same oneDNN packing as the model's own linears, where it applies
+        self.linear = PackedLinear(linear) if packing_supported(linear.weight.dtype, linear.weight.device) else linear
+
+    @property
+    def size(self) -> int:
+        return int(self.ids.numel())
+
+    @torch.inference_mode()
+    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden (..., H) -> logits (..., V), -inf outside the subset."""
+        sub = softcap(self.parts, self.linear(self.parts.final_norm(hidden)))
+        full = torch.full((*sub.shape[:-1], self.vocab), float("-inf"), dtype=sub.dtype, device=sub.device)
+        full[..., self.ids] = sub
+        return full
+
+
+def reduced_head(model: LoadedModel, k: int, text: str | None = None) -> ReducedHead:
+    """A ReducedHead over the k most frequent tokens of `text` (default: the built-in corpus)."""
+    return ReducedHead(model, frequent_tokens(model, k, text), name=f"vocab={k}")

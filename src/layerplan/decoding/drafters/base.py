@@ -1,0 +1,87 @@
+"""What every drafter shares: the state it sees, the proposal it returns, the protocol, and the
+token-by-token draft loop of the drafters that run a model.
+
+A drafter sees a `DraftState` (the context, whose last token is *pending*: chosen but not yet run
+through the target, and the target's KV cache) and returns a `Proposal`: tokens, and the
+distributions q they were drawn from (after the same logits processing as the target's), or None
+for deterministic proposals.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from layerplan.decoding.sampling import SamplingParams, process_logits
+from layerplan.engine.cache import KVCache
+from layerplan.models.loading import LoadedModel
+from layerplan.plan.plan import LayerPlan
+
+
+@dataclass
+class DraftState:
+    model: LoadedModel
+    target: LayerPlan
+    cache: KVCache  # the target's cache; self-drafts write the slots of the steps they run
+    tokens: list[int]  # the context; tokens[-1] is pending (its KV is not in the cache yet)
+    sampling: SamplingParams
+    generator: torch.Generator | None = None
+
+
+@dataclass
+class Proposal:
+    tokens: list[int] = field(default_factory=list)
+    probs: torch.Tensor | None = None  # (len(tokens), V) draft distributions q; None = deterministic
+
+
+class Drafter(Protocol):
+    name: str
+
+    def check(self, model: LoadedModel, target: LayerPlan) -> None:
+        """Raise (PlanError / ValueError, saying why) unless this drafter can draft for `target`
+        on `model`: before the first token, not halfway through a generation."""
+
+    def propose(self, state: DraftState, max_tokens: int) -> Proposal: ...
+
+
+def draft_token(logits: torch.Tensor, state: DraftState, seen: list[int]) -> tuple[int, torch.Tensor, float]:
+    """(token, q, top-1 probability) from one position's draft logits (V,)."""
+    params = state.sampling
+    penalty_context = torch.tensor(seen, device=logits.device) if params.repetition_penalty != 1.0 else None
+    processed = process_logits(logits, params, penalty_context)
+    if params.greedy:
+        token = int(processed.argmax())
+        confidence = float(torch.softmax(processed, -1)[token])
+        q = torch.zeros_like(processed)
+        q[token] = 1.0
+        return token, q, confidence
+    q = torch.softmax(processed, -1)
+    token = int(torch.multinomial(q, 1, generator=state.generator))
+    return token, q, float(q.max())
+
+
+class AutoregressiveDrafter:
+    """Drafts token by token with some forward function; stops early on low confidence."""
+
+    name = "autoregressive"
+    min_confidence: float = 0.0  # stop drafting when the draft's top-1 probability falls below this
+
+    def _draft_loop(self, state: DraftState, max_tokens: int, step: Callable[[int, int], torch.Tensor]) -> Proposal:
+        tokens: list[int] = []
+        probs: list[torch.Tensor] = []
+        seen = list(state.tokens)
+        position = len(state.tokens) - 1
+        token = state.tokens[-1]
+        for _ in range(max_tokens):
+            logits = step(token, position)
+            token, q, confidence = draft_token(logits, state, seen)
+            if tokens and confidence < self.min_confidence:
+                break  # keep at least one token: an unsure guess still costs only one draft step
+            tokens.append(token)
+            probs.append(q)
+            seen.append(token)
+            position += 1
+        return Proposal(tokens, torch.stack(probs) if probs else None)

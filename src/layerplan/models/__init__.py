@@ -1,0 +1,1 @@
+"""Models: every per-architecture fact (architectures.py); finding and loading models (loading.py)."""

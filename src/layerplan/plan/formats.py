@@ -1,0 +1,232 @@
+"""Plans in other tools' formats and in files; FORMATS is the one registry the CLI reads.
+
+- layerplan JSON: ``{"format": "layerplan", "version": 1, "num_layers": N, "plan": "..."}``;
+- Draft & Verify JSON: ``{"attention": [...], "mlp": [...]}``, the skipped sub-layers;
+- llama.cpp ``run_layers``: per layer 0 skip, 1 attention only, 2 MLP only, 3 both;
+- mergekit passthrough ``slices:`` YAML (``layer_range`` half-open);
+- PEFT ``layer_replication``: ``[[start, end), ...]`` pairs.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from layerplan.files import write_text_atomic
+from layerplan.plan.plan import LayerPlan, PlanError, Step, ascending_runs, out_of_range, parse_plan
+
+
+# ----- layerplan JSON ---------------------------------------------------------------------------
+def to_json(plan: LayerPlan) -> dict[str, Any]:
+    return {"format": "layerplan", "version": 1, "num_layers": plan.num_layers, "plan": plan.to_string()}
+
+
+def from_json(obj: dict[str, Any], num_layers: int | None = None, model_name: str = "the model") -> LayerPlan:
+    n = int(obj["num_layers"]) if num_layers is None else num_layers
+    if num_layers is not None and int(obj.get("num_layers", n)) != n:
+        raise PlanError(f"the saved plan was made for {obj['num_layers']} layers but {model_name} has {n}")
+    return parse_plan(obj["plan"], n, model_name)
+
+
+# ----- Draft & Verify ---------------------------------------------------------------------------
+def to_draft_verify(plan: LayerPlan) -> dict[str, list[int]]:
+    """Draft & Verify's skip sets: {"attention": [...], "mlp": [...]} of skipped layers."""
+    return plan.skipped()
+
+
+def from_draft_verify(obj: dict[str, Any] | str, num_layers: int, model_name: str = "the model") -> LayerPlan:
+    if isinstance(obj, str):
+        obj = json.loads(obj)
+    unknown = set(obj) - {"attention", "mlp"}
+    if unknown:
+        raise PlanError(f"unknown key(s) {sorted(unknown)} in a Draft & Verify skip set; expected 'attention' and 'mlp'")
+    attention = [_as_layer_index(v, num_layers, model_name) for v in obj.get("attention", [])]
+    mlp = [_as_layer_index(v, num_layers, model_name) for v in obj.get("mlp", [])]
+    return LayerPlan.from_skips(num_layers, attention=attention, mlp=mlp, model_name=model_name)
+
+
+# ----- llama.cpp run_layers ---------------------------------------------------------------------
+def to_run_layers(plan: LayerPlan) -> list[int]:
+    """llama.cpp's run_layers vector (needs the model's own layer order)."""
+    if not plan.is_model_order:
+        raise PlanError(f"run_layers can only express the model's own layer order, not '{plan.to_string()}'")
+    limit = len(plan.active_steps)
+    return [int(s.attention) + 2 * int(s.mlp) if i < limit else 0 for i, s in enumerate(plan.steps)]
+
+
+def from_run_layers(vector: Sequence[int], num_layers: int | None = None, model_name: str = "the model") -> LayerPlan:
+    n = len(vector) if num_layers is None else num_layers
+    if len(vector) != n:
+        raise PlanError(f"run_layers has {len(vector)} entries but {model_name} has {n} layers")
+    steps = []
+    for i, value in enumerate(vector):
+        if value not in (0, 1, 2, 3):
+            raise PlanError(f"run_layers[{i}] = {value!r}: each entry must be 0 (skip), 1 (attention), 2 (MLP) or 3 (both)")
+        steps.append(Step(i, attention=bool(value & 1), mlp=bool(value & 2)))
+    return LayerPlan(tuple(steps), n, model_name=model_name)
+
+
+# ----- PEFT layer_replication -------------------------------------------------------------------
+def to_layer_replication(plan: LayerPlan) -> list[list[int]]:
+    """PEFT's layer_replication: half-open [start, end) ranges, concatenated."""
+    _require_whole_layers(plan, "layer_replication")
+    if plan.models:
+        raise PlanError("layer_replication repeats layers of one model; this plan uses several")
+    return [[a, b + 1] for a, b in ascending_runs([s.layer for s in plan.active_steps])]
+
+
+def from_layer_replication(pairs: Sequence[Sequence[int]], num_layers: int, model_name: str = "the model") -> LayerPlan:
+    layers: list[int] = []
+    for pair in pairs:
+        if len(pair) != 2:
+            raise PlanError(f"layer_replication entry {list(pair)!r} must be a [start, end) pair")
+        if any(isinstance(v, bool) or not isinstance(v, int) for v in pair):
+            raise PlanError(f"layer_replication entry {list(pair)!r} must hold two integers")
+        start, end = pair
+        if end <= start:
+            raise PlanError(f"layer_replication entry [{start}, {end}) is empty: end must exceed start")
+        if start < 0 or end > num_layers:
+            bad = start if start < 0 else end - 1
+            raise PlanError(out_of_range(bad, num_layers, model_name))
+        layers.extend(range(start, end))
+    return LayerPlan(tuple(Step(i) for i in layers), num_layers, model_name=model_name)
+
+
+# ----- mergekit passthrough ---------------------------------------------------------------------
+def to_mergekit(plan: LayerPlan, model: str, dtype: str = "bfloat16", sources: dict[str, str] | None = None) -> str:
+    """mergekit passthrough YAML that builds this plan as a real checkpoint.
+    sources: model path per extra label ("b": "org/other") for plans over several models."""
+    _require_whole_layers(plan, "mergekit passthrough")
+    names = {"": model, **(sources or {})}
+    missing = [label for label in plan.models if label not in names]
+    if missing:
+        raise PlanError(f"the plan uses model(s) {', '.join(missing)}: give their paths for the mergekit config")
+    slices = []
+    for label, run in _model_runs(plan.active_steps):
+        for a, b in ascending_runs([s.layer for s in run]):
+            slices.append({"sources": [{"model": names[label], "layer_range": [a, b + 1]}]})
+    return yaml.safe_dump({"slices": slices, "merge_method": "passthrough", "dtype": dtype}, sort_keys=False)
+
+
+def from_mergekit(text_or_obj: str | dict[str, Any], num_layers: int, model_name: str = "the model") -> LayerPlan:
+    obj = yaml.safe_load(text_or_obj) if isinstance(text_or_obj, str) else text_or_obj
+    if not isinstance(obj, dict) or "slices" not in obj:
+        raise PlanError("a mergekit config needs a top-level 'slices:' list")
+    method = obj.get("merge_method", "passthrough")
+    if method != "passthrough":
+        raise PlanError(f"merge_method '{method}' blends weights; only 'passthrough' is a layer plan")
+    steps: list[Step] = []
+    labels: dict[str, str] = {}  # model path -> label: the first model is "", then b, c, ...
+    for k, piece in enumerate(obj["slices"]):
+        sources = piece.get("sources") if isinstance(piece, dict) else None
+        if not sources or len(sources) != 1:
+            raise PlanError(f"slice {k} must have exactly one source for a passthrough merge")
+        source = sources[0]
+        name = str(source.get("model"))
+        if name not in labels:
+            labels[name] = "" if not labels else "bcdefghijklmnopqrstuvwxyz"[len(labels) - 1]
+        rng = source.get("layer_range")
+        if not isinstance(rng, (list, tuple)) or len(rng) != 2:
+            raise PlanError(f"slice {k}: layer_range must be [start, end), got {rng!r}")
+        start, end = int(rng[0]), int(rng[1])
+        if end <= start:
+            raise PlanError(f"slice {k}: layer_range [{start}, {end}) is empty")
+        if start < 0 or end > num_layers:
+            bad = start if start < 0 else end - 1
+            raise PlanError(f"slice {k}: " + out_of_range(bad, num_layers, model_name))
+        steps.extend(Step(i, model=labels[name]) for i in range(start, end))
+    return LayerPlan(tuple(steps), num_layers, model_name=model_name)
+
+
+def mergekit_models(text_or_obj: str | dict[str, Any]) -> dict[str, str]:
+    """Label -> model path of a mergekit config, in the order from_mergekit assigns them."""
+    obj = yaml.safe_load(text_or_obj) if isinstance(text_or_obj, str) else text_or_obj
+    labels: dict[str, str] = {}
+    for piece in obj.get("slices", []):
+        name = str(piece["sources"][0].get("model"))
+        if name not in labels.values():
+            labels["" if not labels else "bcdefghijklmnopqrstuvwxyz"[len(labels) - 1]] = name
+    return labels
+
+
+# ----- files ------------------------------------------------------------------------------------
+def load_plan(source: str | Path, num_layers: int, model_name: str = "the model") -> LayerPlan:
+    """A plan from a string, or from a file: .json (layerplan, Draft & Verify, run_layers or
+    layer_replication), .yaml (mergekit), or a text file holding a plan string."""
+    text = str(source)
+    path = Path(text)
+    looks_like_file = path.suffix.lower() in (".json", ".yaml", ".yml", ".txt", ".plan")
+    if looks_like_file and not path.exists():
+        raise PlanError(f"plan file not found: {path.resolve()}")
+    if looks_like_file:
+        content = path.read_text()
+        if path.suffix.lower() in (".yaml", ".yml"):
+            return from_mergekit(content, num_layers, model_name)
+        if path.suffix.lower() == ".json":
+            obj = json.loads(content)
+            if isinstance(obj, list):
+                return from_run_layers(obj, num_layers, model_name)
+            if obj.get("format") == "layerplan":
+                return from_json(obj, num_layers, model_name)
+            if "layer_replication" in obj:
+                return from_layer_replication(obj["layer_replication"], num_layers, model_name)
+            return from_draft_verify(obj, num_layers, model_name)
+        return parse_plan(content.strip(), num_layers, model_name)
+    return parse_plan(text, num_layers, model_name)
+
+
+def save_plan(plan: LayerPlan, path: str | Path) -> Path:
+    """Write a plan atomically: .yaml / .yml as mergekit slices, anything else as layerplan JSON."""
+    path = Path(path)
+    if path.suffix in (".yaml", ".yml"):
+        return write_text_atomic(path, to_mergekit(plan, plan.model_name))
+    return write_text_atomic(path, json.dumps(to_json(plan), indent=2) + "\n")
+
+
+# ----- the registry -----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class PlanFormat:
+    name: str
+    help: str
+    dump: Callable[[LayerPlan, str], str]  # (plan, the model's name or path) -> text
+
+
+FORMATS: dict[str, PlanFormat] = {f.name: f for f in (
+    PlanFormat("string", "the plan string", lambda plan, model: plan.to_string()),
+    PlanFormat("json", "layerplan's plan file", lambda plan, model: json.dumps(to_json(plan), indent=2)),
+    PlanFormat("draft-verify", "Draft & Verify skip sets", lambda plan, model: json.dumps(to_draft_verify(plan))),
+    PlanFormat("run-layers", "llama.cpp run_layers vector", lambda plan, model: json.dumps(to_run_layers(plan))),
+    PlanFormat("mergekit", "mergekit passthrough slices (YAML)", lambda plan, model: to_mergekit(plan, model).rstrip()),
+    PlanFormat("layer-replication", "PEFT layer_replication pairs",
+               lambda plan, model: json.dumps(to_layer_replication(plan))),
+)}
+
+
+# ----- helpers ----------------------------------------------------------------------------------
+def _require_whole_layers(plan: LayerPlan, what: str) -> None:
+    if any(not (s.attention and s.mlp) or s.scale != 1.0 for s in plan.active_steps):
+        raise PlanError(f"{what} can only express whole layers at scale 1, not '{plan.to_string()}'")
+
+
+def _as_layer_index(value: Any, num_layers: int, model_name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise PlanError(f"{value!r} is not a layer index ({model_name} has layers 0–{num_layers - 1})")
+    if not 0 <= value < num_layers:
+        raise PlanError(out_of_range(value, num_layers, model_name))
+    return value
+
+
+def _model_runs(steps: Sequence[Step]) -> list[tuple[str, list[Step]]]:
+    """Consecutive steps grouped by model label."""
+    runs: list[tuple[str, list[Step]]] = []
+    for step in steps:
+        if runs and runs[-1][0] == step.model:
+            runs[-1][1].append(step)
+        else:
+            runs.append((step.model, [step]))
+    return runs

@@ -1,0 +1,72 @@
+"""What a search optimises: the objectives (one registry, OBJECTIVES, that the CLI's choices and
+help come from) and the value of one plan under each."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from layerplan.decoding.draft_length import expected_speedup
+from layerplan.decoding.speculative import speculative_generate
+from layerplan.plan.plan import LayerPlan
+from layerplan.search.evaluate import Divergence
+from layerplan.search.evaluator import CostModel, PlanEvaluator
+
+
+@dataclass(frozen=True)
+class Objective:
+    name: str
+    direction: str  # "minimize" or "maximize"
+    help: str
+
+
+OBJECTIVES = {
+    "kl": Objective("kl", "minimize", "mean KL(full model || plan) per token on the calibration text"),
+    "ppl": Objective("ppl", "minimize", "perplexity of the plan on the calibration text"),
+    "agreement": Objective("agreement", "maximize", "top-1 agreement with the full model (= greedy draft acceptance)"),
+    "speedup": Objective("speedup", "maximize",
+                         "predicted self-speculative speedup from agreement and the measured cost of the plan"),
+    "tokens-per-second": Objective("tokens-per-second", "maximize",
+                                   "measured speculative decoding speed on the prompts (slow, honest)"),
+}
+
+
+def score(objective: str, plan: LayerPlan, evaluator: PlanEvaluator, costs: CostModel | None = None,
+          prompts: list[torch.Tensor] | None = None, new_tokens: int = 32, bound: float | None = None) -> float:
+    """The objective's value for one plan (see OBJECTIVES).
+
+    bound: the caller only cares whether the value beats this; scoring may stop early and return
+    a bound that is worse than it (a lower bound for minimised objectives, an upper bound for
+    maximised ones). Used by greedy search to drop candidates that would be pruned anyway."""
+    if objective == "tokens-per-second":
+        total_tokens, total_seconds = 0, 0.0
+        for ids in prompts or []:
+            result = speculative_generate(evaluator.model, ids, plan.to_string(), max_new_tokens=new_tokens,
+                                          draft_length="adaptive")
+            total_tokens += len(result.token_ids)
+            total_seconds += result.seconds
+        return total_tokens / total_seconds if total_seconds else 0.0
+    give_up = None
+    if bound is not None:
+        # stop scoring once even the best case for the unscored positions cannot beat `bound`
+        sign = 1.0 if OBJECTIVES[objective].direction == "minimize" else -1.0
+
+        def give_up(bounds: Divergence) -> bool:
+            return sign * _value(objective, bounds, plan, costs) > sign * bound
+    return _value(objective, evaluator.divergence(plan, give_up), plan, costs)
+
+
+def _value(objective: str, metrics: Divergence, plan: LayerPlan, costs: CostModel | None) -> float:
+    if objective == "kl":
+        return metrics.kl
+    if objective == "ppl":
+        return metrics.perplexity
+    if objective == "agreement":
+        return metrics.top1_agreement
+    if objective == "speedup":
+        if costs is None:
+            raise ValueError("the speedup objective needs a measured cost model")
+        c = costs.relative_cost(plan)
+        return max(expected_speedup(metrics.top1_agreement, gamma, c) for gamma in range(1, 9))
+    raise ValueError(f"unknown objective '{objective}'; choose from {', '.join(OBJECTIVES)}")
