@@ -3,12 +3,15 @@
 import pytest
 import torch
 from scipy.stats import chisquare
+from transformers import AutoModelForCausalLM
 
 from layerplan.decoding.acceptance import accept_draft
 from layerplan.decoding.draft_length import AdaptiveLength, HeuristicLength, expected_speedup
 from layerplan.decoding.drafters.base import DraftState
 from layerplan.decoding.drafters.model import ModelDrafter
 from layerplan.decoding.drafters.ngram import NgramDrafter
+from layerplan.decoding.drafters.plan import PlanDrafter
+from layerplan.decoding.drafters.staged import StagedDrafter
 from layerplan.decoding.drafters.registry import make_drafter
 from layerplan.decoding.generate import generate
 from layerplan.decoding.sampling import SamplingParams, next_token_probs
@@ -16,7 +19,7 @@ from layerplan.decoding.speculative import speculative_generate
 from layerplan.engine.runner import forward, new_cache
 from layerplan.models.loading import wrap_model
 from layerplan.plan.plan import PlanError
-from tiny import ARCHS, tiny_hf, tiny_model
+from tiny import ARCHS, VOCAB, tiny_config, tiny_hf, tiny_model
 
 PROMPT = [5, 6, 7, 8, 9, 5, 6, 7, 8]  # repeats, so n-gram lookup has something to find
 
@@ -102,6 +105,33 @@ def test_draft_plan_must_share_the_cache_layout():
     model = tiny_model("llama", num_layers=3)
     with pytest.raises(PlanError, match="not a sub-plan of the target"):
         generate(model, PROMPT, max_new_tokens=4, draft="0,2,1")
+
+
+def test_ready_made_drafters_are_checked_like_named_ones():
+    model = tiny_model("llama", num_layers=3)
+    deeper = PlanDrafter(model.plan("0,1,1,2"))  # four steps: the full target has three KV slots
+    for draft in (deeper, StagedDrafter([NgramDrafter(), deeper])):
+        with pytest.raises(PlanError, match="not a sub-plan of the target"):
+            generate(model, [5, 6, 7], max_new_tokens=4, draft=draft)  # no n-gram match: the plan drafts
+    dynamic = make_drafter("dynamic:confidence=0.5", model)
+    with pytest.raises(PlanError, match="not a sub-plan"):
+        make_drafter(dynamic, model, model.plan("skip:attn=1"))
+    with pytest.raises(ValueError, match="built for"):
+        make_drafter(dynamic, tiny_model("llama", num_layers=3))
+
+
+def test_every_drafter_checks_model_and_target_alike():
+    model = tiny_model("llama", num_layers=3)
+    drafters = [make_drafter(spec, model) for spec in ("ngram", "exit:2", "window:2,3", "dynamic:confidence=0.5",
+                                                        "ngram|exit:1", "skip:attn=1")]
+    drafters.append(ModelDrafter(tiny_model("llama", num_layers=2)))
+    for drafter in drafters:
+        drafter.check(model, model.plan())  # one signature: (model, target plan)
+    config = tiny_config("llama", 2)
+    config.vocab_size = VOCAB // 2
+    small_vocab = wrap_model(AutoModelForCausalLM.from_config(config).eval())
+    with pytest.raises(ValueError, match="vocabulary"):
+        ModelDrafter(small_vocab).check(model, model.plan())
 
 
 def test_cache_after_a_round_holds_exactly_the_verified_prefix():

@@ -122,11 +122,10 @@ def drafter_help() -> str:
 
 def make_drafter(spec: str | Drafter, model: LoadedModel, target: LayerPlan | None = None,
                  min_confidence: float = 0.0) -> Drafter:
-    """A drafter from its spec (see DRAFTERS), checked against the model and target plan."""
-    if not isinstance(spec, str):
-        return spec
+    """A drafter from its spec (see DRAFTERS) or a ready-made one, checked against the model and
+    the target plan before anything runs."""
     target = target if target is not None else model.plan()
-    drafter = _build(spec, Context(model, target, min_confidence))
+    drafter = _build(spec, Context(model, target, min_confidence)) if isinstance(spec, str) else spec
     drafter.check(model, target)
     return drafter
 
