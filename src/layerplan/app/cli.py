@@ -17,7 +17,8 @@ from layerplan.app.report import (exits_plot, explore_plot, pareto_plot, scan_he
 from layerplan.app.tune import tune as run_tune
 from layerplan.corpus import default_corpus, read_texts
 from layerplan.decoding.drafters.heads import default_head_path, save_head, train_exit_head
-from layerplan.decoding.drafters.registry import saved_draft_path
+from layerplan.decoding.draft_length import DRAFT_LENGTHS, draft_length_help
+from layerplan.decoding.drafters.registry import drafter_help, saved_draft_path
 from layerplan.decoding.generate import generate as run_generate
 from layerplan.decoding.sampling import SamplingParams
 from layerplan.engine.cpu_pack import packing_supported
@@ -26,16 +27,16 @@ from layerplan.files import write_json_atomic, write_text_atomic
 from layerplan.models.loading import DEFAULT_MODEL, ModelError, available_models, cache_dir, load_model, model_depth
 from layerplan.plan.formats import FORMATS, load_plan, save_plan, to_mergekit
 from layerplan.plan.plan import PlanError
-from layerplan.search.bayes import run_study
+from layerplan.search.bayes import SAMPLERS
 from layerplan.search.evaluate import calibration_ids, perplexity
 from layerplan.search.evaluate import compare as run_compare
-from layerplan.search.evaluator import PlanEvaluator, measure_costs
 from layerplan.search.explore import explore as run_explore
 from layerplan.search.explore import recompute_rewind_grid
-from layerplan.search.greedy import greedy_search
-from layerplan.search.objectives import OBJECTIVES
+from layerplan.search.objectives import OBJECTIVES, objectives_help
+from layerplan.search.run import METHODS, run_search
 from layerplan.search.scan import scan as run_scan
 
+DRAFT_LENGTH_HELP = "draft length policy: " + draft_length_help()
 MODEL_HELP = f"HF folder (config.json + safetensors), .gguf file, or '{DEFAULT_MODEL}' (the packaged default)"
 
 
@@ -63,6 +64,33 @@ class _Progress:
         self.bar.close()
 
     def __enter__(self) -> _Progress:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class _Stages:
+    """One progress bar per stage: start(text) closes the current bar and opens a fresh one (its
+    count and clock start at zero); calling it reports progress to the current bar."""
+
+    def __init__(self) -> None:
+        self.current: _Progress | None = None
+
+    def start(self, text: str) -> None:
+        self.close()
+        self.current = _Progress(text)
+
+    def __call__(self, done: int, total: int) -> None:
+        if self.current is not None:
+            self.current(done, total)
+
+    def close(self) -> None:
+        if self.current is not None:
+            self.current.close()
+            self.current = None
+
+    def __enter__(self) -> _Stages:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -194,13 +222,8 @@ def scan(model, dtype, device, threads, base_plan, tokens, text, kinds, exits, n
 @click.option("--stop", multiple=True, help="stop string (repeatable)")
 @click.option("--chat/--no-chat", default=False, help="wrap the prompt in the model's chat template")
 @click.option("--stream/--no-stream", default=True, show_default=True)
-@click.option("--draft", default=None,
-              help="lossless speculative decoding with this drafter: ngram, exit:E, exit:E+head, skip:attn=..., "
-                   "dynamic:confidence=P,min=N, window:SINK,RECENT, model:PATH, a|b (first that proposes), "
-                   "auto (saved search result, else ngram); add +vocab=K to a layer-plan draft for a reduced LM head")
-@click.option("--draft-length", default=None, type=click.Choice(["fixed", "heuristic", "adaptive"]),
-              help="draft length policy (default adaptive: picks γ from measured acceptance and cost, "
-                   "falls back to plain decoding when drafting does not pay)")
+@click.option("--draft", default=None, help="lossless speculative decoding with this drafter: " + drafter_help())
+@click.option("--draft-length", default=None, type=click.Choice(list(DRAFT_LENGTHS)), help=DRAFT_LENGTH_HELP)
 @click.option("--draft-model", type=click.Path(), default=None, help="shorthand for --draft model:PATH")
 @click.option("--draft-confidence", default=0.0, show_default=True,
               help="a model drafter stops a round when its top-1 probability falls below this")
@@ -327,20 +350,14 @@ def export(plan, model, dtype, out, fmt, source, model_b) -> None:
     click.echo(f"wrote {out}")
 
 
-@main.command(epilog="\b\nObjectives:\n" + "\n".join([
-    "  kl                 mean KL(full model || plan) per token on the calibration text (minimise)",
-    "  ppl                perplexity of the plan on the calibration text (minimise)",
-    "  agreement          top-1 agreement with the full model = greedy draft acceptance (maximise)",
-    "  speedup            predicted self-speculative speedup from agreement and measured plan cost (maximise)",
-    "  tokens-per-second  measured speculative decoding speed on the built-in prompts (maximise; slow)",
-]))
+@main.command(epilog="\b\nObjectives:\n" + objectives_help())
 @model_option
 @dtype_option
 @threads_option
-@click.option("--method", type=click.Choice(["greedy", "bayes", "both"]), default="both", show_default=True,
-              help="greedy skipping, an Optuna study, or greedy first and its result seeding the study")
-@click.option("--objective", type=click.Choice(["kl", "ppl", "agreement", "speedup", "tokens-per-second"]),
-              default="speedup", show_default=True, help="what to optimise (see below)")
+@click.option("--method", type=click.Choice(list(METHODS)), default="both", show_default=True,
+              help="; ".join(f"{name}: {text}" for name, text in METHODS.items()))
+@click.option("--objective", type=click.Choice(list(OBJECTIVES)), default="speedup", show_default=True,
+              help="what to optimise (see below)")
 @click.option("--multi", is_flag=True, help="optimise the objective and the plan's cost together (Pareto front)")
 @click.option("--trials", default=100, show_default=True, help="finished trials in the study, all workers together")
 @click.option("--budget", type=int, default=None, help="greedy: sub-layers (or layers) to switch; default 20")
@@ -349,7 +366,8 @@ def export(plan, model, dtype, out, fmt, source, model_b) -> None:
 @click.option("--granularity", type=click.Choice(["sublayer", "layer"]), default="sublayer", show_default=True)
 @click.option("--mode", type=click.Choice(["forward", "anti"]), default="forward", show_default=True,
               help="greedy: skip the least harmful (forward) or start skipped and add back the most useful (anti)")
-@click.option("--sampler", type=click.Choice(["tpe", "gp", "nsga2", "random"]), default="tpe", show_default=True)
+@click.option("--sampler", type=click.Choice(list(SAMPLERS)), default="tpe", show_default=True,
+              help="; ".join(f"{name}: {sampler.help}" for name, sampler in SAMPLERS.items()))
 @click.option("--storage", default=None, help="Optuna storage: SQLite path (default OUT/study.db), any RDB URL "
               "(postgresql://user@host/db), or journal:PATH")
 @click.option("--study", "study_name", default=None, help="study name (default: MODEL-OBJECTIVE); share it across machines")
@@ -357,7 +375,8 @@ def export(plan, model, dtype, out, fmt, source, model_b) -> None:
 @click.option("--text", type=click.Path(dir_okay=False), default=None, help="calibration text (.txt/.jsonl)")
 @click.option("--allow-ends", is_flag=True, help="allow skipping the first and last layers")
 @click.option("--save-draft/--no-save-draft", default=None,
-              help="save the best plan for `--draft auto` (default: for agreement/speedup/tokens-per-second)")
+              help="save the best plan for `--draft auto` (default: for "
+                   f"{'/'.join(name for name, o in OBJECTIVES.items() if o.drafts)})")
 @click.option("--seed", default=0, show_default=True)
 @click.option("--out", type=click.Path(file_okay=False), default="runs/search", show_default=True)
 def search(model, dtype, threads, method, objective, multi, trials, budget, max_cost_cut, granularity, mode, sampler,
@@ -370,69 +389,44 @@ def search(model, dtype, threads, method, objective, multi, trials, budget, max_
     they share one study."""
     _threads(threads)
     out_dir = Path(out)
-    report: dict = {"model": model, "objective": objective, "multi": multi}
     with _user_errors():
-        if method == "greedy" and objective == "tokens-per-second":
-            raise ValueError("greedy search scores many candidates per pass; use --method bayes for tokens-per-second")
         loaded = _load(model, dtype)
         ids = calibration_ids(loaded, "\n\n".join(read_texts(text)) if text else None, tokens)
-        evaluator = PlanEvaluator(loaded, ids)
-        costs = measure_costs(loaded) if objective in ("speedup", "tokens-per-second") or multi else None
-        if costs:
-            report["costs"] = costs.to_dict()
         prompts = [loaded.encode(p) for p in PROMPTS.values()] if objective == "tokens-per-second" else None
+        with _Stages() as stages:
+            result = run_search(loaded, ids, objective, method, multi, trials, budget, max_cost_cut, granularity, mode,
+                                sampler, storage, study_name, allow_ends, seed, prompts, out_dir,
+                                on_stage=stages.start, on_progress=stages)
         direction = OBJECTIVES[objective].direction
-        seeds = [loaded.plan()]
-        best = None
-        if method in ("greedy", "both"):
-            with _Progress("greedy pass") as progress:
-                greedy = greedy_search(evaluator, objective if objective != "tokens-per-second" else "speedup",
-                                       budget=budget if budget is not None else (None if max_cost_cut else 20),
-                                       max_cost_cut=max_cost_cut, granularity=granularity,
-                                       mode=mode, allow_ends=allow_ends,
-                                       state_file=out_dir / f"greedy-{objective}-{mode}-{granularity}.json",
-                                       costs=costs, on_progress=progress)
-            report["greedy"] = greedy.to_dict()
-            values = [step.value for step in greedy.steps]
-            if values:
-                search_trajectory(values, direction, f"{objective} after each greedy step", out_dir / "greedy.png")
-                pick = min if direction == "minimize" else max
-                best_step = pick(greedy.steps, key=lambda st: st.value) if objective in ("speedup", "agreement") else greedy.steps[-1]
-                best = best_step.plan
-                seeds.append(loaded.plan(best))
+        if result.greedy is not None:
+            greedy = result.greedy
+            if greedy.steps:
+                search_trajectory([step.value for step in greedy.steps], direction,
+                                  f"{objective} after each greedy step", out_dir / "greedy.png")
             click.echo(f"greedy: {len(greedy.steps)} steps, {greedy.evaluations} evaluations; plan {greedy.best_plan}")
-        if method in ("bayes", "both"):
-            with _Progress("trials") as progress:
-                study = run_study(evaluator, objective, trials, str(storage or out_dir / "study.db"), study_name,
-                                  sampler, multi, seeds, allow_ends, costs, prompts, seed, on_trial=progress)
-            report["study"] = study.to_dict()
-            done = [t for t in study.trials if t.state == "COMPLETE"]
-            search_trajectory([t.values[0] for t in done], direction, objective, out_dir / "trajectory.png")
+        if result.study is not None:
+            study = result.study
+            ranked = study.ranked()
+            search_trajectory([t.values[0] for t in study.trials if t.state == "COMPLETE"], direction, objective,
+                              out_dir / "trajectory.png")
             if multi:
-                pareto_plot([(t.values[0], t.values[1]) for t in done],
+                pareto_plot([(t.values[0], t.values[1]) for t in ranked],
                             [(t.values[0], t.values[1]) for t in study.pareto], objective, out_dir / "pareto.png")
-            ranked = sorted(done, key=lambda t: t.values[0], reverse=direction == "maximize")
             top = [loaded.plan(t.plan) for t in ranked[: max(1, len(ranked) // 10)] if t.plan]
             if top:
                 skip_frequency_plot(top, loaded.num_layers, out_dir / "skip-frequency.png")
-            best = study.best_plan
-            click.echo(f"study '{study.study}': {len(done)} finished trials; best {objective} {study.best_value} "
+            click.echo(f"study '{study.study}': {len(ranked)} finished trials; best {objective} {study.best_value} "
                        f"with plan {study.best_plan}")
-        best_plan = loaded.plan(best or "full")
-        report["best_plan"] = best_plan.to_string()
-        report["best"] = evaluator.divergence(best_plan).to_dict()
-        if costs:
-            report["best"]["relative_cost"] = costs.relative_cost(best_plan)
+        best_plan = result.best_plan
         save_plan(best_plan, out_dir / "best_plan.json")
-        write_json_atomic(out_dir / "search.json", report)
-        if save_draft if save_draft is not None else objective in ("agreement", "speedup", "tokens-per-second"):
+        write_json_atomic(out_dir / "search.json", {"model": model, **result.to_dict()})
+        if save_draft if save_draft is not None else OBJECTIVES[objective].drafts:
             if best_plan.is_identity:
                 click.echo("no skip plan beats the full model here: nothing saved for --draft auto (it uses n-gram)")
             else:
                 save_plan(best_plan, saved_draft_path(loaded))
                 click.echo(f"saved for --draft auto: {saved_draft_path(loaded)}")
-    click.echo(f"best plan: {best_plan}  (agreement {report['best']['top1_agreement']:.3f}, "
-               f"KL {report['best']['kl']:.4f})")
+    click.echo(f"best plan: {best_plan}  (agreement {result.best.top1_agreement:.3f}, KL {result.best.kl:.4f})")
     click.echo(f"wrote {out_dir / 'best_plan.json'}, {out_dir / 'search.json'} and plots in {out_dir}")
 
 
@@ -530,10 +524,8 @@ def plan_command(plan, model, layers, fmt, out) -> None:
 @click.option("--new-tokens", default=64, show_default=True)
 @click.option("--repeats", default=3, show_default=True)
 @click.option("--prompt", "prompt_names", multiple=True, help="built-in prompt(s): code, chat, summary, continuation")
-@click.option("--draft", "drafts", multiple=True,
-              help="layerplan drafter(s) to time: ngram, exit:E, skip:..., model:PATH, a|b, auto (repeatable)")
-@click.option("--draft-length", default=None, type=click.Choice(["fixed", "heuristic", "adaptive"]),
-              help="draft length policy (default: adaptive)")
+@click.option("--draft", "drafts", multiple=True, help="layerplan drafter(s) to time (repeatable): " + drafter_help())
+@click.option("--draft-length", default=None, type=click.Choice(list(DRAFT_LENGTHS)), help=DRAFT_LENGTH_HELP)
 @click.option("--hf-early-exit", "hf_exits", multiple=True, type=int,
               help="also time transformers' assistant_early_exit=E (repeatable)")
 @click.option("--hf-prompt-lookup", type=int, default=None, help="also time transformers' prompt_lookup_num_tokens=N")
@@ -603,7 +595,7 @@ def eval_command(tasks, model, dtype, device, threads, plan, draft, include_path
 @threads_option
 @click.option("--plan", default=None, help="serve the model run by this plan (lossy unless it is the full model)")
 @click.option("--draft", default=None, help="lossless speculative decoding with this drafter (as in generate)")
-@click.option("--draft-length", default=None, type=click.Choice(["fixed", "heuristic", "adaptive"]))
+@click.option("--draft-length", default=None, type=click.Choice(list(DRAFT_LENGTHS)), help=DRAFT_LENGTH_HELP)
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", default=8000, show_default=True)
 @click.option("--api-key", envvar="LAYERPLAN_API_KEY", default=None,

@@ -4,6 +4,9 @@ the CLI's --draft-length choices come from."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 
 class FixedLength:
     """Always draft γ tokens."""
@@ -97,17 +100,33 @@ class AdaptiveLength:
         self.rejected_count = self.decay * self.rejected_count + (accepted < drafted)
 
 
-DRAFT_LENGTHS = {"fixed": FixedLength, "heuristic": HeuristicLength, "adaptive": AdaptiveLength}
+@dataclass(frozen=True)
+class DraftLength:
+    help: str
+    make: Callable[[int], object]  # gamma -> a policy with next_gamma() and update()
+
+
+DRAFT_LENGTHS = {
+    "fixed": DraftLength("always γ tokens", FixedLength),
+    "heuristic": DraftLength("transformers' schedule: +2 after a fully accepted round, -1 otherwise", HeuristicLength),
+    "adaptive": DraftLength("γ from measured acceptance and cost, plain decoding when drafting does not pay",
+                            lambda gamma: AdaptiveLength(max_gamma=max(gamma, 1) * 2)),
+}
+DEFAULT_DRAFT_LENGTH = "adaptive"
 
 
 def make_draft_length(spec: str | object | None, gamma: int = 4):
-    """'fixed' (γ), 'heuristic', 'adaptive' (default), or a policy object."""
+    """A policy by name (see DRAFT_LENGTHS; default adaptive), or a policy object as it is."""
     if spec is None:
-        spec = "adaptive"
+        spec = DEFAULT_DRAFT_LENGTH
     if not isinstance(spec, str):
         return spec
     if spec not in DRAFT_LENGTHS:
         raise ValueError(f"unknown draft length policy '{spec}'; choose from {', '.join(DRAFT_LENGTHS)}")
-    if spec == "adaptive":
-        return AdaptiveLength(max_gamma=max(gamma, 1) * 2)
-    return DRAFT_LENGTHS[spec](gamma)
+    return DRAFT_LENGTHS[spec].make(gamma)
+
+
+def draft_length_help() -> str:
+    """One clause per policy, for the CLI."""
+    return "; ".join(f"{name}{' (default)' if name == DEFAULT_DRAFT_LENGTH else ''}: {kind.help}"
+                     for name, kind in DRAFT_LENGTHS.items())

@@ -15,13 +15,27 @@ import warnings
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 from layerplan.plan.plan import LayerPlan, PlanError
 from layerplan.search.evaluator import CostModel, PlanEvaluator
 from layerplan.search.greedy import candidate_items
 from layerplan.search.objectives import OBJECTIVES, score
 
-SAMPLERS = ("tpe", "gp", "nsga2", "random")
+
+@dataclass(frozen=True)
+class Sampler:
+    help: str
+    make: Callable[[Any, int], Any]  # (the optuna module, seed) -> an Optuna sampler
+
+
+SAMPLERS = {
+    "tpe": Sampler("multivariate TPE (with --multi: NSGA-II)",
+                   lambda optuna, seed: optuna.samplers.TPESampler(seed=seed, multivariate=True)),
+    "gp": Sampler("Gaussian process", lambda optuna, seed: optuna.samplers.GPSampler(seed=seed)),
+    "nsga2": Sampler("NSGA-II, a genetic algorithm", lambda optuna, seed: optuna.samplers.NSGAIISampler(seed=seed)),
+    "random": Sampler("uniform random (a baseline)", lambda optuna, seed: optuna.samplers.RandomSampler(seed=seed)),
+}
 
 
 def make_storage(url: str | None, heartbeat: int = 60):
@@ -95,6 +109,11 @@ class StudyResult:
     def to_dict(self) -> dict:
         return asdict(self)
 
+    def ranked(self) -> list[TrialRecord]:
+        """Finished trials, best first by the (first) objective."""
+        done = [t for t in self.trials if t.state == "COMPLETE"]
+        return sorted(done, key=lambda t: t.values[0], reverse=self.directions[0] == "maximize")
+
 
 def run_study(
     evaluator: PlanEvaluator,
@@ -122,12 +141,7 @@ def run_study(
     model = evaluator.model
     items = [item for item in candidate_items(model.num_layers, "sublayer", allow_ends)]
     directions = [OBJECTIVES[objective].direction] + (["minimize"] if multi_objective else [])
-    chosen = {
-        "tpe": lambda: optuna.samplers.TPESampler(seed=seed, multivariate=True),
-        "gp": lambda: optuna.samplers.GPSampler(seed=seed),
-        "nsga2": lambda: optuna.samplers.NSGAIISampler(seed=seed),
-        "random": lambda: optuna.samplers.RandomSampler(seed=seed),
-    }[sampler if not (multi_objective and sampler == "tpe") else "nsga2"]()
+    chosen = SAMPLERS[sampler if not (multi_objective and sampler == "tpe") else "nsga2"].make(optuna, seed)
     name = study_name or f"{model.name}-{objective}{'-cost' if multi_objective else ''}"
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     study = optuna.create_study(storage=make_storage(storage), study_name=name, directions=directions,

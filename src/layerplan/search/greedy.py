@@ -87,8 +87,9 @@ def greedy_search(
     plan's cost fell by this fraction (forward) / rose to 1 − this (anti). early_abort: stop
     scoring a candidate once its bound shows it would be pruned (same result, less work)."""
     model = evaluator.model
-    if objective == "tokens-per-second":
-        raise ValueError("greedy search scores many candidates per pass; use kl, ppl, agreement or speedup")
+    if OBJECTIVES[objective].greedy_as:
+        raise ValueError(f"greedy search scores many candidates per pass: optimise {OBJECTIVES[objective].greedy_as} "
+                         f"instead of {objective}")
     sign = 1.0 if OBJECTIVES[objective].direction == "minimize" else -1.0
     items = candidate_items(model.num_layers, granularity, allow_ends)
     plan = evaluator.reference_plan

@@ -19,17 +19,27 @@ class Objective:
     name: str
     direction: str  # "minimize" or "maximize"
     help: str
+    needs_costs: bool = False  # scored with a measured CostModel
+    drafts: bool = False  # looks for a speculative draft: the best plan is saved for --draft auto by default
+    greedy_as: str | None = None  # too slow to score many candidates: greedy search optimises this one instead
 
 
-OBJECTIVES = {
-    "kl": Objective("kl", "minimize", "mean KL(full model || plan) per token on the calibration text"),
-    "ppl": Objective("ppl", "minimize", "perplexity of the plan on the calibration text"),
-    "agreement": Objective("agreement", "maximize", "top-1 agreement with the full model (= greedy draft acceptance)"),
-    "speedup": Objective("speedup", "maximize",
-                         "predicted self-speculative speedup from agreement and the measured cost of the plan"),
-    "tokens-per-second": Objective("tokens-per-second", "maximize",
-                                   "measured speculative decoding speed on the prompts (slow, honest)"),
-}
+OBJECTIVES = {o.name: o for o in (
+    Objective("kl", "minimize", "mean KL(full model || plan) per token on the calibration text"),
+    Objective("ppl", "minimize", "perplexity of the plan on the calibration text"),
+    Objective("agreement", "maximize", "top-1 agreement with the full model (= greedy draft acceptance)",
+              drafts=True),
+    Objective("speedup", "maximize", "predicted self-speculative speedup from agreement and the measured cost "
+              "of the plan", needs_costs=True, drafts=True),
+    Objective("tokens-per-second", "maximize", "measured speculative decoding speed on the prompts (slow, honest)",
+              drafts=True, greedy_as="speedup"),
+)}
+
+
+def objectives_help() -> str:
+    """One line per objective, for the CLI."""
+    return "\n".join(f"  {o.name:<18} {o.help} ({'minimise' if o.direction == 'minimize' else 'maximise'})"
+                     for o in OBJECTIVES.values())
 
 
 def score(objective: str, plan: LayerPlan, evaluator: PlanEvaluator, costs: CostModel | None = None,

@@ -1,0 +1,120 @@
+"""The search policy behind `layerplan search`: greedy skipping, an Optuna study seeded with the
+full model and greedy's plan, or both; then the best plan and its metrics. Files (state, study
+storage) go where the caller says; printing and pictures are the caller's."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from layerplan.models.loading import LoadedModel
+from layerplan.plan.plan import LayerPlan
+from layerplan.search.bayes import StudyResult, run_study
+from layerplan.search.evaluate import Divergence
+from layerplan.search.evaluator import CostModel, PlanEvaluator, measure_costs
+from layerplan.search.greedy import GreedyResult, greedy_search
+from layerplan.search.objectives import OBJECTIVES
+
+METHODS = {
+    "greedy": "greedy skipping",
+    "bayes": "an Optuna study",
+    "both": "greedy first and its result seeding the study",
+}
+
+
+@dataclass
+class SearchResult:
+    objective: str
+    multi: bool
+    best_plan: LayerPlan
+    best: Divergence  # the best plan against the full model on the calibration ids
+    costs: CostModel | None = None
+    greedy: GreedyResult | None = None
+    study: StudyResult | None = None
+
+    @property
+    def draft_worthy(self) -> bool:
+        """The objective looks for a draft and the search found a plan that is not the model itself."""
+        return OBJECTIVES[self.objective].drafts and not self.best_plan.is_identity
+
+    def to_dict(self) -> dict:
+        report: dict = {"objective": self.objective, "multi": self.multi}
+        if self.costs is not None:
+            report["costs"] = self.costs.to_dict()
+        if self.greedy is not None:
+            report["greedy"] = self.greedy.to_dict()
+        if self.study is not None:
+            report["study"] = self.study.to_dict()
+        report["best_plan"] = self.best_plan.to_string()
+        report["best"] = asdict(self.best)
+        if self.costs is not None:
+            report["best"]["relative_cost"] = self.costs.relative_cost(self.best_plan)
+        return report
+
+
+def run_search(
+    model: LoadedModel,
+    ids: torch.Tensor,
+    objective: str = "speedup",
+    method: str = "both",
+    multi: bool = False,
+    trials: int = 100,
+    budget: int | None = None,
+    max_cost_cut: float | None = None,
+    granularity: str = "sublayer",
+    mode: str = "forward",
+    sampler: str = "tpe",
+    storage: str | None = None,
+    study_name: str | None = None,
+    allow_ends: bool = False,
+    seed: int = 0,
+    prompts: list[torch.Tensor] | None = None,
+    folder: str | Path = "runs/search",
+    on_stage: Callable[[str], None] | None = None,
+    on_progress: Callable[[int, int], None] | None = None,
+) -> SearchResult:
+    """Search a plan for `objective` on calibration ids (B, T).
+
+    budget: greedy items to switch (default 20 unless max_cost_cut says when to stop);
+    prompts: encoded prompts for the tokens-per-second objective; folder: greedy's state file
+    and the default study storage (folder/study.db), so that the same call resumes."""
+    if method not in METHODS:
+        raise ValueError(f"unknown search method '{method}'; choose from {', '.join(METHODS)}")
+    chosen = OBJECTIVES.get(objective)
+    if chosen is None:
+        raise ValueError(f"unknown objective '{objective}'; choose from {', '.join(OBJECTIVES)}")
+    if method == "greedy" and chosen.greedy_as:
+        raise ValueError(f"greedy search scores many candidates per pass; use --method bayes for {objective}")
+    folder = Path(folder)
+    evaluator = PlanEvaluator(model, ids)
+    greedy_objective = chosen.greedy_as or objective
+    costs = measure_costs(model) if multi or OBJECTIVES[greedy_objective].needs_costs or chosen.needs_costs else None
+    seeds = [model.plan()]
+    best, greedy, study = None, None, None
+    if method in ("greedy", "both"):
+        _stage(on_stage, "greedy pass")
+        greedy = greedy_search(evaluator, greedy_objective,
+                               budget=budget if budget is not None else (None if max_cost_cut else 20),
+                               max_cost_cut=max_cost_cut, granularity=granularity, mode=mode, allow_ends=allow_ends,
+                               state_file=folder / f"greedy-{objective}-{mode}-{granularity}.json",
+                               costs=costs, on_progress=on_progress)
+        if greedy.steps:
+            pick = min if chosen.direction == "minimize" else max
+            best = (pick(greedy.steps, key=lambda st: st.value) if objective in ("speedup", "agreement")
+                    else greedy.steps[-1]).plan
+            seeds.append(model.plan(best))
+    if method in ("bayes", "both"):
+        _stage(on_stage, "trials")
+        study = run_study(evaluator, objective, trials, str(storage or folder / "study.db"), study_name, sampler,
+                          multi, seeds, allow_ends, costs, prompts, seed, on_trial=on_progress)
+        best = study.best_plan
+    best_plan = model.plan(best or "full")
+    return SearchResult(objective, multi, best_plan, evaluator.divergence(best_plan), costs, greedy, study)
+
+
+def _stage(on_stage: Callable[[str], None] | None, text: str) -> None:
+    if on_stage:
+        on_stage(text)
