@@ -15,8 +15,9 @@ from layerplan.engine.runner import forward
 from layerplan.search.bayes import plan_from_params, run_study
 from layerplan.search.evaluate import Reference
 from layerplan.search.evaluator import PlanEvaluator, measure_costs
-from layerplan.search.greedy import greedy_search
+from layerplan.search.greedy import GreedyResult, GreedyStep, greedy_search
 from layerplan.search.objectives import score
+from layerplan.search.run import run_search
 from layerplan.search.scan import scan
 from tiny import VOCAB, tiny_model
 
@@ -63,6 +64,19 @@ def test_greedy_keeps_the_ends_and_anti_mode_adds_back(setup):
     anti = greedy_search(PlanEvaluator(model, ids), "kl", budget=2, mode="anti")
     assert anti.steps[0].cost == pytest.approx(5 / 8)  # ends on (4 sub-layers) + one added back
     assert anti.steps[1].value <= anti.steps[0].value
+
+
+def test_greedy_best_plan_is_one_rule_for_the_answer_the_report_and_the_study_seed(setup, tmp_path):
+    steps = [GreedyStep("attention 1", "skip:attn=1", 1.3, 0.9), GreedyStep("attention 2", "skip:attn=1-2", 1.2, 0.8)]
+    # speedup weighs cost: its best-valued step is the answer, even when later steps score lower
+    assert GreedyResult("m", "speedup", "forward", steps).best_plan == "skip:attn=1"
+    # agreement is quality only: every skip costs some; the answer is the plan at the budget
+    assert GreedyResult("m", "agreement", "forward", steps).best_plan == "skip:attn=1-2"
+    assert GreedyResult("m", "kl", "forward", []).best_plan == "full"
+    model, ids = setup
+    result = run_search(model, ids, "agreement", "both", trials=3, budget=2, folder=tmp_path)
+    assert result.to_dict()["greedy"]["best_plan"] == result.greedy.best_plan
+    assert [t.plan for t in result.study.trials[:2]] == ["full", result.greedy.best_plan]
 
 
 def test_study_is_seeded_resumes_and_reports(setup, tmp_path):

@@ -75,8 +75,8 @@ def tune(
     costs = measure_costs(model)
     evaluator = PlanEvaluator(model, ids)
     greedy = greedy_search(evaluator, "speedup", budget=greedy_steps, costs=costs, on_progress=on_progress)
-    best_step = max(greedy.steps, key=lambda s: s.value) if greedy.steps else None
-    plan = model.plan(best_step.plan) if best_step and best_step.value > 1.0 else None
+    best_step = greedy.best_step
+    plan = model.plan(best_step.plan) if best_step is not None and best_step.value > 1.0 else None
     predicted = score("speedup", plan, evaluator, costs) if plan is not None else 1.0
 
     drafts = ["ngram"] + ([plan.to_string(), f"ngram|{plan.to_string()}"] if plan is not None else [])

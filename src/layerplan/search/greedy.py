@@ -43,8 +43,22 @@ class GreedyResult:
     evaluations: int = 0
 
     @property
+    def best_step(self) -> GreedyStep | None:
+        """The step whose plan is the search's answer (the CLI's, the report's, the study's seed):
+        the best-valued step for an objective that weighs cost (speedup), else the last one (a
+        quality-only objective gets worse with every skip; the budget says how far to go)."""
+        if not self.steps:
+            return None
+        objective = OBJECTIVES[self.objective]
+        if not objective.weighs_cost:
+            return self.steps[-1]
+        pick = min if objective.direction == "minimize" else max
+        return pick(self.steps, key=lambda step: step.value)
+
+    @property
     def best_plan(self) -> str:
-        return self.steps[-1].plan if self.steps else "full"
+        best = self.best_step
+        return best.plan if best is not None else "full"
 
     def to_dict(self) -> dict:
         return asdict(self) | {"best_plan": self.best_plan}

@@ -20,6 +20,9 @@ class Objective:
     direction: str  # "minimize" or "maximize"
     help: str
     needs_costs: bool = False  # scored with a measured CostModel
+    # the value weighs quality against cost (a speedup): the best-valued plan is the answer; a
+    # quality-only value can only get worse with each skip, and the answer is the plan at the budget
+    weighs_cost: bool = False
     drafts: bool = False  # looks for a speculative draft: the best plan is saved for --draft auto by default
     greedy_as: str | None = None  # too slow to score many candidates: greedy search optimises this one instead
 
@@ -30,9 +33,9 @@ OBJECTIVES = {o.name: o for o in (
     Objective("agreement", "maximize", "top-1 agreement with the full model (= greedy draft acceptance)",
               drafts=True),
     Objective("speedup", "maximize", "predicted self-speculative speedup from agreement and the measured cost "
-              "of the plan", needs_costs=True, drafts=True),
+              "of the plan", needs_costs=True, weighs_cost=True, drafts=True),
     Objective("tokens-per-second", "maximize", "measured speculative decoding speed on the prompts (slow, honest)",
-              drafts=True, greedy_as="speedup"),
+              weighs_cost=True, drafts=True, greedy_as="speedup"),
 )}
 
 

@@ -102,9 +102,7 @@ def run_search(
                                state_file=folder / f"greedy-{objective}-{mode}-{granularity}.json",
                                costs=costs, on_progress=on_progress)
         if greedy.steps:
-            pick = min if chosen.direction == "minimize" else max
-            best = (pick(greedy.steps, key=lambda st: st.value) if objective in ("speedup", "agreement")
-                    else greedy.steps[-1]).plan
+            best = greedy.best_plan
             seeds.append(model.plan(best))
     if method in ("bayes", "both"):
         _stage(on_stage, "trials")
