@@ -112,6 +112,14 @@ def test_speedup_objective_uses_measured_costs(setup):
         score("speedup", model.plan(), evaluator)
 
 
+def test_tokens_per_second_needs_prompts(setup):
+    model, ids = setup
+    evaluator = PlanEvaluator(model, ids)
+    with pytest.raises(ValueError, match="on prompts"):
+        score("tokens-per-second", model.plan(), evaluator)  # was 0.0 for every plan
+    assert score("tokens-per-second", model.plan("exit:2"), evaluator, prompts=[ids[:, :8]], new_tokens=4) > 0
+
+
 def test_plan_from_trial_params():
     plan = plan_from_params(4, {"attn_1": False, "mlp_1": True, "attn_2": True, "mlp_2": False})
     assert plan.to_string() == "skip:attn=1;mlp=2"

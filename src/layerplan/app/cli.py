@@ -392,7 +392,7 @@ def search(model, dtype, threads, method, objective, multi, trials, budget, max_
     with _user_errors():
         loaded = _load(model, dtype)
         ids = calibration_ids(loaded, "\n\n".join(read_texts(text)) if text else None, tokens)
-        prompts = [loaded.encode(p) for p in PROMPTS.values()] if objective == "tokens-per-second" else None
+        prompts = [loaded.encode(p) for p in PROMPTS.values()] if OBJECTIVES[objective].needs_prompts else None
         with _Stages() as stages:
             result = run_search(loaded, ids, objective, method, multi, trials, budget, max_cost_cut, granularity, mode,
                                 sampler, storage, study_name, allow_ends, seed, prompts, out_dir,

@@ -23,6 +23,7 @@ class Objective:
     # the value weighs quality against cost (a speedup): the best-valued plan is the answer; a
     # quality-only value can only get worse with each skip, and the answer is the plan at the budget
     weighs_cost: bool = False
+    needs_prompts: bool = False  # scored by decoding prompts (token ids)
     drafts: bool = False  # looks for a speculative draft: the best plan is saved for --draft auto by default
     greedy_as: str | None = None  # too slow to score many candidates: greedy search optimises this one instead
 
@@ -35,7 +36,7 @@ OBJECTIVES = {o.name: o for o in (
     Objective("speedup", "maximize", "predicted self-speculative speedup from agreement and the measured cost "
               "of the plan", needs_costs=True, weighs_cost=True, drafts=True),
     Objective("tokens-per-second", "maximize", "measured speculative decoding speed on the prompts (slow, honest)",
-              weighs_cost=True, drafts=True, greedy_as="speedup"),
+              needs_prompts=True, weighs_cost=True, drafts=True, greedy_as="speedup"),
 )}
 
 
@@ -53,8 +54,11 @@ def score(objective: str, plan: LayerPlan, evaluator: PlanEvaluator, costs: Cost
     a bound that is worse than it (a lower bound for minimised objectives, an upper bound for
     maximised ones). Used by greedy search to drop candidates that would be pruned anyway."""
     if objective == "tokens-per-second":
+        if not prompts:
+            raise ValueError("the tokens-per-second objective times speculative decoding on prompts: give some "
+                             "(token ids), or choose another objective")
         total_tokens, total_seconds = 0, 0.0
-        for ids in prompts or []:
+        for ids in prompts:
             result = speculative_generate(evaluator.model, ids, plan.to_string(), max_new_tokens=new_tokens,
                                           draft_length="adaptive")
             total_tokens += len(result.token_ids)
