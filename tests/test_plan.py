@@ -28,6 +28,12 @@ def test_identity_is_full():
     assert LayerPlan.full(N).to_string() == "full"
 
 
+def test_the_model_name_is_for_messages_only():
+    named, anonymous = parse_plan("skip:attn=3", N, NAME), parse_plan("skip:attn=3", N)
+    assert named == anonymous and hash(named) == hash(anonymous)
+    assert LayerPlan.full(N, NAME).is_identity and len({named, anonymous}) == 1
+
+
 def test_skip_sets_and_exit():
     plan = parse_plan("skip:attn=3,5,6;mlp=6,9;exit:20", N)
     assert plan.exit == 20 and len(plan.active_steps) == 20

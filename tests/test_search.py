@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from layerplan.engine.runner import forward
+from layerplan.plan.plan import LayerPlan
 from layerplan.search.bayes import plan_from_params, run_study
 from layerplan.search.evaluate import Reference
 from layerplan.search.evaluator import PlanEvaluator, measure_costs
@@ -37,6 +38,14 @@ def test_evaluator_resume_equals_direct_evaluation(setup, text):
     got = PlanEvaluator(model, ids).divergence(plan)
     assert got.kl == pytest.approx(expected.kl, rel=1e-5, abs=1e-7)
     assert got.top1_agreement == expected.top1_agreement
+
+
+def test_evaluator_memo_hits_whatever_name_a_plan_was_parsed_with(setup):
+    model, ids = setup
+    evaluator = PlanEvaluator(model, ids)
+    first = evaluator.divergence(model.plan("skip:attn=2"))
+    assert evaluator.divergence(LayerPlan.from_skips(model.num_layers, attention=[2])) is first
+    assert evaluator.evaluations == 1
 
 
 def test_greedy_first_step_is_the_scans_least_harmful_item_and_resumes(setup, tmp_path):

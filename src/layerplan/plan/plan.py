@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 
 
@@ -48,7 +48,9 @@ class LayerPlan:
     steps: tuple[Step, ...]
     num_layers: int  # depth of the model the plan was validated against
     exit: int | None = None  # run only the first `exit` steps, then the final norm and LM head
-    model_name: str = "the model"  # used in error messages only
+    # used in error messages only: plans that run the same steps are equal (and hash alike, so
+    # memos keyed by plan hit) whichever name they were parsed with
+    model_name: str = field(default="the model", compare=False)
 
     def __post_init__(self) -> None:
         if self.num_layers < 1:
