@@ -148,6 +148,64 @@ dtype: bfloat16
         formats.to_mergekit(parse_plan("skip:attn=3", N), "m")
 
 
+FRANKENMERGE = """
+slices:
+  - sources:
+      - model: m
+        layer_range: [0, 8]
+  - sources:
+      - model: m
+        layer_range: [4, 8]
+        parameters:
+          scale:
+            - filter: o_proj
+              value: {attention}
+            - filter: down_proj
+              value: {mlp}
+            - value: 1.0
+merge_method: passthrough
+dtype: bfloat16
+"""
+
+
+@pytest.mark.parametrize("attention, mlp, expected", [
+    (0.0, 0.0, "0-7,4-7/none"),  # the common no-op repeat: both outputs zeroed
+    (0.0, 1.0, "0-7,4-7/mlp"),
+    (1.0, 0.0, "0-7,4-7/attn"),
+    (0.5, 0.5, "0-7,4-7@0.5"),
+    (0.0, 0.5, "0-7,4-7/mlp@0.5"),
+    (1.0, 1.0, "0-7,4-7"),
+])
+def test_mergekit_scale_filters_become_sub_layer_switches_and_scales(attention, mlp, expected):
+    plan = formats.from_mergekit(FRANKENMERGE.format(attention=attention, mlp=mlp), 8)
+    assert plan == parse_plan(expected, 8)
+
+
+def test_mergekit_scales_a_plan_cannot_express_are_refused_by_name():
+    base = FRANKENMERGE.format(attention=0.0, mlp=0.0)
+    with pytest.raises(PlanError, match="o_proj is scaled by 0.5 and down_proj by 0.7"):
+        formats.from_mergekit(FRANKENMERGE.format(attention=0.5, mlp=0.7), 8)
+    with pytest.raises(PlanError, match="filter 'q_proj'"):
+        formats.from_mergekit(base.replace("filter: o_proj", "filter: q_proj"), 8)
+    with pytest.raises(PlanError, match="the unfiltered scale"):
+        formats.from_mergekit(base.replace("- value: 1.0", "- value: 0.9"), 8)
+    with pytest.raises(PlanError, match="gradient"):
+        formats.from_mergekit(base.replace("value: 0.0", "value: [0.0, 1.0]", 1), 8)
+    # slice- and config-level settings count too: per tensor, the source's, then the slice's, then the config's
+    def config(slice_scale, config_scale):
+        plain = {"sources": [{"model": "m", "layer_range": [0, 4], "parameters": {"scale": 1}}]}
+        return {"slices": [plain, {"sources": [{"model": "m", "layer_range": [2, 4]}],
+                                   "parameters": {"scale": slice_scale}}],
+                "parameters": {"scale": config_scale}}
+
+    assert formats.from_mergekit(config([{"filter": "down_proj", "value": 0}, {"value": 1}], 0.5), 4) == \
+        parse_plan("0-3,2-3/attn", 4)
+    assert formats.from_mergekit(config([{"filter": "down_proj", "value": 0}], [{"filter": "o_proj", "value": 0}]),
+                                 4) == parse_plan("0-3,2-3/none", 4)
+    with pytest.raises(PlanError, match="the unfiltered scale"):  # the config's 0.5 reaches every other tensor
+        formats.from_mergekit(config([{"filter": "down_proj", "value": 0}], 0.5), 4)
+
+
 def test_layer_replication_round_trip():
     pairs = [[0, 4], [2, 5]]
     plan = formats.from_layer_replication(pairs, 5)

@@ -3,7 +3,8 @@
 - layerplan JSON: ``{"format": "layerplan", "version": 1, "num_layers": N, "plan": "..."}``;
 - Draft & Verify JSON: ``{"attention": [...], "mlp": [...]}``, the skipped sub-layers;
 - llama.cpp ``run_layers``: per layer 0 skip, 1 attention only, 2 MLP only, 3 both;
-- mergekit passthrough ``slices:`` YAML (``layer_range`` half-open);
+- mergekit passthrough ``slices:`` YAML (``layer_range`` half-open; ``scale`` filters on o_proj /
+  down_proj read as sub-layer switches and residual scales);
 - PEFT ``layer_replication``: ``[[start, end), ...]`` pairs.
 """
 
@@ -114,6 +115,10 @@ def to_mergekit(plan: LayerPlan, model: str, dtype: str = "bfloat16", sources: d
 
 
 def from_mergekit(text_or_obj: str | dict[str, Any], num_layers: int, model_name: str = "the model") -> LayerPlan:
+    """A passthrough config as a plan. `parameters: scale` filters (on a source, a slice or the
+    whole config, in mergekit's precedence) become the steps' sub-layer switches and residual
+    scales: 0 on o_proj switches attention off, 0 on down_proj the MLP, the same value on both
+    scales the layer's residual updates. A scale the plan cannot express is refused, naming it."""
     obj = yaml.safe_load(text_or_obj) if isinstance(text_or_obj, str) else text_or_obj
     if not isinstance(obj, dict) or "slices" not in obj:
         raise PlanError("a mergekit config needs a top-level 'slices:' list")
@@ -139,8 +144,58 @@ def from_mergekit(text_or_obj: str | dict[str, Any], num_layers: int, model_name
         if start < 0 or end > num_layers:
             bad = start if start < 0 else end - 1
             raise PlanError(f"slice {k}: " + out_of_range(bad, num_layers, model_name))
-        steps.extend(Step(i, model=labels[name]) for i in range(start, end))
+        attention, mlp, scale = _scale_filters(_parameter("scale", source, piece, obj), f"slice {k}")
+        steps.extend(Step(i, attention, mlp, scale, labels[name]) for i in range(start, end))
     return LayerPlan(tuple(steps), num_layers, model_name=model_name)
+
+
+# A Llama-style decoder layer's tensors, as mergekit's filters see them (a filter matches every
+# tensor whose name contains it): only the output projections can be scaled by a plan.
+_LAYER_TENSORS = ("input_layernorm.weight", "self_attn.q_proj.weight", "self_attn.k_proj.weight",
+                  "self_attn.v_proj.weight", "self_attn.o_proj.weight", "post_attention_layernorm.weight",
+                  "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")
+_SUB_LAYER_OUTPUTS = {"self_attn.o_proj.weight": "attention", "mlp.down_proj.weight": "mlp"}
+
+
+def _parameter(name: str, source: dict, piece: dict, config: dict) -> list[Any]:
+    """The settings of a parameter in mergekit's order: the source's, its slice's, the config's.
+    For each tensor the first of them with an entry that matches it decides."""
+    found = []
+    for holder in (source, piece, config):
+        parameters = holder.get("parameters") if isinstance(holder, dict) else None
+        if isinstance(parameters, dict) and name in parameters:
+            found.append(parameters[name])
+    return found
+
+
+def _scale_filters(settings: list[Any], where: str) -> tuple[bool, bool, float]:
+    """(attention on, MLP on, residual scale) from a slice's `scale` settings. A setting is a
+    number or a list of {filter, value} entries; the first entry whose filter a tensor name
+    contains decides that tensor, and an entry without a filter matches every tensor."""
+    values: dict[str, float] = {}  # tensor -> its scale, once an entry decided it
+    for setting in settings:
+        gradient = isinstance(setting, list) and all(isinstance(e, (int, float)) for e in setting)
+        for entry in setting if isinstance(setting, list) and not gradient else [{"value": setting}]:
+            if not isinstance(entry, dict) or "value" not in entry:
+                raise PlanError(f"{where}: cannot read the scale entry {entry!r}: expected {{filter: NAME, value: NUMBER}}")
+            label = f"filter '{entry['filter']}'" if entry.get("filter") else "the unfiltered scale"
+            value = entry["value"]
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise PlanError(f"{where}: {label} has value {value!r}; a layer plan takes one number per filter, "
+                                "not a gradient")
+            reach = [t for t in _LAYER_TENSORS if not entry.get("filter") or str(entry["filter"]) in t]
+            matched = [t for t in reach if t not in values]  # the rest were decided by an earlier entry
+            if float(value) != 1.0 and (not reach or any(t not in _SUB_LAYER_OUTPUTS for t in matched)):
+                raise PlanError(f"{where}: cannot express {label} (scale {value}): a layer plan scales only the "
+                                "output of attention (o_proj) and of the MLP (down_proj), each by 0 or both by one value")
+            values.update((t, float(value)) for t in matched)
+    attention = values.get("self_attn.o_proj.weight", 1.0)
+    mlp = values.get("mlp.down_proj.weight", 1.0)
+    if attention == 0.0 or mlp == 0.0 or attention == mlp:
+        running = [v for v in (attention, mlp) if v != 0.0]
+        return attention != 0.0, mlp != 0.0, running[0] if running else 1.0
+    raise PlanError(f"{where}: o_proj is scaled by {attention} and down_proj by {mlp}; a layer plan has one "
+                    "residual scale per step (0 on one of them switches that sub-layer off)")
 
 
 def mergekit_models(text_or_obj: str | dict[str, Any]) -> dict[str, str]:
