@@ -31,6 +31,13 @@ def test_cli_plan_conversions_and_errors():
     assert "layer 12 is out of range: the model has layers 0–11" in result.output
 
 
+def test_cli_plan_errors_name_the_format_asked_for():
+    result = CliRunner().invoke(main, ["plan", "0,2,1,3", "--layers", "4", "--to", "draft-verify"])
+    assert result.exit_code != 0
+    assert "Draft & Verify skip sets can only express the model's own layer order" in result.output
+    assert "run_layers" not in result.output
+
+
 @pytest.mark.real
 def test_cli_plan_against_default_model_names_it():
     result = CliRunner().invoke(main, ["plan", "0-31"])

@@ -37,6 +37,7 @@ def from_json(obj: dict[str, Any], num_layers: int | None = None, model_name: st
 # ----- Draft & Verify ---------------------------------------------------------------------------
 def to_draft_verify(plan: LayerPlan) -> dict[str, list[int]]:
     """Draft & Verify's skip sets: {"attention": [...], "mlp": [...]} of skipped layers."""
+    _require_model_order(plan, "Draft & Verify skip sets")
     return plan.skipped()
 
 
@@ -54,8 +55,7 @@ def from_draft_verify(obj: dict[str, Any] | str, num_layers: int, model_name: st
 # ----- llama.cpp run_layers ---------------------------------------------------------------------
 def to_run_layers(plan: LayerPlan) -> list[int]:
     """llama.cpp's run_layers vector (needs the model's own layer order)."""
-    if not plan.is_model_order:
-        raise PlanError(f"run_layers can only express the model's own layer order, not '{plan.to_string()}'")
+    _require_model_order(plan, "run_layers")
     limit = len(plan.active_steps)
     return [int(s.attention) + 2 * int(s.mlp) if i < limit else 0 for i, s in enumerate(plan.steps)]
 
@@ -263,6 +263,12 @@ FORMATS: dict[str, PlanFormat] = {f.name: f for f in (
 
 
 # ----- helpers ----------------------------------------------------------------------------------
+def _require_model_order(plan: LayerPlan, what: str) -> None:
+    if not plan.is_model_order:
+        raise PlanError(f"{what} can only express the model's own layer order (each layer once, in order, "
+                        f"at scale 1), not '{plan.to_string()}'")
+
+
 def _require_whole_layers(plan: LayerPlan, what: str) -> None:
     if any(not (s.attention and s.mlp) or s.scale != 1.0 for s in plan.active_steps):
         raise PlanError(f"{what} can only express whole layers at scale 1, not '{plan.to_string()}'")

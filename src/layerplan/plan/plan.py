@@ -118,7 +118,7 @@ class LayerPlan:
     def skipped(self) -> dict[str, list[int]]:
         """Skipped sub-layers by layer index (model-order plans only), exits counted as skips."""
         if not self.is_model_order:
-            raise PlanError(f"run_layers can only express the model's own layer order, not '{self.to_string()}'")
+            raise PlanError(f"skip sets need the model's own layer order, not '{self.to_string()}'")
         limit = len(self.active_steps)
         return {
             "attention": [i for i, s in enumerate(self.steps) if i >= limit or not s.attention],
