@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from layerplan.app.report import scan_heatmap
+from layerplan.app.report import exits_plot, scan_heatmap
 from layerplan.engine.runner import forward
 from layerplan.search.evaluate import Reference
 from layerplan.search.scan import scan
@@ -43,8 +43,6 @@ def test_scan_of_a_partial_plan_skips_what_is_already_off(tmp_path):
 
 
 def test_exit_scan_equals_direct_exits_and_plots(tmp_path):
-    from layerplan.app.report import exits_plot
-
     model = tiny_model("qwen2", num_layers=4)
     ids = torch.randint(3, VOCAB, (1, 16), generator=torch.Generator().manual_seed(2))
     result = scan(model, ids, kinds=["exit"])
@@ -55,3 +53,18 @@ def test_exit_scan_equals_direct_exits_and_plots(tmp_path):
         assert item.kl == pytest.approx(expected.kl, rel=1e-5)
         assert item.layer == item.step - 1
     assert exits_plot(result, tmp_path / "exits.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_plots_leave_matplotlib_global_state_alone(tmp_path):
+    """A library picture must not switch the backend an application or notebook chose."""
+    import matplotlib
+
+    model = tiny_model("llama", num_layers=2)
+    result = scan(model, torch.randint(3, VOCAB, (1, 8)), kinds=["exit"])
+    chosen = matplotlib.get_backend()
+    matplotlib.use("pdf")
+    try:
+        exits_plot(result, tmp_path / "exits.png")
+        assert matplotlib.get_backend() == "pdf"
+    finally:
+        matplotlib.use(chosen)

@@ -102,6 +102,19 @@ def test_study_is_seeded_resumes_and_reports(setup, tmp_path):
     assert [t.plan for t in again.trials[:6]] == [t.plan for t in first.trials]  # nothing finished was lost
 
 
+def test_a_study_leaves_optuna_logging_to_the_application(setup, tmp_path):
+    import optuna
+
+    model, ids = setup
+    chosen = optuna.logging.get_verbosity()
+    optuna.logging.set_verbosity(optuna.logging.DEBUG)
+    try:
+        run_study(PlanEvaluator(model, ids), "kl", 2, str(tmp_path / "study.db"), "quiet")
+        assert optuna.logging.get_verbosity() == optuna.logging.DEBUG
+    finally:
+        optuna.logging.set_verbosity(chosen)
+
+
 def test_multi_objective_study_on_a_journal_file(setup, tmp_path):
     model, ids = setup
     result = run_study(PlanEvaluator(model, ids), "agreement", 8, f"journal:{tmp_path / 'j.log'}", "m",

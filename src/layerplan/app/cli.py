@@ -393,6 +393,10 @@ def search(model, dtype, threads, method, objective, multi, trials, budget, max_
         loaded = _load(model, dtype)
         ids = calibration_ids(loaded, "\n\n".join(read_texts(text)) if text else None, tokens)
         prompts = [loaded.encode(p) for p in PROMPTS.values()] if OBJECTIVES[objective].needs_prompts else None
+        if method != "greedy":
+            import optuna  # deferred: heavy
+
+            optuna.logging.set_verbosity(optuna.logging.WARNING)  # a line per trial would hide the progress bar
         with _Stages() as stages:
             result = run_search(loaded, ids, objective, method, multi, trials, budget, max_cost_cut, granularity, mode,
                                 sampler, storage, study_name, allow_ends, seed, prompts, out_dir,

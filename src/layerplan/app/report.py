@@ -1,37 +1,39 @@
-"""Pictures and pages for people: heatmaps, plots, the tune report. Nothing here computes results."""
+"""Pictures and pages for people: heatmaps, plots, the tune report. Nothing here computes results.
+matplotlib is imported when a picture is drawn (it is slow to import)."""
 
 from __future__ import annotations
 
+import base64
+import html
+import io
 from pathlib import Path
+
+import numpy as np
 
 from layerplan.files import write_bytes_atomic
 from layerplan.search.scan import KINDS, ScanResult
 
 
 def _save(fig, path) -> Path:
-    import io
-
-    import matplotlib.pyplot as plt
-
     buffer = io.BytesIO()
     fig.tight_layout()
     fig.savefig(buffer, format="png")
-    plt.close(fig)
     return write_bytes_atomic(path, buffer.getvalue())
 
 
 def _figure(width: float = 6.4, height: float = 4.0):
-    import matplotlib
+    """A figure of its own, drawn by the Agg canvas: neither pyplot's figure list nor the
+    process-wide backend (a notebook's or an application's) is touched."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt.subplots(figsize=(width, height), dpi=120)
+    fig = Figure(figsize=(width, height), dpi=120)
+    FigureCanvasAgg(fig)
+    return fig, fig.subplots()
 
 
 def scan_heatmap(result: ScanResult, path: str | Path, metric: str = "kl") -> Path:
     """Layers × {attention, MLP, whole layer}, coloured by `metric` (log scale), as a PNG."""
-    import numpy as np
     from matplotlib.colors import LogNorm
 
     items = [item for item in result.items if item.kind in KINDS]
@@ -100,8 +102,6 @@ def pareto_plot(points: list[tuple[float, float]], front: list[tuple[float, floa
 
 def skip_frequency_plot(plans, num_layers: int, path: str | Path) -> Path:
     """How often each layer's attention / MLP is skipped among the given (best) plans."""
-    import numpy as np
-
     counts = np.zeros((2, num_layers))
     for plan in plans:
         skipped = plan.skipped()
@@ -136,9 +136,6 @@ def exits_plot(result: ScanResult, path: str | Path) -> Path:
 
 def tune_html(result, images: dict[str, Path], path: str | Path) -> Path:
     """A one-page report of `layerplan tune`, with the plots inline (no external files)."""
-    import base64
-    import html
-
     def table(rows: list[list[str]], header: list[str]) -> str:
         head = "".join(f"<th>{html.escape(h)}</th>" for h in header)
         body = "".join("<tr>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in row) + "</tr>" for row in rows)

@@ -143,7 +143,6 @@ def run_study(
     directions = [OBJECTIVES[objective].direction] + (["minimize"] if multi_objective else [])
     chosen = SAMPLERS[sampler if not (multi_objective and sampler == "tpe") else "nsga2"].make(optuna, seed)
     name = study_name or f"{model.name}-{objective}{'-cost' if multi_objective else ''}"
-    optuna.logging.set_verbosity(optuna.logging.WARNING)
     study = optuna.create_study(storage=make_storage(storage), study_name=name, directions=directions,
                                 sampler=chosen, load_if_exists=True)
     if not study.trials:  # seed only a new study; a resumed one already has them
