@@ -134,6 +134,15 @@ def test_every_drafter_checks_model_and_target_alike():
         ModelDrafter(small_vocab).check(model, model.plan())
 
 
+def test_draft_confidence_stops_every_drafter_that_runs_a_model():
+    """--draft-confidence is not only for model:PATH drafts: every drafter that runs a model keeps
+    one token and stops its round below the threshold (here: always)."""
+    model = tiny_model("llama", num_layers=3)
+    for spec in ("exit:1", "window:2,3", "dynamic:confidence=0.5"):
+        result = generate(model, PROMPT, max_new_tokens=8, draft=spec, draft_length="fixed", draft_confidence=1.01)
+        assert len(result.stats["drafted_at"]) == 1, spec
+
+
 def test_cache_after_a_round_holds_exactly_the_verified_prefix():
     """Run one draft round by hand: after crop, the next step sees the accepted prefix only."""
     model = tiny_model("mistral", num_layers=3)

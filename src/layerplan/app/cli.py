@@ -226,7 +226,8 @@ def scan(model, dtype, device, threads, base_plan, tokens, text, kinds, exits, n
 @click.option("--draft-length", default=None, type=click.Choice(list(DRAFT_LENGTHS)), help=DRAFT_LENGTH_HELP)
 @click.option("--draft-model", type=click.Path(), default=None, help="shorthand for --draft model:PATH")
 @click.option("--draft-confidence", default=0.0, show_default=True,
-              help="a model drafter stops a round when its top-1 probability falls below this")
+              help="a drafter that runs a model (a layer plan, exit, window, dynamic exit or model:PATH) stops "
+                   "a round when its top-1 probability falls below this; n-gram lookup ignores it")
 @click.option("--exit-policy", default=None,
               help="lossy dynamic early exit per token: confidence=P | entropy=H | cosine=C, then min=N, every=K, "
                    "vocab=K (as a lossless draft: --draft dynamic:POLICY)")

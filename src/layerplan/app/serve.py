@@ -1,9 +1,11 @@
 """An OpenAI-compatible HTTP server over layerplan's decoding (`layerplan serve`).
 
 One model, one decode at a time: on a CPU, interleaving decodes only makes each slower. Requests
-wait in a first-come-first-served queue (one worker thread), each generation gets its own KV
-cache, and a client that disconnects has its generation stopped at its next token so the queue
-moves on. Speculative statistics ride in each response's `usage` block.
+wait in a first-come-first-served queue and are decoded one by one on the thread that runs the
+engine (`layerplan serve`: the main thread, which owns torch's OpenMP pool, while HTTP is served
+from a background thread; see Engine). Each generation gets its own KV cache, and a client that
+disconnects has its generation stopped at its next token so the queue moves on. Speculative
+statistics ride in each response's `usage` block.
 
 Endpoints: GET /health, GET /v1/models, POST /v1/completions, POST /v1/chat/completions (both
 with `"stream": true` for server-sent events, and `stream_options.include_usage`).

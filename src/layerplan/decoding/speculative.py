@@ -97,7 +97,8 @@ def speculative_generate(
     draft_confidence: float = 0.0,
     should_stop: Callable[[], bool] | None = None,
 ) -> GenerationResult:
-    """draft_confidence: a model drafter stops its round when its top-1 probability falls below this."""
+    """draft_confidence: a drafter that runs a model (every one but n-gram lookup) stops its round
+    when its top-1 probability falls below this."""
     target = plan if plan is not None else model.plan()
     drafter = make_drafter(drafter, model, target, draft_confidence)
     lengths = make_draft_length(draft_length)
