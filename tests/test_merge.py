@@ -6,7 +6,7 @@ from transformers import AutoModelForCausalLM
 
 from layerplan.engine.runner import forward, new_cache
 from layerplan.export import export_checkpoint
-from layerplan.plan.formats import from_mergekit, mergekit_models, to_mergekit
+from layerplan.plan.formats import from_mergekit, to_mergekit
 from layerplan.plan.plan import PlanError, parse_plan, recompute_rewind_layers
 from layerplan.search.explore import explore, recompute_rewind_grid
 from tiny import VOCAB, tiny_model
@@ -61,7 +61,6 @@ merge_method: passthrough
 """
     plan = from_mergekit(two, 10)
     assert plan.to_string() == "a:0-5,b:3-9,a:8-9"
-    assert mergekit_models(two) == {"": "org/A", "b": "org/B"}
     assert from_mergekit(to_mergekit(plan, "org/A", sources={"b": "org/B"}), 10) == plan
     with pytest.raises(PlanError, match="give their paths"):
         to_mergekit(plan, "org/A")

@@ -36,6 +36,9 @@ def test_scan_of_a_partial_plan_skips_what_is_already_off(tmp_path):
     result = scan(model, ids, model.plan("skip:attn=1"), kinds=["attention", "mlp"])
     assert result.item("attention", 1) is None
     assert result.item("mlp", 1) is not None
+    ranked = result.ranked()  # every kind, least harmful first: what `layerplan scan` and the tune report list
+    assert len(ranked) == len(result.items) and [i.kl for i in ranked] == sorted(i.kl for i in result.items)
+    assert all(i.kind == "mlp" for i in result.ranked("mlp"))
     png = scan_heatmap(result, tmp_path / "scan.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     with pytest.raises(ValueError, match="unknown scan kind"):

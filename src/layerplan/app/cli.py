@@ -198,7 +198,7 @@ def scan(model, dtype, device, threads, base_plan, tokens, text, kinds, exits, n
         return
     write_json_atomic(out_dir / "scan.json", result.to_dict())
     scan_heatmap(result, out_dir / "scan.png")
-    least = ", ".join(f"{i.kind[:4]}{i.layer}" for i in sorted(result.items, key=lambda i: i.kl)[:6])
+    least = ", ".join(f"{i.kind[:4]}{i.layer}" for i in result.ranked()[:6])
     click.echo(f"\nbase perplexity {result.base_perplexity:.3f} on {result.tokens} tokens; "
                f"{len(result.items)} candidates in {result.seconds:.1f}s ({'reuse' if result.reuse else 'naive'})")
     click.echo(f"least harmful to skip: {least}")

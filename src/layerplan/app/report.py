@@ -160,7 +160,7 @@ def tune_html(result, images: dict[str, Path], path: str | Path) -> Path:
           "-" if r.mean_accepted_length is None else f"{r.mean_accepted_length:.2f}"] for r in result.bench.rows],
         ["prompt", "method", "ms/token", "vs transformers", "acceptance", "tokens/pass"],
     )
-    least = sorted(result.scan.items, key=lambda i: i.kl)[:8]
+    least = result.scan.ranked()[:8]
     scan_rows = table([[f"{i.kind} {i.layer}", f"{i.kl:.4f}", f"{i.top1_agreement:.3f}"] for i in least],
                       ["sub-layer", "KL to full", "top-1 agreement"])
     plan_text = result.saved_plan or "none: no skip plan is predicted to beat plain decoding on this model"

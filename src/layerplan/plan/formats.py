@@ -198,17 +198,6 @@ def _scale_filters(settings: list[Any], where: str) -> tuple[bool, bool, float]:
                     "residual scale per step (0 on one of them switches that sub-layer off)")
 
 
-def mergekit_models(text_or_obj: str | dict[str, Any]) -> dict[str, str]:
-    """Label -> model path of a mergekit config, in the order from_mergekit assigns them."""
-    obj = yaml.safe_load(text_or_obj) if isinstance(text_or_obj, str) else text_or_obj
-    labels: dict[str, str] = {}
-    for piece in obj.get("slices", []):
-        name = str(piece["sources"][0].get("model"))
-        if name not in labels.values():
-            labels["" if not labels else "bcdefghijklmnopqrstuvwxyz"[len(labels) - 1]] = name
-    return labels
-
-
 # ----- files ------------------------------------------------------------------------------------
 def load_plan(source: str | Path, num_layers: int, model_name: str = "the model") -> LayerPlan:
     """A plan from a string, or from a file: .json (layerplan, Draft & Verify, run_layers or

@@ -48,9 +48,9 @@ class ScanResult:
     def item(self, kind: str, layer: int) -> ScanItem | None:
         return next((i for i in self.items if i.kind == kind and i.layer == layer), None)
 
-    def ranked(self, kind: str, key: str = "kl") -> list[ScanItem]:
-        """Items of one kind, least harmful first."""
-        return sorted((i for i in self.items if i.kind == kind), key=lambda i: getattr(i, key))
+    def ranked(self, kind: str | None = None, key: str = "kl") -> list[ScanItem]:
+        """Items (of one kind, or all), least harmful first by `key`."""
+        return sorted((i for i in self.items if kind is None or i.kind == kind), key=lambda i: getattr(i, key))
 
     def table(self) -> str:
         lines = [f"{'layer':>5} {'kind':<9} {'ppl':>10} {'Δppl':>10} {'KL':>8} {'top1':>6}"]
