@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from layerplan.decoding.generate import generate
+from layerplan.machine import CpuInfo, cpu_info
 from layerplan.models.loading import LoadedModel
 
 # Small prompts of different kinds; the continuation is what gets timed.
@@ -60,6 +61,7 @@ class BenchResult:
     threads: int
     new_tokens: int
     repeats: int
+    cpu: CpuInfo  # timings are this machine's: say which one
     rows: list[BenchRow] = field(default_factory=list)
 
     def to_dict(self) -> dict:
@@ -114,7 +116,7 @@ def run_bench(
     if reference not in methods:
         raise ValueError(f"the methods must include the reference '{reference}'")
     result = BenchResult(model.name, str(model.dtype).replace("torch.", ""), torch.get_num_threads(),
-                         new_tokens, repeats)
+                         new_tokens, repeats, cpu_info())
     total, done = len(prompts) * repeats * len(methods), 0
     for label, prompt in prompts.items():
         ids = model.encode(prompt, chat=label in CHAT_PROMPTS)

@@ -24,6 +24,7 @@ from layerplan.decoding.sampling import SamplingParams
 from layerplan.engine.cpu_pack import packing_supported
 from layerplan.export import export_checkpoint
 from layerplan.files import write_json_atomic, write_text_atomic
+from layerplan.machine import cpu_info
 from layerplan.models.loading import DEFAULT_MODEL, ModelError, available_models, cache_dir, load_model, model_depth
 from layerplan.plan.formats import FORMATS, load_plan, save_plan, to_mergekit
 from layerplan.plan.plan import PlanError
@@ -481,10 +482,15 @@ def tune(model, dtype, threads, tokens, steps, repeats, new_tokens, prompt_names
         prompts = _pick_prompts(prompt_names)
         stock, packed = _load_stock_and_packed(model, dtype)
         fast = packed or stock
-        with _Progress("tune") as progress:
+        click.echo(cpu_info().line(), err=True)
+
+        def stage(text: str) -> None:  # "scan: every attention and MLP..." -> a line, and a bar named "scan"
+            click.echo(f"· {text}", err=True)
+            stages.start(text.partition(":")[0])
+
+        with _Stages() as stages:
             result = run_tune(fast, lambda: load_model(model, dtype="float32"), prompts, tokens, steps, repeats,
-                              new_tokens, stock=stock, on_stage=lambda text: progress.bar.write(f"· {text}", file=sys.stderr),
-                              on_progress=progress)
+                              new_tokens, stock=stock, on_stage=stage, on_progress=stages)
     scan_heatmap(result.scan, out_dir / "scan.png")
     if result.greedy.steps:
         search_trajectory([s.value for s in result.greedy.steps], "maximize", "predicted speedup",
@@ -549,6 +555,7 @@ def bench(model, dtype, threads, new_tokens, repeats, prompt_names, drafts, draf
         methods = bench_methods(stock, packed, list(drafts), list(hf_exits), hf_prompt_lookup, draft_length)
         with _Progress("bench") as progress:
             result = run_bench(stock, methods, prompts, new_tokens, repeats, on_progress=progress)
+    click.echo(result.cpu.line())
     click.echo(f"{result.model}, {result.dtype}, {result.threads} threads, up to {new_tokens} new tokens, "
                f"median of {repeats}; 'vs HF' = transformers plain ms/token ÷ this row's")
     click.echo(result.table())

@@ -169,6 +169,8 @@ def tune_html(result, images: dict[str, Path], path: str | Path) -> Path:
 table{{border-collapse:collapse;margin:.5rem 0 1.5rem}}td,th{{border:1px solid #ccc;padding:.25rem .5rem;text-align:left}}
 code{{background:#f4f4f4;padding:.1rem .3rem}}img{{max-width:100%}}</style></head><body>
 <h1>layerplan tune — {html.escape(result.model)} ({html.escape(result.dtype)})</h1>
+<p><b>Machine:</b> {html.escape(result.bench.cpu.line())}. Every timing on this page is from it: a CPU
+with another instruction set (AVX2 only, AVX-512, AVX-512 BF16, AMX) can rank the drafts differently.</p>
 <p><b>Best draft:</b> <code>{html.escape(best.draft if best else "none")}</code>, {best.speedup_median if best else 1:.2f}× transformers'
 plain greedy <code>generate</code> (median over prompts, range {best.speedup_min if best else 1:.2f}–{best.speedup_max if best else 1:.2f}×),
 greedy output identical to plain decoding in float32: <b>{"yes" if best and best.same_as_plain_fp32 else "NO"}</b>.</p>

@@ -35,7 +35,7 @@ class TuneResult:
     scan: ScanResult
     greedy: GreedyResult
     predicted_speedup: float  # of the searched skip plan, from agreement and measured cost
-    bench: BenchResult
+    bench: BenchResult  # its cpu says which machine every timing here comes from
     choices: list[DraftChoice] = field(default_factory=list)
     best: DraftChoice | None = None
     saved_plan: str | None = None  # the skip plan saved for --draft auto, if it was worth saving

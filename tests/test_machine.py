@@ -1,0 +1,92 @@
+"""Which machine a figure came from: the CPU line of `bench` and `tune`."""
+
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from layerplan.app import cli
+from layerplan.app.bench import run_bench
+from layerplan.machine import cpu_info, isa_level, read_cpuinfo
+from tiny import tiny_model
+
+CPUINFO = """processor\t: 0
+vendor_id\t: AuthenticAMD
+model name\t: AMD EPYC 7B13
+flags\t\t: fpu sse sse2 avx avx2 fma
+
+processor\t: 1
+model name\t: AMD EPYC 7B13
+flags\t\t: fpu sse sse2 avx avx2 fma
+"""
+
+
+@pytest.mark.parametrize("flags, level", [
+    ("sse2 avx avx2", "AVX2"),
+    ("avx2 avx512f avx512bw", "AVX-512"),
+    ("avx2 avx512f avx512_bf16", "AVX-512 BF16"),
+    ("avx2 avx512f avx512_bf16 amx_tile amx_bf16 amx_int8", "AMX"),
+    ("sse2 avx", "below AVX2"),
+])
+def test_isa_level_from_cpu_flags(flags, level):
+    assert isa_level(set(flags.split())) == level
+
+
+def test_cpu_line_from_proc_cpuinfo(tmp_path):
+    path = tmp_path / "cpuinfo"
+    path.write_text(CPUINFO)
+    assert read_cpuinfo(path) == ("AMD EPYC 7B13", {"fpu", "sse", "sse2", "avx", "avx2", "fma"})
+    info = cpu_info(path)
+    assert (info.model, info.isa) == ("AMD EPYC 7B13", "AVX2")
+    assert info.torch_capability == torch.backends.cpu.get_cpu_capability()  # what ATEN_CPU_CAPABILITY may lower
+    assert info.threads == torch.get_num_threads() and info.torch == torch.__version__
+    line = info.line()
+    assert "AMD EPYC 7B13" in line and "AVX2" in line and f"{info.threads} threads" in line
+    assert cpu_info(tmp_path / "absent").isa == "unknown"  # not Linux: still a line, not an error
+
+
+def test_bench_results_say_which_cpu_they_came_from():
+    model = SimpleNamespace(name="tiny", dtype=torch.float32, encode=lambda text, chat=False: torch.tensor([[1, 2]]))
+
+    def run(ids, new_tokens):
+        return 0.01, [1, 2], None
+
+    result = run_bench(model, {"transformers generate": run, "layerplan plain": run}, {"code": "def f():"},
+                       new_tokens=2, repeats=1)
+    assert result.cpu == cpu_info()
+    assert json.loads(json.dumps(result.to_dict()))["cpu"]["isa"] == cpu_info().isa
+
+
+def test_tune_draws_one_progress_bar_per_stage(monkeypatch, tmp_path):
+    """Each stage gets a bar of its own: a shared one restarted its count but not its clock, so
+    later stages showed ETAs of hours."""
+    bars = []
+
+    class Bar:
+        def __init__(self, desc, **_):
+            self.desc, self.n, self.total, self.closed = desc, 0, None, False
+            bars.append(self)
+
+        def refresh(self):
+            pass
+
+        def close(self):
+            self.closed = True
+
+    def fake_tune(model, fp32_model, prompts, tokens, steps, repeats, new_tokens, stock, on_stage, on_progress):
+        for stage, total in (("scan: every sub-layer", 4), ("search: greedy", 3), ("bench: drafts", 2)):
+            on_stage(stage)
+            for done in range(1, total + 1):
+                on_progress(done, total)
+        raise ValueError("stop here")  # the rest of tune is not under test
+
+    model = tiny_model("llama", num_layers=2)
+    monkeypatch.setattr(cli, "tqdm", Bar)
+    monkeypatch.setattr(cli, "_load_stock_and_packed", lambda name, dtype: (model, None))
+    monkeypatch.setattr(cli, "run_tune", fake_tune)
+    result = CliRunner().invoke(cli.main, ["tune", "--out", str(tmp_path)])
+    assert "stop here" in result.output
+    assert [(b.desc, b.n, b.total) for b in bars] == [("scan", 4, 4), ("search", 3, 3), ("bench", 2, 2)]
+    assert all(b.closed for b in bars)
