@@ -8,6 +8,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+import platformdirs
+
 
 def write_bytes_atomic(path: str | os.PathLike, data: bytes) -> Path:
     path = Path(path)
@@ -34,3 +36,12 @@ def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
 
 def write_json_atomic(path: str | os.PathLike, obj: Any) -> Path:
     return write_text_atomic(path, json.dumps(obj, indent=2, sort_keys=False) + "\n")
+
+
+def cache_dir() -> Path:
+    """Where layerplan keeps what it computes once: converted models, probes, built kernels.
+    $LAYERPLAN_CACHE, else the platform's user cache folder."""
+    env = os.environ.get("LAYERPLAN_CACHE")
+    if env:
+        return Path(env)
+    return Path(platformdirs.user_cache_dir("layerplan"))

@@ -37,25 +37,34 @@ class KVCache:
         written = [n for n, k in zip(self.lengths, self.keys) if k is not None]
         return min(written) if written else 0
 
-    def write(self, slot: int, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store key/value (B, H, T, D) at positions [write_pos, write_pos+T); return all keys and
-        values of the slot up to the end of the chunk, views into the buffer."""
+    def reserve(self, slot: int, end: int, batch: int, heads: int, key_dim: int, value_dim: int,
+                dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Make positions [write_pos, end) of the slot writable and mark them written; return the
+        slot's whole buffers (B, H, capacity, D), which the caller fills at those positions."""
         start = self.write_pos
-        end = start + key.shape[2]
         if start > self.lengths[slot] and not (self.fill_gaps and self.keys[slot] is not None):
             raise RuntimeError(
                 f"KV slot {slot} holds {self.lengths[slot]} positions but a write starts at {start}: "
                 "a step that skipped earlier positions cannot attend to them"
             )
         buf_k, buf_v = self.keys[slot], self.values[slot]
-        if buf_k is None or end > buf_k.shape[2] or buf_k.shape[0] != key.shape[0]:
-            buf_k, buf_v = self._allocate(slot, key, value, end)
+        if buf_k is None or end > buf_k.shape[2] or buf_k.shape[0] != batch:
+            buf_k, buf_v = self._allocate(slot, batch, heads, key_dim, value_dim, dtype, device, end)
         if start > self.lengths[slot]:  # fill_gaps: zero keys and values, a defined placeholder
             buf_k[:, :, self.lengths[slot] : start] = 0
             buf_v[:, :, self.lengths[slot] : start] = 0
+        self.lengths[slot] = end
+        return buf_k, buf_v
+
+    def write(self, slot: int, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store key/value (B, H, T, D) at positions [write_pos, write_pos+T); return all keys and
+        values of the slot up to the end of the chunk, views into the buffer."""
+        start = self.write_pos
+        end = start + key.shape[2]
+        b, h, _, d = key.shape
+        buf_k, buf_v = self.reserve(slot, end, b, h, d, value.shape[3], key.dtype, key.device)
         buf_k[:, :, start:end] = key
         buf_v[:, :, start:end] = value
-        self.lengths[slot] = end
         if self.read_window is not None and end - start == 1:
             sink, recent = self.read_window
             if end > sink + recent:
@@ -64,13 +73,13 @@ class KVCache:
                 return keys, values
         return buf_k[:, :, :end], buf_v[:, :, :end]
 
-    def _allocate(self, slot: int, key: torch.Tensor, value: torch.Tensor, needed: int):
+    def _allocate(self, slot: int, batch: int, heads: int, key_dim: int, value_dim: int, dtype: torch.dtype,
+                  device: torch.device, needed: int) -> tuple[torch.Tensor, torch.Tensor]:
         old_k, old_v = self.keys[slot], self.values[slot]
-        keep = self.lengths[slot] if old_k is not None and old_k.shape[0] == key.shape[0] else 0
+        keep = self.lengths[slot] if old_k is not None and old_k.shape[0] == batch else 0
         size = max(self.capacity, needed, 2 * old_k.shape[2] if old_k is not None else 0)
-        b, h, _, d = key.shape
-        new_k = key.new_empty(b, h, size, d)
-        new_v = value.new_empty(b, h, size, value.shape[3])
+        new_k = torch.empty(batch, heads, size, key_dim, dtype=dtype, device=device)
+        new_v = torch.empty(batch, heads, size, value_dim, dtype=dtype, device=device)
         if keep:
             new_k[:, :, :keep] = old_k[:, :, :keep]
             new_v[:, :, :keep] = old_v[:, :, :keep]

@@ -67,7 +67,9 @@ def embed(model: LoadedModel, input_ids: torch.Tensor, start_pos: int = 0) -> to
 def head(model: LoadedModel, hidden: torch.Tensor) -> torch.Tensor:
     """Final norm and LM head (and Gemma's logit soft-capping) on a residual stream."""
     parts = model.parts
-    return softcap(parts, parts.lm_head(parts.final_norm(hidden)))
+    normed = parts.final_norm(hidden)
+    logits = model.native.lm_head(parts.lm_head, normed) if model.native is not None else parts.lm_head(normed)
+    return softcap(parts, logits)
 
 
 def softcap(parts, logits: torch.Tensor) -> torch.Tensor:
@@ -117,41 +119,55 @@ def run_hidden(
     rope: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     masks: dict[int | None, torch.Tensor | None] = {}
 
+    def rope_of(layer) -> tuple[torch.Tensor, torch.Tensor]:
+        key = layer.layer_type if parts.rope_per_layer_type else ""
+        if key not in rope:
+            rope[key] = parts.rotary(hidden, positions, key) if parts.rope_per_layer_type else parts.rotary(hidden, positions)
+        return rope[key]
+
+    # the native engine runs sub-layers it reproduces (engine/native.py) on cached single-sequence
+    # passes; everything else, and every pass of an eager model, calls the modules themselves
+    native = model.native if cache is not None and hidden.shape[0] == 1 and model.native is not None else None
+    if native is not None and not native.takes(length):
+        native = None
+
     for index in range(first_step, end_step):
         step = plan.steps[index]
         layer = parts.layers[step.layer] if not step.model else model.layers_of(step.model)[step.layer]
+        fast = native.layer(step.model, step.layer) if native is not None else None
         resumes_at_mlp = index == first_step and first_sub == "mlp"
         if observe is not None and not resumes_at_mlp:
             observe(index, "attention", hidden)
         if step.attention and not resumes_at_mlp:
-            window = layer.sliding_window
-            if window not in masks:
-                masks[window] = None if windowed_read else _attention_mask(
-                    start_pos, length, kv_start, kv_length, window, eager, hidden.dtype, device)
-            kwargs = {}
-            if parts.rotary is not None:
-                key = layer.layer_type if parts.rope_per_layer_type else ""
-                if key not in rope:
-                    rope[key] = (
-                        parts.rotary(hidden, positions, key) if parts.rope_per_layer_type else parts.rotary(hidden, positions)
-                    )
-                kwargs["position_embeddings"] = rope[key]
-            update = layer.attention(
-                layer.attention_norm(hidden),
-                attention_mask=masks[window],
-                past_key_values=cache.views[index] if cache is not None else None,
-                **kwargs,
-            )[0]
-            if layer.attention_post_norm is not None:
-                update = layer.attention_post_norm(update)
-            hidden = hidden + update if step.scale == 1.0 else hidden + step.scale * update
+            if fast is not None and fast.attention is not None:
+                keys, values = cache.reserve(index, start_pos + length, 1, fast.attention.kv_heads, fast.attention.head_dim,
+                                             fast.attention.head_dim, hidden.dtype, device)
+                hidden = fast.run_attention(hidden, keys, values, start_pos, rope_of(layer), step.scale, cache.read_window)
+            else:
+                window = layer.sliding_window
+                if window not in masks:
+                    masks[window] = None if windowed_read else _attention_mask(
+                        start_pos, length, kv_start, kv_length, window, eager, hidden.dtype, device)
+                kwargs = {"position_embeddings": rope_of(layer)} if parts.rotary is not None else {}
+                update = layer.attention(
+                    layer.attention_norm(hidden),
+                    attention_mask=masks[window],
+                    past_key_values=cache.views[index] if cache is not None else None,
+                    **kwargs,
+                )[0]
+                if layer.attention_post_norm is not None:
+                    update = layer.attention_post_norm(update)
+                hidden = hidden + update if step.scale == 1.0 else hidden + step.scale * update
         if observe is not None:
             observe(index, "mlp", hidden)
         if step.mlp:
-            update = layer.mlp(layer.mlp_norm(hidden))
-            if layer.mlp_post_norm is not None:
-                update = layer.mlp_post_norm(update)
-            hidden = hidden + update if step.scale == 1.0 else hidden + step.scale * update
+            if fast is not None and fast.mlp is not None:
+                hidden = fast.run_mlp(hidden, step.scale)
+            else:
+                update = layer.mlp(layer.mlp_norm(hidden))
+                if layer.mlp_post_norm is not None:
+                    update = layer.mlp_post_norm(update)
+                hidden = hidden + update if step.scale == 1.0 else hidden + step.scale * update
     return hidden
 
 

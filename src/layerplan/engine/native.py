@@ -1,0 +1,343 @@
+"""Native CPU kernels (engine/kernels.c): built with the system C compiler on first use, cached.
+
+The kernels reproduce the sub-layers of the llama family (RMSNorm, RoPE, grouped-query attention
+over the step's KV slot, gated MLP) from the layer's own weights, read in place: fp32
+accumulation over fp32 or bf16 weights, each weight read once per pass whatever the number of
+tokens, and batch-invariant (a token's result does not depend on the other tokens of the pass).
+The model's modules are never changed, so transformers' own forward and generate stay the
+reference; a sub-layer the kernels do not reproduce runs its module eagerly.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from layerplan.files import cache_dir
+from layerplan.machine import read_cpuinfo
+from layerplan.models.architectures import arch_spec
+
+SOURCE = Path(__file__).with_name("kernels.c")
+FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC", "-std=c11")
+LIBS = ("-lm",)
+_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+
+
+class _Norm(ctypes.Structure):
+    _fields_ = [("weight", ctypes.c_void_p), ("eps", ctypes.c_float), ("offset", ctypes.c_float), ("mode", ctypes.c_int)]
+
+
+class _Attention(ctypes.Structure):
+    _fields_ = [("hidden", ctypes.c_long), ("heads", ctypes.c_long), ("kv_heads", ctypes.c_long),
+                ("head_dim", ctypes.c_long), ("norm", _Norm), ("q_norm", _Norm), ("k_norm", _Norm),
+                ("post_norm", _Norm)] + [(name, ctypes.c_void_p) for name in ("wq", "wk", "wv", "wo", "bq", "bk", "bv", "bo")] + [
+                ("scaling", ctypes.c_float), ("window", ctypes.c_long), ("rotary_dim", ctypes.c_long)]
+
+
+class _Mlp(ctypes.Structure):
+    _fields_ = [("hidden", ctypes.c_long), ("inner", ctypes.c_long), ("norm", _Norm), ("post_norm", _Norm),
+                ("wg", ctypes.c_void_p), ("wu", ctypes.c_void_p), ("wd", ctypes.c_void_p), ("activation", ctypes.c_int)]
+
+
+class NativeUnavailable(RuntimeError):
+    """The native kernels cannot run here (CPU without AVX2/FMA, no C compiler); says which."""
+
+
+def _cache_folder() -> Path:
+    return cache_dir() / "native"
+
+
+def _compiler() -> str:
+    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
+        if name and shutil.which(name):
+            return name
+    raise NativeUnavailable("the native engine needs a C compiler (cc, gcc or clang) on PATH; "
+                            "use --engine eager, or install gcc")
+
+
+@lru_cache(maxsize=1)
+def library() -> ctypes.CDLL:
+    """The compiled kernels, built once per source, flags and compiler (atomic write, so two
+    processes building at once both end with a whole library)."""
+    model, flags = read_cpuinfo()
+    missing = sorted({"avx2", "fma"} - (flags or set()))
+    if missing:
+        raise NativeUnavailable(f"the native engine needs AVX2 and FMA; this CPU ({model or 'unknown'}) lacks "
+                                f"{', '.join(missing)}: use --engine eager")
+    compiler = _compiler()
+    source = SOURCE.read_bytes()
+    key = hashlib.sha256(source + " ".join((compiler,) + FLAGS).encode()).hexdigest()[:16]
+    target = _cache_folder() / f"kernels-{key}.so"
+    if not target.exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, staging = tempfile.mkstemp(dir=target.parent, prefix=".kernels-", suffix=".so")
+        os.close(fd)
+        try:
+            done = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", staging, *LIBS], capture_output=True, text=True)
+            if done.returncode != 0:
+                raise NativeUnavailable(f"building the native kernels with {compiler} failed: "
+                                        f"{(done.stderr.strip().splitlines() or ['no message'])[-1]}")
+            os.replace(staging, target)
+        finally:
+            if os.path.exists(staging):
+                os.unlink(staging)
+    lib = ctypes.CDLL(str(target))
+    lib.lp_linear.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
+                              ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_long, ctypes.c_long, ctypes.c_int]
+    lib.lp_linear.restype = None
+    lib.lp_attention_block.argtypes = [ctypes.POINTER(_Attention), ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long,
+                                       ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                                       ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_long, ctypes.c_float,
+                                       ctypes.c_int, ctypes.c_int]
+    lib.lp_attention_block.restype = ctypes.c_int
+    lib.lp_mlp_block.argtypes = [ctypes.POINTER(_Mlp), ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long,
+                                 ctypes.c_float, ctypes.c_int, ctypes.c_int]
+    lib.lp_mlp_block.restype = None
+    return lib
+
+
+def native_available() -> str | None:
+    """None when the native kernels can run here, else the reason they cannot."""
+    try:
+        library()
+    except NativeUnavailable as error:
+        return str(error)
+    return None
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear by the kernel: x (..., in) in fp32 or bf16, weight (out, in) contiguous, fp32 or bf16."""
+    x = x.contiguous()
+    rows = x.numel() // weight.shape[1]
+    y = torch.empty(*x.shape[:-1], weight.shape[0], dtype=x.dtype)
+    library().lp_linear(x.data_ptr(), _DTYPES[x.dtype], weight.data_ptr(), _DTYPES[weight.dtype],
+                        bias.data_ptr() if bias is not None else None, y.data_ptr(), _DTYPES[x.dtype],
+                        rows, weight.shape[0], weight.shape[1], torch.get_num_threads())
+    return y
+
+
+# ----- decoder sub-layers ------------------------------------------------------------------------
+# The module classes whose arithmetic the kernels reproduce; anything else runs eagerly.
+_ACTIVATIONS = {"SiLUActivation": 0, "SiLU": 0, "GELUTanh": 1, "PytorchGELUTanh": 1}
+_ATTENTION_CHILDREN = ({"q_proj", "k_proj", "v_proj", "o_proj"}, {"q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm"},
+                       {"qkv_proj", "o_proj"})
+_MLP_CHILDREN = ({"gate_proj", "up_proj", "down_proj", "act_fn"}, {"gate_up_proj", "down_proj", "activation_fn"})
+
+
+class Unsupported(Exception):
+    """A sub-layer whose modules the kernels do not reproduce (it runs eagerly); says why."""
+
+
+def _weight(module: nn.Module | None, dtype: torch.dtype, rows: slice | None = None) -> tuple[int | None, int | None]:
+    """(weight pointer, bias pointer) of a linear, optionally of a block of its output rows."""
+    if module is None:
+        return None, None
+    weight, bias = getattr(module, "weight", None), getattr(module, "bias", None)
+    if weight is None or weight.dtype != dtype or weight.device.type != "cpu" or not weight.is_contiguous() or weight.dim() != 2:
+        raise Unsupported(f"{type(module).__name__} is not a contiguous {dtype} CPU linear")
+    start = 0 if rows is None else rows.start
+    size = weight.element_size()
+    w = weight.data_ptr() + start * weight.shape[1] * size
+    b = None if bias is None else bias.data_ptr() + start * size
+    return w, b
+
+
+def _norm(module: nn.Module | None, dtype: torch.dtype, offset: float) -> _Norm:
+    if module is None:
+        return _Norm(None, 0.0, 0.0, 0)
+    name = type(module).__name__
+    weight = getattr(module, "weight", None)
+    if not name.endswith("RMSNorm") or weight is None or weight.dtype != dtype or not weight.is_contiguous():
+        raise Unsupported(f"norm {name} is not an RMSNorm the kernels know")
+    if hasattr(module, "variance_epsilon"):  # weight * normalised.to(dtype) (Llama and its copies)
+        return _Norm(weight.data_ptr(), float(module.variance_epsilon), offset, 0)
+    if hasattr(module, "eps"):  # ((offset + weight) * normalised).to(dtype) (Gemma)
+        return _Norm(weight.data_ptr(), float(module.eps), offset, 1)
+    raise Unsupported(f"norm {name} has no epsilon the kernels know")
+
+
+class NativeLayer:
+    """One decoder layer's sub-layers as kernel descriptors over the layer's own weights.
+    `attention` / `mlp` is None where that sub-layer runs eagerly (`why` says why)."""
+
+    def __init__(self, parts, dtype: torch.dtype, norm_offset: float) -> None:
+        self.dtype, self.bf16 = dtype, int(dtype == torch.bfloat16)
+        self.attention: _Attention | None = None
+        self.mlp: _Mlp | None = None
+        self.why: dict[str, str] = {}
+        try:
+            self.attention = self._attention(parts, dtype, norm_offset)
+        except Unsupported as error:
+            self.why["attention"] = str(error)
+        try:
+            self.mlp = self._mlp(parts, dtype, norm_offset)
+        except Unsupported as error:
+            self.why["mlp"] = str(error)
+
+    @staticmethod
+    def _attention(parts, dtype, offset) -> _Attention:
+        module = parts.attention
+        children = {name for name, _ in module.named_children()}
+        if children not in _ATTENTION_CHILDREN:
+            raise Unsupported(f"{type(module).__name__} has modules {sorted(children)}")
+        config = module.config
+        if getattr(config, "attn_logit_softcapping", None) or getattr(module, "sinks", None) is not None:
+            raise Unsupported("attention logit soft-capping and attention sinks run eagerly")
+        heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+        head_dim = module.head_dim
+        if heads % kv_heads or head_dim > 512 or getattr(config, "partial_rotary_factor", 1.0) != 1.0:
+            raise Unsupported("head layout or partial rotary embeddings the kernels do not handle")
+        if "qkv_proj" in children:
+            q_rows, k_rows = heads * head_dim, kv_heads * head_dim
+            wq, bq = _weight(module.qkv_proj, dtype, slice(0, q_rows))
+            wk, bk = _weight(module.qkv_proj, dtype, slice(q_rows, q_rows + k_rows))
+            wv, bv = _weight(module.qkv_proj, dtype, slice(q_rows + k_rows, q_rows + 2 * k_rows))
+        else:
+            (wq, bq), (wk, bk), (wv, bv) = (_weight(getattr(module, n), dtype) for n in ("q_proj", "k_proj", "v_proj"))
+        wo, bo = _weight(module.o_proj, dtype)
+        return _Attention(
+            hidden=config.hidden_size, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
+            norm=_norm(parts.attention_norm, dtype, offset), q_norm=_norm(getattr(module, "q_norm", None), dtype, offset),
+            k_norm=_norm(getattr(module, "k_norm", None), dtype, offset), post_norm=_norm(parts.attention_post_norm, dtype, offset),
+            wq=wq, wk=wk, wv=wv, wo=wo, bq=bq, bk=bk, bv=bv, bo=bo, scaling=float(module.scaling),
+            window=parts.sliding_window or 0, rotary_dim=head_dim)
+
+    @staticmethod
+    def _mlp(parts, dtype, offset) -> _Mlp:
+        module = parts.mlp
+        children = {name for name, _ in module.named_children()}
+        if children not in _MLP_CHILDREN:
+            raise Unsupported(f"{type(module).__name__} has modules {sorted(children)}")
+        act = getattr(module, "act_fn", None) or getattr(module, "activation_fn", None)
+        if type(act).__name__ not in _ACTIVATIONS:
+            raise Unsupported(f"activation {type(act).__name__} runs eagerly")
+        down = module.down_proj
+        inner = down.weight.shape[1]
+        if "gate_up_proj" in children:  # Phi-3: gate rows first, then up
+            (wg, _), (wu, _) = _weight(module.gate_up_proj, dtype, slice(0, inner)), _weight(module.gate_up_proj, dtype, slice(inner, 2 * inner))
+            biased = module.gate_up_proj.bias is not None
+        else:
+            (wg, _), (wu, _) = _weight(module.gate_proj, dtype), _weight(module.up_proj, dtype)
+            biased = module.gate_proj.bias is not None or module.up_proj.bias is not None
+        wd, _ = _weight(down, dtype)
+        if biased or down.bias is not None:
+            raise Unsupported("MLP biases run eagerly")
+        return _Mlp(hidden=down.weight.shape[0], inner=inner, norm=_norm(parts.mlp_norm, dtype, offset),
+                    post_norm=_norm(parts.mlp_post_norm, dtype, offset), wg=wg, wu=wu, wd=wd,
+                    activation=_ACTIVATIONS[type(act).__name__])
+
+    def run_attention(self, hidden: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start_pos: int,
+                      rope: tuple[torch.Tensor, torch.Tensor], scale: float, window: tuple[int, int] | None) -> torch.Tensor:
+        """hidden (1, T, H) -> hidden after the sub-layer; writes the T new keys and values into
+        the slot buffers (1, kv_heads, capacity, head_dim) at start_pos.. first."""
+        hidden = hidden.contiguous()
+        out = torch.empty_like(hidden)
+        cos, sin = (t.contiguous() for t in rope)
+        sink, recent = window if window is not None and hidden.shape[1] == 1 else (0, 0)
+        status = library().lp_attention_block(
+            ctypes.byref(self.attention), hidden.data_ptr(), out.data_ptr(), hidden.shape[1], start_pos,
+            cos.data_ptr(), sin.data_ptr(), keys.data_ptr(), values.data_ptr(), keys.shape[2], sink, recent,
+            scale, self.bf16, torch.get_num_threads())
+        if status != 0:
+            raise RuntimeError(f"native attention refused its input (status {status})")
+        return out
+
+    def run_mlp(self, hidden: torch.Tensor, scale: float) -> torch.Tensor:
+        hidden = hidden.contiguous()
+        out = torch.empty_like(hidden)
+        library().lp_mlp_block(ctypes.byref(self.mlp), hidden.data_ptr(), out.data_ptr(), hidden.shape[1], scale,
+                               self.bf16, torch.get_num_threads())
+        return out
+
+
+def _rows_limit(dtype: torch.dtype) -> int | None:
+    """Longest pass the kernels take; longer ones (prefill) run PyTorch's own kernels where those
+    are faster: MKL's fp32 GEMM, and oneDNN's bf16 GEMM on CPUs with native bf16 instructions."""
+    _, flags = read_cpuinfo()
+    if dtype == torch.float32 or "avx512_bf16" in (flags or ()) or "amx_bf16" in (flags or ()):
+        return 32
+    return None
+
+
+class NativeEngine:
+    """The native kernels of one loaded model: a NativeLayer per decoder layer."""
+
+    def __init__(self, model) -> None:
+        library()  # fail here, with the reason, rather than inside a forward pass
+        offset = arch_spec(model.hf.config.model_type).norm_weight_offset
+        if model.parts.rotary is None:
+            self.layers = tuple(None for _ in model.parts.layers)
+        else:
+            self.layers = tuple(NativeLayer(layer, model.dtype, offset) for layer in model.parts.layers)
+        self.model = model
+        self.max_rows = _rows_limit(model.dtype)
+
+    def takes(self, rows: int) -> bool:
+        return self.max_rows is None or rows <= self.max_rows
+
+    def lm_head(self, lm_head: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+        """The LM head on normalised hidden states (the kernel for passes it takes)."""
+        weight = getattr(lm_head, "weight", None)
+        if (type(lm_head) is not nn.Linear or weight.dtype not in _DTYPES or hidden.dtype != weight.dtype
+                or not weight.is_contiguous() or not self.takes(hidden.numel() // hidden.shape[-1])):
+            return lm_head(hidden)
+        return linear(hidden, weight, lm_head.bias)
+
+    def layer(self, label: str, index: int) -> NativeLayer | None:
+        if not label:
+            return self.layers[index]
+        other = self.model.others[label].native
+        return other.layers[index] if other is not None else None
+
+    def eager_sub_layers(self) -> dict[str, str]:
+        """'layer N attention' -> why it runs eagerly (empty when every sub-layer is native)."""
+        found = {}
+        for i, layer in enumerate(self.layers):
+            if layer is None:
+                found[f"layer {i}"] = "the model has no rotary embedding module"
+                continue
+            for part, why in layer.why.items():
+                found[f"layer {i} {part}"] = why
+        return found
+
+
+ENGINES = {
+    "auto": "the native kernels where they can run (CPU, AVX2 and FMA, a C compiler, fp32 or bf16), else eager",
+    "native": "layerplan's C kernels for the sub-layers they reproduce, PyTorch modules for the rest",
+    "eager": "every module as transformers runs it (the reference)",
+}
+
+
+def resolve_engine(engine: str, dtype: torch.dtype, device: torch.device | str) -> str:
+    """'eager' or 'native' for a request of ENGINES; 'native' that cannot run here says why."""
+    if engine not in ENGINES:
+        raise ValueError(f"unknown engine '{engine}'; choose from {', '.join(ENGINES)}")
+    if engine == "eager":
+        return "eager"
+    reason = None
+    if torch.device(device).type != "cpu":
+        reason = f"the native kernels run on the CPU, not {device}"
+    elif dtype not in _DTYPES:
+        reason = f"the native kernels take float32 or bfloat16, not {str(dtype).replace('torch.', '')}"
+    else:
+        reason = native_available()
+    if reason is None:
+        return "native"
+    if engine == "native":
+        raise NativeUnavailable(reason)
+    return "eager"
+
+
+def enable(model) -> NativeEngine:
+    """Run `model` (a LoadedModel) on the native kernels from now on."""
+    model.native = NativeEngine(model)
+    return model.native

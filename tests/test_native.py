@@ -1,0 +1,138 @@
+"""The native engine (engine/native.py, engine/kernels.c) against PyTorch and transformers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from layerplan.decoding.generate import generate
+from layerplan.engine import native
+from layerplan.engine.cache import KVCache
+from layerplan.engine.runner import forward, new_cache
+from tiny import ARCHS, tiny_model
+
+pytestmark = pytest.mark.skipif(native.native_available() is not None, reason=str(native.native_available()))
+
+
+def _linear(x, w, b):
+    y = torch.empty(x.shape[0], w.shape[0], dtype=x.dtype)
+    native.library().lp_linear(x.data_ptr(), int(x.dtype == torch.bfloat16), w.data_ptr(), int(w.dtype == torch.bfloat16),
+                               b.data_ptr() if b is not None else None, y.data_ptr(), int(x.dtype == torch.bfloat16),
+                               x.shape[0], w.shape[0], w.shape[1], torch.get_num_threads())
+    return y
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n,k", [(64, 32), (37, 45), (130, 16), (5, 7), (256, 300)])
+def test_linear_matches_torch_and_is_batch_invariant(dtype, n, k):
+    gen = torch.Generator().manual_seed(n * 1000 + k)
+    w = (torch.randn(n, k, generator=gen) / k**0.5).to(dtype)
+    b = torch.randn(n, generator=gen).to(dtype)
+    x = torch.randn(17, k, generator=gen).to(dtype)
+    reference = torch.nn.functional.linear(x.float(), w.float(), b.float())
+    alone = torch.cat([_linear(x[i : i + 1], w, b) for i in range(17)])
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    for rows in range(1, 18):
+        together = _linear(x[:rows], w, b)
+        torch.testing.assert_close(together.float(), reference[:rows], atol=tolerance, rtol=tolerance)
+        # a row's result does not depend on the rows computed beside it: bit for bit
+        assert torch.equal(together, alone[:rows]), f"row results changed with {rows} rows"
+
+
+def _eager_and_native(arch, dtype=torch.float32, layers=3):
+    eager, fast = tiny_model(arch, layers, dtype=dtype), tiny_model(arch, layers, dtype=dtype)
+    native.enable(fast)
+    return eager, fast
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_identity_plan_matches_transformers_prefill_and_incremental(arch):
+    _, model = _eager_and_native(arch)
+    ids = torch.randint(3, 96, (1, 11), generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        expected = model.hf(ids).logits
+    plan = model.plan()
+    cache = new_cache(plan)
+    chunks = [forward(model, ids[:, :4], plan, cache, 0)]
+    chunks += [forward(model, ids[:, i : i + 1], plan, cache, i) for i in range(4, 7)]
+    chunks.append(forward(model, ids[:, 7:], plan, cache, 7))  # a 4-token verify-sized pass
+    torch.testing.assert_close(torch.cat(chunks, 1), expected, atol=1e-4, rtol=1e-4)
+
+
+def test_llama_family_runs_natively():
+    for arch in ("llama", "mistral", "qwen2", "qwen3", "gemma3", "phi3"):
+        _, model = _eager_and_native(arch)
+        assert model.native.eager_sub_layers() == {}, arch
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3", "mistral"])
+@pytest.mark.parametrize("plan_text", ["0,1,1,2", "skip:attn=1;mlp=0", "exit:2", "0,1,2@0.5"])
+def test_plans_match_eager(arch, plan_text):
+    eager, fast = _eager_and_native(arch)
+    ids = torch.randint(3, 96, (1, 9), generator=torch.Generator().manual_seed(2))
+    plan = eager.plan(plan_text)
+    reference = forward(eager, ids, plan, new_cache(plan), 0)
+    cache = new_cache(plan)
+    out = torch.cat([forward(fast, ids[:, :6], plan, cache, 0)] + [forward(fast, ids[:, i : i + 1], plan, cache, i) for i in range(6, 9)], 1)
+    torch.testing.assert_close(out, reference, atol=1e-4, rtol=1e-4)
+
+
+def test_bf16_close_to_eager():
+    eager, fast = _eager_and_native("llama", torch.bfloat16)
+    ids = torch.randint(3, 96, (1, 9), generator=torch.Generator().manual_seed(3))
+    plan = eager.plan()
+    reference = forward(eager, ids, plan, new_cache(plan), 0).float()
+    out = forward(fast, ids, plan, new_cache(plan), 0).float()
+    assert (out - reference).abs().max() < 0.05 * reference.abs().max()
+
+
+def test_windowed_read_matches_eager():
+    eager, fast = _eager_and_native("llama")
+    ids = torch.randint(3, 96, (1, 14), generator=torch.Generator().manual_seed(4))
+    plan = eager.plan()
+    results = []
+    for model in (eager, fast):
+        cache = new_cache(plan)
+        forward(model, ids[:, :10], plan, cache, 0)
+        cache.read_window = (2, 3)
+        results.append(torch.cat([forward(model, ids[:, i : i + 1], plan, cache, i) for i in range(10, 14)], 1))
+    torch.testing.assert_close(results[1], results[0], atol=1e-4, rtol=1e-4)
+
+
+def test_reserve_refuses_a_gap_unless_filling():
+    cache = KVCache(1, 8)
+    cache.write_pos = 0
+    cache.reserve(0, 3, 1, 2, 4, 4, torch.float32, torch.device("cpu"))
+    cache.write_pos = 5
+    with pytest.raises(RuntimeError, match="holds 3 positions"):
+        cache.reserve(0, 6, 1, 2, 4, 4, torch.float32, torch.device("cpu"))
+    cache.fill_gaps = True
+    keys, _ = cache.reserve(0, 6, 1, 2, 4, 4, torch.float32, torch.device("cpu"))
+    assert cache.lengths[0] == 6 and keys[:, :, 3:5].abs().sum() == 0
+
+
+@pytest.mark.parametrize("draft", ["ngram", "exit:2", "skip:attn=1", "window:1,3", "dynamic:confidence=0.5,min=1", "ngram|exit:2"])
+def test_speculative_greedy_equals_plain_through_native(draft):
+    _, model = _eager_and_native("llama", layers=4)
+    prompt = [5, 9, 14, 5, 9, 14, 5, 9]
+    plain = generate(model, prompt, max_new_tokens=24, stop_at_eos=False)
+    spec = generate(model, prompt, max_new_tokens=24, stop_at_eos=False, draft=draft)
+    assert spec.token_ids == plain.token_ids
+
+
+def test_bf16_speculative_greedy_equals_plain_thanks_to_batch_invariance():
+    _, model = _eager_and_native("llama", torch.bfloat16, layers=4)
+    prompt = [5, 9, 14, 5, 9, 14, 5, 9]
+    plain = generate(model, prompt, max_new_tokens=32, stop_at_eos=False)
+    for draft in ("ngram", "exit:2", "skip:mlp=1"):
+        assert generate(model, prompt, max_new_tokens=32, stop_at_eos=False, draft=draft).token_ids == plain.token_ids
+
+
+def test_resolve_engine():
+    assert native.resolve_engine("eager", torch.float32, "cpu") == "eager"
+    assert native.resolve_engine("auto", torch.float32, "cpu") == "native"
+    assert native.resolve_engine("auto", torch.float16, "cpu") == "eager"
+    with pytest.raises(native.NativeUnavailable, match="float16"):
+        native.resolve_engine("native", torch.float16, "cpu")
+    with pytest.raises(ValueError, match="unknown engine 'fast'; choose from auto, native, eager"):
+        native.resolve_engine("fast", torch.float32, "cpu")
