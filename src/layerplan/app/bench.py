@@ -10,7 +10,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
@@ -66,6 +66,17 @@ class BenchResult:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    def peer_lines(self, ours: str, peer: str) -> list[str]:
+        """'ours vs peer' tokens-per-second ratios per prompt, where both rows were timed."""
+        lines = []
+        for prompt in dict.fromkeys(r.prompt for r in self.rows):
+            rows = {r.method: r for r in self.rows if r.prompt == prompt}
+            if ours in rows and peer in rows:
+                ratio = rows[ours].tokens_per_second / rows[peer].tokens_per_second
+                lines.append(f"{prompt}: {ours} {rows[ours].tokens_per_second:.1f} tok/s, {peer} "
+                             f"{rows[peer].tokens_per_second:.1f} tok/s: {ratio:.2f}x")
+        return lines
 
     def table(self) -> str:
         lines = [f"{'prompt':<13} {'method':<34} {'ms/tok':>7} {'tok/s':>6} {'vs HF':>6} {'=plain':>6} {'accept':>6} {'tok/pass':>8}"]
@@ -145,25 +156,34 @@ def run_bench(
     return result
 
 
+def eager_view(model: LoadedModel) -> LoadedModel:
+    """The same model (same modules, same weights) run by the eager engine."""
+    return replace(model, native=None) if model.native is not None else model
+
+
 def bench_methods(
     stock: LoadedModel,
-    packed: LoadedModel | None,
+    fast: LoadedModel | None = None,
     drafts: list[str] = (),
     hf_early_exits: list[int] = (),
     hf_prompt_lookup: int | None = None,
     draft_length: str | None = None,
+    peers: dict[str, Runner] | None = None,
 ) -> dict[str, Runner]:
-    """transformers on the stock model; layerplan on the packed model (if any), unpacked too."""
-    fast = packed if packed is not None else stock
+    """transformers on the stock model's own modules; layerplan plain on the eager engine over
+    the same modules, and on `fast` (the native engine, or packed linears) with each draft;
+    then any peers (llama.cpp)."""
+    fast = fast if fast is not None else stock
     methods: dict[str, Runner] = {"transformers generate": transformers_runner(stock)}
     for exit_layer in hf_early_exits:
         methods[f"transformers early_exit={exit_layer}"] = transformers_runner(stock, assistant_early_exit=exit_layer)
     if hf_prompt_lookup:
         methods[f"transformers prompt_lookup={hf_prompt_lookup}"] = transformers_runner(
             stock, prompt_lookup_num_tokens=hf_prompt_lookup)
-    if packed is not None:
-        methods["layerplan plain, unpacked"] = layerplan_runner(stock)
+    if fast is not stock or fast.native is not None:
+        methods["layerplan plain, eager"] = layerplan_runner(eager_view(stock))
     methods["layerplan plain"] = layerplan_runner(fast)
     for draft in drafts:
         methods[f"layerplan draft={draft}"] = layerplan_runner(fast, draft, draft_length)
+    methods.update(peers or {})
     return methods

@@ -12,6 +12,7 @@ import torch
 from tqdm import tqdm
 
 from layerplan.app.bench import PROMPTS, bench_methods, run_bench
+from layerplan.app.peers import gguf_at_precision, llama_cpp_missing, llama_cpp_runner
 from layerplan.app.report import (exits_plot, explore_plot, pareto_plot, scan_heatmap, search_trajectory,
                                   skip_frequency_plot, tune_html)
 from layerplan.app.tune import tune as run_tune
@@ -22,6 +23,8 @@ from layerplan.decoding.drafters.registry import drafter_help, saved_draft_path
 from layerplan.decoding.generate import generate as run_generate
 from layerplan.decoding.sampling import SamplingParams
 from layerplan.engine.cpu_pack import packing_supported
+from layerplan.engine.native import ENGINES, NativeUnavailable, native_available, resolve_engine
+from layerplan.engine.probe import CONTEXT, PASS_LENGTHS, default_dtype, load_probe, probe as run_probe, save_probe
 from layerplan.export import export_checkpoint
 from layerplan.files import write_json_atomic, write_text_atomic
 from layerplan.machine import cpu_info
@@ -46,7 +49,7 @@ def _user_errors():
     """Bad input becomes a one-line message and exit status 2, not a traceback."""
     try:
         yield
-    except (PlanError, ModelError, FileNotFoundError, ValueError) as error:
+    except (PlanError, ModelError, NativeUnavailable, FileNotFoundError, ValueError) as error:
         raise click.ClickException(str(error)) from None
 
 
@@ -98,16 +101,28 @@ class _Stages:
         self.close()
 
 
-def _load(model: str, dtype: str, device: str = "cpu"):
-    click.echo(f"loading {model} ({dtype}, {device})…", err=True)
-    return load_model(model, dtype=dtype, device=device)
+def _dtype(model: str, dtype: str, engine: str, device: str = "cpu") -> str:
+    """'auto' -> the dtype this machine's probe found fastest for the model (see `layerplan probe`)."""
+    if dtype != "auto":
+        return dtype
+    if torch.device(device).type != "cpu":
+        return "bfloat16"
+    kind = resolve_engine(engine, torch.bfloat16, device)
+    _, name = model_depth(model)
+    return default_dtype(cache_dir(), name, kind, native_bf16=kind == "native" or packing_supported(torch.bfloat16, "cpu"))
 
 
-def _attach(loaded, model_b: str | None, dtype: str, device: str = "cpu"):
+def _load(model: str, dtype: str, device: str = "cpu", engine: str = "auto"):
+    dtype = _dtype(model, dtype, engine, device)
+    click.echo(f"loading {model} ({dtype}, {device}, engine {engine})…", err=True)
+    return load_model(model, dtype=dtype, device=device, engine=engine)
+
+
+def _attach(loaded, model_b: str | None, dtype: str, device: str = "cpu", engine: str = "auto"):
     """Load --model-b and make its layers available to plans as 'b:…'."""
     if model_b:
         click.echo(f"loading {model_b} as model b…", err=True)
-        loaded.attach(load_model(model_b, dtype=dtype, device=device), "b")
+        loaded.attach(load_model(model_b, dtype=dtype, device=device, engine=engine), "b")
     return loaded
 
 
@@ -123,13 +138,38 @@ def _pick_prompts(names, default=None) -> dict[str, str] | None:
     return {k: PROMPTS[k] for k in names} if names else default
 
 
-def _load_stock_and_packed(model: str, dtype: str):
-    """The model twice: stock (what transformers' generate runs on) and with packed bf16
-    linears (layerplan's default on CPU); packed is None where packing is not supported."""
-    click.echo(f"loading {model} ({dtype}): stock, and with packed linears…", err=True)
-    stock = load_model(model, dtype=dtype, pack=False)
-    packed = load_model(model, dtype=dtype, pack=True) if packing_supported(stock.dtype, "cpu") else None
-    return stock, packed
+def _load_for_timing(model: str, dtype: str, engine: str):
+    """(stock, fast): transformers' generate runs stock's own modules, layerplan runs fast. The
+    native engine leaves the modules as they are, so one load serves both; the eager engine
+    packs bf16 linears where oneDNN supports it, into a second copy."""
+    dtype = _dtype(model, dtype, engine)
+    kind = resolve_engine(engine, torch.float32 if dtype == "float32" else torch.bfloat16, "cpu")
+    click.echo(f"loading {model} ({dtype}, engine {kind})…", err=True)
+    if kind == "native":
+        loaded = load_model(model, dtype=dtype, engine="native")
+        return loaded, loaded
+    stock = load_model(model, dtype=dtype, pack=False, engine="eager")
+    packed = load_model(model, dtype=dtype, pack=True, engine="eager") if packing_supported(stock.dtype, "cpu") else None
+    return stock, packed or stock
+
+
+def _llama_cpp_peer(loaded) -> dict:
+    """{'llama.cpp': runner} on the model's own GGUF rewritten at the model's precision, or {}
+    with a message saying why not."""
+    missing = llama_cpp_missing()
+    dtype = str(loaded.dtype).replace("torch.", "")
+    if missing is None and not loaded.source.endswith(".gguf"):
+        missing = "llama.cpp row left out: it needs the model as a GGUF file (--model FILE.gguf)"
+    if missing is None and dtype not in ("float32", "bfloat16"):
+        missing = f"llama.cpp row left out: no {dtype} GGUF written here (float32 and bfloat16 are)"
+    if missing is not None:
+        click.echo(missing, err=True)
+        return {}
+    source = Path(loaded.source)
+    target = cache_dir() / "gguf" / f"{source.stem}-{dtype}.gguf"
+    click.echo(f"writing {target.name} for llama.cpp (once)…", err=True)
+    gguf = gguf_at_precision(source, dtype, target)
+    return {"llama.cpp": llama_cpp_runner(gguf, torch.get_num_threads())}
 
 
 def _threads(threads: int | None) -> None:
@@ -141,6 +181,12 @@ model_option = click.option("--model", "-m", default=DEFAULT_MODEL, show_default
 dtype_option = click.option("--dtype", default="float32", show_default=True,
                             type=click.Choice(["float32", "bfloat16", "float16"]), help="weights and activations")
 device_option = click.option("--device", default="cpu", show_default=True, help="cpu, cuda, cuda:1, …")
+engine_option = click.option("--engine", default="auto", show_default=True, type=click.Choice(list(ENGINES)),
+                             help="; ".join(f"{name}: {text}" for name, text in ENGINES.items()))
+auto_dtype_option = click.option("--dtype", default="auto", show_default=True,
+                                 type=click.Choice(["auto", "float32", "bfloat16", "float16"]),
+                                 help="auto: the fastest here by `layerplan probe` (measured once per machine), "
+                                      "else bfloat16 where it is fast, float32 elsewhere")
 threads_option = click.option("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
 
 
@@ -209,8 +255,9 @@ def scan(model, dtype, device, threads, base_plan, tokens, text, kinds, exits, n
 @main.command()
 @click.argument("prompt")
 @model_option
-@dtype_option
+@auto_dtype_option
 @device_option
+@engine_option
 @threads_option
 @click.option("--plan", default=None, help="run the model by this plan (lossy unless it is the full model)")
 @model_b_option
@@ -233,13 +280,14 @@ def scan(model, dtype, device, threads, base_plan, tokens, text, kinds, exits, n
               help="lossy dynamic early exit per token: confidence=P | entropy=H | cosine=C, then min=N, every=K, "
                    "vocab=K (as a lossless draft: --draft dynamic:POLICY)")
 @click.option("--stats", is_flag=True, help="print timing and speculative statistics as JSON on stderr")
-def generate(prompt, model, dtype, device, threads, plan, model_b, max_new_tokens, temperature, top_k, top_p,
+def generate(prompt, model, dtype, device, engine, threads, plan, model_b, max_new_tokens, temperature, top_k, top_p,
              repetition_penalty, seed, stop, chat, stream, draft, draft_length, draft_model, draft_confidence,
              exit_policy, stats) -> None:
     """Generate a continuation of PROMPT."""
     _threads(threads)
     with _user_errors():
-        loaded = _attach(_load(model, dtype, device), model_b, dtype, device)
+        loaded = _load(model, dtype, device, engine)
+        loaded = _attach(loaded, model_b, str(loaded.dtype).replace("torch.", ""), device, engine)
         params = SamplingParams(temperature, top_k, top_p, repetition_penalty)
         on_text = (lambda piece: click.echo(piece, nl=False)) if stream else None
         if draft_model:
@@ -465,7 +513,8 @@ def train_exit(exits, model, threads, tokens, text, steps, out) -> None:
 
 @main.command()
 @model_option
-@click.option("--dtype", default="bfloat16", show_default=True, type=click.Choice(["float32", "bfloat16", "float16"]))
+@auto_dtype_option
+@engine_option
 @threads_option
 @click.option("--tokens", default=256, show_default=True, help="calibration tokens for the scan and search")
 @click.option("--steps", default=8, show_default=True, help="greedy search steps")
@@ -473,15 +522,14 @@ def train_exit(exits, model, threads, tokens, text, steps, out) -> None:
 @click.option("--new-tokens", default=48, show_default=True)
 @click.option("--prompt", "prompt_names", multiple=True, help="built-in prompts to tune on (default: code, summary)")
 @click.option("--out", type=click.Path(file_okay=False), default="runs/tune", show_default=True)
-def tune(model, dtype, threads, tokens, steps, repeats, new_tokens, prompt_names, out) -> None:
+def tune(model, dtype, engine, threads, tokens, steps, repeats, new_tokens, prompt_names, out) -> None:
     """The whole job: scan, search a draft, benchmark against plain decoding and transformers,
     check exactness, save the plan, write report.html and report.json."""
     _threads(threads)
     out_dir = Path(out)
     with _user_errors():
         prompts = _pick_prompts(prompt_names)
-        stock, packed = _load_stock_and_packed(model, dtype)
-        fast = packed or stock
+        stock, fast = _load_for_timing(model, dtype, engine)
         click.echo(cpu_info().line(), err=True)
 
         def stage(text: str) -> None:  # "scan: every attention and MLP..." -> a line, and a bar named "scan"
@@ -489,7 +537,7 @@ def tune(model, dtype, threads, tokens, steps, repeats, new_tokens, prompt_names
             stages.start(text.partition(":")[0])
 
         with _Stages() as stages:
-            result = run_tune(fast, lambda: load_model(model, dtype="float32"), prompts, tokens, steps, repeats,
+            result = run_tune(fast, lambda: load_model(model, dtype="float32", engine=engine), prompts, tokens, steps, repeats,
                               new_tokens, stock=stock, on_stage=stage, on_progress=stages)
     scan_heatmap(result.scan, out_dir / "scan.png")
     if result.greedy.steps:
@@ -530,7 +578,8 @@ def plan_command(plan, model, layers, fmt, out) -> None:
 
 @main.command()
 @model_option
-@click.option("--dtype", default="bfloat16", show_default=True, type=click.Choice(["float32", "bfloat16", "float16"]))
+@auto_dtype_option
+@engine_option
 @threads_option
 @click.option("--new-tokens", default=64, show_default=True)
 @click.option("--repeats", default=3, show_default=True)
@@ -540,27 +589,82 @@ def plan_command(plan, model, layers, fmt, out) -> None:
 @click.option("--hf-early-exit", "hf_exits", multiple=True, type=int,
               help="also time transformers' assistant_early_exit=E (repeatable)")
 @click.option("--hf-prompt-lookup", type=int, default=None, help="also time transformers' prompt_lookup_num_tokens=N")
+@click.option("--llama-cpp/--no-llama-cpp", default=True, show_default=True,
+              help="also time llama.cpp (llama-cpp-python) on the same weights at the same precision, when installed")
 @click.option("--out", type=click.Path(dir_okay=False), default="runs/bench.json", show_default=True)
-def bench(model, dtype, threads, new_tokens, repeats, prompt_names, drafts, draft_length, hf_exits,
-          hf_prompt_lookup, out) -> None:
+def bench(model, dtype, engine, threads, new_tokens, repeats, prompt_names, drafts, draft_length, hf_exits,
+          hf_prompt_lookup, llama_cpp, out) -> None:
     """Time decoding against transformers' generate in the same run (ratios, CPU).
 
     Rows: transformers plain (and its early-exit / prompt-lookup assistants when asked),
-    layerplan plain (stock and packed weights), and each layerplan drafter. '=plain' says whether
-    the tokens equal layerplan's plain greedy output for the prompt."""
+    layerplan plain on the eager engine and on the chosen one, each layerplan drafter, and
+    llama.cpp on the same weights when llama-cpp-python is installed. '=plain' says whether the
+    tokens equal layerplan's plain greedy output for the prompt."""
     _threads(threads)
     with _user_errors():
         prompts = _pick_prompts(prompt_names, PROMPTS)
-        stock, packed = _load_stock_and_packed(model, dtype)
-        methods = bench_methods(stock, packed, list(drafts), list(hf_exits), hf_prompt_lookup, draft_length)
+        stock, fast = _load_for_timing(model, dtype, engine)
+        peers = _llama_cpp_peer(fast) if llama_cpp else {}
+        methods = bench_methods(stock, fast, list(drafts), list(hf_exits), hf_prompt_lookup, draft_length, peers)
         with _Progress("bench") as progress:
             result = run_bench(stock, methods, prompts, new_tokens, repeats, on_progress=progress)
     click.echo(result.cpu.line())
     click.echo(f"{result.model}, {result.dtype}, {result.threads} threads, up to {new_tokens} new tokens, "
                f"median of {repeats}; 'vs HF' = transformers plain ms/token ÷ this row's")
     click.echo(result.table())
+    for line in result.peer_lines("layerplan plain", "llama.cpp"):
+        click.echo(line)
+    for run in methods.values():
+        getattr(run, "close", lambda: None)()
     write_json_atomic(out, result.to_dict())
     click.echo(f"wrote {out}")
+
+
+@main.command()
+@model_option
+@click.option("--dtype", "dtypes", multiple=True, type=click.Choice(["float32", "bfloat16"]),
+              help="dtype(s) to time (repeatable; default: both)")
+@click.option("--engine", "engines", multiple=True, type=click.Choice([e for e in ENGINES if e != "auto"]),
+              help="engine(s) to time (repeatable; default: every one that can run here)")
+@threads_option
+@click.option("--max-length", default=max(PASS_LENGTHS), show_default=True, help="time passes over 1..N new tokens")
+@click.option("--repeats", default=5, show_default=True, help="timings per pass length (median)")
+@click.option("--refresh", is_flag=True, help="measure again even when this machine's probe is cached")
+@click.option("--json", "as_json", is_flag=True, help="print the result as JSON")
+def probe(model, dtypes, engines, threads, max_length, repeats, refresh, as_json) -> None:
+    """Time a pass over k = 1..16 new tokens per dtype and engine on this machine: the cost of
+    verifying k drafted tokens relative to one decoding step. Cached per machine (CPU, flags,
+    torch, threads) and model; bench, tune, serve and generate take their default dtype from it,
+    and the adaptive draft length its verify costs."""
+    _threads(threads)
+    with _user_errors():
+        _, name = model_depth(model)
+        dtypes = list(dtypes) or ["float32", "bfloat16"]
+        engines = list(engines) or [e for e in ENGINES if e != "auto"]
+        cached = None if refresh else load_probe(cache_dir(), name)
+        wanted = {(e, d) for e in engines for d in dtypes}
+        if cached is None or not wanted <= {(r.engine, r.dtype) for r in cached.rows}:
+            if "native" in engines and native_available() is not None:
+                click.echo(f"native engine left out: {native_available()}", err=True)
+
+            def load(dtype: str, engine: str):
+                if engine == "native" and native_available() is not None:
+                    return None
+                click.echo(f"loading {model} ({dtype}, engine {engine})…", err=True)
+                return load_model(model, dtype=dtype, engine=engine, pack=None if engine == "eager" else False)
+
+            with _Progress("probe") as progress:
+                cached = run_probe(load, name, dtypes, engines, tuple(range(1, max_length + 1)), repeats,
+                                   on_progress=lambda label, done, total: progress(done, total))
+            path = save_probe(cached, cache_dir())
+            click.echo(f"cached in {path}", err=True)
+    if as_json:
+        click.echo(json.dumps(cached.to_dict(), indent=2))
+        return
+    click.echo(cached.cpu)
+    click.echo(f"{cached.model}: ms per decoding step, and the cost of a pass over k new tokens ÷ one step "
+               f"(after {CONTEXT} cached tokens)")
+    click.echo(cached.table())
 
 
 @main.command("eval")
@@ -568,6 +672,7 @@ def bench(model, dtype, threads, new_tokens, repeats, prompt_names, drafts, draf
 @model_option
 @dtype_option
 @device_option
+@engine_option
 @threads_option
 @click.option("--plan", default=None, help="evaluate the model run by this plan")
 @click.option("--draft", default=None, help="drafter for generate_until tasks (same output, faster)")
@@ -576,7 +681,7 @@ def bench(model, dtype, threads, new_tokens, repeats, prompt_names, drafts, draf
 @click.option("--limit", type=float, default=None, help="documents per task (or a fraction)")
 @click.option("--num-fewshot", type=int, default=None)
 @click.option("--out", type=click.Path(dir_okay=False), default="runs/eval.json", show_default=True)
-def eval_command(tasks, model, dtype, device, threads, plan, draft, include_path, limit, num_fewshot, out) -> None:
+def eval_command(tasks, model, dtype, device, engine, threads, plan, draft, include_path, limit, num_fewshot, out) -> None:
     """Evaluate the model under a plan with lm-evaluation-harness (pip install 'layerplan[eval]').
     Tasks whose data is not on disk are downloaded by lm_eval itself."""
     _threads(threads)
@@ -589,7 +694,7 @@ def eval_command(tasks, model, dtype, device, threads, plan, draft, include_path
             raise ValueError("lm-evaluation-harness is not installed: pip install 'layerplan[eval]'") from None
         from layerplan.app.integrations.harness import LayerplanLM
 
-        lm = LayerplanLM(pretrained=_load(model, dtype, device), plan=plan, draft=draft)
+        lm = LayerplanLM(pretrained=_load(model, dtype, device, engine), plan=plan, draft=draft)
         result = lm_eval.simple_evaluate(model=lm, tasks=[t.strip() for t in tasks.split(",") if t.strip()],
                                          task_manager=TaskManager(include_path=include_path), limit=limit,
                                          num_fewshot=num_fewshot)
@@ -602,8 +707,9 @@ def eval_command(tasks, model, dtype, device, threads, plan, draft, include_path
 
 @main.command()
 @model_option
-@click.option("--dtype", default="bfloat16", show_default=True, type=click.Choice(["float32", "bfloat16", "float16"]))
+@auto_dtype_option
 @device_option
+@engine_option
 @threads_option
 @click.option("--plan", default=None, help="serve the model run by this plan (lossy unless it is the full model)")
 @click.option("--draft", default=None, help="lossless speculative decoding with this drafter (as in generate)")
@@ -613,14 +719,14 @@ def eval_command(tasks, model, dtype, device, threads, plan, draft, include_path
 @click.option("--api-key", envvar="LAYERPLAN_API_KEY", default=None,
               help="require 'Authorization: Bearer KEY' on /v1/* (or set LAYERPLAN_API_KEY)")
 @click.option("--served-name", default=None, help="the model id clients send (default: the model's name)")
-def serve(model, dtype, device, threads, plan, draft, draft_length, host, port, api_key, served_name) -> None:
+def serve(model, dtype, device, engine, threads, plan, draft, draft_length, host, port, api_key, served_name) -> None:
     """OpenAI-compatible HTTP server: /v1/completions, /v1/chat/completions (SSE streaming),
     /v1/models, /health. One decode at a time, requests served in arrival order."""
     from layerplan.app.serve import serve as run_server
 
     _threads(threads)
     with _user_errors():  # a bad plan or draft fails here, before the server starts
-        loaded = _load(model, dtype, device)
+        loaded = _load(model, dtype, device, engine)
         click.echo(f"serving '{served_name or loaded.name}' on http://{host}:{port}/v1 (draft: {draft or 'none'}); "
                    "Ctrl-C stops", err=True)
         run_server(loaded, host, port, plan=loaded.plan(plan) if plan else None, draft=draft,

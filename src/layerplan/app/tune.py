@@ -65,8 +65,8 @@ def tune(
     on_stage: Callable[[str], None] | None = None,
     on_progress: Callable[[int, int], None] | None = None,
 ) -> TuneResult:
-    """model: the model to decode with (e.g. bf16, packed); stock: the same weights unpacked, for
-    transformers' generate; fp32_model: loads the float32 model for the exactness check."""
+    """model: the model to decode with (the native engine, or packed bf16 linears); stock: the
+    same weights as transformers runs them, for its generate; fp32_model: loads the float32 model for the exactness check."""
     prompts = prompts or {k: PROMPTS[k] for k in ("code", "summary")}
     ids = calibration_ids(model, tokens=tokens)
     _stage(on_stage, "scan: every attention and MLP switched off in turn")
@@ -82,8 +82,7 @@ def tune(
     drafts = ["ngram"] + ([plan.to_string(), f"ngram|{plan.to_string()}"] if plan is not None else [])
     _stage(on_stage, f"bench: {', '.join(drafts)} against plain decoding and transformers")
     stock = stock or model
-    packed = model if model is not stock else None
-    methods = bench_methods(stock, packed, drafts)
+    methods = bench_methods(stock, model, drafts)
     bench = run_bench(stock, methods, prompts, new_tokens, repeats, on_progress=on_progress)
 
     _stage(on_stage, "exactness: greedy speculative == plain greedy in float32")

@@ -51,8 +51,13 @@ class AdaptiveLength:
     draft steps and its verify pass. Per-token acceptance α follows the geometric model behind
     the formula: accepted tokens / (accepted + rejections), over exponentially decayed counts."""
 
-    def __init__(self, max_gamma: int = 8, probe_every: int = 16, decay: float = 0.9, smoothing: float = 0.3) -> None:
+    def __init__(self, max_gamma: int = 8, probe_every: int = 16, decay: float = 0.9, smoothing: float = 0.3,
+                 pass_costs: dict[int, float] | None = None) -> None:
         self.max_gamma, self.probe_every, self.decay, self.smoothing = max_gamma, probe_every, decay, smoothing
+        # k -> cost of a k-token pass in plain steps, from this machine's probe (engine/probe.py):
+        # the verify cost of γ drafts is pass_costs[γ+1] from the first round on, instead of a
+        # per-token extra learned over the first rounds of every request
+        self.pass_costs = dict(pass_costs or {})
         self.accepted_count, self.rejected_count = 1.0, 1.0  # prior: α = 0.5
         self.plain_step: float | None = None  # seconds of one plain target step
         self.draft_step: float | None = None  # seconds of one draft step
@@ -76,7 +81,8 @@ class AdaptiveLength:
         verify_cost = self.verify_extra / self.plain_step
         best, best_s = 0, 1.0
         for gamma in range(1, self.max_gamma + 1):
-            s = expected_speedup(self.alpha, gamma, draft_cost, 1.0 + gamma * verify_cost)
+            verify = self.pass_costs.get(gamma + 1, 1.0 + gamma * verify_cost)
+            s = expected_speedup(self.alpha, gamma, draft_cost, verify)
             if s > best_s:
                 best, best_s = gamma, s
         if best == 0:
@@ -103,19 +109,21 @@ class AdaptiveLength:
 @dataclass(frozen=True)
 class DraftLength:
     help: str
-    make: Callable[[int], object]  # gamma -> a policy with next_gamma() and update()
+    make: Callable[[int, dict[int, float]], object]  # (gamma, pass costs) -> a policy with next_gamma() and update()
 
 
 DRAFT_LENGTHS = {
-    "fixed": DraftLength("always γ tokens", FixedLength),
-    "heuristic": DraftLength("transformers' schedule: +2 after a fully accepted round, -1 otherwise", HeuristicLength),
-    "adaptive": DraftLength("γ from measured acceptance and cost, plain decoding when drafting does not pay",
-                            lambda gamma: AdaptiveLength(max_gamma=max(gamma, 1) * 2)),
+    "fixed": DraftLength("always γ tokens", lambda gamma, costs: FixedLength(gamma)),
+    "heuristic": DraftLength("transformers' schedule: +2 after a fully accepted round, -1 otherwise",
+                             lambda gamma, costs: HeuristicLength(gamma)),
+    "adaptive": DraftLength("γ from measured acceptance and cost (the probe's pass costs when cached), plain "
+                            "decoding when drafting does not pay",
+                            lambda gamma, costs: AdaptiveLength(max_gamma=max(gamma, 1) * 2, pass_costs=costs)),
 }
 DEFAULT_DRAFT_LENGTH = "adaptive"
 
 
-def make_draft_length(spec: str | object | None, gamma: int = 4):
+def make_draft_length(spec: str | object | None, gamma: int = 4, pass_costs: dict[int, float] | None = None):
     """A policy by name (see DRAFT_LENGTHS; default adaptive), or a policy object as it is."""
     if spec is None:
         spec = DEFAULT_DRAFT_LENGTH
@@ -123,7 +131,7 @@ def make_draft_length(spec: str | object | None, gamma: int = 4):
         return spec
     if spec not in DRAFT_LENGTHS:
         raise ValueError(f"unknown draft length policy '{spec}'; choose from {', '.join(DRAFT_LENGTHS)}")
-    return DRAFT_LENGTHS[spec].make(gamma)
+    return DRAFT_LENGTHS[spec].make(gamma, pass_costs or {})
 
 
 def draft_length_help() -> str:

@@ -25,6 +25,7 @@ from layerplan.decoding.drafters.base import DraftState, Drafter
 from layerplan.decoding.drafters.registry import make_drafter
 from layerplan.decoding.output import Emitter, GenerationResult, prompt_ids
 from layerplan.decoding.sampling import SamplingParams, next_token_probs, pick
+from layerplan.engine.probe import model_pass_costs
 from layerplan.engine.runner import forward, new_cache
 from layerplan.models.loading import LoadedModel
 from layerplan.plan.plan import LayerPlan
@@ -101,7 +102,7 @@ def speculative_generate(
     when its top-1 probability falls below this."""
     target = plan if plan is not None else model.plan()
     drafter = make_drafter(drafter, model, target, draft_confidence)
-    lengths = make_draft_length(draft_length)
+    lengths = make_draft_length(draft_length, pass_costs=model_pass_costs(model))
     sampling = sampling or SamplingParams()
     generator = torch.Generator(device="cpu").manual_seed(seed) if seed is not None else None
     ids = prompt_ids(model, prompt, chat)

@@ -1,0 +1,172 @@
+"""The hardware probe: what a k-token pass costs on this machine, per dtype and engine.
+
+Speculative decoding pays only when verifying k tokens costs little more than one decoding step,
+and whether it does depends on the CPU more than on anything else (a bf16 matrix product on 8 rows
+costs one row's time with native bf16 instructions, eight rows' without). The probe times a pass
+over k = 1..16 new tokens after a short cached context, per dtype and engine, and caches the
+result per machine (CPU model and flags, torch version, threads) and model. bench, tune, serve and
+generate take their default dtype from it, and the adaptive draft length starts from its costs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from layerplan.engine.runner import forward, new_cache
+from layerplan.files import cache_dir, write_json_atomic
+from layerplan.machine import cpu_info, read_cpuinfo
+
+PASS_LENGTHS = tuple(range(1, 17))
+CONTEXT = 100  # cached positions before the timed pass (a short chat turn)
+
+
+@dataclass
+class ProbeRow:
+    engine: str
+    dtype: str
+    step_ms: float  # one decoding step (k = 1), median
+    relative: dict[int, float] = field(default_factory=dict)  # k -> cost of a k-token pass / a step
+
+    def cost(self, k: int) -> float:
+        """Relative cost of a k-token pass (interpolated past the measured lengths)."""
+        if k in self.relative:
+            return self.relative[k]
+        known = max(self.relative)
+        return self.relative[known] * k / known if k > known else 1.0
+
+
+@dataclass
+class ProbeResult:
+    machine: str  # the key: CPU model, flags, torch, threads
+    cpu: str  # the CPU line, for people
+    model: str
+    rows: list[ProbeRow] = field(default_factory=list)
+
+    def row(self, engine: str, dtype: str) -> ProbeRow | None:
+        return next((r for r in self.rows if r.engine == engine and r.dtype == dtype), None)
+
+    def fastest_dtype(self, engine: str) -> str | None:
+        """The dtype with the cheapest step on this engine (None when none was measured)."""
+        rows = [r for r in self.rows if r.engine == engine]
+        return min(rows, key=lambda r: r.step_ms).dtype if rows else None
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> ProbeResult:
+        rows = [ProbeRow(r["engine"], r["dtype"], r["step_ms"], {int(k): v for k, v in r["relative"].items()})
+                for r in data["rows"]]
+        return cls(data["machine"], data["cpu"], data["model"], rows)
+
+    def table(self) -> str:
+        ks = sorted({k for r in self.rows for k in r.relative})
+        head = f"{'engine':<7} {'dtype':<9} {'ms/step':>7}  " + " ".join(f"{'k=' + str(k):>5}" for k in ks)
+        lines = [head]
+        for r in self.rows:
+            lines.append(f"{r.engine:<7} {r.dtype:<9} {r.step_ms:>7.1f}  " + " ".join(f"{r.relative.get(k, float('nan')):>5.2f}" for k in ks))
+        return "\n".join(lines)
+
+
+def machine_key() -> str:
+    """Changes when the CPU, its flags, torch or the thread count change: a stale probe is not reused."""
+    model, flags = read_cpuinfo()
+    info = cpu_info()
+    text = "|".join([str(model), " ".join(sorted(flags or ())), info.torch, info.torch_capability, str(info.threads)])
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def probe_path(folder: Path, model_name: str) -> Path:
+    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in model_name)
+    return folder / "probe" / f"{safe}-{machine_key()}.json"
+
+
+def load_probe(folder: Path, model_name: str) -> ProbeResult | None:
+    """The cached probe for this machine and model, or None (never measured, or measured on
+    another machine, torch or thread count)."""
+    path = probe_path(folder, model_name)
+    try:
+        result = ProbeResult.from_dict(json.loads(path.read_text()))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return result if result.machine == machine_key() else None
+
+
+def time_passes(model, lengths: Sequence[int] = PASS_LENGTHS, repeats: int = 5, context: int = CONTEXT,
+                on_progress: Callable[[int, int], None] | None = None) -> dict[int, float]:
+    """Median seconds of a pass over k new tokens after `context` cached ones, per k; the
+    lengths are interleaved so that drift in machine speed hits all alike."""
+    plan = model.plan()
+    generator = torch.Generator().manual_seed(0)
+    vocab = model.hf.config.vocab_size
+    ids = torch.randint(0, vocab, (1, context + max(lengths)), generator=generator, device=model.device)
+    cache = new_cache(plan, capacity=context + max(lengths) + 1)
+    forward(model, ids[:, :context], plan, cache, 0, last_only=True)
+    samples: dict[int, list[float]] = {k: [] for k in lengths}
+    total = (repeats + 1) * len(lengths)
+    for rep in range(repeats + 1):  # the first round warms up
+        for i, k in enumerate(lengths):
+            cache.crop(context)
+            start = time.perf_counter()
+            forward(model, ids[:, context: context + k], plan, cache, context)
+            if rep:
+                samples[k].append(time.perf_counter() - start)
+            if on_progress:
+                on_progress(rep * len(lengths) + i + 1, total)
+    return {k: statistics.median(v) for k, v in samples.items()}
+
+
+def probe(load: Callable[[str, str], object], model_name: str, dtypes: Sequence[str], engines: Sequence[str],
+          lengths: Sequence[int] = PASS_LENGTHS, repeats: int = 5,
+          on_progress: Callable[[str, int, int], None] | None = None) -> ProbeResult:
+    """load(dtype, engine) -> LoadedModel; an engine that cannot run here is left out."""
+    result = ProbeResult(machine_key(), cpu_info().line(), model_name)
+    for dtype in dtypes:
+        for engine in engines:
+            model = load(dtype, engine)
+            if model is None:
+                continue
+            label = f"{engine} {dtype}"
+            times = time_passes(model, lengths, repeats,
+                                on_progress=(lambda d, t, label=label: on_progress(label, d, t)) if on_progress else None)
+            step = times[min(times)]
+            result.rows.append(ProbeRow(engine, dtype, step * 1000, {k: t / step for k, t in sorted(times.items())}))
+    return result
+
+
+def save_probe(result: ProbeResult, folder: Path) -> Path:
+    path = probe_path(folder, result.model)
+    write_json_atomic(path, result.to_dict())
+    return path
+
+
+def default_dtype(folder: Path, model_name: str, engine: str, native_bf16: bool) -> str:
+    """The dtype that decodes fastest here: the cached probe's answer for this machine, model and
+    engine when there is one; otherwise bf16 where bf16 weights are read at full speed (the native
+    kernels, or a CPU with native bf16 instructions), else float32."""
+    cached = load_probe(folder, model_name)
+    measured = cached.fastest_dtype(engine) if cached is not None else None
+    if measured is not None:
+        return measured
+    return "bfloat16" if native_bf16 else "float32"
+
+
+def pass_costs(folder: Path, model_name: str, engine: str, dtype: str) -> dict[int, float]:
+    """k -> cost of a k-token pass relative to one step, from the cached probe (empty if none)."""
+    cached = load_probe(folder, model_name)
+    row = cached.row(engine, dtype) if cached is not None else None
+    return dict(row.relative) if row is not None else {}
+
+
+def model_pass_costs(model) -> dict[int, float]:
+    """pass_costs for a loaded model as it runs now (its engine and dtype), from the default cache."""
+    engine = "native" if model.native is not None else "eager"
+    return pass_costs(cache_dir(), model.name, engine, str(model.dtype).replace("torch.", ""))
