@@ -84,7 +84,7 @@ def test_tune_draws_one_progress_bar_per_stage(monkeypatch, tmp_path):
 
     model = tiny_model("llama", num_layers=2)
     monkeypatch.setattr(cli, "tqdm", Bar)
-    monkeypatch.setattr(cli, "_load_stock_and_packed", lambda name, dtype: (model, None))
+    monkeypatch.setattr(cli, "_load_for_timing", lambda name, dtype, engine: (model, model))
     monkeypatch.setattr(cli, "run_tune", fake_tune)
     result = CliRunner().invoke(cli.main, ["tune", "--out", str(tmp_path)])
     assert "stop here" in result.output

@@ -136,3 +136,24 @@ def test_resolve_engine():
         native.resolve_engine("native", torch.float16, "cpu")
     with pytest.raises(ValueError, match="unknown engine 'fast'; choose from auto, native, eager"):
         native.resolve_engine("fast", torch.float32, "cpu")
+
+
+def test_one_native_model_runs_plan_after_plan():
+    """Nothing is specialised to a plan: the same model runs different plans in turn, each exact."""
+    eager, fast = _eager_and_native("qwen3", layers=4)
+    ids = torch.randint(3, 96, (1, 7), generator=torch.Generator().manual_seed(5))
+    for text in ("full", "0,1,1,2,3", "skip:attn=2", "exit:3", "full", "3,2,1,0"):
+        plan = eager.plan(text)
+        cache = new_cache(plan)
+        out = torch.cat([forward(fast, ids[:, :5], plan, cache, 0), forward(fast, ids[:, 5:], plan, cache, 5)], 1)
+        torch.testing.assert_close(out, forward(eager, ids, plan, new_cache(plan), 0), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral", "gemma3"])
+def test_pass_without_cache_matches_eager(arch):
+    """Scans and searches run chunks without a KV cache: the tokens attend to each other only."""
+    eager, fast = _eager_and_native(arch)
+    ids = torch.randint(3, 96, (1, 12), generator=torch.Generator().manual_seed(6))
+    for start in (0, 5):
+        torch.testing.assert_close(forward(fast, ids, None, None, start), forward(eager, ids, None, None, start),
+                                   atol=1e-4, rtol=1e-4)

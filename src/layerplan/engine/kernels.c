@@ -308,12 +308,13 @@ static inline float gelu_tanh(float x) {
 
 /* One attention sub-layer on `rows` tokens at positions pos0.. (hidden and out: (rows, hidden)):
  * out = hidden + residual_scale * o_proj(attention(rope(q), rope(k), v)), with k and v written into the
- * step's cache slot (kv_heads, capacity, head_dim) at pos0.. first.
+ * step's cache slot (kv_heads, capacity, head_dim) at pos0.. first. The slot holds positions from
+ * kv_start on (0 for a KV cache; pos0 for a pass that attends to its own tokens only).
  * keep_sink/keep_recent > 0 (single-token reads only): attend to the first keep_sink and the last
  * keep_recent positions (a windowed draft); 0 = every position. Returns 0, or -1 when head_dim is
  * beyond what the kernel handles. */
 int lp_attention_block(const lp_attention *a, const void *hidden, void *out, long rows, long pos0, const void *cos, const void *sin,
-                       void *kcache, void *vcache, long capacity, long keep_sink, long keep_recent,
+                       void *kcache, void *vcache, long capacity, long kv_start, long keep_sink, long keep_recent,
                        float residual_scale, int bf16, int threads) {
     long H = a->hidden, D = a->head_dim, NQ = a->heads * D, NK = a->kv_heads * D;
     if (D > 512 || a->rotary_dim > D) return -1;
@@ -345,7 +346,7 @@ int lp_attention_block(const lp_attention *a, const void *hidden, void *out, lon
     }
     for (long r = 0; r < rows; r++)
         for (long h = 0; h < a->kv_heads; h++) {
-            long at = (h * capacity + pos0 + r) * D;
+            long at = (h * capacity + pos0 - kv_start + r) * D;
             if (bf16) {
                 store(k + (r * a->kv_heads + h) * D, (uint16_t *)kcache + at, 1, D);
                 store(v + (r * a->kv_heads + h) * D, (uint16_t *)vcache + at, 1, D);
@@ -364,11 +365,12 @@ int lp_attention_block(const lp_attention *a, const void *hidden, void *out, lon
         for (long r = 0; r < rows; r++) {
             long pos = pos0 + r, first = 0;
             if (a->window > 0 && pos - a->window + 1 > 0) first = pos - a->window + 1;
+            if (first < kv_start) first = kv_start;
             const float *qv = q + (r * a->heads + h) * D;
             float best = -INFINITY;
             for (long p = first; p <= pos; p++) {
                 if (rows == 1 && keep_recent > 0 && p >= keep_sink && p < end - keep_recent) { scores[p] = -INFINITY; continue; }
-                long at = (kh * capacity + p) * D;
+                long at = (kh * capacity + p - kv_start) * D;
                 const void *row = bf16 ? (const void *)((const uint16_t *)kcache + at) : (const void *)((const float *)kcache + at);
                 float s = dot_row(qv, row, bf16, D) * a->scaling;
                 scores[p] = s;
@@ -380,7 +382,7 @@ int lp_attention_block(const lp_attention *a, const void *hidden, void *out, lon
                 if (scores[p] == -INFINITY) continue;
                 float e = expf(scores[p] - best);
                 total += e;
-                long at = (kh * capacity + p) * D;
+                long at = (kh * capacity + p - kv_start) * D;
                 axpy_row(acc, e, bf16 ? (const void *)((const uint16_t *)vcache + at) : (const void *)((const float *)vcache + at), bf16, D);
             }
             float *ov = o + (r * a->heads + h) * D;

@@ -96,8 +96,8 @@ def library() -> ctypes.CDLL:
     lib.lp_linear.restype = None
     lib.lp_attention_block.argtypes = [ctypes.POINTER(_Attention), ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long,
                                        ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
-                                       ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_long, ctypes.c_float,
-                                       ctypes.c_int, ctypes.c_int]
+                                       ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_long, ctypes.c_long,
+                                       ctypes.c_float, ctypes.c_int, ctypes.c_int]
     lib.lp_attention_block.restype = ctypes.c_int
     lib.lp_mlp_block.argtypes = [ctypes.POINTER(_Mlp), ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long,
                                  ctypes.c_float, ctypes.c_int, ctypes.c_int]
@@ -235,17 +235,24 @@ class NativeLayer:
                     post_norm=_norm(parts.mlp_post_norm, dtype, offset), wg=wg, wu=wu, wd=wd,
                     activation=_ACTIVATIONS[type(act).__name__])
 
-    def run_attention(self, hidden: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start_pos: int,
-                      rope: tuple[torch.Tensor, torch.Tensor], scale: float, window: tuple[int, int] | None) -> torch.Tensor:
+    def run_attention(self, hidden: torch.Tensor, keys: torch.Tensor | None, values: torch.Tensor | None,
+                      start_pos: int, rope: tuple[torch.Tensor, torch.Tensor], scale: float,
+                      window: tuple[int, int] | None) -> torch.Tensor:
         """hidden (1, T, H) -> hidden after the sub-layer; writes the T new keys and values into
-        the slot buffers (1, kv_heads, capacity, head_dim) at start_pos.. first."""
+        the slot buffers (1, kv_heads, capacity, head_dim) at start_pos.. first. Without buffers
+        (a pass with no KV cache) the tokens attend to each other only."""
+        kv_start = 0
+        if keys is None:
+            shape = (1, self.attention.kv_heads, hidden.shape[1], self.attention.head_dim)
+            keys, values = torch.empty(shape, dtype=hidden.dtype), torch.empty(shape, dtype=hidden.dtype)
+            kv_start = start_pos
         hidden = hidden.contiguous()
         out = torch.empty_like(hidden)
         cos, sin = (t.contiguous() for t in rope)
         sink, recent = window if window is not None and hidden.shape[1] == 1 else (0, 0)
         status = library().lp_attention_block(
             ctypes.byref(self.attention), hidden.data_ptr(), out.data_ptr(), hidden.shape[1], start_pos,
-            cos.data_ptr(), sin.data_ptr(), keys.data_ptr(), values.data_ptr(), keys.shape[2], sink, recent,
+            cos.data_ptr(), sin.data_ptr(), keys.data_ptr(), values.data_ptr(), keys.shape[2], kv_start, sink, recent,
             scale, self.bf16, torch.get_num_threads())
         if status != 0:
             raise RuntimeError(f"native attention refused its input (status {status})")

@@ -125,9 +125,9 @@ def run_hidden(
             rope[key] = parts.rotary(hidden, positions, key) if parts.rope_per_layer_type else parts.rotary(hidden, positions)
         return rope[key]
 
-    # the native engine runs sub-layers it reproduces (engine/native.py) on cached single-sequence
+    # the native engine runs the sub-layers it reproduces (engine/native.py) on single-sequence
     # passes; everything else, and every pass of an eager model, calls the modules themselves
-    native = model.native if cache is not None and hidden.shape[0] == 1 and model.native is not None else None
+    native = model.native if hidden.shape[0] == 1 and model.native is not None else None
     if native is not None and not native.takes(length):
         native = None
 
@@ -140,9 +140,12 @@ def run_hidden(
             observe(index, "attention", hidden)
         if step.attention and not resumes_at_mlp:
             if fast is not None and fast.attention is not None:
-                keys, values = cache.reserve(index, start_pos + length, 1, fast.attention.kv_heads, fast.attention.head_dim,
-                                             fast.attention.head_dim, hidden.dtype, device)
-                hidden = fast.run_attention(hidden, keys, values, start_pos, rope_of(layer), step.scale, cache.read_window)
+                keys = values = None
+                if cache is not None:
+                    keys, values = cache.reserve(index, start_pos + length, 1, fast.attention.kv_heads,
+                                                 fast.attention.head_dim, fast.attention.head_dim, hidden.dtype, device)
+                hidden = fast.run_attention(hidden, keys, values, start_pos, rope_of(layer), step.scale,
+                                            cache.read_window if cache is not None else None)
             else:
                 window = layer.sliding_window
                 if window not in masks:
