@@ -71,6 +71,10 @@ static inline void widen_f32(const float *p, __m256 *lo, __m256 *hi) {
             _Pragma("GCC unroll 4") for (int c = 0; c < C; c++) acc[r][c] = _mm256_setzero_ps();  \
         long kb = k & ~15L;                                                                       \
         for (long i = 0; i < kb; i += 16) {                                                       \
+            if (R > 2 && (i & 31) == 0) { /* compute-bound: fetch weights 4 tiles ahead */       \
+                _Pragma("GCC unroll 4") for (int c = 0; c < C; c++)                               \
+                    _mm_prefetch((const char *)(w[c] + 4 * C * k + i), _MM_HINT_T0);              \
+            }                                                                                     \
             if (R <= 2) { /* rows in registers, weight rows streamed through */                  \
                 __m256 xl[R], xh[R];                                                              \
                 _Pragma("GCC unroll 4") for (int r = 0; r < R; r++) {                             \
@@ -115,6 +119,9 @@ static inline void widen_f32(const float *p, __m256 *lo, __m256 *hi) {
     DEFINE_TILE(tile4x2_##SUFFIX, 4, 2, WT, WIDEN, WVAL)                                          \
     DEFINE_TILE(tile2x4_##SUFFIX, 2, 4, WT, WIDEN, WVAL)                                          \
     DEFINE_TILE(tile1x4_##SUFFIX, 1, 4, WT, WIDEN, WVAL)                                          \
+    DEFINE_TILE(tile3x2_##SUFFIX, 3, 2, WT, WIDEN, WVAL)                                          \
+    DEFINE_TILE(tile2x2_##SUFFIX, 2, 2, WT, WIDEN, WVAL)                                          \
+    DEFINE_TILE(tile1x2_##SUFFIX, 1, 2, WT, WIDEN, WVAL)                                          \
     DEFINE_TILE(tile1x1_##SUFFIX, 1, 1, WT, WIDEN, WVAL)
 DEFINE_TILES(bf16, uint16_t, widen_bf16, bf16_to_f32)
 DEFINE_TILES(f32, float, widen_f32, AS_F32)
@@ -164,12 +171,18 @@ static void gemm(const float *x, const void *w, int w_bf16, const void *bias, fl
                 if (nr == 4 && nc == 2) tile4x2_bf16(rows_p, rows_x, wh, k, out);
                 else if (nr == 2 && nc == 4) tile2x4_bf16(rows_p, rows_x, wh, k, out);
                 else if (nr == 1 && nc == 4) tile1x4_bf16(rows_p, rows_x, wh, k, out);
+                else if (nr == 3 && nc == 2) tile3x2_bf16(rows_p, rows_x, wh, k, out);
+                else if (nr == 2 && nc == 2) tile2x2_bf16(rows_p, rows_x, wh, k, out);
+                else if (nr == 1 && nc == 2) tile1x2_bf16(rows_p, rows_x, wh, k, out);
                 else for (int r = 0; r < nr; r++) for (int c = 0; c < nc; c++) tile1x1_bf16(rows_p + r, rows_x + r, wh + c, k, (float (*)[4])&out[r][c]);
             } else {
                 const float *const *wf = (const float *const *)wr;
                 if (nr == 4 && nc == 2) tile4x2_f32(rows_p, rows_x, wf, k, out);
                 else if (nr == 2 && nc == 4) tile2x4_f32(rows_p, rows_x, wf, k, out);
                 else if (nr == 1 && nc == 4) tile1x4_f32(rows_p, rows_x, wf, k, out);
+                else if (nr == 3 && nc == 2) tile3x2_f32(rows_p, rows_x, wf, k, out);
+                else if (nr == 2 && nc == 2) tile2x2_f32(rows_p, rows_x, wf, k, out);
+                else if (nr == 1 && nc == 2) tile1x2_f32(rows_p, rows_x, wf, k, out);
                 else for (int r = 0; r < nr; r++) for (int c = 0; c < nc; c++) tile1x1_f32(rows_p + r, rows_x + r, wf + c, k, (float (*)[4])&out[r][c]);
             }
             for (int r = 0; r < nr; r++)
