@@ -126,6 +126,22 @@ static inline void widen_f32(const float *p, __m256 *lo, __m256 *hi) {
 DEFINE_TILES(bf16, uint16_t, widen_bf16, bf16_to_f32)
 DEFINE_TILES(f32, float, widen_f32, AS_F32)
 
+/* The tile for nr rows and nc weight rows; leftovers of other shapes one output at a time. */
+#define RUN_TILES(SUFFIX, WT)                                                                          \
+    {                                                                                                  \
+        WT *const *ws = (WT *const *)wr;                                                               \
+        if (nr == 4 && nc == 2) tile4x2_##SUFFIX(rows_p, rows_x, ws, k, out);                          \
+        else if (nr == 2 && nc == 4) tile2x4_##SUFFIX(rows_p, rows_x, ws, k, out);                     \
+        else if (nr == 1 && nc == 4) tile1x4_##SUFFIX(rows_p, rows_x, ws, k, out);                     \
+        else if (nr == 3 && nc == 2) tile3x2_##SUFFIX(rows_p, rows_x, ws, k, out);                     \
+        else if (nr == 2 && nc == 2) tile2x2_##SUFFIX(rows_p, rows_x, ws, k, out);                     \
+        else if (nr == 1 && nc == 2) tile1x2_##SUFFIX(rows_p, rows_x, ws, k, out);                     \
+        else                                                                                           \
+            for (int r = 0; r < nr; r++)                                                               \
+                for (int c = 0; c < nc; c++)                                                           \
+                    tile1x1_##SUFFIX(rows_p + r, rows_x + r, ws + c, k, (float (*)[4]) & out[r][c]);   \
+    }
+
 /* Four rows at a time against pairs of weight rows; two rows against four weight rows when the
  * call has at most three rows (a decoding step, a short verify). Parallel over weight rows:
  * each weight is read from memory once per call. */
@@ -166,25 +182,8 @@ static void gemm(const float *x, const void *w, int w_bf16, const void *bias, fl
             const float *rows_p[4], *rows_x[4];
             for (int r = 0; r < nr; r++) { rows_p[r] = xp + (r0 + r) * stride; rows_x[r] = x + (r0 + r) * k; }
             float out[4][4];
-            if (w_bf16) {
-                const uint16_t *const *wh = (const uint16_t *const *)wr;
-                if (nr == 4 && nc == 2) tile4x2_bf16(rows_p, rows_x, wh, k, out);
-                else if (nr == 2 && nc == 4) tile2x4_bf16(rows_p, rows_x, wh, k, out);
-                else if (nr == 1 && nc == 4) tile1x4_bf16(rows_p, rows_x, wh, k, out);
-                else if (nr == 3 && nc == 2) tile3x2_bf16(rows_p, rows_x, wh, k, out);
-                else if (nr == 2 && nc == 2) tile2x2_bf16(rows_p, rows_x, wh, k, out);
-                else if (nr == 1 && nc == 2) tile1x2_bf16(rows_p, rows_x, wh, k, out);
-                else for (int r = 0; r < nr; r++) for (int c = 0; c < nc; c++) tile1x1_bf16(rows_p + r, rows_x + r, wh + c, k, (float (*)[4])&out[r][c]);
-            } else {
-                const float *const *wf = (const float *const *)wr;
-                if (nr == 4 && nc == 2) tile4x2_f32(rows_p, rows_x, wf, k, out);
-                else if (nr == 2 && nc == 4) tile2x4_f32(rows_p, rows_x, wf, k, out);
-                else if (nr == 1 && nc == 4) tile1x4_f32(rows_p, rows_x, wf, k, out);
-                else if (nr == 3 && nc == 2) tile3x2_f32(rows_p, rows_x, wf, k, out);
-                else if (nr == 2 && nc == 2) tile2x2_f32(rows_p, rows_x, wf, k, out);
-                else if (nr == 1 && nc == 2) tile1x2_f32(rows_p, rows_x, wf, k, out);
-                else for (int r = 0; r < nr; r++) for (int c = 0; c < nc; c++) tile1x1_f32(rows_p + r, rows_x + r, wf + c, k, (float (*)[4])&out[r][c]);
-            }
+            if (w_bf16) RUN_TILES(bf16, const uint16_t)
+            else RUN_TILES(f32, const float)
             for (int r = 0; r < nr; r++)
                 for (int c = 0; c < nc; c++) {
                     float b = !bias ? 0.0f : w_bf16 ? bf16_to_f32(((const uint16_t *)bias)[n0 + c]) : ((const float *)bias)[n0 + c];

@@ -151,6 +151,14 @@ def _weight(module: nn.Module | None, dtype: torch.dtype, rows: slice | None = N
     return w, b
 
 
+def _children(module: nn.Module, known: tuple[set[str], ...]) -> set[str]:
+    """The module's child names, when they are one of the layouts the kernels know."""
+    children = {name for name, _ in module.named_children()}
+    if children not in known:
+        raise Unsupported(f"{type(module).__name__} has modules {sorted(children)}")
+    return children
+
+
 def _norm(module: nn.Module | None, dtype: torch.dtype, offset: float) -> _Norm:
     if module is None:
         return _Norm(None, 0.0, 0.0, 0)
@@ -186,9 +194,7 @@ class NativeLayer:
     @staticmethod
     def _attention(parts, dtype, offset) -> _Attention:
         module = parts.attention
-        children = {name for name, _ in module.named_children()}
-        if children not in _ATTENTION_CHILDREN:
-            raise Unsupported(f"{type(module).__name__} has modules {sorted(children)}")
+        children = _children(module, _ATTENTION_CHILDREN)
         config = module.config
         if getattr(config, "attn_logit_softcapping", None) or getattr(module, "sinks", None) is not None:
             raise Unsupported("attention logit soft-capping and attention sinks run eagerly")
@@ -214,9 +220,7 @@ class NativeLayer:
     @staticmethod
     def _mlp(parts, dtype, offset) -> _Mlp:
         module = parts.mlp
-        children = {name for name, _ in module.named_children()}
-        if children not in _MLP_CHILDREN:
-            raise Unsupported(f"{type(module).__name__} has modules {sorted(children)}")
+        children = _children(module, _MLP_CHILDREN)
         act = getattr(module, "act_fn", None) or getattr(module, "activation_fn", None)
         if type(act).__name__ not in _ACTIVATIONS:
             raise Unsupported(f"activation {type(act).__name__} runs eagerly")
