@@ -90,3 +90,40 @@ def test_tune_draws_one_progress_bar_per_stage(monkeypatch, tmp_path):
     assert "stop here" in result.output
     assert [(b.desc, b.n, b.total) for b in bars] == [("scan", 4, 4), ("search", 3, 3), ("bench", 2, 2)]
     assert all(b.closed for b in bars)
+
+
+def test_prompt_file_jsonl_and_text(tmp_path):
+    from layerplan.app.bench import read_prompt_file
+
+    jsonl = tmp_path / "mine.jsonl"
+    jsonl.write_text('{"prompt": "def f(x):\\n", "name": "code"}\n\n"plain string"\n{"prompt": "Hi?", "chat": true}\n')
+    prompts, chat = read_prompt_file(jsonl)
+    assert prompts == {"code": "def f(x):\n", "mine-2": "plain string", "mine-3": "Hi?"}
+    assert chat == {"mine-3"}
+    text = tmp_path / "lines.txt"
+    text.write_text("first prompt\n\nsecond prompt\n")
+    assert read_prompt_file(text) == ({"lines-1": "first prompt", "lines-2": "second prompt"}, set())
+
+
+@pytest.mark.parametrize("content,message", [
+    ("{not json\n", r"bad.jsonl:1: not JSON"),
+    ('{"prompt": ""}\n', r"bad.jsonl:1: expected a non-empty string"),
+    ('{"prompt": "a", "chat": "yes"}\n', r"bad.jsonl:1: expected"),
+    ('{"prompt": "a", "name": "x"}\n{"prompt": "b", "name": "x"}\n', r"bad.jsonl:2: prompt name 'x' is used twice"),
+    ("\n\n", r"bad.jsonl holds no prompt"),
+])
+def test_prompt_file_errors_name_file_and_line(tmp_path, content, message):
+    from layerplan.app.bench import read_prompt_file
+
+    path = tmp_path / "bad.jsonl"
+    path.write_text(content)
+    with pytest.raises(ValueError, match=message):
+        read_prompt_file(path)
+
+
+def test_cli_bench_refuses_a_bad_prompt_file_in_one_line(tmp_path):
+    path = tmp_path / "bad.jsonl"
+    path.write_text("{oops\n")
+    result = CliRunner().invoke(cli.main, ["bench", "--prompt-file", str(path)])
+    assert result.exit_code == 1 and "bad.jsonl:1: not JSON" in result.output
+    assert "Traceback" not in result.output

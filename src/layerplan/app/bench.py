@@ -7,10 +7,12 @@ produced; every method stops at EOS or after `new_tokens`.
 
 from __future__ import annotations
 
+import json
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
 
 import torch
 
@@ -90,6 +92,45 @@ class BenchResult:
         return "\n".join(lines)
 
 
+def read_prompt_file(path: str | Path) -> tuple[dict[str, str], set[str]]:
+    """({name: prompt}, names to wrap in the chat template) from a user's file.
+
+    .jsonl: one record a line, either a JSON string or an object with "prompt" and optionally
+    "name" and "chat" (true/false). Any other file: one prompt a non-empty line (plain text)."""
+    path = Path(path)
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as error:
+        raise ValueError(f"cannot read prompts from {path}: {error.strerror or error}") from None
+    prompts: dict[str, str] = {}
+    chat: set[str] = set()
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        name, prompt, as_chat = f"{path.stem}-{len(prompts) + 1}", line, False
+        if path.suffix.lower() == ".jsonl":
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as error:
+                raise ValueError(f"{path}:{number}: not JSON ({error.msg})") from None
+            if isinstance(record, dict):
+                prompt, name = record.get("prompt"), str(record.get("name") or name)
+                as_chat = record.get("chat", False)
+            else:
+                prompt = record
+            if not isinstance(prompt, str) or not prompt.strip() or not isinstance(as_chat, bool):
+                raise ValueError(f"{path}:{number}: expected a non-empty string or "
+                                 '{"prompt": "...", "name": "...", "chat": true|false}')
+        if name in prompts:
+            raise ValueError(f"{path}:{number}: prompt name '{name}' is used twice")
+        prompts[name] = prompt
+        if as_chat:
+            chat.add(name)
+    if not prompts:
+        raise ValueError(f"{path} holds no prompt")
+    return prompts, chat
+
+
 def transformers_runner(model: LoadedModel, **options) -> Runner:
     """transformers' own generate (greedy), with extra options such as assistant_early_exit=4
     or prompt_lookup_num_tokens=10."""
@@ -123,14 +164,16 @@ def run_bench(
     reference: str = "transformers generate",
     plain: str = "layerplan plain",
     on_progress: Callable[[int, int], None] | None = None,
+    chat: Collection[str] = CHAT_PROMPTS,
 ) -> BenchResult:
+    """chat: the prompt names that go through the tokenizer's chat template."""
     if reference not in methods:
         raise ValueError(f"the methods must include the reference '{reference}'")
     result = BenchResult(model.name, str(model.dtype).replace("torch.", ""), torch.get_num_threads(),
                          new_tokens, repeats, cpu_info())
     total, done = len(prompts) * repeats * len(methods), 0
     for label, prompt in prompts.items():
-        ids = model.encode(prompt, chat=label in CHAT_PROMPTS)
+        ids = model.encode(prompt, chat=label in chat)
         for run in methods.values():
             run(ids, 4)  # warm-up: first calls allocate
         samples: dict[str, list[float]] = {name: [] for name in methods}

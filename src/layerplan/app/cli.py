@@ -11,7 +11,7 @@ import click
 import torch
 from tqdm import tqdm
 
-from layerplan.app.bench import PROMPTS, bench_methods, run_bench
+from layerplan.app.bench import CHAT_PROMPTS, PROMPTS, bench_methods, read_prompt_file, run_bench
 from layerplan.app.peers import gguf_at_precision, llama_cpp_missing, llama_cpp_runner
 from layerplan.app.report import (exits_plot, explore_plot, pareto_plot, scan_heatmap, search_trajectory,
                                   skip_frequency_plot, tune_html)
@@ -584,6 +584,9 @@ def plan_command(plan, model, layers, fmt, out) -> None:
 @click.option("--new-tokens", default=64, show_default=True)
 @click.option("--repeats", default=3, show_default=True)
 @click.option("--prompt", "prompt_names", multiple=True, help="built-in prompt(s): code, chat, summary, continuation")
+@click.option("--prompt-file", type=click.Path(dir_okay=False), default=None,
+              help="time your own prompts instead: .jsonl records ({\"prompt\": ..., \"name\": ..., \"chat\": true}) "
+                   "or a text file, one prompt a line")
 @click.option("--draft", "drafts", multiple=True, help="layerplan drafter(s) to time (repeatable): " + drafter_help())
 @click.option("--draft-length", default=None, type=click.Choice(list(DRAFT_LENGTHS)), help=DRAFT_LENGTH_HELP)
 @click.option("--hf-early-exit", "hf_exits", multiple=True, type=int,
@@ -592,7 +595,7 @@ def plan_command(plan, model, layers, fmt, out) -> None:
 @click.option("--llama-cpp/--no-llama-cpp", default=True, show_default=True,
               help="also time llama.cpp (llama-cpp-python) on the same weights at the same precision, when installed")
 @click.option("--out", type=click.Path(dir_okay=False), default="runs/bench.json", show_default=True)
-def bench(model, dtype, engine, threads, new_tokens, repeats, prompt_names, drafts, draft_length, hf_exits,
+def bench(model, dtype, engine, threads, new_tokens, repeats, prompt_names, prompt_file, drafts, draft_length, hf_exits,
           hf_prompt_lookup, llama_cpp, out) -> None:
     """Time decoding against transformers' generate in the same run (ratios, CPU).
 
@@ -602,12 +605,17 @@ def bench(model, dtype, engine, threads, new_tokens, repeats, prompt_names, draf
     tokens equal layerplan's plain greedy output for the prompt."""
     _threads(threads)
     with _user_errors():
-        prompts = _pick_prompts(prompt_names, PROMPTS)
+        if prompt_file and prompt_names:
+            raise ValueError("give either --prompt or --prompt-file, not both")
+        if prompt_file:
+            prompts, chat = read_prompt_file(prompt_file)
+        else:
+            prompts, chat = _pick_prompts(prompt_names, PROMPTS), CHAT_PROMPTS
         stock, fast = _load_for_timing(model, dtype, engine)
         peers = _llama_cpp_peer(fast) if llama_cpp else {}
         methods = bench_methods(stock, fast, list(drafts), list(hf_exits), hf_prompt_lookup, draft_length, peers)
         with _Progress("bench") as progress:
-            result = run_bench(stock, methods, prompts, new_tokens, repeats, on_progress=progress)
+            result = run_bench(stock, methods, prompts, new_tokens, repeats, on_progress=progress, chat=chat)
     click.echo(result.cpu.line())
     click.echo(f"{result.model}, {result.dtype}, {result.threads} threads, up to {new_tokens} new tokens, "
                f"median of {repeats}; 'vs HF' = transformers plain ms/token ÷ this row's")
