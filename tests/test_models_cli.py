@@ -1,6 +1,7 @@
 import json
 
 import pytest
+import torch
 from click.testing import CliRunner
 
 from layerplan.app.cli import main
@@ -129,3 +130,28 @@ def test_cli_tune_writes_report_and_checks_exactness(tmp_path):
     html_text = (tmp_path / "report.html").read_text()
     assert "data:image/png;base64," in html_text and "layerplan generate --dtype bfloat16" in html_text
     assert "use it: layerplan generate" in result.output
+
+
+@pytest.mark.parametrize("args,message", [
+    (["generate", "hi", "--threads", "-1"], "Invalid value for '--threads': -1 is not in the range x>=1"),
+    (["generate", "hi", "--threads", "0"], "Invalid value for '--threads': 0 is not in the range x>=1"),
+    (["generate", "hi", "--device", "bogus", "--dtype", "float32"], "unknown device 'bogus'; use cpu, cuda or cuda:N"),
+    (["generate", "hi", "--device", "bogus"], "unknown device 'bogus'; use cpu, cuda or cuda:N"),
+])
+def test_cli_bad_values_get_one_line(args, message):
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code in (1, 2) and message in result.output
+    assert "Traceback" not in result.output
+
+
+def test_missing_gpu_and_empty_prompt_are_named(smollm2):
+    from layerplan.decoding.generate import generate
+    from layerplan.models.loading import resolve_device
+
+    if not torch.cuda.is_available():
+        with pytest.raises(ModelError, match="sees no CUDA GPU; use --device cpu"):
+            resolve_device("cuda")
+    with pytest.raises(ValueError, match="the prompt is empty"):
+        generate(smollm2, "", max_new_tokens=2)
+    with pytest.raises(ValueError, match="the prompt is empty"):
+        generate(smollm2, [], max_new_tokens=2)

@@ -28,7 +28,8 @@ from layerplan.engine.probe import CONTEXT, PASS_LENGTHS, default_dtype, load_pr
 from layerplan.export import export_checkpoint
 from layerplan.files import write_json_atomic, write_text_atomic
 from layerplan.machine import cpu_info
-from layerplan.models.loading import DEFAULT_MODEL, ModelError, available_models, cache_dir, load_model, model_depth
+from layerplan.models.loading import (DEFAULT_MODEL, ModelError, available_models, cache_dir, load_model, model_depth,
+                                      resolve_device)
 from layerplan.plan.formats import FORMATS, load_plan, save_plan, to_mergekit
 from layerplan.plan.plan import PlanError
 from layerplan.search.bayes import SAMPLERS
@@ -105,7 +106,7 @@ def _dtype(model: str, dtype: str, engine: str, device: str = "cpu") -> str:
     """'auto' -> the dtype this machine's probe found fastest for the model (see `layerplan probe`)."""
     if dtype != "auto":
         return dtype
-    if torch.device(device).type != "cpu":
+    if resolve_device(device).type != "cpu":
         return "bfloat16"
     kind = resolve_engine(engine, torch.bfloat16, device)
     _, name = model_depth(model)
@@ -187,7 +188,8 @@ auto_dtype_option = click.option("--dtype", default="auto", show_default=True,
                                  type=click.Choice(["auto", "float32", "bfloat16", "float16"]),
                                  help="auto: the fastest here by `layerplan probe` (measured once per machine), "
                                       "else bfloat16 where it is fast, float32 elsewhere")
-threads_option = click.option("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+threads_option = click.option("--threads", type=click.IntRange(min=1), default=None,
+                              help="torch CPU threads (default: torch's choice)")
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})

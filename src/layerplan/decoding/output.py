@@ -66,9 +66,14 @@ class TextStream:
 
 def prompt_ids(model: LoadedModel, prompt: str | torch.Tensor | Sequence[int], chat: bool = False) -> torch.Tensor:
     if isinstance(prompt, str):
-        return model.encode(prompt, chat=chat)
-    ids = torch.as_tensor(prompt, dtype=torch.long)
-    return ids.reshape(1, -1).to(model.device)
+        if not prompt and not chat:
+            raise ValueError("the prompt is empty: give some text to continue")
+        ids = model.encode(prompt, chat=chat)
+    else:
+        ids = torch.as_tensor(prompt, dtype=torch.long).reshape(1, -1).to(model.device)
+    if ids.shape[1] == 0:
+        raise ValueError("the prompt is empty (no tokens): give some text to continue")
+    return ids
 
 
 class Emitter:

@@ -125,6 +125,19 @@ DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfl
           "float16": torch.float16, "fp16": torch.float16}
 
 
+def resolve_device(device: str | torch.device) -> torch.device:
+    """A torch device that exists here; a clear error for a misspelt one or a missing GPU."""
+    try:
+        resolved = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ModelError(f"unknown device '{device}'; use cpu, cuda or cuda:N") from None
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise ModelError(f"device '{device}' asked for, but this torch ({torch.__version__}) sees no CUDA GPU; use --device cpu")
+    if resolved.type not in ("cpu", "cuda"):
+        raise ModelError(f"device '{device}' is not supported; use cpu, cuda or cuda:N")
+    return resolved
+
+
 def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype
@@ -227,6 +240,7 @@ def load_model(
     None = when dtype is bf16 on a CPU that supports it."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    device = resolve_device(device)
     folder, name, origin = _resolve(source)
     dtype = resolve_dtype(dtype)
     spec_for_config(json.loads((folder / "config.json").read_text()))  # fail before loading weights
