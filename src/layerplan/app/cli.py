@@ -29,7 +29,7 @@ from layerplan.export import export_checkpoint
 from layerplan.files import write_json_atomic, write_text_atomic
 from layerplan.machine import cpu_info
 from layerplan.models.loading import (DEFAULT_MODEL, ModelError, available_models, cache_dir, load_model, model_depth,
-                                      resolve_device)
+                                      resolve_device, resolve_dtype)
 from layerplan.plan.formats import FORMATS, load_plan, save_plan, to_mergekit
 from layerplan.plan.plan import PlanError
 from layerplan.search.bayes import SAMPLERS
@@ -144,7 +144,7 @@ def _load_for_timing(model: str, dtype: str, engine: str):
     native engine leaves the modules as they are, so one load serves both; the eager engine
     packs bf16 linears where oneDNN supports it, into a second copy."""
     dtype = _dtype(model, dtype, engine)
-    kind = resolve_engine(engine, torch.float32 if dtype == "float32" else torch.bfloat16, "cpu")
+    kind = resolve_engine(engine, resolve_dtype(dtype), "cpu")
     click.echo(f"loading {model} ({dtype}, engine {kind})…", err=True)
     if kind == "native":
         loaded = load_model(model, dtype=dtype, engine="native")

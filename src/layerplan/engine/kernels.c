@@ -314,6 +314,15 @@ static void rope_rows(float *q, long rows, long heads, long head_dim, long rotar
     }
 }
 
+/* out = hidden + scale * update, rounded as the PyTorch modules round (scratch: count floats). */
+static void residual_add(const void *hidden, const float *update, float *scratch, void *out, long count,
+                         float scale, int bf16) {
+    load_f32(hidden, bf16, scratch, count);
+    for (long i = 0; i < count; i++)
+        scratch[i] = rnd(scratch[i] + (scale == 1.0f ? update[i] : rnd(scale * update[i], bf16)), bf16);
+    store(scratch, out, bf16, count);
+}
+
 static inline float gelu_tanh(float x) {
     return 0.5f * x * (1.0f + tanhf(0.7978845608028654f * (x + 0.044715f * x * x * x)));
 }
@@ -405,10 +414,7 @@ int lp_attention_block(const lp_attention *a, const void *hidden, void *out, lon
     gemm(o, a->wo, bf16, a->bo, u, rows, H, NQ, threads);
     round_all(u, rows * H, bf16);
     norm_rows(u, rows, H, &a->post_norm, bf16);
-    load_f32(hidden, bf16, x, rows * H);
-    for (long i = 0; i < rows * H; i++)
-        x[i] = rnd(x[i] + (residual_scale == 1.0f ? u[i] : rnd(residual_scale * u[i], bf16)), bf16);
-    store(x, out, bf16, rows * H);
+    residual_add(hidden, u, x, out, rows * H, residual_scale, bf16);
     free(x); free(q); free(k); free(v); free(o); free(u);
     return 0;
 }
@@ -432,9 +438,6 @@ void lp_mlp_block(const lp_mlp *m, const void *hidden, void *out, long rows, flo
     gemm(g, m->wd, bf16, NULL, d, rows, H, I, threads);
     round_all(d, rows * H, bf16);
     norm_rows(d, rows, H, &m->post_norm, bf16);
-    load_f32(hidden, bf16, x, rows * H);
-    for (long i = 0; i < rows * H; i++)
-        x[i] = rnd(x[i] + (residual_scale == 1.0f ? d[i] : rnd(residual_scale * d[i], bf16)), bf16);
-    store(x, out, bf16, rows * H);
+    residual_add(hidden, d, x, out, rows * H, residual_scale, bf16);
     free(x); free(g); free(u); free(d);
 }
