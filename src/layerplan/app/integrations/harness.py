@@ -25,6 +25,7 @@ from layerplan.decoding.generate import generate
 from layerplan.decoding.sampling import SamplingParams
 from layerplan.engine.runner import forward, new_cache
 from layerplan.models.loading import LoadedModel, load_model
+from layerplan.search.probes import encode_pair, prefix_token
 
 
 @register_model("layerplan")
@@ -41,23 +42,11 @@ class LayerplanLM(LM):
         self.draft = draft
         self.max_length = max_length or self.model.context_length
         self.max_gen_toks = max_gen_toks
-        tokenizer = self.model.tokenizer
-        # what an empty context starts from (lm_eval's convention: the end-of-text token)
-        self.prefix_token = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
+        self.prefix_token = prefix_token(self.model.tokenizer)  # what an empty context starts from
 
     # ----- scoring ---------------------------------------------------------------------------
     def _encode_pair(self, context: str, continuation: str) -> tuple[list[int], list[int]]:
-        """Token ids of context and continuation; trailing spaces of the context move to the
-        continuation, and the continuation's ids are those of the whole minus the context."""
-        spaces = len(context) - len(context.rstrip())
-        if spaces:
-            context, continuation = context[:-spaces], context[-spaces:] + continuation
-        encode = self.model.tokenizer.encode
-        if not context:
-            return [self.prefix_token], encode(continuation, add_special_tokens=False)
-        whole = encode(context + continuation, add_special_tokens=False)
-        context_ids = encode(context, add_special_tokens=False)
-        return context_ids, whole[len(context_ids):]
+        return encode_pair(self.model.tokenizer, context, continuation, self.prefix_token)
 
     @torch.inference_mode()
     def _score(self, context_ids: list[int], continuations: list[list[int]]) -> list[tuple[float, bool]]:

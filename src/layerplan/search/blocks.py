@@ -1,0 +1,209 @@
+"""Frankenmerges by block repetition: scan every contiguous block i..j repeated after itself
+(`0..j, i..j, j+1..N-1`), scored against the base model on measures that say "better"
+(measures.py), and an Optuna study over such plans (which block, how often, the residual
+scale of the repeated passes, optionally the repeated layers from a second model).
+
+Every candidate with block end j runs the base model's steps 0..j first, so each measure keeps
+the base model's residual stream before every step (one pass per input batch) and a candidate
+runs only its tail: the repeated block and the layers after it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+
+from layerplan.models.loading import LoadedModel
+from layerplan.plan.plan import LayerPlan, PlanError, Step
+from layerplan.search.measures import MEASURES, Score, bootstrap, is_better, point_value
+
+
+def repeat_plan(model: LoadedModel, start: int, end: int, repeats: int = 1, scale: float = 1.0,
+                source: str = "") -> LayerPlan:
+    """Layers 0..end, then start..end `repeats` more times (at residual `scale`, from model
+    `source`: "" is the model itself), then end+1..N-1."""
+    n = model.num_layers
+    if not 0 <= start <= end < n:
+        raise PlanError(f"block {start}-{end} is not inside {model.name}'s layers 0–{n - 1} (start <= end)")
+    if repeats < 1:
+        raise PlanError(f"a block repeats at least once, got {repeats}")
+    repeated = [Step(layer, scale=scale, model=source) for layer in range(start, end + 1)] * repeats
+    plan = LayerPlan(tuple(Step(i) for i in range(end + 1)) + tuple(repeated) + tuple(Step(i) for i in range(end + 1, n)),
+                     n, model_name=model.name)
+    model.check_plan(plan)
+    return plan
+
+
+def parse_range(text: str | None, num_layers: int) -> tuple[int, int]:
+    """--range "A-B" (inclusive layers; blocks lie inside it); None: every layer."""
+    if text is None:
+        return 0, num_layers - 1
+    first, sep, last = text.partition("-")
+    if not (sep and first.strip().isdigit() and last.strip().isdigit()):
+        raise PlanError(f"cannot read --range '{text}': expected A-B, inclusive layers like 4-25")
+    low, high = int(first), int(last)
+    if not 0 <= low <= high < num_layers:
+        raise PlanError(f"--range {text} is outside layers 0–{num_layers - 1} (or A > B)")
+    return low, high
+
+
+def block_candidates(num_layers: int, layer_range: tuple[int, int] | None = None,
+                     max_len: int | None = None) -> list[tuple[int, int]]:
+    """Every (start, end) block inside the range, at most max_len layers long, by end then start."""
+    low, high = layer_range if layer_range is not None else (0, num_layers - 1)
+    if max_len is not None and max_len < 1:
+        raise PlanError(f"--max-len must be at least 1, got {max_len}")
+    longest = max_len or num_layers
+    return [(i, j) for j in range(low, high + 1) for i in range(max(low, j - longest + 1), j + 1)]
+
+
+@dataclass(frozen=True)
+class BlockRow:
+    start: int
+    end: int
+    repeats: int
+    plan: str
+    steps: int
+    added_compute: float  # steps / layers − 1
+    scores: list[Score]
+
+    def score(self, measure: str) -> Score:
+        return next(s for s in self.scores if s.measure == measure)
+
+
+@dataclass
+class BlockScanResult:
+    model: str
+    num_layers: int
+    measures: list[str]  # the first ranks the blocks
+    base: list[Score]  # the model itself (its change is 0)
+    rows: list[BlockRow] = field(default_factory=list)
+    repeats: int = 1
+    seconds: float = 0.0
+    reuse: bool = True
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def ranked(self, measure: str | None = None) -> list[BlockRow]:
+        """Rows, best change on `measure` (default: the first) first."""
+        measure = measure or self.measures[0]
+        sign = 1.0 if MEASURES[measure].direction == "minimize" else -1.0
+        return sorted(self.rows, key=lambda row: sign * row.score(measure).change)
+
+    def best(self, measure: str | None = None) -> BlockRow:
+        return self.ranked(measure)[0]
+
+    def base_score(self, measure: str) -> Score:
+        return next(s for s in self.base if s.measure == measure)
+
+    def table(self, top: int | None = None) -> str:
+        head = f"{'block':<8} {'steps':>5}" + "".join(f" {name[:12]:>12} {'change [95%]':>24}" for name in self.measures)
+        lines = [head]
+        base = "  ".join(f"{s.measure} {s.value:.4g} [{s.low:.4g}, {s.high:.4g}]" for s in self.base)
+        lines.append(f"{'base':<8} {self.num_layers:>5} {base}")
+        for row in self.ranked()[:top]:
+            cells = "".join(f" {s.value:>12.4g} {f'{s.change:+.4g} [{s.change_low:+.3g}, {s.change_high:+.3g}]':>24}"
+                            for s in row.scores)
+            lines.append(f"{row.start:>3}-{row.end:<4} {row.steps:>5}{cells}")
+        return "\n".join(lines)
+
+    def better(self, measure: str | None = None) -> list[BlockRow]:
+        """Blocks whose whole 95% interval of the change on `measure` is on the better side."""
+        measure = measure or self.measures[0]
+        return [row for row in self.ranked(measure)
+                if is_better(measure, row.score(measure).change_low) and is_better(measure, row.score(measure).change_high)]
+
+
+def block_scan(model: LoadedModel, scorers: dict, blocks: Sequence[tuple[int, int]], repeats: int = 1,
+               seed: int = 0, on_progress: Callable[[int, int], None] | None = None) -> BlockScanResult:
+    """Score each block repeated `repeats` times on every measure (scorers from
+    measures.build_scorers, the first ranks), against the model itself."""
+    if not blocks:
+        raise PlanError("no block to scan: the range and --max-len leave none")
+    if not scorers:
+        raise ValueError("give at least one measure")
+    start_time = time.perf_counter()
+    base_plan = model.plan()
+    base_units = {name: scorer.units(base_plan) for name, scorer in scorers.items()}
+    base = [bootstrap(name, units, units, scorers[name].summary, seed=seed) for name, units in base_units.items()]
+    reuse = all(scorer.reuse for scorer in scorers.values())
+    result = BlockScanResult(model.name, model.num_layers, list(scorers), base, repeats=repeats, reuse=reuse)
+    for done, (start, end) in enumerate(blocks, 1):
+        plan = repeat_plan(model, start, end, repeats)
+        scores = [bootstrap(name, scorer.units(plan), base_units[name], scorer.summary, seed=seed)
+                  for name, scorer in scorers.items()]
+        result.rows.append(BlockRow(start, end, repeats, plan.to_string(), len(plan.steps),
+                                    len(plan.steps) / model.num_layers - 1.0, scores))
+        if on_progress:
+            on_progress(done, len(blocks))
+    result.seconds = time.perf_counter() - start_time
+    return result
+
+
+# ----- the study ------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class MergeSpace:
+    """What a merge study may choose: a block inside `layer_range` of at most `max_len` layers,
+    repeated 1..max_repeats times, its repeated passes at a residual scale in `scales`, taken
+    from one of `sources` ("" the model itself, "b" an attached second model)."""
+
+    layer_range: tuple[int, int]
+    max_len: int
+    max_repeats: int = 2
+    scales: tuple[float, float] = (0.5, 1.0)
+    sources: tuple[str, ...] = ("",)
+
+    def plan(self, model: LoadedModel, trial) -> LayerPlan:
+        low, high = self.layer_range
+        start = trial.suggest_int("start", low, high)
+        length = trial.suggest_int("length", 1, self.max_len)
+        repeats = trial.suggest_int("repeats", 1, self.max_repeats)
+        scale = trial.suggest_float("scale", *self.scales, step=0.05) if self.scales[0] < self.scales[1] else self.scales[0]
+        source = trial.suggest_categorical("source", list(self.sources)) if len(self.sources) > 1 else self.sources[0]
+        return repeat_plan(model, start, min(start + length - 1, high), repeats, round(scale, 4), source)
+
+
+def merge_study(model: LoadedModel, scorer, measure: str, space: MergeSpace, n_trials: int,
+                storage: str | None = None, study_name: str | None = None, sampler: str = "tpe", seed: int = 0,
+                seeds: Sequence[dict] = (), on_trial: Callable[[int, int], None] | None = None):
+    """An Optuna study over frankenmerge plans optimising `measure` (its direction) with one
+    scorer; storage, resumption and sharing as the skip search's (bayes.py). `seeds`: trial
+    parameters enqueued first in a new study (e.g. the block scan's best)."""
+    import optuna
+    from optuna.study import MaxTrialsCallback
+    from optuna.trial import TrialState
+
+    from layerplan.search.bayes import SAMPLERS, make_storage, summarise  # deferred: optuna is heavy
+
+    if sampler not in SAMPLERS:
+        raise ValueError(f"unknown sampler '{sampler}'; choose from {', '.join(SAMPLERS)}")
+    direction = MEASURES[measure].direction
+    name = study_name or f"{model.name}-merge-{measure}"
+    study = optuna.create_study(storage=make_storage(storage), study_name=name, directions=[direction],
+                                sampler=SAMPLERS[sampler].make(optuna, seed), load_if_exists=True)
+    if not study.trials:  # seed only a new study; a resumed one already has them
+        for params in seeds:
+            study.enqueue_trial(params, skip_if_exists=True)
+    memo: dict[LayerPlan, float] = {}
+
+    def objective(trial) -> float:
+        plan = space.plan(model, trial)
+        trial.set_user_attr("plan", plan.to_string())
+        trial.set_user_attr("cost", len(plan.steps) / model.num_layers)
+        if plan not in memo:  # samplers propose the same plan again (length clipped at the range's end)
+            memo[plan] = point_value(scorer, plan)
+        return memo[plan]
+
+    def finished(study_) -> int:
+        return len(study_.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)))
+
+    def progress(study_, trial) -> None:
+        if on_trial:
+            on_trial(min(finished(study_), n_trials), n_trials)
+
+    if finished(study) < n_trials:  # a resumed study runs only the trials it lacks
+        study.optimize(objective, n_trials=n_trials - finished(study),
+                       callbacks=[MaxTrialsCallback(n_trials, states=(TrialState.COMPLETE,)), progress])
+    return summarise(study, measure, [direction])

@@ -1,0 +1,276 @@
+"""Block-repeat scans, task probes, measures with intervals, and the merge study (issue 14)."""
+
+import datetime
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from layerplan.engine.runner import forward
+from layerplan.export import export_checkpoint
+from layerplan.plan.plan import PlanError
+from layerplan.search.blocks import MergeSpace, block_candidates, block_scan, merge_study, parse_range, repeat_plan
+from layerplan.search.evaluate import perplexity
+from layerplan.search.measures import (PerplexityScorer, ProbeScorer, ProbeView, Units, bootstrap, build_scorers,
+                                       MeasureInputs, point_value)
+from layerplan.search.probes import DAYS, PROBE_SETS, Probe, ProbeItem, generate_probe, read_probe_file
+from tiny import VOCAB, tiny_model
+
+
+class CharTokenizer:
+    """One token per character ("\\n" and printable ASCII): enough for probes on tiny models."""
+
+    chars = "\n" + "".join(chr(c) for c in range(32, 127))
+    bos_token_id = None
+    eos_token_id = 0
+    chat_template = None
+
+    def encode(self, text, add_special_tokens=False):
+        return [self.chars.index(c) for c in text]
+
+    def decode(self, ids):
+        return "".join(self.chars[i] for i in ids)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    model = tiny_model("llama", num_layers=4)
+    model.tokenizer = CharTokenizer()
+    ids = torch.randint(3, VOCAB, (1, 48), generator=torch.Generator().manual_seed(0))
+    return model, ids
+
+
+def test_blocks_and_their_plans(tiny):
+    model, _ = tiny
+    assert len(block_candidates(30)) == 465
+    assert block_candidates(4, (1, 2)) == [(1, 1), (1, 2), (2, 2)]
+    assert block_candidates(5, max_len=1) == [(i, i) for i in range(5)]
+    assert [s.layer for s in repeat_plan(model, 1, 2).steps] == [0, 1, 2, 1, 2, 3]
+    twice = repeat_plan(model, 2, 2, repeats=2, scale=0.5)
+    assert twice.to_string() == "0-2,2@0.5,2@0.5,3"
+    assert parse_range("1-2", 4) == (1, 2)
+    for bad, message in (("2-9", "outside layers 0–3"), ("x", "expected A-B")):
+        with pytest.raises(PlanError, match=message):
+            parse_range(bad, 4)
+    with pytest.raises(PlanError, match="block 3-1"):
+        repeat_plan(model, 3, 1)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("repeats", [1, 2])
+def test_scanned_perplexity_equals_the_plan_run_alone(arch, repeats):
+    """The shared-prefix scan, the naive scan and sliding-window perplexity of each plan agree."""
+    model = tiny_model(arch, num_layers=4)
+    ids = torch.randint(3, VOCAB, (1, 40), generator=torch.Generator().manual_seed(1))
+    blocks = block_candidates(4)
+    fast = block_scan(model, {"ppl": PerplexityScorer(model, ids, model.plan())}, blocks, repeats)
+    naive = block_scan(model, {"ppl": PerplexityScorer(model, ids, model.plan(), reuse=False)}, blocks, repeats)
+    assert fast.reuse and not naive.reuse
+    alone_base = perplexity(model, ids, model.plan(), window=40, stride=40).perplexity
+    assert fast.base_score("ppl").value == pytest.approx(alone_base, rel=1e-6)
+    for row, naive_row in zip(fast.rows, naive.rows):
+        alone = perplexity(model, ids, model.plan(row.plan), window=40, stride=40).perplexity
+        assert row.score("ppl").value == pytest.approx(alone, rel=1e-6)
+        assert row.score("ppl").value == pytest.approx(naive_row.score("ppl").value, rel=1e-9)
+        assert row.score("ppl").change == pytest.approx(alone - alone_base, abs=2e-6 * alone)
+    assert {(r.start, r.end) for r in fast.rows} == set(blocks)
+    assert all(len(r.plan.split(",")) >= 2 for r in fast.rows)
+
+
+def test_exported_candidate_reproduces_the_scanned_perplexity(tiny, tmp_path):
+    _, ids = tiny
+    model = tiny_model("llama", num_layers=4)  # the same weights, without the test tokenizer
+    result = block_scan(model, {"ppl": PerplexityScorer(model, ids, model.plan())}, block_candidates(4, (1, 2)))
+    best = result.best()
+    folder = export_checkpoint(model, model.plan(best.plan), tmp_path / "merged")
+    merged = AutoModelForCausalLM.from_pretrained(folder, attn_implementation="sdpa", dtype=torch.float32).eval()
+    with torch.no_grad():
+        loss = merged(ids, labels=ids).loss
+    assert merged.config.num_hidden_layers == best.steps
+    assert float(torch.exp(loss)) == pytest.approx(best.score("ppl").value, rel=1e-5)
+
+
+def test_result_ranks_by_the_first_measure_and_serialises(tiny):
+    model, ids = tiny
+    scorers = {"ppl": PerplexityScorer(model, ids, model.plan())}
+    result = block_scan(model, scorers, block_candidates(4))
+    changes = [r.score("ppl").change for r in result.ranked()]
+    assert changes == sorted(changes)  # lower perplexity is better
+    assert result.best() is result.ranked()[0]
+    for row in result.better():
+        assert row.score("ppl").change_high < 0
+    table = result.table(top=3)
+    assert table.splitlines()[0].startswith("block") and len(table.splitlines()) == 5
+    restored = json.loads(json.dumps(result.to_dict()))
+    assert restored["rows"][0]["scores"][0]["measure"] == "ppl" and len(restored["rows"]) == 10
+
+
+def test_bootstrap_intervals():
+    units = Units(torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0, 1.0], dtype=torch.float64), torch.ones(6, dtype=torch.float64))
+    same = bootstrap("arithmetic", units, units, lambda m: m)
+    assert same.value == pytest.approx(4 / 6) and same.low <= same.value <= same.high
+    assert (same.change, same.change_low, same.change_high) == (0.0, 0.0, 0.0)
+    better = Units(torch.ones(6, dtype=torch.float64), torch.ones(6, dtype=torch.float64))
+    paired = bootstrap("arithmetic", better, units, lambda m: m)
+    assert paired.change == pytest.approx(2 / 6) and 0.0 <= paired.change_low <= paired.change <= paired.change_high
+    assert bootstrap("arithmetic", better, units, lambda m: m) == paired  # seeded
+
+
+# ----- probes ------------------------------------------------------------------------------------
+def _check_arithmetic(prompt: str, answer: str) -> None:
+    a, op, b = re.fullmatch(r"(\d+) ([-+*]) (\d+) =", prompt).groups()
+    a, b = int(a), int(b)
+    assert int(answer) == {"+": a + b, "-": a - b, "*": a * b}[op]
+    assert max(a, b) >= 10  # multi-digit
+
+
+def _check_strings(prompt: str, answer: str) -> None:
+    kind, text = re.fullmatch(r"Q: (reverse|uppercase|initials of) ([a-z ]+)\nA:", prompt).groups()
+    if kind == "reverse":
+        assert answer == "".join(reversed(text))
+    elif kind == "uppercase":
+        assert answer == "".join(chr(ord(c) - 32) for c in text)
+    else:
+        assert answer == "".join(word[:1] for word in text.split(" "))
+
+
+def _check_dates(prompt: str, answer: str) -> None:
+    def day(text):
+        return datetime.date(*map(int, text.split("-"))).toordinal()
+
+    if m := re.fullmatch(r"Q: (\d+) days after (\S+)\nA:", prompt):
+        assert day(answer) - day(m[2]) == int(m[1])
+    elif m := re.fullmatch(r"Q: weekday of (\S+)\nA:", prompt):
+        assert answer == DAYS[(day(m[1]) - day("2024-01-01")) % 7]  # 2024-01-01 was a Monday
+    else:
+        m = re.fullmatch(r"Q: days from (\S+) to (\S+)\nA:", prompt)
+        assert int(answer) == day(m[2]) - day(m[1])
+
+
+CHECKS = {"arithmetic": _check_arithmetic, "strings": _check_strings, "dates": _check_dates}
+
+
+@pytest.mark.parametrize("name", list(PROBE_SETS))
+def test_every_built_in_probe_answer_is_right(name):
+    assert set(CHECKS) == set(PROBE_SETS)  # a new probe set needs its check here
+    for seed in range(3):
+        probe = generate_probe(name, 40, seed)
+        assert probe.chained and len(probe.items) == 40
+        demo, _, demo_answer = probe.header.rstrip("\n").rpartition(" ")
+        CHECKS[name](demo, demo_answer)
+        for item in probe.items:
+            assert item.answer.startswith(" ") and item.answer.strip() == item.answer[1:]
+            CHECKS[name](item.prompt, item.answer[1:])
+    assert generate_probe(name, 5, 1) == generate_probe(name, 5, 1)
+    assert generate_probe(name, 5, 1) != generate_probe(name, 5, 2)
+
+
+def test_probe_files_and_bad_ones(tmp_path):
+    good = tmp_path / "p.jsonl"
+    good.write_text('{"prompt": "2 + 2 =", "answer": " 4"}\n\n{"prompt": "Capital of France:", "answer": " Paris"}\n')
+    probe = read_probe_file(good)
+    assert probe.items == [ProbeItem("2 + 2 =", " 4"), ProbeItem("Capital of France:", " Paris")] and not probe.chained
+    for text, message in (('{"prompt": "x"}\n', "p2.jsonl:1: expected"), ("not json\n", "p2.jsonl:1: not valid JSON"),
+                          ("\n", "no probe records")):
+        (tmp_path / "p2.jsonl").write_text(text)
+        with pytest.raises(ValueError, match=message):
+            read_probe_file(tmp_path / "p2.jsonl")
+    with pytest.raises(FileNotFoundError, match="probe file not found"):
+        read_probe_file(tmp_path / "missing.jsonl")
+    with pytest.raises(ValueError, match="unknown probe set 'maths'"):
+        generate_probe("maths")
+
+
+def _direct_answers(model, tokenizer, rows):
+    """(greedy, exact, logprob) per answer, from one plain forward pass per row (no batching, no reuse)."""
+    out = []
+    for text, answers in rows:
+        ids = torch.tensor([tokenizer.encode(text)])
+        logp = torch.log_softmax(forward(model, ids, model.plan("0-2,1-3")).float(), -1)[0]
+        for start, answer in answers:
+            target = tokenizer.encode(answer)
+            picks = logp[start - 1 : start - 1 + len(target)]
+            greedy = picks.argmax(-1).tolist() == target
+            after = tokenizer.decode([int(logp[start - 1 + len(target)].argmax())])
+            out.append((greedy, greedy and not after[:1].isalnum(),
+                        float(picks.gather(1, torch.tensor(target)[:, None]).sum())))
+    return out
+
+
+def test_probe_scores_equal_direct_teacher_forcing_batched_or_chained(tiny):
+    model, _ = tiny
+    tok = model.tokenizer
+    plan = model.plan("0-2,1-3")
+    # an answer the model itself writes greedily after its prompt: right by construction
+    prompt = "Q: 12 + 7 =\nA:"
+    ids = torch.tensor([tok.encode(prompt)])
+    for _ in range(3):
+        nxt = int(forward(model, ids, plan)[0, -1].argmax())
+        ids = torch.cat([ids, torch.tensor([[nxt]])], 1)
+    own = tok.decode(ids[0, -3:].tolist())
+    items = [ProbeItem(prompt, own), ProbeItem("Q: 3 + 4 =\nA:", " 7"), ProbeItem("Q: longer one, 30 - 1 =\nA:", " 29")]
+
+    independent = ProbeScorer(model, Probe("t", items), model.plan(), batch_size=2)
+    got = independent.answers(plan)
+    expected = _direct_answers(model, tok, [(i.prompt + i.answer, [(len(i.prompt), i.answer)]) for i in items])
+    assert got.greedy.tolist() == [e[0] for e in expected] and got.greedy[0]
+    assert got.exact.tolist() == [e[1] for e in expected]
+    assert got.logprob.tolist() == pytest.approx([e[2] for e in expected], abs=1e-4)
+
+    chained = Probe("c", items, chained=True, header="Q: 1 + 1 =\nA: 2\n")
+    text, spans = chained.header, []
+    for item in items:
+        text += item.prompt
+        spans.append((len(text), item.answer))
+        text += item.answer + "\n"
+    got = ProbeScorer(model, chained, model.plan()).answers(plan)
+    expected = _direct_answers(model, tok, [(text, spans)])
+    assert got.greedy.tolist() == [e[0] for e in expected]
+    assert got.logprob.tolist() == pytest.approx([e[2] for e in expected], abs=1e-4)
+    naive = ProbeScorer(model, chained, model.plan(), reuse=False).answers(plan)
+    assert naive.logprob.tolist() == pytest.approx(got.logprob.tolist(), abs=1e-9)
+
+
+def test_measures_registry_shares_a_probe_and_names_what_is_missing(tiny):
+    model, ids = tiny
+    scorers = build_scorers(model, ["arithmetic", "arithmetic-ll"], MeasureInputs(probe_items=6))
+    assert isinstance(scorers["arithmetic"], ProbeView)
+    assert scorers["arithmetic"].scorer is scorers["arithmetic-ll"].scorer  # one pass serves both
+    value = point_value(scorers["arithmetic-ll"], model.plan("0-2,1-3"))
+    assert value < 0 and 0.0 <= point_value(scorers["arithmetic"], model.plan("0-2,1-3")) <= 1.0
+    with pytest.raises(ValueError, match="the text measure needs --text"):
+        build_scorers(model, ["text"], MeasureInputs())
+    with pytest.raises(ValueError, match="the file measure needs --probe-file"):
+        build_scorers(model, ["file"], MeasureInputs())
+    with pytest.raises(ValueError, match="unknown measure 'bleu'"):
+        build_scorers(model, ["bleu"], MeasureInputs())
+    result = block_scan(model, scorers, [(1, 1), (1, 2)])
+    assert [s.measure for s in result.rows[0].scores] == ["arithmetic", "arithmetic-ll"]
+    assert result.rows[0].scores[1].detail == pytest.approx(result.rows[0].scores[1].value)
+
+
+# ----- the study -----------------------------------------------------------------------------------
+def test_merge_study_resumes_and_scores_what_it_says(tiny, tmp_path):
+    pytest.importorskip("optuna")
+    model, ids = tiny
+    scorer = PerplexityScorer(model, ids, model.plan())
+    space = MergeSpace((1, 3), max_len=2, max_repeats=2, scales=(0.5, 1.0))
+    storage = str(tmp_path / "study.db")
+    seeds = [{"start": 1, "length": 2, "repeats": 1, "scale": 1.0}]
+    first = merge_study(model, scorer, "ppl", space, 5, storage, seeds=seeds)
+    assert len([t for t in first.trials if t.state == "COMPLETE"]) == 5
+    assert first.trials[0].plan == "0-2,1-3"  # the seed ran first
+    again = merge_study(model, scorer, "ppl", space, 7, storage)
+    assert len([t for t in again.trials if t.state == "COMPLETE"]) == 7
+    assert [t.plan for t in again.trials[:5]] == [t.plan for t in first.trials]  # kept, not rerun
+    best = model.plan(again.best_plan)
+    assert again.best_value == pytest.approx(point_value(scorer, best), rel=1e-12)
+    assert again.best_value == min(t.values[0] for t in again.trials if t.state == "COMPLETE")
+    shapes = {tuple(s.layer for s in repeat_plan(model, i, j, r).steps)
+              for i, j in block_candidates(4, (1, 3), max_len=2) for r in (1, 2)}
+    for trial in again.trials:  # every trial ran a plan of the space
+        assert tuple(s.layer for s in model.plan(trial.plan).steps) in shapes
+        assert all(0.5 <= s.scale <= 1.0 for s in model.plan(trial.plan).steps)
