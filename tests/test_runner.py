@@ -149,7 +149,7 @@ def test_wrap_model_and_unsupported_architecture():
 
     bert = BertLMHeadModel(BertConfig(vocab_size=32, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
                                       intermediate_size=32, is_decoder=True))
-    with pytest.raises(ModelError, match="architecture 'bert' is not supported yet; supported: gemma3_text, gpt2, llama"):
+    with pytest.raises(ModelError, match="architecture 'bert' is refused: an encoder .* not a decoder-only causal LM"):
         wrap_model(bert)
 
 

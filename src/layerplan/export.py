@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from layerplan.models.architectures import arch_spec, config_with_layers, layer_prefix
+from layerplan.models.architectures import arch_spec, config_with_layers, layer_prefix, update_parameters
 from layerplan.models.loading import LoadedModel
 from layerplan.plan.plan import LayerPlan
 
@@ -23,7 +23,8 @@ def plan_state_dict(model: LoadedModel, plan: LayerPlan) -> dict[str, torch.Tens
 
     A step's residual scale s (and a switched-off sub-layer, s = 0) is folded into the weights
     that produce the sub-layer's update: the output projection (weight and bias), or the post-norm
-    where one follows (Gemma: (offset + w) · s). The exported layer then adds exactly s times
+    where one follows (Gemma: (offset + w) · s; a post-norm's bias times s), every expert's down
+    projection for a mixture of experts. The exported layer then adds exactly s times
     its update, as the plan does."""
     spec = arch_spec(model.hf.config.model_type)
     model.check_plan(plan)
@@ -41,19 +42,18 @@ def plan_state_dict(model: LoadedModel, plan: LayerPlan) -> dict[str, torch.Tens
     for new_index, step in enumerate(plan.active_steps):
         source_layer = by_layer[(step.model, step.layer)]
         weights = {rest: tensor.clone() for rest, tensor in source_layer.items()}  # repeats: own storage
-        for scale, post_norm, output in (
-            (step.scale if step.attention else 0.0, spec.attention_post_norm, spec.attention_output),
-            (step.scale if step.mlp else 0.0, spec.mlp_post_norm, spec.mlp_output),
-        ):
+        for scale, sub_layer in ((step.scale if step.attention else 0.0, "attention"), (step.scale if step.mlp else 0.0, "mlp")):
             if scale == 1.0:
                 continue
-            if post_norm is not None:
-                offset = spec.norm_weight_offset
-                weights[f"{post_norm}.weight"] = (offset + weights[f"{post_norm}.weight"].float()) * scale - offset
-            else:
-                for name in (f"{output}.weight", f"{output}.bias"):
-                    if name in weights:
-                        weights[name] = weights[name].float() * scale
+            names, offset = update_parameters(spec, sub_layer, weights)
+            if not names:
+                raise ValueError(f"cannot export a scaled or switched-off {sub_layer} for {model.hf.config.model_type}: "
+                                 "no output projection or post-norm found in its weights")
+            for name in names:
+                if offset is not None and name.endswith(".weight"):
+                    weights[name] = (offset + weights[name].float()) * scale - offset
+                else:
+                    weights[name] = weights[name].float() * scale
         for rest, tensor in weights.items():
             result[f"{prefix}{new_index}.{rest}"] = tensor.to(source_layer[rest].dtype)
     return result

@@ -21,25 +21,31 @@ class ModelError(ValueError):
 
 @dataclass(frozen=True)
 class ArchSpec:
-    """Where one architecture keeps its modules (attribute paths from the CausalLM object)."""
+    """Where one architecture keeps its modules (attribute paths from the CausalLM object).
+
+    Written by hand in ARCHITECTURES for the exceptions; found by models/discovery.py for the rest."""
 
     backbone: str  # the decoder stack inside the CausalLM ("model", "transformer")
     embed: str  # token embeddings inside the backbone
     layers: str  # the ModuleList of decoder layers inside the backbone
     final_norm: str  # norm applied before the LM head
     attention: str  # attention module inside a decoder layer
-    attention_norm: str  # norm before attention
-    mlp: str  # MLP module inside a decoder layer
-    mlp_norm: str  # norm before the MLP
-    attention_post_norm: str | None = None  # norm on the attention output (Gemma)
-    mlp_post_norm: str | None = None  # norm on the MLP output (Gemma)
+    attention_norm: str | None  # norm before attention (None: the layer has none, OLMo 2)
+    mlp: str  # MLP (or mixture-of-experts block) inside a decoder layer
+    mlp_norm: str | None  # norm before the MLP
+    attention_post_norm: str | None = None  # norm on the attention output (Gemma, OLMo 2)
+    mlp_post_norm: str | None = None  # norm on the MLP output (Gemma, OLMo 2)
     position_embed: str | None = None  # learned absolute positions (GPT-2); None means RoPE
     rope_per_layer_type: bool = False  # rotary_emb(x, pos, layer_type) gives one RoPE per layer type
     # for exports: the linear whose output is the attention / MLP residual update (scaling its
-    # weight and bias scales the update); unused where a post-norm follows (Gemma)
-    attention_output: str = "self_attn.o_proj"
-    mlp_output: str = "mlp.down_proj"
+    # weight and bias scales the update); unused where a post-norm follows (Gemma). None: every
+    # parameter of the sub-layer named like an output projection (OUTPUT_NAMES), experts included
+    attention_output: str | None = "self_attn.o_proj"
+    mlp_output: str | None = "mlp.down_proj"
     norm_weight_offset: float = 0.0  # Gemma's RMSNorm multiplies by (offset + weight)
+    mlp_returns_tuple: bool = False  # the MLP returns (update, router scores) (GPT-OSS)
+    parallel: bool = False  # attention and MLP both read the layer's input (Cohere, Falcon, GPT-NeoX)
+    discovered: bool = False  # found by discovery (checked against transformers before use)
 
 
 _LLAMA_LIKE = ArchSpec(
@@ -53,6 +59,8 @@ _LLAMA_LIKE = ArchSpec(
     mlp_norm="post_attention_layernorm",
 )
 
+# The exceptions: architectures whose parts are written down instead of discovered (these seven
+# were hand-checked first and stay as the reference for discovery's own test).
 ARCHITECTURES: dict[str, ArchSpec] = {
     "llama": _LLAMA_LIKE,
     "mistral": _LLAMA_LIKE,
@@ -88,6 +96,75 @@ ARCHITECTURES: dict[str, ArchSpec] = {
     ),
 }
 
+# ----- the conventions discovery looks for (models/discovery.py) ---------------------------------
+ATTENTION_NAMES = ("self_attn", "attn", "attention", "self_attention")
+MLP_NAMES = ("mlp", "block_sparse_moe", "feed_forward", "moe", "ffn")
+FINAL_NORM_NAMES = ("norm", "ln_f", "final_layernorm", "norm_f", "final_layer_norm")
+# last name of a parameter (or of the module holding it) that produces a sub-layer's update:
+# scaling these scales the update (experts' stacked down projections included)
+OUTPUT_NAMES = ("o_proj", "c_proj", "out_proj", "dense", "down_proj", "down_proj_bias", "w2", "fc2", "wo",
+                "dense_4h_to_h", "output_proj")
+# multipliers that transformers applies in a model's or layer's forward, not in a module, named by
+# config key: key -> (where it applies, a value != 1 that tiny configs use so the check sees it)
+CONFIG_SCALES = {
+    "embedding_multiplier": ("embeddings *", 1.5),  # Granite
+    "residual_multiplier": ("sub-layer update *", 0.7),  # Granite
+    "logits_scaling": ("logits /", 2.0),  # Granite
+    "logit_scale": ("logits *", 0.5),  # Cohere
+}
+KNOWN_LAYER_TYPES = ("full_attention", "sliding_attention")
+_STATE_WORDS = ("linear", "mamba", "conv", "recurrent", "ssm", "rwkv", "lstm", "deltanet", "lightning", "hybrid")
+
+
+def refusal_of_config(config) -> str | None:
+    """Why the plan runner cannot run an architecture, from its config alone (None: no reason)."""
+    for key in ("layer_types", "layers_block_type", "hybrid_override_pattern", "block_types"):
+        types = getattr(config, key, None)
+        if not isinstance(types, (list, tuple)):
+            continue
+        for kind in dict.fromkeys(map(str, types)):
+            if kind in KNOWN_LAYER_TYPES:
+                continue
+            if any(word in kind.lower() for word in _STATE_WORDS) or key != "layer_types":
+                return (f"its layers keep recurrent or linear-attention state (layer type '{kind}'); "
+                        "the plan runner's KV cache holds attention keys and values only")
+            return f"layer type '{kind}' is not one the plan runner knows ({', '.join(KNOWN_LAYER_TYPES)})"
+    if getattr(config, "is_encoder_decoder", False):
+        return "an encoder-decoder model, not a decoder-only causal LM"
+    text = vars(config).get("text_config")
+    if text is not None and text is not config:
+        return (f"a multimodal wrapper (its text model is '{text.model_type}'); its CausalLM takes more than "
+                "token ids")
+    parts = [key for key, value in vars(config).items() if hasattr(value, "model_type")]
+    if parts:
+        return f"a composite model (sub-models {', '.join(parts)}), not one decoder stack over token ids"
+    return None
+
+
+class FirstOutput(nn.Module):
+    """The first element of what a module returns: a mixture-of-experts block that also returns
+    its router scores, as the update the plan runner adds."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        return self.inner(x)[0]
+
+
+class Scaled(nn.Module):
+    """A module's output (or its input, without a module) times a constant: the multipliers a
+    model applies in its forward (CONFIG_SCALES), as a part the plan runner calls."""
+
+    def __init__(self, inner: nn.Module | None, factor: float) -> None:
+        super().__init__()
+        self.inner = inner
+        self.factor = factor
+
+    def forward(self, x):
+        return (self.inner(x) if self.inner is not None else x) * self.factor
+
 
 @dataclass(frozen=True)
 class LayerParts:
@@ -97,10 +174,11 @@ class LayerParts:
     attention: nn.Module
     attention_post_norm: nn.Module | None
     mlp_norm: nn.Module
-    mlp: nn.Module
+    mlp: nn.Module  # a mixture-of-experts block is the layer's MLP sub-layer
     mlp_post_norm: nn.Module | None
     layer_type: str  # "full_attention" or "sliding_attention" (selects mask and RoPE)
     sliding_window: int | None  # attend to at most this many most recent positions
+    parallel: bool = False  # the MLP reads the layer's input, as the attention does (a parallel block)
 
 
 @dataclass(frozen=True)
@@ -122,20 +200,36 @@ def _get(obj: Any, path: str) -> Any:
     return obj
 
 
+# specs found by discovery in this process, by model_type (arch_spec's answer for them)
+_DISCOVERED: dict[str, ArchSpec] = {}
+
+
+def remember_discovered(model_type: str, spec: ArchSpec) -> None:
+    _DISCOVERED[model_type] = spec
+
+
 def arch_spec(model_type: str) -> ArchSpec:
-    spec = ARCHITECTURES.get(model_type)
+    spec = ARCHITECTURES.get(model_type) or _DISCOVERED.get(model_type)
     if spec is None:
         raise ModelError(
-            f"architecture '{model_type}' is not supported yet; supported: {', '.join(sorted(ARCHITECTURES))}"
+            f"architecture '{model_type}' is not supported yet; see `layerplan models --architectures`"
         )
     return spec
 
 
-def model_parts(hf_model: nn.Module) -> ModelParts:
+def model_parts(hf_model: nn.Module, spec: ArchSpec) -> ModelParts:
+    """The parts of a loaded CausalLM, found where `spec` says."""
     config = hf_model.config
-    spec = arch_spec(config.model_type)
+    refusal = refusal_of_config(config)
+    if refusal:
+        raise ModelError(f"architecture '{config.model_type}' is refused: {refusal}")
+    unknown = [t for t in (getattr(config, "layer_types", None) or ()) if t not in KNOWN_LAYER_TYPES]
+    if unknown:
+        raise ModelError(f"architecture '{config.model_type}': layer type '{unknown[0]}' is not one the plan runner knows")
     backbone = _get(hf_model, spec.backbone)
     layer_types = getattr(config, "layer_types", None)
+    residual = getattr(config, "residual_multiplier", None)
+    residual = None if residual in (None, 1, 1.0) else float(residual)
     layers = []
     for i, layer in enumerate(_get(backbone, spec.layers)):
         if layer_types is not None:
@@ -143,31 +237,69 @@ def model_parts(hf_model: nn.Module) -> ModelParts:
             window = config.sliding_window if layer_type == "sliding_attention" else None
         else:
             # Mistral and Phi-3 apply config.sliding_window (when set) to every layer.
-            window = getattr(config, "sliding_window", None)
+            window = getattr(config, "sliding_window", None) or None
             layer_type = "sliding_attention" if window is not None else "full_attention"
+        attention_post = _get(layer, spec.attention_post_norm) if spec.attention_post_norm else None
+        mlp_post = _get(layer, spec.mlp_post_norm) if spec.mlp_post_norm else None
+        if residual is not None:  # Granite: residual + multiplier * update
+            attention_post, mlp_post = Scaled(attention_post, residual), Scaled(mlp_post, residual)
         layers.append(
             LayerParts(
-                attention_norm=_get(layer, spec.attention_norm),
+                attention_norm=_get(layer, spec.attention_norm) if spec.attention_norm else nn.Identity(),
                 attention=_get(layer, spec.attention),
-                attention_post_norm=_get(layer, spec.attention_post_norm) if spec.attention_post_norm else None,
-                mlp_norm=_get(layer, spec.mlp_norm),
-                mlp=_get(layer, spec.mlp),
-                mlp_post_norm=_get(layer, spec.mlp_post_norm) if spec.mlp_post_norm else None,
+                attention_post_norm=attention_post,
+                mlp_norm=_get(layer, spec.mlp_norm) if spec.mlp_norm else nn.Identity(),
+                mlp=FirstOutput(_get(layer, spec.mlp)) if spec.mlp_returns_tuple else _get(layer, spec.mlp),
+                mlp_post_norm=mlp_post,
                 layer_type=layer_type,
                 sliding_window=window,
+                parallel=spec.parallel,
             )
         )
+    embed = _get(backbone, spec.embed)
+    multiplier = getattr(config, "embedding_multiplier", None)
+    if multiplier not in (None, 1, 1.0):
+        embed = Scaled(embed, float(multiplier))
+    lm_head = hf_model.get_output_embeddings()
+    final_norm = _get(backbone, spec.final_norm)
+    logit_factor = 1.0 / float(getattr(config, "logits_scaling", None) or 1.0) * float(getattr(config, "logit_scale", None) or 1.0)
+    if logit_factor != 1.0:
+        # the head is linear: scaling its input scales the logits (a head bias would not be scaled)
+        if getattr(lm_head, "bias", None) is not None:
+            raise ModelError(f"architecture '{config.model_type}': logit scaling with a biased LM head is not supported")
+        final_norm = Scaled(final_norm, logit_factor)
     return ModelParts(
-        embed=_get(backbone, spec.embed),
+        embed=embed,
         position_embed=_get(backbone, spec.position_embed) if spec.position_embed else None,
         layers=tuple(layers),
-        final_norm=_get(backbone, spec.final_norm),
-        lm_head=hf_model.get_output_embeddings(),
+        final_norm=final_norm,
+        lm_head=lm_head,
         rotary=getattr(backbone, "rotary_emb", None),
         rope_per_layer_type=spec.rope_per_layer_type,
         final_logit_softcapping=getattr(config, "final_logit_softcapping", None),
         layer_types=tuple(sorted({p.layer_type for p in layers})),
     )
+
+
+def update_parameters(spec: ArchSpec, sub_layer: str, layer_state: dict[str, Any]) -> tuple[list[str], float | None]:
+    """(names in a layer's state dict whose scaling by s scales the sub-layer's update by s, the
+    norm offset when those are a post-norm's weight (scaled as (offset + w) * s - offset), else None)."""
+    post_norm = spec.attention_post_norm if sub_layer == "attention" else spec.mlp_post_norm
+    if post_norm is not None:
+        names = [f"{post_norm}.weight"] + ([f"{post_norm}.bias"] if f"{post_norm}.bias" in layer_state else [])
+        return names, spec.norm_weight_offset
+    output = spec.attention_output if sub_layer == "attention" else spec.mlp_output
+    if output is not None:
+        return [n for n in (f"{output}.weight", f"{output}.bias") if n in layer_state], None
+    module = spec.attention if sub_layer == "attention" else spec.mlp
+    names = []
+    for name in layer_state:
+        if not name.startswith(f"{module}."):
+            continue
+        pieces = name.split(".")
+        if pieces[-1] in OUTPUT_NAMES or (pieces[-1] in ("weight", "bias") and len(pieces) > 1 and pieces[-2] in OUTPUT_NAMES):
+            names.append(name)
+    return names, None
 
 
 # ----- config keys ------------------------------------------------------------------------------
@@ -178,10 +310,10 @@ SHAPE_KEYS = ("model_type", "hidden_size", "num_attention_heads", "num_key_value
 TEXT_MODEL_TYPES = {"gemma3": "gemma3_text"}
 
 
-def spec_for_config(config: dict[str, Any]) -> ArchSpec:
-    """The ArchSpec for a config.json (read before loading weights: fail early)."""
+def text_model_type(config: dict[str, Any]) -> str:
+    """The model_type transformers' CausalLM loads for a config.json (multimodal wrappers mapped)."""
     model_type = config.get("model_type", "?")
-    return arch_spec(TEXT_MODEL_TYPES.get(model_type, model_type))
+    return TEXT_MODEL_TYPES.get(model_type, model_type)
 
 
 def config_depth(config: dict[str, Any]) -> int | None:
@@ -202,6 +334,9 @@ def layer_prefix(model_type: str) -> str:
     return f"{spec.backbone}.{spec.layers}."
 
 
+_NOT_PER_LAYER = ("architectures", "eos_token_id", "bos_token_id", "pad_token_id", "mlp_only_layers")
+
+
 def config_with_layers(config, layers: list[int]):
     """A copy of a transformers config for a model whose layer j is the original's layers[j]:
     the depth key of the architecture, per-layer `layer_types` rebuilt."""
@@ -211,8 +346,13 @@ def config_with_layers(config, layers: list[int]):
         config.n_layer = len(layers)
     else:
         config.num_hidden_layers = len(layers)
-    if getattr(config, "layer_types", None) is not None:
-        config.layer_types = [original.layer_types[i] for i in layers]
+    depth = original.num_hidden_layers if hasattr(original, "num_hidden_layers") else getattr(original, "n_layer", None)
+    for key, value in vars(original).items():
+        # per-layer lists (layer_types, which layers use RoPE, ...) follow their layers
+        if isinstance(value, list) and depth and len(value) == depth and key not in _NOT_PER_LAYER:
+            setattr(config, key, [value[i] for i in layers])
+    if getattr(original, "mlp_only_layers", None):  # Qwen-MoE: indices of the dense layers
+        config.mlp_only_layers = [j for j, i in enumerate(layers) if i in original.mlp_only_layers]
     if hasattr(config, "max_window_layers") and getattr(config, "layer_types", None) is not None:
         config.max_window_layers = len(layers)  # layer_types already says which layers slide
     return config

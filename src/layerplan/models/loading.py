@@ -9,7 +9,7 @@ import json
 import os
 import shutil
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -19,8 +19,9 @@ from torch import nn
 from layerplan.files import cache_dir
 from layerplan.engine.cpu_pack import pack_linears, packing_supported
 from layerplan.engine.native import enable as enable_native, resolve_engine
-from layerplan.models.architectures import (SHAPE_KEYS, LayerParts, ModelError, ModelParts, config_depth,
-                                            context_length, model_parts, spec_for_config)
+from layerplan.models.architectures import (SHAPE_KEYS, TEXT_MODEL_TYPES, LayerParts, ModelError, ModelParts,
+                                            config_depth, context_length)
+from layerplan.models.discovery import native_allowed, parts_of, require_checked
 from layerplan.plan.formats import load_plan
 from layerplan.plan.plan import LayerPlan, PlanError
 
@@ -43,9 +44,14 @@ class LoadedModel:
     others: dict[str, LoadedModel] = field(default_factory=dict)
     # the native kernels' view of this model (engine/native.py); None runs every module eagerly
     native: Any = field(default=None, repr=False)
+    # a model whose parts were discovered runs only after its architecture passed the check
+    # (models/verify.py); the check itself builds its tiny model with require_check=False
+    require_check: InitVar[bool] = True
 
-    def __post_init__(self) -> None:
-        self.parts = model_parts(self.hf)
+    def __post_init__(self, require_check: bool) -> None:
+        self.parts = parts_of(self.hf)  # discovery's own refusals first: they say more
+        if require_check:
+            require_checked(self.hf.config)
 
     def layers_of(self, label: str) -> tuple[LayerParts, ...]:
         return self.parts.layers if not label else self.others[label].parts.layers
@@ -243,7 +249,7 @@ def load_model(
     device = resolve_device(device)
     folder, name, origin = _resolve(source)
     dtype = resolve_dtype(dtype)
-    spec_for_config(json.loads((folder / "config.json").read_text()))  # fail before loading weights
+    require_checked(_config_of(folder))  # fail before loading weights
     hf = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation="sdpa")
     hf.to(device).eval()
     kind = resolve_engine(engine, dtype, device)
@@ -253,9 +259,27 @@ def load_model(
         pack_linears(hf)
     tokenizer = AutoTokenizer.from_pretrained(folder)
     model = LoadedModel(name=name, hf=hf, tokenizer=tokenizer, source=origin)
-    if kind == "native":
+    if kind == "native" and native_allowed(hf.config):
         enable_native(model)
     return model
+
+
+def _config_of(folder: Path):
+    """The transformers config of the text model a folder holds (multimodal wrappers: their text part)."""
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(folder)
+    except (ValueError, KeyError, OSError) as error:
+        raise ModelError(f"{folder / 'config.json'}: transformers cannot read it ({(str(error).splitlines() or [''])[0][:200]})") from None
+    if config.model_type in TEXT_MODEL_TYPES:
+        config = config.get_text_config()
+    return config
+
+
+def model_config(source: str | os.PathLike | None = None):
+    """The transformers config of a model (folder, GGUF, the default), without loading weights."""
+    return _config_of(_resolve(source)[0])
 
 
 def wrap_model(hf_model: nn.Module, tokenizer: Any = None, name: str | None = None) -> LoadedModel:
