@@ -136,6 +136,9 @@ def run_hidden(
         layer = parts.layers[step.layer] if not step.model else model.layers_of(step.model)[step.layer]
         fast = native.layer(step.model, step.layer) if native is not None else None
         resumes_at_mlp = index == first_step and first_sub == "mlp"
+        if layer.parallel and resumes_at_mlp and step.mlp:
+            raise ValueError("a parallel block's MLP reads the layer's input: resume it at its attention")
+        block_input = hidden  # a parallel block's (Cohere, Falcon) MLP reads this, not the attention's output
         if observe is not None and not resumes_at_mlp:
             observe(index, "attention", hidden)
         if step.attention and not resumes_at_mlp:
@@ -164,10 +167,10 @@ def run_hidden(
         if observe is not None:
             observe(index, "mlp", hidden)
         if step.mlp:
-            if fast is not None and fast.mlp is not None:
+            if fast is not None and fast.mlp is not None and not layer.parallel:
                 hidden = fast.run_mlp(hidden, step.scale)
             else:
-                update = layer.mlp(layer.mlp_norm(hidden))
+                update = layer.mlp(layer.mlp_norm(block_input if layer.parallel else hidden))
                 if layer.mlp_post_norm is not None:
                     update = layer.mlp_post_norm(update)
                 hidden = hidden + update if step.scale == 1.0 else hidden + step.scale * update
