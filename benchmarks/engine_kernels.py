@@ -39,11 +39,12 @@ def main() -> None:
         for name, (n, k) in {"mlp up 1536x576": (1536, 576), "lm head 49152x576": (49152, 576)}.items():
             for dtype in (torch.bfloat16, torch.float32):
                 weight = (torch.randn(n, k, generator=generator) / k**0.5).to(dtype)
+                packed = native.PackedMatrix([weight], [None])
                 repeats = args.repeats if n < 10_000 else max(5, args.repeats // 5)
                 cells = []
                 for rows in ROWS:
                     x = torch.randn(rows, k, generator=generator).to(dtype)
-                    ours = median_ms(lambda: native.linear(x, weight), repeats, warmup=3)
+                    ours = median_ms(lambda: packed(x), repeats, warmup=3)
                     torch_ms = median_ms(lambda: torch.nn.functional.linear(x, weight), repeats, warmup=3)
                     unit, scale = ("us", 1e3) if n < 10_000 else ("ms", 1.0)
                     cells.append(f"{rows:>2} rows {ours * scale:7.1f} / {torch_ms * scale:7.1f} {unit}")

@@ -15,11 +15,7 @@ pytestmark = pytest.mark.skipif(native.native_available() is not None, reason=st
 
 
 def _linear(x, w, b):
-    y = torch.empty(x.shape[0], w.shape[0], dtype=x.dtype)
-    native.library().lp_linear(x.data_ptr(), int(x.dtype == torch.bfloat16), w.data_ptr(), int(w.dtype == torch.bfloat16),
-                               b.data_ptr() if b is not None else None, y.data_ptr(), int(x.dtype == torch.bfloat16),
-                               x.shape[0], w.shape[0], w.shape[1], torch.get_num_threads())
-    return y
+    return native.linear(x, w, b)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -37,6 +33,40 @@ def test_linear_matches_torch_and_is_batch_invariant(dtype, n, k):
         torch.testing.assert_close(together.float(), reference[:rows], atol=tolerance, rtol=tolerance)
         # a row's result does not depend on the rows computed beside it: bit for bit
         assert torch.equal(together, alone[:rows]), f"row results changed with {rows} rows"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_linear_does_not_depend_on_the_thread_count(dtype):
+    gen = torch.Generator().manual_seed(7)
+    w = (torch.randn(1000, 96, generator=gen) / 10).to(dtype)  # 62.5 panels: a partial last one
+    x = torch.randn(9, 96, generator=gen).to(dtype)
+    packed = native.PackedMatrix([w], [None])
+    before = torch.get_num_threads()
+    try:
+        results = []
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            results.append(packed(x))
+    finally:
+        torch.set_num_threads(before)
+    assert all(torch.equal(results[0], r) for r in results[1:])
+    torch.testing.assert_close(results[0].float(), torch.nn.functional.linear(x.float(), w.float()),
+                               atol=1e-5 if dtype == torch.float32 else 2e-2, rtol=1e-5 if dtype == torch.float32 else 2e-2)
+
+
+def test_stacked_matrices_equal_separate_ones():
+    gen = torch.Generator().manual_seed(3)
+    parts = [torch.randn(n, 40, generator=gen) for n in (24, 8, 8)]
+    biases = [torch.randn(24, generator=gen), None, torch.randn(8, generator=gen)]
+    x = torch.randn(5, 40, generator=gen)
+    stacked = native.PackedMatrix(parts, biases)(x)
+    separate = torch.cat([native.linear(x, w, b) for w, b in zip(parts, biases)], dim=-1)
+    assert torch.equal(stacked, separate)
+
+
+def test_packing_refuses_what_the_kernels_do_not_take():
+    with pytest.raises(native.Unsupported, match="float16"):
+        native.PackedMatrix([torch.zeros(4, 4, dtype=torch.float16)], [None])
 
 
 def _eager_and_native(arch, dtype=torch.float32, layers=3):

@@ -36,6 +36,9 @@ def test_cached_probe_is_ignored_on_another_machine_or_torch(tmp_path, monkeypat
     monkeypatch.undo()
     monkeypatch.setattr(probe.torch, "__version__", "9.9.9")
     assert probe.load_probe(tmp_path, "m") is None  # another torch: stale too
+    monkeypatch.undo()
+    monkeypatch.setattr(probe, "kernels_key", lambda: "other kernels")
+    assert probe.load_probe(tmp_path, "m") is None  # the native kernels changed: their timings too
 
 
 def test_corrupt_probe_file_is_ignored(tmp_path):

@@ -44,12 +44,19 @@ static inline __m128 hsum4(__m256 a, __m256 b, __m256 c, __m256 d) {
 }
 
 /* ----- matrix products: y[m, n] = x[m, :] . w[n, :] + bias[n] -----
- * k is taken in blocks of 16. A bf16 block of w is widened with two unpacks, which puts its
- * elements in the order [0-3, 8-11] and [4-7, 12-15]; x is stored in that same order once per
- * call (xp below), so a dot product needs no shuffles. Each (row, output) pair has one 8-lane
- * accumulator that takes the low then the high half of every block, is summed across lanes by
- * hsum4, then gets the tail (k % 16) added in order: the same operations whatever the tile
- * shape, so results do not depend on how many rows the call has. */
+ * Weights are used in a packed copy made once per model (lp_pack): panels of 16 output rows,
+ * stored input-major (for each input i, the 16 weights of the panel), zero-padded to whole panels.
+ * A kernel keeps an R-rows x 16P-outputs block of sums in registers and, for each input i,
+ * broadcasts x[r][i] against the panel's 16 weights: no horizontal sums, every weight loaded once
+ * per row group, and enough independent sums to keep both FMA units busy.
+ * bf16 panels are stored with lanes in the order [0-3, 8-11, 4-7, 12-15], so the two unpacks
+ * that widen them to fp32 give outputs 0-7 and 8-15.
+ *
+ * Batch invariance: every output is reduced in one order whatever the tile shape, the number of
+ * rows or the thread that computes it: a chain of FMAs over each block of LP_BLOCK inputs in
+ * order, the blocks' sums added in order. (Blocks keep the rounding error near that of PyTorch's
+ * blocked sums; one chain over all 1536 inputs of an MLP down-projection drifted 1e-4 from
+ * transformers' fp32 logits.) */
 static inline void widen_bf16(const uint16_t *p, __m256 *lo, __m256 *hi) {
     __m256i v = _mm256_loadu_si256((const __m256i *)p), z = _mm256_setzero_si256();
     *lo = _mm256_castsi256_ps(_mm256_unpacklo_epi16(z, v));
@@ -61,137 +68,196 @@ static inline void widen_f32(const float *p, __m256 *lo, __m256 *hi) {
     *hi = _mm256_loadu_ps(p + 8);
 }
 
-/* R rows (xp: block order, x: natural order) times C weight rows: out[r][c]. R and C are
- * literal constants in every instance, so the accumulators live in registers. */
-#define DEFINE_TILE(NAME, R, C, WT, WIDEN, WVAL)                                                    \
-    static void NAME(const float *const *xp, const float *const *x, const WT *const *w, long k,   \
-                     float out[4][4]) {                                                           \
-        __m256 acc[R][C];                                                                         \
-        _Pragma("GCC unroll 4") for (int r = 0; r < R; r++)                                       \
-            _Pragma("GCC unroll 4") for (int c = 0; c < C; c++) acc[r][c] = _mm256_setzero_ps();  \
-        long kb = k & ~15L;                                                                       \
-        for (long i = 0; i < kb; i += 16) {                                                       \
-            if (R > 2 && (i & 31) == 0) { /* compute-bound: fetch weights 4 tiles ahead */       \
-                _Pragma("GCC unroll 4") for (int c = 0; c < C; c++)                               \
-                    _mm_prefetch((const char *)(w[c] + 4 * C * k + i), _MM_HINT_T0);              \
-            }                                                                                     \
-            if (R <= 2) { /* rows in registers, weight rows streamed through */                  \
-                __m256 xl[R], xh[R];                                                              \
-                _Pragma("GCC unroll 4") for (int r = 0; r < R; r++) {                             \
-                    xl[r] = _mm256_load_ps(xp[r] + i);                                            \
-                    xh[r] = _mm256_load_ps(xp[r] + i + 8);                                        \
-                }                                                                                 \
-                _Pragma("GCC unroll 4") for (int c = 0; c < C; c++) {                             \
-                    __m256 wl, wh;                                                                \
-                    WIDEN(w[c] + i, &wl, &wh);                                                    \
-                    _Pragma("GCC unroll 4") for (int r = 0; r < R; r++) {                         \
-                        acc[r][c] = _mm256_fmadd_ps(xl[r], wl, acc[r][c]);                        \
-                        acc[r][c] = _mm256_fmadd_ps(xh[r], wh, acc[r][c]);                        \
-                    }                                                                             \
-                }                                                                                 \
-            } else { /* weight rows in registers, rows streamed through */                       \
-                __m256 wl[C], wh[C];                                                              \
-                _Pragma("GCC unroll 4") for (int c = 0; c < C; c++) WIDEN(w[c] + i, &wl[c], &wh[c]); \
-                _Pragma("GCC unroll 4") for (int r = 0; r < R; r++) {                             \
-                    __m256 xl = _mm256_load_ps(xp[r] + i), xh = _mm256_load_ps(xp[r] + i + 8);   \
-                    _Pragma("GCC unroll 4") for (int c = 0; c < C; c++) {                         \
-                        acc[r][c] = _mm256_fmadd_ps(xl, wl[c], acc[r][c]);                        \
-                        acc[r][c] = _mm256_fmadd_ps(xh, wh[c], acc[r][c]);                        \
-                    }                                                                             \
-                }                                                                                 \
-            }                                                                                     \
-        }                                                                                         \
-        _Pragma("GCC unroll 4") for (int r = 0; r < R; r++) {                                     \
-            __m256 z = _mm256_setzero_ps();                                                       \
-            float s[4];                                                                           \
-            _mm_storeu_ps(s, hsum4(acc[r][0], C > 1 ? acc[r][C > 1 ? 1 : 0] : z,                  \
-                                   C > 2 ? acc[r][C > 2 ? 2 : 0] : z, C > 3 ? acc[r][C > 3 ? 3 : 0] : z)); \
-            for (int c = 0; c < C; c++) {                                                         \
-                float v = s[c];                                                                   \
-                for (long i = kb; i < k; i++) v += x[r][i] * WVAL(w[c][i]);                       \
-                out[r][c] = v;                                                                    \
-            }                                                                                     \
-        }                                                                                         \
+/* R rows (x: rows of k floats) times P panels (w: the first panel, `panel` elements apart) into
+ * y (row stride ys). R and P are literal constants in every instance; the sums are named
+ * variables, not an array, because GCC keeps some arrays of sums in memory and stores them on
+ * every step (measured: half the speed). */
+#define DEFINE_KERNEL(NAME, R, P, WT, WIDEN, AHEAD)                                                 \
+    static void NAME(const float *x, long k, const WT *w, long panel, float *y, long ys) {          \
+        const float *x0 = x + (R > 0 ? 0 : 0) * k, *x1 = x + (R > 1 ? 1 : 0) * k, *x2 = x + (R > 2 ? 2 : 0) * k, *x3 = x + (R > 3 ? 3 : 0) * k, *x4 = x + (R > 4 ? 4 : 0) * k, *x5 = x + (R > 5 ? 5 : 0) * k; \
+        for (long i0 = 0; i0 < k; i0 += LP_BLOCK) {                                                \
+            long i1 = i0 + LP_BLOCK < k ? i0 + LP_BLOCK : k;                                       \
+            __m256 z = _mm256_setzero_ps();                                                        \
+            __m256 a00l = z, a00h = z, a01l = z, a01h = z, a02l = z, a02h = z, a03l = z, a03h = z; \
+            __m256 a10l = z, a10h = z, a11l = z, a11h = z, a12l = z, a12h = z, a13l = z, a13h = z; \
+            __m256 a20l = z, a20h = z, a21l = z, a21h = z, a22l = z, a22h = z, a23l = z, a23h = z; \
+            __m256 a30l = z, a30h = z, a31l = z, a31h = z, a32l = z, a32h = z, a33l = z, a33h = z; \
+            __m256 a40l = z, a40h = z, a41l = z, a41h = z, a42l = z, a42h = z, a43l = z, a43h = z; \
+            __m256 a50l = z, a50h = z, a51l = z, a51h = z, a52l = z, a52h = z, a53l = z, a53h = z; \
+            for (long i = i0; i < i1; i++) {                                                       \
+                __m256 wl0, wh0, wl1, wh1, wl2, wh2, wl3, wh3, b;                                   \
+                if (AHEAD && R > 1 && (i * 16 * sizeof(WT)) % 64 == 0) { /* a line of each next panel */ \
+                    if (P > 0) _mm_prefetch((const char *)(w + (P + 0) * panel + i * 16 + AHEAD), LP_HINT); \
+                    if (P > 1) _mm_prefetch((const char *)(w + (P + 1) * panel + i * 16 + AHEAD), LP_HINT); \
+                    if (P > 2) _mm_prefetch((const char *)(w + (P + 2) * panel + i * 16 + AHEAD), LP_HINT); \
+                    if (P > 3) _mm_prefetch((const char *)(w + (P + 3) * panel + i * 16 + AHEAD), LP_HINT); \
+                }                                                                                  \
+                if (P > 0) WIDEN(w + 0 * panel + i * 16, &wl0, &wh0);   \
+                if (P > 1) WIDEN(w + 1 * panel + i * 16, &wl1, &wh1);   \
+                if (P > 2) WIDEN(w + 2 * panel + i * 16, &wl2, &wh2);   \
+                if (P > 3) WIDEN(w + 3 * panel + i * 16, &wl3, &wh3);   \
+                if (R > 0) { b = _mm256_broadcast_ss(x0 + i); if (P > 0) { a00l = _mm256_fmadd_ps(b, wl0, a00l); a00h = _mm256_fmadd_ps(b, wh0, a00h); } if (P > 1) { a01l = _mm256_fmadd_ps(b, wl1, a01l); a01h = _mm256_fmadd_ps(b, wh1, a01h); } if (P > 2) { a02l = _mm256_fmadd_ps(b, wl2, a02l); a02h = _mm256_fmadd_ps(b, wh2, a02h); } if (P > 3) { a03l = _mm256_fmadd_ps(b, wl3, a03l); a03h = _mm256_fmadd_ps(b, wh3, a03h); } } \
+                if (R > 1) { b = _mm256_broadcast_ss(x1 + i); if (P > 0) { a10l = _mm256_fmadd_ps(b, wl0, a10l); a10h = _mm256_fmadd_ps(b, wh0, a10h); } if (P > 1) { a11l = _mm256_fmadd_ps(b, wl1, a11l); a11h = _mm256_fmadd_ps(b, wh1, a11h); } if (P > 2) { a12l = _mm256_fmadd_ps(b, wl2, a12l); a12h = _mm256_fmadd_ps(b, wh2, a12h); } if (P > 3) { a13l = _mm256_fmadd_ps(b, wl3, a13l); a13h = _mm256_fmadd_ps(b, wh3, a13h); } } \
+                if (R > 2) { b = _mm256_broadcast_ss(x2 + i); if (P > 0) { a20l = _mm256_fmadd_ps(b, wl0, a20l); a20h = _mm256_fmadd_ps(b, wh0, a20h); } if (P > 1) { a21l = _mm256_fmadd_ps(b, wl1, a21l); a21h = _mm256_fmadd_ps(b, wh1, a21h); } if (P > 2) { a22l = _mm256_fmadd_ps(b, wl2, a22l); a22h = _mm256_fmadd_ps(b, wh2, a22h); } if (P > 3) { a23l = _mm256_fmadd_ps(b, wl3, a23l); a23h = _mm256_fmadd_ps(b, wh3, a23h); } } \
+                if (R > 3) { b = _mm256_broadcast_ss(x3 + i); if (P > 0) { a30l = _mm256_fmadd_ps(b, wl0, a30l); a30h = _mm256_fmadd_ps(b, wh0, a30h); } if (P > 1) { a31l = _mm256_fmadd_ps(b, wl1, a31l); a31h = _mm256_fmadd_ps(b, wh1, a31h); } if (P > 2) { a32l = _mm256_fmadd_ps(b, wl2, a32l); a32h = _mm256_fmadd_ps(b, wh2, a32h); } if (P > 3) { a33l = _mm256_fmadd_ps(b, wl3, a33l); a33h = _mm256_fmadd_ps(b, wh3, a33h); } } \
+                if (R > 4) { b = _mm256_broadcast_ss(x4 + i); if (P > 0) { a40l = _mm256_fmadd_ps(b, wl0, a40l); a40h = _mm256_fmadd_ps(b, wh0, a40h); } if (P > 1) { a41l = _mm256_fmadd_ps(b, wl1, a41l); a41h = _mm256_fmadd_ps(b, wh1, a41h); } if (P > 2) { a42l = _mm256_fmadd_ps(b, wl2, a42l); a42h = _mm256_fmadd_ps(b, wh2, a42h); } if (P > 3) { a43l = _mm256_fmadd_ps(b, wl3, a43l); a43h = _mm256_fmadd_ps(b, wh3, a43h); } } \
+                if (R > 5) { b = _mm256_broadcast_ss(x5 + i); if (P > 0) { a50l = _mm256_fmadd_ps(b, wl0, a50l); a50h = _mm256_fmadd_ps(b, wh0, a50h); } if (P > 1) { a51l = _mm256_fmadd_ps(b, wl1, a51l); a51h = _mm256_fmadd_ps(b, wh1, a51h); } if (P > 2) { a52l = _mm256_fmadd_ps(b, wl2, a52l); a52h = _mm256_fmadd_ps(b, wh2, a52h); } if (P > 3) { a53l = _mm256_fmadd_ps(b, wl3, a53l); a53h = _mm256_fmadd_ps(b, wh3, a53h); } } \
+            }                                                                                      \
+            if (R > 0 && P > 0) _mm256_storeu_ps(y + 0 * ys + 0, i0 ? _mm256_add_ps(_mm256_loadu_ps(y + 0 * ys + 0), a00l) : a00l); \
+            if (R > 0 && P > 0) _mm256_storeu_ps(y + 0 * ys + 8, i0 ? _mm256_add_ps(_mm256_loadu_ps(y + 0 * ys + 8), a00h) : a00h); \
+            if (R > 0 && P > 1) _mm256_storeu_ps(y + 0 * ys + 16, i0 ? _mm256_add_ps(_mm256_loadu_ps(y + 0 * ys + 16), a01l) : a01l); \
+            if (R > 0 && P > 1) _mm256_storeu_ps(y + 0 * ys + 24, i0 ? _mm256_add_ps(_mm256_loadu_ps(y + 0 * ys + 24), a01h) : a01h); \
+            if (R > 0 && P > 2) _mm256_storeu_ps(y + 0 * ys + 32, i0 ? _mm256_add_ps(_mm256_loadu_ps(y + 0 * ys + 32), a02l) : a02l); \
+            if (R > 0 && P > 2) _mm256_storeu_ps(y + 0 * ys + 40, i0 ? _mm256_add_ps(_mm256_loadu_ps(y + 0 * ys + 40), a02h) : a02h); \
+            if (R > 0 && P > 3) _mm256_storeu_ps(y + 0 * ys + 48, i0 ? _mm256_add_ps(_mm256_loadu_ps(y + 0 * ys + 48), a03l) : a03l); \
+            if (R > 0 && P > 3) _mm256_storeu_ps(y + 0 * ys + 56, i0 ? _mm256_add_ps(_mm256_loadu_ps(y + 0 * ys + 56), a03h) : a03h); \
+            if (R > 1 && P > 0) _mm256_storeu_ps(y + 1 * ys + 0, i0 ? _mm256_add_ps(_mm256_loadu_ps(y + 1 * ys + 0), a10l) : a10l); \
+            if (R > 1 && P > 0) _mm256_storeu_ps(y + 1 * ys + 8, i0 ? _mm256_add_ps(_mm256_loadu_ps(y + 1 * ys + 8), a10h) : a10h); \
+            if (R > 1 && P > 1) _mm256_storeu_ps(y + 1 * ys + 16, i0 ? _mm256_add_ps(_mm256_loadu_ps(y + 1 * ys + 16), a11l) : a11l); \
+            if (R > 1 && P > 1) _mm256_storeu_ps(y + 1 * ys + 24, i0 ? _mm256_add_ps(_mm256_loadu_ps(y + 1 * ys + 24), a11h) : a11h); \
+            if (R > 1 && P > 2) _mm256_storeu_ps(y + 1 * ys + 32, i0 ? _mm256_add_ps(_mm256_loadu_ps(y + 1 * ys + 32), a12l) : a12l); \
+            if (R > 1 && P > 2) _mm256_storeu_ps(y + 1 * ys + 40, i0 ? _mm256_add_ps(_mm256_loadu_ps(y + 1 * ys + 40), a12h) : a12h); \
+            if (R > 1 && P > 3) _mm256_storeu_ps(y + 1 * ys + 48, i0 ? _mm256_add_ps(_mm256_loadu_ps(y + 1 * ys + 48), a13l) : a13l); \
+            if (R > 1 && P > 3) _mm256_storeu_ps(y + 1 * ys + 56, i0 ? _mm256_add_ps(_mm256_loadu_ps(y + 1 * ys + 56), a13h) : a13h); \
+            if (R > 2 && P > 0) _mm256_storeu_ps(y + 2 * ys + 0, i0 ? _mm256_add_ps(_mm256_loadu_ps(y + 2 * ys + 0), a20l) : a20l); \
+            if (R > 2 && P > 0) _mm256_storeu_ps(y + 2 * ys + 8, i0 ? _mm256_add_ps(_mm256_loadu_ps(y + 2 * ys + 8), a20h) : a20h); \
+            if (R > 2 && P > 1) _mm256_storeu_ps(y + 2 * ys + 16, i0 ? _mm256_add_ps(_mm256_loadu_ps(y + 2 * ys + 16), a21l) : a21l); \
+            if (R > 2 && P > 1) _mm256_storeu_ps(y + 2 * ys + 24, i0 ? _mm256_add_ps(_mm256_loadu_ps(y + 2 * ys + 24), a21h) : a21h); \
+            if (R > 2 && P > 2) _mm256_storeu_ps(y + 2 * ys + 32, i0 ? _mm256_add_ps(_mm256_loadu_ps(y + 2 * ys + 32), a22l) : a22l); \
+            if (R > 2 && P > 2) _mm256_storeu_ps(y + 2 * ys + 40, i0 ? _mm256_add_ps(_mm256_loadu_ps(y + 2 * ys + 40), a22h) : a22h); \
+            if (R > 2 && P > 3) _mm256_storeu_ps(y + 2 * ys + 48, i0 ? _mm256_add_ps(_mm256_loadu_ps(y + 2 * ys + 48), a23l) : a23l); \
+            if (R > 2 && P > 3) _mm256_storeu_ps(y + 2 * ys + 56, i0 ? _mm256_add_ps(_mm256_loadu_ps(y + 2 * ys + 56), a23h) : a23h); \
+            if (R > 3 && P > 0) _mm256_storeu_ps(y + 3 * ys + 0, i0 ? _mm256_add_ps(_mm256_loadu_ps(y + 3 * ys + 0), a30l) : a30l); \
+            if (R > 3 && P > 0) _mm256_storeu_ps(y + 3 * ys + 8, i0 ? _mm256_add_ps(_mm256_loadu_ps(y + 3 * ys + 8), a30h) : a30h); \
+            if (R > 3 && P > 1) _mm256_storeu_ps(y + 3 * ys + 16, i0 ? _mm256_add_ps(_mm256_loadu_ps(y + 3 * ys + 16), a31l) : a31l); \
+            if (R > 3 && P > 1) _mm256_storeu_ps(y + 3 * ys + 24, i0 ? _mm256_add_ps(_mm256_loadu_ps(y + 3 * ys + 24), a31h) : a31h); \
+            if (R > 3 && P > 2) _mm256_storeu_ps(y + 3 * ys + 32, i0 ? _mm256_add_ps(_mm256_loadu_ps(y + 3 * ys + 32), a32l) : a32l); \
+            if (R > 3 && P > 2) _mm256_storeu_ps(y + 3 * ys + 40, i0 ? _mm256_add_ps(_mm256_loadu_ps(y + 3 * ys + 40), a32h) : a32h); \
+            if (R > 3 && P > 3) _mm256_storeu_ps(y + 3 * ys + 48, i0 ? _mm256_add_ps(_mm256_loadu_ps(y + 3 * ys + 48), a33l) : a33l); \
+            if (R > 3 && P > 3) _mm256_storeu_ps(y + 3 * ys + 56, i0 ? _mm256_add_ps(_mm256_loadu_ps(y + 3 * ys + 56), a33h) : a33h); \
+            if (R > 4 && P > 0) _mm256_storeu_ps(y + 4 * ys + 0, i0 ? _mm256_add_ps(_mm256_loadu_ps(y + 4 * ys + 0), a40l) : a40l); \
+            if (R > 4 && P > 0) _mm256_storeu_ps(y + 4 * ys + 8, i0 ? _mm256_add_ps(_mm256_loadu_ps(y + 4 * ys + 8), a40h) : a40h); \
+            if (R > 4 && P > 1) _mm256_storeu_ps(y + 4 * ys + 16, i0 ? _mm256_add_ps(_mm256_loadu_ps(y + 4 * ys + 16), a41l) : a41l); \
+            if (R > 4 && P > 1) _mm256_storeu_ps(y + 4 * ys + 24, i0 ? _mm256_add_ps(_mm256_loadu_ps(y + 4 * ys + 24), a41h) : a41h); \
+            if (R > 4 && P > 2) _mm256_storeu_ps(y + 4 * ys + 32, i0 ? _mm256_add_ps(_mm256_loadu_ps(y + 4 * ys + 32), a42l) : a42l); \
+            if (R > 4 && P > 2) _mm256_storeu_ps(y + 4 * ys + 40, i0 ? _mm256_add_ps(_mm256_loadu_ps(y + 4 * ys + 40), a42h) : a42h); \
+            if (R > 4 && P > 3) _mm256_storeu_ps(y + 4 * ys + 48, i0 ? _mm256_add_ps(_mm256_loadu_ps(y + 4 * ys + 48), a43l) : a43l); \
+            if (R > 4 && P > 3) _mm256_storeu_ps(y + 4 * ys + 56, i0 ? _mm256_add_ps(_mm256_loadu_ps(y + 4 * ys + 56), a43h) : a43h); \
+            if (R > 5 && P > 0) _mm256_storeu_ps(y + 5 * ys + 0, i0 ? _mm256_add_ps(_mm256_loadu_ps(y + 5 * ys + 0), a50l) : a50l); \
+            if (R > 5 && P > 0) _mm256_storeu_ps(y + 5 * ys + 8, i0 ? _mm256_add_ps(_mm256_loadu_ps(y + 5 * ys + 8), a50h) : a50h); \
+            if (R > 5 && P > 1) _mm256_storeu_ps(y + 5 * ys + 16, i0 ? _mm256_add_ps(_mm256_loadu_ps(y + 5 * ys + 16), a51l) : a51l); \
+            if (R > 5 && P > 1) _mm256_storeu_ps(y + 5 * ys + 24, i0 ? _mm256_add_ps(_mm256_loadu_ps(y + 5 * ys + 24), a51h) : a51h); \
+            if (R > 5 && P > 2) _mm256_storeu_ps(y + 5 * ys + 32, i0 ? _mm256_add_ps(_mm256_loadu_ps(y + 5 * ys + 32), a52l) : a52l); \
+            if (R > 5 && P > 2) _mm256_storeu_ps(y + 5 * ys + 40, i0 ? _mm256_add_ps(_mm256_loadu_ps(y + 5 * ys + 40), a52h) : a52h); \
+            if (R > 5 && P > 3) _mm256_storeu_ps(y + 5 * ys + 48, i0 ? _mm256_add_ps(_mm256_loadu_ps(y + 5 * ys + 48), a53l) : a53l); \
+            if (R > 5 && P > 3) _mm256_storeu_ps(y + 5 * ys + 56, i0 ? _mm256_add_ps(_mm256_loadu_ps(y + 5 * ys + 56), a53h) : a53h); \
+        }                                                                                          \
     }
 
-#define AS_F32(v) (v)
-#define DEFINE_TILES(SUFFIX, WT, WIDEN, WVAL)                                                     \
-    DEFINE_TILE(tile4x2_##SUFFIX, 4, 2, WT, WIDEN, WVAL)                                          \
-    DEFINE_TILE(tile2x4_##SUFFIX, 2, 4, WT, WIDEN, WVAL)                                          \
-    DEFINE_TILE(tile1x4_##SUFFIX, 1, 4, WT, WIDEN, WVAL)                                          \
-    DEFINE_TILE(tile3x2_##SUFFIX, 3, 2, WT, WIDEN, WVAL)                                          \
-    DEFINE_TILE(tile2x2_##SUFFIX, 2, 2, WT, WIDEN, WVAL)                                          \
-    DEFINE_TILE(tile1x2_##SUFFIX, 1, 2, WT, WIDEN, WVAL)                                          \
-    DEFINE_TILE(tile1x1_##SUFFIX, 1, 1, WT, WIDEN, WVAL)
-DEFINE_TILES(bf16, uint16_t, widen_bf16, bf16_to_f32)
-DEFINE_TILES(f32, float, widen_f32, AS_F32)
+#define DEFINE_KERNELS(SUFFIX, WT, WIDEN, AHEAD)                                                    \
+    DEFINE_KERNEL(k1x4_##SUFFIX, 1, 4, WT, WIDEN, AHEAD)                                            \
+    DEFINE_KERNEL(k2x2_##SUFFIX, 2, 2, WT, WIDEN, AHEAD)                                            \
+    DEFINE_KERNEL(k3x2_##SUFFIX, 3, 2, WT, WIDEN, AHEAD)                                            \
+    DEFINE_KERNEL(k1x1_##SUFFIX, 1, 1, WT, WIDEN, AHEAD)                                            \
+    DEFINE_KERNEL(k2x1_##SUFFIX, 2, 1, WT, WIDEN, AHEAD)                                            \
+    DEFINE_KERNEL(k3x1_##SUFFIX, 3, 1, WT, WIDEN, AHEAD)                                            \
+    DEFINE_KERNEL(k4x1_##SUFFIX, 4, 1, WT, WIDEN, AHEAD)                                            \
+    DEFINE_KERNEL(k5x1_##SUFFIX, 5, 1, WT, WIDEN, AHEAD)                                            \
+    DEFINE_KERNEL(k6x1_##SUFFIX, 6, 1, WT, WIDEN, AHEAD)
+#ifndef LP_BLOCK
+#define LP_BLOCK 64
+#endif
+#ifndef LP_HINT
+#define LP_HINT _MM_HINT_T0
+#endif
+#ifndef LP_AHEAD_BF16
+#define LP_AHEAD_BF16 4096
+#endif
+#ifndef LP_AHEAD_F32
+#define LP_AHEAD_F32 1024
+#endif
+DEFINE_KERNELS(bf16, uint16_t, widen_bf16, LP_AHEAD_BF16)
+DEFINE_KERNELS(f32, float, widen_f32, LP_AHEAD_F32)
 
-/* The tile for nr rows and nc weight rows; leftovers of other shapes one output at a time. */
-#define RUN_TILES(SUFFIX, WT)                                                                          \
-    {                                                                                                  \
-        WT *const *ws = (WT *const *)wr;                                                               \
-        if (nr == 4 && nc == 2) tile4x2_##SUFFIX(rows_p, rows_x, ws, k, out);                          \
-        else if (nr == 2 && nc == 4) tile2x4_##SUFFIX(rows_p, rows_x, ws, k, out);                     \
-        else if (nr == 1 && nc == 4) tile1x4_##SUFFIX(rows_p, rows_x, ws, k, out);                     \
-        else if (nr == 3 && nc == 2) tile3x2_##SUFFIX(rows_p, rows_x, ws, k, out);                     \
-        else if (nr == 2 && nc == 2) tile2x2_##SUFFIX(rows_p, rows_x, ws, k, out);                     \
-        else if (nr == 1 && nc == 2) tile1x2_##SUFFIX(rows_p, rows_x, ws, k, out);                     \
-        else                                                                                           \
-            for (int r = 0; r < nr; r++)                                                               \
-                for (int c = 0; c < nc; c++)                                                           \
-                    tile1x1_##SUFFIX(rows_p + r, rows_x + r, ws + c, k, (float (*)[4]) & out[r][c]);   \
+/* A packed weight matrix (see lp_pack) and its bias in fp32 (NULL = none). */
+typedef struct {
+    const void *w;
+    const float *bias;
+    long n, k;
+    int bf16;
+} lp_matrix;
+
+/* Panels [p0, p1) of the product for the m rows of x into y (row stride ys, panel p at column
+ * 16p): a decoding step or a short verify takes several panels per call, longer passes one panel
+ * at a time with the rows in even groups of at most six. */
+#define RUN_PANELS(SUFFIX, WT)                                                                      \
+    {                                                                                               \
+        const WT *w = (const WT *)mat->w;                                                           \
+        long p = p0;                                                                                \
+        if (m <= 3) {                                                                               \
+            long group = m == 1 ? 4 : 2;                                                            \
+            for (; p + group <= p1; p += group) {                                                   \
+                if (m == 1) k1x4_##SUFFIX(x, k, w + p * panel, panel, y + p * 16, ys);              \
+                else if (m == 2) k2x2_##SUFFIX(x, k, w + p * panel, panel, y + p * 16, ys);         \
+                else k3x2_##SUFFIX(x, k, w + p * panel, panel, y + p * 16, ys);                     \
+            }                                                                                       \
+        }                                                                                           \
+        for (; p < p1; p++)                                                                         \
+            for (long r0 = 0, g = 0; r0 < m; g++) {                                                 \
+                long nr = m / groups + (g < m % groups);                                            \
+                const float *xr = x + r0 * k;                                                       \
+                float *yr = y + r0 * ys + p * 16;                                                   \
+                switch (nr) {                                                                       \
+                case 1: k1x1_##SUFFIX(xr, k, w + p * panel, panel, yr, ys); break;                  \
+                case 2: k2x1_##SUFFIX(xr, k, w + p * panel, panel, yr, ys); break;                  \
+                case 3: k3x1_##SUFFIX(xr, k, w + p * panel, panel, yr, ys); break;                  \
+                case 4: k4x1_##SUFFIX(xr, k, w + p * panel, panel, yr, ys); break;                  \
+                case 5: k5x1_##SUFFIX(xr, k, w + p * panel, panel, yr, ys); break;                  \
+                default: k6x1_##SUFFIX(xr, k, w + p * panel, panel, yr, ys); break;                 \
+                }                                                                                   \
+                r0 += nr;                                                                           \
+            }                                                                                       \
     }
 
-/* Four rows at a time against pairs of weight rows; two rows against four weight rows when the
- * call has at most three rows (a decoding step, a short verify). Parallel over weight rows:
- * each weight is read from memory once per call. */
-static void gemm(const float *x, const void *w, int w_bf16, const void *bias, float *y, long m, long n, long k,
-                 int threads) {
-    long kb = k & ~15L, stride = (k + 15) & ~15L;
-    /* x copied 64-byte aligned, rows padded to whole blocks, in the block order of widened bf16
-     * weights (natural order for fp32 weights) */
-    float *xp = (float *)aligned_alloc(64, sizeof(float) * m * stride);
-    for (long r = 0; r < m; r++) {
-        const float *src = x + r * k;
-        float *dst = xp + r * stride;
-        for (long i = 0; i < kb; i += 16) {
-            if (w_bf16) {
-                memcpy(dst + i, src + i, 16);
-                memcpy(dst + i + 4, src + i + 8, 16);
-                memcpy(dst + i + 8, src + i + 4, 16);
-                memcpy(dst + i + 12, src + i + 12, 16);
-            } else {
-                memcpy(dst + i, src + i, 64);
-            }
-        }
-        memcpy(dst + kb, src + kb, sizeof(float) * (k - kb));
-    }
-    int wide = m >= 4;
-    long cols = wide ? 2 : 4, rstep = wide ? 4 : 2;
-    long tiles = (n + cols - 1) / cols;
+static void gemm_panels(const lp_matrix *mat, const float *x, long m, float *y, long ys, long p0, long p1) {
+    long k = mat->k, panel = 16 * k, groups = (m + 5) / 6;
+    if (mat->bf16) RUN_PANELS(bf16, uint16_t)
+    else RUN_PANELS(f32, float)
+}
+
+/* y (m, n) = x (m, k) . w^T + bias, parallel over panels. Whole panels are written straight into
+ * y; the last, partial one (n % 16 outputs) goes through a small buffer. */
+static void gemm(const lp_matrix *mat, const float *x, long m, float *y, int threads) {
+    long n = mat->n, whole = n / 16, panels = (n + 15) / 16;
     if (threads < 1) threads = 1;
-    if (tiles < 16L * threads) threads = 1; /* too little work to share */
-    #pragma omp parallel for num_threads(threads) schedule(static)
-    for (long tile = 0; tile < tiles; tile++) {
-        long n0 = tile * cols, nc = n - n0 < cols ? n - n0 : cols;
-        const void *wr[4];
-        for (int c = 0; c < nc; c++)
-            wr[c] = w_bf16 ? (const void *)((const uint16_t *)w + (n0 + c) * k) : (const void *)((const float *)w + (n0 + c) * k);
-        for (long r0 = 0; r0 < m; r0 += rstep) {
-            int nr = (int)(m - r0 < rstep ? m - r0 : rstep);
-            const float *rows_p[4], *rows_x[4];
-            for (int r = 0; r < nr; r++) { rows_p[r] = xp + (r0 + r) * stride; rows_x[r] = x + (r0 + r) * k; }
-            float out[4][4];
-            if (w_bf16) RUN_TILES(bf16, const uint16_t)
-            else RUN_TILES(f32, const float)
-            for (int r = 0; r < nr; r++)
-                for (int c = 0; c < nc; c++) {
-                    float b = !bias ? 0.0f : w_bf16 ? bf16_to_f32(((const uint16_t *)bias)[n0 + c]) : ((const float *)bias)[n0 + c];
-                    y[(r0 + r) * n + n0 + c] = out[r][c] + b;
-                }
+    if (panels < 2L * threads) threads = 1; /* too little work to share */
+    #pragma omp parallel num_threads(threads)
+    {
+        int t = omp_get_thread_num(), nt = omp_get_num_threads();
+        gemm_panels(mat, x, m, y, n, whole * t / nt, whole * (t + 1) / nt);
+        if (whole < panels && t == nt - 1) {
+            float *tail = (float *)malloc(sizeof(float) * m * 16);
+            gemm_panels(mat, x, m, tail - whole * 16, 16, whole, panels);
+            for (long r = 0; r < m; r++) memcpy(y + r * n + whole * 16, tail + r * 16, sizeof(float) * (n - whole * 16));
+            free(tail);
         }
     }
-    free(xp);
+    if (mat->bias)
+        for (long r = 0; r < m; r++)
+            for (long j = 0; j < n; j++) y[r * n + j] += mat->bias[j];
+}
+
+/* Packs w (n, k), fp32 or bf16, for gemm: out holds 16 * ceil(n / 16) * k elements of w's type. */
+void lp_pack(const void *w, int bf16, long n, long k, void *out) {
+    static const int lane[16] = {0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15};
+    long panels = (n + 15) / 16;
+    for (long p = 0; p < panels; p++)
+        for (long i = 0; i < k; i++)
+            for (int j = 0; j < 16; j++) {
+                long row = p * 16 + (bf16 ? lane[j] : j), at = (p * k + i) * 16 + j;
+                if (bf16) ((uint16_t *)out)[at] = row < n ? ((const uint16_t *)w)[row * k + i] : 0;
+                else ((float *)out)[at] = row < n ? ((const float *)w)[row * k + i] : 0.0f;
+            }
 }
 
 static void load_f32(const void *src, int bf16, float *dst, long count) {
@@ -240,13 +306,13 @@ static inline void axpy_row(float *acc, float e, const void *row, int bf16, long
     for (; i < d; i++) acc[i] += e * param(row, bf16, i);
 }
 
-/* y[m, n] = x[m, :] . w[n, :] + bias[n]; x, w, bias and y in fp32 or bf16 (their flags). */
-void lp_linear(const void *x, int x_bf16, const void *w, int w_bf16, const void *bias, void *y, int y_bf16,
-               long m, long n, long k, int threads) {
+/* y[m, n] = x[m, :] . w[n, :] + bias[n] for a packed matrix; x and y in fp32 or bf16 (their flags). */
+void lp_linear(const void *x, int x_bf16, const lp_matrix *w, void *y, int y_bf16, long m, int threads) {
+    long n = w->n, k = w->k;
     float *xf = (float *)malloc(sizeof(float) * m * k);
     load_f32(x, x_bf16, xf, m * k);
     float *yf = y_bf16 ? (float *)malloc(sizeof(float) * m * n) : (float *)y;
-    gemm(xf, w, w_bf16, bias, yf, m, n, k, threads);
+    gemm(w, xf, m, yf, threads);
     if (y_bf16) { store(yf, y, 1, m * n); free(yf); }
     free(xf);
 }
@@ -266,8 +332,7 @@ typedef struct {
 typedef struct {
     long hidden, heads, kv_heads, head_dim;
     lp_norm norm, q_norm, k_norm, post_norm;
-    const void *wq, *wk, *wv, *wo; /* (out, in) in the model dtype */
-    const void *bq, *bk, *bv, *bo; /* NULL = no bias */
+    lp_matrix qkv, o;              /* packed: q, k and v projections stacked; output projection */
     float scaling;                 /* scores = q.k * scaling */
     long window;                   /* sliding window (keys > position - window); 0 = none */
     long rotary_dim;               /* dims rotated (head_dim for full RoPE); 0 = no RoPE */
@@ -276,7 +341,7 @@ typedef struct {
 typedef struct {
     long hidden, inner;
     lp_norm norm, post_norm;
-    const void *wg, *wu, *wd; /* gate (inner, hidden), up (inner, hidden), down (hidden, inner) */
+    lp_matrix gate_up, down;  /* packed: gate and up stacked (2 inner, hidden); down (hidden, inner) */
     int activation;           /* 0: SiLU, 1: GELU (tanh approximation) */
 } lp_mlp;
 
@@ -340,6 +405,7 @@ int lp_attention_block(const lp_attention *a, const void *hidden, void *out, lon
     long H = a->hidden, D = a->head_dim, NQ = a->heads * D, NK = a->kv_heads * D;
     if (D > 512 || a->rotary_dim > D) return -1;
     float *x = (float *)malloc(sizeof(float) * rows * H);
+    float *qkv = (float *)malloc(sizeof(float) * rows * (NQ + 2 * NK));
     float *q = (float *)malloc(sizeof(float) * rows * NQ);
     float *k = (float *)malloc(sizeof(float) * rows * NK);
     float *v = (float *)malloc(sizeof(float) * rows * NK);
@@ -347,9 +413,13 @@ int lp_attention_block(const lp_attention *a, const void *hidden, void *out, lon
     float *u = (float *)malloc(sizeof(float) * rows * H);
     load_f32(hidden, bf16, x, rows * H);
     norm_rows(x, rows, H, &a->norm, bf16);
-    gemm(x, a->wq, bf16, a->bq, q, rows, NQ, H, threads);
-    gemm(x, a->wk, bf16, a->bk, k, rows, NK, H, threads);
-    gemm(x, a->wv, bf16, a->bv, v, rows, NK, H, threads);
+    gemm(&a->qkv, x, rows, qkv, threads);
+    for (long r = 0; r < rows; r++) {
+        const float *src = qkv + r * (NQ + 2 * NK);
+        memcpy(q + r * NQ, src, sizeof(float) * NQ);
+        memcpy(k + r * NK, src + NQ, sizeof(float) * NK);
+        memcpy(v + r * NK, src + NQ + NK, sizeof(float) * NK);
+    }
     round_all(q, rows * NQ, bf16);
     round_all(k, rows * NK, bf16);
     round_all(v, rows * NK, bf16);
@@ -411,11 +481,11 @@ int lp_attention_block(const lp_attention *a, const void *hidden, void *out, lon
         }
         free(scores);
     }
-    gemm(o, a->wo, bf16, a->bo, u, rows, H, NQ, threads);
+    gemm(&a->o, o, rows, u, threads);
     round_all(u, rows * H, bf16);
     norm_rows(u, rows, H, &a->post_norm, bf16);
     residual_add(hidden, u, x, out, rows * H, residual_scale, bf16);
-    free(x); free(q); free(k); free(v); free(o); free(u);
+    free(x); free(qkv); free(q); free(k); free(v); free(o); free(u);
     return 0;
 }
 
@@ -423,21 +493,21 @@ int lp_attention_block(const lp_attention *a, const void *hidden, void *out, lon
 void lp_mlp_block(const lp_mlp *m, const void *hidden, void *out, long rows, float residual_scale, int bf16, int threads) {
     long H = m->hidden, I = m->inner;
     float *x = (float *)malloc(sizeof(float) * rows * H);
+    float *gu = (float *)malloc(sizeof(float) * rows * 2 * I);
     float *g = (float *)malloc(sizeof(float) * rows * I);
-    float *u = (float *)malloc(sizeof(float) * rows * I);
     float *d = (float *)malloc(sizeof(float) * rows * H);
     load_f32(hidden, bf16, x, rows * H);
     norm_rows(x, rows, H, &m->norm, bf16);
-    gemm(x, m->wg, bf16, NULL, g, rows, I, H, threads);
-    gemm(x, m->wu, bf16, NULL, u, rows, I, H, threads);
-    for (long i = 0; i < rows * I; i++) {
-        float gv = rnd(g[i], bf16), uv = rnd(u[i], bf16);
-        float act = m->activation == 0 ? gv / (1.0f + expf(-gv)) : gelu_tanh(gv);
-        g[i] = rnd(rnd(act, bf16) * uv, bf16);
-    }
-    gemm(g, m->wd, bf16, NULL, d, rows, H, I, threads);
+    gemm(&m->gate_up, x, rows, gu, threads);
+    for (long r = 0; r < rows; r++)
+        for (long i = 0; i < I; i++) {
+            float gv = rnd(gu[r * 2 * I + i], bf16), uv = rnd(gu[r * 2 * I + I + i], bf16);
+            float act = m->activation == 0 ? gv / (1.0f + expf(-gv)) : gelu_tanh(gv);
+            g[r * I + i] = rnd(rnd(act, bf16) * uv, bf16);
+        }
+    gemm(&m->down, g, rows, d, threads);
     round_all(d, rows * H, bf16);
     norm_rows(d, rows, H, &m->post_norm, bf16);
     residual_add(hidden, d, x, out, rows * H, residual_scale, bf16);
-    free(x); free(g); free(u); free(d);
+    free(x); free(gu); free(g); free(d);
 }

@@ -36,16 +36,21 @@ class _Norm(ctypes.Structure):
     _fields_ = [("weight", ctypes.c_void_p), ("eps", ctypes.c_float), ("offset", ctypes.c_float), ("mode", ctypes.c_int)]
 
 
+class _Matrix(ctypes.Structure):
+    _fields_ = [("w", ctypes.c_void_p), ("bias", ctypes.c_void_p), ("n", ctypes.c_long), ("k", ctypes.c_long),
+                ("bf16", ctypes.c_int)]
+
+
 class _Attention(ctypes.Structure):
     _fields_ = [("hidden", ctypes.c_long), ("heads", ctypes.c_long), ("kv_heads", ctypes.c_long),
                 ("head_dim", ctypes.c_long), ("norm", _Norm), ("q_norm", _Norm), ("k_norm", _Norm),
-                ("post_norm", _Norm)] + [(name, ctypes.c_void_p) for name in ("wq", "wk", "wv", "wo", "bq", "bk", "bv", "bo")] + [
+                ("post_norm", _Norm), ("qkv", _Matrix), ("o", _Matrix),
                 ("scaling", ctypes.c_float), ("window", ctypes.c_long), ("rotary_dim", ctypes.c_long)]
 
 
 class _Mlp(ctypes.Structure):
     _fields_ = [("hidden", ctypes.c_long), ("inner", ctypes.c_long), ("norm", _Norm), ("post_norm", _Norm),
-                ("wg", ctypes.c_void_p), ("wu", ctypes.c_void_p), ("wd", ctypes.c_void_p), ("activation", ctypes.c_int)]
+                ("gate_up", _Matrix), ("down", _Matrix), ("activation", ctypes.c_int)]
 
 
 class NativeUnavailable(RuntimeError):
@@ -64,6 +69,16 @@ def _compiler() -> str:
                             "use --engine eager, or install gcc")
 
 
+def kernels_key(compiler: str | None = None) -> str:
+    """Changes with the kernels' source, flags or compiler: a build or a timing of other kernels
+    is not reused."""
+    try:
+        compiler = compiler or _compiler()
+    except NativeUnavailable:
+        compiler = "none"
+    return hashlib.sha256(SOURCE.read_bytes() + " ".join((compiler,) + FLAGS).encode()).hexdigest()[:16]
+
+
 @lru_cache(maxsize=1)
 def library() -> ctypes.CDLL:
     """The compiled kernels, built once per source, flags and compiler (atomic write, so two
@@ -74,9 +89,7 @@ def library() -> ctypes.CDLL:
         raise NativeUnavailable(f"the native engine needs AVX2 and FMA; this CPU ({model or 'unknown'}) lacks "
                                 f"{', '.join(missing)}: use --engine eager")
     compiler = _compiler()
-    source = SOURCE.read_bytes()
-    key = hashlib.sha256(source + " ".join((compiler,) + FLAGS).encode()).hexdigest()[:16]
-    target = _cache_folder() / f"kernels-{key}.so"
+    target = _cache_folder() / f"kernels-{kernels_key(compiler)}.so"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
         fd, staging = tempfile.mkstemp(dir=target.parent, prefix=".kernels-", suffix=".so")
@@ -91,9 +104,11 @@ def library() -> ctypes.CDLL:
             if os.path.exists(staging):
                 os.unlink(staging)
     lib = ctypes.CDLL(str(target))
-    lib.lp_linear.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
-                              ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_long, ctypes.c_long, ctypes.c_int]
+    lib.lp_linear.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.POINTER(_Matrix), ctypes.c_void_p, ctypes.c_int,
+                              ctypes.c_long, ctypes.c_int]
     lib.lp_linear.restype = None
+    lib.lp_pack.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_long, ctypes.c_void_p]
+    lib.lp_pack.restype = None
     lib.lp_attention_block.argtypes = [ctypes.POINTER(_Attention), ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long,
                                        ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
                                        ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_long, ctypes.c_long,
@@ -114,15 +129,42 @@ def native_available() -> str | None:
     return None
 
 
+class PackedMatrix:
+    """Weight matrices (out, in) stacked by rows and packed for the kernels (see lp_pack in
+    kernels.c): a copy made once, so the model's own weights stay as transformers left them.
+    Biases are kept in fp32 (zeros for a stacked part without one)."""
+
+    def __init__(self, weights: list[torch.Tensor], biases: list[torch.Tensor | None]) -> None:
+        dtype, k = weights[0].dtype, weights[0].shape[1]
+        for weight in weights:
+            if (weight.dtype != dtype or weight.dtype not in _DTYPES or weight.device.type != "cpu"
+                    or weight.dim() != 2 or weight.shape[1] != k):
+                raise Unsupported(f"a {weight.dtype} {tuple(weight.shape)} weight on {weight.device} is not a "
+                                  "float32 or bfloat16 CPU matrix the kernels take")
+        stacked = torch.cat([w.detach() for w in weights]).contiguous() if len(weights) > 1 else weights[0].detach().contiguous()
+        n = stacked.shape[0]
+        self.n, self.k, self.dtype = n, k, dtype
+        self.packed = torch.empty(((n + 15) // 16) * 16 * k, dtype=dtype)
+        library().lp_pack(stacked.data_ptr(), _DTYPES[dtype], n, k, self.packed.data_ptr())
+        self.bias = None
+        if any(b is not None for b in biases):
+            self.bias = torch.cat([b.detach().float() if b is not None else torch.zeros(w.shape[0])
+                                   for w, b in zip(weights, biases)]).contiguous()
+        self.descriptor = _Matrix(self.packed.data_ptr(), self.bias.data_ptr() if self.bias is not None else None,
+                                  n, k, _DTYPES[dtype])
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x (..., in) in fp32 or bf16 -> (..., out) in x's dtype."""
+        x = x.contiguous()
+        y = torch.empty(*x.shape[:-1], self.n, dtype=x.dtype)
+        library().lp_linear(x.data_ptr(), _DTYPES[x.dtype], ctypes.byref(self.descriptor), y.data_ptr(),
+                            _DTYPES[x.dtype], x.numel() // self.k, torch.get_num_threads())
+        return y
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear by the kernel: x (..., in) in fp32 or bf16, weight (out, in) contiguous, fp32 or bf16."""
-    x = x.contiguous()
-    rows = x.numel() // weight.shape[1]
-    y = torch.empty(*x.shape[:-1], weight.shape[0], dtype=x.dtype)
-    library().lp_linear(x.data_ptr(), _DTYPES[x.dtype], weight.data_ptr(), _DTYPES[weight.dtype],
-                        bias.data_ptr() if bias is not None else None, y.data_ptr(), _DTYPES[x.dtype],
-                        rows, weight.shape[0], weight.shape[1], torch.get_num_threads())
-    return y
+    """F.linear by the kernel (packs the weight on every call: for tests and one-off products)."""
+    return PackedMatrix([weight], [bias])(x)
 
 
 # ----- decoder sub-layers ------------------------------------------------------------------------
@@ -137,18 +179,13 @@ class Unsupported(Exception):
     """A sub-layer whose modules the kernels do not reproduce (it runs eagerly); says why."""
 
 
-def _weight(module: nn.Module | None, dtype: torch.dtype, rows: slice | None = None) -> tuple[int | None, int | None]:
-    """(weight pointer, bias pointer) of a linear, optionally of a block of its output rows."""
-    if module is None:
-        return None, None
-    weight, bias = getattr(module, "weight", None), getattr(module, "bias", None)
-    if weight is None or weight.dtype != dtype or weight.device.type != "cpu" or not weight.is_contiguous() or weight.dim() != 2:
-        raise Unsupported(f"{type(module).__name__} is not a contiguous {dtype} CPU linear")
-    start = 0 if rows is None else rows.start
-    size = weight.element_size()
-    w = weight.data_ptr() + start * weight.shape[1] * size
-    b = None if bias is None else bias.data_ptr() + start * size
-    return w, b
+def _packed(modules: list[nn.Module], dtype: torch.dtype) -> PackedMatrix:
+    """The linears' weights stacked by output rows and packed (their biases likewise)."""
+    for module in modules:
+        weight = getattr(module, "weight", None)
+        if not isinstance(weight, torch.Tensor) or weight.dtype != dtype or weight.dim() != 2:
+            raise Unsupported(f"{type(module).__name__} is not a {dtype} linear")
+    return PackedMatrix([m.weight for m in modules], [getattr(m, "bias", None) for m in modules])
 
 
 def _children(module: nn.Module, known: tuple[set[str], ...]) -> set[str]:
@@ -181,18 +218,21 @@ class NativeLayer:
         self.dtype, self.bf16 = dtype, int(dtype == torch.bfloat16)
         self.attention: _Attention | None = None
         self.mlp: _Mlp | None = None
+        self.matrices: tuple[PackedMatrix, ...] = ()  # keeps the packed weights the descriptors point to
         self.why: dict[str, str] = {}
         try:
-            self.attention = self._attention(parts, dtype, norm_offset)
+            self.attention, matrices = self._attention(parts, dtype, norm_offset)
+            self.matrices += matrices
         except Unsupported as error:
             self.why["attention"] = str(error)
         try:
-            self.mlp = self._mlp(parts, dtype, norm_offset)
+            self.mlp, matrices = self._mlp(parts, dtype, norm_offset)
+            self.matrices += matrices
         except Unsupported as error:
             self.why["mlp"] = str(error)
 
     @staticmethod
-    def _attention(parts, dtype, offset) -> _Attention:
+    def _attention(parts, dtype, offset) -> tuple[_Attention, tuple[PackedMatrix, ...]]:
         module = parts.attention
         children = _children(module, _ATTENTION_CHILDREN)
         config = module.config
@@ -202,42 +242,38 @@ class NativeLayer:
         head_dim = module.head_dim
         if heads % kv_heads or head_dim > 512 or getattr(config, "partial_rotary_factor", 1.0) != 1.0:
             raise Unsupported("head layout or partial rotary embeddings the kernels do not handle")
-        if "qkv_proj" in children:
-            q_rows, k_rows = heads * head_dim, kv_heads * head_dim
-            wq, bq = _weight(module.qkv_proj, dtype, slice(0, q_rows))
-            wk, bk = _weight(module.qkv_proj, dtype, slice(q_rows, q_rows + k_rows))
-            wv, bv = _weight(module.qkv_proj, dtype, slice(q_rows + k_rows, q_rows + 2 * k_rows))
-        else:
-            (wq, bq), (wk, bk), (wv, bv) = (_weight(getattr(module, n), dtype) for n in ("q_proj", "k_proj", "v_proj"))
-        wo, bo = _weight(module.o_proj, dtype)
-        return _Attention(
+        # Phi-3's qkv_proj already stacks q, k and v rows in that order
+        qkv = _packed([module.qkv_proj] if "qkv_proj" in children else
+                      [module.q_proj, module.k_proj, module.v_proj], dtype)
+        if qkv.n != (heads + 2 * kv_heads) * head_dim:
+            raise Unsupported(f"q, k and v projections with {qkv.n} outputs, not {(heads + 2 * kv_heads) * head_dim}")
+        o = _packed([module.o_proj], dtype)
+        descriptor = _Attention(
             hidden=config.hidden_size, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
             norm=_norm(parts.attention_norm, dtype, offset), q_norm=_norm(getattr(module, "q_norm", None), dtype, offset),
             k_norm=_norm(getattr(module, "k_norm", None), dtype, offset), post_norm=_norm(parts.attention_post_norm, dtype, offset),
-            wq=wq, wk=wk, wv=wv, wo=wo, bq=bq, bk=bk, bv=bv, bo=bo, scaling=float(module.scaling),
+            qkv=qkv.descriptor, o=o.descriptor, scaling=float(module.scaling),
             window=parts.sliding_window or 0, rotary_dim=head_dim)
+        return descriptor, (qkv, o)
 
     @staticmethod
-    def _mlp(parts, dtype, offset) -> _Mlp:
+    def _mlp(parts, dtype, offset) -> tuple[_Mlp, tuple[PackedMatrix, ...]]:
         module = parts.mlp
         children = _children(module, _MLP_CHILDREN)
         act = getattr(module, "act_fn", None) or getattr(module, "activation_fn", None)
         if type(act).__name__ not in _ACTIVATIONS:
             raise Unsupported(f"activation {type(act).__name__} runs eagerly")
-        down = module.down_proj
-        inner = down.weight.shape[1]
-        if "gate_up_proj" in children:  # Phi-3: gate rows first, then up
-            (wg, _), (wu, _) = _weight(module.gate_up_proj, dtype, slice(0, inner)), _weight(module.gate_up_proj, dtype, slice(inner, 2 * inner))
-            biased = module.gate_up_proj.bias is not None
-        else:
-            (wg, _), (wu, _) = _weight(module.gate_proj, dtype), _weight(module.up_proj, dtype)
-            biased = module.gate_proj.bias is not None or module.up_proj.bias is not None
-        wd, _ = _weight(down, dtype)
-        if biased or down.bias is not None:
+        # Phi-3's gate_up_proj already stacks gate rows, then up rows
+        linears = [module.gate_up_proj] if "gate_up_proj" in children else [module.gate_proj, module.up_proj]
+        if any(getattr(m, "bias", None) is not None for m in linears + [module.down_proj]):
             raise Unsupported("MLP biases run eagerly")
-        return _Mlp(hidden=down.weight.shape[0], inner=inner, norm=_norm(parts.mlp_norm, dtype, offset),
-                    post_norm=_norm(parts.mlp_post_norm, dtype, offset), wg=wg, wu=wu, wd=wd,
-                    activation=_ACTIVATIONS[type(act).__name__])
+        gate_up, down = _packed(linears, dtype), _packed([module.down_proj], dtype)
+        if gate_up.n != 2 * down.k:
+            raise Unsupported(f"gate and up projections with {gate_up.n} outputs for an inner size of {down.k}")
+        descriptor = _Mlp(hidden=down.n, inner=down.k, norm=_norm(parts.mlp_norm, dtype, offset),
+                          post_norm=_norm(parts.mlp_post_norm, dtype, offset), gate_up=gate_up.descriptor,
+                          down=down.descriptor, activation=_ACTIVATIONS[type(act).__name__])
+        return descriptor, (gate_up, down)
 
     def run_attention(self, hidden: torch.Tensor, keys: torch.Tensor | None, values: torch.Tensor | None,
                       start_pos: int, rope: tuple[torch.Tensor, torch.Tensor], scale: float,
@@ -291,6 +327,8 @@ class NativeEngine:
             self.layers = tuple(NativeLayer(layer, model.dtype, offset) for layer in model.parts.layers)
         self.model = model
         self.max_rows = _rows_limit(model.dtype)
+        # packed LM heads by id of their module (the module is held, so its id stays its own)
+        self._heads: dict[int, tuple[nn.Module, PackedMatrix]] = {}
 
     def takes(self, rows: int) -> bool:
         return self.max_rows is None or rows <= self.max_rows
@@ -299,9 +337,11 @@ class NativeEngine:
         """The LM head on normalised hidden states (the kernel for passes it takes)."""
         weight = getattr(lm_head, "weight", None)
         if (type(lm_head) is not nn.Linear or weight.dtype not in _DTYPES or hidden.dtype != weight.dtype
-                or not weight.is_contiguous() or not self.takes(hidden.numel() // hidden.shape[-1])):
+                or weight.device.type != "cpu" or not self.takes(hidden.numel() // hidden.shape[-1])):
             return lm_head(hidden)
-        return linear(hidden, weight, lm_head.bias)
+        if id(lm_head) not in self._heads:
+            self._heads[id(lm_head)] = (lm_head, PackedMatrix([weight], [lm_head.bias]))
+        return self._heads[id(lm_head)][1](hidden)
 
     def layer(self, label: str, index: int) -> NativeLayer | None:
         if not label:

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from layerplan.engine.native import kernels_key
 from layerplan.engine.runner import forward, new_cache
 from layerplan.files import cache_dir, write_json_atomic
 from layerplan.machine import cpu_info, read_cpuinfo
@@ -77,10 +78,12 @@ class ProbeResult:
 
 
 def machine_key() -> str:
-    """Changes when the CPU, its flags, torch or the thread count change: a stale probe is not reused."""
+    """Changes when the CPU, its flags, torch, the thread count or the native kernels change: a
+    stale probe is not reused."""
     model, flags = read_cpuinfo()
     info = cpu_info()
-    text = "|".join([str(model), " ".join(sorted(flags or ())), info.torch, info.torch_capability, str(info.threads)])
+    text = "|".join([str(model), " ".join(sorted(flags or ())), info.torch, info.torch_capability, str(info.threads),
+                     kernels_key()])
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
