@@ -29,10 +29,16 @@ class CharTokenizer:
     chat_template = None
 
     def encode(self, text, add_special_tokens=False):
-        return [self.chars.index(c) for c in text]
+        return [max(self.chars.find(c), 1) for c in text]  # other characters read as a space
 
     def decode(self, ids):
         return "".join(self.chars[i] for i in ids)
+
+    def __call__(self, text, return_tensors="pt"):
+        return type("Encoded", (), {"input_ids": torch.tensor([self.encode(text)])})()
+
+    def save_pretrained(self, folder):
+        pass
 
 
 @pytest.fixture(scope="module")
@@ -274,3 +280,58 @@ def test_merge_study_resumes_and_scores_what_it_says(tiny, tmp_path):
     for trial in again.trials:  # every trial ran a plan of the space
         assert tuple(s.layer for s in model.plan(trial.plan).steps) in shapes
         assert all(0.5 <= s.scale <= 1.0 for s in model.plan(trial.plan).steps)
+
+
+def test_study_exports_its_best_as_checkpoint_and_mergekit(tiny, tmp_path):
+    from layerplan.app.merges import study_merges
+
+    model, _ = tiny
+    space = MergeSpace((1, 2), max_len=2, max_repeats=1, scales=(1.0, 1.0))
+    outcome = study_merges(model, "ppl", MeasureInputs(tokens=32), space, 3, tmp_path, "org/tiny")
+    assert outcome.best_plan == outcome.study.best_plan and outcome.base_value > 0
+    merged = AutoModelForCausalLM.from_pretrained(outcome.checkpoint).eval()
+    assert merged.config.num_hidden_layers == len(model.plan(outcome.best_plan).steps)
+    yaml_text = Path(outcome.mergekit).read_text()
+    assert "org/tiny" in yaml_text and "passthrough" in yaml_text
+    assert json.loads((tmp_path / "merge-study.json").read_text())["best_plan"] == outcome.best_plan
+
+
+@pytest.mark.real
+def test_explore_blocks_and_search_from_the_command_line(smollm2, tmp_path):
+    from click.testing import CliRunner
+
+    from layerplan.app.cli import main
+
+    out = tmp_path / "run"
+    common = ["--range", "12-13", "--tokens", "32", "--probe-items", "4", "--out", str(out)]
+    result = CliRunner().invoke(main, ["explore", "--blocks", "--report", "--measure", "ppl", "--measure", "dates",
+                                       "--repeats", "2", *common])
+    assert result.exit_code == 0, result.output
+    report = json.loads((out / "blocks.json").read_text())
+    assert report["measures"] == ["ppl", "dates"] and len(report["rows"]) == 3 and report["repeats"] == 2
+    assert {r["plan"] for r in report["rows"]} >= {"0-12,12*2,13-29"} or any("12" in r["plan"] for r in report["rows"])
+    page = (out / "report.html").read_text()
+    assert "layerplan export" in page and "data:image/png;base64" in page
+    assert (out / "blocks-ppl.png").exists() and (out / "blocks-dates.png").exists()
+    # the study resumes from its storage: the second run adds one trial
+    for trials in ("2", "3"):
+        result = CliRunner().invoke(main, ["explore", "--search", "--trials", trials, "--no-export", *common])
+        assert result.exit_code == 0, result.output
+    study = json.loads((out / "merge-study.json").read_text())["study"]
+    assert len([t for t in study["trials"] if t["state"] == "COMPLETE"]) == 3
+    assert "slices" in (out / "best-merge.yaml").read_text()
+    for args, message in ((["--blocks", "--range", "5-99"], "outside layers 0–29"),
+                          (["--blocks", "--measure", "text"], "needs --text"),
+                          (["--blocks", "--probe-file", str(tmp_path / "none.jsonl")], "probe file not found")):
+        result = CliRunner().invoke(main, ["explore", *args])
+        assert result.exit_code != 0 and message in result.output and "Traceback" not in result.output
+
+
+def test_mergekit_yaml_carries_residual_scales():
+    from layerplan.plan.formats import from_mergekit, to_mergekit
+    from layerplan.plan.plan import parse_plan
+
+    for text in ("0-13,13@0.85,14-29", "0-14,15*2@0.25,16-29", "a:0-5,b:3-9@0.5,a:8-29"):
+        plan = parse_plan(text, 30)
+        assert from_mergekit(to_mergekit(plan, "m", sources={"b": "B"}), 30) == plan
+    assert "o_proj" not in to_mergekit(parse_plan("0-20,10-29", 30), "m")

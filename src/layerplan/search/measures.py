@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 
@@ -300,18 +301,29 @@ def measures_help() -> str:
     return "; ".join(f"{m.name}: {m.help}" for m in MEASURES.values())
 
 
-def build_scorers(model: LoadedModel, names: list[str], inputs: MeasureInputs, base: LayerPlan | None = None,
-                  reuse: bool = True) -> dict[str, PerplexityScorer | ProbeView]:
-    """The named measures' scorers on `model`, each prepared against `base` (default: the model)."""
-    base = base if base is not None else model.plan()
-    probes: dict[str, ProbeScorer] = {}
-    scorers = {}
+def check_measures(names: list[str], inputs: MeasureInputs) -> None:
+    """Unknown measures and missing inputs, named before any model is loaded."""
     for name in names:
         measure = MEASURES.get(name)
         if measure is None:
             raise ValueError(f"unknown measure '{name}'; choose from {', '.join(MEASURES)}")
         if measure.needs and getattr(inputs, measure.needs) is None:
             raise ValueError(f"the {name} measure needs --{measure.needs.replace('_', '-')}")
+    for path in (inputs.text, inputs.probe_file):
+        if path is not None and not str(path).startswith("builtin:") and not Path(path).exists():
+            raise FileNotFoundError(f"{'probe' if path == inputs.probe_file else 'text'} file not found: "
+                                    f"{Path(path).resolve()}")
+
+
+def build_scorers(model: LoadedModel, names: list[str], inputs: MeasureInputs, base: LayerPlan | None = None,
+                  reuse: bool = True) -> dict[str, PerplexityScorer | ProbeView]:
+    """The named measures' scorers on `model`, each prepared against `base` (default: the model)."""
+    check_measures(names, inputs)
+    base = base if base is not None else model.plan()
+    probes: dict[str, ProbeScorer] = {}
+    scorers = {}
+    for name in names:
+        measure = MEASURES[name]
         if measure.probe is None:
             scorers[name] = PerplexityScorer(model, _perplexity_ids(model, name, inputs), base, reuse)
             continue
