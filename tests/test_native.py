@@ -8,7 +8,7 @@ import torch
 from layerplan.decoding.generate import generate
 from layerplan.engine import native
 from layerplan.engine.cache import KVCache
-from layerplan.engine.runner import forward, new_cache
+from layerplan.engine.runner import forward, head, new_cache, run_hidden
 from tiny import ARCHS, tiny_model
 
 pytestmark = pytest.mark.skipif(native.native_available() is not None, reason=str(native.native_available()))
@@ -105,6 +105,30 @@ def test_plans_match_eager(arch, plan_text):
     cache = new_cache(plan)
     out = torch.cat([forward(fast, ids[:, :6], plan, cache, 0)] + [forward(fast, ids[:, i : i + 1], plan, cache, i) for i in range(6, 9)], 1)
     torch.testing.assert_close(out, reference, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("arch,plan_text", [("llama", "0,1,1,2@0.5"), ("gemma3", "skip:attn=1;mlp=0"), ("qwen3", "exit:2")])
+def test_one_native_call_equals_the_loop_sub_layer_by_sub_layer(arch, plan_text, dtype):
+    _, fast = _eager_and_native(arch, dtype)
+    ids = torch.randint(3, 96, (1, 9), generator=torch.Generator().manual_seed(5))
+    plan = fast.plan(plan_text)
+    assert fast.native.step_run(plan, 0, len(plan.active_steps), lambda layer: layer.layer_type) is not None
+
+    def run(observe):
+        cache = new_cache(plan)
+        chunks = [(0, 6), (6, 8), (8, 9)]
+        return torch.cat([head(fast, run_hidden(fast, ids[:, a:b], plan, cache, a, observe=observe))
+                          for a, b in chunks], 1)
+
+    # an observer makes the runner take its Python loop, one native call per sub-layer
+    assert torch.equal(run(None), run(lambda *args: None))
+
+
+def test_architectures_the_kernels_are_not_checked_for_run_eagerly():
+    model = tiny_model("gpt2")
+    native.enable(model)
+    assert set(model.native.eager_sub_layers().values()) == {"the kernels are not checked for gpt2 layers"}
 
 
 def test_bf16_close_to_eager():

@@ -511,3 +511,32 @@ void lp_mlp_block(const lp_mlp *m, const void *hidden, void *out, long rows, flo
     residual_add(hidden, d, x, out, rows * H, residual_scale, bf16);
     free(x); free(gu); free(g); free(d);
 }
+
+/* ----- a pass over a run of plan steps (the runner's loop, for steps whose sub-layers all run here) ----- */
+
+/* One plan step: its sub-layers (NULL = off), its KV slot and its residual scale. */
+typedef struct {
+    const lp_attention *attention;
+    const lp_mlp *mlp;
+    void *kcache, *vcache; /* the step's slot buffers (kv_heads, capacity, head_dim) */
+    long capacity;
+    long rope;             /* index into the pass's cos / sin tables (the layer's type) */
+    float scale;
+} lp_step;
+
+/* hidden (rows, hidden) in place through `count` steps, as the runner's loop would run them one
+ * sub-layer at a time; the same kernels, so the same numbers. Returns 0, or the failing status. */
+int lp_run_steps(const lp_step *steps, long count, void *hidden, long rows, long pos0, const void *const *cos,
+                 const void *const *sin, long keep_sink, long keep_recent, int bf16, int threads) {
+    for (long s = 0; s < count; s++) {
+        const lp_step *st = steps + s;
+        if (st->attention) {
+            int status = lp_attention_block(st->attention, hidden, hidden, rows, pos0, cos[st->rope], sin[st->rope],
+                                             st->kcache, st->vcache, st->capacity, 0, keep_sink, keep_recent,
+                                             st->scale, bf16, threads);
+            if (status != 0) return status;
+        }
+        if (st->mlp) lp_mlp_block(st->mlp, hidden, hidden, rows, st->scale, bf16, threads);
+    }
+    return 0;
+}

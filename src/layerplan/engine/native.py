@@ -53,6 +53,11 @@ class _Mlp(ctypes.Structure):
                 ("gate_up", _Matrix), ("down", _Matrix), ("activation", ctypes.c_int)]
 
 
+class _Step(ctypes.Structure):
+    _fields_ = [("attention", ctypes.POINTER(_Attention)), ("mlp", ctypes.POINTER(_Mlp)), ("kcache", ctypes.c_void_p),
+                ("vcache", ctypes.c_void_p), ("capacity", ctypes.c_long), ("rope", ctypes.c_long), ("scale", ctypes.c_float)]
+
+
 class NativeUnavailable(RuntimeError):
     """The native kernels cannot run here (CPU without AVX2/FMA, no C compiler); says which."""
 
@@ -117,6 +122,10 @@ def library() -> ctypes.CDLL:
     lib.lp_mlp_block.argtypes = [ctypes.POINTER(_Mlp), ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long,
                                  ctypes.c_float, ctypes.c_int, ctypes.c_int]
     lib.lp_mlp_block.restype = None
+    lib.lp_run_steps.argtypes = [ctypes.POINTER(_Step), ctypes.c_long, ctypes.c_void_p, ctypes.c_long, ctypes.c_long,
+                                 ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_void_p), ctypes.c_long,
+                                 ctypes.c_long, ctypes.c_int, ctypes.c_int]
+    lib.lp_run_steps.restype = ctypes.c_int
     return lib
 
 
@@ -306,6 +315,47 @@ class NativeLayer:
         return out
 
 
+class StepRun:
+    """A run of plan steps whose switched-on sub-layers all have kernels, as one native call: the
+    runner's loop without a Python round trip per sub-layer. Built once per (plan, steps)."""
+
+    def __init__(self, steps: list[tuple[int, NativeLayer, bool, bool, float]], rope_layers: list, bf16: int) -> None:
+        # steps: (slot, layer kernels, attention on, mlp on, scale); rope_layers[i]: a layer of rope table i
+        self.slots = [(slot, layer.attention if attention else None) for slot, layer, attention, _, _ in steps]
+        self.rope_layers, self.bf16 = rope_layers, bf16
+        self.layers = [layer for _, layer, _, _, _ in steps]  # keeps the descriptors alive
+        self.table = (_Step * len(steps))()
+        for entry, (slot, layer, attention, mlp, scale) in zip(self.table, steps):
+            entry.attention = ctypes.pointer(layer.attention) if attention else None
+            entry.mlp = ctypes.pointer(layer.mlp) if mlp else None
+            entry.scale = scale
+        self._buffers: list[int | None] = [None] * len(steps)
+
+    def __call__(self, hidden: torch.Tensor, cache, start_pos: int, ropes: list[tuple[torch.Tensor, torch.Tensor]],
+                 window: tuple[int, int] | None) -> torch.Tensor:
+        """hidden (1, T, H) after the steps; each step's new keys and values go to its cache slot."""
+        hidden = hidden.contiguous().clone()  # written in place
+        end = start_pos + hidden.shape[1]
+        for i, (slot, attention) in enumerate(self.slots):
+            if attention is None:
+                continue
+            keys, values = cache.reserve(slot, end, 1, attention.kv_heads, attention.head_dim, attention.head_dim,
+                                         hidden.dtype, hidden.device)
+            if self._buffers[i] is not keys:  # a new or grown buffer
+                entry = self.table[i]
+                entry.kcache, entry.vcache, entry.capacity = keys.data_ptr(), values.data_ptr(), keys.shape[2]
+                self._buffers[i] = keys
+        tables = [(cos.contiguous(), sin.contiguous()) for cos, sin in ropes]
+        cos = (ctypes.c_void_p * len(tables))(*(c.data_ptr() for c, _ in tables))
+        sin = (ctypes.c_void_p * len(tables))(*(s.data_ptr() for _, s in tables))
+        sink, recent = window if window is not None and hidden.shape[1] == 1 else (0, 0)
+        status = library().lp_run_steps(self.table, len(self.table), hidden.data_ptr(), hidden.shape[1], start_pos,
+                                         cos, sin, sink, recent, self.bf16, torch.get_num_threads())
+        if status != 0:
+            raise RuntimeError(f"native attention refused its input (status {status})")
+        return hidden
+
+
 def _rows_limit(dtype: torch.dtype) -> int | None:
     """Longest pass the kernels take; longer ones (prefill) run PyTorch's own kernels where those
     are faster: MKL's fp32 GEMM, and oneDNN's bf16 GEMM on CPUs with native bf16 instructions."""
@@ -315,13 +365,25 @@ def _rows_limit(dtype: torch.dtype) -> int | None:
     return None
 
 
+# The model types whose layers the kernels are checked against transformers for (tests/test_native.py).
+# Other architectures can share module names with different arithmetic (OLMo 2 normalises q and k
+# over all heads at once, Granite scales residuals), so they run eagerly until added here with a test.
+KERNEL_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3", "gemma3_text", "phi3"})
+
+
 class NativeEngine:
     """The native kernels of one loaded model: a NativeLayer per decoder layer."""
 
     def __init__(self, model) -> None:
         library()  # fail here, with the reason, rather than inside a forward pass
-        offset = arch_spec(model.hf.config.model_type).norm_weight_offset
-        if model.parts.rotary is None:
+        model_type = model.hf.config.model_type
+        offset = arch_spec(model_type).norm_weight_offset
+        self.why_eager = None
+        if model_type not in KERNEL_MODEL_TYPES:
+            self.why_eager = f"the kernels are not checked for {model_type} layers"
+        elif model.parts.rotary is None:
+            self.why_eager = "the model has no rotary embedding module"
+        if self.why_eager:
             self.layers = tuple(None for _ in model.parts.layers)
         else:
             self.layers = tuple(NativeLayer(layer, model.dtype, offset) for layer in model.parts.layers)
@@ -329,6 +391,7 @@ class NativeEngine:
         self.max_rows = _rows_limit(model.dtype)
         # packed LM heads by id of their module (the module is held, so its id stays its own)
         self._heads: dict[int, tuple[nn.Module, PackedMatrix]] = {}
+        self._runs: dict[tuple, StepRun | None] = {}
 
     def takes(self, rows: int) -> bool:
         return self.max_rows is None or rows <= self.max_rows
@@ -343,6 +406,36 @@ class NativeEngine:
             self._heads[id(lm_head)] = (lm_head, PackedMatrix([weight], [lm_head.bias]))
         return self._heads[id(lm_head)][1](hidden)
 
+    def step_run(self, plan, first: int, end: int, rope_key) -> StepRun | None:
+        """Steps [first, end) of the plan as one native call, or None when one of their switched-on
+        sub-layers runs eagerly. rope_key(layer) names the layer's rotary table."""
+        key = (plan, first, end)
+        if key not in self._runs:
+            self._runs[key] = self._build_run(plan, first, end, rope_key)
+        return self._runs[key]
+
+    def _build_run(self, plan, first: int, end: int, rope_key) -> StepRun | None:
+        steps, rope_of_step, rope_index, rope_layers = [], [], {}, []
+        for index in range(first, end):
+            step = plan.steps[index]
+            if not step.attention and not step.mlp:
+                continue
+            layer = self.model.parts.layers[step.layer] if not step.model else self.model.layers_of(step.model)[step.layer]
+            fast = self.layer(step.model, step.layer)
+            if (fast is None or (step.attention and fast.attention is None)
+                    or (step.mlp and (fast.mlp is None or layer.parallel))):
+                return None
+            key = rope_key(layer)
+            if step.attention and key not in rope_index:
+                rope_index[key] = len(rope_layers)
+                rope_layers.append(layer)
+            steps.append((index, fast, step.attention, step.mlp, step.scale))
+            rope_of_step.append(rope_index.get(key, 0))
+        run = StepRun(steps, rope_layers, int(self.model.dtype == torch.bfloat16))
+        for entry, rope in zip(run.table, rope_of_step):
+            entry.rope = rope
+        return run
+
     def layer(self, label: str, index: int) -> NativeLayer | None:
         if not label:
             return self.layers[index]
@@ -354,7 +447,7 @@ class NativeEngine:
         found = {}
         for i, layer in enumerate(self.layers):
             if layer is None:
-                found[f"layer {i}"] = "the model has no rotary embedding module"
+                found[f"layer {i}"] = self.why_eager
                 continue
             for part, why in layer.why.items():
                 found[f"layer {i} {part}"] = why

@@ -130,6 +130,14 @@ def run_hidden(
     native = model.native if hidden.shape[0] == 1 and model.native is not None else None
     if native is not None and not native.takes(length):
         native = None
+    # where every switched-on sub-layer of the steps has kernels, the same loop runs in one native
+    # call (no Python round trip per sub-layer); observers and resumed runs take the loop below
+    if native is not None and cache is not None and observe is None and resume is None:
+        rope_key = (lambda layer: layer.layer_type) if parts.rope_per_layer_type else (lambda layer: "")
+        run = native.step_run(plan, first_step, end_step, rope_key)
+        if run is not None:
+            return run(hidden, cache, start_pos, [rope_of(layer) for layer in run.rope_layers],
+                       cache.read_window)
 
     for index in range(first_step, end_step):
         step = plan.steps[index]
