@@ -335,3 +335,39 @@ def test_mergekit_yaml_carries_residual_scales():
         plan = parse_plan(text, 30)
         assert from_mergekit(to_mergekit(plan, "m", sources={"b": "B"}), 30) == plan
     assert "o_proj" not in to_mergekit(parse_plan("0-20,10-29", 30), "m")
+
+
+@pytest.mark.real
+def test_a_probe_scored_by_lm_evaluation_harness_agrees(smollm2, tmp_path):
+    """The arithmetic chain, each item as lm-eval sees it (its whole context as text): lm-eval's
+    loglikelihood `acc` (greedy) and perplexity equal layerplan's greedy match and answer
+    log-likelihood, under a merge plan; and the chain scored as one row equals its items scored alone."""
+    lm_eval = pytest.importorskip("lm_eval")
+    import yaml
+    from lm_eval.tasks import TaskManager
+
+    from layerplan.app.integrations.harness import LayerplanLM
+
+    probe = generate_probe("arithmetic", 6, seed=3)
+    text, items = probe.header, []
+    for item in probe.items:
+        items.append(ProbeItem(text + item.prompt, item.answer))
+        text += item.prompt + item.answer + probe.separator
+    plan = smollm2.plan("0-14,12-29")
+    chained = ProbeScorer(smollm2, probe, smollm2.plan()).answers(plan)
+    alone = ProbeScorer(smollm2, Probe("items", items), smollm2.plan()).answers(plan)
+    assert chained.greedy.tolist() == alone.greedy.tolist()
+    assert chained.logprob.tolist() == pytest.approx(alone.logprob.tolist(), abs=2e-3)
+
+    data = tmp_path / "probe.jsonl"
+    data.write_text("".join(json.dumps({"prompt": i.prompt, "answer": i.answer}) + "\n" for i in items))
+    task = {"task": "lp_probe", "dataset_path": "json", "dataset_kwargs": {"data_files": {"test": str(data)}},
+            "test_split": "test", "output_type": "loglikelihood", "doc_to_text": "{{prompt}}",
+            "doc_to_target": "{{answer}}", "target_delimiter": "",
+            "metric_list": [{"metric": "acc"}, {"metric": "perplexity"}]}
+    (tmp_path / "lp_probe.yaml").write_text(yaml.safe_dump(task))
+    lm = LayerplanLM(pretrained=smollm2, plan=plan.to_string())
+    results = lm_eval.simple_evaluate(model=lm, tasks=["lp_probe"],
+                                      task_manager=TaskManager(include_path=str(tmp_path)))["results"]["lp_probe"]
+    assert results["acc,none"] == pytest.approx(float(alone.greedy.double().mean()))
+    assert results["perplexity,none"] == pytest.approx(float(torch.exp(-alone.logprob.mean())), rel=1e-4)
