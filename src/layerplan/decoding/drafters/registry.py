@@ -19,7 +19,8 @@ from layerplan.decoding.drafters.ngram import NgramDrafter
 from layerplan.decoding.drafters.plan import ExitHeadDrafter, PlanDrafter, WindowedDrafter
 from layerplan.decoding.drafters.staged import StagedDrafter
 from layerplan.decoding.drafters.suffix import SuffixDrafter, read_corpus
-from layerplan.models.loading import LoadedModel, cache_dir, load_model
+from layerplan.models.loading import LoadedModel, cache_dir
+from layerplan.models.verify import load_model
 from layerplan.plan.plan import LayerPlan
 
 
