@@ -11,6 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from layerplan.decoding.drafters.arbiter import Arbiter
 from layerplan.decoding.drafters.base import Drafter
 from layerplan.decoding.drafters.dynamic_exit import DynamicExitDrafter, ExitPolicy
 from layerplan.decoding.drafters.heads import Head, default_head_path, load_head, reduced_head
@@ -19,6 +20,7 @@ from layerplan.decoding.drafters.ngram import NgramDrafter
 from layerplan.decoding.drafters.plan import ExitHeadDrafter, PlanDrafter, WindowedDrafter
 from layerplan.decoding.drafters.staged import StagedDrafter
 from layerplan.decoding.drafters.suffix import SuffixDrafter, read_corpus
+from layerplan.engine.probe import model_pass_costs
 from layerplan.models.loading import LoadedModel, cache_dir
 from layerplan.models.verify import load_model
 from layerplan.plan.plan import LayerPlan
@@ -118,9 +120,8 @@ def _auto(arg: str | None, text: str, ctx: Context) -> Drafter:
     if arg is not None:
         raise ValueError(f"cannot read '{text}': auto takes no argument")
     saved = saved_draft_path(ctx.model)
-    if saved.exists():
-        return StagedDrafter([NgramDrafter(), _build(str(saved), ctx)])
-    return NgramDrafter()
+    models = [_build(str(saved), ctx)] if saved.exists() else []
+    return Arbiter([SuffixDrafter(), NgramDrafter()], models, model_pass_costs(ctx.model))
 
 
 # keyword (the spec up to its first ':') -> kind; a spec with no known keyword is a plan (PLAN)
@@ -136,7 +137,9 @@ DRAFTERS: dict[str, DrafterKind] = {
     "dynamic": DrafterKind("dynamic:POLICY", "per-token early exit: confidence=P | entropy=H | cosine=C, then "
                            "min=N, every=K, vocab=K, kv=propagate|verify", _dynamic),
     "model": DrafterKind("model:PATH", "a separate small model with the same tokenizer", _model),
-    "auto": DrafterKind("auto", "n-gram lookup, then the plan a search or tune saved for this model", _auto),
+    "auto": DrafterKind("auto", "per round, whichever of suffix, n-gram and the plan a search or tune saved for "
+                        "this model is expected to give the most tokens per second (from measured acceptance "
+                        "and the probe's verify costs), or a plain step when none pays", _auto),
 }
 PLAN = DrafterKind("PLAN", "any plan string or file that only switches the target's sub-layers off "
                    "(skip:attn=3,5;mlp=9)", _plan, takes_head=True)
