@@ -368,6 +368,32 @@ def test_a_probe_scored_by_lm_evaluation_harness_agrees(smollm2, tmp_path):
     (tmp_path / "lp_probe.yaml").write_text(yaml.safe_dump(task))
     lm = LayerplanLM(pretrained=smollm2, plan=plan.to_string())
     results = lm_eval.simple_evaluate(model=lm, tasks=["lp_probe"],
-                                      task_manager=TaskManager(include_path=str(tmp_path)))["results"]["lp_probe"]
+                                      task_manager=TaskManager(include_path=str(tmp_path), include_defaults=False)
+                                      )["results"]["lp_probe"]
     assert results["acc,none"] == pytest.approx(float(alone.greedy.double().mean()))
     assert results["perplexity,none"] == pytest.approx(float(torch.exp(-alone.logprob.mean())), rel=1e-4)
+
+
+def test_a_local_harness_task_is_a_probe(tiny, tmp_path):
+    pytest.importorskip("lm_eval")
+    import yaml
+
+    model, _ = tiny
+    data = tmp_path / "docs.jsonl"
+    docs = [{"q": "Q: 3 + 4 =\nA:", "a": "7"}, {"q": "Q: 10 - 1 =\nA:", "a": "9"}, {"q": "Q: 2 * 2 =\nA:", "a": "4"}]
+    data.write_text("".join(json.dumps(d) + "\n" for d in docs))
+    for name, output in (("lp_ll", "loglikelihood"), ("lp_gen", "generate_until")):
+        task = {"task": name, "dataset_path": "json", "dataset_kwargs": {"data_files": {"test": str(data)}},
+                "test_split": "test", "output_type": output, "doc_to_text": "{{q}}", "doc_to_target": "{{a}}",
+                "metric_list": [{"metric": "acc" if output == "loglikelihood" else "exact_match"}]}
+        (tmp_path / f"{name}.yaml").write_text(yaml.safe_dump(task))
+    inputs = MeasureInputs(probe_items=2, task="lp_ll", include_path=str(tmp_path))
+    view = build_scorers(model, ["task-ll"], inputs)["task-ll"]
+    assert view.scorer.items == [ProbeItem(d["q"], " " + d["a"]) for d in docs[:2]]
+    direct = ProbeScorer(model, Probe("same", view.scorer.items), model.plan())
+    plan = model.plan("0-2,1-3")
+    assert point_value(view, plan) == pytest.approx(float(direct.answers(plan).logprob.mean()), abs=1e-9)
+    gen = build_scorers(model, ["task"], MeasureInputs(probe_items=5, task="lp_gen", include_path=str(tmp_path)))
+    assert len(gen["task"].scorer.items) == 3
+    with pytest.raises(ValueError, match="the task measure needs --task"):
+        build_scorers(model, ["task"], MeasureInputs())

@@ -395,13 +395,17 @@ def ppl(model, dtype, device, threads, plan, model_b, text, window, stride, max_
 @click.option("--repeats", type=click.IntRange(1, 2), default=1, show_default=True,
               help="extra passes of the block (--search: the most it may choose)")
 @click.option("--measure", "measures", multiple=True, type=click.Choice(list(MEASURES)),
-              help="repeatable; default: ppl and arithmetic (plus text with --text, file with --probe-file)")
+              help="repeatable; default: ppl and arithmetic (plus text with --text, file with --probe-file, task with --task)")
 @click.option("--rank", type=click.Choice(list(MEASURES)), default=None,
               help="the measure that ranks blocks and that --search optimises (default: the first)")
 @click.option("--probe-file", type=click.Path(dir_okay=False), default=None,
               help='your probe: JSONL records {"prompt": ..., "answer": ...}')
 @click.option("--probe-items", type=click.IntRange(min=1), default=24, show_default=True,
-              help="items per built-in probe")
+              help="items per built-in probe (documents of --task)")
+@click.option("--task", default=None, help="a local lm-evaluation-harness task as a probe (loglikelihood or "
+              "generate_until; pip install 'layerplan[eval]')")
+@click.option("--include-path", type=click.Path(exists=True, file_okay=False), default=None,
+              help="folder of your own lm-evaluation-harness task YAML files")
 @click.option("--seed", default=0, show_default=True, help="built-in probe items, bootstrap and the study's sampler")
 @click.option("--limit", type=click.IntRange(min=1), default=None, help="scan only the first N blocks (a quick look)")
 @click.option("--no-reuse", is_flag=True, help="run every block from the embeddings (the naive baseline)")
@@ -419,8 +423,8 @@ def ppl(model, dtype, device, threads, plan, model_b, text, window, stride, max_
 @model_b_option
 @click.option("--out", type=click.Path(file_okay=False), default="runs/explore", show_default=True)
 def explore(model, dtype, device, threads, recompute, rewind, plans, tokens, text, blocks, layer_range, max_len,
-            repeats, measures, rank, probe_file, probe_items, seed, limit, no_reuse, report, study, trials, scales,
-            sampler, storage, study_name, export, model_b, out) -> None:
+            repeats, measures, rank, probe_file, probe_items, task, include_path, seed, limit, no_reuse, report, study,
+            trials, scales, sampler, storage, study_name, export, model_b, out) -> None:
     """Explore in-situ frankenmerges.
 
     \b
@@ -429,9 +433,10 @@ def explore(model, dtype, device, threads, recompute, rewind, plans, tokens, tex
     (perplexity, task probes) with bootstrap intervals; --search: an Optuna study over merges."""
     _threads(threads)
     if blocks or study:
-        _explore_merges(model, dtype, device, tokens or 256, text, blocks, layer_range, max_len, repeats, measures,
-                        rank, probe_file, probe_items, seed, limit, no_reuse, report, study, trials, scales, sampler,
-                        storage, study_name, export, model_b, Path(out))
+        _explore_merges(model, dtype, device, blocks, layer_range, max_len, repeats, measures,
+                        rank, MeasureInputs(tokens or 256, text, probe_file, probe_items, seed, task, include_path),
+                        limit, no_reuse, report, study, trials, scales, sampler, storage, study_name, export, model_b,
+                        Path(out))
         return
     with _user_errors():
         numbers = {}
@@ -456,16 +461,16 @@ def explore(model, dtype, device, threads, recompute, rewind, plans, tokens, tex
     click.echo(f"wrote {out_dir / 'explore.json'} and {out_dir / 'explore.png'}")
 
 
-def _explore_merges(model, dtype, device, tokens, text, blocks, layer_range, max_len, repeats, measures, rank,
-                    probe_file, probe_items, seed, limit, no_reuse, report, study, trials, scales, sampler, storage,
+def _explore_merges(model, dtype, device, blocks, layer_range, max_len, repeats, measures, rank,
+                    inputs: MeasureInputs, limit, no_reuse, report, study, trials, scales, sampler, storage,
                     study_name, export, model_b, out_dir: Path) -> None:
     """explore --blocks and/or --search (the scan's best blocks seed the study)."""
     with _user_errors():
         names = list(dict.fromkeys(list(measures) or ["ppl", "arithmetic"]))
-        names += [extra for extra, given in (("text", text), ("file", probe_file)) if given and extra not in names]
+        names += [extra for extra, given in (("text", inputs.text), ("file", inputs.probe_file), ("task", inputs.task))
+                  if given and extra not in names]
         if rank is not None:
             names = [rank] + [n for n in names if n != rank]
-        inputs = MeasureInputs(tokens, text, probe_file, probe_items, seed)
         try:
             low, _, high = scales.partition("-")
             scale_range = (float(low), float(high or low))
@@ -477,9 +482,9 @@ def _explore_merges(model, dtype, device, tokens, text, blocks, layer_range, max
         seeds = []
         if blocks:
             with _Stages() as stages:
-                def stage(text_: str) -> None:
-                    click.echo(f"· {text_}", err=True)
-                    stages.start(text_.partition(":")[0])
+                def stage(line: str) -> None:
+                    click.echo(f"· {line}", err=True)
+                    stages.start(line.partition(":")[0])
 
                 result = scan_blocks(loaded, names, inputs, span, max_len, repeats, limit, not no_reuse,
                                      on_stage=stage, on_progress=stages)
@@ -506,7 +511,7 @@ def _explore_merges(model, dtype, device, tokens, text, blocks, layer_range, max
                 seeds = [{k: v for k, v in s.items() if k != "scale"} for s in seeds]
             with _Progress("study") as progress:
                 outcome = study_merges(loaded, names[0], inputs, space, trials, out_dir, model, storage, study_name,
-                                       sampler, seed, seeds, export, model_b, on_trial=progress)
+                                       sampler, inputs.seed, seeds, export, model_b, on_trial=progress)
             found = outcome.study
             click.echo(f"study '{found.study}': {len([t for t in found.trials if t.state == 'COMPLETE'])} finished "
                        f"trials; {names[0]} of the model {outcome.base_value:.4g}, best {found.best_value:.4g} "

@@ -22,7 +22,8 @@ from layerplan.engine.runner import Resume, head, run_hidden
 from layerplan.models.loading import LoadedModel
 from layerplan.plan.plan import LayerPlan
 from layerplan.search.evaluate import calibration_ids, token_nll
-from layerplan.search.probes import PROBE_SETS, Probe, encode_pair, generate_probe, prefix_token, read_probe_file
+from layerplan.search.probes import (PROBE_SETS, Probe, encode_pair, generate_probe, harness_probe, prefix_token,
+                                     read_probe_file)
 
 
 def shared_steps(plan: LayerPlan, base: LayerPlan) -> int:
@@ -260,6 +261,8 @@ class MeasureInputs:
     probe_file: str | None = None  # --probe-file: JSONL of {"prompt", "answer"}
     probe_items: int = 24
     seed: int = 0
+    task: str | None = None  # --task: a local lm-evaluation-harness task (loglikelihood / generate_until)
+    include_path: str | None = None  # --include-path: the folder of its YAML
 
 
 @dataclass(frozen=True)
@@ -294,6 +297,8 @@ MEASURES = {m.name: m for m in (
     Measure("text", "perplexity on your text (--text FILE, first --tokens tokens)", "minimize", "perplexity", "text"),
     *(m for name, probe in PROBE_SETS.items() for m in _probe_measures(name, probe.help)),
     *_probe_measures("file", 'your JSONL of {"prompt", "answer"} (--probe-file)', "probe_file"),
+    *_probe_measures("task", "a local lm-evaluation-harness task (--task NAME --include-path DIR; its first "
+                     "--probe-items documents)", "task"),
 )}
 
 
@@ -328,8 +333,12 @@ def build_scorers(model: LoadedModel, names: list[str], inputs: MeasureInputs, b
             scorers[name] = PerplexityScorer(model, _perplexity_ids(model, name, inputs), base, reuse)
             continue
         if measure.probe not in probes:
-            probe = (read_probe_file(inputs.probe_file) if measure.probe == "file"
-                     else generate_probe(measure.probe, inputs.probe_items, inputs.seed))
+            if measure.probe == "file":
+                probe = read_probe_file(inputs.probe_file)
+            elif measure.probe == "task":
+                probe = harness_probe(inputs.task, inputs.include_path, inputs.probe_items)
+            else:
+                probe = generate_probe(measure.probe, inputs.probe_items, inputs.seed)
             probes[measure.probe] = ProbeScorer(model, probe, base, reuse)
         scorers[name] = ProbeView(probes[measure.probe], measure.field)
     return scorers
