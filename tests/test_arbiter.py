@@ -24,11 +24,13 @@ class FixedLookup:
 
     def __init__(self, name, tokens=(1, 2, 3, 4)):
         self.name, self.tokens = name, list(tokens)
+        self.calls = 0
 
     def check(self, model, target):
         pass
 
     def propose(self, state, max_tokens):
+        self.calls += 1
         return Proposal(self.tokens[:max_tokens])
 
 
@@ -67,12 +69,14 @@ def test_a_model_draft_is_chosen_when_it_pays_better_than_the_lookup():
 def test_plain_steps_when_verifying_k_tokens_costs_k_steps(pass_costs):
     """From the probe's curve, or learned from verify passes that cost a step per token: even
     drafts that are always accepted cannot pay, so the arbiter drafts only its one-token probes."""
-    arbiter = Arbiter([FixedLookup("a")], pass_costs=pass_costs, probe_every=5)
+    lookup = FixedLookup("a")
+    arbiter = Arbiter([lookup], pass_costs=pass_costs, probe_every=5)
     arbiter.observe(RoundOutcome(None, 0, 0, 0.0, 0.010))
     for _ in range(10):
         arbiter.observe(RoundOutcome("a", 4, 4, 0.0, 0.050))  # 5 tokens verified in 5 steps' time
     drafted = [len(arbiter.propose(STATE, 8).tokens) for _ in range(20)]
     assert drafted.count(0) == 16 and drafted.count(1) == 4  # a one-token probe every 5 rounds
+    assert lookup.calls == 4  # a lookup that cannot pay is not even asked between its probes
     assert Arbiter([FixedLookup("a")]).propose(STATE, 8).tokens == []  # no plain step measured yet
 
 

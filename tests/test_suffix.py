@@ -51,6 +51,9 @@ def test_automaton_grown_token_by_token_matches_brute_force(text):
         for end in range(start + 1, min(len(text), start + 6) + 1):
             assert sam.occurrences(text[start:end]) == occurrences_in([text], text[start:end])
     assert sam.occurrences([99]) == 0
+    bulk = SuffixAutomaton()
+    bulk.extend_all(text)  # a bulk append counts once at the end: the same counts
+    assert bulk.count == sam.count and bulk.next == sam.next
     assert len(sam.length) <= 2 * len(text) + 1  # linear size
 
 

@@ -5,7 +5,8 @@ positions (their *endpos*), at most 2|T| states; `count[v]` = |endpos(v)| = how 
 substrings of v occur in T. Appending a token is Blumer et al.'s online construction (amortised
 O(1) transitions) plus one increment per state on the new end's suffix-link chain, which keeps
 the counts exact without any rebuild (the chain is short for ordinary text and grows with the
-length of a verbatim repeat).
+length of a verbatim repeat). A bulk append (`extend_all` of more tokens than T holds, e.g. a
+corpus file) skips the increments and recounts every state once, in O(|T|), instead.
 
 Several documents share one automaton: `end_document()` appends a separator (a negative id of its
 own, never matched by a token), so that no match runs across documents.
@@ -27,6 +28,7 @@ class SuffixAutomaton:
         self.link: list[int] = [-1]  # suffix link: the state of the longest suffix in another class
         self.next: list[dict[int, int]] = [{}]  # transitions: token -> state
         self.count: list[int] = [0]  # |endpos|: occurrences of the state's substrings
+        self.own: list[bool] = [False]  # the state was made for a new end position (not a clone)
         self.last = 0  # the state of the whole text
         self.size = 0  # tokens appended (separators included)
         self._separator = -1
@@ -36,12 +38,14 @@ class SuffixAutomaton:
         self.link.append(link)
         self.next.append(transitions)
         self.count.append(count)
+        self.own.append(False)
         return len(self.length) - 1
 
-    def extend(self, token: int) -> None:
-        """Append one token to T."""
+    def extend(self, token: int, count: bool = True) -> None:
+        """Append one token to T (count=False: leave the counts to a `recount()` after a bulk append)."""
         length, link, nxt = self.length, self.link, self.next
         cur = self._new_state(length[self.last] + 1, 0, {}, 0)
+        self.own[cur] = True
         p = self.last
         while p != -1 and token not in nxt[p]:
             nxt[p][token] = cur
@@ -58,14 +62,32 @@ class SuffixAutomaton:
                 link[q] = link[cur] = clone
         self.last = cur
         self.size += 1
-        state = cur  # every suffix of the new text occurs once more
+        state = cur if count else 0  # every suffix of the new text occurs once more
         while state > 0:
             self.count[state] += 1
             state = link[state]
 
     def extend_all(self, tokens) -> None:
+        tokens = list(tokens)
+        bulk = len(tokens) > self.size
         for token in tokens:
-            self.extend(token)
+            self.extend(token, count=not bulk)
+        if bulk:
+            self.recount()
+
+    def recount(self) -> None:
+        """Every count from scratch: one per end position, summed up the suffix-link tree
+        (longest states first), O(|T|)."""
+        by_length: list[list[int]] = [[] for _ in range(self.size + 1)]
+        for state in range(1, len(self.length)):
+            by_length[self.length[state]].append(state)
+        count, link = self.count, self.link
+        for state in range(len(count)):
+            count[state] = int(self.own[state])
+        for states in reversed(by_length):
+            for state in states:
+                if link[state] > 0:
+                    count[link[state]] += count[state]
 
     def end_document(self) -> None:
         """Close the current document: nothing matches across the separator."""

@@ -2,8 +2,9 @@
 tokens per unit of time, or a plain step when no draft is expected to pay.
 
 Two kinds of candidates:
-- lookups (suffix, n-gram): free and deterministic, so each is asked every round and judged on
-  what it actually proposes (a lookup with no match is no candidate this round);
+- lookups (suffix, n-gram): nearly free and deterministic, so each is asked every round and judged
+  on what it actually proposes (a lookup with no match is no candidate this round; one that could
+  not pay even with a full-length proposal is not asked until its probe);
 - model drafts (a saved skip plan): cost a fraction of a step per token, so the arbiter picks
   their γ before running them.
 
@@ -87,6 +88,9 @@ class Arbiter:
         """Every candidate for this round with its best γ and expected speedup (lookups are run)."""
         found = []
         for drafter in self.lookups:
+            measured = self.measured[drafter.name]
+            if measured.idle < self.probe_every and self._best_gamma(measured.alpha, max_tokens, 0.0)[0] <= 1.0:
+                continue  # could not pay even with its longest proposal: not asked until its probe
             tokens = drafter.propose(state, max_tokens).tokens[:max_tokens]
             if tokens:
                 speedup, gamma = self._best_gamma(self.measured[drafter.name].alpha, len(tokens), 0.0)
@@ -104,9 +108,9 @@ class Arbiter:
     def propose(self, state: DraftState, max_tokens: int) -> Proposal:
         if self.plain_seconds is None:
             return Proposal()  # measure a plain step first: the unit every cost is counted in
-        found = self.choices(state, max_tokens)
         for measured in self.measured.values():
             measured.idle += 1
+        found = self.choices(state, max_tokens)
         if not found:
             return Proposal()
         best = max(found, key=lambda c: c.speedup)
