@@ -47,15 +47,23 @@ def read_texts(path: str | Path, field: str = "text") -> list[str]:
         raise FileNotFoundError(f"text file not found: {path.resolve()}")
     if path.suffix.lower() == ".jsonl":
         texts = []
-        for number, line in enumerate(path.read_text().splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as error:
-                raise ValueError(f"{path}:{number}: not valid JSON ({error.msg})") from None
+        for number, record in read_jsonl(path):
             if field not in record:
                 raise ValueError(f"{path}:{number}: no '{field}' field (has {', '.join(record)})")
             texts.append(str(record[field]))
         return texts
     return [path.read_text()]
+
+
+def read_jsonl(path: Path) -> list[tuple[int, object]]:
+    """(line number, record) of each non-blank line; a line that is not JSON gets one error
+    naming the file and line."""
+    records = []
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            records.append((number, json.loads(line)))
+        except json.JSONDecodeError as error:
+            raise ValueError(f"{path}:{number}: not valid JSON ({error.msg})") from None
+    return records

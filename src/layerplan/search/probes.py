@@ -14,11 +14,12 @@ choices and its help follow from it).
 from __future__ import annotations
 
 import datetime
-import json
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+
+from layerplan.corpus import read_jsonl
 
 
 @dataclass(frozen=True)
@@ -117,13 +118,7 @@ def read_probe_file(path: str | Path) -> Probe:
     if not path.exists():
         raise FileNotFoundError(f"probe file not found: {path.resolve()}")
     items = []
-    for number, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as error:
-            raise ValueError(f"{path}:{number}: not valid JSON ({error.msg})") from None
+    for number, record in read_jsonl(path):
         if not isinstance(record, dict) or not isinstance(record.get("prompt"), str) \
                 or not isinstance(record.get("answer"), str) or not record["answer"].strip():
             raise ValueError(f"{path}:{number}: expected {{\"prompt\": \"...\", \"answer\": \"...\"}} with a "
