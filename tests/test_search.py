@@ -1,11 +1,12 @@
 """Plan search: the shared evaluator, greedy skipping, Optuna studies, resumption, shared storage."""
 
 import json
+import multiprocessing
 import os
 import shutil
 import subprocess
 import sys
-import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -99,7 +100,35 @@ def test_study_is_seeded_resumes_and_reports(setup, tmp_path):
     again = run_study(PlanEvaluator(model, ids), "kl", 9, storage, "s", seeds=seeds)
     complete = [t for t in again.trials if t.state == "COMPLETE"]
     assert len(complete) == 9
-    assert [t.plan for t in again.trials[:6]] == [t.plan for t in first.trials]  # nothing finished was lost
+    assert [t.plan for t in again.trials[:len(first.trials)]] == [t.plan for t in first.trials]  # nothing lost
+    assert len({t.plan for t in complete}) == 9  # and no plan evaluated twice
+
+
+def test_a_study_runs_each_plan_once_and_stops_when_it_has_run_them_all(setup, tmp_path):
+    from optuna.trial import TrialState
+
+    model, ids = setup  # 4 layers, the ends kept: 4 switches, 16 plans
+    storage = f"journal:{tmp_path / 'study.log'}"
+    for asked in (16, 20):  # 20: more trials than plans; the study ends when every plan is run
+        result = run_study(PlanEvaluator(model, ids), "kl", asked, storage, "small", seed=1)
+        complete = [t for t in result.trials if t.state == "COMPLETE"]
+        assert len(complete) == len({t.plan for t in complete}) == 16
+        assert not [t for t in result.trials if t.state == TrialState.RUNNING.name]
+    repeats = [t for t in result.trials if t.state == "PRUNED" and t.plan]
+    assert repeats  # the sampler did propose held plans: they were looked up, not run
+    values = {t.plan: t.values for t in complete}
+    assert all(t.values == values[t.plan] for t in repeats)
+
+
+def test_a_seed_makes_a_study_reproducible_and_no_seed_varies_it(setup, tmp_path):
+    model, ids = setup
+
+    def plans(seed, folder):
+        result = run_study(PlanEvaluator(model, ids), "kl", 5, f"journal:{tmp_path / folder / 's.log'}", "s", seed=seed)
+        return [t.plan for t in result.trials]
+
+    assert plans(7, "a") == plans(7, "b")
+    assert plans(None, "c") != plans(None, "d")
 
 
 def test_a_study_leaves_optuna_logging_to_the_application(setup, tmp_path):
@@ -147,38 +176,99 @@ def test_plan_from_trial_params():
     assert plan.to_string() == "skip:attn=1;mlp=2"
 
 
-WORKER = textwrap.dedent("""
-    import sys, torch
-    sys.path.insert(0, {tests!r})
-    from tiny import tiny_model, VOCAB
-    from layerplan.search.bayes import run_study
-    from layerplan.search.evaluator import PlanEvaluator
-    model = tiny_model("llama", num_layers=4)
-    ids = torch.randint(3, VOCAB, (1, 32), generator=torch.Generator().manual_seed(0))
-    run_study(PlanEvaluator(model, ids), "kl", 12, {storage!r}, "shared", seed=int(sys.argv[1]))
-""")
+class _HangingEvaluator(PlanEvaluator):
+    """Hangs in its fourth evaluation (mid-study, mid-trial) after touching `marker`, until killed."""
+
+    def __init__(self, model, ids, marker: Path | None) -> None:
+        super().__init__(model, ids)
+        self.marker = marker
+
+    def divergence(self, plan, give_up=None):
+        if self.marker is not None and self.evaluations >= 3:
+            self.marker.touch()
+            time.sleep(600)
+        return super().divergence(plan, give_up)
 
 
-def _run_workers(storage: str, count: int = 2) -> None:
-    script = WORKER.format(tests=str(Path(__file__).parent), storage=storage)
-    procs = [subprocess.Popen([sys.executable, "-c", script, str(seed)]) for seed in range(count)]
-    assert all(p.wait(timeout=300) == 0 for p in procs)
+def _work(model, storage: str, trials: int, marker: Path | None) -> None:
+    torch.set_num_threads(1)  # a forked child must not reuse the parent's thread pool
+    ids = torch.randint(3, VOCAB, (1, 16), generator=torch.Generator().manual_seed(0))
+    run_study(_HangingEvaluator(model, ids, marker), "kl", trials, storage, "shared", seeds=[model.plan()], poll=0.05)
 
 
-def _complete(storage_url: str) -> int:
+@pytest.fixture(scope="module")
+def worker_model():
+    return tiny_model("llama", num_layers=6)  # 8 switchable sub-layers: 256 plans
+
+
+def _worker(model, storage: str, trials: int, marker: Path | None = None):
+    """A worker in its own process, forked so that it starts without re-importing torch."""
+    process = multiprocessing.get_context("fork").Process(target=_work, args=(model, storage, trials, marker))
+    process.start()
+    return process
+
+
+def _run_workers(model, storage: str, count: int, trials: int) -> None:
+    procs = [_worker(model, storage, trials) for _ in range(count)]
+    for p in procs:
+        p.join(timeout=300)
+    assert [p.exitcode for p in procs] == [0] * count
+
+
+def _trials(storage_url: str) -> list:
     import optuna
 
     from layerplan.search.bayes import make_storage
 
-    study = optuna.load_study(study_name="shared", storage=make_storage(storage_url))
-    return len([t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE])
+    return optuna.load_study(study_name="shared", storage=make_storage(storage_url)).trials
+
+
+def _assert_exact_and_distinct(storage_url: str, trials: int) -> list:
+    from optuna.trial import TrialState
+
+    found = _trials(storage_url)
+    complete = [t for t in found if t.state == TrialState.COMPLETE]
+    assert len(complete) == trials
+    assert len({t.user_attrs["plan"] for t in complete}) == trials  # no plan evaluated twice
+    assert not [t.number for t in found if t.state == TrialState.RUNNING]
+    for t in found:  # a repeated proposal carries the values of the trial that holds its plan
+        if "duplicate_of" in t.user_attrs and "copied_values" in t.user_attrs:
+            holder = found[t.user_attrs["duplicate_of"]]
+            assert holder.user_attrs["plan"] == t.user_attrs["plan"]
+            assert t.user_attrs["copied_values"] == holder.values
+    return found
+
+
+@pytest.mark.parametrize("kind,count", [("sqlite", 2), ("sqlite", 4), ("journal", 2), ("journal", 4)])
+def test_worker_processes_share_one_study_exactly(worker_model, tmp_path, kind, count):
+    storage = str(tmp_path / "shared.db") if kind == "sqlite" else f"journal:{tmp_path / 'shared.log'}"
+    _run_workers(worker_model, storage, count, 10)
+    found = _assert_exact_and_distinct(storage, 10)
+    seeds = {t.user_attrs.get("sampler_seed") for t in found if "sampler_seed" in t.user_attrs}
+    assert len(seeds) == len({t.user_attrs["worker"] for t in found})  # a sampler seed per worker
 
 
 @pytest.mark.parametrize("kind", ["sqlite", "journal"])
-def test_two_worker_processes_share_one_study(tmp_path, kind):
-    storage = str(tmp_path / "shared.db") if kind == "sqlite" else f"journal:{tmp_path / 'shared.log'}"
-    _run_workers(storage)
-    assert 12 <= _complete(storage) <= 13  # both stop at 12 finished; one may finish a trial in flight
+def test_a_study_killed_mid_trial_resumes_without_repeating_or_leaving_it_running(worker_model, tmp_path, kind):
+    from optuna.trial import TrialState
+
+    storage = str(tmp_path / "study.db") if kind == "sqlite" else f"journal:{tmp_path / 'study.log'}"
+    marker = tmp_path / "in-trial"
+    victim = _worker(worker_model, storage, 8, marker)
+    for _ in range(1200):
+        if marker.exists() or not victim.is_alive():
+            break
+        time.sleep(0.1)
+    assert marker.exists(), "the worker never reached its hanging trial"
+    victim.kill()  # SIGKILL: no handler runs, the trial stays RUNNING in the storage
+    victim.join()
+    killed = [t for t in _trials(storage) if t.state == TrialState.RUNNING]
+    assert len(killed) == 1
+    _run_workers(worker_model, storage, 1, 8)
+    found = _assert_exact_and_distinct(storage, 8)
+    assert found[killed[0].number].state == TrialState.FAIL
+    first, resumed = (t.user_attrs.get("sampler_seed") for t in (found[1], found[-1]))
+    assert first != resumed  # the resumed worker does not replay the killed one's proposals
 
 
 def _pg_bin() -> Path | None:
@@ -217,9 +307,10 @@ def postgres():
         shutil.rmtree(tmp_path, ignore_errors=True)
 
 
-def test_two_workers_share_a_study_in_postgresql(postgres):
-    _run_workers(postgres)
-    assert 12 <= _complete(postgres) <= 13
+@pytest.mark.parametrize("count", [2, 4])
+def test_workers_share_a_study_in_postgresql_exactly(worker_model, postgres, count):
+    _run_workers(worker_model, postgres, count, 10)
+    _assert_exact_and_distinct(postgres, 10)
 
 
 def test_storage_in_a_folder_that_does_not_exist_yet(tmp_path):

@@ -578,7 +578,8 @@ def export(plan, model, dtype, out, fmt, source, model_b) -> None:
 @click.option("--save-draft/--no-save-draft", default=None,
               help="save the best plan for `--draft auto` (default: for "
                    f"{'/'.join(name for name, o in OBJECTIVES.items() if o.drafts)})")
-@click.option("--seed", default=0, show_default=True)
+@click.option("--seed", type=int, default=None,
+              help="makes the study's sampler seeds reproducible (each worker still gets its own); default: fresh")
 @click.option("--out", type=click.Path(file_okay=False), default="runs/search", show_default=True)
 def search(model, dtype, threads, method, objective, multi, trials, budget, max_cost_cut, granularity, mode, sampler,
            storage, study_name, tokens, text, allow_ends, save_draft, seed, out) -> None:
@@ -620,6 +621,9 @@ def search(model, dtype, threads, method, objective, multi, trials, budget, max_
             top = [loaded.plan(t.plan) for t in ranked[: max(1, len(ranked) // 10)] if t.plan]
             if top:
                 skip_frequency_plot(top, loaded.num_layers, out_dir / "skip-frequency.png")
+            if study.stale_failed:
+                click.echo(f"marked failed: trial(s) {', '.join(map(str, study.stale_failed))} of workers that died",
+                           err=True)
             click.echo(f"study '{study.study}': {len(ranked)} finished trials; best {objective} {study.best_value} "
                        f"with plan {study.best_plan}")
         best_plan = result.best_plan

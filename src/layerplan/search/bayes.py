@@ -2,14 +2,19 @@
 
 Results live in an Optuna storage: a SQLite file by default, any RDB URL (PostgreSQL for a
 team), or a journal file (`journal:PATH`). Several processes or machines running the same
-command with the same storage and study name share one study. Interrupted runs resume: finished
-trials are kept, the study stops at `n_trials` finished trials in total, and with an RDB storage
-trials whose process died are retried (heartbeat + RetryFailedTrialCallback).
+command with the same storage and study name share one study without repeating one another's
+work: each worker seeds its sampler differently, a plan the study holds is never evaluated again,
+and the study stops at exactly `n_trials` finished trials in total. Interrupted runs resume:
+finished trials are kept and trials whose worker died are marked failed (layerplan.search.workers).
 """
 
 from __future__ import annotations
 
+import hashlib
 import inspect
+import itertools
+import random
+import secrets
 import time
 import warnings
 from collections.abc import Callable
@@ -21,6 +26,9 @@ from layerplan.plan.plan import LayerPlan, PlanError
 from layerplan.search.evaluator import CostModel, PlanEvaluator
 from layerplan.search.greedy import candidate_items
 from layerplan.search.objectives import OBJECTIVES, score
+from layerplan.search.workers import Heartbeat, is_stale
+
+MAX_REPEATS = 3  # proposals in a row of plans the study holds before a worker draws an unseen one
 
 
 @dataclass(frozen=True)
@@ -38,7 +46,10 @@ SAMPLERS = {
 }
 
 
-def make_storage(url: str | None, heartbeat: int = 60):
+def make_storage(url: str | None, heartbeat: int | None = 60):
+    """An Optuna storage for `url` (see the module's docstring). heartbeat: with an RDB, Optuna's
+    own heartbeat for studies run by Study.optimize, retrying trials whose process died (None:
+    off; run_study keeps its own liveness record on every storage, see layerplan.search.workers)."""
     import optuna
 
     if url is None:
@@ -53,17 +64,24 @@ def make_storage(url: str | None, heartbeat: int = 60):
     if "://" not in url:
         Path(url).parent.mkdir(parents=True, exist_ok=True)
         url = f"sqlite:///{url}"
-    retry_class = getattr(optuna.storages, "RetryHeartbeatStaleTrialCallback", None) or optuna.storages.RetryFailedTrialCallback
-    keyword = ("heartbeat_stale_trial_callback" if "heartbeat_stale_trial_callback"
-               in inspect.signature(optuna.storages.RDBStorage).parameters else "failed_trial_callback")
+    # workers sharing a SQLite file wait for its lock rather than fail
+    options: dict = {"engine_kwargs": {"connect_args": {"timeout": 60}}} if url.startswith("sqlite:") else {}
+    if heartbeat is not None:
+        retry_class = (getattr(optuna.storages, "RetryHeartbeatStaleTrialCallback", None)
+                       or optuna.storages.RetryFailedTrialCallback)
+        keyword = ("heartbeat_stale_trial_callback" if "heartbeat_stale_trial_callback"
+                   in inspect.signature(optuna.storages.RDBStorage).parameters else "failed_trial_callback")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # heartbeats are marked experimental
+            retry = retry_class(max_retry=3)
+        options.update(heartbeat_interval=heartbeat, grace_period=2 * heartbeat, **{keyword: retry})
     from sqlalchemy.exc import IntegrityError, OperationalError
 
     for attempt in range(5):
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # heartbeats are marked experimental
-                return optuna.storages.RDBStorage(url, heartbeat_interval=heartbeat, grace_period=2 * heartbeat,
-                                                  **{keyword: retry_class(max_retry=3)})
+                return optuna.storages.RDBStorage(url, **options)
         except (IntegrityError, OperationalError):
             # workers started together race to create the schema in an empty database: the
             # loser finds the tables made by the winner on the next try
@@ -105,6 +123,7 @@ class StudyResult:
     best_value: float | None
     trials: list[TrialRecord] = field(default_factory=list)
     pareto: list[TrialRecord] = field(default_factory=list)
+    stale_failed: list[int] = field(default_factory=list)  # RUNNING trials of dead workers this run failed
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -113,6 +132,47 @@ class StudyResult:
         """Finished trials, best first by the (first) objective."""
         done = [t for t in self.trials if t.state == "COMPLETE"]
         return sorted(done, key=lambda t: t.values[0], reverse=self.directions[0] == "maximize")
+
+
+def derive_seed(study_name: str, seed: int | None, worker: object) -> int:
+    """The sampler seed of one worker: the same for the same (study, --seed, worker) and different
+    across workers, so that two workers, or a worker resumed after a crash, never replay one
+    another's proposals. Without a user seed it is fresh entropy each run."""
+    material = f"{study_name}\0{seed if seed is not None else secrets.token_hex(16)}\0{worker}"
+    return int.from_bytes(hashlib.sha256(material.encode()).digest()[:4], "little")
+
+
+def _unseen_params(num_layers: int, items, held: set[str], rng: random.Random) -> dict[str, bool] | None:
+    """Switches for a valid plan the study does not hold yet (None: it holds every one)."""
+    def plan_of(switches):
+        params = {(f"attn_{i}" if kind == "attention" else f"mlp_{i}"): on for (kind, i), on in zip(items, switches)}
+        try:
+            return params, plan_from_params(num_layers, params).to_string()
+        except PlanError:
+            return params, None
+
+    for _ in range(256):
+        params, text = plan_of([rng.random() < 0.5 for _ in items])
+        if text is not None and text not in held:
+            return params
+    if len(items) <= 16:  # small enough to list every plan
+        for switches in itertools.product([True, False], repeat=len(items)):
+            params, text = plan_of(switches)
+            if text is not None and text not in held:
+                return params
+    return None
+
+
+def _plan_of(trial) -> str | None:
+    return trial.user_attrs.get("plan")
+
+
+def _queued_plan(num_layers: int, trial) -> str | None:
+    """The plan of a WAITING (enqueued) trial."""
+    try:
+        return plan_from_params(num_layers, trial.system_attrs.get("fixed_params", {})).to_string()
+    except PlanError:
+        return None
 
 
 def run_study(
@@ -127,13 +187,24 @@ def run_study(
     allow_ends: bool = False,
     costs: CostModel | None = None,
     prompts=None,
-    seed: int = 0,
+    seed: int | None = None,
     on_trial: Callable[[int, int], None] | None = None,
+    heartbeat: float = 10.0,
+    grace: float = 60.0,
+    poll: float = 0.2,
 ) -> StudyResult:
-    """Optimise `objective` (and, with multi_objective, the plan's relative cost too, minimised).
-    `seeds` (e.g. the greedy result, the full model) are enqueued as the first trials."""
+    """Optimise `objective` (and, with multi_objective, the plan's relative cost too, minimised)
+    until the study holds `n_trials` finished trials, counting every worker's.
+
+    `seeds` (e.g. the greedy result, the full model) are enqueued as the first trials of a new
+    study. Each worker's sampler seed comes from the study name, `seed` and the number of the
+    worker's first trial (reproducible with a seed; fresh without). A plan the study already holds
+    is not evaluated again: the trial is pruned with the holder's values copied (`duplicate_of`).
+    Trials whose worker died (see layerplan.search.workers) are failed at start-up and while
+    waiting; a worker waits for earlier trials in flight rather than run one past `n_trials`.
+    `heartbeat`/`grace`: seconds between a running trial's heartbeats / before a silent one on
+    another host counts as dead; `poll`: seconds between looks at the study while waiting."""
     import optuna
-    from optuna.study import MaxTrialsCallback
     from optuna.trial import TrialState
 
     if sampler not in SAMPLERS:
@@ -141,36 +212,131 @@ def run_study(
     model = evaluator.model
     items = [item for item in candidate_items(model.num_layers, "sublayer", allow_ends)]
     directions = [OBJECTIVES[objective].direction] + (["minimize"] if multi_objective else [])
-    chosen = SAMPLERS[sampler if not (multi_objective and sampler == "tpe") else "nsga2"].make(optuna, seed)
+    chosen = SAMPLERS[sampler if not (multi_objective and sampler == "tpe") else "nsga2"]
     name = study_name or f"{model.name}-{objective}{'-cost' if multi_objective else ''}"
-    study = optuna.create_study(storage=make_storage(storage), study_name=name, directions=directions,
-                                sampler=chosen, load_if_exists=True)
-    if not study.trials:  # seed only a new study; a resumed one already has them
+    study = optuna.create_study(storage=make_storage(storage, heartbeat=None), study_name=name,
+                                directions=directions, sampler=chosen.make(optuna, derive_seed(name, seed, "start")),
+                                load_if_exists=True)
+    stale: list[int] = []
+
+    def look() -> list:
+        """The study's trials, after failing the RUNNING ones whose worker is gone."""
+        trials = study.get_trials(deepcopy=False)
+        now, failed = time.time(), False
+        for t in trials:
+            if t.state == TrialState.RUNNING and is_stale(t, grace, now):
+                try:
+                    study.tell(t.number, state=TrialState.FAIL)
+                    stale.append(t.number)
+                    failed = True
+                except (ValueError, RuntimeError, optuna.exceptions.UpdateFinishedTrialError):
+                    pass  # another worker failed it first
+        return study.get_trials(deepcopy=False) if failed else trials
+
+    if not look():  # seed only a new study; a resumed one already has them
         for plan in seeds:
             study.enqueue_trial(params_from_plan(plan, items), skip_if_exists=True)
 
-    def objective_fn(trial: optuna.Trial):
-        params = {(f"attn_{i}" if kind == "attention" else f"mlp_{i}"): trial.suggest_categorical(
-            f"attn_{i}" if kind == "attention" else f"mlp_{i}", [True, False]) for kind, i in items}
+    def complete(trials) -> list:
+        return [t for t in trials if t.state == TrialState.COMPLETE]
+
+    def turn(number: int, plan: str):
+        """Wait until trial `number` may run plan `plan`: ("run", None), ("duplicate", the trial
+        that holds the plan) or ("full", None) once the study has its n_trials."""
+        while True:
+            trials = look()
+            earlier = [t for t in trials if t.number < number and t.state == TrialState.RUNNING]
+            if not any(_plan_of(t) is None for t in earlier):  # every earlier trial has said its plan
+                done = complete(trials)
+                holder = next((t for t in done + earlier if _plan_of(t) == plan), None)
+                if holder is not None:
+                    return "duplicate", holder
+                if len(done) >= n_trials:
+                    return "full", None
+                if len(done) + len(earlier) < n_trials:
+                    return "run", None
+            time.sleep(poll)
+
+    def run_trial(trial) -> str:
+        beat = Heartbeat(trial, heartbeat)
         try:
-            plan = plan_from_params(model.num_layers, params, model.name)
-        except PlanError as error:
-            raise optuna.TrialPruned(str(error)) from None
-        trial.set_user_attr("plan", plan.to_string())
-        trial.set_user_attr("cost", plan.cost)
-        value = score(objective, plan, evaluator, costs, prompts)
-        return (value, costs.relative_cost(plan) if costs else plan.cost) if multi_objective else value
+            params = {(f"attn_{i}" if kind == "attention" else f"mlp_{i}"): trial.suggest_categorical(
+                f"attn_{i}" if kind == "attention" else f"mlp_{i}", [True, False]) for kind, i in items}
+            trial.set_user_attr("sampler_seed", worker_seed)
+            try:
+                plan = plan_from_params(model.num_layers, params, model.name)
+            except PlanError as error:
+                trial.set_user_attr("plan", "")
+                trial.set_user_attr("invalid", str(error))
+                beat.stop()
+                study.tell(trial, state=TrialState.PRUNED)
+                return "invalid"
+            trial.set_user_attr("plan", plan.to_string())
+            trial.set_user_attr("cost", plan.cost)
+            verdict, holder = turn(trial.number, plan.to_string())  # the heartbeat goes on while waiting
+            if verdict == "duplicate":
+                trial.set_user_attr("duplicate_of", holder.number)
+                if holder.values is not None:
+                    trial.set_user_attr("copied_values", list(holder.values))
+                    if not multi_objective:  # a pruned trial's value is its last report
+                        trial.report(holder.values[0], 0)
+                beat.stop()
+                study.tell(trial, state=TrialState.PRUNED)
+                return verdict
+            if verdict == "full":
+                trial.set_user_attr("not_run", f"the study had its {n_trials} finished trials")
+                beat.stop()
+                study.tell(trial, state=TrialState.FAIL)
+                return verdict
+            value = score(objective, plan, evaluator, costs, prompts)
+            values = (value, costs.relative_cost(plan) if costs else plan.cost) if multi_objective else value
+            beat.stop()
+            study.tell(trial, values)
+            return "complete"
+        except BaseException:
+            beat.stop()
+            try:
+                study.tell(trial, state=TrialState.FAIL)  # leave no RUNNING trial behind
+            except Exception:
+                pass
+            raise
 
-    def progress(study_, trial) -> None:
+    worker_seed = None
+    rng = None
+    repeats = 0  # this worker's proposals in a row that the study already held
+    while True:
+        trials = look()
+        done = complete(trials)
         if on_trial:
-            done = len(study_.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)))
-            on_trial(min(done, n_trials), n_trials)
-
-    finished = len(study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)))
-    if finished < n_trials:
-        study.optimize(objective_fn, n_trials=n_trials - finished,
-                       callbacks=[MaxTrialsCallback(n_trials, states=(TrialState.COMPLETE,)), progress])
-    return summarise(study, objective, directions)
+            on_trial(min(len(done), n_trials), n_trials)
+        if len(done) >= n_trials:
+            break
+        if len(done) + sum(t.state == TrialState.RUNNING for t in trials) >= n_trials:
+            time.sleep(poll)  # the trials in flight may fill the study: see how they end
+            continue
+        if repeats >= MAX_REPEATS and rng is not None:
+            # the sampler keeps proposing held plans (it has converged, or the space is small): one
+            # plan nobody has run yet, drawn at random, keeps the study moving
+            held = {_plan_of(t) for t in trials if t.state in (TrialState.COMPLETE, TrialState.RUNNING,
+                                                                 TrialState.WAITING)}
+            held |= {_queued_plan(model.num_layers, t) for t in trials if t.state == TrialState.WAITING}
+            params = _unseen_params(model.num_layers, items, held, rng)
+            if params is None:
+                break  # every valid plan has been run
+            study.enqueue_trial(params)
+            repeats = 0
+        trial = study.ask()
+        if worker_seed is None:  # the first trial's number is this worker's identity in the study
+            worker_seed = derive_seed(name, seed, trial.number)
+            study.sampler = chosen.make(optuna, worker_seed)
+            rng = random.Random(worker_seed)
+        outcome = run_trial(trial)
+        if outcome == "full":
+            break
+        repeats = repeats + 1 if outcome in ("duplicate", "invalid") else 0
+    result = summarise(study, objective, directions)
+    result.stale_failed = stale
+    return result
 
 
 def summarise(study, objective: str, directions: list[str]) -> StudyResult:

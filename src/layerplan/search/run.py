@@ -70,7 +70,7 @@ def run_search(
     storage: str | None = None,
     study_name: str | None = None,
     allow_ends: bool = False,
-    seed: int = 0,
+    seed: int | None = None,
     prompts: list[torch.Tensor] | None = None,
     folder: str | Path = "runs/search",
     on_stage: Callable[[str], None] | None = None,
@@ -80,7 +80,8 @@ def run_search(
 
     budget: greedy items to switch (default 20 unless max_cost_cut says when to stop);
     prompts: encoded prompts for the tokens-per-second objective; folder: greedy's state file
-    and the default study storage (folder/study.db), so that the same call resumes."""
+    and the default study storage (folder/study.db), so that the same call resumes; seed: makes the
+    study's sampler seeds reproducible (None: fresh ones each run; see bayes.derive_seed)."""
     if method not in METHODS:
         raise ValueError(f"unknown search method '{method}'; choose from {', '.join(METHODS)}")
     chosen = OBJECTIVES.get(objective)

@@ -1,0 +1,105 @@
+"""Who runs a trial of a shared study, and whether that worker is still alive.
+
+Every trial a layerplan worker runs carries the worker's identity (host, pid, process start) and
+a heartbeat time it refreshes while the trial runs. A RUNNING trial is stale when its worker is
+known dead: on this host, its process is gone (or the pid now belongs to another process); on
+another host, its heartbeat is older than the grace period. This works the same on every storage
+(SQLite, any RDB, journal files), which Optuna's own heartbeat (RDB only, Study.optimize only) does not.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from datetime import datetime
+
+WORKER_ATTR = "worker"
+ALIVE_ATTR = "alive_at"
+
+
+def _process_start(pid: int) -> str:
+    """The kernel's start time of process `pid` ('' where /proc does not say): a pid reused by a
+    later process has another start time."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            fields = stat.read().rsplit(b")", 1)[1].split()
+        return fields[19].decode()  # field 22 of stat, counted after the command name
+    except (OSError, IndexError):
+        return ""
+
+
+@dataclass(frozen=True)
+class Worker:
+    host: str
+    pid: int
+    started: str
+
+    @classmethod
+    def this(cls) -> Worker:
+        return cls(socket.gethostname(), os.getpid(), _process_start(os.getpid()))
+
+    def to_string(self) -> str:
+        return f"{self.host}/{self.pid}/{self.started}"
+
+    @classmethod
+    def parse(cls, text: str) -> Worker | None:
+        parts = text.rsplit("/", 2)
+        if len(parts) != 3 or not parts[1].isdigit():
+            return None
+        return cls(parts[0], int(parts[1]), parts[2])
+
+    def is_dead(self) -> bool | None:
+        """True/False for a worker on this host; None (unknown) for another host."""
+        if self.host != socket.gethostname():
+            return None
+        try:
+            os.kill(self.pid, 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:
+            pass  # alive, another user's
+        return bool(self.started) and _process_start(self.pid) not in (self.started, "")
+
+
+def is_stale(trial, grace: float, now: float | None = None) -> bool:
+    """A RUNNING trial (an Optuna FrozenTrial) whose worker is gone."""
+    now = time.time() if now is None else now
+    worker = Worker.parse(str(trial.user_attrs.get(WORKER_ATTR, "")))
+    if worker is not None:
+        dead = worker.is_dead()
+        if dead is not None:
+            return dead
+    alive_at = trial.user_attrs.get(ALIVE_ATTR)
+    if alive_at is None:  # a trial not started by a layerplan worker (or killed before it said so)
+        start = trial.datetime_start
+        alive_at = start.timestamp() if isinstance(start, datetime) else now
+    return now - float(alive_at) > grace
+
+
+class Heartbeat:
+    """Marks `trial` as run by this worker and refreshes its heartbeat every `interval` seconds
+    until stop()."""
+
+    def __init__(self, trial, interval: float) -> None:
+        self.trial = trial
+        self.interval = interval
+        trial.set_user_attr(WORKER_ATTR, Worker.this().to_string())
+        trial.set_user_attr(ALIVE_ATTR, time.time())
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._beat, name="layerplan-heartbeat", daemon=True)
+        self._thread.start()
+
+    def _beat(self) -> None:
+        while not self._stop.wait(self.interval):
+            try:
+                self.trial.set_user_attr(ALIVE_ATTR, time.time())
+            except Exception:  # the trial was finished meanwhile (or the storage hiccupped): next beat
+                pass
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join()
