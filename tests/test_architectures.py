@@ -12,7 +12,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 
 from layerplan.decoding.generate import generate
 from layerplan.engine.runner import forward
-from layerplan.export import export_checkpoint
+from layerplan.export import export_checkpoint, plan_config, plan_state_dict
 from layerplan.models.architectures import (ARCHITECTURES, MIXTURE_OF_EXPERTS, NAMED_FAMILIES, NOT_SUPPORTED, REFUSED,
                                             TINY_CHECKED, ModelError, architecture_statuses, refusal_of_config)
 from layerplan.models.discovery import discover_spec, tiny_config, tiny_model
@@ -39,6 +39,15 @@ def reload(folder, model):
     return AutoModelForCausalLM.from_pretrained(folder, attn_implementation=attn).eval()
 
 
+def rebuild(model, plan):
+    """The checkpoint export writes, built in memory (the disk round trip is tested below)."""
+    config = plan_config(model, plan)
+    torch.manual_seed(0)
+    built = AutoModelForCausalLM.from_config(config, attn_implementation=model.hf.config._attn_implementation)
+    built.load_state_dict(plan_state_dict(model, plan), strict=True)
+    return built.eval()
+
+
 def assert_close(logits, reference):
     assert (logits - reference).abs().max() < TOLERANCE
 
@@ -50,10 +59,10 @@ def test_identity_plan_equals_transformers(arch):
 
 
 @pytest.mark.parametrize("arch", TINY_CHECKED)
-def test_exit_after_k_equals_truncated_checkpoint(arch, tmp_path):
+def test_exit_after_k_equals_truncated_checkpoint(arch):
     model = tiny(arch)
     ids = check_ids(3)
-    truncated = reload(export_checkpoint(model, parse_plan("0-1", model.num_layers), tmp_path / "t"), model)
+    truncated = rebuild(model, parse_plan("0-1", model.num_layers))
     with torch.no_grad():
         reference = truncated(ids).logits
     plan = parse_plan("exit:2", model.num_layers)
@@ -143,3 +152,12 @@ def test_refused_architecture_is_one_line(tmp_path):
 
     result = check_architecture(MambaConfig(vocab_size=32, hidden_size=16, num_hidden_layers=2))
     assert not result.passed and "recurrent" in result.detail and "\n" not in result.detail
+
+
+def test_readme_lists_every_architecture():
+    from pathlib import Path
+
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    section = readme[readme.index("## Architectures"):readme.index("## Plans")]
+    missing = [s.model_type for s in architecture_statuses() if f"`{s.model_type}`" not in section]
+    assert not missing, f"README's Architectures section misses {missing}: regenerate it from `layerplan models --architectures`"

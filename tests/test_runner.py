@@ -7,6 +7,7 @@ from transformers import AutoModelForCausalLM
 from layerplan.engine.runner import Resume, forward, head, new_cache, run_hidden
 from layerplan.export import export_checkpoint
 from layerplan.models.loading import wrap_model
+from layerplan.models.verify import incremental_logits as incremental  # prefill 6, a 3-token chunk, then 1 by 1
 from layerplan.plan.plan import parse_plan
 from tiny import ARCHS, VOCAB, tiny_model
 
@@ -16,15 +17,6 @@ TOL = 1e-4
 def ids_for(seed=0, length=14):
     g = torch.Generator().manual_seed(seed)
     return torch.randint(3, VOCAB, (1, length), generator=g)
-
-
-def incremental(model, ids, plan, splits=(6, 9)):
-    """Logits from prefill of ids[:6], a 3-token chunk, then one token at a time."""
-    cache = new_cache(plan, capacity=4)  # small capacity: growth is exercised too
-    a, b = splits
-    pieces = [forward(model, ids[:, :a], plan, cache, 0), forward(model, ids[:, a:b], plan, cache, a)]
-    pieces += [forward(model, ids[:, t : t + 1], plan, cache, t) for t in range(b, ids.shape[1])]
-    return torch.cat(pieces, 1)
 
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])

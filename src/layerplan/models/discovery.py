@@ -330,9 +330,10 @@ def write_record(key: str, kind: str, record: dict) -> None:
     write_json_atomic(_record_path(key, kind), record)
 
 
-def spec_of(config) -> ArchSpec:
+def spec_of(config, sample: nn.Module | None = None) -> ArchSpec:
     """Where a model keeps its parts: the table's row, else discovered on a tiny model of the
-    architecture (cached in memory and in the cache folder)."""
+    architecture (cached in memory and in the cache folder). `sample`: an already built tiny model
+    of this config to discover on (the check's own)."""
     table = ARCHITECTURES.get(config.model_type)
     if table is not None:
         return table
@@ -346,7 +347,7 @@ def spec_of(config) -> ArchSpec:
         names = {f.name for f in dataclasses.fields(ArchSpec)}
         spec = ArchSpec(**record) if record is not None and set(record) == names else None
     if spec is None:
-        spec = discover_spec(tiny_model(tiny_config(config)))
+        spec = discover_spec(sample if sample is not None else tiny_model(tiny_config(config)))
         write_record(key, "spec", dataclasses.asdict(spec))
     _SPECS[key] = spec
     remember_discovered(config.model_type, spec)

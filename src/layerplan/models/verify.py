@@ -93,6 +93,7 @@ def check_model(hf: nn.Module) -> ArchitectureCheck:
     """Compare the identity plan with transformers on an already built (tiny) model."""
     model_type = hf.config.model_type
     try:
+        spec_of(hf.config, sample=hf)
         model = loading.LoadedModel(name=f"tiny-{model_type}", hf=hf, tokenizer=None, source="tiny random config",
                                     require_check=False)
     except ModelError as error:
