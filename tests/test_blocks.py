@@ -397,3 +397,14 @@ def test_a_local_harness_task_is_a_probe(tiny, tmp_path):
     assert len(gen["task"].scorer.items) == 3
     with pytest.raises(ValueError, match="the task measure needs --task"):
         build_scorers(model, ["task"], MeasureInputs())
+
+
+@pytest.mark.real
+def test_scanned_perplexity_equals_the_plan_run_alone_on_the_real_model(smollm2):
+    """The same on the packaged model and its engine (the native kernels where they run)."""
+    ids = torch.tensor([smollm2.tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 4)[:40]])
+    scorer = PerplexityScorer(smollm2, ids, smollm2.plan())
+    result = block_scan(smollm2, {"ppl": scorer}, [(12, 13), (20, 20)])
+    for row in result.rows:
+        alone = perplexity(smollm2, ids, smollm2.plan(row.plan), window=40, stride=40).perplexity
+        assert row.score("ppl").value == pytest.approx(alone, rel=1e-6)

@@ -302,10 +302,6 @@ MEASURES = {m.name: m for m in (
 )}
 
 
-def measures_help() -> str:
-    return "; ".join(f"{m.name}: {m.help}" for m in MEASURES.values())
-
-
 def check_measures(names: list[str], inputs: MeasureInputs) -> None:
     """Unknown measures and missing inputs, named before any model is loaded."""
     for name in names:
