@@ -114,3 +114,41 @@ def test_sampling_through_the_arbiter_and_the_suffix_drafter_keeps_the_target_su
         result = generate(model, PROMPT, max_new_tokens=24, stop_at_eos=False, sampling=params, seed=3, draft=draft)
         assert result.token_ids == plain
         assert result.stats["drafted"] > 0
+
+
+@pytest.mark.real
+def test_real_model_auto_with_a_saved_plan_equals_plain(smollm2, tmp_path, monkeypatch):
+    monkeypatch.setenv("LAYERPLAN_CACHE", str(tmp_path))
+    save_plan(smollm2.plan("skip:attn=5-8"), saved_draft_path(smollm2))
+    ids = smollm2.encode("def fib(n):\n    if n < 2:\n        return n\n    return fib(n - 1) + fib(n - 2)\n\n"
+                         "def fact(n):\n")
+    plain = generate(smollm2, ids, max_new_tokens=40).token_ids
+    result = generate(smollm2, ids, max_new_tokens=40, draft="auto")
+    assert result.token_ids == plain
+    assert result.stats["by_drafter"]  # something drafted, and the rounds say who
+
+
+def test_bench_rows_report_tokens_per_pass_per_drafter():
+    from types import SimpleNamespace
+
+    import torch
+
+    from layerplan.app.bench import run_bench
+
+    model = SimpleNamespace(name="tiny", dtype=torch.float32, encode=lambda text, chat=False: torch.tensor([[1, 2]]))
+    parts = {"suffix": {"rounds": 3, "drafted": 6, "accepted": 3, "emitted": 6, "acceptance_rate": 0.5,
+                        "tokens_per_pass": 2.0},
+             "ngram": {"rounds": 1, "drafted": 1, "accepted": 0, "emitted": 1, "acceptance_rate": 0.0,
+                       "tokens_per_pass": 1.0}}
+
+    def plain(ids, new_tokens):
+        return 0.01, [1, 2], None
+
+    def auto(ids, new_tokens):
+        return 0.01, [1, 2], {"acceptance_rate": 3 / 7, "mean_accepted_length": 1.75, "by_drafter": parts}
+
+    result = run_bench(model, {"transformers generate": plain, "layerplan plain": plain, "layerplan draft=auto": auto},
+                       {"code": "def f():"}, new_tokens=2, repeats=1)
+    row = result.rows[-1]
+    assert row.by_drafter == parts and result.rows[0].by_drafter == {}
+    assert "suffix: 3 rounds, 0.50 accept, 2.00 tok/pass; ngram: 1 rounds, 0.00 accept, 1.00 tok/pass" in result.table()

@@ -54,6 +54,7 @@ class BenchRow:
     acceptance_rate: float | None = None
     mean_accepted_length: float | None = None
     samples_ms: list[float] = field(default_factory=list)
+    by_drafter: dict[str, dict] = field(default_factory=dict)  # where a drafter picks among several (auto)
 
 
 @dataclass
@@ -89,6 +90,10 @@ class BenchResult:
                 f"{row.prompt:<13} {row.method:<34} {row.ms_per_token:>7.1f} {row.tokens_per_second:>6.1f} "
                 f"{row.speedup:>5.2f}x {'yes' if row.same_as_plain else 'NO':>6} {acc:>6} {mal:>8}"
             )
+            if len(row.by_drafter) > 1:  # which drafter drafted how much, and how well (the last repeat)
+                lines.append(" " * 14 + "; ".join(
+                    f"{name}: {part['rounds']} rounds, {part['acceptance_rate'] or 0:.2f} accept, "
+                    f"{part['tokens_per_pass'] or 0:.2f} tok/pass" for name, part in row.by_drafter.items()))
         return "\n".join(lines)
 
 
@@ -195,6 +200,7 @@ def run_bench(
             result.rows.append(BenchRow(
                 name, label, ms, 1000 / ms, ref_ms / ms, outputs[name] == plain_tokens, len(outputs[name]),
                 extra.get("acceptance_rate"), extra.get("mean_accepted_length"), samples[name],
+                extra.get("by_drafter", {}),
             ))
     return result
 
