@@ -16,6 +16,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import time
 from functools import lru_cache
 from pathlib import Path
 
@@ -108,6 +109,10 @@ def library() -> ctypes.CDLL:
         finally:
             if os.path.exists(staging):
                 os.unlink(staging)
+        # builds of other sources unused for a week go (another install may still use a recent one)
+        for old in target.parent.glob("kernels-*.so"):
+            if old != target and time.time() - old.stat().st_atime > 7 * 86400:
+                old.unlink(missing_ok=True)
     lib = ctypes.CDLL(str(target))
     lib.lp_linear.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.POINTER(_Matrix), ctypes.c_void_p, ctypes.c_int,
                               ctypes.c_long, ctypes.c_int]
