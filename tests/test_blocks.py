@@ -29,10 +29,16 @@ class CharTokenizer:
     chat_template = None
 
     def encode(self, text, add_special_tokens=False):
-        return [self.chars.index(c) for c in text]
+        return [max(self.chars.find(c), 1) for c in text]  # other characters read as a space
 
     def decode(self, ids):
         return "".join(self.chars[i] for i in ids)
+
+    def __call__(self, text, return_tensors="pt"):
+        return type("Encoded", (), {"input_ids": torch.tensor([self.encode(text)])})()
+
+    def save_pretrained(self, folder):
+        pass
 
 
 @pytest.fixture(scope="module")
@@ -274,3 +280,120 @@ def test_merge_study_resumes_and_scores_what_it_says(tiny, tmp_path):
     for trial in again.trials:  # every trial ran a plan of the space
         assert tuple(s.layer for s in model.plan(trial.plan).steps) in shapes
         assert all(0.5 <= s.scale <= 1.0 for s in model.plan(trial.plan).steps)
+
+
+def test_study_exports_its_best_as_checkpoint_and_mergekit(tiny, tmp_path):
+    from layerplan.app.merges import study_merges
+
+    model, _ = tiny
+    space = MergeSpace((1, 2), max_len=2, max_repeats=1, scales=(1.0, 1.0))
+    outcome = study_merges(model, "ppl", MeasureInputs(tokens=32), space, 3, tmp_path, "org/tiny")
+    assert outcome.best_plan == outcome.study.best_plan and outcome.base_value > 0
+    merged = AutoModelForCausalLM.from_pretrained(outcome.checkpoint).eval()
+    assert merged.config.num_hidden_layers == len(model.plan(outcome.best_plan).steps)
+    yaml_text = Path(outcome.mergekit).read_text()
+    assert "org/tiny" in yaml_text and "passthrough" in yaml_text
+    assert json.loads((tmp_path / "merge-study.json").read_text())["best_plan"] == outcome.best_plan
+
+
+@pytest.mark.real
+def test_explore_blocks_and_search_from_the_command_line(smollm2, tmp_path):
+    from click.testing import CliRunner
+
+    from layerplan.app.cli import main
+
+    out = tmp_path / "run"
+    common = ["--range", "12-13", "--tokens", "32", "--probe-items", "4", "--out", str(out)]
+    result = CliRunner().invoke(main, ["explore", "--blocks", "--report", "--measure", "ppl", "--measure", "dates",
+                                       "--repeats", "2", *common])
+    assert result.exit_code == 0, result.output
+    report = json.loads((out / "blocks.json").read_text())
+    assert report["measures"] == ["ppl", "dates"] and len(report["rows"]) == 3 and report["repeats"] == 2
+    assert {r["plan"] for r in report["rows"]} >= {"0-12,12*2,13-29"} or any("12" in r["plan"] for r in report["rows"])
+    page = (out / "report.html").read_text()
+    assert "layerplan export" in page and "data:image/png;base64" in page
+    assert (out / "blocks-ppl.png").exists() and (out / "blocks-dates.png").exists()
+    # the study resumes from its storage: the second run adds one trial
+    for trials in ("2", "3"):
+        result = CliRunner().invoke(main, ["explore", "--search", "--trials", trials, "--no-export", *common])
+        assert result.exit_code == 0, result.output
+    study = json.loads((out / "merge-study.json").read_text())["study"]
+    assert len([t for t in study["trials"] if t["state"] == "COMPLETE"]) == 3
+    assert "slices" in (out / "best-merge.yaml").read_text()
+    for args, message in ((["--blocks", "--range", "5-99"], "outside layers 0–29"),
+                          (["--blocks", "--measure", "text"], "needs --text"),
+                          (["--blocks", "--probe-file", str(tmp_path / "none.jsonl")], "probe file not found")):
+        result = CliRunner().invoke(main, ["explore", *args])
+        assert result.exit_code != 0 and message in result.output and "Traceback" not in result.output
+
+
+def test_mergekit_yaml_carries_residual_scales():
+    from layerplan.plan.formats import from_mergekit, to_mergekit
+    from layerplan.plan.plan import parse_plan
+
+    for text in ("0-13,13@0.85,14-29", "0-14,15*2@0.25,16-29", "a:0-5,b:3-9@0.5,a:8-29"):
+        plan = parse_plan(text, 30)
+        assert from_mergekit(to_mergekit(plan, "m", sources={"b": "B"}), 30) == plan
+    assert "o_proj" not in to_mergekit(parse_plan("0-20,10-29", 30), "m")
+
+
+@pytest.mark.real
+def test_a_probe_scored_by_lm_evaluation_harness_agrees(smollm2, tmp_path):
+    """The arithmetic chain, each item as lm-eval sees it (its whole context as text): lm-eval's
+    loglikelihood `acc` (greedy) and perplexity equal layerplan's greedy match and answer
+    log-likelihood, under a merge plan; and the chain scored as one row equals its items scored alone."""
+    lm_eval = pytest.importorskip("lm_eval")
+    import yaml
+    from lm_eval.tasks import TaskManager
+
+    from layerplan.app.integrations.harness import LayerplanLM
+
+    probe = generate_probe("arithmetic", 6, seed=3)
+    text, items = probe.header, []
+    for item in probe.items:
+        items.append(ProbeItem(text + item.prompt, item.answer))
+        text += item.prompt + item.answer + probe.separator
+    plan = smollm2.plan("0-14,12-29")
+    chained = ProbeScorer(smollm2, probe, smollm2.plan()).answers(plan)
+    alone = ProbeScorer(smollm2, Probe("items", items), smollm2.plan()).answers(plan)
+    assert chained.greedy.tolist() == alone.greedy.tolist()
+    assert chained.logprob.tolist() == pytest.approx(alone.logprob.tolist(), abs=2e-3)
+
+    data = tmp_path / "probe.jsonl"
+    data.write_text("".join(json.dumps({"prompt": i.prompt, "answer": i.answer}) + "\n" for i in items))
+    task = {"task": "lp_probe", "dataset_path": "json", "dataset_kwargs": {"data_files": {"test": str(data)}},
+            "test_split": "test", "output_type": "loglikelihood", "doc_to_text": "{{prompt}}",
+            "doc_to_target": "{{answer}}", "target_delimiter": "",
+            "metric_list": [{"metric": "acc"}, {"metric": "perplexity"}]}
+    (tmp_path / "lp_probe.yaml").write_text(yaml.safe_dump(task))
+    lm = LayerplanLM(pretrained=smollm2, plan=plan.to_string())
+    results = lm_eval.simple_evaluate(model=lm, tasks=["lp_probe"],
+                                      task_manager=TaskManager(include_path=str(tmp_path), include_defaults=False)
+                                      )["results"]["lp_probe"]
+    assert results["acc,none"] == pytest.approx(float(alone.greedy.double().mean()))
+    assert results["perplexity,none"] == pytest.approx(float(torch.exp(-alone.logprob.mean())), rel=1e-4)
+
+
+def test_a_local_harness_task_is_a_probe(tiny, tmp_path):
+    pytest.importorskip("lm_eval")
+    import yaml
+
+    model, _ = tiny
+    data = tmp_path / "docs.jsonl"
+    docs = [{"q": "Q: 3 + 4 =\nA:", "a": "7"}, {"q": "Q: 10 - 1 =\nA:", "a": "9"}, {"q": "Q: 2 * 2 =\nA:", "a": "4"}]
+    data.write_text("".join(json.dumps(d) + "\n" for d in docs))
+    for name, output in (("lp_ll", "loglikelihood"), ("lp_gen", "generate_until")):
+        task = {"task": name, "dataset_path": "json", "dataset_kwargs": {"data_files": {"test": str(data)}},
+                "test_split": "test", "output_type": output, "doc_to_text": "{{q}}", "doc_to_target": "{{a}}",
+                "metric_list": [{"metric": "acc" if output == "loglikelihood" else "exact_match"}]}
+        (tmp_path / f"{name}.yaml").write_text(yaml.safe_dump(task))
+    inputs = MeasureInputs(probe_items=2, task="lp_ll", include_path=str(tmp_path))
+    view = build_scorers(model, ["task-ll"], inputs)["task-ll"]
+    assert view.scorer.items == [ProbeItem(d["q"], " " + d["a"]) for d in docs[:2]]
+    direct = ProbeScorer(model, Probe("same", view.scorer.items), model.plan())
+    plan = model.plan("0-2,1-3")
+    assert point_value(view, plan) == pytest.approx(float(direct.answers(plan).logprob.mean()), abs=1e-9)
+    gen = build_scorers(model, ["task"], MeasureInputs(probe_items=5, task="lp_gen", include_path=str(tmp_path)))
+    assert len(gen["task"].scorer.items) == 3
+    with pytest.raises(ValueError, match="the task measure needs --task"):
+        build_scorers(model, ["task"], MeasureInputs())

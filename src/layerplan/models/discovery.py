@@ -262,14 +262,17 @@ def _norm_offset(norm: nn.Module) -> float:
     if weight is None or weight.dim() != 1:
         return 0.0
     x = torch.linspace(-1, 1, weight.numel())[None]
-    saved = weight.detach().clone()
+    bias = getattr(norm, "bias", None)
+    saved = [(p, p.detach().clone()) for p in (weight, bias) if isinstance(p, torch.Tensor)]
     try:
         with torch.no_grad():
-            weight.fill_(0.0)
+            for p, _ in saved:
+                p.fill_(0.0)
             zero = norm(x)
     finally:
         with torch.no_grad():
-            weight.copy_(saved)
+            for p, value in saved:
+                p.copy_(value)
     return 1.0 if zero.abs().max() > 1e-6 else 0.0
 
 

@@ -137,6 +137,26 @@ def ensure_checked(config) -> ArchitectureCheck:
     return result
 
 
+def config_for(name: str):
+    """A transformers config for a model_type ('olmo2': its default config) or a model (folder,
+    GGUF, the default)."""
+    from transformers import AutoConfig
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    if name in CONFIG_MAPPING_NAMES:
+        return AutoConfig.for_model(name)
+    if not os.path.exists(name) and name not in (loading.DEFAULT_MODEL, "default"):
+        raise ModelError(f"'{name}' is neither a model_type of transformers {_transformers_version()} nor a model path; "
+                         "`layerplan models --architectures` lists the model types")
+    return loading.model_config(name)
+
+
+def _transformers_version() -> str:
+    import transformers
+
+    return transformers.__version__
+
+
 def load_model(source: str | os.PathLike | None = None, *args, **kwargs) -> loading.LoadedModel:
     """loading.load_model, after the architecture's check (cached; a discovered one runs it once)."""
     ensure_checked(loading.model_config(source))

@@ -101,16 +101,29 @@ def from_layer_replication(pairs: Sequence[Sequence[int]], num_layers: int, mode
 # ----- mergekit passthrough ---------------------------------------------------------------------
 def to_mergekit(plan: LayerPlan, model: str, dtype: str = "bfloat16", sources: dict[str, str] | None = None) -> str:
     """mergekit passthrough YAML that builds this plan as a real checkpoint.
-    sources: model path per extra label ("b": "org/other") for plans over several models."""
-    _require_whole_layers(plan, "mergekit passthrough")
+    sources: model path per extra label ("b": "org/other") for plans over several models.
+    A residual scale s becomes `parameters: scale` filters of s on o_proj and down_proj (the
+    Llama-family names from_mergekit reads), which scale exactly the layer's residual updates."""
+    if any(not (s.attention and s.mlp) for s in plan.active_steps):
+        raise PlanError(f"mergekit passthrough can only express whole layers, not '{plan.to_string()}'")
     names = {"": model, **(sources or {})}
     missing = [label for label in plan.models if label not in names]
     if missing:
         raise PlanError(f"the plan uses model(s) {', '.join(missing)}: give their paths for the mergekit config")
     slices = []
     for label, run in _model_runs(plan.active_steps):
-        for a, b in ascending_runs([s.layer for s in run]):
-            slices.append({"sources": [{"model": names[label], "layer_range": [a, b + 1]}]})
+        pieces: list[list] = []  # [first layer, last layer, scale]: ascending layers at one scale
+        for step in run:
+            if pieces and step.layer == pieces[-1][1] + 1 and step.scale == pieces[-1][2]:
+                pieces[-1][1] = step.layer
+            else:
+                pieces.append([step.layer, step.layer, step.scale])
+        for a, b, scale in pieces:
+            piece: dict[str, Any] = {"sources": [{"model": names[label], "layer_range": [a, b + 1]}]}
+            if scale != 1.0:
+                piece["parameters"] = {"scale": [{"filter": "o_proj", "value": scale},
+                                                 {"filter": "down_proj", "value": scale}]}
+            slices.append(piece)
     return yaml.safe_dump({"slices": slices, "merge_method": "passthrough", "dtype": dtype}, sort_keys=False)
 
 

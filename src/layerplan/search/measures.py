@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 
@@ -21,7 +22,8 @@ from layerplan.engine.runner import Resume, head, run_hidden
 from layerplan.models.loading import LoadedModel
 from layerplan.plan.plan import LayerPlan
 from layerplan.search.evaluate import calibration_ids, token_nll
-from layerplan.search.probes import PROBE_SETS, Probe, encode_pair, generate_probe, prefix_token, read_probe_file
+from layerplan.search.probes import (PROBE_SETS, Probe, encode_pair, generate_probe, harness_probe, prefix_token,
+                                     read_probe_file)
 
 
 def shared_steps(plan: LayerPlan, base: LayerPlan) -> int:
@@ -259,6 +261,8 @@ class MeasureInputs:
     probe_file: str | None = None  # --probe-file: JSONL of {"prompt", "answer"}
     probe_items: int = 24
     seed: int = 0
+    task: str | None = None  # --task: a local lm-evaluation-harness task (loglikelihood / generate_until)
+    include_path: str | None = None  # --include-path: the folder of its YAML
 
 
 @dataclass(frozen=True)
@@ -293,6 +297,8 @@ MEASURES = {m.name: m for m in (
     Measure("text", "perplexity on your text (--text FILE, first --tokens tokens)", "minimize", "perplexity", "text"),
     *(m for name, probe in PROBE_SETS.items() for m in _probe_measures(name, probe.help)),
     *_probe_measures("file", 'your JSONL of {"prompt", "answer"} (--probe-file)', "probe_file"),
+    *_probe_measures("task", "a local lm-evaluation-harness task (--task NAME --include-path DIR; its first "
+                     "--probe-items documents)", "task"),
 )}
 
 
@@ -300,24 +306,39 @@ def measures_help() -> str:
     return "; ".join(f"{m.name}: {m.help}" for m in MEASURES.values())
 
 
-def build_scorers(model: LoadedModel, names: list[str], inputs: MeasureInputs, base: LayerPlan | None = None,
-                  reuse: bool = True) -> dict[str, PerplexityScorer | ProbeView]:
-    """The named measures' scorers on `model`, each prepared against `base` (default: the model)."""
-    base = base if base is not None else model.plan()
-    probes: dict[str, ProbeScorer] = {}
-    scorers = {}
+def check_measures(names: list[str], inputs: MeasureInputs) -> None:
+    """Unknown measures and missing inputs, named before any model is loaded."""
     for name in names:
         measure = MEASURES.get(name)
         if measure is None:
             raise ValueError(f"unknown measure '{name}'; choose from {', '.join(MEASURES)}")
         if measure.needs and getattr(inputs, measure.needs) is None:
             raise ValueError(f"the {name} measure needs --{measure.needs.replace('_', '-')}")
+    for path in (inputs.text, inputs.probe_file):
+        if path is not None and not str(path).startswith("builtin:") and not Path(path).exists():
+            raise FileNotFoundError(f"{'probe' if path == inputs.probe_file else 'text'} file not found: "
+                                    f"{Path(path).resolve()}")
+
+
+def build_scorers(model: LoadedModel, names: list[str], inputs: MeasureInputs, base: LayerPlan | None = None,
+                  reuse: bool = True) -> dict[str, PerplexityScorer | ProbeView]:
+    """The named measures' scorers on `model`, each prepared against `base` (default: the model)."""
+    check_measures(names, inputs)
+    base = base if base is not None else model.plan()
+    probes: dict[str, ProbeScorer] = {}
+    scorers = {}
+    for name in names:
+        measure = MEASURES[name]
         if measure.probe is None:
             scorers[name] = PerplexityScorer(model, _perplexity_ids(model, name, inputs), base, reuse)
             continue
         if measure.probe not in probes:
-            probe = (read_probe_file(inputs.probe_file) if measure.probe == "file"
-                     else generate_probe(measure.probe, inputs.probe_items, inputs.seed))
+            if measure.probe == "file":
+                probe = read_probe_file(inputs.probe_file)
+            elif measure.probe == "task":
+                probe = harness_probe(inputs.task, inputs.include_path, inputs.probe_items)
+            else:
+                probe = generate_probe(measure.probe, inputs.probe_items, inputs.seed)
             probes[measure.probe] = ProbeScorer(model, probe, base, reuse)
         scorers[name] = ProbeView(probes[measure.probe], measure.field)
     return scorers

@@ -152,3 +152,38 @@ def encode_pair(tokenizer, context: str, continuation: str, prefix_token: int) -
 def prefix_token(tokenizer) -> int:
     """What an empty context starts from (lm-evaluation-harness's convention)."""
     return tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
+
+
+def harness_probe(task_name: str, include_path: str | None = None, limit: int | None = None) -> Probe:
+    """A local lm-evaluation-harness task as a probe: each document's context (zero-shot) and its
+    target after the task's target delimiter. Tasks that score one continuation (loglikelihood)
+    or generate an answer (generate_until) fit; multiple-choice tasks rank choices instead."""
+    try:
+        from lm_eval.tasks import TaskManager, get_task_dict
+    except ImportError:
+        raise ValueError("lm-evaluation-harness is not installed: pip install 'layerplan[eval]'") from None
+    # the built-in index is thousands of YAML files: read it only when the task is not in include_path
+    manager = TaskManager(include_path=include_path, include_defaults=include_path is None)
+    if task_name not in manager.all_tasks and include_path is not None:
+        manager = TaskManager(include_path=include_path)
+    if task_name not in manager.all_tasks:
+        raise ValueError(f"no lm-evaluation-harness task '{task_name}'" + (f" (in {include_path} or built in)"
+                                                                           if include_path else ""))
+    tasks = get_task_dict([task_name], manager)
+    task = tasks.get(task_name)
+    if task is None or not hasattr(task, "OUTPUT_TYPE"):
+        raise ValueError(f"'{task_name}' is a group of tasks or was not found; name one task")
+    if task.OUTPUT_TYPE not in ("loglikelihood", "generate_until"):
+        raise ValueError(f"task {task_name} is {task.OUTPUT_TYPE}; a probe takes loglikelihood or generate_until tasks")
+    docs = task.test_docs() if task.has_test_docs() else task.validation_docs()
+    if docs is None:
+        raise ValueError(f"task {task_name} has no test or validation documents")
+    delimiter = getattr(task.config, "target_delimiter", " ")
+    items = []
+    for doc in list(docs)[:limit]:
+        target = task.doc_to_target(doc)
+        target = target[0] if isinstance(target, list) else target
+        items.append(ProbeItem(str(task.doc_to_text(doc)), f"{delimiter}{target}"))
+    if not items:
+        raise ValueError(f"task {task_name} has no documents")
+    return Probe(task_name, items)

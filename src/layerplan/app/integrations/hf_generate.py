@@ -17,7 +17,8 @@ import torch
 
 from layerplan.decoding.generate import generate
 from layerplan.decoding.sampling import SamplingParams
-from layerplan.models.loading import LoadedModel, wrap_model
+from layerplan.models.loading import LoadedModel
+from layerplan.models.verify import wrap_model
 
 # the logits processors transformers builds from the settings we translate into SamplingParams;
 # any other (no_repeat_ngram_size, bad_words_ids, ...) has no layerplan equivalent yet

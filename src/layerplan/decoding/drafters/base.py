@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -35,6 +35,18 @@ class DraftState:
 class Proposal:
     tokens: list[int] = field(default_factory=list)
     probs: torch.Tensor | None = None  # (len(tokens), V) draft distributions q; None = deterministic
+    source: str | None = None  # which drafter made it, where one drafter picks among several (stats)
+
+
+@dataclass(frozen=True)
+class RoundOutcome:
+    """What one speculative round did, for a drafter that learns from it (`LearnsFromRounds`)."""
+
+    source: str | None  # the proposal's source; None when nothing was drafted (a plain step)
+    drafted: int
+    accepted: int
+    draft_seconds: float
+    verify_seconds: float  # the target pass over the pending token and the drafts
 
 
 class Drafter(Protocol):
@@ -45,6 +57,16 @@ class Drafter(Protocol):
         on `model`: before the first token, not halfway through a generation."""
 
     def propose(self, state: DraftState, max_tokens: int) -> Proposal: ...
+
+
+@runtime_checkable
+class LearnsFromRounds(Protocol):
+    """A drafter that picks its own draft length (up to `max_draft`, or the draft-length policy's
+    γ when one is given) and learns from each round's outcome (drafters/arbiter.py)."""
+
+    max_draft: int
+
+    def observe(self, outcome: RoundOutcome) -> None: ...
 
 
 def draft_token(logits: torch.Tensor, state: DraftState, seen: list[int]) -> tuple[int, torch.Tensor, float]:

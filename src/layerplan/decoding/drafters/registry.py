@@ -1,7 +1,7 @@
 """Drafters by name: one table from a spec string to a factory (`make_drafter`).
 
 "ngram", "exit:8", "skip:attn=3,5", "window:4,64", "exit:20+head", "exit:20+head+vocab=8192",
-"dynamic:confidence=0.8,min=12", "model:PATH", "ngram|exit:8" (the first that proposes), "auto".
+"dynamic:confidence=0.8,min=12", "model:PATH", "ngram|exit:8" (the first that proposes), "suffix:corpus=FILE", "auto".
 Adding a drafter is one entry in DRAFTERS; the CLI's --draft help is generated from it.
 """
 
@@ -11,6 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from layerplan.decoding.drafters.arbiter import Arbiter
 from layerplan.decoding.drafters.base import Drafter
 from layerplan.decoding.drafters.dynamic_exit import DynamicExitDrafter, ExitPolicy
 from layerplan.decoding.drafters.heads import Head, default_head_path, load_head, reduced_head
@@ -18,7 +19,10 @@ from layerplan.decoding.drafters.model import ModelDrafter
 from layerplan.decoding.drafters.ngram import NgramDrafter
 from layerplan.decoding.drafters.plan import ExitHeadDrafter, PlanDrafter, WindowedDrafter
 from layerplan.decoding.drafters.staged import StagedDrafter
-from layerplan.models.loading import LoadedModel, cache_dir, load_model
+from layerplan.decoding.drafters.suffix import SuffixDrafter, read_corpus
+from layerplan.engine.probe import model_pass_costs
+from layerplan.models.loading import LoadedModel, cache_dir
+from layerplan.models.verify import load_model
 from layerplan.plan.plan import LayerPlan
 
 
@@ -46,6 +50,31 @@ def _ngram(arg: str | None, text: str, ctx: Context) -> Drafter:
     if not arg.isdigit():
         raise ValueError(f"cannot read '{text}': expected ngram or ngram:N with N the longest n-gram")
     return NgramDrafter(max_n=int(arg))
+
+
+def _suffix(arg: str | None, text: str, ctx: Context) -> Drafter:
+    options: dict = {}
+    corpus: list[list[int]] = []
+    for item in arg.split(",") if arg else []:
+        key, eq, value = (part.strip() for part in item.partition("="))
+        if key == "corpus" and value:
+            corpus.append(read_corpus(value, ctx.model))
+        elif key in ("max", "share") and _is_number(value, integer=key == "max"):
+            options["max_tokens" if key == "max" else "min_share"] = int(value) if key == "max" else float(value)
+        elif key == "learn" and not eq:
+            options["learn"] = True
+        else:
+            raise ValueError(f"cannot read '{item}' in '{text}': expected suffix or "
+                             "suffix:corpus=FILE,max=N,share=P,learn")
+    return SuffixDrafter(corpus, name=text, **options)
+
+
+def _is_number(text: str, integer: bool) -> bool:
+    try:
+        int(text) if integer else float(text)
+    except ValueError:
+        return False
+    return True
 
 
 def _plan(arg: str | None, text: str, ctx: Context) -> Drafter:
@@ -91,14 +120,16 @@ def _auto(arg: str | None, text: str, ctx: Context) -> Drafter:
     if arg is not None:
         raise ValueError(f"cannot read '{text}': auto takes no argument")
     saved = saved_draft_path(ctx.model)
-    if saved.exists():
-        return StagedDrafter([NgramDrafter(), _build(str(saved), ctx)])
-    return NgramDrafter()
+    models = [_build(str(saved), ctx)] if saved.exists() else []
+    return Arbiter([SuffixDrafter(), NgramDrafter()], models, model_pass_costs(ctx.model))
 
 
 # keyword (the spec up to its first ':') -> kind; a spec with no known keyword is a plan (PLAN)
 DRAFTERS: dict[str, DrafterKind] = {
     "ngram": DrafterKind("ngram, ngram:N", "prompt lookup: what followed the latest earlier n-gram (free)", _ngram),
+    "suffix": DrafterKind("suffix[:corpus=FILE,max=N,share=P,learn]", "the most frequent continuation of the "
+                          "context's longest suffix match in the prompt, the generated text and a corpus file "
+                          "(learn: and past outputs; free)", _suffix),
     "exit": DrafterKind("exit:E, exit:E+head[=PATH]", "exit after E steps of the target plan (+head: through "
                         "an exit head from `layerplan train-exit`)", _exit, takes_head=True),
     "window": DrafterKind("window:SINK,RECENT[/PLAN]", "attend to the first SINK and the RECENT latest tokens "
@@ -106,7 +137,9 @@ DRAFTERS: dict[str, DrafterKind] = {
     "dynamic": DrafterKind("dynamic:POLICY", "per-token early exit: confidence=P | entropy=H | cosine=C, then "
                            "min=N, every=K, vocab=K, kv=propagate|verify", _dynamic),
     "model": DrafterKind("model:PATH", "a separate small model with the same tokenizer", _model),
-    "auto": DrafterKind("auto", "n-gram lookup, then the plan a search or tune saved for this model", _auto),
+    "auto": DrafterKind("auto", "per round, whichever of suffix, n-gram and the plan a search or tune saved for "
+                        "this model is expected to give the most tokens per second (from measured acceptance "
+                        "and the probe's verify costs), or a plain step when none pays", _auto),
 }
 PLAN = DrafterKind("PLAN", "any plan string or file that only switches the target's sub-layers off "
                    "(skip:attn=3,5;mlp=9)", _plan, takes_head=True)

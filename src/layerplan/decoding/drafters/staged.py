@@ -19,6 +19,7 @@ class StagedDrafter:
         for drafter in self.drafters:
             proposal = drafter.propose(state, max_tokens)
             if proposal.tokens:
+                proposal.source = proposal.source or drafter.name
                 return proposal
         return Proposal()
 

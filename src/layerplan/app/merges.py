@@ -1,0 +1,100 @@
+"""`layerplan explore --blocks` and `--search`: the block-repeat scan and the merge study, with
+their files (JSON, heatmaps, report.html, the best plan exported). Printing is the CLI's."""
+
+from __future__ import annotations
+
+import shlex
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from layerplan.app.report import block_heatmap, blocks_html
+from layerplan.export import export_checkpoint
+from layerplan.files import write_json_atomic, write_text_atomic
+from layerplan.models.architectures import arch_spec
+from layerplan.models.loading import DEFAULT_MODEL, LoadedModel
+from layerplan.plan.formats import save_plan, to_mergekit
+from layerplan.plan.plan import parse_plan
+from layerplan.search.bayes import StudyResult
+from layerplan.search.blocks import BlockScanResult, MergeSpace, block_candidates, block_scan, merge_study
+from layerplan.search.measures import MeasureInputs, build_scorers, point_value
+
+
+def export_commands(plan: str, model_source: str, out: str = "merged") -> list[str]:
+    """The commands that write `plan` as a checkpoint and as mergekit YAML."""
+    model = "" if model_source == DEFAULT_MODEL else f" --model {shlex.quote(model_source)}"
+    return [f"layerplan export {shlex.quote(plan)}{model} --out {out}/",
+            f"layerplan export {shlex.quote(plan)}{model} --to mergekit --out {out}.yaml"]
+
+
+def scan_blocks(model: LoadedModel, measures: list[str], inputs: MeasureInputs, layer_range: tuple[int, int],
+                max_len: int | None, repeats: int, limit: int | None = None, reuse: bool = True,
+                on_stage: Callable[[str], None] | None = None,
+                on_progress: Callable[[int, int], None] | None = None) -> BlockScanResult:
+    """Every block in the range (the first `limit` of them, by end then start) repeated `repeats` times."""
+    blocks = block_candidates(model.num_layers, layer_range, max_len)[:limit]
+    if on_stage:
+        on_stage(f"measures: {', '.join(measures)} on the model itself (kept before every layer)")
+    scorers = build_scorers(model, measures, inputs, reuse=reuse)
+    if on_stage:
+        on_stage(f"blocks: {len(blocks)} candidates")
+    return block_scan(model, scorers, blocks, repeats, inputs.seed, on_progress)
+
+
+def write_scan(result: BlockScanResult, out_dir: Path, model_source: str, report: bool = False) -> list[Path]:
+    """blocks.json, a heatmap per measure, the best plan, and with `report` report.html."""
+    written = [write_json_atomic(out_dir / "blocks.json", result.to_dict())]
+    images = {}
+    for measure in result.measures:
+        path = block_heatmap(result, measure, out_dir / f"blocks-{measure}.png")
+        images[f"Change in {measure} when block i..j is repeated"] = path
+        written.append(path)
+    best = parse_plan(result.best().plan, result.num_layers, result.model)
+    written.append(save_plan(best, out_dir / "best_block.json"))
+    if report:
+        written.append(blocks_html(result, images, export_commands(result.best().plan, model_source),
+                                   out_dir / "report.html"))
+    return written
+
+
+def _mergekit_scales_right(model: LoadedModel) -> bool:
+    """mergekit's scale filters on o_proj / down_proj scale the residual updates exactly when
+    those are the layer's output projections and no post-norm follows them (not Gemma, GPT-2)."""
+    spec = arch_spec(model.hf.config.model_type)
+    return (spec.attention_post_norm is None and spec.mlp_post_norm is None
+            and spec.attention_output == "self_attn.o_proj" and spec.mlp_output == "mlp.down_proj")
+
+
+@dataclass
+class MergeStudyOutcome:
+    study: StudyResult
+    measure: str
+    base_value: float
+    best_plan: str
+    checkpoint: str | None
+    mergekit: str | None  # None: the plan scales a residual update mergekit's o_proj/down_proj filters cannot
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def study_merges(model: LoadedModel, measure: str, inputs: MeasureInputs, space: MergeSpace, trials: int,
+                 out_dir: Path, model_source: str, storage: str | None = None, study_name: str | None = None,
+                 sampler: str = "tpe", seed: int = 0, seeds: list[dict] = (), export: bool = True,
+                 model_b: str | None = None, on_trial: Callable[[int, int], None] | None = None) -> MergeStudyOutcome:
+    """The study (storage default out/study.db, so that the same command resumes), then its best
+    plan as a checkpoint (out/best-merge/) and mergekit YAML (out/best-merge.yaml)."""
+    scorer = build_scorers(model, [measure], inputs)[measure]
+    study = merge_study(model, scorer, measure, space, trials, str(storage or out_dir / "study.db"), study_name,
+                        sampler, seed, seeds, on_trial)
+    best = model.plan(study.best_plan)
+    save_plan(best, out_dir / "best_merge.json")
+    yaml_path = None
+    if _mergekit_scales_right(model) or all(s.scale == 1.0 for s in best.active_steps):
+        yaml_path = str(write_text_atomic(out_dir / "best-merge.yaml",
+                                          to_mergekit(best, model_source, str(model.dtype).replace("torch.", ""),
+                                                      {"b": model_b} if model_b else None)))
+    folder = str(export_checkpoint(model, best, out_dir / "best-merge")) if export else None
+    outcome = MergeStudyOutcome(study, measure, point_value(scorer, model.plan()), study.best_plan, folder, yaml_path)
+    write_json_atomic(out_dir / "merge-study.json", outcome.to_dict())
+    return outcome

@@ -1,0 +1,116 @@
+"""The arbiter (--draft auto): it picks the drafter expected to pay, decodes plainly when none
+does, and never changes greedy output."""
+
+import pytest
+
+from layerplan.decoding.drafters.arbiter import Arbiter
+from layerplan.decoding.drafters.base import DraftState, Proposal, RoundOutcome
+from layerplan.decoding.drafters.ngram import NgramDrafter
+from layerplan.decoding.drafters.plan import PlanDrafter
+from layerplan.decoding.drafters.registry import make_drafter, saved_draft_path
+from layerplan.decoding.drafters.suffix import SuffixDrafter
+from layerplan.decoding.generate import generate
+from layerplan.decoding.sampling import SamplingParams
+from layerplan.plan.formats import save_plan
+from tiny import tiny_model
+
+PROMPT = [5, 6, 7, 8, 9, 5, 6, 7, 8]
+CHEAP_VERIFY = {k: 1.0 + 0.05 * (k - 1) for k in range(1, 17)}
+STATE = DraftState(None, None, None, [1, 2, 3], SamplingParams())
+
+
+class FixedLookup:
+    """A lookup that always proposes the same tokens."""
+
+    def __init__(self, name, tokens=(1, 2, 3, 4)):
+        self.name, self.tokens = name, list(tokens)
+        self.calls = 0
+
+    def check(self, model, target):
+        pass
+
+    def propose(self, state, max_tokens):
+        self.calls += 1
+        return Proposal(self.tokens[:max_tokens])
+
+
+def trained(arbiter, history):
+    """Feed a plain step of 10 ms, then each (source, drafted, accepted) round."""
+    arbiter.observe(RoundOutcome(None, 0, 0, 0.0, 0.010))
+    for source, drafted, accepted in history:
+        arbiter.observe(RoundOutcome(source, drafted, accepted, 0.0, 0.011))
+    return arbiter
+
+
+@pytest.mark.parametrize("good, bad", [("a", "b"), ("b", "a")])
+def test_the_arbiter_picks_the_drafter_whose_drafts_are_accepted(good, bad):
+    history = [(good, 4, 4), (bad, 4, 0)] * 10
+    arbiter = trained(Arbiter([FixedLookup("a"), FixedLookup("b")], pass_costs=CHEAP_VERIFY), history)
+    assert arbiter.measured[good].alpha > 0.9 > 0.1 > arbiter.measured[bad].alpha
+    proposal = arbiter.propose(STATE, 8)
+    assert proposal.source == good and proposal.tokens == [1, 2, 3, 4]
+    # a mediocre drafter is cut short: with α = 0.5 and verify passes that grow, one or two tokens pay best
+    history = [("a", 4, 1), ("a", 4, 0), ("a", 4, 2)] * 5
+    half = trained(Arbiter([FixedLookup("a", range(8))], pass_costs={k: 1.0 + 0.3 * (k - 1) for k in range(1, 17)}),
+                   history).propose(STATE, 8)
+    assert proposal.source == good and 1 <= len(half.tokens) <= 2
+
+
+def test_a_model_draft_is_chosen_when_it_pays_better_than_the_lookup():
+    lookup, model_draft = FixedLookup("lookup", [7]), FixedLookup("plan", [1, 2, 3, 4, 5, 6, 7, 8])
+    arbiter = trained(Arbiter([lookup], [model_draft], pass_costs=CHEAP_VERIFY),
+                      [("lookup", 1, 0), ("plan", 8, 8)] * 10)
+    proposal = arbiter.propose(STATE, 8)
+    assert proposal.source == "plan" and len(proposal.tokens) >= 4
+    assert arbiter.measured["plan"].seconds_per_token is not None  # its cost is measured as it drafts
+
+
+@pytest.mark.parametrize("pass_costs", [{k: float(k) for k in range(1, 17)}, None])
+def test_plain_steps_when_verifying_k_tokens_costs_k_steps(pass_costs):
+    """From the probe's curve, or learned from verify passes that cost a step per token: even
+    drafts that are always accepted cannot pay, so the arbiter drafts only its one-token probes."""
+    lookup = FixedLookup("a")
+    arbiter = Arbiter([lookup], pass_costs=pass_costs, probe_every=5)
+    arbiter.observe(RoundOutcome(None, 0, 0, 0.0, 0.010))
+    for _ in range(10):
+        arbiter.observe(RoundOutcome("a", 4, 4, 0.0, 0.050))  # 5 tokens verified in 5 steps' time
+    drafted = [len(arbiter.propose(STATE, 8).tokens) for _ in range(20)]
+    assert drafted.count(0) == 16 and drafted.count(1) == 4  # a one-token probe every 5 rounds
+    assert lookup.calls == 4  # a lookup that cannot pay is not even asked between its probes
+    assert Arbiter([FixedLookup("a")]).propose(STATE, 8).tokens == []  # no plain step measured yet
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gpt2"])
+def test_greedy_output_with_the_arbiter_equals_plain(arch, tmp_path, monkeypatch):
+    monkeypatch.setenv("LAYERPLAN_CACHE", str(tmp_path))
+    model = tiny_model(arch, num_layers=4)
+    plain = generate(model, PROMPT, max_new_tokens=30, stop_at_eos=False).token_ids
+    save_plan(model.plan("skip:attn=1"), saved_draft_path(model))  # --draft auto finds a saved draft plan
+    auto = make_drafter("auto", model)
+    assert [d.name for d in auto.lookups] == ["suffix", "ngram"] and len(auto.models) == 1
+    cheap_models = Arbiter([SuffixDrafter(), NgramDrafter()], [PlanDrafter(model.plan("skip:mlp=2"))],
+                           pass_costs=CHEAP_VERIFY, model_cost_prior=0.1)
+    for draft, policy in [("auto", None), ("auto", "adaptive"), (cheap_models, None)]:
+        result = generate(model, PROMPT, max_new_tokens=30, stop_at_eos=False, draft=draft, draft_length=policy)
+        assert result.token_ids == plain, (draft, policy)
+        stats = result.stats
+        parts = stats["by_drafter"]
+        assert sum(p["rounds"] for p in parts.values()) == stats["rounds"] - stats["plain_rounds"]
+        assert sum(p["accepted"] for p in parts.values()) == stats["accepted"]
+        for part in parts.values():
+            assert part["tokens_per_pass"] == part["emitted"] / part["rounds"]
+    assert "skip:mlp=2" in parts  # the cheap model draft got rounds of its own
+
+
+def test_sampling_through_the_arbiter_and_the_suffix_drafter_keeps_the_target_support():
+    """Sampling at top-k 1 is the target's argmax whatever the draws: the sampled acceptance path
+    (lookups propose without q, a model draft with it) must reproduce plain greedy output."""
+    model = tiny_model("llama", num_layers=3)
+    plain = generate(model, PROMPT, max_new_tokens=24, stop_at_eos=False).token_ids
+    params = SamplingParams(temperature=0.8, top_k=1)
+    drafters = ["suffix", Arbiter([SuffixDrafter(), NgramDrafter()], [PlanDrafter(model.plan("skip:attn=1"))],
+                                  pass_costs=CHEAP_VERIFY, model_cost_prior=0.1)]
+    for draft in drafters:
+        result = generate(model, PROMPT, max_new_tokens=24, stop_at_eos=False, sampling=params, seed=3, draft=draft)
+        assert result.token_ids == plain
+        assert result.stats["drafted"] > 0
