@@ -6,6 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from layerplan.decoding.drafters.base import Proposal
+from layerplan.decoding.drafters.suffix import SuffixDrafter
+from layerplan.decoding.generate import generate
 from layerplan.engine import native
 from layerplan.engine.runner import forward, new_cache
 from layerplan.engine.tree import TreeShape
@@ -107,3 +110,77 @@ def test_tree_size_must_match_the_pass():
     model = tiny_model("llama")
     with pytest.raises(ValueError, match="7 nodes for a pass over 3"):
         forward(model, NODES[:, :3], model.plan(), new_cache(model.plan()), 0, tree=TREE)
+
+
+# ----- speculative decoding with token trees ------------------------------------------------------
+
+class _BranchingOracle:
+    """Knows the plain greedy continuation; proposes a wrong first branch and the right one second
+    (so only a tree check accepts it), each two deep."""
+
+    name = "oracle-tree"
+
+    def __init__(self, continuation: list[int], prompt_length: int) -> None:
+        self.continuation, self.prompt_length = continuation, prompt_length
+
+    def check(self, model, target) -> None:
+        pass
+
+    def propose(self, state, max_tokens):
+        done = len(state.tokens) - self.prompt_length  # generated so far, the pending token included
+        right = self.continuation[done: done + 2]
+        if len(right) < 2 or max_tokens < 4:
+            return Proposal()
+        wrong = (right[0] + 1) % 96
+        return Proposal([wrong, wrong, right[0], right[1]], None, tree=TreeShape((-1, 0, -1, 2)))
+
+
+def test_a_greedy_tree_round_accepts_the_branch_the_target_picks():
+    model = tiny_model("llama")
+    prompt = [5, 9, 14, 3, 22, 7]
+    plain = generate(model, prompt, max_new_tokens=20, stop_at_eos=False).token_ids
+    result = generate(model, prompt, max_new_tokens=20, stop_at_eos=False, draft=_BranchingOracle(plain, len(prompt)),
+                      draft_length="fixed")
+    assert result.token_ids == plain
+    # the right tokens sit in the second branch only: a chain check (the first branch) accepts none
+    assert result.stats["accepted"] >= 8 and result.stats["mean_accepted_length"] > 1.8
+
+
+def test_sampling_checks_the_first_chain_of_a_tree():
+    proposal = Proposal([4, 5, 6, 7], None, tree=TreeShape((-1, 0, -1, 1)))
+    assert proposal.first_chain().tokens == [4, 5, 7]
+
+
+@pytest.mark.parametrize("engine", ["eager", "native"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "phi3", "gpt2"])
+def test_greedy_suffix_trees_equal_plain(arch, engine):
+    model = _model(arch, engine)
+    prompt = [5, 9, 14, 3, 22, 7, 5, 9, 14, 8, 22, 7, 5, 9]  # repeats with two continuations of "5 9 14"
+    plain = generate(model, prompt, max_new_tokens=24, stop_at_eos=False).token_ids
+    for spec in ["suffix:tree", "suffix:tree,share=0.1"]:
+        result = generate(model, prompt, max_new_tokens=24, stop_at_eos=False, draft=spec, draft_length="fixed")
+        assert result.token_ids == plain, spec
+
+
+def test_suffix_tree_branches_where_the_corpus_disagrees():
+    drafter = SuffixDrafter(corpus=[[1, 2, 3, 4], [1, 2, 3, 4], [1, 2, 9, 9]], tree=True)
+    proposal = drafter.propose(_State([7, 1, 2]), 6)
+    # after "1 2": 3 (two of three) then 4, and 9 (one of three) then 9
+    assert proposal.tree is not None
+    assert proposal.tokens[:2] == [3, 9] and proposal.tree.parents[:2] == (-1, -1)
+    assert sorted(zip(proposal.tokens, proposal.tree.parents))[:4] == [(3, -1), (4, 0), (9, -1), (9, 1)]
+
+
+class _State:
+    def __init__(self, tokens):
+        self.tokens = tokens
+
+
+@pytest.mark.real
+def test_real_model_suffix_trees_equal_plain(smollm2):
+    prompt = "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef mul(a, b):\n"
+    ids = smollm2.encode(prompt)
+    plain = generate(smollm2, ids, max_new_tokens=32).token_ids
+    result = generate(smollm2, ids, max_new_tokens=32, draft="suffix:tree")
+    assert result.token_ids == plain
+    assert result.stats["accepted"] > 0
