@@ -63,7 +63,8 @@ class _Progress:
     """on_progress(done, total) callback drawing a tqdm bar on stderr."""
 
     def __init__(self, description: str) -> None:
-        self.bar = tqdm(desc=description, unit="it", file=sys.stderr, dynamic_ncols=True, leave=False)
+        # disable=None: no bar when stderr is not a terminal (a log file would get every redraw)
+        self.bar = tqdm(desc=description, unit="it", file=sys.stderr, dynamic_ncols=True, leave=False, disable=None)
 
     def __call__(self, done: int, total: int) -> None:
         self.bar.total = total
@@ -206,6 +207,10 @@ def main() -> None:
     Plans: "0-26,20-31" (order, repeats), "skip:attn=3,5;mlp=9", "exit:8", joined with ';',
     or a file (.json layerplan / Draft&Verify / run_layers, .yaml mergekit slices).
     """
+    if not sys.stderr.isatty():  # transformers' weight-loading bars would print every redraw to a log
+        from transformers.utils import logging as transformers_logging
+
+        transformers_logging.disable_progress_bar()
 
 
 def _print_architectures(markdown: bool) -> None:

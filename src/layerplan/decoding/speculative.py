@@ -7,6 +7,10 @@ Per round (the pending token is chosen but not yet run through the target):
     accept  : accept_draft keeps d1..dn and adds a recovered or bonus token
     rollback: the cache is cropped to the verified prefix; the new token becomes pending
 
+A drafter may propose a token tree (several continuations): with greedy decoding the target checks
+every node in the same pass (engine/tree.py) and keeps the longest path whose every token is the
+one it would have picked; the cache keeps that path only. Sampling checks the tree's first chain.
+
 The prompt always goes through the full target (skipping layers on it ruins acceptance). Greedy
 output equals plain greedy output token for token; sampled output has the target's distribution.
 """
@@ -21,12 +25,13 @@ import torch
 
 from layerplan.decoding.acceptance import accept_draft
 from layerplan.decoding.draft_length import FixedLength, make_draft_length
-from layerplan.decoding.drafters.base import DraftState, Drafter, LearnsFromRounds, RoundOutcome
+from layerplan.decoding.drafters.base import DraftState, Drafter, LearnsFromRounds, Proposal, RoundOutcome
 from layerplan.decoding.drafters.registry import make_drafter
 from layerplan.decoding.output import Emitter, GenerationResult, prompt_ids
 from layerplan.decoding.sampling import SamplingParams, next_token_probs, pick
 from layerplan.engine.probe import model_pass_costs
 from layerplan.engine.runner import forward, new_cache
+from layerplan.engine.tree import TreeShape
 from layerplan.models.loading import LoadedModel
 from layerplan.plan.plan import LayerPlan
 
@@ -137,6 +142,9 @@ def speculative_generate(
 
     start = time.perf_counter()
     max_gamma = getattr(lengths, "max_gamma", getattr(lengths, "gamma", 8))
+    # trees are checked where acceptance is a plain argmax and every attention sees the whole prefix
+    trees = (sampling.temperature == 0 and sampling.repetition_penalty == 1.0
+             and not any(layer.sliding_window for layer in model.parts.layers))
     cache = new_cache(target, capacity=ids.shape[1] + max_new_tokens + max_gamma + 2)
     logits = forward(model, ids, target, cache, 0, last_only=True)[0, -1]  # the full target, always
     prefill = time.perf_counter() - start
@@ -150,6 +158,20 @@ def speculative_generate(
         t0 = time.perf_counter()
         state = DraftState(model, target, cache, context, sampling, generator)
         proposal = drafter.propose(state, gamma) if gamma > 0 else None
+        if proposal is not None and proposal.tree is not None:
+            if trees and len(proposal.tokens) <= gamma:
+                t1 = time.perf_counter()
+                emitted, accepted = _verify_tree(model, target, cache, context, proposal)
+                t2 = time.perf_counter()
+                context.extend(emitted)
+                out.emit(emitted)
+                source = proposal.source or drafter.name
+                stats.record(gamma, len(proposal.tokens), accepted, len(emitted), t1 - t0, t2 - t1, source)
+                if learner is not None:
+                    learner.observe(RoundOutcome(source, len(proposal.tokens), accepted, t1 - t0, t2 - t1))
+                lengths.update(gamma, len(proposal.tokens), accepted, t1 - t0, t2 - t1)
+                continue
+            proposal = proposal.first_chain()
         draft = proposal.tokens[:gamma] if proposal else []
         t1 = time.perf_counter()
         position = len(context) - 1  # of the pending token
@@ -175,6 +197,27 @@ def speculative_generate(
     text = out.finish()
     return GenerationResult(text, out.tokens, ids.shape[1], out.reason, elapsed, prefill, target.to_string(),
                             stats=stats.to_dict())
+
+
+def _verify_tree(model: LoadedModel, target: LayerPlan, cache, context: list[int],
+                 proposal: Proposal) -> tuple[list[int], int]:
+    """Greedy check of a token tree in one target pass. Returns the emitted tokens (the accepted
+    path, then the target's own next token) and how many drafted tokens were accepted."""
+    tree = proposal.tree
+    # the pass: the pending token as node 0, the drafted nodes after it
+    shape = TreeShape((-1,) + tuple(parent + 1 for parent in tree.parents))
+    position = len(context) - 1
+    ids = torch.tensor([context[-1:] + list(proposal.tokens)], device=model.device)
+    picks = forward(model, ids, target, cache, position, tree=shape)[0].argmax(-1).tolist()
+    path, node = [0], 0
+    while True:  # down the tree while a child holds the token the target picks
+        child = next((c for c in shape.children(node) if ids[0, c] == picks[node]), None)
+        if child is None:
+            break
+        path.append(child)
+        node = child
+    cache.keep_path(position, path)
+    return [int(ids[0, c]) for c in path[1:]] + [picks[node]], len(path) - 1
 
 
 def _seen(context: list[int], sampling: SamplingParams, device) -> torch.Tensor | None:

@@ -90,6 +90,20 @@ class KVCache:
         """Forget every position from `length` on (rollback after rejected drafts)."""
         self.lengths = [min(n, length) for n in self.lengths]
 
+    def keep_path(self, start: int, nodes: list[int]) -> None:
+        """After a token-tree pass written at [start, start + nodes of the tree): keep the entries of
+        `nodes` (a path, root first) at start, start + 1, ... and forget the rest. Moved in place:
+        the slots' other positions are not copied."""
+        if nodes and nodes != list(range(len(nodes))):
+            source = torch.tensor(nodes) + start
+            end = start + len(nodes)
+            with torch.inference_mode():  # the buffers are inference tensors (written by the runner)
+                for slot, (keys, values) in enumerate(zip(self.keys, self.values)):
+                    if keys is not None and self.lengths[slot] > int(source.max()):
+                        keys[:, :, start:end] = keys[:, :, source.to(keys.device)]
+                        values[:, :, start:end] = values[:, :, source.to(values.device)]
+        self.crop(start + len(nodes))
+
 
 class _SlotView:
     """What an attention module sees as `past_key_values`: it calls update(k, v, layer_idx) and

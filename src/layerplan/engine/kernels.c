@@ -444,13 +444,17 @@ static void gated_activation(const float *gate, const float *up, float *out, lon
  * step's cache slot (kv_heads, capacity, head_dim) at pos0.. first. The slot holds positions from
  * kv_start on (0 for a KV cache; pos0 for a pass that attends to its own tokens only).
  * keep_sink/keep_recent > 0 (single-token reads only): attend to the first keep_sink and the last
- * keep_recent positions (a windowed draft); 0 = every position. Returns 0, or -1 when head_dim is
- * beyond what the kernel handles. */
+ * keep_recent positions (a windowed draft); 0 = every position.
+ * tree (rows x rows, NULL = a chain): the pass's tokens are the nodes of a draft tree, row r
+ * attending to row c of the pass only where tree[r * rows + c] (its ancestors and itself; the
+ * caller's cos / sin give each node its position by depth). A node's result is then the one a
+ * chain of its path would give, bit for bit: the same keys, summed in the same order.
+ * Returns 0, or -1 when head_dim is beyond what the kernel handles or a tree meets a sliding window. */
 int lp_attention_block(const lp_attention *a, const void *hidden, void *out, long rows, long pos0, const void *cos, const void *sin,
                        void *kcache, void *vcache, long capacity, long kv_start, long keep_sink, long keep_recent,
-                       float residual_scale, int bf16, int threads) {
+                       const unsigned char *tree, float residual_scale, int bf16, int threads) {
     long H = a->hidden, D = a->head_dim, NQ = a->heads * D, NK = a->kv_heads * D;
-    if (D > 512 || a->rotary_dim > D) return -1;
+    if (D > 512 || a->rotary_dim > D || (tree && a->window > 0)) return -1;
     float *x = (float *)malloc(sizeof(float) * rows * H);
     float *qkv = (float *)malloc(sizeof(float) * rows * (NQ + 2 * NK));
     float *q = (float *)malloc(sizeof(float) * rows * NQ);
@@ -507,7 +511,8 @@ int lp_attention_block(const lp_attention *a, const void *hidden, void *out, lon
             const float *qv = q + (r * a->heads + h) * D;
             float best = -INFINITY;
             for (long p = first; p <= pos; p++) {
-                if (rows == 1 && keep_recent > 0 && p >= keep_sink && p < end - keep_recent) { scores[p] = -INFINITY; continue; }
+                if ((rows == 1 && keep_recent > 0 && p >= keep_sink && p < end - keep_recent)
+                    || (tree && p >= pos0 && !tree[r * rows + p - pos0])) { scores[p] = -INFINITY; continue; }
                 long at = (kh * capacity + p - kv_start) * D;
                 const void *row = bf16 ? (const void *)((const uint16_t *)kcache + at) : (const void *)((const float *)kcache + at);
                 float s = dot_row(qv, row, bf16, D) * a->scaling;
@@ -569,13 +574,14 @@ typedef struct {
 /* hidden (rows, hidden) in place through `count` steps, as the runner's loop would run them one
  * sub-layer at a time; the same kernels, so the same numbers. Returns 0, or the failing status. */
 int lp_run_steps(const lp_step *steps, long count, void *hidden, long rows, long pos0, const void *const *cos,
-                 const void *const *sin, long keep_sink, long keep_recent, int bf16, int threads) {
+                 const void *const *sin, long keep_sink, long keep_recent, const unsigned char *tree, int bf16,
+                 int threads) {
     for (long s = 0; s < count; s++) {
         const lp_step *st = steps + s;
         if (st->attention) {
             int status = lp_attention_block(st->attention, hidden, hidden, rows, pos0, cos[st->rope], sin[st->rope],
                                              st->kcache, st->vcache, st->capacity, 0, keep_sink, keep_recent,
-                                             st->scale, bf16, threads);
+                                             tree, st->scale, bf16, threads);
             if (status != 0) return status;
         }
         if (st->mlp) lp_mlp_block(st->mlp, hidden, hidden, rows, st->scale, bf16, threads);

@@ -16,6 +16,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import time
 from functools import lru_cache
 from pathlib import Path
 
@@ -108,6 +109,10 @@ def library() -> ctypes.CDLL:
         finally:
             if os.path.exists(staging):
                 os.unlink(staging)
+        # builds of other sources unused for a week go (another install may still use a recent one)
+        for old in target.parent.glob("kernels-*.so"):
+            if old != target and time.time() - old.stat().st_atime > 7 * 86400:
+                old.unlink(missing_ok=True)
     lib = ctypes.CDLL(str(target))
     lib.lp_linear.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.POINTER(_Matrix), ctypes.c_void_p, ctypes.c_int,
                               ctypes.c_long, ctypes.c_int]
@@ -117,14 +122,14 @@ def library() -> ctypes.CDLL:
     lib.lp_attention_block.argtypes = [ctypes.POINTER(_Attention), ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long,
                                        ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
                                        ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_long, ctypes.c_long,
-                                       ctypes.c_float, ctypes.c_int, ctypes.c_int]
+                                       ctypes.c_void_p, ctypes.c_float, ctypes.c_int, ctypes.c_int]
     lib.lp_attention_block.restype = ctypes.c_int
     lib.lp_mlp_block.argtypes = [ctypes.POINTER(_Mlp), ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long,
                                  ctypes.c_float, ctypes.c_int, ctypes.c_int]
     lib.lp_mlp_block.restype = None
     lib.lp_run_steps.argtypes = [ctypes.POINTER(_Step), ctypes.c_long, ctypes.c_void_p, ctypes.c_long, ctypes.c_long,
                                  ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_void_p), ctypes.c_long,
-                                 ctypes.c_long, ctypes.c_int, ctypes.c_int]
+                                 ctypes.c_long, ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
     lib.lp_run_steps.restype = ctypes.c_int
     return lib
 
@@ -286,10 +291,11 @@ class NativeLayer:
 
     def run_attention(self, hidden: torch.Tensor, keys: torch.Tensor | None, values: torch.Tensor | None,
                       start_pos: int, rope: tuple[torch.Tensor, torch.Tensor], scale: float,
-                      window: tuple[int, int] | None) -> torch.Tensor:
+                      window: tuple[int, int] | None, tree: torch.Tensor | None = None) -> torch.Tensor:
         """hidden (1, T, H) -> hidden after the sub-layer; writes the T new keys and values into
         the slot buffers (1, kv_heads, capacity, head_dim) at start_pos.. first. Without buffers
-        (a pass with no KV cache) the tokens attend to each other only."""
+        (a pass with no KV cache) the tokens attend to each other only. tree: (T, T) uint8 of
+        which tokens of the pass each one attends to (a token tree), None for a chain."""
         kv_start = 0
         if keys is None:
             shape = (1, self.attention.kv_heads, hidden.shape[1], self.attention.head_dim)
@@ -302,7 +308,7 @@ class NativeLayer:
         status = library().lp_attention_block(
             ctypes.byref(self.attention), hidden.data_ptr(), out.data_ptr(), hidden.shape[1], start_pos,
             cos.data_ptr(), sin.data_ptr(), keys.data_ptr(), values.data_ptr(), keys.shape[2], kv_start, sink, recent,
-            scale, self.bf16, torch.get_num_threads())
+            tree.data_ptr() if tree is not None else None, scale, self.bf16, torch.get_num_threads())
         if status != 0:
             raise RuntimeError(f"native attention refused its input (status {status})")
         return out
@@ -332,8 +338,9 @@ class StepRun:
         self._buffers: list[int | None] = [None] * len(steps)
 
     def __call__(self, hidden: torch.Tensor, cache, start_pos: int, ropes: list[tuple[torch.Tensor, torch.Tensor]],
-                 window: tuple[int, int] | None) -> torch.Tensor:
-        """hidden (1, T, H) after the steps; each step's new keys and values go to its cache slot."""
+                 window: tuple[int, int] | None, tree: torch.Tensor | None = None) -> torch.Tensor:
+        """hidden (1, T, H) after the steps; each step's new keys and values go to its cache slot.
+        tree: as NativeLayer.run_attention's."""
         hidden = hidden.contiguous().clone()  # written in place
         end = start_pos + hidden.shape[1]
         for i, (slot, attention) in enumerate(self.slots):
@@ -350,7 +357,8 @@ class StepRun:
         sin = (ctypes.c_void_p * len(tables))(*(s.data_ptr() for _, s in tables))
         sink, recent = window if window is not None and hidden.shape[1] == 1 else (0, 0)
         status = library().lp_run_steps(self.table, len(self.table), hidden.data_ptr(), hidden.shape[1], start_pos,
-                                         cos, sin, sink, recent, self.bf16, torch.get_num_threads())
+                                         cos, sin, sink, recent, tree.data_ptr() if tree is not None else None,
+                                         self.bf16, torch.get_num_threads())
         if status != 0:
             raise RuntimeError(f"native attention refused its input (status {status})")
         return hidden

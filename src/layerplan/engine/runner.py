@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from layerplan.engine.cache import KVCache
+from layerplan.engine.tree import TreeShape
 from layerplan.models.loading import LoadedModel
 from layerplan.plan.plan import LayerPlan
 
@@ -45,20 +46,24 @@ def forward(
     cache: KVCache | None = None,
     start_pos: int = 0,
     last_only: bool = False,
+    tree: TreeShape | None = None,
 ) -> torch.Tensor:
     """Logits (B, T, vocab) — or (B, 1, vocab) with last_only — for tokens at positions
     [start_pos, start_pos+T). With a cache, earlier positions come from it and the new ones are
-    written to it."""
-    hidden = run_hidden(model, input_ids, plan, cache, start_pos)
+    written to it. tree: the T tokens are the nodes of a token tree (engine/tree.py), not a chain."""
+    hidden = run_hidden(model, input_ids, plan, cache, start_pos, tree=tree)
     return head(model, hidden[:, -1:] if last_only else hidden)
 
 
 @torch.inference_mode()
-def embed(model: LoadedModel, input_ids: torch.Tensor, start_pos: int = 0) -> torch.Tensor:
+def embed(model: LoadedModel, input_ids: torch.Tensor, start_pos: int = 0,
+          tree: TreeShape | None = None) -> torch.Tensor:
     parts = model.parts
     hidden = parts.embed(input_ids)  # (B, T, hidden)
     if parts.position_embed is not None:
         positions = torch.arange(start_pos, start_pos + input_ids.shape[1], device=input_ids.device)
+        if tree is not None:  # a node sits at its depth
+            positions = start_pos + torch.tensor(tree.depths, device=input_ids.device)
         hidden = hidden + parts.position_embed(positions)[None]
     return hidden
 
@@ -90,22 +95,30 @@ def run_hidden(
     resume: Resume | None = None,
     observe: Observer | None = None,
     stop_step: int | None = None,
+    tree: TreeShape | None = None,
 ) -> torch.Tensor:
     """The residual stream after the plan's active steps (before the final norm).
 
     resume: start from a captured residual stream instead of the embeddings (input_ids unused).
     stop_step: run steps [.., stop_step) only (an exit that does not change the plan object).
+    tree: the tokens are the nodes of a token tree: each at start_pos + its depth, attending to the
+    cached prefix and its ancestors (their keys and values are written at start_pos + node index).
     """
     plan = plan if plan is not None else model.plan()
     parts = model.parts
     if resume is not None:
         hidden, first_step, first_sub = resume.hidden, resume.step, resume.sub_layer
     else:
-        hidden, first_step, first_sub = embed(model, input_ids, start_pos), 0, "attention"
+        hidden, first_step, first_sub = embed(model, input_ids, start_pos, tree), 0, "attention"
     length = hidden.shape[1]
     device = hidden.device
     positions = torch.arange(start_pos, start_pos + length, device=device)[None]  # (1, T)
     end_step = len(plan.active_steps) if stop_step is None else min(stop_step, len(plan.active_steps))
+    tree_mask = None
+    if tree is not None:
+        _check_tree(model, plan, tree, length, first_step, end_step)
+        positions = (start_pos + torch.tensor(tree.depths, device=device))[None]
+        tree_mask = tree.ancestors.to(torch.uint8).contiguous()
 
     windowed_read = cache is not None and cache.read_window is not None and length == 1
     if cache is not None:
@@ -137,7 +150,7 @@ def run_hidden(
         run = native.step_run(plan, first_step, end_step, rope_key)
         if run is not None:
             return run(hidden, cache, start_pos, [rope_of(layer) for layer in run.rope_layers],
-                       cache.read_window)
+                       cache.read_window, tree_mask)
 
     for index in range(first_step, end_step):
         step = plan.steps[index]
@@ -156,12 +169,16 @@ def run_hidden(
                     keys, values = cache.reserve(index, start_pos + length, 1, fast.attention.kv_heads,
                                                  fast.attention.head_dim, fast.attention.head_dim, hidden.dtype, device)
                 hidden = fast.run_attention(hidden, keys, values, start_pos, rope_of(layer), step.scale,
-                                            cache.read_window if cache is not None else None)
+                                            cache.read_window if cache is not None else None, tree_mask)
             else:
                 window = layer.sliding_window
                 if window not in masks:
-                    masks[window] = None if windowed_read else _attention_mask(
-                        start_pos, length, kv_start, kv_length, window, eager, hidden.dtype, device)
+                    if tree is not None:
+                        masks[window] = _tree_attention_mask(tree, start_pos, kv_start, kv_length, eager, hidden.dtype,
+                                                             device)
+                    else:
+                        masks[window] = None if windowed_read else _attention_mask(
+                            start_pos, length, kv_start, kv_length, window, eager, hidden.dtype, device)
                 kwargs = {"position_embeddings": rope_of(layer)} if parts.rotary is not None else {}
                 update = layer.attention(
                     layer.attention_norm(hidden),
@@ -183,6 +200,29 @@ def run_hidden(
                     update = layer.mlp_post_norm(update)
                 hidden = hidden + update if step.scale == 1.0 else hidden + step.scale * update
     return hidden
+
+
+def _check_tree(model: LoadedModel, plan: LayerPlan, tree: TreeShape, length: int, first: int, end: int) -> None:
+    if len(tree) != length:
+        raise ValueError(f"a token tree of {len(tree)} nodes for a pass over {length} tokens")
+    for index in range(first, end):
+        step = plan.steps[index]
+        layer = model.parts.layers[step.layer] if not step.model else model.layers_of(step.model)[step.layer]
+        if step.attention and layer.sliding_window:
+            raise ValueError(f"token trees need full attention; layer {step.layer} attends to a sliding window "
+                             f"of {layer.sliding_window}")
+
+
+def _tree_attention_mask(tree: TreeShape, start_pos: int, kv_start: int, kv_length: int, eager: bool,
+                         dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """(1, 1, nodes, kv_length): every cached position, and among the pass's own its ancestors."""
+    allowed = torch.ones(len(tree), kv_length, dtype=torch.bool, device=device)
+    offset = start_pos - kv_start
+    allowed[:, offset: offset + len(tree)] = tree.ancestors.to(device)
+    allowed = allowed[None, None]
+    if not eager:
+        return allowed
+    return torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill(~allowed, torch.finfo(dtype).min)
 
 
 def _attention_mask(

@@ -17,6 +17,7 @@ import torch
 
 from layerplan.decoding.sampling import SamplingParams, process_logits
 from layerplan.engine.cache import KVCache
+from layerplan.engine.tree import TreeShape
 from layerplan.models.loading import LoadedModel
 from layerplan.plan.plan import LayerPlan
 
@@ -36,6 +37,20 @@ class Proposal:
     tokens: list[int] = field(default_factory=list)
     probs: torch.Tensor | None = None  # (len(tokens), V) draft distributions q; None = deterministic
     source: str | None = None  # which drafter made it, where one drafter picks among several (stats)
+    # the tokens are the nodes of this tree (parent -1: the pending token), likeliest child first;
+    # None: a chain
+    tree: TreeShape | None = None
+
+    def first_chain(self) -> Proposal:
+        """The path through every node's first child: the proposal as a chain."""
+        if self.tree is None:
+            return self
+        nodes, node = [], -1
+        while children := self.tree.children(node):
+            node = children[0]
+            nodes.append(node)
+        probs = self.probs[nodes] if self.probs is not None else None
+        return Proposal([self.tokens[i] for i in nodes], probs, self.source)
 
 
 @dataclass(frozen=True)

@@ -61,11 +61,11 @@ def _suffix(arg: str | None, text: str, ctx: Context) -> Drafter:
             corpus.append(read_corpus(value, ctx.model))
         elif key in ("max", "share") and _is_number(value, integer=key == "max"):
             options["max_tokens" if key == "max" else "min_share"] = int(value) if key == "max" else float(value)
-        elif key == "learn" and not eq:
-            options["learn"] = True
+        elif key in ("learn", "tree") and not eq:
+            options[key] = True
         else:
             raise ValueError(f"cannot read '{item}' in '{text}': expected suffix or "
-                             "suffix:corpus=FILE,max=N,share=P,learn")
+                             "suffix:corpus=FILE,max=N,share=P,learn,tree")
     return SuffixDrafter(corpus, name=text, **options)
 
 
@@ -127,9 +127,10 @@ def _auto(arg: str | None, text: str, ctx: Context) -> Drafter:
 # keyword (the spec up to its first ':') -> kind; a spec with no known keyword is a plan (PLAN)
 DRAFTERS: dict[str, DrafterKind] = {
     "ngram": DrafterKind("ngram, ngram:N", "prompt lookup: what followed the latest earlier n-gram (free)", _ngram),
-    "suffix": DrafterKind("suffix[:corpus=FILE,max=N,share=P,learn]", "the most frequent continuation of the "
+    "suffix": DrafterKind("suffix[:corpus=FILE,max=N,share=P,learn,tree]", "the most frequent continuation of the "
                           "context's longest suffix match in the prompt, the generated text and a corpus file "
-                          "(learn: and past outputs; free)", _suffix),
+                          "(learn: and past outputs; tree: every continuation keeping share P, as a token tree "
+                          "checked in one pass; free)", _suffix),
     "exit": DrafterKind("exit:E, exit:E+head[=PATH]", "exit after E steps of the target plan (+head: through "
                         "an exit head from `layerplan train-exit`)", _exit, takes_head=True),
     "window": DrafterKind("window:SINK,RECENT[/PLAN]", "attend to the first SINK and the RECENT latest tokens "

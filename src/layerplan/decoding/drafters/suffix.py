@@ -10,23 +10,26 @@ request (a context that does not extend the previous one) starts a fresh request
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Sequence
 from pathlib import Path
 
 from layerplan.decoding.drafters.base import DraftState, Proposal
 from layerplan.decoding.suffix_automaton import SuffixAutomaton
+from layerplan.engine.tree import TreeShape
 from layerplan.models.loading import LoadedModel
 from layerplan.plan.plan import LayerPlan
 
 
 class SuffixDrafter:
     def __init__(self, corpus: Sequence[Sequence[int]] = (), max_tokens: int = 16, min_share: float = 0.2,
-                 learn: bool = False, name: str = "suffix") -> None:
+                 learn: bool = False, name: str = "suffix", tree: bool = False) -> None:
         if max_tokens < 1:
             raise ValueError(f"a suffix draft needs max >= 1 tokens, got {max_tokens}")
         if not 0.0 <= min_share <= 1.0:
             raise ValueError(f"share is a fraction of the occurrences in [0, 1], got {min_share}")
         self.max_tokens, self.min_share, self.learn, self.name = max_tokens, min_share, learn, name
+        self.tree = tree  # propose a token tree: every continuation that keeps min_share, likeliest first
         self.corpus = SuffixAutomaton()
         for document in corpus:
             self.add_document(document)
@@ -70,10 +73,37 @@ class SuffixDrafter:
         corpus, corpus_length = self.corpus.with_continuation(self.corpus_match[0])
         corpus_length = min(corpus_length, self.corpus_match[1])  # the state may hold longer strings
         if corpus_length > own_length:  # the longer match is the better evidence; ties go to the request
-            return Proposal(self._follow(self.corpus, corpus, max_tokens), None)
-        if own_length:
-            return Proposal(self._follow(self.request, own, max_tokens), None)
-        return Proposal()
+            automaton, start = self.corpus, corpus
+        elif own_length:
+            automaton, start = self.request, own
+        else:
+            return Proposal()
+        if self.tree:
+            return self._grow_tree(automaton, start, min(max_tokens, self.max_tokens))
+        return Proposal(self._follow(automaton, start, max_tokens), None)
+
+    def _grow_tree(self, automaton: SuffixAutomaton, state: int, budget: int) -> Proposal:
+        """The `budget` likeliest continuations as a tree, best first: a node's likelihood is the
+        product of its tokens' shares of the occurrences that continue (children below min_share
+        are left out), so a dominant continuation grows a chain and an open choice branches."""
+        tokens: list[int] = []
+        parents: list[int] = []
+        frontier = [(-1.0, 0, -1, state)]  # (-likelihood, tie-break, node, automaton state)
+        order = 1
+        while frontier and len(tokens) < budget:
+            likelihood, _, node, at = heapq.heappop(frontier)
+            follow = automaton.continuations(at)
+            total = sum(follow.values())
+            for token, count in sorted(follow.items(), key=lambda item: -item[1]):
+                if count < self.min_share * total or len(tokens) >= budget:
+                    break
+                tokens.append(token)
+                parents.append(node)
+                heapq.heappush(frontier, (likelihood * count / total, order, len(tokens) - 1, automaton.next[at][token]))
+                order += 1
+        if not tokens:
+            return Proposal()
+        return Proposal(tokens, None, tree=TreeShape(tuple(parents)))
 
     def _follow(self, automaton: SuffixAutomaton, state: int, max_tokens: int) -> list[int]:
         """The most frequent continuation from `state`, while it keeps min_share of the occurrences."""

@@ -1,0 +1,186 @@
+"""Token-tree passes (engine/tree.py): a node's logits equal those of a chain of its path, and the
+cache keeps the accepted path as if it had been run alone."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from layerplan.decoding.drafters.base import Proposal
+from layerplan.decoding.drafters.suffix import SuffixDrafter
+from layerplan.decoding.generate import generate
+from layerplan.engine import native
+from layerplan.engine.runner import forward, new_cache
+from layerplan.engine.tree import TreeShape
+from tiny import tiny_model
+
+# two roots; node 3 continues node 1, node 6 continues node 2, node 5 continues node 4
+TREE = TreeShape((-1, 0, 0, 1, -1, 4, 2))
+PROMPT = torch.randint(3, 96, (1, 6), generator=torch.Generator().manual_seed(11))
+NODES = torch.randint(3, 96, (1, len(TREE)), generator=torch.Generator().manual_seed(12))
+
+
+def test_tree_shape():
+    assert TREE.depths == (0, 1, 1, 2, 0, 1, 2)
+    assert TREE.path(3) == [0, 1, 3] and TREE.path(6) == [0, 2, 6] and TREE.path(4) == [4]
+    assert TREE.children(-1) == [0, 4] and TREE.children(0) == [1, 2]
+    assert TREE.ancestors[3].tolist() == [True, True, False, True, False, False, False]
+    assert TreeShape.chain(3).parents == (-1, 0, 1)
+    for bad in [(), (0,), (-1, 1), (-1, -2), (-1, 0.5)]:
+        with pytest.raises(ValueError):
+            TreeShape(bad)
+
+
+def _model(arch, engine, dtype=torch.float32):
+    model = tiny_model(arch, dtype=dtype)
+    if engine == "native":
+        if native.native_available() is not None:
+            pytest.skip(native.native_available())
+        native.enable(model)
+    return model
+
+
+@pytest.mark.parametrize("engine", ["eager", "native"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "phi3", "gpt2"])
+def test_each_node_equals_a_chain_of_its_path(arch, engine):
+    model = _model(arch, engine)
+    plan = model.plan()
+    cache = new_cache(plan)
+    forward(model, PROMPT, plan, cache, 0)
+    start = PROMPT.shape[1]
+    logits = forward(model, NODES, plan, cache, start, tree=TREE)
+    for node in range(len(TREE)):
+        path = TREE.path(node)
+        chain_cache = new_cache(plan)
+        forward(model, PROMPT, plan, chain_cache, 0)
+        chain = forward(model, NODES[:, path], plan, chain_cache, start)
+        if engine == "native" and not model.native.eager_sub_layers():  # the same kernels, keys summed in the same order
+            assert torch.equal(logits[0, node], chain[0, -1]), f"node {node}"
+        else:
+            torch.testing.assert_close(logits[0, node], chain[0, -1], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("engine", ["eager", "native"])
+def test_keeping_a_path_leaves_the_cache_of_that_path_alone(engine):
+    model = _model("llama", engine)
+    plan = model.plan("0,1,1,2")  # a repeated layer: its own slot moves too
+    start = PROMPT.shape[1]
+    for node in (3, 5, 6, 0):
+        path = TREE.path(node)
+        cache = new_cache(plan)
+        forward(model, PROMPT, plan, cache, 0)
+        forward(model, NODES, plan, cache, start, tree=TREE)
+        cache.keep_path(start, path)
+        alone = new_cache(plan)
+        forward(model, PROMPT, plan, alone, 0)
+        forward(model, NODES[:, path], plan, alone, start)
+        assert cache.length == alone.length == start + len(path)
+        for slot in range(len(plan.steps)):
+            end = start + len(path)
+            torch.testing.assert_close(cache.keys[slot][:, :, :end], alone.keys[slot][:, :, :end], atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(cache.values[slot][:, :, :end], alone.values[slot][:, :, :end], atol=1e-5, rtol=1e-5)
+        follow = torch.tensor([[7]])
+        torch.testing.assert_close(forward(model, follow, plan, cache, start + len(path)),
+                                   forward(model, follow, plan, alone, start + len(path)), atol=1e-5, rtol=1e-5)
+
+
+def test_bf16_native_tree_nodes_equal_chains_bit_for_bit():
+    model = _model("qwen3", "native", torch.bfloat16)
+    plan = model.plan()
+    cache = new_cache(plan)
+    forward(model, PROMPT, plan, cache, 0)
+    logits = forward(model, NODES, plan, cache, PROMPT.shape[1], tree=TREE)
+    for node in (3, 5, 6):
+        chain_cache = new_cache(plan)
+        forward(model, PROMPT, plan, chain_cache, 0)
+        chain = forward(model, NODES[:, TREE.path(node)], plan, chain_cache, PROMPT.shape[1])
+        assert torch.equal(logits[0, node], chain[0, -1])
+
+
+def test_trees_refuse_sliding_window_layers():
+    model = tiny_model("gemma3")  # alternates sliding-window and full layers
+    plan = model.plan()
+    cache = new_cache(plan)
+    forward(model, PROMPT, plan, cache, 0)
+    with pytest.raises(ValueError, match="sliding window"):
+        forward(model, NODES, plan, cache, PROMPT.shape[1], tree=TREE)
+
+
+def test_tree_size_must_match_the_pass():
+    model = tiny_model("llama")
+    with pytest.raises(ValueError, match="7 nodes for a pass over 3"):
+        forward(model, NODES[:, :3], model.plan(), new_cache(model.plan()), 0, tree=TREE)
+
+
+# ----- speculative decoding with token trees ------------------------------------------------------
+
+class _BranchingOracle:
+    """Knows the plain greedy continuation; proposes a wrong first branch and the right one second
+    (so only a tree check accepts it), each two deep."""
+
+    name = "oracle-tree"
+
+    def __init__(self, continuation: list[int], prompt_length: int) -> None:
+        self.continuation, self.prompt_length = continuation, prompt_length
+
+    def check(self, model, target) -> None:
+        pass
+
+    def propose(self, state, max_tokens):
+        done = len(state.tokens) - self.prompt_length  # generated so far, the pending token included
+        right = self.continuation[done: done + 2]
+        if len(right) < 2 or max_tokens < 4:
+            return Proposal()
+        wrong = (right[0] + 1) % 96
+        return Proposal([wrong, wrong, right[0], right[1]], None, tree=TreeShape((-1, 0, -1, 2)))
+
+
+def test_a_greedy_tree_round_accepts_the_branch_the_target_picks():
+    model = tiny_model("llama")
+    prompt = [5, 9, 14, 3, 22, 7]
+    plain = generate(model, prompt, max_new_tokens=20, stop_at_eos=False).token_ids
+    result = generate(model, prompt, max_new_tokens=20, stop_at_eos=False, draft=_BranchingOracle(plain, len(prompt)),
+                      draft_length="fixed")
+    assert result.token_ids == plain
+    # the right tokens sit in the second branch only: a chain check (the first branch) accepts none
+    assert result.stats["accepted"] >= 8 and result.stats["mean_accepted_length"] > 1.8
+
+
+def test_sampling_checks_the_first_chain_of_a_tree():
+    proposal = Proposal([4, 5, 6, 7], None, tree=TreeShape((-1, 0, -1, 1)))
+    assert proposal.first_chain().tokens == [4, 5, 7]
+
+
+@pytest.mark.parametrize("engine", ["eager", "native"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "phi3", "gpt2"])
+def test_greedy_suffix_trees_equal_plain(arch, engine):
+    model = _model(arch, engine)
+    prompt = [5, 9, 14, 3, 22, 7, 5, 9, 14, 8, 22, 7, 5, 9]  # repeats with two continuations of "5 9 14"
+    plain = generate(model, prompt, max_new_tokens=24, stop_at_eos=False).token_ids
+    for spec in ["suffix:tree", "suffix:tree,share=0.1"]:
+        result = generate(model, prompt, max_new_tokens=24, stop_at_eos=False, draft=spec, draft_length="fixed")
+        assert result.token_ids == plain, spec
+
+
+def test_suffix_tree_branches_where_the_corpus_disagrees():
+    drafter = SuffixDrafter(corpus=[[1, 2, 3, 4], [1, 2, 3, 4], [1, 2, 9, 9]], tree=True)
+    proposal = drafter.propose(_State([7, 1, 2]), 6)
+    # after "1 2": 3 (two of three) then 4, and 9 (one of three) then 9
+    assert proposal.tree is not None
+    assert proposal.tokens[:2] == [3, 9] and proposal.tree.parents[:2] == (-1, -1)
+    assert sorted(zip(proposal.tokens, proposal.tree.parents))[:4] == [(3, -1), (4, 0), (9, -1), (9, 1)]
+
+
+class _State:
+    def __init__(self, tokens):
+        self.tokens = tokens
+
+
+@pytest.mark.real
+def test_real_model_suffix_trees_equal_plain(smollm2):
+    prompt = "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef mul(a, b):\n"
+    ids = smollm2.encode(prompt)
+    plain = generate(smollm2, ids, max_new_tokens=32).token_ids
+    result = generate(smollm2, ids, max_new_tokens=32, draft="suffix:tree")
+    assert result.token_ids == plain
+    assert result.stats["accepted"] > 0
