@@ -45,9 +45,9 @@ class SharedPrefix:
     def __init__(self, model: LoadedModel, ids: torch.Tensor, base: LayerPlan, reuse: bool = True) -> None:
         self.model, self.ids, self.base, self.reuse = model, ids, base, reuse
         self.before: list[torch.Tensor] = []  # before[k]: the stream before base step k (after k steps)
-        final = run_hidden(model, ids, base, observe=lambda index, sub, hidden: (
-            self.before.append(hidden) if sub == "attention" and reuse else None))
         if reuse:
+            final = run_hidden(model, ids, base, observe=lambda index, sub, hidden: (
+                self.before.append(hidden) if sub == "attention" else None))
             self.before.append(final)
 
     @torch.inference_mode()
