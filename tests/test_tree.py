@@ -184,3 +184,86 @@ def test_real_model_suffix_trees_equal_plain(smollm2):
     result = generate(smollm2, ids, max_new_tokens=32, draft="suffix:tree")
     assert result.token_ids == plain
     assert result.stats["accepted"] > 0
+
+
+# ----- the acceptance rule on trees ------------------------------------------------------------
+
+# the pass: node 0 pending; its children 1 (token 2), 2 (token 0), 3 (token 2 again); node 1's child 4 (token 1)
+PASS = TreeShape((-1, 0, 0, 0, 1))
+PASS_TOKENS = [9, 2, 0, 2, 1]
+P = {0: [0.1, 0.2, 0.4, 0.2, 0.1], 1: [0.3, 0.3, 0.1, 0.2, 0.1], 2: [0.05, 0.05, 0.1, 0.2, 0.6],
+     3: [0.2] * 5, 4: [0.5, 0.1, 0.1, 0.1, 0.2]}
+
+
+def _emitted_distributions(rule, draws=40_000):
+    generator = torch.Generator().manual_seed(1234)
+    probs = {node: torch.tensor(p) for node, p in P.items()}
+    first = torch.zeros(5)
+    second = {2: torch.zeros(5), 0: torch.zeros(5)}
+    for _ in range(draws):
+        verdict = rule(PASS, PASS_TOKENS, probs.__getitem__, generator)
+        emitted = [PASS_TOKENS[i] for i in verdict.path] + [verdict.next_token]
+        first[emitted[0]] += 1
+        if len(emitted) > 1:
+            second[emitted[0]][emitted[1]] += 1
+    return first / draws, {token: counts / counts.sum() for token, counts in second.items()}
+
+
+def _tv(a, b):
+    return 0.5 * float((a - torch.tensor(b)).abs().sum())
+
+
+def test_tree_acceptance_keeps_the_target_distribution():
+    from layerplan.decoding.acceptance import accept_tree
+
+    first, second = _emitted_distributions(accept_tree)
+    # 40,000 draws: a total-variation distance above 0.015 would be a 4-sigma event for 5 tokens
+    assert _tv(first, P[0]) < 0.015
+    assert _tv(second[2], P[1]) < 0.02  # after token 2 (node 1): node 1's distribution
+    assert _tv(second[0], P[2]) < 0.02  # after token 0 (node 2, no children): the bonus from node 2's
+
+
+def test_tree_acceptance_negative_control():
+    """The same walk without the residual (each child judged against the full distribution) is
+    biased, and the test above would see it."""
+    from layerplan.decoding.acceptance import TreeVerdict, _draw
+
+    def without_residual(tree, tokens, target_probs, generator):
+        path, node = [], 0
+        while True:
+            p = target_probs(node)
+            child = next((c for c in tree.children(node)
+                          if float(torch.rand((), generator=generator)) < float(p[tokens[c]])), None)
+            if child is None:
+                return TreeVerdict(path, _draw(p, generator), bonus=not tree.children(node))
+            path.append(child)
+            node = child
+
+    first, _ = _emitted_distributions(without_residual)
+    assert _tv(first, P[0]) > 0.05
+
+
+def test_greedy_tree_acceptance_follows_the_argmax_and_draws_nothing():
+    from layerplan.decoding.acceptance import accept_tree
+
+    one_hot = {0: 2, 1: 1, 2: 4, 3: 4, 4: 3}
+    generator = torch.Generator().manual_seed(5)
+    state = generator.get_state()
+    verdict = accept_tree(PASS, PASS_TOKENS, lambda n: torch.nn.functional.one_hot(torch.tensor(one_hot[n]), 5).float(),
+                          generator)
+    assert verdict.path == [1, 4] and verdict.next_token == 3 and verdict.bonus
+    assert torch.equal(generator.get_state(), state)
+
+
+@pytest.mark.parametrize("arch", ["llama", "phi3"])
+def test_sampled_tree_speculation_runs_and_is_seeded(arch):
+    model = _model(arch, "native")
+    prompt = [5, 9, 14, 3, 22, 7, 5, 9, 14, 8, 22, 7, 5, 9]
+    from layerplan.decoding.sampling import SamplingParams
+
+    params = SamplingParams(temperature=0.8, top_k=20)
+    # a fixed draft length: the adaptive one follows measured times, and with it the random draws
+    runs = [generate(model, prompt, max_new_tokens=24, stop_at_eos=False, sampling=params, seed=3, draft="suffix:tree",
+                     draft_length="fixed") for _ in range(2)]
+    assert runs[0].token_ids == runs[1].token_ids and len(runs[0].token_ids) == 24
+    assert runs[0].stats["drafted"] > 0

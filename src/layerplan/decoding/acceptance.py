@@ -13,9 +13,12 @@ without a distribution (n-gram lookup) counts as q = one-hot on its proposal, wh
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
+
+from layerplan.engine.tree import TreeShape
 
 
 @dataclass(frozen=True)
@@ -67,3 +70,44 @@ def _draw(weights: torch.Tensor, generator: torch.Generator | None) -> int:
     if float(weights[top]) == total:
         return top
     return int(torch.multinomial(weights / total, 1, generator=generator))
+
+
+@dataclass(frozen=True)
+class TreeVerdict:
+    path: list[int]  # the accepted nodes, root first (indices into the pass; node 0 is the pending token)
+    next_token: int  # recovered (every child of the last accepted node rejected) or bonus (it had none)
+    bonus: bool
+
+
+def accept_tree(
+    tree: TreeShape,
+    tokens: Sequence[int],
+    target_probs: Callable[[int], torch.Tensor],
+    generator: torch.Generator | None = None,
+) -> TreeVerdict:
+    """The acceptance rule on a tree of deterministic proposals (SpecInfer's multi-draft rule with
+    one-hot drafts). tree: the pass, node 0 the pending token; tokens[i]: node i's token;
+    target_probs(i): the target's distribution (V,) for the token after node i.
+
+    From the pending token down: the children of the current node are tried in order, each
+    accepted with probability residual(token) / residual total, where the residual starts as the
+    target's distribution and loses each rejected child's token. That is drawing from the target's
+    distribution one candidate at a time, so every emitted token has exactly the target's
+    distribution; when every child is rejected the recovered token comes from what is left. Greedy
+    (one-hot distributions) draws nothing: a child is accepted iff it is the argmax."""
+    path: list[int] = []
+    node = 0
+    while True:
+        residual = target_probs(node).clone()
+        accepted = None
+        for child in tree.children(node):
+            token = tokens[child]
+            total, weight = float(residual.sum()), float(residual[token])
+            if weight > 0 and (weight >= total or float(torch.rand((), generator=generator)) * total < weight):
+                accepted = child
+                break
+            residual[token] = 0.0
+        if accepted is None:
+            return TreeVerdict(path, _draw(residual, generator), bonus=not tree.children(node))
+        path.append(accepted)
+        node = accepted

@@ -7,9 +7,11 @@ Per round (the pending token is chosen but not yet run through the target):
     accept  : accept_draft keeps d1..dn and adds a recovered or bonus token
     rollback: the cache is cropped to the verified prefix; the new token becomes pending
 
-A drafter may propose a token tree (several continuations): with greedy decoding the target checks
-every node in the same pass (engine/tree.py) and keeps the longest path whose every token is the
-one it would have picked; the cache keeps that path only. Sampling checks the tree's first chain.
+A drafter may propose a token tree (several continuations): the target checks every node in the
+same pass (engine/tree.py) and `accept_tree` walks down from the pending token (greedy: the path of
+target picks; sampling: SpecInfer's multi-draft rule, exact for the deterministic trees drafters
+make); the cache keeps the accepted path only. A tree with draft distributions is checked as its
+first chain.
 
 The prompt always goes through the full target (skipping layers on it ruins acceptance). Greedy
 output equals plain greedy output token for token; sampled output has the target's distribution.
@@ -23,7 +25,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from layerplan.decoding.acceptance import accept_draft
+from layerplan.decoding.acceptance import accept_draft, accept_tree
 from layerplan.decoding.draft_length import FixedLength, make_draft_length
 from layerplan.decoding.drafters.base import DraftState, Drafter, LearnsFromRounds, Proposal, RoundOutcome
 from layerplan.decoding.drafters.registry import make_drafter
@@ -142,9 +144,7 @@ def speculative_generate(
 
     start = time.perf_counter()
     max_gamma = getattr(lengths, "max_gamma", getattr(lengths, "gamma", 8))
-    # trees are checked where acceptance is a plain argmax and every attention sees the whole prefix
-    trees = (sampling.temperature == 0 and sampling.repetition_penalty == 1.0
-             and not any(layer.sliding_window for layer in model.parts.layers))
+    trees = not any(layer.sliding_window for layer in model.parts.layers)  # a tree pass needs full attention
     cache = new_cache(target, capacity=ids.shape[1] + max_new_tokens + max_gamma + 2)
     logits = forward(model, ids, target, cache, 0, last_only=True)[0, -1]  # the full target, always
     prefill = time.perf_counter() - start
@@ -159,9 +159,9 @@ def speculative_generate(
         state = DraftState(model, target, cache, context, sampling, generator)
         proposal = drafter.propose(state, gamma) if gamma > 0 else None
         if proposal is not None and proposal.tree is not None:
-            if trees and len(proposal.tokens) <= gamma:
+            if trees and proposal.probs is None and len(proposal.tokens) <= gamma:
                 t1 = time.perf_counter()
-                emitted, accepted = _verify_tree(model, target, cache, context, proposal)
+                emitted, accepted = _verify_tree(model, target, cache, context, proposal, sampling, generator)
                 t2 = time.perf_counter()
                 context.extend(emitted)
                 out.emit(emitted)
@@ -199,25 +199,23 @@ def speculative_generate(
                             stats=stats.to_dict())
 
 
-def _verify_tree(model: LoadedModel, target: LayerPlan, cache, context: list[int],
-                 proposal: Proposal) -> tuple[list[int], int]:
-    """Greedy check of a token tree in one target pass. Returns the emitted tokens (the accepted
-    path, then the target's own next token) and how many drafted tokens were accepted."""
-    tree = proposal.tree
+def _verify_tree(model: LoadedModel, target: LayerPlan, cache, context: list[int], proposal: Proposal,
+                 sampling: SamplingParams, generator: torch.Generator | None) -> tuple[list[int], int]:
+    """Check a token tree of deterministic proposals in one target pass. Returns the emitted tokens
+    (the accepted path, then a recovered or bonus token) and how many drafted tokens were accepted."""
     # the pass: the pending token as node 0, the drafted nodes after it
-    shape = TreeShape((-1,) + tuple(parent + 1 for parent in tree.parents))
+    shape = TreeShape((-1,) + tuple(parent + 1 for parent in proposal.tree.parents))
+    tokens = context[-1:] + list(proposal.tokens)
     position = len(context) - 1
-    ids = torch.tensor([context[-1:] + list(proposal.tokens)], device=model.device)
-    picks = forward(model, ids, target, cache, position, tree=shape)[0].argmax(-1).tolist()
-    path, node = [0], 0
-    while True:  # down the tree while a child holds the token the target picks
-        child = next((c for c in shape.children(node) if ids[0, c] == picks[node]), None)
-        if child is None:
-            break
-        path.append(child)
-        node = child
-    cache.keep_path(position, path)
-    return [int(ids[0, c]) for c in path[1:]] + [picks[node]], len(path) - 1
+    logits = forward(model, torch.tensor([tokens], device=model.device), target, cache, position, tree=shape)[0]
+
+    def target_probs(node: int) -> torch.Tensor:  # what follows node, given the context and its path
+        path = [tokens[i] for i in shape.path(node)[1:]]
+        return next_token_probs(logits[node], sampling, _seen(context + path, sampling, logits.device))
+
+    verdict = accept_tree(shape, tokens, target_probs, generator)
+    cache.keep_path(position, [0] + verdict.path)
+    return [tokens[i] for i in verdict.path] + [verdict.next_token], len(verdict.path)
 
 
 def _seen(context: list[int], sampling: SamplingParams, device) -> torch.Tensor | None:
