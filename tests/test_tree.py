@@ -267,3 +267,43 @@ def test_sampled_tree_speculation_runs_and_is_seeded(arch):
                      draft_length="fixed") for _ in range(2)]
     assert runs[0].token_ids == runs[1].token_ids and len(runs[0].token_ids) == 24
     assert runs[0].stats["drafted"] > 0
+
+
+@pytest.mark.parametrize("engine", ["eager", "native"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gpt2"])
+def test_branching_self_drafts_equal_plain(arch, engine):
+    model = _model(arch, engine)
+    prompt = [5, 9, 14, 3, 22, 7, 5, 9]
+    plain = generate(model, prompt, max_new_tokens=20, stop_at_eos=False).token_ids
+    for spec in ["skip:attn=1+branch=0.9", "exit:2+branch=0.5"]:
+        result = generate(model, prompt, max_new_tokens=20, stop_at_eos=False, draft=spec, draft_length="fixed")
+        assert result.token_ids == plain, spec
+        assert result.stats["drafted"] > 0
+
+
+def test_a_branching_draft_proposes_its_runner_up_beside_unsure_tokens():
+    model = tiny_model("llama")
+    from layerplan.decoding.drafters.base import DraftState
+    from layerplan.decoding.drafters.registry import make_drafter
+    from layerplan.decoding.sampling import SamplingParams
+
+    plan = model.plan()
+    cache = new_cache(plan)
+    prompt = [5, 9, 14, 3, 22, 7]
+    forward(model, torch.tensor([prompt[:-1]]), plan, cache, 0)
+    drafter = make_drafter("exit:2+branch=0.999", model, plan)  # a tiny random model is never that sure
+    proposal = drafter.propose(DraftState(model, plan, cache, prompt, SamplingParams()), 6)
+    assert proposal.tree is not None and len(proposal.tokens) == 6
+    # chain nodes and their runner-ups share a parent; the chain goes on from the chain node
+    assert proposal.tree.parents == (-1, -1, 0, 0, 2, 2)
+    assert drafter.name.endswith("exit:2+branch=0.999")
+
+
+def test_branch_option_errors():
+    model = tiny_model("llama")
+    from layerplan.decoding.drafters.registry import make_drafter
+
+    for spec, message in {"exit:2+branch=2": "probability in", "exit:2+branch=x": "probability in",
+                          "ngram+branch=0.5": "applies to drafts that run a model"}.items():
+        with pytest.raises(ValueError, match=message):
+            make_drafter(spec, model)

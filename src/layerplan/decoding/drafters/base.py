@@ -105,20 +105,43 @@ class AutoregressiveDrafter:
 
     name = "autoregressive"
     min_confidence: float = 0.0  # stop drafting when the draft's top-1 probability falls below this
+    # greedy only: where the top-1 probability is below this, the runner-up joins as a sibling leaf
+    # (SWIFT-style width), so the round checks a token tree; 0 = a chain
+    branch_below: float = 0.0
 
     def _draft_loop(self, state: DraftState, max_tokens: int, step: Callable[[int, int], torch.Tensor]) -> Proposal:
         tokens: list[int] = []
         probs: list[torch.Tensor] = []
+        parents: list[int] = []  # of each node, where a branch made a tree
         seen = list(state.tokens)
         position = len(state.tokens) - 1
         token = state.tokens[-1]
-        for _ in range(max_tokens):
+        branching = self.branch_below > 0 and state.sampling.greedy
+        while len(tokens) < max_tokens:
             logits = step(token, position)
             token, q, confidence = draft_token(logits, state, seen)
             if tokens and confidence < self.min_confidence:
                 break  # keep at least one token: an unsure guess still costs only one draft step
+            parent = len(tokens) - 1 if not parents else _last_chain_node(parents)
             tokens.append(token)
             probs.append(q)
+            parents.append(parent)
+            if branching and confidence < self.branch_below and len(tokens) < max_tokens:
+                runner_up = int(logits.topk(2).indices[1])
+                tokens.append(runner_up)
+                probs.append(torch.nn.functional.one_hot(torch.tensor(runner_up), q.shape[-1]).to(q))
+                parents.append(parent)
             seen.append(token)
             position += 1
+        if any(parent != i - 1 for i, parent in enumerate(parents)):  # greedy drafts: one-hot q, deterministic
+            return Proposal(tokens, None, tree=TreeShape(tuple(parents)))
         return Proposal(tokens, torch.stack(probs) if probs else None)
+
+
+def _last_chain_node(parents: list[int]) -> int:
+    """The latest node of the main chain: the last node whose parent is not shared by a later one
+    (a runner-up leaf is appended right after the chain node it sits beside)."""
+    last = len(parents) - 1
+    if last >= 1 and parents[last] == parents[last - 1]:
+        return last - 1
+    return last

@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from layerplan.decoding.drafters.arbiter import Arbiter
-from layerplan.decoding.drafters.base import Drafter
+from layerplan.decoding.drafters.base import AutoregressiveDrafter, Drafter
 from layerplan.decoding.drafters.dynamic_exit import DynamicExitDrafter, ExitPolicy
 from layerplan.decoding.drafters.heads import Head, default_head_path, load_head, reduced_head
 from layerplan.decoding.drafters.model import ModelDrafter
@@ -151,7 +151,8 @@ def drafter_help() -> str:
     kinds = [*DRAFTERS.values(), PLAN]
     return "; ".join(f"{k.syntax}: {k.help}" for k in kinds) + (
         "; A|B: the first of several that proposes; add +vocab=K to a layer-plan draft for an LM head over "
-        "the K most frequent tokens")
+        "the K most frequent tokens; add +branch=P to a draft that runs a model for a token tree where its "
+        "top-1 probability is below P (greedy)")
 
 
 def make_drafter(spec: str | Drafter, model: LoadedModel, target: LayerPlan | None = None,
@@ -168,7 +169,13 @@ def _build(spec: str, ctx: Context) -> Drafter:
     parts = [p.strip() for p in spec.split("|")]
     if len(parts) > 1:
         return StagedDrafter([_build(p, ctx) for p in parts])
-    text, size = parts[0], None
+    text, size, branch = parts[0], None, None
+    if "+branch=" in text:  # greedy self-drafts: the runner-up joins the round where the draft is unsure
+        text, _, branch_text = text.rpartition("+branch=")
+        if not _is_number(branch_text, integer=False) or not 0 < float(branch_text) < 1:
+            raise ValueError(f"cannot read '{spec}': expected DRAFT+branch=P with P a probability in (0, 1), "
+                             "e.g. skip:attn=5-8+branch=0.6")
+        branch = float(branch_text)
     if "+vocab=" in text:  # a self-draft whose LM head scores only the K most frequent tokens
         text, _, size = text.rpartition("+vocab=")
         if not size.isdigit():
@@ -180,7 +187,14 @@ def _build(spec: str, ctx: Context) -> Drafter:
         if not kind.takes_head:
             raise ValueError(f"+vocab=K applies to layer-plan drafts (exit:E, exit:E+head, skip:...), not '{text}'")
         ctx = replace(ctx, head=reduced_head(ctx.model, int(size)))
-    return kind.build(arg if sep else None, text, ctx)
+    drafter = kind.build(arg if sep else None, text, ctx)
+    if branch is not None:
+        if not isinstance(drafter, AutoregressiveDrafter):
+            raise ValueError(f"+branch=P applies to drafts that run a model token by token (exit:E, skip:..., "
+                             f"model:PATH), not '{text}'")
+        drafter.branch_below = branch
+        drafter.name += f"+branch={branch_text}"
+    return drafter
 
 
 def saved_draft_path(model: LoadedModel) -> Path:
