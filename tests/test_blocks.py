@@ -408,3 +408,18 @@ def test_scanned_perplexity_equals_the_plan_run_alone_on_the_real_model(smollm2)
     for row in result.rows:
         alone = perplexity(smollm2, ids, smollm2.plan(row.plan), window=40, stride=40).perplexity
         assert row.score("ppl").value == pytest.approx(alone, rel=1e-6)
+
+
+def test_merge_study_takes_repeated_layers_from_a_second_model(tmp_path):
+    pytest.importorskip("optuna")
+    model = tiny_model("llama", num_layers=4, seed=0)
+    model.attach(tiny_model("llama", num_layers=4, seed=1), "b")
+    ids = torch.randint(3, VOCAB, (1, 24), generator=torch.Generator().manual_seed(0))
+    scorer = PerplexityScorer(model, ids, model.plan())
+    space = MergeSpace((1, 2), max_len=2, max_repeats=1, scales=(1.0, 1.0), sources=("", "b"))
+    seeds = [{"start": 1, "length": 2, "repeats": 1, "source": "b"}]
+    result = merge_study(model, scorer, "ppl", space, 2, str(tmp_path / "s.db"), seeds=seeds)
+    first = model.plan(result.trials[0].plan)
+    assert result.trials[0].plan == "a:0-2,b:1-2,a:3" and first.models == ("b",)
+    alone = perplexity(model, ids, first, window=24, stride=24).perplexity
+    assert result.trials[0].values[0] == pytest.approx(alone, rel=1e-6)
