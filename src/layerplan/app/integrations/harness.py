@@ -5,8 +5,9 @@
     lm = LayerplanLM(pretrained="smollm2", plan="skip:mlp=20", dtype="float32")
     lm_eval.simple_evaluate(model=lm, tasks=["arc_easy"])
 
-or `layerplan eval --tasks arc_easy --plan skip:mlp=20`. In lm_eval's own "key=value,..."
-model_args a plan that contains commas must be given as a plan file.
+or `layerplan eval --tasks arc_easy --plan skip:mlp=20`, or lm_eval's own command line through
+`python -m layerplan.app.integrations.lm_eval_cli` (see there why). In lm_eval's own
+"key=value,..." model_args a plan that contains commas must be given as a plan file.
 
 Multiple-choice requests share their context: it runs once into the plan's KV cache, and each
 continuation runs from there after a crop (the cache's step-owned slots make that free).
@@ -14,6 +15,7 @@ continuation runs from there after a crop (the cache's step-owned slots make tha
 
 from __future__ import annotations
 
+import logging
 from collections import defaultdict
 
 import torch
@@ -28,16 +30,33 @@ from layerplan.models.loading import LoadedModel, load_model
 from layerplan.search.probes import encode_pair, prefix_token
 
 
+def usable_device(device: str | None) -> str:
+    """`device`, or the CPU where it names a CUDA device this machine does not have."""
+    if device is None:
+        return "cpu"
+    if str(device).startswith("cuda") and not torch.cuda.is_available():
+        logging.getLogger(__name__).warning(
+            "device '%s' asked for, but this torch sees no CUDA GPU: running on the CPU "
+            "(pass --device cpu to lm_eval to silence this)", device)
+        return "cpu"
+    return device
+
+
 @register_model("layerplan")
 class LayerplanLM(LM):
     def __init__(self, pretrained: str | LoadedModel = "smollm2", plan: str | None = None, dtype: str = "float32",
-                 device: str = "cpu", draft: str | None = None, max_length: int | None = None,
+                 device: str | None = "cpu", draft: str | None = None, max_length: int | None = None,
                  max_gen_toks: int = 256, **_ignored) -> None:
-        """pretrained: a model source (folder, .gguf, 'smollm2') or an already LoadedModel.
-        draft: generate_until decodes speculatively with it (same output, faster).
-        _ignored: lm_eval passes batch_size, max_batch_size, device to every model."""
+        """pretrained: a model source (folder, .gguf, 'smollm2') or an already LoadedModel (then
+        device is the model's). device: where to load it; a CUDA device on a machine without one
+        (lm_eval's command line asks for cuda:0 unless told otherwise) falls back to the CPU with a
+        warning. draft: generate_until decodes speculatively with it (same output, faster).
+        _ignored: lm_eval passes batch_size and max_batch_size to every model."""
         super().__init__()
-        self.model = pretrained if isinstance(pretrained, LoadedModel) else load_model(pretrained, dtype, device)
+        if isinstance(pretrained, LoadedModel):
+            self.model = pretrained
+        else:
+            self.model = load_model(pretrained, dtype, usable_device(device))
         self.plan = self.model.plan(plan)
         self.draft = draft
         self.max_length = max_length or self.model.context_length
