@@ -307,3 +307,57 @@ def test_branch_option_errors():
                           "ngram+branch=0.5": "applies to drafts that run a model"}.items():
         with pytest.raises(ValueError, match=message):
             make_drafter(spec, model)
+
+
+# ----- on-the-fly layer selection -----------------------------------------------------------------
+
+@pytest.mark.parametrize("engine", ["eager", "native"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gpt2"])
+def test_online_layer_selection_equals_plain(arch, engine):
+    model = _model(arch, engine)
+    prompt = [5, 9, 14, 3, 22, 7, 5, 9, 30, 31]
+    plain = generate(model, prompt, max_new_tokens=30, stop_at_eos=False).token_ids
+    result = generate(model, prompt, max_new_tokens=30, stop_at_eos=False, draft="online:every=2,calibration=4",
+                      draft_length="fixed")
+    assert result.token_ids == plain
+    # the proposals name their skip sets: the stats show the sets the run went through
+    assert result.stats["drafted"] > 0 and all(name.startswith("online skip:") for name in result.stats["by_drafter"])
+
+
+def test_online_ranking_puts_a_sub_layer_that_does_nothing_first():
+    from layerplan.decoding.drafters.base import DraftState
+    from layerplan.decoding.drafters.online import OnlineSkipDrafter
+    from layerplan.decoding.sampling import SamplingParams
+
+    model = tiny_model("llama", num_layers=3)
+    with torch.no_grad():  # layer 1's MLP adds nothing: its down projection is zero
+        model.parts.layers[1].mlp.down_proj.weight.zero_()
+    drafter = OnlineSkipDrafter(model.plan(), calibration=6, start=0.2)
+    plan = model.plan()
+    cache = new_cache(plan)
+    prompt = [5, 9, 14, 3, 22, 7, 11]
+    forward(model, torch.tensor([prompt[:-1]]), plan, cache, 0)
+    proposal = drafter.propose(DraftState(model, plan, cache, prompt, SamplingParams()), 3)
+    assert drafter.ranking[0] == (1, "mlp")
+    assert drafter.draft.plan.to_string() == "skip:mlp=1" and proposal.source == "online skip:mlp=1"
+
+
+def test_online_skip_count_climbs_while_it_gets_faster_and_turns_back():
+    from layerplan.decoding.drafters.base import RoundOutcome
+    from layerplan.decoding.drafters.online import OnlineSkipDrafter
+
+    drafter = OnlineSkipDrafter(tiny_model("llama", num_layers=4).plan(), every=2, start=0.25)
+    assert drafter.skip_count == 2
+    for seconds, expected in [(1.0, 4), (0.5, 6), (2.0, 4)]:  # faster, faster, then slower: back
+        for _ in range(2):
+            drafter.observe(RoundOutcome("online", 3, 2, seconds / 2, seconds / 2))
+        assert drafter.skip_count == expected
+
+
+def test_online_spec_errors():
+    from layerplan.decoding.drafters.registry import make_drafter
+
+    model = tiny_model("llama")
+    for spec in ["online:every=x", "online:speed=2", "online:start=2"]:
+        with pytest.raises(ValueError):
+            make_drafter(spec, model)

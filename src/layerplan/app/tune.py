@@ -79,7 +79,7 @@ def tune(
     plan = model.plan(best_step.plan) if best_step is not None and best_step.value > 1.0 else None
     predicted = score("speedup", plan, evaluator, costs) if plan is not None else 1.0
 
-    drafts = ["ngram"] + ([plan.to_string(), f"ngram|{plan.to_string()}"] if plan is not None else [])
+    drafts = ["ngram", "suffix"] + ([plan.to_string(), f"ngram|{plan.to_string()}"] if plan is not None else [])
     _stage(on_stage, f"bench: {', '.join(drafts)} against plain decoding and transformers")
     stock = stock or model
     methods = bench_methods(stock, model, drafts)

@@ -17,6 +17,7 @@ from layerplan.decoding.drafters.dynamic_exit import DynamicExitDrafter, ExitPol
 from layerplan.decoding.drafters.heads import Head, default_head_path, load_head, reduced_head
 from layerplan.decoding.drafters.model import ModelDrafter
 from layerplan.decoding.drafters.ngram import NgramDrafter
+from layerplan.decoding.drafters.online import OnlineSkipDrafter
 from layerplan.decoding.drafters.plan import ExitHeadDrafter, PlanDrafter, WindowedDrafter
 from layerplan.decoding.drafters.staged import StagedDrafter
 from layerplan.decoding.drafters.suffix import SuffixDrafter, read_corpus
@@ -116,6 +117,20 @@ def _model(arg: str | None, text: str, ctx: Context) -> Drafter:
     return ModelDrafter(load_model(arg, dtype=ctx.model.dtype, device=ctx.model.device), ctx.min_confidence)
 
 
+def _online(arg: str | None, text: str, ctx: Context) -> Drafter:
+    options: dict = {}
+    for item in arg.split(",") if arg else []:
+        key, _, value = (part.strip() for part in item.partition("="))
+        if key in ("every", "calibration") and value.isdigit():
+            options[key] = int(value)
+        elif key == "start" and _is_number(value, integer=False):
+            options[key] = float(value)
+        else:
+            raise ValueError(f"cannot read '{item}' in '{text}': expected online or "
+                             "online:every=R,calibration=T,start=F")
+    return OnlineSkipDrafter(ctx.target, ctx.min_confidence, **options)
+
+
 def _auto(arg: str | None, text: str, ctx: Context) -> Drafter:
     if arg is not None:
         raise ValueError(f"cannot read '{text}': auto takes no argument")
@@ -138,6 +153,9 @@ DRAFTERS: dict[str, DrafterKind] = {
     "dynamic": DrafterKind("dynamic:POLICY", "per-token early exit: confidence=P | entropy=H | cosine=C, then "
                            "min=N, every=K, vocab=K, kv=propagate|verify", _dynamic),
     "model": DrafterKind("model:PATH", "a separate small model with the same tokenizer", _model),
+    "online": DrafterKind("online[:every=R,calibration=T,start=F]", "the target skipping the sub-layers that turn "
+                          "the residual stream least on the last T verified tokens, re-chosen every R rounds, how "
+                          "many by measured speed (no search needed)", _online),
     "auto": DrafterKind("auto", "per round, whichever of suffix, n-gram and the plan a search or tune saved for "
                         "this model is expected to give the most tokens per second (from measured acceptance "
                         "and the probe's verify costs), or a plain step when none pays", _auto),
