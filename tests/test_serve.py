@@ -160,6 +160,77 @@ def test_bad_requests_get_4xx_and_the_server_stays_up(server, smollm2, body, sta
         assert client.get("/v1/models").status_code == 200
 
 
+@pytest.mark.parametrize("extra, param, needle", [
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools", "function calling"),
+    ({"tool_choice": "auto"}, "tool_choice", "function calling"),
+    ({"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice", "function calling"),
+    ({"functions": [{"name": "f", "parameters": {}}]}, "functions", "function calling"),
+    ({"function_call": "auto"}, "function_call", "function calling"),
+    ({"response_format": {"type": "json_object"}}, "response_format", "plain text only"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}}, "response_format",
+     "plain text only"),
+    ({"messages": [{"role": "user"}]}, "messages.0.content", "message 0 (user) has no content"),
+    ({"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": None}]},
+     "messages.1.content", "message 1 (user) has no content"),
+    ({"messages": [{"role": "user", "content": []}]}, "messages.0.content", "has no content"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]},
+     "messages.0.content", "image_url are not supported"),
+])
+def test_chat_refuses_what_it_would_silently_ignore(server, smollm2, extra, param, needle):
+    base, _ = server
+    request = {"model": smollm2.name, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1, **extra}
+    with _client(base) as client:
+        for stream in (False, True):
+            response = client.post("/v1/chat/completions", json={**request, "stream": stream})
+            assert response.status_code == 400, response.text
+            error = response.json()["error"]
+            assert needle in error["message"] and error["param"] == param, error
+
+
+@pytest.mark.parametrize("extra", [{"tool_choice": "none"}, {"tools": []}, {"response_format": {"type": "text"}},
+                                   {"messages": [{"role": "user", "content": [{"type": "text", "text": "Hi"}]}]}])
+def test_chat_accepts_the_forms_that_ask_for_nothing_more(server, smollm2, extra):
+    base, _ = server
+    request = {"model": smollm2.name, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1, **extra}
+    with _client(base) as client:
+        assert client.post("/v1/chat/completions", json=request).status_code == 200
+
+
+def test_the_role_chunk_is_sent_when_decoding_starts_not_while_queued(server, smollm2):
+    from layerplan.app.serve import Job
+
+    base, app = server
+    gate, busy = threading.Event(), threading.Event()
+
+    def hold() -> None:  # a job ahead in the queue that keeps the decode thread until the gate opens
+        busy.set()
+        gate.wait(30)
+
+    app.state.engine.submit(Job([1, 2, 3], 1, SamplingParams(), None, (), on_start=hold))
+    assert busy.wait(30)
+    lines: list[tuple[float, str]] = []
+
+    def read() -> None:
+        request = {"model": smollm2.name, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2,
+                   "temperature": 0, "stream": True}
+        with _client(base) as client, client.stream("POST", "/v1/chat/completions", json=request) as response:
+            for line in response.iter_lines():
+                if line.startswith("data: "):
+                    lines.append((time.monotonic(), line[len("data: "):]))
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    time.sleep(1.5)  # the request is queued behind the held job
+    assert lines == []
+    released = time.monotonic()
+    gate.set()
+    reader.join(60)
+    first = json.loads(lines[0][1])
+    assert first["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert lines[0][0] >= released
+    assert lines[-1][1] == "[DONE]"
+
+
 def test_api_key_is_required(server, smollm2):
     base, _ = server
     for key in (None, "wrong"):

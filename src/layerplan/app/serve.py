@@ -8,7 +8,11 @@ disconnects has its generation stopped at its next token so the queue moves on. 
 statistics ride in each response's `usage` block.
 
 Endpoints: GET /health, GET /v1/models, POST /v1/completions, POST /v1/chat/completions (both
-with `"stream": true` for server-sent events, and `stream_options.include_usage`).
+with `"stream": true` for server-sent events, and `stream_options.include_usage`; a chat stream's
+role chunk is sent when decoding starts, not while the request waits in the queue). What the
+server cannot honour is refused with a 400 rather than ignored: n > 1, logprobs, echo, penalties
+other than repetition_penalty, tools / tool_choice / functions, response_format other than text,
+content parts other than text, a message without content.
 """
 
 from __future__ import annotations
@@ -99,15 +103,45 @@ class ChatMessage(BaseModel):
     role: str
     content: str | list[dict[str, Any]] | None = None
 
-    def text(self) -> str:
-        if isinstance(self.content, list):  # content parts: keep the text ones
-            return "".join(part.get("text", "") for part in self.content if part.get("type") == "text")
-        return self.content or ""
+    def text(self, index: int) -> str:
+        """The message's text; a 400 for a message without content or with parts that are not text
+        (an image dropped silently would change the question)."""
+        where = f"messages.{index}.content"
+        if self.content is None:
+            raise APIError(400, f"message {index} ({self.role}) has no content", where)
+        if isinstance(self.content, list):
+            other = [str(part.get("type")) for part in self.content if part.get("type") != "text"]
+            if other:
+                raise APIError(400, f"message {index}: content parts of type {', '.join(sorted(set(other)))} are "
+                                    "not supported by this server (text only)", where)
+            if not self.content:
+                raise APIError(400, f"message {index} ({self.role}) has no content", where)
+            return "".join(str(part.get("text", "")) for part in self.content)
+        return self.content
 
 
 class ChatRequest(_GenerationRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=0)  # the newer name of max_tokens
+    # accepted only in the forms that ask for nothing: a server that answered them with free text
+    # would break agent frameworks quietly
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = None
+    functions: list[dict[str, Any]] | None = None  # the older names of tools and tool_choice
+    function_call: Any = None
+    response_format: dict[str, Any] | None = None
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        for name in ("tools", "functions"):
+            if getattr(self, name):
+                raise APIError(400, f"{name} (function calling) is not supported by this server", name)
+        for name in ("tool_choice", "function_call"):
+            if getattr(self, name) not in (None, "none"):
+                raise APIError(400, f"{name} (function calling) is not supported by this server", name)
+        if self.response_format is not None and self.response_format.get("type", "text") != "text":
+            raise APIError(400, f"response_format {json.dumps(self.response_format)[:80]} is not supported "
+                                "by this server (plain text only)", "response_format")
 
 
 # ----- the decode queue --------------------------------------------------------------------------
@@ -119,6 +153,7 @@ class Job:
     seed: int | None
     stop: tuple[str, ...]
     on_text: Callable[[str], None] | None = None
+    on_start: Callable[[], None] | None = None  # called on the decode thread as decoding starts
     cancelled: threading.Event = field(default_factory=threading.Event)
 
 
@@ -187,6 +222,8 @@ class Engine:
             return None
         self._count(waiting=-1, running=1)
         try:
+            if job.on_start:
+                job.on_start()
             result = generate(self.model, job.prompt_ids, self.plan, job.max_tokens, job.sampling, job.seed,
                               job.stop, on_text=job.on_text, draft=self.drafter, draft_length=self.draft_length,
                               should_stop=job.cancelled.is_set)
@@ -220,6 +257,7 @@ class RequireKey:
 
 # ----- the app -----------------------------------------------------------------------------------
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length", "cancelled": "stop"}
+STARTED = object()  # a stream's event: the decode thread took the job
 
 
 def _finite(value):
@@ -319,8 +357,11 @@ def create_app(model: LoadedModel, plan: LayerPlan | None = None, draft=None, dr
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
         stream = body.stream
+        def put(event) -> None:  # from the decode thread
+            loop.call_soon_threadsafe(events.put_nowait, event)
+
         job = Job(prompt_ids, max_tokens, body.sampling(), body.seed, body.stops(),
-                  on_text=(lambda piece: loop.call_soon_threadsafe(events.put_nowait, piece)) if stream else None)
+                  on_text=put if stream else None, on_start=(lambda: put(STARTED)) if stream else None)
         future = engine.submit(job)
         done = asyncio.wrap_future(future)
         if not stream:
@@ -341,8 +382,6 @@ def create_app(model: LoadedModel, plan: LayerPlan | None = None, draft=None, dr
 
         async def event_stream():
             try:
-                if (opening := shape("", None, first=True)) is not None:
-                    yield _sse(opening)
                 checked = time.monotonic()
                 while True:
                     try:
@@ -351,6 +390,10 @@ def create_app(model: LoadedModel, plan: LayerPlan | None = None, draft=None, dr
                         piece = ""
                     if piece is None:
                         break
+                    if piece is STARTED:  # not while queued: clients time their first token from it
+                        if (opening := shape("", None, first=True)) is not None:
+                            yield _sse(opening)
+                        continue
                     if time.monotonic() - checked > 0.2:  # notice a vanished client even while nothing is sent
                         checked = time.monotonic()
                         if await request.is_disconnected():
@@ -409,7 +452,7 @@ def create_app(model: LoadedModel, plan: LayerPlan | None = None, draft=None, dr
     async def chat_completions(body: ChatRequest, request: Request):
         _check_model(body.model)
         body.check_supported()
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        messages = [{"role": m.role, "content": m.text(i)} for i, m in enumerate(body.messages)]
         prompt_ids = chat_prompt_ids(model, messages)
         max_tokens = _budget(prompt_ids, body.max_completion_tokens if body.max_tokens is None else body.max_tokens,
                              default=None)
