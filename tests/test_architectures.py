@@ -161,3 +161,24 @@ def test_readme_lists_every_architecture():
     section = readme[readme.index("## Architectures"):readme.index("## Plans")]
     missing = [s.model_type for s in architecture_statuses() if f"`{s.model_type}`" not in section]
     assert not missing, f"README's Architectures section misses {missing}: regenerate it from `layerplan models --architectures`"
+
+
+def test_load_a_discovered_architecture_from_a_folder(tmp_path, monkeypatch):
+    """The whole path a user takes: a checkpoint folder of an architecture outside the table
+    (Gemma 2: eager attention only) is checked once, then loaded and run."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from layerplan.models.verify import load_model
+
+    monkeypatch.setenv("LAYERPLAN_CACHE", str(tmp_path / "cache"))
+    words = Tokenizer(models.WordLevel({f"w{i}": i for i in range(96)}, unk_token="w0"))
+    words.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=words).save_pretrained(tmp_path / "m")
+    tiny_hf("gemma2").save_pretrained(tmp_path / "m")
+    model = load_model(tmp_path / "m", dtype="float32")
+    assert model.hf.config._attn_implementation == "eager"
+    assert list((tmp_path / "cache" / "architectures").glob("gemma2-*.check.json"))
+    ids = check_ids(5)
+    with torch.no_grad():
+        assert_close(forward(model, ids), model.hf(ids).logits)

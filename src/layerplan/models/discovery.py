@@ -60,8 +60,8 @@ _TINY_SIZES = {
 
 
 # keys whose None means "the model has none of this": a tiny config keeps them None
-_NONE_MEANS_ABSENT = ("sliding_window", "attn_logit_softcapping", "final_logit_softcapping", "q_lora_rank", "n_group", "rotary_dim",
-                      "topk_group", "pad_token_id", "bos_token_id", "eos_token_id")
+_NONE_MEANS_ABSENT = ("sliding_window", "attn_logit_softcapping", "final_logit_softcapping", "q_lora_rank", "n_group",
+                      "rotary_dim", "topk_group", "pad_token_id", "bos_token_id", "eos_token_id")
 
 
 def tiny_config(config, num_layers: int = TINY_LAYERS):
@@ -75,9 +75,9 @@ def tiny_config(config, num_layers: int = TINY_LAYERS):
             distinct = list(dict.fromkeys(map(_hashable, value)))
             picks = [next(v for v in value if _hashable(v) == distinct[i % len(distinct)]) for i in range(num_layers)]
             values[key] = picks
-    values["num_hidden_layers" if "num_hidden_layers" in values else "n_layer"] = num_layers
-    if "n_layer" in values:
-        values["n_layer"] = num_layers
+    for key in ("num_hidden_layers", "n_layer"):
+        if key in values:
+            values[key] = num_layers
     heads, kv_heads = values.get("num_attention_heads"), values.get("num_key_value_heads")
     for key, value in _TINY_SIZES.items():
         if key in values and (values[key] is not None or key not in _NONE_MEANS_ABSENT):
@@ -108,13 +108,10 @@ def tiny_model(config, seed: int = 0, attn: str = "sdpa") -> nn.Module:
     config = copy.deepcopy(config)
     config._attn_implementation = attn
     try:
-        try:
-            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation=attn)
-        except ValueError as error:
-            if "attention implementation" not in str(error) or attn == "eager":
-                raise
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation=attn)
+    except Exception as error:  # noqa: BLE001 - any refusal of transformers is reported as such
+        if isinstance(error, ValueError) and "attention implementation" in str(error) and attn != "eager":
             return tiny_model(config, seed, "eager")  # soft-capping, sinks: transformers runs these eagerly only
-    except Exception as error:  # noqa: BLE001
         raise ModelError(f"architecture '{config.model_type}': transformers cannot build it from a config "
                          f"({_one_line(error)})") from None
     _randomise_zero_weights(model)
@@ -126,8 +123,8 @@ def _randomise_zero_weights(model: nn.Module) -> None:
     indistinguishable from its absence; random values make the check see every module."""
     generator = torch.Generator().manual_seed(1)
     with torch.no_grad():
-        for name, param in model.named_parameters():
-            if param.dim() == 1 and (torch.all(param == param.flatten()[0]) if param.numel() else False):
+        for param in model.parameters():
+            if param.dim() == 1 and param.numel() and torch.all(param == param[0]):
                 param.add_(0.2 * torch.randn(param.shape, generator=generator))
 
 
@@ -237,11 +234,13 @@ def _trace_layer(hf_model: nn.Module, layers: nn.ModuleList, index: int, model_t
     def norm_writing(tensor):
         return next((n for n in norms if calls[n][0][1] is tensor), None)
 
-    wiring = {"attention": attention, "mlp": mlp, "mlp_returns_tuple": isinstance(calls[mlp][0][1], tuple), "attention_norm": norm_writing(attn_in), "mlp_norm": norm_writing(mlp_in),
-              "attention_post_norm": norm_reading(attn_out), "mlp_post_norm": norm_reading(mlp_out)}
-    attention_norm, mlp_norm = wiring["attention_norm"], wiring["mlp_norm"]
+    attention_norm, mlp_norm = norm_writing(attn_in), norm_writing(mlp_in)
+    wiring = {"attention": attention, "mlp": mlp, "attention_norm": attention_norm, "mlp_norm": mlp_norm,
+              "attention_post_norm": norm_reading(attn_out), "mlp_post_norm": norm_reading(mlp_out),
+              "mlp_returns_tuple": isinstance(calls[mlp][0][1], tuple)}
     # a parallel block: the MLP reads the attention's input, or its own norm of the layer's input
-    wiring["parallel"] = mlp_in is attn_in or bool(attention_norm and mlp_norm and calls[attention_norm][0][0] is calls[mlp_norm][0][0])
+    wiring["parallel"] = mlp_in is attn_in or bool(
+        attention_norm and mlp_norm and calls[attention_norm][0][0] is calls[mlp_norm][0][0])
     if mlp_in is attn_in:
         wiring["mlp_norm"] = attention_norm
     unused = [n for n in norms if n not in (wiring["attention_norm"], wiring["mlp_norm"], wiring["attention_post_norm"],

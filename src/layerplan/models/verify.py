@@ -20,7 +20,7 @@ from torch import nn
 from layerplan.engine.native import enable as enable_native, native_available
 from layerplan.engine.runner import forward, new_cache
 from layerplan.models import loading
-from layerplan.models.architectures import ARCHITECTURES, ModelError
+from layerplan.models.architectures import ARCHITECTURES, ModelError, refusal_of_config
 from layerplan.models.discovery import (TINY_VOCAB, architecture_key, read_record, spec_of, tiny_config, tiny_model,
                                         write_record)
 
@@ -81,9 +81,12 @@ def _compare(model, ids: torch.Tensor, reference: torch.Tensor) -> tuple[str | N
 def run_check(config, seed: int = 0) -> ArchitectureCheck:
     """Check an architecture now (no cache): discover its parts on a tiny model, compare."""
     model_type = config.model_type
+    refusal = refusal_of_config(config)
+    if refusal:  # before building anything: a recurrent model's tiny version may not even build here
+        return ArchitectureCheck(model_type, False, f"architecture '{model_type}' is refused: {refusal}")
     try:
-        spec_of(config)
         hf = tiny_model(tiny_config(config), seed=seed)
+        spec_of(config, sample=hf)  # the parts the real model will be found by
     except ModelError as error:
         return ArchitectureCheck(model_type, False, str(error))
     return check_model(hf)
