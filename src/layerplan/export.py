@@ -13,7 +13,8 @@ from pathlib import Path
 
 import torch
 
-from layerplan.models.architectures import arch_spec, config_with_layers, layer_prefix, update_parameters
+from layerplan.models.architectures import config_with_layers, update_parameters
+from layerplan.models.discovery import spec_of
 from layerplan.models.loading import LoadedModel
 from layerplan.plan.plan import LayerPlan
 
@@ -26,9 +27,9 @@ def plan_state_dict(model: LoadedModel, plan: LayerPlan) -> dict[str, torch.Tens
     where one follows (Gemma: (offset + w) · s; a post-norm's bias times s), every expert's down
     projection for a mixture of experts. The exported layer then adds exactly s times
     its update, as the plan does."""
-    spec = arch_spec(model.hf.config.model_type)
+    spec = spec_of(model.hf.config)
     model.check_plan(plan)
-    prefix = layer_prefix(model.hf.config.model_type)
+    prefix = f"{spec.backbone}.{spec.layers}."
     result: dict[str, torch.Tensor] = {}
     by_layer: dict[tuple[str, int], dict[str, torch.Tensor]] = {}
     sources = {"": model, **{label: model.others[label] for label in plan.models}}

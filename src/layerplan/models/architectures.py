@@ -333,12 +333,6 @@ def context_length(config) -> int:
     return int(getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", 2048))
 
 
-def layer_prefix(model_type: str) -> str:
-    """State-dict prefix of decoder layer i's weights, without i ("model.layers.")."""
-    spec = arch_spec(model_type)
-    return f"{spec.backbone}.{spec.layers}."
-
-
 _NOT_PER_LAYER = ("architectures", "eos_token_id", "bos_token_id", "pad_token_id", "mlp_only_layers")
 
 
