@@ -182,3 +182,21 @@ def test_load_a_discovered_architecture_from_a_folder(tmp_path, monkeypatch):
     ids = check_ids(5)
     with torch.no_grad():
         assert_close(forward(model, ids), model.hf(ids).logits)
+
+
+def test_cli_lists_and_checks_architectures(tmp_path, monkeypatch):
+    from click.testing import CliRunner
+
+    from layerplan.app.cli import main
+
+    monkeypatch.setenv("LAYERPLAN_CACHE", str(tmp_path / "cache"))
+    result = CliRunner().invoke(main, ["models", "--architectures"])
+    assert result.exit_code == 0
+    assert "olmoe" in result.output and "verified on a tiny config" in result.output and "MoE" in result.output
+    assert "architectures: 1 verified on a real checkpoint" in result.output
+    result = CliRunner().invoke(main, ["models", "--check", "mamba"])
+    assert result.exit_code == 1
+    assert result.output.strip().splitlines() == [
+        "mamba: failed: architecture 'mamba' is refused: " + REFUSED["mamba"]]
+    result = CliRunner().invoke(main, ["models", "--check", "no-such-thing"])
+    assert result.exit_code != 0 and "neither a model_type of transformers" in result.output
