@@ -232,7 +232,7 @@ def _print_architectures(markdown: bool) -> None:
 @main.command()
 @click.option("--architectures", is_flag=True,
               help="list every causal LM architecture of the installed transformers with its status instead")
-@click.option("--markdown", is_flag=True, help="with --architectures: as a Markdown table (the README's)")
+@click.option("--markdown", is_flag=True, help="with --architectures: as a Markdown table")
 @click.option("--check", metavar="TYPE|MODEL", default=None,
               help="check one architecture now (a model_type such as olmo2, or a model folder): the identity plan "
                    "against transformers on a tiny random config of it; the answer is cached")
