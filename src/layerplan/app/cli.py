@@ -198,7 +198,31 @@ threads_option = click.option("--threads", type=click.IntRange(min=1), default=N
                               help="torch CPU threads (default: torch's choice)")
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+class _Commands(click.Group):
+    """click's standalone mode, except that a usage error is one line, 'Error: WHAT (see
+    'layerplan CMD -h')', instead of click's usage block, hint and blank line before it."""
+
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        if not standalone_mode:
+            return super().main(args, prog_name, complete_var, False, **extra)
+        try:
+            code = super().main(args, prog_name, complete_var, False, **extra)
+        except click.UsageError as error:
+            where = f" (see '{error.ctx.command_path} -h')" if error.ctx is not None else ""
+            click.echo(f"Error: {error.format_message()}{where}", err=True)
+            sys.exit(error.exit_code)
+        except click.ClickException as error:
+            error.show()
+            sys.exit(error.exit_code)
+        except click.Abort:
+            click.echo("Aborted!", err=True)
+            sys.exit(1)
+        except BrokenPipeError:  # `layerplan … | head` closed the pipe: nothing more to say
+            sys.exit(1)
+        sys.exit(code if isinstance(code, int) else 0)
+
+
+@click.group(cls=_Commands, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="layerplan")
 def main() -> None:
     """Run a transformer's layers by plan: skip, exit early, repeat, reorder, self-speculate.
@@ -343,6 +367,9 @@ def generate(prompt, model, dtype, device, engine, threads, plan, model_b, max_n
                               chat=chat, on_text=on_text, draft=draft, draft_length=draft_length,
                               draft_confidence=draft_confidence, exit_policy=exit_policy)
     click.echo("" if stream else result.text)
+    if not result.text.strip() and not chat and max_new_tokens > 0:
+        click.echo(f"(no text generated, stop reason: {result.stop_reason}; an instruction-tuned model may answer "
+                   "a bare prompt only when it is wrapped in its chat template: add --chat)", err=True)
     if stats:
         summary = {k: v for k, v in result.to_dict().items() if k not in ("text", "token_ids")}
         click.echo(json.dumps(summary, indent=2), err=True)
@@ -720,14 +747,14 @@ def tune(model, dtype, engine, threads, tokens, steps, repeats, new_tokens, prom
 @main.command("plan")
 @click.argument("plan")
 @click.option("--model", "-m", default=DEFAULT_MODEL, show_default=True, help=MODEL_HELP)
-@click.option("--layers", type=int, default=None, help="model depth instead of reading --model")
+@click.option("--layers", type=click.IntRange(min=1), default=None, help="model depth instead of reading --model")
 @click.option("--to", "fmt", type=click.Choice(list(FORMATS)), default="string", show_default=True,
               help="; ".join(f"{f.name}: {f.help}" for f in FORMATS.values()))
 @click.option("--out", type=click.Path(dir_okay=False), default=None, help="write to this file (atomically)")
 def plan_command(plan, model, layers, fmt, out) -> None:
     """Validate PLAN (string or file) and print it in another format."""
     with _user_errors():
-        depth, name = (layers, "the model") if layers else model_depth(model)
+        depth, name = (layers, "the model") if layers is not None else model_depth(model)
         text = FORMATS[fmt].dump(load_plan(plan, depth, name), model)
     if out:
         write_text_atomic(out, text + "\n")

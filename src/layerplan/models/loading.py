@@ -324,7 +324,11 @@ def available_models() -> list[AvailableModel]:
 def model_depth(source: str | os.PathLike | None = None) -> tuple[int, str]:
     """(number of decoder layers, display name) from the config alone, without loading weights."""
     folder, name, _ = _resolve(source)
-    depth = config_depth(json.loads((folder / "config.json").read_text()))
+    try:
+        config = json.loads((folder / "config.json").read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ModelError(f"{folder / 'config.json'}: cannot read it as JSON ({error})") from None
+    depth = config_depth(config) if isinstance(config, dict) else None
     if depth is None:
         raise ModelError(f"{folder / 'config.json'} gives no num_hidden_layers / n_layer")
     return depth, name

@@ -214,27 +214,67 @@ def _scale_filters(settings: list[Any], where: str) -> tuple[bool, bool, float]:
 # ----- files ------------------------------------------------------------------------------------
 def load_plan(source: str | Path, num_layers: int, model_name: str = "the model") -> LayerPlan:
     """A plan from a string, or from a file: .json (layerplan, Draft & Verify, run_layers or
-    layer_replication), .yaml (mergekit), or a text file holding a plan string."""
+    layer_replication), .yaml (mergekit), or a text file holding a plan string. A file that cannot
+    be read as a plan raises PlanError naming the file."""
     text = str(source)
     path = Path(text)
-    looks_like_file = path.suffix.lower() in (".json", ".yaml", ".yml", ".txt", ".plan")
-    if looks_like_file and not path.exists():
+    suffix = path.suffix.lower()
+    if suffix not in (".json", ".yaml", ".yml", ".txt", ".plan"):
+        return parse_plan(text, num_layers, model_name)
+    if not path.is_file():
         raise PlanError(f"plan file not found: {path.resolve()}")
-    if looks_like_file:
-        content = path.read_text()
-        if path.suffix.lower() in (".yaml", ".yml"):
-            return from_mergekit(content, num_layers, model_name)
-        if path.suffix.lower() == ".json":
+    try:
+        content = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as error:
+        raise PlanError(f"{path}: cannot read it as text ({_first_line(error)})") from None
+    try:
+        return plan_from_text(content, suffix, num_layers, model_name)
+    except PlanError as error:
+        raise PlanError(f"{path}: {error}") from None
+
+
+def plan_from_text(content: str, suffix: str, num_layers: int, model_name: str = "the model") -> LayerPlan:
+    """A plan from a file's text, read as its suffix says (see load_plan); PlanError for anything
+    that is not a plan of that format."""
+    if suffix in (".yaml", ".yml"):
+        try:
+            obj = yaml.safe_load(content)
+        except yaml.YAMLError as error:
+            raise PlanError(f"not valid YAML: {_first_line(error)}") from None
+        return _guarded(from_mergekit, obj, num_layers, model_name)
+    if suffix == ".json":
+        if not content.strip():
+            raise PlanError("the file is empty; expected a JSON plan (see `layerplan plan --to json`)")
+        try:
             obj = json.loads(content)
-            if isinstance(obj, list):
-                return from_run_layers(obj, num_layers, model_name)
-            if obj.get("format") == "layerplan":
-                return from_json(obj, num_layers, model_name)
-            if "layer_replication" in obj:
-                return from_layer_replication(obj["layer_replication"], num_layers, model_name)
-            return from_draft_verify(obj, num_layers, model_name)
-        return parse_plan(content.strip(), num_layers, model_name)
-    return parse_plan(text, num_layers, model_name)
+        except (json.JSONDecodeError, RecursionError) as error:
+            raise PlanError(f"not valid JSON: {_first_line(error)}") from None
+        if isinstance(obj, list):
+            return _guarded(from_run_layers, obj, num_layers, model_name)
+        if not isinstance(obj, dict):
+            raise PlanError(f"expected a JSON object or a run_layers list, got {type(obj).__name__}")
+        if obj.get("format") == "layerplan":
+            return _guarded(from_json, obj, num_layers, model_name)
+        if "layer_replication" in obj:
+            return _guarded(from_layer_replication, obj["layer_replication"], num_layers, model_name)
+        return _guarded(from_draft_verify, obj, num_layers, model_name)
+    return parse_plan(content.strip(), num_layers, model_name)
+
+
+def _guarded(reader: Callable[..., LayerPlan], obj: Any, num_layers: int, model_name: str) -> LayerPlan:
+    """reader(obj, ...), with a malformed structure (a string where a list belongs, a missing
+    key) reported as PlanError like every other bad plan."""
+    try:
+        return reader(obj, num_layers, model_name=model_name)
+    except PlanError:
+        raise
+    except (KeyError, TypeError, ValueError, AttributeError, OverflowError, RecursionError) as error:
+        what = f"missing key {error}" if isinstance(error, KeyError) else _first_line(error)
+        raise PlanError(f"not a {_READERS.get(reader, 'plan')} file: {what}") from None
+
+
+def _first_line(error: BaseException) -> str:
+    return (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
 
 
 def save_plan(plan: LayerPlan, path: str | Path) -> Path:
@@ -243,6 +283,10 @@ def save_plan(plan: LayerPlan, path: str | Path) -> Path:
     if path.suffix in (".yaml", ".yml"):
         return write_text_atomic(path, to_mergekit(plan, plan.model_name))
     return write_text_atomic(path, json.dumps(to_json(plan), indent=2) + "\n")
+
+
+_READERS = {from_mergekit: "mergekit", from_run_layers: "run_layers", from_json: "layerplan plan",
+            from_layer_replication: "layer_replication", from_draft_verify: "Draft & Verify"}
 
 
 # ----- the registry -----------------------------------------------------------------------------

@@ -203,6 +203,7 @@ class LayerPlan:
 _ITEM = re.compile(
     r"^(?:(?P<m>[a-z][a-z0-9_]*):)?(?P<a>\d+)(?:-(?P<b>\d+))?(?:\*(?P<k>\d+))?(?:/(?P<sub>attn|attention|mlp|none))?(?:@(?P<s>[-+]?[0-9.]+(?:e[-+]?\d+)?))?$"
 )
+MAX_STEPS = 100_000  # a plan longer than this is a typo ('0*1000000'), not a model
 _KEYWORDS = ("exit", "layers", "order", "skip", "frac", "pattern")
 _SKIP_KINDS = {"attn": "attention", "attention": "attention", "mlp": "mlp", "ffn": "mlp", "layers": "layers", "layer": "layers"}
 
@@ -211,6 +212,10 @@ def parse_plan(text: str, num_layers: int, model_name: str = "the model") -> Lay
     """Parse the human plan string (see the module docstring) against a model depth."""
     if not isinstance(text, str) or not text.strip():
         raise PlanError("the plan is empty: give layers like '0-26,20-31', 'skip:attn=3,5' or 'exit:8'")
+    odd = next((ch for ch in text if not ch.isascii() or (not ch.isprintable() and ch not in " \t\r\n")), None)
+    if odd is not None:  # '８' or '٣' would read as digits: plans take ASCII only
+        raise PlanError(f"plan {text.strip()[:60]!r} has the character {odd!r} (U+{ord(odd):04X}): plans are "
+                        "written in ASCII (digits 0-9, letters, ':;,=-*/@.')")
     steps: list[Step] | None = None
     skips: dict[str, list[int]] = {"attention": [], "mlp": [], "layers": []}
     exit: int | None = None
@@ -225,6 +230,8 @@ def parse_plan(text: str, num_layers: int, model_name: str = "the model") -> Lay
             steps = _set_order(steps, [Step(i) for i in range(num_layers)], clause)
             in_skip = False
         elif sep and keyword == "exit":
+            if exit is not None:
+                raise PlanError(f"the plan gives an exit twice (exit:{exit}, then '{clause}'); keep one")
             exit = _parse_int(body.strip(), clause, "an exit step count like exit:8")
             in_skip = False
         elif sep and keyword in ("layers", "order"):
@@ -290,6 +297,8 @@ def _parse_order(body: str, num_layers: int, model_name: str) -> list[Step]:
         if m["m"] is not None:
             label = "" if m["m"] == "a" else m["m"]
         layers = range(a, b + 1) if a <= b else range(a, b - 1, -1)
+        if len(steps) + repeat * len(layers) > MAX_STEPS:
+            raise PlanError(f"'{item}': the plan would run more than {MAX_STEPS} steps")
         for idx in layers:
             steps.extend(Step(idx, attention, mlp, scale, label) for _ in range(repeat))
     return steps
