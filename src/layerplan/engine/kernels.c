@@ -43,6 +43,24 @@ static inline __m128 hsum4(__m256 a, __m256 b, __m256 c, __m256 d) {
     return _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));
 }
 
+/* exp on eight lanes (Cephes' expf: range reduction by ln 2, degree-5 polynomial; within 2 ulp
+ * of expf), for the SiLU of an MLP: the scalar expf was a tenth of an 8-token pass. */
+static inline __m256 exp8(__m256 x) {
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-88.3762626647949f)), _mm256_set1_ps(88.3762626647949f));
+    __m256 fx = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
+    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+    y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
+    __m256i n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(n));
+}
+
 /* ----- matrix products: y[m, n] = x[m, :] . w[n, :] + bias[n] -----
  * Weights are used in a packed copy made once per model (lp_pack): panels of 16 output rows,
  * stored input-major (for each input i, the 16 weights of the panel), zero-padded to whole panels.
@@ -281,30 +299,95 @@ static inline float param(const void *p, int bf16, long i) {
     return bf16 ? bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
 }
 
-/* dot(q, cache row) and acc += e * cache row over d dims, 8 lanes at a time (fixed order). */
-static inline float dot_row(const float *q, const void *row, int bf16, long d) {
-    __m256 acc = _mm256_setzero_ps();
-    long i = 0;
-    for (; i + 8 <= d; i += 8) {
-        __m256 c = bf16 ? load8_bf16((const uint16_t *)row + i) : _mm256_loadu_ps((const float *)row + i);
-        acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), c, acc);
-    }
-    __m128 lo = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
-    lo = _mm_hadd_ps(lo, lo);
-    lo = _mm_hadd_ps(lo, lo);
-    float s = _mm_cvtss_f32(lo);
-    for (; i < d; i++) s += q[i] * param(row, bf16, i);
-    return s;
+/* Eight cache elements as fp32. */
+static inline __m256 load8_row(const void *row, int bf16, long i) {
+    return bf16 ? load8_bf16((const uint16_t *)row + i) : _mm256_loadu_ps((const float *)row + i);
 }
 
-static inline void axpy_row(float *acc, float e, const void *row, int bf16, long d) {
-    __m256 ev = _mm256_set1_ps(e);
+/* q . key for four cache rows at once (rows[j] NULL: none), each summed over d in 8-lane chains,
+ * then across lanes (hsum4), then the tail in order: a key's score does not depend on the rows
+ * beside it. */
+static inline void dot4_rows(const float *q, const void *const rows[4], int bf16, long d, float out[4]) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
     long i = 0;
     for (; i + 8 <= d; i += 8) {
-        __m256 c = bf16 ? load8_bf16((const uint16_t *)row + i) : _mm256_loadu_ps((const float *)row + i);
-        _mm256_storeu_ps(acc + i, _mm256_fmadd_ps(ev, c, _mm256_loadu_ps(acc + i)));
+        __m256 qv = _mm256_loadu_ps(q + i);
+        a0 = _mm256_fmadd_ps(qv, load8_row(rows[0], bf16, i), a0);
+        if (rows[1]) a1 = _mm256_fmadd_ps(qv, load8_row(rows[1], bf16, i), a1);
+        if (rows[2]) a2 = _mm256_fmadd_ps(qv, load8_row(rows[2], bf16, i), a2);
+        if (rows[3]) a3 = _mm256_fmadd_ps(qv, load8_row(rows[3], bf16, i), a3);
     }
-    for (; i < d; i++) acc[i] += e * param(row, bf16, i);
+    _mm_storeu_ps(out, hsum4(a0, a1, a2, a3));
+    for (int j = 0; j < 4; j++)
+        if (rows[j])
+            for (long t = i; t < d; t++) out[j] += q[t] * param(rows[j], bf16, t);
+}
+
+/* One query's attention over cache positions [first, last] of one kv head (positions where
+ * skip(p) holds left out): softmax(q . k * scaling) . v into out (d floats). Scores four keys at a
+ * time; the weighted sum of values keeps 64 output dims in registers while it walks the
+ * positions; every output is summed over the positions in order. */
+static void attend(const float *q, const void *kbase, const void *vbase, long stride, long first, long last,
+                   const unsigned char *keep, float scaling, int bf16, long d, float *scores, float *out) {
+    long n = last - first + 1;
+    float best = -INFINITY;
+    for (long p = 0; p < n; p += 4) {
+        const void *rows[4];
+        for (int j = 0; j < 4; j++) {
+            long at = (first + p + j) * stride;
+            rows[j] = p + j < n && keep[p + j]
+                ? (bf16 ? (const void *)((const uint16_t *)kbase + at) : (const void *)((const float *)kbase + at)) : NULL;
+        }
+        if (!rows[0] && !rows[1] && !rows[2] && !rows[3]) {
+            for (int j = 0; j < 4 && p + j < n; j++) scores[p + j] = -INFINITY;
+            continue;
+        }
+        const void *safe[4] = {rows[0] ? rows[0] : (rows[1] ? rows[1] : (rows[2] ? rows[2] : rows[3])), rows[1], rows[2], rows[3]};
+        float dots[4];
+        dot4_rows(q, safe, bf16, d, dots);
+        for (int j = 0; j < 4 && p + j < n; j++) {
+            scores[p + j] = rows[j] ? dots[j] * scaling : -INFINITY;
+            if (scores[p + j] > best) best = scores[p + j];
+        }
+    }
+    float total = 0.0f;
+    for (long p = 0; p < n; p += 8) { /* exp in lanes (every position the same way), added in order */
+        float in[8], ev[8];
+        for (int j = 0; j < 8; j++) in[j] = p + j < n ? scores[p + j] - best : 0.0f;
+        _mm256_storeu_ps(ev, exp8(_mm256_loadu_ps(in)));
+        for (int j = 0; j < 8 && p + j < n; j++) {
+            float e = scores[p + j] == -INFINITY ? 0.0f : ev[j];
+            scores[p + j] = e;
+            total += e;
+        }
+    }
+    for (long c = 0; c < d; c += 64) { /* 64 output dims in eight registers */
+        long width = d - c < 64 ? d - c : 64, lanes = width / 8;
+        __m256 acc[8];
+        for (int j = 0; j < 8; j++) acc[j] = _mm256_setzero_ps();
+        float tail[8] = {0};
+        for (long q2 = 0; q2 < n; q2++) {
+            if (!keep[q2]) continue;
+            __m256 e = _mm256_set1_ps(scores[q2]);
+            long at = (first + q2) * stride + c;
+            const void *row = bf16 ? (const void *)((const uint16_t *)vbase + at) : (const void *)((const float *)vbase + at);
+            switch (lanes) { /* unrolled so the sums stay in registers */
+            case 8: acc[7] = _mm256_fmadd_ps(e, load8_row(row, bf16, 56), acc[7]); /* fall through */
+            case 7: acc[6] = _mm256_fmadd_ps(e, load8_row(row, bf16, 48), acc[6]); /* fall through */
+            case 6: acc[5] = _mm256_fmadd_ps(e, load8_row(row, bf16, 40), acc[5]); /* fall through */
+            case 5: acc[4] = _mm256_fmadd_ps(e, load8_row(row, bf16, 32), acc[4]); /* fall through */
+            case 4: acc[3] = _mm256_fmadd_ps(e, load8_row(row, bf16, 24), acc[3]); /* fall through */
+            case 3: acc[2] = _mm256_fmadd_ps(e, load8_row(row, bf16, 16), acc[2]); /* fall through */
+            case 2: acc[1] = _mm256_fmadd_ps(e, load8_row(row, bf16, 8), acc[1]); /* fall through */
+            case 1: acc[0] = _mm256_fmadd_ps(e, load8_row(row, bf16, 0), acc[0]); /* fall through */
+            default: break;
+            }
+            for (long t = lanes * 8; t < width; t++) tail[t - lanes * 8] += scores[q2] * param(row, bf16, t);
+        }
+        for (long j = 0; j < lanes; j++) _mm256_storeu_ps(out + c + 8 * j, acc[j]);
+        for (long t = lanes * 8; t < width; t++) out[c + t] = tail[t - lanes * 8];
+    }
+    for (long i = 0; i < d; i++) out[i] /= total;
 }
 
 /* y[m, n] = x[m, :] . w[n, :] + bias[n] for a packed matrix; x and y in fp32 or bf16 (their flags). */
@@ -402,24 +485,6 @@ static inline __m256 rnd8_bf16(__m256 v) {
     return _mm256_blendv_ps(rounded, v, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
 }
 
-/* exp on eight lanes (Cephes' expf: range reduction by ln 2, degree-5 polynomial; within 2 ulp
- * of expf), for the SiLU of an MLP: the scalar expf was a tenth of an 8-token pass. */
-static inline __m256 exp8(__m256 x) {
-    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-88.3762626647949f)), _mm256_set1_ps(88.3762626647949f));
-    __m256 fx = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
-    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
-    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
-    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
-    y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
-    __m256i n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(y, _mm256_castsi256_ps(n));
-}
-
 /* out[i] = act(gate[i]) * up[i] over n values, rounded as the PyTorch modules round. */
 static void gated_activation(const float *gate, const float *up, float *out, long n, int activation, int bf16) {
     long i = 0;
@@ -502,36 +567,25 @@ int lp_attention_block(const lp_attention *a, const void *hidden, void *out, lon
     #pragma omp parallel for num_threads(threads) schedule(static)
     for (long h = 0; h < a->heads; h++) {
         long kh = h / group;
-        float *scores = (float *)malloc(sizeof(float) * end);
-        float acc[512];
+        float *scores = (float *)malloc(sizeof(float) * (end + 8));
+        unsigned char *keep = (unsigned char *)malloc(end + 8);
+        const void *kbase = bf16 ? (const void *)((const uint16_t *)kcache + kh * capacity * D) : (const void *)((const float *)kcache + kh * capacity * D);
+        const void *vbase = bf16 ? (const void *)((const uint16_t *)vcache + kh * capacity * D) : (const void *)((const float *)vcache + kh * capacity * D);
         for (long r = 0; r < rows; r++) {
             long pos = pos0 + r, first = 0;
             if (a->window > 0 && pos - a->window + 1 > 0) first = pos - a->window + 1;
             if (first < kv_start) first = kv_start;
-            const float *qv = q + (r * a->heads + h) * D;
-            float best = -INFINITY;
-            for (long p = first; p <= pos; p++) {
-                if ((rows == 1 && keep_recent > 0 && p >= keep_sink && p < end - keep_recent)
-                    || (tree && p >= pos0 && !tree[r * rows + p - pos0])) { scores[p] = -INFINITY; continue; }
-                long at = (kh * capacity + p - kv_start) * D;
-                const void *row = bf16 ? (const void *)((const uint16_t *)kcache + at) : (const void *)((const float *)kcache + at);
-                float s = dot_row(qv, row, bf16, D) * a->scaling;
-                scores[p] = s;
-                if (s > best) best = s;
-            }
-            float total = 0.0f;
-            for (long i = 0; i < D; i++) acc[i] = 0.0f;
-            for (long p = first; p <= pos; p++) {
-                if (scores[p] == -INFINITY) continue;
-                float e = expf(scores[p] - best);
-                total += e;
-                long at = (kh * capacity + p - kv_start) * D;
-                axpy_row(acc, e, bf16 ? (const void *)((const uint16_t *)vcache + at) : (const void *)((const float *)vcache + at), bf16, D);
-            }
+            for (long p = first; p <= pos; p++)
+                keep[p - first] = !((rows == 1 && keep_recent > 0 && p >= keep_sink && p < end - keep_recent)
+                                    || (tree && p >= pos0 && !tree[r * rows + p - pos0]));
             float *ov = o + (r * a->heads + h) * D;
-            for (long i = 0; i < D; i++) ov[i] = rnd(acc[i] / total, bf16);
+            /* the cache holds positions from kv_start on */
+            attend(q + (r * a->heads + h) * D, kbase, vbase, D, first - kv_start, pos - kv_start, keep, a->scaling, bf16, D,
+                   scores, ov);
+            for (long i = 0; i < D; i++) ov[i] = rnd(ov[i], bf16);
         }
         free(scores);
+        free(keep);
     }
     gemm(&a->o, o, rows, u, threads);
     round_all(u, rows * H, bf16);
