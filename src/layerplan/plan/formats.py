@@ -241,6 +241,8 @@ def plan_from_text(content: str, suffix: str, num_layers: int, model_name: str =
             obj = yaml.safe_load(content)
         except yaml.YAMLError as error:
             raise PlanError(f"not valid YAML: {_first_line(error)}") from None
+        if not isinstance(obj, dict):  # (a string would be parsed again as YAML by from_mergekit)
+            raise PlanError(f"a mergekit config needs a top-level 'slices:' list, not a {type(obj).__name__}")
         return _guarded(from_mergekit, obj, num_layers, model_name)
     if suffix == ".json":
         if not content.strip():
@@ -268,7 +270,7 @@ def _guarded(reader: Callable[..., LayerPlan], obj: Any, num_layers: int, model_
         return reader(obj, num_layers, model_name=model_name)
     except PlanError:
         raise
-    except (KeyError, TypeError, ValueError, AttributeError, OverflowError, RecursionError) as error:
+    except (KeyError, TypeError, ValueError, AttributeError, OverflowError, RecursionError, yaml.YAMLError) as error:
         what = f"missing key {error}" if isinstance(error, KeyError) else _first_line(error)
         raise PlanError(f"not a {_READERS.get(reader, 'plan')} file: {what}") from None
 

@@ -67,8 +67,11 @@ class LayerPlan:
                 f"exit:{self.exit} is out of range: the plan has {len(self.steps)} steps, "
                 f"so exit must be 1–{len(self.steps)}"
             )
-        if not any(step.active for step in self.active_steps):
-            raise PlanError("the plan skips every sub-layer: at least one attention or MLP must run")
+        if self.exit == len(self.steps):  # exiting after the last step is no exit: one plan, one value
+            object.__setattr__(self, "exit", None)
+        if not any(step.active and step.scale != 0 for step in self.active_steps):
+            raise PlanError("the plan skips every sub-layer (or scales all of them by 0): at least one attention "
+                            "or MLP must run")
 
     # ----- constructors -------------------------------------------------------------------
     @classmethod
