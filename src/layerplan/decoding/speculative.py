@@ -158,45 +158,47 @@ def speculative_generate(
         t0 = time.perf_counter()
         state = DraftState(model, target, cache, context, sampling, generator)
         proposal = drafter.propose(state, gamma) if gamma > 0 else None
-        if proposal is not None and proposal.tree is not None:
-            if trees and proposal.probs is None and len(proposal.tokens) <= gamma:
-                t1 = time.perf_counter()
-                emitted, accepted = _verify_tree(model, target, cache, context, proposal, sampling, generator)
-                t2 = time.perf_counter()
-                context.extend(emitted)
-                out.emit(emitted)
-                source = proposal.source or drafter.name
-                stats.record(gamma, len(proposal.tokens), accepted, len(emitted), t1 - t0, t2 - t1, source)
-                if learner is not None:
-                    learner.observe(RoundOutcome(source, len(proposal.tokens), accepted, t1 - t0, t2 - t1))
-                lengths.update(gamma, len(proposal.tokens), accepted, t1 - t0, t2 - t1)
-                continue
-            proposal = proposal.first_chain()
-        draft = proposal.tokens[:gamma] if proposal else []
+        tree = proposal is not None and proposal.tree is not None
+        if tree and not (trees and proposal.probs is None and len(proposal.tokens) <= gamma):
+            proposal, tree = proposal.first_chain(), False
         t1 = time.perf_counter()
-        position = len(context) - 1  # of the pending token
-        verify_ids = torch.tensor([context[-1:] + draft], device=ids.device)
-        target_logits = forward(model, verify_ids, target, cache, position)[0]  # (γ+1, V)
-        target_probs = torch.stack([
-            next_token_probs(target_logits[i], sampling, _seen(context + draft[:i], sampling, target_logits.device))
-            for i in range(len(draft) + 1)
-        ])
-        draft_probs = proposal.probs[: len(draft)] if proposal is not None and proposal.probs is not None else None
-        verdict = accept_draft(draft, target_probs, draft_probs, generator)
-        cache.crop(position + 1 + verdict.accepted)  # keep the pending token and the accepted drafts
+        if tree:
+            drafted = len(proposal.tokens)
+            emitted, accepted = _verify_tree(model, target, cache, context, proposal, sampling, generator)
+        else:
+            draft = proposal.tokens[:gamma] if proposal else []
+            drafted = len(draft)
+            emitted, accepted = _verify_chain(model, target, cache, context, draft, proposal, sampling, generator)
         t2 = time.perf_counter()
-        emitted = verdict.emitted(draft)
         context.extend(emitted)  # the last one is the new pending token
         out.emit(emitted)
-        source = (proposal.source or drafter.name) if draft else None
-        stats.record(gamma, len(draft), verdict.accepted, len(emitted), t1 - t0, t2 - t1, source)
+        source = (proposal.source or drafter.name) if drafted else None
+        stats.record(gamma, drafted, accepted, len(emitted), t1 - t0, t2 - t1, source)
         if learner is not None:
-            learner.observe(RoundOutcome(source, len(draft), verdict.accepted, t1 - t0, t2 - t1))
-        lengths.update(gamma, len(draft), verdict.accepted, t1 - t0, t2 - t1)
+            learner.observe(RoundOutcome(source, drafted, accepted, t1 - t0, t2 - t1))
+        lengths.update(gamma, drafted, accepted, t1 - t0, t2 - t1)
     elapsed = time.perf_counter() - start
     text = out.finish()
     return GenerationResult(text, out.tokens, ids.shape[1], out.reason, elapsed, prefill, target.to_string(),
                             stats=stats.to_dict())
+
+
+def _verify_chain(model: LoadedModel, target: LayerPlan, cache, context: list[int], draft: list[int],
+                  proposal: Proposal | None, sampling: SamplingParams,
+                  generator: torch.Generator | None) -> tuple[list[int], int]:
+    """Check a chain of drafted tokens in one target pass (accept / recover / bonus). Returns the
+    emitted tokens and how many drafted tokens were accepted."""
+    position = len(context) - 1  # of the pending token
+    verify_ids = torch.tensor([context[-1:] + draft], device=model.device)
+    target_logits = forward(model, verify_ids, target, cache, position)[0]  # (γ+1, V)
+    target_probs = torch.stack([
+        next_token_probs(target_logits[i], sampling, _seen(context + draft[:i], sampling, target_logits.device))
+        for i in range(len(draft) + 1)
+    ])
+    draft_probs = proposal.probs[: len(draft)] if proposal is not None and proposal.probs is not None else None
+    verdict = accept_draft(draft, target_probs, draft_probs, generator)
+    cache.crop(position + 1 + verdict.accepted)  # keep the pending token and the accepted drafts
+    return verdict.emitted(draft), verdict.accepted
 
 
 def _verify_tree(model: LoadedModel, target: LayerPlan, cache, context: list[int], proposal: Proposal,

@@ -44,7 +44,6 @@ class OnlineSkipDrafter:
         self.rounds = 0
         self.window = [0, 0.0]  # tokens emitted, seconds spent in this window's rounds
         self.last_rate: float | None = None
-        self.history: list[tuple[int, str]] = []  # (round, skip set) at every change
         self.name = "online"
 
     def check(self, model: LoadedModel, target: LayerPlan) -> None:
@@ -85,7 +84,6 @@ class OnlineSkipDrafter:
             plan = plan.with_step(index, **{kind: False})
         if self.draft is None or plan != self.draft.plan:
             self.draft = PlanDrafter(plan, self.min_confidence)
-            self.history.append((self.rounds, plan.to_string()))
 
     def _rank(self, state: DraftState, start: int, tokens: list[int]) -> list[tuple[int, str]]:
         streams: list[torch.Tensor] = []
