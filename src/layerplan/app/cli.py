@@ -739,7 +739,7 @@ def tune(model, dtype, engine, threads, tokens, steps, repeats, new_tokens, prom
     click.echo(f"\nbest draft: {best.draft}: {best.speedup_median:.2f}x transformers' plain greedy "
                f"(range {best.speedup_min:.2f}-{best.speedup_max:.2f}x over prompts); "
                f"identical to plain greedy in float32: {'yes' if best.same_as_plain_fp32 else 'NO'}")
-    click.echo(f"searched skip plan: {result.saved_plan or 'none pays on this model (n-gram drafting does)'}")
+    click.echo(f"searched skip plan: {result.saved_plan or 'none pays on this model (lookup drafting does)'}")
     click.echo(f"use it: {result.command()}")
     click.echo(f"wrote {out_dir / 'report.html'} and {out_dir / 'report.json'}")
 
