@@ -211,3 +211,13 @@ def test_pass_without_cache_matches_eager(arch):
     for start in (0, 5):
         torch.testing.assert_close(forward(fast, ids, None, None, start), forward(eager, ids, None, None, start),
                                    atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_passes_of_no_tokens_do_nothing(dtype):
+    w = torch.randn(40, 24).to(dtype)
+    assert native.linear(torch.empty(0, 24, dtype=dtype), w).shape == (0, 40)
+    _, model = _eager_and_native("llama", dtype)
+    layer = model.native.layers[0]
+    empty = torch.empty(1, 0, model.hf.config.hidden_size, dtype=dtype)
+    assert layer.run_mlp(empty, 1.0).shape == empty.shape

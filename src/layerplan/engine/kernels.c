@@ -247,6 +247,7 @@ static void gemm_panels(const lp_matrix *mat, const float *x, long m, float *y, 
  * y; the last, partial one (n % 16 outputs) goes through a small buffer. */
 static void gemm(const lp_matrix *mat, const float *x, long m, float *y, int threads) {
     long n = mat->n, whole = n / 16, panels = (n + 15) / 16;
+    if (m <= 0) return; /* the kernels for few rows would read rows that are not there */
     if (threads < 1) threads = 1;
     if (panels < 2L * threads) threads = 1; /* too little work to share */
     #pragma omp parallel num_threads(threads)
@@ -520,6 +521,7 @@ int lp_attention_block(const lp_attention *a, const void *hidden, void *out, lon
                        const unsigned char *tree, float residual_scale, int bf16, int threads) {
     long H = a->hidden, D = a->head_dim, NQ = a->heads * D, NK = a->kv_heads * D;
     if (D > 512 || a->rotary_dim > D || (tree && a->window > 0)) return -1;
+    if (rows <= 0) return 0;
     float *x = (float *)malloc(sizeof(float) * rows * H);
     float *qkv = (float *)malloc(sizeof(float) * rows * (NQ + 2 * NK));
     float *q = (float *)malloc(sizeof(float) * rows * NQ);
@@ -598,6 +600,7 @@ int lp_attention_block(const lp_attention *a, const void *hidden, void *out, lon
 /* One MLP sub-layer: out = hidden + residual_scale * down(act(gate(n)) * up(n)), n = norm(hidden). */
 void lp_mlp_block(const lp_mlp *m, const void *hidden, void *out, long rows, float residual_scale, int bf16, int threads) {
     long H = m->hidden, I = m->inner;
+    if (rows <= 0) return;
     float *x = (float *)malloc(sizeof(float) * rows * H);
     float *gu = (float *)malloc(sizeof(float) * rows * 2 * I);
     float *g = (float *)malloc(sizeof(float) * rows * I);
