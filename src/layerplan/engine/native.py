@@ -329,7 +329,6 @@ class StepRun:
         # steps: (slot, layer kernels, attention on, mlp on, scale); rope_layers[i]: a layer of rope table i
         self.slots = [(slot, layer.attention if attention else None) for slot, layer, attention, _, _ in steps]
         self.rope_layers, self.bf16 = rope_layers, bf16
-        self.layers = [layer for _, layer, _, _, _ in steps]  # keeps the descriptors alive
         self.table = (_Step * len(steps))()
         for entry, (slot, layer, attention, mlp, scale) in zip(self.table, steps):
             entry.attention = ctypes.pointer(layer.attention) if attention else None
@@ -431,7 +430,7 @@ class NativeEngine:
             step = plan.steps[index]
             if not step.attention and not step.mlp:
                 continue
-            layer = self.model.parts.layers[step.layer] if not step.model else self.model.layers_of(step.model)[step.layer]
+            layer = self.model.layers_of(step.model)[step.layer]
             fast = self.layer(step.model, step.layer)
             if (fast is None or (step.attention and fast.attention is None)
                     or (step.mlp and (fast.mlp is None or layer.parallel))):

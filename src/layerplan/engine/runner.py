@@ -61,10 +61,7 @@ def embed(model: LoadedModel, input_ids: torch.Tensor, start_pos: int = 0,
     parts = model.parts
     hidden = parts.embed(input_ids)  # (B, T, hidden)
     if parts.position_embed is not None:
-        positions = torch.arange(start_pos, start_pos + input_ids.shape[1], device=input_ids.device)
-        if tree is not None:  # a node sits at its depth
-            positions = start_pos + torch.tensor(tree.depths, device=input_ids.device)
-        hidden = hidden + parts.position_embed(positions)[None]
+        hidden = hidden + parts.position_embed(_positions(start_pos, input_ids.shape[1], tree, input_ids.device))[None]
     return hidden
 
 
@@ -112,12 +109,11 @@ def run_hidden(
         hidden, first_step, first_sub = embed(model, input_ids, start_pos, tree), 0, "attention"
     length = hidden.shape[1]
     device = hidden.device
-    positions = torch.arange(start_pos, start_pos + length, device=device)[None]  # (1, T)
+    positions = _positions(start_pos, length, tree, device)[None]  # (1, T)
     end_step = len(plan.active_steps) if stop_step is None else min(stop_step, len(plan.active_steps))
     tree_mask = None
     if tree is not None:
         _check_tree(model, plan, tree, length, first_step, end_step)
-        positions = (start_pos + torch.tensor(tree.depths, device=device))[None]
         tree_mask = tree.ancestors.to(torch.uint8).contiguous()
 
     windowed_read = cache is not None and cache.read_window is not None and length == 1
@@ -154,7 +150,7 @@ def run_hidden(
 
     for index in range(first_step, end_step):
         step = plan.steps[index]
-        layer = parts.layers[step.layer] if not step.model else model.layers_of(step.model)[step.layer]
+        layer = model.layers_of(step.model)[step.layer]
         fast = native.layer(step.model, step.layer) if native is not None else None
         resumes_at_mlp = index == first_step and first_sub == "mlp"
         if layer.parallel and resumes_at_mlp and step.mlp:
@@ -207,7 +203,7 @@ def _check_tree(model: LoadedModel, plan: LayerPlan, tree: TreeShape, length: in
         raise ValueError(f"a token tree of {len(tree)} nodes for a pass over {length} tokens")
     for index in range(first, end):
         step = plan.steps[index]
-        layer = model.parts.layers[step.layer] if not step.model else model.layers_of(step.model)[step.layer]
+        layer = model.layers_of(step.model)[step.layer]
         if step.attention and layer.sliding_window:
             raise ValueError(f"token trees need full attention; layer {step.layer} attends to a sliding window "
                              f"of {layer.sliding_window}")
@@ -219,7 +215,19 @@ def _tree_attention_mask(tree: TreeShape, start_pos: int, kv_start: int, kv_leng
     allowed = torch.ones(len(tree), kv_length, dtype=torch.bool, device=device)
     offset = start_pos - kv_start
     allowed[:, offset: offset + len(tree)] = tree.ancestors.to(device)
-    allowed = allowed[None, None]
+    return _as_mask(allowed[None, None], eager, dtype, device)
+
+
+def _positions(start_pos: int, length: int, tree: TreeShape | None, device: torch.device) -> torch.Tensor:
+    """(T,) positions of a pass's tokens: consecutive for a chain, by depth for a tree's nodes."""
+    if tree is not None:
+        return start_pos + torch.tensor(tree.depths, device=device)
+    return torch.arange(start_pos, start_pos + length, device=device)
+
+
+def _as_mask(allowed: torch.Tensor, eager: bool, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A (1, 1, q, kv) "may attend" mask as the attention takes it: boolean for SDPA, additive
+    floats for eager attention."""
     if not eager:
         return allowed
     return torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill(~allowed, torch.finfo(dtype).min)
@@ -252,7 +260,4 @@ def _attention_mask(
     allowed = kv_pos <= q_pos
     if window is not None:
         allowed &= kv_pos > q_pos - window
-    allowed = allowed[None, None]  # (1, 1, q, kv)
-    if not eager:
-        return allowed
-    return torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill(~allowed, torch.finfo(dtype).min)
+    return _as_mask(allowed[None, None], eager, dtype, device)

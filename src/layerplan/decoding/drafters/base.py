@@ -122,7 +122,7 @@ class AutoregressiveDrafter:
             token, q, confidence = draft_token(logits, state, seen)
             if tokens and confidence < self.min_confidence:
                 break  # keep at least one token: an unsure guess still costs only one draft step
-            parent = len(tokens) - 1 if not parents else _last_chain_node(parents)
+            parent = _last_chain_node(parents)
             tokens.append(token)
             probs.append(q)
             parents.append(parent)
@@ -139,8 +139,8 @@ class AutoregressiveDrafter:
 
 
 def _last_chain_node(parents: list[int]) -> int:
-    """The latest node of the main chain: the last node whose parent is not shared by a later one
-    (a runner-up leaf is appended right after the chain node it sits beside)."""
+    """The latest node of the main chain (-1 before the first): the last node, unless it is a
+    runner-up leaf, which is appended right after the chain node it sits beside."""
     last = len(parents) - 1
     if last >= 1 and parents[last] == parents[last - 1]:
         return last - 1
