@@ -91,9 +91,9 @@ static inline void widen_f32(const float *p, __m256 *lo, __m256 *hi) {
  * variables, not an array, because GCC keeps some arrays of sums in memory and stores them on
  * every step (measured: half the speed). */
 #define DEFINE_KERNEL(NAME, R, P, WT, WIDEN, AHEAD)                                                 \
-    static void NAME(const float *x, long k, const WT *w, long panel, float *y, long ys) {          \
+    static void NAME(const float *x, long k, long from, long to, const WT *w, long panel, float *y, long ys, int fetch) { \
         const float *x0 = x + (R > 0 ? 0 : 0) * k, *x1 = x + (R > 1 ? 1 : 0) * k, *x2 = x + (R > 2 ? 2 : 0) * k, *x3 = x + (R > 3 ? 3 : 0) * k, *x4 = x + (R > 4 ? 4 : 0) * k, *x5 = x + (R > 5 ? 5 : 0) * k; \
-        for (long i0 = 0; i0 < k; i0 += LP_BLOCK) {                                                \
+        for (long i0 = from; i0 < to; i0 += LP_BLOCK) {                                            \
             long i1 = i0 + LP_BLOCK < k ? i0 + LP_BLOCK : k;                                       \
             __m256 z = _mm256_setzero_ps();                                                        \
             __m256 a00l = z, a00h = z, a01l = z, a01h = z, a02l = z, a02h = z, a03l = z, a03h = z; \
@@ -104,7 +104,7 @@ static inline void widen_f32(const float *p, __m256 *lo, __m256 *hi) {
             __m256 a50l = z, a50h = z, a51l = z, a51h = z, a52l = z, a52h = z, a53l = z, a53h = z; \
             for (long i = i0; i < i1; i++) {                                                       \
                 __m256 wl0, wh0, wl1, wh1, wl2, wh2, wl3, wh3, b;                                   \
-                if (AHEAD && R > 1 && (i * 16 * sizeof(WT)) % 64 == 0) { /* a line of each next panel */ \
+                if (AHEAD && R > 1 && fetch && (i * 16 * sizeof(WT)) % 64 == 0) { /* a line of each next panel */ \
                     if (P > 0) _mm_prefetch((const char *)(w + (P + 0) * panel + i * 16 + AHEAD), LP_HINT); \
                     if (P > 1) _mm_prefetch((const char *)(w + (P + 1) * panel + i * 16 + AHEAD), LP_HINT); \
                     if (P > 2) _mm_prefetch((const char *)(w + (P + 2) * panel + i * 16 + AHEAD), LP_HINT); \
@@ -207,34 +207,39 @@ typedef struct {
 
 /* Panels [p0, p1) of the product for the m rows of x into y (row stride ys, panel p at column
  * 16p): a decoding step or a short verify takes several panels per call, longer passes one panel
- * at a time with the rows in even groups of at most six. */
+ * at a time with the rows in even groups of at most six. With several groups, every group works
+ * through a block of LP_BLOCK inputs before the next block, so the block's weights come from
+ * memory once and from L1 for the other groups, and only the first group prefetches (measured on
+ * the AVX2 EPYC, 8 rows of the LM head: 5 to 7% faster than each group walking the whole panel). */
 #define RUN_PANELS(SUFFIX, WT)                                                                      \
     {                                                                                               \
         const WT *w = (const WT *)mat->w;                                                           \
-        long p = p0;                                                                                \
+        long p = p0, step = groups > 1 ? LP_BLOCK : k;                                              \
         if (m <= 3) {                                                                               \
             long group = m == 1 ? 4 : 2;                                                            \
             for (; p + group <= p1; p += group) {                                                   \
-                if (m == 1) k1x4_##SUFFIX(x, k, w + p * panel, panel, y + p * 16, ys);              \
-                else if (m == 2) k2x2_##SUFFIX(x, k, w + p * panel, panel, y + p * 16, ys);         \
-                else k3x2_##SUFFIX(x, k, w + p * panel, panel, y + p * 16, ys);                     \
+                if (m == 1) k1x4_##SUFFIX(x, k, 0, k, w + p * panel, panel, y + p * 16, ys, 1);     \
+                else if (m == 2) k2x2_##SUFFIX(x, k, 0, k, w + p * panel, panel, y + p * 16, ys, 1); \
+                else k3x2_##SUFFIX(x, k, 0, k, w + p * panel, panel, y + p * 16, ys, 1);            \
             }                                                                                       \
         }                                                                                           \
         for (; p < p1; p++)                                                                         \
-            for (long r0 = 0, g = 0; r0 < m; g++) {                                                 \
-                long nr = m / groups + (g < m % groups);                                            \
-                const float *xr = x + r0 * k;                                                       \
-                float *yr = y + r0 * ys + p * 16;                                                   \
-                switch (nr) {                                                                       \
-                case 1: k1x1_##SUFFIX(xr, k, w + p * panel, panel, yr, ys); break;                  \
-                case 2: k2x1_##SUFFIX(xr, k, w + p * panel, panel, yr, ys); break;                  \
-                case 3: k3x1_##SUFFIX(xr, k, w + p * panel, panel, yr, ys); break;                  \
-                case 4: k4x1_##SUFFIX(xr, k, w + p * panel, panel, yr, ys); break;                  \
-                case 5: k5x1_##SUFFIX(xr, k, w + p * panel, panel, yr, ys); break;                  \
-                default: k6x1_##SUFFIX(xr, k, w + p * panel, panel, yr, ys); break;                 \
+            for (long i0 = 0; i0 < k; i0 += step)                                                   \
+                for (long r0 = 0, g = 0, i1 = i0 + step; r0 < m; g++) {                             \
+                    long nr = m / groups + (g < m % groups);                                        \
+                    const float *xr = x + r0 * k;                                                   \
+                    float *yr = y + r0 * ys + p * 16;                                               \
+                    const WT *wp = w + p * panel;                                                   \
+                    switch (nr) {                                                                   \
+                    case 1: k1x1_##SUFFIX(xr, k, i0, i1, wp, panel, yr, ys, g == 0); break;         \
+                    case 2: k2x1_##SUFFIX(xr, k, i0, i1, wp, panel, yr, ys, g == 0); break;         \
+                    case 3: k3x1_##SUFFIX(xr, k, i0, i1, wp, panel, yr, ys, g == 0); break;         \
+                    case 4: k4x1_##SUFFIX(xr, k, i0, i1, wp, panel, yr, ys, g == 0); break;         \
+                    case 5: k5x1_##SUFFIX(xr, k, i0, i1, wp, panel, yr, ys, g == 0); break;         \
+                    default: k6x1_##SUFFIX(xr, k, i0, i1, wp, panel, yr, ys, g == 0); break;        \
+                    }                                                                               \
+                    r0 += nr;                                                                       \
                 }                                                                                   \
-                r0 += nr;                                                                           \
-            }                                                                                       \
     }
 
 static void gemm_panels(const lp_matrix *mat, const float *x, long m, float *y, long ys, long p0, long p1) {
