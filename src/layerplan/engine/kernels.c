@@ -248,17 +248,42 @@ static void gemm_panels(const lp_matrix *mat, const float *x, long m, float *y, 
     else RUN_PANELS(f32, float)
 }
 
-/* y (m, n) = x (m, k) . w^T + bias, parallel over panels. Whole panels are written straight into
- * y; the last, partial one (n % 16 outputs) goes through a small buffer. */
+/* y (m, n) = x (m, k) . w^T + bias, parallel over panels: each thread first takes a fixed
+ * three quarters of its even share (one contiguous run, which the hardware prefetcher streams
+ * well), then the rest is handed out in small chunks to whichever thread is free, so a thread
+ * slowed down (by the other's memory traffic, or by the host) does not leave the other waiting
+ * at the end of every product (measured on the AVX2 EPYC: 10-25% apart on even halves). Whole
+ * panels are written straight into y; the last, partial one (n % 16 outputs) goes through a small
+ * buffer. */
+#ifndef LP_SHARED
+#define LP_SHARED 256
+#endif
 static void gemm(const lp_matrix *mat, const float *x, long m, float *y, int threads) {
     long n = mat->n, whole = n / 16, panels = (n + 15) / 16;
     if (m <= 0) return; /* the kernels for few rows would read rows that are not there */
     if (threads < 1) threads = 1;
     if (panels < 2L * threads) threads = 1; /* too little work to share */
+    /* a multiple of 4, the one-row kernel's width; all of it below LP_SHARED panels, where handing
+     * out chunks cost more than the wait it saved */
+    long fixed = whole < LP_SHARED ? whole / threads / 4 * 4 : whole * 3 / 4 / threads / 4 * 4;
+    long chunk = (whole - fixed * threads) / (4L * threads) / 4 * 4;
+    if (chunk < 4) chunk = 4;
+    long next = fixed * threads;
     #pragma omp parallel num_threads(threads)
     {
         int t = omp_get_thread_num(), nt = omp_get_num_threads();
-        gemm_panels(mat, x, m, y, n, whole * t / nt, whole * (t + 1) / nt);
+        if (nt != threads) { /* fewer threads than asked: an even static split */
+            gemm_panels(mat, x, m, y, n, whole * t / nt, whole * (t + 1) / nt);
+        } else {
+            gemm_panels(mat, x, m, y, n, fixed * t, fixed * (t + 1));
+            for (;;) {
+                long p0;
+                #pragma omp atomic capture
+                { p0 = next; next += chunk; }
+                if (p0 >= whole) break;
+                gemm_panels(mat, x, m, y, n, p0, p0 + chunk < whole ? p0 + chunk : whole);
+            }
+        }
         if (whole < panels && t == nt - 1) {
             float *tail = (float *)malloc(sizeof(float) * m * 16);
             gemm_panels(mat, x, m, tail - whole * 16, 16, whole, panels);
