@@ -115,6 +115,12 @@ def test_config_level_refusals_say_why():
     assert checked >= 40
 
 
+def test_a_verified_type_refuses_a_config_it_cannot_run():
+    """Falcon with rotary positions is verified; a Falcon config positioned by ALiBi is refused."""
+    assert refusal_of_config(AutoConfig.for_model("falcon")) is None
+    assert "ALiBi" in refusal_of_config(AutoConfig.for_model("falcon", alibi=True))
+
+
 @pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
 def test_discovery_finds_what_the_table_says(arch):
     found, written = discover_spec(tiny_hf("gemma3_text" if arch == "gemma3_text" else arch)), ARCHITECTURES[arch]

@@ -176,12 +176,12 @@ def run_hidden(
                         masks[window] = None if windowed_read else _attention_mask(
                             start_pos, length, kv_start, kv_length, window, eager, hidden.dtype, device)
                 kwargs = {"position_embeddings": rope_of(layer)} if parts.rotary is not None else {}
-                update = layer.attention(
-                    layer.attention_norm(hidden),
-                    attention_mask=masks[window],
-                    past_key_values=cache.views[index] if cache is not None else None,
-                    **kwargs,
-                )[0]
+                kwargs[layer.cache_argument] = cache.views[index] if cache is not None else None
+                if layer.takes_positions:
+                    kwargs["position_ids"] = positions
+                if layer.takes_alibi:
+                    kwargs["alibi"] = None
+                update = layer.attention(layer.attention_norm(hidden), attention_mask=masks[window], **kwargs)[0]
                 if layer.attention_post_norm is not None:
                     update = layer.attention_post_norm(update)
                 hidden = hidden + update if step.scale == 1.0 else hidden + step.scale * update

@@ -10,6 +10,7 @@ here too, next to the table.
 from __future__ import annotations
 
 import copy
+import inspect
 from dataclasses import dataclass
 from typing import Any
 
@@ -102,7 +103,7 @@ MLP_NAMES = ("mlp", "block_sparse_moe", "feed_forward", "moe", "ffn")
 FINAL_NORM_NAMES = ("norm", "ln_f", "final_layernorm", "norm_f", "final_layer_norm")
 # last name of a parameter (or of the module holding it) that produces a sub-layer's update:
 # scaling these scales the update (experts' stacked down projections included)
-OUTPUT_NAMES = ("o_proj", "c_proj", "out_proj", "dense", "down_proj", "down_proj_bias", "w2", "fc2", "wo",
+OUTPUT_NAMES = ("o_proj", "c_proj", "out_proj", "dense", "down_proj", "down_proj_bias", "w2", "fc2", "fc_out", "wo",
                 "dense_4h_to_h", "output_proj", "output_linear")
 # multipliers that transformers applies in a model's or layer's forward, not in a module, named by
 # config key: key -> (where it applies, a value != 1 that tiny configs use so the check sees it)
@@ -131,6 +132,8 @@ def refusal_of_config(config) -> str | None:
             return f"layer type '{kind}' is not one the plan runner knows ({', '.join(KNOWN_LAYER_TYPES)})"
     if getattr(config, "is_encoder_decoder", False):
         return "an encoder-decoder model, not a decoder-only causal LM"
+    if getattr(config, "alibi", False):  # Falcon-RW; the plan runner's positions are rotary or learned
+        return "it positions tokens by ALiBi biases (config alibi=True), which the plan runner does not build"
     text = vars(config).get("text_config")
     if text is not None and text is not config:
         return (f"a multimodal wrapper (its text model is '{text.model_type}'); its CausalLM takes more than "
@@ -179,6 +182,16 @@ class LayerParts:
     layer_type: str  # "full_attention" or "sliding_attention" (selects mask and RoPE)
     sliding_window: int | None  # attend to at most this many most recent positions
     parallel: bool = False  # the MLP reads the layer's input, as the attention does (a parallel block)
+    cache_argument: str = "past_key_values"  # the attention's name for the KV cache (GPT-NeoX family: layer_past)
+    takes_positions: bool = False  # the attention computes its own rotary from position_ids (GPT-J, CodeGen)
+    takes_alibi: bool = False  # the attention takes an ALiBi bias argument, None here (Falcon without ALiBi)
+
+
+def cache_argument_of(attention: nn.Module) -> str:
+    """The keyword an attention module takes its KV cache by: transformers' current name, or the
+    GPT-NeoX / GPT-Neo / GPT-BigCode / CodeGen family's older `layer_past`."""
+    parameters = inspect.signature(attention.forward).parameters
+    return "layer_past" if "layer_past" in parameters and "past_key_values" not in parameters else "past_key_values"
 
 
 @dataclass(frozen=True)
@@ -235,6 +248,9 @@ def model_parts(hf_model: nn.Module, spec: ArchSpec) -> ModelParts:
         if layer_types is not None:
             layer_type = layer_types[i]
             window = config.sliding_window if layer_type == "sliding_attention" else None
+        elif getattr(config, "attention_layers", None) is not None:  # GPT-Neo: "global" / "local" layers
+            local = config.attention_layers[i] == "local"
+            layer_type, window = ("sliding_attention", config.window_size) if local else ("full_attention", None)
         else:
             # Mistral and Phi-3 apply config.sliding_window (when set) to every layer.
             window = getattr(config, "sliding_window", None) or None
@@ -243,10 +259,11 @@ def model_parts(hf_model: nn.Module, spec: ArchSpec) -> ModelParts:
         mlp_post = _get(layer, spec.mlp_post_norm) if spec.mlp_post_norm else None
         if residual is not None:  # Granite: residual + multiplier * update
             attention_post, mlp_post = Scaled(attention_post, residual), Scaled(mlp_post, residual)
+        attention = _get(layer, spec.attention)
         layers.append(
             LayerParts(
                 attention_norm=_get(layer, spec.attention_norm) if spec.attention_norm else nn.Identity(),
-                attention=_get(layer, spec.attention),
+                attention=attention,
                 attention_post_norm=attention_post,
                 mlp_norm=_get(layer, spec.mlp_norm) if spec.mlp_norm else nn.Identity(),
                 mlp=FirstOutput(_get(layer, spec.mlp)) if spec.mlp_returns_tuple else _get(layer, spec.mlp),
@@ -254,6 +271,9 @@ def model_parts(hf_model: nn.Module, spec: ArchSpec) -> ModelParts:
                 layer_type=layer_type,
                 sliding_window=window,
                 parallel=spec.parallel,
+                cache_argument=cache_argument_of(attention),
+                takes_positions="position_ids" in inspect.signature(attention.forward).parameters,
+                takes_alibi="alibi" in inspect.signature(attention.forward).parameters,
             )
         )
     embed = _get(backbone, spec.embed)
@@ -373,14 +393,15 @@ NAMED_FAMILIES = {
     "GPT-OSS": "gpt_oss", "GLM-4": "glm4", "StarCoder2": "starcoder2",
 }
 TINY_CHECKED: tuple[str, ...] = (
-    "afmoe", "apertus", "arcee", "aria_text", "axk1", "bitnet", "cohere", "cohere2", "cohere2_moe", "cwm",
-    "deepseek_v2", "deepseek_v3", "dots1", "ernie4_5", "ernie4_5_moe", "exaone4", "exaone_moe",
-    "flex_olmo", "flint", "gemma", "gemma2", "gemma3_text", "glm", "glm4", "glm4_moe", "glm4_moe_lite", "gpt-sw3",
-    "gpt2", "gpt_oss", "granite", "granitemoe", "granitemoeshared", "helium", "hunyuan_v1_dense", "hunyuan_v1_moe",
-    "hy_v3", "internlm3", "iquestcoder", "jais2", "jetmoe", "kolibri1", "laguna", "llama", "mellum", "mimo_v2_flash",
-    "minimax_m2", "minimax_m3_vl_text", "ministral", "mistral", "mixtral", "nemotron", "olmo", "olmo2", "olmo3",
-    "olmoe", "persimmon", "phi", "phi3", "phimoe", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "seed_oss", "smollm3",
-    "solar_open", "stablelm", "starcoder2", "vaultgemma", "youtu",
+    "afmoe", "apertus", "arcee", "aria_text", "axk1", "bitnet", "codegen", "cohere", "cohere2", "cohere2_moe", "cwm",
+    "deepseek_v2", "deepseek_v3", "dots1", "ernie4_5", "ernie4_5_moe", "exaone4", "exaone_moe", "falcon", "flex_olmo",
+    "flint", "gemma", "gemma2", "gemma3_text", "glm", "glm4", "glm4_moe", "glm4_moe_lite", "gpt-sw3", "gpt2",
+    "gpt_bigcode", "gpt_neo", "gpt_neox", "gpt_oss", "gptj", "granite", "granitemoe", "granitemoeshared", "helium",
+    "hunyuan_v1_dense", "hunyuan_v1_moe", "hy_v3", "internlm3", "iquestcoder", "jais2", "jetmoe", "kolibri1",
+    "laguna", "llama", "mellum", "mimo_v2_flash", "minimax_m2", "minimax_m3_vl_text", "ministral", "ministral3",
+    "mistral", "mixtral", "nemotron", "olmo", "olmo2", "olmo3", "olmoe", "persimmon", "phi", "phi3", "phimoe",
+    "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "seed_oss", "smollm3", "solar_open", "stablelm", "starcoder2",
+    "vaultgemma", "youtu",
 )
 MIXTURE_OF_EXPERTS = frozenset({
     "afmoe", "aria_text", "axk1", "axk2", "bailing_hybrid", "beam", "cohere2_moe", "deepseek_v2", "deepseek_v3",
@@ -480,20 +501,14 @@ NOT_SUPPORTED: dict[str, str] = {
     "beam": "fails the check against transformers: prefill raised KeyError: 'full_attention'",
     "biogpt": "no final norm (norm, ln_f, final_layernorm, norm_f, final_layer_norm) in its BioGptModel",
     "bloom": "its BloomModel has modules layerplan does not know how to run: word_embeddings_layernorm",
-    "codegen": "fails the check against transformers: prefill raised TypeError: CodeGenAttention.forward() got an unexpected keyword argument 'past_key_values'",
     "cohere_compass_text": "transformers cannot build it from a config (KeyError: 'full_attention')",
     "ctrl": "no final norm (norm, ln_f, final_layernorm, norm_f, final_layer_norm) in its CTRLModel",
     "doge": "fails the check against transformers: prefill logits differ from transformers' by 2.72e+00 at position 0",
-    "falcon": "fails the check against transformers: prefill raised TypeError: FalconAttention.forward() missing 1 required positional argument: 'alibi'",
     "gemma3n_text": "transformers cannot build it from a config (ValueError: The set of layer types producing a cache is different than the set of layer types using them)",
     "gemma4_assistant": "transformers' own default config of it does not validate",
     "gemma4_text": "a tiny config of it cannot be built (ValueError: `per_layer_config` keys must be integer layer indices in the range [0, 3); got [5, 11, 17, 23, 29].)",
     "gemma4_unified_text": "a tiny config of it cannot be built (ValueError: `per_layer_config` keys must be integer layer indices in the range [0, 3); got [5, 11, 17, 23, 29].)",
-    "gpt_bigcode": "fails the check against transformers: incremental decoding raised RuntimeError: The size of tensor a (3) must match the size of tensor b (9) at non-singleton dimension 3",
-    "gpt_neo": "fails the check against transformers: incremental decoding raised RuntimeError: The size of tensor a (3) must match the size of tensor b (9) at non-singleton dimension 3",
-    "gpt_neox": "fails the check against transformers: incremental decoding raised RuntimeError: The size of tensor a (3) must match the size of tensor b (9) at non-singleton dimension 3",
     "gpt_neox_japanese": "fails the check against transformers: prefill raised TypeError: GPTNeoXJapaneseAttention.forward() missing 1 required positional argument: 'position_ids'",
-    "gptj": "fails the check against transformers: prefill raised AttributeError: 'NoneType' object has no attribute 'device'",
     "granite_swa": "its GraniteSWAModel has modules layerplan does not know how to run: rotary_embs",
     "granitemoe_swa": "its GraniteMoeSWAModel has modules layerplan does not know how to run: rotary_embs",
     "hrm_text": "no list of 3 decoder layers in its HrmTextModel",
@@ -502,7 +517,6 @@ NOT_SUPPORTED: dict[str, str] = {
     "lfm2_moe": "transformers cannot build it from a config (TypeError: 'NoneType' object is not subscriptable)",
     "longcat_flash": "no list of 56 decoder layers in its LongcatFlashModel",
     "minicpm3": "fails the check against transformers: prefill logits differ from transformers' by 3.12e+00 at position 8",
-    "ministral3": "fails the check against transformers: prefill raised TypeError: Ministral3Attention.forward() missing 1 required positional argument: 'position_ids'",
     "modernbert-decoder": "its token embeddings are not a child of ModernBertDecoderModel",
     "nanochat": "fails the check against transformers: prefill logits differ from transformers' by 2.51e+00 at position 11",
     "openai-gpt": "no final norm (norm, ln_f, final_layernorm, norm_f, final_layer_norm) in its OpenAIGPTModel",
