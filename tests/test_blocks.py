@@ -3,6 +3,7 @@
 import datetime
 import json
 import re
+import time
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,7 @@ from layerplan.search.evaluate import perplexity
 from layerplan.search.measures import (PerplexityScorer, ProbeScorer, ProbeView, Units, bootstrap, build_scorers,
                                        MeasureInputs, point_value)
 from layerplan.search.probes import DAYS, PROBE_SETS, Probe, ProbeItem, generate_probe, read_probe_file
+from studies import assert_exact_and_distinct, kill_mid_trial, run_workers
 from tiny import VOCAB, tiny_model
 
 
@@ -271,7 +273,7 @@ def test_merge_study_resumes_and_scores_what_it_says(tiny, tmp_path):
     assert first.trials[0].plan == "0-2,1-3"  # the seed ran first
     again = merge_study(model, scorer, "ppl", space, 7, storage)
     assert len([t for t in again.trials if t.state == "COMPLETE"]) == 7
-    assert [t.plan for t in again.trials[:5]] == [t.plan for t in first.trials]  # kept, not rerun
+    assert [t.plan for t in again.trials[: len(first.trials)]] == [t.plan for t in first.trials]  # kept
     best = model.plan(again.best_plan)
     assert again.best_value == pytest.approx(point_value(scorer, best), rel=1e-12)
     assert again.best_value == min(t.values[0] for t in again.trials if t.state == "COMPLETE")
@@ -280,6 +282,64 @@ def test_merge_study_resumes_and_scores_what_it_says(tiny, tmp_path):
     for trial in again.trials:  # every trial ran a plan of the space
         assert tuple(s.layer for s in model.plan(trial.plan).steps) in shapes
         assert all(0.5 <= s.scale <= 1.0 for s in model.plan(trial.plan).steps)
+
+
+class _HangingScorer(PerplexityScorer):
+    """Hangs in its second plan (mid-study, mid-trial) after touching `marker`, until killed."""
+
+    def __init__(self, model, ids, marker: Path | None) -> None:
+        super().__init__(model, ids, model.plan())
+        self.marker, self.plans = marker, 0
+
+    def units(self, plan):
+        self.plans += 1
+        if self.marker is not None and self.plans >= 2:
+            self.marker.touch()
+            time.sleep(600)
+        return super().units(plan)
+
+
+WORKERS_SPACE = MergeSpace((0, 3), max_len=3, max_repeats=1, scales=(1.0, 1.0))  # 9 plans: proposals repeat
+
+
+def _merge_work(model, ids, storage: str, trials: int, marker: Path | None) -> None:
+    torch.set_num_threads(1)  # a forked child must not reuse the parent's thread pool
+    merge_study(model, _HangingScorer(model, ids, marker), "ppl", WORKERS_SPACE, trials, storage, "shared",
+                poll=0.05)
+
+
+def test_merge_study_workers_share_a_storage_and_fail_a_dead_workers_trial(tiny, tmp_path):
+    """The skip search's machinery: a worker killed mid-trial leaves a RUNNING trial, which the
+    next workers fail; two workers on one SQLite file then finish the study, no plan run twice."""
+    pytest.importorskip("optuna")
+    from optuna.trial import TrialState
+
+    model, ids = tiny
+    storage, marker = str(tmp_path / "merge.db"), tmp_path / "in-trial"
+    killed = kill_mid_trial(_merge_work, (model, ids, storage, 5, marker), storage, marker)
+    run_workers(_merge_work, 2, model, ids, storage, 5, None)
+    found = assert_exact_and_distinct(storage, 5)
+    assert found[killed.number].state == TrialState.FAIL
+    assert {t.state for t in found[: killed.number]} <= {TrialState.COMPLETE, TrialState.PRUNED}  # kept, not rerun
+    for trial in found:  # a complete trial's value is its plan's perplexity
+        if trial.state == TrialState.COMPLETE:
+            plan = model.plan(trial.user_attrs["plan"])
+            assert trial.values[0] == pytest.approx(point_value(PerplexityScorer(model, ids, model.plan()), plan),
+                                                    rel=1e-9)
+            assert WORKERS_SPACE.plan_of_params(model, trial.params) == plan
+
+
+def test_merge_space_draws_every_unseen_plan_then_none(tiny):
+    import random
+
+    model, _ = tiny
+    space = MergeSpace((1, 2), max_len=2, max_repeats=1, scales=(1.0, 1.0))
+    held, rng = set(), random.Random(0)
+    while (params := space.unseen(model, held, rng)) is not None:
+        held.add(space.plan_of_params(model, params).to_string())
+    assert held == {repeat_plan(model, i, j).to_string() for i, j in block_candidates(4, (1, 2), 2)}
+    with pytest.raises(PlanError, match="without scale"):
+        MergeSpace((1, 2), max_len=2).plan_of_params(model, {"start": 1, "length": 1, "repeats": 1})
 
 
 def test_study_exports_its_best_as_checkpoint_and_mergekit(tiny, tmp_path):

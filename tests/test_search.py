@@ -1,7 +1,6 @@
 """Plan search: the shared evaluator, greedy skipping, Optuna studies, resumption, shared storage."""
 
 import json
-import multiprocessing
 import os
 import shutil
 import subprocess
@@ -21,6 +20,7 @@ from layerplan.search.greedy import GreedyResult, GreedyStep, greedy_search
 from layerplan.search.objectives import score
 from layerplan.search.run import run_search
 from layerplan.search.scan import scan
+from studies import assert_exact_and_distinct, kill_mid_trial, run_workers
 from tiny import VOCAB, tiny_model
 
 
@@ -201,49 +201,11 @@ def worker_model():
     return tiny_model("llama", num_layers=6)  # 8 switchable sub-layers: 256 plans
 
 
-def _worker(model, storage: str, trials: int, marker: Path | None = None):
-    """A worker in its own process, forked so that it starts without re-importing torch."""
-    process = multiprocessing.get_context("fork").Process(target=_work, args=(model, storage, trials, marker))
-    process.start()
-    return process
-
-
-def _run_workers(model, storage: str, count: int, trials: int) -> None:
-    procs = [_worker(model, storage, trials) for _ in range(count)]
-    for p in procs:
-        p.join(timeout=300)
-    assert [p.exitcode for p in procs] == [0] * count
-
-
-def _trials(storage_url: str) -> list:
-    import optuna
-
-    from layerplan.search.bayes import make_storage
-
-    return optuna.load_study(study_name="shared", storage=make_storage(storage_url)).trials
-
-
-def _assert_exact_and_distinct(storage_url: str, trials: int) -> list:
-    from optuna.trial import TrialState
-
-    found = _trials(storage_url)
-    complete = [t for t in found if t.state == TrialState.COMPLETE]
-    assert len(complete) == trials
-    assert len({t.user_attrs["plan"] for t in complete}) == trials  # no plan evaluated twice
-    assert not [t.number for t in found if t.state == TrialState.RUNNING]
-    for t in found:  # a repeated proposal carries the values of the trial that holds its plan
-        if "duplicate_of" in t.user_attrs and "copied_values" in t.user_attrs:
-            holder = found[t.user_attrs["duplicate_of"]]
-            assert holder.user_attrs["plan"] == t.user_attrs["plan"]
-            assert t.user_attrs["copied_values"] == holder.values
-    return found
-
-
 @pytest.mark.parametrize("kind,count", [("sqlite", 2), ("sqlite", 4), ("journal", 2), ("journal", 4)])
 def test_worker_processes_share_one_study_exactly(worker_model, tmp_path, kind, count):
     storage = str(tmp_path / "shared.db") if kind == "sqlite" else f"journal:{tmp_path / 'shared.log'}"
-    _run_workers(worker_model, storage, count, 10)
-    found = _assert_exact_and_distinct(storage, 10)
+    run_workers(_work, count, worker_model, storage, 10, None)
+    found = assert_exact_and_distinct(storage, 10)
     seeds = {t.user_attrs.get("sampler_seed") for t in found if "sampler_seed" in t.user_attrs}
     assert len(seeds) == len({t.user_attrs["worker"] for t in found})  # a sampler seed per worker
 
@@ -254,19 +216,10 @@ def test_a_study_killed_mid_trial_resumes_without_repeating_or_leaving_it_runnin
 
     storage = str(tmp_path / "study.db") if kind == "sqlite" else f"journal:{tmp_path / 'study.log'}"
     marker = tmp_path / "in-trial"
-    victim = _worker(worker_model, storage, 8, marker)
-    for _ in range(1200):
-        if marker.exists() or not victim.is_alive():
-            break
-        time.sleep(0.1)
-    assert marker.exists(), "the worker never reached its hanging trial"
-    victim.kill()  # SIGKILL: no handler runs, the trial stays RUNNING in the storage
-    victim.join()
-    killed = [t for t in _trials(storage) if t.state == TrialState.RUNNING]
-    assert len(killed) == 1
-    _run_workers(worker_model, storage, 1, 8)
-    found = _assert_exact_and_distinct(storage, 8)
-    assert found[killed[0].number].state == TrialState.FAIL
+    killed = kill_mid_trial(_work, (worker_model, storage, 8, marker), storage, marker)
+    run_workers(_work, 1, worker_model, storage, 8, None)
+    found = assert_exact_and_distinct(storage, 8)
+    assert found[killed.number].state == TrialState.FAIL
     first, resumed = (t.user_attrs.get("sampler_seed") for t in (found[1], found[-1]))
     assert first != resumed  # the resumed worker does not replay the killed one's proposals
 
@@ -309,8 +262,8 @@ def postgres():
 
 @pytest.mark.parametrize("count", [2, 4])
 def test_workers_share_a_study_in_postgresql_exactly(worker_model, postgres, count):
-    _run_workers(worker_model, postgres, count, 10)
-    _assert_exact_and_distinct(postgres, 10)
+    run_workers(_work, count, worker_model, postgres, 10, None)
+    assert_exact_and_distinct(postgres, 10)
 
 
 def test_storage_in_a_folder_that_does_not_exist_yet(tmp_path):

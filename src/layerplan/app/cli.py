@@ -119,17 +119,24 @@ def _dtype(model: str, dtype: str, engine: str, device: str = "cpu") -> str:
     return default_dtype(cache_dir(), name, kind, native_bf16=kind == "native" or packing_supported(torch.bfloat16, "cpu"))
 
 
+def _device_map() -> str | None:
+    """The command's --device-map (device_option keeps it in the click context)."""
+    context = click.get_current_context(silent=True)
+    return context.meta.get(DEVICE_MAP_KEY) if context is not None else None
+
+
 def _load(model: str, dtype: str, device: str = "cpu", engine: str = "auto"):
     dtype = _dtype(model, dtype, engine, device)
-    click.echo(f"loading {model} ({dtype}, {device}, engine {engine})…", err=True)
-    return load_model(model, dtype=dtype, device=device, engine=engine)
+    where = f"device map {_device_map()}" if _device_map() else device
+    click.echo(f"loading {model} ({dtype}, {where}, engine {engine})…", err=True)
+    return load_model(model, dtype=dtype, device=device, engine=engine, device_map=_device_map())
 
 
 def _attach(loaded, model_b: str | None, dtype: str, device: str = "cpu", engine: str = "auto"):
     """Load --model-b and make its layers available to plans as 'b:…'."""
     if model_b:
         click.echo(f"loading {model_b} as model b…", err=True)
-        loaded.attach(load_model(model_b, dtype=dtype, device=device, engine=engine), "b")
+        loaded.attach(load_model(model_b, dtype=dtype, device=device, engine=engine, device_map=_device_map()), "b")
     return loaded
 
 
@@ -187,7 +194,18 @@ def _threads(threads: int | None) -> None:
 model_option = click.option("--model", "-m", default=DEFAULT_MODEL, show_default=True, help=MODEL_HELP)
 dtype_option = click.option("--dtype", default="float32", show_default=True,
                             type=click.Choice(["float32", "bfloat16", "float16"]), help="weights and activations")
-device_option = click.option("--device", default="cpu", show_default=True, help="cpu, cuda, cuda:1, …")
+DEVICE_MAP_KEY = "layerplan.device_map"
+_device_only = click.option("--device", default="cpu", show_default=True, help="cpu, cuda, cuda:1, …")
+_device_map_option = click.option(
+    "--device-map", metavar="auto|FILE", default=None, expose_value=False,
+    callback=lambda context, _, value: context.meta.__setitem__(DEVICE_MAP_KEY, value),
+    help="spread the decoder layers over GPUs, CPU memory and disk instead of --device: auto (accelerate's plan "
+         "for the free memory) or a JSON/YAML map of module -> cpu, disk, cuda:N (as accelerate writes it)")
+
+
+def device_option(command):
+    """--device, and --device-map beside it (read by _load: every command that takes a device takes a map)."""
+    return _device_only(_device_map_option(command))
 engine_option = click.option("--engine", default="auto", show_default=True, type=click.Choice(list(ENGINES)),
                              help="; ".join(f"{name}: {text}" for name, text in ENGINES.items()))
 auto_dtype_option = click.option("--dtype", default="auto", show_default=True,

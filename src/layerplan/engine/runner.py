@@ -59,6 +59,8 @@ def forward(
 def embed(model: LoadedModel, input_ids: torch.Tensor, start_pos: int = 0,
           tree: TreeShape | None = None) -> torch.Tensor:
     parts = model.parts
+    if model.placement is not None:  # a model spread by a device map embeds on its main device
+        input_ids = input_ids.to(model.placement.main)
     hidden = parts.embed(input_ids)  # (B, T, hidden)
     if parts.position_embed is not None:
         hidden = hidden + parts.position_embed(_positions(start_pos, input_ids.shape[1], tree, input_ids.device))[None]
@@ -69,6 +71,8 @@ def embed(model: LoadedModel, input_ids: torch.Tensor, start_pos: int = 0,
 def head(model: LoadedModel, hidden: torch.Tensor) -> torch.Tensor:
     """Final norm and LM head (and Gemma's logit soft-capping) on a residual stream."""
     parts = model.parts
+    if model.placement is not None:
+        hidden = hidden.to(model.placement.main)
     normed = parts.final_norm(hidden)
     logits = model.native.lm_head(parts.lm_head, normed) if model.native is not None else parts.lm_head(normed)
     return softcap(parts, logits)
@@ -136,7 +140,7 @@ def run_hidden(
 
     # the native engine runs the sub-layers it reproduces (engine/native.py) on single-sequence
     # passes; everything else, and every pass of an eager model, calls the modules themselves
-    native = model.native if hidden.shape[0] == 1 and model.native is not None else None
+    native = model.native if hidden.shape[0] == 1 and model.native is not None and model.placement is None else None
     if native is not None and not native.takes(length):
         native = None
     # where every switched-on sub-layer of the steps has kernels, the same loop runs in one native
@@ -152,6 +156,10 @@ def run_hidden(
         step = plan.steps[index]
         layer = model.layers_of(step.model)[step.layer]
         fast = native.layer(step.model, step.layer) if native is not None else None
+        placement = model.placement_of(step.model)
+        if placement is not None:  # a device map placed the layer: the stream goes there, disk weights come in
+            placement.bring(step.layer)
+            hidden = hidden.to(placement.device_of(step.layer))
         resumes_at_mlp = index == first_step and first_sub == "mlp"
         if layer.parallel and resumes_at_mlp and step.mlp:
             raise ValueError("a parallel block's MLP reads the layer's input: resume it at its attention")
@@ -176,12 +184,16 @@ def run_hidden(
                         masks[window] = None if windowed_read else _attention_mask(
                             start_pos, length, kv_start, kv_length, window, eager, hidden.dtype, device)
                 kwargs = {"position_embeddings": rope_of(layer)} if parts.rotary is not None else {}
+                mask = masks[window]
+                if hidden.device != device:  # a layer placed on another device than the pass began on
+                    mask = None if mask is None else mask.to(hidden.device)
+                    kwargs = {key: tuple(t.to(hidden.device) for t in value) for key, value in kwargs.items()}
                 kwargs[layer.cache_argument] = cache.views[index] if cache is not None else None
                 if layer.takes_positions:
-                    kwargs["position_ids"] = positions
+                    kwargs["position_ids"] = positions.to(hidden.device)
                 if layer.takes_alibi:
                     kwargs["alibi"] = None
-                update = layer.attention(layer.attention_norm(hidden), attention_mask=masks[window], **kwargs)[0]
+                update = layer.attention(layer.attention_norm(hidden), attention_mask=mask, **kwargs)[0]
                 if layer.attention_post_norm is not None:
                     update = layer.attention_post_norm(update)
                 hidden = hidden + update if step.scale == 1.0 else hidden + step.scale * update
@@ -195,6 +207,8 @@ def run_hidden(
                 if layer.mlp_post_norm is not None:
                     update = layer.mlp_post_norm(update)
                 hidden = hidden + update if step.scale == 1.0 else hidden + step.scale * update
+        if placement is not None:
+            placement.release(step.layer)
     return hidden
 
 

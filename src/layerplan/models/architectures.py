@@ -14,6 +14,7 @@ import inspect
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import nn
 
 class ModelError(ValueError):
@@ -113,6 +114,10 @@ CONFIG_SCALES = {
     "logits_scaling": ("logits /", 2.0),  # Granite
     "logit_scale": ("logits *", 0.5),  # Cohere
 }
+# the router inside a mixture-of-experts block; transformers' routers return (router logits
+# (tokens, experts), top-k weights, top-k expert indices (tokens, k)); ROUTER_COUNTS: the exceptions
+ROUTER_NAMES = ("gate", "router")
+ROUTER_COUNTS = {"jetmoe": "counts"}  # JetMoE's gating returns (…, selections per expert, logits)
 KNOWN_LAYER_TYPES = ("full_attention", "sliding_attention")
 _STATE_WORDS = ("linear", "mamba", "conv", "recurrent", "ssm", "rwkv", "lstm", "deltanet", "lightning", "hybrid")
 
@@ -154,6 +159,29 @@ class FirstOutput(nn.Module):
 
     def forward(self, x):
         return self.inner(x)[0]
+
+
+def router_of(mlp: nn.Module) -> nn.Module | None:
+    """The router module of a layer's mixture-of-experts block (None for a dense MLP)."""
+    inner = mlp.inner if isinstance(mlp, FirstOutput) else mlp
+    for name in ROUTER_NAMES:
+        router = getattr(inner, name, None)
+        if isinstance(router, nn.Module):
+            return router
+    return None
+
+
+def expert_selections(model_type: str, router_output: Any) -> torch.Tensor | None:
+    """How many top-k selections each expert got in one router call, shape (experts,); None when
+    the output is not a router's (a dense MLP's linear that happens to be called 'gate')."""
+    if not isinstance(router_output, tuple):
+        return None
+    if ROUTER_COUNTS.get(model_type) == "counts":
+        return torch.as_tensor(router_output[3])
+    logits, indices = router_output[0], router_output[-1]
+    if not (torch.is_tensor(indices) and torch.is_tensor(logits)) or indices.is_floating_point():
+        return None
+    return torch.bincount(indices.reshape(-1).cpu(), minlength=logits.shape[-1])
 
 
 class Scaled(nn.Module):

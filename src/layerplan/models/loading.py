@@ -21,7 +21,8 @@ from layerplan.engine.cpu_pack import pack_linears, packing_supported
 from layerplan.engine.native import enable as enable_native, resolve_engine
 from layerplan.models.architectures import (SHAPE_KEYS, TEXT_MODEL_TYPES, LayerParts, ModelError, ModelParts,
                                             config_depth, context_length)
-from layerplan.models.discovery import native_allowed, parts_of, require_checked
+from layerplan.models.discovery import native_allowed, parts_of, require_checked, spec_of
+from layerplan.models.placement import Placement, place, read_device_map
 from layerplan.plan.formats import load_plan
 from layerplan.plan.plan import LayerPlan, PlanError
 
@@ -45,6 +46,8 @@ class LoadedModel:
     others: dict[str, LoadedModel] = field(default_factory=dict)
     # the native kernels' view of this model (engine/native.py); None runs every module eagerly
     native: Any = field(default=None, repr=False)
+    # where its layers live when a device map spread them (models/placement.py); None: all on one device
+    placement: Placement | None = field(default=None, repr=False)
     # a model whose parts were discovered runs only after its architecture passed the check
     # (models/verify.py); the check itself builds its tiny model with require_check=False
     require_check: InitVar[bool] = True
@@ -56,6 +59,9 @@ class LoadedModel:
 
     def layers_of(self, label: str) -> tuple[LayerParts, ...]:
         return self.parts.layers if not label else self.others[label].parts.layers
+
+    def placement_of(self, label: str) -> Placement | None:
+        return self.placement if not label else self.others[label].placement
 
     def attach(self, other: LoadedModel, label: str = "b") -> None:
         """Let plans take layers from `other` ("b:8-23"); it must have this model's architecture
@@ -242,15 +248,20 @@ def load_model(
     device: str | torch.device = "cpu",
     pack: bool | None = None,
     engine: str = "auto",
+    device_map: str | None = None,
 ) -> LoadedModel:
     """Load a HF folder, a GGUF file or the packaged default ('smollm2') for plan-driven runs.
 
     engine: 'auto', 'native' or 'eager' (see engine/native.py ENGINES).
+    device_map: 'auto' or a JSON / YAML file placing decoder layers on devices, CPU memory or disk
+    (models/placement.py); instead of `device`. Such a model runs on the eager engine.
     pack: prepack bf16 linears for oneDNN (see engine/cpu_pack.py) when the eager engine runs;
     None = when dtype is bf16 on a CPU that supports it."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     device = resolve_device(device)
+    if device_map is not None and device.type != "cpu":
+        raise ModelError(f"give --device ({device}) or --device-map ({device_map}), not both")
     folder, name, origin = _resolve(source)
     if not any(any(folder.glob(pattern)) for pattern in WEIGHT_FILES):
         raise ModelError(f"{folder}: has config.json but no weights (looked for {', '.join(WEIGHT_FILES)})")
@@ -262,17 +273,34 @@ def load_model(
         if "attention implementation" not in str(error):
             raise
         hf = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation="eager")
-    hf.to(device).eval()
+    hf.eval()
+    placement = None
+    if device_map is not None:
+        placement = _placed(hf, device_map)
+    else:
+        hf.to(device)
     kind = resolve_engine(engine, dtype, device)
+    if placement is not None:  # the native kernels and packed linears hold their own copies of the weights
+        if engine == "native":
+            raise ModelError("the native engine does not run a model spread by --device-map; use --engine eager or auto")
+        kind, pack = "eager", False
     if kind == "eager" and (pack or (pack is None and packing_supported(dtype, device))):
         if not packing_supported(dtype, device):
             raise ModelError(f"weight packing needs bfloat16 on a CPU with oneDNN bf16 support, not {dtype} on {device}")
         pack_linears(hf)
     tokenizer = AutoTokenizer.from_pretrained(folder)
-    model = LoadedModel(name=name, hf=hf, tokenizer=tokenizer, source=origin)
+    model = LoadedModel(name=name, hf=hf, tokenizer=tokenizer, source=origin, placement=placement)
     if kind == "native" and native_allowed(hf.config):
         enable_native(model)
     return model
+
+
+def _placed(hf: nn.Module, device_map: str, max_memory: dict | None = None) -> Placement | None:
+    """Spread a CPU-loaded model by a device map ('auto' or a file); None when it all stays on the CPU."""
+    spec = spec_of(hf.config)
+    layers_path = f"{spec.backbone}.{spec.layers}"
+    planned = read_device_map(device_map, hf, layers_path, max_memory)
+    return None if planned.trivial else place(hf, planned, layers_path)
 
 
 def _config_of(folder: Path):
@@ -293,10 +321,13 @@ def model_config(source: str | os.PathLike | None = None):
     return _config_of(_resolve(source)[0])
 
 
-def wrap_model(hf_model: nn.Module, tokenizer: Any = None, name: str | None = None) -> LoadedModel:
-    """Use an already loaded transformers CausalLM (eval mode assumed) with layerplan."""
+def wrap_model(hf_model: nn.Module, tokenizer: Any = None, name: str | None = None, device_map: str | None = None,
+               max_memory: dict | None = None) -> LoadedModel:
+    """Use an already loaded transformers CausalLM (eval mode assumed, on the CPU when a
+    device_map spreads it; max_memory: accelerate's, for device_map='auto') with layerplan."""
     label = name or getattr(hf_model.config, "_name_or_path", None) or hf_model.config.model_type
-    return LoadedModel(name=str(label), hf=hf_model, tokenizer=tokenizer, source="in-memory")
+    placement = _placed(hf_model, device_map, max_memory) if device_map is not None else None
+    return LoadedModel(name=str(label), hf=hf_model, tokenizer=tokenizer, source="in-memory", placement=placement)
 
 
 @dataclass(frozen=True)

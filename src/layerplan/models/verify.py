@@ -167,7 +167,7 @@ def load_model(source: str | os.PathLike | None = None, *args, **kwargs) -> load
     return loading.load_model(source, *args, **kwargs)
 
 
-def wrap_model(hf_model: nn.Module, tokenizer: Any = None, name: str | None = None) -> loading.LoadedModel:
-    """loading.wrap_model, after the architecture's check."""
+def wrap_model(hf_model: nn.Module, tokenizer: Any = None, name: str | None = None, **placing) -> loading.LoadedModel:
+    """loading.wrap_model, after the architecture's check (placing: its device_map, max_memory)."""
     ensure_checked(hf_model.config)
-    return loading.wrap_model(hf_model, tokenizer, name)
+    return loading.wrap_model(hf_model, tokenizer, name, **placing)

@@ -167,12 +167,26 @@ def _plan_of(trial) -> str | None:
     return trial.user_attrs.get("plan")
 
 
-def _queued_plan(num_layers: int, trial) -> str | None:
-    """The plan of a WAITING (enqueued) trial."""
-    try:
-        return plan_from_params(num_layers, trial.system_attrs.get("fixed_params", {})).to_string()
-    except PlanError:
-        return None
+@dataclass(frozen=True)
+class StudySpace:
+    """What a shared study (optimise) searches, as three callbacks on Optuna trial parameters."""
+
+    propose: Callable[[Any], LayerPlan]  # a trial -> its plan, suggesting the trial's parameters (PlanError: invalid)
+    plan_of_params: Callable[[dict], LayerPlan]  # complete parameters -> their plan (PlanError: invalid or unknown)
+    unseen: Callable[[set[str], random.Random], dict | None]  # parameters of a valid plan not in the held set of
+    # plan strings; None once every plan is held
+
+
+def skip_space(model, items) -> StudySpace:
+    """Per-sub-layer switches (`items` from greedy.candidate_items) as a study space."""
+    def params_of(trial) -> dict[str, bool]:
+        return {name: trial.suggest_categorical(name, [True, False])
+                for name in ((f"attn_{i}" if kind == "attention" else f"mlp_{i}") for kind, i in items)}
+
+    return StudySpace(
+        propose=lambda trial: plan_from_params(model.num_layers, params_of(trial), model.name),
+        plan_of_params=lambda params: plan_from_params(model.num_layers, params),
+        unseen=lambda held, rng: _unseen_params(model.num_layers, items, held, rng))
 
 
 def run_study(
@@ -193,15 +207,38 @@ def run_study(
     grace: float = 60.0,
     poll: float = 0.2,
 ) -> StudyResult:
-    """Optimise `objective` (and, with multi_objective, the plan's relative cost too, minimised)
-    until the study holds `n_trials` finished trials, counting every worker's.
+    """Optimise `objective` over per-sub-layer skip plans (and, with multi_objective, the plan's
+    relative cost too, minimised) until the study holds `n_trials` finished trials, counting every
+    worker's (see optimise). `seeds` (e.g. the greedy result, the full model) are enqueued as the
+    first trials of a new study."""
+    model = evaluator.model
+    items = [item for item in candidate_items(model.num_layers, "sublayer", allow_ends)]
+    directions = [OBJECTIVES[objective].direction] + (["minimize"] if multi_objective else [])
 
-    `seeds` (e.g. the greedy result, the full model) are enqueued as the first trials of a new
-    study. Each worker's sampler seed comes from the study name, `seed` and the number of the
-    worker's first trial (reproducible with a seed; fresh without). A plan the study already holds
-    is not evaluated again: the trial is pruned with the holder's values copied (`duplicate_of`).
-    Trials whose worker died (see layerplan.search.workers) are failed at start-up and while
-    waiting; a worker waits for earlier trials in flight rather than run one past `n_trials`.
+    def evaluate(plan: LayerPlan) -> float | tuple[float, float]:
+        value = score(objective, plan, evaluator, costs, prompts)
+        return (value, costs.relative_cost(plan) if costs else plan.cost) if multi_objective else value
+
+    return optimise(skip_space(model, items), evaluate, objective, directions, n_trials, storage,
+                    study_name or f"{model.name}-{objective}{'-cost' if multi_objective else ''}",
+                    sampler if not (multi_objective and sampler == "tpe") else "nsga2",
+                    [params_from_plan(plan, items) for plan in seeds], seed, on_trial, heartbeat, grace, poll)
+
+
+def optimise(space: StudySpace, evaluate: Callable[[LayerPlan], float | tuple[float, ...]], objective: str,
+             directions: list[str], n_trials: int, storage: str | None, name: str, sampler: str = "tpe",
+             seeds: list[dict] = (), seed: int | None = None, on_trial: Callable[[int, int], None] | None = None,
+             heartbeat: float = 10.0, grace: float = 60.0, poll: float = 0.2) -> StudyResult:
+    """One worker of study `name` on `storage`: proposes plans from `space` and evaluates them
+    (`evaluate`: the value, or one per direction) until the study holds `n_trials` finished
+    trials, counting every worker's.
+
+    `seeds` (trial parameters) are enqueued as the first trials of a new study. Each worker's
+    sampler seed comes from the study name, `seed` and the number of the worker's first trial
+    (reproducible with a seed; fresh without). A plan the study already holds is not evaluated
+    again: the trial is pruned with the holder's values copied (`duplicate_of`). Trials whose
+    worker died (see layerplan.search.workers) are failed at start-up and while waiting; a worker
+    waits for earlier trials in flight rather than run one past `n_trials`.
     `heartbeat`/`grace`: seconds between a running trial's heartbeats / before a silent one on
     another host counts as dead; `poll`: seconds between looks at the study while waiting."""
     import optuna
@@ -209,11 +246,8 @@ def run_study(
 
     if sampler not in SAMPLERS:
         raise ValueError(f"unknown sampler '{sampler}'; choose from {', '.join(SAMPLERS)}")
-    model = evaluator.model
-    items = [item for item in candidate_items(model.num_layers, "sublayer", allow_ends)]
-    directions = [OBJECTIVES[objective].direction] + (["minimize"] if multi_objective else [])
-    chosen = SAMPLERS[sampler if not (multi_objective and sampler == "tpe") else "nsga2"]
-    name = study_name or f"{model.name}-{objective}{'-cost' if multi_objective else ''}"
+    chosen = SAMPLERS[sampler]
+    multi_objective = len(directions) > 1
     study = optuna.create_study(storage=make_storage(storage, heartbeat=None), study_name=name,
                                 directions=directions, sampler=chosen.make(optuna, derive_seed(name, seed, "start")),
                                 load_if_exists=True)
@@ -234,8 +268,15 @@ def run_study(
         return study.get_trials(deepcopy=False) if failed else trials
 
     if not look():  # seed only a new study; a resumed one already has them
-        for plan in seeds:
-            study.enqueue_trial(params_from_plan(plan, items), skip_if_exists=True)
+        for params in seeds:
+            study.enqueue_trial(params, skip_if_exists=True)
+
+    def queued_plan(trial) -> str | None:
+        """The plan of a WAITING (enqueued) trial."""
+        try:
+            return space.plan_of_params(trial.system_attrs.get("fixed_params", {})).to_string()
+        except PlanError:
+            return None
 
     def complete(trials) -> list:
         return [t for t in trials if t.state == TrialState.COMPLETE]
@@ -260,11 +301,9 @@ def run_study(
     def run_trial(trial) -> str:
         beat = Heartbeat(trial, heartbeat)
         try:
-            params = {(f"attn_{i}" if kind == "attention" else f"mlp_{i}"): trial.suggest_categorical(
-                f"attn_{i}" if kind == "attention" else f"mlp_{i}", [True, False]) for kind, i in items}
             trial.set_user_attr("sampler_seed", worker_seed)
             try:
-                plan = plan_from_params(model.num_layers, params, model.name)
+                plan = space.propose(trial)
             except PlanError as error:
                 trial.set_user_attr("plan", "")
                 trial.set_user_attr("invalid", str(error))
@@ -288,8 +327,7 @@ def run_study(
                 beat.stop()
                 study.tell(trial, state=TrialState.FAIL)
                 return verdict
-            value = score(objective, plan, evaluator, costs, prompts)
-            values = (value, costs.relative_cost(plan) if costs else plan.cost) if multi_objective else value
+            values = evaluate(plan)
             beat.stop()
             study.tell(trial, values)
             return "complete"
@@ -319,8 +357,8 @@ def run_study(
             # plan nobody has run yet, drawn at random, keeps the study moving
             held = {_plan_of(t) for t in trials if t.state in (TrialState.COMPLETE, TrialState.RUNNING,
                                                                  TrialState.WAITING)}
-            held |= {_queued_plan(model.num_layers, t) for t in trials if t.state == TrialState.WAITING}
-            params = _unseen_params(model.num_layers, items, held, rng)
+            held |= {queued_plan(t) for t in trials if t.state == TrialState.WAITING}
+            params = space.unseen(held, rng)
             if params is None:
                 break  # every valid plan has been run
             study.enqueue_trial(params)

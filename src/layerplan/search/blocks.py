@@ -10,12 +10,15 @@ runs only its tail: the repeated block and the layers after it.
 
 from __future__ import annotations
 
+import itertools
+import random
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 
 from layerplan.models.loading import LoadedModel
 from layerplan.plan.plan import LayerPlan, PlanError, Step
+from layerplan.search.bayes import StudyResult, StudySpace, optimise
 from layerplan.search.measures import MEASURES, Score, bootstrap, is_better, point_value
 
 
@@ -146,8 +149,8 @@ def block_scan(model: LoadedModel, scorers: dict, blocks: Sequence[tuple[int, in
 @dataclass(frozen=True)
 class MergeSpace:
     """What a merge study may choose: a block inside `layer_range` of at most `max_len` layers,
-    repeated 1..max_repeats times, its repeated passes at a residual scale in `scales`, taken
-    from one of `sources` ("" the model itself, "b" an attached second model)."""
+    repeated 1..max_repeats times, its repeated passes at a residual scale in `scales` (steps of
+    SCALE_STEP), taken from one of `sources` ("" the model itself, "b" an attached second model)."""
 
     layer_range: tuple[int, int]
     max_len: int
@@ -155,55 +158,66 @@ class MergeSpace:
     scales: tuple[float, float] = (0.5, 1.0)
     sources: tuple[str, ...] = ("",)
 
+    SCALE_STEP = 0.05
+
     def plan(self, model: LoadedModel, trial) -> LayerPlan:
+        """The plan of an Optuna trial, suggesting its parameters (only those with a choice)."""
         low, high = self.layer_range
-        start = trial.suggest_int("start", low, high)
-        length = trial.suggest_int("length", 1, self.max_len)
-        repeats = trial.suggest_int("repeats", 1, self.max_repeats)
-        scale = trial.suggest_float("scale", *self.scales, step=0.05) if self.scales[0] < self.scales[1] else self.scales[0]
-        source = trial.suggest_categorical("source", list(self.sources)) if len(self.sources) > 1 else self.sources[0]
-        return repeat_plan(model, start, min(start + length - 1, high), repeats, round(scale, 4), source)
+        params = {"start": trial.suggest_int("start", low, high), "length": trial.suggest_int("length", 1, self.max_len),
+                  "repeats": trial.suggest_int("repeats", 1, self.max_repeats)}
+        if self.scales[0] < self.scales[1]:
+            params["scale"] = trial.suggest_float("scale", *self.scales, step=self.SCALE_STEP)
+        if len(self.sources) > 1:
+            params["source"] = trial.suggest_categorical("source", list(self.sources))
+        return self.plan_of_params(model, params)
+
+    def plan_of_params(self, model: LoadedModel, params: dict) -> LayerPlan:
+        """The plan of trial parameters (PlanError where one with a choice is missing)."""
+        missing = [key for key in ("start", "length", "repeats") if key not in params]
+        if self.scales[0] < self.scales[1] and "scale" not in params:
+            missing.append("scale")
+        if missing:
+            raise PlanError(f"merge parameters without {', '.join(missing)}")
+        start = params["start"]
+        end = min(start + params["length"] - 1, self.layer_range[1])
+        return repeat_plan(model, start, end, params["repeats"], round(params.get("scale", self.scales[0]), 4),
+                           params.get("source", self.sources[0]))
+
+    def unseen(self, model: LoadedModel, held: set[str], rng: random.Random) -> dict | None:
+        """Parameters of a plan of the space whose string is not in `held` (None: every one is):
+        random draws first, then the whole space in order."""
+        low, high = self.layer_range
+        axes = {"start": range(low, high + 1), "length": range(1, self.max_len + 1),
+                "repeats": range(1, self.max_repeats + 1)}
+        if self.scales[0] < self.scales[1]:
+            count = int(round((self.scales[1] - self.scales[0]) / self.SCALE_STEP)) + 1
+            axes["scale"] = [round(self.scales[0] + k * self.SCALE_STEP, 4) for k in range(count)]
+        if len(self.sources) > 1:
+            axes["source"] = list(self.sources)
+        draws = (dict(zip(axes, (rng.choice(list(axis)) for axis in axes.values()))) for _ in range(256))
+        every = (dict(zip(axes, values)) for values in itertools.product(*axes.values()))
+        for params in itertools.chain(draws, every):
+            try:
+                if self.plan_of_params(model, params).to_string() not in held:
+                    return params
+            except PlanError:
+                continue
+        return None
+
+    def study_space(self, model: LoadedModel) -> StudySpace:
+        return StudySpace(propose=lambda trial: self.plan(model, trial),
+                          plan_of_params=lambda params: self.plan_of_params(model, params),
+                          unseen=lambda held, rng: self.unseen(model, held, rng))
 
 
 def merge_study(model: LoadedModel, scorer, measure: str, space: MergeSpace, n_trials: int,
-                storage: str | None = None, study_name: str | None = None, sampler: str = "tpe", seed: int = 0,
-                seeds: Sequence[dict] = (), on_trial: Callable[[int, int], None] | None = None):
+                storage: str | None = None, study_name: str | None = None, sampler: str = "tpe",
+                seed: int | None = 0, seeds: Sequence[dict] = (), on_trial: Callable[[int, int], None] | None = None,
+                heartbeat: float = 10.0, grace: float = 60.0, poll: float = 0.2) -> StudyResult:
     """An Optuna study over frankenmerge plans optimising `measure` (its direction) with one
-    scorer; storage, resumption and sharing as the skip search's (bayes.py). `seeds`: trial
-    parameters enqueued first in a new study (e.g. the block scan's best)."""
-    import optuna
-    from optuna.study import MaxTrialsCallback
-    from optuna.trial import TrialState
-
-    from layerplan.search.bayes import SAMPLERS, make_storage, summarise  # deferred: optuna is heavy
-
-    if sampler not in SAMPLERS:
-        raise ValueError(f"unknown sampler '{sampler}'; choose from {', '.join(SAMPLERS)}")
-    direction = MEASURES[measure].direction
-    name = study_name or f"{model.name}-merge-{measure}"
-    study = optuna.create_study(storage=make_storage(storage), study_name=name, directions=[direction],
-                                sampler=SAMPLERS[sampler].make(optuna, seed), load_if_exists=True)
-    if not study.trials:  # seed only a new study; a resumed one already has them
-        for params in seeds:
-            study.enqueue_trial(params, skip_if_exists=True)
-    memo: dict[LayerPlan, float] = {}
-
-    def objective(trial) -> float:
-        plan = space.plan(model, trial)
-        trial.set_user_attr("plan", plan.to_string())
-        trial.set_user_attr("cost", len(plan.steps) / model.num_layers)
-        if plan not in memo:  # samplers propose the same plan again (length clipped at the range's end)
-            memo[plan] = point_value(scorer, plan)
-        return memo[plan]
-
-    def finished(study_) -> int:
-        return len(study_.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)))
-
-    def progress(study_, trial) -> None:
-        if on_trial:
-            on_trial(min(finished(study_), n_trials), n_trials)
-
-    if finished(study) < n_trials:  # a resumed study runs only the trials it lacks
-        study.optimize(objective, n_trials=n_trials - finished(study),
-                       callbacks=[MaxTrialsCallback(n_trials, states=(TrialState.COMPLETE,)), progress])
-    return summarise(study, measure, [direction])
+    scorer, on the skip search's machinery (bayes.optimise): shared storage, several workers
+    that never run one plan twice, resumption, stale trials of dead workers failed. `seeds`:
+    trial parameters enqueued first in a new study (e.g. the block scan's best)."""
+    return optimise(space.study_space(model), lambda plan: point_value(scorer, plan), measure,
+                    [MEASURES[measure].direction], n_trials, storage, study_name or f"{model.name}-merge-{measure}",
+                    sampler, list(seeds), seed, on_trial, heartbeat, grace, poll)

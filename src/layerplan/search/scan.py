@@ -2,7 +2,8 @@
 
 The residual stream up to the switched-off sub-layer is exactly the base plan's, so the
 evaluator captures it once and each candidate resumes from there: on average half the model is
-run per candidate (`reuse=False` recomputes from the embeddings, the naive baseline).
+run per candidate (`reuse=False` recomputes from the embeddings, the naive baseline). For a
+mixture-of-experts model the scan also reports each expert's routing share (search/routing.py).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch
 from layerplan.models.loading import LoadedModel
 from layerplan.plan.plan import LayerPlan, PlanError
 from layerplan.search.evaluator import PlanEvaluator
+from layerplan.search.routing import ExpertRouting, routing_shares
 
 KINDS = ("attention", "mlp", "layer")
 EXIT = "exit"  # exit after `step` steps: the final norm and LM head on that residual stream
@@ -41,6 +43,8 @@ class ScanResult:
     items: list[ScanItem] = field(default_factory=list)
     seconds: float = 0.0
     reuse: bool = True
+    # per plan step with a mixture-of-experts MLP: each expert's share of the top-k selections
+    routing: list[ExpertRouting] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -60,6 +64,12 @@ class ScanResult:
                 f"{item.layer:>5} {item.kind:<9} {item.perplexity:>10.3f} {item.perplexity_delta:>+10.3f} "
                 f"{item.kl:>8.4f} {item.top1_agreement:>6.3f}"
             )
+        if self.routing:
+            experts = len(self.routing[0].shares)
+            lines += ["", f"expert routing share, % of top-k selections on the calibration text ({experts} experts)",
+                      f"{'step':>5} {'layer':>5}  " + (" ".join(f"{f'e{e}':>5}" for e in range(experts))
+                                                      if experts <= 16 else "")]
+            lines += [f"{r.step:>5} {r.layer:>5}  {r.line()}" for r in self.routing]
         return "\n".join(lines)
 
 
@@ -80,7 +90,8 @@ def scan(
     start = time.perf_counter()
     evaluator = PlanEvaluator(model, ids, reference=plan, reuse=reuse)
     base = evaluator.reference.perplexity
-    result = ScanResult(model.name, plan.to_string(), int(ids.numel()), base, reuse=reuse)
+    result = ScanResult(model.name, plan.to_string(), int(ids.numel()), base, reuse=reuse,
+                        routing=routing_shares(model, ids, plan))
 
     candidates = []
     for index, step in enumerate(plan.active_steps):
