@@ -260,6 +260,18 @@ def test_measures_registry_shares_a_probe_and_names_what_is_missing(tiny):
     assert result.rows[0].scores[1].detail == pytest.approx(result.rows[0].scores[1].value)
 
 
+def test_a_scan_with_workers_scores_every_block_as_one_worker_does(tiny):
+    model, ids = tiny
+    scorers = {"ppl": PerplexityScorer(model, ids, model.plan()),
+               **build_scorers(model, ["arithmetic-ll", "arithmetic"], MeasureInputs(probe_items=6))}
+    threads = torch.get_num_threads()
+    alone = block_scan(model, scorers, block_candidates(4))
+    seen = []
+    shared = block_scan(model, scorers, block_candidates(4), workers=3, on_progress=lambda done, total: seen.append(done))
+    assert shared.rows == alone.rows  # the probe's two measures read one pass per thread, never another's
+    assert seen == list(range(1, 11)) and torch.get_num_threads() == threads
+
+
 # ----- the study -----------------------------------------------------------------------------------
 def test_merge_study_resumes_and_scores_what_it_says(tiny, tmp_path):
     pytest.importorskip("optuna")
@@ -365,7 +377,7 @@ def test_explore_blocks_and_search_from_the_command_line(smollm2, tmp_path):
     out = tmp_path / "run"
     common = ["--range", "12-13", "--tokens", "32", "--probe-items", "4", "--out", str(out)]
     result = CliRunner().invoke(main, ["explore", "--blocks", "--report", "--measure", "ppl", "--measure", "dates",
-                                       "--repeats", "2", *common])
+                                       "--repeats", "2", "--workers", "2", *common])
     assert result.exit_code == 0, result.output
     report = json.loads((out / "blocks.json").read_text())
     assert report["measures"] == ["ppl", "dates"] and len(report["rows"]) == 3 and report["repeats"] == 2

@@ -459,6 +459,8 @@ def ppl(model, dtype, device, threads, plan, model_b, text, window, stride, max_
 @click.option("--seed", default=0, show_default=True, help="built-in probe items, bootstrap and the study's sampler")
 @click.option("--limit", type=click.IntRange(min=1), default=None, help="scan only the first N blocks (a quick look)")
 @click.option("--no-reuse", is_flag=True, help="run every block from the embeddings (the naive baseline)")
+@click.option("--workers", type=click.IntRange(min=1), default=1, show_default=True,
+              help="--blocks: candidates scored at once, each on one thread (instead of --threads splitting each one)")
 @click.option("--report", is_flag=True, help="also write report.html (heatmaps, top blocks, export commands)")
 @click.option("--search", "study", is_flag=True, help="an Optuna study over merge plans (block, repeats, residual "
               "scale, --model-b) optimising --rank; resumes from its storage; exports the best")
@@ -473,8 +475,8 @@ def ppl(model, dtype, device, threads, plan, model_b, text, window, stride, max_
 @model_b_option
 @click.option("--out", type=click.Path(file_okay=False), default="runs/explore", show_default=True)
 def explore(model, dtype, device, threads, recompute, rewind, plans, tokens, text, blocks, layer_range, max_len,
-            repeats, measures, rank, probe_file, probe_items, task, include_path, seed, limit, no_reuse, report, study,
-            trials, scales, sampler, storage, study_name, export, model_b, out) -> None:
+            repeats, measures, rank, probe_file, probe_items, task, include_path, seed, limit, no_reuse, workers, report,
+            study, trials, scales, sampler, storage, study_name, export, model_b, out) -> None:
     """Explore in-situ frankenmerges.
 
     \b
@@ -485,8 +487,8 @@ def explore(model, dtype, device, threads, recompute, rewind, plans, tokens, tex
     if blocks or study:
         _explore_merges(model, dtype, device, blocks, layer_range, max_len, repeats, measures,
                         rank, MeasureInputs(tokens or 256, text, probe_file, probe_items, seed, task, include_path),
-                        limit, no_reuse, report, study, trials, scales, sampler, storage, study_name, export, model_b,
-                        Path(out))
+                        limit, no_reuse, workers, report, study, trials, scales, sampler, storage, study_name, export,
+                        model_b, Path(out))
         return
     with _user_errors():
         numbers = {}
@@ -512,7 +514,7 @@ def explore(model, dtype, device, threads, recompute, rewind, plans, tokens, tex
 
 
 def _explore_merges(model, dtype, device, blocks, layer_range, max_len, repeats, measures, rank,
-                    inputs: MeasureInputs, limit, no_reuse, report, study, trials, scales, sampler, storage,
+                    inputs: MeasureInputs, limit, no_reuse, workers, report, study, trials, scales, sampler, storage,
                     study_name, export, model_b, out_dir: Path) -> None:
     """explore --blocks and/or --search (the scan's best blocks seed the study)."""
     with _user_errors():
@@ -536,7 +538,7 @@ def _explore_merges(model, dtype, device, blocks, layer_range, max_len, repeats,
                     click.echo(f"· {line}", err=True)
                     stages.start(line.partition(":")[0])
 
-                result = scan_blocks(loaded, names, inputs, span, max_len, repeats, limit, not no_reuse,
+                result = scan_blocks(loaded, names, inputs, span, max_len, repeats, limit, not no_reuse, workers,
                                      on_stage=stage, on_progress=stages)
             click.echo(result.table(top=20))
             written = write_scan(result, out_dir, model, report)

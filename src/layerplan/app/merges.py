@@ -28,7 +28,7 @@ def export_commands(plan: str, model_source: str, out: str = "merged") -> list[s
 
 
 def scan_blocks(model: LoadedModel, measures: list[str], inputs: MeasureInputs, layer_range: tuple[int, int],
-                max_len: int | None, repeats: int, limit: int | None = None, reuse: bool = True,
+                max_len: int | None, repeats: int, limit: int | None = None, reuse: bool = True, workers: int = 1,
                 on_stage: Callable[[str], None] | None = None,
                 on_progress: Callable[[int, int], None] | None = None) -> BlockScanResult:
     """Every block in the range (the first `limit` of them, by end then start) repeated `repeats` times."""
@@ -38,7 +38,7 @@ def scan_blocks(model: LoadedModel, measures: list[str], inputs: MeasureInputs, 
     scorers = build_scorers(model, measures, inputs, reuse=reuse)
     if on_stage:
         on_stage(f"blocks: {len(blocks)} candidates")
-    return block_scan(model, scorers, blocks, repeats, inputs.seed, on_progress)
+    return block_scan(model, scorers, blocks, repeats, inputs.seed, on_progress, workers)
 
 
 def write_scan(result: BlockScanResult, out_dir: Path, model_source: str, report: bool = False) -> list[Path]:

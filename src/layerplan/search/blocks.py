@@ -14,7 +14,10 @@ import itertools
 import random
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
+
+import torch
 
 from layerplan.models.loading import LoadedModel
 from layerplan.plan.plan import LayerPlan, PlanError, Step
@@ -120,27 +123,48 @@ class BlockScanResult:
 
 
 def block_scan(model: LoadedModel, scorers: dict, blocks: Sequence[tuple[int, int]], repeats: int = 1,
-               seed: int = 0, on_progress: Callable[[int, int], None] | None = None) -> BlockScanResult:
+               seed: int = 0, on_progress: Callable[[int, int], None] | None = None,
+               workers: int = 1) -> BlockScanResult:
     """Score each block repeated `repeats` times on every measure (scorers from
-    measures.build_scorers, the first ranks), against the model itself."""
+    measures.build_scorers, the first ranks), against the model itself.
+
+    workers > 1: that many candidates at once, each on one thread (torch's thread count is 1
+    during the scan and restored after). The candidates are independent, so this scales better
+    than splitting each candidate's small products across threads; every score is computed by
+    the same operations as with one worker."""
     if not blocks:
         raise PlanError("no block to scan: the range and --max-len leave none")
     if not scorers:
         raise ValueError("give at least one measure")
+    if workers < 1:
+        raise ValueError(f"workers must be at least 1, got {workers}")
     start_time = time.perf_counter()
     base_plan = model.plan()
     base_units = {name: scorer.units(base_plan) for name, scorer in scorers.items()}
     base = [bootstrap(name, units, units, scorers[name].summary, seed=seed) for name, units in base_units.items()]
     reuse = all(scorer.reuse for scorer in scorers.values())
     result = BlockScanResult(model.name, model.num_layers, list(scorers), base, repeats=repeats, reuse=reuse)
-    for done, (start, end) in enumerate(blocks, 1):
-        plan = repeat_plan(model, start, end, repeats)
+
+    def row_of(block: tuple[int, int]) -> BlockRow:
+        plan = repeat_plan(model, *block, repeats)
         scores = [bootstrap(name, scorer.units(plan), base_units[name], scorer.summary, seed=seed)
                   for name, scorer in scorers.items()]
-        result.rows.append(BlockRow(start, end, repeats, plan.to_string(), len(plan.steps),
-                                    len(plan.steps) / model.num_layers - 1.0, scores))
-        if on_progress:
-            on_progress(done, len(blocks))
+        return BlockRow(block[0], block[1], repeats, plan.to_string(), len(plan.steps),
+                        len(plan.steps) / model.num_layers - 1.0, scores)
+
+    threads = torch.get_num_threads()
+    pool = ThreadPoolExecutor(workers, thread_name_prefix="block-scan") if workers > 1 else None
+    try:
+        if pool is not None:
+            torch.set_num_threads(1)
+        for done, row in enumerate(pool.map(row_of, blocks) if pool is not None else map(row_of, blocks), 1):
+            result.rows.append(row)
+            if on_progress:
+                on_progress(done, len(blocks))
+    finally:
+        if pool is not None:
+            pool.shutdown(cancel_futures=True)
+            torch.set_num_threads(threads)
     result.seconds = time.perf_counter() - start_time
     return result
 

@@ -11,6 +11,7 @@ from probes.PROBE_SETS.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -163,7 +164,7 @@ class ProbeScorer:
         if model.tokenizer is None:
             raise ValueError("task probes need the model's tokenizer")
         self.model, self.probe, self.items, self.reuse = model, probe, probe.items, reuse
-        self.last: tuple[LayerPlan, ProbeAnswers] | None = None
+        self._last = threading.local()  # .answers: (plan, ProbeAnswers), per thread (block_scan's workers)
         self.stop_tokens = set(model.eos_token_ids)
         self.word_tokens: dict[int, bool] = {}  # token id -> its text starts with a letter or digit
         rows = self._rows()
@@ -208,8 +209,9 @@ class ProbeScorer:
     @torch.inference_mode()
     def answers(self, plan: LayerPlan) -> ProbeAnswers:
         """The plan's answers (the last plan's are kept: several measures read one probe)."""
-        if self.last is not None and self.last[0] == plan:
-            return self.last[1]
+        last = getattr(self._last, "answers", None)
+        if last is not None and last[0] == plan:
+            return last[1]
         count = len(self.items)
         exact = torch.zeros(count, dtype=torch.bool)
         greedy = torch.zeros(count, dtype=torch.bool)
@@ -229,8 +231,8 @@ class ProbeScorer:
                 exact[item] = greedy[item] and not self._continues_word(int(best[offset + len(answer)]))
                 logprob[item] = float(logp[span].gather(1, target[:, None]).double().sum())
                 offset += len(answer) + 1
-        self.last = (plan, ProbeAnswers(exact, greedy, logprob))
-        return self.last[1]
+        self._last.answers = (plan, ProbeAnswers(exact, greedy, logprob))
+        return self._last.answers[1]
 
 
 class ProbeView:
