@@ -36,7 +36,7 @@ from layerplan.models.verify import check_architecture, config_for, load_model
 from layerplan.plan.formats import FORMATS, load_plan, save_plan, to_mergekit
 from layerplan.plan.plan import PlanError
 from layerplan.search.bayes import SAMPLERS
-from layerplan.search.blocks import MergeSpace, parse_range
+from layerplan.search.blocks import MergeSpace, parse_range, parse_repeats
 from layerplan.search.evaluate import calibration_ids, perplexity
 from layerplan.search.evaluate import compare as run_compare
 from layerplan.search.explore import explore as run_explore
@@ -442,8 +442,8 @@ def ppl(model, dtype, device, threads, plan, model_b, text, window, stride, max_
               "against the model, on --measure; writes blocks.json and a heatmap per measure")
 @click.option("--range", "layer_range", default=None, help="blocks inside these layers only, e.g. 4-25 (inclusive)")
 @click.option("--max-len", type=int, default=None, help="blocks of at most this many layers")
-@click.option("--repeats", type=click.IntRange(1, 2), default=1, show_default=True,
-              help="extra passes of the block (--search: the most it may choose)")
+@click.option("--repeats", default="1", show_default=True,
+              help="extra passes of the block: 1, 2, or 1,2 for both (a heatmap each; --search: the most it may choose)")
 @click.option("--measure", "measures", multiple=True, type=click.Choice(list(MEASURES)),
               help="repeatable; default: ppl and arithmetic (plus text with --text, file with --probe-file, task with --task)")
 @click.option("--rank", type=click.Choice(list(MEASURES)), default=None,
@@ -530,6 +530,7 @@ def _explore_merges(model, dtype, device, blocks, layer_range, max_len, repeats,
             raise ValueError(f"--scales takes a number or a range like 0.5-1.0, got '{scales}'") from None
         check_measures(names, inputs)  # bad input fails before the model loads
         span = parse_range(layer_range, model_depth(model)[0])
+        counts = parse_repeats(repeats)
         loaded = _attach(_load(model, dtype, device), model_b, dtype, device)
         seeds = []
         if blocks:
@@ -538,7 +539,7 @@ def _explore_merges(model, dtype, device, blocks, layer_range, max_len, repeats,
                     click.echo(f"· {line}", err=True)
                     stages.start(line.partition(":")[0])
 
-                result = scan_blocks(loaded, names, inputs, span, max_len, repeats, limit, not no_reuse, workers,
+                result = scan_blocks(loaded, names, inputs, span, max_len, counts, limit, not no_reuse, workers,
                                      on_stage=stage, on_progress=stages)
             click.echo(result.table(top=20))
             written = write_scan(result, out_dir, model, report)
@@ -557,7 +558,7 @@ def _explore_merges(model, dtype, device, blocks, layer_range, max_len, repeats,
             import optuna  # deferred: heavy
 
             optuna.logging.set_verbosity(optuna.logging.WARNING)  # a line per trial would hide the progress bar
-            space = MergeSpace(span, max_len or (span[1] - span[0] + 1), repeats, scale_range,
+            space = MergeSpace(span, max_len or (span[1] - span[0] + 1), counts[-1], scale_range,
                                ("", "b") if model_b else ("",))
             if scale_range[0] == scale_range[1]:
                 seeds = [{k: v for k, v in s.items() if k != "scale"} for s in seeds]
