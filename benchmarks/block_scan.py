@@ -1,7 +1,7 @@
 """Time of the full block-repeat scan of the default model against the naive baseline, in one run.
 
     python benchmarks/block_scan.py [--tokens 256] [--measure ppl --measure arithmetic] [--probe-items 24]
-                                    [--dtype float32] [--repeats 1] [--naive-sample 12] [--limit N]
+                                    [--dtype float32] [--repeats 1] [--naive-sample 12] [--limit N] [--workers W]
 
 The scan: every block i..j of the 30 layers (465 blocks) repeated once, scored on perplexity of
 --tokens calibration tokens and one built-in probe set, the model's residual stream before each
@@ -9,6 +9,8 @@ layer kept from one pass and only each candidate's tail run. The naive baseline 
 candidate from the embeddings; it is timed on --naive-sample blocks spread evenly over the scan
 order and extrapolated to all blocks (said so in the output), and its scores are checked equal
 to the scan's. --limit N scans only the first N blocks (a quick check that the script runs).
+--workers W scores W candidates at once, one thread each (both the scan and the naive sample);
+the default 1 gives each candidate torch's threads.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--naive-sample", type=int, default=12)
     parser.add_argument("--limit", type=int, default=None)
+    parser.add_argument("--workers", type=int, default=1)
     args = parser.parse_args()
     measures = args.measure or ["ppl", "arithmetic"]
     inputs = MeasureInputs(tokens=args.tokens, probe_items=args.probe_items)
@@ -41,13 +44,13 @@ def main() -> None:
     blocks = block_candidates(model.num_layers)[: args.limit]
     print(cpu_info().line())
     print(f"{model.name}, {args.dtype}, engine {'native' if model.native is not None else 'eager'}, "
-          f"{torch.get_num_threads()} threads; {len(blocks)} blocks repeated {args.repeats}x; measures "
+          f"{torch.get_num_threads()} threads, {args.workers} worker(s); {len(blocks)} blocks repeated {args.repeats}x; measures "
           f"{', '.join(measures)} ({args.tokens} calibration tokens, {args.probe_items} probe items)")
 
     start = time.perf_counter()
     scorers = build_scorers(model, measures, inputs)
     prepared = time.perf_counter() - start
-    result = block_scan(model, scorers, blocks, args.repeats)
+    result = block_scan(model, scorers, blocks, args.repeats, workers=args.workers)
     total = prepared + result.seconds
     print(f"shared prefix: {total:.1f}s = {prepared:.1f}s base pass (every measure's stream kept before each layer) "
           f"+ {result.seconds:.1f}s for {len(blocks)} candidates ({result.seconds / len(blocks):.2f}s each)")
@@ -57,7 +60,7 @@ def main() -> None:
     start = time.perf_counter()
     naive_scorers = build_scorers(model, measures, inputs, reuse=False)
     naive_prepared = time.perf_counter() - start
-    naive = block_scan(model, naive_scorers, [blocks[k] for k in picks], args.repeats)
+    naive = block_scan(model, naive_scorers, [blocks[k] for k in picks], args.repeats, workers=args.workers)
     per_candidate = naive.seconds / len(picks)
     estimate = naive_prepared + per_candidate * len(blocks)
     same = all(abs(row.score(m).value - result.rows[k].score(m).value) <= 1e-6 * max(1.0, abs(row.score(m).value))

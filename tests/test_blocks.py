@@ -13,7 +13,8 @@ from transformers import AutoModelForCausalLM
 from layerplan.engine.runner import forward
 from layerplan.export import export_checkpoint
 from layerplan.plan.plan import PlanError
-from layerplan.search.blocks import MergeSpace, block_candidates, block_scan, merge_study, parse_range, repeat_plan
+from layerplan.search.blocks import (MergeSpace, block_candidates, block_scan, merge_study, parse_range, parse_repeats,
+                                     repeat_plan)
 from layerplan.search.evaluate import perplexity
 from layerplan.search.measures import (PerplexityScorer, ProbeScorer, ProbeView, Units, bootstrap, build_scorers,
                                        MeasureInputs, point_value)
@@ -60,6 +61,10 @@ def test_blocks_and_their_plans(tiny):
     twice = repeat_plan(model, 2, 2, repeats=2, scale=0.5)
     assert twice.to_string() == "0-2,2@0.5,2@0.5,3"
     assert parse_range("1-2", 4) == (1, 2)
+    assert parse_repeats("2,1") == [1, 2] and parse_repeats(2) == [2]
+    for bad in ("0", "1,-2", "twice", ""):
+        with pytest.raises(PlanError, match="cannot read --repeats"):
+            parse_repeats(bad)
     for bad, message in (("2-9", "outside layers 0–3"), ("x", "expected A-B")):
         with pytest.raises(PlanError, match=message):
             parse_range(bad, 4)
@@ -68,7 +73,7 @@ def test_blocks_and_their_plans(tiny):
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-@pytest.mark.parametrize("repeats", [1, 2])
+@pytest.mark.parametrize("repeats", [1, 2, (1, 2)])
 def test_scanned_perplexity_equals_the_plan_run_alone(arch, repeats):
     """The shared-prefix scan, the naive scan and sliding-window perplexity of each plan agree."""
     model = tiny_model(arch, num_layers=4)
@@ -84,8 +89,37 @@ def test_scanned_perplexity_equals_the_plan_run_alone(arch, repeats):
         assert row.score("ppl").value == pytest.approx(alone, rel=1e-6)
         assert row.score("ppl").value == pytest.approx(naive_row.score("ppl").value, rel=1e-9)
         assert row.score("ppl").change == pytest.approx(alone - alone_base, abs=2e-6 * alone)
-    assert {(r.start, r.end) for r in fast.rows} == set(blocks)
-    assert all(len(r.plan.split(",")) >= 2 for r in fast.rows)
+    counts = [repeats] if isinstance(repeats, int) else list(repeats)
+    assert [(r.start, r.end, r.repeats) for r in fast.rows] == [(i, j, c) for i, j in blocks for c in counts]
+    assert fast.repeats == counts and all(len(r.plan.split(",")) >= 2 for r in fast.rows)
+    if counts == [1, 2]:  # the second repeat resumed after the first's: the same numbers as scanning it alone
+        twice = block_scan(model, {"ppl": PerplexityScorer(model, ids, model.plan())}, blocks, 2)
+        assert [r for r in fast.rows if r.repeats == 2] == twice.rows
+        assert "x2" in fast.table()
+
+
+def test_a_block_repeated_twice_runs_only_its_second_repeat_after_the_first(tiny, monkeypatch):
+    from layerplan.search import measures
+
+    model, ids = tiny
+    scorers = {"ppl": PerplexityScorer(model, ids, model.plan()),
+               **build_scorers(model, ["arithmetic"], MeasureInputs(probe_items=4))}
+    steps_run = []
+    real = measures.run_hidden
+
+    def counting(model_, ids_, plan, *args, resume=None, **kwargs):
+        steps_run.append(len(plan.active_steps) - resume.step)
+        return real(model_, ids_, plan, *args, resume=resume, **kwargs)
+
+    monkeypatch.setattr(measures, "run_hidden", counting)
+    blocks = block_candidates(4)
+    cost = {}
+    for repeats in (1, 2, (1, 2)):
+        steps_run.clear()
+        block_scan(model, scorers, blocks, repeats)
+        cost[repeats] = sum(steps_run)
+    saved = 2 * sum(j - i + 1 for i, j in blocks)  # the first repeat, for each of the two streams
+    assert cost[(1, 2)] == cost[1] + cost[2] - saved
 
 
 def test_exported_candidate_reproduces_the_scanned_perplexity(tiny, tmp_path):
@@ -260,6 +294,18 @@ def test_measures_registry_shares_a_probe_and_names_what_is_missing(tiny):
     assert result.rows[0].scores[1].detail == pytest.approx(result.rows[0].scores[1].value)
 
 
+def test_a_scan_with_workers_scores_every_block_as_one_worker_does(tiny):
+    model, ids = tiny
+    scorers = {"ppl": PerplexityScorer(model, ids, model.plan()),
+               **build_scorers(model, ["arithmetic-ll", "arithmetic"], MeasureInputs(probe_items=6))}
+    threads = torch.get_num_threads()
+    alone = block_scan(model, scorers, block_candidates(4))
+    seen = []
+    shared = block_scan(model, scorers, block_candidates(4), workers=3, on_progress=lambda done, total: seen.append(done))
+    assert shared.rows == alone.rows  # the probe's two measures read one pass per thread, never another's
+    assert seen == list(range(1, 11)) and torch.get_num_threads() == threads
+
+
 # ----- the study -----------------------------------------------------------------------------------
 def test_merge_study_resumes_and_scores_what_it_says(tiny, tmp_path):
     pytest.importorskip("optuna")
@@ -365,14 +411,14 @@ def test_explore_blocks_and_search_from_the_command_line(smollm2, tmp_path):
     out = tmp_path / "run"
     common = ["--range", "12-13", "--tokens", "32", "--probe-items", "4", "--out", str(out)]
     result = CliRunner().invoke(main, ["explore", "--blocks", "--report", "--measure", "ppl", "--measure", "dates",
-                                       "--repeats", "2", *common])
+                                       "--repeats", "1,2", "--workers", "2", *common])
     assert result.exit_code == 0, result.output
     report = json.loads((out / "blocks.json").read_text())
-    assert report["measures"] == ["ppl", "dates"] and len(report["rows"]) == 3 and report["repeats"] == 2
+    assert report["measures"] == ["ppl", "dates"] and len(report["rows"]) == 6 and report["repeats"] == [1, 2]
     assert {r["plan"] for r in report["rows"]} >= {"0-12,12*2,13-29"} or any("12" in r["plan"] for r in report["rows"])
     page = (out / "report.html").read_text()
     assert "layerplan export" in page and "data:image/png;base64" in page
-    assert (out / "blocks-ppl.png").exists() and (out / "blocks-dates.png").exists()
+    assert all((out / f"blocks-{m}-x{r}.png").exists() for m in ("ppl", "dates") for r in (1, 2))
     # the study resumes from its storage: the second run adds one trial
     for trials in ("2", "3"):
         result = CliRunner().invoke(main, ["explore", "--search", "--trials", trials, "--no-export", *common])
@@ -381,6 +427,7 @@ def test_explore_blocks_and_search_from_the_command_line(smollm2, tmp_path):
     assert len([t for t in study["trials"] if t["state"] == "COMPLETE"]) == 3
     assert "slices" in (out / "best-merge.yaml").read_text()
     for args, message in ((["--blocks", "--range", "5-99"], "outside layers 0–29"),
+                          (["--blocks", "--repeats", "1,x"], "cannot read --repeats '1,x'"),
                           (["--blocks", "--measure", "text"], "needs --text"),
                           (["--blocks", "--probe-file", str(tmp_path / "none.jsonl")], "probe file not found")):
         result = CliRunner().invoke(main, ["explore", *args])

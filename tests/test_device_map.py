@@ -1,5 +1,5 @@
-"""--device-map: decoder layers placed in CPU memory and on disk (weights in a file, brought in for
-their step only) give the plain model's logits, prefill and incremental, for repeat plans too (a
+"""--device-map: decoder layers placed in CPU memory and on disk (weights in accelerate's offload
+store, brought in for their step only) give the plain model's logits, prefill and incremental, for repeat plans too (a
 step's KV slot is its own), and the same greedy text; bad maps get one line naming the entry."""
 
 import json
@@ -7,15 +7,15 @@ import json
 import pytest
 import torch
 from click.testing import CliRunner
-from transformers import AutoConfig
+from transformers import AutoConfig, AutoTokenizer
 
 from layerplan.app.cli import main
 from layerplan.decoding.generate import generate
 from layerplan.engine.runner import forward, new_cache
 from layerplan.models import discovery
 from layerplan.models.architectures import ModelError
-from layerplan.models.loading import LoadedModel
-from layerplan.models.verify import check_ids, incremental_logits, wrap_model
+from layerplan.models.loading import LoadedModel, convert_gguf, default_gguf_path
+from layerplan.models.verify import check_ids, incremental_logits, load_model, wrap_model
 from tiny import tiny_hf
 
 TOLERANCE = 1e-5
@@ -62,10 +62,11 @@ def test_disk_and_cpu_layers_give_the_plain_models_logits(arch, tmp_path):
         reference = reference_model.hf(ids).logits
     assert_close(forward(model, ids), reference)
     assert_close(incremental_logits(model, ids), reference)
-    # between steps an offloaded layer holds no weights; its file does
+    # between steps an offloaded layer holds no weights (meta tensors); the offload store does
     offloaded = hf.get_submodule("model.layers.1")
-    assert all(p.numel() == 0 for p in offloaded.parameters()) and model.placement.resident is None
-    assert model.placement.file_of(1).stat().st_size > 0
+    assert all(p.device.type == "meta" for p in offloaded.parameters()) and model.placement.resident is None
+    assert all(model.placement.weights[f"model.layers.1.{name}"].shape == p.shape
+               for name, p in offloaded.named_parameters())
 
 
 @pytest.mark.parametrize("arch", ARCHS[:2])
@@ -129,6 +130,25 @@ def test_unreadable_map_files_get_one_line(text, needle, tmp_path):
         (tmp_path / "map.yaml").write_text(text)
     with pytest.raises(ModelError, match=needle):
         placed(build("llama"), device_map=str(tmp_path / "map.yaml"))
+
+
+@pytest.mark.real
+@pytest.mark.parametrize("arch", ["llama", "mixtral"])
+def test_a_folder_loads_its_disk_layers_into_the_offload_store_only(arch, tmp_path):
+    """From a checkpoint folder, transformers (with accelerate) loads the map's disk layers as meta
+    tensors over the checkpoint's own files; they run equal to the plain model."""
+    reference_model = plain(build(arch))
+    reference_model.hf.save_pretrained(tmp_path)
+    AutoTokenizer.from_pretrained(convert_gguf(default_gguf_path())).save_pretrained(tmp_path)  # any tokenizer
+    (tmp_path / "map.yaml").write_text('"": cpu\nmodel.layers.1: disk\n')
+    model = load_model(tmp_path, device_map=str(tmp_path / "map.yaml"))
+    layer = model.hf.get_submodule("model.layers.1")
+    assert {p.device.type for p in layer.parameters()} == {"meta"} and model.native is None
+    ids = check_ids(5)
+    reference = forward(reference_model, ids)
+    assert_close(forward(model, ids), reference)
+    assert_close(incremental_logits(model, ids), reference)
+    assert {p.device.type for p in layer.parameters()} == {"meta"}
 
 
 @pytest.mark.real

@@ -36,7 +36,7 @@ from layerplan.models.verify import check_architecture, config_for, load_model
 from layerplan.plan.formats import FORMATS, load_plan, save_plan, to_mergekit
 from layerplan.plan.plan import PlanError
 from layerplan.search.bayes import SAMPLERS
-from layerplan.search.blocks import MergeSpace, parse_range
+from layerplan.search.blocks import MergeSpace, parse_range, parse_repeats
 from layerplan.search.evaluate import calibration_ids, perplexity
 from layerplan.search.evaluate import compare as run_compare
 from layerplan.search.explore import explore as run_explore
@@ -442,8 +442,8 @@ def ppl(model, dtype, device, threads, plan, model_b, text, window, stride, max_
               "against the model, on --measure; writes blocks.json and a heatmap per measure")
 @click.option("--range", "layer_range", default=None, help="blocks inside these layers only, e.g. 4-25 (inclusive)")
 @click.option("--max-len", type=int, default=None, help="blocks of at most this many layers")
-@click.option("--repeats", type=click.IntRange(1, 2), default=1, show_default=True,
-              help="extra passes of the block (--search: the most it may choose)")
+@click.option("--repeats", default="1", show_default=True,
+              help="extra passes of the block: 1, 2, or 1,2 for both (a heatmap each; --search: the most it may choose)")
 @click.option("--measure", "measures", multiple=True, type=click.Choice(list(MEASURES)),
               help="repeatable; default: ppl and arithmetic (plus text with --text, file with --probe-file, task with --task)")
 @click.option("--rank", type=click.Choice(list(MEASURES)), default=None,
@@ -459,6 +459,8 @@ def ppl(model, dtype, device, threads, plan, model_b, text, window, stride, max_
 @click.option("--seed", default=0, show_default=True, help="built-in probe items, bootstrap and the study's sampler")
 @click.option("--limit", type=click.IntRange(min=1), default=None, help="scan only the first N blocks (a quick look)")
 @click.option("--no-reuse", is_flag=True, help="run every block from the embeddings (the naive baseline)")
+@click.option("--workers", type=click.IntRange(min=1), default=1, show_default=True,
+              help="--blocks: candidates scored at once, each on one thread (instead of --threads splitting each one)")
 @click.option("--report", is_flag=True, help="also write report.html (heatmaps, top blocks, export commands)")
 @click.option("--search", "study", is_flag=True, help="an Optuna study over merge plans (block, repeats, residual "
               "scale, --model-b) optimising --rank; resumes from its storage; exports the best")
@@ -473,8 +475,8 @@ def ppl(model, dtype, device, threads, plan, model_b, text, window, stride, max_
 @model_b_option
 @click.option("--out", type=click.Path(file_okay=False), default="runs/explore", show_default=True)
 def explore(model, dtype, device, threads, recompute, rewind, plans, tokens, text, blocks, layer_range, max_len,
-            repeats, measures, rank, probe_file, probe_items, task, include_path, seed, limit, no_reuse, report, study,
-            trials, scales, sampler, storage, study_name, export, model_b, out) -> None:
+            repeats, measures, rank, probe_file, probe_items, task, include_path, seed, limit, no_reuse, workers, report,
+            study, trials, scales, sampler, storage, study_name, export, model_b, out) -> None:
     """Explore in-situ frankenmerges.
 
     \b
@@ -485,8 +487,8 @@ def explore(model, dtype, device, threads, recompute, rewind, plans, tokens, tex
     if blocks or study:
         _explore_merges(model, dtype, device, blocks, layer_range, max_len, repeats, measures,
                         rank, MeasureInputs(tokens or 256, text, probe_file, probe_items, seed, task, include_path),
-                        limit, no_reuse, report, study, trials, scales, sampler, storage, study_name, export, model_b,
-                        Path(out))
+                        limit, no_reuse, workers, report, study, trials, scales, sampler, storage, study_name, export,
+                        model_b, Path(out))
         return
     with _user_errors():
         numbers = {}
@@ -512,7 +514,7 @@ def explore(model, dtype, device, threads, recompute, rewind, plans, tokens, tex
 
 
 def _explore_merges(model, dtype, device, blocks, layer_range, max_len, repeats, measures, rank,
-                    inputs: MeasureInputs, limit, no_reuse, report, study, trials, scales, sampler, storage,
+                    inputs: MeasureInputs, limit, no_reuse, workers, report, study, trials, scales, sampler, storage,
                     study_name, export, model_b, out_dir: Path) -> None:
     """explore --blocks and/or --search (the scan's best blocks seed the study)."""
     with _user_errors():
@@ -528,6 +530,7 @@ def _explore_merges(model, dtype, device, blocks, layer_range, max_len, repeats,
             raise ValueError(f"--scales takes a number or a range like 0.5-1.0, got '{scales}'") from None
         check_measures(names, inputs)  # bad input fails before the model loads
         span = parse_range(layer_range, model_depth(model)[0])
+        counts = parse_repeats(repeats)
         loaded = _attach(_load(model, dtype, device), model_b, dtype, device)
         seeds = []
         if blocks:
@@ -536,7 +539,7 @@ def _explore_merges(model, dtype, device, blocks, layer_range, max_len, repeats,
                     click.echo(f"· {line}", err=True)
                     stages.start(line.partition(":")[0])
 
-                result = scan_blocks(loaded, names, inputs, span, max_len, repeats, limit, not no_reuse,
+                result = scan_blocks(loaded, names, inputs, span, max_len, counts, limit, not no_reuse, workers,
                                      on_stage=stage, on_progress=stages)
             click.echo(result.table(top=20))
             written = write_scan(result, out_dir, model, report)
@@ -555,7 +558,7 @@ def _explore_merges(model, dtype, device, blocks, layer_range, max_len, repeats,
             import optuna  # deferred: heavy
 
             optuna.logging.set_verbosity(optuna.logging.WARNING)  # a line per trial would hide the progress bar
-            space = MergeSpace(span, max_len or (span[1] - span[0] + 1), repeats, scale_range,
+            space = MergeSpace(span, max_len or (span[1] - span[0] + 1), counts[-1], scale_range,
                                ("", "b") if model_b else ("",))
             if scale_range[0] == scale_range[1]:
                 seeds = [{k: v for k, v in s.items() if k != "scale"} for s in seeds]

@@ -8,7 +8,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from layerplan.app.report import block_heatmap, blocks_html
+from layerplan.app.report import block_heatmap, blocks_html, times_in_words
 from layerplan.export import export_checkpoint
 from layerplan.files import write_json_atomic, write_text_atomic
 from layerplan.models.architectures import arch_spec
@@ -28,17 +28,18 @@ def export_commands(plan: str, model_source: str, out: str = "merged") -> list[s
 
 
 def scan_blocks(model: LoadedModel, measures: list[str], inputs: MeasureInputs, layer_range: tuple[int, int],
-                max_len: int | None, repeats: int, limit: int | None = None, reuse: bool = True,
+                max_len: int | None, repeats: int | list[int], limit: int | None = None, reuse: bool = True, workers: int = 1,
                 on_stage: Callable[[str], None] | None = None,
                 on_progress: Callable[[int, int], None] | None = None) -> BlockScanResult:
-    """Every block in the range (the first `limit` of them, by end then start) repeated `repeats` times."""
+    """Every block in the range (the first `limit` of them, by end then start) repeated `repeats`
+    times (a count or several)."""
     blocks = block_candidates(model.num_layers, layer_range, max_len)[:limit]
     if on_stage:
         on_stage(f"measures: {', '.join(measures)} on the model itself (kept before every layer)")
     scorers = build_scorers(model, measures, inputs, reuse=reuse)
     if on_stage:
         on_stage(f"blocks: {len(blocks)} candidates")
-    return block_scan(model, scorers, blocks, repeats, inputs.seed, on_progress)
+    return block_scan(model, scorers, blocks, repeats, inputs.seed, on_progress, workers)
 
 
 def write_scan(result: BlockScanResult, out_dir: Path, model_source: str, report: bool = False) -> list[Path]:
@@ -46,9 +47,11 @@ def write_scan(result: BlockScanResult, out_dir: Path, model_source: str, report
     written = [write_json_atomic(out_dir / "blocks.json", result.to_dict())]
     images = {}
     for measure in result.measures:
-        path = block_heatmap(result, measure, out_dir / f"blocks-{measure}.png")
-        images[f"Change in {measure} when block i..j is repeated"] = path
-        written.append(path)
+        for count in result.repeats:  # a heatmap per repeat count (named by it where there are several)
+            name = f"blocks-{measure}.png" if len(result.repeats) == 1 else f"blocks-{measure}-x{count}.png"
+            path = block_heatmap(result, measure, out_dir / name, count)
+            images[f"Change in {measure} when block i..j is repeated {times_in_words([count])}"] = path
+            written.append(path)
     best = parse_plan(result.best().plan, result.num_layers, result.model)
     written.append(save_plan(best, out_dir / "best_block.json"))
     if report:

@@ -194,16 +194,25 @@ greedy output identical to plain decoding in float32: <b>{"yes" if best and best
     return write_bytes_atomic(path, page.encode("utf-8"))
 
 
-def block_heatmap(result, measure: str, path: str | Path) -> Path:
-    """The (start, end) grid of a block-repeat scan coloured by the change in `measure` against
-    the model itself; blue is better whichever way the measure points, and the model itself is 0."""
+def times_in_words(counts: list[int]) -> str:
+    """Repeat counts in words: [1] "once", [2] "twice", [1, 2] "once and twice"."""
+    words = [{1: "once", 2: "twice"}.get(count, f"{count} times") for count in counts]
+    return " and ".join(words)
+
+
+def block_heatmap(result, measure: str, path: str | Path, repeats: int | None = None) -> Path:
+    """The (start, end) grid of a block-repeat scan (its rows repeated `repeats` times; default
+    the first count scanned) coloured by the change in `measure` against the model itself; blue
+    is better whichever way the measure points, and the model itself is 0."""
     from matplotlib.colors import TwoSlopeNorm
 
-    low = min((row.start for row in result.rows), default=0)
-    high = max((row.end for row in result.rows), default=result.num_layers - 1)
+    repeats = repeats if repeats is not None else result.repeats[0]
+    rows = [row for row in result.rows if row.repeats == repeats]
+    low = min((row.start for row in rows), default=0)
+    high = max((row.end for row in rows), default=result.num_layers - 1)
     n = high - low + 1  # the scanned range only
     grid = np.full((n, n), np.nan)
-    for row in result.rows:
+    for row in rows:
         grid[row.start - low, row.end - low] = row.score(measure).change
     minimise = MEASURES[measure].direction == "minimize"
     fig, ax = _figure(max(5.0, 0.22 * n + 2), max(4.0, 0.2 * n + 1.5))
@@ -220,8 +229,8 @@ def block_heatmap(result, measure: str, path: str | Path) -> Path:
     base = next(s for s in result.base if s.measure == measure)
     way = "lower" if minimise else "higher"
     fig.colorbar(image, ax=ax, fraction=0.04, label=f"change in {measure} ({way} is better; blue = better)")
-    times = "twice" if result.repeats == 2 else "once"
-    ax.set_title(f"{result.model}: block i..j repeated {times}; {measure} of the model {base.value:.4g}", fontsize=9)
+    ax.set_title(f"{result.model}: block i..j repeated {times_in_words([repeats])}; {measure} of the model {base.value:.4g}",
+                 fontsize=9)
     return _save(fig, path)
 
 
@@ -232,7 +241,8 @@ def blocks_html(result, images: dict[str, Path], commands: list[str], path: str 
     best = result.best()
     header = ["block", "plan", "+compute"] + [f"{m} (95%)" for m in result.measures] + [f"change in {m} (95%)"
                                                                                       for m in result.measures]
-    rows = [[f"{r.start}-{r.end}", r.plan, f"{r.added_compute:+.0%}"]
+    rows = [[f"{r.start}-{r.end}" + (f" x{r.repeats}" if len(result.repeats) > 1 else ""), r.plan,
+             f"{r.added_compute:+.0%}"]
             + [f"{s.value:.4g} [{s.low:.4g}, {s.high:.4g}]" for s in r.scores]
             + [f"{s.change:+.4g} [{s.change_low:+.4g}, {s.change_high:+.4g}]" for s in r.scores]
             for r in result.ranked()[:top]]
@@ -243,7 +253,7 @@ def blocks_html(result, images: dict[str, Path], commands: list[str], path: str 
     verdict = (f"{len(sure)} of {len(result.rows)} blocks are better on {rank} with the whole 95% interval of the change "
                "on the better side" if sure else
                f"no block is better on {rank} beyond the 95% interval of the change (the probes may be too small to tell)")
-    times = "twice" if result.repeats == 2 else "once"
+    times = times_in_words(result.repeats)
     page = f"""<!doctype html><html><head><meta charset="utf-8"><title>layerplan explore --blocks: {html.escape(result.model)}</title>
 {_STYLE}</head><body>
 <h1>layerplan explore --blocks — {html.escape(result.model)}</h1>

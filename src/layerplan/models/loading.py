@@ -22,7 +22,7 @@ from layerplan.engine.native import enable as enable_native, resolve_engine
 from layerplan.models.architectures import (SHAPE_KEYS, TEXT_MODEL_TYPES, LayerParts, ModelError, ModelParts,
                                             config_depth, context_length)
 from layerplan.models.discovery import native_allowed, parts_of, require_checked, spec_of
-from layerplan.models.placement import Placement, place, read_device_map
+from layerplan.models.placement import Placement, accelerate_map, adopt, offload_folder, place, read_device_map
 from layerplan.plan.formats import load_plan
 from layerplan.plan.plan import LayerPlan, PlanError
 
@@ -267,16 +267,19 @@ def load_model(
         raise ModelError(f"{folder}: has config.json but no weights (looked for {', '.join(WEIGHT_FILES)})")
     dtype = resolve_dtype(dtype)
     require_checked(_config_of(folder))  # fail before loading weights
+    planned, layers_path, placing = None, "", {}
+    if device_map is not None:  # planned and checked on the model without weights, then loaded in place
+        planned, layers_path, placing = _plan_placing(folder, dtype, device_map)
     try:
-        hf = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation="sdpa")
+        hf = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation="sdpa", **placing)
     except ValueError as error:  # soft-capping, sinks (Gemma 2, GPT-OSS): transformers runs these eagerly only
         if "attention implementation" not in str(error):
             raise
-        hf = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation="eager")
+        hf = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation="eager", **placing)
     hf.eval()
     placement = None
-    if device_map is not None:
-        placement = _placed(hf, device_map)
+    if placing:
+        placement = adopt(hf, planned, layers_path, Path(placing["offload_folder"]))
     else:
         hf.to(device)
     kind = resolve_engine(engine, dtype, device)
@@ -295,10 +298,31 @@ def load_model(
     return model
 
 
+def _layers_path(hf: nn.Module) -> str:
+    spec = spec_of(hf.config)
+    return f"{spec.backbone}.{spec.layers}"
+
+
+def _plan_placing(folder: Path, dtype: torch.dtype, device_map: str):
+    """(the checked map, the layers' module path, from_pretrained's placing arguments, empty when
+    everything stays on the CPU), worked out on the model built without weights."""
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with init_empty_weights():
+        empty = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder), dtype=dtype)
+    empty.tie_weights()  # accelerate's planner counts tied weights once (outside: its context re-creates them)
+    layers_path = _layers_path(empty)
+    planned = read_device_map(device_map, empty, layers_path)
+    if planned.trivial:
+        return planned, layers_path, {}
+    return planned, layers_path, {"device_map": accelerate_map(planned, empty, layers_path),
+                                  "offload_folder": str(offload_folder())}
+
+
 def _placed(hf: nn.Module, device_map: str, max_memory: dict | None = None) -> Placement | None:
     """Spread a CPU-loaded model by a device map ('auto' or a file); None when it all stays on the CPU."""
-    spec = spec_of(hf.config)
-    layers_path = f"{spec.backbone}.{spec.layers}"
+    layers_path = _layers_path(hf)
     planned = read_device_map(device_map, hf, layers_path, max_memory)
     return None if planned.trivial else place(hf, planned, layers_path)
 

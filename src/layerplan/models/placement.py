@@ -1,14 +1,17 @@
 """Models bigger than one device: `--device-map auto|FILE` places whole decoder layers on devices,
-in CPU memory or on disk, the way accelerate writes a device map.
+in CPU memory or on disk, the way accelerate writes and plans a device map.
 
 A map is parsed and validated once into a `DeviceMap` (frozen: one device per decoder layer, plus
-where the embeddings and head run). `place` applies it to a loaded transformers model and returns
-the `Placement` the loaded model owns: the plan runner asks it where a step's layer lives, moves the
-residual stream there, and brings a disk layer's weights in for the step (`bring`) and drops them
-after it (`release`). A disk layer's weights live in a safetensors file (read through a memory map);
-between its steps the layer's parameters are empty tensors. accelerate's own offload hooks sit on
-whole decoder layers, which the runner does not call (it calls attention and MLP itself), so they
-are not used.
+the main device, where the embeddings, head and disk layers run). The loaded model owns a
+`Placement`: the plan runner asks it where a step's layer lives, moves the residual stream there,
+and has it bring a disk layer's weights in for the step (`bring`) and drop them after (`release`).
+
+Loading from a folder goes through transformers' from_pretrained with the map (`accelerate_map`),
+so disk layers are never loaded whole: accelerate indexes their weights in the checkpoint's
+safetensors files (or writes converted ones to an offload folder). accelerate's hooks would load
+weights module by module on every call and move inputs about; `adopt` removes them and keeps their
+store for `bring`. A model already in memory (`wrap_model`) is spread by `place`, which writes its
+disk layers to an offload folder in accelerate's format.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import json
 import shutil
 import tempfile
 import weakref
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -140,20 +144,24 @@ def read_device_map(spec: str, hf: nn.Module, layers_path: str, max_memory: dict
 
 
 class Placement:
-    """A model's layers on their devices; a disk layer's weights in a file, brought in per step.
+    """A model's layers on their devices; a disk layer's weights read from accelerate's offload
+    store (the checkpoint's safetensors files, or .dat files accelerate wrote) for its step only.
 
-    At most one disk layer is resident at a time (bringing one releases any other), so a step that
-    failed half-way never leaves more than one layer's weights in memory."""
+    Between its steps a disk layer's parameters are meta tensors of their shapes. At most one disk
+    layer is resident at a time (bringing one releases any other), so a step that failed half-way
+    never leaves more than one layer's weights in memory."""
 
-    def __init__(self, device_map: DeviceMap, layer_modules: nn.ModuleList, folder: Path,
-                 keep: frozenset[int] = frozenset()) -> None:
+    def __init__(self, device_map: DeviceMap, layer_modules: nn.ModuleList, layers_path: str,
+                 weights: Mapping[str, torch.Tensor] | None, keep: frozenset[int] = frozenset()) -> None:
         self.map = device_map
-        self.folder = folder
+        self.weights = weights  # full parameter name -> tensor, read on access
         self.resident: int | None = None
-        # per offloaded layer: (parameter, its name in the layer's file); `keep`: ids of parameters
-        # that stay in memory (shared with a module outside the offloaded layers)
-        self._parameters: dict[int, list[tuple[nn.Parameter, str]]] = {
-            index: [(p, name) for name, p in layer_modules[index].named_parameters() if id(p) not in keep]
+        # per offloaded layer: (module, parameter name, full name, shape, dtype); `keep`: ids of
+        # parameters that stay in memory (shared with a module outside the offloaded layers)
+        self._slots: dict[int, list[tuple[nn.Module, str, str, torch.Size, torch.dtype]]] = {
+            index: [(module, name, f"{layers_path}.{index}.{path + '.' if path else ''}{name}", p.shape, p.dtype)
+                    for path, module in layer_modules[index].named_modules()
+                    for name, p in module.named_parameters(recurse=False) if id(p) not in keep]
             for index in device_map.offloaded}
 
     def device_of(self, layer: int) -> torch.device:
@@ -163,71 +171,107 @@ class Placement:
     def main(self) -> torch.device:
         return torch.device(self.map.main)
 
-    def file_of(self, layer: int) -> Path:
-        return self.folder / f"layer-{layer}.safetensors"
-
     def bring(self, layer: int) -> None:
-        """Read an offloaded layer's weights into its parameters (nothing for a layer in memory)."""
-        if layer not in self._parameters or self.resident == layer:
+        """Read an offloaded layer's weights into its modules (nothing for a layer in memory)."""
+        if layer not in self._slots or self.resident == layer:
             return
         if self.resident is not None:
             self.release(self.resident)
-        from safetensors import safe_open
-
-        device = self.main
-        with torch.inference_mode(False), torch.no_grad(), safe_open(self.file_of(layer), "pt") as weights:
-            for parameter, name in self._parameters[layer]:
-                parameter.data = weights.get_tensor(name).to(device)
+        with torch.inference_mode(False), torch.no_grad():
+            for module, name, full, _, dtype in self._slots[layer]:
+                weight = self.weights[full].to(device=self.main, dtype=dtype)
+                module._parameters[name] = nn.Parameter(weight, requires_grad=False)
         self.resident = layer
 
-    def offload(self, layer: int) -> None:
-        """Write an offloaded layer's weights to its file and drop them (once, when placing)."""
-        from safetensors.torch import save_file
-
-        save_file({name: p.detach().contiguous().cpu() for p, name in self._parameters[layer]}, str(self.file_of(layer)))
-        self.release(layer)
-
     def release(self, layer: int) -> None:
-        """Drop an offloaded layer's weights (its parameters become empty until the next bring)."""
-        if layer not in self._parameters:
+        """Drop an offloaded layer's weights (meta tensors of their shapes until the next bring)."""
+        if layer not in self._slots:
             return
         with torch.inference_mode(False), torch.no_grad():
-            for parameter, _ in self._parameters[layer]:
-                parameter.data = torch.empty(0, dtype=parameter.dtype, device=parameter.device)
+            for module, name, _, shape, dtype in self._slots[layer]:
+                module._parameters[name] = nn.Parameter(torch.empty(shape, dtype=dtype, device="meta"),
+                                                        requires_grad=False)
         if self.resident == layer:
             self.resident = None
 
 
-def place(hf: nn.Module, device_map: DeviceMap, layers_path: str, folder: Path | None = None) -> Placement:
-    """Move a (CPU-loaded) model's parts where the map says; write each disk layer's weights to
-    its own safetensors file (in `folder`, default a fresh folder under the cache, removed with the
-    model) and drop them from memory."""
-    layer_modules = hf.get_submodule(layers_path)
-    on_disk = set(device_map.offloaded)
+def _layer_index(name: str, layers_path: str) -> int | None:
     prefix = layers_path + "."
+    return int(name[len(prefix):].split(".")[0]) if name.startswith(prefix) else None
 
-    def layer_of(name: str) -> int | None:
-        return int(name[len(prefix):].split(".")[0]) if name.startswith(prefix) else None
 
+def offload_folder() -> Path:
+    """A fresh folder under the cache for offloaded weights (removed with its model: `_owned`)."""
+    root = cache_dir() / "offload"
+    root.mkdir(parents=True, exist_ok=True)
+    return Path(tempfile.mkdtemp(dir=root, prefix="layers-"))
+
+
+def _owned(hf: nn.Module, folder: Path) -> None:
+    weakref.finalize(hf, shutil.rmtree, folder, True)
+
+
+def accelerate_map(device_map: DeviceMap, hf: nn.Module, layers_path: str) -> dict[str, int | str]:
+    """The map for transformers' from_pretrained(device_map=…): every layer where ours says, and
+    every module outside the layers on the main device."""
+    def device(name: str) -> int | str:
+        return int(name[5:]) if name.startswith("cuda:") else name
+
+    entries: dict[str, int | str] = {f"{layers_path}.{i}": device(d) for i, d in enumerate(device_map.layers)}
+    for name, module in hf.named_modules():
+        owns = any(True for _ in module.parameters(recurse=False)) or any(True for _ in module.buffers(recurse=False))
+        if owns and _layer_index(name, layers_path) is None:
+            entries[name] = device(device_map.main)
+    return entries
+
+
+def adopt(hf: nn.Module, device_map: DeviceMap, layers_path: str, folder: Path) -> Placement:
+    """The placement of a model transformers loaded with `accelerate_map` (disk layers left on
+    meta, their weights indexed by accelerate): accelerate's hooks sit on the modules the plan
+    runner calls, so they go, and the placement brings disk layers in per step instead."""
+    from accelerate.hooks import remove_hook_from_module
+
+    weights = None
+    for module in hf.modules():
+        mapped = getattr(getattr(module, "_hf_hook", None), "weights_map", None)
+        if mapped is not None:
+            weights = getattr(mapped, "dataset", mapped)  # a PrefixedDataset over the whole store
+            break
+    remove_hook_from_module(hf, recurse=True)
+    _owned(hf, folder)
+    if device_map.offloaded and weights is None:
+        raise ModelError("transformers loaded the model without an offload store for its disk layers")
+    return Placement(device_map, hf.get_submodule(layers_path), layers_path, weights)
+
+
+def place(hf: nn.Module, device_map: DeviceMap, layers_path: str) -> Placement:
+    """Spread an already loaded (CPU) model by the map: its parts moved to their devices, each
+    disk layer's weights written to accelerate's offload format (.dat files, read through a
+    memory map) in a fresh folder under the cache, removed with the model, and dropped."""
+    from accelerate.utils import OffloadedWeightsLoader, offload_state_dict
+
+    on_disk = set(device_map.offloaded)
     # tensor by tensor, so a big model never has to fit on one device on its way to its places;
     # everything outside the layers (and a disk layer's buffers) runs on the main device
     with torch.no_grad():
         for name, tensor in [*hf.named_parameters(), *hf.named_buffers()]:
-            layer = layer_of(name)
-            if layer is not None and layer in on_disk and isinstance(tensor, nn.Parameter):
-                continue  # written to its file below, then dropped
+            layer = _layer_index(name, layers_path)
+            if layer in on_disk and isinstance(tensor, nn.Parameter):
+                continue  # written to the offload folder below, then dropped
             target = device_map.device_of(layer) if layer is not None else torch.device(device_map.main)
             if tensor.device != target:
                 tensor.data = tensor.data.to(target)
-    if folder is None:
-        root = cache_dir() / "offload"
-        root.mkdir(parents=True, exist_ok=True)
-        folder = Path(tempfile.mkdtemp(dir=root, prefix="layers-"))
-        weakref.finalize(hf, shutil.rmtree, folder, True)
     # a parameter shared with a module outside the offloaded layers (tied weights) stays in memory
     shared = frozenset(id(p) for name, p in hf.named_parameters(remove_duplicate=False)
-                       if layer_of(name) not in on_disk)
-    placement = Placement(device_map, layer_modules, folder, shared)
-    for index in sorted(on_disk):
-        placement.offload(index)
+                       if _layer_index(name, layers_path) not in on_disk)
+    folder = offload_folder()
+    _owned(hf, folder)
+    placement = Placement(device_map, hf.get_submodule(layers_path), layers_path, None, shared)
+    state = {full: getattr(module, name).detach().cpu() for index in sorted(on_disk)
+             for module, name, full, _, _ in placement._slots[index]}
+    offload_state_dict(str(folder), state)
+    placement.weights = OffloadedWeightsLoader(save_folder=str(folder))
+    del state
+    for index in on_disk:
+        placement.release(index)
     return placement

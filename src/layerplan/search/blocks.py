@@ -14,7 +14,10 @@ import itertools
 import random
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
+
+import torch
 
 from layerplan.models.loading import LoadedModel
 from layerplan.plan.plan import LayerPlan, PlanError, Step
@@ -51,6 +54,15 @@ def parse_range(text: str | None, num_layers: int) -> tuple[int, int]:
     return low, high
 
 
+def parse_repeats(text: str | int) -> list[int]:
+    """--repeats "1", "2" or "1,2": how many extra passes of each block to scan (each its own row
+    and heatmap)."""
+    counts = sorted({int(part) for part in str(text).split(",") if part.strip().isdigit()})
+    if not counts or len(counts) != len([part for part in str(text).split(",") if part.strip()]) or counts[0] < 1:
+        raise PlanError(f"cannot read --repeats '{text}': expected counts of at least 1 separated by commas, like 1,2")
+    return counts
+
+
 def block_candidates(num_layers: int, layer_range: tuple[int, int] | None = None,
                      max_len: int | None = None) -> list[tuple[int, int]]:
     """Every (start, end) block inside the range, at most max_len layers long, by end then start."""
@@ -82,7 +94,7 @@ class BlockScanResult:
     measures: list[str]  # the first ranks the blocks
     base: list[Score]  # the model itself (its change is 0)
     rows: list[BlockRow] = field(default_factory=list)
-    repeats: int = 1
+    repeats: list[int] = field(default_factory=lambda: [1])  # the repeat counts scanned (rows for each)
     seconds: float = 0.0
     reuse: bool = True
 
@@ -109,7 +121,8 @@ class BlockScanResult:
         for row in self.ranked()[:top]:
             cells = "".join(f" {s.value:>12.4g} {f'{s.change:+.4g} [{s.change_low:+.3g}, {s.change_high:+.3g}]':>24}"
                             for s in row.scores)
-            lines.append(f"{row.start:>3}-{row.end:<4} {row.steps:>5}{cells}")
+            block = f"{row.start}-{row.end}" + (f"x{row.repeats}" if len(self.repeats) > 1 else "")
+            lines.append(f"{block:>8} {row.steps:>5}{cells}")
         return "\n".join(lines)
 
     def better(self, measure: str | None = None) -> list[BlockRow]:
@@ -119,28 +132,58 @@ class BlockScanResult:
                 if is_better(measure, row.score(measure).change_low) and is_better(measure, row.score(measure).change_high)]
 
 
-def block_scan(model: LoadedModel, scorers: dict, blocks: Sequence[tuple[int, int]], repeats: int = 1,
-               seed: int = 0, on_progress: Callable[[int, int], None] | None = None) -> BlockScanResult:
-    """Score each block repeated `repeats` times on every measure (scorers from
-    measures.build_scorers, the first ranks), against the model itself."""
+def block_scan(model: LoadedModel, scorers: dict, blocks: Sequence[tuple[int, int]],
+               repeats: int | Sequence[int] = 1, seed: int = 0, on_progress: Callable[[int, int], None] | None = None,
+               workers: int = 1) -> BlockScanResult:
+    """Score each block repeated `repeats` times (a count, or several: a row for each) on every
+    measure (scorers from measures.build_scorers, the first ranks), against the model itself.
+    A block's counts run in turn, each resuming where the one before it left its repeats (the
+    block repeated twice runs only its second repeat and the layers after it).
+
+    workers > 1: that many candidates at once, each on one thread (torch's thread count is 1
+    during the scan and restored after). The candidates are independent, so this scales better
+    than splitting each candidate's small products across threads; every score is computed by
+    the same operations as with one worker."""
     if not blocks:
         raise PlanError("no block to scan: the range and --max-len leave none")
     if not scorers:
         raise ValueError("give at least one measure")
+    if workers < 1:
+        raise ValueError(f"workers must be at least 1, got {workers}")
     start_time = time.perf_counter()
     base_plan = model.plan()
     base_units = {name: scorer.units(base_plan) for name, scorer in scorers.items()}
     base = [bootstrap(name, units, units, scorers[name].summary, seed=seed) for name, units in base_units.items()]
     reuse = all(scorer.reuse for scorer in scorers.values())
-    result = BlockScanResult(model.name, model.num_layers, list(scorers), base, repeats=repeats, reuse=reuse)
-    for done, (start, end) in enumerate(blocks, 1):
-        plan = repeat_plan(model, start, end, repeats)
-        scores = [bootstrap(name, scorer.units(plan), base_units[name], scorer.summary, seed=seed)
-                  for name, scorer in scorers.items()]
-        result.rows.append(BlockRow(start, end, repeats, plan.to_string(), len(plan.steps),
-                                    len(plan.steps) / model.num_layers - 1.0, scores))
-        if on_progress:
-            on_progress(done, len(blocks))
+    counts = sorted(set([repeats] if isinstance(repeats, int) else repeats))
+    result = BlockScanResult(model.name, model.num_layers, list(scorers), base, repeats=counts, reuse=reuse)
+
+    def rows_of(block: tuple[int, int]) -> list[BlockRow]:
+        start, end = block
+        rows = []
+        for count in counts:
+            plan = repeat_plan(model, start, end, count)
+            # the next count's plan starts with this one's steps up to the end of its repeats
+            keep = end + 1 + count * (end - start + 1) if count != counts[-1] else None
+            scores = [bootstrap(name, scorer.units(plan, keep), base_units[name], scorer.summary, seed=seed)
+                      for name, scorer in scorers.items()]
+            rows.append(BlockRow(start, end, count, plan.to_string(), len(plan.steps),
+                                 len(plan.steps) / model.num_layers - 1.0, scores))
+        return rows
+
+    threads = torch.get_num_threads()
+    pool = ThreadPoolExecutor(workers, thread_name_prefix="block-scan") if workers > 1 else None
+    try:
+        if pool is not None:
+            torch.set_num_threads(1)
+        for rows in pool.map(rows_of, blocks) if pool is not None else map(rows_of, blocks):
+            result.rows.extend(rows)
+            if on_progress:
+                on_progress(len(result.rows), len(blocks) * len(counts))
+    finally:
+        if pool is not None:
+            pool.shutdown(cancel_futures=True)
+            torch.set_num_threads(threads)
     result.seconds = time.perf_counter() - start_time
     return result
 

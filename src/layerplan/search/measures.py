@@ -11,6 +11,7 @@ from probes.PROBE_SETS.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -38,26 +39,47 @@ def shared_steps(plan: LayerPlan, base: LayerPlan) -> int:
 
 class SharedPrefix:
     """The residual stream of many plans on fixed ids (B, T), each resumed from the base plan's
-    stream before the first step where it differs. reuse=False runs every plan from the
-    embeddings (the naive baseline); the results are the same."""
+    stream before the first step where it differs, or from a stream a plan before it on this
+    thread was asked to keep (hidden's `keep`) where that one goes further. reuse=False runs
+    every plan from the embeddings (the naive baseline); the results are the same."""
 
     @torch.inference_mode()
     def __init__(self, model: LoadedModel, ids: torch.Tensor, base: LayerPlan, reuse: bool = True) -> None:
         self.model, self.ids, self.base, self.reuse = model, ids, base, reuse
         self.before: list[torch.Tensor] = []  # before[k]: the stream before base step k (after k steps)
+        self._kept = threading.local()  # .stream: (the steps run, the stream after them), per thread
         if reuse:
             final = run_hidden(model, ids, base, observe=lambda index, sub, hidden: (
                 self.before.append(hidden) if sub == "attention" else None))
             self.before.append(final)
 
     @torch.inference_mode()
-    def hidden(self, plan: LayerPlan) -> torch.Tensor:
+    def hidden(self, plan: LayerPlan, keep: int | None = None) -> torch.Tensor:
+        """The stream after the plan's steps. keep: also keep the stream before step `keep` for
+        the next plans that start with the same `keep` steps (a block repeated twice resumes
+        after its first repeat, run for the block repeated once)."""
         if not self.reuse:
             return run_hidden(self.model, self.ids, plan)
-        shared = shared_steps(plan, self.base)
-        if shared == len(plan.active_steps):  # the base itself, or an exit inside it
-            return self.before[shared]
-        return run_hidden(self.model, None, plan, resume=Resume(self.before[shared], shared))
+        steps = plan.active_steps
+        start = shared_steps(plan, self.base)
+        resumed = self.before[start]  # the stream before step `start`
+        kept = getattr(self._kept, "stream", None)
+        if kept is not None and start < len(kept[0]) <= len(steps) and steps[: len(kept[0])] == kept[0]:
+            start, resumed = len(kept[0]), kept[1]
+        captured = [resumed] if keep == start else []
+        observe = None
+        if keep is not None and start < keep < len(steps):
+            def observe(index: int, sub_layer: str, hidden: torch.Tensor) -> None:
+                if index == keep and sub_layer == "attention":
+                    captured.append(hidden)
+        stream = resumed
+        if start < len(steps):  # else the base itself, an exit inside it, or a kept stream
+            stream = run_hidden(self.model, None, plan, resume=Resume(resumed, start), observe=observe)
+        if keep is not None:
+            if keep == len(steps) and start <= keep:
+                captured.append(stream)
+            self._kept.stream = (steps[:keep], captured[0]) if captured else None
+        return stream
 
 
 @dataclass(frozen=True)
@@ -128,12 +150,12 @@ class PerplexityScorer:
         return torch.exp(mean_nll)
 
     @torch.inference_mode()
-    def nll(self, plan: LayerPlan) -> torch.Tensor:
-        """(T-1,) float64 NLL of each next token under the plan."""
-        return token_nll(head(self.model, self.stream.hidden(plan)), self.ids)[0].double()
+    def nll(self, plan: LayerPlan, keep: int | None = None) -> torch.Tensor:
+        """(T-1,) float64 NLL of each next token under the plan (keep: see SharedPrefix.hidden)."""
+        return token_nll(head(self.model, self.stream.hidden(plan, keep)), self.ids)[0].double()
 
-    def units(self, plan: LayerPlan) -> Units:
-        nll = self.nll(plan)
+    def units(self, plan: LayerPlan, keep: int | None = None) -> Units:
+        nll = self.nll(plan, keep)
         starts = range(0, nll.numel(), self.block)
         return Units(torch.stack([nll[s : s + self.block].sum() for s in starts]),
                      torch.tensor([float(min(self.block, nll.numel() - s)) for s in starts], dtype=torch.float64))
@@ -163,7 +185,7 @@ class ProbeScorer:
         if model.tokenizer is None:
             raise ValueError("task probes need the model's tokenizer")
         self.model, self.probe, self.items, self.reuse = model, probe, probe.items, reuse
-        self.last: tuple[LayerPlan, ProbeAnswers] | None = None
+        self._last = threading.local()  # .answers: (plan, ProbeAnswers), per thread (block_scan's workers)
         self.stop_tokens = set(model.eos_token_ids)
         self.word_tokens: dict[int, bool] = {}  # token id -> its text starts with a letter or digit
         rows = self._rows()
@@ -206,16 +228,18 @@ class ProbeScorer:
         return self.word_tokens[token]
 
     @torch.inference_mode()
-    def answers(self, plan: LayerPlan) -> ProbeAnswers:
-        """The plan's answers (the last plan's are kept: several measures read one probe)."""
-        if self.last is not None and self.last[0] == plan:
-            return self.last[1]
+    def answers(self, plan: LayerPlan, keep: int | None = None) -> ProbeAnswers:
+        """The plan's answers (the last plan's are kept: several measures read one probe; keep:
+        see SharedPrefix.hidden)."""
+        last = getattr(self._last, "answers", None)
+        if last is not None and last[0] == plan:
+            return last[1]
         count = len(self.items)
         exact = torch.zeros(count, dtype=torch.bool)
         greedy = torch.zeros(count, dtype=torch.bool)
         logprob = torch.zeros(count, dtype=torch.float64)
         for stream, row_answers in self.batches:
-            hidden = stream.hidden(plan)
+            hidden = stream.hidden(plan, keep)
             # the positions that predict each answer token, and the one after the answer
             wanted = [(b, item, at, answer) for b, answers in enumerate(row_answers) for item, at, answer in answers]
             rows = torch.cat([hidden[b, at - 1 : at + len(answer)] for b, _, at, answer in wanted])
@@ -229,8 +253,8 @@ class ProbeScorer:
                 exact[item] = greedy[item] and not self._continues_word(int(best[offset + len(answer)]))
                 logprob[item] = float(logp[span].gather(1, target[:, None]).double().sum())
                 offset += len(answer) + 1
-        self.last = (plan, ProbeAnswers(exact, greedy, logprob))
-        return self.last[1]
+        self._last.answers = (plan, ProbeAnswers(exact, greedy, logprob))
+        return self._last.answers[1]
 
 
 class ProbeView:
@@ -246,8 +270,8 @@ class ProbeView:
     def summary(mean: torch.Tensor) -> torch.Tensor:
         return mean
 
-    def units(self, plan: LayerPlan) -> Units:
-        result = self.scorer.answers(plan)
+    def units(self, plan: LayerPlan, keep: int | None = None) -> Units:
+        result = self.scorer.answers(plan, keep)
         return Units(getattr(result, self.field).double(), torch.ones(len(self.scorer.items), dtype=torch.float64),
                      float(result.logprob.mean()))
 
