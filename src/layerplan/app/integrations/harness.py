@@ -26,7 +26,8 @@ from lm_eval.api.registry import register_model
 from layerplan.decoding.generate import generate
 from layerplan.decoding.sampling import SamplingParams
 from layerplan.engine.runner import forward, new_cache
-from layerplan.models.loading import LoadedModel, load_model
+from layerplan.models.loading import LoadedModel
+from layerplan.models.verify import load_model
 from layerplan.search.probes import encode_pair, prefix_token
 
 
