@@ -1,7 +1,7 @@
 """Time of the full block-repeat scan of the default model against the naive baseline, in one run.
 
     python benchmarks/block_scan.py [--tokens 256] [--measure ppl --measure arithmetic] [--probe-items 24]
-                                    [--dtype float32] [--repeats 1] [--naive-sample 12] [--limit N] [--workers W]
+                                    [--dtype float32] [--repeats 1|2|1,2] [--naive-sample 12] [--limit N] [--workers W]
 
 The scan: every block i..j of the 30 layers (465 blocks) repeated once, scored on perplexity of
 --tokens calibration tokens and one built-in probe set, the model's residual stream before each
@@ -22,7 +22,7 @@ import torch
 
 from layerplan.machine import cpu_info
 from layerplan.models.loading import load_model
-from layerplan.search.blocks import block_candidates, block_scan
+from layerplan.search.blocks import block_candidates, block_scan, parse_repeats
 from layerplan.search.measures import MeasureInputs, build_scorers
 
 
@@ -32,13 +32,14 @@ def main() -> None:
     parser.add_argument("--measure", action="append", default=None, help="default: ppl and arithmetic")
     parser.add_argument("--probe-items", type=int, default=24)
     parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--repeats", default="1", help="1, 2 or 1,2")
     parser.add_argument("--naive-sample", type=int, default=12)
     parser.add_argument("--limit", type=int, default=None)
     parser.add_argument("--workers", type=int, default=1)
     args = parser.parse_args()
     measures = args.measure or ["ppl", "arithmetic"]
     inputs = MeasureInputs(tokens=args.tokens, probe_items=args.probe_items)
+    counts = parse_repeats(args.repeats)
 
     model = load_model("smollm2", dtype=args.dtype)
     blocks = block_candidates(model.num_layers)[: args.limit]
@@ -50,23 +51,24 @@ def main() -> None:
     start = time.perf_counter()
     scorers = build_scorers(model, measures, inputs)
     prepared = time.perf_counter() - start
-    result = block_scan(model, scorers, blocks, args.repeats, workers=args.workers)
+    result = block_scan(model, scorers, blocks, counts, workers=args.workers)
     total = prepared + result.seconds
     print(f"shared prefix: {total:.1f}s = {prepared:.1f}s base pass (every measure's stream kept before each layer) "
-          f"+ {result.seconds:.1f}s for {len(blocks)} candidates ({result.seconds / len(blocks):.2f}s each)")
+          f"+ {result.seconds:.1f}s for {len(result.rows)} candidates ({result.seconds / len(result.rows):.2f}s each)")
 
     count = min(args.naive_sample, len(blocks))
     picks = sorted({round(k * (len(blocks) - 1) / max(count - 1, 1)) for k in range(count)})
     start = time.perf_counter()
     naive_scorers = build_scorers(model, measures, inputs, reuse=False)
     naive_prepared = time.perf_counter() - start
-    naive = block_scan(model, naive_scorers, [blocks[k] for k in picks], args.repeats, workers=args.workers)
-    per_candidate = naive.seconds / len(picks)
-    estimate = naive_prepared + per_candidate * len(blocks)
-    same = all(abs(row.score(m).value - result.rows[k].score(m).value) <= 1e-6 * max(1.0, abs(row.score(m).value))
-               for row, k in zip(naive.rows, picks) for m in measures)
-    print(f"naive (from the embeddings): {len(picks)} sampled blocks took {naive.seconds:.1f}s "
-          f"({per_candidate:.2f}s each); all {len(blocks)} extrapolated: {estimate:.0f}s "
+    naive = block_scan(model, naive_scorers, [blocks[k] for k in picks], counts, workers=args.workers)
+    per_candidate = naive.seconds / len(naive.rows)
+    estimate = naive_prepared + per_candidate * len(result.rows)
+    scanned = {(row.start, row.end, row.repeats): row for row in result.rows}
+    same = all(abs(row.score(m).value - scanned[row.start, row.end, row.repeats].score(m).value)
+               <= 1e-6 * max(1.0, abs(row.score(m).value)) for row in naive.rows for m in measures)
+    print(f"naive (from the embeddings): {len(naive.rows)} sampled candidates took {naive.seconds:.1f}s "
+          f"({per_candidate:.2f}s each); all {len(result.rows)} extrapolated: {estimate:.0f}s "
           f"-> shared prefix is {estimate / total:.2f}x faster; sampled scores equal the scan's: {'yes' if same else 'NO'}")
     best = result.best()
     print(f"best block by {measures[0]}: {best.start}-{best.end} ({best.plan}), change "

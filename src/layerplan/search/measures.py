@@ -56,8 +56,9 @@ class SharedPrefix:
     @torch.inference_mode()
     def hidden(self, plan: LayerPlan, keep: int | None = None) -> torch.Tensor:
         """The stream after the plan's steps. keep: also keep the stream before step `keep` for
-        the next plans that start with the same `keep` steps (a block repeated twice resumes
-        after its first repeat, run for the block repeated once)."""
+        the next call on this thread, which resumes there if its plan starts with the same `keep`
+        steps (a block repeated twice resumes after the first repeat of the block repeated once);
+        every call forgets what the call before it kept."""
         if not self.reuse:
             return run_hidden(self.model, self.ids, plan)
         steps = plan.active_steps
@@ -66,7 +67,7 @@ class SharedPrefix:
         kept = getattr(self._kept, "stream", None)
         if kept is not None and start < len(kept[0]) <= len(steps) and steps[: len(kept[0])] == kept[0]:
             start, resumed = len(kept[0]), kept[1]
-        captured = [resumed] if keep == start else []
+        captured = [resumed] if keep == start else []  # the stream before step `keep`
         observe = None
         if keep is not None and start < keep < len(steps):
             def observe(index: int, sub_layer: str, hidden: torch.Tensor) -> None:
@@ -75,10 +76,9 @@ class SharedPrefix:
         stream = resumed
         if start < len(steps):  # else the base itself, an exit inside it, or a kept stream
             stream = run_hidden(self.model, None, plan, resume=Resume(resumed, start), observe=observe)
-        if keep is not None:
-            if keep == len(steps) and start <= keep:
-                captured.append(stream)
-            self._kept.stream = (steps[:keep], captured[0]) if captured else None
+        if keep == len(steps) and start <= keep:
+            captured.append(stream)
+        self._kept.stream = (steps[:keep], captured[0]) if keep is not None and captured else None
         return stream
 
 
