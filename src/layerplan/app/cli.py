@@ -459,8 +459,9 @@ def ppl(model, dtype, device, threads, plan, model_b, text, window, stride, max_
 @click.option("--seed", default=0, show_default=True, help="built-in probe items, bootstrap and the study's sampler")
 @click.option("--limit", type=click.IntRange(min=1), default=None, help="scan only the first N blocks (a quick look)")
 @click.option("--no-reuse", is_flag=True, help="run every block from the embeddings (the naive baseline)")
-@click.option("--workers", type=click.IntRange(min=1), default=1, show_default=True,
-              help="--blocks: candidates scored at once, each on one thread (instead of --threads splitting each one)")
+@click.option("--workers", type=click.IntRange(min=1), default=None,
+              help="--blocks: candidates scored at once, each on one thread, instead of every thread on one "
+              "candidate (default: torch's thread count; the scores are the same)")
 @click.option("--report", is_flag=True, help="also write report.html (heatmaps, top blocks, export commands)")
 @click.option("--search", "study", is_flag=True, help="an Optuna study over merge plans (block, repeats, residual "
               "scale, --model-b) optimising --rank; resumes from its storage; exports the best")
@@ -539,7 +540,8 @@ def _explore_merges(model, dtype, device, blocks, layer_range, max_len, repeats,
                     click.echo(f"· {line}", err=True)
                     stages.start(line.partition(":")[0])
 
-                result = scan_blocks(loaded, names, inputs, span, max_len, counts, limit, not no_reuse, workers,
+                result = scan_blocks(loaded, names, inputs, span, max_len, counts, limit, not no_reuse,
+                                     workers or torch.get_num_threads(),
                                      on_stage=stage, on_progress=stages)
             click.echo(result.table(top=20))
             written = write_scan(result, out_dir, model, report)
