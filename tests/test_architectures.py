@@ -13,8 +13,9 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 from layerplan.decoding.generate import generate
 from layerplan.engine.runner import forward
 from layerplan.export import export_checkpoint, plan_config, plan_state_dict
-from layerplan.models.architectures import (ARCHITECTURES, MIXTURE_OF_EXPERTS, NAMED_FAMILIES, NOT_SUPPORTED, REFUSED,
-                                            TINY_CHECKED, ModelError, architecture_statuses, refusal_of_config)
+from layerplan.models.architectures import (ARCHITECTURES, DISCOVERY_REFERENCE, MIXTURE_OF_EXPERTS, NAMED_FAMILIES,
+                                            NOT_SUPPORTED, REFUSED, TINY_CHECKED, ModelError, architecture_statuses,
+                                            refusal_of_config)
 from layerplan.models.discovery import discover_spec, tiny_config, tiny_model
 from layerplan.models.loading import LoadedModel
 from layerplan.models.verify import TOLERANCE, check_ids, check_model, incremental_logits
@@ -116,12 +117,15 @@ def test_config_level_refusals_say_why():
 
 
 def test_a_verified_type_refuses_a_config_it_cannot_run():
-    """Falcon with rotary positions is verified; a Falcon config positioned by ALiBi is refused."""
+    """Falcon with rotary positions is verified, one positioned by ALiBi refused; OPT-350m's layout too."""
     assert refusal_of_config(AutoConfig.for_model("falcon")) is None
     assert "ALiBi" in refusal_of_config(AutoConfig.for_model("falcon", alibi=True))
+    assert refusal_of_config(AutoConfig.for_model("opt")) is None  # OPT-125m's layout: pre-norm
+    assert "do_layer_norm_before" in refusal_of_config(AutoConfig.for_model("opt", do_layer_norm_before=False))
+    assert "word_embed_proj_dim" in refusal_of_config(AutoConfig.for_model("opt", word_embed_proj_dim=512))
 
 
-@pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
+@pytest.mark.parametrize("arch", DISCOVERY_REFERENCE)
 def test_discovery_finds_what_the_table_says(arch):
     found, written = discover_spec(tiny_hf("gemma3_text" if arch == "gemma3_text" else arch)), ARCHITECTURES[arch]
     for field in ("backbone", "embed", "layers", "final_norm", "attention", "attention_norm", "mlp", "mlp_norm",

@@ -48,6 +48,9 @@ class ArchSpec:
     mlp_returns_tuple: bool = False  # the MLP returns (update, router scores) (GPT-OSS)
     parallel: bool = False  # attention and MLP both read the layer's input (Cohere, Falcon, GPT-NeoX)
     discovered: bool = False  # found by discovery (checked against transformers before use)
+    # a layer with no MLP module: these of its modules, called in order, are its MLP (OPT's
+    # fc1, activation_fn, fc2); `mlp` is then unused
+    mlp_sequence: tuple[str, ...] | None = None
 
 
 _LLAMA_LIKE = ArchSpec(
@@ -96,7 +99,25 @@ ARCHITECTURES: dict[str, ArchSpec] = {
         attention_output="attn.c_proj",
         mlp_output="mlp.c_proj",
     ),
+    # OPT: discovery cannot find it (the layers sit in model.decoder, the MLP is three modules of
+    # the layer, the learned positions are offset by 2)
+    "opt": ArchSpec(
+        backbone="model.decoder",
+        embed="embed_tokens",
+        layers="layers",
+        final_norm="final_layer_norm",
+        attention="self_attn",
+        attention_norm="self_attn_layer_norm",
+        mlp="",
+        mlp_sequence=("fc1", "activation_fn", "fc2"),
+        mlp_norm="final_layer_norm",
+        position_embed="embed_positions",
+        attention_output="self_attn.out_proj",
+        mlp_output="fc2",
+    ),
 }
+# the rows hand-checked first, the reference discovery's own test compares against
+DISCOVERY_REFERENCE = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3_text", "gpt2")
 
 # ----- the conventions discovery looks for (models/discovery.py) ---------------------------------
 ATTENTION_NAMES = ("self_attn", "attn", "attention", "self_attention")
@@ -137,6 +158,11 @@ def refusal_of_config(config) -> str | None:
             return f"layer type '{kind}' is not one the plan runner knows ({', '.join(KNOWN_LAYER_TYPES)})"
     if getattr(config, "is_encoder_decoder", False):
         return "an encoder-decoder model, not a decoder-only causal LM"
+    if getattr(config, "do_layer_norm_before", True) is False:  # OPT-350m
+        return ("its layers normalise the residual stream after each sub-layer (do_layer_norm_before=false), "
+                "so a skipped or repeated sub-layer would change what every later layer reads")
+    if getattr(config, "word_embed_proj_dim", None) not in (None, getattr(config, "hidden_size", None)):
+        return "its embeddings are projected into and out of the layers' width (word_embed_proj_dim)"
     if getattr(config, "alibi", False):  # Falcon-RW; the plan runner's positions are rotary or learned
         return "it positions tokens by ALiBi biases (config alibi=True), which the plan runner does not build"
     text = vars(config).get("text_config")
@@ -235,6 +261,28 @@ class ModelParts:
     layer_types: tuple[str, ...]  # distinct layer types, for RoPE computed once per type
 
 
+def _mlp_of(layer: nn.Module, spec: ArchSpec) -> nn.Module:
+    if spec.mlp_sequence:  # not attached to the layer: the same modules, called in order
+        return nn.Sequential(*(_get(layer, name) for name in spec.mlp_sequence))
+    return FirstOutput(_get(layer, spec.mlp)) if spec.mlp_returns_tuple else _get(layer, spec.mlp)
+
+
+class OffsetPositions(nn.Module):
+    """A learned position table whose rows start at `offset` (OPT's 2), called with positions."""
+
+    def __init__(self, table: nn.Embedding) -> None:
+        super().__init__()
+        self.table = table
+
+    def forward(self, positions):
+        return nn.functional.embedding(positions + self.table.offset, self.table.weight)
+
+
+def _positions_of(module: nn.Module) -> nn.Module:
+    offset = getattr(module, "offset", None)
+    return OffsetPositions(module) if isinstance(module, nn.Embedding) and isinstance(offset, int) else module
+
+
 def _get(obj: Any, path: str) -> Any:
     for name in path.split("."):
         obj = getattr(obj, name)
@@ -294,7 +342,7 @@ def model_parts(hf_model: nn.Module, spec: ArchSpec) -> ModelParts:
                 attention=attention,
                 attention_post_norm=attention_post,
                 mlp_norm=_get(layer, spec.mlp_norm) if spec.mlp_norm else nn.Identity(),
-                mlp=FirstOutput(_get(layer, spec.mlp)) if spec.mlp_returns_tuple else _get(layer, spec.mlp),
+                mlp=_mlp_of(layer, spec),
                 mlp_post_norm=mlp_post,
                 layer_type=layer_type,
                 sliding_window=window,
@@ -318,7 +366,7 @@ def model_parts(hf_model: nn.Module, spec: ArchSpec) -> ModelParts:
         final_norm = Scaled(final_norm, logit_factor)
     return ModelParts(
         embed=embed,
-        position_embed=_get(backbone, spec.position_embed) if spec.position_embed else None,
+        position_embed=_positions_of(_get(backbone, spec.position_embed)) if spec.position_embed else None,
         layers=tuple(layers),
         final_norm=final_norm,
         lm_head=lm_head,
@@ -427,7 +475,7 @@ TINY_CHECKED: tuple[str, ...] = (
     "gpt_bigcode", "gpt_neo", "gpt_neox", "gpt_oss", "gptj", "granite", "granitemoe", "granitemoeshared", "helium",
     "hunyuan_v1_dense", "hunyuan_v1_moe", "hy_v3", "internlm3", "iquestcoder", "jais2", "jetmoe", "kolibri1",
     "laguna", "llama", "mellum", "mimo_v2_flash", "minimax_m2", "minimax_m3_vl_text", "ministral", "ministral3",
-    "mistral", "mixtral", "nemotron", "olmo", "olmo2", "olmo3", "olmoe", "persimmon", "phi", "phi3", "phimoe",
+    "mistral", "mixtral", "nemotron", "olmo", "olmo2", "olmo3", "olmoe", "opt", "persimmon", "phi", "phi3", "phimoe",
     "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "seed_oss", "smollm3", "solar_open", "stablelm", "starcoder2",
     "vaultgemma", "youtu",
 )
@@ -548,7 +596,6 @@ NOT_SUPPORTED: dict[str, str] = {
     "modernbert-decoder": "its token embeddings are not a child of ModernBertDecoderModel",
     "nanochat": "fails the check against transformers: prefill logits differ from transformers' by 2.51e+00 at position 11",
     "openai-gpt": "no final norm (norm, ln_f, final_layernorm, norm_f, final_layer_norm) in its OpenAIGPTModel",
-    "opt": "no list of 3 decoder layers in its OPTModel",
     "reformer": "transformers cannot build it from a plain config (it needs is_decoder=True and its own attention layer list)",
     "rwkv": "no final norm (norm, ln_f, final_layernorm, norm_f, final_layer_norm) in its RwkvModel",
     "trocr": "no list of 12 decoder layers in its TrOCRDecoderWrapper",

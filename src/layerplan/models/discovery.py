@@ -53,6 +53,7 @@ _TINY_SIZES = {
     "qk_head_dim": 12,
     # GPT-2 style names
     "n_embd": 32, "n_head": 4, "n_positions": 128, "n_inner": 64, "rotary_dim": 4,
+    "word_embed_proj_dim": 32, "ffn_dim": 64,  # OPT's names
     "sliding_window": 4, "window_size": 4,  # shorter than the test sequences, so windows are exercised
     "attn_logit_softcapping": 5.0, "final_logit_softcapping": 3.0,
     "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, "tie_word_embeddings": False,
