@@ -576,7 +576,8 @@ NOT_SUPPORTED: dict[str, str] = {
                   "or moved layer exports as a different layer"),
     "beam": "fails the check against transformers: prefill raised KeyError: 'full_attention'",
     "biogpt": "no final norm (norm, ln_f, final_layernorm, norm_f, final_layer_norm) in its BioGptModel",
-    "bloom": "its BloomModel has modules layerplan does not know how to run: word_embeddings_layernorm",
+    "bloom": ("it positions tokens by ALiBi biases, which the plan runner does not build (and its BloomModel "
+              "normalises the embeddings: word_embeddings_layernorm)"),
     "cohere_compass_text": "transformers cannot build it from a config (KeyError: 'full_attention')",
     "ctrl": "no final norm (norm, ln_f, final_layernorm, norm_f, final_layer_norm) in its CTRLModel",
     "doge": "fails the check against transformers: prefill logits differ from transformers' by 2.72e+00 at position 0",
