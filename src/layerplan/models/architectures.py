@@ -241,13 +241,6 @@ class LayerParts:
     takes_alibi: bool = False  # the attention takes an ALiBi bias argument, None here (Falcon without ALiBi)
 
 
-def cache_argument_of(attention: nn.Module) -> str:
-    """The keyword an attention module takes its KV cache by: transformers' current name, or the
-    GPT-NeoX / GPT-Neo / GPT-BigCode / CodeGen family's older `layer_past`."""
-    parameters = inspect.signature(attention.forward).parameters
-    return "layer_past" if "layer_past" in parameters and "past_key_values" not in parameters else "past_key_values"
-
-
 @dataclass(frozen=True)
 class ModelParts:
     embed: nn.Module
@@ -336,6 +329,7 @@ def model_parts(hf_model: nn.Module, spec: ArchSpec) -> ModelParts:
         if residual is not None:  # Granite: residual + multiplier * update
             attention_post, mlp_post = Scaled(attention_post, residual), Scaled(mlp_post, residual)
         attention = _get(layer, spec.attention)
+        arguments = inspect.signature(attention.forward).parameters
         layers.append(
             LayerParts(
                 attention_norm=_get(layer, spec.attention_norm) if spec.attention_norm else nn.Identity(),
@@ -347,9 +341,12 @@ def model_parts(hf_model: nn.Module, spec: ArchSpec) -> ModelParts:
                 layer_type=layer_type,
                 sliding_window=window,
                 parallel=spec.parallel,
-                cache_argument=cache_argument_of(attention),
-                takes_positions="position_ids" in inspect.signature(attention.forward).parameters,
-                takes_alibi="alibi" in inspect.signature(attention.forward).parameters,
+                # the attention's own arguments: transformers' current cache name, or the GPT-NeoX
+                # family's older `layer_past`; position ids; Falcon's ALiBi bias
+                cache_argument="layer_past" if "layer_past" in arguments and "past_key_values" not in arguments
+                else "past_key_values",
+                takes_positions="position_ids" in arguments,
+                takes_alibi="alibi" in arguments,
             )
         )
     embed = _get(backbone, spec.embed)
