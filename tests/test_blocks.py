@@ -506,6 +506,181 @@ def test_a_local_harness_task_is_a_probe(tiny, tmp_path):
         build_scorers(model, ["task"], MeasureInputs())
 
 
+# ----- multiple-choice lm-evaluation-harness tasks as probes --------------------------------------
+CHOICE_DOCS = [
+    {"question": "Q: What colour is the sky?\nA:", "choices": ["blue", "green", "deep purple"], "answer": 0},
+    {"question": "Q: How many legs has a cat?\nA:", "choices": ["two", "four", "eight or more"], "answer": 1},
+    {"question": "Q: 3 + 4 =\nA:", "choices": ["seven", "twelve", "thirty-four", "one"], "answer": 0},
+    {"question": "Q: Opposite of up?\nA:", "choices": ["down", "sideways", "up"], "answer": 2},
+]
+INPUT_DOCS = [  # multiple inputs (Winogrande's form): the choices are contexts, the target follows each
+    {"options": ["The cat sat on the", "The cat sat in the"], "label": 0, "rest": "mat."},
+    {"options": ["Rain falls from the", "Rain falls to the"], "label": 0, "rest": "sky."},
+    {"options": ["She drank a cup of", "She ate a cup of"], "label": 0, "rest": "tea."},
+]
+CHOICE_TASKS = {  # name -> (documents, what differs)
+    "lp_mc": (CHOICE_DOCS, {"doc_to_text": "{{question}}", "doc_to_choice": "{{choices}}", "doc_to_target": "{{answer}}"}),
+    # the right choice named by its text (lm-eval reads a text of digits as an index), a description
+    # before each question, no target delimiter
+    "lp_mc_text": (CHOICE_DOCS, {"doc_to_text": "{{question}}", "doc_to_choice": "{{choices}}",
+                                 "doc_to_target": "{{choices[answer]}}", "description": "Answer briefly.\n",
+                                 "target_delimiter": ""}),
+    "lp_mc_input": (INPUT_DOCS, {"doc_to_text": "{{label}}", "doc_to_choice": "{{options}}", "doc_to_target": "{{rest}}"}),
+}
+
+
+def _write_choice_tasks(folder: Path, extra: dict | None = None) -> list[str]:
+    """The multiple-choice tasks (and `extra`: name -> (documents, fields)) as local lm-eval YAML."""
+    import yaml
+
+    for name, (docs, fields) in {**CHOICE_TASKS, **(extra or {})}.items():
+        data = folder / f"{name}.jsonl"
+        data.write_text("".join(json.dumps(doc) + "\n" for doc in docs))
+        task = {"task": name, "dataset_path": "json", "dataset_kwargs": {"data_files": {"test": str(data)}},
+                "test_split": "test", "output_type": "multiple_choice",
+                "metric_list": [{"metric": "acc"}, {"metric": "acc_norm"}], **fields}
+        (folder / f"{name}.yaml").write_text(yaml.safe_dump(task))
+    return list(CHOICE_TASKS)
+
+
+def test_choice_answers_rank_choices_as_lm_evaluation_harness_does():
+    from layerplan.search.measures import ChoiceAnswers
+    from layerplan.search.probes import ChoiceQuestion
+
+    questions = (ChoiceQuestion(0, (1, 10), (1,)),  # the longer choice wins only per character
+                 ChoiceQuestion(2, (3, 3, 3), (1,)),  # a tie: the first of the equal ones counts (numpy's argmax)
+                 ChoiceQuestion(5, (2, 2, 2), (0, 2)))  # two right choices
+    logprob = torch.tensor([-2.0, -5.0, -1.0, -1.0, -3.0, -4.0, -6.0, -0.5], dtype=torch.float64)
+    got = ChoiceAnswers.of(questions, logprob)
+    assert got.acc.tolist() == [False, False, True] and got.acc_norm.tolist() == [True, False, True]
+    assert got.margin.tolist() == [-3.0, 0.0, 5.5] and got.logprob.tolist() == [-5.0, -1.0, -0.5]
+
+
+def _check_choice_agreement(model, plan, folder: Path) -> None:
+    """Each multiple-choice task through lm-eval's simple_evaluate (the LayerplanLM wrapper) and
+    through the probe: the same acc and acc_norm per document and in all, the same choice
+    log-likelihoods, and the probe's items are lm-eval's requests."""
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    from layerplan.app.integrations.harness import LayerplanLM
+
+    names = _write_choice_tasks(folder)
+    lm = LayerplanLM(pretrained=model, plan=plan.to_string())
+    out = lm_eval.simple_evaluate(model=lm, tasks=names, log_samples=True,
+                                  task_manager=TaskManager(include_path=str(folder), include_defaults=False))
+    for name in names:
+        scorers = build_scorers(model, ["task", "task-norm", "task-ll"],
+                                MeasureInputs(probe_items=10, task=name, include_path=str(folder)))
+        scorer = scorers["task"].scorer
+        samples = sorted(out["samples"][name], key=lambda sample: sample["doc_id"])
+        assert [(item.prompt, item.answer) for item in scorer.items] == [tuple(args[:2]) for s in samples
+                                                                         for args in s["arguments"]]
+        got = scorer.choices(plan)
+        assert got.acc.tolist() == [bool(s["acc"]) for s in samples]
+        assert got.acc_norm.tolist() == [bool(s["acc_norm"]) for s in samples]
+        lls = [float(resp[0][0]) for s in samples for resp in s["resps"]]
+        assert scorer.answers(plan).logprob.tolist() == pytest.approx(lls, abs=2e-4)
+        results = out["results"][name]
+        assert point_value(scorers["task"], plan) == results["acc,none"]
+        assert point_value(scorers["task-norm"], plan) == results["acc_norm,none"]
+        assert point_value(scorers["task-ll"], plan) == pytest.approx(float(got.margin.mean()))
+
+
+def test_a_multiple_choice_task_scores_as_lm_evaluation_harness_does(tiny, tmp_path):
+    pytest.importorskip("lm_eval")
+    model, _ = tiny
+    _check_choice_agreement(model, model.plan("0-2,1-3"), tmp_path)
+
+
+@pytest.mark.real
+def test_a_multiple_choice_task_scores_as_lm_evaluation_harness_does_on_the_real_model(smollm2, tmp_path):
+    pytest.importorskip("lm_eval")
+    _check_choice_agreement(smollm2, smollm2.plan("0-14,12-29"), tmp_path)
+
+
+def test_a_scanned_multiple_choice_score_equals_the_plan_run_alone(tiny, tmp_path):
+    """The shared-prefix scan (single and double repeats) and each plan run alone from the
+    embeddings give the same acc, acc_norm and margin; the log-likelihoods equal one plain
+    forward pass per context + choice (no batch, no padding)."""
+    pytest.importorskip("lm_eval")
+    model, _ = tiny
+    _write_choice_tasks(tmp_path)
+    names = ["task", "task-norm", "task-ll"]
+    inputs = MeasureInputs(probe_items=10, task="lp_mc", include_path=str(tmp_path))
+    scorers = build_scorers(model, names, inputs)
+    assert scorers["task"].scorer is scorers["task-norm"].scorer is scorers["task-ll"].scorer  # one pass serves all
+    assert len(scorers["task"].scorer.items) == sum(len(d["choices"]) for d in CHOICE_DOCS)
+    result = block_scan(model, scorers, block_candidates(4), (1, 2))
+    alone = build_scorers(model, names, inputs, reuse=False)
+    assert [s.measure for s in result.rows[0].scores] == names
+    for row in result.rows:
+        plan = model.plan(row.plan)
+        for name in names:
+            assert row.score(name).value == pytest.approx(point_value(alone[name], plan), abs=1e-9)
+        assert row.score("task-ll").detail == pytest.approx(float(alone["task"].scorer.choices(plan).logprob.mean()))
+    tok, plan = model.tokenizer, model.plan(result.rows[3].plan)
+    direct = []
+    for item in scorers["task"].scorer.items:
+        context, answer = tok.encode(item.prompt), tok.encode(item.answer)
+        logp = torch.log_softmax(forward(model, torch.tensor([context + answer]), plan).float(), -1)[0]
+        direct.append(float(logp[len(context) - 1 : -1].gather(1, torch.tensor(answer)[:, None]).sum()))
+    assert scorers["task"].scorer.answers(plan).logprob.tolist() == pytest.approx(direct, abs=1e-4)
+
+
+UNSUPPORTED = "task lp_roll is loglikelihood_rolling; a probe takes loglikelihood, generate_until or multiple_choice tasks"
+
+
+def _write_one_answer_tasks(folder: Path) -> None:
+    """lp_one (loglikelihood) and lp_roll (loglikelihood_rolling, which no probe takes)."""
+    import yaml
+
+    data = folder / "text.jsonl"
+    data.write_text(json.dumps({"q": "Q: 3 + 4 =\nA:", "a": "7"}) + "\n")
+    for name, output in (("lp_roll", "loglikelihood_rolling"), ("lp_one", "loglikelihood")):
+        task = {"task": name, "dataset_path": "json", "dataset_kwargs": {"data_files": {"test": str(data)}},
+                "test_split": "test", "output_type": output, "doc_to_text": "{{q}}", "doc_to_target": "{{a}}"}
+        (folder / f"{name}.yaml").write_text(yaml.safe_dump(task))
+
+
+def test_task_probes_name_what_they_cannot_score(tiny, tmp_path):
+    pytest.importorskip("lm_eval")
+    model, _ = tiny
+    fields = CHOICE_TASKS["lp_mc"][1]
+    _write_choice_tasks(tmp_path, {"lp_bad_answer": ([CHOICE_DOCS[0], {**CHOICE_DOCS[1], "answer": 7}], fields),
+                                   "lp_bad_first": ([{**CHOICE_DOCS[0], "answer": 7}], fields)})
+    _write_one_answer_tasks(tmp_path)
+    for measure, task, message in (
+            ("task", "lp_roll", UNSUPPORTED),
+            ("task-norm", "lp_one", "the task-norm measure needs a multiple_choice task; lp_one has one answer per document"),
+            ("task", "lp_bad_answer", "task lp_bad_answer, document 1: the answer 7 is not one of its 3 choices"),
+            ("task", "lp_bad_first", "lm-evaluation-harness cannot build task lp_bad_first: IndexError")):
+        with pytest.raises(ValueError, match=re.escape(message)):
+            build_scorers(model, [measure], MeasureInputs(task=task, include_path=str(tmp_path)))
+
+
+@pytest.mark.real
+def test_explore_blocks_takes_a_multiple_choice_task_from_the_command_line(smollm2, tmp_path):
+    pytest.importorskip("lm_eval")
+    from click.testing import CliRunner
+
+    from layerplan.app.cli import main
+
+    _write_choice_tasks(tmp_path)
+    _write_one_answer_tasks(tmp_path)
+    out = tmp_path / "run"
+    common = ["explore", "--blocks", "--include-path", str(tmp_path), "--range", "12-12", "--out", str(out)]
+    result = CliRunner().invoke(main, [*common, "--task", "lp_mc", "--measure", "task-norm", "--measure", "task-ll"])
+    assert result.exit_code == 0, result.output
+    report = json.loads((out / "blocks.json").read_text())
+    assert report["measures"] == ["task-norm", "task-ll", "task"] and len(report["rows"]) == 1
+    base = {score["measure"]: score["value"] for score in report["base"]}
+    assert base["task"] in (0.0, 0.25, 0.5, 0.75, 1.0) and base["task-norm"] in (0.0, 0.25, 0.5, 0.75, 1.0)
+    result = CliRunner().invoke(main, [*common, "--task", "lp_roll", "--measure", "task"])
+    assert result.exit_code != 0 and "Traceback" not in result.output
+    assert [line for line in result.output.splitlines() if "Error" in line] == [f"Error: {UNSUPPORTED}"], result.output
+
+
 @pytest.mark.real
 def test_scanned_perplexity_equals_the_plan_run_alone_on_the_real_model(smollm2):
     """The same on the packaged model and its engine (the native kernels where they run)."""

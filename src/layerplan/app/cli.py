@@ -452,8 +452,8 @@ def ppl(model, dtype, device, threads, plan, model_b, text, window, stride, max_
               help='your probe: JSONL records {"prompt": ..., "answer": ...}')
 @click.option("--probe-items", type=click.IntRange(min=1), default=24, show_default=True,
               help="items per built-in probe (documents of --task)")
-@click.option("--task", default=None, help="a local lm-evaluation-harness task as a probe (loglikelihood or "
-              "generate_until; pip install 'layerplan[eval]')")
+@click.option("--task", default=None, help="a local lm-evaluation-harness task as a probe (loglikelihood, "
+              "generate_until or multiple_choice; pip install 'layerplan[eval]')")
 @click.option("--include-path", type=click.Path(exists=True, file_okay=False), default=None,
               help="folder of your own lm-evaluation-harness task YAML files")
 @click.option("--seed", default=0, show_default=True, help="built-in probe items, bootstrap and the study's sampler")

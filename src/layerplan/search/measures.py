@@ -23,8 +23,8 @@ from layerplan.engine.runner import Resume, head, run_hidden
 from layerplan.models.loading import LoadedModel
 from layerplan.plan.plan import LayerPlan
 from layerplan.search.evaluate import calibration_ids, token_nll
-from layerplan.search.probes import (PROBE_SETS, Probe, encode_pair, generate_probe, harness_probe, prefix_token,
-                                     read_probe_file)
+from layerplan.search.probes import (PROBE_SETS, ChoiceQuestion, Probe, encode_pair, generate_probe, harness_probe,
+                                     prefix_token, read_probe_file)
 
 
 def shared_steps(plan: LayerPlan, base: LayerPlan) -> int:
@@ -90,7 +90,7 @@ class Units:
 
     values: torch.Tensor  # (U,) float64
     weights: torch.Tensor  # (U,) float64
-    detail: float | None = None  # probes: mean answer log-likelihood per item (nats)
+    detail: float | None = None  # probes: mean answer (multiple choice: right choice) log-likelihood per item (nats)
 
 
 @dataclass(frozen=True)
@@ -173,12 +173,46 @@ class ProbeAnswers:
     logprob: torch.Tensor  # (items,) float64
 
 
+@dataclass(frozen=True)
+class ChoiceAnswers:
+    """Per multiple-choice question, as lm-evaluation-harness scores it from each choice's
+    log-likelihood (its process_results): acc (the highest log-likelihood is a right choice's;
+    of equal ones the first counts, as numpy's argmax), acc_norm (the same for log-likelihood
+    per character of the choice), margin (the best right choice's log-likelihood minus the best
+    wrong one's, nats: above 0 where acc holds, a smooth measure of it; 0 when every choice is
+    right) and logprob (the best right choice's log-likelihood)."""
+
+    acc: torch.Tensor  # (questions,) bool
+    acc_norm: torch.Tensor  # (questions,) bool
+    margin: torch.Tensor  # (questions,) float64
+    logprob: torch.Tensor  # (questions,) float64
+
+    @classmethod
+    def of(cls, questions: tuple[ChoiceQuestion, ...], logprob: torch.Tensor) -> ChoiceAnswers:
+        """From the log-likelihood of each item (the questions' choices in turn)."""
+        acc, acc_norm, margin, right = [], [], [], []
+        for question in questions:
+            lls = logprob[question.first : question.first + len(question.lengths)]
+            per_char = lls / torch.tensor(question.lengths, dtype=lls.dtype)
+            gold = list(question.gold)
+            wrong = [k for k in range(len(lls)) if k not in question.gold]
+            acc.append(int(lls.argmax()) in question.gold)
+            acc_norm.append(int(per_char.argmax()) in question.gold)
+            best = lls[gold].max()
+            right.append(float(best))
+            margin.append(float(best - lls[wrong].max()) if wrong else 0.0)
+        return cls(torch.tensor(acc), torch.tensor(acc_norm), torch.tensor(margin, dtype=torch.float64),
+                   torch.tensor(right, dtype=torch.float64))
+
+
 class ProbeScorer:
     """Exact-match accuracy of greedy continuations, scored by teacher forcing: greedy decoding
     writes the answer exactly when each answer token is the argmax after the prompt and the
     answer tokens before it, so one pass over prompt + answer decides it (no generation loop).
     A chained probe is one row (the whole chain); independent items are right-padded rows of
-    a batch (causal attention never lets a real token see the padding)."""
+    a batch (causal attention never lets a real token see the padding). A multiple-choice
+    probe's items are its choices, each its own row (context + choice: the runner has no mask
+    that would let choices share one row of their context), and `choices` ranks them."""
 
     def __init__(self, model: LoadedModel, probe: Probe, base: LayerPlan, reuse: bool = True,
                  batch_size: int = 32) -> None:
@@ -256,11 +290,22 @@ class ProbeScorer:
         self._last.answers = (plan, ProbeAnswers(exact, greedy, logprob))
         return self._last.answers[1]
 
+    def choices(self, plan: LayerPlan, keep: int | None = None) -> ChoiceAnswers:
+        """A multiple-choice probe's questions under the plan (from `answers`' log-likelihoods)."""
+        if not self.probe.questions:
+            raise ValueError(f"probe {self.probe.name} is not multiple choice")
+        return ChoiceAnswers.of(self.probe.questions, self.answers(plan, keep).logprob)
+
+
+# a measure's field (ProbeAnswers') -> what it reads of a multiple-choice probe (ChoiceAnswers')
+CHOICE_FIELDS = {"exact": "acc", "logprob": "margin", "norm": "acc_norm"}
+
 
 class ProbeView:
     """One number per probe item as a measure: "exact" (accuracy) or "logprob" (the answer's
-    log-likelihood, smoother where a small model gets few answers right). Views of one scorer
-    share its last plan's answers, so asking both costs one pass."""
+    log-likelihood, smoother where a small model gets few answers right); on a multiple-choice
+    probe one per question (CHOICE_FIELDS: acc, the right choice's log-likelihood margin, or
+    acc_norm). Views of one scorer share its last plan's answers, so asking all costs one pass."""
 
     def __init__(self, scorer: ProbeScorer, field: str) -> None:
         self.scorer, self.field = scorer, field
@@ -271,9 +316,13 @@ class ProbeView:
         return mean
 
     def units(self, plan: LayerPlan, keep: int | None = None) -> Units:
-        result = self.scorer.answers(plan, keep)
-        return Units(getattr(result, self.field).double(), torch.ones(len(self.scorer.items), dtype=torch.float64),
-                     float(result.logprob.mean()))
+        if self.scorer.probe.questions:
+            result = self.scorer.choices(plan, keep)
+            values = getattr(result, CHOICE_FIELDS[self.field])
+        else:
+            result = self.scorer.answers(plan, keep)
+            values = getattr(result, self.field)
+        return Units(values.double(), torch.ones(values.numel(), dtype=torch.float64), float(result.logprob.mean()))
 
 
 @dataclass(frozen=True)
@@ -285,7 +334,7 @@ class MeasureInputs:
     probe_file: str | None = None  # --probe-file: JSONL of {"prompt", "answer"}
     probe_items: int = 24
     seed: int = 0
-    task: str | None = None  # --task: a local lm-evaluation-harness task (loglikelihood / generate_until)
+    task: str | None = None  # --task: a local lm-evaluation-harness task (probes.HARNESS_TYPES)
     include_path: str | None = None  # --include-path: the folder of its YAML
 
 
@@ -297,7 +346,7 @@ class Measure:
     unit: str  # what its value is: "perplexity", "accuracy" or "log-likelihood"
     needs: str | None = None  # the MeasureInputs field (CLI option) it cannot do without
     probe: str | None = None  # probes: PROBE_SETS name, or "file"; measures of one probe share its scorer
-    field: str = "exact"  # probes: the per-item number (ProbeAnswers field)
+    field: str = "exact"  # probes: the per-item number (ProbeAnswers field; CHOICE_FIELDS key)
 
 
 def _perplexity_ids(model: LoadedModel, name: str, inputs: MeasureInputs) -> torch.Tensor:
@@ -321,8 +370,14 @@ MEASURES = {m.name: m for m in (
     Measure("text", "perplexity on your text (--text FILE, first --tokens tokens)", "minimize", "perplexity", "text"),
     *(m for name, probe in PROBE_SETS.items() for m in _probe_measures(name, probe.help)),
     *_probe_measures("file", 'your JSONL of {"prompt", "answer"} (--probe-file)', "probe_file"),
-    *_probe_measures("task", "a local lm-evaluation-harness task (--task NAME --include-path DIR; its first "
-                     "--probe-items documents)", "task"),
+    Measure("task", "probe: a local lm-evaluation-harness task (--task NAME --include-path DIR; its first "
+            "--probe-items documents); exact-match accuracy of greedy answers, or a multiple_choice task's acc",
+            "maximize", "accuracy", "task", "task", "exact"),
+    Measure("task-ll", "the task probe's mean answer log-likelihood (nats per item); of a multiple_choice task the "
+            "mean margin of the right choice's log-likelihood over the best wrong one's", "maximize",
+            "log-likelihood", "task", "task", "logprob"),
+    Measure("task-norm", "a multiple_choice task's acc_norm: the right choice has the highest log-likelihood per "
+            "character", "maximize", "accuracy", "task", "task", "norm"),
 )}
 
 
@@ -360,6 +415,9 @@ def build_scorers(model: LoadedModel, names: list[str], inputs: MeasureInputs, b
             else:
                 probe = generate_probe(measure.probe, inputs.probe_items, inputs.seed)
             probes[measure.probe] = ProbeScorer(model, probe, base, reuse)
+        if measure.field not in ProbeAnswers.__dataclass_fields__ and not probes[measure.probe].probe.questions:
+            raise ValueError(f"the {name} measure needs a multiple_choice task; {probes[measure.probe].probe.name} "
+                             f"has one answer per document")
         scorers[name] = ProbeView(probes[measure.probe], measure.field)
     return scorers
 

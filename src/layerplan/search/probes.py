@@ -5,7 +5,9 @@ date reasoning); every answer is computed exactly by Python. They are asked as a
 (one solved example, then each question after the earlier ones with their answers) so that a
 small model knows the answer format without spending tokens on a demonstration per item. Users bring their own as JSONL records {"prompt": ..., "answer": ...}:
 the answer is the exact continuation of the prompt (lm-evaluation-harness's convention: a space
-that ends the prompt moves to the answer).
+that ends the prompt moves to the answer). Local lm-evaluation-harness tasks are probes too
+(harness_probe): one answer per document (loglikelihood, generate_until), or multiple choice,
+where every choice is an item and a ChoiceQuestion says which items are one document's choices.
 
 One registry, PROBE_SETS: adding a built-in probe is one entry here (the measures, the CLI's
 choices and its help follow from it).
@@ -85,17 +87,32 @@ PROBE_SETS = {
 
 
 @dataclass(frozen=True)
+class ChoiceQuestion:
+    """One multiple-choice document: its choices are the probe's items first, first + 1, ...
+    (each a context and that choice's continuation after it, as lm-evaluation-harness asks them).
+    lengths: each choice's length in characters (lm-evaluation-harness's acc_norm divides the
+    log-likelihood by it: the doc_to_choice text, without the target delimiter); gold: the
+    indices of the right choices (one, or several for a task with multiple targets)."""
+
+    first: int
+    lengths: tuple[int, ...]
+    gold: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class Probe:
     """Items to score. chained: one text asks them one after another, each after the ones
     before it with their answers (a few-shot chain that starts with `header`, one solved example):
     a prompt is a single question line, and no token is spent on a demonstration per item.
-    Otherwise each item is scored on its own prompt."""
+    Otherwise each item is scored on its own prompt. questions: a multiple-choice probe's
+    documents (its items are their choices); empty for a probe of one answer per item."""
 
     name: str
     items: list[ProbeItem]
     chained: bool = False
     header: str = ""  # chained: the text before the first item
     separator: str = "\n"  # chained: the text after each answer
+    questions: tuple[ChoiceQuestion, ...] = ()
 
 
 def generate_probe(name: str, count: int = 24, seed: int = 0) -> Probe:
@@ -149,10 +166,15 @@ def prefix_token(tokenizer) -> int:
     return tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
 
 
+HARNESS_TYPES = ("loglikelihood", "generate_until", "multiple_choice")  # the task output types a probe takes
+
+
 def harness_probe(task_name: str, include_path: str | None = None, limit: int | None = None) -> Probe:
-    """A local lm-evaluation-harness task as a probe: each document's context (zero-shot) and its
-    target after the task's target delimiter. Tasks that score one continuation (loglikelihood)
-    or generate an answer (generate_until) fit; multiple-choice tasks rank choices instead."""
+    """A local lm-evaluation-harness task as a probe, zero-shot, on its first `limit` test (else
+    validation) documents. Tasks that score one continuation (loglikelihood) or generate an
+    answer (generate_until): each document's context and its target after the task's target
+    delimiter. Multiple-choice tasks: every choice of every document is an item, its context and
+    continuation the request lm-evaluation-harness itself makes (Task.construct_requests)."""
     try:
         from lm_eval.tasks import TaskManager, get_task_dict
     except ImportError:
@@ -164,21 +186,63 @@ def harness_probe(task_name: str, include_path: str | None = None, limit: int | 
     if task_name not in manager.all_tasks:
         raise ValueError(f"no lm-evaluation-harness task '{task_name}'" + (f" (in {include_path} or built in)"
                                                                            if include_path else ""))
-    tasks = get_task_dict([task_name], manager)
+    try:
+        tasks = get_task_dict([task_name], manager)
+    except Exception as error:  # lm-eval checks the task's first document as it builds it (an index out of range...)
+        raise ValueError(f"lm-evaluation-harness cannot build task {task_name}: {type(error).__name__}: {error}") from None
     task = tasks.get(task_name)
     if task is None or not hasattr(task, "OUTPUT_TYPE"):
         raise ValueError(f"'{task_name}' is a group of tasks or was not found; name one task")
-    if task.OUTPUT_TYPE not in ("loglikelihood", "generate_until"):
-        raise ValueError(f"task {task_name} is {task.OUTPUT_TYPE}; a probe takes loglikelihood or generate_until tasks")
+    if task.OUTPUT_TYPE not in HARNESS_TYPES:
+        raise ValueError(f"task {task_name} is {task.OUTPUT_TYPE}; a probe takes {', '.join(HARNESS_TYPES[:-1])} or "
+                         f"{HARNESS_TYPES[-1]} tasks")
     docs = task.test_docs() if task.has_test_docs() else task.validation_docs()
     if docs is None:
         raise ValueError(f"task {task_name} has no test or validation documents")
+    docs = list(docs)[:limit]
+    if not docs:
+        raise ValueError(f"task {task_name} has no documents")
+    if task.OUTPUT_TYPE == "multiple_choice":
+        return _choice_probe(task_name, task, docs)
     delimiter = getattr(task.config, "target_delimiter", " ")
     items = []
-    for doc in list(docs)[:limit]:
+    for doc in docs:
         target = task.doc_to_target(doc)
         target = target[0] if isinstance(target, list) else target
         items.append(ProbeItem(str(task.doc_to_text(doc)), f"{delimiter}{target}"))
-    if not items:
-        raise ValueError(f"task {task_name} has no documents")
     return Probe(task_name, items)
+
+
+def _choice_probe(task_name: str, task, docs: list) -> Probe:
+    """A multiple_choice task's documents as ChoiceQuestions, read as lm-evaluation-harness's
+    ConfigurableTask reads them (its construct_requests and process_results): the choices are
+    doc_to_choice's, the right one doc_to_target's (an index, a choice's text, or a list of
+    indices), or doc_to_text's where the choices are the contexts (multiple_input: Winogrande)."""
+    config = getattr(task, "config", None)
+    if config is None or getattr(config, "doc_to_choice", None) is None:
+        raise ValueError(f"task {task_name} is multiple_choice without doc_to_choice; a probe reads a YAML task's "
+                         f"doc_to_choice")
+    if callable(getattr(config, "process_results", None)):
+        raise ValueError(f"task {task_name} scores its choices with its own process_results; a probe scores "
+                         f"multiple_choice tasks by lm-evaluation-harness's acc and acc_norm only")
+    items, questions = [], []
+    for number, doc in enumerate(docs):
+        choices = [str(choice) for choice in task.doc_to_choice(doc)]
+        where = f"task {task_name}, document {number}"
+        if not choices or not all(choices):
+            raise ValueError(f"{where}: choices {choices!r}; every choice needs text")
+        context = task.fewshot_context(doc, 0)  # zero-shot: the task's description and the document's text
+        requests = task.construct_requests(doc, context, metadata=(task_name, number, 1))
+        # acc_mutual_info appends each choice without its context: not scored here
+        pairs = [request.args[:2] for request in requests][: len(choices)]
+        gold = task.doc_to_text(doc) if task.multiple_input else task.doc_to_target(doc)
+        if isinstance(gold, str):
+            gold = choices.index(gold) if gold in choices else gold
+        golds = tuple(gold) if isinstance(gold, list) else (gold,)
+        if not golds or not all(isinstance(g, int) and not isinstance(g, bool) and 0 <= g < len(choices)
+                                for g in golds):
+            raise ValueError(f"{where}: the answer {gold!r} is not one of its {len(choices)} choices "
+                             f"(expected a choice's index or text)")
+        questions.append(ChoiceQuestion(len(items), tuple(len(choice) for choice in choices), golds))
+        items += [ProbeItem(str(context), str(continuation)) for context, continuation in pairs]
+    return Probe(task_name, items, questions=tuple(questions))
