@@ -492,16 +492,23 @@ def test_a_local_harness_task_is_a_probe(tiny, tmp_path):
     for name, output in (("lp_ll", "loglikelihood"), ("lp_gen", "generate_until")):
         task = {"task": name, "dataset_path": "json", "dataset_kwargs": {"data_files": {"test": str(data)}},
                 "test_split": "test", "output_type": output, "doc_to_text": "{{q}}", "doc_to_target": "{{a}}",
-                "metric_list": [{"metric": "acc" if output == "loglikelihood" else "exact_match"}]}
+                "metric_list": [{"metric": "acc" if output == "loglikelihood" else "exact_match"}],
+                "description": "Sums.\n"}
         (tmp_path / f"{name}.yaml").write_text(yaml.safe_dump(task))
     inputs = MeasureInputs(probe_items=2, task="lp_ll", include_path=str(tmp_path))
     view = build_scorers(model, ["task-ll"], inputs)["task-ll"]
-    assert view.scorer.items == [ProbeItem(d["q"], " " + d["a"]) for d in docs[:2]]
+    # lm-eval's own requests: the description, then the target as is (a loglikelihood task adds no delimiter)
+    assert view.scorer.items == [ProbeItem("Sums.\n" + d["q"], d["a"]) for d in docs[:2]]
+    from lm_eval.tasks import TaskManager, get_task_dict
+
+    lm_task = get_task_dict(["lp_ll"], TaskManager(include_path=str(tmp_path), include_defaults=False))["lp_ll"]
+    lm_task.build_all_requests(limit=2)
+    assert [(item.prompt, item.answer) for item in view.scorer.items] == [r.args for r in lm_task.instances]
     direct = ProbeScorer(model, Probe("same", view.scorer.items), model.plan())
     plan = model.plan("0-2,1-3")
     assert point_value(view, plan) == pytest.approx(float(direct.answers(plan).logprob.mean()), abs=1e-9)
     gen = build_scorers(model, ["task"], MeasureInputs(probe_items=5, task="lp_gen", include_path=str(tmp_path)))
-    assert len(gen["task"].scorer.items) == 3
+    assert gen["task"].scorer.items == [ProbeItem("Sums.\n" + d["q"], " " + d["a"]) for d in docs]
     with pytest.raises(ValueError, match="the task measure needs --task"):
         build_scorers(model, ["task"], MeasureInputs())
 

@@ -171,10 +171,11 @@ HARNESS_TYPES = ("loglikelihood", "generate_until", "multiple_choice")  # the ta
 
 def harness_probe(task_name: str, include_path: str | None = None, limit: int | None = None) -> Probe:
     """A local lm-evaluation-harness task as a probe, zero-shot, on its first `limit` test (else
-    validation) documents. Tasks that score one continuation (loglikelihood) or generate an
-    answer (generate_until): each document's context and its target after the task's target
-    delimiter. Multiple-choice tasks: every choice of every document is an item, its context and
-    continuation the request lm-evaluation-harness itself makes (Task.construct_requests)."""
+    validation) documents, each context as lm-evaluation-harness makes it (description and the
+    document's text). A loglikelihood task's item is lm-eval's own request (Task.construct_requests:
+    the target as is, no delimiter); a generate_until task's answer is its target after the
+    target delimiter (what greedy decoding should write). Multiple-choice tasks: every choice of
+    every document is an item, its context and continuation lm-eval's request for it."""
     try:
         from lm_eval.tasks import TaskManager, get_task_dict
     except ImportError:
@@ -206,10 +207,15 @@ def harness_probe(task_name: str, include_path: str | None = None, limit: int | 
         return _choice_probe(task_name, task, docs)
     delimiter = getattr(task.config, "target_delimiter", " ")
     items = []
-    for doc in docs:
-        target = task.doc_to_target(doc)
+    for number, doc in enumerate(docs):
+        context = task.fewshot_context(doc, 0)  # zero-shot: the task's description and the document's text
+        if task.OUTPUT_TYPE == "loglikelihood":  # lm-eval's own request: its target as is, no delimiter
+            items.append(ProbeItem(*map(str, task.construct_requests(doc, context,
+                                                                     metadata=(task_name, number, 1)).args[:2])))
+            continue
+        target = task.doc_to_target(doc)  # generate_until: the answer greedy decoding should write
         target = target[0] if isinstance(target, list) else target
-        items.append(ProbeItem(str(task.doc_to_text(doc)), f"{delimiter}{target}"))
+        items.append(ProbeItem(str(context), f"{delimiter}{target}"))
     return Probe(task_name, items)
 
 
