@@ -123,6 +123,7 @@ def test_a_verified_type_refuses_a_config_it_cannot_run():
     assert refusal_of_config(AutoConfig.for_model("opt")) is None  # OPT-125m's layout: pre-norm
     assert "do_layer_norm_before" in refusal_of_config(AutoConfig.for_model("opt", do_layer_norm_before=False))
     assert "word_embed_proj_dim" in refusal_of_config(AutoConfig.for_model("opt", word_embed_proj_dim=512))
+    assert "add_cross_attention" in refusal_of_config(AutoConfig.for_model("xglm", add_cross_attention=True))
 
 
 @pytest.mark.parametrize("arch", DISCOVERY_REFERENCE)

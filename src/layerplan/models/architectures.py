@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import copy
 import inspect
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -64,6 +64,21 @@ _LLAMA_LIKE = ArchSpec(
     mlp_norm="post_attention_layernorm",
 )
 
+_OPT_LIKE = ArchSpec(
+    backbone="model.decoder",
+    embed="embed_tokens",
+    layers="layers",
+    final_norm="final_layer_norm",
+    attention="self_attn",
+    attention_norm="self_attn_layer_norm",
+    mlp="",
+    mlp_sequence=("fc1", "activation_fn", "fc2"),
+    mlp_norm="final_layer_norm",
+    position_embed="embed_positions",
+    attention_output="self_attn.out_proj",
+    mlp_output="fc2",
+)
+
 # The exceptions: architectures whose parts are written down instead of discovered (these seven
 # were hand-checked first and stay as the reference for discovery's own test).
 ARCHITECTURES: dict[str, ArchSpec] = {
@@ -99,22 +114,11 @@ ARCHITECTURES: dict[str, ArchSpec] = {
         attention_output="attn.c_proj",
         mlp_output="mlp.c_proj",
     ),
-    # OPT: discovery cannot find it (the layers sit in model.decoder, the MLP is three modules of
-    # the layer, the learned positions are offset by 2)
-    "opt": ArchSpec(
-        backbone="model.decoder",
-        embed="embed_tokens",
-        layers="layers",
-        final_norm="final_layer_norm",
-        attention="self_attn",
-        attention_norm="self_attn_layer_norm",
-        mlp="",
-        mlp_sequence=("fc1", "activation_fn", "fc2"),
-        mlp_norm="final_layer_norm",
-        position_embed="embed_positions",
-        attention_output="self_attn.out_proj",
-        mlp_output="fc2",
-    ),
+    # OPT and its relatives: discovery cannot find them (the MLP is three modules of the layer, the
+    # positions are offset by 2; OPT's layers sit in model.decoder)
+    "opt": _OPT_LIKE,
+    "biogpt": replace(_OPT_LIKE, backbone="biogpt", final_norm="layer_norm"),
+    "xglm": replace(_OPT_LIKE, backbone="model", final_norm="layer_norm"),
 }
 # the rows hand-checked first, the reference discovery's own test compares against
 DISCOVERY_REFERENCE = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3_text", "gpt2")
@@ -163,6 +167,8 @@ def refusal_of_config(config) -> str | None:
                 "so a skipped or repeated sub-layer would change what every later layer reads")
     if getattr(config, "word_embed_proj_dim", None) not in (None, getattr(config, "hidden_size", None)):
         return "its embeddings are projected into and out of the layers' width (word_embed_proj_dim)"
+    if getattr(config, "add_cross_attention", False):
+        return "its layers attend to an encoder's states too (add_cross_attention), which a causal LM does not have"
     if getattr(config, "alibi", False):  # Falcon-RW; the plan runner's positions are rotary or learned
         return "it positions tokens by ALiBi biases (config alibi=True), which the plan runner does not build"
     text = vars(config).get("text_config")
@@ -261,19 +267,21 @@ def _mlp_of(layer: nn.Module, spec: ArchSpec) -> nn.Module:
 
 
 class OffsetPositions(nn.Module):
-    """A learned position table whose rows start at `offset` (OPT's 2), called with positions."""
+    """A position table whose rows start at `offset` (2 in OPT, BioGPT, XGLM), called with
+    positions: a learned nn.Embedding's weight, or XGLM's sinusoidal `weights` buffer."""
 
-    def __init__(self, table: nn.Embedding) -> None:
+    def __init__(self, table: nn.Module) -> None:
         super().__init__()
         self.table = table
 
     def forward(self, positions):
-        return nn.functional.embedding(positions + self.table.offset, self.table.weight)
+        weights = self.table.weight if isinstance(self.table, nn.Embedding) else self.table.weights
+        return nn.functional.embedding(positions + self.table.offset, weights)
 
 
 def _positions_of(module: nn.Module) -> nn.Module:
-    offset = getattr(module, "offset", None)
-    return OffsetPositions(module) if isinstance(module, nn.Embedding) and isinstance(offset, int) else module
+    tabled = isinstance(module, nn.Embedding) or isinstance(getattr(module, "weights", None), torch.Tensor)
+    return OffsetPositions(module) if tabled and isinstance(getattr(module, "offset", None), int) else module
 
 
 def _get(obj: Any, path: str) -> Any:
@@ -466,15 +474,15 @@ NAMED_FAMILIES = {
     "GPT-OSS": "gpt_oss", "GLM-4": "glm4", "StarCoder2": "starcoder2",
 }
 TINY_CHECKED: tuple[str, ...] = (
-    "afmoe", "apertus", "arcee", "aria_text", "axk1", "bitnet", "codegen", "cohere", "cohere2", "cohere2_moe", "cwm",
-    "deepseek_v2", "deepseek_v3", "dots1", "ernie4_5", "ernie4_5_moe", "exaone4", "exaone_moe", "falcon", "flex_olmo",
-    "flint", "gemma", "gemma2", "gemma3_text", "glm", "glm4", "glm4_moe", "glm4_moe_lite", "gpt-sw3", "gpt2",
-    "gpt_bigcode", "gpt_neo", "gpt_neox", "gpt_oss", "gptj", "granite", "granitemoe", "granitemoeshared", "helium",
-    "hunyuan_v1_dense", "hunyuan_v1_moe", "hy_v3", "internlm3", "iquestcoder", "jais2", "jetmoe", "kolibri1",
-    "laguna", "llama", "mellum", "mimo_v2_flash", "minimax_m2", "minimax_m3_vl_text", "ministral", "ministral3",
-    "mistral", "mixtral", "nemotron", "olmo", "olmo2", "olmo3", "olmoe", "opt", "persimmon", "phi", "phi3", "phimoe",
-    "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "seed_oss", "smollm3", "solar_open", "stablelm", "starcoder2",
-    "vaultgemma", "youtu",
+    "afmoe", "apertus", "arcee", "aria_text", "axk1", "biogpt", "bitnet", "codegen", "cohere", "cohere2",
+    "cohere2_moe", "cwm", "deepseek_v2", "deepseek_v3", "dots1", "ernie4_5", "ernie4_5_moe", "exaone4", "exaone_moe",
+    "falcon", "flex_olmo", "flint", "gemma", "gemma2", "gemma3_text", "glm", "glm4", "glm4_moe", "glm4_moe_lite",
+    "gpt-sw3", "gpt2", "gpt_bigcode", "gpt_neo", "gpt_neox", "gpt_oss", "gptj", "granite", "granitemoe",
+    "granitemoeshared", "helium", "hunyuan_v1_dense", "hunyuan_v1_moe", "hy_v3", "internlm3", "iquestcoder", "jais2",
+    "jetmoe", "kolibri1", "laguna", "llama", "mellum", "mimo_v2_flash", "minimax_m2", "minimax_m3_vl_text",
+    "ministral", "ministral3", "mistral", "mixtral", "nemotron", "olmo", "olmo2", "olmo3", "olmoe", "opt",
+    "persimmon", "phi", "phi3", "phimoe", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "seed_oss", "smollm3",
+    "solar_open", "stablelm", "starcoder2", "vaultgemma", "xglm", "youtu",
 )
 MIXTURE_OF_EXPERTS = frozenset({
     "afmoe", "aria_text", "axk1", "axk2", "bailing_hybrid", "beam", "cohere2_moe", "deepseek_v2", "deepseek_v3",
@@ -572,7 +580,6 @@ NOT_SUPPORTED: dict[str, str] = {
     "diffllama": ("passes the identity check, but its attention's lambda_init depends on the layer's index: a repeated "
                   "or moved layer exports as a different layer"),
     "beam": "fails the check against transformers: prefill raised KeyError: 'full_attention'",
-    "biogpt": "no final norm (norm, ln_f, final_layernorm, norm_f, final_layer_norm) in its BioGptModel",
     "bloom": ("it positions tokens by ALiBi biases, which the plan runner does not build (and its BloomModel "
               "normalises the embeddings: word_embeddings_layernorm)"),
     "cohere_compass_text": "transformers cannot build it from a config (KeyError: 'full_attention')",
@@ -597,7 +604,6 @@ NOT_SUPPORTED: dict[str, str] = {
     "reformer": "transformers cannot build it from a plain config (it needs is_decoder=True and its own attention layer list)",
     "rwkv": "no final norm (norm, ln_f, final_layernorm, norm_f, final_layer_norm) in its RwkvModel",
     "trocr": "no list of 12 decoder layers in its TrOCRDecoderWrapper",
-    "xglm": "no final norm (norm, ln_f, final_layernorm, norm_f, final_layer_norm) in its XGLMModel",
     "xlm": "no final norm (norm, ln_f, final_layernorm, norm_f, final_layer_norm) in its XLMModel",
     "xlnet": "a tiny config of it cannot be built (StrictDataclassClassValidationError: Class validation error for validator 'validate_architecture':)",
     "xlstm": "no list of 3 decoder layers in its xLSTMModel",
