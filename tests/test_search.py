@@ -210,6 +210,44 @@ def test_worker_processes_share_one_study_exactly(worker_model, tmp_path, kind, 
     assert len(seeds) == len({t.user_attrs["worker"] for t in found})  # a sampler seed per worker
 
 
+def _ask_enqueued(storage: str, asks: int, queue) -> None:
+    import optuna
+
+    from layerplan.search.bayes import make_storage
+    from layerplan.search.workers import claiming
+
+    study = optuna.load_study(study_name="claims", storage=make_storage(storage, heartbeat=None))
+    numbers = []
+    for _ in range(asks):
+        with claiming(storage):
+            numbers.append(study.ask().number)
+    queue.put(numbers)
+
+
+def test_workers_asking_together_never_pop_the_same_enqueued_trial(tmp_path):
+    # Optuna alone on SQLite hands one WAITING trial to two askers (measured: 49-53 distinct
+    # trials out of 60 asks by 4 processes), which made two workers run, then tell, one trial
+    import multiprocessing
+
+    import optuna
+
+    from layerplan.search.bayes import make_storage
+
+    storage = str(tmp_path / "claims.db")
+    study = optuna.create_study(study_name="claims", storage=make_storage(storage, heartbeat=None))
+    for x in range(60):
+        study.enqueue_trial({"x": x}, skip_if_exists=False)
+    context = multiprocessing.get_context("fork")
+    queue = context.Queue()
+    procs = [context.Process(target=_ask_enqueued, args=(storage, 15, queue)) for _ in range(4)]
+    for p in procs:
+        p.start()
+    numbers = [n for _ in procs for n in queue.get(timeout=120)]
+    for p in procs:
+        p.join(timeout=60)
+    assert sorted(numbers) == list(range(60))
+
+
 @pytest.mark.parametrize("kind", ["sqlite", "journal"])
 def test_a_study_killed_mid_trial_resumes_without_repeating_or_leaving_it_running(worker_model, tmp_path, kind):
     from optuna.trial import TrialState

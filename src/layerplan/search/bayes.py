@@ -26,7 +26,7 @@ from layerplan.plan.plan import LayerPlan, PlanError
 from layerplan.search.evaluator import CostModel, PlanEvaluator
 from layerplan.search.greedy import candidate_items
 from layerplan.search.objectives import OBJECTIVES, score
-from layerplan.search.workers import Heartbeat, is_stale
+from layerplan.search.workers import Heartbeat, claiming, is_stale
 
 MAX_REPEATS = 3  # proposals in a row of plans the study holds before a worker draws an unseen one
 
@@ -363,7 +363,8 @@ def optimise(space: StudySpace, evaluate: Callable[[LayerPlan], float | tuple[fl
                 break  # every valid plan has been run
             study.enqueue_trial(params)
             repeats = 0
-        trial = study.ask()
+        with claiming(storage):  # on SQLite two workers could otherwise pop one enqueued trial
+            trial = study.ask()
         if worker_seed is None:  # the first trial's number is this worker's identity in the study
             worker_seed = derive_seed(name, seed, trial.number)
             study.sampler = chosen.make(optuna, worker_seed)

@@ -13,8 +13,16 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime
+from pathlib import Path
+
+try:
+    import fcntl
+except ImportError:  # Windows: no flock; one worker per SQLite file there
+    fcntl = None
 
 WORKER_ATTR = "worker"
 ALIVE_ATTR = "alive_at"
@@ -77,6 +85,36 @@ def is_stale(trial, grace: float, now: float | None = None) -> bool:
         start = trial.datetime_start
         alive_at = start.timestamp() if isinstance(start, datetime) else now
     return now - float(alive_at) > grace
+
+
+def sqlite_file(storage_url: str) -> Path | None:
+    """The database file of a SQLite storage (a bare path or sqlite:///PATH), else None."""
+    if storage_url.startswith("journal:"):
+        return None
+    if "://" not in storage_url:
+        return Path(storage_url)
+    if storage_url.startswith("sqlite:///") and len(storage_url) > len("sqlite:///"):
+        return Path(storage_url[len("sqlite:///"):])
+    return None
+
+
+@contextmanager
+def claiming(storage_url: str | None) -> Iterator[None]:
+    """Held by a worker while it asks the study for its next trial. On SQLite, Optuna's
+    WAITING -> RUNNING change is a read then a write with no row lock (SQLite ignores
+    SELECT ... FOR UPDATE), so two workers could pop the same enqueued trial and both run it;
+    an exclusive lock on a file beside the database makes the asks take turns. Other RDBs lock
+    the row and journal storages take their own lock: nothing to do there."""
+    database = sqlite_file(storage_url) if storage_url else None
+    if database is None or fcntl is None:
+        yield
+        return
+    with open(database.with_name(database.name + ".lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 class Heartbeat:
