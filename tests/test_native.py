@@ -221,3 +221,37 @@ def test_passes_of_no_tokens_do_nothing(dtype):
     layer = model.native.layers[0]
     empty = torch.empty(1, 0, model.hf.config.hidden_size, dtype=dtype)
     assert layer.run_mlp(empty, 1.0).shape == empty.shape
+
+
+def _wide_head_llama(dtype):
+    """A llama with SmolLM2's head shape (head_dim 64, 3 query heads per kv head), so that the
+    attention's 64-lane value sums and a pass's shared keys run as they do on the real model."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from layerplan.models.loading import wrap_model
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=96, hidden_size=192, intermediate_size=96, num_hidden_layers=2,
+                         num_attention_heads=3, num_key_value_heads=1, max_position_embeddings=128)
+    model = wrap_model(AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa").eval(),
+                       name="wide-head-llama")
+    native.enable(model)
+    return model
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", ["tiny", "wide-head"])
+def test_a_pass_gives_each_token_the_logits_of_decoding_it_alone(dtype, shape):
+    """Batch invariance of the whole model: a pass over k tokens (a verify) and k one-token steps
+    give bit-identical logits, for every k up to 12 (row groups, shared keys and per-row work in
+    parallel change with k; the numbers may not)."""
+    model = _eager_and_native("llama", dtype)[1] if shape == "tiny" else _wide_head_llama(dtype)
+    ids = torch.randint(3, 96, (1, 19), generator=torch.Generator().manual_seed(11))
+    plan = model.plan()
+    cache = new_cache(plan)
+    forward(model, ids[:, :7], plan, cache, 0)
+    alone = torch.cat([forward(model, ids[:, p:p + 1], plan, cache, p) for p in range(7, 19)], 1)
+    for k in range(1, 13):
+        cache.crop(7)
+        together = forward(model, ids[:, 7:7 + k], plan, cache, 7)
+        assert torch.equal(together, alone[:, :k]), f"a pass over {k} tokens changed a token's logits"

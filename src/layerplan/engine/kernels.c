@@ -335,24 +335,67 @@ static inline __m256 load8_row(const void *row, int bf16, long i) {
     return bf16 ? load8_bf16((const uint16_t *)row + i) : _mm256_loadu_ps((const float *)row + i);
 }
 
-/* q . key for four cache rows at once (rows[j] NULL: none), each summed over d in 8-lane chains,
- * then across lanes (hsum4), then the tail in order: a key's score does not depend on the rows
- * beside it. */
-static inline void dot4_rows(const float *q, const void *const rows[4], int bf16, long d, float out[4]) {
-    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-    long i = 0;
-    for (; i + 8 <= d; i += 8) {
-        __m256 qv = _mm256_loadu_ps(q + i);
-        a0 = _mm256_fmadd_ps(qv, load8_row(rows[0], bf16, i), a0);
-        if (rows[1]) a1 = _mm256_fmadd_ps(qv, load8_row(rows[1], bf16, i), a1);
-        if (rows[2]) a2 = _mm256_fmadd_ps(qv, load8_row(rows[2], bf16, i), a2);
-        if (rows[3]) a3 = _mm256_fmadd_ps(qv, load8_row(rows[3], bf16, i), a3);
+/* out[0 : 8 lanes] = sum over kept positions, in order, of scores[q] * v[first + q] (8-lane groups
+ * of the row from v, rows `stride` apart). The sums are named variables, not an array: GCC kept an
+ * array of them on the stack, storing and loading them at every position (seen in the profile of
+ * an 8-token pass, whose attention was a tenth of its time). */
+#define DEFINE_WEIGH(NAME, WT, LOAD8)                                                              \
+    static void NAME(const float *scores, const unsigned char *keep, const WT *v, long stride, long first, long n, \
+                     long lanes, float *out) {                                                     \
+        __m256 z = _mm256_setzero_ps(), a0 = z, a1 = z, a2 = z, a3 = z, a4 = z, a5 = z, a6 = z, a7 = z; \
+        for (long q = 0; q < n; q++) {                                                             \
+            if (keep && !keep[q]) continue;                                                        \
+            __m256 e = _mm256_set1_ps(scores[q]);                                                  \
+            const WT *row = v + (first + q) * stride;                                              \
+            if (lanes == 8) {                                                                      \
+                a0 = _mm256_fmadd_ps(e, LOAD8(row), a0); a1 = _mm256_fmadd_ps(e, LOAD8(row + 8), a1); \
+                a2 = _mm256_fmadd_ps(e, LOAD8(row + 16), a2); a3 = _mm256_fmadd_ps(e, LOAD8(row + 24), a3); \
+                a4 = _mm256_fmadd_ps(e, LOAD8(row + 32), a4); a5 = _mm256_fmadd_ps(e, LOAD8(row + 40), a5); \
+                a6 = _mm256_fmadd_ps(e, LOAD8(row + 48), a6); a7 = _mm256_fmadd_ps(e, LOAD8(row + 56), a7); \
+            } else {                                                                               \
+                if (lanes > 0) a0 = _mm256_fmadd_ps(e, LOAD8(row), a0);                            \
+                if (lanes > 1) a1 = _mm256_fmadd_ps(e, LOAD8(row + 8), a1);                        \
+                if (lanes > 2) a2 = _mm256_fmadd_ps(e, LOAD8(row + 16), a2);                       \
+                if (lanes > 3) a3 = _mm256_fmadd_ps(e, LOAD8(row + 24), a3);                       \
+                if (lanes > 4) a4 = _mm256_fmadd_ps(e, LOAD8(row + 32), a4);                       \
+                if (lanes > 5) a5 = _mm256_fmadd_ps(e, LOAD8(row + 40), a5);                       \
+                if (lanes > 6) a6 = _mm256_fmadd_ps(e, LOAD8(row + 48), a6);                       \
+            }                                                                                      \
+        }                                                                                          \
+        if (lanes > 0) _mm256_storeu_ps(out, a0);                                                  \
+        if (lanes > 1) _mm256_storeu_ps(out + 8, a1);                                              \
+        if (lanes > 2) _mm256_storeu_ps(out + 16, a2);                                             \
+        if (lanes > 3) _mm256_storeu_ps(out + 24, a3);                                             \
+        if (lanes > 4) _mm256_storeu_ps(out + 32, a4);                                             \
+        if (lanes > 5) _mm256_storeu_ps(out + 40, a5);                                             \
+        if (lanes > 6) _mm256_storeu_ps(out + 48, a6);                                             \
+        if (lanes > 7) _mm256_storeu_ps(out + 56, a7);                                             \
     }
-    _mm_storeu_ps(out, hsum4(a0, a1, a2, a3));
-    for (int j = 0; j < 4; j++)
-        if (rows[j])
-            for (long t = i; t < d; t++) out[j] += q[t] * param(rows[j], bf16, t);
-}
+DEFINE_WEIGH(weigh_values_bf16, uint16_t, load8_bf16)
+DEFINE_WEIGH(weigh_values_f32, float, _mm256_loadu_ps)
+
+/* q . key for eight cache rows at once, each summed over d in one 8-lane chain, then across lanes
+ * (hsum4), then the tail in order: a key's score does not depend on the rows beside it. Eight
+ * chains, not four: with four the FMA latency (4 cycles, 8 steps for d = 64) bounded the scores. */
+#define DEFINE_DOT8(NAME, WT, LOAD8, PARAM)                                                         \
+    static void NAME(const float *q, const WT *const rows[8], long d, float out[8]) {              \
+        __m256 z = _mm256_setzero_ps(), a0 = z, a1 = z, a2 = z, a3 = z, a4 = z, a5 = z, a6 = z, a7 = z; \
+        long i = 0;                                                                                \
+        for (; i + 8 <= d; i += 8) {                                                               \
+            __m256 qv = _mm256_loadu_ps(q + i);                                                    \
+            a0 = _mm256_fmadd_ps(qv, LOAD8(rows[0] + i), a0); a1 = _mm256_fmadd_ps(qv, LOAD8(rows[1] + i), a1); \
+            a2 = _mm256_fmadd_ps(qv, LOAD8(rows[2] + i), a2); a3 = _mm256_fmadd_ps(qv, LOAD8(rows[3] + i), a3); \
+            a4 = _mm256_fmadd_ps(qv, LOAD8(rows[4] + i), a4); a5 = _mm256_fmadd_ps(qv, LOAD8(rows[5] + i), a5); \
+            a6 = _mm256_fmadd_ps(qv, LOAD8(rows[6] + i), a6); a7 = _mm256_fmadd_ps(qv, LOAD8(rows[7] + i), a7); \
+        }                                                                                          \
+        _mm_storeu_ps(out, hsum4(a0, a1, a2, a3));                                                 \
+        _mm_storeu_ps(out + 4, hsum4(a4, a5, a6, a7));                                             \
+        for (int j = 0; j < 8; j++)                                                                \
+            for (long t = i; t < d; t++) out[j] += q[t] * PARAM(rows[j][t]);                       \
+    }
+#define AS_F32(v) (v)
+DEFINE_DOT8(dot8_bf16, uint16_t, load8_bf16, bf16_to_f32)
+DEFINE_DOT8(dot8_f32, float, _mm256_loadu_ps, AS_F32)
 
 /* One query's attention over cache positions [first, last] of one kv head (positions where
  * skip(p) holds left out): softmax(q . k * scaling) . v into out (d floats). Scores four keys at a
@@ -362,22 +405,24 @@ static void attend(const float *q, const void *kbase, const void *vbase, long st
                    const unsigned char *keep, float scaling, int bf16, long d, float *scores, float *out) {
     long n = last - first + 1;
     float best = -INFINITY;
-    for (long p = 0; p < n; p += 4) {
-        const void *rows[4];
-        for (int j = 0; j < 4; j++) {
+    const void *any = bf16 ? (const void *)((const uint16_t *)kbase + first * stride) : (const void *)((const float *)kbase + first * stride);
+    for (long p = 0; p < n; p += 8) {
+        const void *rows[8];
+        int kept = 0;
+        for (int j = 0; j < 8; j++) {
             long at = (first + p + j) * stride;
-            rows[j] = p + j < n && keep[p + j]
-                ? (bf16 ? (const void *)((const uint16_t *)kbase + at) : (const void *)((const float *)kbase + at)) : NULL;
+            int use = p + j < n && (!keep || keep[p + j]);
+            kept |= use;
+            /* a key left out is scored on a row that exists, and its score dropped: no branch per key */
+            rows[j] = use ? (bf16 ? (const void *)((const uint16_t *)kbase + at) : (const void *)((const float *)kbase + at)) : any;
         }
-        if (!rows[0] && !rows[1] && !rows[2] && !rows[3]) {
-            for (int j = 0; j < 4 && p + j < n; j++) scores[p + j] = -INFINITY;
-            continue;
+        float dots[8];
+        if (kept) {
+            if (bf16) dot8_bf16(q, (const uint16_t *const *)rows, d, dots);
+            else dot8_f32(q, (const float *const *)rows, d, dots);
         }
-        const void *safe[4] = {rows[0] ? rows[0] : (rows[1] ? rows[1] : (rows[2] ? rows[2] : rows[3])), rows[1], rows[2], rows[3]};
-        float dots[4];
-        dot4_rows(q, safe, bf16, d, dots);
-        for (int j = 0; j < 4 && p + j < n; j++) {
-            scores[p + j] = rows[j] ? dots[j] * scaling : -INFINITY;
+        for (int j = 0; j < 8 && p + j < n; j++) {
+            scores[p + j] = kept && (!keep || keep[p + j]) ? dots[j] * scaling : -INFINITY;
             if (scores[p + j] > best) best = scores[p + j];
         }
     }
@@ -394,29 +439,14 @@ static void attend(const float *q, const void *kbase, const void *vbase, long st
     }
     for (long c = 0; c < d; c += 64) { /* 64 output dims in eight registers */
         long width = d - c < 64 ? d - c : 64, lanes = width / 8;
-        __m256 acc[8];
-        for (int j = 0; j < 8; j++) acc[j] = _mm256_setzero_ps();
-        float tail[8] = {0};
-        for (long q2 = 0; q2 < n; q2++) {
-            if (!keep[q2]) continue;
-            __m256 e = _mm256_set1_ps(scores[q2]);
-            long at = (first + q2) * stride + c;
-            const void *row = bf16 ? (const void *)((const uint16_t *)vbase + at) : (const void *)((const float *)vbase + at);
-            switch (lanes) { /* unrolled so the sums stay in registers */
-            case 8: acc[7] = _mm256_fmadd_ps(e, load8_row(row, bf16, 56), acc[7]); /* fall through */
-            case 7: acc[6] = _mm256_fmadd_ps(e, load8_row(row, bf16, 48), acc[6]); /* fall through */
-            case 6: acc[5] = _mm256_fmadd_ps(e, load8_row(row, bf16, 40), acc[5]); /* fall through */
-            case 5: acc[4] = _mm256_fmadd_ps(e, load8_row(row, bf16, 32), acc[4]); /* fall through */
-            case 4: acc[3] = _mm256_fmadd_ps(e, load8_row(row, bf16, 24), acc[3]); /* fall through */
-            case 3: acc[2] = _mm256_fmadd_ps(e, load8_row(row, bf16, 16), acc[2]); /* fall through */
-            case 2: acc[1] = _mm256_fmadd_ps(e, load8_row(row, bf16, 8), acc[1]); /* fall through */
-            case 1: acc[0] = _mm256_fmadd_ps(e, load8_row(row, bf16, 0), acc[0]); /* fall through */
-            default: break;
-            }
-            for (long t = lanes * 8; t < width; t++) tail[t - lanes * 8] += scores[q2] * param(row, bf16, t);
+        if (bf16) weigh_values_bf16(scores, keep, (const uint16_t *)vbase + c, stride, first, n, lanes, out + c);
+        else weigh_values_f32(scores, keep, (const float *)vbase + c, stride, first, n, lanes, out + c);
+        for (long t = lanes * 8; t < width; t++) {
+            float tail = 0.0f;
+            for (long q2 = 0; q2 < n; q2++)
+                if (!keep || keep[q2]) tail += scores[q2] * param(vbase, bf16, (first + q2) * stride + c + t);
+            out[c + t] = tail;
         }
-        for (long j = 0; j < lanes; j++) _mm256_storeu_ps(out + c + 8 * j, acc[j]);
-        for (long t = lanes * 8; t < width; t++) out[c + t] = tail[t - lanes * 8];
     }
     for (long i = 0; i < d; i++) out[i] /= total;
 }
@@ -535,6 +565,18 @@ static void gated_activation(const float *gate, const float *up, float *out, lon
     }
 }
 
+/* BODY for r = 0 .. rows-1: shared among the threads when `split` (a pass), in this thread
+ * otherwise (a step: even an OpenMP region of one thread costs a team's set-up, 30 layers over). */
+#define EACH_ROW(split, threads, rows, ...)                                                         \
+    do {                                                                                            \
+        if (split) {                                                                                \
+            _Pragma("omp parallel for num_threads(threads) schedule(static)")                       \
+            for (long r = 0; r < (rows); r++) __VA_ARGS__                                           \
+        } else {                                                                                    \
+            for (long r = 0; r < (rows); r++) __VA_ARGS__                                           \
+        }                                                                                           \
+    } while (0)
+
 /* One attention sub-layer on `rows` tokens at positions pos0.. (hidden and out: (rows, hidden)):
  * out = hidden + residual_scale * o_proj(attention(rope(q), rope(k), v)), with k and v written into the
  * step's cache slot (kv_heads, capacity, head_dim) at pos0.. first. The slot holds positions from
@@ -559,70 +601,97 @@ int lp_attention_block(const lp_attention *a, const void *hidden, void *out, lon
     float *v = (float *)malloc(sizeof(float) * rows * NK);
     float *o = (float *)malloc(sizeof(float) * rows * NQ);
     float *u = (float *)malloc(sizeof(float) * rows * H);
-    load_f32(hidden, bf16, x, rows * H);
-    norm_rows(x, rows, H, &a->norm, bf16);
+    long es = bf16 ? 2 : 4; /* bytes per element of hidden, out and the cache */
+    int split = rows > 1 && threads > 1; /* a pass shares the per-row work too; a step keeps one thread */
+    EACH_ROW(split, threads, rows, {
+        load_f32((const char *)hidden + r * H * es, bf16, x + r * H, H);
+        norm_rows(x + r * H, 1, H, &a->norm, bf16);
+    });
     gemm(&a->qkv, x, rows, qkv, threads);
-    for (long r = 0; r < rows; r++) {
+    long R = a->rotary_dim;
+    EACH_ROW(split, threads, rows, {
+        float *qr = q + r * NQ, *kr = k + r * NK, *vr = v + r * NK;
         const float *src = qkv + r * (NQ + 2 * NK);
-        memcpy(q + r * NQ, src, sizeof(float) * NQ);
-        memcpy(k + r * NK, src + NQ, sizeof(float) * NK);
-        memcpy(v + r * NK, src + NQ + NK, sizeof(float) * NK);
-    }
-    round_all(q, rows * NQ, bf16);
-    round_all(k, rows * NK, bf16);
-    round_all(v, rows * NK, bf16);
-    norm_rows(q, rows * a->heads, D, &a->q_norm, bf16);
-    norm_rows(k, rows * a->kv_heads, D, &a->k_norm, bf16);
-    if (a->rotary_dim) {
-        long R = a->rotary_dim;
-        float *cs = (float *)malloc(sizeof(float) * rows * R), *sn = (float *)malloc(sizeof(float) * rows * R);
-        load_f32(cos, bf16, cs, rows * R);
-        load_f32(sin, bf16, sn, rows * R);
-        rope_rows(q, rows, a->heads, D, R, cs, sn, bf16);
-        rope_rows(k, rows, a->kv_heads, D, R, cs, sn, bf16);
-        free(cs);
-        free(sn);
-    }
-    for (long r = 0; r < rows; r++)
+        memcpy(qr, src, sizeof(float) * NQ);
+        memcpy(kr, src + NQ, sizeof(float) * NK);
+        memcpy(vr, src + NQ + NK, sizeof(float) * NK);
+        round_all(qr, NQ, bf16);
+        round_all(kr, NK, bf16);
+        round_all(vr, NK, bf16);
+        norm_rows(qr, a->heads, D, &a->q_norm, bf16);
+        norm_rows(kr, a->kv_heads, D, &a->k_norm, bf16);
+        if (R) {
+            float cs[512], sn[512];
+            load_f32((const char *)cos + r * R * es, bf16, cs, R);
+            load_f32((const char *)sin + r * R * es, bf16, sn, R);
+            rope_rows(qr, 1, a->heads, D, R, cs, sn, bf16);
+            rope_rows(kr, 1, a->kv_heads, D, R, cs, sn, bf16);
+        }
         for (long h = 0; h < a->kv_heads; h++) {
             long at = (h * capacity + pos0 - kv_start + r) * D;
             if (bf16) {
-                store(k + (r * a->kv_heads + h) * D, (uint16_t *)kcache + at, 1, D);
-                store(v + (r * a->kv_heads + h) * D, (uint16_t *)vcache + at, 1, D);
+                store(kr + h * D, (uint16_t *)kcache + at, 1, D);
+                store(vr + h * D, (uint16_t *)vcache + at, 1, D);
             } else {
-                memcpy((float *)kcache + at, k + (r * a->kv_heads + h) * D, sizeof(float) * D);
-                memcpy((float *)vcache + at, v + (r * a->kv_heads + h) * D, sizeof(float) * D);
+                memcpy((float *)kcache + at, kr + h * D, sizeof(float) * D);
+                memcpy((float *)vcache + at, vr + h * D, sizeof(float) * D);
             }
         }
+    });
     long group = a->heads / a->kv_heads;
     long end = pos0 + rows;
-    #pragma omp parallel for num_threads(threads) schedule(static)
-    for (long h = 0; h < a->heads; h++) {
-        long kh = h / group;
+    /* A pass's queries share each kv head's keys and values (SmolLM2, 8 rows: 24 queries per head):
+     * a bf16 cache is widened to fp32 once for all of them rather than once per query (exact, so
+     * the same numbers); a step (few queries per head) reads the cache as it is. */
+    long span = end - kv_start;
+    int widen = bf16 && group * rows >= 8;
+    float *kw = widen ? (float *)malloc(sizeof(float) * a->kv_heads * span * D) : NULL;
+    float *vw = widen ? (float *)malloc(sizeof(float) * a->kv_heads * span * D) : NULL;
+    /* every (head, row) pair is one item: 9 heads over 2 threads left one thread idle a ninth of
+     * the time (SmolLM2), and a pass has rows x heads items to share */
+    #pragma omp parallel num_threads(threads)
+    {
+        if (widen) {
+            #pragma omp for schedule(static)
+            for (long hp = 0; hp < a->kv_heads * span; hp++) {
+                long h = hp / span, at = (h * capacity + hp % span) * D;
+                load_f32((const uint16_t *)kcache + at, 1, kw + hp * D, D);
+                load_f32((const uint16_t *)vcache + at, 1, vw + hp * D, D);
+            }
+        }
         float *scores = (float *)malloc(sizeof(float) * (end + 8));
         unsigned char *keep = (unsigned char *)malloc(end + 8);
-        const void *kbase = bf16 ? (const void *)((const uint16_t *)kcache + kh * capacity * D) : (const void *)((const float *)kcache + kh * capacity * D);
-        const void *vbase = bf16 ? (const void *)((const uint16_t *)vcache + kh * capacity * D) : (const void *)((const float *)vcache + kh * capacity * D);
-        for (long r = 0; r < rows; r++) {
+        #pragma omp for schedule(static)
+        for (long hr = 0; hr < a->heads * rows; hr++) {
+            long h = hr / rows, r = hr % rows, kh = h / group;
+            const void *kbase = widen ? (const void *)(kw + kh * span * D) : (const void *)((const char *)kcache + kh * capacity * D * es);
+            const void *vbase = widen ? (const void *)(vw + kh * span * D) : (const void *)((const char *)vcache + kh * capacity * D * es);
             long pos = pos0 + r, first = 0;
             if (a->window > 0 && pos - a->window + 1 > 0) first = pos - a->window + 1;
             if (first < kv_start) first = kv_start;
-            for (long p = first; p <= pos; p++)
-                keep[p - first] = !((rows == 1 && keep_recent > 0 && p >= keep_sink && p < end - keep_recent)
-                                    || (tree && p >= pos0 && !tree[r * rows + p - pos0]));
+            int masked = tree || (rows == 1 && keep_recent > 0); /* else every position is kept */
+            if (masked)
+                for (long p = first; p <= pos; p++)
+                    keep[p - first] = !((rows == 1 && keep_recent > 0 && p >= keep_sink && p < end - keep_recent)
+                                        || (tree && p >= pos0 && !tree[r * rows + p - pos0]));
             float *ov = o + (r * a->heads + h) * D;
             /* the cache holds positions from kv_start on */
-            attend(q + (r * a->heads + h) * D, kbase, vbase, D, first - kv_start, pos - kv_start, keep, a->scaling, bf16, D,
-                   scores, ov);
+            attend(q + (r * a->heads + h) * D, kbase, vbase, D, first - kv_start, pos - kv_start, masked ? keep : NULL, a->scaling,
+                   bf16 && !widen, D, scores, ov);
             for (long i = 0; i < D; i++) ov[i] = rnd(ov[i], bf16);
         }
         free(scores);
         free(keep);
     }
+    free(kw);
+    free(vw);
     gemm(&a->o, o, rows, u, threads);
-    round_all(u, rows * H, bf16);
-    norm_rows(u, rows, H, &a->post_norm, bf16);
-    residual_add(hidden, u, x, out, rows * H, residual_scale, bf16);
+    EACH_ROW(split, threads, rows, {
+        round_all(u + r * H, H, bf16);
+        norm_rows(u + r * H, 1, H, &a->post_norm, bf16);
+        residual_add((const char *)hidden + r * H * es, u + r * H, x + r * H, (char *)out + r * H * es, H,
+                     residual_scale, bf16);
+    });
     free(x); free(qkv); free(q); free(k); free(v); free(o); free(u);
     return 0;
 }
@@ -635,14 +704,21 @@ void lp_mlp_block(const lp_mlp *m, const void *hidden, void *out, long rows, flo
     float *gu = (float *)malloc(sizeof(float) * rows * 2 * I);
     float *g = (float *)malloc(sizeof(float) * rows * I);
     float *d = (float *)malloc(sizeof(float) * rows * H);
-    load_f32(hidden, bf16, x, rows * H);
-    norm_rows(x, rows, H, &m->norm, bf16);
+    long es = bf16 ? 2 : 4;
+    int split = rows > 1 && threads > 1; /* a pass shares the per-row work too; a step keeps one thread */
+    EACH_ROW(split, threads, rows, {
+        load_f32((const char *)hidden + r * H * es, bf16, x + r * H, H);
+        norm_rows(x + r * H, 1, H, &m->norm, bf16);
+    });
     gemm(&m->gate_up, x, rows, gu, threads);
-    for (long r = 0; r < rows; r++) gated_activation(gu + r * 2 * I, gu + r * 2 * I + I, g + r * I, I, m->activation, bf16);
+    EACH_ROW(split, threads, rows, { gated_activation(gu + r * 2 * I, gu + r * 2 * I + I, g + r * I, I, m->activation, bf16); });
     gemm(&m->down, g, rows, d, threads);
-    round_all(d, rows * H, bf16);
-    norm_rows(d, rows, H, &m->post_norm, bf16);
-    residual_add(hidden, d, x, out, rows * H, residual_scale, bf16);
+    EACH_ROW(split, threads, rows, {
+        round_all(d + r * H, H, bf16);
+        norm_rows(d + r * H, 1, H, &m->post_norm, bf16);
+        residual_add((const char *)hidden + r * H * es, d + r * H, x + r * H, (char *)out + r * H * es, H,
+                     residual_scale, bf16);
+    });
     free(x); free(gu); free(g); free(d);
 }
 
