@@ -15,7 +15,7 @@ from layerplan.app.cli import main
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
     """The bad files of the table, made once."""
-    from tiny import tiny_config
+    from tiny import tiny_config, tiny_hf
 
     root = tmp_path_factory.mktemp("bad")
     (root / "broken.yaml").write_text("slices:\n  - sources: [{model: m, layer_range: [0, 4]\n")
@@ -30,6 +30,7 @@ def files(tmp_path_factory):
     broken_config.mkdir()
     (broken_config / "config.json").write_text('{"model_type": "llama", "num_hidden_layers": ')
     (root / "truncated.gguf").write_bytes(b"GGUF\x03\x00\x00\x00" + b"\x07" * 20)
+    tiny_hf("llama").save_pretrained(root / "tiny")
     return root
 
 
@@ -56,6 +57,19 @@ CASES = [
     (["plan", "exit:3;exit:5", "--layers", "30"], 1, "the plan gives an exit twice"),
     (["plan", "0*1000000000", "--layers", "30"], 1, "more than 100000 steps"),
     (["plan", "0-29", "--layers", "30", "--to", "bogus"], 2, "Invalid value for '--to'"),
+    (["search", "--trials", "0"], 2, "Invalid value for '--trials': 0 is not in the range x>=1"),
+    (["search", "--max-cost-cut", "2"], 2, "Invalid value for '--max-cost-cut': 2.0 is not in the range 0.0<x<=1.0"),
+    (["scan", "--tokens", "0"], 2, "Invalid value for '--tokens': 0 is not in the range x>=2"),
+    (["train-exit", "--exit", "4", "--steps", "0"], 2, "Invalid value for '--steps': 0 is not in the range x>=1"),
+    (["tune", "--repeats", "0"], 2, "Invalid value for '--repeats': 0 is not in the range x>=1"),
+    (["bench", "--new-tokens", "0"], 2, "Invalid value for '--new-tokens': 0 is not in the range x>=1"),
+    (["probe", "--repeats", "0"], 2, "Invalid value for '--repeats': 0 is not in the range x>=1"),
+    (["ppl", "--max-tokens", "-1"], 2, "Invalid value for '--max-tokens': -1 is not in the range x>=0"),
+    (["generate", "hi", "--draft-confidence", "2"], 2, "Invalid value for '--draft-confidence'"),
+    (["serve", "--port", "99999"], 2, "Invalid value for '--port': 99999 is not in the range 0<=x<=65535"),
+    (["export", "0,1,1,2", "--model", "FILES/tiny", "--out", "FILES/empty.json/merged"], 1,
+     "cannot write FILES/empty.json/merged: FILES/empty.json is a file, not a folder"),
+    (["generate", "hi", "--model", "FILES/tiny"], 1, "has no tokenizer"),
     (["generate"], 2, "Missing argument 'PROMPT'"),
     (["no-such-command"], 2, "No such command 'no-such-command'"),
 ]
@@ -78,7 +92,7 @@ def test_bad_input_gets_one_line(files, args, code, needle):
     result = CliRunner().invoke(main, _args(args, files))
     assert result.exception is None or isinstance(result.exception, SystemExit), result.exception
     assert result.stdout == ""
-    _check(result.exit_code, result.stderr, code, needle)
+    _check(result.exit_code, result.stderr, code, needle.replace("FILES/", f"{files}/"))
 
 
 def test_bad_input_gets_one_line_from_real_processes(files):
@@ -108,3 +122,18 @@ def test_an_empty_answer_to_a_bare_prompt_hints_at_chat():
     chat = CliRunner().invoke(main, ["generate", "1, 2, 3,", "-n", "6", "--stop", " 4", "--dtype", "float32",
                                      "--no-stream", "--chat"])
     assert "add --chat" not in chat.stderr
+
+
+def test_a_port_in_use_gets_one_line(files):
+    """The server binds its address before it starts serving: a taken port is one line and a
+    failure status (uvicorn alone logged it from its thread and the command exited 0)."""
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = CliRunner().invoke(main, ["serve", "--model", f"{files}/tiny", "--dtype", "float32",
+                                           "--port", str(port)])
+    assert result.stdout == ""
+    _check(result.exit_code, result.stderr, 1, f"cannot listen on 127.0.0.1:{port}: Address already in use")

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from layerplan.files import writing
 from layerplan.models.architectures import config_with_layers, update_parameters
 from layerplan.models.discovery import spec_of
 from layerplan.models.loading import LoadedModel
@@ -80,15 +81,16 @@ def export_checkpoint(model: LoadedModel, plan: LayerPlan, folder: str | os.Path
     missing = [name for name, p in skeleton.named_parameters() if p.is_meta]
     if missing:
         raise RuntimeError(f"export left parameters unset: {missing[:5]}")
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{folder.name}."))
-    try:
-        skeleton.save_pretrained(staging)
-        if model.tokenizer is not None:
-            model.tokenizer.save_pretrained(staging)
-        if folder.exists():
-            shutil.rmtree(folder)
-        os.replace(staging, folder)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+    with writing(folder):
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{folder.name}."))
+        try:
+            skeleton.save_pretrained(staging)
+            if model.tokenizer is not None:
+                model.tokenizer.save_pretrained(staging)
+            if folder.exists():
+                shutil.rmtree(folder)
+            os.replace(staging, folder)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
     return folder

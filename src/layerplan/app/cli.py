@@ -27,7 +27,7 @@ from layerplan.engine.cpu_pack import packing_supported
 from layerplan.engine.native import ENGINES, NativeUnavailable, native_available, resolve_engine
 from layerplan.engine.probe import CONTEXT, PASS_LENGTHS, default_dtype, load_probe, probe as run_probe, save_probe
 from layerplan.export import export_checkpoint
-from layerplan.files import write_json_atomic, write_text_atomic
+from layerplan.files import WriteError, write_json_atomic, write_text_atomic
 from layerplan.machine import cpu_info
 from layerplan.models.architectures import STATUSES, architecture_statuses
 from layerplan.models.loading import (DEFAULT_MODEL, ModelError, available_models, cache_dir, model_depth, resolve_device,
@@ -55,8 +55,10 @@ def _user_errors():
     """Bad input becomes a one-line message and exit status 2, not a traceback."""
     try:
         yield
-    except (PlanError, ModelError, NativeUnavailable, FileNotFoundError, ValueError) as error:
+    except (PlanError, ModelError, NativeUnavailable, FileNotFoundError, WriteError, ValueError) as error:
         raise click.ClickException(str(error)) from None
+    except ConnectionError as error:  # lm-eval task data (or anything else) neither on disk nor reachable
+        raise click.ClickException(f"{error}: not on disk and not downloadable from here") from None
 
 
 class _Progress:
@@ -181,7 +183,8 @@ def _llama_cpp_peer(loaded) -> dict:
         return {}
     source = Path(loaded.source)
     target = cache_dir() / "gguf" / f"{source.stem}-{dtype}.gguf"
-    click.echo(f"writing {target.name} for llama.cpp (once)…", err=True)
+    if not target.exists():
+        click.echo(f"writing {target.name} for llama.cpp (once)…", err=True)
     gguf = gguf_at_precision(source, dtype, target)
     return {"llama.cpp": llama_cpp_runner(gguf, torch.get_num_threads())}
 
@@ -306,7 +309,7 @@ def models(architectures, markdown, check) -> None:
 @device_option
 @threads_option
 @click.option("--plan", "base_plan", default=None, help="base plan to scan (default: the full model)")
-@click.option("--tokens", default=512, show_default=True, help="calibration tokens")
+@click.option("--tokens", type=click.IntRange(min=2), default=512, show_default=True, help="calibration tokens")
 @click.option("--text", type=click.Path(dir_okay=False), default=None, help="calibration text (.txt or .jsonl); default: built-in corpus")
 @click.option("--kinds", default="attention,mlp,layer", show_default=True, help="what to switch off in turn")
 @click.option("--exits", is_flag=True, help="scan every exit point instead (logit lens): writes exits.png")
@@ -332,7 +335,7 @@ def scan(model, dtype, device, threads, base_plan, tokens, text, kinds, exits, n
         return
     write_json_atomic(out_dir / "scan.json", result.to_dict())
     scan_heatmap(result, out_dir / "scan.png")
-    least = ", ".join(f"{i.kind[:4]}{i.layer}" for i in result.ranked()[:6])
+    least = ", ".join(item.label for item in result.ranked()[:6])
     click.echo(f"\nbase perplexity {result.base_perplexity:.3f} on {result.tokens} tokens; "
                f"{len(result.items)} candidates in {result.seconds:.1f}s ({'reuse' if result.reuse else 'naive'})")
     click.echo(f"least harmful to skip: {least}")
@@ -360,7 +363,7 @@ def scan(model, dtype, device, threads, base_plan, tokens, text, kinds, exits, n
 @click.option("--draft", default=None, help="lossless speculative decoding with this drafter: " + drafter_help())
 @click.option("--draft-length", default=None, type=click.Choice(list(DRAFT_LENGTHS)), help=DRAFT_LENGTH_HELP)
 @click.option("--draft-model", type=click.Path(), default=None, help="shorthand for --draft model:PATH")
-@click.option("--draft-confidence", default=0.0, show_default=True,
+@click.option("--draft-confidence", type=click.FloatRange(0.0, 1.0), default=0.0, show_default=True,
               help="a drafter that runs a model (a layer plan, exit, window, dynamic exit or model:PATH) stops "
                    "a round when its top-1 probability falls below this; n-gram lookup ignores it")
 @click.option("--exit-policy", default=None,
@@ -403,7 +406,7 @@ def generate(prompt, model, dtype, device, engine, threads, plan, model_b, max_n
 @click.option("--text", type=click.Path(dir_okay=False), default=None, help=".txt or .jsonl; default: built-in corpus")
 @click.option("--window", default=512, show_default=True)
 @click.option("--stride", default=256, show_default=True)
-@click.option("--max-tokens", default=4096, show_default=True, help="score at most this many tokens per text (0: all)")
+@click.option("--max-tokens", type=click.IntRange(min=0), default=4096, show_default=True, help="score at most this many tokens per text (0: all)")
 @click.option("--compare/--no-compare", default=True, show_default=True,
               help="also report KL and top-1 agreement against the full model")
 def ppl(model, dtype, device, threads, plan, model_b, text, window, stride, max_tokens, compare) -> None:
@@ -465,7 +468,7 @@ def ppl(model, dtype, device, threads, plan, model_b, text, window, stride, max_
 @click.option("--report", is_flag=True, help="also write report.html (heatmaps, top blocks, export commands)")
 @click.option("--search", "study", is_flag=True, help="an Optuna study over merge plans (block, repeats, residual "
               "scale, --model-b) optimising --rank; resumes from its storage; exports the best")
-@click.option("--trials", default=60, show_default=True, help="--search: finished trials in the study")
+@click.option("--trials", type=click.IntRange(min=1), default=60, show_default=True, help="--search: finished trials in the study")
 @click.option("--scales", default="0.5-1.0", show_default=True,
               help="--search: residual scale range of the repeated passes (one number fixes it)")
 @click.option("--sampler", type=click.Choice(list(SAMPLERS)), default="tpe", show_default=True)
@@ -615,9 +618,9 @@ def export(plan, model, dtype, out, fmt, source, model_b) -> None:
 @click.option("--objective", type=click.Choice(list(OBJECTIVES)), default="speedup", show_default=True,
               help="what to optimise (see below)")
 @click.option("--multi", is_flag=True, help="optimise the objective and the plan's cost together (Pareto front)")
-@click.option("--trials", default=100, show_default=True, help="finished trials in the study, all workers together")
-@click.option("--budget", type=int, default=None, help="greedy: sub-layers (or layers) to switch; default 20")
-@click.option("--max-cost-cut", type=float, default=None,
+@click.option("--trials", type=click.IntRange(min=1), default=100, show_default=True, help="finished trials in the study, all workers together")
+@click.option("--budget", type=click.IntRange(min=1), default=None, help="greedy: sub-layers (or layers) to switch; default 20")
+@click.option("--max-cost-cut", type=click.FloatRange(0.0, 1.0, min_open=True), default=None,
               help="greedy: stop once this fraction of the model's sub-layers is switched off (e.g. 0.3)")
 @click.option("--granularity", type=click.Choice(["sublayer", "layer"]), default="sublayer", show_default=True)
 @click.option("--mode", type=click.Choice(["forward", "anti"]), default="forward", show_default=True,
@@ -627,7 +630,7 @@ def export(plan, model, dtype, out, fmt, source, model_b) -> None:
 @click.option("--storage", default=None, help="Optuna storage: SQLite path (default OUT/study.db), any RDB URL "
               "(postgresql://user@host/db), or journal:PATH")
 @click.option("--study", "study_name", default=None, help="study name (default: MODEL-OBJECTIVE); share it across machines")
-@click.option("--tokens", default=512, show_default=True, help="calibration tokens")
+@click.option("--tokens", type=click.IntRange(min=2), default=512, show_default=True, help="calibration tokens")
 @click.option("--text", type=click.Path(dir_okay=False), default=None, help="calibration text (.txt/.jsonl)")
 @click.option("--allow-ends", is_flag=True, help="allow skipping the first and last layers")
 @click.option("--save-draft/--no-save-draft", default=None,
@@ -698,9 +701,9 @@ def search(model, dtype, threads, method, objective, multi, trials, budget, max_
 @click.option("--exit", "exits", multiple=True, type=int, required=True, help="exit after this many steps (repeatable)")
 @model_option
 @threads_option
-@click.option("--tokens", default=2560, show_default=True, help="training + held-out tokens (built-in corpus unless --text)")
+@click.option("--tokens", type=click.IntRange(min=2), default=2560, show_default=True, help="training + held-out tokens (built-in corpus unless --text)")
 @click.option("--text", default=None, help=".txt or .jsonl, or builtin:code (standard-library Python source)")
-@click.option("--steps", default=150, show_default=True, help="optimiser steps (batches of 256 positions)")
+@click.option("--steps", type=click.IntRange(min=1), default=150, show_default=True, help="optimiser steps (batches of 256 positions)")
 @click.option("--out", type=click.Path(dir_okay=False), default=None,
               help="where to save (default: the cache, where --draft exit:E+head finds it)")
 def train_exit(exits, model, threads, tokens, text, steps, out) -> None:
@@ -726,10 +729,10 @@ def train_exit(exits, model, threads, tokens, text, steps, out) -> None:
 @auto_dtype_option
 @engine_option
 @threads_option
-@click.option("--tokens", default=256, show_default=True, help="calibration tokens for the scan and search")
-@click.option("--steps", default=8, show_default=True, help="greedy search steps")
-@click.option("--repeats", default=3, show_default=True, help="timings per method and prompt")
-@click.option("--new-tokens", default=48, show_default=True)
+@click.option("--tokens", type=click.IntRange(min=2), default=256, show_default=True, help="calibration tokens for the scan and search")
+@click.option("--steps", type=click.IntRange(min=1), default=8, show_default=True, help="greedy search steps")
+@click.option("--repeats", type=click.IntRange(min=1), default=3, show_default=True, help="timings per method and prompt")
+@click.option("--new-tokens", type=click.IntRange(min=1), default=48, show_default=True)
 @click.option("--prompt", "prompt_names", multiple=True, help="built-in prompts to tune on (default: code, summary)")
 @click.option("--out", type=click.Path(file_okay=False), default="runs/tune", show_default=True)
 def tune(model, dtype, engine, threads, tokens, steps, repeats, new_tokens, prompt_names, out) -> None:
@@ -791,8 +794,8 @@ def plan_command(plan, model, layers, fmt, out) -> None:
 @auto_dtype_option
 @engine_option
 @threads_option
-@click.option("--new-tokens", default=64, show_default=True)
-@click.option("--repeats", default=3, show_default=True)
+@click.option("--new-tokens", type=click.IntRange(min=1), default=64, show_default=True)
+@click.option("--repeats", type=click.IntRange(min=1), default=3, show_default=True)
 @click.option("--prompt", "prompt_names", multiple=True, help="built-in prompt(s): code, chat, summary, continuation")
 @click.option("--prompt-file", type=click.Path(dir_okay=False), default=None,
               help="time your own prompts instead: .jsonl records ({\"prompt\": ..., \"name\": ..., \"chat\": true}) "
@@ -801,7 +804,7 @@ def plan_command(plan, model, layers, fmt, out) -> None:
 @click.option("--draft-length", default=None, type=click.Choice(list(DRAFT_LENGTHS)), help=DRAFT_LENGTH_HELP)
 @click.option("--hf-early-exit", "hf_exits", multiple=True, type=int,
               help="also time transformers' assistant_early_exit=E (repeatable)")
-@click.option("--hf-prompt-lookup", type=int, default=None, help="also time transformers' prompt_lookup_num_tokens=N")
+@click.option("--hf-prompt-lookup", type=click.IntRange(min=1), default=None, help="also time transformers' prompt_lookup_num_tokens=N")
 @click.option("--llama-cpp/--no-llama-cpp", default=True, show_default=True,
               help="also time llama.cpp (llama-cpp-python) on the same weights at the same precision, when installed")
 @click.option("--out", type=click.Path(dir_okay=False), default="runs/bench.json", show_default=True)
@@ -846,7 +849,7 @@ def bench(model, dtype, engine, threads, new_tokens, repeats, prompt_names, prom
               help="engine(s) to time (repeatable; default: every one that can run here)")
 @threads_option
 @click.option("--max-length", default=max(PASS_LENGTHS), show_default=True, help="time passes over 1..N new tokens")
-@click.option("--repeats", default=5, show_default=True, help="timings per pass length (median)")
+@click.option("--repeats", type=click.IntRange(min=1), default=5, show_default=True, help="timings per pass length (median)")
 @click.option("--refresh", is_flag=True, help="measure again even when this machine's probe is cached")
 @click.option("--json", "as_json", is_flag=True, help="print the result as JSON")
 def probe(model, dtypes, engines, threads, max_length, repeats, refresh, as_json) -> None:
@@ -896,8 +899,8 @@ def probe(model, dtypes, engines, threads, max_length, repeats, refresh, as_json
 @click.option("--draft", default=None, help="drafter for generate_until tasks (same output, faster)")
 @click.option("--include-path", type=click.Path(exists=True, file_okay=False), default=None,
               help="folder of your own task YAML files")
-@click.option("--limit", type=float, default=None, help="documents per task (or a fraction)")
-@click.option("--num-fewshot", type=int, default=None)
+@click.option("--limit", type=click.FloatRange(0.0, min_open=True), default=None, help="documents per task (or a fraction)")
+@click.option("--num-fewshot", type=click.IntRange(min=0), default=None)
 @click.option("--out", type=click.Path(dir_okay=False), default="runs/eval.json", show_default=True)
 def eval_command(tasks, model, dtype, device, engine, threads, plan, draft, include_path, limit, num_fewshot, out) -> None:
     """Evaluate the model under a plan with lm-evaluation-harness (pip install 'layerplan[eval]').
@@ -933,22 +936,27 @@ def eval_command(tasks, model, dtype, device, engine, threads, plan, draft, incl
 @click.option("--draft", default=None, help="lossless speculative decoding with this drafter (as in generate)")
 @click.option("--draft-length", default=None, type=click.Choice(list(DRAFT_LENGTHS)), help=DRAFT_LENGTH_HELP)
 @click.option("--host", default="127.0.0.1", show_default=True)
-@click.option("--port", default=8000, show_default=True)
+@click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True)
 @click.option("--api-key", envvar="LAYERPLAN_API_KEY", default=None,
               help="require 'Authorization: Bearer KEY' on /v1/* (or set LAYERPLAN_API_KEY)")
 @click.option("--served-name", default=None, help="the model id clients send (default: the model's name)")
 def serve(model, dtype, device, engine, threads, plan, draft, draft_length, host, port, api_key, served_name) -> None:
     """OpenAI-compatible HTTP server: /v1/completions, /v1/chat/completions (SSE streaming),
     /v1/models, /health. One decode at a time, requests served in arrival order."""
-    from layerplan.app.serve import serve as run_server
+    from layerplan.app.serve import ListenError, serve as run_server  # deferred: the web stack is heavy
 
     _threads(threads)
     with _user_errors():  # a bad plan or draft fails here, before the server starts
         loaded = _load(model, dtype, device, engine)
-        click.echo(f"serving '{served_name or loaded.name}' on http://{host}:{port}/v1 (draft: {draft or 'none'}); "
-                   "Ctrl-C stops", err=True)
-        run_server(loaded, host, port, plan=loaded.plan(plan) if plan else None, draft=draft,
-                   draft_length=draft_length, api_key=api_key, served_name=served_name)
+        def listening(bound_host: str, bound_port: int) -> None:
+            click.echo(f"serving '{served_name or loaded.name}' on http://{bound_host}:{bound_port}/v1 "
+                       f"(draft: {draft or 'none'}); Ctrl-C stops", err=True)
+
+        try:
+            run_server(loaded, host, port, on_listening=listening, plan=loaded.plan(plan) if plan else None,
+                       draft=draft, draft_length=draft_length, api_key=api_key, served_name=served_name)
+        except ListenError as error:
+            raise click.ClickException(str(error)) from None
 
 
 if __name__ == "__main__":

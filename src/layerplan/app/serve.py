@@ -19,8 +19,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import queue
 import secrets
+import socket
 import threading
 import time
 import uuid
@@ -485,14 +487,30 @@ def chat_prompt_ids(model: LoadedModel, messages: list[dict[str, str]]) -> list[
     return tokenizer(text).input_ids
 
 
-def serve(model: LoadedModel, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info", **options) -> None:
+class ListenError(OSError):
+    """The server's address cannot be bound (in use, not this machine's, not permitted)."""
+
+    def __str__(self) -> str:
+        return self.strerror
+
+
+def serve(model: LoadedModel, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info",
+          on_listening: Callable[[str, int], None] | None = None, **options) -> None:
     """Serve until interrupted: HTTP on a background thread, decoding on this one (see Engine).
+    on_listening(host, port): once the address is bound (port 0 becomes the one chosen);
     options: see create_app."""
     import uvicorn
 
+    try:  # bound here, not in uvicorn's thread, whose failure would leave this one serving nothing
+        listening = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
+    except OSError as error:
+        reason = os.strerror(error.errno) if error.errno else str(error)
+        raise ListenError(error.errno, f"cannot listen on {host}:{port}: {reason}") from None
+    if on_listening:
+        on_listening(host, listening.getsockname()[1])
     app = create_app(model, engine_thread=False, **options)
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level))
-    http = threading.Thread(target=server.run, name="layerplan-http", daemon=True)
+    http = threading.Thread(target=server.run, kwargs={"sockets": [listening]}, name="layerplan-http", daemon=True)
     http.start()
     try:
         app.state.engine.run()

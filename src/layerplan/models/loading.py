@@ -124,6 +124,9 @@ class LoadedModel:
 
     def encode(self, text: str, chat: bool = False) -> torch.Tensor:
         """Token ids, shape (1, T); with chat=True the tokenizer's chat template wraps the text."""
+        if self.tokenizer is None:
+            raise ModelError(f"{self.name} has no tokenizer (none of {', '.join(TOKENIZER_FILES)} beside its "
+                             "weights): text cannot be turned into tokens")
         if chat and getattr(self.tokenizer, "chat_template", None):
             ids = self.tokenizer.apply_chat_template(
                 [{"role": "user", "content": text}], add_generation_prompt=True, return_tensors="pt", return_dict=True
@@ -242,6 +245,23 @@ def _resolve(source: str | os.PathLike | None) -> tuple[Path, str, str]:
     )
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model")
+
+
+def _tokenizer(folder: Path):
+    """The folder's tokenizer; None when it has none (weights alone: plans, export and ids still
+    work; text asks for one, see LoadedModel.encode)."""
+    from transformers import AutoTokenizer
+
+    if not any((folder / name).exists() for name in TOKENIZER_FILES):
+        return None
+    try:
+        return AutoTokenizer.from_pretrained(folder)
+    except (OSError, ValueError) as error:
+        first = next((line.strip() for line in str(error).splitlines() if line.strip()), type(error).__name__)
+        raise ModelError(f"{folder}: cannot load its tokenizer: {first}") from None
+
+
 def load_model(
     source: str | os.PathLike | None = None,
     dtype: str | torch.dtype = "float32",
@@ -291,7 +311,7 @@ def load_model(
         if not packing_supported(dtype, device):
             raise ModelError(f"weight packing needs bfloat16 on a CPU with oneDNN bf16 support, not {dtype} on {device}")
         pack_linears(hf)
-    tokenizer = AutoTokenizer.from_pretrained(folder)
+    tokenizer = _tokenizer(folder)
     model = LoadedModel(name=name, hf=hf, tokenizer=tokenizer, source=origin, placement=placement)
     if kind == "native" and native_allowed(hf.config):
         enable_native(model)

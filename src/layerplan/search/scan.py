@@ -33,6 +33,13 @@ class ScanItem:
     kl: float  # mean KL(base || candidate) per token
     top1_agreement: float
 
+    @property
+    def label(self) -> str:
+        """What is switched off, as a skip plan writes it (attn=3, mlp=9, layers=25) or exit:N."""
+        if self.kind == "exit":
+            return f"exit:{self.step}"
+        return f"{ {'attention': 'attn', 'mlp': 'mlp', 'layer': 'layers'}[self.kind]}={self.layer}"
+
 
 @dataclass
 class ScanResult:
