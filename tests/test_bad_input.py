@@ -20,6 +20,7 @@ def files(tmp_path_factory):
     root = tmp_path_factory.mktemp("bad")
     (root / "broken.yaml").write_text("slices:\n  - sources: [{model: m, layer_range: [0, 4]\n")
     (root / "empty.json").write_text("")
+    (root / "binary.txt").write_bytes(b"\x00\x01\xff\xfe garbage")
     (root / "broken.json").write_text('{"attention": [1, 2')
     (root / "string.json").write_text('"skip:attn=1"')
     (root / "wrong-shape.json").write_text('{"format": "layerplan", "num_layers": "thirty", "plan": "full"}')
@@ -70,6 +71,11 @@ CASES = [
     (["export", "0,1,1,2", "--model", "FILES/tiny", "--out", "FILES/empty.json/merged"], 1,
      "cannot write FILES/empty.json/merged: FILES/empty.json is a file, not a folder"),
     (["generate", "hi", "--model", "FILES/tiny"], 1, "has no tokenizer"),
+    (["ppl", "--text", "FILES/binary.txt"], 1, "binary.txt: not UTF-8 text (byte 2: invalid start byte)"),
+    (["search", "--method", "bayes", "--trials", "1", "--tokens", "16", "--storage", "FILES/empty.json/study.db"], 1,
+     "cannot write FILES/empty.json/study.db: FILES/empty.json is a file, not a folder"),
+    (["search", "--method", "bayes", "--trials", "1", "--tokens", "16", "--storage",
+      "postgresql://nobody@127.0.0.1:1/none"], 1, "cannot open the study storage postgresql://nobody@127.0.0.1:1/none"),
     (["generate"], 2, "Missing argument 'PROMPT'"),
     (["no-such-command"], 2, "No such command 'no-such-command'"),
 ]

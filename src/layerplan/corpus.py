@@ -52,14 +52,24 @@ def read_texts(path: str | Path, field: str = "text") -> list[str]:
                 raise ValueError(f"{path}:{number}: no '{field}' field (has {', '.join(record)})")
             texts.append(str(record[field]))
         return texts
-    return [path.read_text()]
+    return [read_text_file(path)]
+
+
+def read_text_file(path: Path) -> str:
+    """The file as UTF-8 text; anything else is one error naming the file."""
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as error:
+        raise ValueError(f"{path}: not UTF-8 text (byte {error.start}: {error.reason})") from None
+    except IsADirectoryError:
+        raise ValueError(f"{path}: a folder, not a text file") from None
 
 
 def read_jsonl(path: Path) -> list[tuple[int, object]]:
     """(line number, record) of each non-blank line; a line that is not JSON gets one error
     naming the file and line."""
     records = []
-    for number, line in enumerate(path.read_text().splitlines(), 1):
+    for number, line in enumerate(read_text_file(path).splitlines(), 1):
         if not line.strip():
             continue
         try:

@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from layerplan.files import writing
 from layerplan.plan.plan import LayerPlan, PlanError
 from layerplan.search.evaluator import CostModel, PlanEvaluator
 from layerplan.search.greedy import candidate_items
@@ -59,10 +60,12 @@ def make_storage(url: str | None, heartbeat: int | None = 60):
         from optuna.storages.journal import JournalFileBackend
 
         path = Path(url[len("journal:"):])
-        path.parent.mkdir(parents=True, exist_ok=True)  # a fresh --out folder
-        return JournalStorage(JournalFileBackend(str(path)))
+        with writing(path):
+            path.parent.mkdir(parents=True, exist_ok=True)  # a fresh --out folder
+            return JournalStorage(JournalFileBackend(str(path)))
     if "://" not in url:
-        Path(url).parent.mkdir(parents=True, exist_ok=True)
+        with writing(url):
+            Path(url).parent.mkdir(parents=True, exist_ok=True)
         url = f"sqlite:///{url}"
     # workers sharing a SQLite file wait for its lock rather than fail
     options: dict = {"engine_kwargs": {"connect_args": {"timeout": 60}}} if url.startswith("sqlite:") else {}
@@ -82,11 +85,13 @@ def make_storage(url: str | None, heartbeat: int | None = 60):
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # heartbeats are marked experimental
                 return optuna.storages.RDBStorage(url, **options)
-        except (IntegrityError, OperationalError):
+        except (IntegrityError, OperationalError) as error:
             # workers started together race to create the schema in an empty database: the
             # loser finds the tables made by the winner on the next try
             if attempt == 4:
-                raise
+                reason = next((line.strip() for line in str(getattr(error, "orig", None) or error).splitlines()
+                               if line.strip()), type(error).__name__)
+                raise ValueError(f"cannot open the study storage {url}: {reason}") from None
             time.sleep(0.5 * (attempt + 1))
 
 
