@@ -306,6 +306,39 @@ def test_a_scan_with_workers_scores_every_block_as_one_worker_does(tiny):
     assert seen == list(range(1, 11)) and torch.get_num_threads() == threads
 
 
+def test_an_interrupted_scan_resumes_where_it_stopped_with_the_same_rows(tiny, tmp_path):
+    """Ctrl-C after 4 of 10 blocks keeps them in the checkpoint; the same command then scores only
+    the other 6, and the rows (and their order) are those of a scan never interrupted."""
+    from layerplan.app.merges import scan_blocks
+
+    model, _ = tiny
+    inputs = MeasureInputs(tokens=32, probe_items=6)
+    args = (model, ["ppl", "arithmetic"], inputs, (0, 3), None, [1, 2])
+    whole = scan_blocks(*args)
+    checkpoint = tmp_path / "blocks.partial.json"
+
+    def interrupt(done: int, total: int) -> None:
+        if done == 8:  # 4 blocks of 2 counts each
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        scan_blocks(*args, checkpoint=checkpoint, on_progress=interrupt)
+    assert len(json.loads(checkpoint.read_text())["rows"]) == 8
+    seen = []
+    resumed = scan_blocks(*args, checkpoint=checkpoint, on_progress=lambda done, total: seen.append(done))
+    assert resumed.resumed == 8 and seen[0] == 8 and seen[-1] == 20
+    assert json.dumps([r.__dict__ for r in resumed.rows], default=lambda o: o.__dict__) == \
+        json.dumps([r.__dict__ for r in whole.rows], default=lambda o: o.__dict__)
+    assert not checkpoint.exists()  # a finished scan leaves no checkpoint
+
+    # other settings (another seed: other probe items) never reuse the saved rows
+    with pytest.raises(KeyboardInterrupt):
+        scan_blocks(*args, checkpoint=checkpoint, on_progress=interrupt)
+    other = scan_blocks(model, ["ppl", "arithmetic"], MeasureInputs(tokens=32, probe_items=6, seed=1), (0, 3), None,
+                        [1, 2], checkpoint=checkpoint)
+    assert other.resumed == 0
+
+
 # ----- the study -----------------------------------------------------------------------------------
 def test_merge_study_resumes_and_scores_what_it_says(tiny, tmp_path):
     pytest.importorskip("optuna")

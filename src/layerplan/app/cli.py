@@ -544,13 +544,15 @@ def _explore_merges(model, dtype, device, blocks, layer_range, max_len, repeats,
                     stages.start(line.partition(":")[0])
 
                 result = scan_blocks(loaded, names, inputs, span, max_len, counts, limit, not no_reuse,
-                                     workers or torch.get_num_threads(),
+                                     workers or torch.get_num_threads(), checkpoint=out_dir / "blocks.partial.json",
                                      on_stage=stage, on_progress=stages)
             click.echo(result.table(top=20))
             written = write_scan(result, out_dir, model, report)
             best = result.best()
             sure = len(result.better())
-            click.echo(f"\n{len(result.rows)} blocks in {result.seconds:.1f}s ({'shared prefix' if result.reuse else 'naive'});"
+            resumed = f", {result.resumed} of them resumed" if result.resumed else ""
+            click.echo(f"\n{len(result.rows)} blocks in {result.seconds:.1f}s ({'shared prefix' if result.reuse else 'naive'}"
+                       f"{resumed});"
                        f" best by {names[0]}: {best.plan} (change {best.score(names[0]).change:+.4g} "
                        f"[{best.score(names[0]).change_low:+.4g}, {best.score(names[0]).change_high:+.4g}]); "
                        f"{sure} block(s) better beyond the 95% interval")

@@ -3,7 +3,10 @@ their files (JSON, heatmaps, report.html, the best plan exported). Printing is t
 
 from __future__ import annotations
 
+import hashlib
+import json
 import shlex
+import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -16,7 +19,7 @@ from layerplan.models.loading import DEFAULT_MODEL, LoadedModel
 from layerplan.plan.formats import save_plan, to_mergekit
 from layerplan.plan.plan import parse_plan
 from layerplan.search.bayes import StudyResult
-from layerplan.search.blocks import BlockScanResult, MergeSpace, block_candidates, block_scan, merge_study
+from layerplan.search.blocks import BlockRow, BlockScanResult, MergeSpace, block_candidates, block_scan, merge_study
 from layerplan.search.measures import MeasureInputs, build_scorers, point_value
 
 
@@ -27,19 +30,75 @@ def export_commands(plan: str, model_source: str, out: str = "merged") -> list[s
             f"layerplan export {shlex.quote(plan)}{model} --to mergekit --out {out}.yaml"]
 
 
+PARTIAL_FORMAT = "layerplan-block-scan-partial"
+SAVE_EVERY = 10.0  # seconds between saves of an unfinished scan's rows
+
+
+def scan_settings(model: LoadedModel, measures: list[str], inputs: MeasureInputs, reuse: bool) -> dict:
+    """What a row's scores depend on; an interrupted scan resumes only under the same settings
+    (its range, --max-len, --limit, repeats and workers may differ: rows are per block and count)."""
+    files = {}
+    for name, path in (("text", inputs.text), ("probe_file", inputs.probe_file)):
+        if path and Path(path).is_file():
+            files[name] = hashlib.sha256(Path(path).read_bytes()).hexdigest()
+    return {"model": model.name, "source": str(model.source), "dtype": str(model.dtype).replace("torch.", ""),
+            "engine": "native" if model.native is not None else "eager", "measures": list(measures),
+            "inputs": asdict(inputs), "files": files, "reuse": reuse}
+
+
+def _resumable_rows(checkpoint: Path, settings: dict) -> list[BlockRow]:
+    """The rows an interrupted scan with these settings saved in `checkpoint` (none otherwise)."""
+    try:
+        saved = json.loads(checkpoint.read_text())
+        if saved.get("format") != PARTIAL_FORMAT or saved.get("settings") != settings:
+            return []
+        return [BlockRow.from_dict(row) for row in saved["rows"]]
+    except (OSError, ValueError, KeyError, TypeError):
+        return []  # none, or not one we wrote: the scan starts afresh and replaces it
+
+
 def scan_blocks(model: LoadedModel, measures: list[str], inputs: MeasureInputs, layer_range: tuple[int, int],
                 max_len: int | None, repeats: int | list[int], limit: int | None = None, reuse: bool = True, workers: int = 1,
-                on_stage: Callable[[str], None] | None = None,
+                checkpoint: Path | None = None, on_stage: Callable[[str], None] | None = None,
                 on_progress: Callable[[int, int], None] | None = None) -> BlockScanResult:
     """Every block in the range (the first `limit` of them, by end then start) repeated `repeats`
-    times (a count or several)."""
+    times (a count or several). checkpoint: a file that keeps the rows scored so far (saved every
+    SAVE_EVERY seconds and when the scan is interrupted); a scan run again with the same settings
+    resumes from it, and a finished one removes it."""
     blocks = block_candidates(model.num_layers, layer_range, max_len)[:limit]
+    settings = scan_settings(model, measures, inputs, reuse)
+    done = _resumable_rows(checkpoint, settings) if checkpoint is not None and checkpoint.exists() else []
     if on_stage:
         on_stage(f"measures: {', '.join(measures)} on the model itself (kept before every layer)")
     scorers = build_scorers(model, measures, inputs, reuse=reuse)
+    wanted = {(*block, count) for block in blocks for count in ([repeats] if isinstance(repeats, int) else repeats)}
+    reused = sum(row.key in wanted for row in done)
     if on_stage:
-        on_stage(f"blocks: {len(blocks)} candidates")
-    return block_scan(model, scorers, blocks, repeats, inputs.seed, on_progress, workers)
+        on_stage(f"blocks: {len(blocks)} candidates" + (f", {reused} row(s) resumed from {checkpoint}" if reused else ""))
+    rows = list(done)  # everything saved stays saved, also rows outside this run's range
+    saved_at = time.monotonic()
+
+    def save() -> None:
+        write_json_atomic(checkpoint, {"format": PARTIAL_FORMAT, "settings": settings,
+                                       "rows": [asdict(row) for row in rows]})
+
+    def keep(new_rows: list[BlockRow]) -> None:
+        nonlocal saved_at
+        rows.extend(new_rows)
+        if time.monotonic() - saved_at >= SAVE_EVERY:
+            save()
+            saved_at = time.monotonic()
+
+    try:
+        result = block_scan(model, scorers, blocks, repeats, inputs.seed, on_progress, workers, done,
+                            keep if checkpoint is not None else None)
+    except BaseException:  # interrupted (Ctrl-C, an error): what was scored is kept for the next run
+        if checkpoint is not None and len(rows) > len(done):
+            save()
+        raise
+    if checkpoint is not None:
+        checkpoint.unlink(missing_ok=True)
+    return result
 
 
 def write_scan(result: BlockScanResult, out_dir: Path, model_source: str, report: bool = False) -> list[Path]:

@@ -86,6 +86,14 @@ class BlockRow:
     def score(self, measure: str) -> Score:
         return next(s for s in self.scores if s.measure == measure)
 
+    @property
+    def key(self) -> tuple[int, int, int]:
+        return self.start, self.end, self.repeats
+
+    @classmethod
+    def from_dict(cls, data: dict) -> BlockRow:
+        return cls(**{**data, "scores": [Score(**score) for score in data["scores"]]})
+
 
 @dataclass
 class BlockScanResult:
@@ -97,6 +105,7 @@ class BlockScanResult:
     repeats: list[int] = field(default_factory=lambda: [1])  # the repeat counts scanned (rows for each)
     seconds: float = 0.0
     reuse: bool = True
+    resumed: int = 0  # rows taken from an interrupted scan, not scored again
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -134,11 +143,17 @@ class BlockScanResult:
 
 def block_scan(model: LoadedModel, scorers: dict, blocks: Sequence[tuple[int, int]],
                repeats: int | Sequence[int] = 1, seed: int = 0, on_progress: Callable[[int, int], None] | None = None,
-               workers: int = 1) -> BlockScanResult:
+               workers: int = 1, done: Sequence[BlockRow] = (),
+               on_block: Callable[[list[BlockRow]], None] | None = None) -> BlockScanResult:
     """Score each block repeated `repeats` times (a count, or several: a row for each) on every
     measure (scorers from measures.build_scorers, the first ranks), against the model itself.
     A block's counts run in turn, each resuming where the one before it left its repeats (the
     block repeated twice runs only its second repeat and the layers after it).
+
+    done: rows an interrupted scan with the same model, measures and inputs already scored;
+    blocks they cover are not scored again (a row's scores do not depend on the rows scored
+    before it). on_block(rows): each newly scored block's rows, to keep them (for example in a
+    file, to resume from). The rows come out in block order whatever was resumed.
 
     workers > 1: that many candidates at once, each on one thread (torch's thread count is 1
     during the scan and restored after). The candidates are independent, so this scales better
@@ -171,19 +186,29 @@ def block_scan(model: LoadedModel, scorers: dict, blocks: Sequence[tuple[int, in
                                  len(plan.steps) / model.num_layers - 1.0, scores))
         return rows
 
+    kept = {row.key: row for row in done}
+    pending = [block for block in blocks if any((*block, count) not in kept for count in counts)]
+    result.rows = [kept[(*block, count)] for block in blocks if block not in pending for count in counts]
+    result.resumed = len(result.rows)
     threads = torch.get_num_threads()
-    pool = ThreadPoolExecutor(workers, thread_name_prefix="block-scan") if workers > 1 else None
+    pool = ThreadPoolExecutor(workers, thread_name_prefix="block-scan") if workers > 1 and pending else None
     try:
         if pool is not None:
             torch.set_num_threads(1)
-        for rows in pool.map(rows_of, blocks) if pool is not None else map(rows_of, blocks):
+        if on_progress and result.rows:
+            on_progress(len(result.rows), len(blocks) * len(counts))
+        for rows in pool.map(rows_of, pending) if pool is not None else map(rows_of, pending):
             result.rows.extend(rows)
+            if on_block:
+                on_block(rows)
             if on_progress:
                 on_progress(len(result.rows), len(blocks) * len(counts))
     finally:
         if pool is not None:
             pool.shutdown(cancel_futures=True)
             torch.set_num_threads(threads)
+    order = {block: i for i, block in enumerate(blocks)}
+    result.rows.sort(key=lambda row: (order[(row.start, row.end)], row.repeats))
     result.seconds = time.perf_counter() - start_time
     return result
 
