@@ -950,6 +950,7 @@ def serve(model, dtype, device, engine, threads, plan, draft, draft_length, host
     _threads(threads)
     with _user_errors():  # a bad plan or draft fails here, before the server starts
         loaded = _load(model, dtype, device, engine)
+
         def listening(bound_host: str, bound_port: int) -> None:
             click.echo(f"serving '{served_name or loaded.name}' on http://{bound_host}:{bound_port}/v1 "
                        f"(draft: {draft or 'none'}); Ctrl-C stops", err=True)

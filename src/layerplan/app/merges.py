@@ -67,7 +67,7 @@ def scan_blocks(model: LoadedModel, measures: list[str], inputs: MeasureInputs, 
     resumes from it, and a finished one removes it."""
     blocks = block_candidates(model.num_layers, layer_range, max_len)[:limit]
     settings = scan_settings(model, measures, inputs, reuse)
-    done = _resumable_rows(checkpoint, settings) if checkpoint is not None and checkpoint.exists() else []
+    done = _resumable_rows(checkpoint, settings) if checkpoint is not None else []
     if on_stage:
         on_stage(f"measures: {', '.join(measures)} on the model itself (kept before every layer)")
     scorers = build_scorers(model, measures, inputs, reuse=reuse)
