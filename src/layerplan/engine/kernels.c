@@ -330,11 +330,6 @@ static inline float param(const void *p, int bf16, long i) {
     return bf16 ? bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
 }
 
-/* Eight cache elements as fp32. */
-static inline __m256 load8_row(const void *row, int bf16, long i) {
-    return bf16 ? load8_bf16((const uint16_t *)row + i) : _mm256_loadu_ps((const float *)row + i);
-}
-
 /* out[0 : 8 lanes] = sum over kept positions, in order, of scores[q] * v[first + q] (8-lane groups
  * of the row from v, rows `stride` apart). The sums are named variables, not an array: GCC kept an
  * array of them on the stack, storing and loading them at every position (seen in the profile of
@@ -398,9 +393,9 @@ DEFINE_DOT8(dot8_bf16, uint16_t, load8_bf16, bf16_to_f32)
 DEFINE_DOT8(dot8_f32, float, _mm256_loadu_ps, AS_F32)
 
 /* One query's attention over cache positions [first, last] of one kv head (positions where
- * skip(p) holds left out): softmax(q . k * scaling) . v into out (d floats). Scores four keys at a
- * time; the weighted sum of values keeps 64 output dims in registers while it walks the
- * positions; every output is summed over the positions in order. */
+ * keep[p] is 0 left out; keep NULL: every one kept): softmax(q . k * scaling) . v into out (d
+ * floats). Scores eight keys at a time; the weighted sum of values keeps 64 output dims in
+ * registers while it walks the positions; every output is summed over the positions in order. */
 static void attend(const float *q, const void *kbase, const void *vbase, long stride, long first, long last,
                    const unsigned char *keep, float scaling, int bf16, long d, float *scores, float *out) {
     long n = last - first + 1;
