@@ -304,6 +304,43 @@ def test_workers_share_a_study_in_postgresql_exactly(worker_model, postgres, cou
     assert_exact_and_distinct(postgres, 10)
 
 
+
+def _open_storage_on_signal(url, go, results):
+    from layerplan.search.bayes import make_storage
+
+    go.wait()
+    try:
+        make_storage(url)
+        results.put("ok")
+    except Exception as error:  # noqa: BLE001 - the test reports whatever a worker met
+        results.put(f"{type(error).__name__}: {str(error).splitlines()[0]}")
+
+
+def test_workers_that_open_an_empty_postgresql_database_together_all_get_the_study(postgres):
+    """Workers started at once race to create Optuna's schema: the losers of CREATE TABLE get
+    "relation already exists" (a ProgrammingError) and must retry, not fail. Without the retry this
+    failed in about one round of four here."""
+    import multiprocessing
+
+    import psycopg
+
+    context = multiprocessing.get_context("fork")
+    base = postgres.rsplit("/", 1)[0]
+    for round_ in range(8):
+        with psycopg.connect(postgres, autocommit=True) as connection:
+            connection.execute(f"CREATE DATABASE together{round_}")
+        go, results = context.Event(), context.Queue()
+        procs = [context.Process(target=_open_storage_on_signal, args=(f"{base}/together{round_}", go, results))
+                 for _ in range(6)]
+        for p in procs:
+            p.start()
+        time.sleep(0.3)
+        go.set()
+        outcomes = [results.get(timeout=120) for _ in procs]
+        for p in procs:
+            p.join(timeout=60)
+        assert outcomes == ["ok"] * len(procs), f"round {round_}: {outcomes}"
+
 def test_storage_in_a_folder_that_does_not_exist_yet(tmp_path):
     from layerplan.search.bayes import make_storage
 

@@ -78,16 +78,17 @@ def make_storage(url: str | None, heartbeat: int | None = 60):
             warnings.simplefilter("ignore")  # heartbeats are marked experimental
             retry = retry_class(max_retry=3)
         options.update(heartbeat_interval=heartbeat, grace_period=2 * heartbeat, **{keyword: retry})
-    from sqlalchemy.exc import IntegrityError, OperationalError
+    from sqlalchemy.exc import IntegrityError, OperationalError, ProgrammingError
 
     for attempt in range(5):
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # heartbeats are marked experimental
                 return optuna.storages.RDBStorage(url, **options)
-        except (IntegrityError, OperationalError) as error:
-            # workers started together race to create the schema in an empty database: the
-            # loser finds the tables made by the winner on the next try
+        except (IntegrityError, OperationalError, ProgrammingError) as error:
+            # workers started together race to create the schema in an empty database (SQLite:
+            # locked; PostgreSQL: "relation ... already exists", a ProgrammingError, or a unique
+            # violation): the loser finds the tables made by the winner on the next try
             if attempt == 4:
                 reason = next((line.strip() for line in str(getattr(error, "orig", None) or error).splitlines()
                                if line.strip()), type(error).__name__)
