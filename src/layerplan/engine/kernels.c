@@ -67,8 +67,10 @@ static inline __m256 exp8(__m256 x) {
  * A kernel keeps an R-rows x 16P-outputs block of sums in registers and, for each input i,
  * broadcasts x[r][i] against the panel's 16 weights: no horizontal sums, every weight loaded once
  * per row group, and enough independent sums to keep both FMA units busy.
- * bf16 panels are stored with lanes in the order [0-3, 8-11, 4-7, 12-15], so the two unpacks
- * that widen them to fp32 give outputs 0-7 and 8-15.
+ * bf16 panels are stored with outputs 0-7 in the low and 8-15 in the high halves of the eight
+ * 32-bit words ([0, 8, 1, 9, ...]): a shift by 16 widens the low ones to fp32 and a mask keeps the
+ * high ones (one shift and one AND, which any vector pipe runs, where two unpacks both needed the
+ * shuffle pipes: bf16 products 1-15% faster on the AVX2 EPYC, measured alternating builds).
  *
  * Batch invariance: every output is reduced in one order whatever the tile shape, the number of
  * rows or the thread that computes it: a chain of FMAs over each block of LP_BLOCK inputs in
@@ -76,9 +78,9 @@ static inline __m256 exp8(__m256 x) {
  * blocked sums; one chain over all 1536 inputs of an MLP down-projection drifted 1e-4 from
  * transformers' fp32 logits.) */
 static inline void widen_bf16(const uint16_t *p, __m256 *lo, __m256 *hi) {
-    __m256i v = _mm256_loadu_si256((const __m256i *)p), z = _mm256_setzero_si256();
-    *lo = _mm256_castsi256_ps(_mm256_unpacklo_epi16(z, v));
-    *hi = _mm256_castsi256_ps(_mm256_unpackhi_epi16(z, v));
+    __m256i v = _mm256_loadu_si256((const __m256i *)p);
+    *lo = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+    *hi = _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32((int)0xFFFF0000u)));
 }
 
 static inline void widen_f32(const float *p, __m256 *lo, __m256 *hi) {
@@ -298,7 +300,7 @@ static void gemm(const lp_matrix *mat, const float *x, long m, float *y, int thr
 
 /* Packs w (n, k), fp32 or bf16, for gemm: out holds 16 * ceil(n / 16) * k elements of w's type. */
 void lp_pack(const void *w, int bf16, long n, long k, void *out) {
-    static const int lane[16] = {0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15};
+    static const int lane[16] = {0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15}; /* see widen_bf16 */
     long panels = (n + 15) / 16;
     #pragma omp parallel for schedule(static)
     for (long p = 0; p < panels; p++)
