@@ -212,7 +212,10 @@ typedef struct {
  * at a time with the rows in even groups of at most six. With several groups, every group works
  * through a block of LP_BLOCK inputs before the next block, so the block's weights come from
  * memory once and from L1 for the other groups, and only the first group prefetches (measured on
- * the AVX2 EPYC, LM head: 7 rows 15% and 8 rows 2% faster than each group walking the whole panel). */
+ * the AVX2 EPYC, LM head: 7 rows 15% and 8 rows 2% faster than each group walking the whole panel).
+ * bf16 rows are split into even groups; fp32 rows into groups of six and the rest (8 rows = 6 + 2,
+ * not 4 + 4: 10-20% faster in fp32, where the six-row group's twelve sums keep both FMA units
+ * busy while its weights stream in; slower in bf16, measured alternating builds). */
 #define RUN_PANELS(SUFFIX, WT)                                                                      \
     {                                                                                               \
         const WT *w = (const WT *)mat->w;                                                           \
@@ -228,7 +231,7 @@ typedef struct {
         for (; p < p1; p++)                                                                         \
             for (long i0 = 0; i0 < k; i0 += step)                                                   \
                 for (long r0 = 0, g = 0, i1 = i0 + step; r0 < m; g++) {                             \
-                    long nr = m / groups + (g < m % groups);                                        \
+                    long nr = bf16 ? m / groups + (g < m % groups) : g < groups - 1 ? 6 : m - 6 * g; \
                     const float *xr = x + r0 * k;                                                   \
                     float *yr = y + r0 * ys + p * 16;                                               \
                     const WT *wp = w + p * panel;                                                   \
@@ -246,7 +249,8 @@ typedef struct {
 
 static void gemm_panels(const lp_matrix *mat, const float *x, long m, float *y, long ys, long p0, long p1) {
     long k = mat->k, panel = 16 * k, groups = (m + 5) / 6;
-    if (mat->bf16) RUN_PANELS(bf16, uint16_t)
+    int bf16 = mat->bf16;
+    if (bf16) RUN_PANELS(bf16, uint16_t)
     else RUN_PANELS(f32, float)
 }
 
