@@ -20,7 +20,7 @@ from layerplan.search.greedy import GreedyResult, GreedyStep, greedy_search
 from layerplan.search.objectives import score
 from layerplan.search.run import run_search
 from layerplan.search.scan import scan
-from studies import assert_exact_and_distinct, kill_mid_trial, run_workers
+from studies import assert_exact_and_distinct, fork_worker, kill_mid_trial, run_workers
 from tiny import VOCAB, tiny_model
 
 
@@ -304,7 +304,6 @@ def test_workers_share_a_study_in_postgresql_exactly(worker_model, postgres, cou
     assert_exact_and_distinct(postgres, 10)
 
 
-
 def _open_storage_on_signal(url, go, results):
     from layerplan.search.bayes import make_storage
 
@@ -324,22 +323,20 @@ def test_workers_that_open_an_empty_postgresql_database_together_all_get_the_stu
 
     import psycopg
 
-    context = multiprocessing.get_context("fork")
+    context = multiprocessing.get_context("fork")  # the queue and event of fork_worker's processes
     base = postgres.rsplit("/", 1)[0]
     for round_ in range(8):
         with psycopg.connect(postgres, autocommit=True) as connection:
             connection.execute(f"CREATE DATABASE together{round_}")
         go, results = context.Event(), context.Queue()
-        procs = [context.Process(target=_open_storage_on_signal, args=(f"{base}/together{round_}", go, results))
-                 for _ in range(6)]
-        for p in procs:
-            p.start()
+        procs = [fork_worker(_open_storage_on_signal, f"{base}/together{round_}", go, results) for _ in range(6)]
         time.sleep(0.3)
         go.set()
         outcomes = [results.get(timeout=120) for _ in procs]
         for p in procs:
             p.join(timeout=60)
         assert outcomes == ["ok"] * len(procs), f"round {round_}: {outcomes}"
+
 
 def test_storage_in_a_folder_that_does_not_exist_yet(tmp_path):
     from layerplan.search.bayes import make_storage
