@@ -178,6 +178,7 @@ static inline void widen_f32(const float *p, __m256 *lo, __m256 *hi) {
     DEFINE_KERNEL(k1x4_##SUFFIX, 1, 4, WT, WIDEN, AHEAD)                                            \
     DEFINE_KERNEL(k2x2_##SUFFIX, 2, 2, WT, WIDEN, AHEAD)                                            \
     DEFINE_KERNEL(k3x2_##SUFFIX, 3, 2, WT, WIDEN, AHEAD)                                            \
+    DEFINE_KERNEL(k1x2_##SUFFIX, 1, 2, WT, WIDEN, AHEAD)                                            \
     DEFINE_KERNEL(k1x1_##SUFFIX, 1, 1, WT, WIDEN, AHEAD)                                            \
     DEFINE_KERNEL(k2x1_##SUFFIX, 2, 1, WT, WIDEN, AHEAD)                                            \
     DEFINE_KERNEL(k3x1_##SUFFIX, 3, 1, WT, WIDEN, AHEAD)                                            \
@@ -213,9 +214,12 @@ typedef struct {
  * through a block of LP_BLOCK inputs before the next block, so the block's weights come from
  * memory once and from L1 for the other groups, and only the first group prefetches (measured on
  * the AVX2 EPYC, LM head: 7 rows 15% and 8 rows 2% faster than each group walking the whole panel).
- * bf16 rows are split into even groups; fp32 rows into groups of six and the rest (8 rows = 6 + 2,
- * not 4 + 4: 10-20% faster in fp32, where the six-row group's twelve sums keep both FMA units
- * busy while its weights stream in; slower in bf16, measured alternating builds). */
+ * Rows go in groups of six (twelve sums: both FMA units busy while the weights stream in) and the
+ * rest. A rest of 1-3 rows takes two panels at once (k2x2: eight sums, where one panel gives it
+ * four, too few to hide the FMA latency), after the six-row groups went through both: 8 rows =
+ * 6 + 2 over panel pairs, 5-10% faster than 4 + 4 in bf16 and fp32 on the AVX2 EPYC (alternating
+ * builds). A larger rest, or a last unpaired panel, goes one panel at a time: fp32 in sixes and
+ * the rest, bf16 in even groups (6 + 2 on single panels was 5-9% slower than 4 + 4 in bf16). */
 #define RUN_PANELS(SUFFIX, WT)                                                                      \
     {                                                                                               \
         const WT *w = (const WT *)mat->w;                                                           \
@@ -228,6 +232,20 @@ typedef struct {
                 else k3x2_##SUFFIX(x, k, 0, k, w + p * panel, panel, y + p * 16, ys, 1);            \
             }                                                                                       \
         }                                                                                           \
+        long rest = m - 6 * (groups - 1); /* the rows left after groups of six */                   \
+        if (groups > 1 && rest <= 3)                                                                \
+            for (; p + 2 <= p1; p += 2)                                                             \
+                for (long i0 = 0; i0 < k; i0 += step) {                                             \
+                    long i1 = i0 + step;                                                            \
+                    for (long g = 0; g < groups - 1; g++)                                           \
+                        for (long q = p; q < p + 2; q++)                                            \
+                            k6x1_##SUFFIX(x + 6 * g * k, k, i0, i1, w + q * panel, panel, y + 6 * g * ys + q * 16, ys, g == 0); \
+                    const float *xr = x + 6 * (groups - 1) * k;                                     \
+                    float *yr = y + 6 * (groups - 1) * ys + p * 16;                                 \
+                    if (rest == 1) k1x2_##SUFFIX(xr, k, i0, i1, w + p * panel, panel, yr, ys, 0);   \
+                    else if (rest == 2) k2x2_##SUFFIX(xr, k, i0, i1, w + p * panel, panel, yr, ys, 0); \
+                    else k3x2_##SUFFIX(xr, k, i0, i1, w + p * panel, panel, yr, ys, 0);             \
+                }                                                                                   \
         for (; p < p1; p++)                                                                         \
             for (long i0 = 0; i0 < k; i0 += step)                                                   \
                 for (long r0 = 0, g = 0, i1 = i0 + step; r0 < m; g++) {                             \
