@@ -215,11 +215,12 @@ typedef struct {
  * memory once and from L1 for the other groups, and only the first group prefetches (measured on
  * the AVX2 EPYC, LM head: 7 rows 15% and 8 rows 2% faster than each group walking the whole panel).
  * Rows go in groups of six (twelve sums: both FMA units busy while the weights stream in) and the
- * rest. A rest of 1-3 rows takes two panels at once (k2x2: eight sums, where one panel gives it
- * four, too few to hide the FMA latency), after the six-row groups went through both: 8 rows =
- * 6 + 2 over panel pairs, 5-10% faster than 4 + 4 in bf16 and fp32 on the AVX2 EPYC (alternating
- * builds). A larger rest, or a last unpaired panel, goes one panel at a time: fp32 in sixes and
- * the rest, bf16 in even groups (6 + 2 on single panels was 5-9% slower than 4 + 4 in bf16). */
+ * rest. fp32 takes one panel at a time (8 rows = 6 + 2, faster than 4 + 4). In bf16 a rest of 1-3
+ * rows takes two panels at once (k2x2: eight sums, where one panel gives it four, too few to hide
+ * the FMA latency), after the six-row groups went through both; a larger rest, or a last unpaired
+ * panel, goes one panel at a time in even groups (bf16 6 + 2 on single panels was slower than
+ * 4 + 4). Measured on the AVX2 EPYC, alternating builds in both orders: bf16 8 rows over panel
+ * pairs 1-10% faster than 4 + 4; the same pairing in fp32 no faster than 6 + 2 on single panels. */
 #define RUN_PANELS(SUFFIX, WT)                                                                      \
     {                                                                                               \
         const WT *w = (const WT *)mat->w;                                                           \
@@ -233,7 +234,7 @@ typedef struct {
             }                                                                                       \
         }                                                                                           \
         long rest = m - 6 * (groups - 1); /* the rows left after groups of six */                   \
-        if (groups > 1 && rest <= 3)                                                                \
+        if (bf16 && groups > 1 && rest <= 3)                                                        \
             for (; p + 2 <= p1; p += 2)                                                             \
                 for (long i0 = 0; i0 < k; i0 += step) {                                             \
                     long i1 = i0 + step;                                                            \
