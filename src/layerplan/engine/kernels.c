@@ -335,20 +335,53 @@ void lp_pack(const void *w, int bf16, long n, long k, void *out) {
             }
 }
 
+/* Per-row work on eight lanes at a time (norms, RoPE, rounding, residuals, bf16 loads and stores):
+ * each lane computes what the scalar code computes, bit for bit (the same operations in the same
+ * order, no fused multiply-adds: -std=c11 keeps GCC from contracting the scalar ones), and the
+ * scalar code finishes what is left of a row. (An 8-token bf16 pass spent 2.9 ms of 31 in this
+ * work, scalar, against 1.2 ms in fp32, on the AVX2 EPYC.) */
+
+/* rnd() on eight lanes: bf16_to_f32(f32_to_bf16(v)), NaNs included. */
+static inline __m256 rnd8_exact(__m256 v) {
+    __m256i u = _mm256_castps_si256(v), high = _mm256_set1_epi32((int)0xffff0000u);
+    __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    __m256i rounded = _mm256_and_si256(_mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), odd)), high);
+    __m256i quiet = _mm256_or_si256(_mm256_and_si256(u, high), _mm256_set1_epi32(0x00400000)); /* f32_to_bf16's NaN */
+    return _mm256_blendv_ps(_mm256_castsi256_ps(rounded), _mm256_castsi256_ps(quiet), _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+}
+
+/* f32_to_bf16 on eight lanes */
+static inline __m128i to_bf16_8(__m256 v) {
+    __m256i bits = _mm256_srli_epi32(_mm256_castps_si256(rnd8_exact(v)), 16); /* 0 .. 0xffff */
+    return _mm_packus_epi32(_mm256_castsi256_si128(bits), _mm256_extracti128_si256(bits, 1));
+}
+
+static inline __m256 load8(const void *p, int bf16, long i) {
+    return bf16 ? load8_bf16((const uint16_t *)p + i) : _mm256_loadu_ps((const float *)p + i);
+}
+
 static void load_f32(const void *src, int bf16, float *dst, long count) {
     if (!bf16) { memcpy(dst, src, sizeof(float) * count); return; }
-    for (long i = 0; i < count; i++) dst[i] = bf16_to_f32(((const uint16_t *)src)[i]);
+    long i = 0;
+    for (; i + 8 <= count; i += 8) _mm256_storeu_ps(dst + i, load8_bf16((const uint16_t *)src + i));
+    for (; i < count; i++) dst[i] = bf16_to_f32(((const uint16_t *)src)[i]);
 }
 
 static void store(const float *src, void *dst, int bf16, long count) {
     if (!bf16) { memcpy(dst, src, sizeof(float) * count); return; }
-    for (long i = 0; i < count; i++) ((uint16_t *)dst)[i] = f32_to_bf16(src[i]);
+    long i = 0;
+    for (; i + 8 <= count; i += 8) _mm_storeu_si128((__m128i *)((uint16_t *)dst + i), to_bf16_8(_mm256_loadu_ps(src + i)));
+    for (; i < count; i++) ((uint16_t *)dst)[i] = f32_to_bf16(src[i]);
 }
 
 /* Round in place to the model's precision: what a PyTorch op in that dtype would have stored. */
 static inline float rnd(float v, int bf16) { return bf16 ? bf16_to_f32(f32_to_bf16(v)) : v; }
+static inline __m256 rnd8(__m256 v, int bf16) { return bf16 ? rnd8_exact(v) : v; }
 static void round_all(float *v, long count, int bf16) {
-    if (bf16) for (long i = 0; i < count; i++) v[i] = rnd(v[i], 1);
+    if (!bf16) return;
+    long i = 0;
+    for (; i + 8 <= count; i += 8) _mm256_storeu_ps(v + i, rnd8_exact(_mm256_loadu_ps(v + i)));
+    for (; i < count; i++) v[i] = rnd(v[i], 1);
 }
 
 static inline float param(const void *p, int bf16, long i) {
@@ -518,7 +551,15 @@ static void norm_rows(float *x, long rows, long dim, const lp_norm *nm, int bf16
         double ss = 0.0;
         for (long i = 0; i < dim; i++) ss += (double)v[i] * v[i];
         float inv = 1.0f / sqrtf((float)(ss / dim) + nm->eps);
-        for (long i = 0; i < dim; i++) {
+        __m256 inv8 = _mm256_set1_ps(inv), offset8 = _mm256_set1_ps(nm->offset);
+        long i = 0;
+        for (; i + 8 <= dim; i += 8) {
+            __m256 w = _mm256_add_ps(load8(nm->weight, bf16, i), offset8);
+            __m256 t = _mm256_mul_ps(_mm256_loadu_ps(v + i), inv8);
+            if (nm->mode == 0) t = rnd8(t, bf16);
+            _mm256_storeu_ps(v + i, rnd8(_mm256_mul_ps(w, t), bf16));
+        }
+        for (; i < dim; i++) {
             float w = param(nm->weight, bf16, i) + nm->offset;
             if (nm->mode == 0) v[i] = rnd(w * rnd(v[i] * inv, bf16), bf16);
             else v[i] = rnd(w * (v[i] * inv), bf16);
@@ -535,7 +576,16 @@ static void rope_rows(float *q, long rows, long heads, long head_dim, long rotar
         for (long h = 0; h < heads; h++) {
             float *v = q + (r * heads + h) * head_dim;
             float tmp[512];
-            for (long i = 0; i < rotary_dim; i++) {
+            long i = 0;
+            if (half % 8 == 0)
+                for (; i < rotary_dim; i += 8) {
+                    __m256 rot = i < half ? _mm256_xor_ps(_mm256_loadu_ps(v + i + half), _mm256_set1_ps(-0.0f))
+                                          : _mm256_loadu_ps(v + i - half);
+                    __m256 a = rnd8(_mm256_mul_ps(_mm256_loadu_ps(v + i), _mm256_loadu_ps(c + i)), bf16);
+                    __m256 b = rnd8(_mm256_mul_ps(rot, _mm256_loadu_ps(s + i)), bf16);
+                    _mm256_storeu_ps(tmp + i, rnd8(_mm256_add_ps(a, b), bf16));
+                }
+            for (; i < rotary_dim; i++) {
                 float rot = i < half ? -v[i + half] : v[i - half];
                 tmp[i] = rnd(rnd(v[i] * c[i], bf16) + rnd(rot * s[i], bf16), bf16);
             }
@@ -548,7 +598,14 @@ static void rope_rows(float *q, long rows, long heads, long head_dim, long rotar
 static void residual_add(const void *hidden, const float *update, float *scratch, void *out, long count,
                          float scale, int bf16) {
     load_f32(hidden, bf16, scratch, count);
-    for (long i = 0; i < count; i++)
+    __m256 scale8 = _mm256_set1_ps(scale);
+    long i = 0;
+    for (; i + 8 <= count; i += 8) {
+        __m256 up = _mm256_loadu_ps(update + i);
+        if (scale != 1.0f) up = rnd8(_mm256_mul_ps(scale8, up), bf16);
+        _mm256_storeu_ps(scratch + i, rnd8(_mm256_add_ps(_mm256_loadu_ps(scratch + i), up), bf16));
+    }
+    for (; i < count; i++)
         scratch[i] = rnd(scratch[i] + (scale == 1.0f ? update[i] : rnd(scale * update[i], bf16)), bf16);
     store(scratch, out, bf16, count);
 }
@@ -698,7 +755,7 @@ int lp_attention_block(const lp_attention *a, const void *hidden, void *out, lon
             /* the cache holds positions from kv_start on */
             attend(q + (r * a->heads + h) * D, kbase, vbase, D, first - kv_start, pos - kv_start, masked ? keep : NULL, a->scaling,
                    bf16 && !widen, D, scores, ov);
-            for (long i = 0; i < D; i++) ov[i] = rnd(ov[i], bf16);
+            round_all(ov, D, bf16);
         }
         free(scores);
         free(keep);
