@@ -255,3 +255,41 @@ def test_a_pass_gives_each_token_the_logits_of_decoding_it_alone(dtype, shape):
         cache.crop(7)
         together = forward(model, ids[:, 7:7 + k], plan, cache, 7)
         assert torch.equal(together, alone[:, :k]), f"a pass over {k} tokens changed a token's logits"
+
+
+_ROUNDING_CHECK = r"""
+#include <stdio.h>
+/* every seventh fp32 bit pattern (NaNs, infinities, subnormals and ties among them) through the
+ * eight-lane rounding and bf16 store against the scalar ones */
+int main(void) {
+    long differ = 0;
+    float in[8], out[8];
+    uint16_t stored[8];
+    for (uint64_t base = 0; base < (1ull << 32); base += 56) {
+        for (int j = 0; j < 8; j++) { uint32_t u = (uint32_t)(base + 7 * j); memcpy(&in[j], &u, 4); }
+        __m256 v = _mm256_loadu_ps(in);
+        _mm256_storeu_ps(out, rnd8_exact(v));
+        _mm_storeu_si128((__m128i *)stored, to_bf16_8(v));
+        for (int j = 0; j < 8; j++) {
+            float want = rnd(in[j], 1);
+            differ += memcmp(&want, &out[j], 4) != 0 || stored[j] != f32_to_bf16(in[j]);
+        }
+    }
+    printf("%ld\n", differ);
+    return differ != 0;
+}
+"""
+
+
+def test_eight_lane_rounding_is_the_scalar_rounding_bit_for_bit(tmp_path):
+    """The per-row work runs on eight lanes with a scalar tail: both must round every value alike,
+    or a token's logits would depend on where its row's elements fall."""
+    import subprocess
+
+    program = tmp_path / "rounding.c"
+    program.write_text(f'#include "{native.SOURCE}"\n' + _ROUNDING_CHECK)
+    flags = [flag for flag in native.FLAGS if flag not in ("-shared", "-fPIC")]
+    subprocess.run([native._compiler(), *flags, str(program), "-o", str(tmp_path / "rounding"), *native.LIBS],
+                   check=True, capture_output=True)
+    done = subprocess.run([str(tmp_path / "rounding")], capture_output=True, text=True, timeout=300)
+    assert (done.returncode, done.stdout.strip()) == (0, "0")
