@@ -614,26 +614,16 @@ static inline float gelu_tanh(float x) {
     return 0.5f * x * (1.0f + tanhf(0.7978845608028654f * (x + 0.044715f * x * x * x)));
 }
 
-/* Eight lanes rounded to bf16 and back (round to nearest even, NaN kept), as rnd() does one. */
-static inline __m256 rnd8_bf16(__m256 v) {
-    __m256i u = _mm256_castps_si256(v);
-    __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-    __m256i r = _mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), odd));
-    __m256 rounded = _mm256_castsi256_ps(_mm256_and_si256(r, _mm256_set1_epi32((int)0xffff0000u)));
-    return _mm256_blendv_ps(rounded, v, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-}
-
 /* out[i] = act(gate[i]) * up[i] over n values, rounded as the PyTorch modules round. */
 static void gated_activation(const float *gate, const float *up, float *out, long n, int activation, int bf16) {
     long i = 0;
     if (activation == 0)
         for (; i + 8 <= n; i += 8) {
             __m256 g = _mm256_loadu_ps(gate + i), u = _mm256_loadu_ps(up + i);
-            if (bf16) { g = rnd8_bf16(g); u = rnd8_bf16(u); }
-            __m256 act = _mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), exp8(_mm256_sub_ps(_mm256_setzero_ps(), g))));
-            if (bf16) act = rnd8_bf16(act);
-            __m256 v = _mm256_mul_ps(act, u);
-            _mm256_storeu_ps(out + i, bf16 ? rnd8_bf16(v) : v);
+            g = rnd8(g, bf16);
+            u = rnd8(u, bf16);
+            __m256 act = rnd8(_mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), exp8(_mm256_sub_ps(_mm256_setzero_ps(), g)))), bf16);
+            _mm256_storeu_ps(out + i, rnd8(_mm256_mul_ps(act, u), bf16));
         }
     for (; i < n; i++) {
         float gv = rnd(gate[i], bf16), uv = rnd(up[i], bf16);
