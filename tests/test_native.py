@@ -8,7 +8,7 @@ import torch
 from layerplan.decoding.generate import generate
 from layerplan.engine import native
 from layerplan.engine.cache import KVCache
-from layerplan.engine.runner import forward, head, new_cache, run_hidden
+from layerplan.engine.runner import forward, head, new_cache, run_hidden, softcap
 from tiny import ARCHS, tiny_model
 
 pytestmark = pytest.mark.skipif(native.native_available() is not None, reason=str(native.native_available()))
@@ -127,6 +127,32 @@ def test_one_native_call_equals_the_loop_sub_layer_by_sub_layer(arch, plan_text,
 
     # an observer makes the runner take its Python loop, one native call per sub-layer
     assert torch.equal(run(None), run(lambda *args: None))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("arch", ["llama", "gemma3", "phi3"])
+def test_final_norm_and_head_in_one_kernel_call_match_the_modules(arch, dtype):
+    _, fast = _eager_and_native(arch, dtype)
+    parts = fast.parts
+    assert fast.native._final_norm(parts.final_norm, dtype) is not None  # the kernel path, not the fallback
+    hidden = (torch.randn(1, 9, parts.lm_head.in_features, generator=torch.Generator().manual_seed(4)) * 3).to(dtype)
+    with torch.inference_mode():
+        modules = softcap(parts, parts.lm_head(parts.final_norm(hidden)))
+        together = head(fast, hidden)
+        alone = torch.cat([head(fast, hidden[:, i : i + 1]) for i in range(9)], 1)
+    tolerance = 1e-4 if dtype == torch.float32 else 5e-2
+    torch.testing.assert_close(together.float(), modules.float(), atol=tolerance, rtol=tolerance)
+    assert torch.equal(together, alone)  # a row's logits do not depend on the rows beside it
+
+
+def test_a_final_norm_the_kernels_do_not_know_runs_as_its_module():
+    _, fast = _eager_and_native("llama")
+    norm = torch.nn.LayerNorm(fast.parts.lm_head.in_features)
+    hidden = torch.randn(1, 3, fast.parts.lm_head.in_features, generator=torch.Generator().manual_seed(6))
+    assert fast.native._final_norm(norm, torch.float32) is None
+    with torch.inference_mode():
+        logits = fast.native.head(norm, fast.parts.lm_head, hidden)
+        torch.testing.assert_close(logits, fast.parts.lm_head(norm(hidden)), atol=1e-5, rtol=1e-5)
 
 
 def test_architectures_the_kernels_are_not_checked_for_run_eagerly():

@@ -662,6 +662,20 @@ static void gated_activation(const float *gate, const float *up, float *out, lon
     }
 }
 
+/* The LM head on the final norm of m rows of x (the model's dtype): y = w . norm(x), in x's dtype.
+ * The norm in the kernels, as every layer's, rather than as a PyTorch module between two native
+ * calls (an RMSNorm of one row took 0.3 ms there, its code and data cold after a pass). */
+void lp_norm_linear(const lp_norm *nm, const void *x, const lp_matrix *w, void *y, long m, int bf16, int threads) {
+    long n = w->n, k = w->k;
+    float *xf = (float *)malloc(sizeof(float) * m * k);
+    load_f32(x, bf16, xf, m * k);
+    norm_rows(xf, m, k, nm, bf16);
+    float *yf = bf16 ? (float *)malloc(sizeof(float) * m * n) : (float *)y;
+    gemm(w, xf, m, yf, threads);
+    if (bf16) { store(yf, y, 1, m * n); free(yf); }
+    free(xf);
+}
+
 /* BODY for r = 0 .. rows-1: shared among the threads when `split` (a pass), in this thread
  * otherwise (a step: even an OpenMP region of one thread costs a team's set-up, 30 layers over). */
 #define EACH_ROW(split, threads, rows, ...)                                                         \

@@ -117,6 +117,9 @@ def library() -> ctypes.CDLL:
     lib.lp_linear.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.POINTER(_Matrix), ctypes.c_void_p, ctypes.c_int,
                               ctypes.c_long, ctypes.c_int]
     lib.lp_linear.restype = None
+    lib.lp_norm_linear.argtypes = [ctypes.POINTER(_Norm), ctypes.c_void_p, ctypes.POINTER(_Matrix), ctypes.c_void_p,
+                                   ctypes.c_long, ctypes.c_int, ctypes.c_int]
+    lib.lp_norm_linear.restype = None
     lib.lp_pack.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_long, ctypes.c_void_p]
     lib.lp_pack.restype = None
     lib.lp_attention_block.argtypes = [ctypes.POINTER(_Attention), ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long,
@@ -387,7 +390,7 @@ class NativeEngine:
     def __init__(self, model) -> None:
         library()  # fail here, with the reason, rather than inside a forward pass
         model_type = model.hf.config.model_type
-        offset = arch_spec(model_type).norm_weight_offset
+        offset = self.norm_offset = arch_spec(model_type).norm_weight_offset
         self.why_eager = None
         if model_type not in KERNEL_MODEL_TYPES:
             self.why_eager = f"the kernels are not checked for {model_type} layers"
@@ -401,20 +404,49 @@ class NativeEngine:
         self.max_rows = _rows_limit(model.dtype)
         # packed LM heads by id of their module (the module is held, so its id stays its own)
         self._heads: dict[int, tuple[nn.Module, PackedMatrix]] = {}
+        # final norms as kernel descriptors (None: runs as the module), by id of their module
+        self._norms: dict[int, tuple[nn.Module, _Norm | None]] = {}
         self._runs: dict[tuple, StepRun | None] = {}
 
     def takes(self, rows: int) -> bool:
         return self.max_rows is None or rows <= self.max_rows
 
-    def lm_head(self, lm_head: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
-        """The LM head on normalised hidden states (the kernel for passes it takes)."""
+    def head(self, final_norm: nn.Module, lm_head: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits of hidden states before the final norm: norm and LM head in one kernel call where
+        the kernels reproduce the norm and take the head, else the norm module, then the head (by
+        the kernel for passes it takes)."""
+        packed = self._packed_head(lm_head, hidden)
+        norm = self._final_norm(final_norm, hidden.dtype) if packed is not None else None
+        if norm is None:
+            normed = final_norm(hidden)
+            return packed(normed) if packed is not None and normed.dtype == hidden.dtype else lm_head(normed)
+        x = hidden.contiguous()
+        logits = torch.empty(*x.shape[:-1], packed.n, dtype=x.dtype)
+        library().lp_norm_linear(ctypes.byref(norm), x.data_ptr(), ctypes.byref(packed.descriptor), logits.data_ptr(),
+                                 x.numel() // x.shape[-1], _DTYPES[x.dtype], torch.get_num_threads())
+        return logits
+
+    def _packed_head(self, lm_head: nn.Module, hidden: torch.Tensor) -> PackedMatrix | None:
         weight = getattr(lm_head, "weight", None)
         if (type(lm_head) is not nn.Linear or weight.dtype not in _DTYPES or hidden.dtype != weight.dtype
                 or weight.device.type != "cpu" or not self.takes(hidden.numel() // hidden.shape[-1])):
-            return lm_head(hidden)
+            return None
         if id(lm_head) not in self._heads:
             self._heads[id(lm_head)] = (lm_head, PackedMatrix([weight], [lm_head.bias]))
-        return self._heads[id(lm_head)][1](hidden)
+        return self._heads[id(lm_head)][1]
+
+    def _final_norm(self, module: nn.Module, dtype: torch.dtype) -> _Norm | None:
+        """The final norm as a kernel descriptor, or None where it runs as a module: a norm the
+        kernels do not know, or a model type whose norms they are not checked for."""
+        if self.why_eager is not None:
+            return None
+        if id(module) not in self._norms:
+            try:
+                descriptor = _norm(module, dtype, self.norm_offset)
+            except Unsupported:
+                descriptor = None
+            self._norms[id(module)] = (module, descriptor)
+        return self._norms[id(module)][1]
 
     def step_run(self, plan, first: int, end: int, rope_key) -> StepRun | None:
         """Steps [first, end) of the plan as one native call, or None when one of their switched-on

@@ -73,8 +73,10 @@ def head(model: LoadedModel, hidden: torch.Tensor) -> torch.Tensor:
     parts = model.parts
     if model.placement is not None:
         hidden = hidden.to(model.placement.main)
-    normed = parts.final_norm(hidden)
-    logits = model.native.lm_head(parts.lm_head, normed) if model.native is not None else parts.lm_head(normed)
+    if model.native is not None:
+        logits = model.native.head(parts.final_norm, parts.lm_head, hidden)
+    else:
+        logits = parts.lm_head(parts.final_norm(hidden))
     return softcap(parts, logits)
 
 
