@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from layerplan.engine.cache import KVCache
+from layerplan.engine.rope import rotary_embedding
 from layerplan.engine.tree import TreeShape
 from layerplan.models.loading import LoadedModel
 from layerplan.plan.plan import LayerPlan
@@ -137,7 +138,11 @@ def run_hidden(
     def rope_of(layer) -> tuple[torch.Tensor, torch.Tensor]:
         key = layer.layer_type if parts.rope_per_layer_type else ""
         if key not in rope:
-            rope[key] = parts.rotary(hidden, positions, key) if parts.rope_per_layer_type else parts.rotary(hidden, positions)
+            if native is not None:  # by table (engine/rope.py); eagerly as transformers computes it
+                rope[key] = rotary_embedding(parts.rotary, hidden, positions, start_pos if tree is None else None,
+                                             key if parts.rope_per_layer_type else None)
+            else:
+                rope[key] = parts.rotary(hidden, positions, key) if parts.rope_per_layer_type else parts.rotary(hidden, positions)
         return rope[key]
 
     # the native engine runs the sub-layers it reproduces (engine/native.py) on single-sequence

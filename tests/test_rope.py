@@ -1,0 +1,75 @@
+"""Rotary embeddings by table (engine/rope.py) against the model's own rotary module."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from layerplan.engine import rope
+from tiny import tiny_config, tiny_model
+
+ROPE_ARCHS = ("llama", "qwen3", "gemma3", "phi3")
+
+
+def _module_call(parts, like, positions, layer_type):
+    with torch.inference_mode():
+        return parts.rotary(like, positions, layer_type) if layer_type else parts.rotary(like, positions)
+
+
+def _layer_types(parts):
+    return sorted({layer.layer_type for layer in parts.layers}) if parts.rope_per_layer_type else [None]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("arch", ROPE_ARCHS)
+def test_the_table_gives_what_the_module_gives(arch, dtype):
+    parts = tiny_model(arch, dtype=dtype).parts
+    like = torch.zeros(1, 1, parts.lm_head.in_features, dtype=dtype)
+    for layer_type in _layer_types(parts):
+        assert rope.takes_table(parts.rotary, layer_type)
+        # from the start, mid-table, across the table's growth (256 first), far beyond it
+        for start, length in [(0, 2), (6, 8), (250, 16), (700, 4)]:
+            positions = torch.arange(start, start + length)[None]
+            got = rope.rotary_embedding(parts.rotary, like, positions, start, layer_type)
+            want = _module_call(parts, like, positions, layer_type)
+            for g, w in zip(got, want):
+                assert g.shape == w.shape and g.dtype == w.dtype
+                assert torch.equal(g, w), (layer_type, start, length)
+
+
+def test_a_positions_values_do_not_depend_on_how_the_table_grew():
+    parts = tiny_model("llama").parts
+    like = torch.zeros(1, 1, 32)
+    grown, at_once = copy.deepcopy(parts.rotary), copy.deepcopy(parts.rotary)
+    for end in (1, 9, 300, 1000):  # grown in steps
+        rope.rotary_embedding(grown, like, torch.arange(end - 1, end)[None], end - 1)
+    positions = torch.arange(0, 1000)[None]
+    for a, b in zip(rope.rotary_embedding(grown, like, positions, 0), rope.rotary_embedding(at_once, like, positions, 0)):
+        assert torch.equal(a, b)
+
+
+def test_tree_positions_are_looked_up_one_by_one():
+    parts = tiny_model("llama").parts
+    like = torch.zeros(1, 1, 32)
+    depths = torch.tensor([[40, 41, 41, 42, 42, 42]])  # a token tree's positions by depth
+    tree = rope.rotary_embedding(parts.rotary, like, depths, None)
+    for i, position in enumerate(depths[0].tolist()):
+        chain = rope.rotary_embedding(parts.rotary, like, torch.tensor([[position]]), position)
+        assert torch.equal(tree[0][:, i], chain[0][:, 0]) and torch.equal(tree[1][:, i], chain[1][:, 0])
+
+
+def test_rope_whose_frequencies_change_calls_the_module():
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    config = tiny_config("llama")
+    config.rope_parameters = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
+    rotary = LlamaRotaryEmbedding(config)
+    assert not rope.takes_table(rotary, None)
+    like = torch.zeros(1, 1, 32)
+    positions = torch.arange(200, 204)[None]  # beyond max_position_embeddings (128): frequencies rescaled
+    got = rope.rotary_embedding(rotary, like, positions, 200)
+    want = LlamaRotaryEmbedding(config)(like, positions)
+    assert all(torch.equal(g, w) for g, w in zip(got, want))
+    assert rotary not in rope._tables
