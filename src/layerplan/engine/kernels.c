@@ -488,6 +488,7 @@ static void attend(const float *q, const void *kbase, const void *vbase, long st
                    const unsigned char *keep, float scaling, int bf16, long d, float *scores, float *out) {
     long n = last - first + 1;
     float best = -INFINITY;
+    __m256 best8 = _mm256_set1_ps(-INFINITY);
     const void *any = bf16 ? (const void *)((const uint16_t *)kbase + first * stride) : (const void *)((const float *)kbase + first * stride);
     for (long p = 0; p < n; p += 8) {
         const void *rows[8];
@@ -504,13 +505,35 @@ static void attend(const float *q, const void *kbase, const void *vbase, long st
             if (bf16) dot8_bf16(q, (const uint16_t *const *)rows, d, dots);
             else dot8_f32(q, (const float *const *)rows, d, dots);
         }
+        if (!keep && p + 8 <= n) { /* eight kept keys: the same products on eight lanes */
+            __m256 scaled = _mm256_mul_ps(_mm256_loadu_ps(dots), _mm256_set1_ps(scaling));
+            _mm256_storeu_ps(scores + p, scaled);
+            best8 = _mm256_max_ps(scaled, best8); /* a NaN score is passed over, as below */
+            continue;
+        }
         for (int j = 0; j < 8 && p + j < n; j++) {
             scores[p + j] = kept && (!keep || keep[p + j]) ? dots[j] * scaling : -INFINITY;
             if (scores[p + j] > best) best = scores[p + j];
         }
     }
+    /* the largest score (which of two equal zeros does not matter: x - 0 and x + 0 are x, and
+     * exp(-0) = exp(0)) */
+    float lanes8[8];
+    _mm256_storeu_ps(lanes8, best8);
+    for (int j = 0; j < 8; j++)
+        if (lanes8[j] > best) best = lanes8[j];
     float total = 0.0f;
-    for (long p = 0; p < n; p += 8) { /* exp in lanes (every position the same way), added in order */
+    long p = 0;
+    for (; p + 8 <= n; p += 8) { /* exp in lanes (every position the same way), added in order */
+        __m256 sc = _mm256_loadu_ps(scores + p);
+        __m256 ev = exp8(_mm256_sub_ps(sc, _mm256_set1_ps(best)));
+        ev = _mm256_blendv_ps(ev, _mm256_setzero_ps(), _mm256_cmp_ps(sc, _mm256_set1_ps(-INFINITY), _CMP_EQ_OQ));
+        float e[8];
+        _mm256_storeu_ps(e, ev);
+        _mm256_storeu_ps(scores + p, ev);
+        for (int j = 0; j < 8; j++) total += e[j];
+    }
+    for (; p < n; p += 8) { /* the last, partial eight */
         float in[8], ev[8];
         for (int j = 0; j < 8; j++) in[j] = p + j < n ? scores[p + j] - best : 0.0f;
         _mm256_storeu_ps(ev, exp8(_mm256_loadu_ps(in)));
@@ -531,7 +554,9 @@ static void attend(const float *q, const void *kbase, const void *vbase, long st
             out[c + t] = tail;
         }
     }
-    for (long i = 0; i < d; i++) out[i] /= total;
+    long i = 0;
+    for (; i + 8 <= d; i += 8) _mm256_storeu_ps(out + i, _mm256_div_ps(_mm256_loadu_ps(out + i), _mm256_set1_ps(total)));
+    for (; i < d; i++) out[i] /= total;
 }
 
 /* y[m, n] = x[m, :] . w[n, :] + bias[n] for a packed matrix; x and y in fp32 or bf16 (their flags). */
