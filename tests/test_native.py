@@ -323,3 +323,20 @@ def test_eight_lane_rounding_is_the_scalar_rounding_bit_for_bit(tmp_path):
                    check=True, capture_output=True)
     done = subprocess.run([str(tmp_path / "rounding")], capture_output=True, text=True, timeout=300)
     assert (done.returncode, done.stdout.strip()) == (0, "0")
+
+
+def test_a_compiler_that_refuses_the_alignment_flags_still_builds_the_kernels(tmp_path, monkeypatch):
+    fussy = tmp_path / "fussy-cc"
+    fussy.write_text('#!/bin/sh\nfor a in "$@"; do case "$a" in -falign-*) echo "unknown argument: $a" >&2; exit 1;; esac; done\n'
+                     f'exec {native._compiler()} "$@"\n')
+    fussy.chmod(0o755)
+    monkeypatch.setenv("CC", str(fussy))
+    monkeypatch.setattr(native, "_cache_folder", lambda: tmp_path / "native")
+    native.library.cache_clear()
+    try:
+        lib = native.library()
+        assert hasattr(lib, "lp_linear")
+        built = list((tmp_path / "native").glob("kernels-*.so"))
+        assert len(built) == 1
+    finally:
+        native.library.cache_clear()

@@ -28,11 +28,12 @@ from layerplan.machine import read_cpuinfo
 from layerplan.models.architectures import arch_spec
 
 SOURCE = Path(__file__).with_name("kernels.c")
+FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 # Functions and loops start on 64-byte lines: where the hot loops fall otherwise moves with every
 # edit of the source, and moved 8-token bf16 passes by up to 10% (AVX2 EPYC, the same kernels built
-# both ways, alternated in one process in both orders; fp32 and steps within 1-3%).
-FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC", "-std=c11",
-         "-falign-functions=64", "-falign-loops=64")
+# both ways, alternated in one process in both orders; fp32 and steps within 1-3%). GCC takes
+# them, as does clang from version 13; a compiler that refuses them builds the kernels without.
+ALIGN_FLAGS = ("-falign-functions=64", "-falign-loops=64")
 LIBS = ("-lm",)
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
@@ -86,7 +87,7 @@ def kernels_key(compiler: str | None = None) -> str:
         compiler = compiler or _compiler()
     except NativeUnavailable:
         compiler = "none"
-    return hashlib.sha256(SOURCE.read_bytes() + " ".join((compiler,) + FLAGS).encode()).hexdigest()[:16]
+    return hashlib.sha256(SOURCE.read_bytes() + " ".join((compiler,) + FLAGS + ALIGN_FLAGS).encode()).hexdigest()[:16]
 
 
 @lru_cache(maxsize=1)
@@ -105,7 +106,10 @@ def library() -> ctypes.CDLL:
         fd, staging = tempfile.mkstemp(dir=target.parent, prefix=".kernels-", suffix=".so")
         os.close(fd)
         try:
-            done = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", staging, *LIBS], capture_output=True, text=True)
+            for flags in (FLAGS + ALIGN_FLAGS, FLAGS):
+                done = subprocess.run([compiler, *flags, str(SOURCE), "-o", staging, *LIBS], capture_output=True, text=True)
+                if done.returncode == 0:
+                    break
             if done.returncode != 0:
                 raise NativeUnavailable(f"building the native kernels with {compiler} failed: "
                                         f"{(done.stderr.strip().splitlines() or ['no message'])[-1]}")
