@@ -8,7 +8,9 @@ import torch
 from layerplan.decoding.generate import generate
 from layerplan.engine import native
 from layerplan.engine.cache import KVCache
+from layerplan.engine import runner
 from layerplan.engine.runner import forward, head, new_cache, run_hidden, softcap
+from layerplan.engine.tree import TreeShape
 from tiny import ARCHS, tiny_model
 
 pytestmark = pytest.mark.skipif(native.native_available() is not None, reason=str(native.native_available()))
@@ -153,6 +155,42 @@ def test_a_final_norm_the_kernels_do_not_know_runs_as_its_module():
     with torch.inference_mode():
         logits = fast.native.head(norm, fast.parts.lm_head, hidden)
         torch.testing.assert_close(logits, fast.parts.lm_head(norm(hidden)), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "phi3", "mistral"])
+def test_a_whole_pass_in_one_native_call_equals_its_parts(arch, dtype):
+    _, fast = _eager_and_native(arch, dtype)
+    plan = fast.plan("0,1,1,2")  # a repeated layer: two cache slots for one module
+    ids = torch.randint(3, 96, (1, 12), generator=torch.Generator().manual_seed(8))
+    tree = TreeShape((-1, 0, 0, 1)) if arch != "mistral" else None  # trees need full attention
+
+    def run(one_call: bool):
+        cache, outs = new_cache(plan), []
+        for a, b, last_only in [(0, 5, False), (5, 7, True), (7, 8, False)]:
+            if one_call:
+                assert runner._one_native_call(fast, ids[:, a:b], plan, None, a, last_only, None) is None  # no cache
+                outs.append(forward(fast, ids[:, a:b], plan, cache, a, last_only=last_only))
+            else:
+                hidden = run_hidden(fast, ids[:, a:b], plan, cache, a)
+                outs.append(head(fast, hidden[:, -1:] if last_only else hidden))
+        if one_call:
+            outs.append(runner._one_native_call(fast, ids[:, 8:12], plan, cache, 8, False, tree))
+        else:
+            outs.append(head(fast, run_hidden(fast, ids[:, 8:12], plan, cache, 8, tree=tree)))
+        return torch.cat(outs, 1)
+
+    assert torch.equal(run(True), run(False))
+
+
+def test_one_native_call_leaves_what_it_does_not_take_to_the_modules():
+    _, gemma = _eager_and_native("gemma3")  # its embedding is scaled: not a plain lookup
+    assert gemma.native.pass_ends(gemma.parts, 3) is None
+    _, llama = _eager_and_native("llama")
+    assert llama.native.pass_ends(llama.parts, 3) is not None
+    plan = llama.plan()
+    with pytest.raises(IndexError, match="token id 96 is outside the vocabulary"):
+        forward(llama, torch.tensor([[5, 96, 7]]), plan, new_cache(plan), 0)
 
 
 def test_architectures_the_kernels_are_not_checked_for_run_eagerly():

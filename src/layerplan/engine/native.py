@@ -17,6 +17,7 @@ import shutil
 import subprocess
 import tempfile
 import time
+from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
@@ -142,6 +143,12 @@ def library() -> ctypes.CDLL:
                                  ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_void_p), ctypes.c_long,
                                  ctypes.c_long, ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
     lib.lp_run_steps.restype = ctypes.c_int
+    lib.lp_forward.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p,
+                               ctypes.POINTER(_Step), ctypes.c_long, ctypes.c_long, ctypes.POINTER(ctypes.c_void_p),
+                               ctypes.POINTER(ctypes.c_void_p), ctypes.c_long, ctypes.c_long, ctypes.c_void_p,
+                               ctypes.POINTER(_Norm), ctypes.POINTER(_Matrix), ctypes.c_long, ctypes.c_void_p,
+                               ctypes.c_int, ctypes.c_int]
+    lib.lp_forward.restype = ctypes.c_int
     return lib
 
 
@@ -347,17 +354,15 @@ class StepRun:
             entry.scale = scale
         self._buffers: list[int | None] = [None] * len(steps)
 
-    def __call__(self, hidden: torch.Tensor, cache, start_pos: int, ropes: list[tuple[torch.Tensor, torch.Tensor]],
-                 window: tuple[int, int] | None, tree: torch.Tensor | None = None) -> torch.Tensor:
-        """hidden (1, T, H) after the steps; each step's new keys and values go to its cache slot.
-        tree: as NativeLayer.run_attention's."""
-        hidden = hidden.contiguous().clone()  # written in place
-        end = start_pos + hidden.shape[1]
+    def _slots_and_tables(self, cache, start_pos: int, rows: int, dtype: torch.dtype, device: torch.device,
+                          ropes: list[tuple[torch.Tensor, torch.Tensor]]):
+        """Reserves the steps' cache positions; the rotary tables as the kernels take them."""
+        end = start_pos + rows
         for i, (slot, attention) in enumerate(self.slots):
             if attention is None:
                 continue
             keys, values = cache.reserve(slot, end, 1, attention.kv_heads, attention.head_dim, attention.head_dim,
-                                         hidden.dtype, hidden.device)
+                                         dtype, device)
             if self._buffers[i] is not keys:  # a new or grown buffer
                 entry = self.table[i]
                 entry.kcache, entry.vcache, entry.capacity = keys.data_ptr(), values.data_ptr(), keys.shape[2]
@@ -365,6 +370,14 @@ class StepRun:
         tables = [(cos.contiguous(), sin.contiguous()) for cos, sin in ropes]
         cos = (ctypes.c_void_p * len(tables))(*(c.data_ptr() for c, _ in tables))
         sin = (ctypes.c_void_p * len(tables))(*(s.data_ptr() for _, s in tables))
+        return tables, cos, sin  # the tensors stay referenced until the call returns
+
+    def __call__(self, hidden: torch.Tensor, cache, start_pos: int, ropes: list[tuple[torch.Tensor, torch.Tensor]],
+                 window: tuple[int, int] | None, tree: torch.Tensor | None = None) -> torch.Tensor:
+        """hidden (1, T, H) after the steps; each step's new keys and values go to its cache slot.
+        tree: as NativeLayer.run_attention's."""
+        hidden = hidden.contiguous().clone()  # written in place
+        tables, cos, sin = self._slots_and_tables(cache, start_pos, hidden.shape[1], hidden.dtype, hidden.device, ropes)
         sink, recent = window if window is not None and hidden.shape[1] == 1 else (0, 0)
         status = library().lp_run_steps(self.table, len(self.table), hidden.data_ptr(), hidden.shape[1], start_pos,
                                          cos, sin, sink, recent, tree.data_ptr() if tree is not None else None,
@@ -372,6 +385,40 @@ class StepRun:
         if status != 0:
             raise RuntimeError(f"native attention refused its input (status {status})")
         return hidden
+
+    def logits(self, ends: PassEnds, input_ids: torch.Tensor, cache, start_pos: int,
+               ropes: list[tuple[torch.Tensor, torch.Tensor]], window: tuple[int, int] | None,
+               tree: torch.Tensor | None, last_only: bool) -> torch.Tensor:
+        """The logits (1, T or 1, vocab) of a pass of token ids (1, T) through the embedding, the
+        steps and the LM head, in one native call (see lp_forward)."""
+        ids = input_ids.to(torch.long).contiguous()
+        rows = ids.shape[1]
+        dtype = ends.embedding.dtype
+        hidden = torch.empty(1, rows, ends.embedding.shape[1], dtype=dtype)
+        logits = torch.empty(1, 1 if last_only else rows, ends.head.n, dtype=dtype)
+        tables, cos, sin = self._slots_and_tables(cache, start_pos, rows, dtype, hidden.device, ropes)
+        sink, recent = window if window is not None and rows == 1 else (0, 0)
+        status = library().lp_forward(
+            ends.embedding.data_ptr(), ends.embedding.shape[0], ids.data_ptr(), rows, hidden.data_ptr(), self.table,
+            len(self.table), start_pos, cos, sin, sink, recent, tree.data_ptr() if tree is not None else None,
+            ctypes.byref(ends.norm), ctypes.byref(ends.head.descriptor), rows - 1 if last_only else 0,
+            logits.data_ptr(), self.bf16, torch.get_num_threads())
+        if status == -2:
+            bad = ids[(ids < 0) | (ids >= ends.embedding.shape[0])][0].item()
+            raise IndexError(f"token id {bad} is outside the vocabulary (0 to {ends.embedding.shape[0] - 1})")
+        if status != 0:
+            raise RuntimeError(f"native attention refused its input (status {status})")
+        return logits
+
+
+@dataclass(frozen=True)
+class PassEnds:
+    """What a whole pass in one native call needs besides the steps: the embedding's weight (read
+    by token id), the final norm and the packed LM head."""
+
+    embedding: torch.Tensor
+    norm: _Norm
+    head: PackedMatrix
 
 
 def _rows_limit(dtype: torch.dtype) -> int | None:
@@ -419,11 +466,26 @@ class NativeEngine:
     def takes(self, rows: int) -> bool:
         return self.max_rows is None or rows <= self.max_rows
 
+    def pass_ends(self, parts, rows: int) -> PassEnds | None:
+        """The embedding, final norm and LM head for a pass of `rows` tokens in one native call
+        (StepRun.logits), or None where one of them runs as its module: an embedding that is not a
+        plain lookup (Gemma scales it), learned positions, a norm or head the kernels do not take."""
+        embedding, dtype = parts.embed, self.model.dtype
+        weight = getattr(embedding, "weight", None)
+        if (type(embedding) is not nn.Embedding or embedding.max_norm is not None or parts.position_embed is not None
+                or weight.dtype != dtype or weight.device.type != "cpu" or not weight.is_contiguous()):
+            return None
+        head = self._packed_head(parts.lm_head, dtype, rows)
+        norm = self._final_norm(parts.final_norm, dtype) if head is not None else None
+        if norm is None or head.k != weight.shape[1]:
+            return None
+        return PassEnds(weight, norm, head)
+
     def head(self, final_norm: nn.Module, lm_head: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
         """Logits of hidden states before the final norm: norm and LM head in one kernel call where
         the kernels reproduce the norm and take the head, else the norm module, then the head (by
         the kernel for passes it takes)."""
-        packed = self._packed_head(lm_head, hidden)
+        packed = self._packed_head(lm_head, hidden.dtype, hidden.numel() // hidden.shape[-1])
         norm = self._final_norm(final_norm, hidden.dtype) if packed is not None else None
         if norm is None:
             normed = final_norm(hidden)
@@ -434,10 +496,10 @@ class NativeEngine:
                                  x.numel() // x.shape[-1], _DTYPES[x.dtype], torch.get_num_threads())
         return logits
 
-    def _packed_head(self, lm_head: nn.Module, hidden: torch.Tensor) -> PackedMatrix | None:
+    def _packed_head(self, lm_head: nn.Module, dtype: torch.dtype, rows: int) -> PackedMatrix | None:
         weight = getattr(lm_head, "weight", None)
-        if (type(lm_head) is not nn.Linear or weight.dtype not in _DTYPES or hidden.dtype != weight.dtype
-                or weight.device.type != "cpu" or not self.takes(hidden.numel() // hidden.shape[-1])):
+        if (type(lm_head) is not nn.Linear or weight.dtype not in _DTYPES or dtype != weight.dtype
+                or weight.device.type != "cpu" or not self.takes(rows)):
             return None
         if id(lm_head) not in self._heads:
             self._heads[id(lm_head)] = (lm_head, PackedMatrix([weight], [lm_head.bias]))

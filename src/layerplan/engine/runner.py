@@ -52,8 +52,42 @@ def forward(
     """Logits (B, T, vocab) — or (B, 1, vocab) with last_only — for tokens at positions
     [start_pos, start_pos+T). With a cache, earlier positions come from it and the new ones are
     written to it. tree: the T tokens are the nodes of a token tree (engine/tree.py), not a chain."""
+    plan = plan if plan is not None else model.plan()
+    logits = _one_native_call(model, input_ids, plan, cache, start_pos, last_only, tree)
+    if logits is not None:
+        return logits
     hidden = run_hidden(model, input_ids, plan, cache, start_pos, tree=tree)
     return head(model, hidden[:, -1:] if last_only else hidden)
+
+
+def _one_native_call(model: LoadedModel, input_ids: torch.Tensor, plan: LayerPlan, cache: KVCache | None,
+                     start_pos: int, last_only: bool, tree: TreeShape | None) -> torch.Tensor | None:
+    """forward's pass as one native call (embedding, the plan's steps, final norm, LM head) where
+    each of them has kernels, else None. The same kernels as run_hidden's one native call and the
+    native head, so the same logits bit for bit; without the Python between them, which cost a
+    pass about 1 ms (SmolLM2, AVX2 EPYC: its memory cold after the weights went through the caches)."""
+    native, parts = model.native, model.parts
+    length = input_ids.shape[1]
+    if (native is None or cache is None or model.placement is not None or input_ids.shape[0] != 1
+            or not native.takes(length)):
+        return None
+    ends = native.pass_ends(parts, 1 if last_only else length)
+    if ends is None:
+        return None
+    rope_key = (lambda layer: layer.layer_type) if parts.rope_per_layer_type else (lambda layer: "")
+    run = native.step_run(plan, 0, len(plan.active_steps), rope_key)
+    if run is None:
+        return None
+    tree_mask = None
+    if tree is not None:
+        _check_tree(model, plan, tree, length, 0, len(plan.active_steps))
+        tree_mask = tree.ancestors.to(torch.uint8).contiguous()
+    positions = _positions(start_pos, length, tree, input_ids.device)[None]
+    ropes = [rotary_embedding(parts.rotary, ends.embedding, positions, start_pos if tree is None else None,
+                              rope_key(layer) if parts.rope_per_layer_type else None) for layer in run.rope_layers]
+    cache.write_pos = start_pos
+    logits = run.logits(ends, input_ids, cache, start_pos, ropes, cache.read_window, tree_mask, last_only)
+    return softcap(parts, logits)
 
 
 @torch.inference_mode()
