@@ -74,8 +74,7 @@ def _one_native_call(model: LoadedModel, input_ids: torch.Tensor, plan: LayerPla
     ends = native.pass_ends(parts, 1 if last_only else length)
     if ends is None:
         return None
-    rope_key = (lambda layer: layer.layer_type) if parts.rope_per_layer_type else (lambda layer: "")
-    run = native.step_run(plan, 0, len(plan.active_steps), rope_key)
+    run = native.step_run(plan, 0, len(plan.active_steps), _rope_key(parts))
     if run is None:
         return None
     tree_mask = None
@@ -83,11 +82,23 @@ def _one_native_call(model: LoadedModel, input_ids: torch.Tensor, plan: LayerPla
         _check_tree(model, plan, tree, length, 0, len(plan.active_steps))
         tree_mask = tree.ancestors.to(torch.uint8).contiguous()
     positions = _positions(start_pos, length, tree, input_ids.device)[None]
-    ropes = [rotary_embedding(parts.rotary, ends.embedding, positions, start_pos if tree is None else None,
-                              rope_key(layer) if parts.rope_per_layer_type else None) for layer in run.rope_layers]
+    ropes = [_rope_by_table(parts, ends.embedding, positions, start_pos, tree, layer) for layer in run.rope_layers]
     cache.write_pos = start_pos
     logits = run.logits(ends, input_ids, cache, start_pos, ropes, cache.read_window, tree_mask, last_only)
     return softcap(parts, logits)
+
+
+def _rope_key(parts) -> Callable:
+    """layer -> the name of its rotary table ("" where every layer shares one)."""
+    return (lambda layer: layer.layer_type) if parts.rope_per_layer_type else (lambda layer: "")
+
+
+def _rope_by_table(parts, like: torch.Tensor, positions: torch.Tensor, start_pos: int, tree: TreeShape | None,
+                   layer) -> tuple[torch.Tensor, torch.Tensor]:
+    """The layer's (cos, sin) for the native engine (engine/rope.py); the eager engine calls the
+    rotary module as transformers does."""
+    return rotary_embedding(parts.rotary, like, positions, start_pos if tree is None else None,
+                            layer.layer_type if parts.rope_per_layer_type else None)
 
 
 @torch.inference_mode()
@@ -172,9 +183,8 @@ def run_hidden(
     def rope_of(layer) -> tuple[torch.Tensor, torch.Tensor]:
         key = layer.layer_type if parts.rope_per_layer_type else ""
         if key not in rope:
-            if native is not None:  # by table (engine/rope.py); eagerly as transformers computes it
-                rope[key] = rotary_embedding(parts.rotary, hidden, positions, start_pos if tree is None else None,
-                                             key if parts.rope_per_layer_type else None)
+            if native is not None:
+                rope[key] = _rope_by_table(parts, hidden, positions, start_pos, tree, layer)
             else:
                 rope[key] = parts.rotary(hidden, positions, key) if parts.rope_per_layer_type else parts.rotary(hidden, positions)
         return rope[key]
@@ -187,8 +197,7 @@ def run_hidden(
     # where every switched-on sub-layer of the steps has kernels, the same loop runs in one native
     # call (no Python round trip per sub-layer); observers and resumed runs take the loop below
     if native is not None and cache is not None and observe is None and resume is None:
-        rope_key = (lambda layer: layer.layer_type) if parts.rope_per_layer_type else (lambda layer: "")
-        run = native.step_run(plan, first_step, end_step, rope_key)
+        run = native.step_run(plan, first_step, end_step, _rope_key(parts))
         if run is not None:
             return run(hidden, cache, start_pos, [rope_of(layer) for layer in run.rope_layers],
                        cache.read_window, tree_mask)
