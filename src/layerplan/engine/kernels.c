@@ -560,17 +560,6 @@ static void attend(const float *q, const void *kbase, const void *vbase, long st
     for (; i < d; i++) out[i] /= total;
 }
 
-/* y[m, n] = x[m, :] . w[n, :] + bias[n] for a packed matrix; x and y in fp32 or bf16 (their flags). */
-void lp_linear(const void *x, int x_bf16, const lp_matrix *w, void *y, int y_bf16, long m, int threads) {
-    long n = w->n, k = w->k;
-    float *xf = (float *)malloc(sizeof(float) * m * k);
-    load_f32(x, x_bf16, xf, m * k);
-    float *yf = y_bf16 ? (float *)malloc(sizeof(float) * m * n) : (float *)y;
-    gemm(w, xf, m, yf, threads);
-    if (y_bf16) { store(yf, y, 1, m * n); free(yf); }
-    free(xf);
-}
-
 /* ----- decoder sub-layers (the llama family: RMSNorm, RoPE, grouped-query attention, gated MLP) ----- */
 
 /* How a norm rounds, as the transformers module does it:
@@ -688,18 +677,30 @@ static void gated_activation(const float *gate, const float *up, float *out, lon
     }
 }
 
+/* y[m, n] = w[n, :] . norm(x[m, :]) + bias[n] for a packed matrix (nm NULL: no norm, else rounded
+ * as x's dtype); x and y in fp32 or bf16 (their flags). */
+static void norm_linear(const lp_norm *nm, const void *x, int x_bf16, const lp_matrix *w, void *y, int y_bf16,
+                        long m, int threads) {
+    long n = w->n, k = w->k;
+    float *xf = (float *)malloc(sizeof(float) * m * k);
+    load_f32(x, x_bf16, xf, m * k);
+    if (nm) norm_rows(xf, m, k, nm, x_bf16);
+    float *yf = y_bf16 ? (float *)malloc(sizeof(float) * m * n) : (float *)y;
+    gemm(w, xf, m, yf, threads);
+    if (y_bf16) { store(yf, y, 1, m * n); free(yf); }
+    free(xf);
+}
+
+/* y[m, n] = x[m, :] . w[n, :] + bias[n] for a packed matrix; x and y in fp32 or bf16 (their flags). */
+void lp_linear(const void *x, int x_bf16, const lp_matrix *w, void *y, int y_bf16, long m, int threads) {
+    norm_linear(NULL, x, x_bf16, w, y, y_bf16, m, threads);
+}
+
 /* The LM head on the final norm of m rows of x (the model's dtype): y = w . norm(x), in x's dtype.
  * The norm in the kernels, as every layer's, rather than as a PyTorch module between two native
  * calls (an RMSNorm of one row took 0.3 ms there, its code and data cold after a pass). */
 void lp_norm_linear(const lp_norm *nm, const void *x, const lp_matrix *w, void *y, long m, int bf16, int threads) {
-    long n = w->n, k = w->k;
-    float *xf = (float *)malloc(sizeof(float) * m * k);
-    load_f32(x, bf16, xf, m * k);
-    norm_rows(xf, m, k, nm, bf16);
-    float *yf = bf16 ? (float *)malloc(sizeof(float) * m * n) : (float *)y;
-    gemm(w, xf, m, yf, threads);
-    if (bf16) { store(yf, y, 1, m * n); free(yf); }
-    free(xf);
+    norm_linear(nm, x, bf16, w, y, bf16, m, threads);
 }
 
 /* BODY for r = 0 .. rows-1: shared among the threads when `split` (a pass), in this thread

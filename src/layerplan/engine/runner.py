@@ -77,10 +77,7 @@ def _one_native_call(model: LoadedModel, input_ids: torch.Tensor, plan: LayerPla
     run = native.step_run(plan, 0, len(plan.active_steps), _rope_key(parts))
     if run is None:
         return None
-    tree_mask = None
-    if tree is not None:
-        _check_tree(model, plan, tree, length, 0, len(plan.active_steps))
-        tree_mask = tree.ancestors.to(torch.uint8).contiguous()
+    tree_mask = _tree_mask(model, plan, tree, length, 0, len(plan.active_steps))
     positions = _positions(start_pos, length, tree, input_ids.device)[None]
     ropes = [_rope_by_table(parts, ends.embedding, positions, start_pos, tree, layer) for layer in run.rope_layers]
     cache.write_pos = start_pos
@@ -163,10 +160,7 @@ def run_hidden(
     device = hidden.device
     positions = _positions(start_pos, length, tree, device)[None]  # (1, T)
     end_step = len(plan.active_steps) if stop_step is None else min(stop_step, len(plan.active_steps))
-    tree_mask = None
-    if tree is not None:
-        _check_tree(model, plan, tree, length, first_step, end_step)
-        tree_mask = tree.ancestors.to(torch.uint8).contiguous()
+    tree_mask = _tree_mask(model, plan, tree, length, first_step, end_step)
 
     windowed_read = cache is not None and cache.read_window is not None and length == 1
     if cache is not None:
@@ -260,6 +254,16 @@ def run_hidden(
         if placement is not None:
             placement.release(step.layer)
     return hidden
+
+
+def _tree_mask(model: LoadedModel, plan: LayerPlan, tree: TreeShape | None, length: int, first: int,
+               end: int) -> torch.Tensor | None:
+    """The (T, T) uint8 "attends to" table of a token tree, checked against the steps it runs
+    through; None for a chain."""
+    if tree is None:
+        return None
+    _check_tree(model, plan, tree, length, first, end)
+    return tree.ancestors.to(torch.uint8).contiguous()
 
 
 def _check_tree(model: LoadedModel, plan: LayerPlan, tree: TreeShape, length: int, first: int, end: int) -> None:
