@@ -70,6 +70,40 @@ def test_stacked_matrices_equal_separate_ones():
     assert torch.equal(stacked, separate)
 
 
+def test_weight_arena_gives_aligned_disjoint_buffers_and_the_same_products(monkeypatch):
+    monkeypatch.setattr(native.WeightArena, "CHUNK", 4 << 20)  # small chunks: several in one test
+    arena = native.WeightArena()
+    sizes = [(1000, torch.float32), (3, torch.bfloat16), (1_100_000, torch.float32), (5, torch.float32),
+             (3_000_000, torch.bfloat16)]  # the third and the last do not fit what is left of a chunk
+    buffers = [arena.empty(numel, dtype) for numel, dtype in sizes]
+    spans = []
+    for buffer, (numel, dtype) in zip(buffers, sizes):
+        assert buffer.numel() == numel and buffer.dtype == dtype and buffer.is_contiguous()
+        assert buffer.data_ptr() % 4096 == 0
+        spans.append((buffer.data_ptr(), buffer.data_ptr() + numel * buffer.element_size()))
+    spans.sort()
+    assert all(end <= start for (_, end), (start, _) in zip(spans, spans[1:])), "buffers overlap"
+    # every chunk starts on a 2 MB page: the first buffer of each begins one
+    assert buffers[0].data_ptr() % native.WeightArena.HUGE_PAGE == 0
+    assert buffers[2].data_ptr() % native.WeightArena.HUGE_PAGE == 0
+    assert buffers[4].data_ptr() % native.WeightArena.HUGE_PAGE == 0
+    for buffer in buffers:  # writable to the end, and nothing written spills into a neighbour
+        buffer.fill_(1)
+    assert all(bool((buffer == 1).all()) for buffer in buffers)
+    gen = torch.Generator().manual_seed(5)
+    for dtype in (torch.float32, torch.bfloat16):
+        w = torch.randn(300, 70, generator=gen).to(dtype)
+        x = torch.randn(8, 70, generator=gen).to(dtype)
+        assert torch.equal(native.PackedMatrix([w], [None], arena)(x), native.PackedMatrix([w], [None])(x))
+
+
+def test_a_model_packs_its_weights_into_its_arena():
+    model = tiny_model("llama", 2)
+    engine = native.enable(model)
+    chunks = {t.untyped_storage().data_ptr() for layer in engine.layers for t in (m.packed for m in layer.matrices)}
+    assert engine.layers[0].matrices and len(chunks) == 1  # tiny weights: all in the one first chunk
+
+
 def test_packing_refuses_what_the_kernels_do_not_take():
     with pytest.raises(native.Unsupported, match="float16"):
         native.PackedMatrix([torch.zeros(4, 4, dtype=torch.float16)], [None])

@@ -131,6 +131,8 @@ def library() -> ctypes.CDLL:
     lib.lp_norm_linear.restype = None
     lib.lp_pack.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_long, ctypes.c_void_p]
     lib.lp_pack.restype = None
+    lib.lp_advise_huge_pages.argtypes = [ctypes.c_void_p, ctypes.c_long]
+    lib.lp_advise_huge_pages.restype = None
     lib.lp_attention_block.argtypes = [ctypes.POINTER(_Attention), ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long,
                                        ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
                                        ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_long, ctypes.c_long,
@@ -161,12 +163,44 @@ def native_available() -> str | None:
     return None
 
 
+class WeightArena:
+    """Memory for a model's packed weights, in chunks on 2 MB pages where the system gives them
+    (lp_advise_huge_pages). A pass streams every packed weight from memory once; on 4 KB pages,
+    products of 2-8 rows from memory were 15-23% slower (AVX2 EPYC, fp32 gate/up matrices, both
+    kinds of page alternated in one process; BENCHMARKS.md, "The engine, seventh round"): a TLB
+    miss every 64 cache lines, and the hardware prefetchers stop at every 4 KB page. Chunks rather
+    than a buffer per matrix, so that the small matrices (a layer's o_proj is 1.3 MB in fp32) sit
+    on 2 MB pages too."""
+
+    HUGE_PAGE = 2 << 20
+    CHUNK = 64 << 20
+
+    def __init__(self) -> None:
+        self._chunk: torch.Tensor | None = None
+        self._used = 0
+
+    def empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """An uninitialised 1-d tensor of numel elements, 4 KB-aligned, in the arena."""
+        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        if self._chunk is None or self._used + nbytes > self._chunk.numel():
+            size = max(self.CHUNK, -(-nbytes // self.HUGE_PAGE) * self.HUGE_PAGE)
+            raw = torch.empty(size + self.HUGE_PAGE, dtype=torch.uint8)  # not touched yet: advised before use
+            start = -raw.data_ptr() % self.HUGE_PAGE
+            self._chunk, self._used = raw[start:start + size], 0
+            library().lp_advise_huge_pages(self._chunk.data_ptr(), size)
+        out = self._chunk[self._used:self._used + nbytes].view(dtype)
+        self._used += -(-nbytes // 4096) * 4096
+        return out
+
+
 class PackedMatrix:
     """Weight matrices (out, in) stacked by rows and packed for the kernels (see lp_pack in
     kernels.c): a copy made once, so the model's own weights stay as transformers left them.
-    Biases are kept in fp32 (zeros for a stacked part without one)."""
+    Biases are kept in fp32 (zeros for a stacked part without one). The copy lives in `arena`
+    (a model's weights) or in a tensor of its own (None: one-off products)."""
 
-    def __init__(self, weights: list[torch.Tensor], biases: list[torch.Tensor | None]) -> None:
+    def __init__(self, weights: list[torch.Tensor], biases: list[torch.Tensor | None],
+                 arena: WeightArena | None = None) -> None:
         dtype, k = weights[0].dtype, weights[0].shape[1]
         for weight in weights:
             if (weight.dtype != dtype or weight.dtype not in _DTYPES or weight.device.type != "cpu"
@@ -176,7 +210,8 @@ class PackedMatrix:
         stacked = torch.cat([w.detach() for w in weights]).contiguous() if len(weights) > 1 else weights[0].detach().contiguous()
         n = stacked.shape[0]
         self.n, self.k, self.dtype = n, k, dtype
-        self.packed = torch.empty(((n + 15) // 16) * 16 * k, dtype=dtype)
+        numel = ((n + 15) // 16) * 16 * k
+        self.packed = arena.empty(numel, dtype) if arena is not None else torch.empty(numel, dtype=dtype)
         library().lp_pack(stacked.data_ptr(), _DTYPES[dtype], n, k, self.packed.data_ptr())
         self.bias = None
         if any(b is not None for b in biases):
@@ -211,13 +246,13 @@ class Unsupported(Exception):
     """A sub-layer whose modules the kernels do not reproduce (it runs eagerly); says why."""
 
 
-def _packed(modules: list[nn.Module], dtype: torch.dtype) -> PackedMatrix:
+def _packed(modules: list[nn.Module], dtype: torch.dtype, arena: WeightArena) -> PackedMatrix:
     """The linears' weights stacked by output rows and packed (their biases likewise)."""
     for module in modules:
         weight = getattr(module, "weight", None)
         if not isinstance(weight, torch.Tensor) or weight.dtype != dtype or weight.dim() != 2:
             raise Unsupported(f"{type(module).__name__} is not a {dtype} linear")
-    return PackedMatrix([m.weight for m in modules], [getattr(m, "bias", None) for m in modules])
+    return PackedMatrix([m.weight for m in modules], [getattr(m, "bias", None) for m in modules], arena)
 
 
 def _children(module: nn.Module, known: tuple[set[str], ...]) -> set[str]:
@@ -246,25 +281,25 @@ class NativeLayer:
     """One decoder layer's sub-layers as kernel descriptors over the layer's own weights.
     `attention` / `mlp` is None where that sub-layer runs eagerly (`why` says why)."""
 
-    def __init__(self, parts, dtype: torch.dtype, norm_offset: float) -> None:
+    def __init__(self, parts, dtype: torch.dtype, norm_offset: float, arena: WeightArena) -> None:
         self.dtype, self.bf16 = dtype, int(dtype == torch.bfloat16)
         self.attention: _Attention | None = None
         self.mlp: _Mlp | None = None
         self.matrices: tuple[PackedMatrix, ...] = ()  # keeps the packed weights the descriptors point to
         self.why: dict[str, str] = {}
         try:
-            self.attention, matrices = self._attention(parts, dtype, norm_offset)
+            self.attention, matrices = self._attention(parts, dtype, norm_offset, arena)
             self.matrices += matrices
         except Unsupported as error:
             self.why["attention"] = str(error)
         try:
-            self.mlp, matrices = self._mlp(parts, dtype, norm_offset)
+            self.mlp, matrices = self._mlp(parts, dtype, norm_offset, arena)
             self.matrices += matrices
         except Unsupported as error:
             self.why["mlp"] = str(error)
 
     @staticmethod
-    def _attention(parts, dtype, offset) -> tuple[_Attention, tuple[PackedMatrix, ...]]:
+    def _attention(parts, dtype, offset, arena) -> tuple[_Attention, tuple[PackedMatrix, ...]]:
         module = parts.attention
         children = _children(module, _ATTENTION_CHILDREN)
         config = module.config
@@ -276,10 +311,10 @@ class NativeLayer:
             raise Unsupported("head layout or partial rotary embeddings the kernels do not handle")
         # Phi-3's qkv_proj already stacks q, k and v rows in that order
         qkv = _packed([module.qkv_proj] if "qkv_proj" in children else
-                      [module.q_proj, module.k_proj, module.v_proj], dtype)
+                      [module.q_proj, module.k_proj, module.v_proj], dtype, arena)
         if qkv.n != (heads + 2 * kv_heads) * head_dim:
             raise Unsupported(f"q, k and v projections with {qkv.n} outputs, not {(heads + 2 * kv_heads) * head_dim}")
-        o = _packed([module.o_proj], dtype)
+        o = _packed([module.o_proj], dtype, arena)
         descriptor = _Attention(
             hidden=config.hidden_size, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
             norm=_norm(parts.attention_norm, dtype, offset), q_norm=_norm(getattr(module, "q_norm", None), dtype, offset),
@@ -289,7 +324,7 @@ class NativeLayer:
         return descriptor, (qkv, o)
 
     @staticmethod
-    def _mlp(parts, dtype, offset) -> tuple[_Mlp, tuple[PackedMatrix, ...]]:
+    def _mlp(parts, dtype, offset, arena) -> tuple[_Mlp, tuple[PackedMatrix, ...]]:
         module = parts.mlp
         children = _children(module, _MLP_CHILDREN)
         act = getattr(module, "act_fn", None) or getattr(module, "activation_fn", None)
@@ -299,7 +334,7 @@ class NativeLayer:
         linears = [module.gate_up_proj] if "gate_up_proj" in children else [module.gate_proj, module.up_proj]
         if any(getattr(m, "bias", None) is not None for m in linears + [module.down_proj]):
             raise Unsupported("MLP biases run eagerly")
-        gate_up, down = _packed(linears, dtype), _packed([module.down_proj], dtype)
+        gate_up, down = _packed(linears, dtype, arena), _packed([module.down_proj], dtype, arena)
         if gate_up.n != 2 * down.k:
             raise Unsupported(f"gate and up projections with {gate_up.n} outputs for an inner size of {down.k}")
         descriptor = _Mlp(hidden=down.n, inner=down.k, norm=_norm(parts.mlp_norm, dtype, offset),
@@ -447,6 +482,7 @@ class NativeEngine:
         model_type = model.hf.config.model_type
         offset = self.norm_offset = arch_spec(model_type).norm_weight_offset
         self.why_eager = None
+        self.arena = WeightArena()  # the packed weights of the layers and LM heads
         if model_type not in KERNEL_MODEL_TYPES:
             self.why_eager = f"the kernels are not checked for {model_type} layers"
         elif model.parts.rotary is None:
@@ -454,7 +490,7 @@ class NativeEngine:
         if self.why_eager:
             self.layers = tuple(None for _ in model.parts.layers)
         else:
-            self.layers = tuple(NativeLayer(layer, model.dtype, offset) for layer in model.parts.layers)
+            self.layers = tuple(NativeLayer(layer, model.dtype, offset, self.arena) for layer in model.parts.layers)
         self.model = model
         self.max_rows = _rows_limit(model.dtype)
         # packed LM heads by id of their module (the module is held, so its id stays its own)
@@ -502,7 +538,7 @@ class NativeEngine:
                 or weight.device.type != "cpu" or not self.takes(rows)):
             return None
         if id(lm_head) not in self._heads:
-            self._heads[id(lm_head)] = (lm_head, PackedMatrix([weight], [lm_head.bias]))
+            self._heads[id(lm_head)] = (lm_head, PackedMatrix([weight], [lm_head.bias], self.arena))
         return self._heads[id(lm_head)][1]
 
     def _final_norm(self, module: nn.Module, dtype: torch.dtype) -> _Norm | None:
