@@ -181,7 +181,7 @@ class WeightArena:
 
     def empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """An uninitialised 1-d tensor of numel elements, 4 KB-aligned, in the arena."""
-        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        nbytes = numel * dtype.itemsize
         if self._chunk is None or self._used + nbytes > self._chunk.numel():
             size = max(self.CHUNK, -(-nbytes // self.HUGE_PAGE) * self.HUGE_PAGE)
             raw = torch.empty(size + self.HUGE_PAGE, dtype=torch.uint8)  # not touched yet: advised before use
