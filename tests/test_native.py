@@ -11,6 +11,7 @@ from layerplan.engine.cache import KVCache
 from layerplan.engine import runner
 from layerplan.engine.runner import forward, head, new_cache, run_hidden, softcap
 from layerplan.engine.tree import TreeShape
+from layerplan.models.discovery import parts_of
 from tiny import ARCHS, tiny_model
 
 pytestmark = pytest.mark.skipif(native.native_available() is not None, reason=str(native.native_available()))
@@ -102,6 +103,19 @@ def test_a_model_packs_its_weights_into_its_arena():
     engine = native.enable(model)
     chunks = {t.untyped_storage().data_ptr() for layer in engine.layers for t in (m.packed for m in layer.matrices)}
     assert engine.layers[0].matrices and len(chunks) == 1  # tiny weights: all in the one first chunk
+
+
+def test_a_sub_layer_left_eager_packs_nothing_into_the_arena():
+    model = tiny_model("llama", 1)
+    hf_layer = model.hf.model.layers[0]
+    # a norm the kernels do not know: the MLP runs eagerly, after the checks that pass
+    hf_layer.post_attention_layernorm = torch.nn.LayerNorm(hf_layer.post_attention_layernorm.weight.shape[0])
+    model.parts = parts_of(model.hf)
+    engine = native.enable(model)
+    assert "mlp" in engine.layers[0].why and engine.layers[0].mlp is None
+    qkv, o = engine.layers[0].matrices  # the attention's only
+    used = -(-qkv.packed.numel() * 4 // 4096) * 4096 + -(-o.packed.numel() * 4 // 4096) * 4096
+    assert engine.arena._used == used
 
 
 def test_packing_refuses_what_the_kernels_do_not_take():

@@ -246,12 +246,18 @@ class Unsupported(Exception):
     """A sub-layer whose modules the kernels do not reproduce (it runs eagerly); says why."""
 
 
-def _packed(modules: list[nn.Module], dtype: torch.dtype, arena: WeightArena) -> PackedMatrix:
-    """The linears' weights stacked by output rows and packed (their biases likewise)."""
+def _stacked_rows(modules: list[nn.Module], dtype: torch.dtype) -> int:
+    """The output rows of the linears stacked, once each is checked to be a `dtype` linear."""
     for module in modules:
         weight = getattr(module, "weight", None)
         if not isinstance(weight, torch.Tensor) or weight.dtype != dtype or weight.dim() != 2:
             raise Unsupported(f"{type(module).__name__} is not a {dtype} linear")
+    return sum(m.weight.shape[0] for m in modules)
+
+
+def _packed(modules: list[nn.Module], arena: WeightArena) -> PackedMatrix:
+    """The linears' weights (checked by _stacked_rows) stacked by output rows and packed (their
+    biases likewise)."""
     return PackedMatrix([m.weight for m in modules], [getattr(m, "bias", None) for m in modules], arena)
 
 
@@ -310,15 +316,18 @@ class NativeLayer:
         if heads % kv_heads or head_dim > 512 or getattr(config, "partial_rotary_factor", 1.0) != 1.0:
             raise Unsupported("head layout or partial rotary embeddings the kernels do not handle")
         # Phi-3's qkv_proj already stacks q, k and v rows in that order
-        qkv = _packed([module.qkv_proj] if "qkv_proj" in children else
-                      [module.q_proj, module.k_proj, module.v_proj], dtype, arena)
-        if qkv.n != (heads + 2 * kv_heads) * head_dim:
-            raise Unsupported(f"q, k and v projections with {qkv.n} outputs, not {(heads + 2 * kv_heads) * head_dim}")
-        o = _packed([module.o_proj], dtype, arena)
+        qkv_linears = [module.qkv_proj] if "qkv_proj" in children else [module.q_proj, module.k_proj, module.v_proj]
+        qkv_rows = _stacked_rows(qkv_linears, dtype)
+        _stacked_rows([module.o_proj], dtype)
+        if qkv_rows != (heads + 2 * kv_heads) * head_dim:
+            raise Unsupported(f"q, k and v projections with {qkv_rows} outputs, not {(heads + 2 * kv_heads) * head_dim}")
+        norms = dict(norm=_norm(parts.attention_norm, dtype, offset), q_norm=_norm(getattr(module, "q_norm", None), dtype, offset),
+                     k_norm=_norm(getattr(module, "k_norm", None), dtype, offset),
+                     post_norm=_norm(parts.attention_post_norm, dtype, offset))
+        # packed only once every check passed: the arena keeps what it holds
+        qkv, o = _packed(qkv_linears, arena), _packed([module.o_proj], arena)
         descriptor = _Attention(
-            hidden=config.hidden_size, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
-            norm=_norm(parts.attention_norm, dtype, offset), q_norm=_norm(getattr(module, "q_norm", None), dtype, offset),
-            k_norm=_norm(getattr(module, "k_norm", None), dtype, offset), post_norm=_norm(parts.attention_post_norm, dtype, offset),
+            hidden=config.hidden_size, heads=heads, kv_heads=kv_heads, head_dim=head_dim, **norms,
             qkv=qkv.descriptor, o=o.descriptor, scaling=float(module.scaling),
             window=parts.sliding_window or 0, rotary_dim=head_dim)
         return descriptor, (qkv, o)
@@ -334,11 +343,15 @@ class NativeLayer:
         linears = [module.gate_up_proj] if "gate_up_proj" in children else [module.gate_proj, module.up_proj]
         if any(getattr(m, "bias", None) is not None for m in linears + [module.down_proj]):
             raise Unsupported("MLP biases run eagerly")
-        gate_up, down = _packed(linears, dtype, arena), _packed([module.down_proj], dtype, arena)
-        if gate_up.n != 2 * down.k:
-            raise Unsupported(f"gate and up projections with {gate_up.n} outputs for an inner size of {down.k}")
-        descriptor = _Mlp(hidden=down.n, inner=down.k, norm=_norm(parts.mlp_norm, dtype, offset),
-                          post_norm=_norm(parts.mlp_post_norm, dtype, offset), gate_up=gate_up.descriptor,
+        gate_up_rows = _stacked_rows(linears, dtype)
+        _stacked_rows([module.down_proj], dtype)
+        inner = module.down_proj.weight.shape[1]
+        if gate_up_rows != 2 * inner:
+            raise Unsupported(f"gate and up projections with {gate_up_rows} outputs for an inner size of {inner}")
+        norm, post_norm = _norm(parts.mlp_norm, dtype, offset), _norm(parts.mlp_post_norm, dtype, offset)
+        # packed only once every check passed: the arena keeps what it holds
+        gate_up, down = _packed(linears, arena), _packed([module.down_proj], arena)
+        descriptor = _Mlp(hidden=down.n, inner=inner, norm=norm, post_norm=post_norm, gate_up=gate_up.descriptor,
                           down=down.descriptor, activation=_ACTIVATIONS[type(act).__name__])
         return descriptor, (gate_up, down)
 
