@@ -290,18 +290,19 @@ typedef struct {
     _Alignas(64) unsigned long long span; /* first panel << 32 | end panel, of one thread's run */
 } lp_run;
 
-/* Claims panels [*from, *to) of run r, from its start (its owner: `take` panels) or from its end
- * (another thread: half of what is left, a multiple of `grain`); 0 when the run is empty. */
-static int claim(lp_run *r, long take, long grain, int from_end, long *from, long *to) {
+/* Claims panels [*from, *to) of run r, from its start (its owner: `take` panels, one at a time once
+ * fewer than 2 x take are left) or from its end (another thread: half of what is left, at least
+ * one panel); 0 when the run is empty. Small claims at the end keep the two threads' last panels,
+ * and so their ends, close together. */
+static int claim(lp_run *r, long take, int from_end, long *from, long *to) {
     unsigned long long span = __atomic_load_n(&r->span, __ATOMIC_ACQUIRE);
     for (;;) {
-        long first = (long)(span >> 32), end = (long)(span & 0xffffffffu), n = take;
+        long first = (long)(span >> 32), end = (long)(span & 0xffffffffu), left = end - first;
         if (first >= end) return 0;
-        if (from_end) n = (end - first) / 2 / grain * grain > grain ? (end - first) / 2 / grain * grain : grain;
-        if (n > end - first) n = end - first;
-        unsigned long long left = from_end ? (unsigned long long)first << 32 | (unsigned long long)(end - n)
+        long n = from_end ? (left / 2 > 1 ? left / 2 : 1) : (left >= 2 * take ? take : 1);
+        unsigned long long rest = from_end ? (unsigned long long)first << 32 | (unsigned long long)(end - n)
                                            : (unsigned long long)(first + n) << 32 | (unsigned long long)end;
-        if (__atomic_compare_exchange_n(&r->span, &span, left, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE)) {
+        if (__atomic_compare_exchange_n(&r->span, &span, rest, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE)) {
             *from = from_end ? end - n : first;
             *to = from_end ? end : first + n;
             return 1;
@@ -328,7 +329,7 @@ static void gemm(const lp_matrix *mat, const float *x, long m, float *y, int thr
         if (nt != threads) { /* fewer threads than asked: an even static split */
             gemm_panels(mat, x, m, y, n, whole * t / nt, whole * (t + 1) / nt);
         } else {
-            while (claim(&runs[t], 4 * grain, grain, 0, &from, &to)) gemm_panels(mat, x, m, y, n, from, to);
+            while (claim(&runs[t], grain, 0, &from, &to)) gemm_panels(mat, x, m, y, n, from, to);
             for (;;) {
                 int fullest = -1;
                 long most = 0;
@@ -338,7 +339,7 @@ static void gemm(const lp_matrix *mat, const float *x, long m, float *y, int thr
                     if (left > most) { most = left; fullest = r; }
                 }
                 if (fullest < 0) break;
-                if (claim(&runs[fullest], 0, grain, 1, &from, &to)) gemm_panels(mat, x, m, y, n, from, to);
+                if (claim(&runs[fullest], grain, 1, &from, &to)) gemm_panels(mat, x, m, y, n, from, to);
             }
         }
         if (whole < panels && t == nt - 1) {
