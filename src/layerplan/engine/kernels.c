@@ -603,13 +603,31 @@ typedef struct {
     int activation;           /* 0: SiLU, 1: GELU (tanh approximation) */
 } lp_mlp;
 
+/* The sum of v[i]^2 in double: eight double lanes in two registers, then across them, then the tail
+ * (a float's square is exact in double, so a fused multiply-add rounds only the sum). One chain of
+ * 576 dependent additions took 0.7 us a row, a norm of a pass's row a tenth of its per-row work. */
+static double sum_squares(const float *v, long dim) {
+    __m256d a0 = _mm256_setzero_pd(), a1 = _mm256_setzero_pd();
+    long i = 0;
+    for (; i + 8 <= dim; i += 8) {
+        __m256 x = _mm256_loadu_ps(v + i);
+        __m256d lo = _mm256_cvtps_pd(_mm256_castps256_ps128(x)), hi = _mm256_cvtps_pd(_mm256_extractf128_ps(x, 1));
+        a0 = _mm256_fmadd_pd(lo, lo, a0);
+        a1 = _mm256_fmadd_pd(hi, hi, a1);
+    }
+    double lanes[4], ss = 0.0;
+    _mm256_storeu_pd(lanes, _mm256_add_pd(a0, a1));
+    ss = (lanes[0] + lanes[1]) + (lanes[2] + lanes[3]);
+    for (; i < dim; i++) ss += (double)v[i] * v[i];
+    return ss;
+}
+
 /* rows x dim in place */
 static void norm_rows(float *x, long rows, long dim, const lp_norm *nm, int bf16) {
     if (!nm->weight) return;
     for (long r = 0; r < rows; r++) {
         float *v = x + r * dim;
-        double ss = 0.0;
-        for (long i = 0; i < dim; i++) ss += (double)v[i] * v[i];
+        double ss = sum_squares(v, dim);
         float inv = 1.0f / sqrtf((float)(ss / dim) + nm->eps);
         __m256 inv8 = _mm256_set1_ps(inv), offset8 = _mm256_set1_ps(nm->offset);
         long i = 0;
