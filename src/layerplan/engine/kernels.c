@@ -435,13 +435,25 @@ static inline float param(const void *p, int bf16, long i) {
 }
 
 /* out[0 : 8 lanes] = sum over kept positions, in order, of scores[q] * v[first + q] (8-lane groups
- * of the row from v, rows `stride` apart). The sums are named variables, not an array: GCC kept an
- * array of them on the stack, storing and loading them at every position (seen in the profile of
- * an 8-token pass, whose attention was a tenth of its time). */
+ * of the row from v, rows `stride` apart); with `more`, the sums go on from those in out (a run of
+ * positions after the ones already summed there: the same chain of FMAs, stopped and resumed). The
+ * sums are named variables, not an array: GCC kept an array of them on the stack, storing and
+ * loading them at every position (seen in the profile of an 8-token pass, whose attention was a
+ * tenth of its time). */
 #define DEFINE_WEIGH(NAME, WT, LOAD8)                                                              \
     static void NAME(const float *scores, const unsigned char *keep, const WT *v, long stride, long first, long n, \
-                     long lanes, float *out) {                                                     \
+                     long lanes, float *out, int more) {                                           \
         __m256 z = _mm256_setzero_ps(), a0 = z, a1 = z, a2 = z, a3 = z, a4 = z, a5 = z, a6 = z, a7 = z; \
+        if (more) {                                                                                \
+            if (lanes > 0) a0 = _mm256_loadu_ps(out);                                              \
+            if (lanes > 1) a1 = _mm256_loadu_ps(out + 8);                                          \
+            if (lanes > 2) a2 = _mm256_loadu_ps(out + 16);                                         \
+            if (lanes > 3) a3 = _mm256_loadu_ps(out + 24);                                         \
+            if (lanes > 4) a4 = _mm256_loadu_ps(out + 32);                                         \
+            if (lanes > 5) a5 = _mm256_loadu_ps(out + 40);                                         \
+            if (lanes > 6) a6 = _mm256_loadu_ps(out + 48);                                         \
+            if (lanes > 7) a7 = _mm256_loadu_ps(out + 56);                                         \
+        }                                                                                          \
         for (long q = 0; q < n; q++) {                                                             \
             if (keep && !keep[q]) continue;                                                        \
             __m256 e = _mm256_set1_ps(scores[q]);                                                  \
@@ -473,73 +485,81 @@ static inline float param(const void *p, int bf16, long i) {
 DEFINE_WEIGH(weigh_values_bf16, uint16_t, load8_bf16)
 DEFINE_WEIGH(weigh_values_f32, float, _mm256_loadu_ps)
 
-/* q . key for eight cache rows at once, each summed over d in one 8-lane chain, then across lanes
- * (hsum4), then the tail in order: a key's score does not depend on the rows beside it. Eight
- * chains, not four: with four the FMA latency (4 cycles, 8 steps for d = 64) bounded the scores. */
+/* q . key for the eight cache rows r0, r0 + stride, ... (the first `valid` of them; row 0 stands in
+ * for the others, whose results are not used: the cache may end before them), each summed over d in
+ * one 8-lane chain, then across lanes (hsum4), then the tail in order: a key's score does not
+ * depend on the rows beside it. Eight chains, not four: with four the FMA latency (4 cycles, 8
+ * steps for d = 64) bounded the scores. The rows are named pointers and the dots come back in a
+ * register: a table of eight row pointers, and dots stored as two halves then loaded whole (a
+ * store the load cannot forward from), made an 8-token pass's attention 1.3x slower (AVX2 EPYC). */
 #define DEFINE_DOT8(NAME, WT, LOAD8, PARAM)                                                         \
-    static void NAME(const float *q, const WT *const rows[8], long d, float out[8]) {              \
+    static inline __m256 NAME(const float *q, const WT *r0, long stride, int valid, long d) {      \
+        const WT *k0 = r0, *k1 = r0 + (valid > 1) * stride, *k2 = r0 + (valid > 2) * 2 * stride,   \
+                 *k3 = r0 + (valid > 3) * 3 * stride, *k4 = r0 + (valid > 4) * 4 * stride,             \
+                 *k5 = r0 + (valid > 5) * 5 * stride, *k6 = r0 + (valid > 6) * 6 * stride,             \
+                 *k7 = r0 + (valid > 7) * 7 * stride;                                              \
         __m256 z = _mm256_setzero_ps(), a0 = z, a1 = z, a2 = z, a3 = z, a4 = z, a5 = z, a6 = z, a7 = z; \
         long i = 0;                                                                                \
         for (; i + 8 <= d; i += 8) {                                                               \
             __m256 qv = _mm256_loadu_ps(q + i);                                                    \
-            a0 = _mm256_fmadd_ps(qv, LOAD8(rows[0] + i), a0); a1 = _mm256_fmadd_ps(qv, LOAD8(rows[1] + i), a1); \
-            a2 = _mm256_fmadd_ps(qv, LOAD8(rows[2] + i), a2); a3 = _mm256_fmadd_ps(qv, LOAD8(rows[3] + i), a3); \
-            a4 = _mm256_fmadd_ps(qv, LOAD8(rows[4] + i), a4); a5 = _mm256_fmadd_ps(qv, LOAD8(rows[5] + i), a5); \
-            a6 = _mm256_fmadd_ps(qv, LOAD8(rows[6] + i), a6); a7 = _mm256_fmadd_ps(qv, LOAD8(rows[7] + i), a7); \
+            a0 = _mm256_fmadd_ps(qv, LOAD8(k0 + i), a0); a1 = _mm256_fmadd_ps(qv, LOAD8(k1 + i), a1);   \
+            a2 = _mm256_fmadd_ps(qv, LOAD8(k2 + i), a2); a3 = _mm256_fmadd_ps(qv, LOAD8(k3 + i), a3);   \
+            a4 = _mm256_fmadd_ps(qv, LOAD8(k4 + i), a4); a5 = _mm256_fmadd_ps(qv, LOAD8(k5 + i), a5);   \
+            a6 = _mm256_fmadd_ps(qv, LOAD8(k6 + i), a6); a7 = _mm256_fmadd_ps(qv, LOAD8(k7 + i), a7);   \
         }                                                                                          \
-        _mm_storeu_ps(out, hsum4(a0, a1, a2, a3));                                                 \
-        _mm_storeu_ps(out + 4, hsum4(a4, a5, a6, a7));                                             \
-        for (int j = 0; j < 8; j++)                                                                \
-            for (long t = i; t < d; t++) out[j] += q[t] * PARAM(rows[j][t]);                       \
+        __m256 dots = _mm256_insertf128_ps(_mm256_castps128_ps256(hsum4(a0, a1, a2, a3)), hsum4(a4, a5, a6, a7), 1); \
+        if (i < d) { /* the dims past the last whole eight, in order */                            \
+            float out[8];                                                                          \
+            _mm256_storeu_ps(out, dots);                                                           \
+            for (long t = i; t < d; t++) {                                                         \
+                out[0] += q[t] * PARAM(k0[t]); out[1] += q[t] * PARAM(k1[t]); out[2] += q[t] * PARAM(k2[t]); \
+                out[3] += q[t] * PARAM(k3[t]); out[4] += q[t] * PARAM(k4[t]); out[5] += q[t] * PARAM(k5[t]); \
+                out[6] += q[t] * PARAM(k6[t]); out[7] += q[t] * PARAM(k7[t]);                      \
+            }                                                                                      \
+            dots = _mm256_loadu_ps(out);                                                           \
+        }                                                                                          \
+        return dots;                                                                               \
     }
 #define AS_F32(v) (v)
 DEFINE_DOT8(dot8_bf16, uint16_t, load8_bf16, bf16_to_f32)
 DEFINE_DOT8(dot8_f32, float, _mm256_loadu_ps, AS_F32)
 
-/* One query's attention over cache positions [first, last] of one kv head (positions where
- * keep[p] is 0 left out; keep NULL: every one kept): softmax(q . k * scaling) . v into out (d
- * floats). Scores eight keys at a time; the weighted sum of values keeps 64 output dims in
- * registers while it walks the positions; every output is summed over the positions in order. */
-static void attend(const float *q, const void *kbase, const void *vbase, long stride, long first, long last,
-                   const unsigned char *keep, float scaling, int bf16, long d, float *scores, float *out) {
-    long n = last - first + 1;
-    float best = -INFINITY;
-    __m256 best8 = _mm256_set1_ps(-INFINITY);
-    const void *any = bf16 ? (const void *)((const uint16_t *)kbase + first * stride) : (const void *)((const float *)kbase + first * stride);
-    for (long p = 0; p < n; p += 8) {
-        const void *rows[8];
-        int kept = 0;
-        for (int j = 0; j < 8; j++) {
-            long at = (first + p + j) * stride;
-            int use = p + j < n && (!keep || keep[p + j]);
-            kept |= use;
-            /* a key left out is scored on a row that exists, and its score dropped: no branch per key */
-            rows[j] = use ? (bf16 ? (const void *)((const uint16_t *)kbase + at) : (const void *)((const float *)kbase + at)) : any;
-        }
-        float dots[8];
-        if (kept) {
-            if (bf16) dot8_bf16(q, (const uint16_t *const *)rows, d, dots);
-            else dot8_f32(q, (const float *const *)rows, d, dots);
-        }
-        if (!keep && p + 8 <= n) { /* eight kept keys: the same products on eight lanes */
-            __m256 scaled = _mm256_mul_ps(_mm256_loadu_ps(dots), _mm256_set1_ps(scaling));
-            _mm256_storeu_ps(scores + p, scaled);
-            best8 = _mm256_max_ps(scaled, best8); /* a NaN score is passed over, as below */
+/* scores[p - first] = q . key[p] * scaling for the cache positions p in [from, to], a run of the
+ * query's [first, ...] (-inf where keep[p - first] is 0; keep NULL: every one kept). Eight keys at
+ * a time; a key's score does not depend on the keys beside it (dot8), so neither on where a run
+ * starts or ends. A key left out is scored all the same, and its score dropped (no branch per key). */
+static void score_keys(const float *q, const void *kbase, long stride, long first, long from, long to,
+                       const unsigned char *keep, float scaling, int bf16, long d, float *scores) {
+    for (long p = from; p <= to; p += 8) {
+        int valid = to - p + 1 < 8 ? (int)(to - p + 1) : 8;
+        __m256 dots = bf16 ? dot8_bf16(q, (const uint16_t *)kbase + p * stride, stride, valid, d)
+                           : dot8_f32(q, (const float *)kbase + p * stride, stride, valid, d);
+        if (!keep && valid == 8) { /* eight kept keys: the same products on eight lanes */
+            _mm256_storeu_ps(scores + p - first, _mm256_mul_ps(dots, _mm256_set1_ps(scaling)));
             continue;
         }
-        for (int j = 0; j < 8 && p + j < n; j++) {
-            scores[p + j] = kept && (!keep || keep[p + j]) ? dots[j] * scaling : -INFINITY;
-            if (scores[p + j] > best) best = scores[p + j];
-        }
+        float dot[8];
+        _mm256_storeu_ps(dot, dots);
+        for (int j = 0; j < valid; j++) scores[p + j - first] = !keep || keep[p + j - first] ? dot[j] * scaling : -INFINITY;
     }
-    /* the largest score (which of two equal zeros does not matter: x - 0 and x + 0 are x, and
-     * exp(-0) = exp(0)) */
-    float lanes8[8];
+}
+
+/* scores[0 : n] -> exp(score - the largest score), left unnormalised; returns their sum, added in
+ * order. A NaN score is passed over by the maximum (max_ps keeps its second operand, as `>` does),
+ * and which of two equal zeros is the largest does not matter (x - 0 and x + 0 are x, and
+ * exp(-0) = exp(0)). */
+static float exp_scores(float *scores, long n) {
+    __m256 best8 = _mm256_set1_ps(-INFINITY);
+    long p = 0;
+    for (; p + 8 <= n; p += 8) best8 = _mm256_max_ps(_mm256_loadu_ps(scores + p), best8);
+    float lanes8[8], best = -INFINITY;
     _mm256_storeu_ps(lanes8, best8);
     for (int j = 0; j < 8; j++)
         if (lanes8[j] > best) best = lanes8[j];
+    for (; p < n; p++)
+        if (scores[p] > best) best = scores[p];
     float total = 0.0f;
-    long p = 0;
+    p = 0;
     for (; p + 8 <= n; p += 8) { /* exp in lanes (every position the same way), added in order */
         __m256 sc = _mm256_loadu_ps(scores + p);
         __m256 ev = exp8(_mm256_sub_ps(sc, _mm256_set1_ps(best)));
@@ -559,20 +579,72 @@ static void attend(const float *q, const void *kbase, const void *vbase, long st
             total += e;
         }
     }
-    for (long c = 0; c < d; c += 64) { /* 64 output dims in eight registers */
-        long width = d - c < 64 ? d - c : 64, lanes = width / 8;
-        if (bf16) weigh_values_bf16(scores, keep, (const uint16_t *)vbase + c, stride, first, n, lanes, out + c);
-        else weigh_values_f32(scores, keep, (const float *)vbase + c, stride, first, n, lanes, out + c);
-        for (long t = lanes * 8; t < width; t++) {
-            float tail = 0.0f;
-            for (long q2 = 0; q2 < n; q2++)
-                if (!keep || keep[q2]) tail += scores[q2] * param(vbase, bf16, (first + q2) * stride + c + t);
-            out[c + t] = tail;
-        }
+    return total;
+}
+
+/* One query of attend_group: its vector, its cache positions [first, last] (in the slot), which
+ * of them it keeps (NULL: every one), and room for its scores (last - first + 1) and output (d). */
+typedef struct {
+    const float *q;
+    long first, last;
+    const unsigned char *keep;
+    float *scores, *out;
+} lp_query;
+
+/* Queries that attend over one kv head, each softmax(q . k * scaling) . v into its out. They go
+ * through the positions in runs of about 4096 cache elements: every query scores a run's keys, and
+ * later weighs a run's values, while the run is in L1 (an 8-token pass of SmolLM2 has 24 queries
+ * per kv head over 100+ positions: 52 KB of fp32 keys and values, more than L1 holds). Each query's
+ * numbers are those of attending alone: every score is its own dot product, and every output is one
+ * chain of FMAs over the positions in order, carried from run to run in out. (With dot8's named rows,
+ * the attention of an 8-token pass on the AVX2 EPYC, per-phase timers, builds alternated: bf16
+ * 1.83-2.18 -> 1.39-1.91 ms, fp32 1.95-2.33 -> 1.68-1.92 ms; a host that drifted, so ranges.) */
+#define LP_RUN_ELEMENTS 4096
+#define LP_QUERIES 32 /* queries attended together at most (their scores: 32 rows of the context) */
+static void attend_group(const lp_query *qs, long count, const void *kbase, const void *vbase, long stride,
+                         float scaling, int bf16, long d) {
+    long lo = qs[0].first, hi = qs[0].last;
+    for (long s = 1; s < count; s++) {
+        if (qs[s].first < lo) lo = qs[s].first;
+        if (qs[s].last > hi) hi = qs[s].last;
     }
-    long i = 0;
-    for (; i + 8 <= d; i += 8) _mm256_storeu_ps(out + i, _mm256_div_ps(_mm256_loadu_ps(out + i), _mm256_set1_ps(total)));
-    for (; i < d; i++) out[i] /= total;
+    long run = LP_RUN_ELEMENTS / d / 8 * 8;
+    if (run < 8) run = 8;
+    for (long r0 = lo; r0 <= hi; r0 += run)
+        for (long s = 0; s < count; s++) {
+            long from = r0 > qs[s].first ? r0 : qs[s].first, to = r0 + run - 1 < qs[s].last ? r0 + run - 1 : qs[s].last;
+            if (from <= to) score_keys(qs[s].q, kbase, stride, qs[s].first, from, to, qs[s].keep, scaling, bf16, d, qs[s].scores);
+        }
+    float totals[count];
+    for (long s = 0; s < count; s++) totals[s] = exp_scores(qs[s].scores, qs[s].last - qs[s].first + 1);
+    for (long r0 = lo; r0 <= hi; r0 += run)
+        for (long s = 0; s < count; s++) {
+            long from = r0 > qs[s].first ? r0 : qs[s].first, to = r0 + run - 1 < qs[s].last ? r0 + run - 1 : qs[s].last;
+            if (from > to) continue;
+            const float *sc = qs[s].scores + (from - qs[s].first);
+            const unsigned char *kp = qs[s].keep ? qs[s].keep + (from - qs[s].first) : NULL;
+            for (long c = 0; c < d; c += 64) { /* 64 output dims in eight registers */
+                long width = d - c < 64 ? d - c : 64, lanes = width / 8;
+                if (bf16) weigh_values_bf16(sc, kp, (const uint16_t *)vbase + c, stride, from, to - from + 1, lanes, qs[s].out + c, from > qs[s].first);
+                else weigh_values_f32(sc, kp, (const float *)vbase + c, stride, from, to - from + 1, lanes, qs[s].out + c, from > qs[s].first);
+            }
+        }
+    for (long s = 0; s < count; s++) {
+        const lp_query *qy = qs + s;
+        long n = qy->last - qy->first + 1;
+        for (long c = 0; c < d; c += 64) { /* dims past the last whole eight: one scalar chain each */
+            long width = d - c < 64 ? d - c : 64;
+            for (long t = width / 8 * 8; t < width; t++) {
+                float tail = 0.0f;
+                for (long q2 = 0; q2 < n; q2++)
+                    if (!qy->keep || qy->keep[q2]) tail += qy->scores[q2] * param(vbase, bf16, (qy->first + q2) * stride + c + t);
+                qy->out[c + t] = tail;
+            }
+        }
+        long i = 0;
+        for (; i + 8 <= d; i += 8) _mm256_storeu_ps(qy->out + i, _mm256_div_ps(_mm256_loadu_ps(qy->out + i), _mm256_set1_ps(totals[s])));
+        for (; i < d; i++) qy->out[i] /= totals[s];
+    }
 }
 
 /* ----- decoder sub-layers (the llama family: RMSNorm, RoPE, grouped-query attention, gated MLP) ----- */
@@ -830,26 +902,34 @@ int lp_attention_block(const lp_attention *a, const void *hidden, void *out, lon
                 load_f32((const uint16_t *)vcache + at, 1, vw + hp * D, D);
             }
         }
-        float *scores = (float *)malloc(sizeof(float) * (end + 8));
-        unsigned char *keep = (unsigned char *)malloc(end + 8);
-        #pragma omp for schedule(static)
-        for (long hr = 0; hr < a->heads * rows; hr++) {
-            long h = hr / rows, r = hr % rows, kh = h / group;
+        /* each thread takes an even, contiguous share of the (head, row) items, and attends to them in
+         * groups that share a kv head (attend_group) */
+        int t = omp_get_thread_num(), nt = omp_get_num_threads();
+        long items = a->heads * rows, i0 = items * t / nt, i1 = items * (t + 1) / nt;
+        float *scores = (float *)malloc(sizeof(float) * LP_QUERIES * (end + 8));
+        unsigned char *keep = (unsigned char *)malloc(LP_QUERIES * (end + 8));
+        lp_query qs[LP_QUERIES];
+        for (long b0 = i0, b1; b0 < i1; b0 = b1) {
+            long kh = b0 / rows / group;
+            for (b1 = b0; b1 < i1 && b1 - b0 < LP_QUERIES && b1 / rows / group == kh; b1++) {
+                long h = b1 / rows, r = b1 % rows, s = b1 - b0;
+                long pos = pos0 + r, first = 0;
+                if (a->window > 0 && pos - a->window + 1 > 0) first = pos - a->window + 1;
+                if (first < kv_start) first = kv_start;
+                int masked = tree || (rows == 1 && keep_recent > 0); /* else every position is kept */
+                unsigned char *kp = keep + s * (end + 8);
+                if (masked)
+                    for (long p = first; p <= pos; p++)
+                        kp[p - first] = !((rows == 1 && keep_recent > 0 && p >= keep_sink && p < end - keep_recent)
+                                          || (tree && p >= pos0 && !tree[r * rows + p - pos0]));
+                /* the cache holds positions from kv_start on */
+                qs[s] = (lp_query){q + (r * a->heads + h) * D, first - kv_start, pos - kv_start, masked ? kp : NULL,
+                                   scores + s * (end + 8), o + (r * a->heads + h) * D};
+            }
             const void *kbase = widen ? (const void *)(kw + kh * span * D) : (const void *)((const char *)kcache + kh * capacity * D * es);
             const void *vbase = widen ? (const void *)(vw + kh * span * D) : (const void *)((const char *)vcache + kh * capacity * D * es);
-            long pos = pos0 + r, first = 0;
-            if (a->window > 0 && pos - a->window + 1 > 0) first = pos - a->window + 1;
-            if (first < kv_start) first = kv_start;
-            int masked = tree || (rows == 1 && keep_recent > 0); /* else every position is kept */
-            if (masked)
-                for (long p = first; p <= pos; p++)
-                    keep[p - first] = !((rows == 1 && keep_recent > 0 && p >= keep_sink && p < end - keep_recent)
-                                        || (tree && p >= pos0 && !tree[r * rows + p - pos0]));
-            float *ov = o + (r * a->heads + h) * D;
-            /* the cache holds positions from kv_start on */
-            attend(q + (r * a->heads + h) * D, kbase, vbase, D, first - kv_start, pos - kv_start, masked ? keep : NULL, a->scaling,
-                   bf16 && !widen, D, scores, ov);
-            round_all(ov, D, bf16);
+            attend_group(qs, b1 - b0, kbase, vbase, D, a->scaling, bf16 && !widen, D);
+            for (long s = 0; s < b1 - b0; s++) round_all(qs[s].out, D, bf16);
         }
         free(scores);
         free(keep);
