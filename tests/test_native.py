@@ -161,6 +161,20 @@ def test_plans_match_eager(arch, plan_text):
     torch.testing.assert_close(out, reference, atol=1e-4, rtol=1e-4)
 
 
+def test_plans_taken_in_turn_each_run_their_own_steps():
+    """step_run answers the plan it was last asked for without hashing it again; a plan asked for
+    between two calls of another (a draft's plan between target passes) still gets its own steps,
+    and each gives the eager loop's logits for that plan."""
+    eager, fast = _eager_and_native("llama")
+    ids = torch.randint(3, 96, (1, 6), generator=torch.Generator().manual_seed(8))
+    plans = [fast.plan(), fast.plan("skip:mlp=1"), fast.plan(), fast.plan("exit:2"), fast.plan("skip:mlp=1")]
+    runs = [fast.native.step_run(plan, 0, len(plan.active_steps), lambda layer: "") for plan in plans]
+    assert runs[0] is runs[2] and runs[1] is runs[4] and len({id(run) for run in runs}) == 3
+    for plan in plans:
+        got = forward(fast, ids, plan, new_cache(plan), 0)
+        torch.testing.assert_close(got, forward(eager, ids, plan, new_cache(plan), 0), atol=1e-4, rtol=1e-4)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("arch,plan_text", [("llama", "0,1,1,2@0.5"), ("gemma3", "skip:attn=1;mlp=0"), ("qwen3", "exit:2")])
 def test_one_native_call_equals_the_loop_sub_layer_by_sub_layer(arch, plan_text, dtype):

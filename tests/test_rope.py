@@ -33,10 +33,11 @@ def test_the_table_gives_what_the_module_gives(arch, dtype):
         for start, length in [(0, 2), (6, 8), (250, 16), (700, 4)]:
             positions = torch.arange(start, start + length)[None]
             got = rope.rotary_embedding(parts.rotary, like, positions, start, layer_type)
+            chain = rope.chain_rotary_embedding(parts.rotary, like, start, length, layer_type)
             want = _module_call(parts, like, positions, layer_type)
-            for g, w in zip(got, want):
-                assert g.shape == w.shape and g.dtype == w.dtype
-                assert torch.equal(g, w), (layer_type, start, length)
+            for g, c, w in zip(got, chain, want):
+                assert g.shape == c.shape == w.shape and g.dtype == c.dtype == w.dtype
+                assert torch.equal(g, w) and torch.equal(c, w), (layer_type, start, length)
 
 
 def test_a_positions_values_do_not_depend_on_how_the_table_grew():
@@ -70,6 +71,7 @@ def test_rope_whose_frequencies_change_calls_the_module():
     like = torch.zeros(1, 1, 32)
     positions = torch.arange(200, 204)[None]  # beyond max_position_embeddings (128): frequencies rescaled
     got = rope.rotary_embedding(rotary, like, positions, 200)
+    chain = rope.chain_rotary_embedding(rotary, like, 200, 4)
     want = LlamaRotaryEmbedding(config)(like, positions)
-    assert all(torch.equal(g, w) for g, w in zip(got, want))
+    assert all(torch.equal(g, w) and torch.equal(c, w) for g, c, w in zip(got, chain, want))
     assert rotary not in rope._tables

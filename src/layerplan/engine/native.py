@@ -37,6 +37,7 @@ FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC", "-s
 ALIGN_FLAGS = ("-falign-functions=64", "-falign-loops=64")
 LIBS = ("-lm",)
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+_MISSING = object()  # a dict lookup's "not there", where None is a value
 
 
 class _Norm(ctypes.Structure):
@@ -511,6 +512,9 @@ class NativeEngine:
         # final norms as kernel descriptors (None: runs as the module), by id of their module
         self._norms: dict[int, tuple[nn.Module, _Norm | None]] = {}
         self._runs: dict[tuple, StepRun | None] = {}
+        self._last_run: tuple | None = None  # (plan, first, end, its run): the last asked for
+        # pass_ends by parts and whether the kernels take the pass (the parts are held: ids stay theirs)
+        self._ends: dict[tuple[int, bool], tuple[object, PassEnds | None]] = {}
 
     def takes(self, rows: int) -> bool:
         return self.max_rows is None or rows <= self.max_rows
@@ -519,6 +523,12 @@ class NativeEngine:
         """The embedding, final norm and LM head for a pass of `rows` tokens in one native call
         (StepRun.logits), or None where one of them runs as its module: an embedding that is not a
         plain lookup (Gemma scales it), learned positions, a norm or head the kernels do not take."""
+        key = (id(parts), self.takes(rows))
+        if key not in self._ends:  # a step's Python runs cold: these checks cost it 0.1 ms each time
+            self._ends[key] = (parts, self._find_pass_ends(parts, rows))
+        return self._ends[key][1]
+
+    def _find_pass_ends(self, parts, rows: int) -> PassEnds | None:
         embedding, dtype = parts.embed, self.model.dtype
         weight = getattr(embedding, "weight", None)
         if (type(embedding) is not nn.Embedding or embedding.max_norm is not None or parts.position_embed is not None
@@ -570,10 +580,15 @@ class NativeEngine:
     def step_run(self, plan, first: int, end: int, rope_key) -> StepRun | None:
         """Steps [first, end) of the plan as one native call, or None when one of their switched-on
         sub-layers runs eagerly. rope_key(layer) names the layer's rotary table."""
+        last = self._last_run  # the plan of every step of a generation: no hash of it (31 calls)
+        if last is not None and last[0] is plan and last[1] == first and last[2] == end:
+            return last[3]
         key = (plan, first, end)
-        if key not in self._runs:
-            self._runs[key] = self._build_run(plan, first, end, rope_key)
-        return self._runs[key]
+        run = self._runs.get(key, _MISSING)
+        if run is _MISSING:
+            run = self._runs[key] = self._build_run(plan, first, end, rope_key)
+        self._last_run = (plan, first, end, run)
+        return run
 
     def _build_run(self, plan, first: int, end: int, rope_key) -> StepRun | None:
         steps, rope_of_step, rope_index, rope_layers = [], [], {}, []

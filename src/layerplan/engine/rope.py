@@ -40,15 +40,8 @@ def takes_table(rotary: nn.Module, layer_type: str | None) -> bool:
     return rope_type in STATIC_ROPE_TYPES
 
 
-@torch.inference_mode()
-def rotary_embedding(rotary: nn.Module, like: torch.Tensor, positions: torch.Tensor, start: int | None,
-                     layer_type: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(cos, sin) of `positions` (1, T), as rotary(like, positions[, layer_type]) returns them.
-    start: the first position when the positions run consecutively from it (a chain), else None
-    (a token tree's positions by depth)."""
-    if not takes_table(rotary, layer_type):
-        return _call(rotary, like, positions, layer_type)
-    end = start + positions.shape[1] if start is not None else int(positions.max()) + 1
+def _table(rotary: nn.Module, like: torch.Tensor, end: int, layer_type: str | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (cos, sin) table of a static-frequency module over positions 0..end-1 at least."""
     tables = _tables.setdefault(rotary, {})
     key = (layer_type, like.dtype, like.device)
     table = tables.get(key)
@@ -61,6 +54,30 @@ def rotary_embedding(rotary: nn.Module, like: torch.Tensor, positions: torch.Ten
         cos = torch.cat(([table[0]] if table is not None else []) + [c[0] for c, _ in blocks])
         sin = torch.cat(([table[1]] if table is not None else []) + [s[0] for _, s in blocks])
         table = tables[key] = (cos, sin)
+    return table
+
+
+@torch.inference_mode()
+def rotary_embedding(rotary: nn.Module, like: torch.Tensor, positions: torch.Tensor, start: int | None,
+                     layer_type: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, sin) of `positions` (1, T), as rotary(like, positions[, layer_type]) returns them.
+    start: the first position when the positions run consecutively from it (a chain), else None
+    (a token tree's positions by depth)."""
+    if not takes_table(rotary, layer_type):
+        return _call(rotary, like, positions, layer_type)
     if start is not None:
-        return table[0][None, start:end], table[1][None, start:end]
+        return chain_rotary_embedding(rotary, like, start, positions.shape[1], layer_type)
+    table = _table(rotary, like, int(positions.max()) + 1, layer_type)
     return table[0][positions], table[1][positions]
+
+
+@torch.inference_mode()
+def chain_rotary_embedding(rotary: nn.Module, like: torch.Tensor, start: int, length: int,
+                           layer_type: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """rotary_embedding of the positions start..start+length-1, which a table serves without a
+    tensor of them (a decoding step's Python runs cold after the layers: every PyTorch call it
+    leaves out saves it about 0.1 ms on the AVX2 EPYC)."""
+    if not takes_table(rotary, layer_type):
+        return _call(rotary, like, torch.arange(start, start + length, device=like.device)[None], layer_type)
+    cos, sin = _table(rotary, like, start + length, layer_type)
+    return cos[None, start:start + length], sin[None, start:start + length]

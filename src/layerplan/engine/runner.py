@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from layerplan.engine.cache import KVCache
-from layerplan.engine.rope import rotary_embedding
+from layerplan.engine.rope import chain_rotary_embedding, rotary_embedding
 from layerplan.engine.tree import TreeShape
 from layerplan.models.loading import LoadedModel
 from layerplan.plan.plan import LayerPlan
@@ -78,8 +78,13 @@ def _one_native_call(model: LoadedModel, input_ids: torch.Tensor, plan: LayerPla
     if run is None:
         return None
     tree_mask = _tree_mask(model, plan, tree, length, 0, len(plan.active_steps))
-    positions = _positions(start_pos, length, tree, input_ids.device)[None]
-    ropes = [_rope_by_table(parts, ends.embedding, positions, start_pos, tree, layer) for layer in run.rope_layers]
+    if tree is None:  # a chain: no tensor of positions (see chain_rotary_embedding)
+        ropes = [chain_rotary_embedding(parts.rotary, ends.embedding, start_pos, length,
+                                        layer.layer_type if parts.rope_per_layer_type else None)
+                 for layer in run.rope_layers]
+    else:
+        positions = _positions(start_pos, length, tree, input_ids.device)[None]
+        ropes = [_rope_by_table(parts, ends.embedding, positions, start_pos, tree, layer) for layer in run.rope_layers]
     cache.write_pos = start_pos
     logits = run.logits(ends, input_ids, cache, start_pos, ropes, cache.read_window, tree_mask, last_only)
     return softcap(parts, logits)
