@@ -491,7 +491,8 @@ DEFINE_WEIGH(weigh_values_f32, float, _mm256_loadu_ps)
  * depend on the rows beside it. Eight chains, not four: with four the FMA latency (4 cycles, 8
  * steps for d = 64) bounded the scores. The rows are named pointers and the dots come back in a
  * register: a table of eight row pointers, and dots stored as two halves then loaded whole (a
- * store the load cannot forward from), made an 8-token pass's attention 1.3x slower (AVX2 EPYC). */
+ * store the load cannot forward from), made an 8-token pass's attention 1.1-1.35x slower (AVX2
+ * EPYC, builds alternated). */
 #define DEFINE_DOT8(NAME, WT, LOAD8, PARAM)                                                         \
     static inline __m256 NAME(const float *q, const WT *r0, long stride, int valid, long d) {      \
         const WT *k0 = r0, *k1 = r0 + (valid > 1) * stride, *k2 = r0 + (valid > 2) * 2 * stride,   \
