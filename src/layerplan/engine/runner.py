@@ -78,13 +78,8 @@ def _one_native_call(model: LoadedModel, input_ids: torch.Tensor, plan: LayerPla
     if run is None:
         return None
     tree_mask = _tree_mask(model, plan, tree, length, 0, len(plan.active_steps))
-    if tree is None:  # a chain: no tensor of positions (see chain_rotary_embedding)
-        ropes = [chain_rotary_embedding(parts.rotary, ends.embedding, start_pos, length,
-                                        layer.layer_type if parts.rope_per_layer_type else None)
-                 for layer in run.rope_layers]
-    else:
-        positions = _positions(start_pos, length, tree, input_ids.device)[None]
-        ropes = [_rope_by_table(parts, ends.embedding, positions, start_pos, tree, layer) for layer in run.rope_layers]
+    tree_positions = _positions(start_pos, length, tree, input_ids.device)[None] if tree is not None else None
+    ropes = [_rope_by_table(parts, ends.embedding, start_pos, length, tree_positions, layer) for layer in run.rope_layers]
     cache.write_pos = start_pos
     logits = run.logits(ends, input_ids, cache, start_pos, ropes, cache.read_window, tree_mask, last_only)
     return softcap(parts, logits)
@@ -95,12 +90,16 @@ def _rope_key(parts) -> Callable:
     return (lambda layer: layer.layer_type) if parts.rope_per_layer_type else (lambda layer: "")
 
 
-def _rope_by_table(parts, like: torch.Tensor, positions: torch.Tensor, start_pos: int, tree: TreeShape | None,
+def _rope_by_table(parts, like: torch.Tensor, start_pos: int, length: int, tree_positions: torch.Tensor | None,
                    layer) -> tuple[torch.Tensor, torch.Tensor]:
-    """The layer's (cos, sin) for the native engine (engine/rope.py); the eager engine calls the
-    rotary module as transformers does."""
-    return rotary_embedding(parts.rotary, like, positions, start_pos if tree is None else None,
-                            layer.layer_type if parts.rope_per_layer_type else None)
+    """The layer's (cos, sin) for the native engine (engine/rope.py): for a chain of `length`
+    positions from start_pos (tree_positions None: no tensor of them is built, see
+    chain_rotary_embedding), or for a token tree's positions by depth (1, T). The eager engine calls
+    the rotary module as transformers does."""
+    layer_type = layer.layer_type if parts.rope_per_layer_type else None
+    if tree_positions is None:
+        return chain_rotary_embedding(parts.rotary, like, start_pos, length, layer_type)
+    return rotary_embedding(parts.rotary, like, tree_positions, None, layer_type)
 
 
 @torch.inference_mode()
@@ -183,7 +182,7 @@ def run_hidden(
         key = layer.layer_type if parts.rope_per_layer_type else ""
         if key not in rope:
             if native is not None:
-                rope[key] = _rope_by_table(parts, hidden, positions, start_pos, tree, layer)
+                rope[key] = _rope_by_table(parts, hidden, start_pos, length, positions if tree is not None else None, layer)
             else:
                 rope[key] = parts.rotary(hidden, positions, key) if parts.rope_per_layer_type else parts.rotary(hidden, positions)
         return rope[key]
