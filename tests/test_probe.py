@@ -60,3 +60,68 @@ def test_adaptive_length_takes_verify_costs_from_the_probe():
     # where checking k tokens costs one step, drafting pays; where it costs k steps, it cannot
     assert flat.next_gamma() > 0
     assert steep.next_gamma() == 0
+
+
+def test_floor_is_the_larger_of_reading_the_weights_and_the_passes_arithmetic():
+    # 100 MB read at 20 GB/s: 5 ms; 0.2 GFLOP per token at 100 GFLOP/s: 2 ms per token
+    row = probe.ProbeRow("native", "bfloat16", 9.0, {1: 1.0, 2: 1.3, 4: 1.9}, fma_gflops=100.0, read_gbs=20.0,
+                         weight_bytes=100_000_000, flops_per_token=0.2e9)
+    assert row.step_floor_ms() == pytest.approx(5.0)
+    assert row.floor(1) == 1.0 and row.floor(2) == 1.0  # 4 ms of arithmetic hides under 5 ms of reads
+    assert row.floor(4) == pytest.approx(8 / 5) and row.floor(8) == pytest.approx(16 / 5)
+    compute_bound = probe.ProbeRow("native", "float32", 9.0, {1: 1.0}, fma_gflops=10.0, read_gbs=20.0,
+                                   weight_bytes=100_000_000, flops_per_token=0.2e9)
+    assert compute_bound.floor(3) == pytest.approx(3.0)  # 20 ms of arithmetic per token: linear in k
+    unmeasured = probe.ProbeRow("eager", "float32", 9.0, {1: 1.0})
+    assert unmeasured.floor(4) is None and unmeasured.step_floor_ms() is None
+    result = probe.ProbeResult("key", "cpu", "m", [row, unmeasured])
+    table = result.table()
+    assert "floor" in table and "100 GFLOP/s of FMAs, 20.0 GB/s of reads" in table and "0.20 GFLOP per token" in table
+    assert probe.ProbeResult.from_dict(json.loads(json.dumps(result.to_dict()))) == result
+    older = result.to_dict()  # a probe written before the rates were measured still loads
+    for r in older["rows"]:
+        for key in ("fma_gflops", "read_gbs", "weight_bytes", "flops_per_token"):
+            del r[key]
+    assert probe.ProbeResult.from_dict(older).rows[0].floor(4) is None
+
+
+def test_streamed_matrices_count_the_lm_head_once_and_skip_an_untied_embedding():
+    for arch in ("llama", "qwen2"):
+        model = tiny_model(arch)
+        hf = model.hf
+        matrices = {p.data_ptr(): p.numel() for p in hf.parameters() if p.dim() == 2}
+        embedding, head = hf.get_input_embeddings().weight, hf.get_output_embeddings().weight
+        expected = sum(matrices.values())
+        if embedding.data_ptr() != head.data_ptr():
+            expected -= embedding.numel()  # only looked up, row by row
+        assert probe.streamed_matrix_elements(model) == expected
+        assert head.data_ptr() in matrices  # the LM head is read whole every step
+        hf.get_output_embeddings().weight = embedding  # tied, as SmolLM2's: the one matrix counts once
+        assert probe.streamed_matrix_elements(model) == expected - head.numel() + embedding.numel()
+
+
+@pytest.mark.skipif(probe.RateSampler().buffer is None, reason="the native kernels cannot run here")
+def test_rate_sampler_measures_this_machine(monkeypatch):
+    monkeypatch.setattr(probe, "READ_BYTES", 8 << 20)
+    monkeypatch.setattr(probe, "_last_level_cache_bytes", lambda: 0)
+    sampler = probe.RateSampler()
+    assert sampler.buffer.numel() == 8 << 20
+    sampler()
+    sampler()
+    fma, read = sampler.best()
+    # an AVX2 core does at least a few GFLOP/s of FMAs and reads at least 1 GB/s; nothing does 100x
+    assert 2.0 < fma < 10_000 and 1.0 < read < 10_000
+    assert sampler.best() == (None, None)  # each row starts afresh
+    model = tiny_model("llama")
+    result = probe.probe(lambda dtype, engine: model, "tiny", ["float32"], ["eager"], lengths=(1, 2), repeats=2)
+    row = result.rows[0]
+    assert row.fma_gflops > 2.0 and row.read_gbs > 1.0
+    assert row.weight_bytes == 4 * probe.streamed_matrix_elements(model) and row.flops_per_token == row.weight_bytes / 2
+    assert row.floor(1) == 1.0 and row.floor(2) >= 1.0
+
+
+def test_last_level_cache_size_is_read_from_sysfs(tmp_path):
+    for text, size in (("32768K\n", 32 << 20), ("1M", 1 << 20), ("", 0), ("lots", 0)):
+        (tmp_path / "size").write_text(text)
+        assert probe._last_level_cache_bytes(str(tmp_path / "size")) == size
+    assert probe._last_level_cache_bytes(str(tmp_path / "absent")) == 0

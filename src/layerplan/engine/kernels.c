@@ -367,6 +367,69 @@ void lp_advise_huge_pages(void *p, long bytes) {
 #endif
 }
 
+/* ----- the machine's ceilings, measured for `layerplan probe` -----
+ * A pass's products cannot run faster than the FMA units nor read its weights faster than memory
+ * gives them; the probe measures both between its timings (on a shared host both move from one
+ * second to the next) and prints the cost of a k-token pass that they allow. */
+
+/* GFLOP/s of fp32 FMAs on `threads` threads: twelve independent chains of `rounds` FMAs each per
+ * thread, enough to keep both FMA pipes of a core busy whatever their latency. */
+double lp_fma_rate(int threads, long rounds) {
+    double start = omp_get_wtime();
+    float sink = 0.0f;
+    int used = threads;
+    #pragma omp parallel num_threads(threads) reduction(+ : sink)
+    {
+        #pragma omp single nowait
+        used = omp_get_num_threads(); /* the threads the runtime gave, which can be fewer */
+        __m256 c0 = _mm256_set1_ps(1.0f), c1 = _mm256_set1_ps(1.1f), c2 = _mm256_set1_ps(1.2f), c3 = _mm256_set1_ps(1.3f);
+        __m256 c4 = _mm256_set1_ps(1.4f), c5 = _mm256_set1_ps(1.5f), c6 = _mm256_set1_ps(1.6f), c7 = _mm256_set1_ps(1.7f);
+        __m256 c8 = _mm256_set1_ps(1.8f), c9 = _mm256_set1_ps(1.9f), c10 = _mm256_set1_ps(2.1f), c11 = _mm256_set1_ps(2.2f);
+        const __m256 scale = _mm256_set1_ps(0.9999f), shift = _mm256_set1_ps(1e-4f);
+        for (long i = 0; i < rounds; i++) {
+            c0 = _mm256_fmadd_ps(c0, scale, shift); c1 = _mm256_fmadd_ps(c1, scale, shift);
+            c2 = _mm256_fmadd_ps(c2, scale, shift); c3 = _mm256_fmadd_ps(c3, scale, shift);
+            c4 = _mm256_fmadd_ps(c4, scale, shift); c5 = _mm256_fmadd_ps(c5, scale, shift);
+            c6 = _mm256_fmadd_ps(c6, scale, shift); c7 = _mm256_fmadd_ps(c7, scale, shift);
+            c8 = _mm256_fmadd_ps(c8, scale, shift); c9 = _mm256_fmadd_ps(c9, scale, shift);
+            c10 = _mm256_fmadd_ps(c10, scale, shift); c11 = _mm256_fmadd_ps(c11, scale, shift);
+        }
+        __m256 all = _mm256_add_ps(_mm256_add_ps(_mm256_add_ps(c0, c1), _mm256_add_ps(c2, c3)),
+                                   _mm256_add_ps(_mm256_add_ps(c4, c5), _mm256_add_ps(c6, c7)));
+        all = _mm256_add_ps(all, _mm256_add_ps(_mm256_add_ps(c8, c9), _mm256_add_ps(c10, c11)));
+        sink += _mm256_cvtss_f32(all);
+    }
+    double seconds = omp_get_wtime() - start;
+    volatile float keep = sink; /* the chains' results are used, or the compiler would drop the loop */
+    (void)keep;
+    return seconds > 0 ? (double)used * rounds * 12 * 16 / seconds / 1e9 : 0.0;
+}
+
+/* GB/s of reading [p, p + bytes) once on `threads` threads, each its own contiguous slice (p
+ * any alignment, bytes a multiple of 128 * threads, and far larger than the last-level cache). */
+double lp_read_rate(const void *p, long bytes, int threads) {
+    const char *base = (const char *)p;
+    double start = omp_get_wtime();
+    float sink = 0.0f;
+    #pragma omp parallel num_threads(threads) reduction(+ : sink)
+    {
+        int t = omp_get_thread_num(), nt = omp_get_num_threads();
+        long from = bytes / nt * t, to = t == nt - 1 ? bytes : bytes / nt * (t + 1);
+        __m256 s0 = _mm256_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
+        for (long i = from; i + 128 <= to; i += 128) {
+            s0 = _mm256_add_ps(s0, _mm256_loadu_ps((const float *)(base + i)));
+            s1 = _mm256_add_ps(s1, _mm256_loadu_ps((const float *)(base + i + 32)));
+            s2 = _mm256_add_ps(s2, _mm256_loadu_ps((const float *)(base + i + 64)));
+            s3 = _mm256_add_ps(s3, _mm256_loadu_ps((const float *)(base + i + 96)));
+        }
+        sink += _mm256_cvtss_f32(_mm256_add_ps(_mm256_add_ps(s0, s1), _mm256_add_ps(s2, s3)));
+    }
+    double seconds = omp_get_wtime() - start;
+    volatile float keep = sink; /* the sums are used, or the compiler would drop the loop */
+    (void)keep;
+    return seconds > 0 ? bytes / seconds / 1e9 : 0.0;
+}
+
 /* Packs w (n, k), fp32 or bf16, for gemm: out holds 16 * ceil(n / 16) * k elements of w's type. */
 void lp_pack(const void *w, int bf16, long n, long k, void *out) {
     static const int lane[16] = {0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15}; /* see widen_bf16 */

@@ -6,6 +6,13 @@ costs one row's time with native bf16 instructions, eight rows' without). The pr
 over k = 1..16 new tokens after a short cached context, per dtype and engine, and caches the
 result per machine (CPU model and flags, torch version, threads) and model. bench, tune, serve and
 generate take their default dtype from it, and the adaptive draft length starts from its costs.
+
+Between its rounds the probe also measures what the machine allows at that moment: the rate of
+fp32 FMAs on all threads and the rate of reading memory. A pass's products need k times a step's
+arithmetic, and every pass reads the step's weights, so the cost of a k-token pass cannot fall below
+max(weights ÷ read rate, k × arithmetic ÷ FMA rate) ÷ the same for k = 1: the table prints that
+floor beside each row. (On a shared host the FMA rate moves with what the neighbours run on the
+same cores: 107-195 GFLOP/s on two threads of the AVX2 EPYC within a minute.)
 """
 
 from __future__ import annotations
@@ -20,13 +27,14 @@ from pathlib import Path
 
 import torch
 
-from layerplan.engine.native import kernels_key
+from layerplan.engine.native import NativeUnavailable, fma_rate, kernels_key, read_rate
 from layerplan.engine.runner import forward, new_cache
 from layerplan.files import cache_dir, write_json_atomic
 from layerplan.machine import cpu_info, read_cpuinfo
 
 PASS_LENGTHS = tuple(range(1, 17))
 CONTEXT = 100  # cached positions before the timed pass (a short chat turn)
+READ_BYTES = 128 << 20  # at least this much, and 4x the last-level cache, read for the read rate
 
 
 @dataclass
@@ -35,6 +43,26 @@ class ProbeRow:
     dtype: str
     step_ms: float  # one decoding step (k = 1), median
     relative: dict[int, float] = field(default_factory=dict)  # k -> cost of a k-token pass / a step
+    # what the machine allowed while this row was timed (the best over its rounds; None: not measured)
+    fma_gflops: float | None = None  # fp32 FMAs on all threads
+    read_gbs: float | None = None  # reading memory on all threads
+    weight_bytes: int | None = None  # the matrices a step reads (every layer's and the LM head)
+    flops_per_token: float | None = None  # 2 x their elements
+
+    def floor(self, k: int) -> float | None:
+        """The least cost of a k-token pass relative to a step that the measured rates allow (only
+        the matrix products and the weights' reads counted), or None when they were not measured."""
+        if not (self.fma_gflops and self.read_gbs and self.weight_bytes and self.flops_per_token):
+            return None
+        read = self.weight_bytes / (self.read_gbs * 1e9)
+        arithmetic = self.flops_per_token / (self.fma_gflops * 1e9)
+        return max(read, k * arithmetic) / max(read, arithmetic)
+
+    def step_floor_ms(self) -> float | None:
+        """The least ms of a step that the measured rates allow (reads and products only)."""
+        if self.floor(1) is None:
+            return None
+        return 1000 * max(self.weight_bytes / (self.read_gbs * 1e9), self.flops_per_token / (self.fma_gflops * 1e9))
 
     def cost(self, k: int) -> float:
         """Relative cost of a k-token pass (interpolated past the measured lengths)."""
@@ -64,7 +92,8 @@ class ProbeResult:
 
     @classmethod
     def from_dict(cls, data: dict) -> ProbeResult:
-        rows = [ProbeRow(r["engine"], r["dtype"], r["step_ms"], {int(k): v for k, v in r["relative"].items()})
+        rows = [ProbeRow(r["engine"], r["dtype"], r["step_ms"], {int(k): v for k, v in r["relative"].items()},
+                         r.get("fma_gflops"), r.get("read_gbs"), r.get("weight_bytes"), r.get("flops_per_token"))
                 for r in data["rows"]]
         return cls(data["machine"], data["cpu"], data["model"], rows)
 
@@ -72,8 +101,16 @@ class ProbeResult:
         ks = sorted({k for r in self.rows for k in r.relative})
         head = f"{'engine':<7} {'dtype':<9} {'ms/step':>7}  " + " ".join(f"{'k=' + str(k):>5}" for k in ks)
         lines = [head]
+        notes = []
         for r in self.rows:
             lines.append(f"{r.engine:<7} {r.dtype:<9} {r.step_ms:>7.1f}  " + " ".join(f"{r.relative.get(k, float('nan')):>5.2f}" for k in ks))
+            if r.floor(1) is not None:
+                lines.append(f"{'':<7} {'floor':<9} {r.step_floor_ms():>7.1f}  " + " ".join(f"{r.floor(k):>5.2f}" for k in ks))
+                notes.append(f"{r.engine} {r.dtype}: {r.fma_gflops:.0f} GFLOP/s of FMAs, {r.read_gbs:.1f} GB/s of reads")
+                flops = r.flops_per_token
+        if notes:
+            lines.append("floor: what the best FMA and read rates measured between the rounds allow ("
+                         + "; ".join(notes) + f"; {flops / 1e9:.2f} GFLOP per token)")
         return "\n".join(lines)
 
 
@@ -104,9 +141,11 @@ def load_probe(folder: Path, model_name: str) -> ProbeResult | None:
 
 
 def time_passes(model, lengths: Sequence[int] = PASS_LENGTHS, repeats: int = 5, context: int = CONTEXT,
-                on_progress: Callable[[int, int], None] | None = None) -> dict[int, float]:
+                on_progress: Callable[[int, int], None] | None = None,
+                between_rounds: Callable[[], None] | None = None) -> dict[int, float]:
     """Median seconds of a pass over k new tokens after `context` cached ones, per k; the
-    lengths are interleaved so that drift in machine speed hits all alike."""
+    lengths are interleaved so that drift in machine speed hits all alike. between_rounds runs
+    after every timed round (the machine's rates are sampled there)."""
     plan = model.plan()
     generator = torch.Generator().manual_seed(0)
     vocab = model.hf.config.vocab_size
@@ -124,7 +163,61 @@ def time_passes(model, lengths: Sequence[int] = PASS_LENGTHS, repeats: int = 5, 
                 samples[k].append(time.perf_counter() - start)
             if on_progress:
                 on_progress(rep * len(lengths) + i + 1, total)
+        if rep and between_rounds:
+            between_rounds()
     return {k: statistics.median(v) for k, v in samples.items()}
+
+
+def streamed_matrix_elements(model) -> int:
+    """Elements of the matrices a decoding step reads whole: every 2-D weight but the input
+    embedding, whose rows are only looked up (the LM head counts, also when it shares the
+    embedding's tensor)."""
+    embedding = model.hf.get_input_embeddings().weight
+    head = model.hf.get_output_embeddings()
+    head_ptr = head.weight.data_ptr() if head is not None else None
+    seen, total = set(), 0
+    for parameter in model.hf.parameters():
+        ptr = parameter.data_ptr()
+        if parameter.dim() != 2 or ptr in seen or (ptr == embedding.data_ptr() and ptr != head_ptr):
+            continue
+        seen.add(ptr)
+        total += parameter.numel()
+    return total
+
+
+def _last_level_cache_bytes(path: str = "/sys/devices/system/cpu/cpu0/cache/index3/size") -> int:
+    try:
+        text = Path(path).read_text().strip().upper()
+    except OSError:
+        return 0
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    return int(text[:-1]) * units[text[-1]] if text and text[-1] in units and text[:-1].isdigit() else 0
+
+
+class RateSampler:
+    """Samples the machine's FMA and read rates (native kernels; none where they cannot run)."""
+
+    def __init__(self) -> None:
+        try:
+            fma_rate(1000)
+        except NativeUnavailable:
+            self.buffer = None
+        else:
+            self.buffer = torch.ones(max(READ_BYTES, 4 * _last_level_cache_bytes()), dtype=torch.uint8)
+        self.fma: list[float] = []
+        self.read: list[float] = []
+
+    def __call__(self) -> None:
+        if self.buffer is not None:
+            self.fma.append(fma_rate())
+            self.read.append(read_rate(self.buffer))
+
+    def best(self) -> tuple[float | None, float | None]:
+        """(GFLOP/s, GB/s): the best of the samples since the last call (a floor must not be
+        raised by a moment the neighbours took the cores), then starts afresh."""
+        fma, read = self.fma, self.read
+        self.fma, self.read = [], []
+        return (max(fma) if fma else None, max(read) if read else None)
 
 
 def probe(load: Callable[[str, str], object], model_name: str, dtypes: Sequence[str], engines: Sequence[str],
@@ -132,6 +225,7 @@ def probe(load: Callable[[str, str], object], model_name: str, dtypes: Sequence[
           on_progress: Callable[[str, int, int], None] | None = None) -> ProbeResult:
     """load(dtype, engine) -> LoadedModel; an engine that cannot run here is left out."""
     result = ProbeResult(machine_key(), cpu_info().line(), model_name)
+    sampler = RateSampler()
     for dtype in dtypes:
         for engine in engines:
             model = load(dtype, engine)
@@ -139,9 +233,14 @@ def probe(load: Callable[[str, str], object], model_name: str, dtypes: Sequence[
                 continue
             label = f"{engine} {dtype}"
             times = time_passes(model, lengths, repeats,
-                                on_progress=(lambda d, t, label=label: on_progress(label, d, t)) if on_progress else None)
+                                on_progress=(lambda d, t, label=label: on_progress(label, d, t)) if on_progress else None,
+                                between_rounds=sampler)
             step = times[min(times)]
-            result.rows.append(ProbeRow(engine, dtype, step * 1000, {k: t / step for k, t in sorted(times.items())}))
+            fma, read = sampler.best()
+            elements = streamed_matrix_elements(model)
+            result.rows.append(ProbeRow(engine, dtype, step * 1000, {k: t / step for k, t in sorted(times.items())},
+                                        fma, read, elements * torch.finfo(getattr(torch, dtype)).bits // 8,
+                                        2.0 * elements))
     return result
 
 
