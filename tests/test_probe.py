@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from layerplan.engine import probe
 from tiny import tiny_model
@@ -64,23 +65,23 @@ def test_adaptive_length_takes_verify_costs_from_the_probe():
 
 def test_floor_is_the_larger_of_reading_the_weights_and_the_passes_arithmetic():
     # 100 MB read at 20 GB/s: 5 ms; 0.2 GFLOP per token at 100 GFLOP/s: 2 ms per token
-    row = probe.ProbeRow("native", "bfloat16", 9.0, {1: 1.0, 2: 1.3, 4: 1.9}, fma_gflops=100.0, read_gbs=20.0,
+    row = probe.ProbeRow("native", "bfloat16", 9.0, {1: 1.0, 2: 1.3, 4: 1.9}, product_gflops=100.0, read_gbs=20.0,
                          weight_bytes=100_000_000, flops_per_token=0.2e9)
     assert row.step_floor_ms() == pytest.approx(5.0)
     assert row.floor(1) == 1.0 and row.floor(2) == 1.0  # 4 ms of arithmetic hides under 5 ms of reads
     assert row.floor(4) == pytest.approx(8 / 5) and row.floor(8) == pytest.approx(16 / 5)
-    compute_bound = probe.ProbeRow("native", "float32", 9.0, {1: 1.0}, fma_gflops=10.0, read_gbs=20.0,
+    compute_bound = probe.ProbeRow("native", "float32", 9.0, {1: 1.0}, product_gflops=10.0, read_gbs=20.0,
                                    weight_bytes=100_000_000, flops_per_token=0.2e9)
     assert compute_bound.floor(3) == pytest.approx(3.0)  # 20 ms of arithmetic per token: linear in k
     unmeasured = probe.ProbeRow("eager", "float32", 9.0, {1: 1.0})
     assert unmeasured.floor(4) is None and unmeasured.step_floor_ms() is None
     result = probe.ProbeResult("key", "cpu", "m", [row, unmeasured])
     table = result.table()
-    assert "floor" in table and "100 GFLOP/s of FMAs, 20.0 GB/s of reads" in table and "0.20 GFLOP per token" in table
+    assert "floor" in table and "products 100 GFLOP/s, reads 20.0 GB/s" in table and "0.20 GFLOP per token" in table
     assert probe.ProbeResult.from_dict(json.loads(json.dumps(result.to_dict()))) == result
     older = result.to_dict()  # a probe written before the rates were measured still loads
     for r in older["rows"]:
-        for key in ("fma_gflops", "read_gbs", "weight_bytes", "flops_per_token"):
+        for key in ("product_gflops", "read_gbs", "weight_bytes", "flops_per_token"):
             del r[key]
     assert probe.ProbeResult.from_dict(older).rows[0].floor(4) is None
 
@@ -108,14 +109,17 @@ def test_rate_sampler_measures_this_machine(monkeypatch):
     assert sampler.buffer.numel() == 8 << 20
     sampler()
     sampler()
-    fma, read = sampler.best()
+    products, read = sampler.best()
     # an AVX2 core does at least a few GFLOP/s of FMAs and reads at least 1 GB/s; nothing does 100x
-    assert 2.0 < fma < 10_000 and 1.0 < read < 10_000
+    assert 2.0 < products < 10_000 and 1.0 < read < 10_000
     assert sampler.best() == (None, None)  # each row starts afresh
+    sampler.dtype = torch.bfloat16  # a bf16 row times the bf16 kernels
+    sampler()
+    assert 2.0 < sampler.best()[0] < 10_000
     model = tiny_model("llama")
     result = probe.probe(lambda dtype, engine: model, "tiny", ["float32"], ["eager"], lengths=(1, 2), repeats=2)
     row = result.rows[0]
-    assert row.fma_gflops > 2.0 and row.read_gbs > 1.0
+    assert row.product_gflops > 2.0 and row.read_gbs > 1.0
     assert row.weight_bytes == 4 * probe.streamed_matrix_elements(model) and row.flops_per_token == row.weight_bytes / 2
     assert row.floor(1) == 1.0 and row.floor(2) >= 1.0
 

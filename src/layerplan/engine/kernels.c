@@ -19,6 +19,15 @@
 #include <omp.h>
 #include <sys/mman.h>
 
+/* Scratch for `count` floats, starting on a 64-byte line. A product's rows of sums are stored and
+ * read back in 32-byte halves of 64-byte panels, and where malloc's 16-byte alignment put them
+ * across two lines, 8-row products on weights in cache ran 1.3x slower (AVX2 EPYC, one thread,
+ * lp_product_rate with malloc'd rows). The engine's passes were no faster for it (engine_ab.py):
+ * their buffers had fallen on whole lines; now they cannot fall otherwise. */
+static float *floats(long count) {
+    return (float *)aligned_alloc(64, (size_t)((count * (long)sizeof(float) + 63) / 64 * 64));
+}
+
 static inline float bf16_to_f32(uint16_t h) {
     uint32_t u = (uint32_t)h << 16;
     float f;
@@ -343,7 +352,7 @@ static void gemm(const lp_matrix *mat, const float *x, long m, float *y, int thr
             }
         }
         if (whole < panels && t == nt - 1) {
-            float *tail = (float *)malloc(sizeof(float) * m * 16);
+            float *tail = floats(m * 16);
             gemm_panels(mat, x, m, tail - whole * 16, 16, whole, panels);
             for (long r = 0; r < m; r++) memcpy(y + r * n + whole * 16, tail + r * 16, sizeof(float) * (n - whole * 16));
             free(tail);
@@ -367,69 +376,6 @@ void lp_advise_huge_pages(void *p, long bytes) {
 #endif
 }
 
-/* ----- the machine's ceilings, measured for `layerplan probe` -----
- * A pass's products cannot run faster than the FMA units nor read its weights faster than memory
- * gives them; the probe measures both between its timings (on a shared host both move from one
- * second to the next) and prints the cost of a k-token pass that they allow. */
-
-/* GFLOP/s of fp32 FMAs on `threads` threads: twelve independent chains of `rounds` FMAs each per
- * thread, enough to keep both FMA pipes of a core busy whatever their latency. */
-double lp_fma_rate(int threads, long rounds) {
-    double start = omp_get_wtime();
-    float sink = 0.0f;
-    int used = threads;
-    #pragma omp parallel num_threads(threads) reduction(+ : sink)
-    {
-        #pragma omp single nowait
-        used = omp_get_num_threads(); /* the threads the runtime gave, which can be fewer */
-        __m256 c0 = _mm256_set1_ps(1.0f), c1 = _mm256_set1_ps(1.1f), c2 = _mm256_set1_ps(1.2f), c3 = _mm256_set1_ps(1.3f);
-        __m256 c4 = _mm256_set1_ps(1.4f), c5 = _mm256_set1_ps(1.5f), c6 = _mm256_set1_ps(1.6f), c7 = _mm256_set1_ps(1.7f);
-        __m256 c8 = _mm256_set1_ps(1.8f), c9 = _mm256_set1_ps(1.9f), c10 = _mm256_set1_ps(2.1f), c11 = _mm256_set1_ps(2.2f);
-        const __m256 scale = _mm256_set1_ps(0.9999f), shift = _mm256_set1_ps(1e-4f);
-        for (long i = 0; i < rounds; i++) {
-            c0 = _mm256_fmadd_ps(c0, scale, shift); c1 = _mm256_fmadd_ps(c1, scale, shift);
-            c2 = _mm256_fmadd_ps(c2, scale, shift); c3 = _mm256_fmadd_ps(c3, scale, shift);
-            c4 = _mm256_fmadd_ps(c4, scale, shift); c5 = _mm256_fmadd_ps(c5, scale, shift);
-            c6 = _mm256_fmadd_ps(c6, scale, shift); c7 = _mm256_fmadd_ps(c7, scale, shift);
-            c8 = _mm256_fmadd_ps(c8, scale, shift); c9 = _mm256_fmadd_ps(c9, scale, shift);
-            c10 = _mm256_fmadd_ps(c10, scale, shift); c11 = _mm256_fmadd_ps(c11, scale, shift);
-        }
-        __m256 all = _mm256_add_ps(_mm256_add_ps(_mm256_add_ps(c0, c1), _mm256_add_ps(c2, c3)),
-                                   _mm256_add_ps(_mm256_add_ps(c4, c5), _mm256_add_ps(c6, c7)));
-        all = _mm256_add_ps(all, _mm256_add_ps(_mm256_add_ps(c8, c9), _mm256_add_ps(c10, c11)));
-        sink += _mm256_cvtss_f32(all);
-    }
-    double seconds = omp_get_wtime() - start;
-    volatile float keep = sink; /* the chains' results are used, or the compiler would drop the loop */
-    (void)keep;
-    return seconds > 0 ? (double)used * rounds * 12 * 16 / seconds / 1e9 : 0.0;
-}
-
-/* GB/s of reading [p, p + bytes) once on `threads` threads, each its own contiguous slice (p
- * any alignment, bytes a multiple of 128 * threads, and far larger than the last-level cache). */
-double lp_read_rate(const void *p, long bytes, int threads) {
-    const char *base = (const char *)p;
-    double start = omp_get_wtime();
-    float sink = 0.0f;
-    #pragma omp parallel num_threads(threads) reduction(+ : sink)
-    {
-        int t = omp_get_thread_num(), nt = omp_get_num_threads();
-        long from = bytes / nt * t, to = t == nt - 1 ? bytes : bytes / nt * (t + 1);
-        __m256 s0 = _mm256_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
-        for (long i = from; i + 128 <= to; i += 128) {
-            s0 = _mm256_add_ps(s0, _mm256_loadu_ps((const float *)(base + i)));
-            s1 = _mm256_add_ps(s1, _mm256_loadu_ps((const float *)(base + i + 32)));
-            s2 = _mm256_add_ps(s2, _mm256_loadu_ps((const float *)(base + i + 64)));
-            s3 = _mm256_add_ps(s3, _mm256_loadu_ps((const float *)(base + i + 96)));
-        }
-        sink += _mm256_cvtss_f32(_mm256_add_ps(_mm256_add_ps(s0, s1), _mm256_add_ps(s2, s3)));
-    }
-    double seconds = omp_get_wtime() - start;
-    volatile float keep = sink; /* the sums are used, or the compiler would drop the loop */
-    (void)keep;
-    return seconds > 0 ? bytes / seconds / 1e9 : 0.0;
-}
-
 /* Packs w (n, k), fp32 or bf16, for gemm: out holds 16 * ceil(n / 16) * k elements of w's type. */
 void lp_pack(const void *w, int bf16, long n, long k, void *out) {
     static const int lane[16] = {0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15}; /* see widen_bf16 */
@@ -442,6 +388,72 @@ void lp_pack(const void *w, int bf16, long n, long k, void *out) {
                 if (bf16) ((uint16_t *)out)[at] = row < n ? ((const uint16_t *)w)[row * k + i] : 0;
                 else ((float *)out)[at] = row < n ? ((const float *)w)[row * k + i] : 0.0f;
             }
+}
+
+/* ----- the machine's ceilings, measured for `layerplan probe` -----
+ * A pass's products cannot run faster than these kernels do on weights already in cache, nor read
+ * the weights faster than memory gives them; the probe measures both between its timings (on a
+ * shared host both move from one second to the next) and prints the cost of a k-token pass they
+ * allow. The arithmetic is timed with the products' own kernels rather than a loop of FMAs alone,
+ * which promises more than products get: on the AVX2 EPYC, two threads of bare FMAs ran at a
+ * median 195-197 GFLOP/s and two threads of 8-row bf16 products on weights in cache at 128-132
+ * (benchmarks/ceilings.c, three runs). */
+
+static void *lp_prepare_product(int bf16, long n, long k) {
+    size_t es = bf16 ? 2 : 4;
+    void *raw = malloc(es * n * k), *packed = aligned_alloc(64, es * n * k);
+    for (long i = 0; i < n * k; i++) { /* small values of both signs: no overflow, no denormals */
+        float v = (float)((i * 7919) % 2001 - 1000) * 1e-4f;
+        if (bf16) ((uint16_t *)raw)[i] = f32_to_bf16(v); else ((float *)raw)[i] = v;
+    }
+    lp_pack(raw, bf16, n, k, packed);
+    free(raw);
+    return packed;
+}
+
+/* GFLOP/s of `rounds` 8-row products (the verify pass's shape) on `threads` threads, in the
+ * model's weight type, on a matrix small enough to stay in the threads' L2 caches. */
+double lp_product_rate(int bf16, int threads, long rounds) {
+    long k = 576, n = bf16 ? 512 : 256, m = 8; /* 576 KB of bf16 or fp32 weights */
+    void *packed = lp_prepare_product(bf16, n, k);
+    lp_matrix mat = {packed, NULL, n, k, bf16};
+    float *x = (float *)aligned_alloc(64, sizeof(float) * m * k), *y = (float *)aligned_alloc(64, sizeof(float) * m * n);
+    for (long i = 0; i < m * k; i++) x[i] = (float)(i % 17) * 0.01f;
+    gemm(&mat, x, m, y, threads); /* brings the weights into the caches */
+    double start = omp_get_wtime();
+    for (long r = 0; r < rounds; r++) gemm(&mat, x, m, y, threads);
+    double seconds = omp_get_wtime() - start;
+    free(x); free(y); free(packed);
+    return seconds > 0 ? 2.0 * m * n * k * rounds / seconds / 1e9 : 0.0;
+}
+
+/* GB/s of reading [p, p + bytes) once on `threads` threads (bytes far larger than the last-level
+ * cache). Each thread reads its slice as four streams at once, as a step's products read four
+ * panels: one stream a thread read 15-20 GB/s where four read 19-27 in alternated runs. */
+double lp_read_rate(const void *p, long bytes, int threads) {
+    const char *base = (const char *)p;
+    double start = omp_get_wtime();
+    float sink = 0.0f;
+    long read = 0;
+    #pragma omp parallel num_threads(threads) reduction(+ : sink, read)
+    {
+        int t = omp_get_thread_num(), nt = omp_get_num_threads();
+        long from = bytes / nt * t, quarter = bytes / nt / 4 / 64 * 64;
+        const char *a = base + from, *b = a + quarter, *c = b + quarter, *d = c + quarter;
+        __m256 s0 = _mm256_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
+        for (long i = 0; i < quarter; i += 64) {
+            s0 = _mm256_add_ps(s0, _mm256_add_ps(_mm256_loadu_ps((const float *)(a + i)), _mm256_loadu_ps((const float *)(a + i + 32))));
+            s1 = _mm256_add_ps(s1, _mm256_add_ps(_mm256_loadu_ps((const float *)(b + i)), _mm256_loadu_ps((const float *)(b + i + 32))));
+            s2 = _mm256_add_ps(s2, _mm256_add_ps(_mm256_loadu_ps((const float *)(c + i)), _mm256_loadu_ps((const float *)(c + i + 32))));
+            s3 = _mm256_add_ps(s3, _mm256_add_ps(_mm256_loadu_ps((const float *)(d + i)), _mm256_loadu_ps((const float *)(d + i + 32))));
+        }
+        sink += _mm256_cvtss_f32(_mm256_add_ps(_mm256_add_ps(s0, s1), _mm256_add_ps(s2, s3)));
+        read += 4 * quarter;
+    }
+    double seconds = omp_get_wtime() - start;
+    volatile float keep = sink; /* the sums are used, or the compiler would drop the loop */
+    (void)keep;
+    return seconds > 0 ? read / seconds / 1e9 : 0.0;
 }
 
 /* Per-row work on eight lanes at a time (norms, RoPE, rounding, residuals, bf16 loads and stores):
@@ -851,10 +863,10 @@ static void gated_activation(const float *gate, const float *up, float *out, lon
 static void norm_linear(const lp_norm *nm, const void *x, int x_bf16, const lp_matrix *w, void *y, int y_bf16,
                         long m, int threads) {
     long n = w->n, k = w->k;
-    float *xf = (float *)malloc(sizeof(float) * m * k);
+    float *xf = floats(m * k);
     load_f32(x, x_bf16, xf, m * k);
     if (nm) norm_rows(xf, m, k, nm, x_bf16);
-    float *yf = y_bf16 ? (float *)malloc(sizeof(float) * m * n) : (float *)y;
+    float *yf = y_bf16 ? floats(m * n) : (float *)y;
     gemm(w, xf, m, yf, threads);
     if (y_bf16) { store(yf, y, 1, m * n); free(yf); }
     free(xf);
@@ -901,13 +913,13 @@ int lp_attention_block(const lp_attention *a, const void *hidden, void *out, lon
     long H = a->hidden, D = a->head_dim, NQ = a->heads * D, NK = a->kv_heads * D;
     if (D > 512 || a->rotary_dim > D || (tree && a->window > 0)) return -1;
     if (rows <= 0) return 0;
-    float *x = (float *)malloc(sizeof(float) * rows * H);
-    float *qkv = (float *)malloc(sizeof(float) * rows * (NQ + 2 * NK));
-    float *q = (float *)malloc(sizeof(float) * rows * NQ);
-    float *k = (float *)malloc(sizeof(float) * rows * NK);
-    float *v = (float *)malloc(sizeof(float) * rows * NK);
-    float *o = (float *)malloc(sizeof(float) * rows * NQ);
-    float *u = (float *)malloc(sizeof(float) * rows * H);
+    float *x = floats(rows * H);
+    float *qkv = floats(rows * (NQ + 2 * NK));
+    float *q = floats(rows * NQ);
+    float *k = floats(rows * NK);
+    float *v = floats(rows * NK);
+    float *o = floats(rows * NQ);
+    float *u = floats(rows * H);
     long es = bf16 ? 2 : 4; /* bytes per element of hidden, out and the cache */
     int split = rows > 1 && threads > 1; /* a pass shares the per-row work too; a step keeps one thread */
     EACH_ROW(split, threads, rows, {
@@ -952,8 +964,8 @@ int lp_attention_block(const lp_attention *a, const void *hidden, void *out, lon
      * the same numbers); a step (few queries per head) reads the cache as it is. */
     long span = end - kv_start;
     int widen = bf16 && group * rows >= 8;
-    float *kw = widen ? (float *)malloc(sizeof(float) * a->kv_heads * span * D) : NULL;
-    float *vw = widen ? (float *)malloc(sizeof(float) * a->kv_heads * span * D) : NULL;
+    float *kw = widen ? floats(a->kv_heads * span * D) : NULL;
+    float *vw = widen ? floats(a->kv_heads * span * D) : NULL;
     /* every (head, row) pair is one item: 9 heads over 2 threads left one thread idle a ninth of
      * the time (SmolLM2), and a pass has rows x heads items to share */
     #pragma omp parallel num_threads(threads)
@@ -970,7 +982,7 @@ int lp_attention_block(const lp_attention *a, const void *hidden, void *out, lon
          * groups that share a kv head (attend_group) */
         int t = omp_get_thread_num(), nt = omp_get_num_threads();
         long items = a->heads * rows, i0 = items * t / nt, i1 = items * (t + 1) / nt;
-        float *scores = (float *)malloc(sizeof(float) * LP_QUERIES * (end + 8));
+        float *scores = floats(LP_QUERIES * (end + 8));
         unsigned char *keep = (unsigned char *)malloc(LP_QUERIES * (end + 8));
         lp_query qs[LP_QUERIES];
         for (long b0 = i0, b1; b0 < i1; b0 = b1) {
@@ -1015,10 +1027,10 @@ int lp_attention_block(const lp_attention *a, const void *hidden, void *out, lon
 void lp_mlp_block(const lp_mlp *m, const void *hidden, void *out, long rows, float residual_scale, int bf16, int threads) {
     long H = m->hidden, I = m->inner;
     if (rows <= 0) return;
-    float *x = (float *)malloc(sizeof(float) * rows * H);
-    float *gu = (float *)malloc(sizeof(float) * rows * 2 * I);
-    float *g = (float *)malloc(sizeof(float) * rows * I);
-    float *d = (float *)malloc(sizeof(float) * rows * H);
+    float *x = floats(rows * H);
+    float *gu = floats(rows * 2 * I);
+    float *g = floats(rows * I);
+    float *d = floats(rows * H);
     long es = bf16 ? 2 : 4;
     int split = rows > 1 && threads > 1; /* a pass shares the per-row work too; a step keeps one thread */
     EACH_ROW(split, threads, rows, {

@@ -152,8 +152,8 @@ def library() -> ctypes.CDLL:
                                ctypes.POINTER(_Norm), ctypes.POINTER(_Matrix), ctypes.c_long, ctypes.c_void_p,
                                ctypes.c_int, ctypes.c_int]
     lib.lp_forward.restype = ctypes.c_int
-    lib.lp_fma_rate.argtypes = [ctypes.c_int, ctypes.c_long]
-    lib.lp_fma_rate.restype = ctypes.c_double
+    lib.lp_product_rate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    lib.lp_product_rate.restype = ctypes.c_double
     lib.lp_read_rate.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_int]
     lib.lp_read_rate.restype = ctypes.c_double
     return lib
@@ -168,16 +168,16 @@ def native_available() -> str | None:
     return None
 
 
-def fma_rate(rounds: int = 2_000_000) -> float:
-    """GFLOP/s of fp32 FMAs on torch's threads now: the ceiling of a pass's products here."""
-    return library().lp_fma_rate(torch.get_num_threads(), rounds)
+def product_rate(dtype: torch.dtype, rounds: int = 40) -> float:
+    """GFLOP/s of 8-row products over `dtype` weights already in cache, on torch's threads now:
+    the ceiling of a pass's arithmetic here."""
+    return library().lp_product_rate(_DTYPES[dtype], torch.get_num_threads(), rounds)
 
 
 def read_rate(buffer: torch.Tensor) -> float:
     """GB/s of reading `buffer` (contiguous, far larger than the last-level cache) once on torch's
     threads now: the ceiling of streaming a step's weights here."""
-    usable = buffer.numel() * buffer.element_size() // (128 * 64) * (128 * 64)
-    return library().lp_read_rate(buffer.data_ptr(), usable, torch.get_num_threads())
+    return library().lp_read_rate(buffer.data_ptr(), buffer.numel() * buffer.element_size(), torch.get_num_threads())
 
 
 class WeightArena:

@@ -8,11 +8,12 @@ result per machine (CPU model and flags, torch version, threads) and model. benc
 generate take their default dtype from it, and the adaptive draft length starts from its costs.
 
 Between its rounds the probe also measures what the machine allows at that moment: the rate of
-fp32 FMAs on all threads and the rate of reading memory. A pass's products need k times a step's
-arithmetic, and every pass reads the step's weights, so the cost of a k-token pass cannot fall below
-max(weights ÷ read rate, k × arithmetic ÷ FMA rate) ÷ the same for k = 1: the table prints that
-floor beside each row. (On a shared host the FMA rate moves with what the neighbours run on the
-same cores: 107-195 GFLOP/s on two threads of the AVX2 EPYC within a minute.)
+the products' own kernels on weights already in cache (all threads, 8 rows, the row's dtype) and
+the rate of reading memory. A pass's products need k times a step's arithmetic, and every pass
+reads the step's weights, so the cost of a k-token pass cannot fall much below
+max(weights ÷ read rate, k × arithmetic ÷ product rate) ÷ the same for k = 1: the table prints that
+floor beside each row. (On a shared host both rates move with what the neighbours run: two threads
+of bare FMAs on the AVX2 EPYC ran at 107-198 GFLOP/s within a minute.)
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from layerplan.engine.native import NativeUnavailable, fma_rate, kernels_key, read_rate
+from layerplan.engine.native import NativeUnavailable, kernels_key, product_rate, read_rate
 from layerplan.engine.runner import forward, new_cache
 from layerplan.files import cache_dir, write_json_atomic
 from layerplan.machine import cpu_info, read_cpuinfo
@@ -44,7 +45,7 @@ class ProbeRow:
     step_ms: float  # one decoding step (k = 1), median
     relative: dict[int, float] = field(default_factory=dict)  # k -> cost of a k-token pass / a step
     # what the machine allowed while this row was timed (the best over its rounds; None: not measured)
-    fma_gflops: float | None = None  # fp32 FMAs on all threads
+    product_gflops: float | None = None  # 8-row products on weights in cache, all threads
     read_gbs: float | None = None  # reading memory on all threads
     weight_bytes: int | None = None  # the matrices a step reads (every layer's and the LM head)
     flops_per_token: float | None = None  # 2 x their elements
@@ -52,17 +53,17 @@ class ProbeRow:
     def floor(self, k: int) -> float | None:
         """The least cost of a k-token pass relative to a step that the measured rates allow (only
         the matrix products and the weights' reads counted), or None when they were not measured."""
-        if not (self.fma_gflops and self.read_gbs and self.weight_bytes and self.flops_per_token):
+        if not (self.product_gflops and self.read_gbs and self.weight_bytes and self.flops_per_token):
             return None
         read = self.weight_bytes / (self.read_gbs * 1e9)
-        arithmetic = self.flops_per_token / (self.fma_gflops * 1e9)
+        arithmetic = self.flops_per_token / (self.product_gflops * 1e9)
         return max(read, k * arithmetic) / max(read, arithmetic)
 
     def step_floor_ms(self) -> float | None:
         """The least ms of a step that the measured rates allow (reads and products only)."""
         if self.floor(1) is None:
             return None
-        return 1000 * max(self.weight_bytes / (self.read_gbs * 1e9), self.flops_per_token / (self.fma_gflops * 1e9))
+        return 1000 * max(self.weight_bytes / (self.read_gbs * 1e9), self.flops_per_token / (self.product_gflops * 1e9))
 
     def cost(self, k: int) -> float:
         """Relative cost of a k-token pass (interpolated past the measured lengths)."""
@@ -93,7 +94,7 @@ class ProbeResult:
     @classmethod
     def from_dict(cls, data: dict) -> ProbeResult:
         rows = [ProbeRow(r["engine"], r["dtype"], r["step_ms"], {int(k): v for k, v in r["relative"].items()},
-                         r.get("fma_gflops"), r.get("read_gbs"), r.get("weight_bytes"), r.get("flops_per_token"))
+                         r.get("product_gflops"), r.get("read_gbs"), r.get("weight_bytes"), r.get("flops_per_token"))
                 for r in data["rows"]]
         return cls(data["machine"], data["cpu"], data["model"], rows)
 
@@ -106,10 +107,12 @@ class ProbeResult:
             lines.append(f"{r.engine:<7} {r.dtype:<9} {r.step_ms:>7.1f}  " + " ".join(f"{r.relative.get(k, float('nan')):>5.2f}" for k in ks))
             if r.floor(1) is not None:
                 lines.append(f"{'':<7} {'floor':<9} {r.step_floor_ms():>7.1f}  " + " ".join(f"{r.floor(k):>5.2f}" for k in ks))
-                notes.append(f"{r.engine} {r.dtype}: {r.fma_gflops:.0f} GFLOP/s of FMAs, {r.read_gbs:.1f} GB/s of reads")
+                notes.append(f"{r.engine} {r.dtype}: products {r.product_gflops:.0f} GFLOP/s, reads {r.read_gbs:.1f} GB/s")
                 flops = r.flops_per_token
         if notes:
-            lines.append("floor: what the best FMA and read rates measured between the rounds allow ("
+            lines.append("floor: what the best rates of products on weights in cache and of memory reads allow, "
+                         "sampled between the rounds (not during the passes: where the host's speed drifts, a "
+                         "pass can come out under it) ("
                          + "; ".join(notes) + f"; {flops / 1e9:.2f} GFLOP per token)")
         return "\n".join(lines)
 
@@ -195,29 +198,30 @@ def _last_level_cache_bytes(path: str = "/sys/devices/system/cpu/cpu0/cache/inde
 
 
 class RateSampler:
-    """Samples the machine's FMA and read rates (native kernels; none where they cannot run)."""
+    """Samples the machine's product and read rates (native kernels; none where they cannot run)."""
 
     def __init__(self) -> None:
+        self.dtype = torch.float32
         try:
-            fma_rate(1000)
+            product_rate(self.dtype, 1)
         except NativeUnavailable:
             self.buffer = None
         else:
             self.buffer = torch.ones(max(READ_BYTES, 4 * _last_level_cache_bytes()), dtype=torch.uint8)
-        self.fma: list[float] = []
+        self.products: list[float] = []
         self.read: list[float] = []
 
     def __call__(self) -> None:
         if self.buffer is not None:
-            self.fma.append(fma_rate())
+            self.products.append(product_rate(self.dtype))
             self.read.append(read_rate(self.buffer))
 
     def best(self) -> tuple[float | None, float | None]:
         """(GFLOP/s, GB/s): the best of the samples since the last call (a floor must not be
         raised by a moment the neighbours took the cores), then starts afresh."""
-        fma, read = self.fma, self.read
-        self.fma, self.read = [], []
-        return (max(fma) if fma else None, max(read) if read else None)
+        products, read = self.products, self.read
+        self.products, self.read = [], []
+        return (max(products) if products else None, max(read) if read else None)
 
 
 def probe(load: Callable[[str, str], object], model_name: str, dtypes: Sequence[str], engines: Sequence[str],
@@ -227,6 +231,7 @@ def probe(load: Callable[[str, str], object], model_name: str, dtypes: Sequence[
     result = ProbeResult(machine_key(), cpu_info().line(), model_name)
     sampler = RateSampler()
     for dtype in dtypes:
+        sampler.dtype = getattr(torch, dtype)
         for engine in engines:
             model = load(dtype, engine)
             if model is None:
@@ -236,10 +241,10 @@ def probe(load: Callable[[str, str], object], model_name: str, dtypes: Sequence[
                                 on_progress=(lambda d, t, label=label: on_progress(label, d, t)) if on_progress else None,
                                 between_rounds=sampler)
             step = times[min(times)]
-            fma, read = sampler.best()
+            products, read = sampler.best()
             elements = streamed_matrix_elements(model)
             result.rows.append(ProbeRow(engine, dtype, step * 1000, {k: t / step for k, t in sorted(times.items())},
-                                        fma, read, elements * torch.finfo(getattr(torch, dtype)).bits // 8,
+                                        products, read, elements * torch.finfo(getattr(torch, dtype)).bits // 8,
                                         2.0 * elements))
     return result
 
