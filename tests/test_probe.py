@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -129,3 +130,25 @@ def test_last_level_cache_size_is_read_from_sysfs(tmp_path):
         (tmp_path / "size").write_text(text)
         assert probe._last_level_cache_bytes(str(tmp_path / "size")) == size
     assert probe._last_level_cache_bytes(str(tmp_path / "absent")) == 0
+
+
+def test_a_model_on_a_gpu_gets_no_floor_from_the_cpus_rates(monkeypatch):
+    seen = []
+
+    def fake_time_passes(model, lengths, repeats, on_progress=None, between_rounds=None):
+        seen.append(between_rounds)
+        if between_rounds:
+            between_rounds()  # one round's samples
+        return {k: 0.01 * k for k in lengths}
+
+    monkeypatch.setattr(probe, "time_passes", fake_time_passes)
+    monkeypatch.setattr(probe.RateSampler, "__call__", lambda self: self.products.append(100.0) or self.read.append(20.0))
+    hf = tiny_model("llama").hf
+    on_gpu = SimpleNamespace(hf=hf, device=torch.device("cuda"))
+    on_cpu = SimpleNamespace(hf=hf, device=torch.device("cpu"))
+    result = probe.probe(lambda dtype, engine: on_gpu if engine == "eager" else on_cpu, "m", ["float32"],
+                         ["eager", "native"], lengths=(1, 2), repeats=1)
+    assert seen[0] is None and seen[1] is not None  # the GPU row samples nothing
+    gpu_row, cpu_row = result.rows
+    assert gpu_row.floor(2) is None and gpu_row.product_gflops is None
+    assert (cpu_row.product_gflops, cpu_row.read_gbs) == (100.0, 20.0) and cpu_row.floor(2) is not None

@@ -859,7 +859,7 @@ def probe(model, dtypes, engines, threads, max_length, repeats, refresh, as_json
     verifying k drafted tokens relative to one decoding step. Cached per machine (CPU, flags,
     torch, threads) and model; bench, tune, serve and generate take their default dtype from it,
     and the adaptive draft length its verify costs. Beside each row, the floor: the least cost
-    that this machine's FMA and memory-read rates, measured between the rounds, allow."""
+    that this machine's product and memory-read rates, measured between the rounds, allow."""
     _threads(threads)
     with _user_errors():
         _, name = model_depth(model)

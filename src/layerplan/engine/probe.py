@@ -239,7 +239,8 @@ def probe(load: Callable[[str, str], object], model_name: str, dtypes: Sequence[
             label = f"{engine} {dtype}"
             times = time_passes(model, lengths, repeats,
                                 on_progress=(lambda d, t, label=label: on_progress(label, d, t)) if on_progress else None,
-                                between_rounds=sampler)
+                                # the rates are the CPU's: a model on a GPU gets no floor from them
+                                between_rounds=sampler if torch.device(model.device).type == "cpu" else None)
             step = times[min(times)]
             products, read = sampler.best()
             elements = streamed_matrix_elements(model)
