@@ -54,7 +54,7 @@ static int by_value(const void *a, const void *b) { double x = *(const double *)
 int main(int argc, char **argv) {
     int turns = argc > 1 ? atoi(argv[1]) : 10;
     long n = 512, k = 576, rounds = 400;
-    void *packed[2] = {lp_prepare_product(1, n, k), lp_prepare_product(1, n, k)};
+    void *packed[2] = {prepare_product(1, n, k), prepare_product(1, n, k)};
     double *t = malloc(sizeof(double) * 5 * turns);
     const char *names[5] = {"bare FMAs, 1 thread", "bare FMAs, 2 threads", "8-row bf16 products, 1 thread",
                             "the same, 2 threads sharing each product", "the same, 2 threads, a product each"};

@@ -399,7 +399,7 @@ void lp_pack(const void *w, int bf16, long n, long k, void *out) {
  * median 195-197 GFLOP/s and two threads of 8-row bf16 products on weights in cache at 128-132
  * (benchmarks/ceilings.c, three runs). */
 
-static void *lp_prepare_product(int bf16, long n, long k) {
+static void *prepare_product(int bf16, long n, long k) {
     size_t es = bf16 ? 2 : 4;
     void *raw = malloc(es * n * k), *packed = aligned_alloc(64, es * n * k);
     for (long i = 0; i < n * k; i++) { /* small values of both signs: no overflow, no denormals */
@@ -415,7 +415,7 @@ static void *lp_prepare_product(int bf16, long n, long k) {
  * model's weight type, on a matrix small enough to stay in the threads' L2 caches. */
 double lp_product_rate(int bf16, int threads, long rounds) {
     long k = 576, n = bf16 ? 512 : 256, m = 8; /* 576 KB of bf16 or fp32 weights */
-    void *packed = lp_prepare_product(bf16, n, k);
+    void *packed = prepare_product(bf16, n, k);
     lp_matrix mat = {packed, NULL, n, k, bf16};
     float *x = (float *)aligned_alloc(64, sizeof(float) * m * k), *y = (float *)aligned_alloc(64, sizeof(float) * m * n);
     for (long i = 0; i < m * k; i++) x[i] = (float)(i % 17) * 0.01f;

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from layerplan.engine.native import NativeUnavailable, kernels_key, product_rate, read_rate
+from layerplan.engine.native import kernels_key, native_available, product_rate, read_rate
 from layerplan.engine.runner import forward, new_cache
 from layerplan.files import cache_dir, write_json_atomic
 from layerplan.machine import cpu_info, read_cpuinfo
@@ -50,20 +50,23 @@ class ProbeRow:
     weight_bytes: int | None = None  # the matrices a step reads (every layer's and the LM head)
     flops_per_token: float | None = None  # 2 x their elements
 
+    def _least_seconds(self, k: int) -> float | None:
+        """The least time of a k-token pass by the measured rates: its weights' reads or its
+        products, whichever is longer (None when the rates were not measured)."""
+        if not (self.product_gflops and self.read_gbs and self.weight_bytes and self.flops_per_token):
+            return None
+        return max(self.weight_bytes / (self.read_gbs * 1e9), k * self.flops_per_token / (self.product_gflops * 1e9))
+
     def floor(self, k: int) -> float | None:
         """The least cost of a k-token pass relative to a step that the measured rates allow (only
         the matrix products and the weights' reads counted), or None when they were not measured."""
-        if not (self.product_gflops and self.read_gbs and self.weight_bytes and self.flops_per_token):
-            return None
-        read = self.weight_bytes / (self.read_gbs * 1e9)
-        arithmetic = self.flops_per_token / (self.product_gflops * 1e9)
-        return max(read, k * arithmetic) / max(read, arithmetic)
+        least = self._least_seconds(k)
+        return None if least is None else least / self._least_seconds(1)
 
     def step_floor_ms(self) -> float | None:
         """The least ms of a step that the measured rates allow (reads and products only)."""
-        if self.floor(1) is None:
-            return None
-        return 1000 * max(self.weight_bytes / (self.read_gbs * 1e9), self.flops_per_token / (self.product_gflops * 1e9))
+        least = self._least_seconds(1)
+        return None if least is None else 1000 * least
 
     def cost(self, k: int) -> float:
         """Relative cost of a k-token pass (interpolated past the measured lengths)."""
@@ -202,12 +205,8 @@ class RateSampler:
 
     def __init__(self) -> None:
         self.dtype = torch.float32
-        try:
-            product_rate(self.dtype, 1)
-        except NativeUnavailable:
-            self.buffer = None
-        else:
-            self.buffer = torch.ones(max(READ_BYTES, 4 * _last_level_cache_bytes()), dtype=torch.uint8)
+        self.buffer = (torch.ones(max(READ_BYTES, 4 * _last_level_cache_bytes()), dtype=torch.uint8)
+                       if native_available() is None else None)
         self.products: list[float] = []
         self.read: list[float] = []
 
