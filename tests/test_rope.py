@@ -32,7 +32,7 @@ def test_the_table_gives_what_the_module_gives(arch, dtype):
         # from the start, mid-table, across the table's growth (256 first), far beyond it
         for start, length in [(0, 2), (6, 8), (250, 16), (700, 4)]:
             positions = torch.arange(start, start + length)[None]
-            got = rope.rotary_embedding(parts.rotary, like, positions, start, layer_type)
+            got = rope.rotary_embedding(parts.rotary, like, positions, layer_type)
             chain = rope.chain_rotary_embedding(parts.rotary, like, start, length, layer_type)
             want = _module_call(parts, like, positions, layer_type)
             for g, c, w in zip(got, chain, want):
@@ -45,9 +45,9 @@ def test_a_positions_values_do_not_depend_on_how_the_table_grew():
     like = torch.zeros(1, 1, 32)
     grown, at_once = copy.deepcopy(parts.rotary), copy.deepcopy(parts.rotary)
     for end in (1, 9, 300, 1000):  # grown in steps
-        rope.rotary_embedding(grown, like, torch.arange(end - 1, end)[None], end - 1)
+        rope.rotary_embedding(grown, like, torch.arange(end - 1, end)[None])
     positions = torch.arange(0, 1000)[None]
-    for a, b in zip(rope.rotary_embedding(grown, like, positions, 0), rope.rotary_embedding(at_once, like, positions, 0)):
+    for a, b in zip(rope.rotary_embedding(grown, like, positions), rope.rotary_embedding(at_once, like, positions)):
         assert torch.equal(a, b)
 
 
@@ -55,9 +55,9 @@ def test_tree_positions_are_looked_up_one_by_one():
     parts = tiny_model("llama").parts
     like = torch.zeros(1, 1, 32)
     depths = torch.tensor([[40, 41, 41, 42, 42, 42]])  # a token tree's positions by depth
-    tree = rope.rotary_embedding(parts.rotary, like, depths, None)
+    tree = rope.rotary_embedding(parts.rotary, like, depths)
     for i, position in enumerate(depths[0].tolist()):
-        chain = rope.rotary_embedding(parts.rotary, like, torch.tensor([[position]]), position)
+        chain = rope.chain_rotary_embedding(parts.rotary, like, position, 1)
         assert torch.equal(tree[0][:, i], chain[0][:, 0]) and torch.equal(tree[1][:, i], chain[1][:, 0])
 
 
@@ -70,7 +70,7 @@ def test_rope_whose_frequencies_change_calls_the_module():
     assert not rope.takes_table(rotary, None)
     like = torch.zeros(1, 1, 32)
     positions = torch.arange(200, 204)[None]  # beyond max_position_embeddings (128): frequencies rescaled
-    got = rope.rotary_embedding(rotary, like, positions, 200)
+    got = rope.rotary_embedding(rotary, like, positions)
     chain = rope.chain_rotary_embedding(rotary, like, 200, 4)
     want = LlamaRotaryEmbedding(config)(like, positions)
     assert all(torch.equal(g, w) and torch.equal(c, w) for g, c, w in zip(got, chain, want))

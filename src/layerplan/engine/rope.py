@@ -58,15 +58,13 @@ def _table(rotary: nn.Module, like: torch.Tensor, end: int, layer_type: str | No
 
 
 @torch.inference_mode()
-def rotary_embedding(rotary: nn.Module, like: torch.Tensor, positions: torch.Tensor, start: int | None,
+def rotary_embedding(rotary: nn.Module, like: torch.Tensor, positions: torch.Tensor,
                      layer_type: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(cos, sin) of `positions` (1, T), as rotary(like, positions[, layer_type]) returns them.
-    start: the first position when the positions run consecutively from it (a chain), else None
-    (a token tree's positions by depth)."""
+    """(cos, sin) of any `positions` (1, T), as rotary(like, positions[, layer_type]) returns them:
+    a token tree's positions by depth (a chain takes chain_rotary_embedding, which needs no tensor
+    of its positions)."""
     if not takes_table(rotary, layer_type):
         return _call(rotary, like, positions, layer_type)
-    if start is not None:
-        return chain_rotary_embedding(rotary, like, start, positions.shape[1], layer_type)
     table = _table(rotary, like, int(positions.max()) + 1, layer_type)
     return table[0][positions], table[1][positions]
 

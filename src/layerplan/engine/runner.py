@@ -99,7 +99,7 @@ def _rope_by_table(parts, like: torch.Tensor, start_pos: int, length: int, tree_
     layer_type = layer.layer_type if parts.rope_per_layer_type else None
     if tree_positions is None:
         return chain_rotary_embedding(parts.rotary, like, start_pos, length, layer_type)
-    return rotary_embedding(parts.rotary, like, tree_positions, None, layer_type)
+    return rotary_embedding(parts.rotary, like, tree_positions, layer_type)
 
 
 @torch.inference_mode()
