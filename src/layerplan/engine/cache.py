@@ -106,7 +106,7 @@ class KVCache:
 
 
 class _SlotView:
-    """What an attention module sees as `past_key_values`: it calls update(k, v, layer_idx) and
+    """What an attention module sees as its cache (`cache`, or `past_key_values` before transformers 5.24): it calls update(k, v, layer_idx) and
     gets the slot's keys back. The module's own layer_idx is ignored: the plan step decides."""
 
     __slots__ = ("cache", "slot")

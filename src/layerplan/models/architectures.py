@@ -242,7 +242,7 @@ class LayerParts:
     layer_type: str  # "full_attention" or "sliding_attention" (selects mask and RoPE)
     sliding_window: int | None  # attend to at most this many most recent positions
     parallel: bool = False  # the MLP reads the layer's input, as the attention does (a parallel block)
-    cache_argument: str = "past_key_values"  # the attention's name for the KV cache (GPT-NeoX family: layer_past)
+    cache_argument: str = "past_key_values"  # the attention's name for the KV cache (cache_argument_of)
     takes_positions: bool = False  # the attention computes its own rotary from position_ids (GPT-J, CodeGen)
     takes_alibi: bool = False  # the attention takes an ALiBi bias argument, None here (Falcon without ALiBi)
 
@@ -258,6 +258,17 @@ class ModelParts:
     rope_per_layer_type: bool
     final_logit_softcapping: float | None
     layer_types: tuple[str, ...]  # distinct layer types, for RoPE computed once per type
+
+
+# an attention module's name for its KV cache, newest first: transformers 5.24 renamed
+# `past_key_values` to `cache` (the old name still works there with a FutureWarning, and goes in
+# 5.40); the GPT-NeoX family of older releases says `layer_past`
+CACHE_ARGUMENTS = ("cache", "past_key_values", "layer_past")
+
+
+def cache_argument_of(arguments) -> str:
+    """The name under which an attention module's forward takes its KV cache."""
+    return next((name for name in CACHE_ARGUMENTS if name in arguments), "past_key_values")
 
 
 def _mlp_of(layer: nn.Module, spec: ArchSpec) -> nn.Module:
@@ -349,10 +360,9 @@ def model_parts(hf_model: nn.Module, spec: ArchSpec) -> ModelParts:
                 layer_type=layer_type,
                 sliding_window=window,
                 parallel=spec.parallel,
-                # the attention's own arguments: transformers' current cache name, or the GPT-NeoX
-                # family's older `layer_past`; position ids; Falcon's ALiBi bias
-                cache_argument="layer_past" if "layer_past" in arguments and "past_key_values" not in arguments
-                else "past_key_values",
+                # the attention's own arguments: the installed transformers' cache name; position
+                # ids; Falcon's ALiBi bias
+                cache_argument=cache_argument_of(arguments),
                 takes_positions="position_ids" in arguments,
                 takes_alibi="alibi" in arguments,
             )
