@@ -472,8 +472,8 @@ def config_with_layers(config, layers: list[int]):
 # `layerplan models --architectures` and the README list these; tests/test_architectures.py checks
 # every TINY_CHECKED one (identity, exit, repeat/export, speculative) and that the list covers all
 # of transformers' causal LMs. `layerplan models --check TYPE` re-runs the check of models/verify.py,
-# which also produced the reasons below (transformers 5.23.0).
-CHECKED_WITH = "transformers 5.23.0"
+# which also produced the reasons below (transformers 5.24.0).
+CHECKED_WITH = "transformers 5.24.0"
 REAL_CHECKED = {"llama": "SmolLM2-135M-Instruct, the packaged default (tests/test_runner.py)"}
 # the families issue 15 names -> the model_type that runs them
 NAMED_FAMILIES = {
@@ -484,24 +484,25 @@ NAMED_FAMILIES = {
     "GPT-OSS": "gpt_oss", "GLM-4": "glm4", "StarCoder2": "starcoder2",
 }
 TINY_CHECKED: tuple[str, ...] = (
-    "afmoe", "apertus", "arcee", "aria_text", "axk1", "biogpt", "bitnet", "codegen", "cohere", "cohere2",
-    "cohere2_moe", "cwm", "deepseek_v2", "deepseek_v3", "dots1", "ernie4_5", "ernie4_5_moe", "exaone4", "exaone_moe",
+    "afmoe", "apertus", "apertus1p5_text", "arcee", "aria_text", "axk1", "biogpt", "bitnet", "codegen", "cohere", "cohere2",
+    "cohere2_moe", "cwm", "deepseek_v2", "deepseek_v3", "dots1", "ernie4_5", "ernie4_5_moe", "exaone", "exaone4", "exaone_moe",
     "falcon", "flex_olmo", "flint", "gemma", "gemma2", "gemma3_text", "glm", "glm4", "glm4_moe", "glm4_moe_lite",
     "gpt-sw3", "gpt2", "gpt_bigcode", "gpt_neo", "gpt_neox", "gpt_oss", "gptj", "granite", "granitemoe",
     "granitemoeshared", "helium", "hunyuan_v1_dense", "hunyuan_v1_moe", "hy_v3", "internlm3", "iquestcoder", "jais2",
     "jetmoe", "kolibri1", "laguna", "llama", "mellum", "mimo_v2_flash", "minimax_m2", "minimax_m3_vl_text",
     "ministral", "ministral3", "mistral", "mixtral", "nemotron", "olmo", "olmo2", "olmo3", "olmoe", "opt",
-    "persimmon", "phi", "phi3", "phimoe", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "seed_oss", "smollm3",
+    "persimmon", "phi", "phi3", "phimoe", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "sarvam_mla", "sarvam_moe", "seed_oss", "smollm3",
     "solar_open", "stablelm", "starcoder2", "vaultgemma", "xglm", "youtu",
 )
 MIXTURE_OF_EXPERTS = frozenset({
     "afmoe", "aria_text", "axk1", "axk2", "bailing_hybrid", "beam", "cohere2_moe", "deepseek_v2", "deepseek_v3",
     "deepseek_v32", "deepseek_v4", "doge", "dots1", "dots3_note_text", "ernie4_5_moe", "exaone_moe", "flex_olmo",
     "flint", "gemma4_text", "glm4_moe", "glm4_moe_lite", "glm_moe_dsa", "gpt_oss", "granitemoe", "granitemoe_swa",
-    "granitemoehybrid", "granitemoeshared", "hunyuan_v1_moe", "hy_v3", "hy_v4", "inkling2_text", "inkling_text",
-    "jamba", "jetmoe", "kimi_linear", "kolibri1", "laguna", "lfm2_moe", "llama4_text", "longcat_flash", "mellum",
+    "granitemoehybrid", "granitemoeshared", "hunyuan_v1_moe", "hy_v3", "hy_v4", "inkling2_loop_text", "inkling2_text", "inkling_text",
+    "jamba", "jetmoe", "kimi_linear", "kolibri1", "laguna", "lara_mini", "lfm2_moe", "llama4_text", "longcat_flash", "mellum",
     "mimo_v2_flash", "minimax", "minimax_m2", "minimax_m3_vl_text", "mixtral", "nemotron_h", "olmoe", "phimoe",
-    "qwen2_moe", "qwen3_5_moe_text", "qwen3_moe", "qwen3_next", "qwen4_exp_text", "solar_open", "zaya",
+    "qwen2_moe", "qwen3_5_moe_text", "qwen3_moe", "qwen3_next", "qwen4_exp_text", "sarvam_mla", "sarvam_moe",
+    "solar_open", "zaya",
 })
 REFUSED: dict[str, str] = {
     "axk2": "layer type 'indexed_attention' is not one the plan runner knows (full_attention, sliding_attention)",
@@ -541,9 +542,11 @@ REFUSED: dict[str, str] = {
     "hy_v4": "layer type 'indexed_attention' is not one the plan runner knows (full_attention, sliding_attention)",
     "inkling2_text": "its layers keep recurrent or linear-attention state (layer type 'hybrid_sliding'); the plan runner's KV cache holds attention keys and values only",
     "inkling_text": "its layers keep recurrent or linear-attention state (layer type 'hybrid_sliding'); the plan runner's KV cache holds attention keys and values only",
+    "inkling2_loop_text": "its layers keep recurrent or linear-attention state (layer type 'hybrid_sliding'); the plan runner's KV cache holds attention keys and values only",
     "jamba": "its layers keep recurrent or linear-attention state (layer type 'linear_attention'); the plan runner's KV cache holds attention keys and values only",
     "kimi_linear": "its layers keep recurrent or linear-attention state (layer type 'linear_attention'); the plan runner's KV cache holds attention keys and values only",
     "lfm3": "its layers keep recurrent or linear-attention state (layer type 'conv'); the plan runner's KV cache holds attention keys and values only",
+    "lara_mini": "its layers keep recurrent or linear-attention state (layer type 'linear_attention'); the plan runner's KV cache holds attention keys and values only",
     "llama4": "a multimodal wrapper (its text model is 'llama4_text'); its CausalLM takes more than token ids",
     "llama4_text": "layer type 'chunked_attention' is not one the plan runner knows (full_attention, sliding_attention)",
     "mamba": "its layers keep recurrent or linear-attention state (layer type 'linear_attention'); the plan runner's KV cache holds attention keys and values only",
@@ -594,6 +597,7 @@ NOT_SUPPORTED: dict[str, str] = {
               "normalises the embeddings: word_embeddings_layernorm)"),
     "cohere_compass_text": "transformers cannot build it from a config (KeyError: 'full_attention')",
     "ctrl": "no final norm (norm, ln_f, final_layernorm, norm_f, final_layer_norm) in its CTRLModel",
+    "dory": "a tiny config of it cannot be built (StrictDataclassClassValidationError: Class validation error for validator 'validate_architecture':)",
     "doge": "fails the check against transformers: prefill logits differ from transformers' by 2.72e+00 at position 0",
     "gemma3n_text": "transformers cannot build it from a config (ValueError: The set of layer types producing a cache is different than the set of layer types using them)",
     "gemma4_assistant": "transformers' own default config of it does not validate",
