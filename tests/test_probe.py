@@ -12,18 +12,32 @@ from layerplan.engine import probe
 from tiny import tiny_model
 
 
-def test_probe_times_every_length_and_round_trips(tmp_path):
+def test_probe_times_every_length():
     model = tiny_model("llama")
     result = probe.probe(lambda dtype, engine: model if engine == "eager" else None, "tiny", ["float32"],
-                         ["eager", "native"], lengths=(1, 2, 4), repeats=2)
+                         ["eager", "native"], lengths=(1, 2, 4), repeats=2, retries=0)
     assert [(r.engine, r.dtype) for r in result.rows] == [("eager", "float32")]
     row = result.rows[0]
     assert set(row.relative) == {1, 2, 4} and row.relative[1] == 1.0 and row.step_ms > 0
     assert row.cost(8) == pytest.approx(row.relative[4] * 2)  # extrapolated linearly past the measured lengths
+    assert result.load is not None and result.load.threads == torch.get_num_threads()
+    assert "k=4" in result.table() and "eager" in result.table()
+
+
+def _sane_row(engine: str = "native", dtype: str = "float32", step_ms: float = 27.4) -> probe.ProbeRow:
+    """A quiet run's row (BENCHMARKS, run 4, fp32): its floor is 20.0 ms (540 MB read at 27 GB/s)."""
+    relative = {1: 1.00, 2: 1.17, 3: 1.17, 4: 1.25, 8: 1.40, 15: 1.82, 16: 1.77}
+    return probe.ProbeRow(engine, dtype, step_ms, relative, product_gflops=125.0, read_gbs=27.0,
+                          weight_bytes=540_000_000, flops_per_token=0.27e9)
+
+
+def test_a_cached_probe_round_trips_with_its_load(tmp_path):
+    load = probe.MachineLoad(cores=2, threads=2, load_average=2.3, others_cores=0.1)
+    result = probe.ProbeResult(probe.machine_key(), "cpu", "tiny", [_sane_row()], load)
     path = probe.save_probe(result, tmp_path)
     assert probe.load_probe(tmp_path, "tiny") == result
-    assert json.loads(path.read_text())["machine"] == probe.machine_key()
-    assert "k=4" in result.table() and "eager" in result.table()
+    written = json.loads(path.read_text())
+    assert written["machine"] == probe.machine_key() and written["load"]["busy"] is False
 
 
 def test_cached_probe_is_ignored_on_another_machine_or_torch(tmp_path, monkeypatch):
@@ -132,7 +146,22 @@ def test_last_level_cache_size_is_read_from_sysfs(tmp_path):
     assert probe._last_level_cache_bytes(str(tmp_path / "absent")) == 0
 
 
-def test_a_model_on_a_gpu_gets_no_floor_from_the_cpus_rates(monkeypatch):
+class FixedRates:
+    """A RateSampler that samples 100 GFLOP/s and 20 GB/s each round."""
+
+    def __init__(self) -> None:
+        self.dtype, self.rounds = None, 0
+
+    def __call__(self) -> None:
+        self.rounds += 1
+
+    def best(self) -> tuple[float | None, float | None]:
+        rates = (100.0, 20.0) if self.rounds else (None, None)
+        self.rounds = 0
+        return rates
+
+
+def test_a_model_on_a_gpu_gets_no_floor_from_the_cpus_rates():
     seen = []
 
     def fake_time_passes(model, lengths, repeats, on_progress=None, between_rounds=None):
@@ -141,14 +170,260 @@ def test_a_model_on_a_gpu_gets_no_floor_from_the_cpus_rates(monkeypatch):
             between_rounds()  # one round's samples
         return {k: 0.01 * k for k in lengths}
 
-    monkeypatch.setattr(probe, "time_passes", fake_time_passes)
-    monkeypatch.setattr(probe.RateSampler, "__call__", lambda self: self.products.append(100.0) or self.read.append(20.0))
     hf = tiny_model("llama").hf
     on_gpu = SimpleNamespace(hf=hf, device=torch.device("cuda"))
     on_cpu = SimpleNamespace(hf=hf, device=torch.device("cpu"))
+    sampler = FixedRates()
     result = probe.probe(lambda dtype, engine: on_gpu if engine == "eager" else on_cpu, "m", ["float32"],
-                         ["eager", "native"], lengths=(1, 2), repeats=1)
-    assert seen[0] is None and seen[1] is not None  # the GPU row samples nothing
+                         ["eager", "native"], lengths=(1, 2), repeats=1, retries=0, time_row=fake_time_passes,
+                         sampler=sampler)
+    assert seen == [None, sampler]  # the GPU row samples nothing
     gpu_row, cpu_row = result.rows
     assert gpu_row.floor(2) is None and gpu_row.product_gflops is None
     assert (cpu_row.product_gflops, cpu_row.read_gbs) == (100.0, 20.0) and cpu_row.floor(2) is not None
+
+
+# ----- the checks: timings that cannot be true are not trusted ----------------------------------
+def test_a_quiet_runs_row_passes_its_checks():
+    assert _sane_row().step_floor_ms() == pytest.approx(20.0)
+    assert probe.row_problems(_sane_row()) == []
+    # noise within the tolerance: a longer pass 12% under a shorter one (a quiet run's k=16 after k=15)
+    noisy = probe.ProbeRow("native", "bfloat16", 12.0, {1: 1.0, 8: 2.19, 15: 3.91, 16: 3.45})
+    assert probe.row_problems(noisy) == []
+    # the eager engine's products are torch's, not the floor's: 5x the floor is no sign of trouble
+    assert probe.row_problems(_sane_row("eager", step_ms=100.0)) == []
+
+
+def test_row_checks_name_what_cannot_be_true():
+    cheaper = probe.ProbeRow("native", "float32", 20.0, {1: 1.0, 2: 1.1, 8: 0.04})
+    assert probe.row_problems(cheaper) == ["a 8-token pass at 0.04 of a step (under 0.9)"]
+    # a busy run's row, cached in an earlier version: two tokens at 6.64 steps, where two steps would do
+    dearer = probe.ProbeRow("native", "float32", 577.2, {1: 1.0, 2: 6.64})
+    assert probe.row_problems(dearer) == ["a 2-token pass at 6.64 of a step (over 1.25 x 2 steps)"]
+    falling = probe.ProbeRow("native", "float32", 20.0, {1: 1.0, 4: 1.6, 8: 1.2})  # 25% under k=4
+    assert probe.row_problems(falling) == ["a 8-token pass at 1.20 of a step, under the 4-token pass's 1.60"]
+    slow = _sane_row(step_ms=1184.0)  # the issue's step: 59x its 20 ms floor
+    assert probe.row_problems(slow) == ["a step of 1184.0 ms, 59x its floor of 20.0 ms (at most 3x)"]
+    assert probe.row_problems(_sane_row("eager", step_ms=1184.0))  # the eager engine's bound is looser, not absent
+    fast = _sane_row(step_ms=15.0)
+    assert probe.row_problems(fast) == ["a step of 15.0 ms, under its floor of 20.0 ms"]
+    assert probe.row_problems(probe.ProbeRow("native", "float32", 0.0, {1: 1.0})) == ["step of 0.0 ms"]
+
+
+def _timings(step: float, relative: dict[int, float]):
+    """A time_row that returns these timings (seconds) and counts its calls."""
+    calls = []
+
+    def time_row(model, lengths, repeats, on_progress=None, between_rounds=None):
+        calls.append(lengths)
+        return {k: step * relative[k] for k in lengths}
+
+    return time_row, calls
+
+
+def _quiet_meter() -> probe.LoadMeter:
+    return probe.LoadMeter(busy_seconds=lambda: 0.0, own_seconds=lambda: 0.0, clock=iter([0.0, 10.0]).__next__,
+                           load_average=lambda: 2.0, cores=2, threads=2)
+
+
+def test_a_row_that_keeps_failing_is_timed_again_then_not_cached(tmp_path):
+    # the issue's row: k = 8 at 0.04 of a step, every time it is timed
+    time_row, calls = _timings(1.184, {1: 1.0, 2: 1.15, 4: 0.3, 8: 0.04})
+    notes = []
+    model = SimpleNamespace(hf=tiny_model("llama").hf, device=torch.device("cpu"))
+    result = probe.probe(lambda dtype, engine: model, "m", ["float32"], ["native"], lengths=(1, 2, 4, 8),
+                         repeats=1, on_note=notes.append, retries=2, time_row=time_row, sampler=FixedRates(),
+                         load_meter=_quiet_meter())
+    assert len(calls) == 3  # timed, then timed again twice
+    assert len(notes) == 2 and all("native float32: a 4-token pass at 0.30" in n and "timing it again" in n
+                                   for n in notes)
+    assert len(result.problems) == 1 and result.problems[0].startswith("native float32: a 4-token pass at 0.30")
+    assert result.rows[0].step_ms == pytest.approx(1184.0)  # still shown
+    assert probe.save_probe(result, tmp_path) is None
+    assert not probe.probe_path(tmp_path, "m").exists() and probe.load_probe(tmp_path, "m") is None
+
+
+def test_a_row_that_passes_when_timed_again_is_cached(tmp_path):
+    answers = iter([{1: 0.020, 2: 0.0008, 4: 0.030},  # a 2-token pass at 0.04 of a step
+                    {1: 0.020, 2: 0.024, 4: 0.027}])
+    calls = []
+
+    def time_row(model, lengths, repeats, on_progress=None, between_rounds=None):
+        calls.append(lengths)
+        return next(answers)
+
+    notes = []
+    result = probe.probe(lambda dtype, engine: tiny_model("llama"), "m", ["float32"], ["eager"], lengths=(1, 2, 4),
+                         repeats=1, on_note=notes.append, time_row=time_row, sampler=FixedRates(),
+                         load_meter=_quiet_meter())
+    assert len(calls) == 2 and len(notes) == 1 and "a 2-token pass at 0.04" in notes[0]
+    assert result.problems == [] and result.rows[0].relative == {1: 1.0, 2: pytest.approx(1.2), 4: pytest.approx(1.35)}
+    assert probe.save_probe(result, tmp_path) is not None
+    assert probe.load_probe(tmp_path, "m") == result
+
+
+def test_a_cached_row_that_fails_its_checks_is_left_out_and_older_files_load(tmp_path):
+    # a probe cached before the checks: no load, no problems, a bogus fp32 row beside a sane bf16 one
+    older = {"machine": probe.machine_key(), "cpu": "cpu", "model": "m", "rows": [
+        {"engine": "native", "dtype": "float32", "step_ms": 1184.0, "relative": {"1": 1.0, "8": 0.04}},
+        {"engine": "native", "dtype": "bfloat16", "step_ms": 14.0, "relative": {"1": 1.0, "8": 1.7}}]}
+    path = probe.probe_path(tmp_path, "m")
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps(older))
+    loaded = probe.load_probe(tmp_path, "m")
+    assert loaded is not None and loaded.load is None and loaded.problems == []
+    assert [r.dtype for r in loaded.rows] == ["bfloat16"]
+    assert probe.pass_costs(tmp_path, "m", "native", "float32") == {}  # the bogus costs steer nothing
+
+
+# ----- the load on the machine ------------------------------------------------------------------
+def test_the_load_meter_tells_a_busy_machine_from_a_quiet_one():
+    def meter(busy, own, load_average=1.0, cores=2, threads=2):
+        return probe.LoadMeter(busy_seconds=iter(busy).__next__, own_seconds=iter(own).__next__,
+                               clock=iter([100.0, 110.0]).__next__, load_average=lambda: load_average,
+                               cores=cores, threads=threads).start().stop()
+
+    # 10 s: all CPUs busy 19 s, 17 of them this process's: others used 0.2 of a core
+    quiet = meter([1000.0, 1019.0], [50.0, 67.0])
+    assert quiet.others_cores == pytest.approx(0.2) and not quiet.busy and quiet.line().startswith("machine quiet")
+    # others used 0.8 cores while this process's 2 threads wanted both: its passes waited
+    busy = meter([1000.0, 1020.0], [50.0, 62.0], load_average=2.9)
+    assert busy.others_cores == pytest.approx(0.8) and busy.busy
+    assert busy.line() == ("machine busy: the timings may be slow and uneven (other processes kept 0.8 of 2 cores "
+                           "busy, load average 2.90; this process runs 2 threads)")
+    # 0.8 cores of others on 16 cores beside 2 threads: they had cores of their own
+    assert not meter([1000.0, 1020.0], [50.0, 62.0], cores=16).busy
+    # no /proc/stat: the load average, less this process's threads, stands in
+    assert meter([None, None], [0.0, 0.0], load_average=3.5).busy
+    assert not meter([None, None], [0.0, 0.0], load_average=2.1).busy
+
+
+def test_a_probe_notes_a_busy_machine_in_its_result(tmp_path):
+    time_row, _ = _timings(0.020, {1: 1.0, 2: 1.1})
+    meter = probe.LoadMeter(busy_seconds=iter([0.0, 20.0]).__next__, own_seconds=iter([0.0, 10.0]).__next__,
+                            clock=iter([0.0, 10.0]).__next__, load_average=lambda: 3.0, cores=2, threads=2)
+    result = probe.probe(lambda dtype, engine: tiny_model("llama"), "m", ["float32"], ["eager"], lengths=(1, 2),
+                         repeats=1, time_row=time_row, sampler=FixedRates(), load_meter=meter)
+    assert result.load.others_cores == pytest.approx(1.0) and result.load.busy
+    data = json.loads(json.dumps(result.to_dict()))
+    assert data["load"]["busy"] is True and data["load"]["load_average"] == 3.0
+    assert probe.ProbeResult.from_dict(data).load == result.load
+    # its rows pass their checks, but contention slows the floor's rates too: not cached
+    assert probe.row_problems(result.rows[0]) == []
+    assert result.problems == ["the machine was busy (other processes kept 1.0 of 2 cores busy, load average 3.00; "
+                               "this process runs 2 threads)"]
+    assert probe.save_probe(result, tmp_path) is None and not probe.probe_path(tmp_path, "m").exists()
+
+
+def test_busy_cpu_seconds_read_from_proc_stat(tmp_path):
+    (tmp_path / "stat").write_text("cpu  2000 100 300 9000 50 10 20 70 0 0\ncpu0 1 2 3 4 5 6 7 8 0 0\n")
+    ticks = probe.os.sysconf("SC_CLK_TCK")
+    assert probe._busy_cpu_seconds(str(tmp_path / "stat")) == pytest.approx((2000 + 100 + 300 + 10 + 20 + 70) / ticks)
+    assert probe._busy_cpu_seconds(str(tmp_path / "absent")) is None
+
+
+# ----- a cached row checked when it is used -----------------------------------------------------
+def test_a_cached_row_is_kept_while_a_step_agrees_and_measured_again_when_not():
+    cached = probe.ProbeRow("native", "float32", 20.0, {1: 1.0, 8: 1.4})
+    fresh = probe.ProbeRow("native", "float32", 21.0, {1: 1.0, 8: 1.5})
+    remeasured = []
+
+    def remeasure():
+        remeasured.append(True)
+        return fresh
+
+    assert probe.recheck_row(cached, lambda: 0.039, remeasure) is cached  # 1.95x: within 2x
+    assert probe.recheck_row(cached, lambda: 0.011, remeasure) is cached
+    assert remeasured == []
+    notes = []
+    assert probe.recheck_row(cached, lambda: 0.041, remeasure, notes.append) is fresh  # 2.05x slower
+    bogus = probe.ProbeRow("native", "float32", 1184.0, {1: 1.0, 8: 1.4})
+    assert probe.recheck_row(bogus, lambda: 0.020, remeasure) is fresh  # the issue's step, 59x a step timed now
+    assert len(remeasured) == 2
+    assert notes == ["probe native float32: a step took 41.0 ms where the cached probe says 20.0 ms: "
+                     "measuring the row again"]
+    # new timings that fail their checks are no evidence against the cache
+    notes.clear()
+    assert probe.recheck_row(cached, lambda: 0.200, lambda: None, notes.append) is cached
+    assert len(notes) == 2 and "failed their checks" in notes[1]
+
+
+def test_a_row_measured_again_replaces_the_cached_one(tmp_path):
+    stale = probe.ProbeRow("native", "float32", 60.0, {1: 1.0, 8: 1.4})
+    other = probe.ProbeRow("native", "bfloat16", 14.0, {1: 1.0, 8: 1.7})
+    probe.save_probe(probe.ProbeResult(probe.machine_key(), "cpu", "m", [stale, other]), tmp_path)
+    model = SimpleNamespace(name="m", native=object(), dtype=torch.float32)
+    fresh = probe.ProbeRow("native", "float32", 20.0, {1: 1.0, 8: 1.3})
+    assert probe.checked_model_row(model, tmp_path, time_step=lambda: 0.050, remeasure=lambda: fresh) == stale
+    assert probe.load_probe(tmp_path, "m").rows == [stale, other]  # agreed: the file is left alone
+    assert probe.checked_model_row(model, tmp_path, time_step=lambda: 0.020, remeasure=lambda: fresh) == fresh
+    assert probe.load_probe(tmp_path, "m").rows == [fresh, other]
+    assert probe.default_dtype(tmp_path, "m", "native", native_bf16=False) == "bfloat16"
+    eager = SimpleNamespace(name="m", native=None, dtype=torch.float32)
+    assert probe.checked_model_row(eager, tmp_path, time_step=lambda: 1 / 0, remeasure=lambda: 1 / 0) is None
+
+
+def test_the_default_recheck_times_the_model_itself(tmp_path):
+    model = tiny_model("llama")
+    cached = probe.ProbeRow("eager", "float32", 1e6, {1: 1.0, 2: 1.1})  # a thousand seconds a step
+    probe.save_probe(probe.ProbeResult(probe.machine_key(), "cpu", model.name, [cached]), tmp_path)
+    notes = []
+    row = probe.checked_model_row(model, tmp_path, on_note=notes.append)
+    assert notes[0].startswith("probe eager float32: a step took ") and "measuring the row again" in notes[0]
+    if row == cached:  # the tiny model's timings failed their checks (its step is far above its floor)
+        assert "failed their checks" in notes[-1] and probe.load_probe(tmp_path, model.name).rows == [cached]
+    else:
+        assert row.step_ms < 1e6 and set(row.relative) == {1, 2}
+        assert probe.load_probe(tmp_path, model.name).rows == [row]
+
+
+# ----- a decode slower than the probe says ------------------------------------------------------
+def test_pace_check_says_when_the_passes_ran_three_times_slower():
+    row = probe.ProbeRow("native", "float32", 20.0, {1: 1.0, 4: 1.5})
+    pace = probe.PaceCheck(row)
+    for _ in range(10):
+        pace.add(1, 0.055)  # 2.75x a step
+    pace.add(4, 0.080)  # 2.67x a 4-token pass (30 ms)
+    assert pace.note() is None
+    slow = probe.PaceCheck(row)
+    for _ in range(3):
+        slow.add(4, 0.100)
+    assert slow.note() is None  # three passes say nothing
+    slow.add(1, 0.080)
+    assert slow.note() == ("decoding ran 3.5x slower than this machine's probe says (native float32, 27.5 ms a pass "
+                           "expected, 95.0 ms taken): the machine is busy")
+    unprobed = probe.PaceCheck(None)
+    unprobed.add(1, 10.0)
+    assert unprobed.note() is None
+
+
+@pytest.mark.parametrize("draft", [None, "ngram"])
+def test_a_decode_slower_than_its_probe_row_says_so(draft):
+    from layerplan.decoding.generate import generate
+
+    model = tiny_model("llama")
+    prompt = [5, 6, 7, 5, 6, 7, 5, 6]
+    impossible = probe.ProbeRow("eager", "float32", 1e-6, {1: 1.0, 8: 1.5})  # a microsecond a step
+    result = generate(model, prompt, max_new_tokens=12, draft=draft, stop_at_eos=False, probe_row=impossible)
+    assert result.slow_note is not None and "slower than this machine's probe says" in result.slow_note
+    assert result.to_dict()["slow_note"] == result.slow_note  # what --stats prints
+    generous = probe.ProbeRow("eager", "float32", 60_000.0, {1: 1.0, 8: 1.5})  # a minute a step
+    assert generate(model, prompt, max_new_tokens=12, draft=draft, stop_at_eos=False,
+                    probe_row=generous).slow_note is None
+
+
+def test_health_says_when_decodes_run_slower_than_the_probe():
+    from fastapi.testclient import TestClient
+
+    from layerplan.app.serve import Job, create_app
+    from layerplan.decoding.sampling import SamplingParams
+
+    impossible = probe.ProbeRow("eager", "float32", 1e-6, {1: 1.0})
+    app = create_app(tiny_model("llama"), probe_row=impossible)
+    client = TestClient(app)
+    assert client.get("/health").json()["slow_decode"] is None
+    job = Job(prompt_ids=[5, 6, 7], max_tokens=8, sampling=SamplingParams(), seed=0, stop=())
+    result = app.state.engine.submit(job).result(timeout=60)
+    assert result.slow_note is not None
+    assert client.get("/health").json()["slow_decode"] == result.slow_note
+    app.state.engine.close()

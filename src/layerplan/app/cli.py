@@ -25,7 +25,8 @@ from layerplan.decoding.generate import generate as run_generate
 from layerplan.decoding.sampling import SamplingParams
 from layerplan.engine.cpu_pack import packing_supported
 from layerplan.engine.native import ENGINES, NativeUnavailable, native_available, resolve_engine
-from layerplan.engine.probe import CONTEXT, PASS_LENGTHS, default_dtype, load_probe, probe as run_probe, save_probe
+from layerplan.engine.probe import (CONTEXT, PASS_LENGTHS, checked_model_row, default_dtype, load_probe,
+                                    probe as run_probe, save_probe)
 from layerplan.export import export_checkpoint
 from layerplan.files import WriteError, write_json_atomic, write_text_atomic
 from layerplan.machine import cpu_info
@@ -119,6 +120,15 @@ def _dtype(model: str, dtype: str, engine: str, device: str = "cpu") -> str:
     kind = resolve_engine(engine, torch.bfloat16, device)
     _, name = model_depth(model)
     return default_dtype(cache_dir(), name, kind, native_bf16=kind == "native" or packing_supported(torch.bfloat16, "cpu"))
+
+
+def _checked_probe_row(loaded):
+    """This machine's probe row for the loaded model, checked by one timed step and measured again
+    when it is off by more than 2x (probe.checked_model_row); None when none is cached, or when the
+    model is not all on the CPU, where the probe times its rows."""
+    if loaded.device.type != "cpu" or loaded.placement is not None:
+        return None
+    return checked_model_row(loaded, cache_dir(), on_note=lambda line: click.echo(line, err=True))
 
 
 def _device_map() -> str | None:
@@ -386,7 +396,8 @@ def generate(prompt, model, dtype, device, engine, threads, plan, model_b, max_n
             draft = f"model:{draft_model}"
         result = run_generate(loaded, prompt, loaded.plan(plan), max_new_tokens, params, seed, stop,
                               chat=chat, on_text=on_text, draft=draft, draft_length=draft_length,
-                              draft_confidence=draft_confidence, exit_policy=exit_policy)
+                              draft_confidence=draft_confidence, exit_policy=exit_policy,
+                              probe_row=_checked_probe_row(loaded))
     click.echo("" if stream else result.text)
     if not result.text.strip() and not chat and max_new_tokens > 0:
         click.echo(f"(no text generated, stop reason: {result.stop_reason}; an instruction-tuned model may answer "
@@ -879,9 +890,14 @@ def probe(model, dtypes, engines, threads, max_length, repeats, refresh, as_json
 
             with _Progress("probe") as progress:
                 cached = run_probe(load, name, dtypes, engines, tuple(range(1, max_length + 1)), repeats,
-                                   on_progress=lambda label, done, total: progress(done, total))
+                                   on_progress=lambda label, done, total: progress(done, total),
+                                   on_note=lambda line: click.echo(line, err=True))
             path = save_probe(cached, cache_dir())
-            click.echo(f"cached in {path}", err=True)
+            if path is None:
+                click.echo(f"warning: probe not cached, its timings cannot be trusted: {'; '.join(cached.problems)}",
+                           err=True)
+            else:
+                click.echo(f"cached in {path} ({cached.load.line()})", err=True)
     if as_json:
         click.echo(json.dumps(cached.to_dict(), indent=2))
         return
@@ -958,7 +974,8 @@ def serve(model, dtype, device, engine, threads, plan, draft, draft_length, host
 
         try:
             run_server(loaded, host, port, on_listening=listening, plan=loaded.plan(plan) if plan else None,
-                       draft=draft, draft_length=draft_length, api_key=api_key, served_name=served_name)
+                       draft=draft, draft_length=draft_length, api_key=api_key, served_name=served_name,
+                       probe_row=_checked_probe_row(loaded))
         except ListenError as error:
             raise click.ClickException(str(error)) from None
 

@@ -42,6 +42,7 @@ from layerplan.decoding.drafters.registry import make_drafter
 from layerplan.decoding.generate import generate
 from layerplan.decoding.output import GenerationResult
 from layerplan.decoding.sampling import SamplingParams
+from layerplan.engine.probe import ProbeRow
 from layerplan.models.loading import LoadedModel
 from layerplan.plan.plan import LayerPlan
 
@@ -178,8 +179,13 @@ class Engine:
     decode thread instead."""
 
     def __init__(self, model: LoadedModel, plan: LayerPlan | None = None, draft=None,
-                 draft_length: str | None = None, run_in_thread: bool = True) -> None:
+                 draft_length: str | None = None, run_in_thread: bool = True,
+                 probe_row: ProbeRow | None = None) -> None:
         self.model = model
+        self.probe_row = probe_row  # this machine's probe row for the model: the pace decodes are held to
+        # the latest decode's GenerationResult.slow_note: set while decodes run far slower than the
+        # probe says (a busy machine), cleared by one that keeps pace
+        self.slow_note: str | None = None
         self.plan = plan if plan is not None else model.plan()
         # built once: a model drafter keeps its own cache between requests (it re-syncs by prefix)
         self.drafter = make_drafter(draft, model, self.plan) if draft else None  # checks it, fails at startup
@@ -228,11 +234,12 @@ class Engine:
                 job.on_start()
             result = generate(self.model, job.prompt_ids, self.plan, job.max_tokens, job.sampling, job.seed,
                               job.stop, on_text=job.on_text, draft=self.drafter, draft_length=self.draft_length,
-                              should_stop=job.cancelled.is_set)
+                              should_stop=job.cancelled.is_set, probe_row=self.probe_row)
         except Exception:
             self._count(running=-1, failed=1)
             raise
         self._count(running=-1, **({"cancelled": 1} if result.stop_reason == "cancelled" else {"finished": 1}))
+        self.slow_note = result.slow_note
         return result
 
     def close(self) -> None:
@@ -287,11 +294,13 @@ def _sse(payload: dict | str) -> str:
 
 
 def create_app(model: LoadedModel, plan: LayerPlan | None = None, draft=None, draft_length: str | None = None,
-               api_key: str | None = None, served_name: str | None = None, engine_thread: bool = True) -> FastAPI:
+               api_key: str | None = None, served_name: str | None = None, engine_thread: bool = True,
+               probe_row: ProbeRow | None = None) -> FastAPI:
     """The FastAPI app serving `model` (run by `plan`, speculatively when `draft` is given).
     engine_thread=False: the caller runs `app.state.engine.run()` on the thread that should
-    decode (see Engine; `serve` does this)."""
-    engine = Engine(model, plan, draft, draft_length, run_in_thread=engine_thread)
+    decode (see Engine; `serve` does this). probe_row: this machine's probe row for the model
+    (engine/probe.py checked_model_row); /health says when decodes ran far slower than it."""
+    engine = Engine(model, plan, draft, draft_length, run_in_thread=engine_thread, probe_row=probe_row)
     name = served_name or model.name
     created = int(time.time())
 
@@ -328,7 +337,8 @@ def create_app(model: LoadedModel, plan: LayerPlan | None = None, draft=None, dr
     @app.get("/health")
     async def health():
         return {"status": "ok", "model": name, "plan": engine.plan.to_string(),
-                "draft": getattr(engine.drafter, "name", None), **vars(engine.counters)}
+                "draft": getattr(engine.drafter, "name", None), **vars(engine.counters),
+                "slow_decode": engine.slow_note}
 
     @app.get("/v1/models")
     async def list_models():

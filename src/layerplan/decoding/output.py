@@ -21,6 +21,9 @@ class GenerationResult:
     prefill_seconds: float
     plan: str
     stats: dict = field(default_factory=dict)
+    # one line when the decode's passes ran SLOW_DECODE_RATIO times slower than this machine's
+    # probe says they cost (engine/probe.py PaceCheck): a busy machine; None otherwise
+    slow_note: str | None = None
 
     @property
     def tokens_per_second(self) -> float:

@@ -31,7 +31,7 @@ from layerplan.decoding.drafters.base import DraftState, Drafter, LearnsFromRoun
 from layerplan.decoding.drafters.registry import make_drafter
 from layerplan.decoding.output import Emitter, GenerationResult, prompt_ids
 from layerplan.decoding.sampling import SamplingParams, next_token_probs, pick
-from layerplan.engine.probe import model_pass_costs
+from layerplan.engine.probe import PaceCheck, ProbeRow, model_pass_costs
 from layerplan.engine.runner import forward, new_cache
 from layerplan.engine.tree import TreeShape
 from layerplan.models.loading import LoadedModel
@@ -127,15 +127,19 @@ def speculative_generate(
     draft_length=None,
     draft_confidence: float = 0.0,
     should_stop: Callable[[], bool] | None = None,
+    probe_row: ProbeRow | None = None,
 ) -> GenerationResult:
     """draft_confidence: a drafter that runs a model (every one but n-gram lookup) stops its round
-    when its top-1 probability falls below this."""
+    when its top-1 probability falls below this. probe_row: this machine's checked probe row for
+    the model (see generate): the verify costs, and the pace the passes are compared with."""
     target = plan if plan is not None else model.plan()
     drafter = make_drafter(drafter, model, target, draft_confidence)
     learner = drafter if isinstance(drafter, LearnsFromRounds) else None
     if draft_length is None and learner is not None:
         draft_length = FixedLength(learner.max_draft)  # it picks its own length per round
-    lengths = make_draft_length(draft_length, pass_costs=model_pass_costs(model))
+    costs = dict(probe_row.relative) if probe_row is not None else model_pass_costs(model)
+    lengths = make_draft_length(draft_length, pass_costs=costs)
+    pace = PaceCheck(probe_row)
     sampling = sampling or SamplingParams()
     generator = torch.Generator(device="cpu").manual_seed(seed) if seed is not None else None
     ids = prompt_ids(model, prompt, chat)
@@ -174,13 +178,14 @@ def speculative_generate(
         out.emit(emitted)
         source = (proposal.source or drafter.name) if drafted else None
         stats.record(gamma, drafted, accepted, len(emitted), t1 - t0, t2 - t1, source)
+        pace.add(drafted + 1, t2 - t1)  # the verify pass: the pending token and the drafts
         if learner is not None:
             learner.observe(RoundOutcome(source, drafted, accepted, t1 - t0, t2 - t1))
         lengths.update(gamma, drafted, accepted, t1 - t0, t2 - t1)
     elapsed = time.perf_counter() - start
     text = out.finish()
     return GenerationResult(text, out.tokens, ids.shape[1], out.reason, elapsed, prefill, target.to_string(),
-                            stats=stats.to_dict())
+                            stats=stats.to_dict(), slow_note=pace.note())
 
 
 def _verify_chain(model: LoadedModel, target: LayerPlan, cache, context: list[int], draft: list[int],
