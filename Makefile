@@ -9,7 +9,7 @@ STAMP  := $(VENV)/.installed-$(shell cat $(LOCKS) | cksum | cut -d' ' -f1)
 PYTHON ?= python3
 LATEST ?= .venv-latest
 
-.PHONY: demo test test-latest bench install lock clean
+.PHONY: demo test test-latest test-sanitize bench install lock clean
 
 $(STAMP): $(LOCKS)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -37,6 +37,16 @@ test-latest:
 	@$(LATEST)/bin/python -m pip list 2>/dev/null | grep -iE '^(torch|transformers|tokenizers|gguf|optuna|numpy) '
 	@bash .ci/install-postgresql
 	$(LATEST)/bin/python -m pytest -q
+
+# The engine's tests with the native kernels built under AddressSanitizer and UBSan
+# (LAYERPLAN_SANITIZE=1: a library of its own in the build cache). The ASan runtime must come first
+# in a Python host, so it is preloaded; Python's and torch's own allocations are not leak-checked.
+# Any report fails the run (the kernels are built with -fno-sanitize-recover=all).
+SANITIZE_TESTS ?= tests/test_kernels.py tests/test_native.py tests/test_tree.py
+test-sanitize: $(STAMP)
+	LAYERPLAN_SANITIZE=1 LD_PRELOAD="$$($${CC:-cc} -print-file-name=libasan.so)" \
+	ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
+	$(PY) -m pytest -q -p no:cacheprovider $(SANITIZE_TESTS)
 
 lock:
 	requirements/relock

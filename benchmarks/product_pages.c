@@ -1,7 +1,7 @@
 /* One product of the native kernels, its packed weights on 2 MB pages against 4 KB pages,
  * alternated in one process (BENCHMARKS.md, "The engine, seventh round").
  *
- *   gcc -O2 benchmarks/product_pages.c -o /tmp/product_pages -ldl
+ *   gcc -O2 -Isrc/layerplan/engine/kernels benchmarks/product_pages.c -o /tmp/product_pages -ldl
  *   so=$(.venv/bin/python -c "from layerplan.engine import native; print(native.library()._name)")
  *   /tmp/product_pages $so 3072 576 0 12 300 2 8
  *                      (kernels, out, in, bf16 0/1, copies, calls, threads, rows)
@@ -17,10 +17,10 @@
 #include <string.h>
 #include <time.h>
 
-typedef struct { const void *w; const float *bias; long n, k; int bf16; } lp_matrix;  /* as in kernels.c */
-typedef void (*pack_fn)(const void *, int, long, long, void *);
-typedef void (*linear_fn)(const void *, int, const lp_matrix *, void *, int, long, int);
-typedef void (*advise_fn)(void *, long);
+#include "kernels.h" /* the ABI: lp_matrix and the functions' types */
+typedef __typeof__(lp_pack) *pack_fn;
+typedef __typeof__(lp_linear) *linear_fn;
+typedef __typeof__(lp_advise_huge_pages) *advise_fn;
 
 static double now(void) { struct timespec t; clock_gettime(CLOCK_MONOTONIC, &t); return t.tv_sec + 1e-9 * t.tv_nsec; }
 static int by_value(const void *a, const void *b) { double x = *(const double *)a, y = *(const double *)b; return (x > y) - (x < y); }
@@ -34,6 +34,8 @@ int main(int argc, char **argv) {
     pack_fn pack = (pack_fn)dlsym(lib, "lp_pack");
     linear_fn linear = (linear_fn)dlsym(lib, "lp_linear");
     advise_fn advise = (advise_fn)dlsym(lib, "lp_advise_huge_pages");
+    int (*abi)(void) = (int (*)(void))dlsym(lib, "lp_abi_version");
+    if (!abi || abi() != LP_ABI_VERSION) { fprintf(stderr, "kernels of another ABI than kernels.h's %d\n", LP_ABI_VERSION); return 1; }
     if (!pack || !linear || !advise || copies < 2 || rows < 1 || rows > 64) { fprintf(stderr, "bad kernels or arguments\n"); return 1; }
     size_t es = bf16 ? 2 : 4, huge = 2 << 20, bytes = (size_t)(n + 15) / 16 * 16 * k * es;
     size_t size = (bytes + huge - 1) / huge * huge;
@@ -49,8 +51,9 @@ int main(int argc, char **argv) {
     for (int c = 0; c < copies; c++) {
         void *p = aligned_alloc(huge, size);
         if (c % 2 == 0) advise(p, (long)size);
-        pack(raw, bf16, n, k, p);
-        mats[c] = (lp_matrix){p, NULL, n, k, bf16};
+        int format = bf16 ? LP_FORMAT_BF16 : LP_FORMAT_F32;
+        pack(raw, format, n, k, p);
+        mats[c] = (lp_matrix){p, NULL, n, k, format};
     }
     float *x = malloc(sizeof(float) * rows * k), *y = malloc(sizeof(float) * rows * n), *y0 = malloc(sizeof(float) * rows * n);
     for (long i = 0; i < rows * k; i++) x[i] = rand() / (float)RAND_MAX - 0.5f;

@@ -1,4 +1,5 @@
-"""The native engine (engine/native.py, engine/kernels.c) against PyTorch and transformers."""
+"""The native engine (engine/native.py, engine/kernels/) against PyTorch and transformers; the library
+itself (its build, ABI and checks at load) is tests/test_kernels.py's."""
 
 from __future__ import annotations
 
@@ -47,7 +48,7 @@ def test_linear_does_not_depend_on_the_thread_count(dtype):
     before = torch.get_num_threads()
     try:
         # more threads than cores: a thread is often descheduled, and the others take panels from
-        # its run (see gemm in kernels.c), which must not change a number
+        # its run (see lp_gemm in kernels/gemm.c), which must not change a number
         for rows in (1, 2, 3, 8, 9):
             results = []
             for threads in (1, 2, 3, 5):
@@ -409,58 +410,3 @@ def test_a_pass_over_a_long_context_gives_each_token_the_logits_of_decoding_it_a
         with torch.inference_mode():
             expected = model.hf(ids).logits[:, 150:]
         torch.testing.assert_close(alone, expected, atol=1e-4, rtol=1e-4)
-
-
-_ROUNDING_CHECK = r"""
-#include <stdio.h>
-/* every seventh fp32 bit pattern (NaNs, infinities, subnormals and ties among them) through the
- * eight-lane rounding and bf16 store against the scalar ones */
-int main(void) {
-    long differ = 0;
-    float in[8], out[8];
-    uint16_t stored[8];
-    for (uint64_t base = 0; base < (1ull << 32); base += 56) {
-        for (int j = 0; j < 8; j++) { uint32_t u = (uint32_t)(base + 7 * j); memcpy(&in[j], &u, 4); }
-        __m256 v = _mm256_loadu_ps(in);
-        _mm256_storeu_ps(out, rnd8_exact(v));
-        _mm_storeu_si128((__m128i *)stored, to_bf16_8(v));
-        for (int j = 0; j < 8; j++) {
-            float want = rnd(in[j], 1);
-            differ += memcmp(&want, &out[j], 4) != 0 || stored[j] != f32_to_bf16(in[j]);
-        }
-    }
-    printf("%ld\n", differ);
-    return differ != 0;
-}
-"""
-
-
-def test_eight_lane_rounding_is_the_scalar_rounding_bit_for_bit(tmp_path):
-    """The per-row work runs on eight lanes with a scalar tail: both must round every value alike,
-    or a token's logits would depend on where its row's elements fall."""
-    import subprocess
-
-    program = tmp_path / "rounding.c"
-    program.write_text(f'#include "{native.SOURCE}"\n' + _ROUNDING_CHECK)
-    flags = [flag for flag in native.FLAGS if flag not in ("-shared", "-fPIC")]
-    subprocess.run([native._compiler(), *flags, str(program), "-o", str(tmp_path / "rounding"), *native.LIBS],
-                   check=True, capture_output=True)
-    done = subprocess.run([str(tmp_path / "rounding")], capture_output=True, text=True, timeout=300)
-    assert (done.returncode, done.stdout.strip()) == (0, "0")
-
-
-def test_a_compiler_that_refuses_the_alignment_flags_still_builds_the_kernels(tmp_path, monkeypatch):
-    fussy = tmp_path / "fussy-cc"
-    fussy.write_text('#!/bin/sh\nfor a in "$@"; do case "$a" in -falign-*) echo "unknown argument: $a" >&2; exit 1;; esac; done\n'
-                     f'exec {native._compiler()} "$@"\n')
-    fussy.chmod(0o755)
-    monkeypatch.setenv("CC", str(fussy))
-    monkeypatch.setattr(native, "_cache_folder", lambda: tmp_path / "native")
-    native.library.cache_clear()
-    try:
-        lib = native.library()
-        assert hasattr(lib, "lp_linear")
-        built = list((tmp_path / "native").glob("kernels-*.so"))
-        assert len(built) == 1
-    finally:
-        native.library.cache_clear()

@@ -1,4 +1,5 @@
-"""Native CPU kernels (engine/kernels.c): built with the system C compiler on first use, cached.
+"""Native CPU kernels (engine/kernels/): the library built, picked and checked by kernel_library.py;
+here, the descriptors the kernels read and the Python objects that own what they point into.
 
 The kernels reproduce the sub-layers of the llama family (RMSNorm, RoPE, grouped-query attention
 over the step's KV slot, gated MLP) from the layer's own weights, read in place: fp32
@@ -6,172 +7,79 @@ accumulation over fp32 or bf16 weights, each weight read once per pass whatever 
 tokens, and batch-invariant (a token's result does not depend on the other tokens of the pass).
 The model's modules are never changed, so transformers' own forward and generate stay the
 reference; a sub-layer the kernels do not reproduce runs its module eagerly.
+
+Descriptors (the ctypes structs of kernels.h) hold raw addresses; every Python object that builds
+one keeps a reference to each tensor it points into for as long as the descriptor lives.
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import os
-import shutil
-import subprocess
-import tempfile
-import time
+from collections import OrderedDict
 from dataclasses import dataclass
-from functools import lru_cache
-from pathlib import Path
 
 import torch
 from torch import nn
 
-from layerplan.files import cache_dir
+from layerplan.engine.kernel_library import (ABI, AbiMismatch, NativeUnavailable, check, kernels_key, library,
+                                             native_available)
 from layerplan.machine import read_cpuinfo
 from layerplan.models.architectures import arch_spec
 
-SOURCE = Path(__file__).with_name("kernels.c")
-FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC", "-std=c11")
-# Functions and loops start on 64-byte lines: where the hot loops fall otherwise moves with every
-# edit of the source, and moved 8-token bf16 passes by up to 10% (AVX2 EPYC, the same kernels built
-# both ways, alternated in one process in both orders; fp32 passes within 5%, steps 4%). GCC takes
-# them, as does clang from version 13; a compiler that refuses them builds the kernels without.
-ALIGN_FLAGS = ("-falign-functions=64", "-falign-loops=64")
-LIBS = ("-lm",)
-_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+__all__ = ["AbiMismatch", "NativeUnavailable", "kernels_key", "library", "native_available"]
+
+# activation / cache / norm-weight dtypes, and the weight formats of kernels/formats.c, by torch dtype
+_DTYPES = {torch.float32: ABI.LP_DTYPE_F32, torch.bfloat16: ABI.LP_DTYPE_BF16}
+_FORMATS = {torch.float32: ABI.LP_FORMAT_F32, torch.bfloat16: ABI.LP_FORMAT_BF16}
 _MISSING = object()  # a dict lookup's "not there", where None is a value
 
-
-class _Norm(ctypes.Structure):
-    _fields_ = [("weight", ctypes.c_void_p), ("eps", ctypes.c_float), ("offset", ctypes.c_float), ("mode", ctypes.c_int)]
-
-
-class _Matrix(ctypes.Structure):
-    _fields_ = [("w", ctypes.c_void_p), ("bias", ctypes.c_void_p), ("n", ctypes.c_long), ("k", ctypes.c_long),
-                ("bf16", ctypes.c_int)]
-
-
-class _Attention(ctypes.Structure):
-    _fields_ = [("hidden", ctypes.c_long), ("heads", ctypes.c_long), ("kv_heads", ctypes.c_long),
-                ("head_dim", ctypes.c_long), ("norm", _Norm), ("q_norm", _Norm), ("k_norm", _Norm),
-                ("post_norm", _Norm), ("qkv", _Matrix), ("o", _Matrix),
-                ("scaling", ctypes.c_float), ("window", ctypes.c_long), ("rotary_dim", ctypes.c_long)]
+# the structs of kernels.h, as read from it
+_Norm = ABI.structs["lp_norm"]
+_Matrix = ABI.structs["lp_matrix"]
+_Kv = ABI.structs["lp_kv"]
+_Attention = ABI.structs["lp_attention"]
+_Mlp = ABI.structs["lp_mlp"]
+_Step = ABI.structs["lp_step"]
 
 
-class _Mlp(ctypes.Structure):
-    _fields_ = [("hidden", ctypes.c_long), ("inner", ctypes.c_long), ("norm", _Norm), ("post_norm", _Norm),
-                ("gate_up", _Matrix), ("down", _Matrix), ("activation", ctypes.c_int)]
+def _holding(descriptor: ctypes.Structure, *owners) -> ctypes.Structure:
+    """The descriptor, keeping `owners` (what its addresses point into) alive as long as it is."""
+    descriptor._owners = owners
+    return descriptor
 
 
-class _Step(ctypes.Structure):
-    _fields_ = [("attention", ctypes.POINTER(_Attention)), ("mlp", ctypes.POINTER(_Mlp)), ("kcache", ctypes.c_void_p),
-                ("vcache", ctypes.c_void_p), ("capacity", ctypes.c_long), ("rope", ctypes.c_long), ("scale", ctypes.c_float)]
+class BoundedCache(OrderedDict):
+    """A dict of at most `bound` entries that drops the least recently used (get or set) first."""
+
+    def __init__(self, bound: int) -> None:
+        super().__init__()
+        self.bound = bound
+
+    def get(self, key, default=None):
+        if key in self:
+            self.move_to_end(key)
+            return self[key]
+        return default
+
+    def __setitem__(self, key, value) -> None:
+        super().__setitem__(key, value)
+        self.move_to_end(key)
+        while len(self) > self.bound:
+            self.popitem(last=False)
 
 
-class NativeUnavailable(RuntimeError):
-    """The native kernels cannot run here (CPU without AVX2/FMA, no C compiler); says which."""
-
-
-def _cache_folder() -> Path:
-    return cache_dir() / "native"
-
-
-def _compiler() -> str:
-    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
-        if name and shutil.which(name):
-            return name
-    raise NativeUnavailable("the native engine needs a C compiler (cc, gcc or clang) on PATH; "
-                            "use --engine eager, or install gcc")
-
-
-def kernels_key(compiler: str | None = None) -> str:
-    """Changes with the kernels' source, flags or compiler: a build or a timing of other kernels
-    is not reused."""
-    try:
-        compiler = compiler or _compiler()
-    except NativeUnavailable:
-        compiler = "none"
-    return hashlib.sha256(SOURCE.read_bytes() + " ".join((compiler,) + FLAGS + ALIGN_FLAGS).encode()).hexdigest()[:16]
-
-
-@lru_cache(maxsize=1)
-def library() -> ctypes.CDLL:
-    """The compiled kernels, built once per source, flags and compiler (atomic write, so two
-    processes building at once both end with a whole library)."""
-    model, flags = read_cpuinfo()
-    missing = sorted({"avx2", "fma"} - (flags or set()))
-    if missing:
-        raise NativeUnavailable(f"the native engine needs AVX2 and FMA; this CPU ({model or 'unknown'}) lacks "
-                                f"{', '.join(missing)}: use --engine eager")
-    compiler = _compiler()
-    target = _cache_folder() / f"kernels-{kernels_key(compiler)}.so"
-    if not target.exists():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        fd, staging = tempfile.mkstemp(dir=target.parent, prefix=".kernels-", suffix=".so")
-        os.close(fd)
-        try:
-            for flags in (FLAGS + ALIGN_FLAGS, FLAGS):
-                done = subprocess.run([compiler, *flags, str(SOURCE), "-o", staging, *LIBS], capture_output=True, text=True)
-                if done.returncode == 0:
-                    break
-            if done.returncode != 0:
-                raise NativeUnavailable(f"building the native kernels with {compiler} failed: "
-                                        f"{(done.stderr.strip().splitlines() or ['no message'])[-1]}")
-            os.replace(staging, target)
-        finally:
-            if os.path.exists(staging):
-                os.unlink(staging)
-        # builds of other sources unused for a week go (another install may still use a recent one)
-        for old in target.parent.glob("kernels-*.so"):
-            if old != target and time.time() - old.stat().st_atime > 7 * 86400:
-                old.unlink(missing_ok=True)
-    lib = ctypes.CDLL(str(target))
-    lib.lp_linear.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.POINTER(_Matrix), ctypes.c_void_p, ctypes.c_int,
-                              ctypes.c_long, ctypes.c_int]
-    lib.lp_linear.restype = None
-    lib.lp_norm_linear.argtypes = [ctypes.POINTER(_Norm), ctypes.c_void_p, ctypes.POINTER(_Matrix), ctypes.c_void_p,
-                                   ctypes.c_long, ctypes.c_int, ctypes.c_int]
-    lib.lp_norm_linear.restype = None
-    lib.lp_pack.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_long, ctypes.c_void_p]
-    lib.lp_pack.restype = None
-    lib.lp_advise_huge_pages.argtypes = [ctypes.c_void_p, ctypes.c_long]
-    lib.lp_advise_huge_pages.restype = None
-    lib.lp_attention_block.argtypes = [ctypes.POINTER(_Attention), ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long,
-                                       ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
-                                       ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_long, ctypes.c_long,
-                                       ctypes.c_void_p, ctypes.c_float, ctypes.c_int, ctypes.c_int]
-    lib.lp_attention_block.restype = ctypes.c_int
-    lib.lp_mlp_block.argtypes = [ctypes.POINTER(_Mlp), ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long,
-                                 ctypes.c_float, ctypes.c_int, ctypes.c_int]
-    lib.lp_mlp_block.restype = None
-    lib.lp_run_steps.argtypes = [ctypes.POINTER(_Step), ctypes.c_long, ctypes.c_void_p, ctypes.c_long, ctypes.c_long,
-                                 ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_void_p), ctypes.c_long,
-                                 ctypes.c_long, ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
-    lib.lp_run_steps.restype = ctypes.c_int
-    lib.lp_forward.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p,
-                               ctypes.POINTER(_Step), ctypes.c_long, ctypes.c_long, ctypes.POINTER(ctypes.c_void_p),
-                               ctypes.POINTER(ctypes.c_void_p), ctypes.c_long, ctypes.c_long, ctypes.c_void_p,
-                               ctypes.POINTER(_Norm), ctypes.POINTER(_Matrix), ctypes.c_long, ctypes.c_void_p,
-                               ctypes.c_int, ctypes.c_int]
-    lib.lp_forward.restype = ctypes.c_int
-    lib.lp_product_rate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long]
-    lib.lp_product_rate.restype = ctypes.c_double
-    lib.lp_read_rate.argtypes = [ctypes.c_void_p, ctypes.c_long, ctypes.c_int]
-    lib.lp_read_rate.restype = ctypes.c_double
-    return lib
-
-
-def native_available() -> str | None:
-    """None when the native kernels can run here, else the reason they cannot."""
-    try:
-        library()
-    except NativeUnavailable as error:
-        return str(error)
-    return None
+# Step runs kept per engine: a generation asks for one or two (draft and target), a search for one
+# per plan it tries; a run rebuilt costs about a millisecond.
+RUNS_KEPT = 64
 
 
 def product_rate(dtype: torch.dtype, rounds: int = 40) -> float:
     """GFLOP/s of 8-row products over `dtype` weights already in cache, on torch's threads now:
     the ceiling of a pass's arithmetic here."""
-    return library().lp_product_rate(_DTYPES[dtype], torch.get_num_threads(), rounds)
+    rate = library().lp_product_rate(_FORMATS[dtype], torch.get_num_threads(), rounds)
+    if rate < 0:
+        raise MemoryError("the product rate's matrices could not be allocated")
+    return rate
 
 
 def read_rate(buffer: torch.Tensor) -> float:
@@ -211,38 +119,43 @@ class WeightArena:
 
 
 class PackedMatrix:
-    """Weight matrices (out, in) stacked by rows and packed for the kernels (see lp_pack in
-    kernels.c): a copy made once, so the model's own weights stay as transformers left them.
-    Biases are kept in fp32 (zeros for a stacked part without one). The copy lives in `arena`
-    (a model's weights) or in a tensor of its own (None: one-off products)."""
+    """Weight matrices (out, in) stacked by rows and packed for the kernels (lp_pack; the layout is
+    the weight format's row in kernels/formats.c): a copy made once, so the model's own weights stay
+    as transformers left them. The format follows the weights' dtype (_FORMATS). Biases are kept in
+    fp32 (zeros for a stacked part without one). The copy lives in `arena` (a model's weights) or
+    in a tensor of its own (None: one-off products); the descriptor holds both it and the bias."""
 
     def __init__(self, weights: list[torch.Tensor], biases: list[torch.Tensor | None],
                  arena: WeightArena | None = None) -> None:
         dtype, k = weights[0].dtype, weights[0].shape[1]
         for weight in weights:
-            if (weight.dtype != dtype or weight.dtype not in _DTYPES or weight.device.type != "cpu"
+            if (weight.dtype != dtype or weight.dtype not in _FORMATS or weight.device.type != "cpu"
                     or weight.dim() != 2 or weight.shape[1] != k):
                 raise Unsupported(f"a {weight.dtype} {tuple(weight.shape)} weight on {weight.device} is not a "
                                   "float32 or bfloat16 CPU matrix the kernels take")
         stacked = torch.cat([w.detach() for w in weights]).contiguous() if len(weights) > 1 else weights[0].detach().contiguous()
         n = stacked.shape[0]
-        self.n, self.k, self.dtype = n, k, dtype
-        numel = ((n + 15) // 16) * 16 * k
+        self.n, self.k, self.dtype, self.format = n, k, dtype, _FORMATS[dtype]
+        nbytes = library().lp_packed_bytes(self.format, n, k)
+        if nbytes < 0:
+            raise Unsupported(f"a ({n}, {k}) matrix the {dtype} weight format cannot pack")
+        numel = nbytes // dtype.itemsize
         self.packed = arena.empty(numel, dtype) if arena is not None else torch.empty(numel, dtype=dtype)
-        library().lp_pack(stacked.data_ptr(), _DTYPES[dtype], n, k, self.packed.data_ptr())
+        check(library().lp_pack(stacked.data_ptr(), self.format, n, k, self.packed.data_ptr()), "packing a matrix")
         self.bias = None
         if any(b is not None for b in biases):
             self.bias = torch.cat([b.detach().float() if b is not None else torch.zeros(w.shape[0])
                                    for w, b in zip(weights, biases)]).contiguous()
-        self.descriptor = _Matrix(self.packed.data_ptr(), self.bias.data_ptr() if self.bias is not None else None,
-                                  n, k, _DTYPES[dtype])
+        self.descriptor = _holding(
+            _Matrix(self.packed.data_ptr(), self.bias.data_ptr() if self.bias is not None else None, n, k, self.format),
+            self.packed, self.bias)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x (..., in) in fp32 or bf16 -> (..., out) in x's dtype."""
         x = x.contiguous()
         y = torch.empty(*x.shape[:-1], self.n, dtype=x.dtype)
-        library().lp_linear(x.data_ptr(), _DTYPES[x.dtype], ctypes.byref(self.descriptor), y.data_ptr(),
-                            _DTYPES[x.dtype], x.numel() // self.k, torch.get_num_threads())
+        check(library().lp_linear(x.data_ptr(), _DTYPES[x.dtype], ctypes.byref(self.descriptor), y.data_ptr(),
+                                  _DTYPES[x.dtype], x.numel() // self.k, torch.get_num_threads()), "lp_linear")
         return y
 
 
@@ -288,15 +201,17 @@ def _children(module: nn.Module, known: tuple[set[str], ...]) -> set[str]:
 
 def _norm(module: nn.Module | None, dtype: torch.dtype, offset: float) -> _Norm:
     if module is None:
-        return _Norm(None, 0.0, 0.0, 0)
+        return _Norm(None, 0.0, 0.0, ABI.LP_NORM_ROUND_NORMALISED, _DTYPES[dtype])
     name = type(module).__name__
     weight = getattr(module, "weight", None)
     if not name.endswith("RMSNorm") or weight is None or weight.dtype != dtype or not weight.is_contiguous():
         raise Unsupported(f"norm {name} is not an RMSNorm the kernels know")
     if hasattr(module, "variance_epsilon"):  # weight * normalised.to(dtype) (Llama and its copies)
-        return _Norm(weight.data_ptr(), float(module.variance_epsilon), offset, 0)
+        return _holding(_Norm(weight.data_ptr(), float(module.variance_epsilon), offset, ABI.LP_NORM_ROUND_NORMALISED,
+                              _DTYPES[dtype]), weight)
     if hasattr(module, "eps"):  # ((offset + weight) * normalised).to(dtype) (Gemma)
-        return _Norm(weight.data_ptr(), float(module.eps), offset, 1)
+        return _holding(_Norm(weight.data_ptr(), float(module.eps), offset, ABI.LP_NORM_ROUND_PRODUCT, _DTYPES[dtype]),
+                        weight)
     raise Unsupported(f"norm {name} has no epsilon the kernels know")
 
 
@@ -305,7 +220,7 @@ class NativeLayer:
     `attention` / `mlp` is None where that sub-layer runs eagerly (`why` says why)."""
 
     def __init__(self, parts, dtype: torch.dtype, norm_offset: float, arena: WeightArena) -> None:
-        self.dtype, self.bf16 = dtype, int(dtype == torch.bfloat16)
+        self.dtype = dtype
         self.attention: _Attention | None = None
         self.mlp: _Mlp | None = None
         self.matrices: tuple[PackedMatrix, ...] = ()  # keeps the packed weights the descriptors point to
@@ -347,7 +262,7 @@ class NativeLayer:
             hidden=config.hidden_size, heads=heads, kv_heads=kv_heads, head_dim=head_dim, **norms,
             qkv=qkv.descriptor, o=o.descriptor, scaling=float(module.scaling),
             window=parts.sliding_window or 0, rotary_dim=head_dim)
-        return descriptor, (qkv, o)
+        return _holding(descriptor, qkv, o, *norms.values()), (qkv, o)
 
     @staticmethod
     def _mlp(parts, dtype, offset, arena) -> tuple[_Mlp, tuple[PackedMatrix, ...]]:
@@ -370,7 +285,7 @@ class NativeLayer:
         gate_up, down = _packed(linears, arena), _packed([module.down_proj], arena)
         descriptor = _Mlp(hidden=down.n, inner=inner, norm=norm, post_norm=post_norm, gate_up=gate_up.descriptor,
                           down=down.descriptor, activation=_ACTIVATIONS[type(act).__name__])
-        return descriptor, (gate_up, down)
+        return _holding(descriptor, gate_up, down, norm, post_norm), (gate_up, down)
 
     def run_attention(self, hidden: torch.Tensor, keys: torch.Tensor | None, values: torch.Tensor | None,
                       start_pos: int, rope: tuple[torch.Tensor, torch.Tensor], scale: float,
@@ -388,36 +303,39 @@ class NativeLayer:
         out = torch.empty_like(hidden)
         cos, sin = (t.contiguous() for t in rope)
         sink, recent = window if window is not None and hidden.shape[1] == 1 else (0, 0)
-        status = library().lp_attention_block(
+        slot = _Kv(keys.data_ptr(), values.data_ptr(), keys.shape[2], kv_start, _DTYPES[keys.dtype])
+        check(library().lp_attention_block(
             ctypes.byref(self.attention), hidden.data_ptr(), out.data_ptr(), hidden.shape[1], start_pos,
-            cos.data_ptr(), sin.data_ptr(), keys.data_ptr(), values.data_ptr(), keys.shape[2], kv_start, sink, recent,
-            tree.data_ptr() if tree is not None else None, scale, self.bf16, torch.get_num_threads())
-        if status != 0:
-            raise RuntimeError(f"native attention refused its input (status {status})")
+            cos.data_ptr(), sin.data_ptr(), ctypes.byref(slot), sink, recent,
+            tree.data_ptr() if tree is not None else None, scale, _DTYPES[hidden.dtype], torch.get_num_threads()),
+            "native attention")
         return out
 
     def run_mlp(self, hidden: torch.Tensor, scale: float) -> torch.Tensor:
         hidden = hidden.contiguous()
         out = torch.empty_like(hidden)
-        library().lp_mlp_block(ctypes.byref(self.mlp), hidden.data_ptr(), out.data_ptr(), hidden.shape[1], scale,
-                               self.bf16, torch.get_num_threads())
+        check(library().lp_mlp_block(ctypes.byref(self.mlp), hidden.data_ptr(), out.data_ptr(), hidden.shape[1], scale,
+                                     _DTYPES[hidden.dtype], torch.get_num_threads()), "native MLP")
         return out
 
 
 class StepRun:
     """A run of plan steps whose switched-on sub-layers all have kernels, as one native call: the
-    runner's loop without a Python round trip per sub-layer. Built once per (plan, steps)."""
+    runner's loop without a Python round trip per sub-layer. Built once per (plan, steps). The
+    step table points into the steps' descriptors (held by the pointers in it) and into the KV
+    slot buffers (held in _buffers until the table points elsewhere)."""
 
-    def __init__(self, steps: list[tuple[int, NativeLayer, bool, bool, float]], rope_layers: list, bf16: int) -> None:
-        # steps: (slot, layer kernels, attention on, mlp on, scale); rope_layers[i]: a layer of rope table i
+    def __init__(self, steps: list[tuple[int, NativeLayer, bool, bool, float]], rope_layers: list, dtype: int) -> None:
+        # steps: (slot, layer kernels, attention on, mlp on, scale); rope_layers[i]: a layer of rope table i;
+        # dtype: the activations' (LP_DTYPE_...)
         self.slots = [(slot, layer.attention if attention else None) for slot, layer, attention, _, _ in steps]
-        self.rope_layers, self.bf16 = rope_layers, bf16
+        self.rope_layers, self.dtype = rope_layers, dtype
         self.table = (_Step * len(steps))()
         for entry, (slot, layer, attention, mlp, scale) in zip(self.table, steps):
             entry.attention = ctypes.pointer(layer.attention) if attention else None
             entry.mlp = ctypes.pointer(layer.mlp) if mlp else None
             entry.scale = scale
-        self._buffers: list[int | None] = [None] * len(steps)
+        self._buffers: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(steps)
 
     def _slots_and_tables(self, cache, start_pos: int, rows: int, dtype: torch.dtype, device: torch.device,
                           ropes: list[tuple[torch.Tensor, torch.Tensor]]):
@@ -428,10 +346,10 @@ class StepRun:
                 continue
             keys, values = cache.reserve(slot, end, 1, attention.kv_heads, attention.head_dim, attention.head_dim,
                                          dtype, device)
-            if self._buffers[i] is not keys:  # a new or grown buffer
-                entry = self.table[i]
-                entry.kcache, entry.vcache, entry.capacity = keys.data_ptr(), values.data_ptr(), keys.shape[2]
-                self._buffers[i] = keys
+            held = self._buffers[i]
+            if held is None or held[0] is not keys or held[1] is not values:  # a new or grown buffer
+                self.table[i].kv = _Kv(keys.data_ptr(), values.data_ptr(), keys.shape[2], 0, _DTYPES[keys.dtype])
+                self._buffers[i] = (keys, values)
         tables = [(cos.contiguous(), sin.contiguous()) for cos, sin in ropes]
         cos = (ctypes.c_void_p * len(tables))(*(c.data_ptr() for c, _ in tables))
         sin = (ctypes.c_void_p * len(tables))(*(s.data_ptr() for _, s in tables))
@@ -444,11 +362,9 @@ class StepRun:
         hidden = hidden.contiguous().clone()  # written in place
         tables, cos, sin = self._slots_and_tables(cache, start_pos, hidden.shape[1], hidden.dtype, hidden.device, ropes)
         sink, recent = window if window is not None and hidden.shape[1] == 1 else (0, 0)
-        status = library().lp_run_steps(self.table, len(self.table), hidden.data_ptr(), hidden.shape[1], start_pos,
-                                         cos, sin, sink, recent, tree.data_ptr() if tree is not None else None,
-                                         self.bf16, torch.get_num_threads())
-        if status != 0:
-            raise RuntimeError(f"native attention refused its input (status {status})")
+        check(library().lp_run_steps(self.table, len(self.table), hidden.data_ptr(), hidden.shape[1], start_pos,
+                                     cos, sin, sink, recent, tree.data_ptr() if tree is not None else None,
+                                     self.dtype, torch.get_num_threads()), "a native run of steps")
         return hidden
 
     def logits(self, ends: PassEnds, input_ids: torch.Tensor, cache, start_pos: int,
@@ -467,12 +383,11 @@ class StepRun:
             ends.embedding.data_ptr(), ends.embedding.shape[0], ids.data_ptr(), rows, hidden.data_ptr(), self.table,
             len(self.table), start_pos, cos, sin, sink, recent, tree.data_ptr() if tree is not None else None,
             ctypes.byref(ends.norm), ctypes.byref(ends.head.descriptor), rows - 1 if last_only else 0,
-            logits.data_ptr(), self.bf16, torch.get_num_threads())
-        if status == -2:
+            logits.data_ptr(), self.dtype, torch.get_num_threads())
+        if status == ABI.LP_E_TOKEN:
             bad = ids[(ids < 0) | (ids >= ends.embedding.shape[0])][0].item()
             raise IndexError(f"token id {bad} is outside the vocabulary (0 to {ends.embedding.shape[0] - 1})")
-        if status != 0:
-            raise RuntimeError(f"native attention refused its input (status {status})")
+        check(status, "a native pass")
         return logits
 
 
@@ -527,7 +442,7 @@ class NativeEngine:
         self._heads: dict[int, tuple[nn.Module, PackedMatrix]] = {}
         # final norms as kernel descriptors (None: runs as the module), by id of their module
         self._norms: dict[int, tuple[nn.Module, _Norm | None]] = {}
-        self._runs: dict[tuple, StepRun | None] = {}
+        self._runs: BoundedCache = BoundedCache(RUNS_KEPT)  # (plan, first, end) -> its StepRun or None
         self._last_run: tuple | None = None  # (plan, first, end, its run): the last asked for
         # pass_ends by parts and whether the kernels take the pass (the parts are held: ids stay theirs)
         self._ends: dict[tuple[int, bool], tuple[object, PassEnds | None]] = {}
@@ -567,8 +482,9 @@ class NativeEngine:
             return packed(normed) if packed is not None and normed.dtype == hidden.dtype else lm_head(normed)
         x = hidden.contiguous()
         logits = torch.empty(*x.shape[:-1], packed.n, dtype=x.dtype)
-        library().lp_norm_linear(ctypes.byref(norm), x.data_ptr(), ctypes.byref(packed.descriptor), logits.data_ptr(),
-                                 x.numel() // x.shape[-1], _DTYPES[x.dtype], torch.get_num_threads())
+        check(library().lp_norm_linear(ctypes.byref(norm), x.data_ptr(), ctypes.byref(packed.descriptor),
+                                       logits.data_ptr(), x.numel() // x.shape[-1], _DTYPES[x.dtype],
+                                       torch.get_num_threads()), "the native LM head")
         return logits
 
     def _packed_head(self, lm_head: nn.Module, dtype: torch.dtype, rows: int) -> PackedMatrix | None:

@@ -1,0 +1,62 @@
+/* The weight-format trait table: one row per weight format (lp_matrix.format), with what the rest
+ * of the engine needs to know of it. Adding a format is a row here (formats.c) plus its tiles in
+ * each ISA's product file; nothing else in the engine names a format.
+ *
+ * Packed layout, common to every format: panels of LP_PANEL output rows (zero-padded to whole
+ * panels), each panel input-major: for each block of `block` inputs, the LP_PANEL rows' blocks
+ * (`block_bytes` each), in the order the format's pack function gives them. So a panel is
+ * LP_PANEL * (k / block) * block_bytes bytes, and panel p starts p panels in.
+ */
+#ifndef LP_FORMATS_H
+#define LP_FORMATS_H
+
+#include "common.h"
+
+/* One tile of a product: for `rows` rows of x (rows of k floats, consecutive) and `panels` panels
+ * from w (the first panel; the others panel_bytes apart), y[r][16 p + j] += the sums over inputs
+ * [from, to) (from a multiple of LP_BLOCK; y is overwritten rather than added to when from is 0).
+ * y's rows are ys apart. fetch: this tile may prefetch the next panels (one tile of a group does).
+ * Every tile sums each output as the block rule of LP_BLOCK says, so which tile computes an output
+ * does not change it. */
+typedef void (*lp_tile)(const float *x, long k, long from, long to, const void *w, long panel_bytes, float *y, long ys,
+                        int fetch);
+
+#define LP_GROUP_ROWS 6 /* the most rows a tile takes */
+
+/* The tiles of one format on one ISA, by row-count class, and how the scheduler groups rows. */
+typedef struct {
+    lp_tile one_panel[LP_GROUP_ROWS + 1]; /* [r]: r rows (1 .. LP_GROUP_ROWS) on one panel */
+    lp_tile two_panels[4];                /* [r]: r rows (1 .. 3) on two panels */
+    lp_tile four_panels;                  /* one row on four panels */
+    /* rows past the groups of LP_GROUP_ROWS, when 1-3, go on panel pairs after the groups went
+     * through both panels (two_panels), rather than one panel at a time */
+    int pair_rest;
+    /* rows in even groups of at most LP_GROUP_ROWS (8 = 4 + 4) rather than full groups and the rest
+     * (8 = 6 + 2) */
+    int even_groups;
+} lp_tiles;
+
+typedef struct {
+    const char *name;
+    long block;       /* inputs per block (1 for the plain formats) */
+    long block_bytes; /* bytes of one row's block */
+    /* w (n, k) as the format's rows are stored unpacked -> out, the packed panels */
+    void (*pack)(const void *w, long n, long k, void *out);
+    /* count fp32 values (a whole number of blocks) -> the format's unpacked row */
+    void (*from_f32)(const float *src, void *dst, long count);
+    const lp_tiles *tiles; /* this library's ISA's tiles for the format */
+} lp_format_traits;
+
+/* the row of `format`, NULL for an unknown one */
+const lp_format_traits *lp_format(int format);
+
+/* bytes of one packed panel of a k-input matrix; -1 where the blocks do not divide k */
+static inline long lp_panel_bytes(const lp_format_traits *f, long k) {
+    return k % f->block ? -1 : LP_PANEL * (k / f->block) * f->block_bytes;
+}
+
+/* the tiles of each format, defined by the ISA's product file (products_<isa>.c) */
+extern const lp_tiles lp_tiles_f32, lp_tiles_bf16;
+extern const char lp_products_isa[];
+
+#endif

@@ -1,0 +1,163 @@
+/* Decoder sub-layers (the llama family: RMSNorm, RoPE, grouped-query attention, gated MLP) and
+ * passes over runs of plan steps: the runner's loop with no Python between its parts. The same
+ * kernels in the same order whichever entry point runs them, so the same numbers. */
+#include <omp.h>
+
+#include "common.h"
+
+/* BODY for r = 0 .. rows-1: shared among the threads when `split` (a pass), in this thread
+ * otherwise (a step: even an OpenMP region of one thread costs a team's set-up). */
+#define EACH_ROW(split, threads, rows, ...)                                                         \
+    do {                                                                                            \
+        if (split) {                                                                                \
+            _Pragma("omp parallel for num_threads(threads) schedule(static)")                       \
+            for (long r = 0; r < (rows); r++) __VA_ARGS__                                           \
+        } else {                                                                                    \
+            for (long r = 0; r < (rows); r++) __VA_ARGS__                                           \
+        }                                                                                           \
+    } while (0)
+
+static int valid_norm(const lp_norm *nm) { return !nm->weight || lp_dtype_bytes(nm->dtype); }
+
+/* One attention sub-layer on `rows` tokens at positions pos0.. (hidden and out: (rows, hidden)):
+ * out = hidden + residual_scale * o_proj(attention(rope(q), rope(k), v)), with k and v written into
+ * the slot at pos0.. first.
+ * keep_sink/keep_recent > 0 (single-token reads only): attend to the first keep_sink and the last
+ * keep_recent positions (a windowed draft); 0 = every position.
+ * tree (rows x rows, NULL = a chain): the pass's tokens are the nodes of a draft tree, row r
+ * attending to row c of the pass only where tree[r * rows + c] (its ancestors and itself; the
+ * caller's cos / sin give each node its position by depth). A node's result is then the one a
+ * chain of its path would give, bit for bit: the same keys, summed in the same order. */
+LP_API int lp_attention_block(const lp_attention *a, const void *hidden, void *out, long rows, long pos0,
+                              const void *cos, const void *sin, const lp_kv *kv, long keep_sink, long keep_recent,
+                              const unsigned char *tree, float residual_scale, int dtype, int threads) {
+    long H = a->hidden, D = a->head_dim, NQ = a->heads * D, NK = a->kv_heads * D, R = a->rotary_dim;
+    long es = lp_dtype_bytes(dtype);
+    if (!es || !lp_dtype_bytes(kv->dtype) || !valid_norm(&a->norm) || !valid_norm(&a->q_norm)
+        || !valid_norm(&a->k_norm) || !valid_norm(&a->post_norm))
+        return LP_E_TYPE;
+    if (D <= 0 || D > 512 || R < 0 || R > D || a->kv_heads <= 0 || a->heads % a->kv_heads || (tree && a->window > 0))
+        return LP_E_SHAPE;
+    if (rows <= 0) return LP_OK;
+    if (pos0 < kv->start || pos0 - kv->start + rows > kv->capacity) return LP_E_CAPACITY;
+    if (threads < 1) threads = 1;
+    float *x = lp_floats(rows * H), *qkv = lp_floats(rows * (NQ + 2 * NK)), *q = lp_floats(rows * NQ),
+          *k = lp_floats(rows * NK), *v = lp_floats(rows * NK), *o = lp_floats(rows * NQ), *u = lp_floats(rows * H);
+    int status = x && qkv && q && k && v && o && u ? LP_OK : LP_E_MEMORY;
+    long ces = lp_dtype_bytes(kv->dtype);
+    int split = rows > 1 && threads > 1; /* a pass shares the per-row work too; a step keeps one thread */
+    if (status == LP_OK) {
+        EACH_ROW(split, threads, rows, {
+            lp_load_f32((const char *)hidden + r * H * es, dtype, x + r * H, H);
+            lp_norm_rows(x + r * H, 1, H, &a->norm, dtype);
+        });
+        status = lp_gemm(&a->qkv, x, rows, qkv, threads);
+    }
+    if (status == LP_OK) {
+        EACH_ROW(split, threads, rows, {
+            float *qr = q + r * NQ, *kr = k + r * NK, *vr = v + r * NK;
+            const float *src = qkv + r * (NQ + 2 * NK);
+            memcpy(qr, src, sizeof(float) * (size_t)NQ);
+            memcpy(kr, src + NQ, sizeof(float) * (size_t)NK);
+            memcpy(vr, src + NQ + NK, sizeof(float) * (size_t)NK);
+            lp_round_all(qr, NQ, dtype);
+            lp_round_all(kr, NK, dtype);
+            lp_round_all(vr, NK, dtype);
+            lp_norm_rows(qr, a->heads, D, &a->q_norm, dtype);
+            lp_norm_rows(kr, a->kv_heads, D, &a->k_norm, dtype);
+            if (R) {
+                float cs[512], sn[512];
+                lp_load_f32((const char *)cos + r * R * es, dtype, cs, R);
+                lp_load_f32((const char *)sin + r * R * es, dtype, sn, R);
+                lp_rope_rows(qr, 1, a->heads, D, R, cs, sn, dtype);
+                lp_rope_rows(kr, 1, a->kv_heads, D, R, cs, sn, dtype);
+            }
+            for (long h = 0; h < a->kv_heads; h++) {
+                long at = (h * kv->capacity + pos0 - kv->start + r) * D;
+                lp_store(kr + h * D, (char *)kv->k + at * ces, kv->dtype, D);
+                lp_store(vr + h * D, (char *)kv->v + at * ces, kv->dtype, D);
+            }
+        });
+        status = lp_attend(a, q, o, rows, pos0, kv, keep_sink, keep_recent, tree, dtype, threads);
+    }
+    if (status == LP_OK) status = lp_gemm(&a->o, o, rows, u, threads);
+    if (status == LP_OK)
+        EACH_ROW(split, threads, rows, {
+            lp_round_all(u + r * H, H, dtype);
+            lp_norm_rows(u + r * H, 1, H, &a->post_norm, dtype);
+            lp_residual_add((const char *)hidden + r * H * es, u + r * H, x + r * H, (char *)out + r * H * es, H,
+                            residual_scale, dtype);
+        });
+    free(x); free(qkv); free(q); free(k); free(v); free(o); free(u);
+    return status;
+}
+
+/* One MLP sub-layer: out = hidden + residual_scale * down(act(gate(n)) * up(n)), n = norm(hidden). */
+LP_API int lp_mlp_block(const lp_mlp *m, const void *hidden, void *out, long rows, float residual_scale, int dtype,
+                        int threads) {
+    long H = m->hidden, I = m->inner, es = lp_dtype_bytes(dtype);
+    if (!es || !valid_norm(&m->norm) || !valid_norm(&m->post_norm)) return LP_E_TYPE;
+    if (m->activation != LP_ACT_SILU && m->activation != LP_ACT_GELU_TANH) return LP_E_SHAPE;
+    if (rows <= 0) return LP_OK;
+    if (threads < 1) threads = 1;
+    float *x = lp_floats(rows * H), *gu = lp_floats(rows * 2 * I), *g = lp_floats(rows * I), *d = lp_floats(rows * H);
+    int status = x && gu && g && d ? LP_OK : LP_E_MEMORY;
+    int split = rows > 1 && threads > 1; /* a pass shares the per-row work too; a step keeps one thread */
+    if (status == LP_OK) {
+        EACH_ROW(split, threads, rows, {
+            lp_load_f32((const char *)hidden + r * H * es, dtype, x + r * H, H);
+            lp_norm_rows(x + r * H, 1, H, &m->norm, dtype);
+        });
+        status = lp_gemm(&m->gate_up, x, rows, gu, threads);
+    }
+    if (status == LP_OK) {
+        EACH_ROW(split, threads, rows, { lp_gated_activation(gu + r * 2 * I, gu + r * 2 * I + I, g + r * I, I, m->activation, dtype); });
+        status = lp_gemm(&m->down, g, rows, d, threads);
+    }
+    if (status == LP_OK)
+        EACH_ROW(split, threads, rows, {
+            lp_round_all(d + r * H, H, dtype);
+            lp_norm_rows(d + r * H, 1, H, &m->post_norm, dtype);
+            lp_residual_add((const char *)hidden + r * H * es, d + r * H, x + r * H, (char *)out + r * H * es, H,
+                            residual_scale, dtype);
+        });
+    free(x); free(gu); free(g); free(d);
+    return status;
+}
+
+/* hidden (rows, hidden) in place through `count` steps, as the runner's loop would run them one
+ * sub-layer at a time; the same kernels, so the same numbers. LP_OK, or the failing status. */
+LP_API int lp_run_steps(const lp_step *steps, long count, void *hidden, long rows, long pos0, const void *const *cos,
+                        const void *const *sin, long keep_sink, long keep_recent, const unsigned char *tree,
+                        int dtype, int threads) {
+    for (long s = 0; s < count; s++) {
+        const lp_step *st = steps + s;
+        int status = LP_OK;
+        if (st->attention)
+            status = lp_attention_block(st->attention, hidden, hidden, rows, pos0, cos[st->rope], sin[st->rope], &st->kv,
+                                        keep_sink, keep_recent, tree, st->scale, dtype, threads);
+        if (status == LP_OK && st->mlp) status = lp_mlp_block(st->mlp, hidden, hidden, rows, st->scale, dtype, threads);
+        if (status != LP_OK) return status;
+    }
+    return LP_OK;
+}
+
+/* A whole pass in one call: the embedding rows of the token ids (the embedding in `dtype`), the
+ * steps (lp_run_steps), then the final norm and the LM head (lp_norm_linear) on rows
+ * [head_from, rows) into logits. hidden: (rows, hidden) scratch in `dtype`. */
+LP_API int lp_forward(const void *embedding, long vocab, const long *ids, long rows, void *hidden,
+                      const lp_step *steps, long count, long pos0, const void *const *cos, const void *const *sin,
+                      long keep_sink, long keep_recent, const unsigned char *tree, const lp_norm *final_norm,
+                      const lp_matrix *head, long head_from, void *logits, int dtype, int threads) {
+    long dim = head->k, es = lp_dtype_bytes(dtype);
+    if (!es) return LP_E_TYPE;
+    if (head_from < 0 || head_from > rows) return LP_E_SHAPE;
+    for (long r = 0; r < rows; r++)
+        if (ids[r] < 0 || ids[r] >= vocab) return LP_E_TOKEN;
+    for (long r = 0; r < rows; r++)
+        memcpy((char *)hidden + r * dim * es, (const char *)embedding + ids[r] * dim * es, (size_t)(dim * es));
+    int status = lp_run_steps(steps, count, hidden, rows, pos0, cos, sin, keep_sink, keep_recent, tree, dtype, threads);
+    if (status != LP_OK) return status;
+    return lp_norm_linear(final_norm, (const char *)hidden + head_from * dim * es, head, logits, rows - head_from, dtype,
+                          threads);
+}
