@@ -16,6 +16,7 @@ from layerplan.decoding.drafters.suffix import SuffixDrafter
 from layerplan.decoding.generate import generate
 from layerplan.decoding.sampling import SamplingParams
 from layerplan.engine import native
+from layerplan.engine.executors import use_native
 from layerplan.plan.formats import save_plan
 from tiny import tiny_model
 
@@ -156,7 +157,7 @@ def test_bench_rows_report_tokens_per_pass_per_drafter():
 @pytest.mark.skipif(native.native_available() is not None, reason=str(native.native_available()))
 def test_bf16_suffix_and_auto_equal_plain_on_the_batch_invariant_native_engine():
     model = tiny_model("llama", 4, dtype=torch.bfloat16)
-    native.enable(model)
+    use_native(model)
     prompt = [5, 9, 14, 5, 9, 14, 5, 9]
     plain = generate(model, prompt, max_new_tokens=32, stop_at_eos=False).token_ids
     for draft in ("suffix", "auto"):

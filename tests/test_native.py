@@ -8,8 +8,8 @@ import torch
 
 from layerplan.decoding.generate import generate
 from layerplan.engine import native
+from layerplan.engine.executors import use_native
 from layerplan.engine.cache import KVCache
-from layerplan.engine import runner
 from layerplan.engine.runner import forward, head, new_cache, run_hidden, softcap
 from layerplan.engine.tree import TreeShape
 from layerplan.models.discovery import parts_of
@@ -101,7 +101,7 @@ def test_weight_arena_gives_aligned_disjoint_buffers_and_the_same_products(monke
 
 def test_a_model_packs_its_weights_into_its_arena():
     model = tiny_model("llama", 2)
-    engine = native.enable(model)
+    engine = use_native(model)
     chunks = {t.untyped_storage().data_ptr() for layer in engine.layers for t in (m.packed for m in layer.matrices)}
     assert engine.layers[0].matrices and len(chunks) == 1  # tiny weights: all in the one first chunk
 
@@ -112,7 +112,7 @@ def test_a_sub_layer_left_eager_packs_nothing_into_the_arena():
     # a norm the kernels do not know: the MLP runs eagerly, after the checks that pass
     hf_layer.post_attention_layernorm = torch.nn.LayerNorm(hf_layer.post_attention_layernorm.weight.shape[0])
     model.parts = parts_of(model.hf)
-    engine = native.enable(model)
+    engine = use_native(model)
     assert "mlp" in engine.layers[0].why and engine.layers[0].mlp is None
     qkv, o = engine.layers[0].matrices  # the attention's only
     used = -(-qkv.packed.numel() * 4 // 4096) * 4096 + -(-o.packed.numel() * 4 // 4096) * 4096
@@ -126,7 +126,7 @@ def test_packing_refuses_what_the_kernels_do_not_take():
 
 def _eager_and_native(arch, dtype=torch.float32, layers=3):
     eager, fast = tiny_model(arch, layers, dtype=dtype), tiny_model(arch, layers, dtype=dtype)
-    native.enable(fast)
+    use_native(fast)
     return eager, fast
 
 
@@ -232,13 +232,13 @@ def test_a_whole_pass_in_one_native_call_equals_its_parts(arch, dtype):
         cache, outs = new_cache(plan), []
         for a, b, last_only in [(0, 5, False), (5, 7, True), (7, 8, False)]:
             if one_call:
-                assert runner._one_native_call(fast, ids[:, a:b], plan, None, a, last_only, None) is None  # no cache
+                assert fast.executor.whole_pass(fast, ids[:, a:b], plan, None, a, last_only, None) is None  # no cache
                 outs.append(forward(fast, ids[:, a:b], plan, cache, a, last_only=last_only))
             else:
                 hidden = run_hidden(fast, ids[:, a:b], plan, cache, a)
                 outs.append(head(fast, hidden[:, -1:] if last_only else hidden))
         if one_call:
-            outs.append(runner._one_native_call(fast, ids[:, 8:12], plan, cache, 8, False, tree))
+            outs.append(fast.executor.whole_pass(fast, ids[:, 8:12], plan, cache, 8, False, tree))
         else:
             outs.append(head(fast, run_hidden(fast, ids[:, 8:12], plan, cache, 8, tree=tree)))
         return torch.cat(outs, 1)
@@ -258,7 +258,7 @@ def test_one_native_call_leaves_what_it_does_not_take_to_the_modules():
 
 def test_architectures_the_kernels_are_not_checked_for_run_eagerly():
     model = tiny_model("gpt2")
-    native.enable(model)
+    use_native(model)
     assert set(model.native.eager_sub_layers().values()) == {"the kernels are not checked for gpt2 layers"}
 
 
@@ -366,7 +366,7 @@ def _wide_head_llama(dtype, head_dim=64):
                          num_attention_heads=3, num_key_value_heads=1, max_position_embeddings=256)
     model = wrap_model(AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa").eval(),
                        name="wide-head-llama")
-    native.enable(model)
+    use_native(model)
     return model
 
 

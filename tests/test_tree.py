@@ -10,6 +10,7 @@ from layerplan.decoding.drafters.base import Proposal
 from layerplan.decoding.drafters.suffix import SuffixDrafter
 from layerplan.decoding.generate import generate
 from layerplan.engine import native
+from layerplan.engine.executors import use_native
 from layerplan.engine.runner import forward, new_cache
 from layerplan.engine.tree import TreeShape
 from tiny import tiny_model
@@ -36,7 +37,7 @@ def _model(arch, engine, dtype=torch.float32):
     if engine == "native":
         if native.native_available() is not None:
             pytest.skip(native.native_available())
-        native.enable(model)
+        use_native(model)
     return model
 
 

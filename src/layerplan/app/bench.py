@@ -207,7 +207,7 @@ def run_bench(
 
 def eager_view(model: LoadedModel) -> LoadedModel:
     """The same model (same modules, same weights) run by the eager engine."""
-    return replace(model, native=None) if model.native is not None else model
+    return replace(model, executor=None) if model.native is not None else model
 
 
 def bench_methods(

@@ -588,8 +588,3 @@ def resolve_engine(engine: str, dtype: torch.dtype, device: torch.device | str) 
         raise NativeUnavailable(reason)
     return "eager"
 
-
-def enable(model) -> NativeEngine:
-    """Run `model` (a LoadedModel) on the native kernels from now on."""
-    model.native = NativeEngine(model)
-    return model.native

@@ -36,7 +36,7 @@ from layerplan.models.architectures import (ARCHITECTURES, ATTENTION_NAMES, CONF
 
 # the code whose behaviour a cached discovery or check depends on: any change to it redoes them
 _CODE = ("models/discovery.py", "models/architectures.py", "models/verify.py", "engine/runner.py", "engine/cache.py",
-         "engine/native.py", "engine/kernels.c")
+         "engine/passes.py", "engine/executors.py", "engine/native.py", "engine/kernels.c")
 
 # sizes of the tiny model a discovered architecture is learnt and verified on
 TINY_VOCAB = 96

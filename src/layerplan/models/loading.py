@@ -18,7 +18,8 @@ from torch import nn
 
 from layerplan.files import cache_dir
 from layerplan.engine.cpu_pack import pack_linears, packing_supported
-from layerplan.engine.native import enable as enable_native, resolve_engine
+from layerplan.engine.executors import use_native
+from layerplan.engine.native import resolve_engine
 from layerplan.models.architectures import (SHAPE_KEYS, TEXT_MODEL_TYPES, LayerParts, ModelError, ModelParts,
                                             config_depth, context_length)
 from layerplan.models.discovery import native_allowed, parts_of, require_checked, spec_of
@@ -44,8 +45,9 @@ class LoadedModel:
     parts: ModelParts = field(init=False)
     # extra models whose layers plans may name ("b" -> parts), for in-situ merges of two models
     others: dict[str, LoadedModel] = field(default_factory=dict)
-    # the native kernels' view of this model (engine/native.py); None runs every module eagerly
-    native: Any = field(default=None, repr=False)
+    # who carries out its sub-layers (engine/executors.py), attached by the engine at load; None:
+    # its own modules (placed by `placement` where a device map spread them)
+    executor: Any = field(default=None, repr=False)
     # where its layers live when a device map spread them (models/placement.py); None: all on one device
     placement: Placement | None = field(default=None, repr=False)
     # a model whose parts were discovered runs only after its architecture passed the check
@@ -56,6 +58,11 @@ class LoadedModel:
         self.parts = parts_of(self.hf)  # discovery's own refusals first: they say more
         if require_check:
             require_checked(self.hf.config)
+
+    @property
+    def native(self) -> Any:
+        """The native kernels its executor runs (engine/native.py NativeEngine), or None."""
+        return getattr(self.executor, "native", None)
 
     def layers_of(self, label: str) -> tuple[LayerParts, ...]:
         return self.parts.layers if not label else self.others[label].parts.layers
@@ -314,7 +321,7 @@ def load_model(
     tokenizer = _tokenizer(folder)
     model = LoadedModel(name=name, hf=hf, tokenizer=tokenizer, source=origin, placement=placement)
     if kind == "native" and native_allowed(hf.config):
-        enable_native(model)
+        use_native(model)
     return model
 
 

@@ -17,7 +17,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from layerplan.engine.native import enable as enable_native, native_available
+from layerplan.engine.executors import use_modules, use_native
+from layerplan.engine.native import native_available
 from layerplan.engine.runner import forward, new_cache
 from layerplan.models import loading
 from layerplan.models.architectures import ARCHITECTURES, ModelError, refusal_of_config
@@ -110,9 +111,9 @@ def check_model(hf: nn.Module) -> ArchitectureCheck:
                                  f"transformers: {failure} (tolerance {TOLERANCE:g})", worst)
     native = None
     if native_available() is None:
-        enable_native(model)
+        use_native(model)
         native = _compare(model, ids, reference)[0] is None
-        model.native = None
+        use_modules(model)
     return ArchitectureCheck(model_type, True, f"identity plan == transformers on a tiny random config, prefill and "
                              f"incremental, float32 (max |difference| {worst:.1e})", worst, native)
 

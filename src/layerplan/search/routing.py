@@ -63,7 +63,7 @@ def routing_shares(model: LoadedModel, ids: torch.Tensor, plan: LayerPlan | None
         return []
     hooks = [router.register_forward_hook(record) for router in routers.values()]
     try:  # eagerly: the native kernels would not call the routers' modules
-        run_hidden(replace(model, native=None) if model.native is not None else model, ids, plan, observe=observe)
+        run_hidden(replace(model, executor=None) if model.native is not None else model, ids, plan, observe=observe)
     finally:
         for hook in hooks:
             hook.remove()
