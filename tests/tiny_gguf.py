@@ -1,0 +1,57 @@
+"""Tiny GGUF files written from tiny random models (tests/tiny.py), as llama.cpp's converter
+writes them: its tensor names, Llama's q and k rows permuted, matrices in a chosen GGUF type
+(1-D tensors in F32), no tokenizer."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+# model_type -> (GGUF architecture, the config keys it writes)
+ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "mistral": "llama"}
+
+
+def _permute(weights: np.ndarray, heads: int, kv_heads: int) -> np.ndarray:
+    """llama.cpp's converter's row order for Llama's q (heads) and k (kv_heads) projections."""
+    groups = kv_heads if kv_heads != heads else heads
+    return weights.reshape(groups, 2, weights.shape[0] // groups // 2, *weights.shape[1:]).swapaxes(1, 2).reshape(weights.shape)
+
+
+def write_tiny_gguf(hf: torch.nn.Module, path: Path, matrix_type: str = "Q8_0") -> Path:
+    """Write `hf` (a tiny llama-family CausalLM) as a GGUF whose matrices are `matrix_type`."""
+    import gguf
+
+    config = hf.config
+    arch = ARCHITECTURES[config.model_type]
+    kind = gguf.GGMLQuantizationType[matrix_type]
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_rope_freq_base(float(getattr(config, "rope_theta", None) or config.rope_parameters["rope_theta"]))
+    writer.add_vocab_size(config.vocab_size)
+    writer.add_file_type(int(kind) if kind != gguf.GGMLQuantizationType.F32 else 0)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], config.num_hidden_layers)
+    for name, tensor in hf.state_dict().items():
+        base, suffix = name.rsplit(".", 1)
+        gguf_name = names.get_name(base)
+        if gguf_name is None:
+            continue
+        values = tensor.detach().float().numpy()
+        if arch == "llama" and gguf_name.endswith(("attn_q", "attn_k")):
+            kv = config.num_key_value_heads if gguf_name.endswith("attn_k") else config.num_attention_heads
+            values = _permute(values, config.num_attention_heads, kv)
+        matrix = values.ndim == 2
+        stored = kind if matrix else gguf.GGMLQuantizationType.F32
+        writer.add_tensor(f"{gguf_name}.{suffix}", gguf.quants.quantize(values, stored), raw_dtype=stored)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
