@@ -151,9 +151,9 @@ ISAS = (
 PORTABLE = Isa("generic", frozenset(), (), "products_generic.c")  # only when LAYERPLAN_KERNEL_ISA asks for it
 
 FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=c11", "-fvisibility=hidden")
-# Functions and loops start on 64-byte lines, so where the hot loops fall does not move with every
-# edit of the source (it moved 8-token bf16 passes by up to 10%). GCC takes them, as does clang
-# from version 13; a compiler that refuses them builds the kernels without.
+# Functions and loops start on 64-byte lines, so where the hot loops fall (which moves pass times)
+# does not change with every edit of the source. GCC takes them, as does clang from version 13; a
+# compiler that refuses them builds the kernels without.
 ALIGN_FLAGS = ("-falign-functions=64", "-falign-loops=64")
 SANITIZE_FLAGS = ("-fsanitize=address,undefined", "-fno-sanitize-recover=all", "-fno-omit-frame-pointer", "-g")
 LIBS = ("-lm", "-ldl")

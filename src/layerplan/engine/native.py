@@ -90,12 +90,10 @@ def read_rate(buffer: torch.Tensor) -> float:
 
 class WeightArena:
     """Memory for a model's packed weights, in chunks on 2 MB pages where the system gives them
-    (lp_advise_huge_pages). A pass streams every packed weight from memory once; on 4 KB pages,
-    products of 2-8 rows from memory were 15-23% slower (AVX2 EPYC, fp32 gate/up matrices, both
-    kinds of page alternated in one process; BENCHMARKS.md, "The engine, seventh round"): a TLB
-    miss every 64 cache lines, and the hardware prefetchers stop at every 4 KB page. Chunks rather
-    than a buffer per matrix, so that the small matrices (a layer's o_proj is 1.3 MB in fp32) sit
-    on 2 MB pages too."""
+    (lp_advise_huge_pages). A pass streams every packed weight from memory once, and on 4 KB pages
+    that costs a TLB miss every 64 cache lines and stops the hardware prefetchers at every page
+    (benchmarks/product_pages.c measures the difference). Chunks rather than a buffer per matrix,
+    so that the small matrices (a layer's o_proj) sit on 2 MB pages too."""
 
     HUGE_PAGE = 2 << 20
     CHUNK = 64 << 20
