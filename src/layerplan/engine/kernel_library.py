@@ -162,7 +162,9 @@ _PRODUCTS = re.compile(r"products_\w+\.c")
 
 
 def sources(isa: Isa) -> list[Path]:
-    return sorted(p for p in KERNELS.glob("*.c") if not _PRODUCTS.fullmatch(p.name)) + [KERNELS / isa.products]
+    """The shared files, then the ISA's product file and its companions (products_<part>_<isa>.c)."""
+    return (sorted(p for p in KERNELS.glob("*.c") if not _PRODUCTS.fullmatch(p.name)) + [KERNELS / isa.products]
+            + sorted(KERNELS.glob(f"products_*_{isa.name}.c")))
 
 
 def choose_isa() -> Isa:

@@ -34,6 +34,10 @@ typedef struct {
     /* rows in even groups of at most LP_GROUP_ROWS (8 = 4 + 4) rather than full groups and the rest
      * (8 = 6 + 2) */
     int even_groups;
+    /* NULL, or m > LP_GROUP_ROWS rows (any number) on `panels` panels over all k inputs, each weight
+     * widened once for all the rows (the block formats: widening costs more than an FMA) */
+    void (*many_rows)(const float *x, long m, long k, const void *w, long panel_bytes, long panels, float *y,
+                      long ys);
 } lp_tiles;
 
 typedef struct {
@@ -55,8 +59,11 @@ static inline long lp_panel_bytes(const lp_format_traits *f, long k) {
     return k % f->block ? -1 : LP_PANEL * (k / f->block) * f->block_bytes;
 }
 
-/* the tiles of each format, defined by the ISA's product file (products_<isa>.c) */
+/* the tiles of each format, defined by the ISA's product files (products_<isa>.c; the block
+ * formats' in products_quant_<isa>.c) */
 extern const lp_tiles lp_tiles_f32, lp_tiles_bf16;
+extern const lp_tiles lp_tiles_f16, lp_tiles_q8_0, lp_tiles_q4_0, lp_tiles_q4_1, lp_tiles_q5_0, lp_tiles_q5_1,
+    lp_tiles_q2_k, lp_tiles_q3_k, lp_tiles_q4_k, lp_tiles_q5_k, lp_tiles_q6_k;
 extern const char lp_products_isa[];
 
 #endif

@@ -12,13 +12,18 @@
  * verify takes several panels per tile; longer passes take one panel at a time with the rows in
  * groups of at most LP_GROUP_ROWS. With several groups, every group works through a block of
  * LP_BLOCK inputs before the next block, so the block's weights come from memory once and from L1
- * for the other groups, and only the first group prefetches. */
+ * for the other groups, and only the first group prefetches. A format with its own pass for many
+ * rows (many_rows) takes every pass of more than LP_GROUP_ROWS rows. */
 static void run_panels(const lp_tiles *t, const char *w, long panel_bytes, long k, const float *x, long m, float *y,
                        long ys, long p0, long p1, long ybase) {
     const long G = LP_GROUP_ROWS;
     long groups = (m + G - 1) / G, p = p0, step = groups > 1 ? LP_BLOCK : k;
 #define PANEL(q) (w + (q) * panel_bytes)
 #define OUT(row, q) (y + (row) * ys + ((q) - ybase) * LP_PANEL)
+    if (t->many_rows && m > G) { /* the format's own pass over all the rows */
+        t->many_rows(x, m, k, PANEL(p0), panel_bytes, p1 - p0, OUT(0, p0), ys);
+        return;
+    }
     if (m <= 3) {
         long group = m == 1 ? 4 : 2;
         for (; p + group <= p1; p += group) {

@@ -16,16 +16,28 @@
 #ifndef LP_KERNELS_H
 #define LP_KERNELS_H
 
-#define LP_ABI_VERSION 2
+#define LP_ABI_VERSION 3
 
 /* activation / cache / norm-weight element types */
 #define LP_DTYPE_F32 0
 #define LP_DTYPE_BF16 1
 
-/* weight formats of a packed matrix: rows of the trait table (formats.c) */
+/* weight formats of a packed matrix: rows of the trait table (formats.c); F16 and the GGUF block
+ * formats are laid out in kernels/quant.h */
 #define LP_FORMAT_F32 0
 #define LP_FORMAT_BF16 1
-#define LP_FORMATS 2
+#define LP_FORMAT_F16 2
+#define LP_FORMAT_Q8_0 3
+#define LP_FORMAT_Q4_0 4
+#define LP_FORMAT_Q4_1 5
+#define LP_FORMAT_Q5_0 6
+#define LP_FORMAT_Q5_1 7
+#define LP_FORMAT_Q2_K 8
+#define LP_FORMAT_Q3_K 9
+#define LP_FORMAT_Q4_K 10
+#define LP_FORMAT_Q5_K 11
+#define LP_FORMAT_Q6_K 12
+#define LP_FORMATS 13
 
 /* statuses of the functions that return int */
 #define LP_OK 0
@@ -127,8 +139,15 @@ LP_API const char *lp_isa(void);
 /* bytes lp_pack writes for an (n, k) matrix in `format`; -1 for an unknown format or a k the
  * format's blocks do not divide */
 LP_API long lp_packed_bytes(int format, long n, long k);
-/* packs w (n, k, the format's unpacked rows) into out (lp_packed_bytes of it) */
+/* packs w (n, k, the format's unpacked rows: for F16 and the block formats, the rows as a GGUF
+ * file stores them) into out (lp_packed_bytes of it) */
 LP_API int lp_pack(const void *w, int format, long n, long k, void *out);
+/* rows (count, k) of `format` as a GGUF file stores them -> fp32 (count, k): exactly gguf's values
+ * (for embedding lookups and the eager path) */
+LP_API int lp_dequantize_rows(int format, const void *rows, long count, long k, float *out);
+/* fp32 rows (count, k) -> rows of `format` as a GGUF file stores them (kernels/quant.h says how
+ * each format quantizes) */
+LP_API int lp_quantize_rows(int format, const float *x, long count, long k, void *out);
 /* asks for 2 MB pages behind [p, p + bytes) (p 2 MB-aligned, not yet touched) */
 LP_API void lp_advise_huge_pages(void *p, long bytes);
 /* y[m, n] = x[m, :] . w[n, :] + bias[n]; x and y in their dtypes */

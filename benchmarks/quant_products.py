@@ -1,0 +1,98 @@
+"""Products over the GGUF block formats against fp32 and bf16: how fast one row reads the packed
+weights, and what 8 rows cost against one.
+
+    python benchmarks/quant_products.py [--mb 640] [--threads 2] [--formats Q4_1,Q8_0,...]
+
+Each format gets one matrix of k = 4096 inputs and about --mb MB packed (pick it above the
+last-level cache for memory-bound figures), filled with random blocks with sane scales. A figure
+is the best of --rounds products: one row's GB/s of packed bytes (and G weights/s), then the time
+of 8 rows over the time of one. Figures on a machine shared with other work are indicative only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import time
+
+import numpy as np
+
+from layerplan.engine import kernel_library as kl
+from layerplan.machine import read_cpuinfo
+
+# format: (inputs a block, bytes a block, where its f16 scales lie in a block)
+FORMATS = {
+    "F32": (1, 4, []), "BF16": (1, 2, []), "F16": (1, 2, []),
+    "Q8_0": (32, 34, [(0, 1)]), "Q4_0": (32, 18, [(0, 1)]), "Q4_1": (32, 20, [(0, 2)]),
+    "Q5_0": (32, 22, [(0, 1)]), "Q5_1": (32, 24, [(0, 2)]), "Q2_K": (256, 84, [(80, 2)]),
+    "Q3_K": (256, 110, [(108, 1)]), "Q4_K": (256, 144, [(0, 2)]), "Q5_K": (256, 176, [(0, 2)]),
+    "Q6_K": (256, 210, [(208, 1)]),
+}
+
+
+def stored(name: str, n: int, k: int, rng) -> np.ndarray:
+    block, nbytes, scales = FORMATS[name]
+    if name == "F32":
+        return rng.standard_normal((n, k), dtype=np.float32).view(np.uint8)
+    if name in ("BF16", "F16"):
+        values = rng.standard_normal((n, k), dtype=np.float32)
+        halves = values.astype(np.float16) if name == "F16" else (values.view(np.uint32) >> 16).astype(np.uint16)
+        return halves.view(np.uint8)
+    rows = rng.integers(0, 256, (n * k // block, nbytes), dtype=np.uint8)
+    for offset, count in scales:
+        rows[:, offset:offset + 2 * count] = np.array([0x1c00], np.uint16).view(np.uint8).tolist() * count
+    return rows.reshape(n, -1)
+
+
+def best_seconds(fn, rounds: int) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(rounds):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--mb", type=float, default=640.0)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--k", type=int, default=4096)
+    parser.add_argument("--formats", default=",".join(FORMATS))
+    args = parser.parse_args()
+    lib, abi = kl.library(), kl.ABI
+    model, _ = read_cpuinfo()
+    print(f"{model}; {os.cpu_count()} CPUs, {args.threads} threads; load average {os.getloadavg()[0]:.1f} "
+          f"(a shared machine: indicative figures); kernels {lib.isa}")
+    print(f"{'format':6} {'MB':>6} {'1 row ms':>9} {'GB/s':>6} {'Gw/s':>6} {'8 rows ms':>10} {'8 / 1':>6}")
+    rng = np.random.default_rng(0)
+    k = args.k
+    for name in args.formats.split(","):
+        block, nbytes, _ = FORMATS[name]
+        fmt = abi.constants[f"LP_FORMAT_{name}"]
+        n = max(16, int(args.mb * 1e6 / (k // block * nbytes)) // 16 * 16)
+        rows = stored(name, n, k, rng)
+        size = lib.lp_packed_bytes(fmt, n, k)
+        packed = np.empty(size + 64, np.uint8)
+        at = (-packed.ctypes.data) % 64
+        packed = packed[at:at + size]
+        kl.check(lib.lp_pack(ctypes.c_void_p(rows.ctypes.data), fmt, n, k, ctypes.c_void_p(packed.ctypes.data)), "pack")
+        del rows
+        matrix = abi.structs["lp_matrix"](ctypes.c_void_p(packed.ctypes.data), None, n, k, fmt)
+        x = rng.standard_normal((8, k), dtype=np.float32)
+        y = np.empty((8, n), np.float32)
+
+        def product(m: int) -> None:
+            kl.check(lib.lp_linear(ctypes.c_void_p(x.ctypes.data), abi.LP_DTYPE_F32, ctypes.byref(matrix),
+                                   ctypes.c_void_p(y.ctypes.data), abi.LP_DTYPE_F32, m, args.threads), "product")
+
+        one, eight = best_seconds(lambda: product(1), args.rounds), best_seconds(lambda: product(8), args.rounds)
+        print(f"{name:6} {size / 1e6:6.0f} {one * 1e3:9.2f} {size / one / 1e9:6.1f} {n * k / one / 1e9:6.2f} "
+              f"{eight * 1e3:10.2f} {eight / one:6.2f}")
+
+
+if __name__ == "__main__":
+    main()

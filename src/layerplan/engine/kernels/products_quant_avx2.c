@@ -1,0 +1,526 @@
+/* The product tiles for AVX2 + FMA + F16C over the block formats of quant.h (lp_tiles in
+ * formats.h).
+ *
+ * A tile widens each input's 16 panel rows to fp32 in two registers (rows 0-7, rows 8-15), once
+ * per input and panel, and applies them to every row of the tile with one FMA per row and half:
+ * R rows x 16 P outputs of sums in registers, as the fp32 tiles keep them, each output summed by
+ * the block rule of LP_BLOCK (a chain of FMAs over each block's inputs in order, the blocks' sums
+ * added in order). A widened weight is exactly gguf's fp32 value (quant.h), so every output is the
+ * fp32 format's product of the dequantized matrix, bit for bit, whatever the tile or thread.
+ *
+ * Widening: a sub-block's scales are read once per panel (f16 by F16C; sub-block scales and mins
+ * as gguf computes them, d * sc in fp32); quants come 4 or 8 inputs to a 32-byte word, each
+ * input's field taken out by one AND at its place, as q 2^s (converted exactly), and multiplied by
+ * scale 2^-s. Offsets (Q4_1's m, the K-quants' -dmin m, Q4_0's -8 d, Q6_K's -32 d sc) are added in
+ * the same fused multiply-add: scale * q is exact in fp32 (quant.h), so the one rounding of the
+ * FMA is the rounding of gguf's separate multiply and add. High bits (Q5, Q6_K, Q3_K) are shifted
+ * to their fields once per input and merged with an OR, or with a subtraction where they are
+ * stored inverted (q - 16 = nibble - 16 NOT bit).
+ *
+ * Shapes: register tiles where the sums and the widening state fit the 16 registers without
+ * spilling (1-4 rows on a panel, 1-2 rows on two panels); 5-6 rows on a panel, and any number of
+ * rows beyond LP_GROUP_ROWS (many_rows), widen each block of LP_BLOCK inputs of a panel once into
+ * 4 KB of fp32 in L1 and run fp32 register tiles over it for every group of rows, so a 16-row
+ * pass widens each weight once, not once per group.
+ */
+#include <immintrin.h>
+
+#include "quant.h"
+
+#if !defined(__AVX2__) || !defined(__FMA__) || !defined(__F16C__)
+#error "products_quant_avx2.c is built with -mavx2 -mfma -mf16c"
+#endif
+
+#define ALWAYS static inline __attribute__((always_inline))
+
+/* the 16 rows' fp32 weights of one input */
+typedef struct {
+    __m256 lo, hi;
+} v16;
+
+/* A sub-block's widening state on one panel: per field place t, the multipliers scale 2^-s of
+ * rows 0-7 (ml) and 8-15 (mh), the offsets added (ol, oh), and where the sub-block's quants and
+ * high bits start. */
+typedef struct {
+    __m256 ml[8], mh[8], ol, oh;
+    const uint8_t *q, *h;
+} qstate;
+
+/* one word of quants (and its high bits) */
+typedef struct {
+    __m256i v, h;
+    const uint8_t *p;
+} qraw;
+
+ALWAYS __m256 half8(const uint8_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
+ALWAYS __m256i bytes8(const uint8_t *p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p)); }
+ALWAYS __m256i sbytes8(const uint8_t *p) { return _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)); }
+ALWAYS __m256i words8(const uint8_t *p) { return _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)); }
+ALWAYS __m256i and_(__m256i a, unsigned mask) { return _mm256_and_si256(a, _mm256_set1_epi32((int)mask)); }
+ALWAYS __m256 cvt(__m256i a) { return _mm256_cvtepi32_ps(a); }
+ALWAYS __m256 mul(__m256 a, __m256 b) { return _mm256_mul_ps(a, b); }
+ALWAYS __m256 neg(__m256 a) { return _mm256_xor_ps(a, _mm256_set1_ps(-0.0f)); }
+ALWAYS __m256 fma_(__m256 a, __m256 b, __m256 c) { return _mm256_fmadd_ps(a, b, c); }
+
+/* nibble places: input t of a quad at bits 8t (rows 0-7: q 2^8t) and 8t+4 (rows 8-15: q 2^(8t+4);
+ * t = 3 shifted down to q) */
+ALWAYS void nibble_scales(qstate *s, __m256 lo, __m256 hi) {
+    s->ml[0] = lo;
+    s->ml[1] = mul(lo, _mm256_set1_ps(0x1p-8f));
+    s->ml[2] = mul(lo, _mm256_set1_ps(0x1p-16f));
+    s->ml[3] = mul(lo, _mm256_set1_ps(0x1p-24f));
+    s->mh[0] = mul(hi, _mm256_set1_ps(0x1p-4f));
+    s->mh[1] = mul(hi, _mm256_set1_ps(0x1p-12f));
+    s->mh[2] = mul(hi, _mm256_set1_ps(0x1p-20f));
+    s->mh[3] = hi;
+}
+
+/* pair places: input t of an oct at bits 4t (rows 0-7) and 4t+2 (rows 8-15; t = 7 shifted down) */
+ALWAYS void pair_scales(qstate *s, __m256 lo, __m256 hi) {
+    float f = 1.0f;
+    for (int t = 0; t < 8; t++, f *= 0x1p-4f) {
+        s->ml[t] = mul(lo, _mm256_set1_ps(f));
+        s->mh[t] = t < 7 ? mul(hi, _mm256_set1_ps(f * 0x1p-2f)) : hi;
+    }
+}
+
+/* the nibble of input t as q 2^s (rows 0-7, rows 8-15) */
+ALWAYS __m256i nib_lo(__m256i v, const int t) { return and_(v, 0xFu << 8 * t); }
+ALWAYS __m256i nib_hi(__m256i v, const int t) { return t < 3 ? and_(v, 0xF0u << 8 * t) : _mm256_srli_epi32(v, 28); }
+
+/* ----- per format: SUB inputs share scales, CHUNK inputs share a word; setup(state, panel block,
+ * sub-block), load(state, chunk, raw), widen(state, raw, t) ----- */
+
+/* f16: 32 bytes an input, rows in order */
+#define F16_BLOCK 1
+#define F16_SUB 1
+#define F16_CHUNK 1
+#define F16_PB 32
+ALWAYS void f16_setup(qstate *s, const uint8_t *pb, int sub) { (void)sub; s->q = pb; }
+ALWAYS void f16_load(const qstate *s, int c, qraw *r) { r->p = s->q + 32 * c; }
+ALWAYS v16 f16_widen(const qstate *s, const qraw *r, const int t) {
+    (void)s; (void)t;
+    return (v16){half8(r->p), half8(r->p + 16)};
+}
+
+/* Q8_0: w = q d */
+#define Q8_0_BLOCK 32
+#define Q8_0_SUB 32
+#define Q8_0_CHUNK 4
+#define Q8_0_PB 544
+ALWAYS void q8_0_setup(qstate *s, const uint8_t *pb, int sub) {
+    (void)sub;
+    s->ml[0] = half8(pb);
+    s->mh[0] = half8(pb + 16);
+    s->q = pb + 32;
+}
+ALWAYS void q8_0_load(const qstate *s, int c, qraw *r) { r->p = s->q + 64 * c; }
+ALWAYS v16 q8_0_widen(const qstate *s, const qraw *r, const int t) {
+    return (v16){mul(cvt(sbytes8(r->p + 16 * t)), s->ml[0]), mul(cvt(sbytes8(r->p + 16 * t + 8)), s->mh[0])};
+}
+
+/* Q4_0: w = d (q - 8) = d q + (-8 d), exact (no rounding) */
+#define Q4_0_BLOCK 32
+#define Q4_0_SUB 32
+#define Q4_0_CHUNK 4
+#define Q4_0_PB 288
+ALWAYS void q4_0_setup(qstate *s, const uint8_t *pb, int sub) {
+    (void)sub;
+    __m256 lo = half8(pb), hi = half8(pb + 16);
+    nibble_scales(s, lo, hi);
+    s->ol = mul(lo, _mm256_set1_ps(-8.0f));
+    s->oh = mul(hi, _mm256_set1_ps(-8.0f));
+    s->q = pb + 32;
+}
+ALWAYS void quad_load(const qstate *s, int c, qraw *r) { r->v = _mm256_loadu_si256((const __m256i *)(s->q + 32 * c)); }
+#define q4_0_load quad_load
+ALWAYS v16 q4_0_widen(const qstate *s, const qraw *r, const int t) {
+    return (v16){fma_(cvt(nib_lo(r->v, t)), s->ml[t], s->ol), fma_(cvt(nib_hi(r->v, t)), s->mh[t], s->oh)};
+}
+
+/* Q4_1: w = (d q) + m */
+#define Q4_1_BLOCK 32
+#define Q4_1_SUB 32
+#define Q4_1_CHUNK 4
+#define Q4_1_PB 320
+ALWAYS void q4_1_setup(qstate *s, const uint8_t *pb, int sub) {
+    (void)sub;
+    nibble_scales(s, half8(pb), half8(pb + 16));
+    s->ol = half8(pb + 32);
+    s->oh = half8(pb + 48);
+    s->q = pb + 64;
+}
+#define q4_1_load quad_load
+ALWAYS v16 q4_1_widen(const qstate *s, const qraw *r, const int t) {
+    return (v16){fma_(cvt(nib_lo(r->v, t)), s->ml[t], s->ol), fma_(cvt(nib_hi(r->v, t)), s->mh[t], s->oh)};
+}
+
+/* fifth bits: byte j of a quad's 8 bytes, bit t = row j's, bit 4 + t = row j+8's; shifted to bit
+ * 8t + 4 (rows 0-7) and 8t + 8 (rows 8-15), the weight 16 of each place */
+ALWAYS void quad_fifth_load(const qstate *s, int c, qraw *r) {
+    r->v = _mm256_loadu_si256((const __m256i *)(s->q + 32 * c));
+    r->h = bytes8(s->h + 8 * c);
+}
+ALWAYS __m256i fifth_lo(__m256i h, const int t) { return and_(_mm256_slli_epi32(h, 7 * t + 4), 0x10u << 8 * t); }
+ALWAYS __m256i fifth_hi(__m256i h, const int t) {
+    return t < 3 ? and_(_mm256_slli_epi32(h, 7 * t + 4), 0x100u << 8 * t) : and_(_mm256_srli_epi32(h, 3), 0x10u);
+}
+
+/* Q5_0: w = d (q - 16), the fifth bits stored inverted: q - 16 = nibble - 16 (NOT bit) */
+#define Q5_0_BLOCK 32
+#define Q5_0_SUB 32
+#define Q5_0_CHUNK 4
+#define Q5_0_PB 352
+ALWAYS void q5_0_setup(qstate *s, const uint8_t *pb, int sub) {
+    (void)sub;
+    nibble_scales(s, half8(pb), half8(pb + 16));
+    s->h = pb + 32;
+    s->q = pb + 96;
+}
+#define q5_0_load quad_fifth_load
+ALWAYS v16 q5_0_widen(const qstate *s, const qraw *r, const int t) {
+    __m256i lo = _mm256_sub_epi32(nib_lo(r->v, t), fifth_lo(r->h, t));
+    __m256i hi = _mm256_sub_epi32(nib_hi(r->v, t), fifth_hi(r->h, t));
+    return (v16){mul(cvt(lo), s->ml[t]), mul(cvt(hi), s->mh[t])};
+}
+
+/* Q5_1: w = (d q) + m */
+#define Q5_1_BLOCK 32
+#define Q5_1_SUB 32
+#define Q5_1_CHUNK 4
+#define Q5_1_PB 384
+ALWAYS void q5_1_setup(qstate *s, const uint8_t *pb, int sub) {
+    (void)sub;
+    nibble_scales(s, half8(pb), half8(pb + 16));
+    s->ol = half8(pb + 32);
+    s->oh = half8(pb + 48);
+    s->h = pb + 64;
+    s->q = pb + 128;
+}
+#define q5_1_load quad_fifth_load
+ALWAYS v16 q5_1_widen(const qstate *s, const qraw *r, const int t) {
+    __m256i lo = _mm256_or_si256(nib_lo(r->v, t), fifth_lo(r->h, t));
+    __m256i hi = _mm256_or_si256(nib_hi(r->v, t), fifth_hi(r->h, t));
+    return (v16){fma_(cvt(lo), s->ml[t], s->ol), fma_(cvt(hi), s->mh[t], s->oh)};
+}
+
+/* Q4_K / Q5_K sub-block s's scale and min of the 16 rows (6 bits each: 16 bytes of low nibbles,
+ * 8 bytes of high bits), as gguf: d sc and dmin m in fp32 */
+ALWAYS void k4_scales(qstate *s, const uint8_t *pb, int sub) {
+    const uint8_t *s24 = pb + 64 + 24 * sub;
+    __m256i a = bytes8(s24), b = bytes8(s24 + 8), c = bytes8(s24 + 16);
+    __m256i sc_lo = _mm256_or_si256(and_(a, 0xF), _mm256_slli_epi32(and_(c, 0x3), 4));
+    __m256i mn_lo = _mm256_or_si256(_mm256_srli_epi32(a, 4), _mm256_slli_epi32(and_(c, 0xC), 2));
+    __m256i sc_hi = _mm256_or_si256(and_(b, 0xF), and_(c, 0x30));
+    __m256i mn_hi = _mm256_or_si256(_mm256_srli_epi32(b, 4), and_(_mm256_srli_epi32(c, 2), 0x30));
+    nibble_scales(s, mul(half8(pb), cvt(sc_lo)), mul(half8(pb + 16), cvt(sc_hi)));
+    s->ol = neg(mul(half8(pb + 32), cvt(mn_lo)));
+    s->oh = neg(mul(half8(pb + 48), cvt(mn_hi)));
+}
+
+/* Q4_K: w = (d sc) q - (dmin m), sub-blocks of 32 */
+#define Q4_K_BLOCK 256
+#define Q4_K_SUB 32
+#define Q4_K_CHUNK 4
+#define Q4_K_PB 2304
+ALWAYS void q4_k_setup(qstate *s, const uint8_t *pb, int sub) {
+    k4_scales(s, pb, sub);
+    s->q = pb + 256 + 256 * sub;
+}
+#define q4_k_load quad_load
+ALWAYS v16 q4_k_widen(const qstate *s, const qraw *r, const int t) {
+    return (v16){fma_(cvt(nib_lo(r->v, t)), s->ml[t], s->ol), fma_(cvt(nib_hi(r->v, t)), s->mh[t], s->oh)};
+}
+
+/* Q5_K: as Q4_K with fifth bits */
+#define Q5_K_BLOCK 256
+#define Q5_K_SUB 32
+#define Q5_K_CHUNK 4
+#define Q5_K_PB 2816
+ALWAYS void q5_k_setup(qstate *s, const uint8_t *pb, int sub) {
+    k4_scales(s, pb, sub);
+    s->h = pb + 256 + 64 * sub;
+    s->q = pb + 768 + 256 * sub;
+}
+#define q5_k_load quad_fifth_load
+ALWAYS v16 q5_k_widen(const qstate *s, const qraw *r, const int t) {
+    __m256i lo = _mm256_or_si256(nib_lo(r->v, t), fifth_lo(r->h, t));
+    __m256i hi = _mm256_or_si256(nib_hi(r->v, t), fifth_hi(r->h, t));
+    return (v16){fma_(cvt(lo), s->ml[t], s->ol), fma_(cvt(hi), s->mh[t], s->oh)};
+}
+
+/* Q6_K: w = (d sc) (q - 32) = (d sc) q + (-32 d sc), exact; sub-blocks of 16; high bits in 16-bit
+ * lanes, row j's of input t at P[t] = {0, 2, 8, 10}, row j+8's at P[t] + 4, shifted by 8t + 4 - P[t]
+ * to their places */
+#define Q6_K_BLOCK 256
+#define Q6_K_SUB 16
+#define Q6_K_CHUNK 4
+#define Q6_K_PB 3360
+ALWAYS void q6_k_setup(qstate *s, const uint8_t *pb, int sub) {
+    const uint8_t *sc = pb + 32 + 16 * sub;
+    __m256 lo = mul(half8(pb), cvt(sbytes8(sc))), hi = mul(half8(pb + 16), cvt(sbytes8(sc + 8)));
+    nibble_scales(s, lo, hi);
+    s->ol = mul(lo, _mm256_set1_ps(-32.0f));
+    s->oh = mul(hi, _mm256_set1_ps(-32.0f));
+    s->h = pb + 288 + 64 * sub;
+    s->q = pb + 1312 + 128 * sub;
+}
+ALWAYS void q6_k_load(const qstate *s, int c, qraw *r) {
+    r->v = _mm256_loadu_si256((const __m256i *)(s->q + 32 * c));
+    r->h = words8(s->h + 16 * c);
+}
+ALWAYS v16 q6_k_widen(const qstate *s, const qraw *r, const int t) {
+    const int shift = t == 0 ? 4 : t == 1 ? 10 : t == 2 ? 12 : 18;
+    __m256i hs = _mm256_slli_epi32(r->h, shift);
+    __m256i lo = _mm256_or_si256(nib_lo(r->v, t), and_(hs, 0x30u << 8 * t));
+    __m256i hi = t < 3 ? _mm256_or_si256(nib_hi(r->v, t), and_(hs, 0x300u << 8 * t))
+                       : _mm256_or_si256(nib_hi(r->v, t), and_(_mm256_srli_epi32(r->h, 10), 0x30u));
+    return (v16){fma_(cvt(lo), s->ml[t], s->ol), fma_(cvt(hi), s->mh[t], s->oh)};
+}
+
+/* pairs of low bits: input t of an oct at bits 4t (rows 0-7) and 4t+2 (rows 8-15) */
+ALWAYS __m256i pair_lo(__m256i v, const int t) { return and_(v, 0x3u << 4 * t); }
+ALWAYS __m256i pair_hi(__m256i v, const int t) { return t < 7 ? and_(v, 0xCu << 4 * t) : _mm256_srli_epi32(v, 30); }
+
+/* Q3_K: w = (d (sc - 32)) q, q = low - 4 (NOT third bit); sub-blocks of 16; third bits in 16-bit
+ * lanes, row j's of input t at P[t] = {0,1,4,5,8,9,12,13}, row j+8's at P[t] + 2, shifted by
+ * 4t + 2 - P[t] to the weight 4 of their places */
+#define Q3_K_BLOCK 256
+#define Q3_K_SUB 16
+#define Q3_K_CHUNK 8
+#define Q3_K_PB 1760
+ALWAYS void q3_k_setup(qstate *s, const uint8_t *pb, int sub) {
+    const uint8_t *s12 = pb + 32 + 12 * sub;
+    uint32_t high;
+    memcpy(&high, s12 + 8, 4);
+    __m256i n = bytes8(s12);
+    __m256i hh = _mm256_srlv_epi32(_mm256_set1_epi32((int)high), _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28));
+    __m256i sc_lo = _mm256_or_si256(and_(n, 0xF), _mm256_slli_epi32(and_(hh, 0x3), 4));
+    __m256i sc_hi = _mm256_or_si256(_mm256_srli_epi32(n, 4), _mm256_slli_epi32(and_(hh, 0xC), 2));
+    __m256i off = _mm256_set1_epi32(32);
+    pair_scales(s, mul(half8(pb), cvt(_mm256_sub_epi32(sc_lo, off))),
+                mul(half8(pb + 16), cvt(_mm256_sub_epi32(sc_hi, off))));
+    s->q = pb + 224 + 64 * sub;
+    s->h = pb + 1248 + 32 * sub;
+}
+ALWAYS void q3_k_load(const qstate *s, int c, qraw *r) {
+    r->v = _mm256_loadu_si256((const __m256i *)(s->q + 32 * c));
+    r->h = words8(s->h + 16 * c);
+}
+ALWAYS v16 q3_k_widen(const qstate *s, const qraw *r, const int t) {
+    const int shift = t == 0 ? 2 : t == 1 ? 5 : t == 2 ? 6 : t == 3 ? 9 : t == 4 ? 10 : t == 5 ? 13 : t == 6 ? 14 : 17;
+    __m256i hs = _mm256_slli_epi32(r->h, shift);
+    __m256i lo = _mm256_sub_epi32(pair_lo(r->v, t), and_(hs, 0x4u << 4 * t));
+    __m256i third_hi = t < 7 ? and_(hs, 0x10u << 4 * t) : and_(_mm256_srli_epi32(r->h, 13), 0x4u);
+    __m256i hi = _mm256_sub_epi32(pair_hi(r->v, t), third_hi);
+    return (v16){mul(cvt(lo), s->ml[t]), mul(cvt(hi), s->mh[t])};
+}
+
+/* Q2_K: w = (d sc) q - (dmin m), sub-blocks of 16 */
+#define Q2_K_BLOCK 256
+#define Q2_K_SUB 16
+#define Q2_K_CHUNK 8
+#define Q2_K_PB 1344
+ALWAYS void q2_k_setup(qstate *s, const uint8_t *pb, int sub) {
+    const uint8_t *sm = pb + 64 + 16 * sub;
+    __m256i a = bytes8(sm), b = bytes8(sm + 8);
+    pair_scales(s, mul(half8(pb), cvt(and_(a, 0xF))), mul(half8(pb + 16), cvt(and_(b, 0xF))));
+    s->ol = neg(mul(half8(pb + 32), cvt(_mm256_srli_epi32(a, 4))));
+    s->oh = neg(mul(half8(pb + 48), cvt(_mm256_srli_epi32(b, 4))));
+    s->q = pb + 320 + 64 * sub;
+}
+#define q2_k_load quad_load
+ALWAYS v16 q2_k_widen(const qstate *s, const qraw *r, const int t) {
+    return (v16){fma_(cvt(pair_lo(r->v, t)), s->ml[t], s->ol), fma_(cvt(pair_hi(r->v, t)), s->mh[t], s->oh)};
+}
+
+/* ----- tiles ----- */
+
+#define FMA_ROW(r, XR, I)                                                                          \
+    if (R > r) {                                                                                   \
+        __m256 b = _mm256_broadcast_ss((XR) + (I));                                                \
+        if (P > 0) { a##r##0l = _mm256_fmadd_ps(b, w0.lo, a##r##0l); a##r##0h = _mm256_fmadd_ps(b, w0.hi, a##r##0h); } \
+        if (P > 1) { a##r##1l = _mm256_fmadd_ps(b, w1.lo, a##r##1l); a##r##1h = _mm256_fmadd_ps(b, w1.hi, a##r##1h); } \
+        if (P > 2) { a##r##2l = _mm256_fmadd_ps(b, w2.lo, a##r##2l); a##r##2h = _mm256_fmadd_ps(b, w2.hi, a##r##2h); } \
+        if (P > 3) { a##r##3l = _mm256_fmadd_ps(b, w3.lo, a##r##3l); a##r##3h = _mm256_fmadd_ps(b, w3.hi, a##r##3h); } \
+    }
+
+#define STORE_ONE(r, p)                                                                            \
+    if (R > r && P > p) {                                                                          \
+        float *o = y + r * ys + 16 * p;                                                            \
+        _mm256_storeu_ps(o, i0 ? _mm256_add_ps(_mm256_loadu_ps(o), a##r##p##l) : a##r##p##l);     \
+        _mm256_storeu_ps(o + 8, i0 ? _mm256_add_ps(_mm256_loadu_ps(o + 8), a##r##p##h) : a##r##p##h); \
+    }
+#define STORE_ROW(r) STORE_ONE(r, 0) STORE_ONE(r, 1) STORE_ONE(r, 2) STORE_ONE(r, 3)
+
+#define ZERO_ROW(r) __m256 a##r##0l = z, a##r##0h = z, a##r##1l = z, a##r##1h = z, a##r##2l = z, a##r##2h = z, a##r##3l = z, a##r##3h = z;
+
+/* RR rows x PP panels of format F (literal constants). The sums are named variables, not an
+ * array, so GCC keeps them in registers. */
+#define QTILE(NAME, F, f, RR, PP)                                                                  \
+    static void NAME(const float *x, long k, long from, long to, const void *wv, long panel_bytes, float *y, long ys, \
+                     int fetch) {                                                                  \
+        enum { R = RR, P = PP };                                                                   \
+        (void)fetch;                                                                               \
+        const uint8_t *w = (const uint8_t *)wv;                                                    \
+        const float *x0 = x, *x1 = x + (R > 1 ? 1 : 0) * k, *x2 = x + (R > 2 ? 2 : 0) * k, *x3 = x + (R > 3 ? 3 : 0) * k, \
+                    *x4 = x + (R > 4 ? 4 : 0) * k, *x5 = x + (R > 5 ? 5 : 0) * k;                 \
+        (void)x1; (void)x2; (void)x3; (void)x4; (void)x5;                                          \
+        for (long i0 = from; i0 < to; i0 += LP_BLOCK) {                                            \
+            long i1 = i0 + LP_BLOCK < k ? i0 + LP_BLOCK : k;                                       \
+            __m256 z = _mm256_setzero_ps();                                                        \
+            ZERO_ROW(0) ZERO_ROW(1) ZERO_ROW(2) ZERO_ROW(3) ZERO_ROW(4) ZERO_ROW(5)                \
+            for (long s0 = i0; s0 < i1; s0 += F##_SUB) {                                           \
+                const uint8_t *pb = w + s0 / F##_BLOCK * F##_PB;                                   \
+                const int sub = (int)(s0 % F##_BLOCK / F##_SUB);                                   \
+                qstate st0, st1, st2, st3;                                                         \
+                if (P > 0) f##_setup(&st0, pb, sub);                                              \
+                if (P > 1) f##_setup(&st1, pb + panel_bytes, sub);                                \
+                if (P > 2) f##_setup(&st2, pb + 2 * panel_bytes, sub);                            \
+                if (P > 3) f##_setup(&st3, pb + 3 * panel_bytes, sub);                            \
+                for (int c = 0; c < F##_SUB / F##_CHUNK; c++) {                                    \
+                    qraw r0, r1, r2, r3;                                                           \
+                    if (P > 0) f##_load(&st0, c, &r0);                                            \
+                    if (P > 1) f##_load(&st1, c, &r1);                                            \
+                    if (P > 2) f##_load(&st2, c, &r2);                                            \
+                    if (P > 3) f##_load(&st3, c, &r3);                                            \
+                    const long ic = s0 + (long)c * F##_CHUNK;                                      \
+                    _Pragma("GCC unroll 8") for (int t = 0; t < F##_CHUNK; t++) {                  \
+                        v16 w0, w1, w2, w3;                                                        \
+                        if (P > 0) w0 = f##_widen(&st0, &r0, t);                                  \
+                        if (P > 1) w1 = f##_widen(&st1, &r1, t);                                  \
+                        if (P > 2) w2 = f##_widen(&st2, &r2, t);                                  \
+                        if (P > 3) w3 = f##_widen(&st3, &r3, t);                                  \
+                        (void)w0; (void)w1; (void)w2; (void)w3;                                    \
+                        FMA_ROW(0, x0, ic + t) FMA_ROW(1, x1, ic + t) FMA_ROW(2, x2, ic + t)       \
+                        FMA_ROW(3, x3, ic + t) FMA_ROW(4, x4, ic + t) FMA_ROW(5, x5, ic + t)       \
+                    }                                                                              \
+                }                                                                                  \
+            }                                                                                      \
+            STORE_ROW(0) STORE_ROW(1) STORE_ROW(2) STORE_ROW(3) STORE_ROW(4) STORE_ROW(5)          \
+        }                                                                                          \
+    }
+
+/* ----- many rows: each block of a panel widened once into L1, every row group over it ----- */
+
+/* widens inputs [i0, i1) of a panel (LP_BLOCK at most, whole sub-blocks) into buf[(i - i0) 16 + j] */
+#define WIDEN_BLOCK(NAME, F, f)                                                                    \
+    static void NAME(const uint8_t *w, long i0, long i1, float *buf) {                            \
+        for (long s0 = i0; s0 < i1; s0 += F##_SUB) {                                               \
+            qstate st;                                                                             \
+            f##_setup(&st, w + s0 / F##_BLOCK * F##_PB, (int)(s0 % F##_BLOCK / F##_SUB));          \
+            for (int c = 0; c < F##_SUB / F##_CHUNK; c++) {                                        \
+                qraw r;                                                                            \
+                f##_load(&st, c, &r);                                                              \
+                _Pragma("GCC unroll 8") for (int t = 0; t < F##_CHUNK; t++) {                      \
+                    v16 v = f##_widen(&st, &r, t);                                                 \
+                    float *o = buf + (s0 - i0 + (long)c * F##_CHUNK + t) * LP_PANEL;               \
+                    _mm256_store_ps(o, v.lo);                                                      \
+                    _mm256_store_ps(o + 8, v.hi);                                                  \
+                }                                                                                  \
+            }                                                                                      \
+        }                                                                                          \
+    }
+
+/* R rows (1-6) on the widened block buf of inputs [i0, i1): the fp32 tile's sums */
+#define BUF_TILE(NAME, RR)                                                                         \
+    static void NAME(const float *x, long k, long i0, long i1, const float *buf, float *y, long ys) { \
+        enum { R = RR, P = 1 };                                                                            \
+        const float *x0 = x, *x1 = x + (R > 1 ? 1 : 0) * k, *x2 = x + (R > 2 ? 2 : 0) * k, *x3 = x + (R > 3 ? 3 : 0) * k, \
+                    *x4 = x + (R > 4 ? 4 : 0) * k, *x5 = x + (R > 5 ? 5 : 0) * k;                 \
+        (void)x1; (void)x2; (void)x3; (void)x4; (void)x5;                                          \
+        __m256 z = _mm256_setzero_ps();                                                            \
+        ZERO_ROW(0) ZERO_ROW(1) ZERO_ROW(2) ZERO_ROW(3) ZERO_ROW(4) ZERO_ROW(5)                    \
+        for (long i = i0; i < i1; i++) {                                                           \
+            const float *o = buf + (i - i0) * LP_PANEL;                                            \
+            v16 w0 = {_mm256_load_ps(o), _mm256_load_ps(o + 8)}, w1 = w0, w2 = w0, w3 = w0;        \
+            (void)w1; (void)w2; (void)w3;                                                          \
+            FMA_ROW(0, x0, i) FMA_ROW(1, x1, i) FMA_ROW(2, x2, i) FMA_ROW(3, x3, i) FMA_ROW(4, x4, i) FMA_ROW(5, x5, i) \
+        }                                                                                          \
+        STORE_ROW(0) STORE_ROW(1) STORE_ROW(2) STORE_ROW(3) STORE_ROW(4) STORE_ROW(5)              \
+    }
+BUF_TILE(buf1, 1)
+BUF_TILE(buf2, 2)
+BUF_TILE(buf3, 3)
+BUF_TILE(buf4, 4)
+BUF_TILE(buf5, 5)
+BUF_TILE(buf6, 6)
+
+typedef void (*buf_tile)(const float *, long, long, long, const float *, float *, long);
+static const buf_tile buf_tiles[LP_GROUP_ROWS + 1] = {NULL, buf1, buf2, buf3, buf4, buf5, buf6};
+
+/* m rows (any number) on `panels` panels, inputs [from, to) (LP_BLOCK granularity): each block of
+ * a panel widened once into buf, then the rows in even groups of at most LP_GROUP_ROWS over it */
+static void rows_on_buffer(void (*widen)(const uint8_t *, long, long, float *), const float *x, long m, long k,
+                           long from, long to, const void *w, long panel_bytes, long panels, float *y, long ys) {
+    _Alignas(64) float buf[LP_BLOCK * LP_PANEL];
+    long groups = (m + LP_GROUP_ROWS - 1) / LP_GROUP_ROWS;
+    for (long p = 0; p < panels; p++)
+        for (long i0 = from; i0 < to; i0 += LP_BLOCK) {
+            long i1 = i0 + LP_BLOCK < k ? i0 + LP_BLOCK : k;
+            widen((const uint8_t *)w + p * panel_bytes, i0, i1, buf);
+            for (long g = 0, r0 = 0; g < groups; g++) { /* 16 rows = 6 + 5 + 5 */
+                long nr = m / groups + (g < m % groups);
+                buf_tiles[nr](x + r0 * k, k, i0, i1, buf, y + r0 * ys + p * LP_PANEL, ys);
+                r0 += nr;
+            }
+        }
+}
+
+/* ----- each format's tiles ----- */
+
+/* Register tiles where their sums and widening state fit the 16 registers (1-4 rows on a panel,
+ * 1-2 rows on two); one row on four panels is two runs on two, three rows on two panels one run
+ * per panel; 5-6 rows on a panel, and more than LP_GROUP_ROWS on any, go through the buffer. */
+#define QTILES(F, f)                                                                               \
+    QTILE(f##_1x1, F, f, 1, 1)                                                                     \
+    QTILE(f##_2x1, F, f, 2, 1)                                                                     \
+    QTILE(f##_3x1, F, f, 3, 1)                                                                     \
+    QTILE(f##_4x1, F, f, 4, 1)                                                                     \
+    QTILE(f##_1x2, F, f, 1, 2)                                                                     \
+    QTILE(f##_2x2, F, f, 2, 2)                                                                     \
+    static void f##_1x4(const float *x, long k, long from, long to, const void *w, long panel_bytes, float *y, \
+                        long ys, int fetch) {                                                      \
+        f##_1x2(x, k, from, to, w, panel_bytes, y, ys, fetch);                                    \
+        f##_1x2(x, k, from, to, (const uint8_t *)w + 2 * panel_bytes, panel_bytes, y + 2 * LP_PANEL, ys, fetch); \
+    }                                                                                              \
+    static void f##_3x2(const float *x, long k, long from, long to, const void *w, long panel_bytes, float *y, \
+                        long ys, int fetch) {                                                      \
+        f##_3x1(x, k, from, to, w, panel_bytes, y, ys, fetch);                                    \
+        f##_3x1(x, k, from, to, (const uint8_t *)w + panel_bytes, panel_bytes, y + LP_PANEL, ys, fetch); \
+    }                                                                                              \
+    WIDEN_BLOCK(f##_widen_block, F, f)                                                             \
+    static void f##_5x1(const float *x, long k, long from, long to, const void *w, long panel_bytes, float *y, \
+                        long ys, int fetch) {                                                      \
+        (void)fetch;                                                                               \
+        rows_on_buffer(f##_widen_block, x, 5, k, from, to, w, panel_bytes, 1, y, ys);              \
+    }                                                                                              \
+    static void f##_6x1(const float *x, long k, long from, long to, const void *w, long panel_bytes, float *y, \
+                        long ys, int fetch) {                                                      \
+        (void)fetch;                                                                               \
+        rows_on_buffer(f##_widen_block, x, 6, k, from, to, w, panel_bytes, 1, y, ys);              \
+    }                                                                                              \
+    static void f##_many(const float *x, long m, long k, const void *w, long panel_bytes, long panels, float *y, \
+                         long ys) {                                                                \
+        rows_on_buffer(f##_widen_block, x, m, k, 0, k, w, panel_bytes, panels, y, ys);             \
+    }                                                                                              \
+    const lp_tiles lp_tiles_##f = {                                                                \
+        .one_panel = {NULL, f##_1x1, f##_2x1, f##_3x1, f##_4x1, f##_5x1, f##_6x1},                 \
+        .two_panels = {NULL, f##_1x2, f##_2x2, f##_3x2},                                           \
+        .four_panels = f##_1x4,                                                                    \
+        .pair_rest = 0,                                                                            \
+        .even_groups = 1,                                                                          \
+        .many_rows = f##_many,                                                                     \
+    };
+
+QTILES(F16, f16)
+QTILES(Q8_0, q8_0)
+QTILES(Q4_0, q4_0)
+QTILES(Q4_1, q4_1)
+QTILES(Q5_0, q5_0)
+QTILES(Q5_1, q5_1)
+QTILES(Q2_K, q2_k)
+QTILES(Q3_K, q3_k)
+QTILES(Q4_K, q4_k)
+QTILES(Q5_K, q5_k)
+QTILES(Q6_K, q6_k)

@@ -1,0 +1,77 @@
+/* The product tiles over the block formats of quant.h in portable C, for the generic build: each
+ * input's 16 weights widened to gguf's fp32 values (lp_quant_panel_values), then one chain of fmaf
+ * over each block of LP_BLOCK inputs in order, the blocks' sums added in order: the reduction of
+ * the SIMD tiles, so these give their numbers bit for bit. */
+#include <math.h>
+
+#include "quant.h"
+
+static void widen(int format, const void *panel, long i, float out[LP_PANEL]) {
+    if (format == LP_FORMAT_F16) {
+        for (int j = 0; j < LP_PANEL; j++) out[j] = lp_f16_to_f32(((const uint16_t *)panel)[i * LP_PANEL + j]);
+        return;
+    }
+    static const long block[] = {[LP_FORMAT_Q8_0] = 32, [LP_FORMAT_Q4_0] = 32, [LP_FORMAT_Q4_1] = 32,
+                                 [LP_FORMAT_Q5_0] = 32, [LP_FORMAT_Q5_1] = 32, [LP_FORMAT_Q2_K] = 256,
+                                 [LP_FORMAT_Q3_K] = 256, [LP_FORMAT_Q4_K] = 256, [LP_FORMAT_Q5_K] = 256,
+                                 [LP_FORMAT_Q6_K] = 256};
+    const lp_format_traits *f = lp_format(format);
+    const uint8_t *pb = (const uint8_t *)panel + i / block[format] * LP_PANEL * f->block_bytes;
+    lp_quant_panel_values(format, pb, i % block[format], out);
+}
+
+static void tile(int format, int rows, int panels, const float *x, long k, long from, long to, const void *w,
+                 long panel_bytes, float *y, long ys) {
+    for (long i0 = from; i0 < to; i0 += LP_BLOCK) {
+        long i1 = i0 + LP_BLOCK < k ? i0 + LP_BLOCK : k;
+        float sums[LP_GROUP_ROWS][4][LP_PANEL] = {{{0.0f}}};
+        for (long i = i0; i < i1; i++)
+            for (int p = 0; p < panels; p++) {
+                float wv[LP_PANEL];
+                widen(format, (const char *)w + p * panel_bytes, i, wv);
+                for (int r = 0; r < rows; r++)
+                    for (int j = 0; j < LP_PANEL; j++) sums[r][p][j] = fmaf(x[r * k + i], wv[j], sums[r][p][j]);
+            }
+        for (int r = 0; r < rows; r++)
+            for (int p = 0; p < panels; p++)
+                for (int j = 0; j < LP_PANEL; j++) {
+                    float *out = y + r * ys + p * LP_PANEL + j;
+                    *out = i0 ? *out + sums[r][p][j] : sums[r][p][j];
+                }
+    }
+}
+
+#define DEFINE_TILE(NAME, FORMAT, R, P)                                                             \
+    static void NAME(const float *x, long k, long from, long to, const void *w, long panel_bytes, float *y, long ys, \
+                     int fetch) {                                                                  \
+        (void)fetch;                                                                               \
+        tile(FORMAT, R, P, x, k, from, to, w, panel_bytes, y, ys);                                 \
+    }
+#define DEFINE_TILES(f, FORMAT)                                                                     \
+    DEFINE_TILE(f##_1x4, FORMAT, 1, 4)                                                              \
+    DEFINE_TILE(f##_1x2, FORMAT, 1, 2)                                                              \
+    DEFINE_TILE(f##_2x2, FORMAT, 2, 2)                                                              \
+    DEFINE_TILE(f##_3x2, FORMAT, 3, 2)                                                              \
+    DEFINE_TILE(f##_1x1, FORMAT, 1, 1)                                                              \
+    DEFINE_TILE(f##_2x1, FORMAT, 2, 1)                                                              \
+    DEFINE_TILE(f##_3x1, FORMAT, 3, 1)                                                              \
+    DEFINE_TILE(f##_4x1, FORMAT, 4, 1)                                                              \
+    DEFINE_TILE(f##_5x1, FORMAT, 5, 1)                                                              \
+    DEFINE_TILE(f##_6x1, FORMAT, 6, 1)                                                              \
+    const lp_tiles lp_tiles_##f = {                                                                \
+        .one_panel = {NULL, f##_1x1, f##_2x1, f##_3x1, f##_4x1, f##_5x1, f##_6x1},                 \
+        .two_panels = {NULL, f##_1x2, f##_2x2, f##_3x2},                                           \
+        .four_panels = f##_1x4,                                                                    \
+    };
+
+DEFINE_TILES(f16, LP_FORMAT_F16)
+DEFINE_TILES(q8_0, LP_FORMAT_Q8_0)
+DEFINE_TILES(q4_0, LP_FORMAT_Q4_0)
+DEFINE_TILES(q4_1, LP_FORMAT_Q4_1)
+DEFINE_TILES(q5_0, LP_FORMAT_Q5_0)
+DEFINE_TILES(q5_1, LP_FORMAT_Q5_1)
+DEFINE_TILES(q2_k, LP_FORMAT_Q2_K)
+DEFINE_TILES(q3_k, LP_FORMAT_Q3_K)
+DEFINE_TILES(q4_k, LP_FORMAT_Q4_K)
+DEFINE_TILES(q5_k, LP_FORMAT_Q5_K)
+DEFINE_TILES(q6_k, LP_FORMAT_Q6_K)

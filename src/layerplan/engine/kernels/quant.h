@@ -1,0 +1,109 @@
+/* The GGUF weight types F16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K and Q6_K as
+ * weight formats of the trait table (formats.h): their packed panel layouts, their packing from
+ * the rows a GGUF file stores, their exact dequantization, and the tiles each ISA defines for them
+ * (products_quant_<isa>.c).
+ *
+ * Arithmetic ("exact"): a product over a block format is the fp32 format's product of the
+ * dequantized matrix, bit for bit, so a row's result depends on neither the other rows of its pass
+ * nor the thread count. Every weight is widened to the fp32 value gguf's reference (gguf-py
+ * quants.py) gives it. Each product gguf forms on the way (f16 scale x sub-block scale, that x
+ * quant) is exact in fp32: an f16 has at most 11 significant bits, a sub-block scale at most 7
+ * (Q6_K's int8), a quant at most 7 (Q8_0's int8; Q6_K's q - 32 has 5), and no format reaches 24.
+ * So a weight rounds at most once, in gguf's final add or subtract (Q4_1's + m, the K-quants'
+ * - dmin m), and a fused multiply-add computes the same value as gguf's separate multiply and add.
+ * The AVX2 tiles take a quant out of its word as q 2^s and multiply it by scale 2^-s, exact too
+ * (a nonzero scale is at least 2^-24 in magnitude and s <= 28, so scale 2^-s stays normal).
+ *
+ * Packed layout (formats.h): panels of LP_PANEL = 16 output rows, each panel one "panel block"
+ * per block of the format (`block` inputs, 16 x block_bytes bytes: exactly the file's bytes),
+ * in input order. A panel block holds the 16 rows' scales first, then their quants input by input.
+ * Scales are the file's f16 bits. In what follows "rows j / j+8" means: dword lane j (j = 0..7) of
+ * a 32-byte word carries row j in its low and row j + 8 in its high field of each pair.
+ *
+ *   F16   (1 input, 2 B):  input i: the 16 rows' halves in row order.
+ *   Q8_0  (32 inputs, 34 B a row):  d[16] f16 | input i: 16 int8, byte j = row j's quant.
+ *   Q4_0  (32, 18):  d[16] | 8 quads of 4 inputs, 32 B each: lane j, byte t = row j's nibble of
+ *                    input 4c + t in its low half, row j+8's in its high half.   w = d (q - 8)
+ *   Q4_1  (32, 20):  d[16] | m[16] | quads as Q4_0.                                w = d q + m
+ *   Q5_0  (32, 22):  d[16] | 8 quads of fifth bits, 8 B: byte j bit t = NOT row j's fifth bit of
+ *                    input 4c + t, bit 4 + t = NOT row j+8's | quads of nibbles.   w = d (q - 16)
+ *   Q5_1  (32, 24):  d[16] | m[16] | fifth bits as Q5_0, not inverted | nibbles.  w = d q + m
+ *   Q2_K  (256, 84): d[16] | dmin[16] | 16 sub-blocks of 16 inputs: a byte a row (scale low,
+ *                    min high nibble) | 32 octs of 8 inputs, 32 B: lane j bits 4t..4t+1 = row j's
+ *                    quant of input 8c + t, bits 4t+2..4t+3 = row j+8's.     w = (d sc) q - (dmin m)
+ *   Q3_K  (256, 110): d[16] | 16 sub-blocks x 12 B of 6-bit scales (8 B: byte j = row j's low
+ *                    nibble | row j+8's << 4; 4 B: bits 4j..4j+1 = row j's high bits, 4j+2..4j+3
+ *                    = row j+8's) | octs of low 2 bits as Q2_K | 32 octs of third bits, 16 B:
+ *                    16-bit lane j, bit P[t] = NOT row j's bit of input 8c + t, P[t] + 2 = NOT
+ *                    row j+8's, P = {0,1,4,5,8,9,12,13}.                      w = (d (sc - 32)) q
+ *   Q4_K  (256, 144): d[16] | dmin[16] | 8 sub-blocks of 32 inputs x 24 B of 6-bit scale and min
+ *                    (16 B: byte j = row j's scale low nibble | min low nibble << 4; 8 B: byte j =
+ *                    row j's scale high bits | min high bits << 2 | row j+8's << 4, << 6) |
+ *                    64 quads of nibbles as Q4_0.                          w = (d sc) q - (dmin m)
+ *   Q5_K  (256, 176): as Q4_K, then 64 quads of fifth bits as Q5_1 (not inverted) before the nibbles.
+ *   Q6_K  (256, 210): d[16] | 16 sub-blocks of 16 inputs: int8 scale a row | 64 quads of high
+ *                    2 bits, 16 B: 16-bit lane j, bits P[t]..P[t]+1 = row j's of input 4c + t,
+ *                    P[t]+4.. = row j+8's, P = {0,2,8,10} | 64 quads of low nibbles as Q4_0.
+ *                                                                             w = (d sc) (q - 32)
+ * Rows past n pack as blocks of zero scales and zero quants (zero weights).
+ */
+#ifndef LP_QUANT_H
+#define LP_QUANT_H
+
+#include "formats.h"
+
+#define LPQ_QK 256 /* inputs of a K-quant super-block */
+
+/* An f16 (IEEE binary16) as the fp32 of the same value: exact for every f16, subnormals included,
+ * as F16C's conversion (NaNs keep their payload). */
+static inline float lp_f16_to_f32(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu, u;
+    if (exp == 0x1f) u = sign | 0x7f800000u | man << 13;
+    else if (exp) u = sign | (exp + 112) << 23 | man << 13;
+    else if (!man) u = sign;
+    else { /* subnormal: man * 2^-24, normalised */
+        uint32_t e = 113;
+        while (!(man & 0x400u)) { man <<= 1; e--; }
+        u = sign | e << 23 | (man & 0x3ffu) << 13;
+    }
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* v rounded to the nearest f16, ties to even (as numpy's astype(float16) and F16C round) */
+uint16_t lp_f32_to_f16(float v);
+
+/* ----- quant_formats.c ----- */
+/* the file's rows (n rows of k / block stored blocks) -> the packed panels (lp_packed_bytes) */
+void lp_pack_f16(const void *w, long n, long k, void *out);
+void lp_pack_q8_0(const void *w, long n, long k, void *out);
+void lp_pack_q4_0(const void *w, long n, long k, void *out);
+void lp_pack_q4_1(const void *w, long n, long k, void *out);
+void lp_pack_q5_0(const void *w, long n, long k, void *out);
+void lp_pack_q5_1(const void *w, long n, long k, void *out);
+void lp_pack_q2_k(const void *w, long n, long k, void *out);
+void lp_pack_q3_k(const void *w, long n, long k, void *out);
+void lp_pack_q4_k(const void *w, long n, long k, void *out);
+void lp_pack_q5_k(const void *w, long n, long k, void *out);
+void lp_pack_q6_k(const void *w, long n, long k, void *out);
+/* count fp32 values (whole blocks) -> stored blocks. The legacy formats (Q8_0, Q4_0, Q4_1, Q5_0,
+ * Q5_1) quantize as gguf-py's quantize does, bit for bit; the K-quants by plain per-sub-block
+ * min / max (valid blocks, not llama.cpp's searched scales). */
+void lp_f16_from_f32(const float *src, void *dst, long count);
+void lp_q8_0_from_f32(const float *src, void *dst, long count);
+void lp_q4_0_from_f32(const float *src, void *dst, long count);
+void lp_q4_1_from_f32(const float *src, void *dst, long count);
+void lp_q5_0_from_f32(const float *src, void *dst, long count);
+void lp_q5_1_from_f32(const float *src, void *dst, long count);
+void lp_q2_k_from_f32(const float *src, void *dst, long count);
+void lp_q3_k_from_f32(const float *src, void *dst, long count);
+void lp_q4_k_from_f32(const float *src, void *dst, long count);
+void lp_q5_k_from_f32(const float *src, void *dst, long count);
+void lp_q6_k_from_f32(const float *src, void *dst, long count);
+
+/* The 16 rows' weights of input i (0 <= i < block) of a panel block, as fp32 (the portable
+ * decoding of the layouts above, for the generic tiles). */
+void lp_quant_panel_values(int format, const uint8_t *panel_block, long i, float out[LP_PANEL]);
+
+#endif
