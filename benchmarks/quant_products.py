@@ -1,12 +1,14 @@
 """Products over the GGUF block formats against fp32 and bf16: how fast one row reads the packed
 weights, and what 8 rows cost against one.
 
-    python benchmarks/quant_products.py [--mb 640] [--threads 2] [--formats Q4_1,Q8_0,...]
+    python benchmarks/quant_products.py [--mb 320] [--threads 2] [--rounds 7] [--formats Q4_1,...]
 
-Each format gets one matrix of k = 4096 inputs and about --mb MB packed (pick it above the
-last-level cache for memory-bound figures), filled with random blocks with sane scales. A figure
-is the best of --rounds products: one row's GB/s of packed bytes (and G weights/s), then the time
-of 8 rows over the time of one. Figures on a machine shared with other work are indicative only.
+Each format gets one matrix of k = 4096 inputs and about --mb MB packed, filled with random blocks
+with sane scales; all are made first, then each round times every format in turn (one row, then
+8 rows), so a change in the machine's load falls on every format alike, and the other formats'
+matrices push each one out of the caches between its products. A figure is the best of the
+rounds: one row's GB/s of packed bytes (and G weights/s), then the time of 8 rows over one's.
+Figures on a machine shared with other work are indicative only.
 """
 
 from __future__ import annotations
@@ -45,21 +47,11 @@ def stored(name: str, n: int, k: int, rng) -> np.ndarray:
     return rows.reshape(n, -1)
 
 
-def best_seconds(fn, rounds: int) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(rounds):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best
-
-
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--mb", type=float, default=640.0)
+    parser.add_argument("--mb", type=float, default=320.0)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--k", type=int, default=4096)
     parser.add_argument("--formats", default=",".join(FORMATS))
     args = parser.parse_args()
@@ -70,6 +62,7 @@ def main() -> None:
     print(f"{'format':6} {'MB':>6} {'1 row ms':>9} {'GB/s':>6} {'Gw/s':>6} {'8 rows ms':>10} {'8 / 1':>6}")
     rng = np.random.default_rng(0)
     k = args.k
+    matrices = {}
     for name in args.formats.split(","):
         block, nbytes, _ = FORMATS[name]
         fmt = abi.constants[f"LP_FORMAT_{name}"]
@@ -80,19 +73,26 @@ def main() -> None:
         at = (-packed.ctypes.data) % 64
         packed = packed[at:at + size]
         kl.check(lib.lp_pack(ctypes.c_void_p(rows.ctypes.data), fmt, n, k, ctypes.c_void_p(packed.ctypes.data)), "pack")
+        matrices[name] = (packed, abi.structs["lp_matrix"](ctypes.c_void_p(packed.ctypes.data), None, n, k, fmt))
         del rows
-        matrix = abi.structs["lp_matrix"](ctypes.c_void_p(packed.ctypes.data), None, n, k, fmt)
-        x = rng.standard_normal((8, k), dtype=np.float32)
-        y = np.empty((8, n), np.float32)
+    x = rng.standard_normal((8, k), dtype=np.float32)
+    y = np.empty((8, max(m.n for _, m in matrices.values())), np.float32)
 
-        def product(m: int) -> None:
-            kl.check(lib.lp_linear(ctypes.c_void_p(x.ctypes.data), abi.LP_DTYPE_F32, ctypes.byref(matrix),
-                                   ctypes.c_void_p(y.ctypes.data), abi.LP_DTYPE_F32, m, args.threads), "product")
+    def seconds(matrix, m: int) -> float:
+        start = time.perf_counter()
+        kl.check(lib.lp_linear(ctypes.c_void_p(x.ctypes.data), abi.LP_DTYPE_F32, ctypes.byref(matrix),
+                               ctypes.c_void_p(y.ctypes.data), abi.LP_DTYPE_F32, m, args.threads), "product")
+        return time.perf_counter() - start
 
-        one, eight = best_seconds(lambda: product(1), args.rounds), best_seconds(lambda: product(8), args.rounds)
-        print(f"{name:6} {size / 1e6:6.0f} {one * 1e3:9.2f} {size / one / 1e9:6.1f} {n * k / one / 1e9:6.2f} "
-              f"{eight * 1e3:10.2f} {eight / one:6.2f}")
-
+    best = {name: [float("inf"), float("inf")] for name in matrices}
+    for _ in range(args.rounds):
+        for name, (_, matrix) in matrices.items():
+            best[name][0] = min(best[name][0], seconds(matrix, 1))
+            best[name][1] = min(best[name][1], seconds(matrix, 8))
+    for name, (packed, matrix) in matrices.items():
+        one, eight = best[name]
+        print(f"{name:6} {packed.size / 1e6:6.0f} {one * 1e3:9.2f} {packed.size / one / 1e9:6.1f} "
+              f"{matrix.n * k / one / 1e9:6.2f} {eight * 1e3:10.2f} {eight / one:6.2f}")
 
 if __name__ == "__main__":
     main()
