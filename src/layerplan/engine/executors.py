@@ -161,17 +161,49 @@ class PlacedExecutor(ModuleExecutor):
         self.placement.release(step.layer)
 
 
+class StoredExecutor(ModuleExecutor):
+    """The modules of a model run as stored (models/stored.py), whose matrices live in the GGUF's
+    blocks: each step's layer gets its dequantized weights for the step and drops them after, and
+    the head runs by the native kernels where there are any (else it is dequantized for the call).
+    The reference the kernels are checked against, one layer at a time, never the whole model."""
+
+    def __init__(self, model) -> None:
+        self.model = model
+
+    def enter(self, step: Step, hidden: torch.Tensor) -> torch.Tensor:
+        layer = self.model.layers_of(step.model)[step.layer]
+        for module in (layer.attention, layer.mlp):
+            self.model.stored.materialize(module)
+        return hidden
+
+    def leave(self, step: Step) -> None:
+        layer = self.model.layers_of(step.model)[step.layer]
+        for module in (layer.attention, layer.mlp):
+            self.model.stored.release(module)
+
+    def head(self, parts, hidden: torch.Tensor) -> torch.Tensor:
+        native = getattr(self.model.executor, "native", None)
+        if native is not None:
+            return native.head(parts.final_norm, parts.lm_head, hidden)
+        self.model.stored.materialize(parts.lm_head)
+        try:
+            return super().head(parts, hidden)
+        finally:
+            self.model.stored.release(parts.lm_head)
+
+
 class NativeExecutor(ModuleExecutor):
     """The native kernels of a model on the CPU: every single-sequence pass they take (up to
     NativeEngine.max_rows tokens) runs the sub-layers they reproduce by kernel, the others by their
     modules; other passes run on the modules alone. The LM head runs by kernel wherever the kernels
     take its rows (NativeEngine.head)."""
 
-    def __init__(self, native: NativeEngine) -> None:
+    def __init__(self, native: NativeEngine, modules: Executor = MODULES) -> None:
         self.native = native
+        self._modules = modules
 
     def for_pass(self, batch: int, rows: int) -> Executor:
-        return self if batch == 1 and self.native.takes(rows) else MODULES
+        return self if batch == 1 and self.native.takes(rows) else self._modules
 
     def for_other(self, other) -> Executor:
         executor = executor_of(other)
@@ -179,7 +211,7 @@ class NativeExecutor(ModuleExecutor):
 
     @property
     def modules(self) -> Executor:
-        return MODULES
+        return self._modules
 
     def rope_by_table(self) -> bool:
         return True
@@ -247,7 +279,10 @@ def executor_of(model) -> Executor:
 
 
 def modules_executor(model) -> Executor:
-    """The executor of the model's own modules: placed by its device map where it has one."""
+    """The executor of the model's own modules: placed by its device map where it has one, a layer
+    at a time where its matrices are stored blocks."""
+    if getattr(model, "stored", None) is not None:
+        return StoredExecutor(model)
     return MODULES if model.placement is None else PlacedExecutor(model.placement)
 
 
@@ -257,7 +292,7 @@ def use_native(model) -> NativeEngine:
     if model.placement is not None:
         raise ValueError("the native engine does not run a model spread by a device map")
     engine = NativeEngine(model)
-    model.executor = NativeExecutor(engine)
+    model.executor = NativeExecutor(engine, modules_executor(model))
     return engine
 
 

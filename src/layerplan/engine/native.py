@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import ctypes
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -25,6 +27,7 @@ from layerplan.engine.kernel_library import (ABI, AbiMismatch, NativeUnavailable
                                              native_available)
 from layerplan.machine import read_cpuinfo
 from layerplan.models.architectures import arch_spec
+from layerplan.models.stored import StoredTensor
 
 __all__ = ["AbiMismatch", "NativeUnavailable", "kernels_key", "library", "native_available"]
 
@@ -123,8 +126,11 @@ class PackedMatrix:
     fp32 (zeros for a stacked part without one). The copy lives in `arena` (a model's weights) or
     in a tensor of its own (None: one-off products); the descriptor holds both it and the bias."""
 
-    def __init__(self, weights: list[torch.Tensor], biases: list[torch.Tensor | None],
+    def __init__(self, weights: list[torch.Tensor | StoredTensor], biases: list[torch.Tensor | None],
                  arena: WeightArena | None = None) -> None:
+        if any(isinstance(w, StoredTensor) for w in weights):
+            self._pack_stored(weights, biases, arena)
+            return
         dtype, k = weights[0].dtype, weights[0].shape[1]
         for weight in weights:
             if (weight.dtype != dtype or weight.dtype not in _FORMATS or weight.device.type != "cpu"
@@ -140,12 +146,39 @@ class PackedMatrix:
         numel = nbytes // dtype.itemsize
         self.packed = arena.empty(numel, dtype) if arena is not None else torch.empty(numel, dtype=dtype)
         check(library().lp_pack(stacked.data_ptr(), self.format, n, k, self.packed.data_ptr()), "packing a matrix")
+        self._describe([w.shape[0] for w in weights], biases)
+
+    def _pack_stored(self, weights: list[StoredTensor], biases: list[torch.Tensor | None],
+                     arena: WeightArena | None) -> None:
+        """Matrices as a GGUF stores them, packed in their block format where the kernels have
+        its row (kernels/formats.c); else, and for a stack of several formats, dequantized to
+        fp32 (the same values: gguf's dequantization)."""
+        if not all(isinstance(w, StoredTensor) for w in weights) or len({w.columns for w in weights}) != 1:
+            raise Unsupported("a stack of stored and dense matrices, or of different widths")
+        n, k = sum(w.rows for w in weights), weights[0].columns
+        kinds = {w.type_name for w in weights}
+        self.format = getattr(ABI, f"LP_FORMAT_{kinds.pop()}", None) if len(kinds) == 1 else None
+        nbytes = library().lp_packed_bytes(self.format, n, k) if self.format is not None else -1
+        if nbytes < 0:
+            self.format = ABI.LP_FORMAT_F32
+            rows = torch.cat([w.dequantize() for w in weights])
+            nbytes = library().lp_packed_bytes(self.format, n, k)
+        else:
+            rows = torch.from_numpy(np.concatenate([w.read_rows() for w in weights]))
+        self.n, self.k, self.dtype = n, k, torch.float32  # products read and write fp32 rows
+        self.packed = arena.empty(nbytes, torch.uint8) if arena is not None else torch.empty(nbytes, dtype=torch.uint8)
+        check(library().lp_pack(rows.data_ptr(), self.format, n, k, self.packed.data_ptr()), "packing a stored matrix")
+        self._describe([w.rows for w in weights], biases)
+
+    def _describe(self, rows: list[int], biases: list[torch.Tensor | None]) -> None:
+        """The bias (fp32, zeros for a stacked part without one) and the descriptor over both."""
         self.bias = None
         if any(b is not None for b in biases):
-            self.bias = torch.cat([b.detach().float() if b is not None else torch.zeros(w.shape[0])
-                                   for w, b in zip(weights, biases)]).contiguous()
+            self.bias = torch.cat([b.detach().float() if b is not None else torch.zeros(r)
+                                   for r, b in zip(rows, biases)]).contiguous()
         self.descriptor = _holding(
-            _Matrix(self.packed.data_ptr(), self.bias.data_ptr() if self.bias is not None else None, n, k, self.format),
+            _Matrix(self.packed.data_ptr(), self.bias.data_ptr() if self.bias is not None else None, self.n, self.k,
+                    self.format),
             self.packed, self.bias)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -183,10 +216,18 @@ def _stacked_rows(modules: list[nn.Module], dtype: torch.dtype) -> int:
     return sum(m.weight.shape[0] for m in modules)
 
 
-def _packed(modules: list[nn.Module], arena: WeightArena) -> PackedMatrix:
+# a linear module -> the weight the kernels pack: its tensor, or the GGUF rows it stands for
+WeightOf = Callable[[nn.Module], "torch.Tensor | StoredTensor"]
+
+
+def _dense_weight(module: nn.Module) -> torch.Tensor:
+    return module.weight
+
+
+def _packed(modules: list[nn.Module], arena: WeightArena, weight_of: WeightOf) -> PackedMatrix:
     """The linears' weights (checked by _stacked_rows) stacked by output rows and packed (their
     biases likewise)."""
-    return PackedMatrix([m.weight for m in modules], [getattr(m, "bias", None) for m in modules], arena)
+    return PackedMatrix([weight_of(m) for m in modules], [getattr(m, "bias", None) for m in modules], arena)
 
 
 def _children(module: nn.Module, known: tuple[set[str], ...]) -> set[str]:
@@ -217,25 +258,26 @@ class NativeLayer:
     """One decoder layer's sub-layers as kernel descriptors over the layer's own weights.
     `attention` / `mlp` is None where that sub-layer runs eagerly (`why` says why)."""
 
-    def __init__(self, parts, dtype: torch.dtype, norm_offset: float, arena: WeightArena) -> None:
+    def __init__(self, parts, dtype: torch.dtype, norm_offset: float, arena: WeightArena,
+                 weight_of: WeightOf = _dense_weight) -> None:
         self.dtype = dtype
         self.attention: _Attention | None = None
         self.mlp: _Mlp | None = None
         self.matrices: tuple[PackedMatrix, ...] = ()  # keeps the packed weights the descriptors point to
         self.why: dict[str, str] = {}
         try:
-            self.attention, matrices = self._attention(parts, dtype, norm_offset, arena)
+            self.attention, matrices = self._attention(parts, dtype, norm_offset, arena, weight_of)
             self.matrices += matrices
         except Unsupported as error:
             self.why["attention"] = str(error)
         try:
-            self.mlp, matrices = self._mlp(parts, dtype, norm_offset, arena)
+            self.mlp, matrices = self._mlp(parts, dtype, norm_offset, arena, weight_of)
             self.matrices += matrices
         except Unsupported as error:
             self.why["mlp"] = str(error)
 
     @staticmethod
-    def _attention(parts, dtype, offset, arena) -> tuple[_Attention, tuple[PackedMatrix, ...]]:
+    def _attention(parts, dtype, offset, arena, weight_of) -> tuple[_Attention, tuple[PackedMatrix, ...]]:
         module = parts.attention
         children = _children(module, _ATTENTION_CHILDREN)
         config = module.config
@@ -255,7 +297,7 @@ class NativeLayer:
                      k_norm=_norm(getattr(module, "k_norm", None), dtype, offset),
                      post_norm=_norm(parts.attention_post_norm, dtype, offset))
         # packed only once every check passed: the arena keeps what it holds
-        qkv, o = _packed(qkv_linears, arena), _packed([module.o_proj], arena)
+        qkv, o = _packed(qkv_linears, arena, weight_of), _packed([module.o_proj], arena, weight_of)
         descriptor = _Attention(
             hidden=config.hidden_size, heads=heads, kv_heads=kv_heads, head_dim=head_dim, **norms,
             qkv=qkv.descriptor, o=o.descriptor, scaling=float(module.scaling),
@@ -263,7 +305,7 @@ class NativeLayer:
         return _holding(descriptor, qkv, o, *norms.values()), (qkv, o)
 
     @staticmethod
-    def _mlp(parts, dtype, offset, arena) -> tuple[_Mlp, tuple[PackedMatrix, ...]]:
+    def _mlp(parts, dtype, offset, arena, weight_of) -> tuple[_Mlp, tuple[PackedMatrix, ...]]:
         module = parts.mlp
         children = _children(module, _MLP_CHILDREN)
         act = getattr(module, "act_fn", None) or getattr(module, "activation_fn", None)
@@ -280,7 +322,7 @@ class NativeLayer:
             raise Unsupported(f"gate and up projections with {gate_up_rows} outputs for an inner size of {inner}")
         norm, post_norm = _norm(parts.mlp_norm, dtype, offset), _norm(parts.mlp_post_norm, dtype, offset)
         # packed only once every check passed: the arena keeps what it holds
-        gate_up, down = _packed(linears, arena), _packed([module.down_proj], arena)
+        gate_up, down = _packed(linears, arena, weight_of), _packed([module.down_proj], arena, weight_of)
         descriptor = _Mlp(hidden=down.n, inner=inner, norm=norm, post_norm=post_norm, gate_up=gate_up.descriptor,
                           down=down.descriptor, activation=_ACTIVATIONS[type(act).__name__])
         return _holding(descriptor, gate_up, down, norm, post_norm), (gate_up, down)
@@ -430,12 +472,22 @@ class NativeEngine:
             self.why_eager = f"the kernels are not checked for {model_type} layers"
         elif model.parts.rotary is None:
             self.why_eager = "the model has no rotary embedding module"
+        # a model run as stored (models/stored.py): its matrices come from the GGUF's rows
+        self.stored = getattr(model, "stored", None)
+        self.weight_of: WeightOf = _dense_weight if self.stored is None else self._stored_weight
         if self.why_eager:
             self.layers = tuple(None for _ in model.parts.layers)
         else:
-            self.layers = tuple(NativeLayer(layer, model.dtype, offset, self.arena) for layer in model.parts.layers)
+            self.layers = tuple(NativeLayer(layer, model.dtype, offset, self.arena, self.weight_of)
+                                for layer in model.parts.layers)
+        if self.stored is not None:  # what the kernels do not run, its modules run: on dense weights
+            for layer, kernels in zip(model.parts.layers, self.layers):
+                for sub_layer in ("attention", "mlp"):
+                    if kernels is None or getattr(kernels, sub_layer) is None:
+                        self.stored.materialize(getattr(layer, sub_layer))
         self.model = model
-        self.max_rows = _rows_limit(model.dtype)
+        # stored matrices exist only in their blocks: every pass runs on the kernels, however long
+        self.max_rows = _rows_limit(model.dtype) if self.stored is None else None
         # packed LM heads by id of their module (the module is held, so its id stays its own)
         self._heads: dict[int, tuple[nn.Module, PackedMatrix]] = {}
         # final norms as kernel descriptors (None: runs as the module), by id of their module
@@ -444,6 +496,9 @@ class NativeEngine:
         self._last_run: tuple | None = None  # (plan, first, end, its run): the last asked for
         # pass_ends by parts and whether the kernels take the pass (the parts are held: ids stay theirs)
         self._ends: dict[tuple[int, bool], tuple[object, PassEnds | None]] = {}
+
+    def _stored_weight(self, module: nn.Module):
+        return self.stored.of(module) or module.weight
 
     def takes(self, rows: int) -> bool:
         return self.max_rows is None or rows <= self.max_rows
@@ -487,11 +542,12 @@ class NativeEngine:
 
     def _packed_head(self, lm_head: nn.Module, dtype: torch.dtype, rows: int) -> PackedMatrix | None:
         weight = getattr(lm_head, "weight", None)
+        stored = self.stored is not None and self.stored.of(lm_head) is not None
         if (type(lm_head) is not nn.Linear or weight.dtype not in _DTYPES or dtype != weight.dtype
-                or weight.device.type != "cpu" or not self.takes(rows)):
+                or (weight.device.type != "cpu" and not stored) or not self.takes(rows)):
             return None
         if id(lm_head) not in self._heads:
-            self._heads[id(lm_head)] = (lm_head, PackedMatrix([weight], [lm_head.bias], self.arena))
+            self._heads[id(lm_head)] = (lm_head, PackedMatrix([self.weight_of(lm_head)], [lm_head.bias], self.arena))
         return self._heads[id(lm_head)][1]
 
     def _final_norm(self, module: nn.Module, dtype: torch.dtype) -> _Norm | None:
@@ -585,4 +641,3 @@ def resolve_engine(engine: str, dtype: torch.dtype, device: torch.device | str) 
     if engine == "native":
         raise NativeUnavailable(reason)
     return "eager"
-
