@@ -21,7 +21,7 @@ import time
 import torch
 
 from layerplan.machine import cpu_info
-from layerplan.models.loading import load_model
+from layerplan.engine.load import load_model
 from layerplan.search.blocks import block_candidates, block_scan, parse_repeats
 from layerplan.search.measures import MeasureInputs, build_scorers
 

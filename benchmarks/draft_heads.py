@@ -17,7 +17,7 @@ import torch
 
 from layerplan.decoding.drafters.heads import ReducedHead, frequent_tokens
 from layerplan.engine.runner import forward, head, new_cache, run_hidden
-from layerplan.models.loading import load_model
+from layerplan.engine.load import load_model
 from layerplan.search.evaluate import calibration_ids
 from timing import median_ms
 

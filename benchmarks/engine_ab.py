@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 import layerplan.engine.runner as runner_now
-import layerplan.models.loading as loading_now
+import layerplan.engine.load as loading_now
 from layerplan.machine import cpu_info
 
 ALIAS = "layerplan_at_rev"
@@ -38,7 +38,8 @@ REPOSITORY = Path(__file__).resolve().parent.parent
 
 
 def import_revision(revision: str, into: Path):
-    """The package at `revision` as module ALIAS (its loading and runner modules)."""
+    """The package at `revision` as module ALIAS: its loader (engine/load.py; models/loading.py
+    in revisions before it) and its runner."""
     archive = subprocess.run(["git", "-C", str(REPOSITORY), "archive", revision, "src/layerplan"],
                              capture_output=True, check=False)
     if archive.returncode != 0:
@@ -54,7 +55,8 @@ def import_revision(revision: str, into: Path):
         source.write_text("\n".join(pattern.sub(ALIAS, line) if re.match(r"\s*(from|import)\s", line) else line
                                     for line in text.split("\n")))
     sys.path.insert(0, str(into))
-    return importlib.import_module(f"{ALIAS}.models.loading"), importlib.import_module(f"{ALIAS}.engine.runner")
+    loader = "engine.load" if (renamed / "engine" / "load.py").exists() else "models.loading"
+    return importlib.import_module(f"{ALIAS}.{loader}"), importlib.import_module(f"{ALIAS}.engine.runner")
 
 
 def main() -> None:

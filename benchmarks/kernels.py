@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from layerplan.engine.runner import forward, new_cache
-from layerplan.models.loading import load_model
+from layerplan.engine.load import load_model
 
 
 def per_call_us(fn, n: int = 200) -> float:

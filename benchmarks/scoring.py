@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from layerplan.engine.runner import head, run_hidden
-from layerplan.models.loading import load_model
+from layerplan.engine.load import load_model
 from layerplan.search.evaluate import Reference, calibration_ids
 from layerplan.search.evaluator import PlanEvaluator
 from layerplan.search.scan import scan

@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from layerplan.models.loading import load_model
+from layerplan.engine.load import load_model
 from layerplan.search.evaluate import calibration_ids
 from layerplan.search.evaluator import PlanEvaluator
 from layerplan.search.greedy import greedy_search

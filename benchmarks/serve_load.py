@@ -24,7 +24,7 @@ from layerplan.app.bench import PROMPTS
 from layerplan.app.serve import create_app
 from layerplan.decoding.generate import generate
 from layerplan.decoding.sampling import SamplingParams
-from layerplan.models.loading import load_model
+from layerplan.engine.load import load_model
 
 
 def main() -> None:

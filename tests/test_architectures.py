@@ -1,5 +1,5 @@
 """Every architecture layerplan lists as checked, on a tiny random config of it (the same one
-models/verify.py builds): identity plan == transformers, exit after k == truncated checkpoint,
+engine/verify.py builds): identity plan == transformers, exit after k == truncated checkpoint,
 repeat == physically duplicated checkpoint, speculative greedy == plain greedy; and the list
 itself (status of every causal LM of the installed transformers, refusals, discovery vs table)."""
 
@@ -18,7 +18,7 @@ from layerplan.models.architectures import (ARCHITECTURES, DISCOVERY_REFERENCE, 
                                             refusal_of_config)
 from layerplan.models.discovery import discover_spec, tiny_config, tiny_model
 from layerplan.models.loading import LoadedModel
-from layerplan.models.verify import TOLERANCE, check_ids, check_model, incremental_logits
+from layerplan.engine.verify import TOLERANCE, check_ids, check_model, incremental_logits
 from layerplan.plan.plan import parse_plan
 
 PROMPT = [5, 6, 7, 8, 9, 5, 6, 7, 8]
@@ -142,7 +142,8 @@ def test_failed_check_names_what_differed():
 
 
 def test_check_is_cached_and_gates_loading(tmp_path, monkeypatch):
-    from layerplan.models import verify
+    from layerplan.engine import verify
+    from layerplan.engine.load import wrap_model
 
     monkeypatch.setenv("LAYERPLAN_CACHE", str(tmp_path / "cache"))
     hf = tiny_hf("olmo2")
@@ -153,13 +154,13 @@ def test_check_is_cached_and_gates_loading(tmp_path, monkeypatch):
     LoadedModel(name="x", hf=hf, tokenizer=None, source="x")  # now allowed
     monkeypatch.setattr(verify, "run_check", lambda config: pytest.fail("the cached answer was not used"))
     assert verify.check_architecture(hf.config).passed
-    assert verify.wrap_model(hf).num_layers == 3
+    assert wrap_model(hf).num_layers == 3
 
 
 def test_refused_architecture_is_one_line(tmp_path):
     from transformers import MambaConfig
 
-    from layerplan.models.verify import check_architecture
+    from layerplan.engine.verify import check_architecture
 
     result = check_architecture(MambaConfig(vocab_size=32, hidden_size=16, num_hidden_layers=2))
     assert not result.passed and "recurrent" in result.detail and "\n" not in result.detail
@@ -180,7 +181,7 @@ def test_load_a_discovered_architecture_from_a_folder(tmp_path, monkeypatch):
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    from layerplan.models.verify import load_model
+    from layerplan.engine.load import load_model
 
     monkeypatch.setenv("LAYERPLAN_CACHE", str(tmp_path / "cache"))
     words = Tokenizer(models.WordLevel({f"w{i}": i for i in range(96)}, unk_token="w0"))

@@ -15,7 +15,8 @@ from layerplan.engine.runner import forward, new_cache
 from layerplan.models import discovery
 from layerplan.models.architectures import ModelError
 from layerplan.models.loading import LoadedModel, convert_gguf, default_gguf_path
-from layerplan.models.verify import check_ids, incremental_logits, load_model, wrap_model
+from layerplan.engine.load import load_model, wrap_model
+from layerplan.engine.verify import check_ids, incremental_logits
 from tiny import tiny_hf
 
 TOLERANCE = 1e-5

@@ -7,7 +7,7 @@ from transformers import AutoModelForCausalLM
 from layerplan.engine.runner import Resume, forward, head, new_cache, run_hidden
 from layerplan.export import export_checkpoint
 from layerplan.models.loading import wrap_model
-from layerplan.models.verify import incremental_logits as incremental  # prefill 6, a 3-token chunk, then 1 by 1
+from layerplan.engine.verify import incremental_logits as incremental  # prefill 6, a 3-token chunk, then 1 by 1
 from layerplan.plan.plan import parse_plan
 from tiny import ARCHS, VOCAB, tiny_model
 

@@ -2,7 +2,7 @@
 
 from layerplan.engine.cache import KVCache
 from layerplan.models.loading import LoadedModel, ModelError, available_models
-from layerplan.models.verify import load_model, wrap_model  # loading's, after the architecture's check
+from layerplan.engine.load import load_model, wrap_model  # after the architecture's check, with an engine
 from layerplan.plan.formats import load_plan
 from layerplan.plan.plan import LayerPlan, PlanError, Step, parse_plan
 

@@ -24,16 +24,17 @@ from layerplan.decoding.drafters.registry import drafter_help, saved_draft_path
 from layerplan.decoding.generate import generate as run_generate
 from layerplan.decoding.sampling import SamplingParams
 from layerplan.engine.cpu_pack import packing_supported
+from layerplan.engine.load import load_model
 from layerplan.engine.native import ENGINES, NativeUnavailable, native_available, resolve_engine
 from layerplan.engine.probe import (CONTEXT, PASS_LENGTHS, checked_model_row, default_dtype, load_probe,
                                     probe as run_probe, save_probe)
+from layerplan.engine.verify import check_architecture, config_for
 from layerplan.export import export_checkpoint
 from layerplan.files import WriteError, write_json_atomic, write_text_atomic
 from layerplan.machine import cpu_info
 from layerplan.models.architectures import STATUSES, architecture_statuses
 from layerplan.models.loading import (DEFAULT_MODEL, ModelError, available_models, cache_dir, model_depth, resolve_device,
                                       resolve_dtype)
-from layerplan.models.verify import check_architecture, config_for, load_model
 from layerplan.plan.formats import FORMATS, load_plan, save_plan, to_mergekit
 from layerplan.plan.plan import PlanError
 from layerplan.search.bayes import SAMPLERS

@@ -471,7 +471,7 @@ def config_with_layers(config, layers: list[int]):
 # ----- the status of every causal LM of the installed transformers -------------------------------
 # `layerplan models --architectures` and the README list these; tests/test_architectures.py checks
 # every TINY_CHECKED one (identity, exit, repeat/export, speculative) and that the list covers all
-# of transformers' causal LMs. `layerplan models --check TYPE` re-runs the check of models/verify.py,
+# of transformers' causal LMs. `layerplan models --check TYPE` re-runs the check of engine/verify.py,
 # which also produced the reasons below (transformers 5.24.0).
 CHECKED_WITH = "transformers 5.24.0"
 REAL_CHECKED = {"llama": "SmolLM2-135M-Instruct, the packaged default (tests/test_runner.py)"}

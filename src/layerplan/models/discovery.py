@@ -12,7 +12,7 @@ shrunk: `tiny_config`), never from the real weights:
 
 What a forward hook cannot see (multipliers applied inside the layer's or the model's forward)
 comes from config keys, listed in architectures.CONFIG_SCALES. Discovery only proposes; the check
-that makes a discovered architecture usable is models/verify.py (identity plan == transformers).
+that makes a discovered architecture usable is engine/verify.py (identity plan == transformers).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from layerplan.models.architectures import (ARCHITECTURES, ATTENTION_NAMES, CONF
                                             remember_discovered)
 
 # the code whose behaviour a cached discovery or check depends on: any change to it redoes them
-_CODE = ("models/discovery.py", "models/architectures.py", "models/verify.py", "engine/runner.py", "engine/cache.py",
+_CODE = ("models/discovery.py", "models/architectures.py", "engine/verify.py", "engine/runner.py", "engine/cache.py",
          "engine/passes.py", "engine/executors.py", "engine/native.py", "engine/kernels.c")
 
 # sizes of the tiny model a discovered architecture is learnt and verified on
@@ -369,7 +369,7 @@ def native_allowed(config) -> bool:
 
 
 def require_checked(config) -> None:
-    """Refuse a discovered architecture that has not passed its check (models/verify.py)."""
+    """Refuse a discovered architecture that has not passed its check (engine/verify.py)."""
     if config.model_type in ARCHITECTURES:
         return
     record = read_record(architecture_key(config), "check")

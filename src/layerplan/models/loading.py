@@ -1,5 +1,9 @@
 """Loading models: HF folders, GGUF files (converted once into the cache), the packaged default,
-an already loaded transformers model; and `LoadedModel`, what the rest of layerplan runs on."""
+an already loaded transformers model; and `LoadedModel`, what the rest of layerplan runs on.
+
+These load a model's modules as transformers builds them. How they run (the eager engine, the
+native kernels, packed linears) is the engine's choice: engine/load.py loads through here, checks
+a discovered architecture first and attaches the executor."""
 
 from __future__ import annotations
 
@@ -17,12 +21,9 @@ import torch
 from torch import nn
 
 from layerplan.files import cache_dir
-from layerplan.engine.cpu_pack import pack_linears, packing_supported
-from layerplan.engine.executors import use_native
-from layerplan.engine.native import resolve_engine
 from layerplan.models.architectures import (SHAPE_KEYS, TEXT_MODEL_TYPES, LayerParts, ModelError, ModelParts,
                                             config_depth, context_length)
-from layerplan.models.discovery import native_allowed, parts_of, require_checked, spec_of
+from layerplan.models.discovery import parts_of, require_checked, spec_of
 from layerplan.models.placement import Placement, accelerate_map, adopt, offload_folder, place, read_device_map
 from layerplan.plan.formats import load_plan
 from layerplan.plan.plan import LayerPlan, PlanError
@@ -51,7 +52,7 @@ class LoadedModel:
     # where its layers live when a device map spread them (models/placement.py); None: all on one device
     placement: Placement | None = field(default=None, repr=False)
     # a model whose parts were discovered runs only after its architecture passed the check
-    # (models/verify.py); the check itself builds its tiny model with require_check=False
+    # (engine/verify.py); the check itself builds its tiny model with require_check=False
     require_check: InitVar[bool] = True
 
     def __post_init__(self, require_check: bool) -> None:
@@ -273,17 +274,13 @@ def load_model(
     source: str | os.PathLike | None = None,
     dtype: str | torch.dtype = "float32",
     device: str | torch.device = "cpu",
-    pack: bool | None = None,
-    engine: str = "auto",
     device_map: str | None = None,
 ) -> LoadedModel:
-    """Load a HF folder, a GGUF file or the packaged default ('smollm2') for plan-driven runs.
+    """Load a HF folder, a GGUF file or the packaged default ('smollm2'): its modules as
+    transformers builds them, no executor attached (engine/load.py's load_model attaches one).
 
-    engine: 'auto', 'native' or 'eager' (see engine/native.py ENGINES).
     device_map: 'auto' or a JSON / YAML file placing decoder layers on devices, CPU memory or disk
-    (models/placement.py); instead of `device`. Such a model runs on the eager engine.
-    pack: prepack bf16 linears for oneDNN (see engine/cpu_pack.py) when the eager engine runs;
-    None = when dtype is bf16 on a CPU that supports it."""
+    (models/placement.py); instead of `device`."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     device = resolve_device(device)
@@ -309,20 +306,8 @@ def load_model(
         placement = adopt(hf, planned, layers_path, Path(placing["offload_folder"]))
     else:
         hf.to(device)
-    kind = resolve_engine(engine, dtype, device)
-    if placement is not None:  # the native kernels and packed linears hold their own copies of the weights
-        if engine == "native":
-            raise ModelError("the native engine does not run a model spread by --device-map; use --engine eager or auto")
-        kind, pack = "eager", False
-    if kind == "eager" and (pack or (pack is None and packing_supported(dtype, device))):
-        if not packing_supported(dtype, device):
-            raise ModelError(f"weight packing needs bfloat16 on a CPU with oneDNN bf16 support, not {dtype} on {device}")
-        pack_linears(hf)
     tokenizer = _tokenizer(folder)
-    model = LoadedModel(name=name, hf=hf, tokenizer=tokenizer, source=origin, placement=placement)
-    if kind == "native" and native_allowed(hf.config):
-        use_native(model)
-    return model
+    return LoadedModel(name=name, hf=hf, tokenizer=tokenizer, source=origin, placement=placement)
 
 
 def _layers_path(hf: nn.Module) -> str:

@@ -27,7 +27,7 @@ from layerplan.decoding.generate import generate
 from layerplan.decoding.sampling import SamplingParams
 from layerplan.engine.runner import forward, new_cache
 from layerplan.models.loading import LoadedModel
-from layerplan.models.verify import load_model
+from layerplan.engine.load import load_model
 from layerplan.search.probes import encode_pair, prefix_token
 
 

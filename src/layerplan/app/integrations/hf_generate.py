@@ -18,7 +18,7 @@ import torch
 from layerplan.decoding.generate import generate
 from layerplan.decoding.sampling import SamplingParams
 from layerplan.models.loading import LoadedModel
-from layerplan.models.verify import wrap_model
+from layerplan.engine.load import wrap_model
 
 # the logits processors transformers builds from the settings we translate into SamplingParams;
 # any other (no_repeat_ngram_size, bad_words_ids, ...) has no layerplan equivalent yet

@@ -21,9 +21,9 @@ from layerplan.decoding.drafters.online import OnlineSkipDrafter
 from layerplan.decoding.drafters.plan import ExitHeadDrafter, PlanDrafter, WindowedDrafter
 from layerplan.decoding.drafters.staged import StagedDrafter
 from layerplan.decoding.drafters.suffix import SuffixDrafter, read_corpus
+from layerplan.engine.load import load_model
 from layerplan.engine.probe import model_pass_costs
 from layerplan.models.loading import LoadedModel, cache_dir
-from layerplan.models.verify import load_model
 from layerplan.plan.plan import LayerPlan
 
 

@@ -4,8 +4,7 @@ incremental decoding over the plan's KV cache, in float32. Run once per architec
 and transformers version; the answer is cached (models/discovery.py keys it). A failed check is a
 one-line ModelError naming what differed; a model is never run on parts that failed it.
 
-`load_model` and `wrap_model` here are loading's, with the check first: the CLI and the package's
-public API use these.
+engine/load.py runs the check (`ensure_checked`) before it loads a model.
 """
 
 from __future__ import annotations
@@ -160,15 +159,3 @@ def _transformers_version() -> str:
     import transformers
 
     return transformers.__version__
-
-
-def load_model(source: str | os.PathLike | None = None, *args, **kwargs) -> loading.LoadedModel:
-    """loading.load_model, after the architecture's check (cached; a discovered one runs it once)."""
-    ensure_checked(loading.model_config(source))
-    return loading.load_model(source, *args, **kwargs)
-
-
-def wrap_model(hf_model: nn.Module, tokenizer: Any = None, name: str | None = None, **placing) -> loading.LoadedModel:
-    """loading.wrap_model, after the architecture's check (placing: its device_map, max_memory)."""
-    ensure_checked(hf_model.config)
-    return loading.wrap_model(hf_model, tokenizer, name, **placing)

@@ -1,0 +1,83 @@
+"""Models loaded to run: models/loading.py finds and loads a model's modules; here a discovered
+architecture is checked first (verify.py), and the engine is chosen and attached as the model's
+executor (executors.py). These are the package's `load_model` and `wrap_model`."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+from torch import nn
+
+from layerplan.engine.cpu_pack import pack_linears, packing_supported
+from layerplan.engine.executors import modules_executor, use_native
+from layerplan.engine.native import resolve_engine
+from layerplan.engine.verify import ensure_checked
+from layerplan.models import loading
+from layerplan.models.architectures import ModelError
+from layerplan.models.discovery import native_allowed, parts_of
+from layerplan.models.loading import LoadedModel
+
+
+# the dtype that keeps a GGUF's matrices in their stored block formats (float32 activations)
+STORED = "stored"
+
+
+def load_model(
+    source: str | os.PathLike | None = None,
+    dtype: str | torch.dtype = "float32",
+    device: str | torch.device = "cpu",
+    pack: bool | None = None,
+    engine: str = "auto",
+    device_map: str | None = None,
+) -> LoadedModel:
+    """Load a HF folder, a GGUF file or the packaged default ('smollm2') for plan-driven runs, after
+    its architecture's check (cached; a discovered one runs it once).
+
+    dtype: float32, bfloat16, float16, or 'stored': a GGUF's matrices kept in their block formats
+    for the native kernels (models/stored.py; activations float32).
+    engine: 'auto', 'native' or 'eager' (see engine/native.py ENGINES).
+    device_map: 'auto' or a JSON / YAML file placing decoder layers on devices, CPU memory or disk
+    (models/placement.py); instead of `device`. Such a model runs on the eager engine.
+    pack: prepack bf16 linears for oneDNN (see engine/cpu_pack.py) when the eager engine runs;
+    None = when dtype is bf16 on a CPU that supports it."""
+    ensure_checked(loading.model_config(source))
+    if dtype == STORED:
+        if device_map is not None or torch.device(device).type != "cpu":
+            raise ModelError("a GGUF runs as stored on the CPU only, without --device-map; use --dtype float32 or bfloat16")
+        return prepare(loading.load_stored_model(source), engine, pack=False)
+    return prepare(loading.load_model(source, dtype, device, device_map), engine, pack)
+
+
+def prepare(model: LoadedModel, engine: str = "auto", pack: bool | None = None) -> LoadedModel:
+    """Attach the executor of `engine` to a loaded model (see load_model): the native kernels where
+    they run here and the architecture passed its check with them, else the modules (bf16 linears
+    packed where `pack` says)."""
+    dtype, device = model.dtype, model.device
+    if model.placement is not None:  # the native kernels and packed linears hold their own copies of the weights
+        if engine == "native":
+            raise ModelError("the native engine does not run a model spread by --device-map; use --engine eager or auto")
+        resolve_engine(engine, dtype, "cpu")  # an unknown name is refused all the same
+        kind, pack = "eager", False
+    else:
+        kind = resolve_engine(engine, dtype, device)
+    if kind == "eager" and (pack or (pack is None and packing_supported(dtype, device))):
+        if not packing_supported(dtype, device):
+            raise ModelError(f"weight packing needs bfloat16 on a CPU with oneDNN bf16 support, not {dtype} on {device}")
+        pack_linears(model.hf)
+        model.parts = parts_of(model.hf)  # the packed linears (the LM head among them) are its parts now
+    if kind == "native" and native_allowed(model.hf.config):
+        use_native(model)
+    else:
+        model.executor = modules_executor(model)
+    return model
+
+
+def wrap_model(hf_model: nn.Module, tokenizer: Any = None, name: str | None = None, **placing) -> LoadedModel:
+    """loading.wrap_model (placing: its device_map, max_memory), after the architecture's check; it
+    runs on its modules (use_native runs it on the native kernels)."""
+    ensure_checked(hf_model.config)
+    model = loading.wrap_model(hf_model, tokenizer, name, **placing)
+    model.executor = modules_executor(model)
+    return model
