@@ -27,7 +27,7 @@ from layerplan.engine.kernel_library import (ABI, AbiMismatch, NativeUnavailable
                                              native_available)
 from layerplan.machine import read_cpuinfo
 from layerplan.models.architectures import arch_spec
-from layerplan.models.stored import StoredTensor
+from layerplan.models.stored import StoredEmbedding, StoredTensor
 
 __all__ = ["AbiMismatch", "NativeUnavailable", "kernels_key", "library", "native_available"]
 
@@ -414,19 +414,23 @@ class StepRun:
         steps and the LM head, in one native call (see lp_forward)."""
         ids = input_ids.to(torch.long).contiguous()
         rows = ids.shape[1]
-        dtype = ends.embedding.dtype
-        hidden = torch.empty(1, rows, ends.embedding.shape[1], dtype=dtype)
+        table = ends.embedding
+        if ends.lookup is not None:  # a stored table: the pass's own rows, dequantized, are the table
+            table = ends.lookup(ids).reshape(rows, -1).contiguous()
+            ids = torch.arange(rows)[None]
+        dtype = table.dtype
+        hidden = torch.empty(1, rows, table.shape[1], dtype=dtype)
         logits = torch.empty(1, 1 if last_only else rows, ends.head.n, dtype=dtype)
         tables, cos, sin = self._slots_and_tables(cache, start_pos, rows, dtype, hidden.device, ropes)
         sink, recent = window if window is not None and rows == 1 else (0, 0)
         status = library().lp_forward(
-            ends.embedding.data_ptr(), ends.embedding.shape[0], ids.data_ptr(), rows, hidden.data_ptr(), self.table,
+            table.data_ptr(), table.shape[0], ids.data_ptr(), rows, hidden.data_ptr(), self.table,
             len(self.table), start_pos, cos, sin, sink, recent, tree.data_ptr() if tree is not None else None,
             ctypes.byref(ends.norm), ctypes.byref(ends.head.descriptor), rows - 1 if last_only else 0,
             logits.data_ptr(), self.dtype, torch.get_num_threads())
         if status == ABI.LP_E_TOKEN:
-            bad = ids[(ids < 0) | (ids >= ends.embedding.shape[0])][0].item()
-            raise IndexError(f"token id {bad} is outside the vocabulary (0 to {ends.embedding.shape[0] - 1})")
+            bad = ids[(ids < 0) | (ids >= table.shape[0])][0].item()
+            raise IndexError(f"token id {bad} is outside the vocabulary (0 to {table.shape[0] - 1})")
         check(status, "a native pass")
         return logits
 
@@ -436,9 +440,10 @@ class PassEnds:
     """What a whole pass in one native call needs besides the steps: the embedding's weight (read
     by token id), the final norm and the packed LM head."""
 
-    embedding: torch.Tensor
+    embedding: torch.Tensor  # (vocab, hidden); (0, hidden) where `lookup` gives the rows
     norm: _Norm
     head: PackedMatrix
+    lookup: nn.Module | None = None  # a stored embedding (models/stored.py): ids -> their rows
 
 
 def _rows_limit(dtype: torch.dtype) -> int | None:
@@ -514,6 +519,12 @@ class NativeEngine:
 
     def _find_pass_ends(self, parts, rows: int) -> PassEnds | None:
         embedding, dtype = parts.embed, self.model.dtype
+        if isinstance(embedding, StoredEmbedding) and parts.position_embed is None:
+            head = self._packed_head(parts.lm_head, dtype, rows)
+            norm = self._final_norm(parts.final_norm, dtype) if head is not None else None
+            if norm is None or head.k != embedding.table.columns:
+                return None
+            return PassEnds(torch.empty(0, head.k, dtype=dtype), norm, head, lookup=embedding)
         weight = getattr(embedding, "weight", None)
         if (type(embedding) is not nn.Embedding or embedding.max_norm is not None or parts.position_embed is not None
                 or weight.dtype != dtype or weight.device.type != "cpu" or not weight.is_contiguous()):
