@@ -54,5 +54,11 @@ lock:
 bench: $(STAMP)
 	$(VENV)/bin/layerplan bench
 
+# llama.cpp's own tools, which `layerplan bench` times beside layerplan: built once from the
+# llama-cpp-python sdist's source into the cache (~10-20 min on 2 cores); does nothing when built.
+.PHONY: llama-cpp
+llama-cpp: $(STAMP)
+	$(VENV)/bin/layerplan peers build
+
 clean:
 	rm -rf $(VENV) $(LATEST) runs

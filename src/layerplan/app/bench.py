@@ -2,7 +2,8 @@
 
 Methods run interleaved (A, B, C, A, B, C, ...) so that drift in machine speed hits all alike;
 each figure is the median over repeats. Times are whole calls (prefill included) per token
-produced; every method stops at EOS or after `new_tokens`.
+produced; every method stops at EOS or after `new_tokens`. Beside them, where a method reports it,
+the decoding rate alone (prefill left out): the figure llama.cpp's llama-bench prints (tg).
 """
 
 from __future__ import annotations
@@ -38,8 +39,10 @@ PROMPTS = {
 }
 CHAT_PROMPTS = {"chat", "summary"}
 
-# run(ids, new_tokens) -> (seconds, tokens, speculative stats or None)
-Runner = Callable[[torch.Tensor, int], tuple[float, list[int], dict | None]]
+# run(ids, new_tokens) -> (seconds, tokens, stats or None). A peer that does not hand its tokens back
+# (llama.cpp's tools) gives their count instead. Stats: speculative figures, and
+# "decode_tokens_per_second" (prefill left out), "pass_steps" ({k: a k-token pass in steps}).
+Runner = Callable[[torch.Tensor, int], tuple[float, list[int] | int, dict | None]]
 
 
 @dataclass
@@ -49,12 +52,14 @@ class BenchRow:
     ms_per_token: float  # median over repeats
     tokens_per_second: float
     speedup: float  # transformers' plain ms/token divided by this row's (>1 is faster)
-    same_as_plain: bool  # same tokens as layerplan's plain greedy decoding of this prompt
+    same_as_plain: bool | None  # same tokens as layerplan's plain greedy decoding (None: a peer that does not say)
     tokens: int
     acceptance_rate: float | None = None
     mean_accepted_length: float | None = None
     samples_ms: list[float] = field(default_factory=list)
     by_drafter: dict[str, dict] = field(default_factory=dict)  # where a drafter picks among several (auto)
+    decode_tokens_per_second: float | None = None  # decoding alone, prefill left out (median)
+    pass_steps: dict[str, float] = field(default_factory=dict)  # a pass over k tokens in one-token steps (median)
 
 
 @dataclass
@@ -70,26 +75,41 @@ class BenchResult:
     def to_dict(self) -> dict:
         return asdict(self)
 
-    def peer_lines(self, ours: str, peer: str) -> list[str]:
-        """'ours vs peer' tokens-per-second ratios per prompt, where both rows were timed."""
+    def peer_lines(self, pairs: dict[str, Collection[str]]) -> list[str]:
+        """Per prompt, each peer row against ours ({peer method: our methods}), both timed in this
+        run: the whole call (prefill included, per token) and, where both report it, decoding alone."""
         lines = []
         for prompt in dict.fromkeys(r.prompt for r in self.rows):
             rows = {r.method: r for r in self.rows if r.prompt == prompt}
-            if ours in rows and peer in rows:
-                ratio = rows[ours].tokens_per_second / rows[peer].tokens_per_second
-                lines.append(f"{prompt}: {ours} {rows[ours].tokens_per_second:.1f} tok/s, {peer} "
-                             f"{rows[peer].tokens_per_second:.1f} tok/s: {ratio:.2f}x")
+            for peer, ours_names in pairs.items():
+                for ours in ours_names:
+                    if ours not in rows or peer not in rows:
+                        continue
+                    a, b = rows[ours], rows[peer]
+                    line = (f"{prompt}: {ours} / {peer}: {a.tokens_per_second / b.tokens_per_second:.2f}x whole call "
+                            f"({a.tokens_per_second:.1f} / {b.tokens_per_second:.1f} tok/s)")
+                    if a.decode_tokens_per_second and b.decode_tokens_per_second:
+                        line += (f", {a.decode_tokens_per_second / b.decode_tokens_per_second:.2f}x decoding "
+                                 f"({a.decode_tokens_per_second:.1f} / {b.decode_tokens_per_second:.1f} tok/s)")
+                    lines.append(line)
         return lines
 
     def table(self) -> str:
-        lines = [f"{'prompt':<13} {'method':<34} {'ms/tok':>7} {'tok/s':>6} {'vs HF':>6} {'=plain':>6} {'accept':>6} {'tok/pass':>8}"]
+        width = max([34, *(len(r.method) for r in self.rows)])
+        lines = [f"{'prompt':<13} {'method':<{width}} {'ms/tok':>7} {'tok/s':>6} {'dec/s':>6} {'vs HF':>6} {'=plain':>6} "
+                 f"{'accept':>6} {'tok/pass':>8}"]
         for row in self.rows:
             acc = f"{row.acceptance_rate:.2f}" if row.acceptance_rate is not None and row.acceptance_rate == row.acceptance_rate else "-"
             mal = f"{row.mean_accepted_length:.2f}" if row.mean_accepted_length is not None else "-"
+            same = "-" if row.same_as_plain is None else "yes" if row.same_as_plain else "NO"
+            decode = f"{row.decode_tokens_per_second:.1f}" if row.decode_tokens_per_second else "-"
             lines.append(
-                f"{row.prompt:<13} {row.method:<34} {row.ms_per_token:>7.1f} {row.tokens_per_second:>6.1f} "
-                f"{row.speedup:>5.2f}x {'yes' if row.same_as_plain else 'NO':>6} {acc:>6} {mal:>8}"
+                f"{row.prompt:<13} {row.method:<{width}} {row.ms_per_token:>7.1f} {row.tokens_per_second:>6.1f} "
+                f"{decode:>6} {row.speedup:>5.2f}x {same:>6} {acc:>6} {mal:>8}"
             )
+            if row.pass_steps:
+                lines.append(" " * 14 + "; ".join(f"a pass over {k} tokens costs {steps:.2f} steps"
+                                                  for k, steps in row.pass_steps.items()))
             if len(row.by_drafter) > 1:  # which drafter drafted how much, and how well (the last repeat)
                 lines.append(" " * 14 + "; ".join(
                     f"{name}: {part['rounds']} rounds, {part['acceptance_rate'] or 0:.2f} accept, "
@@ -155,7 +175,10 @@ def transformers_runner(model: LoadedModel, **options) -> Runner:
 def layerplan_runner(model: LoadedModel, draft=None, draft_length=None) -> Runner:
     def run(ids: torch.Tensor, new_tokens: int):
         result = generate(model, ids, max_new_tokens=new_tokens, draft=draft, draft_length=draft_length)
-        return result.seconds, result.token_ids, result.stats or None
+        # decoding alone: the tokens after the first (which the prefill's logits give) over the time after it
+        decode = result.seconds - result.prefill_seconds
+        rate = (len(result.token_ids) - 1) / decode if len(result.token_ids) > 1 and decode > 0 else None
+        return result.seconds, result.token_ids, {**result.stats, "decode_tokens_per_second": rate}
 
     return run
 
@@ -182,13 +205,20 @@ def run_bench(
         for run in methods.values():
             run(ids, 4)  # warm-up: first calls allocate
         samples: dict[str, list[float]] = {name: [] for name in methods}
-        outputs: dict[str, list[int]] = {}
+        decode_rates: dict[str, list[float]] = {name: [] for name in methods}
+        passes: dict[str, dict[str, list[float]]] = {name: {} for name in methods}
+        outputs: dict[str, list[int] | int] = {}
         stats: dict[str, dict | None] = {}
         for _ in range(repeats):
             for name, run in methods.items():
                 seconds, tokens, extra = run(ids, new_tokens)
-                samples[name].append(1000 * seconds / max(len(tokens), 1))
+                count = tokens if isinstance(tokens, int) else len(tokens)
+                samples[name].append(1000 * seconds / max(count, 1))
                 outputs[name], stats[name] = tokens, extra
+                if extra and extra.get("decode_tokens_per_second"):
+                    decode_rates[name].append(extra["decode_tokens_per_second"])
+                for k, steps in ((extra or {}).get("pass_steps") or {}).items():
+                    passes[name].setdefault(k, []).append(steps)
                 done += 1
                 if on_progress:
                     on_progress(done, total)
@@ -197,10 +227,14 @@ def run_bench(
         for name in methods:
             ms = statistics.median(samples[name])
             extra = stats[name] or {}
+            tokens = outputs[name]
+            same = None if isinstance(tokens, int) else tokens == plain_tokens
             result.rows.append(BenchRow(
-                name, label, ms, 1000 / ms, ref_ms / ms, outputs[name] == plain_tokens, len(outputs[name]),
+                name, label, ms, 1000 / ms, ref_ms / ms, same, tokens if isinstance(tokens, int) else len(tokens),
                 extra.get("acceptance_rate"), extra.get("mean_accepted_length"), samples[name],
                 extra.get("by_drafter", {}),
+                statistics.median(decode_rates[name]) if decode_rates[name] else None,
+                {k: statistics.median(v) for k, v in passes[name].items()},
             ))
     return result
 
@@ -221,7 +255,7 @@ def bench_methods(
 ) -> dict[str, Runner]:
     """transformers on the stock model's own modules; layerplan plain on the eager engine over
     the same modules, and on `fast` (the native engine, or packed linears) with each draft;
-    then any peers (llama.cpp)."""
+    then any peers (llama.cpp's tools)."""
     fast = fast if fast is not None else stock
     methods: dict[str, Runner] = {"transformers generate": transformers_runner(stock)}
     for exit_layer in hf_early_exits:

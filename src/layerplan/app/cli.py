@@ -12,7 +12,9 @@ import torch
 from tqdm import tqdm
 
 from layerplan.app.bench import CHAT_PROMPTS, PROMPTS, bench_methods, read_prompt_file, run_bench
-from layerplan.app.peers import gguf_at_precision, llama_cpp_missing, llama_cpp_runner
+from layerplan.app import llamacpp
+from layerplan.app.peers import (GGUF_PRECISIONS, LOOKUP_COUNTERPARTS, SHORT_DTYPES, LlamaToolError, gguf_at_precision,
+                                 gguf_file_type, llama_bench_runner, llama_lookup_runner)
 from layerplan.app.merges import export_commands, scan_blocks, study_merges, write_scan
 from layerplan.app.report import (exits_plot, explore_plot, pareto_plot, scan_heatmap, search_trajectory,
                                   skip_frequency_plot, tune_html)
@@ -57,7 +59,8 @@ def _user_errors():
     """Bad input becomes a one-line message and exit status 2, not a traceback."""
     try:
         yield
-    except (PlanError, ModelError, NativeUnavailable, FileNotFoundError, WriteError, ValueError) as error:
+    except (PlanError, ModelError, NativeUnavailable, FileNotFoundError, WriteError, ValueError, LlamaToolError,
+            llamacpp.LlamaCppBuildError) as error:
         raise click.ClickException(str(error)) from None
     except ConnectionError as error:  # lm-eval task data (or anything else) neither on disk nor reachable
         raise click.ClickException(f"{error}: not on disk and not downloadable from here") from None
@@ -180,24 +183,42 @@ def _load_for_timing(model: str, dtype: str, engine: str):
     return stock, packed or stock
 
 
-def _llama_cpp_peer(loaded) -> dict:
-    """{'llama.cpp': runner} on the model's own GGUF rewritten at the model's precision, or {}
-    with a message saying why not."""
-    missing = llama_cpp_missing()
-    dtype = str(loaded.dtype).replace("torch.", "")
-    if missing is None and not loaded.source.endswith(".gguf"):
-        missing = "llama.cpp row left out: it needs the model as a GGUF file (--model FILE.gguf)"
-    if missing is None and dtype not in ("float32", "bfloat16"):
-        missing = f"llama.cpp row left out: no {dtype} GGUF written here (float32 and bfloat16 are)"
-    if missing is not None:
-        click.echo(missing, err=True)
-        return {}
-    source = Path(loaded.source)
-    target = cache_dir() / "gguf" / f"{source.stem}-{dtype}.gguf"
-    if not target.exists():
-        click.echo(f"writing {target.name} for llama.cpp (once)…", err=True)
-    gguf = gguf_at_precision(source, dtype, target)
-    return {"llama.cpp": llama_cpp_runner(gguf, torch.get_num_threads())}
+def _llama_cpp_peers(loaded, drafts, draft_max: int) -> tuple[dict, dict]:
+    """llama.cpp's own tools on the model's GGUF as stored and rewritten at the model's precision:
+    ({method: runner}, {peer method: the layerplan methods it is compared with}); ({}, {}) with a
+    one-line message saying why not."""
+    if not loaded.source.endswith(".gguf"):
+        click.echo("llama.cpp rows left out: they need the model as a GGUF file (--model FILE.gguf)", err=True)
+        return {}, {}
+    bin_dir = llamacpp.find_tools()
+    if bin_dir is None:
+        click.echo(llamacpp.missing_message(), err=True)
+        return {}, {}
+    source, dtype = Path(loaded.source), str(loaded.dtype).replace("torch.", "")
+    stored = gguf_file_type(source)
+    files = {f"{stored} file": source}
+    if dtype not in GGUF_PRECISIONS:
+        click.echo(f"llama.cpp rows at layerplan's precision left out: no {dtype} GGUF is written here", err=True)
+    elif GGUF_PRECISIONS[dtype][0] != stored:
+        target = cache_dir() / "gguf" / f"{source.stem}-{dtype}.gguf"
+        if not target.exists():
+            click.echo(f"writing {target.name} for llama.cpp (once)…", err=True)
+        files[SHORT_DTYPES[dtype]] = gguf_at_precision(source, dtype, target)
+    threads = torch.get_num_threads()
+    runners, pairs = {}, {}
+    for label, path in files.items():
+        name = f"llama.cpp llama-bench ({label})"
+        runners[name], pairs[name] = llama_bench_runner(bin_dir / "llama-bench", path, threads), ["layerplan plain"]
+    counterparts = [f"layerplan draft={d}" for d in drafts if d.split(":")[0].split("+")[0] in LOOKUP_COUNTERPARTS]
+    if counterparts:
+        def prompt_text(ids):  # the text whose tokens are ids: chat template and special tokens kept
+            return loaded.tokenizer.decode(ids[0].tolist(), skip_special_tokens=False)
+
+        for label, path in files.items():
+            name = f"llama.cpp llama-lookup ({label})"
+            runners[name] = llama_lookup_runner(bin_dir / "llama-lookup", path, threads, prompt_text, draft_max)
+            pairs[name] = counterparts
+    return runners, pairs
 
 
 def _threads(threads: int | None) -> None:
@@ -820,16 +841,28 @@ def plan_command(plan, model, layers, fmt, out) -> None:
               help="also time transformers' assistant_early_exit=E (repeatable)")
 @click.option("--hf-prompt-lookup", type=click.IntRange(min=1), default=None, help="also time transformers' prompt_lookup_num_tokens=N")
 @click.option("--llama-cpp/--no-llama-cpp", default=True, show_default=True,
-              help="also time llama.cpp (llama-cpp-python) on the same weights at the same precision, when installed")
+              help="also time llama.cpp's own tools (llama-bench; llama-lookup beside ngram/suffix/auto drafts) on "
+                   f"the GGUF file as stored and on its weights at --dtype; needs `{llamacpp.BUILD_COMMAND}` once")
+@click.option("--llama-draft-max", type=click.IntRange(min=1), default=8, show_default=True,
+              help="llama-lookup's --spec-draft-n-max (llama.cpp's own default is 3)")
 @click.option("--out", type=click.Path(dir_okay=False), default="runs/bench.json", show_default=True)
 def bench(model, dtype, engine, threads, new_tokens, repeats, prompt_names, prompt_file, drafts, draft_length, hf_exits,
-          hf_prompt_lookup, llama_cpp, out) -> None:
+          hf_prompt_lookup, llama_cpp, llama_draft_max, out) -> None:
     """Time decoding against transformers' generate in the same run (ratios, CPU).
 
     Rows: transformers plain (and its early-exit / prompt-lookup assistants when asked),
     layerplan plain on the eager engine and on the chosen one, each layerplan drafter, and
-    llama.cpp on the same weights when llama-cpp-python is installed. '=plain' says whether the
-    tokens equal layerplan's plain greedy output for the prompt."""
+    llama.cpp's own C++ tools when built (`layerplan peers build`, once): llama-bench on the GGUF
+    file as stored (the packaged default is Q4_1) and on the same weights at --dtype, and
+    llama-lookup (llama.cpp's n-gram drafting) beside ngram, suffix and auto drafts. Without the
+    build those rows are left out and the command that builds them is printed.
+
+    \b
+    ms/tok, tok/s: whole calls, prefill included, per token (llama-bench: its pg test, the
+      prompt's length in one pass then the new tokens; llama-lookup: its own timings).
+    dec/s: decoding alone (llama-bench: its tg rate; llama-lookup: its 'decoded' speed).
+    =plain: the tokens equal layerplan's plain greedy output ('-': the tool does not say).
+    Ratios of layerplan to each llama.cpp row, same run, are printed under the table."""
     _threads(threads)
     with _user_errors():
         if prompt_file and prompt_names:
@@ -839,18 +872,21 @@ def bench(model, dtype, engine, threads, new_tokens, repeats, prompt_names, prom
         else:
             prompts, chat = _pick_prompts(prompt_names, PROMPTS), CHAT_PROMPTS
         stock, fast = _load_for_timing(model, dtype, engine)
-        peers = _llama_cpp_peer(fast) if llama_cpp else {}
+        peers, pairs = _llama_cpp_peers(fast, drafts, llama_draft_max) if llama_cpp else ({}, {})
         methods = bench_methods(stock, fast, list(drafts), list(hf_exits), hf_prompt_lookup, draft_length, peers)
         with _Progress("bench") as progress:
             result = run_bench(stock, methods, prompts, new_tokens, repeats, on_progress=progress, chat=chat)
     click.echo(result.cpu.line())
     click.echo(f"{result.model}, {result.dtype}, {result.threads} threads, up to {new_tokens} new tokens, "
-               f"median of {repeats}; 'vs HF' = transformers plain ms/token ÷ this row's")
+               f"median of {repeats}; 'vs HF' = transformers plain ms/token ÷ this row's; dec/s: decoding alone")
     click.echo(result.table())
-    for line in result.peer_lines("layerplan plain", "llama.cpp"):
-        click.echo(line)
-    for run in methods.values():
-        getattr(run, "close", lambda: None)()
+    if pairs:
+        bin_dir = llamacpp.find_tools()
+        info = llamacpp.build_info(bin_dir) if bin_dir else {}
+        click.echo(f"layerplan vs llama.cpp's own tools ({info.get('sdist', '?')}'s llama.cpp, {bin_dir}; "
+                   f"llama-lookup drafts up to {llama_draft_max}):")
+        for line in result.peer_lines(pairs):
+            click.echo("  " + line)
     write_json_atomic(out, result.to_dict())
     click.echo(f"wrote {out}")
 
@@ -944,6 +980,38 @@ def eval_command(tasks, model, dtype, device, engine, threads, plan, draft, incl
                "config": {k: v for k, v in result.get("config", {}).items() if isinstance(v, (str, int, float, type(None)))}}
     write_json_atomic(out, summary)
     click.echo(f"wrote {out}")
+
+
+@main.group()
+def peers() -> None:
+    """llama.cpp's own C++ tools, which `layerplan bench` times beside layerplan."""
+
+
+@peers.command("build", help=(
+    f"Build llama.cpp's tools once from source into the cache ({', '.join(llamacpp.TOOLS)}).\n\n"
+    f"The source is llama.cpp as vendored in the {llamacpp.SDIST_PACKAGE} {llamacpp.SDIST_VERSION} sdist, "
+    "downloaded from PyPI with pip; cmake and a C++ compiler build it (Release, CPU only, GGML_NATIVE=ON: "
+    "tuned to this machine; ~10-20 min on 2 cores). The build runs in a staging folder that is renamed into "
+    "<cache>/llama.cpp/<version> when done; a finished build is found and kept (--force builds again)."))
+@click.option("--jobs", "-j", type=click.IntRange(min=1), default=2, show_default=True, help="parallel compile jobs")
+@click.option("--force", is_flag=True, help="build again even when a finished build is there")
+def peers_build(jobs, force) -> None:
+    with _user_errors():
+        bin_dir = llamacpp.build(jobs=jobs, force=force, log=lambda line: click.echo(line, err=True))
+    click.echo(bin_dir)
+
+
+@peers.command("show")
+def peers_show() -> None:
+    """Where llama.cpp's tools are and how they were built; exit status 1 when not built."""
+    bin_dir = llamacpp.find_tools()
+    if bin_dir is None:
+        raise click.ClickException(llamacpp.missing_message("llama.cpp rows of `layerplan bench`"))
+    info = llamacpp.build_info(bin_dir)
+    click.echo(bin_dir)
+    for key in ("sdist", "built", "seconds", "jobs", "tools"):
+        if key in info:
+            click.echo(f"  {key}: {', '.join(info[key]) if isinstance(info[key], list) else info[key]}")
 
 
 @main.command()

@@ -1,31 +1,45 @@
-"""Peers for `layerplan bench` beyond transformers: llama.cpp through llama-cpp-python.
+"""Peers for `layerplan bench` beyond transformers: llama.cpp's own C++ tools.
 
-A peer is compared at the same precision as layerplan. The packaged default model is a Q4_1
-GGUF; transformers dequantises it to the floats layerplan runs, so `gguf_at_precision` writes the
-very same dequantised weights back as an F32 or BF16 GGUF (metadata and tokenizer copied), and
-llama.cpp then runs what layerplan runs. llama-cpp-python is optional (it builds llama.cpp from
-source on install): without it the bench leaves the row out and says why.
+llama.cpp is timed by its own programs, built once from source with `layerplan peers build`
+(llamacpp.py), never through a Python binding: a Python round trip per token is not llama.cpp's speed.
+
+- `llama-bench` reports llama.cpp's decoding rate (tg: N one-token steps), the cost of a pass over
+  k tokens (pp k, one batch, as a verify pass), and a whole call (pg: the prompt's length in one
+  pass, then N steps) that is timed the way every other bench row is: prefill included, per token.
+  llama-bench runs its own warm-up and repetitions (-r); the bench calls it once a round, so its
+  samples interleave with the other methods' like everyone else's.
+- `llama-lookup` is llama.cpp's n-gram drafting (prompt lookup plus its n-gram caches), the
+  counterpart of layerplan's ngram / suffix / auto drafters: its own reported speed on the same prompt.
+
+Each runs on two files: the GGUF as the user has it (the packaged default is a Q4_1 file), and the
+same weights at layerplan's precision: `gguf_at_precision` writes the dequantised weights back as an
+F32 / BF16 / F16 GGUF (metadata and tokenizer copied), so llama.cpp then runs what layerplan runs.
 """
 
 from __future__ import annotations
 
-import importlib.util
+import json
 import os
+import re
+import subprocess
 import tempfile
-import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
+
 # layerplan dtype -> (GGUF tensor type name, general.file_type value of llama.cpp's LLAMA_FTYPE)
-GGUF_PRECISIONS = {"float32": ("F32", 0), "bfloat16": ("BF16", 32)}
+GGUF_PRECISIONS = {"float32": ("F32", 0), "bfloat16": ("BF16", 32), "float16": ("F16", 1)}
+SHORT_DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+# layerplan drafters whose llama.cpp counterpart is llama-lookup (n-gram drafts from the context)
+LOOKUP_COUNTERPARTS = ("ngram", "suffix", "auto")
+PASS_LENGTH = 8  # llama-bench's pp test: the cost of one pass over this many tokens, in steps
+TOOL_TIMEOUT_S = 900
 
 
-def llama_cpp_missing() -> str | None:
-    """None when llama-cpp-python can be imported, else what to do about it."""
-    if importlib.util.find_spec("llama_cpp") is None:
-        return "llama.cpp row left out: pip install llama-cpp-python (builds llama.cpp from source, ~10 min)"
-    return None
+class LlamaToolError(RuntimeError):
+    """A llama.cpp tool failed or printed what we cannot read; the message is one line."""
 
 
 def gguf_at_precision(source: Path, dtype: str, target: Path) -> Path:
@@ -65,23 +79,168 @@ def gguf_at_precision(source: Path, dtype: str, target: Path) -> Path:
     return target
 
 
-def llama_cpp_runner(gguf_path: Path, threads: int, context: int = 2048):
-    """A bench Runner: llama.cpp's own greedy decoding of the same token ids (prompt included in
-    the time, as for every other row)."""
-    from llama_cpp import Llama
 
-    llm = Llama(model_path=str(gguf_path), n_ctx=context, n_threads=threads, n_threads_batch=threads,
-                n_batch=512, verbose=False)
+def gguf_file_type(path: Path) -> str:
+    """The file's precision as llama.cpp names it: 'Q4_1', 'BF16', 'F32', … ('?' when unreadable)."""
+    import gguf
+
+    try:
+        item = gguf.GGUFReader(path).fields.get(gguf.Keys.General.FILE_TYPE)
+        name = gguf.LlamaFileType(int(item.contents())).name if item is not None else "?"
+    except (OSError, ValueError, KeyError):
+        return "?"
+    return name.removeprefix("MOSTLY_").removeprefix("ALL_")
+
+
+# --- llama-bench -----------------------------------------------------------------------------------
+
+@dataclass
+class LlamaBenchRun:
+    """One llama-bench invocation's tests (each a mean over its -r repetitions)."""
+    tg_tokens_per_second: float  # decoding: N one-token steps
+    n_gen: int
+    pp_tokens_per_second: dict[int, float] = field(default_factory=dict)  # k -> a pass over k tokens, k/s
+    pg_seconds: float | None = None  # prompt in one pass, then N steps: the whole call
+    pg_prompt: int = 0
+    model_type: str = ""
+    build: str = ""
+
+    def pass_steps(self, k: int) -> float | None:
+        """A pass over k tokens in one-token steps (1.0: as cheap as one step)."""
+        rate = self.pp_tokens_per_second.get(k)
+        return (k / rate) * self.tg_tokens_per_second if rate else None
+
+
+def parse_llama_bench_json(text: str) -> LlamaBenchRun:
+    """llama-bench's `-o json` output: a list of tests with n_prompt, n_gen, avg_ns, avg_ts."""
+    start = text.find("[")
+    try:
+        tests = json.loads(text[start:]) if start >= 0 else None
+    except json.JSONDecodeError as error:
+        raise LlamaToolError(f"llama-bench printed JSON that does not parse ({error.msg})") from None
+    if not isinstance(tests, list) or not all(isinstance(t, dict) for t in tests):
+        raise LlamaToolError("llama-bench printed no JSON list of tests")
+    tg = pg = None
+    pp: dict[int, float] = {}
+    for test in tests:
+        try:
+            n_prompt, n_gen, avg_ns, avg_ts = int(test["n_prompt"]), int(test["n_gen"]), test["avg_ns"], test["avg_ts"]
+        except (KeyError, TypeError, ValueError):
+            raise LlamaToolError("llama-bench's JSON lacks n_prompt / n_gen / avg_ns / avg_ts") from None
+        if n_prompt == 0 and n_gen > 0:
+            tg = (float(avg_ts), n_gen, test)
+        elif n_gen == 0 and n_prompt > 0:
+            pp[n_prompt] = float(avg_ts)
+        elif n_prompt > 0 and n_gen > 0:
+            pg = (float(avg_ns) / 1e9, n_prompt)
+    if tg is None:
+        raise LlamaToolError("llama-bench's JSON has no text-generation (tg) test")
+    rate, n_gen, first = tg
+    build = f"build {first.get('build_number', '?')} ({first.get('build_commit', '?')})"
+    return LlamaBenchRun(rate, n_gen, pp, pg[0] if pg else None, pg[1] if pg else 0,
+                         str(first.get("model_type", "")), build)
+
+
+def _run_tool(command: list[str], what: str, stdout_only: bool = False) -> str:
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, errors="replace", timeout=TOOL_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        raise LlamaToolError(f"{what} ran past {TOOL_TIMEOUT_S} s: {' '.join(command)}") from None
+    except OSError as error:
+        raise LlamaToolError(f"cannot run {command[0]}: {error.strerror or error}") from None
+    if done.returncode != 0:
+        lines = [line.strip() for line in done.stderr.splitlines() if line.strip()]
+        reason = next((line for line in reversed(lines) if "error" in line.lower()), lines[-1] if lines else "no message")
+        raise LlamaToolError(f"{what} failed (exit {done.returncode}): {reason}")
+    return done.stdout if stdout_only else done.stdout + done.stderr
+
+
+def llama_bench(tool: Path, gguf: Path, threads: int, new_tokens: int, prompt_tokens: int = 0,
+                pass_length: int = PASS_LENGTH, repetitions: int = 1) -> LlamaBenchRun:
+    """tg `new_tokens`, pp `pass_length`, and (with prompt_tokens) pg prompt_tokens,new_tokens."""
+    command = [str(tool), "-m", str(gguf), "-t", str(threads), "-n", str(new_tokens), "-p", str(pass_length),
+               "-r", str(repetitions), "-o", "json"]
+    if prompt_tokens:
+        command += ["-pg", f"{prompt_tokens},{new_tokens}"]
+    return parse_llama_bench_json(_run_tool(command, f"llama-bench on {gguf.name}", stdout_only=True))
+
+
+def llama_bench_runner(tool: Path, gguf: Path, threads: int, pass_length: int = PASS_LENGTH):
+    """A bench Runner: one llama-bench call (its own warm-up, -r 1) a round. Seconds are the pg
+    test's (the prompt's length in one pass, then the new tokens), as every row is timed; the
+    stats carry llama-bench's decoding rate (tg) and the pass cost (pp)."""
 
     def run(ids, new_tokens: int):
-        llm.reset()
-        tokens: list[int] = []
-        start = time.perf_counter()
-        for token in llm.generate(ids[0].tolist(), top_k=1, top_p=1.0, temp=0.0, repeat_penalty=1.0, reset=True):
-            tokens.append(int(token))
-            if len(tokens) >= new_tokens or token == llm.token_eos():
-                break
-        return time.perf_counter() - start, tokens, None
+        result = llama_bench(tool, gguf, threads, new_tokens, int(ids.shape[1]), pass_length)
+        seconds = result.pg_seconds if result.pg_seconds is not None else result.n_gen / result.tg_tokens_per_second
+        steps = result.pass_steps(pass_length)
+        return seconds, result.n_gen, {"decode_tokens_per_second": result.tg_tokens_per_second,
+                                       "pass_steps": {str(pass_length): steps} if steps else {},
+                                       "peer_build": result.build}
 
-    run.close = llm.close  # free llama.cpp's model before interpreter shutdown tears its bindings down
+    return run
+
+
+# --- llama-lookup ----------------------------------------------------------------------------------
+
+@dataclass
+class LookupRun:
+    prompt_tokens: int
+    prompt_seconds: float
+    tokens: int
+    decode_seconds: float
+    decode_tokens_per_second: float  # as llama-lookup reports it
+    drafted: int | None = None
+    accepted: int | None = None
+    draft_max: int | None = None
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        return self.accepted / self.drafted if self.drafted else None
+
+
+_NUMBER = r"([-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?|nan|inf)"
+
+
+def parse_lookup_output(text: str) -> LookupRun:
+    """llama-lookup's summary (stderr, each line after a log time stamp such as '0.17.294.656 I '):
+    'encoded N tokens in S seconds, speed: R t/s', 'decoded …', then n_draft, n_drafted, n_accept."""
+    def timing(kind: str):
+        match = re.search(rf"{kind}\s+(\d+)\s+tokens in\s+{_NUMBER}\s+seconds, speed:\s+{_NUMBER}\s+t/s", text)
+        return (int(match.group(1)), float(match.group(2)), float(match.group(3))) if match else None
+
+    def count(name: str) -> int | None:
+        match = re.search(rf"\b{name}\s*=\s*(\d+)\s*$", text, re.MULTILINE)  # after the log's time stamp
+        return int(match.group(1)) if match else None
+
+    encoded, decoded = timing("encoded"), timing("decoded")
+    if encoded is None or decoded is None:
+        raise LlamaToolError("llama-lookup printed no 'encoded/decoded N tokens in S seconds' summary")
+    return LookupRun(encoded[0], encoded[1], decoded[0], decoded[1], decoded[2],
+                     count("n_drafted"), count("n_accept"), count("n_draft"))
+
+
+def llama_lookup(tool: Path, gguf: Path, threads: int, prompt: str, new_tokens: int, draft_max: int) -> LookupRun:
+    """Greedy n-gram-drafted generation of `prompt` (a file, so any text goes through unchanged)."""
+    fd, prompt_file = tempfile.mkstemp(prefix="layerplan-prompt-", suffix=".txt")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            handle.write(prompt)
+        command = [str(tool), "-m", str(gguf), "-t", str(threads), "-tb", str(threads), "-f", prompt_file,
+                   "-n", str(new_tokens), "--temp", "0", "--spec-draft-n-max", str(draft_max), "-c", "2048"]
+        return parse_lookup_output(_run_tool(command, f"llama-lookup on {gguf.name}"))
+    finally:
+        os.unlink(prompt_file)
+
+
+def llama_lookup_runner(tool: Path, gguf: Path, threads: int, prompt_text, draft_max: int = 8):
+    """A bench Runner: llama-lookup's own timing of the prompt (prefill + decoding) per token.
+    prompt_text(ids) gives the text whose tokens are `ids` (chat template applied)."""
+
+    def run(ids, new_tokens: int):
+        result = llama_lookup(tool, gguf, threads, prompt_text(ids), new_tokens, draft_max)
+        return (result.prompt_seconds + result.decode_seconds, result.tokens,
+                {"decode_tokens_per_second": result.decode_tokens_per_second,
+                 "acceptance_rate": result.acceptance_rate})
+
     return run
