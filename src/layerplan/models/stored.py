@@ -79,9 +79,12 @@ class StoredEmbedding(nn.Module):
     """Token embeddings looked up in a stored (possibly quantized) table: each pass dequantizes
     only its own tokens' rows."""
 
-    def __init__(self, table: StoredTensor) -> None:
+    def __init__(self, table: StoredTensor, scale: torch.Tensor | None = None) -> None:
         super().__init__()
         self.table = table
+        # what the replaced module multiplied its rows by (Gemma's sqrt(hidden)), as it does it:
+        # rows * scale in float32
+        self.scale = scale
         self._rows = table.map_rows() if table.row_order is None else table.read_rows()
 
     @property
@@ -96,8 +99,8 @@ class StoredEmbedding(nn.Module):
             bad = int(flat[(flat < 0) | (flat >= self.table.rows)][0])
             raise ModelError(f"token id {bad} is outside the vocabulary (0-{self.table.rows - 1})")
         values = gguf.quants.dequantize(self._rows[flat], gguf.GGMLQuantizationType(self.table.type_id))
-        values = np.ascontiguousarray(values, dtype=np.float32).reshape(*ids.shape, self.table.columns)
-        return torch.from_numpy(values)
+        values = torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32).reshape(*ids.shape, self.table.columns))
+        return values if self.scale is None else values * self.scale
 
 
 @dataclass
@@ -253,5 +256,12 @@ def load_stored(path: Path, index: Path) -> tuple[nn.Module, StoredWeights]:
                if f"{name}.weight" in tensors and module is not embedding}
     modules[id(head)] = head_name
     if embedding_name in tensors:
-        hf.set_input_embeddings(StoredEmbedding(tensors[embedding_name]))
+        scale = None
+        if type(embedding) is not nn.Embedding:  # Gemma's scaled lookup is known; anything else is refused
+            scale = getattr(embedding, "embed_scale", None)
+            if not isinstance(scale, torch.Tensor):
+                raise ModelError(f"{path.name}: its token embedding ({type(embedding).__name__}) does more than a "
+                                 "lookup; run it dequantized (--dtype float32 or bfloat16)")
+            scale = scale.detach().to(torch.float32)
+        hf.set_input_embeddings(StoredEmbedding(tensors[embedding_name], scale))
     return hf, StoredWeights(path, tensors, modules)
