@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from layerplan.decoding.generate import generate
+from layerplan.engine.probe import ProbeRow
 from layerplan.machine import CpuInfo, cpu_info
 from layerplan.models.loading import LoadedModel
 
@@ -172,9 +173,11 @@ def transformers_runner(model: LoadedModel, **options) -> Runner:
     return run
 
 
-def layerplan_runner(model: LoadedModel, draft=None, draft_length=None) -> Runner:
+def layerplan_runner(model: LoadedModel, draft=None, draft_length=None, probe_row: ProbeRow | None = None) -> Runner:
+    """probe_row: this machine's probe row for the model, the verify costs of a draft's rounds."""
     def run(ids: torch.Tensor, new_tokens: int):
-        result = generate(model, ids, max_new_tokens=new_tokens, draft=draft, draft_length=draft_length)
+        result = generate(model, ids, max_new_tokens=new_tokens, draft=draft, draft_length=draft_length,
+                          probe_row=probe_row)
         # decoding alone: the tokens after the first (which the prefill's logits give) over the time after it
         decode = result.seconds - result.prefill_seconds
         rate = (len(result.token_ids) - 1) / decode if len(result.token_ids) > 1 and decode > 0 else None
@@ -252,10 +255,12 @@ def bench_methods(
     hf_prompt_lookup: int | None = None,
     draft_length: str | None = None,
     peers: dict[str, Runner] | None = None,
+    probe_row: ProbeRow | None = None,
 ) -> dict[str, Runner]:
     """transformers on the stock model's own modules; layerplan plain on the eager engine over
-    the same modules, and on `fast` (the native engine, or packed linears) with each draft;
-    then any peers (llama.cpp's tools)."""
+    the same modules, and on `fast` (the native engine, or packed linears) with each draft (its
+    verify costs from probe_row, this machine's probe row for `fast`); then any peers (llama.cpp's
+    tools)."""
     fast = fast if fast is not None else stock
     methods: dict[str, Runner] = {"transformers generate": transformers_runner(stock)}
     for exit_layer in hf_early_exits:
@@ -267,6 +272,6 @@ def bench_methods(
         methods["layerplan plain, eager"] = layerplan_runner(eager_view(stock))
     methods["layerplan plain"] = layerplan_runner(fast)
     for draft in drafts:
-        methods[f"layerplan draft={draft}"] = layerplan_runner(fast, draft, draft_length)
+        methods[f"layerplan draft={draft}"] = layerplan_runner(fast, draft, draft_length, probe_row)
     methods.update(peers or {})
     return methods

@@ -22,20 +22,20 @@ from layerplan.app.tune import tune as run_tune
 from layerplan.corpus import default_corpus, read_texts
 from layerplan.decoding.drafters.heads import default_head_path, save_head, train_exit_head
 from layerplan.decoding.draft_length import DRAFT_LENGTHS, draft_length_help
-from layerplan.decoding.drafters.registry import drafter_help, saved_draft_path
+from layerplan.decoding.drafters.registry import drafter_help
 from layerplan.decoding.generate import generate as run_generate
 from layerplan.decoding.sampling import SamplingParams
 from layerplan.engine.cpu_pack import packing_supported
-from layerplan.engine.load import load_model
+from layerplan.engine.load import choose_dtype, load_model
 from layerplan.engine.native import ENGINES, NativeUnavailable, native_available, resolve_engine
-from layerplan.engine.probe import (CONTEXT, PASS_LENGTHS, checked_model_row, default_dtype, load_probe,
+from layerplan.engine.probe import (CONTEXT, PASS_LENGTHS, checked_model_row, load_probe,
                                     probe as run_probe, save_probe)
 from layerplan.engine.verify import check_architecture, config_for
 from layerplan.export import export_checkpoint
 from layerplan.files import WriteError, write_json_atomic, write_text_atomic
 from layerplan.machine import cpu_info
 from layerplan.models.architectures import STATUSES, architecture_statuses
-from layerplan.models.loading import (DEFAULT_MODEL, ModelError, available_models, cache_dir, model_depth, resolve_device,
+from layerplan.models.loading import (DEFAULT_MODEL, ModelError, available_models, cache_dir, model_depth,
                                       resolve_dtype)
 from layerplan.plan.formats import FORMATS, load_plan, save_plan, to_mergekit
 from layerplan.plan.plan import PlanError
@@ -117,13 +117,8 @@ class _Stages:
 
 def _dtype(model: str, dtype: str, engine: str, device: str = "cpu") -> str:
     """'auto' -> the dtype this machine's probe found fastest for the model (see `layerplan probe`)."""
-    if dtype != "auto":
-        return dtype
-    if resolve_device(device).type != "cpu":
-        return "bfloat16"
-    kind = resolve_engine(engine, torch.bfloat16, device)
-    _, name = model_depth(model)
-    return default_dtype(cache_dir(), name, kind, native_bf16=kind == "native" or packing_supported(torch.bfloat16, "cpu"))
+    probe = load_probe(cache_dir(), model_depth(model)[1]) if dtype == "auto" else None
+    return choose_dtype(dtype, engine, device, probe)
 
 
 def _checked_probe_row(loaded):
@@ -569,7 +564,7 @@ def _explore_merges(model, dtype, device, blocks, layer_range, max_len, repeats,
         span = parse_range(layer_range, model_depth(model)[0])
         counts = parse_repeats(repeats)
         loaded = _attach(_load(model, dtype, device), model_b, dtype, device)
-        seeds = []
+        best_blocks = []  # (start, end, repeats) of the scan's best: the study's first trials
         if blocks:
             with _Stages() as stages:
                 def stage(line: str) -> None:
@@ -592,16 +587,14 @@ def _explore_merges(model, dtype, device, blocks, layer_range, max_len, repeats,
             for command in export_commands(best.plan, model):
                 click.echo(f"export it: {command}")
             click.echo("wrote " + ", ".join(str(p) for p in written))
-            seeds = [{"start": r.start, "length": r.end - r.start + 1, "repeats": r.repeats, "scale": 1.0,
-                      **({"source": ""} if model_b else {})} for r in result.ranked()[:3]]
+            best_blocks = [(r.start, r.end, r.repeats) for r in result.ranked()[:3]]
         if study:
             import optuna  # deferred: heavy
 
             optuna.logging.set_verbosity(optuna.logging.WARNING)  # a line per trial would hide the progress bar
             space = MergeSpace(span, max_len or (span[1] - span[0] + 1), counts[-1], scale_range,
                                ("", "b") if model_b else ("",))
-            if scale_range[0] == scale_range[1]:
-                seeds = [{k: v for k, v in s.items() if k != "scale"} for s in seeds]
+            seeds = [space.seed(*block) for block in best_blocks]
             with _Progress("study") as progress:
                 outcome = study_merges(loaded, names[0], inputs, space, trials, out_dir, model, storage, study_name,
                                        sampler, inputs.seed, seeds, export, model_b, on_trial=progress)
@@ -692,10 +685,11 @@ def search(model, dtype, threads, method, objective, multi, trials, budget, max_
             import optuna  # deferred: heavy
 
             optuna.logging.set_verbosity(optuna.logging.WARNING)  # a line per trial would hide the progress bar
+        probe_row = _checked_probe_row(loaded) if prompts is not None else None  # timed decoding's verify costs
         with _Stages() as stages:
             result = run_search(loaded, ids, objective, method, multi, trials, budget, max_cost_cut, granularity, mode,
                                 sampler, storage, study_name, allow_ends, seed, prompts, out_dir,
-                                on_stage=stages.start, on_progress=stages)
+                                on_stage=stages.start, on_progress=stages, probe_row=probe_row, save_draft=save_draft)
         direction = OBJECTIVES[objective].direction
         if result.greedy is not None:
             greedy = result.greedy
@@ -722,12 +716,10 @@ def search(model, dtype, threads, method, objective, multi, trials, budget, max_
         best_plan = result.best_plan
         save_plan(best_plan, out_dir / "best_plan.json")
         write_json_atomic(out_dir / "search.json", {"model": model, **result.to_dict()})
-        if save_draft if save_draft is not None else OBJECTIVES[objective].drafts:
-            if best_plan.is_identity:
-                click.echo("no skip plan beats the full model here: nothing saved for --draft auto (it uses n-gram)")
-            else:
-                save_plan(best_plan, saved_draft_path(loaded))
-                click.echo(f"saved for --draft auto: {saved_draft_path(loaded)}")
+        if result.saved_draft is not None:
+            click.echo(f"saved for --draft auto: {result.saved_draft}")
+        elif save_draft if save_draft is not None else OBJECTIVES[objective].drafts:
+            click.echo("no skip plan beats the full model here: nothing saved for --draft auto (it uses n-gram)")
     click.echo(f"best plan: {best_plan}  (agreement {result.best.top1_agreement:.3f}, KL {result.best.kl:.4f})")
     click.echo(f"wrote {out_dir / 'best_plan.json'}, {out_dir / 'search.json'} and plots in {out_dir}")
 
@@ -786,13 +778,12 @@ def tune(model, dtype, engine, threads, tokens, steps, repeats, new_tokens, prom
 
         with _Stages() as stages:
             result = run_tune(fast, lambda: load_model(model, dtype="float32", engine=engine), prompts, tokens, steps, repeats,
-                              new_tokens, stock=stock, on_stage=stage, on_progress=stages)
+                              new_tokens, stock=stock, on_stage=stage, on_progress=stages,
+                              probe_row=_checked_probe_row(fast))
     scan_heatmap(result.scan, out_dir / "scan.png")
     if result.greedy.steps:
         search_trajectory([s.value for s in result.greedy.steps], "maximize", "predicted speedup",
                           out_dir / "search.png")
-    if result.saved_plan:
-        save_plan(load_plan(result.saved_plan, fast.num_layers, fast.name), saved_draft_path(fast))
     write_json_atomic(out_dir / "report.json", result.to_dict())
     tune_html(result, {"Damage from skipping each sub-layer": out_dir / "scan.png",
                        "Greedy search for a faster draft": out_dir / "search.png"}, out_dir / "report.html")
@@ -873,7 +864,8 @@ def bench(model, dtype, engine, threads, new_tokens, repeats, prompt_names, prom
             prompts, chat = _pick_prompts(prompt_names, PROMPTS), CHAT_PROMPTS
         stock, fast = _load_for_timing(model, dtype, engine)
         peers, pairs = _llama_cpp_peers(fast, drafts, llama_draft_max) if llama_cpp else ({}, {})
-        methods = bench_methods(stock, fast, list(drafts), list(hf_exits), hf_prompt_lookup, draft_length, peers)
+        methods = bench_methods(stock, fast, list(drafts), list(hf_exits), hf_prompt_lookup, draft_length, peers,
+                                probe_row=_checked_probe_row(fast))
         with _Progress("bench") as progress:
             result = run_bench(stock, methods, prompts, new_tokens, repeats, on_progress=progress, chat=chat)
     click.echo(result.cpu.line())

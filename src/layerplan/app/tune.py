@@ -1,5 +1,6 @@
 """The whole job in one call: scan, search a draft, benchmark it against plain decoding and
-transformers, check exactness, save the plan. Printing and files live in the CLI and report."""
+transformers, check exactness, keep the plan for the `auto` drafter. Printing and the report's
+files live in the CLI and report."""
 
 from __future__ import annotations
 
@@ -8,7 +9,9 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 from layerplan.app.bench import CHAT_PROMPTS, PROMPTS, BenchResult, bench_methods, run_bench
+from layerplan.decoding.drafters.registry import save_draft_plan
 from layerplan.decoding.generate import generate
+from layerplan.engine.probe import ProbeRow
 from layerplan.models.loading import LoadedModel
 from layerplan.search.evaluate import calibration_ids
 from layerplan.search.evaluator import PlanEvaluator, measure_costs
@@ -38,7 +41,8 @@ class TuneResult:
     bench: BenchResult  # its cpu says which machine every timing here comes from
     choices: list[DraftChoice] = field(default_factory=list)
     best: DraftChoice | None = None
-    saved_plan: str | None = None  # the skip plan saved for --draft auto, if it was worth saving
+    saved_plan: str | None = None  # the skip plan kept for the `auto` drafter, if it was worth keeping
+    saved_to: str | None = None  # where it was kept (decoding/drafters/registry.py save_draft_plan)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -64,9 +68,13 @@ def tune(
     stock: LoadedModel | None = None,
     on_stage: Callable[[str], None] | None = None,
     on_progress: Callable[[int, int], None] | None = None,
+    probe_row: ProbeRow | None = None,
 ) -> TuneResult:
     """model: the model to decode with (the native engine, or packed bf16 linears); stock: the
-    same weights as transformers runs them, for its generate; fp32_model: loads the float32 model for the exactness check."""
+    same weights as transformers runs them, for its generate; fp32_model: loads the float32 model
+    for the exactness check; probe_row: this machine's probe row for `model` (engine/probe.py),
+    the verify costs of its timed speculative decoding. A searched skip plan that pays is kept
+    for the `auto` drafter (save_draft_plan)."""
     prompts = prompts or {k: PROMPTS[k] for k in ("code", "summary")}
     ids = calibration_ids(model, tokens=tokens)
     _stage(on_stage, "scan: every attention and MLP switched off in turn")
@@ -82,7 +90,7 @@ def tune(
     drafts = ["ngram", "suffix"] + ([plan.to_string(), f"ngram|{plan.to_string()}"] if plan is not None else [])
     _stage(on_stage, f"bench: {', '.join(drafts)} against plain decoding and transformers")
     stock = stock or model
-    methods = bench_methods(stock, model, drafts)
+    methods = bench_methods(stock, model, drafts, probe_row=probe_row)
     bench = run_bench(stock, methods, prompts, new_tokens, repeats, on_progress=on_progress)
 
     _stage(on_stage, "exactness: greedy speculative == plain greedy in float32")
@@ -101,6 +109,8 @@ def tune(
             all(r.same_as_plain for r in rows), same_fp32,
         ))
     best = max(choices, key=lambda c: c.speedup_median)
+    saved_to = save_draft_plan(model, plan) if plan is not None else None
     return TuneResult(model.name, str(model.dtype).replace("torch.", ""), scanned, greedy, predicted, bench,
-                      choices, best, plan.to_string() if plan is not None else None)
+                      choices, best, plan.to_string() if plan is not None else None,
+                      str(saved_to) if saved_to is not None else None)
 

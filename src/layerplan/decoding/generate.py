@@ -48,7 +48,7 @@ def generate(
 
     probe_row: this machine's probe row for the model (engine/probe.py checked_model_row): the
     decode compares its passes with it (result.slow_note), and a speculative one takes its verify
-    costs from it; None: no comparison, and the cached costs as they are."""
+    costs from it; None: no comparison, and verify costs learned from the passes seen."""
     if max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
     if draft is not None and exit_policy is not None:

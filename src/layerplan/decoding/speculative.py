@@ -31,7 +31,7 @@ from layerplan.decoding.drafters.base import DraftState, Drafter, LearnsFromRoun
 from layerplan.decoding.drafters.registry import make_drafter
 from layerplan.decoding.output import Emitter, GenerationResult, prompt_ids
 from layerplan.decoding.sampling import SamplingParams, next_token_probs, pick
-from layerplan.engine.probe import PaceCheck, ProbeRow, model_pass_costs
+from layerplan.engine.probe import PaceCheck, ProbeRow
 from layerplan.engine.runner import forward, new_cache
 from layerplan.engine.tree import TreeShape
 from layerplan.models.loading import LoadedModel
@@ -131,13 +131,14 @@ def speculative_generate(
 ) -> GenerationResult:
     """draft_confidence: a drafter that runs a model (every one but n-gram lookup) stops its round
     when its top-1 probability falls below this. probe_row: this machine's checked probe row for
-    the model (see generate): the verify costs, and the pace the passes are compared with."""
+    the model (see generate): the verify costs, and the pace the passes are compared with; None:
+    the draft length and `auto` learn verify costs from the passes they see."""
     target = plan if plan is not None else model.plan()
-    drafter = make_drafter(drafter, model, target, draft_confidence)
+    costs = dict(probe_row.relative) if probe_row is not None else {}
+    drafter = make_drafter(drafter, model, target, draft_confidence, costs)
     learner = drafter if isinstance(drafter, LearnsFromRounds) else None
     if draft_length is None and learner is not None:
         draft_length = FixedLength(learner.max_draft)  # it picks its own length per round
-    costs = dict(probe_row.relative) if probe_row is not None else model_pass_costs(model)
     lengths = make_draft_length(draft_length, pass_costs=costs)
     pace = PaceCheck(probe_row)
     sampling = sampling or SamplingParams()

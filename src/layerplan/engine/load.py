@@ -13,6 +13,7 @@ from torch import nn
 from layerplan.engine.cpu_pack import pack_linears, packing_supported
 from layerplan.engine.executors import modules_executor, use_native
 from layerplan.engine.native import resolve_engine
+from layerplan.engine.probe import ProbeResult
 from layerplan.engine.verify import ensure_checked
 from layerplan.models import loading
 from layerplan.models.architectures import ModelError
@@ -22,6 +23,23 @@ from layerplan.models.loading import LoadedModel
 
 # the dtype that keeps a GGUF's matrices in their stored block formats (float32 activations)
 STORED = "stored"
+
+
+def choose_dtype(dtype: str, engine: str = "auto", device: str | torch.device = "cpu",
+                 probe: ProbeResult | None = None) -> str:
+    """`dtype`, or for "auto" the one that decodes fastest here: bfloat16 on a GPU; on the CPU the
+    fastest in `probe` (this machine's probe of the model, engine/probe.py load_probe) on the
+    engine `engine` resolves to, else bfloat16 where bf16 weights are read at full speed (the
+    native kernels, or a CPU with native bf16 instructions), else float32."""
+    if dtype != "auto":
+        return dtype
+    if loading.resolve_device(device).type != "cpu":
+        return "bfloat16"
+    kind = resolve_engine(engine, torch.bfloat16, device)
+    measured = probe.fastest_dtype(kind) if probe is not None else None
+    if measured is not None:
+        return measured
+    return "bfloat16" if kind == "native" or packing_supported(torch.bfloat16, "cpu") else "float32"
 
 
 def load_model(

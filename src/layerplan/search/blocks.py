@@ -251,6 +251,16 @@ class MergeSpace:
         return repeat_plan(model, start, end, params["repeats"], round(params.get("scale", self.scales[0]), 4),
                            params.get("source", self.sources[0]))
 
+    def seed(self, start: int, end: int, repeats: int, scale: float = 1.0, source: str = "") -> dict:
+        """The trial parameters of block start..end repeated `repeats` times (a block scan's row),
+        as a study's first trials take them: only the parameters with a choice in this space."""
+        params = {"start": start, "length": end - start + 1, "repeats": repeats}
+        if self.scales[0] < self.scales[1]:
+            params["scale"] = scale
+        if len(self.sources) > 1:
+            params["source"] = source
+        return params
+
     def unseen(self, model: LoadedModel, held: set[str], rng: random.Random) -> dict | None:
         """Parameters of a plan of the space whose string is not in `held` (None: every one is):
         random draws first, then the whole space in order."""

@@ -9,6 +9,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from layerplan.engine.probe import ProbeRow
 from layerplan.engine.runner import Resume, embed, forward, head, new_cache, run_hidden
 from layerplan.models.loading import LoadedModel
 from layerplan.plan.plan import LayerPlan
@@ -77,8 +78,10 @@ class PlanEvaluator:
     """Quality of many plans against one reference plan (default: the full model) on fixed ids."""
 
     def __init__(self, model: LoadedModel, ids: torch.Tensor, reference: LayerPlan | None = None,
-                 reuse: bool = True) -> None:
+                 reuse: bool = True, probe_row: ProbeRow | None = None) -> None:
         self.model, self.ids = model, ids
+        # this machine's probe row for the model: the verify costs of timed speculative decoding
+        self.probe_row = probe_row
         self.reuse = reuse  # False: every candidate from the embeddings, no memo (the naive baseline)
         self.reference_plan = reference if reference is not None else model.plan()
         self.captured: dict[tuple[int, str], torch.Tensor] = {}

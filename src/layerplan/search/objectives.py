@@ -60,7 +60,7 @@ def score(objective: str, plan: LayerPlan, evaluator: PlanEvaluator, costs: Cost
         total_tokens, total_seconds = 0, 0.0
         for ids in prompts:
             result = speculative_generate(evaluator.model, ids, plan.to_string(), max_new_tokens=new_tokens,
-                                          draft_length="adaptive")
+                                          draft_length="adaptive", probe_row=evaluator.probe_row)
             total_tokens += len(result.token_ids)
             total_seconds += result.seconds
         return total_tokens / total_seconds if total_seconds else 0.0

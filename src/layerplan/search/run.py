@@ -10,6 +10,8 @@ from pathlib import Path
 
 import torch
 
+from layerplan.decoding.drafters.registry import save_draft_plan
+from layerplan.engine.probe import ProbeRow
 from layerplan.models.loading import LoadedModel
 from layerplan.plan.plan import LayerPlan
 from layerplan.search.bayes import StudyResult, run_study
@@ -34,6 +36,7 @@ class SearchResult:
     costs: CostModel | None = None
     greedy: GreedyResult | None = None
     study: StudyResult | None = None
+    saved_draft: Path | None = None  # where the best plan was kept for the `auto` drafter
 
     @property
     def draft_worthy(self) -> bool:
@@ -75,13 +78,19 @@ def run_search(
     folder: str | Path = "runs/search",
     on_stage: Callable[[str], None] | None = None,
     on_progress: Callable[[int, int], None] | None = None,
+    probe_row: ProbeRow | None = None,
+    save_draft: bool | None = False,
 ) -> SearchResult:
     """Search a plan for `objective` on calibration ids (B, T).
 
     budget: greedy items to switch (default 20 unless max_cost_cut says when to stop);
     prompts: encoded prompts for the tokens-per-second objective; folder: greedy's state file
     and the default study storage (folder/study.db), so that the same call resumes; seed: makes the
-    study's sampler seeds reproducible (None: fresh ones each run; see bayes.derive_seed)."""
+    study's sampler seeds reproducible (None: fresh ones each run; see bayes.derive_seed).
+    probe_row: this machine's probe row for the model (engine/probe.py), the verify costs of the
+    tokens-per-second objective's timed decoding. save_draft: keep the best plan as the `auto`
+    drafter's layer-plan draft (decoding/drafters/registry.py save_draft_plan); None: when the
+    objective looks for a draft (SearchResult.draft_worthy)."""
     if method not in METHODS:
         raise ValueError(f"unknown search method '{method}'; choose from {', '.join(METHODS)}")
     chosen = OBJECTIVES.get(objective)
@@ -90,7 +99,7 @@ def run_search(
     if method == "greedy" and chosen.greedy_as:
         raise ValueError(f"greedy search scores many candidates per pass; use --method bayes for {objective}")
     folder = Path(folder)
-    evaluator = PlanEvaluator(model, ids)
+    evaluator = PlanEvaluator(model, ids, probe_row=probe_row)
     greedy_objective = chosen.greedy_as or objective
     costs = measure_costs(model) if multi or OBJECTIVES[greedy_objective].needs_costs or chosen.needs_costs else None
     seeds = [model.plan()]
@@ -111,7 +120,10 @@ def run_search(
                           multi, seeds, allow_ends, costs, prompts, seed, on_trial=on_progress)
         best = study.best_plan
     best_plan = model.plan(best or "full")
-    return SearchResult(objective, multi, best_plan, evaluator.divergence(best_plan), costs, greedy, study)
+    result = SearchResult(objective, multi, best_plan, evaluator.divergence(best_plan), costs, greedy, study)
+    if save_draft or (save_draft is None and result.draft_worthy):
+        result.saved_draft = save_draft_plan(model, best_plan)
+    return result
 
 
 def _stage(on_stage: Callable[[str], None] | None, text: str) -> None:

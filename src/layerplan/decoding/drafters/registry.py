@@ -8,7 +8,7 @@ Adding a drafter is one entry in DRAFTERS; the CLI's --draft help is generated f
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from layerplan.decoding.drafters.arbiter import Arbiter
@@ -22,8 +22,8 @@ from layerplan.decoding.drafters.plan import ExitHeadDrafter, PlanDrafter, Windo
 from layerplan.decoding.drafters.staged import StagedDrafter
 from layerplan.decoding.drafters.suffix import SuffixDrafter, read_corpus
 from layerplan.engine.load import load_model
-from layerplan.engine.probe import model_pass_costs
 from layerplan.models.loading import LoadedModel, cache_dir
+from layerplan.plan.formats import save_plan
 from layerplan.plan.plan import LayerPlan
 
 
@@ -35,6 +35,8 @@ class Context:
     target: LayerPlan
     min_confidence: float = 0.0
     head: Head | None = None  # +vocab=K: a reduced LM head for a layer-plan draft
+    # k -> cost of a k-token verify pass in steps on this machine (engine/probe.py); empty: learned
+    pass_costs: dict[int, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -136,7 +138,7 @@ def _auto(arg: str | None, text: str, ctx: Context) -> Drafter:
         raise ValueError(f"cannot read '{text}': auto takes no argument")
     saved = saved_draft_path(ctx.model)
     models = [_build(str(saved), ctx)] if saved.exists() else []
-    return Arbiter([SuffixDrafter(), NgramDrafter()], models, model_pass_costs(ctx.model))
+    return Arbiter([SuffixDrafter(), NgramDrafter()], models, ctx.pass_costs)
 
 
 # keyword (the spec up to its first ':') -> kind; a spec with no known keyword is a plan (PLAN)
@@ -174,11 +176,13 @@ def drafter_help() -> str:
 
 
 def make_drafter(spec: str | Drafter, model: LoadedModel, target: LayerPlan | None = None,
-                 min_confidence: float = 0.0) -> Drafter:
+                 min_confidence: float = 0.0, pass_costs: dict[int, float] | None = None) -> Drafter:
     """A drafter from its spec (see DRAFTERS) or a ready-made one, checked against the model and
-    the target plan before anything runs."""
+    the target plan before anything runs. pass_costs: k -> a k-token verify pass in steps on this
+    machine (engine/probe.py), for the drafters that weigh proposals by cost (auto)."""
     target = target if target is not None else model.plan()
-    drafter = _build(spec, Context(model, target, min_confidence)) if isinstance(spec, str) else spec
+    context = Context(model, target, min_confidence, pass_costs=dict(pass_costs or {}))
+    drafter = _build(spec, context) if isinstance(spec, str) else spec
     drafter.check(model, target)
     return drafter
 
@@ -216,6 +220,16 @@ def _build(spec: str, ctx: Context) -> Drafter:
 
 
 def saved_draft_path(model: LoadedModel) -> Path:
-    """Where a search saves the best draft plan for a model; `--draft auto` reads it."""
+    """Where the draft plan of a model that `auto` proposes with is kept (save_draft_plan)."""
     safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in model.name)
     return cache_dir() / "plans" / f"{safe}.json"
+
+
+def save_draft_plan(model: LoadedModel, plan: LayerPlan) -> Path | None:
+    """Keep `plan` as the layer-plan draft that `auto` weighs for this model (a search's or tune's
+    best); its path, or None for the identity plan, which drafts nothing."""
+    if plan.is_identity:
+        return None
+    path = saved_draft_path(model)
+    save_plan(plan, path)
+    return path
