@@ -19,8 +19,10 @@ def _permute(weights: np.ndarray, heads: int, kv_heads: int) -> np.ndarray:
     return weights.reshape(groups, 2, weights.shape[0] // groups // 2, *weights.shape[1:]).swapaxes(1, 2).reshape(weights.shape)
 
 
-def write_tiny_gguf(hf: torch.nn.Module, path: Path, matrix_type: str = "Q8_0") -> Path:
-    """Write `hf` (a tiny llama-family CausalLM) as a GGUF whose matrices are `matrix_type`."""
+def write_tiny_gguf(hf: torch.nn.Module, path: Path, matrix_type: str = "Q8_0",
+                    types: dict[str, str] | None = None) -> Path:
+    """Write `hf` (a tiny llama-family CausalLM) as a GGUF whose matrices are `matrix_type`, but
+    for those `types` names by GGUF tensor kind ({"attn_v": "Q8_0"}, as Q4_K_M mixes types)."""
     import gguf
 
     config = hf.config
@@ -48,7 +50,8 @@ def write_tiny_gguf(hf: torch.nn.Module, path: Path, matrix_type: str = "Q8_0") 
             kv = config.num_key_value_heads if gguf_name.endswith("attn_k") else config.num_attention_heads
             values = _permute(values, config.num_attention_heads, kv)
         matrix = values.ndim == 2
-        stored = kind if matrix else gguf.GGMLQuantizationType.F32
+        kind_of_tensor = gguf.GGMLQuantizationType[(types or {}).get(gguf_name.rsplit(".", 1)[-1], matrix_type)]
+        stored = kind_of_tensor if matrix else gguf.GGMLQuantizationType.F32
         writer.add_tensor(f"{gguf_name}.{suffix}", gguf.quants.quantize(values, stored), raw_dtype=stored)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()

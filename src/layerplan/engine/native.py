@@ -26,7 +26,7 @@ from torch import nn
 from layerplan.engine.kernel_library import (ABI, AbiMismatch, NativeUnavailable, check, kernels_key, library,
                                              native_available)
 from layerplan.machine import read_cpuinfo
-from layerplan.models.architectures import arch_spec
+from layerplan.models.architectures import ACTIVATIONS, NORM_EPSILONS, KernelLayout, arch_spec
 from layerplan.models.stored import StoredEmbedding, StoredTensor
 
 __all__ = ["AbiMismatch", "NativeUnavailable", "kernels_key", "library", "native_available"]
@@ -196,11 +196,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 # ----- decoder sub-layers ------------------------------------------------------------------------
-# The module classes whose arithmetic the kernels reproduce; anything else runs eagerly.
-_ACTIVATIONS = {"SiLUActivation": 0, "SiLU": 0, "GELUTanh": 1, "PytorchGELUTanh": 1}
-_ATTENTION_CHILDREN = ({"q_proj", "k_proj", "v_proj", "o_proj"}, {"q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm"},
-                       {"qkv_proj", "o_proj"})
-_MLP_CHILDREN = ({"gate_proj", "up_proj", "down_proj", "act_fn"}, {"gate_up_proj", "down_proj", "activation_fn"})
+# What a layer's modules compute (models/architectures.py: KernelLayout, NORM_EPSILONS,
+# ACTIVATIONS) as the kernels' ABI names it; a module outside these runs eagerly.
+_ACTIVATION_CODES = {"silu": ABI.LP_ACT_SILU, "gelu_tanh": ABI.LP_ACT_GELU_TANH}
+_NORM_ROUNDING = {"llama": ABI.LP_NORM_ROUND_NORMALISED, "gemma": ABI.LP_NORM_ROUND_PRODUCT}
 
 
 class Unsupported(Exception):
@@ -224,62 +223,67 @@ def _dense_weight(module: nn.Module) -> torch.Tensor:
     return module.weight
 
 
+def _format_of(weight) -> str:
+    """A weight's storage: its GGUF type, or its dtype."""
+    return weight.type_name if isinstance(weight, StoredTensor) else str(weight.dtype)
+
+
 def _packed(modules: list[nn.Module], arena: WeightArena, weight_of: WeightOf) -> PackedMatrix:
     """The linears' weights (checked by _stacked_rows) stacked by output rows and packed (their
     biases likewise)."""
     return PackedMatrix([weight_of(m) for m in modules], [getattr(m, "bias", None) for m in modules], arena)
 
 
-def _children(module: nn.Module, known: tuple[set[str], ...]) -> set[str]:
-    """The module's child names, when they are one of the layouts the kernels know."""
+def _children(module: nn.Module, known: frozenset[str]) -> set[str]:
+    """The module's child names, when they are the layout the kernels read it by."""
     children = {name for name, _ in module.named_children()}
-    if children not in known:
+    if children != known:
         raise Unsupported(f"{type(module).__name__} has modules {sorted(children)}")
     return children
 
 
-def _norm(module: nn.Module | None, dtype: torch.dtype, offset: float) -> _Norm:
+def _norm(module: nn.Module | None, dtype: torch.dtype, offset: float, arithmetic: str = "llama") -> _Norm:
+    """An RMSNorm module as a descriptor; `arithmetic` (KernelLayout.norm) says how it rounds."""
     if module is None:
         return _Norm(None, 0.0, 0.0, ABI.LP_NORM_ROUND_NORMALISED, _DTYPES[dtype])
     name = type(module).__name__
     weight = getattr(module, "weight", None)
     if not name.endswith("RMSNorm") or weight is None or weight.dtype != dtype or not weight.is_contiguous():
         raise Unsupported(f"norm {name} is not an RMSNorm the kernels know")
-    if hasattr(module, "variance_epsilon"):  # weight * normalised.to(dtype) (Llama and its copies)
-        return _holding(_Norm(weight.data_ptr(), float(module.variance_epsilon), offset, ABI.LP_NORM_ROUND_NORMALISED,
-                              _DTYPES[dtype]), weight)
-    if hasattr(module, "eps"):  # ((offset + weight) * normalised).to(dtype) (Gemma)
-        return _holding(_Norm(weight.data_ptr(), float(module.eps), offset, ABI.LP_NORM_ROUND_PRODUCT, _DTYPES[dtype]),
-                        weight)
-    raise Unsupported(f"norm {name} has no epsilon the kernels know")
+    epsilon = getattr(module, NORM_EPSILONS[arithmetic], None)
+    if epsilon is None:
+        raise Unsupported(f"norm {name} has no {NORM_EPSILONS[arithmetic]}, the epsilon of {arithmetic}'s RMSNorm")
+    return _holding(_Norm(weight.data_ptr(), float(epsilon), offset, _NORM_ROUNDING[arithmetic], _DTYPES[dtype]),
+                    weight)
 
 
 class NativeLayer:
-    """One decoder layer's sub-layers as kernel descriptors over the layer's own weights.
-    `attention` / `mlp` is None where that sub-layer runs eagerly (`why` says why)."""
+    """One decoder layer's sub-layers as kernel descriptors over the layer's own weights, read by
+    its architecture's `layout`. `attention` / `mlp` is None where that sub-layer runs eagerly
+    (`why` says why)."""
 
     def __init__(self, parts, dtype: torch.dtype, norm_offset: float, arena: WeightArena,
-                 weight_of: WeightOf = _dense_weight) -> None:
+                 weight_of: WeightOf = _dense_weight, layout: KernelLayout = KernelLayout()) -> None:
         self.dtype = dtype
         self.attention: _Attention | None = None
         self.mlp: _Mlp | None = None
         self.matrices: tuple[PackedMatrix, ...] = ()  # keeps the packed weights the descriptors point to
         self.why: dict[str, str] = {}
         try:
-            self.attention, matrices = self._attention(parts, dtype, norm_offset, arena, weight_of)
+            self.attention, matrices = self._attention(parts, dtype, norm_offset, arena, weight_of, layout)
             self.matrices += matrices
         except Unsupported as error:
             self.why["attention"] = str(error)
         try:
-            self.mlp, matrices = self._mlp(parts, dtype, norm_offset, arena, weight_of)
+            self.mlp, matrices = self._mlp(parts, dtype, norm_offset, arena, weight_of, layout)
             self.matrices += matrices
         except Unsupported as error:
             self.why["mlp"] = str(error)
 
     @staticmethod
-    def _attention(parts, dtype, offset, arena, weight_of) -> tuple[_Attention, tuple[PackedMatrix, ...]]:
+    def _attention(parts, dtype, offset, arena, weight_of, layout) -> tuple[_Attention, tuple[PackedMatrix, ...]]:
         module = parts.attention
-        children = _children(module, _ATTENTION_CHILDREN)
+        _children(module, layout.attention_children)
         config = module.config
         if getattr(config, "attn_logit_softcapping", None) or getattr(module, "sinks", None) is not None:
             raise Unsupported("attention logit soft-capping and attention sinks run eagerly")
@@ -287,32 +291,37 @@ class NativeLayer:
         head_dim = module.head_dim
         if heads % kv_heads or head_dim > 512 or getattr(config, "partial_rotary_factor", 1.0) != 1.0:
             raise Unsupported("head layout or partial rotary embeddings the kernels do not handle")
-        # Phi-3's qkv_proj already stacks q, k and v rows in that order
-        qkv_linears = [module.qkv_proj] if "qkv_proj" in children else [module.q_proj, module.k_proj, module.v_proj]
+        qkv_linears = [getattr(module, name) for name in layout.qkv]  # q, k and v rows, in that order
         qkv_rows = _stacked_rows(qkv_linears, dtype)
         _stacked_rows([module.o_proj], dtype)
         if qkv_rows != (heads + 2 * kv_heads) * head_dim:
             raise Unsupported(f"q, k and v projections with {qkv_rows} outputs, not {(heads + 2 * kv_heads) * head_dim}")
-        norms = dict(norm=_norm(parts.attention_norm, dtype, offset), q_norm=_norm(getattr(module, "q_norm", None), dtype, offset),
-                     k_norm=_norm(getattr(module, "k_norm", None), dtype, offset),
-                     post_norm=_norm(parts.attention_post_norm, dtype, offset))
-        # packed only once every check passed: the arena keeps what it holds
-        qkv, o = _packed(qkv_linears, arena, weight_of), _packed([module.o_proj], arena, weight_of)
+        rounding = layout.norm
+        norms = dict(norm=_norm(parts.attention_norm, dtype, offset, rounding),
+                     q_norm=_norm(module.q_norm if layout.qk_norms else None, dtype, offset, rounding),
+                     k_norm=_norm(module.k_norm if layout.qk_norms else None, dtype, offset, rounding),
+                     post_norm=_norm(parts.attention_post_norm, dtype, offset, rounding))
+        # packed only once every check passed: the arena keeps what it holds. A v projection
+        # stored in another block format than q and k (Q4_K_M's Q6_K attn_v) is a matrix apart.
+        apart = len(qkv_linears) == 3 and len({_format_of(weight_of(m)) for m in qkv_linears}) > 1
+        qk_linears, v_linears = (qkv_linears[:2], qkv_linears[2:]) if apart else (qkv_linears, [])
+        qkv, o = _packed(qk_linears, arena, weight_of), _packed([module.o_proj], arena, weight_of)
+        v = _packed(v_linears, arena, weight_of) if apart else None
         descriptor = _Attention(
             hidden=config.hidden_size, heads=heads, kv_heads=kv_heads, head_dim=head_dim, **norms,
-            qkv=qkv.descriptor, o=o.descriptor, scaling=float(module.scaling),
-            window=parts.sliding_window or 0, rotary_dim=head_dim)
-        return _holding(descriptor, qkv, o, *norms.values()), (qkv, o)
+            qkv=qkv.descriptor, v=v.descriptor if v is not None else _Matrix(), o=o.descriptor,
+            scaling=float(module.scaling), window=parts.sliding_window or 0, rotary_dim=head_dim)
+        matrices = (qkv, o) if v is None else (qkv, v, o)
+        return _holding(descriptor, *matrices, *norms.values()), matrices
 
     @staticmethod
-    def _mlp(parts, dtype, offset, arena, weight_of) -> tuple[_Mlp, tuple[PackedMatrix, ...]]:
+    def _mlp(parts, dtype, offset, arena, weight_of, layout) -> tuple[_Mlp, tuple[PackedMatrix, ...]]:
         module = parts.mlp
-        children = _children(module, _MLP_CHILDREN)
-        act = getattr(module, "act_fn", None) or getattr(module, "activation_fn", None)
-        if type(act).__name__ not in _ACTIVATIONS:
+        _children(module, layout.mlp_children)
+        act = getattr(module, layout.activation)
+        if type(act).__name__ not in ACTIVATIONS:
             raise Unsupported(f"activation {type(act).__name__} runs eagerly")
-        # Phi-3's gate_up_proj already stacks gate rows, then up rows
-        linears = [module.gate_up_proj] if "gate_up_proj" in children else [module.gate_proj, module.up_proj]
+        linears = [getattr(module, name) for name in layout.gate_up]  # gate rows, then up rows
         if any(getattr(m, "bias", None) is not None for m in linears + [module.down_proj]):
             raise Unsupported("MLP biases run eagerly")
         gate_up_rows = _stacked_rows(linears, dtype)
@@ -320,11 +329,12 @@ class NativeLayer:
         inner = module.down_proj.weight.shape[1]
         if gate_up_rows != 2 * inner:
             raise Unsupported(f"gate and up projections with {gate_up_rows} outputs for an inner size of {inner}")
-        norm, post_norm = _norm(parts.mlp_norm, dtype, offset), _norm(parts.mlp_post_norm, dtype, offset)
+        norm, post_norm = (_norm(parts.mlp_norm, dtype, offset, layout.norm),
+                           _norm(parts.mlp_post_norm, dtype, offset, layout.norm))
         # packed only once every check passed: the arena keeps what it holds
         gate_up, down = _packed(linears, arena, weight_of), _packed([module.down_proj], arena, weight_of)
         descriptor = _Mlp(hidden=down.n, inner=inner, norm=norm, post_norm=post_norm, gate_up=gate_up.descriptor,
-                          down=down.descriptor, activation=_ACTIVATIONS[type(act).__name__])
+                          down=down.descriptor, activation=_ACTIVATION_CODES[ACTIVATIONS[type(act).__name__]])
         return _holding(descriptor, gate_up, down, norm, post_norm), (gate_up, down)
 
     def run_attention(self, hidden: torch.Tensor, keys: torch.Tensor | None, values: torch.Tensor | None,
@@ -458,22 +468,18 @@ def _rows_limit(dtype: torch.dtype) -> int | None:
     return None
 
 
-# The model types whose layers the kernels are checked against transformers for (tests/test_native.py).
-# Other architectures can share module names with different arithmetic (OLMo 2 normalises q and k
-# over all heads at once, Granite scales residuals), so they run eagerly until added here with a test.
-KERNEL_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3", "gemma3_text", "phi3"})
-
-
 class NativeEngine:
     """The native kernels of one loaded model: a NativeLayer per decoder layer."""
 
     def __init__(self, model) -> None:
         library()  # fail here, with the reason, rather than inside a forward pass
         model_type = model.hf.config.model_type
-        offset = self.norm_offset = arch_spec(model_type).norm_weight_offset
+        spec = arch_spec(model_type)
+        offset = self.norm_offset = spec.norm_weight_offset
+        self.layout = spec.kernels  # how the kernels read its layers (None: they are not checked for them)
         self.why_eager = None
         self.arena = WeightArena()  # the packed weights of the layers and LM heads
-        if model_type not in KERNEL_MODEL_TYPES:
+        if self.layout is None:
             self.why_eager = f"the kernels are not checked for {model_type} layers"
         elif model.parts.rotary is None:
             self.why_eager = "the model has no rotary embedding module"
@@ -483,7 +489,7 @@ class NativeEngine:
         if self.why_eager:
             self.layers = tuple(None for _ in model.parts.layers)
         else:
-            self.layers = tuple(NativeLayer(layer, model.dtype, offset, self.arena, self.weight_of)
+            self.layers = tuple(NativeLayer(layer, model.dtype, offset, self.arena, self.weight_of, self.layout)
                                 for layer in model.parts.layers)
         if self.stored is not None:  # what the kernels do not run, its modules run: on dense weights
             for layer, kernels in zip(model.parts.layers, self.layers):
@@ -568,7 +574,7 @@ class NativeEngine:
             return None
         if id(module) not in self._norms:
             try:
-                descriptor = _norm(module, dtype, self.norm_offset)
+                descriptor = _norm(module, dtype, self.norm_offset, self.layout.norm)
             except Unsupported:
                 descriptor = None
             self._norms[id(module)] = (module, descriptor)

@@ -32,7 +32,7 @@ LP_API long lp_abi_layout(char *out, long capacity) {
     LP_STRUCT(lp_attention); LP_FIELD(lp_attention, hidden); LP_FIELD(lp_attention, heads);
     LP_FIELD(lp_attention, kv_heads); LP_FIELD(lp_attention, head_dim); LP_FIELD(lp_attention, norm);
     LP_FIELD(lp_attention, q_norm); LP_FIELD(lp_attention, k_norm); LP_FIELD(lp_attention, post_norm);
-    LP_FIELD(lp_attention, qkv); LP_FIELD(lp_attention, o); LP_FIELD(lp_attention, scaling);
+    LP_FIELD(lp_attention, qkv); LP_FIELD(lp_attention, v); LP_FIELD(lp_attention, o); LP_FIELD(lp_attention, scaling);
     LP_FIELD(lp_attention, window); LP_FIELD(lp_attention, rotary_dim);
     LP_STRUCT(lp_mlp); LP_FIELD(lp_mlp, hidden); LP_FIELD(lp_mlp, inner); LP_FIELD(lp_mlp, norm);
     LP_FIELD(lp_mlp, post_norm); LP_FIELD(lp_mlp, gate_up); LP_FIELD(lp_mlp, down); LP_FIELD(lp_mlp, activation);

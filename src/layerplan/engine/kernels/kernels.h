@@ -16,7 +16,7 @@
 #ifndef LP_KERNELS_H
 #define LP_KERNELS_H
 
-#define LP_ABI_VERSION 3
+#define LP_ABI_VERSION 4
 
 /* activation / cache / norm-weight element types */
 #define LP_DTYPE_F32 0
@@ -98,7 +98,8 @@ typedef struct {
     lp_norm q_norm;
     lp_norm k_norm;
     lp_norm post_norm;
-    lp_matrix qkv;   /* q, k and v projections stacked by output rows */
+    lp_matrix qkv;   /* q, k and v projections stacked by output rows (q and k only when v.n > 0) */
+    lp_matrix v;     /* the v projection apart (n = 0: stacked in qkv), as where its weight format differs */
     lp_matrix o;
     float scaling;   /* scores = q.k * scaling */
     long window;     /* sliding window (keys > position - window); 0 = none */

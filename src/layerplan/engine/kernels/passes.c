@@ -38,12 +38,15 @@ LP_API int lp_attention_block(const lp_attention *a, const void *hidden, void *o
         return LP_E_TYPE;
     if (D <= 0 || D > 512 || R < 0 || R > D || a->kv_heads <= 0 || a->heads % a->kv_heads || (tree && a->window > 0))
         return LP_E_SHAPE;
+    long apart = a->v.n > 0, QKV = apart ? NQ + NK : NQ + 2 * NK; /* qkv's rows, v's apart or not */
+    if (a->qkv.n != QKV || (apart && a->v.n != NK)) return LP_E_SHAPE;
     if (rows <= 0) return LP_OK;
     if (pos0 < kv->start || pos0 - kv->start + rows > kv->capacity) return LP_E_CAPACITY;
     if (threads < 1) threads = 1;
     float *x = lp_floats(rows * H), *qkv = lp_floats(rows * (NQ + 2 * NK)), *q = lp_floats(rows * NQ),
           *k = lp_floats(rows * NK), *v = lp_floats(rows * NK), *o = lp_floats(rows * NQ), *u = lp_floats(rows * H);
-    int status = x && qkv && q && k && v && o && u ? LP_OK : LP_E_MEMORY;
+    float *v_apart = apart ? lp_floats(rows * NK) : NULL;
+    int status = x && qkv && q && k && v && o && u && (v_apart || !apart) ? LP_OK : LP_E_MEMORY;
     long ces = lp_dtype_bytes(kv->dtype);
     int split = rows > 1 && threads > 1; /* a pass shares the per-row work too; a step keeps one thread */
     if (status == LP_OK) {
@@ -52,14 +55,15 @@ LP_API int lp_attention_block(const lp_attention *a, const void *hidden, void *o
             lp_norm_rows(x + r * H, 1, H, &a->norm, dtype);
         });
         status = lp_gemm(&a->qkv, x, rows, qkv, threads);
+        if (status == LP_OK && apart) status = lp_gemm(&a->v, x, rows, v_apart, threads);
     }
     if (status == LP_OK) {
         EACH_ROW(split, threads, rows, {
             float *qr = q + r * NQ, *kr = k + r * NK, *vr = v + r * NK;
-            const float *src = qkv + r * (NQ + 2 * NK);
+            const float *src = qkv + r * QKV;
             memcpy(qr, src, sizeof(float) * (size_t)NQ);
             memcpy(kr, src + NQ, sizeof(float) * (size_t)NK);
-            memcpy(vr, src + NQ + NK, sizeof(float) * (size_t)NK);
+            memcpy(vr, apart ? v_apart + r * NK : src + NQ + NK, sizeof(float) * (size_t)NK);
             lp_round_all(qr, NQ, dtype);
             lp_round_all(kr, NK, dtype);
             lp_round_all(vr, NK, dtype);
@@ -88,7 +92,7 @@ LP_API int lp_attention_block(const lp_attention *a, const void *hidden, void *o
             lp_residual_add((const char *)hidden + r * H * es, u + r * H, x + r * H, (char *)out + r * H * es, H,
                             residual_scale, dtype);
         });
-    free(x); free(qkv); free(q); free(k); free(v); free(o); free(u);
+    free(x); free(qkv); free(q); free(k); free(v); free(o); free(u); free(v_apart);
     return status;
 }
 
