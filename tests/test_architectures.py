@@ -13,7 +13,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 from layerplan.decoding.generate import generate
 from layerplan.engine.runner import forward
 from layerplan.export import export_checkpoint, plan_config, plan_state_dict
-from layerplan.models.architectures import (ARCHITECTURES, DISCOVERY_REFERENCE, MIXTURE_OF_EXPERTS, NAMED_FAMILIES,
+from layerplan.models.architectures import (ARCHITECTURES, REFERENCE_ARCHITECTURES, MIXTURE_OF_EXPERTS, NAMED_FAMILIES,
                                             NOT_SUPPORTED, REFUSED, TINY_CHECKED, ModelError, architecture_statuses,
                                             refusal_of_config)
 from layerplan.models.discovery import discover_spec, tiny_config, tiny_model
@@ -126,7 +126,7 @@ def test_a_verified_type_refuses_a_config_it_cannot_run():
     assert "add_cross_attention" in refusal_of_config(AutoConfig.for_model("xglm", add_cross_attention=True))
 
 
-@pytest.mark.parametrize("arch", DISCOVERY_REFERENCE)
+@pytest.mark.parametrize("arch", REFERENCE_ARCHITECTURES)
 def test_discovery_finds_what_the_table_says(arch):
     found, written = discover_spec(tiny_hf("gemma3_text" if arch == "gemma3_text" else arch)), ARCHITECTURES[arch]
     for field in ("backbone", "embed", "layers", "final_norm", "attention", "attention_norm", "mlp", "mlp_norm",

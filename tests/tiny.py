@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from layerplan.models.architectures import REFERENCE_ARCHITECTURES
 from layerplan.models.loading import LoadedModel, wrap_model
 
 VOCAB = 96
@@ -24,7 +25,7 @@ def tiny_config(arch: str, num_layers: int = 3):
         return tf.Qwen2Config(**common, use_sliding_window=True, sliding_window=4, max_window_layers=1)
     if arch == "qwen3":
         return tf.Qwen3Config(**common, head_dim=16)
-    if arch == "gemma3":
+    if arch in ("gemma3", "gemma3_text"):
         types = ["sliding_attention", "full_attention"] * num_layers
         return tf.Gemma3TextConfig(**common, head_dim=8, query_pre_attn_scalar=8, sliding_window=4,
                                    layer_types=types[:num_layers], final_logit_softcapping=30.0)
@@ -36,7 +37,7 @@ def tiny_config(arch: str, num_layers: int = 3):
     raise KeyError(arch)
 
 
-ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma3", "phi3", "gpt2")
+ARCHS = REFERENCE_ARCHITECTURES  # model types; tiny_config also takes "gemma3" for gemma3_text
 
 
 def tiny_hf(arch: str, num_layers: int = 3, seed: int = 0, dtype=torch.float32, attn: str = "sdpa"):

@@ -22,6 +22,36 @@ class ModelError(ValueError):
 
 
 @dataclass(frozen=True)
+class KernelLayout:
+    """How the native kernels (engine/native.py) read one architecture's decoder layer: the child
+    modules of its attention and MLP, and the arithmetic of its RMSNorms. Only the table's rows
+    whose layers were checked against transformers with the kernels have one (tests/test_native.py):
+    other architectures share module names with other arithmetic (OLMo 2 normalises q and k over
+    all heads at once, Granite scales residuals)."""
+
+    qkv: tuple[str, ...] = ("q_proj", "k_proj", "v_proj")  # stacked by rows in this order (Phi-3: one qkv_proj)
+    qk_norms: bool = False  # the attention normalises q and k per head (q_norm, k_norm: Qwen3, Gemma 3)
+    gate_up: tuple[str, ...] = ("gate_proj", "up_proj")  # gate rows, then up rows (Phi-3: one gate_up_proj)
+    activation: str = "act_fn"  # the MLP's activation module (its class: ACTIVATIONS)
+    norm: str = "llama"  # how its RMSNorms round (NORM_EPSILONS)
+
+    @property
+    def attention_children(self) -> frozenset[str]:
+        return frozenset((*self.qkv, "o_proj", *(("q_norm", "k_norm") if self.qk_norms else ())))
+
+    @property
+    def mlp_children(self) -> frozenset[str]:
+        return frozenset((*self.gate_up, "down_proj", self.activation))
+
+
+# an RMSNorm's arithmetic -> the attribute holding its epsilon. "llama": weight × (the normalised
+# input rounded to the dtype); "gemma": ((offset + weight) × the normalised input) rounded
+NORM_EPSILONS = {"llama": "variance_epsilon", "gemma": "eps"}
+# activation module classes -> the function they compute (those the native kernels reproduce)
+ACTIVATIONS = {"SiLUActivation": "silu", "SiLU": "silu", "GELUTanh": "gelu_tanh", "PytorchGELUTanh": "gelu_tanh"}
+
+
+@dataclass(frozen=True)
 class ArchSpec:
     """Where one architecture keeps its modules (attribute paths from the CausalLM object).
 
@@ -51,6 +81,7 @@ class ArchSpec:
     # a layer with no MLP module: these of its modules, called in order, are its MLP (OPT's
     # fc1, activation_fn, fc2); `mlp` is then unused
     mlp_sequence: tuple[str, ...] | None = None
+    kernels: KernelLayout | None = None  # how the native kernels read its layers; None: they run eagerly
 
 
 _LLAMA_LIKE = ArchSpec(
@@ -79,14 +110,15 @@ _OPT_LIKE = ArchSpec(
     mlp_output="fc2",
 )
 
-# The exceptions: architectures whose parts are written down instead of discovered (these seven
-# were hand-checked first and stay as the reference for discovery's own test).
+# The exceptions: architectures whose parts are written down instead of discovered (the first
+# seven were hand-checked first and stay the reference, REFERENCE_ARCHITECTURES).
 ARCHITECTURES: dict[str, ArchSpec] = {
-    "llama": _LLAMA_LIKE,
-    "mistral": _LLAMA_LIKE,
-    "qwen2": _LLAMA_LIKE,
-    "qwen3": _LLAMA_LIKE,
-    "phi3": _LLAMA_LIKE,
+    "llama": replace(_LLAMA_LIKE, kernels=KernelLayout()),
+    "mistral": replace(_LLAMA_LIKE, kernels=KernelLayout()),
+    "qwen2": replace(_LLAMA_LIKE, kernels=KernelLayout()),
+    "qwen3": replace(_LLAMA_LIKE, kernels=KernelLayout(qk_norms=True)),
+    "phi3": replace(_LLAMA_LIKE, kernels=KernelLayout(qkv=("qkv_proj",), gate_up=("gate_up_proj",),
+                                                      activation="activation_fn")),
     "gemma3_text": ArchSpec(
         backbone="model",
         embed="embed_tokens",
@@ -100,6 +132,7 @@ ARCHITECTURES: dict[str, ArchSpec] = {
         mlp_post_norm="post_feedforward_layernorm",
         rope_per_layer_type=True,
         norm_weight_offset=1.0,
+        kernels=KernelLayout(qk_norms=True, norm="gemma"),
     ),
     "gpt2": ArchSpec(
         backbone="transformer",
@@ -120,8 +153,9 @@ ARCHITECTURES: dict[str, ArchSpec] = {
     "biogpt": replace(_OPT_LIKE, backbone="biogpt", final_norm="layer_norm"),
     "xglm": replace(_OPT_LIKE, backbone="model", final_norm="layer_norm"),
 }
-# the rows hand-checked first, the reference discovery's own test compares against
-DISCOVERY_REFERENCE = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3_text", "gpt2")
+# the rows hand-checked first: the reference that discovery's own test compares against, and
+# the architectures every engine test runs (tests/tiny.py builds a tiny model of each)
+REFERENCE_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3_text", "gpt2")
 
 # ----- the conventions discovery looks for (models/discovery.py) ---------------------------------
 ATTENTION_NAMES = ("self_attn", "attn", "attention", "self_attention")
