@@ -212,3 +212,27 @@ def test_cli_lists_and_checks_architectures(tmp_path, monkeypatch):
         "mamba: failed: architecture 'mamba' is refused: " + REFUSED["mamba"]]
     result = CliRunner().invoke(main, ["models", "--check", "no-such-thing"])
     assert result.exit_code != 0 and "neither a model_type of transformers" in result.output
+
+
+def test_the_architecture_status_is_package_data():
+    import tomllib
+    from pathlib import Path
+
+    from layerplan.models import architectures
+
+    root = Path(architectures.__file__).resolve().parents[3]
+    data = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["layerplan"]
+    assert f"models/{architectures.STATUS_FILE}" in data
+    assert Path(architectures.__file__).with_name(architectures.STATUS_FILE).is_file()
+    assert architectures.CHECKED_WITH.startswith("transformers ") and architectures.TINY_CHECKED
+
+
+def test_the_status_generator_files_refusals_failures_and_passes():
+    from layerplan.app.architecture_status import update
+
+    status = {"checked_with": "-", "real_checkpoint": {}, "tiny_checked": [], "mixture_of_experts": [], "refused": {},
+              "not_supported": {"doge": "a reason written by hand"}}
+    passed = update(status, ["mamba", "doge", "olmo2"], "9.9")
+    assert status["refused"] == {"mamba": REFUSED["mamba"]}
+    assert status["not_supported"]["doge"].startswith("failed its check against transformers: prefill logits differ")
+    assert passed == ["olmo2"] and status["checked_with"] == "transformers 9.9"

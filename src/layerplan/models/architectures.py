@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import copy
 import inspect
+import json
 from dataclasses import dataclass, replace
+from importlib import resources
 from typing import Any
 
 import torch
@@ -504,11 +506,18 @@ def config_with_layers(config, layers: list[int]):
 
 # ----- the status of every causal LM of the installed transformers -------------------------------
 # `layerplan models --architectures` and the README list these; tests/test_architectures.py checks
-# every TINY_CHECKED one (identity, exit, repeat/export, speculative) and that the list covers all
-# of transformers' causal LMs. `layerplan models --check TYPE` re-runs the check of engine/verify.py,
-# which also produced the reasons below (transformers 5.24.0).
-CHECKED_WITH = "transformers 5.24.0"
-REAL_CHECKED = {"llama": "SmolLM2-135M-Instruct, the packaged default (tests/test_runner.py)"}
+# every TINY_CHECKED one (identity, exit, repeat/export, speculative) and that the lists cover all
+# of transformers' causal LMs. They are data, generated: architecture_status.json beside this file
+# (package data), written by `python -m layerplan.app.architecture_status` from the check of
+# engine/verify.py (`layerplan models --check TYPE` runs it for one type).
+STATUS_FILE = "architecture_status.json"
+_STATUS = json.loads(resources.files(__package__).joinpath(STATUS_FILE).read_text(encoding="utf-8"))
+CHECKED_WITH: str = _STATUS["checked_with"]  # the transformers whose causal LMs the lists cover
+REAL_CHECKED: dict[str, str] = _STATUS["real_checkpoint"]  # model type -> the real checkpoint it was verified on
+TINY_CHECKED: tuple[str, ...] = tuple(_STATUS["tiny_checked"])  # verified on a tiny config by the test suite
+MIXTURE_OF_EXPERTS: frozenset[str] = frozenset(_STATUS["mixture_of_experts"])
+REFUSED: dict[str, str] = _STATUS["refused"]  # model type -> why the plan runner cannot run it
+NOT_SUPPORTED: dict[str, str] = _STATUS["not_supported"]  # model type -> what failed (runnable in principle)
 # the families issue 15 names -> the model_type that runs them
 NAMED_FAMILIES = {
     "Llama 3.x": "llama", "Qwen2 / Qwen2.5": "qwen2", "Qwen3": "qwen3", "Mistral": "mistral", "Ministral": "ministral",
@@ -516,145 +525,6 @@ NAMED_FAMILIES = {
     "OLMoE": "olmoe", "Granite": "granite", "SmolLM3": "smollm3", "Cohere": "cohere", "DeepSeek-V2": "deepseek_v2",
     "DeepSeek-V3": "deepseek_v3", "Mixtral": "mixtral", "Qwen-MoE": "qwen2_moe", "Qwen3-MoE": "qwen3_moe",
     "GPT-OSS": "gpt_oss", "GLM-4": "glm4", "StarCoder2": "starcoder2",
-}
-TINY_CHECKED: tuple[str, ...] = (
-    "afmoe", "apertus", "apertus1p5_text", "arcee", "aria_text", "axk1", "biogpt", "bitnet", "codegen", "cohere", "cohere2",
-    "cohere2_moe", "cwm", "deepseek_v2", "deepseek_v3", "dots1", "ernie4_5", "ernie4_5_moe", "exaone", "exaone4", "exaone_moe",
-    "falcon", "flex_olmo", "flint", "gemma", "gemma2", "gemma3_text", "glm", "glm4", "glm4_moe", "glm4_moe_lite",
-    "gpt-sw3", "gpt2", "gpt_bigcode", "gpt_neo", "gpt_neox", "gpt_oss", "gptj", "granite", "granitemoe",
-    "granitemoeshared", "helium", "hunyuan_v1_dense", "hunyuan_v1_moe", "hy_v3", "internlm3", "iquestcoder", "jais2",
-    "jetmoe", "kolibri1", "laguna", "llama", "mellum", "mimo_v2_flash", "minimax_m2", "minimax_m3_vl_text",
-    "ministral", "ministral3", "mistral", "mixtral", "nemotron", "olmo", "olmo2", "olmo3", "olmoe", "opt",
-    "persimmon", "phi", "phi3", "phimoe", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "sarvam_mla", "sarvam_moe", "seed_oss", "smollm3",
-    "solar_open", "stablelm", "starcoder2", "vaultgemma", "xglm", "youtu",
-)
-MIXTURE_OF_EXPERTS = frozenset({
-    "afmoe", "aria_text", "axk1", "axk2", "bailing_hybrid", "beam", "cohere2_moe", "deepseek_v2", "deepseek_v3",
-    "deepseek_v32", "deepseek_v4", "doge", "dots1", "dots3_note_text", "ernie4_5_moe", "exaone_moe", "flex_olmo",
-    "flint", "gemma4_text", "glm4_moe", "glm4_moe_lite", "glm_moe_dsa", "gpt_oss", "granitemoe", "granitemoe_swa",
-    "granitemoehybrid", "granitemoeshared", "hunyuan_v1_moe", "hy_v3", "hy_v4", "inkling2_loop_text", "inkling2_text", "inkling_text",
-    "jamba", "jetmoe", "kimi_linear", "kolibri1", "laguna", "lara_mini", "lfm2_moe", "llama4_text", "longcat_flash", "mellum",
-    "mimo_v2_flash", "minimax", "minimax_m2", "minimax_m3_vl_text", "mixtral", "nemotron_h", "olmoe", "phimoe",
-    "qwen2_moe", "qwen3_5_moe_text", "qwen3_moe", "qwen3_next", "qwen4_exp_text", "sarvam_mla", "sarvam_moe",
-    "solar_open", "zaya",
-})
-REFUSED: dict[str, str] = {
-    "axk2": "layer type 'indexed_attention' is not one the plan runner knows (full_attention, sliding_attention)",
-    "bailing_hybrid": "its layers keep recurrent or linear-attention state (layer type 'linear_attention'); the plan runner's KV cache holds attention keys and values only",
-    "bamba": "its layers keep recurrent or linear-attention state (layer type 'linear_attention'); the plan runner's KV cache holds attention keys and values only",
-    "bart": "an encoder-decoder model, not a decoder-only causal LM",
-    "bert": "an encoder (BERT style) that transformers can run as a decoder; not a decoder-only causal LM",
-    "bert-generation": "an encoder (BERT style) that transformers can run as a decoder; not a decoder-only causal LM",
-    "big_bird": "an encoder (BERT style) that transformers can run as a decoder; not a decoder-only causal LM",
-    "bigbird_pegasus": "an encoder-decoder model, not a decoder-only causal LM",
-    "blenderbot": "an encoder-decoder model, not a decoder-only causal LM",
-    "blenderbot-small": "an encoder-decoder model, not a decoder-only causal LM",
-    "blt": "a composite model (sub-models patcher_config, encoder_config, decoder_config, global_config), not one decoder stack over token ids",
-    "camembert": "an encoder (BERT style) that transformers can run as a decoder; not a decoder-only causal LM",
-    "cpmant": "an encoder (BERT style) that transformers can run as a decoder; not a decoder-only causal LM",
-    "data2vec-text": "an encoder (BERT style) that transformers can run as a decoder; not a decoder-only causal LM",
-    "dbrx": "a composite model (sub-models attn_config, ffn_config), not one decoder stack over token ids",
-    "deepseek_v32": "layer type 'indexed_attention' is not one the plan runner knows (full_attention, sliding_attention)",
-    "deepseek_v4": "layer type 'heavily_compressed_attention' is not one the plan runner knows (full_attention, sliding_attention)",
-    "dots3_note": "a multimodal wrapper (its text model is 'dots3_note_text'); its CausalLM takes more than token ids",
-    "dots3_note_text": "layer type 'indexed_attention' is not one the plan runner knows (full_attention, sliding_attention)",
-    "electra": "an encoder (BERT style) that transformers can run as a decoder; not a decoder-only causal LM",
-    "emu3": "a multimodal wrapper (its text model is 'emu3_text_model'); its CausalLM takes more than token ids",
-    "ernie": "an encoder (BERT style) that transformers can run as a decoder; not a decoder-only causal LM",
-    "falcon_h1": "its layers keep recurrent or linear-attention state (layer type 'hybrid'); the plan runner's KV cache holds attention keys and values only",
-    "falcon_mamba": "its layers keep recurrent or linear-attention state (layer type 'linear_attention'); the plan runner's KV cache holds attention keys and values only",
-    "fuyu": "a multimodal wrapper (its text model is 'persimmon'); its CausalLM takes more than token ids",
-    "gemma3": "a multimodal wrapper (its text model is 'gemma3_text'); its CausalLM takes more than token ids",
-    "gemma3n": "a multimodal wrapper (its text model is 'gemma3n_text'); its CausalLM takes more than token ids",
-    "gemma4": "a multimodal wrapper (its text model is 'gemma4_text'); its CausalLM takes more than token ids",
-    "gemma4_unified": "a multimodal wrapper (its text model is 'gemma4_unified_text'); its CausalLM takes more than token ids",
-    "gemma4_unified_assistant": "a multimodal wrapper (its text model is 'gemma4_unified_text'); its CausalLM takes more than token ids",
-    "git": "a composite model (sub-models vision_config), not one decoder stack over token ids",
-    "glm_moe_dsa": "layer type 'indexed_attention' is not one the plan runner knows (full_attention, sliding_attention)",
-    "got_ocr2": "a multimodal wrapper (its text model is 'qwen2'); its CausalLM takes more than token ids",
-    "granitemoehybrid": "its layers keep recurrent or linear-attention state (layer type 'linear_attention'); the plan runner's KV cache holds attention keys and values only",
-    "hy_v4": "layer type 'indexed_attention' is not one the plan runner knows (full_attention, sliding_attention)",
-    "inkling2_text": "its layers keep recurrent or linear-attention state (layer type 'hybrid_sliding'); the plan runner's KV cache holds attention keys and values only",
-    "inkling_text": "its layers keep recurrent or linear-attention state (layer type 'hybrid_sliding'); the plan runner's KV cache holds attention keys and values only",
-    "inkling2_loop_text": "its layers keep recurrent or linear-attention state (layer type 'hybrid_sliding'); the plan runner's KV cache holds attention keys and values only",
-    "jamba": "its layers keep recurrent or linear-attention state (layer type 'linear_attention'); the plan runner's KV cache holds attention keys and values only",
-    "kimi_linear": "its layers keep recurrent or linear-attention state (layer type 'linear_attention'); the plan runner's KV cache holds attention keys and values only",
-    "lfm3": "its layers keep recurrent or linear-attention state (layer type 'conv'); the plan runner's KV cache holds attention keys and values only",
-    "lara_mini": "its layers keep recurrent or linear-attention state (layer type 'linear_attention'); the plan runner's KV cache holds attention keys and values only",
-    "llama4": "a multimodal wrapper (its text model is 'llama4_text'); its CausalLM takes more than token ids",
-    "llama4_text": "layer type 'chunked_attention' is not one the plan runner knows (full_attention, sliding_attention)",
-    "mamba": "its layers keep recurrent or linear-attention state (layer type 'linear_attention'); the plan runner's KV cache holds attention keys and values only",
-    "mamba2": "its layers keep recurrent or linear-attention state (layer type 'linear_attention'); the plan runner's KV cache holds attention keys and values only",
-    "marian": "an encoder-decoder model, not a decoder-only causal LM",
-    "mbart": "an encoder-decoder model, not a decoder-only causal LM",
-    "megatron-bert": "an encoder (BERT style) that transformers can run as a decoder; not a decoder-only causal LM",
-    "minimax": "its layers keep recurrent or linear-attention state (layer type 'linear_attention'); the plan runner's KV cache holds attention keys and values only",
-    "mllama": "a multimodal wrapper (its text model is 'mllama_text_model'); its CausalLM takes more than token ids",
-    "moshi": "a composite model (sub-models audio_encoder_config, depth_decoder_config), not one decoder stack over token ids",
-    "moss_transcribe_diarize": "a multimodal wrapper (its text model is 'qwen3'); its CausalLM takes more than token ids",
-    "mpt": "a composite model (sub-models attn_config), not one decoder stack over token ids",
-    "musicgen": "an encoder-decoder model, not a decoder-only causal LM",
-    "musicgen_melody": "an encoder-decoder model, not a decoder-only causal LM",
-    "mvp": "an encoder-decoder model, not a decoder-only causal LM",
-    "nemotron_h": "its layers keep recurrent or linear-attention state (layer type 'linear_attention'); the plan runner's KV cache holds attention keys and values only",
-    "olmo_hybrid": "its layers keep recurrent or linear-attention state (layer type 'linear_attention'); the plan runner's KV cache holds attention keys and values only",
-    "pegasus": "an encoder-decoder model, not a decoder-only causal LM",
-    "phi4_multimodal": "a composite model (sub-models vision_config, audio_config), not one decoder stack over token ids",
-    "plbart": "an encoder-decoder model, not a decoder-only causal LM",
-    "prophetnet": "an encoder-decoder model, not a decoder-only causal LM",
-    "qwen3_5": "a multimodal wrapper (its text model is 'qwen3_5_text'); its CausalLM takes more than token ids",
-    "qwen3_5_moe": "a multimodal wrapper (its text model is 'qwen3_5_moe_text'); its CausalLM takes more than token ids",
-    "qwen3_5_moe_text": "its layers keep recurrent or linear-attention state (layer type 'linear_attention'); the plan runner's KV cache holds attention keys and values only",
-    "qwen3_5_text": "its layers keep recurrent or linear-attention state (layer type 'linear_attention'); the plan runner's KV cache holds attention keys and values only",
-    "qwen3_next": "its layers keep recurrent or linear-attention state (layer type 'linear_attention'); the plan runner's KV cache holds attention keys and values only",
-    "qwen4_exp": "a multimodal wrapper (its text model is 'qwen4_exp_text'); its CausalLM takes more than token ids",
-    "qwen4_exp_text": "its layers keep recurrent or linear-attention state (layer type 'linear_attention'); the plan runner's KV cache holds attention keys and values only",
-    "recurrent_gemma": "its layers keep recurrent or linear-attention state (layer type 'linear_attention'); the plan runner's KV cache holds attention keys and values only",
-    "rembert": "an encoder (BERT style) that transformers can run as a decoder; not a decoder-only causal LM",
-    "roberta": "an encoder (BERT style) that transformers can run as a decoder; not a decoder-only causal LM",
-    "roberta-prelayernorm": "an encoder (BERT style) that transformers can run as a decoder; not a decoder-only causal LM",
-    "roc_bert": "an encoder (BERT style) that transformers can run as a decoder; not a decoder-only causal LM",
-    "roformer": "an encoder (BERT style) that transformers can run as a decoder; not a decoder-only causal LM",
-    "whisper": "an encoder-decoder model, not a decoder-only causal LM",
-    "xlm-roberta": "an encoder (BERT style) that transformers can run as a decoder; not a decoder-only causal LM",
-    "xlm-roberta-xl": "an encoder (BERT style) that transformers can run as a decoder; not a decoder-only causal LM",
-    "xmod": "an encoder (BERT style) that transformers can run as a decoder; not a decoder-only causal LM",
-    "zamba": "its layers keep recurrent or linear-attention state (layer type 'linear_attention'); the plan runner's KV cache holds attention keys and values only",
-    "zamba2": "its layers keep recurrent or linear-attention state (layer type 'linear_attention'); the plan runner's KV cache holds attention keys and values only",
-    "zaya": "its layers keep recurrent or linear-attention state (layer type 'hybrid'); the plan runner's KV cache holds attention keys and values only",
-}
-NOT_SUPPORTED: dict[str, str] = {
-    "diffllama": ("passes the identity check, but its attention's lambda_init depends on the layer's index: a repeated "
-                  "or moved layer exports as a different layer"),
-    "beam": "fails the check against transformers: prefill raised KeyError: 'full_attention'",
-    "bloom": ("it positions tokens by ALiBi biases, which the plan runner does not build (and its BloomModel "
-              "normalises the embeddings: word_embeddings_layernorm)"),
-    "cohere_compass_text": "transformers cannot build it from a config (KeyError: 'full_attention')",
-    "ctrl": "no final norm (norm, ln_f, final_layernorm, norm_f, final_layer_norm) in its CTRLModel",
-    "dory": "a tiny config of it cannot be built (StrictDataclassClassValidationError: Class validation error for validator 'validate_architecture':)",
-    "doge": "fails the check against transformers: prefill logits differ from transformers' by 2.72e+00 at position 0",
-    "gemma3n_text": "transformers cannot build it from a config (ValueError: The set of layer types producing a cache is different than the set of layer types using them)",
-    "gemma4_assistant": "transformers' own default config of it does not validate",
-    "gemma4_text": "a tiny config of it cannot be built (ValueError: `per_layer_config` keys must be integer layer indices in the range [0, 3); got [5, 11, 17, 23, 29].)",
-    "gemma4_unified_text": "a tiny config of it cannot be built (ValueError: `per_layer_config` keys must be integer layer indices in the range [0, 3); got [5, 11, 17, 23, 29].)",
-    "gpt_neox_japanese": "fails the check against transformers: prefill raised TypeError: GPTNeoXJapaneseAttention.forward() missing 1 required positional argument: 'position_ids'",
-    "granite_swa": "its GraniteSWAModel has modules layerplan does not know how to run: rotary_embs",
-    "granitemoe_swa": "its GraniteMoeSWAModel has modules layerplan does not know how to run: rotary_embs",
-    "hrm_text": "no list of 3 decoder layers in its HrmTextModel",
-    "hyperclovax": "fails the check against transformers: prefill logits differ from transformers' by 3.91e+00 at position 0",
-    "lfm2": "no final norm (norm, ln_f, final_layernorm, norm_f, final_layer_norm) in its Lfm2Model",
-    "lfm2_moe": "transformers cannot build it from a config (TypeError: 'NoneType' object is not subscriptable)",
-    "longcat_flash": "no list of 56 decoder layers in its LongcatFlashModel",
-    "minicpm3": "fails the check against transformers: prefill logits differ from transformers' by 3.12e+00 at position 8",
-    "modernbert-decoder": "its token embeddings are not a child of ModernBertDecoderModel",
-    "nanochat": "fails the check against transformers: prefill logits differ from transformers' by 2.51e+00 at position 11",
-    "openai-gpt": "no final norm (norm, ln_f, final_layernorm, norm_f, final_layer_norm) in its OpenAIGPTModel",
-    "reformer": "transformers cannot build it from a plain config (it needs is_decoder=True and its own attention layer list)",
-    "rwkv": "no final norm (norm, ln_f, final_layernorm, norm_f, final_layer_norm) in its RwkvModel",
-    "trocr": "no list of 12 decoder layers in its TrOCRDecoderWrapper",
-    "xlm": "no final norm (norm, ln_f, final_layernorm, norm_f, final_layer_norm) in its XLMModel",
-    "xlnet": "a tiny config of it cannot be built (StrictDataclassClassValidationError: Class validation error for validator 'validate_architecture':)",
-    "xlstm": "no list of 3 decoder layers in its xLSTMModel",
 }
 
 
