@@ -9,7 +9,7 @@ STAMP  := $(VENV)/.installed-$(shell cat $(LOCKS) | cksum | cut -d' ' -f1)
 PYTHON ?= python3
 LATEST ?= .venv-latest
 
-.PHONY: demo test test-latest test-sanitize bench install lock clean
+.PHONY: demo test fuzz test-latest test-sanitize bench install lock clean
 
 $(STAMP): $(LOCKS)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -27,6 +27,12 @@ demo: $(STAMP)
 test: $(STAMP)
 	@bash .ci/install-postgresql
 	$(PY) -m pytest -q
+
+# the fuzz suite at full strength (over 10,000 cases; `make test` runs a few hundred of each kind):
+# bad command lines from the click tree, plan strings and files, weights headers, server bodies
+FUZZ_TESTS := tests/test_bad_input.py tests/test_plan_fuzz.py tests/test_serve_bad_input.py
+fuzz: $(STAMP)
+	LAYERPLAN_FUZZ=1 $(PY) -m pytest -q $(FUZZ_TESTS) -k fuzz --hypothesis-show-statistics
 
 # unlocked: whatever the ranges allow today (pip upgrades every dependency it can)
 test-latest:

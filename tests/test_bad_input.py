@@ -1,14 +1,23 @@
 """Every bad input gets one clear line on stderr (exit status 1 or 2), never a traceback: a table of
-cases run through the command line, most in this process (click's runner), some as real processes."""
+cases run through the command line, most in this process (click's runner), some as real processes;
+then a fuzz of every subcommand's options, drawn from the click command tree itself."""
 
+import os
+import signal
+import stat
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import click
 import pytest
+import torch
 from click.testing import CliRunner
+from hypothesis import event, given
+from hypothesis import strategies as st
 
+from fuzzing import fuzz_settings
 from layerplan.app.cli import main
 
 
@@ -32,6 +41,20 @@ def files(tmp_path_factory):
     (broken_config / "config.json").write_text('{"model_type": "llama", "num_hidden_layers": ')
     (root / "truncated.gguf").write_bytes(b"GGUF\x03\x00\x00\x00" + b"\x07" * 20)
     tiny_hf("llama").save_pretrained(root / "tiny")
+    from tiny_text import save_tiny_with_tokenizer
+
+    save_tiny_with_tokenizer(root / "tok")  # context 128 tokens
+    random_weights = root / "random-weights"
+    save_tiny_with_tokenizer(random_weights)
+    (random_weights / "model.safetensors").write_bytes(bytes(range(256)) * 20)
+    (root / "deep.yaml").write_text("slices: " + "[" * 20000 + "]" * 20000)
+    (root / "fraction.yaml").write_text("slices:\n- sources:\n  - model: m\n    layer_range: [0.5, 10.7]\n")
+    (root / "unknown-keys.yaml").write_text("slices:\n- sources:\n  - model: m\n    layer_range: [0, 10]\n"
+                                            "  weight: 0.5\n")
+    (root / "extra-key.json").write_text('{"format": "layerplan", "version": 1, "num_layers": 30, "plan": "full", '
+                                         '"exit": 5}')
+    (root / "empty.txt").write_text("")
+    (root / "no-tasks").mkdir()
     return root
 
 
@@ -48,11 +71,11 @@ CASES = [
     (["generate", "hi", "--model", "FILES/no-weights", "--dtype", "float32"], 1, "has config.json but no weights"),
     (["generate", "hi", "--model", "FILES/truncated.gguf", "--dtype", "float32"], 1,
      "truncated.gguf: cannot read it as a GGUF model"),
-    (["generate", "hi", "--threads", "0"], 2, "Invalid value for '--threads': 0 is not in the range x>=1"),
-    (["generate", "hi", "--threads", "-1"], 2, "Invalid value for '--threads': -1 is not in the range x>=1"),
+    (["generate", "hi", "--threads", "0"], 2, "Invalid value for '--threads': 0 is not in the range 1<=x<=1024"),
+    (["generate", "hi", "--threads", "-1"], 2, "Invalid value for '--threads': -1 is not in the range 1<=x<=1024"),
     (["generate", "hi", "--device", "bogus", "--dtype", "float32"], 1, "unknown device 'bogus'"),
-    (["plan", "0-29", "--layers", "0"], 2, "Invalid value for '--layers': 0 is not in the range x>=1"),
-    (["plan", "0-29", "--layers", "-3"], 2, "Invalid value for '--layers': -3 is not in the range x>=1"),
+    (["plan", "0-29", "--layers", "0"], 2, "Invalid value for '--layers': 0 is not in the range 1<=x<=100000"),
+    (["plan", "0-29", "--layers", "-3"], 2, "Invalid value for '--layers': -3 is not in the range 1<=x<=100000"),
     (["plan", "exit:\uff18", "--layers", "30"], 1, "U+FF18"),
     (["plan", "skip:attn=\u0663", "--layers", "30"], 1, "U+0663"),
     (["plan", "exit:3;exit:5", "--layers", "30"], 1, "the plan gives an exit twice"),
@@ -78,6 +101,51 @@ CASES = [
       "postgresql://nobody@127.0.0.1:1/none"], 1, "cannot open the study storage postgresql://nobody@127.0.0.1:1/none"),
     (["generate"], 2, "Missing argument 'PROMPT'"),
     (["no-such-command"], 2, "No such command 'no-such-command'"),
+    # issue 31: tracebacks
+    (["plan", "0-29", "--layers", "30", "--out", "/proc/nope/x"], 2, "cannot write /proc/nope/x: nothing can be "
+                                                                     "created in /proc"),
+    (["plan", "FILES/deep.yaml", "--layers", "30"], 1, "deep.yaml: not a mergekit file: nested deeper than"),
+    (["generate", "hi", "--model", "FILES/random-weights", "--dtype", "float32"], 1,
+     "random-weights: cannot load its weights (damaged, truncated or unreadable?)"),
+    (["generate", "hi", "--model", "FILES/tok", "-t", "nan"], 1, "temperature nan is out of range"),
+    (["generate", "hi", "--model", "FILES/tok", "--dtype", "float32", "-n", "1000000000"], 1,
+     "--max-new-tokens=1000000000 does not fit: the prompt is 2 tokens and the model's context is 128 tokens"),
+    (["ppl", "--model", "FILES/tok", "--text", "FILES/empty.txt"], 1, "empty.txt: no text in it"),
+    (["search", "--storage", "bogus://x", "--model", "FILES/tok"], 1,
+     "cannot open the study storage bogus://x: 'bogus' is not a database SQLAlchemy knows"),
+    (["search", "--storage", "mysql://someone@localhost/db", "--model", "FILES/tok"], 1,
+     "cannot open the study storage mysql://someone@localhost/db: its database driver is not installed"),
+    (["eval", "--tasks", "no_such_task", "--include-path", "FILES/no-tasks", "--model", "FILES/tok"], 1,
+     "no lm-evaluation-harness task 'no_such_task' (in FILES/no-tasks or built in)"),
+    # context length, before any decoding
+    (["generate", "x" * 300, "--model", "FILES/tok", "--dtype", "float32"], 1,
+     "the prompt is 300 tokens; the model's context is 128 tokens"),
+    # exit 0 doing something silly
+    (["generate", "hi", "--model", "FILES/tok", "-t", "inf"], 1, "temperature inf is out of range"),
+    (["generate", "hi", "--model", "FILES/tok", "--repetition-penalty", "nan"], 1,
+     "repetition_penalty nan is out of range: a number in [0.01, 100]"),
+    (["plan", "FILES/fraction.yaml", "--layers", "30"], 1,
+     "layer_range must be [start, end), two whole layer numbers, got [0.5, 10.7]"),
+    (["plan", "FILES/extra-key.json", "--layers", "30"], 1, "unknown key(s) 'exit' in a layerplan plan file"),
+    (["plan", "FILES/unknown-keys.yaml", "--layers", "30"], 1, "slice 0: unknown key(s) 'weight'"),
+    (["explore", "--search", "--scales", "2-1", "--model", "FILES/tok"], 1, "--scales 2-1: expected finite scales"),
+    (["serve", "--api-key", "", "--model", "FILES/tok"], 2, "Invalid value for '--api-key': an empty key would "
+                                                            "switch authentication off"),
+    (["generate", "hi", "--model", "FILES/tok", "--dtype", "float32", "--draft", "full", "-n", "2"], 1,
+     "draft plan 'full' runs every sub-layer the target 'full' runs"),
+    (["models", "--markdown"], 2, "--markdown formats the --architectures table: add --architectures"),
+    # unclear errors
+    (["plan", "1" * 10000, "--layers", "30"], 1, "layer 111111111111… (10000 digits) is out of range"),
+    (["generate", "hi", "--seed", str(2 ** 70)], 2, "Invalid value for '--seed': 1180591620717411303424 is not in "
+                                                    "the range"),
+    (["serve", "--host", "999.1.1.1", "--model", "FILES/tok"], 2, "Invalid value for '--host': 999.1.1.1 is not an "
+                                                                   "IP address"),
+    (["probe", "--max-length", "0"], 2, "Invalid value for '--max-length': 0 is not in the range 1<=x<=256"),
+    (["serve", "--draft", "bogus", "--model", "FILES/tok", "--dtype", "float32"], 1, "cannot read 'bogus'"),
+    (["generate", "hi", "--threads", "2147483648"], 2, "Invalid value for '--threads'"),
+    (["plan", "skip:attn=1", "--layers", str(2 ** 70)], 2, "Invalid value for '--layers'"),  # (built 2**70 steps)
+    (["bench", "--new-tokens", "1000000000", "--model", "FILES/tok", "--dtype", "float32", "--engine", "eager",
+      "--no-llama-cpp"], 1, "--new-tokens=1000000000 does not fit"),
 ]
 
 
@@ -143,3 +211,265 @@ def test_a_port_in_use_gets_one_line(files):
                                            "--port", str(port)])
     assert result.stdout == ""
     _check(result.exit_code, result.stderr, 1, f"cannot listen on 127.0.0.1:{port}: Address already in use")
+
+
+def test_an_unreadable_model_folder_gets_one_line(files, monkeypatch):
+    """A folder this user may not read (a PermissionError from stat; as root, made by hand)."""
+    real_exists = Path.exists
+
+    def exists(path, *args, **kwargs):
+        if path.parent.name == "tok" and path.name == "config.json":
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_exists(path, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "exists", exists)
+    result = CliRunner().invoke(main, ["generate", "hi", "--model", f"{files}/tok"])
+    _check(result.exit_code, result.stderr, 1, f"cannot read the model at '{files}/tok': Permission denied")
+
+
+# ----- the fuzz: every subcommand's options, from the click command tree --------------------------
+class _Reached(BaseException):
+    """The command got past its checks to real work (a model load): its input was taken as valid.
+    A BaseException, so that no `except Exception` on the way turns it into an error line."""
+
+
+def _leaves(group: click.Group, path: tuple = ()):
+    for name, command in sorted(group.commands.items()):
+        if isinstance(command, click.Group):
+            yield from _leaves(command, path + (name,))
+        else:
+            yield path + (name,), command
+
+
+COMMANDS = list(_leaves(main))
+DEFAULT_MODEL_NAMES = {"smollm2", "default", "smollm2-135m-instruct"}  # would convert the packaged GGUF
+
+JUNK = ["", " ", "-", "--", "nan", "NaN", "inf", "-inf", "1e309", "1e-300", "-1", "0", "-0", "2**70",
+        str(2 ** 70), str(2 ** 64), "1" * 5000, "\u0663", "\uff18", "a\udcffb", "x" * 300, "--model", "-h",
+        "~nobody/x", "..", "{}", "[", "null", "bogus://x", "journal:", "1,2,,3", "0.5-", "a:b:c"]
+TEXTS = ["full", "0-2", "0,1,1,2", "skip:attn=1", "exit:1", "exit:9", "ngram", "suffix", "auto", "auto|ngram",
+         "exit:1+head", "exit:1+vocab=0", "window:4,64", "dynamic:confidence=2", "model:FILES/tok", "skip:layers=0-2",
+         "confidence=0.9", "code", "chat", "attention,mlp", "4-25", "1,2", "0.5-1.0", "2-1", "ppl", "localhost",
+         "999.1.1.1", "::1", "0.0.0.0", "sqlite:///FILES/x.db", "mysql://u@h/db", "postgresql://u@127.0.0.1:1/x"]
+PATHS = ["/proc/nope/x", "/proc", "/dev/full", "/dev/null", "/dev/zero", "FILES/fifo", "FILES/link", "FILES/folder",
+         "FILES/empty.txt", "FILES/empty.json", "FILES/binary.txt", "FILES/deep.yaml", "FILES/fraction.yaml",
+         "FILES/tok", "FILES/tiny", "FILES/random-weights", "FILES/truncated.gguf", "FILES/no-tasks",
+         "FILES/empty.json/x", "FILES/missing/deeper/x.json", "OUT/new.json", "OUT/new", "OUT", "", "a\nb",
+         "x" * 300]
+
+
+def _value(param: click.Parameter):
+    """A strategy of (mostly bad) values for one option or argument, by its click type."""
+    kind = param.type
+    junk = st.sampled_from(JUNK) | st.text(max_size=8)
+    if isinstance(kind, (click.IntRange, click.FloatRange)):
+        bounds = [b for b in (kind.min, kind.max) if b is not None]
+        near = [str(type(b)(b) + d) for b in bounds for d in (-1, 0, 1)]
+        return st.sampled_from(near or ["0"]) | st.integers(-2 ** 70, 2 ** 70).map(str) | junk
+    if kind in (click.INT, click.FLOAT):
+        return st.integers(-2 ** 70, 2 ** 70).map(str) | st.floats().map(repr) | junk
+    if isinstance(kind, click.Choice):
+        return st.sampled_from(list(kind.choices)) | junk
+    if isinstance(kind, click.Path):  # (an input FIFO with no writer blocks as `cat` does: outputs only)
+        return st.sampled_from(PATHS if "out" in param.name else [p for p in PATHS if "fifo" not in p]) | junk
+    return st.sampled_from(TEXTS) | junk
+
+
+@st.composite
+def command_lines(draw):
+    """A subcommand, some of its options each with a drawn value (flags as they are), its
+    arguments drawn too; --model is the tiny model unless it is drawn."""
+    path, command = draw(st.sampled_from(COMMANDS))
+    args = list(path)
+    options = [p for p in command.params if isinstance(p, click.Option) and "--help" not in p.opts]
+    chosen = draw(st.lists(st.sampled_from(options), max_size=4, unique_by=lambda p: p.name)) if options else []
+    for param in chosen:
+        args.append(draw(st.sampled_from(param.opts + param.secondary_opts)))
+        if not (param.is_flag or param.count):
+            value = draw(_value(param))
+            if param.name in ("model", "model_b") and value.strip().lower() in DEFAULT_MODEL_NAMES:
+                value = "FILES/tiny"
+            args.append(value)
+    if "model" in {p.name for p in command.params} and "model" not in {p.name for p in chosen}:
+        args += ["--model", "FILES/tok"]
+    if "engine" in {p.name for p in command.params} and "engine" not in {p.name for p in chosen}:
+        args += ["--engine", "eager"]  # auto / native may build the native kernels into the cache: work
+    for param in command.params:
+        if isinstance(param, click.Argument) and draw(st.integers(0, 9)):  # now and then one is missing
+            args.append(draw(_value(param)))
+    if draw(st.integers(0, 49)) == 0:
+        args.append("--help")
+    return [arg.replace("\x00", "") for arg in args]  # (a command line cannot hold a NUL)
+
+
+def _tree(root: Path) -> dict[str, tuple]:
+    """Every entry under root: its kind and, for a file, its size and modification time."""
+    found = {}
+    for folder, folders, names in os.walk(root):
+        for name in folders + names:
+            path = os.path.join(folder, name)
+            info = os.lstat(path)
+            found[os.path.relpath(path, root)] = ((stat.S_IFMT(info.st_mode), info.st_size, info.st_mtime_ns)
+                                                  if stat.S_ISREG(info.st_mode) else (stat.S_IFMT(info.st_mode),))
+    return found
+
+
+@pytest.fixture(scope="module")
+def fuzz_place(files, tmp_path_factory):
+    """The fixture files plus the odd kinds (a FIFO, a link, a folder), and an empty working folder."""
+    for name, make in (("fifo", os.mkfifo), ("folder", os.mkdir)):
+        if not (files / name).exists():
+            make(files / name)
+    if not (files / "link").is_symlink():
+        os.symlink("empty.txt", files / "link")
+    return files, tmp_path_factory.mktemp("work")
+
+
+def _stop(*_args, **_kwargs):
+    raise _Reached()
+
+
+def _known_tasks(names, include_path=None):
+    """A stand-in for the lm-eval task index (seconds to build): the same refusal for unknown names."""
+    unknown = [n for n in names if n != "arc_easy"]
+    if unknown or not names:
+        raise ValueError(f"no lm-evaluation-harness task {unknown!r}")
+
+
+HANG_S = 120  # a case that takes longer hangs (each fails at its checks or reaches work in well under a second)
+
+
+@fuzz_settings(quick=300, full=6000)
+@given(command_lines())
+def test_fuzzed_command_lines_get_one_line_or_reach_work_and_touch_nothing_else(fuzz_place, args):
+    """Any command line: exit 0 (it was valid and needed no model), or its checks passed and it
+    reached a model load (stopped there), or a nonzero exit with one 'Error:' line; never a
+    traceback, never a file touched outside its --out (or --storage)."""
+    from layerplan.app import cli, llamacpp
+
+    files, work = fuzz_place
+    out_dir = work / "out"
+    args = [a.replace("FILES/", f"{files}/").replace("OUT", str(out_dir)) for a in args]
+    outs = [os.path.abspath(os.path.join(work, args[i + 1])) for i, a in enumerate(args[:-1])
+            if a in ("--out", "--storage")]
+    before = {**{f"files/{k}": v for k, v in _tree(files).items()}, **{f"work/{k}": v for k, v in _tree(work).items()}}
+    threads = torch.get_num_threads()
+    reached = False
+    with pytest.MonkeyPatch.context() as patch:
+        patch.chdir(work)
+        for name in ("load_model", "check_architecture", "run_probe"):
+            patch.setattr(cli, name, _stop, raising=False)
+        patch.setattr(llamacpp, "build", _stop)
+        patch.setattr(cli, "task_manager", _known_tasks, raising=False)
+        def hang(*_):
+            raise TimeoutError(f"hung for {HANG_S}s: {args}")
+
+        previous = signal.signal(signal.SIGALRM, hang)
+        signal.alarm(HANG_S)
+        try:
+            result = CliRunner().invoke(main, args)
+        except _Reached:
+            reached = True
+        finally:
+            signal.alarm(0)
+            signal.signal(signal.SIGALRM, previous)
+            torch.set_num_threads(threads)
+    event(f"{args[0]}: " + ("reached work" if reached else f"exit {result.exit_code}"))
+    if not reached:
+        assert result.exception is None or isinstance(result.exception, SystemExit), (args, result.exception)
+        assert "Traceback" not in result.stderr, (args, result.stderr)
+        if result.exit_code != 0:
+            lines = [line for line in result.stderr.splitlines()
+                     if line.strip() and not line.startswith(("loading ", "native engine left out"))]
+            assert len(lines) == 1 and lines[0].startswith(("Error: ", "Aborted!")), (args, result.stderr)
+    after = {**{f"files/{k}": v for k, v in _tree(files).items()}, **{f"work/{k}": v for k, v in _tree(work).items()}}
+    changed = {k for k in before.keys() | after.keys() if before.get(k) != after.get(k)}
+    roots = {"files": files, "work": work}
+    for key in changed:
+        where, _, rest = key.partition("/")
+        path = os.path.abspath(os.path.join(roots[where], rest))
+        assert any(path == out or path.startswith(out.rstrip("/") + "/") for out in outs), (args, key)
+    import shutil
+
+    shutil.rmtree(out_dir, ignore_errors=True)
+
+
+# ----- the fuzz: weights files -------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def weights(files):
+    import json as json_module
+    import struct
+
+    data = (files / "tok" / "model.safetensors").read_bytes()
+    length = struct.unpack("<Q", data[:8])[0]
+    return json_module.loads(data[8:8 + length]), data[8 + length:]
+
+
+header_changes = st.sampled_from(["dtype", "shape", "data_offsets", "drop", "junk", "metadata", "copy", "list"])
+
+
+@fuzz_settings(quick=15, full=300)
+@given(data=st.data())
+def test_fuzzed_safetensors_headers_get_one_model_error(files, weights, tmp_path_factory, data):
+    """A model.safetensors whose header is damaged (or a file of random bytes) loads as a model
+    or is one ModelError naming the folder; never a SafetensorError traceback."""
+    import json as json_module
+    import shutil
+    import struct
+
+    from layerplan.models.architectures import ModelError
+    from layerplan.models.loading import load_model
+
+    header, body = weights
+    header = json_module.loads(json_module.dumps(header))
+    names = sorted(k for k in header if k != "__metadata__")
+    for _ in range(data.draw(st.integers(1, 3))):
+        name, change = data.draw(st.sampled_from(names)), data.draw(header_changes)
+        value = data.draw(st.integers(-5, 10 ** 7) | st.sampled_from(["F64", "I8", "BOOL", "XX", "F8_E4M3", "BF16"]))
+        if change in ("dtype", "shape", "data_offsets") and not isinstance(header.get(name), dict):
+            continue  # dropped or made junk by an earlier change
+        if change == "dtype":
+            header[name]["dtype"] = value
+        elif change == "shape":
+            header[name]["shape"] = data.draw(st.lists(st.integers(-1, 300), max_size=3))
+        elif change == "data_offsets":
+            header[name]["data_offsets"] = data.draw(st.lists(st.integers(-5, 10 ** 7), min_size=2, max_size=2))
+        elif change == "drop":
+            header.pop(name, None)
+        elif change == "junk":
+            header[name] = value
+        elif change == "metadata":
+            header["__metadata__"] = {"format": value}
+        elif change == "copy" and name in header:
+            header[f"{name}.again"] = header[name]
+        elif change == "list":
+            header = [value]
+            break
+    text = json_module.dumps(header).encode()
+    length = data.draw(st.sampled_from([len(text)] * 6 + [0, 7, len(text) + 9, 2 ** 63]))
+    folder = tmp_path_factory.mktemp("weights")
+    shutil.copytree(files / "tok", folder, dirs_exist_ok=True)
+    raw = data.draw(st.booleans() | st.just(False))
+    (folder / "model.safetensors").write_bytes(data.draw(st.binary(max_size=200)) if raw and data.draw(st.booleans())
+                                               else struct.pack("<Q", length) + text + body)
+    try:
+        load_model(str(folder))
+    except ModelError as error:
+        assert str(folder) in str(error) and "\n" not in str(error)
+    finally:
+        shutil.rmtree(folder)
+
+
+@fuzz_settings(quick=10, full=200)
+@given(st.binary(max_size=64), st.sampled_from([b"", b"GGUF", b"GGUF\x03\x00\x00\x00", b"GGUF\x02\x00\x00\x00"]))
+def test_fuzzed_gguf_headers_get_one_model_error(tmp_path_factory, tail, head):
+    from layerplan.models.architectures import ModelError
+    from layerplan.models.loading import model_config
+
+    folder = tmp_path_factory.mktemp("gguf")
+    (folder / "m.gguf").write_bytes(head + tail)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("LAYERPLAN_CACHE", str(folder / "cache"))
+        with pytest.raises(ModelError, match="m.gguf: cannot read it as a GGUF model"):
+            model_config(folder / "m.gguf")
+    assert not [p for p in (folder / "cache").rglob("*") if p.is_file()]  # nothing half-converted left

@@ -36,8 +36,33 @@ def test_processing_matches_definitions():
     assert probs[0] < 0.7 <= probs[0] + probs[1]
     greedy = next_token_probs(logits, SamplingParams())
     assert greedy.tolist() == [1.0, 0, 0, 0, 0]
-    with pytest.raises(ValueError, match="top_p must be in"):
+    with pytest.raises(ValueError, match=r"top_p 0.0 is out of range: a number in \(0, 1\]"):
         SamplingParams(top_p=0.0)
+
+
+@pytest.mark.parametrize("settings, message", [
+    ({"temperature": float("nan")}, "temperature nan is out of range"),  # sampled garbage, exit 0
+    ({"temperature": float("inf")}, "temperature inf is out of range"),
+    ({"temperature": 1e-300}, "temperature 1e-300 is out of range: 0 \\(greedy\\) or a finite number >= 0.0001"),
+    ({"repetition_penalty": float("nan")}, "repetition_penalty nan is out of range"),  # changed the output
+    ({"repetition_penalty": 1e-300}, "repetition_penalty 1e-300 is out of range"),
+    ({"top_p": float("nan")}, "top_p nan is out of range"),
+    ({"top_k": -1}, "top_k -1 is out of range"),
+])
+def test_settings_whose_arithmetic_is_not_finite_are_refused(settings, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**settings)
+
+
+def test_every_setting_in_range_gives_finite_probabilities():
+    from layerplan.decoding.sampling import MIN_TEMPERATURE, PENALTY_RANGE
+
+    logits = torch.tensor([80.0, -80.0, 3.0, 0.0])
+    for temperature in (MIN_TEMPERATURE, 2.0):
+        for penalty in PENALTY_RANGE:
+            params = SamplingParams(temperature=temperature, repetition_penalty=penalty, top_p=0.9)
+            probs = next_token_probs(logits, params, torch.tensor([0, 1]))
+            assert torch.isfinite(probs).all() and abs(float(probs.sum()) - 1) < 1e-5
 
 
 @pytest.mark.real

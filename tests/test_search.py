@@ -104,6 +104,43 @@ def test_study_is_seeded_resumes_and_reports(setup, tmp_path):
     assert len({t.plan for t in complete}) == 9  # and no plan evaluated twice
 
 
+def test_a_study_keeps_one_objective_model_and_token_count(setup, tmp_path):
+    """`search --objective agreement --study <a KL study>` exited 0 with "best agreement 1.06e-06":
+    the study stayed MINIMIZE and held KL and agreement values side by side."""
+    import optuna
+
+    from layerplan.search.bayes import make_storage
+
+    model, ids = setup
+    storage = str(tmp_path / "study.db")
+    run_study(PlanEvaluator(model, ids), "kl", 2, storage, "s")
+    attrs = optuna.load_study(study_name="s", storage=make_storage(storage)).user_attrs
+    assert attrs == {"objective": "kl", "directions": ["minimize"], "model": model.name, "tokens": ids.numel()}
+    with pytest.raises(ValueError, match=r"study 's' in this storage was made for objective 'kl', not 'ppl'"):
+        run_study(PlanEvaluator(model, ids), "ppl", 3, storage, "s")  # the same direction: caught by its name
+    with pytest.raises(ValueError, match=r"objective 'kl', not 'agreement'; directions \['minimize'\], not "
+                                         r"\['maximize'\]"):
+        run_study(PlanEvaluator(model, ids), "agreement", 3, storage, "s")
+    with pytest.raises(ValueError, match=r"tokens 32, not 16"):
+        run_study(PlanEvaluator(model, ids[:, :16]), "kl", 3, storage, "s")
+    again = run_study(PlanEvaluator(model, ids), "kl", 3, storage, "s")  # the same question resumes
+    assert len([t for t in again.trials if t.state == "COMPLETE"]) == 3
+
+
+def test_a_study_made_before_studies_kept_their_objective_is_adopted_when_its_direction_matches(setup, tmp_path):
+    import optuna
+
+    from layerplan.search.bayes import make_storage
+
+    model, ids = setup
+    storage = str(tmp_path / "old.db")
+    optuna.create_study(storage=make_storage(storage), study_name="old", direction="minimize")
+    with pytest.raises(ValueError, match=r"directions \['minimize'\], not \['maximize'\]"):
+        run_study(PlanEvaluator(model, ids), "agreement", 1, storage, "old")
+    run_study(PlanEvaluator(model, ids), "kl", 1, storage, "old")
+    assert optuna.load_study(study_name="old", storage=make_storage(storage)).user_attrs["objective"] == "kl"
+
+
 def test_a_study_runs_each_plan_once_and_stops_when_it_has_run_them_all(setup, tmp_path):
     from optuna.trial import TrialState
 

@@ -48,21 +48,32 @@ def read_texts(path: str | Path, field: str = "text") -> list[str]:
     if path.suffix.lower() == ".jsonl":
         texts = []
         for number, record in read_jsonl(path):
-            if field not in record:
-                raise ValueError(f"{path}:{number}: no '{field}' field (has {', '.join(record)})")
+            if not isinstance(record, dict) or field not in record:
+                has = ", ".join(map(str, record)) if isinstance(record, dict) else f"a {type(record).__name__}"
+                raise ValueError(f"{path}:{number}: no '{field}' field (has {has})")
             texts.append(str(record[field]))
-        return texts
-    return [read_text_file(path)]
+        texts = [text for text in texts if text.strip()]
+    else:
+        texts = [text for text in [read_text_file(path)] if text.strip()]
+    if not texts:
+        raise ValueError(f"{path}: no text in it; give a file with some text"
+                         + (f" (JSONL records with a '{field}' field)" if path.suffix.lower() == ".jsonl" else ""))
+    return texts
 
 
 def read_text_file(path: Path) -> str:
-    """The file as UTF-8 text; anything else is one error naming the file."""
+    """The file as UTF-8 text; anything else is one error naming the file. A pipe is read (for
+    /dev/stdin), a device or socket refused (/dev/zero would never end)."""
+    if path.exists() and not (path.is_file() or path.is_dir() or path.is_fifo()):
+        raise ValueError(f"{path}: not a text file (a device or socket)")
     try:
         return path.read_text(encoding="utf-8")
     except UnicodeDecodeError as error:
         raise ValueError(f"{path}: not UTF-8 text (byte {error.start}: {error.reason})") from None
     except IsADirectoryError:
         raise ValueError(f"{path}: a folder, not a text file") from None
+    except OSError as error:
+        raise ValueError(f"{path}: cannot read it ({error.strerror or error})") from None
 
 
 def read_jsonl(path: Path) -> list[tuple[int, object]]:

@@ -7,17 +7,24 @@ transformers loads it as an ordinary model whose logits equal the in-memory plan
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 
-from layerplan.files import writing
+from layerplan.files import replace_folder
 from layerplan.models.architectures import config_with_layers, update_parameters
 from layerplan.models.discovery import spec_of
 from layerplan.models.loading import LoadedModel
 from layerplan.plan.plan import LayerPlan
+
+
+def _dense_state_dict(model: LoadedModel) -> dict[str, torch.Tensor]:
+    """The model's state dict with every tensor dense: a GGUF run as stored (models/stored.py)
+    gives its matrices dequantized (a Hugging Face checkpoint holds floats)."""
+    state = model.hf.state_dict()
+    if model.stored is not None:
+        state.update({name: tensor.dequantize() for name, tensor in model.stored.tensors.items()})
+    return state
 
 
 def plan_state_dict(model: LoadedModel, plan: LayerPlan) -> dict[str, torch.Tensor]:
@@ -35,7 +42,7 @@ def plan_state_dict(model: LoadedModel, plan: LayerPlan) -> dict[str, torch.Tens
     by_layer: dict[tuple[str, int], dict[str, torch.Tensor]] = {}
     sources = {"": model, **{label: model.others[label] for label in plan.models}}
     for label, source in sources.items():
-        for key, tensor in source.hf.state_dict().items():
+        for key, tensor in _dense_state_dict(source).items():
             if key.startswith(prefix):
                 index, rest = key[len(prefix):].split(".", 1)
                 by_layer.setdefault((label, int(index)), {})[rest] = tensor
@@ -67,7 +74,9 @@ def plan_config(model: LoadedModel, plan: LayerPlan):
 
 
 def export_checkpoint(model: LoadedModel, plan: LayerPlan, folder: str | os.PathLike) -> Path:
-    """Write the plan as a Hugging Face folder (config.json, safetensors, tokenizer), atomically."""
+    """Write the plan as a Hugging Face folder (config.json, safetensors, tokenizer), atomically and
+    with the user's umask; an existing folder is replaced only when it is an earlier checkpoint or
+    empty (files.replace_folder)."""
     from transformers import AutoModelForCausalLM
 
     folder = Path(folder)
@@ -81,16 +90,8 @@ def export_checkpoint(model: LoadedModel, plan: LayerPlan, folder: str | os.Path
     missing = [name for name, p in skeleton.named_parameters() if p.is_meta]
     if missing:
         raise RuntimeError(f"export left parameters unset: {missing[:5]}")
-    with writing(folder):
-        folder.parent.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{folder.name}."))
-        try:
-            skeleton.save_pretrained(staging)
-            if model.tokenizer is not None:
-                model.tokenizer.save_pretrained(staging)
-            if folder.exists():
-                shutil.rmtree(folder)
-            os.replace(staging, folder)
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
+    with replace_folder(folder) as staging:
+        skeleton.save_pretrained(staging)
+        if model.tokenizer is not None:
+            model.tokenizer.save_pretrained(staging)
     return folder

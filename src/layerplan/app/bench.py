@@ -124,6 +124,8 @@ def read_prompt_file(path: str | Path) -> tuple[dict[str, str], set[str]]:
     .jsonl: one record a line, either a JSON string or an object with "prompt" and optionally
     "name" and "chat" (true/false). Any other file: one prompt a non-empty line (plain text)."""
     path = Path(path)
+    if path.exists() and not (path.is_file() or path.is_dir() or path.is_fifo()):  # /dev/zero never ends
+        raise ValueError(f"cannot read prompts from {path}: not a text file (a device or socket)")
     try:
         lines = path.read_text(encoding="utf-8").splitlines()
     except (OSError, UnicodeDecodeError) as error:
@@ -200,7 +202,7 @@ def run_bench(
     """chat: the prompt names that go through the tokenizer's chat template."""
     if reference not in methods:
         raise ValueError(f"the methods must include the reference '{reference}'")
-    result = BenchResult(model.name, str(model.dtype).replace("torch.", ""), torch.get_num_threads(),
+    result = BenchResult(model.name, model.precision, torch.get_num_threads(),
                          new_tokens, repeats, cpu_info())
     total, done = len(prompts) * repeats * len(methods), 0
     for label, prompt in prompts.items():

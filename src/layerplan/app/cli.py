@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import ipaddress
 import json
+import re
 import sys
 from contextlib import contextmanager
 from pathlib import Path
@@ -24,29 +26,32 @@ from layerplan.decoding.drafters.heads import default_head_path, save_head, trai
 from layerplan.decoding.draft_length import DRAFT_LENGTHS, draft_length_help
 from layerplan.decoding.drafters.registry import drafter_help
 from layerplan.decoding.generate import generate as run_generate
-from layerplan.decoding.sampling import SamplingParams
+from layerplan.decoding.budget import token_budget
+from layerplan.decoding.output import prompt_ids
+from layerplan.decoding.sampling import SEED_RANGE, SamplingParams
 from layerplan.engine.cpu_pack import packing_supported
-from layerplan.engine.load import choose_dtype, load_model
+from layerplan.engine.load import STORED, choose_dtype, load_model
 from layerplan.engine.native import ENGINES, NativeUnavailable, native_available, resolve_engine
 from layerplan.engine.probe import (CONTEXT, PASS_LENGTHS, checked_model_row, load_probe,
                                     probe as run_probe, save_probe)
 from layerplan.engine.verify import check_architecture, config_for
 from layerplan.export import export_checkpoint
-from layerplan.files import WriteError, write_json_atomic, write_text_atomic
+from layerplan.files import WriteError, check_output, write_json_atomic, write_text_atomic
 from layerplan.machine import cpu_info
 from layerplan.models.architectures import STATUSES, architecture_statuses
 from layerplan.models.loading import (DEFAULT_MODEL, ModelError, available_models, cache_dir, model_depth,
                                       resolve_dtype)
 from layerplan.plan.formats import FORMATS, load_plan, save_plan, to_mergekit
-from layerplan.plan.plan import PlanError
-from layerplan.search.bayes import SAMPLERS
-from layerplan.search.blocks import MergeSpace, parse_range, parse_repeats
+from layerplan.plan.plan import MAX_STEPS, PlanError
+from layerplan.search.bayes import SAMPLERS, check_storage
+from layerplan.search.blocks import MergeSpace, parse_range, parse_repeats, parse_scales
 from layerplan.search.evaluate import calibration_ids, perplexity
 from layerplan.search.evaluate import compare as run_compare
 from layerplan.search.explore import explore as run_explore
 from layerplan.search.explore import recompute_rewind_grid
 from layerplan.search.measures import MEASURES, MeasureInputs, check_measures
 from layerplan.search.objectives import OBJECTIVES, objectives_help
+from layerplan.search.probes import task_manager
 from layerplan.search.run import METHODS, run_search
 from layerplan.search.scan import scan as run_scan
 
@@ -64,6 +69,34 @@ def _user_errors():
         raise click.ClickException(str(error)) from None
     except ConnectionError as error:  # lm-eval task data (or anything else) neither on disk nor reachable
         raise click.ClickException(f"{error}: not on disk and not downloadable from here") from None
+    except OSError as error:  # a file that cannot be read or written, named
+        where = f"{error.filename}: " if error.filename else ""
+        raise click.ClickException(f"{where}{error.strerror or error}") from None
+
+
+class _Output(click.Path):
+    """An output path, checked as it is parsed (files.check_output), so that a command refuses it
+    before any work: kind 'file', or 'folder' (its files are written into it)."""
+
+    def __init__(self, kind: str = "file") -> None:
+        super().__init__(dir_okay=kind != "file", file_okay=kind == "file")
+        self.kind = kind
+
+    def convert(self, value, param, ctx):
+        value = super().convert(value, param, ctx)
+        try:
+            check_output(value, self.kind)
+        except (WriteError, ValueError) as error:  # (ValueError: a NUL in the path)
+            self.fail(str(error), param, ctx)
+        return value
+
+
+SEED = click.IntRange(*SEED_RANGE)  # what torch's generator takes
+
+
+def _texts(text: str | None) -> str | None:
+    """--text read before any model loads (None: the caller's default corpus)."""
+    return "\n\n".join(read_texts(text)) if text else None
 
 
 class _Progress:
@@ -118,7 +151,7 @@ class _Stages:
 def _dtype(model: str, dtype: str, engine: str, device: str = "cpu") -> str:
     """'auto' -> the dtype this machine's probe found fastest for the model (see `layerplan probe`)."""
     probe = load_probe(cache_dir(), model_depth(model)[1]) if dtype == "auto" else None
-    return choose_dtype(dtype, engine, device, probe)
+    return choose_dtype(dtype, engine, device, probe, source=model)
 
 
 def _checked_probe_row(loaded):
@@ -168,6 +201,9 @@ def _load_for_timing(model: str, dtype: str, engine: str):
     native engine leaves the modules as they are, so one load serves both; the eager engine
     packs bf16 linears where oneDNN supports it, into a second copy."""
     dtype = _dtype(model, dtype, engine)
+    if dtype == STORED:  # transformers runs the file dequantized: its own GGUF loader, in float32
+        click.echo(f"loading {model} (stored, engine native; transformers: float32)…", err=True)
+        return load_model(model, dtype="float32", engine="eager"), load_model(model, dtype=STORED, engine="native")
     kind = resolve_engine(engine, resolve_dtype(dtype), "cpu")
     click.echo(f"loading {model} ({dtype}, engine {kind})…", err=True)
     if kind == "native":
@@ -192,7 +228,9 @@ def _llama_cpp_peers(loaded, drafts, draft_max: int) -> tuple[dict, dict]:
     source, dtype = Path(loaded.source), str(loaded.dtype).replace("torch.", "")
     stored = gguf_file_type(source)
     files = {f"{stored} file": source}
-    if dtype not in GGUF_PRECISIONS:
+    if loaded.stored is not None:  # layerplan runs the file as stored: the file is the same precision
+        pass
+    elif dtype not in GGUF_PRECISIONS:
         click.echo(f"llama.cpp rows at layerplan's precision left out: no {dtype} GGUF is written here", err=True)
     elif GGUF_PRECISIONS[dtype][0] != stored:
         target = cache_dir() / "gguf" / f"{source.stem}-{dtype}.gguf"
@@ -223,7 +261,8 @@ def _threads(threads: int | None) -> None:
 
 model_option = click.option("--model", "-m", default=DEFAULT_MODEL, show_default=True, help=MODEL_HELP)
 dtype_option = click.option("--dtype", default="float32", show_default=True,
-                            type=click.Choice(["float32", "bfloat16", "float16"]), help="weights and activations")
+                            type=click.Choice(["float32", "bfloat16", "float16", STORED]),
+                            help="weights and activations (stored: a GGUF's weights in their block formats, float32 activations)")
 DEVICE_MAP_KEY = "layerplan.device_map"
 _device_only = click.option("--device", default="cpu", show_default=True, help="cpu, cuda, cuda:1, …")
 _device_map_option = click.option(
@@ -239,16 +278,24 @@ def device_option(command):
 engine_option = click.option("--engine", default="auto", show_default=True, type=click.Choice(list(ENGINES)),
                              help="; ".join(f"{name}: {text}" for name, text in ENGINES.items()))
 auto_dtype_option = click.option("--dtype", default="auto", show_default=True,
-                                 type=click.Choice(["auto", "float32", "bfloat16", "float16"]),
-                                 help="auto: the fastest here by `layerplan probe` (measured once per machine), "
-                                      "else bfloat16 where it is fast, float32 elsewhere")
-threads_option = click.option("--threads", type=click.IntRange(min=1), default=None,
+                                 type=click.Choice(["auto", "float32", "bfloat16", "float16", STORED]),
+                                 help="auto: a GGUF as stored where the native kernels run, else the fastest "
+                                      "here by `layerplan probe` (measured once per machine), else bfloat16 where "
+                                      "it is fast, float32 elsewhere; stored: a GGUF's weights in their block "
+                                      "formats (float32 activations)")
+threads_option = click.option("--threads", type=click.IntRange(1, 1024), default=None,
                               help="torch CPU threads (default: torch's choice)")
+
+
+def _one_line(text: str) -> str:
+    """An error message as one line: control characters (a newline in a file name given) escaped."""
+    return "".join(ch if ch.isprintable() or ch == " " else ascii(ch)[1:-1] for ch in text.strip())
 
 
 class _Commands(click.Group):
     """click's standalone mode, except that a usage error is one line, 'Error: WHAT (see
-    'layerplan CMD -h')', instead of click's usage block, hint and blank line before it."""
+    'layerplan CMD -h')', instead of click's usage block, hint and blank line before it; every
+    error is one line (_one_line)."""
 
     def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
         if not standalone_mode:
@@ -257,10 +304,10 @@ class _Commands(click.Group):
             code = super().main(args, prog_name, complete_var, False, **extra)
         except click.UsageError as error:
             where = f" (see '{error.ctx.command_path} -h')" if error.ctx is not None else ""
-            click.echo(f"Error: {error.format_message()}{where}", err=True)
+            click.echo(f"Error: {_one_line(error.format_message())}{where}", err=True)
             sys.exit(error.exit_code)
         except click.ClickException as error:
-            error.show()
+            click.echo(f"Error: {_one_line(error.format_message())}", err=True)
             sys.exit(error.exit_code)
         except click.Abort:
             click.echo("Aborted!", err=True)
@@ -310,6 +357,8 @@ def _print_architectures(markdown: bool) -> None:
                    "against transformers on a tiny random config of it; the answer is cached")
 def models(architectures, markdown, check) -> None:
     """List the models available locally (the packaged default and converted ones)."""
+    if markdown and not architectures:
+        raise click.UsageError("--markdown formats the --architectures table: add --architectures")
     if check:
         with _user_errors():
             result = check_architecture(config_for(check), force=True)
@@ -341,14 +390,14 @@ def models(architectures, markdown, check) -> None:
 @click.option("--kinds", default="attention,mlp,layer", show_default=True, help="what to switch off in turn")
 @click.option("--exits", is_flag=True, help="scan every exit point instead (logit lens): writes exits.png")
 @click.option("--no-reuse", is_flag=True, help="recompute from the embeddings for every candidate (naive baseline)")
-@click.option("--out", type=click.Path(file_okay=False), default="runs/scan", show_default=True, help="folder for scan.json and scan.png")
+@click.option("--out", type=_Output("folder"), default="runs/scan", show_default=True, help="folder for scan.json and scan.png")
 def scan(model, dtype, device, threads, base_plan, tokens, text, kinds, exits, no_reuse, out) -> None:
     """Skip each layer, attention and MLP in turn; report perplexity, KL and top-1 agreement."""
     _threads(threads)
     with _user_errors():
+        calibration = _texts(text)
         loaded = _load(model, dtype, device)
         plan = loaded.plan(base_plan)
-        calibration = "\n\n".join(read_texts(text)) if text else None
         ids = calibration_ids(loaded, calibration, tokens)
         with _Progress("scan") as progress:
             result = run_scan(loaded, ids, plan, kinds=["exit"] if exits else [k.strip() for k in kinds.split(",")],
@@ -378,12 +427,13 @@ def scan(model, dtype, device, threads, base_plan, tokens, text, kinds, exits, n
 @threads_option
 @click.option("--plan", default=None, help="run the model by this plan (lossy unless it is the full model)")
 @model_b_option
-@click.option("--max-new-tokens", "-n", default=128, show_default=True)
+@click.option("--max-new-tokens", "-n", type=click.IntRange(min=0), default=128, show_default=True,
+              help="at most this many new tokens (prompt and new tokens fit the model's context)")
 @click.option("--temperature", "-t", default=0.0, show_default=True, help="0 = greedy")
 @click.option("--top-k", default=0, show_default=True)
 @click.option("--top-p", default=1.0, show_default=True)
 @click.option("--repetition-penalty", default=1.0, show_default=True)
-@click.option("--seed", type=int, default=None)
+@click.option("--seed", type=SEED, default=None)
 @click.option("--stop", multiple=True, help="stop string (repeatable)")
 @click.option("--chat/--no-chat", default=False, help="wrap the prompt in the model's chat template")
 @click.option("--stream/--no-stream", default=True, show_default=True)
@@ -403,15 +453,18 @@ def generate(prompt, model, dtype, device, engine, threads, plan, model_b, max_n
     """Generate a continuation of PROMPT."""
     _threads(threads)
     with _user_errors():
-        loaded = _load(model, dtype, device, engine)
-        loaded = _attach(loaded, model_b, str(loaded.dtype).replace("torch.", ""), device, engine)
-        params = SamplingParams(temperature, top_k, top_p, repetition_penalty)
-        on_text = (lambda piece: click.echo(piece, nl=False)) if stream else None
+        params = SamplingParams(temperature, top_k, top_p, repetition_penalty)  # refused before the model loads
         if draft_model:
             if draft:
                 raise ValueError("give either --draft or --draft-model, not both")
             draft = f"model:{draft_model}"
-        result = run_generate(loaded, prompt, loaded.plan(plan), max_new_tokens, params, seed, stop,
+        loaded = _load(model, dtype, device, engine)
+        loaded = _attach(loaded, model_b, str(loaded.dtype).replace("torch.", ""), device, engine)
+        layer_plan = loaded.plan(plan)
+        ids = prompt_ids(loaded, prompt, chat)  # the server's context check, before any decoding
+        token_budget(ids.shape[1], max_new_tokens, loaded.context_length, new_tokens_name="--max-new-tokens")
+        on_text = (lambda piece: click.echo(piece, nl=False)) if stream else None
+        result = run_generate(loaded, ids, layer_plan, max_new_tokens, params, seed, stop,
                               chat=chat, on_text=on_text, draft=draft, draft_length=draft_length,
                               draft_confidence=draft_confidence, exit_policy=exit_policy,
                               probe_row=_checked_probe_row(loaded))
@@ -432,8 +485,8 @@ def generate(prompt, model, dtype, device, engine, threads, plan, model_b, max_n
 @click.option("--plan", default=None, help="plan to evaluate (default: full model)")
 @model_b_option
 @click.option("--text", type=click.Path(dir_okay=False), default=None, help=".txt or .jsonl; default: built-in corpus")
-@click.option("--window", default=512, show_default=True)
-@click.option("--stride", default=256, show_default=True)
+@click.option("--window", type=click.IntRange(min=1), default=512, show_default=True)
+@click.option("--stride", type=click.IntRange(min=1), default=256, show_default=True)
 @click.option("--max-tokens", type=click.IntRange(min=0), default=4096, show_default=True, help="score at most this many tokens per text (0: all)")
 @click.option("--compare/--no-compare", default=True, show_default=True,
               help="also report KL and top-1 agreement against the full model")
@@ -441,9 +494,9 @@ def ppl(model, dtype, device, threads, plan, model_b, text, window, stride, max_
     """Sliding-window perplexity of the model (under a plan) on a text."""
     _threads(threads)
     with _user_errors():
+        texts = read_texts(text) if text else [default_corpus()]
         loaded = _attach(_load(model, dtype, device), model_b, dtype, device)
         layer_plan = loaded.plan(plan)
-        texts = read_texts(text) if text else [default_corpus()]
         token_ids = [loaded.tokenizer(t, return_tensors="pt").input_ids for t in texts]
         if max_tokens:
             token_ids = [ids[:, :max_tokens] for ids in token_ids]
@@ -472,7 +525,7 @@ def ppl(model, dtype, device, threads, plan, model_b, text, window, stride, max_
 @click.option("--blocks", is_flag=True, help="scan every block i..j repeated after itself (0..j, i..j, j+1..N-1) "
               "against the model, on --measure; writes blocks.json and a heatmap per measure")
 @click.option("--range", "layer_range", default=None, help="blocks inside these layers only, e.g. 4-25 (inclusive)")
-@click.option("--max-len", type=int, default=None, help="blocks of at most this many layers")
+@click.option("--max-len", type=click.IntRange(min=1), default=None, help="blocks of at most this many layers")
 @click.option("--repeats", default="1", show_default=True,
               help="extra passes of the block: 1, 2, or 1,2 for both (a heatmap each; --search: the most it may choose)")
 @click.option("--measure", "measures", multiple=True, type=click.Choice(list(MEASURES)),
@@ -487,7 +540,8 @@ def ppl(model, dtype, device, threads, plan, model_b, text, window, stride, max_
               "generate_until or multiple_choice; pip install 'layerplan[eval]')")
 @click.option("--include-path", type=click.Path(exists=True, file_okay=False), default=None,
               help="folder of your own lm-evaluation-harness task YAML files")
-@click.option("--seed", default=0, show_default=True, help="built-in probe items, bootstrap and the study's sampler")
+@click.option("--seed", type=SEED, default=0, show_default=True,
+              help="built-in probe items, bootstrap and the study's sampler")
 @click.option("--limit", type=click.IntRange(min=1), default=None, help="scan only the first N blocks (a quick look)")
 @click.option("--no-reuse", is_flag=True, help="run every block from the embeddings (the naive baseline)")
 @click.option("--workers", type=click.IntRange(min=1), default=None,
@@ -505,7 +559,7 @@ def ppl(model, dtype, device, threads, plan, model_b, text, window, stride, max_
 @click.option("--export/--no-export", default=True, show_default=True,
               help="--search: write the best plan as a checkpoint (OUT/best-merge/) besides mergekit YAML")
 @model_b_option
-@click.option("--out", type=click.Path(file_okay=False), default="runs/explore", show_default=True)
+@click.option("--out", type=_Output("folder"), default="runs/explore", show_default=True)
 def explore(model, dtype, device, threads, recompute, rewind, plans, tokens, text, blocks, layer_range, max_len,
             repeats, measures, rank, probe_file, probe_items, task, include_path, seed, limit, no_reuse, workers, report,
             study, trials, scales, sampler, storage, study_name, export, model_b, out) -> None:
@@ -529,10 +583,11 @@ def explore(model, dtype, device, threads, recompute, rewind, plans, tokens, tex
                 numbers[name] = [int(v) for v in value.split(",") if v.strip()]
             except ValueError:
                 raise ValueError(f"--{name} takes integers separated by commas, got '{value}'") from None
+        calibration = _texts(text)
         loaded = _load(model, dtype, device)
         candidates = recompute_rewind_grid(loaded, numbers["recompute"], numbers["rewind"])
         candidates += [loaded.plan(p) for p in plans]
-        ids = calibration_ids(loaded, "\n\n".join(read_texts(text)) if text else None, tokens or 512)
+        ids = calibration_ids(loaded, calibration, tokens or 512)
         with _Progress("explore") as progress:
             result = run_explore(loaded, ids, candidates, on_progress=progress)
     click.echo(result.table())
@@ -555,11 +610,9 @@ def _explore_merges(model, dtype, device, blocks, layer_range, max_len, repeats,
                   if given and extra not in names]
         if rank is not None:
             names = [rank] + [n for n in names if n != rank]
-        try:
-            low, _, high = scales.partition("-")
-            scale_range = (float(low), float(high or low))
-        except ValueError:
-            raise ValueError(f"--scales takes a number or a range like 0.5-1.0, got '{scales}'") from None
+        scale_range = parse_scales(scales)
+        if study:
+            check_storage(storage)
         check_measures(names, inputs)  # bad input fails before the model loads
         span = parse_range(layer_range, model_depth(model)[0])
         counts = parse_repeats(repeats)
@@ -624,6 +677,7 @@ def export(plan, model, dtype, out, fmt, source, model_b) -> None:
     The checkpoint loads in transformers (and converts for llama.cpp / vLLM) like any model;
     a plan with fewer layers is a pruned model usable as a standalone draft model."""
     with _user_errors():
+        check_output(out, "file" if fmt == "mergekit" else "checkpoint")  # before any work
         if fmt == "mergekit":
             depth, name = model_depth(model)
             text = to_mergekit(load_plan(plan, depth, name), source or model, dtype,
@@ -664,9 +718,9 @@ def export(plan, model, dtype, out, fmt, source, model_b) -> None:
 @click.option("--save-draft/--no-save-draft", default=None,
               help="save the best plan for `--draft auto` (default: for "
                    f"{'/'.join(name for name, o in OBJECTIVES.items() if o.drafts)})")
-@click.option("--seed", type=int, default=None,
+@click.option("--seed", type=SEED, default=None,
               help="makes the study's sampler seeds reproducible (each worker still gets its own); default: fresh")
-@click.option("--out", type=click.Path(file_okay=False), default="runs/search", show_default=True)
+@click.option("--out", type=_Output("folder"), default="runs/search", show_default=True)
 def search(model, dtype, threads, method, objective, multi, trials, budget, max_cost_cut, granularity, mode, sampler,
            storage, study_name, tokens, text, allow_ends, save_draft, seed, out) -> None:
     """Find a good plan: greedy skipping and/or a Bayesian (Optuna) study; resumable, shareable.
@@ -678,8 +732,11 @@ def search(model, dtype, threads, method, objective, multi, trials, budget, max_
     _threads(threads)
     out_dir = Path(out)
     with _user_errors():
+        if method != "greedy":
+            check_storage(storage)
+        calibration = _texts(text)
         loaded = _load(model, dtype)
-        ids = calibration_ids(loaded, "\n\n".join(read_texts(text)) if text else None, tokens)
+        ids = calibration_ids(loaded, calibration, tokens)
         prompts = [loaded.encode(p) for p in PROMPTS.values()] if OBJECTIVES[objective].needs_prompts else None
         if method != "greedy":
             import optuna  # deferred: heavy
@@ -731,7 +788,7 @@ def search(model, dtype, threads, method, objective, multi, trials, budget, max_
 @click.option("--tokens", type=click.IntRange(min=2), default=2560, show_default=True, help="training + held-out tokens (built-in corpus unless --text)")
 @click.option("--text", default=None, help=".txt or .jsonl, or builtin:code (standard-library Python source)")
 @click.option("--steps", type=click.IntRange(min=1), default=150, show_default=True, help="optimiser steps (batches of 256 positions)")
-@click.option("--out", type=click.Path(dir_okay=False), default=None,
+@click.option("--out", type=_Output("file"), default=None,
               help="where to save (default: the cache, where --draft exit:E+head finds it)")
 def train_exit(exits, model, threads, tokens, text, steps, out) -> None:
     """Train light exit heads by self-distillation; use them with --draft exit:E+head."""
@@ -739,8 +796,9 @@ def train_exit(exits, model, threads, tokens, text, steps, out) -> None:
     with _user_errors():
         if out and len(exits) > 1:
             raise ValueError("--out names one file: give one --exit with it")
+        calibration = _texts(text)
         loaded = _load(model, "float32")
-        ids = calibration_ids(loaded, "\n\n".join(read_texts(text)) if text else None, tokens)
+        ids = calibration_ids(loaded, calibration, tokens)
         rows = tokens // 512 if tokens % 512 == 0 else 1
         ids = ids.reshape(rows, -1)
         for exit in exits:
@@ -761,7 +819,7 @@ def train_exit(exits, model, threads, tokens, text, steps, out) -> None:
 @click.option("--repeats", type=click.IntRange(min=1), default=3, show_default=True, help="timings per method and prompt")
 @click.option("--new-tokens", type=click.IntRange(min=1), default=48, show_default=True)
 @click.option("--prompt", "prompt_names", multiple=True, help="built-in prompts to tune on (default: code, summary)")
-@click.option("--out", type=click.Path(file_okay=False), default="runs/tune", show_default=True)
+@click.option("--out", type=_Output("folder"), default="runs/tune", show_default=True)
 def tune(model, dtype, engine, threads, tokens, steps, repeats, new_tokens, prompt_names, out) -> None:
     """The whole job: scan, search a draft, benchmark against plain decoding and transformers,
     check exactness, save the plan, write report.html and report.json."""
@@ -770,6 +828,7 @@ def tune(model, dtype, engine, threads, tokens, steps, repeats, new_tokens, prom
     with _user_errors():
         prompts = _pick_prompts(prompt_names)
         stock, fast = _load_for_timing(model, dtype, engine)
+        token_budget(1, new_tokens, fast.context_length, new_tokens_name="--new-tokens")  # before any decoding
         click.echo(cpu_info().line(), err=True)
 
         def stage(text: str) -> None:  # "scan: every attention and MLP..." -> a line, and a bar named "scan"
@@ -799,10 +858,10 @@ def tune(model, dtype, engine, threads, tokens, steps, repeats, new_tokens, prom
 @main.command("plan")
 @click.argument("plan")
 @click.option("--model", "-m", default=DEFAULT_MODEL, show_default=True, help=MODEL_HELP)
-@click.option("--layers", type=click.IntRange(min=1), default=None, help="model depth instead of reading --model")
+@click.option("--layers", type=click.IntRange(1, MAX_STEPS), default=None, help="model depth instead of reading --model")
 @click.option("--to", "fmt", type=click.Choice(list(FORMATS)), default="string", show_default=True,
               help="; ".join(f"{f.name}: {f.help}" for f in FORMATS.values()))
-@click.option("--out", type=click.Path(dir_okay=False), default=None, help="write to this file (atomically)")
+@click.option("--out", type=_Output("file"), default=None, help="write to this file (atomically)")
 def plan_command(plan, model, layers, fmt, out) -> None:
     """Validate PLAN (string or file) and print it in another format."""
     with _user_errors():
@@ -836,7 +895,7 @@ def plan_command(plan, model, layers, fmt, out) -> None:
                    f"the GGUF file as stored and on its weights at --dtype; needs `{llamacpp.BUILD_COMMAND}` once")
 @click.option("--llama-draft-max", type=click.IntRange(min=1), default=8, show_default=True,
               help="llama-lookup's --spec-draft-n-max (llama.cpp's own default is 3)")
-@click.option("--out", type=click.Path(dir_okay=False), default="runs/bench.json", show_default=True)
+@click.option("--out", type=_Output("file"), default="runs/bench.json", show_default=True)
 def bench(model, dtype, engine, threads, new_tokens, repeats, prompt_names, prompt_file, drafts, draft_length, hf_exits,
           hf_prompt_lookup, llama_cpp, llama_draft_max, out) -> None:
     """Time decoding against transformers' generate in the same run (ratios, CPU).
@@ -863,6 +922,7 @@ def bench(model, dtype, engine, threads, new_tokens, repeats, prompt_names, prom
         else:
             prompts, chat = _pick_prompts(prompt_names, PROMPTS), CHAT_PROMPTS
         stock, fast = _load_for_timing(model, dtype, engine)
+        token_budget(1, new_tokens, fast.context_length, new_tokens_name="--new-tokens")  # before any decoding
         peers, pairs = _llama_cpp_peers(fast, drafts, llama_draft_max) if llama_cpp else ({}, {})
         methods = bench_methods(stock, fast, list(drafts), list(hf_exits), hf_prompt_lookup, draft_length, peers,
                                 probe_row=_checked_probe_row(fast))
@@ -883,6 +943,38 @@ def bench(model, dtype, engine, threads, new_tokens, repeats, prompt_names, prom
     click.echo(f"wrote {out}")
 
 
+@main.group()
+def peers() -> None:
+    """llama.cpp's own C++ tools, which `layerplan bench` times beside layerplan."""
+
+
+@peers.command("build", help=(
+    f"Build llama.cpp's tools once from source into the cache ({', '.join(llamacpp.TOOLS)}).\n\n"
+    f"The source is llama.cpp as vendored in the {llamacpp.SDIST_PACKAGE} {llamacpp.SDIST_VERSION} sdist, "
+    "downloaded from PyPI with pip; cmake and a C++ compiler build it (Release, CPU only, GGML_NATIVE=ON: "
+    "tuned to this machine; ~10-20 min on 2 cores). The build runs in a staging folder that is renamed into "
+    "<cache>/llama.cpp/<version> when done; a finished build is found and kept (--force builds again)."))
+@click.option("--jobs", "-j", type=click.IntRange(min=1), default=2, show_default=True, help="parallel compile jobs")
+@click.option("--force", is_flag=True, help="build again even when a finished build is there")
+def peers_build(jobs, force) -> None:
+    with _user_errors():
+        bin_dir = llamacpp.build(jobs=jobs, force=force, log=lambda line: click.echo(line, err=True))
+    click.echo(bin_dir)
+
+
+@peers.command("show")
+def peers_show() -> None:
+    """Where llama.cpp's tools are and how they were built; exit status 1 when not built."""
+    bin_dir = llamacpp.find_tools()
+    if bin_dir is None:
+        raise click.ClickException(llamacpp.missing_message("llama.cpp rows of `layerplan bench`"))
+    info = llamacpp.build_info(bin_dir)
+    click.echo(bin_dir)
+    for key in ("sdist", "built", "seconds", "jobs", "tools"):
+        if key in info:
+            click.echo(f"  {key}: {', '.join(info[key]) if isinstance(info[key], list) else info[key]}")
+
+
 @main.command()
 @model_option
 @click.option("--dtype", "dtypes", multiple=True, type=click.Choice(["float32", "bfloat16"]),
@@ -890,7 +982,8 @@ def bench(model, dtype, engine, threads, new_tokens, repeats, prompt_names, prom
 @click.option("--engine", "engines", multiple=True, type=click.Choice([e for e in ENGINES if e != "auto"]),
               help="engine(s) to time (repeatable; default: every one that can run here)")
 @threads_option
-@click.option("--max-length", default=max(PASS_LENGTHS), show_default=True, help="time passes over 1..N new tokens")
+@click.option("--max-length", type=click.IntRange(1, 256), default=max(PASS_LENGTHS), show_default=True,
+              help="time passes over 1..N new tokens")
 @click.option("--repeats", type=click.IntRange(min=1), default=5, show_default=True, help="timings per pass length (median)")
 @click.option("--refresh", is_flag=True, help="measure again even when this machine's probe is cached")
 @click.option("--json", "as_json", is_flag=True, help="print the result as JSON")
@@ -949,7 +1042,7 @@ def probe(model, dtypes, engines, threads, max_length, repeats, refresh, as_json
               help="folder of your own task YAML files")
 @click.option("--limit", type=click.FloatRange(0.0, min_open=True), default=None, help="documents per task (or a fraction)")
 @click.option("--num-fewshot", type=click.IntRange(min=0), default=None)
-@click.option("--out", type=click.Path(dir_okay=False), default="runs/eval.json", show_default=True)
+@click.option("--out", type=_Output("file"), default="runs/eval.json", show_default=True)
 def eval_command(tasks, model, dtype, device, engine, threads, plan, draft, include_path, limit, num_fewshot, out) -> None:
     """Evaluate the model under a plan with lm-evaluation-harness (pip install 'layerplan[eval]').
     Tasks whose data is not on disk are downloaded by lm_eval itself."""
@@ -957,15 +1050,15 @@ def eval_command(tasks, model, dtype, device, engine, threads, plan, draft, incl
     with _user_errors():
         try:
             import lm_eval
-            from lm_eval.tasks import TaskManager
             from lm_eval.utils import make_table
         except ImportError:
             raise ValueError("lm-evaluation-harness is not installed: pip install 'layerplan[eval]'") from None
         from layerplan.app.integrations.harness import LayerplanLM
 
+        names = [t.strip() for t in tasks.split(",") if t.strip()]
+        manager = task_manager(names, include_path)  # unknown tasks are refused before the model loads
         lm = LayerplanLM(pretrained=_load(model, dtype, device, engine), plan=plan, draft=draft)
-        result = lm_eval.simple_evaluate(model=lm, tasks=[t.strip() for t in tasks.split(",") if t.strip()],
-                                         task_manager=TaskManager(include_path=include_path), limit=limit,
+        result = lm_eval.simple_evaluate(model=lm, tasks=names, task_manager=manager, limit=limit,
                                          num_fewshot=num_fewshot)
     click.echo(make_table(result))
     summary = {"model": model, "plan": lm.plan.to_string(), "results": result["results"],
@@ -974,36 +1067,21 @@ def eval_command(tasks, model, dtype, device, engine, threads, plan, draft, incl
     click.echo(f"wrote {out}")
 
 
-@main.group()
-def peers() -> None:
-    """llama.cpp's own C++ tools, which `layerplan bench` times beside layerplan."""
-
-
-@peers.command("build", help=(
-    f"Build llama.cpp's tools once from source into the cache ({', '.join(llamacpp.TOOLS)}).\n\n"
-    f"The source is llama.cpp as vendored in the {llamacpp.SDIST_PACKAGE} {llamacpp.SDIST_VERSION} sdist, "
-    "downloaded from PyPI with pip; cmake and a C++ compiler build it (Release, CPU only, GGML_NATIVE=ON: "
-    "tuned to this machine; ~10-20 min on 2 cores). The build runs in a staging folder that is renamed into "
-    "<cache>/llama.cpp/<version> when done; a finished build is found and kept (--force builds again)."))
-@click.option("--jobs", "-j", type=click.IntRange(min=1), default=2, show_default=True, help="parallel compile jobs")
-@click.option("--force", is_flag=True, help="build again even when a finished build is there")
-def peers_build(jobs, force) -> None:
-    with _user_errors():
-        bin_dir = llamacpp.build(jobs=jobs, force=force, log=lambda line: click.echo(line, err=True))
-    click.echo(bin_dir)
-
-
-@peers.command("show")
-def peers_show() -> None:
-    """Where llama.cpp's tools are and how they were built; exit status 1 when not built."""
-    bin_dir = llamacpp.find_tools()
-    if bin_dir is None:
-        raise click.ClickException(llamacpp.missing_message("llama.cpp rows of `layerplan bench`"))
-    info = llamacpp.build_info(bin_dir)
-    click.echo(bin_dir)
-    for key in ("sdist", "built", "seconds", "jobs", "tools"):
-        if key in info:
-            click.echo(f"  {key}: {', '.join(info[key]) if isinstance(info[key], list) else info[key]}")
+def _check_host(host: str) -> None:
+    """A usage error for a --host that is no IP address and no host name (999.1.1.1, a space);
+    whether a name is this machine's is known when the server binds it."""
+    try:
+        ipaddress.ip_address(host)
+        return
+    except ValueError:
+        pass
+    if re.fullmatch(r"[0-9.]+", host) or ":" in host:
+        raise click.BadParameter(f"{host} is not an IP address (e.g. 127.0.0.1, 0.0.0.0 or ::1)",
+                                 param_hint="'--host'")
+    label = r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
+    if len(host) > 253 or not re.fullmatch(rf"{label}(\.{label})*\.?", host):
+        raise click.BadParameter(f"{host!r} is not a host name or IP address (e.g. localhost, 127.0.0.1)",
+                                 param_hint="'--host'")
 
 
 @main.command()
@@ -1018,7 +1096,7 @@ def peers_show() -> None:
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True)
 @click.option("--api-key", envvar="LAYERPLAN_API_KEY", default=None,
-              help="require 'Authorization: Bearer KEY' on /v1/* (or set LAYERPLAN_API_KEY)")
+              help="require 'Authorization: Bearer KEY' on /v1/* (or set LAYERPLAN_API_KEY); not empty")
 @click.option("--served-name", default=None, help="the model id clients send (default: the model's name)")
 def serve(model, dtype, device, engine, threads, plan, draft, draft_length, host, port, api_key, served_name) -> None:
     """OpenAI-compatible HTTP server: /v1/completions, /v1/chat/completions (SSE streaming),
@@ -1026,6 +1104,10 @@ def serve(model, dtype, device, engine, threads, plan, draft, draft_length, host
     from layerplan.app.serve import ListenError, serve as run_server  # deferred: the web stack is heavy
 
     _threads(threads)
+    if api_key is not None and not api_key.strip():
+        raise click.BadParameter("an empty key would switch authentication off: give a key, or leave --api-key "
+                                 "and LAYERPLAN_API_KEY out to serve without one", param_hint="'--api-key'")
+    _check_host(host)
     with _user_errors():  # a bad plan or draft fails here, before the server starts
         loaded = _load(model, dtype, device, engine)
 

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
+from layerplan.files import atomic_file
 
 # layerplan dtype -> (GGUF tensor type name, general.file_type value of llama.cpp's LLAMA_FTYPE)
 GGUF_PRECISIONS = {"float32": ("F32", 0), "bfloat16": ("BF16", 32), "float16": ("F16", 1)}
@@ -53,17 +54,14 @@ def gguf_at_precision(source: Path, dtype: str, target: Path) -> Path:
     qtype = gguf.GGMLQuantizationType[type_name]
     reader = gguf.GGUFReader(source)
     arch = reader.fields[gguf.Keys.General.ARCHITECTURE].contents()
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, staging = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.")
-    os.close(fd)
-    try:
+    with atomic_file(target) as staging:
         writer = gguf.GGUFWriter(staging, arch)
-        for field in reader.fields.values():
-            if field.name == gguf.Keys.General.ARCHITECTURE or field.name.startswith("GGUF."):
+        for item in reader.fields.values():
+            if item.name == gguf.Keys.General.ARCHITECTURE or item.name.startswith("GGUF."):
                 continue
-            value = file_type if field.name == gguf.Keys.General.FILE_TYPE else field.contents()
-            sub_type = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
-            writer.add_key_value(field.name, value, field.types[0], sub_type=sub_type)
+            value = file_type if item.name == gguf.Keys.General.FILE_TYPE else item.contents()
+            sub_type = item.types[-1] if item.types[0] == gguf.GGUFValueType.ARRAY else None
+            writer.add_key_value(item.name, value, item.types[0], sub_type=sub_type)
         for tensor in reader.tensors:
             values = gguf.quants.dequantize(tensor.data, tensor.tensor_type).astype(np.float32)
             kind = qtype if values.ndim > 1 else gguf.GGMLQuantizationType.F32
@@ -72,12 +70,7 @@ def gguf_at_precision(source: Path, dtype: str, target: Path) -> Path:
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file()
         writer.close()
-        os.replace(staging, target)
-    finally:
-        if os.path.exists(staging):
-            os.unlink(staging)
     return target
-
 
 
 def gguf_file_type(path: Path) -> str:

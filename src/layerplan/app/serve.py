@@ -10,9 +10,13 @@ statistics ride in each response's `usage` block.
 Endpoints: GET /health, GET /v1/models, POST /v1/completions, POST /v1/chat/completions (both
 with `"stream": true` for server-sent events, and `stream_options.include_usage`; a chat stream's
 role chunk is sent when decoding starts, not while the request waits in the queue). What the
-server cannot honour is refused with a 400 rather than ignored: n > 1, logprobs, echo, penalties
-other than repetition_penalty, tools / tool_choice / functions, response_format other than text,
-content parts other than text, a message without content.
+server cannot honour is refused with a 400 rather than ignored: n > 1, best_of > 1, suffix,
+logprobs, echo, penalties other than repetition_penalty, tools / tool_choice / functions,
+response_format other than text, content parts other than text, a text part without text, a
+message without content. Every client mistake is a 4xx: a sampling setting whose arithmetic would
+not stay finite (temperature 1e-300), a seed torch cannot take, a conversation the chat template
+refuses. Prompts are tokenized off the event loop (one worker thread), so a long one does not
+hold up /health or other requests.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from contextlib import asynccontextmanager
 from typing import Any
@@ -41,7 +45,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from layerplan.decoding.drafters.registry import make_drafter
 from layerplan.decoding.generate import generate
 from layerplan.decoding.output import GenerationResult
-from layerplan.decoding.sampling import SamplingParams
+from layerplan.decoding.budget import ContextLengthError, token_budget
+from layerplan.decoding.sampling import SEED_RANGE, SamplingError, SamplingParams
 from layerplan.engine.probe import ProbeRow
 from layerplan.models.loading import LoadedModel
 from layerplan.plan.plan import LayerPlan
@@ -74,7 +79,7 @@ class _GenerationRequest(BaseModel):
     top_k: int = Field(0, ge=0)  # extension (as in vLLM); 0 keeps all tokens
     repetition_penalty: float = Field(1.0, gt=0)  # extension
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=SEED_RANGE[0], le=SEED_RANGE[1])  # what torch's generator takes
     n: int = Field(1, ge=1, le=1)  # one decode per request
     stream: bool = False
     stream_options: dict[str, Any] | None = None
@@ -90,7 +95,11 @@ class _GenerationRequest(BaseModel):
                 raise APIError(400, f"{name} is not supported (use repetition_penalty)", name)
 
     def sampling(self) -> SamplingParams:
-        return SamplingParams(self.temperature, self.top_k, self.top_p, self.repetition_penalty)
+        """The sampling settings; a 400 naming the setting whose arithmetic would not stay finite."""
+        try:
+            return SamplingParams(self.temperature, self.top_k, self.top_p, self.repetition_penalty)
+        except SamplingError as error:
+            raise APIError(400, str(error), str(error).split(" ", 1)[0]) from None
 
     def stops(self) -> tuple[str, ...]:
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
@@ -99,6 +108,17 @@ class _GenerationRequest(BaseModel):
 class CompletionRequest(_GenerationRequest):
     prompt: str | list[int] | list[str]
     echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.echo:
+            raise APIError(400, "echo is not supported by this server", "echo")
+        if self.best_of not in (None, 1):
+            raise APIError(400, "best_of is not supported by this server (one completion per request)", "best_of")
+        if self.suffix:
+            raise APIError(400, "suffix (insertion) is not supported by this server", "suffix")
 
 
 class ChatMessage(BaseModel):
@@ -119,6 +139,10 @@ class ChatMessage(BaseModel):
                                     "not supported by this server (text only)", where)
             if not self.content:
                 raise APIError(400, f"message {index} ({self.role}) has no content", where)
+            empty = next((k for k, part in enumerate(self.content) if not isinstance(part.get("text"), str)), None)
+            if empty is not None:
+                raise APIError(400, f"message {index}: content part {empty} is of type text but has no text "
+                                    "(expected {\"type\": \"text\", \"text\": \"...\"})", f"{where}.{empty}")
             return "".join(str(part.get("text", "")) for part in self.content)
         return self.content
 
@@ -303,11 +327,18 @@ def create_app(model: LoadedModel, plan: LayerPlan | None = None, draft=None, dr
     engine = Engine(model, plan, draft, draft_length, run_in_thread=engine_thread, probe_row=probe_row)
     name = served_name or model.name
     created = int(time.time())
+    # one thread: a fast tokenizer used from two threads at once may fail ("Already borrowed")
+    tokenizing = ThreadPoolExecutor(1, thread_name_prefix="layerplan-tokenize")
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
         yield
         engine.close()
+        tokenizing.shutdown(wait=False, cancel_futures=True)
+
+    async def off_loop(function: Callable, *args):
+        """function(*args) on the tokenizing thread: the event loop goes on answering meanwhile."""
+        return await asyncio.get_running_loop().run_in_executor(tokenizing, function, *args)
 
     app = FastAPI(title="layerplan", description=f"OpenAI-compatible server for {name}", lifespan=lifespan)
     app.state.engine = engine
@@ -350,18 +381,11 @@ def create_app(model: LoadedModel, plan: LayerPlan | None = None, draft=None, dr
                            "model", code="model_not_found")
 
     def _budget(prompt_ids: list[int], asked: int | None, default: int | None) -> int:
-        limit = model.context_length
-        if len(prompt_ids) >= limit:
-            raise APIError(400, f"the prompt is {len(prompt_ids)} tokens; the model's context is {limit} tokens",
-                           "messages" if default is None else "prompt", code="context_length_exceeded")
-        room = limit - len(prompt_ids)
-        if asked is None:
-            return room if default is None else min(default, room)
-        if asked > room:
-            raise APIError(400, f"max_tokens={asked} does not fit: the prompt is {len(prompt_ids)} tokens and the "
-                                f"model's context is {limit} tokens (at most {room} new tokens)",
-                           "max_tokens", code="context_length_exceeded")
-        return asked
+        try:
+            return token_budget(len(prompt_ids), asked, model.context_length, default)
+        except ContextLengthError as error:
+            param = error.param if error.param != "prompt" else ("messages" if default is None else "prompt")
+            raise APIError(400, str(error), param, code="context_length_exceeded") from None
 
     async def _run(request: Request, body: _GenerationRequest, prompt_ids: list[int], max_tokens: int,
                    shape: Callable[..., dict]):
@@ -432,15 +456,14 @@ def create_app(model: LoadedModel, plan: LayerPlan | None = None, draft=None, dr
     async def completions(body: CompletionRequest, request: Request):
         _check_model(body.model)
         body.check_supported()
-        if body.echo:
-            raise APIError(400, "echo is not supported by this server", "echo")
+        body.sampling()  # a 400 now, not a failed generation later
         prompt = body.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
             if len(prompt) != 1:
                 raise APIError(400, f"one prompt per request, got {len(prompt)}", "prompt")
             prompt = prompt[0]
         if isinstance(prompt, str):
-            prompt_ids = model.tokenizer(prompt).input_ids
+            prompt_ids = (await off_loop(model.tokenizer, prompt)).input_ids
         else:
             vocab = model.hf.config.vocab_size
             bad = [t for t in prompt if not 0 <= t < vocab]
@@ -464,8 +487,9 @@ def create_app(model: LoadedModel, plan: LayerPlan | None = None, draft=None, dr
     async def chat_completions(body: ChatRequest, request: Request):
         _check_model(body.model)
         body.check_supported()
+        body.sampling()  # a 400 now, not a failed generation later
         messages = [{"role": m.role, "content": m.text(i)} for i, m in enumerate(body.messages)]
-        prompt_ids = chat_prompt_ids(model, messages)
+        prompt_ids = await off_loop(chat_prompt_ids, model, messages)
         max_tokens = _budget(prompt_ids, body.max_completion_tokens if body.max_tokens is None else body.max_tokens,
                              default=None)
         ident, stamp = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time())
@@ -491,7 +515,13 @@ def chat_prompt_ids(model: LoadedModel, messages: list[dict[str, str]]) -> list[
     or plain 'role: content' lines for a model without one."""
     tokenizer = model.tokenizer
     if getattr(tokenizer, "chat_template", None):
-        encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)
+        from jinja2 import TemplateError
+
+        try:
+            encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                    return_dict=True)
+        except TemplateError as error:  # the template's own raise_exception: roles out of order, ...
+            raise APIError(400, f"the model's chat template refuses these messages: {error}", "messages") from None
         return list(encoded["input_ids"])
     text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
     return tokenizer(text).input_ids
@@ -511,14 +541,20 @@ def serve(model: LoadedModel, host: str = "127.0.0.1", port: int = 8000, log_lev
     options: see create_app."""
     import uvicorn
 
+    app = create_app(model, engine_thread=False, **options)  # a bad draft fails here, before "listening"
     try:  # bound here, not in uvicorn's thread, whose failure would leave this one serving nothing
         listening = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
     except OSError as error:
+        if error.errno is not None and error.errno < 0:  # getaddrinfo's codes, which os.strerror does not know
+            reason = (error.strerror or str(error)).split(" (while attempting")[0]
+            raise ListenError(error.errno, f"cannot listen on {host}:{port}: {reason} (give an address or host "
+                                           "name of this machine, e.g. 127.0.0.1 or 0.0.0.0)") from None
         reason = os.strerror(error.errno) if error.errno else str(error)
         raise ListenError(error.errno, f"cannot listen on {host}:{port}: {reason}") from None
+    except (OverflowError, UnicodeError, ValueError) as error:  # a host name that is not one
+        raise ListenError(None, f"cannot listen on {host!r}:{port}: not an address ({error})") from None
     if on_listening:
         on_listening(host, listening.getsockname()[1])
-    app = create_app(model, engine_thread=False, **options)
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level))
     http = threading.Thread(target=server.run, kwargs={"sockets": [listening]}, name="layerplan-http", daemon=True)
     http.start()

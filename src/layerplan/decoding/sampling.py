@@ -7,9 +7,21 @@ same way (the point transformers got wrong).
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 
 import torch
+
+
+# Sampling settings whose arithmetic stays finite: a temperature below MIN_TEMPERATURE, or a
+# penalty outside PENALTY_RANGE, turns float32 logits into inf and the probabilities into NaN.
+MIN_TEMPERATURE = 1e-4
+PENALTY_RANGE = (0.01, 100.0)
+SEED_RANGE = (-(2 ** 63), 2 ** 64 - 1)  # what torch.Generator.manual_seed takes
+
+
+class SamplingError(ValueError):
+    """A sampling setting out of its range; the message names the setting and the valid range."""
 
 
 @dataclass(frozen=True)
@@ -20,14 +32,17 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # CTRL-style: divide positive / multiply negative logits of seen tokens
 
     def __post_init__(self) -> None:
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.repetition_penalty <= 0:
-            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if not (math.isfinite(self.temperature) and (self.temperature == 0 or self.temperature >= MIN_TEMPERATURE)):
+            raise SamplingError(f"temperature {self.temperature} is out of range: 0 (greedy) or a finite number "
+                                f">= {MIN_TEMPERATURE}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            raise SamplingError(f"top_k {self.top_k} is out of range: a whole number >= 0 (0 keeps every token)")
+        if not 0 < self.top_p <= 1:  # (NaN fails this too)
+            raise SamplingError(f"top_p {self.top_p} is out of range: a number in (0, 1]")
+        low, high = PENALTY_RANGE
+        if not low <= self.repetition_penalty <= high:
+            raise SamplingError(f"repetition_penalty {self.repetition_penalty} is out of range: a number in "
+                                f"[{low:g}, {high:g}] (1 is no penalty)")
 
     @property
     def greedy(self) -> bool:
@@ -73,6 +88,13 @@ def next_token_probs(logits: torch.Tensor, params: SamplingParams, seen: torch.T
     if params.greedy:
         return torch.nn.functional.one_hot(processed.argmax(), processed.shape[-1]).float()
     return torch.softmax(processed, -1)
+
+
+def check_seed(seed: int | None) -> int | None:
+    """The seed, or SamplingError when torch cannot take it."""
+    if seed is not None and not SEED_RANGE[0] <= seed <= SEED_RANGE[1]:
+        raise SamplingError(f"seed {seed} is out of range: a whole number in [{SEED_RANGE[0]}, {SEED_RANGE[1]}]")
+    return seed
 
 
 def pick(logits: torch.Tensor, params: SamplingParams, seen: torch.Tensor | None, generator: torch.Generator | None) -> int:

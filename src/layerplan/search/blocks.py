@@ -11,7 +11,9 @@ runs only its tail: the repeated block and the layers after it.
 from __future__ import annotations
 
 import itertools
+import math
 import random
+import re
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -46,7 +48,7 @@ def parse_range(text: str | None, num_layers: int) -> tuple[int, int]:
     if text is None:
         return 0, num_layers - 1
     first, sep, last = text.partition("-")
-    if not (sep and first.strip().isdigit() and last.strip().isdigit()):
+    if not (sep and re.fullmatch(r"\d{1,9}", first.strip()) and re.fullmatch(r"\d{1,9}", last.strip())):
         raise PlanError(f"cannot read --range '{text}': expected A-B, inclusive layers like 4-25")
     low, high = int(first), int(last)
     if not 0 <= low <= high < num_layers:
@@ -57,10 +59,24 @@ def parse_range(text: str | None, num_layers: int) -> tuple[int, int]:
 def parse_repeats(text: str | int) -> list[int]:
     """--repeats "1", "2" or "1,2": how many extra passes of each block to scan (each its own row
     and heatmap)."""
-    counts = sorted({int(part) for part in str(text).split(",") if part.strip().isdigit()})
+    counts = sorted({int(part) for part in str(text).split(",") if re.fullmatch(r"\d{1,9}", part.strip())})
     if not counts or len(counts) != len([part for part in str(text).split(",") if part.strip()]) or counts[0] < 1:
         raise PlanError(f"cannot read --repeats '{text}': expected counts of at least 1 separated by commas, like 1,2")
     return counts
+
+
+def parse_scales(text: str) -> tuple[float, float]:
+    """--scales "0.5-1.0": the range of residual scales a merge study gives the repeated passes
+    (low <= high, finite, >= 0); one number fixes the scale."""
+    low_text, sep, high_text = str(text).strip().partition("-")
+    try:
+        low, high = float(low_text), float(high_text if sep else low_text)
+    except ValueError:
+        raise PlanError(f"cannot read --scales '{text}': expected a number or a range like 0.5-1.0") from None
+    if not (math.isfinite(low) and math.isfinite(high) and 0 <= low <= high):
+        raise PlanError(f"--scales {text}: expected finite scales A-B with 0 <= A <= B (the low end first), "
+                        "like 0.5-1.0")
+    return low, high
 
 
 def block_candidates(num_layers: int, layer_range: tuple[int, int] | None = None,
@@ -298,4 +314,5 @@ def merge_study(model: LoadedModel, scorer, measure: str, space: MergeSpace, n_t
     trial parameters enqueued first in a new study (e.g. the block scan's best)."""
     return optimise(space.study_space(model), lambda plan: point_value(scorer, plan), measure,
                     [MEASURES[measure].direction], n_trials, storage, study_name or f"{model.name}-merge-{measure}",
-                    sampler, list(seeds), seed, on_trial, heartbeat, grace, poll)
+                    sampler, list(seeds), seed, on_trial, heartbeat, grace, poll,
+                    identity={"model": model.name})

@@ -19,6 +19,7 @@ import datetime
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 
 from layerplan.corpus import read_jsonl
@@ -169,6 +170,36 @@ def prefix_token(tokenizer) -> int:
 HARNESS_TYPES = ("loglikelihood", "generate_until", "multiple_choice")  # the task output types a probe takes
 
 
+def task_manager(names: list[str], include_path: str | None = None):
+    """lm-evaluation-harness's TaskManager that knows every task (or group) in `names`: those in
+    `include_path`, else built in. ValueError naming the unknown ones (and where it looked), or an
+    empty list, or lm-eval not installed; made before any model loads."""
+    try:
+        from lm_eval.tasks import TaskManager
+    except ImportError:
+        raise ValueError("lm-evaluation-harness is not installed: pip install 'layerplan[eval]'") from None
+    if not names:
+        raise ValueError("no task named: give lm-evaluation-harness task names, e.g. --tasks arc_easy")
+    # the built-in index is thousands of YAML files: read it only when a task is not in include_path
+    manager = TaskManager(include_path=include_path, include_defaults=include_path is None) if include_path else None
+    if manager is None or not set(names) <= set(manager.all_tasks):
+        manager = _all_tasks(include_path)
+    unknown = [name for name in names if name not in manager.all_tasks]
+    if unknown:
+        where = f" (in {include_path} or built in)" if include_path else ""
+        raise ValueError(f"no lm-evaluation-harness task {', '.join(repr(n) for n in unknown)}{where}; "
+                         "`lm_eval ls tasks` lists them")
+    return manager
+
+
+@lru_cache(maxsize=4)
+def _all_tasks(include_path: str | None):
+    """TaskManager over the built-in tasks and include_path (indexing them takes seconds: once)."""
+    from lm_eval.tasks import TaskManager
+
+    return TaskManager(include_path=include_path)
+
+
 def harness_probe(task_name: str, include_path: str | None = None, limit: int | None = None) -> Probe:
     """A local lm-evaluation-harness task as a probe, zero-shot, on its first `limit` test (else
     validation) documents, each context as lm-evaluation-harness makes it (description and the
@@ -176,17 +207,9 @@ def harness_probe(task_name: str, include_path: str | None = None, limit: int | 
     the target as is, no delimiter); a generate_until task's answer is its target after the
     target delimiter (what greedy decoding should write). Multiple-choice tasks: every choice of
     every document is an item, its context and continuation lm-eval's request for it."""
-    try:
-        from lm_eval.tasks import TaskManager, get_task_dict
-    except ImportError:
-        raise ValueError("lm-evaluation-harness is not installed: pip install 'layerplan[eval]'") from None
-    # the built-in index is thousands of YAML files: read it only when the task is not in include_path
-    manager = TaskManager(include_path=include_path, include_defaults=include_path is None)
-    if task_name not in manager.all_tasks and include_path is not None:
-        manager = TaskManager(include_path=include_path)
-    if task_name not in manager.all_tasks:
-        raise ValueError(f"no lm-evaluation-harness task '{task_name}'" + (f" (in {include_path} or built in)"
-                                                                           if include_path else ""))
+    from lm_eval.tasks import get_task_dict
+
+    manager = task_manager([task_name], include_path)
     try:
         tasks = get_task_dict([task_name], manager)
     except Exception as error:  # lm-eval checks the task's first document as it builds it (an index out of range...)

@@ -32,6 +32,10 @@ class PlanDrafter(AutoregressiveDrafter):
                 f"draft plan '{self.plan}' is not a sub-plan of the target '{target}': a self-draft may only "
                 "switch sub-layers off or exit early, so that both share the KV cache step by step"
             )
+        if type(self) is PlanDrafter and self.head is None and self.plan.active_steps == target.active_steps:
+            raise PlanError(f"draft plan '{self.plan}' runs every sub-layer the target '{target}' runs: drafting "
+                            "with it costs as much as decoding and saves nothing; give a plan that skips layers "
+                            "(skip:..., exit:E) or leave the draft out")
 
     def _logits(self, model: LoadedModel, hidden: torch.Tensor) -> torch.Tensor:
         """hidden (1, 1, H) of the last position -> logits (V,)."""
