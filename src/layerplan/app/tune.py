@@ -110,7 +110,7 @@ def tune(
         ))
     best = max(choices, key=lambda c: c.speedup_median)
     saved_to = save_draft_plan(model, plan) if plan is not None else None
-    return TuneResult(model.name, str(model.dtype).replace("torch.", ""), scanned, greedy, predicted, bench,
+    return TuneResult(model.name, model.precision, scanned, greedy, predicted, bench,
                       choices, best, plan.to_string() if plan is not None else None,
                       str(saved_to) if saved_to is not None else None)
 

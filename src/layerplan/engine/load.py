@@ -26,15 +26,19 @@ STORED = "stored"
 
 
 def choose_dtype(dtype: str, engine: str = "auto", device: str | torch.device = "cpu",
-                 probe: ProbeResult | None = None) -> str:
-    """`dtype`, or for "auto" the one that decodes fastest here: bfloat16 on a GPU; on the CPU the
-    fastest in `probe` (this machine's probe of the model, engine/probe.py load_probe) on the
-    engine `engine` resolves to, else bfloat16 where bf16 weights are read at full speed (the
-    native kernels, or a CPU with native bf16 instructions), else float32."""
+                 probe: ProbeResult | None = None, source: str | os.PathLike | None = None) -> str:
+    """`dtype`, or for "auto" the one that decodes fastest here: bfloat16 on a GPU; on the CPU a
+    GGUF `source` as stored where the native kernels run (its blocks are read, not dense copies
+    of 2-4x the bytes), else the fastest in `probe` (this machine's probe of the model,
+    engine/probe.py load_probe) on the engine `engine` resolves to, else bfloat16 where bf16
+    weights are read at full speed (the native kernels, or a CPU with native bf16 instructions),
+    else float32."""
     if dtype != "auto":
         return dtype
     if loading.resolve_device(device).type != "cpu":
         return "bfloat16"
+    if source is not None and loading.gguf_of(source) is not None and resolve_engine(engine, torch.float32, device) == "native":
+        return STORED
     kind = resolve_engine(engine, torch.bfloat16, device)
     measured = probe.fastest_dtype(kind) if probe is not None else None
     if measured is not None:

@@ -1,0 +1,123 @@
+"""A GGUF run as stored against llama.cpp's own llama-bench on the same file, in one run: decoding
+tokens/s after a short context, the cost of an 8-token pass in one-token steps, the peak resident
+memory, and the time from a cold start (a new process) to the first token.
+
+    python benchmarks/stored_vs_llamacpp.py smollm2
+    python benchmarks/stored_vs_llamacpp.py /tmp/qwen2-1.5b-random-Q4_K_M.gguf --rounds 3
+
+Rounds alternate layerplan and llama-bench (each its own process), so drift in the machine's speed
+hits both; each figure is the best over rounds. Needs llama.cpp's tools (`layerplan peers build`).
+Prints one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+CONTEXT = 64  # tokens decoded from, as llama-bench's -d would hold them
+PASS = 8
+
+
+def measure_layerplan(model: str, new_tokens: int, threads: int) -> dict:
+    """(in a process of its own, so peak memory and the cold start are this run's alone)"""
+    import torch
+
+    from layerplan.engine.load import STORED, load_model
+    from layerplan.engine.runner import forward, new_cache
+
+    start = time.perf_counter()
+    torch.set_num_threads(threads)
+    loaded = load_model(model, dtype=STORED)
+    ids = torch.arange(CONTEXT)[None] + 100
+    cache = new_cache(loaded.plan(), CONTEXT + new_tokens + PASS + 1)
+    forward(loaded, ids[:, :1], cache=cache, last_only=True)
+    first_token = time.perf_counter() - start
+    forward(loaded, ids[:, 1:], cache=cache, start_pos=1, last_only=True)
+    steps = []
+    for i in range(new_tokens):
+        t = time.perf_counter()
+        forward(loaded, torch.tensor([[7 + i]]), cache=cache, start_pos=CONTEXT + i, last_only=True)
+        steps.append(time.perf_counter() - t)
+    passes = []
+    for _ in range(5):
+        t = time.perf_counter()
+        forward(loaded, torch.arange(PASS)[None] + 3, cache=cache, start_pos=CONTEXT + new_tokens)
+        passes.append(time.perf_counter() - t)
+    step = sorted(steps)[len(steps) // 2]
+    return {"decode_tokens_per_second": 1 / step, "pass_steps": min(passes) / step,
+            "first_token_seconds": first_token,
+            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            "formats": loaded.stored.formats}
+
+
+def measure_llama_cpp(gguf: Path, new_tokens: int, threads: int) -> dict:
+    from layerplan.app.llamacpp import find_tools
+    from layerplan.app.peers import llama_bench
+
+    tools = find_tools()
+    if tools is None:
+        raise SystemExit("llama.cpp's tools are not built: layerplan peers build")
+    run = llama_bench(tools / "llama-bench", gguf, threads, new_tokens, pass_length=PASS)
+    # a cold start to the first token (load, then one token), in a process whose peak memory is
+    # read by a child of its own: RUSAGE_CHILDREN here would count the layerplan runs too
+    probe = ("import resource, subprocess, sys, time; start = time.perf_counter(); "
+             "subprocess.run(sys.argv[1:], capture_output=True, check=True); "
+             "print(time.perf_counter() - start, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)")
+    done = subprocess.run([sys.executable, "-c", probe, str(tools / "llama-bench"), "-m", str(gguf), "-t", str(threads),
+                           "-n", "1", "-p", "0", "-r", "1"], capture_output=True, text=True, check=True)
+    cold, peak_kb = (float(v) for v in done.stdout.split())
+    return {"decode_tokens_per_second": run.tg_tokens_per_second, "pass_steps": run.pass_steps(PASS),
+            "first_token_seconds": cold, "peak_rss_mb": peak_kb / 1024, "build": run.build}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("model")
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--_layerplan-only", dest="inner", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.inner:
+        print(json.dumps(measure_layerplan(args.model, args.new_tokens, args.threads)))
+        return
+    from layerplan.models.loading import gguf_of
+
+    gguf = gguf_of(args.model)
+    if gguf is None:
+        raise SystemExit(f"{args.model}: not a GGUF file")
+    ours, theirs = [], []
+    for _ in range(args.rounds):
+        done = subprocess.run([sys.executable, __file__, args.model, "--new-tokens", str(args.new_tokens),
+                               "--threads", str(args.threads), "--_layerplan-only"],
+                              capture_output=True, text=True, check=True)
+        ours.append(json.loads(done.stdout.strip().splitlines()[-1]))
+        theirs.append(measure_llama_cpp(gguf, args.new_tokens, args.threads))
+
+    def best(runs: list[dict], key: str, low: bool = False):
+        values = [r[key] for r in runs if r.get(key) is not None]
+        return (min(values) if low else max(values)) if values else None
+
+    summary = {}
+    for name, runs in (("layerplan", ours), ("llama.cpp", theirs)):
+        summary[name] = {"decode_tokens_per_second": best(runs, "decode_tokens_per_second"),
+                         "pass_steps": best(runs, "pass_steps", low=True),
+                         "first_token_seconds": best(runs, "first_token_seconds", low=True),
+                         "peak_rss_mb": best(runs, "peak_rss_mb", low=True)}
+    summary["ratio_decode"] = summary["layerplan"]["decode_tokens_per_second"] / summary["llama.cpp"]["decode_tokens_per_second"]
+    summary["file_mb"] = gguf.stat().st_size / 2**20
+    summary["formats"] = ours[0]["formats"]
+    summary["llama_cpp_build"] = theirs[0]["build"]
+    summary["threads"] = args.threads
+    print(json.dumps({"model": str(gguf), **summary}, indent=2))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

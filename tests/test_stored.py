@@ -1,0 +1,171 @@
+"""GGUF weights as stored (models/stored.py): the matrices stay in the file's blocks, and what they
+stand for is exactly what transformers' own GGUF loader computes."""
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from layerplan.engine.kernel_library import ABI
+from layerplan.models.architectures import ModelError
+from layerplan.models.loading import load_stored_model
+from layerplan.models.stored import StoredEmbedding, index_gguf, load_stored
+from tiny import tiny_hf
+from tiny_gguf import write_tiny_gguf
+
+
+def _reference(path: Path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("matrix_type", ["Q8_0", "Q4_1", "Q4_0"])
+def test_stored_matrices_are_transformers_dequantized_weights(tmp_path, arch, matrix_type):
+    path = write_tiny_gguf(tiny_hf(arch, num_layers=2), tmp_path / f"{arch}.gguf", matrix_type)
+    hf, stored = load_stored(path, index_gguf(path, tmp_path / "index"))
+    reference = _reference(path).state_dict()
+    assert set(stored.formats) == {matrix_type}
+    for name, tensor in stored.tensors.items():  # q and k rows back in transformers' order
+        assert torch.equal(tensor.dequantize(), reference[name]), name
+    dense = {name: p for name, p in hf.named_parameters() if p.device.type != "meta"}
+    assert dense and all(torch.equal(p, reference[name]) for name, p in dense.items())
+    # the matrices are not in memory: every parameter left on the meta device has a stored tensor
+    meta = [name for name, p in hf.named_parameters() if p.device.type == "meta"]
+    assert meta and all(name in stored.tensors for name in meta)
+
+
+def test_stored_embedding_looks_up_rows_and_names_a_bad_token(tmp_path):
+    path = write_tiny_gguf(tiny_hf("llama", num_layers=1), tmp_path / "m.gguf", "Q8_0")
+    hf, _ = load_stored(path, index_gguf(path, tmp_path / "index"))
+    reference = _reference(path)
+    ids = torch.tensor([[3, 0, 95, 3]])
+    embedding = hf.get_input_embeddings()
+    assert isinstance(embedding, StoredEmbedding)
+    assert torch.equal(embedding(ids), reference.get_input_embeddings()(ids))
+    with pytest.raises(ModelError, match="token id 96 is outside the vocabulary"):
+        embedding(torch.tensor([[1, 96]]))
+
+
+def test_index_is_written_once_and_names_a_damaged_file(tmp_path):
+    path = write_tiny_gguf(tiny_hf("llama", num_layers=1), tmp_path / "m.gguf", "Q8_0")
+    index = index_gguf(path, tmp_path / "index")
+    assert (index / "config.json").exists() and not list(tmp_path.glob(".index.*"))
+    damaged = tmp_path / "damaged.gguf"
+    damaged.write_bytes(path.read_bytes()[:200])
+    with pytest.raises(ModelError, match="damaged.gguf: cannot read it as a GGUF model"):
+        index_gguf(damaged, tmp_path / "index2")
+
+
+def test_only_a_gguf_runs_as_stored(tmp_path):
+    with pytest.raises(ModelError, match="is not a GGUF file"):
+        load_stored_model(tmp_path)
+
+
+@pytest.mark.real
+def test_packaged_model_as_stored_reads_no_dense_matrices():
+    model = load_stored_model("smollm2")
+    assert model.stored.formats == {"Q4_1": 210, "Q8_0": 2}  # the tied head shares the Q8_0 table
+    head = model.stored.of(model.parts.lm_head)
+    assert head is not None and head is model.stored.tensors["model.embed_tokens.weight"]
+    assert model.device == torch.device("cpu")
+    assert all(p.device.type == "meta" for p in model.parts.layers[0].mlp.parameters())
+    assert model.stored.tensors["model.layers.0.self_attn.q_proj.weight"].row_order is not None
+    assert np.prod(model.parts.embed(torch.tensor([[1, 2]])).shape) == 2 * 576
+
+
+def _stored_and_dense(tmp_path, arch: str, matrix_type: str, layers: int = 3, types: dict | None = None):
+    """(the tiny GGUF run as stored on the native kernels, the same file dequantized by transformers
+    and run on the native kernels in float32)."""
+    from layerplan.engine.executors import use_native
+    from layerplan.engine.load import STORED, load_model, wrap_model
+
+    path = write_tiny_gguf(tiny_hf(arch, num_layers=layers), tmp_path / f"{arch}.gguf", matrix_type, types)
+    dense = wrap_model(_reference(path).eval())
+    use_native(dense)
+    return load_model(path, dtype=STORED, engine="native"), dense
+
+
+@pytest.mark.parametrize("arch,matrix_type", [("llama", "Q8_0"), ("llama", "Q4_1"), ("qwen2", "Q4_0")])
+def test_stored_run_equals_the_dequantized_run_bit_for_bit(tmp_path, arch, matrix_type):
+    from layerplan.engine.runner import forward, new_cache
+
+    stored, dense = _stored_and_dense(tmp_path, arch, matrix_type)
+    assert stored.native is not None and not stored.native.eager_sub_layers()
+    ids = torch.tensor([[5, 17, 3, 88, 41, 9, 60]])
+    for text in (None, "0,1,1,2", "exit:2"):
+        plan = stored.plan(text)
+        got = forward(stored, ids, plan, cache=new_cache(plan, 64))
+        want = forward(dense, ids, plan, cache=new_cache(plan, 64))
+        assert torch.equal(got, want), text
+    # incremental decoding over the cache, one token at a time, equals the whole pass
+    cache = new_cache(stored.plan(), 64)
+    steps = [forward(stored, ids[:, i:i + 1], cache=cache, start_pos=i) for i in range(ids.shape[1])]
+    assert torch.allclose(torch.cat(steps, 1), forward(stored, ids, cache=new_cache(stored.plan(), 64)),
+                          rtol=1e-5, atol=1e-5)
+
+
+def test_stored_modules_run_one_layer_at_a_time_and_match_transformers(tmp_path):
+    """The eager reference (StoredExecutor) dequantizes a layer for its step only."""
+    from layerplan.engine.load import STORED, load_model
+    from layerplan.engine.runner import forward
+
+    path = write_tiny_gguf(tiny_hf("llama", num_layers=3), tmp_path / "m.gguf", "Q8_0")
+    model = load_model(path, dtype=STORED, engine="eager")
+    ids = torch.tensor([[5, 17, 3, 88, 41]])
+    logits = forward(model, ids)
+    with torch.no_grad():
+        reference = _reference(path)(ids).logits
+    assert torch.allclose(logits, reference, rtol=1e-4, atol=1e-4)
+    assert all(p.device.type == "meta" for layer in model.parts.layers for p in layer.mlp.parameters())
+
+
+@pytest.mark.parametrize("draft", ["ngram", "exit:2", "skip:attn=1", "suffix"])
+def test_speculative_greedy_equals_plain_greedy_on_stored_weights(tmp_path, draft):
+    from layerplan.decoding.generate import generate
+
+    stored, _ = _stored_and_dense(tmp_path, "llama", "Q4_1")
+    prompt = [5, 6, 7, 5, 6, 7, 5, 6]
+    plain = generate(stored, prompt, max_new_tokens=16, stop_at_eos=False)
+    fast = generate(stored, prompt, max_new_tokens=16, stop_at_eos=False, draft=draft)
+    assert fast.token_ids == plain.token_ids
+
+
+def test_export_of_a_stored_model_equals_the_dequantized_export(tmp_path):
+    from safetensors.torch import load_file
+
+    from layerplan.export import export_checkpoint
+
+    stored, dense = _stored_and_dense(tmp_path, "llama", "Q4_1")
+    for model, folder in ((stored, tmp_path / "from-stored"), (dense, tmp_path / "from-dense")):
+        export_checkpoint(model, model.plan("0,1,1,2/mlp"), folder)
+    got, want = load_file(tmp_path / "from-stored" / "model.safetensors"), load_file(tmp_path / "from-dense" / "model.safetensors")
+    assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_a_v_projection_of_another_format_runs_apart_and_exactly(tmp_path):
+    """Q4_K_M stores some layers' attn_v in Q6_K beside Q4_K q and k: v is packed as a matrix of
+    its own in its format (no dense copy), and the logits stay those of the dequantized model."""
+    from layerplan.engine.runner import forward, new_cache
+
+    stored, dense = _stored_and_dense(tmp_path, "qwen2", "Q4_1", types={"attn_v": "Q8_0"})
+    attention = stored.native.layers[0].attention
+    assert attention.v.n == 2 * 8 and attention.qkv.n == 4 * 8 + 2 * 8  # kv_heads 2, heads 4, head_dim 8
+    assert {attention.qkv.format, attention.v.format} == {ABI.LP_FORMAT_Q4_1, ABI.LP_FORMAT_Q8_0}
+    ids = torch.tensor([[5, 17, 3, 88, 41, 9, 60]])
+    plan = stored.plan()
+    assert torch.equal(forward(stored, ids, plan, cache=new_cache(plan, 16)), forward(dense, ids, plan, cache=new_cache(plan, 16)))
+
+
+def test_auto_runs_a_gguf_as_stored_where_the_kernels_run(tmp_path):
+    from layerplan.engine.kernel_library import native_available
+    from layerplan.engine.load import STORED, choose_dtype
+
+    path = write_tiny_gguf(tiny_hf("llama", num_layers=1), tmp_path / "m.gguf", "Q8_0")
+    assert choose_dtype("auto", "eager", source=path) != STORED  # the modules need dense weights
+    assert choose_dtype("float32", source=path) == "float32"  # asked for: dequantized
+    assert choose_dtype("auto", source=tmp_path / "no-such-folder") != STORED
+    if native_available() is None:
+        assert choose_dtype("auto", source=path) == STORED
