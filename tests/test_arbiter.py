@@ -135,7 +135,7 @@ def test_real_model_auto_with_a_saved_plan_equals_plain(smollm2, tmp_path, monke
 
 
 def test_bench_rows_report_tokens_per_pass_per_drafter():
-    model = SimpleNamespace(name="tiny", dtype=torch.float32, encode=lambda text, chat=False: torch.tensor([[1, 2]]))
+    model = SimpleNamespace(name="tiny", dtype=torch.float32, precision="float32", encode=lambda text, chat=False: torch.tensor([[1, 2]]))
     parts = {"suffix": {"rounds": 3, "drafted": 6, "accepted": 3, "emitted": 6, "acceptance_rate": 0.5,
                         "tokens_per_pass": 2.0},
              "ngram": {"rounds": 1, "drafted": 1, "accepted": 0, "emitted": 1, "acceptance_rate": 0.0,
