@@ -9,7 +9,7 @@ Q4_K_M's choice per tensor (llama.cpp's llama_tensor_get_type): Q6_K for the tie
 for attn_v and ffn_down in the first and last eighth of the layers and every third layer between,
 Q4_K for every other matrix; norms and biases F32. Blocks are random bytes with scales chosen so
 that weights are ~0.02 in size. The vocabulary is a synthetic byte-level BPE one (256 byte
-tokens, then "t<i>"), enough for llama.cpp and transformers to load the file.
+tokens, one merge, then "t<i>"), enough for llama.cpp and transformers to load the file.
 """
 
 from __future__ import annotations
@@ -74,13 +74,13 @@ def write(shape_name: str, path: Path, seed: int = 0) -> Path:
     writer.add_rope_freq_base(1e6)
     writer.add_layer_norm_rms_eps(1e-6)
     writer.add_file_type(15)  # LLAMA_FTYPE_MOSTLY_Q4_K_M
-    tokens = _byte_tokens() + [f"t{i}" for i in range(s["vocab"] - 256)]
+    tokens = _byte_tokens() + ["\u0120t"] + [f"t{i}" for i in range(s["vocab"] - 257)]
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("qwen2")
     writer.add_token_list(tokens)
     writer.add_token_types([1] * len(tokens))
     writer.add_token_scores([0.0] * len(tokens))
-    writer.add_token_merges([])
+    writer.add_token_merges(["\u0120 t"])  # llama.cpp refuses a BPE vocabulary without merges
     writer.add_bos_token_id(s["vocab"] - 2)
     writer.add_eos_token_id(s["vocab"] - 1)
 
