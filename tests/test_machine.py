@@ -48,7 +48,7 @@ def test_cpu_line_from_proc_cpuinfo(tmp_path):
 
 
 def test_bench_results_say_which_cpu_they_came_from():
-    model = SimpleNamespace(name="tiny", dtype=torch.float32, encode=lambda text, chat=False: torch.tensor([[1, 2]]))
+    model = SimpleNamespace(name="tiny", dtype=torch.float32, precision="float32", encode=lambda text, chat=False: torch.tensor([[1, 2]]))
 
     def run(ids, new_tokens):
         return 0.01, [1, 2], None

@@ -128,7 +128,7 @@ def test_cli_tune_writes_report_and_checks_exactness(tmp_path):
     assert {r["method"] for r in report["bench"]["rows"]} >= {"transformers generate", "layerplan plain",
                                                              "layerplan draft=ngram"}
     html_text = (tmp_path / "report.html").read_text()
-    assert "data:image/png;base64," in html_text and "layerplan generate --dtype bfloat16" in html_text
+    assert "data:image/png;base64," in html_text and "layerplan generate --dtype stored" in html_text  # auto runs the GGUF as stored
     assert "use it: layerplan generate" in result.output
 
 

@@ -159,7 +159,7 @@ def test_lookup_output_gives_its_own_timings_and_acceptance():
 def test_peer_rows_carry_counts_decoding_rates_and_pass_costs_and_their_ratios():
     """A peer that gives a token count (not the tokens) is '-' under =plain, its decoding rate and
     pass cost are medians over the rounds, and the ratio lines pair it with layerplan's rows."""
-    model = SimpleNamespace(name="tiny", dtype=torch.float32, encode=lambda prompt, chat=False: torch.tensor([[1, 2, 3]]))
+    model = SimpleNamespace(name="tiny", dtype=torch.float32, precision="float32", encode=lambda prompt, chat=False: torch.tensor([[1, 2, 3]]))
     rates = iter([300.0, 50.0, 100.0, 90.0])  # the warm-up, then three rounds
 
     def plain(ids, new_tokens):
