@@ -63,14 +63,14 @@ class StoredTensor:
         rows read are brought into memory (an embedding table's lookups)."""
         return np.memmap(self.path, dtype=np.uint8, mode="r", offset=self.offset, shape=(self.rows, self.row_bytes))
 
-    def dequantize(self, rows: np.ndarray | None = None) -> torch.Tensor:
-        """float32 (rows, columns), or only the given rows: gguf-py's values, as transformers'
-        GGUF loader computes them."""
+    def dequantize(self) -> torch.Tensor:
+        """float32 (rows, columns): gguf-py's values, as transformers' GGUF loader computes them."""
+        return self.decode(self.read_rows())
+
+    def decode(self, data: np.ndarray) -> torch.Tensor:
+        """float32 (len(data), columns) of stored rows (uint8, (count, row_bytes)) of this tensor."""
         import gguf
 
-        data = self.read_rows()
-        if rows is not None:
-            data = data[rows]
         values = gguf.quants.dequantize(data, gguf.GGMLQuantizationType(self.type_id))
         return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32).reshape(len(data), self.columns))
 
@@ -92,14 +92,11 @@ class StoredEmbedding(nn.Module):
         return self.table.rows
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        import gguf
-
         flat = ids.reshape(-1).cpu().numpy()
         if flat.size and (flat.min() < 0 or flat.max() >= self.table.rows):
             bad = int(flat[(flat < 0) | (flat >= self.table.rows)][0])
             raise ModelError(f"token id {bad} is outside the vocabulary (0-{self.table.rows - 1})")
-        values = gguf.quants.dequantize(self._rows[flat], gguf.GGMLQuantizationType(self.table.type_id))
-        values = torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32).reshape(*ids.shape, self.table.columns))
+        values = self.table.decode(self._rows[flat]).reshape(*ids.shape, self.table.columns)
         return values if self.scale is None else values * self.scale
 
 
@@ -240,8 +237,9 @@ def load_stored(path: Path, index: Path) -> tuple[nn.Module, StoredWeights]:
             tensors[entry["name"]] = stored
         else:
             parameter = hf.get_parameter(entry["name"])
-            values = stored.dequantize().reshape(parameter.shape) + entry["shift"] if entry["shift"] else \
-                stored.dequantize().reshape(parameter.shape)
+            values = stored.dequantize().reshape(parameter.shape)
+            if entry["shift"]:
+                values = values + entry["shift"]
             set_module_tensor_to_device(hf, entry["name"], "cpu", value=values)
     embedding, head = hf.get_input_embeddings(), hf.get_output_embeddings()
     named = dict(hf.named_parameters(remove_duplicate=False))
