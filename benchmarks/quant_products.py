@@ -2,11 +2,13 @@
 weights, and what 8 rows cost against one.
 
     python benchmarks/quant_products.py [--mb 320] [--threads 2] [--rounds 7] [--formats Q4_1,...]
+                                        [--arithmetic exact,int8]
 
 Each format gets one matrix of k = 4096 inputs and about --mb MB packed, filled with random blocks
 with sane scales; all are made first, then each round times every format in turn (one row, then
 8 rows), so a change in the machine's load falls on every format alike, and the other formats'
-matrices push each one out of the caches between its products. A figure is the best of the
+matrices push each one out of the caches between its products. --arithmetic int8 times the integer
+products on quantized activations (kernels.h LP_ARITH_INT8; a format without them runs exact). A figure is the best of the
 rounds: one row's GB/s of packed bytes (and G weights/s), then the time of 8 rows over one's.
 Figures on a machine shared with other work are indicative only.
 """
@@ -54,12 +56,15 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--k", type=int, default=4096)
     parser.add_argument("--formats", default=",".join(FORMATS))
+    parser.add_argument("--arithmetic", default="exact", help="exact, int8 or both (exact,int8)")
     args = parser.parse_args()
     lib, abi = kl.library(), kl.ABI
     model, _ = read_cpuinfo()
     print(f"{model}; {os.cpu_count()} CPUs, {args.threads} threads; load average {os.getloadavg()[0]:.1f} "
           f"(a shared machine: indicative figures); kernels {lib.isa}")
-    print(f"{'format':6} {'MB':>6} {'1 row ms':>9} {'GB/s':>6} {'Gw/s':>6} {'8 rows ms':>10} {'8 / 1':>6}")
+    arithmetics = {"exact": abi.LP_ARITH_EXACT, "int8": abi.LP_ARITH_INT8}
+    asked = args.arithmetic.split(",")
+    print(f"{'format':11} {'MB':>6} {'1 row ms':>9} {'GB/s':>6} {'Gw/s':>6} {'8 rows ms':>10} {'8 / 1':>6}")
     rng = np.random.default_rng(0)
     k = args.k
     matrices = {}
@@ -73,7 +78,10 @@ def main() -> None:
         at = (-packed.ctypes.data) % 64
         packed = packed[at:at + size]
         kl.check(lib.lp_pack(ctypes.c_void_p(rows.ctypes.data), fmt, n, k, ctypes.c_void_p(packed.ctypes.data)), "pack")
-        matrices[name] = (packed, abi.structs["lp_matrix"](ctypes.c_void_p(packed.ctypes.data), None, n, k, fmt))
+        for arithmetic in asked:
+            label = name if len(asked) == 1 else f"{name} {arithmetic}"
+            matrices[label] = (packed, abi.structs["lp_matrix"](ctypes.c_void_p(packed.ctypes.data), None, n, k, fmt,
+                                                                arithmetics[arithmetic]))
         del rows
     x = rng.standard_normal((8, k), dtype=np.float32)
     y = np.empty((8, max(m.n for _, m in matrices.values())), np.float32)
@@ -91,7 +99,7 @@ def main() -> None:
             best[name][1] = min(best[name][1], seconds(matrix, 8))
     for name, (packed, matrix) in matrices.items():
         one, eight = best[name]
-        print(f"{name:6} {packed.size / 1e6:6.0f} {one * 1e3:9.2f} {packed.size / one / 1e9:6.1f} "
+        print(f"{name:11} {packed.size / 1e6:6.0f} {one * 1e3:9.2f} {packed.size / one / 1e9:6.1f} "
               f"{matrix.n * k / one / 1e9:6.2f} {eight * 1e3:10.2f} {eight / one:6.2f}")
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ memory, and the time from a cold start (a new process) to the first token.
 
     python benchmarks/stored_vs_llamacpp.py smollm2
     python benchmarks/stored_vs_llamacpp.py /tmp/qwen2-1.5b-random-Q4_K_M.gguf --rounds 3
+    python benchmarks/stored_vs_llamacpp.py smollm2 --dtype stored-fast   # integer products, as llama.cpp
 
 Rounds alternate layerplan and llama-bench (each its own process), so drift in the machine's speed
 hits both; each figure is the best over rounds. Needs llama.cpp's tools (`layerplan peers build`).
@@ -25,16 +26,16 @@ CONTEXT = 64  # tokens decoded from, as llama-bench's -d would hold them
 PASS = 8
 
 
-def measure_layerplan(model: str, new_tokens: int, threads: int) -> dict:
+def measure_layerplan(model: str, new_tokens: int, threads: int, dtype: str) -> dict:
     """(in a process of its own, so peak memory and the cold start are this run's alone)"""
     import torch
 
-    from layerplan.engine.load import STORED, load_model
+    from layerplan.engine.load import load_model
     from layerplan.engine.runner import forward, new_cache
 
     start = time.perf_counter()
     torch.set_num_threads(threads)
-    loaded = load_model(model, dtype=STORED)
+    loaded = load_model(model, dtype=dtype)
     ids = torch.arange(CONTEXT)[None] + 100
     cache = new_cache(loaded.plan(), CONTEXT + new_tokens + PASS + 1)
     forward(loaded, ids[:, :1], cache=cache, last_only=True)
@@ -83,11 +84,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--dtype", default="stored", choices=["stored", "stored-fast"],
+                        help="stored: exact fp32 products; stored-fast: integer products on int8 activations")
     parser.add_argument("--_layerplan-only", dest="inner", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.inner:
-        print(json.dumps(measure_layerplan(args.model, args.new_tokens, args.threads)))
+        print(json.dumps(measure_layerplan(args.model, args.new_tokens, args.threads, args.dtype)))
         return
+    from layerplan.machine import read_cpuinfo
     from layerplan.models.loading import gguf_of
 
     gguf = gguf_of(args.model)
@@ -96,7 +100,7 @@ def main(argv: list[str] | None = None) -> None:
     ours, theirs = [], []
     for _ in range(args.rounds):
         done = subprocess.run([sys.executable, __file__, args.model, "--new-tokens", str(args.new_tokens),
-                               "--threads", str(args.threads), "--_layerplan-only"],
+                               "--threads", str(args.threads), "--dtype", args.dtype, "--_layerplan-only"],
                               capture_output=True, text=True, check=True)
         ours.append(json.loads(done.stdout.strip().splitlines()[-1]))
         theirs.append(measure_llama_cpp(gguf, args.new_tokens, args.threads))
@@ -116,6 +120,10 @@ def main(argv: list[str] | None = None) -> None:
     summary["formats"] = ours[0]["formats"]
     summary["llama_cpp_build"] = theirs[0]["build"]
     summary["threads"] = args.threads
+    summary["dtype"] = args.dtype
+    summary["cpu"] = read_cpuinfo()[0]
+    from layerplan.engine.kernel_library import library
+    summary["kernels"] = library().isa
     print(json.dumps({"model": str(gguf), **summary}, indent=2))
 
 

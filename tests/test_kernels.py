@@ -34,10 +34,10 @@ def test_every_function_of_the_header_is_exported_with_its_signature():
 
 
 def test_a_layout_that_differs_from_the_library_fails_in_one_line():
-    text = kl.HEADER.read_text().replace("    int format;\n} lp_matrix;", "    int format;\n    long extra;\n} lp_matrix;")
+    text = kl.HEADER.read_text().replace("    int arithmetic;\n} lp_matrix;", "    int arithmetic;\n    long extra;\n} lp_matrix;")
     assert text != kl.HEADER.read_text()
-    with pytest.raises(kl.AbiMismatch, match=r"^lp_matrix is laid out as 40 w 0 bias 8 n 16 k 24 format 32 in the "
-                                             r"library and 48 .* extra 40 in native.py's reading") as error:
+    with pytest.raises(kl.AbiMismatch, match=r"^lp_matrix is laid out as 40 w 0 bias 8 n 16 k 24 format 32 arithmetic 36 "
+                                             r"in the library and 48 .* extra 40 in native.py's reading") as error:
         kl.check_abi(native.library(), kl.read_abi(text))
     assert "\n" not in str(error.value)
     stale = kl.read_abi(kl.HEADER.read_text().replace("#define LP_ABI_VERSION ", "#define LP_ABI_VERSION 1"))
@@ -85,7 +85,7 @@ def test_a_sanitized_library_is_not_loaded_into_a_process_without_the_sanitizer(
 
 def test_an_unknown_isa_is_named(monkeypatch):
     monkeypatch.setenv("LAYERPLAN_KERNEL_ISA", "sse2")
-    with pytest.raises(kl.NativeUnavailable, match="built for avx2, generic"):
+    with pytest.raises(kl.NativeUnavailable, match="built for avx2vnni, avx2, generic"):
         kl.choose_isa()
 
 

@@ -1,6 +1,8 @@
 """The GGUF block formats as weight formats of the native kernels (kernels/quant.h): their
 dequantization is gguf's bit for bit, their products are the fp32 format's products of the
-dequantized matrix bit for bit (so batch-invariant: any rows, any threads), and close to torch's."""
+dequantized matrix bit for bit (so batch-invariant: any rows, any threads), and close to torch's.
+Their integer products (LP_ARITH_INT8, kernels/formats.h) are the product of the dequantized matrix
+with the int8-quantized activations, batch-invariant too, the same bits from every build."""
 
 from __future__ import annotations
 
@@ -117,11 +119,12 @@ def pack(native, fmt: int, rows: np.ndarray, n: int, k: int):
     return packed
 
 
-def linear(native, fmt: int, packed: np.ndarray, n: int, k: int, x: np.ndarray, threads: int) -> np.ndarray:
+def linear(native, fmt: int, packed: np.ndarray, n: int, k: int, x: np.ndarray, threads: int,
+           arithmetic: int = 0) -> np.ndarray:
     lib, abi = native
     m = x.shape[0]
     y = np.full((m, n), np.nan, np.float32)
-    matrix = abi.structs["lp_matrix"](ctypes.c_void_p(packed.ctypes.data), None, n, k, fmt)
+    matrix = abi.structs["lp_matrix"](ctypes.c_void_p(packed.ctypes.data), None, n, k, fmt, arithmetic)
     status = lib.lp_linear(_ptr(x), abi.LP_DTYPE_F32, ctypes.byref(matrix), _ptr(y), abi.LP_DTYPE_F32, m, threads)
     assert status == abi.LP_OK
     return y
@@ -223,3 +226,79 @@ def test_f16_rounding_is_numpys_for_every_kind_of_float(native):
     assert lib.lp_quantize_rows(abi.LP_FORMAT_F16, _ptr(values), 1, values.size, _ptr(ours)) == abi.LP_OK
     with np.errstate(over="ignore", invalid="ignore"):
         assert np.array_equal(ours, values.astype(np.float16).view(np.uint16))
+
+
+# the formats with integer tiles (products_quant_avx2.c lp_int_tiles_of); the others run exact
+INTEGER = ("Q4_0", "Q4_1", "Q4_K", "Q6_K")
+
+
+def int8_activations(x: np.ndarray) -> np.ndarray:
+    """x as the integer products quantize it (formats.h: per 32 inputs, d = max|x| / 127, q = x 127 /
+    max|x| rounded to even), dequantized, in float64."""
+    m, k = x.shape
+    blocks = x.reshape(m, k // 32, 32)
+    most = np.abs(blocks).max(axis=2)
+    inverse = np.where(most > 0, np.float32(127) / np.where(most > 0, most, 1), 0).astype(np.float32)
+    q = np.rint(blocks * inverse[:, :, None])
+    assert np.abs(q).max() <= 127
+    return (q * (most / np.float32(127)).astype(np.float32)[:, :, None].astype(np.float64)).reshape(m, k)
+
+
+@pytest.mark.parametrize("name", INTEGER)
+def test_integer_products_are_the_product_with_int8_activations(native, name):
+    lib, abi = native
+    rng = np.random.default_rng(6)
+    for n, k in SHAPES[FORMATS[name][1]]:
+        rows = stored_rows(name, n, k, seed=n + 1)
+        values = gguf_values(name, rows).astype(np.float64)
+        packed = pack(native, _fmt(abi, name), rows, n, k)
+        x = rng.standard_normal((16, k)).astype(np.float32)
+        x[3, :32] = 0.0  # an all-zero block
+        x[5, 32:64] = np.linspace(-1.0, 1.0, 32, dtype=np.float32)  # ties of the rounding
+        alone = linear(native, _fmt(abi, name), packed, n, k, x, 1, abi.LP_ARITH_INT8)
+        xq = int8_activations(x)
+        reference, bound = xq @ values.T, np.abs(xq) @ np.abs(values).T
+        assert np.all(np.abs(alone - reference) <= 1e-6 * bound + 1e-30), name
+        exact = linear(native, _fmt(abi, name), packed, n, k, x, 1)
+        assert not same_bits(alone, exact)  # it is another arithmetic, and within the int8 rounding of x:
+        assert np.all(np.abs(alone - exact) <= 0.01 * (np.abs(x) @ np.abs(values).T) + 1e-30)
+        for m in range(1, 17):
+            for threads in (1, 2):
+                y = linear(native, _fmt(abi, name), packed, n, k, np.ascontiguousarray(x[:m]), threads,
+                           abi.LP_ARITH_INT8)
+                assert same_bits(y, alone[:m]), (n, k, m, threads)
+
+
+@pytest.mark.parametrize("name", [name for name in FORMATS if name not in INTEGER])
+def test_formats_without_integer_tiles_run_exact(native, name):
+    lib, abi = native
+    n, k = SHAPES[FORMATS[name][1]][0]
+    rows = stored_rows(name, n, k, seed=7)
+    packed = pack(native, _fmt(abi, name), rows, n, k)
+    x = np.random.default_rng(8).standard_normal((5, k)).astype(np.float32)
+    assert same_bits(linear(native, _fmt(abi, name), packed, n, k, x, 2, abi.LP_ARITH_INT8),
+                     linear(native, _fmt(abi, name), packed, n, k, x, 2))
+
+
+@pytest.mark.parametrize("name", INTEGER)
+def test_every_build_gives_the_same_integer_products(native, name):
+    """vpdpbusd (avx2vnni) and vpmaddubsw + vpmaddwd (avx2) sum the same integers; the portable
+    build has no integer tiles and runs exact."""
+    from layerplan.machine import read_cpuinfo
+
+    lib, abi = native
+    n, k = SHAPES[FORMATS[name][1]][1]
+    rows = stored_rows(name, n, k, seed=9)
+    x = np.random.default_rng(10).standard_normal((7, k)).astype(np.float32)
+    flags = read_cpuinfo()[1] or set()
+    builds = [isa.name for isa in kl.ISAS if isa.cpu_flags <= flags]
+    results = {}
+    for isa in builds:
+        build = _library(isa)
+        results[isa] = linear(build, _fmt(abi, name), pack(build, _fmt(abi, name), rows, n, k), n, k, x, 2,
+                              abi.LP_ARITH_INT8)
+    assert all(same_bits(y, results[builds[0]]) for y in results.values()), list(results)
+    portable = _library("generic")
+    packed = pack(portable, _fmt(abi, name), rows, n, k)
+    assert same_bits(linear(portable, _fmt(abi, name), packed, n, k, x, 2, abi.LP_ARITH_INT8),
+                     linear(portable, _fmt(abi, name), packed, n, k, x, 2))

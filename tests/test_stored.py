@@ -76,7 +76,8 @@ def test_packaged_model_as_stored_reads_no_dense_matrices():
     assert np.prod(model.parts.embed(torch.tensor([[1, 2]])).shape) == 2 * 576
 
 
-def _stored_and_dense(tmp_path, arch: str, matrix_type: str, layers: int = 3, types: dict | None = None):
+def _stored_and_dense(tmp_path, arch: str, matrix_type: str, layers: int = 3, types: dict | None = None,
+                      dtype: str = "stored"):
     """(the tiny GGUF run as stored on the native kernels, the same file dequantized by transformers
     and run on the native kernels in float32)."""
     from layerplan.engine.executors import use_native
@@ -85,7 +86,8 @@ def _stored_and_dense(tmp_path, arch: str, matrix_type: str, layers: int = 3, ty
     path = write_tiny_gguf(tiny_hf(arch, num_layers=layers), tmp_path / f"{arch}.gguf", matrix_type, types)
     dense = wrap_model(_reference(path).eval())
     use_native(dense)
-    return load_model(path, dtype=STORED, engine="native"), dense
+    assert dtype.startswith(STORED)
+    return load_model(path, dtype=dtype, engine="native"), dense
 
 
 @pytest.mark.parametrize("arch,matrix_type", [("llama", "Q8_0"), ("llama", "Q4_1"), ("qwen2", "Q4_0")])
@@ -122,11 +124,12 @@ def test_stored_modules_run_one_layer_at_a_time_and_match_transformers(tmp_path)
     assert all(p.device.type == "meta" for layer in model.parts.layers for p in layer.mlp.parameters())
 
 
+@pytest.mark.parametrize("dtype", ["stored", "stored-fast"])
 @pytest.mark.parametrize("draft", ["ngram", "exit:2", "skip:attn=1", "suffix"])
-def test_speculative_greedy_equals_plain_greedy_on_stored_weights(tmp_path, draft):
+def test_speculative_greedy_equals_plain_greedy_on_stored_weights(tmp_path, draft, dtype):
     from layerplan.decoding.generate import generate
 
-    stored, _ = _stored_and_dense(tmp_path, "llama", "Q4_1")
+    stored, _ = _stored_and_dense(tmp_path, "llama", "Q4_1", dtype=dtype)
     prompt = [5, 6, 7, 5, 6, 7, 5, 6]
     plain = generate(stored, prompt, max_new_tokens=16, stop_at_eos=False)
     fast = generate(stored, prompt, max_new_tokens=16, stop_at_eos=False, draft=draft)
@@ -169,3 +172,23 @@ def test_auto_runs_a_gguf_as_stored_where_the_kernels_run(tmp_path):
     assert choose_dtype("auto", source=tmp_path / "no-such-folder") != STORED
     if native_available() is None:
         assert choose_dtype("auto", source=path) == STORED
+
+
+@pytest.mark.parametrize("matrix_type", ["Q4_1", "Q4_0"])
+def test_fast_arithmetic_takes_integer_products_close_to_the_exact_ones(tmp_path, matrix_type):
+    """stored-fast: the matrices' products on int8 activations (LP_ARITH_INT8), not transformers'
+    numbers but within the activations' rounding of them; a pass's rows do not depend on each other."""
+    from layerplan.engine.runner import forward, new_cache
+
+    fast, dense = _stored_and_dense(tmp_path, "llama", matrix_type, dtype="stored-fast")
+    assert fast.precision == "stored-fast" and fast.stored.arithmetic == "fast"
+    attention = fast.native.layers[0].attention
+    assert attention.qkv.arithmetic == ABI.LP_ARITH_INT8 and attention.o.arithmetic == ABI.LP_ARITH_INT8
+    ids = torch.tensor([[5, 17, 3, 88, 41, 9, 60]])
+    got = forward(fast, ids, cache=new_cache(fast.plan(), 64))
+    want = forward(dense, ids, cache=new_cache(dense.plan(), 64))
+    assert not torch.equal(got, want)
+    assert (got - want).abs().max() <= 0.05 * want.abs().max()
+    cache = new_cache(fast.plan(), 64)
+    steps = [forward(fast, ids[:, i:i + 1], cache=cache, start_pos=i) for i in range(ids.shape[1])]
+    assert torch.allclose(torch.cat(steps, 1), got, rtol=1e-5, atol=1e-5)

@@ -30,7 +30,7 @@ from layerplan.decoding.budget import token_budget
 from layerplan.decoding.output import prompt_ids
 from layerplan.decoding.sampling import SEED_RANGE, SamplingParams
 from layerplan.engine.cpu_pack import packing_supported
-from layerplan.engine.load import STORED, choose_dtype, load_model
+from layerplan.engine.load import STORED, STORED_ARITHMETIC, STORED_FAST, choose_dtype, load_model
 from layerplan.engine.native import ENGINES, NativeUnavailable, native_available, resolve_engine
 from layerplan.engine.probe import (CONTEXT, PASS_LENGTHS, checked_model_row, load_probe,
                                     probe as run_probe, save_probe)
@@ -201,9 +201,9 @@ def _load_for_timing(model: str, dtype: str, engine: str):
     native engine leaves the modules as they are, so one load serves both; the eager engine
     packs bf16 linears where oneDNN supports it, into a second copy."""
     dtype = _dtype(model, dtype, engine)
-    if dtype == STORED:  # transformers runs the file dequantized: its own GGUF loader, in float32
-        click.echo(f"loading {model} (stored, engine native; transformers: float32)…", err=True)
-        return load_model(model, dtype="float32", engine="eager"), load_model(model, dtype=STORED, engine="native")
+    if dtype in STORED_ARITHMETIC:  # transformers runs the file dequantized: its own GGUF loader, in float32
+        click.echo(f"loading {model} ({dtype}, engine native; transformers: float32)…", err=True)
+        return load_model(model, dtype="float32", engine="eager"), load_model(model, dtype=dtype, engine="native")
     kind = resolve_engine(engine, resolve_dtype(dtype), "cpu")
     click.echo(f"loading {model} ({dtype}, engine {kind})…", err=True)
     if kind == "native":
@@ -261,8 +261,10 @@ def _threads(threads: int | None) -> None:
 
 model_option = click.option("--model", "-m", default=DEFAULT_MODEL, show_default=True, help=MODEL_HELP)
 dtype_option = click.option("--dtype", default="float32", show_default=True,
-                            type=click.Choice(["float32", "bfloat16", "float16", STORED]),
-                            help="weights and activations (stored: a GGUF's weights in their block formats, float32 activations)")
+                            type=click.Choice(["float32", "bfloat16", "float16", STORED, STORED_FAST]),
+                            help="weights and activations (stored: a GGUF's weights in their block formats, float32 "
+                                 "activations, exact products; stored-fast: the same with integer products on "
+                                 "int8-quantized activations, as llama.cpp computes)")
 DEVICE_MAP_KEY = "layerplan.device_map"
 _device_only = click.option("--device", default="cpu", show_default=True, help="cpu, cuda, cuda:1, …")
 _device_map_option = click.option(
@@ -278,11 +280,12 @@ def device_option(command):
 engine_option = click.option("--engine", default="auto", show_default=True, type=click.Choice(list(ENGINES)),
                              help="; ".join(f"{name}: {text}" for name, text in ENGINES.items()))
 auto_dtype_option = click.option("--dtype", default="auto", show_default=True,
-                                 type=click.Choice(["auto", "float32", "bfloat16", "float16", STORED]),
+                                 type=click.Choice(["auto", "float32", "bfloat16", "float16", STORED, STORED_FAST]),
                                  help="auto: a GGUF as stored where the native kernels run, else the fastest "
                                       "here by `layerplan probe` (measured once per machine), else bfloat16 where "
                                       "it is fast, float32 elsewhere; stored: a GGUF's weights in their block "
-                                      "formats (float32 activations)")
+                                      "formats (float32 activations, exact products); stored-fast: the same with "
+                                      "integer products on int8-quantized activations, as llama.cpp computes")
 threads_option = click.option("--threads", type=click.IntRange(1, 1024), default=None,
                               help="torch CPU threads (default: torch's choice)")
 
@@ -712,6 +715,8 @@ def export(plan, model, dtype, out, fmt, source, model_b) -> None:
 @click.option("--storage", default=None, help="Optuna storage: SQLite path (default OUT/study.db), any RDB URL "
               "(postgresql://user@host/db), or journal:PATH")
 @click.option("--study", "study_name", default=None, help="study name (default: MODEL-OBJECTIVE); share it across machines")
+@click.option("--storage-patience", type=click.FloatRange(min=0), default=600, show_default=True, metavar="SECONDS",
+              help="how long a worker waits for an unreachable database server (retrying) before it gives up")
 @click.option("--tokens", type=click.IntRange(min=2), default=512, show_default=True, help="calibration tokens")
 @click.option("--text", type=click.Path(dir_okay=False), default=None, help="calibration text (.txt/.jsonl)")
 @click.option("--allow-ends", is_flag=True, help="allow skipping the first and last layers")
@@ -722,13 +727,14 @@ def export(plan, model, dtype, out, fmt, source, model_b) -> None:
               help="makes the study's sampler seeds reproducible (each worker still gets its own); default: fresh")
 @click.option("--out", type=_Output("folder"), default="runs/search", show_default=True)
 def search(model, dtype, threads, method, objective, multi, trials, budget, max_cost_cut, granularity, mode, sampler,
-           storage, study_name, tokens, text, allow_ends, save_draft, seed, out) -> None:
+           storage, study_name, storage_patience, tokens, text, allow_ends, save_draft, seed, out) -> None:
     """Find a good plan: greedy skipping and/or a Bayesian (Optuna) study; resumable, shareable.
 
     \b
     Interrupt it (Ctrl-C, kill) and run the same command again: it resumes from its storage.
     Run the same command with the same --storage URL and --study name on several machines and
-    they share one study."""
+    they share one study; a worker rides out a database restart (--storage-patience), and
+    SIGTERM or Ctrl-C fails its running trial so that the study asks that plan again."""
     _threads(threads)
     out_dir = Path(out)
     with _user_errors():
@@ -746,7 +752,8 @@ def search(model, dtype, threads, method, objective, multi, trials, budget, max_
         with _Stages() as stages:
             result = run_search(loaded, ids, objective, method, multi, trials, budget, max_cost_cut, granularity, mode,
                                 sampler, storage, study_name, allow_ends, seed, prompts, out_dir,
-                                on_stage=stages.start, on_progress=stages, probe_row=probe_row, save_draft=save_draft)
+                                on_stage=stages.start, on_progress=stages, probe_row=probe_row, save_draft=save_draft,
+                                storage_patience=storage_patience)
         direction = OBJECTIVES[objective].direction
         if result.greedy is not None:
             greedy = result.greedy

@@ -141,12 +141,22 @@ class Isa:
     cpu_flags: frozenset[str]  # /proc/cpuinfo flags it needs
     flags: tuple[str, ...]  # compiler flags
     products: str  # its product file in kernels/
+    family: str = ""  # whose companion product files (products_<part>_<family>.c) it builds; "" = its name
+
+    @property
+    def files(self) -> str:
+        return self.family or self.name
 
 
-# Best first. An AVX-512 build would be a row here with its own products_avx512.c (and an AVX-512
-# branch of simd.h); until one exists, AVX-512 CPUs run the AVX2 library, which they execute.
+# Best first. "avx2vnni" is the AVX2 product files built where the CPU has AVX-512 VNNI (Ice Lake,
+# Sapphire Rapids, Zen 4): the integer products (LP_ARITH_INT8) take vpdpbusd, one instruction for
+# AVX2's three, and give the same integers. An AVX-512 build with 64-byte tiles would be a row here
+# with its own products_avx512.c (and an AVX-512 branch of simd.h).
+_AVX2 = ("-mavx2", "-mfma", "-mf16c")
 ISAS = (
-    Isa("avx2", frozenset({"avx2", "fma"}), ("-mavx2", "-mfma", "-mf16c"), "products_avx2.c"),
+    Isa("avx2vnni", frozenset({"avx2", "fma", "avx512_vnni", "avx512vl"}), _AVX2 + ("-mavx512vnni", "-mavx512vl"),
+        "products_avx2.c", family="avx2"),
+    Isa("avx2", frozenset({"avx2", "fma"}), _AVX2, "products_avx2.c"),
 )
 PORTABLE = Isa("generic", frozenset(), (), "products_generic.c")  # only when LAYERPLAN_KERNEL_ISA asks for it
 
@@ -164,7 +174,7 @@ _PRODUCTS = re.compile(r"products_\w+\.c")
 def sources(isa: Isa) -> list[Path]:
     """The shared files, then the ISA's product file and its companions (products_<part>_<isa>.c)."""
     return (sorted(p for p in KERNELS.glob("*.c") if not _PRODUCTS.fullmatch(p.name)) + [KERNELS / isa.products]
-            + sorted(KERNELS.glob(f"products_*_{isa.name}.c")))
+            + sorted(KERNELS.glob(f"products_*_{isa.files}.c")))
 
 
 def choose_isa() -> Isa:

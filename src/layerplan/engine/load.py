@@ -21,8 +21,11 @@ from layerplan.models.discovery import native_allowed, parts_of
 from layerplan.models.loading import LoadedModel
 
 
-# the dtype that keeps a GGUF's matrices in their stored block formats (float32 activations)
+# the dtypes that keep a GGUF's matrices in their stored block formats (float32 activations), by
+# the arithmetic of their products (models/stored.py ARITHMETICS): exact by default
 STORED = "stored"
+STORED_FAST = "stored-fast"
+STORED_ARITHMETIC = {STORED: "exact", STORED_FAST: "fast"}
 
 
 def choose_dtype(dtype: str, engine: str = "auto", device: str | torch.device = "cpu",
@@ -58,17 +61,18 @@ def load_model(
     its architecture's check (cached; a discovered one runs it once).
 
     dtype: float32, bfloat16, float16, or 'stored': a GGUF's matrices kept in their block formats
-    for the native kernels (models/stored.py; activations float32).
+    for the native kernels (models/stored.py; activations float32), or 'stored-fast': the same with
+    integer products on int8-quantized activations (llama.cpp's arithmetic; not transformers' numbers).
     engine: 'auto', 'native' or 'eager' (see engine/native.py ENGINES).
     device_map: 'auto' or a JSON / YAML file placing decoder layers on devices, CPU memory or disk
     (models/placement.py); instead of `device`. Such a model runs on the eager engine.
     pack: prepack bf16 linears for oneDNN (see engine/cpu_pack.py) when the eager engine runs;
     None = when dtype is bf16 on a CPU that supports it."""
     ensure_checked(loading.model_config(source))
-    if dtype == STORED:
+    if dtype in STORED_ARITHMETIC:
         if device_map is not None or torch.device(device).type != "cpu":
             raise ModelError("a GGUF runs as stored on the CPU only, without --device-map; use --dtype float32 or bfloat16")
-        return prepare(loading.load_stored_model(source), engine, pack=False)
+        return prepare(loading.load_stored_model(source, STORED_ARITHMETIC[dtype]), engine, pack=False)
     return prepare(loading.load_model(source, dtype, device, device_map), engine, pack)
 
 

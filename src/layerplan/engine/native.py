@@ -124,10 +124,13 @@ class PackedMatrix:
     the weight format's row in kernels/formats.c): a copy made once, so the model's own weights stay
     as transformers left them. The format follows the weights' dtype (_FORMATS). Biases are kept in
     fp32 (zeros for a stacked part without one). The copy lives in `arena` (a model's weights) or
-    in a tensor of its own (None: one-off products); the descriptor holds both it and the bias."""
+    in a tensor of its own (None: one-off products); the descriptor holds both it and the bias.
+    `arithmetic` (LP_ARITH_) is how its products compute: LP_ARITH_INT8 takes integer products
+    where the kernels have them for the format (kernels/formats.h), else the exact ones."""
 
     def __init__(self, weights: list[torch.Tensor | StoredTensor], biases: list[torch.Tensor | None],
-                 arena: WeightArena | None = None) -> None:
+                 arena: WeightArena | None = None, arithmetic: int = ABI.LP_ARITH_EXACT) -> None:
+        self.arithmetic = arithmetic
         if any(isinstance(w, StoredTensor) for w in weights):
             self._pack_stored(weights, biases, arena)
             return
@@ -178,7 +181,7 @@ class PackedMatrix:
                                    for r, b in zip(rows, biases)]).contiguous()
         self.descriptor = _holding(
             _Matrix(self.packed.data_ptr(), self.bias.data_ptr() if self.bias is not None else None, self.n, self.k,
-                    self.format),
+                    self.format, self.arithmetic),
             self.packed, self.bias)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -228,10 +231,11 @@ def _format_of(weight) -> str:
     return weight.type_name if isinstance(weight, StoredTensor) else str(weight.dtype)
 
 
-def _packed(modules: list[nn.Module], arena: WeightArena, weight_of: WeightOf) -> PackedMatrix:
+def _packed(modules: list[nn.Module], arena: WeightArena, weight_of: WeightOf, arithmetic: int) -> PackedMatrix:
     """The linears' weights (checked by _stacked_rows) stacked by output rows and packed (their
-    biases likewise)."""
-    return PackedMatrix([weight_of(m) for m in modules], [getattr(m, "bias", None) for m in modules], arena)
+    biases likewise), their products in `arithmetic` (LP_ARITH_)."""
+    return PackedMatrix([weight_of(m) for m in modules], [getattr(m, "bias", None) for m in modules], arena,
+                        arithmetic)
 
 
 def _children(module: nn.Module, known: frozenset[str]) -> set[str]:
@@ -263,25 +267,26 @@ class NativeLayer:
     (`why` says why)."""
 
     def __init__(self, parts, dtype: torch.dtype, norm_offset: float, arena: WeightArena,
-                 weight_of: WeightOf = _dense_weight, layout: KernelLayout = KernelLayout()) -> None:
+                 weight_of: WeightOf = _dense_weight, layout: KernelLayout = KernelLayout(),
+                 arithmetic: int = ABI.LP_ARITH_EXACT) -> None:
         self.dtype = dtype
         self.attention: _Attention | None = None
         self.mlp: _Mlp | None = None
         self.matrices: tuple[PackedMatrix, ...] = ()  # keeps the packed weights the descriptors point to
         self.why: dict[str, str] = {}
         try:
-            self.attention, matrices = self._attention(parts, dtype, norm_offset, arena, weight_of, layout)
+            self.attention, matrices = self._attention(parts, dtype, norm_offset, arena, weight_of, layout, arithmetic)
             self.matrices += matrices
         except Unsupported as error:
             self.why["attention"] = str(error)
         try:
-            self.mlp, matrices = self._mlp(parts, dtype, norm_offset, arena, weight_of, layout)
+            self.mlp, matrices = self._mlp(parts, dtype, norm_offset, arena, weight_of, layout, arithmetic)
             self.matrices += matrices
         except Unsupported as error:
             self.why["mlp"] = str(error)
 
     @staticmethod
-    def _attention(parts, dtype, offset, arena, weight_of, layout) -> tuple[_Attention, tuple[PackedMatrix, ...]]:
+    def _attention(parts, dtype, offset, arena, weight_of, layout, arithmetic) -> tuple[_Attention, tuple[PackedMatrix, ...]]:
         module = parts.attention
         _children(module, layout.attention_children)
         config = module.config
@@ -305,8 +310,8 @@ class NativeLayer:
         # stored in another block format than q and k (Q4_K_M's Q6_K attn_v) is a matrix apart.
         apart = len(qkv_linears) == 3 and len({_format_of(weight_of(m)) for m in qkv_linears}) > 1
         qk_linears, v_linears = (qkv_linears[:2], qkv_linears[2:]) if apart else (qkv_linears, [])
-        qkv, o = _packed(qk_linears, arena, weight_of), _packed([module.o_proj], arena, weight_of)
-        v = _packed(v_linears, arena, weight_of) if apart else None
+        qkv, o = _packed(qk_linears, arena, weight_of, arithmetic), _packed([module.o_proj], arena, weight_of, arithmetic)
+        v = _packed(v_linears, arena, weight_of, arithmetic) if apart else None
         descriptor = _Attention(
             hidden=config.hidden_size, heads=heads, kv_heads=kv_heads, head_dim=head_dim, **norms,
             qkv=qkv.descriptor, v=v.descriptor if v is not None else _Matrix(), o=o.descriptor,
@@ -315,7 +320,7 @@ class NativeLayer:
         return _holding(descriptor, *matrices, *norms.values()), matrices
 
     @staticmethod
-    def _mlp(parts, dtype, offset, arena, weight_of, layout) -> tuple[_Mlp, tuple[PackedMatrix, ...]]:
+    def _mlp(parts, dtype, offset, arena, weight_of, layout, arithmetic) -> tuple[_Mlp, tuple[PackedMatrix, ...]]:
         module = parts.mlp
         _children(module, layout.mlp_children)
         act = getattr(module, layout.activation)
@@ -332,7 +337,8 @@ class NativeLayer:
         norm, post_norm = (_norm(parts.mlp_norm, dtype, offset, layout.norm),
                            _norm(parts.mlp_post_norm, dtype, offset, layout.norm))
         # packed only once every check passed: the arena keeps what it holds
-        gate_up, down = _packed(linears, arena, weight_of), _packed([module.down_proj], arena, weight_of)
+        gate_up, down = (_packed(linears, arena, weight_of, arithmetic),
+                         _packed([module.down_proj], arena, weight_of, arithmetic))
         descriptor = _Mlp(hidden=down.n, inner=inner, norm=norm, post_norm=post_norm, gate_up=gate_up.descriptor,
                           down=down.descriptor, activation=_ACTIVATION_CODES[ACTIVATIONS[type(act).__name__]])
         return _holding(descriptor, gate_up, down, norm, post_norm), (gate_up, down)
@@ -486,10 +492,14 @@ class NativeEngine:
         # a model run as stored (models/stored.py): its matrices come from the GGUF's rows
         self.stored = getattr(model, "stored", None)
         self.weight_of: WeightOf = _dense_weight if self.stored is None else self._stored_weight
+        # how the products over stored blocks compute (models/stored.py ARITHMETICS)
+        self.arithmetic = (ABI.LP_ARITH_INT8 if self.stored is not None and self.stored.arithmetic == "fast"
+                           else ABI.LP_ARITH_EXACT)
         if self.why_eager:
             self.layers = tuple(None for _ in model.parts.layers)
         else:
-            self.layers = tuple(NativeLayer(layer, model.dtype, offset, self.arena, self.weight_of, self.layout)
+            self.layers = tuple(NativeLayer(layer, model.dtype, offset, self.arena, self.weight_of, self.layout,
+                                            self.arithmetic)
                                 for layer in model.parts.layers)
         if self.stored is not None:  # what the kernels do not run, its modules run: on dense weights
             for layer, kernels in zip(model.parts.layers, self.layers):
@@ -564,7 +574,8 @@ class NativeEngine:
                 or (weight.device.type != "cpu" and not stored) or not self.takes(rows)):
             return None
         if id(lm_head) not in self._heads:
-            self._heads[id(lm_head)] = (lm_head, PackedMatrix([self.weight_of(lm_head)], [lm_head.bias], self.arena))
+            self._heads[id(lm_head)] = (lm_head, PackedMatrix([self.weight_of(lm_head)], [lm_head.bias], self.arena,
+                                                             self.arithmetic))
         return self._heads[id(lm_head)][1]
 
     def _final_norm(self, module: nn.Module, dtype: torch.dtype) -> _Norm | None:

@@ -100,8 +100,11 @@ class LoadedModel:
 
     @property
     def precision(self) -> str:
-        """What its weights are, for reports and commands: "stored" (a GGUF's blocks) or the dtype."""
-        return "stored" if self.stored is not None else str(self.dtype).replace("torch.", "")
+        """What its weights are, for reports and commands: "stored" (a GGUF's blocks; "stored-fast" with
+        integer products) or the dtype."""
+        if self.stored is not None:
+            return "stored" if self.stored.arithmetic == "exact" else f"stored-{self.stored.arithmetic}"
+        return str(self.dtype).replace("torch.", "")
 
     @property
     def device(self) -> torch.device:
@@ -256,15 +259,17 @@ def _stored_index(gguf: Path) -> Path:
     return target if (target / TENSORS_FILE).exists() else index_gguf(gguf, target)
 
 
-def load_stored_model(source: str | os.PathLike | None = None) -> LoadedModel:
+def load_stored_model(source: str | os.PathLike | None = None, arithmetic: str = "exact") -> LoadedModel:
     """A GGUF with its matrices as the file stores them (models/stored.py): the modules without
-    dense matrices, for the native engine's block-format kernels. Activations are float32."""
+    dense matrices, for the native engine's block-format kernels, whose products compute in
+    `arithmetic` (stored.ARITHMETICS). Activations are float32."""
     gguf = gguf_of(source)
     if gguf is None:
         raise ModelError(f"'{source}' is not a GGUF file: only a GGUF's weights run as stored "
                          "(use --dtype float32 or bfloat16)")
     index = _stored_index(gguf)
     hf, stored = load_stored(gguf, index)
+    stored.arithmetic = arithmetic
     require_checked(hf.config)
     name = DEFAULT_DISPLAY_NAME if gguf == default_gguf_path() else gguf.stem
     return LoadedModel(name=name, hf=hf, tokenizer=_tokenizer(index), source=str(gguf), stored=stored)

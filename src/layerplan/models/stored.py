@@ -100,13 +100,24 @@ class StoredEmbedding(nn.Module):
         return values if self.scale is None else values * self.scale
 
 
+# How the native kernels compute products over stored blocks (engine/kernels/kernels.h LP_ARITH_):
+ARITHMETICS = {
+    # fp32 on the weights' exact values: transformers' numbers on the dequantized model
+    "exact": "fp32 products of the dequantized weights (transformers' numbers)",
+    # llama.cpp's arithmetic: activations quantized to int8 per 32 inputs, integer dot products
+    "fast": "integer products on activations quantized to int8 per 32 inputs, as llama.cpp computes",
+}
+
+
 @dataclass
 class StoredWeights:
-    """The matrices of a model loaded from a GGUF as stored, by transformers parameter name."""
+    """The matrices of a model loaded from a GGUF as stored, by transformers parameter name, and
+    the arithmetic of their products (ARITHMETICS)."""
 
     path: Path
     tensors: dict[str, StoredTensor]
     modules: dict[int, str]  # id() of each linear module with a stored weight -> its weight's name
+    arithmetic: str = "exact"
 
     def of(self, module: nn.Module) -> StoredTensor | None:
         """The stored weight of a linear module, None for a module whose weight is dense."""

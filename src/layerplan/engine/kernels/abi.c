@@ -27,6 +27,7 @@ LP_API long lp_abi_layout(char *out, long capacity) {
     LP_FIELD(lp_norm, mode); LP_FIELD(lp_norm, dtype);
     LP_STRUCT(lp_matrix); LP_FIELD(lp_matrix, w); LP_FIELD(lp_matrix, bias); LP_FIELD(lp_matrix, n);
     LP_FIELD(lp_matrix, k); LP_FIELD(lp_matrix, format);
+    LP_FIELD(lp_matrix, arithmetic);
     LP_STRUCT(lp_kv); LP_FIELD(lp_kv, k); LP_FIELD(lp_kv, v); LP_FIELD(lp_kv, capacity); LP_FIELD(lp_kv, start);
     LP_FIELD(lp_kv, dtype);
     LP_STRUCT(lp_attention); LP_FIELD(lp_attention, hidden); LP_FIELD(lp_attention, heads);

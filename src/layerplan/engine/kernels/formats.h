@@ -51,6 +51,36 @@ typedef struct {
     const lp_tiles *tiles; /* this library's ISA's tiles for the format */
 } lp_format_traits;
 
+/* ----- integer products (LP_ARITH_INT8) -----
+ * The activations of a product are quantized row by row, per block of 32 inputs, as llama.cpp's
+ * Q8_0 quantizes them: d = max|x| / 127, q = x * (127 / max|x|) rounded to the nearest (ties to
+ * even), so |q| <= 127 (lp_q8_quantize). A weight sub-block (the inputs that share one scale and
+ * offset: w = scale q + offset, q an unsigned integer, with the scale of 16 rows as an f32 vector
+ * computed as the exact tiles compute it) meets them as one exact integer dot product a row, and
+ * each output sums, sub-block by sub-block in input order,
+ *     sum = fma(float(dot), scale * d, sum);  sum = fma(offset, s, sum)
+ * where s is d times the sum of the sub-block's q. So a row's result depends on its own inputs only
+ * (not on the other rows, the tile or the thread), as the exact products' do. */
+typedef struct {
+    const int8_t *q; /* (rows, k) */
+    const float *d;  /* (rows, k / 32): each block's scale */
+    const float *s;  /* (rows, k / 16): d times the sum of each 16 inputs' q */
+    long k;
+} lp_q8;
+
+#define LP_INT_ROWS 4 /* the most rows an integer tile takes */
+
+/* rows [r0, r0 + r) of x on one panel (all k inputs): y[r][j] = the sums (overwritten) */
+typedef void (*lp_int_tile)(const lp_q8 *x, long r0, const void *w, float *y, long ys);
+typedef struct {
+    lp_int_tile rows[LP_INT_ROWS + 1]; /* [r]: r rows */
+} lp_int_tiles;
+
+/* x (m, k fp32; k a multiple of 32) -> q, d, s of an lp_q8 */
+void lp_q8_quantize(const float *x, long m, long k, int8_t *q, float *d, float *s);
+/* this library's ISA's integer tiles for `format`; NULL where it has none (the products run exact) */
+const lp_int_tiles *lp_int_tiles_of(int format);
+
 /* the row of `format`, NULL for an unknown one */
 const lp_format_traits *lp_format(int format);
 

@@ -81,6 +81,31 @@ static int claim(lp_run *r, long take, int from_end, long *from, long *to) {
     }
 }
 
+/* One product's work, for the threads: the exact tiles on x, or the integer tiles on x quantized. */
+typedef struct {
+    const lp_tiles *tiles;
+    const lp_int_tiles *int_tiles; /* non-NULL: the integer products on xq */
+    const lp_q8 *xq;
+    const char *w;
+    long panel_bytes, k, m;
+    const float *x;
+} lp_product;
+
+/* panels [p0, p1) of the product into y (see run_panels) */
+static void run_product(const lp_product *pr, long p0, long p1, float *y, long ys, long ybase) {
+    if (!pr->int_tiles) {
+        run_panels(pr->tiles, pr->w, pr->panel_bytes, pr->k, pr->x, pr->m, y, ys, p0, p1, ybase);
+        return;
+    }
+    long m = pr->m, groups = (m + LP_INT_ROWS - 1) / LP_INT_ROWS; /* 6 rows = 3 + 3 */
+    for (long p = p0; p < p1; p++)
+        for (long g = 0, r0 = 0; g < groups; g++) {
+            long nr = m / groups + (g < m % groups);
+            pr->int_tiles->rows[nr](pr->xq, r0, pr->w + p * pr->panel_bytes, y + r0 * ys + (p - ybase) * LP_PANEL, ys);
+            r0 += nr;
+        }
+}
+
 int lp_gemm(const lp_matrix *mat, const float *x, long m, float *y, int threads) {
     const lp_format_traits *f = lp_format(mat->format);
     if (!f) return LP_E_TYPE;
@@ -91,17 +116,26 @@ int lp_gemm(const lp_matrix *mat, const float *x, long m, float *y, int threads)
     if (threads < 1) threads = 1;
     if (panels < 2L * threads) threads = 1; /* too little work to share */
     if (panels >= (1L << 32)) return LP_E_SHAPE; /* a run's span holds panel numbers in 32 bits */
-    const lp_tiles *tiles = f->tiles;
-    const char *w = (const char *)mat->w;
+    lp_product pr = {f->tiles, NULL, NULL, (const char *)mat->w, panel_bytes, k, m, x};
+    if (mat->arithmetic == LP_ARITH_INT8 && k % 32 == 0) pr.int_tiles = lp_int_tiles_of(mat->format);
     /* the panels the tiles for few rows take at once (four_panels; two_panels and the pairs) */
-    long grain = m == 1 ? 4 : 2;
+    long grain = pr.int_tiles ? 1 : m == 1 ? 4 : 2;
     lp_run *runs = (lp_run *)aligned_alloc(64, sizeof(lp_run) * (size_t)threads);
     /* the last, partial panel's outputs go to scratch of whole panels, then its valid columns to y */
     float *tail = whole < panels ? lp_floats(m * LP_PANEL) : NULL;
-    if (!runs || (whole < panels && !tail)) {
+    int8_t *q = pr.int_tiles ? (int8_t *)malloc((size_t)(m * k)) : NULL;
+    float *ds = pr.int_tiles ? lp_floats(m * (k / 32 + k / 16)) : NULL;
+    if (!runs || (whole < panels && !tail) || (pr.int_tiles && (!q || !ds))) {
         free(runs);
         free(tail);
+        free(q);
+        free(ds);
         return LP_E_MEMORY;
+    }
+    lp_q8 xq = {q, ds, ds + m * (k / 32), k};
+    if (pr.int_tiles) {
+        lp_q8_quantize(x, m, k, q, ds, ds + m * (k / 32));
+        pr.xq = &xq;
     }
     for (int t = 0; t < threads; t++) {
         long first = whole * t / threads / grain * grain,
@@ -113,9 +147,9 @@ int lp_gemm(const lp_matrix *mat, const float *x, long m, float *y, int threads)
         int t = omp_get_thread_num(), nt = omp_get_num_threads();
         long from, to;
         if (nt != threads) { /* fewer threads than asked: an even static split */
-            run_panels(tiles, w, panel_bytes, k, x, m, y, n, whole * t / nt, whole * (t + 1) / nt, 0);
+            run_product(&pr, whole * t / nt, whole * (t + 1) / nt, y, n, 0);
         } else {
-            while (claim(&runs[t], grain, 0, &from, &to)) run_panels(tiles, w, panel_bytes, k, x, m, y, n, from, to, 0);
+            while (claim(&runs[t], grain, 0, &from, &to)) run_product(&pr, from, to, y, n, 0);
             for (;;) {
                 int fullest = -1;
                 long most = 0;
@@ -125,18 +159,19 @@ int lp_gemm(const lp_matrix *mat, const float *x, long m, float *y, int threads)
                     if (left > most) { most = left; fullest = r; }
                 }
                 if (fullest < 0) break;
-                if (claim(&runs[fullest], grain, 1, &from, &to))
-                    run_panels(tiles, w, panel_bytes, k, x, m, y, n, from, to, 0);
+                if (claim(&runs[fullest], grain, 1, &from, &to)) run_product(&pr, from, to, y, n, 0);
             }
         }
         if (tail && t == nt - 1) {
-            run_panels(tiles, w, panel_bytes, k, x, m, tail, LP_PANEL, whole, panels, whole);
+            run_product(&pr, whole, panels, tail, LP_PANEL, whole);
             for (long r = 0; r < m; r++)
                 memcpy(y + r * n + whole * LP_PANEL, tail + r * LP_PANEL, sizeof(float) * (size_t)(n - whole * LP_PANEL));
         }
     }
     free(runs);
     free(tail);
+    free(q);
+    free(ds);
     if (mat->bias)
         for (long r = 0; r < m; r++)
             for (long j = 0; j < n; j++) y[r * n + j] += mat->bias[j];

@@ -16,7 +16,7 @@
 #ifndef LP_KERNELS_H
 #define LP_KERNELS_H
 
-#define LP_ABI_VERSION 4
+#define LP_ABI_VERSION 5
 
 /* activation / cache / norm-weight element types */
 #define LP_DTYPE_F32 0
@@ -38,6 +38,11 @@
 #define LP_FORMAT_Q5_K 11
 #define LP_FORMAT_Q6_K 12
 #define LP_FORMATS 13
+
+/* arithmetic of a packed matrix's products (lp_matrix.arithmetic) */
+#define LP_ARITH_EXACT 0 /* fp32 on the weights' exact values: the fp32 product of the dequantized matrix */
+#define LP_ARITH_INT8 1  /* block formats: integer dot products on activations quantized to int8 per 32
+                          * inputs (llama.cpp's arithmetic; formats.h); formats without them run exact */
 
 /* statuses of the functions that return int */
 #define LP_OK 0
@@ -68,13 +73,15 @@ typedef struct {
     int dtype;
 } lp_norm;
 
-/* A packed weight matrix (n outputs, k inputs; see lp_pack) and its bias in fp32 (NULL = none). */
+/* A packed weight matrix (n outputs, k inputs; see lp_pack), its bias in fp32 (NULL = none) and
+ * the arithmetic of its products (LP_ARITH_). */
 typedef struct {
     const void *w;
     const float *bias;
     long n;
     long k;
     int format;
+    int arithmetic;
 } lp_matrix;
 
 /* One step's KV slot: keys and values (kv_heads, capacity, head_dim) in `dtype`, holding the

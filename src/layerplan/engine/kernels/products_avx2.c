@@ -18,7 +18,11 @@
 #error "products_avx2.c is built with -mavx2 -mfma"
 #endif
 
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+const char lp_products_isa[] = "avx2vnni";
+#else
 const char lp_products_isa[] = "avx2";
+#endif
 
 static inline void widen_bf16(const uint16_t *p, __m256 *lo, __m256 *hi) {
     __m256i v = _mm256_loadu_si256((const __m256i *)p);

@@ -524,3 +524,216 @@ QTILES(Q3_K, q3_k)
 QTILES(Q4_K, q4_k)
 QTILES(Q5_K, q5_k)
 QTILES(Q6_K, q6_k)
+
+/* ===== integer products (LP_ARITH_INT8; formats.h) =====
+ *
+ * The packed layouts already hold, in dword lane j of a 32-byte word of nibbles, row j's quants of
+ * four consecutive inputs (low nibbles) and row j+8's (high nibbles): one AND (or a shift and an
+ * AND) gives the 16 rows' quants as unsigned bytes, four inputs a lane, which vpdpbusd (VNNI) or
+ * vpmaddubsw + vpmaddwd (AVX2) multiply by the four activation bytes broadcast to every lane and
+ * add into one int32 a row. Every product is exact (|q x| <= 63 x 127, and a pair's sum fits
+ * vpmaddubsw's int16), so both routes give the same integers. Formats: Q4_0, Q4_1, Q4_K, Q6_K. */
+
+ALWAYS __m256i dot4(__m256i acc, __m256i w, __m256i x) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(acc, w, x);
+#elif defined(__AVXVNNI__)
+    return _mm256_dpbusd_avx_epi32(acc, w, x);
+#else
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1)));
+#endif
+}
+
+/* a sub-block's scales (dl: rows 0-7, dh: rows 8-15) and offsets, and where its words start */
+typedef struct {
+    __m256 dl, dh, ol, oh;
+    const uint8_t *q, *h;
+} istate;
+
+ALWAYS __m256i low_nibbles(__m256i v) { return _mm256_and_si256(v, _mm256_set1_epi8(0x0F)); }
+ALWAYS __m256i high_nibbles(__m256i v) { return _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(0x0F)); }
+ALWAYS void nibble_words(const istate *s, int c, __m256i *wl, __m256i *wh) {
+    __m256i v = _mm256_loadu_si256((const __m256i *)(s->q + 32 * c));
+    *wl = low_nibbles(v);
+    *wh = high_nibbles(v);
+}
+
+#define Q4_0_ISUB 32
+ALWAYS void q4_0_iset(istate *s, const uint8_t *pb, int sub) {
+    (void)sub;
+    s->dl = half8(pb);
+    s->dh = half8(pb + 16);
+    s->ol = mul(s->dl, _mm256_set1_ps(-8.0f));
+    s->oh = mul(s->dh, _mm256_set1_ps(-8.0f));
+    s->q = pb + 32;
+}
+#define q4_0_iload nibble_words
+
+#define Q4_1_ISUB 32
+ALWAYS void q4_1_iset(istate *s, const uint8_t *pb, int sub) {
+    (void)sub;
+    s->dl = half8(pb);
+    s->dh = half8(pb + 16);
+    s->ol = half8(pb + 32);
+    s->oh = half8(pb + 48);
+    s->q = pb + 64;
+}
+#define q4_1_iload nibble_words
+
+#define Q4_K_ISUB 32
+ALWAYS void q4_k_iset(istate *s, const uint8_t *pb, int sub) {
+    const uint8_t *s24 = pb + 64 + 24 * sub;
+    __m256i a = bytes8(s24), b = bytes8(s24 + 8), c = bytes8(s24 + 16);
+    __m256i sc_lo = _mm256_or_si256(and_(a, 0xF), _mm256_slli_epi32(and_(c, 0x3), 4));
+    __m256i mn_lo = _mm256_or_si256(_mm256_srli_epi32(a, 4), _mm256_slli_epi32(and_(c, 0xC), 2));
+    __m256i sc_hi = _mm256_or_si256(and_(b, 0xF), and_(c, 0x30));
+    __m256i mn_hi = _mm256_or_si256(_mm256_srli_epi32(b, 4), and_(_mm256_srli_epi32(c, 2), 0x30));
+    s->dl = mul(half8(pb), cvt(sc_lo));
+    s->dh = mul(half8(pb + 16), cvt(sc_hi));
+    s->ol = neg(mul(half8(pb + 32), cvt(mn_lo)));
+    s->oh = neg(mul(half8(pb + 48), cvt(mn_hi)));
+    s->q = pb + 256 + 256 * sub;
+}
+#define q4_k_iload nibble_words
+
+/* Q6_K: sub-blocks of 16; the high 2 bits of row j's input t at bits P[t] = {0, 2, 8, 10} of 16-bit
+ * lane j (row j+8's at P[t] + 4), moved to bits 4-5 of byte t of dword lane j */
+#define Q6_K_ISUB 16
+ALWAYS void q6_k_iset(istate *s, const uint8_t *pb, int sub) {
+    const uint8_t *sc = pb + 32 + 16 * sub;
+    s->dl = mul(half8(pb), cvt(sbytes8(sc)));
+    s->dh = mul(half8(pb + 16), cvt(sbytes8(sc + 8)));
+    s->ol = mul(s->dl, _mm256_set1_ps(-32.0f));
+    s->oh = mul(s->dh, _mm256_set1_ps(-32.0f));
+    s->h = pb + 288 + 64 * sub;
+    s->q = pb + 1312 + 128 * sub;
+}
+ALWAYS void q6_k_iload(const istate *s, int c, __m256i *wl, __m256i *wh) {
+    __m256i v = _mm256_loadu_si256((const __m256i *)(s->q + 32 * c));
+    /* each dword lane's bytes b0 b0 b1 b1 of its 16 bits: inputs 0, 1 of rows j / j+8 in b0, 2, 3 in b1 */
+    __m256i t = _mm256_shuffle_epi8(words8(s->h + 16 * c),
+                                    _mm256_setr_epi8(0, 0, 1, 1, 4, 4, 5, 5, 8, 8, 9, 9, 12, 12, 13, 13,
+                                                     0, 0, 1, 1, 4, 4, 5, 5, 8, 8, 9, 9, 12, 12, 13, 13));
+    __m256i lo = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(t, _mm256_set1_epi16(0x0003)), 4),
+                                 _mm256_slli_epi16(_mm256_and_si256(t, _mm256_set1_epi16(0x0C00)), 2));
+    __m256i hi = _mm256_or_si256(_mm256_and_si256(t, _mm256_set1_epi16(0x0030)),
+                                 _mm256_srli_epi16(_mm256_and_si256(t, _mm256_set1_epi16((short)0xC000)), 2));
+    *wl = _mm256_or_si256(low_nibbles(v), lo);
+    *wh = _mm256_or_si256(high_nibbles(v), hi);
+}
+
+ALWAYS __m256i four_bytes(const int8_t *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return _mm256_set1_epi32(v);
+}
+
+/* chains of integer sums a row and half: vpdpbusd adds into its accumulator with a latency of
+ * several cycles, so with few rows the words of a sub-block alternate between two chains (integer
+ * sums: the order does not change them); AVX2's route adds with a one-cycle vpaddd */
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define CHAINS(R) ((R) <= 2 ? 2 : 1)
+#else
+#define CHAINS(R) 1
+#endif
+
+/* RR rows on one panel of format F over all k inputs (formats.h: the sum rule) */
+#define ITILE(NAME, F, f, RR)                                                                      \
+    static void NAME(const lp_q8 *x, long r0, const void *wv, float *y, long ys) {                \
+        enum { R = RR, S = CHAINS(RR) };                                                           \
+        const uint8_t *w = (const uint8_t *)wv;                                                    \
+        const long k = x->k;                                                                       \
+        const int8_t *xr[R];                                                                       \
+        __m256 sl[R], sh[R];                                                                       \
+        _Pragma("GCC unroll 4") for (int r = 0; r < R; r++) {                                      \
+            xr[r] = x->q + (r0 + r) * k;                                                           \
+            sl[r] = sh[r] = _mm256_setzero_ps();                                                   \
+        }                                                                                          \
+        for (long s0 = 0; s0 < k; s0 += F##_ISUB) {                                                \
+            istate st;                                                                             \
+            f##_iset(&st, w + s0 / F##_BLOCK * F##_PB, (int)(s0 % F##_BLOCK / F##_ISUB));          \
+            __m256i al[R][S], ah[R][S];                                                            \
+            _Pragma("GCC unroll 4") for (int r = 0; r < R; r++)                                    \
+                _Pragma("GCC unroll 2") for (int c = 0; c < S; c++) al[r][c] = ah[r][c] = _mm256_setzero_si256(); \
+            _Pragma("GCC unroll 8") for (int c = 0; c < F##_ISUB / 4; c++) {                       \
+                __m256i wl, wh;                                                                    \
+                f##_iload(&st, c, &wl, &wh);                                                       \
+                _Pragma("GCC unroll 4") for (int r = 0; r < R; r++) {                              \
+                    __m256i xb = four_bytes(xr[r] + s0 + 4 * c);                                   \
+                    al[r][c % S] = dot4(al[r][c % S], wl, xb);                                     \
+                    ah[r][c % S] = dot4(ah[r][c % S], wh, xb);                                     \
+                }                                                                                  \
+            }                                                                                      \
+            _Pragma("GCC unroll 4") for (int r = 0; r < R; r++) {                                  \
+                __m256i il = al[r][0], ih = ah[r][0];                                              \
+                if (S > 1) {                                                                       \
+                    il = _mm256_add_epi32(il, al[r][S - 1]);                                       \
+                    ih = _mm256_add_epi32(ih, ah[r][S - 1]);                                       \
+                }                                                                                  \
+                const float *ss = x->s + (r0 + r) * (k / 16) + s0 / 16;                            \
+                __m256 d = _mm256_set1_ps(x->d[(r0 + r) * (k / 32) + s0 / 32]);                    \
+                __m256 s = _mm256_set1_ps(F##_ISUB == 32 ? ss[0] + ss[1] : ss[0]);                 \
+                sl[r] = fma_(st.ol, s, fma_(cvt(il), mul(st.dl, d), sl[r]));                       \
+                sh[r] = fma_(st.oh, s, fma_(cvt(ih), mul(st.dh, d), sh[r]));                       \
+            }                                                                                      \
+        }                                                                                          \
+        _Pragma("GCC unroll 4") for (int r = 0; r < R; r++) {                                      \
+            _mm256_storeu_ps(y + r * ys, sl[r]);                                                   \
+            _mm256_storeu_ps(y + r * ys + 8, sh[r]);                                               \
+        }                                                                                          \
+    }
+
+#define ITILES(F, f)                                                                               \
+    ITILE(f##_i1, F, f, 1)                                                                         \
+    ITILE(f##_i2, F, f, 2)                                                                         \
+    ITILE(f##_i3, F, f, 3)                                                                         \
+    ITILE(f##_i4, F, f, 4)                                                                         \
+    static const lp_int_tiles int_tiles_##f = {{NULL, f##_i1, f##_i2, f##_i3, f##_i4}};
+
+ITILES(Q4_0, q4_0)
+ITILES(Q4_1, q4_1)
+ITILES(Q4_K, q4_k)
+ITILES(Q6_K, q6_k)
+
+const lp_int_tiles *lp_int_tiles_of(int format) {
+    switch (format) {
+    case LP_FORMAT_Q4_0: return &int_tiles_q4_0;
+    case LP_FORMAT_Q4_1: return &int_tiles_q4_1;
+    case LP_FORMAT_Q4_K: return &int_tiles_q4_k;
+    case LP_FORMAT_Q6_K: return &int_tiles_q6_k;
+    default: return NULL;
+    }
+}
+
+/* formats.h's quantization, eight lanes at a time: the same max, product and rounding as the
+ * scalar rule (_mm256_cvtps_epi32 rounds to nearest even, as nearbyintf does by default) */
+void lp_q8_quantize(const float *x, long m, long k, int8_t *q, float *d, float *s) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    for (long r = 0; r < m; r++)
+        for (long b = 0; b < k / 32; b++) {
+            const float *xb = x + r * k + 32 * b;
+            __m256 v[4], amax = _mm256_setzero_ps();
+            for (int i = 0; i < 4; i++) {
+                v[i] = _mm256_loadu_ps(xb + 8 * i);
+                amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[i]));
+            }
+            __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+            m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+            m4 = _mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1));
+            float most = _mm_cvtss_f32(m4);
+            float inv = most > 0.0f ? 127.0f / most : 0.0f;
+            d[r * (k / 32) + b] = most / 127.0f;
+            __m256i qi[4];
+            for (int i = 0; i < 4; i++) qi[i] = _mm256_cvtps_epi32(mul(v[i], _mm256_set1_ps(inv)));
+            /* int32 -> int8 in input order (packs interleave 128-bit lanes; the permute restores it) */
+            __m256i q16a = _mm256_packs_epi32(qi[0], qi[1]), q16b = _mm256_packs_epi32(qi[2], qi[3]);
+            __m256i q8 = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(q16a, q16b),
+                                                     _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+            _mm256_storeu_si256((__m256i *)(q + r * k + 32 * b), q8);
+            for (int h = 0; h < 2; h++) {
+                int sum = 0;
+                for (int i = 0; i < 16; i++) sum += q[r * k + 32 * b + 16 * h + i];
+                s[r * (k / 16) + 2 * b + h] = d[r * (k / 32) + b] * (float)sum;
+            }
+        }
+}

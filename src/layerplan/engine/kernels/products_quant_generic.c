@@ -75,3 +75,29 @@ DEFINE_TILES(q3_k, LP_FORMAT_Q3_K)
 DEFINE_TILES(q4_k, LP_FORMAT_Q4_K)
 DEFINE_TILES(q5_k, LP_FORMAT_Q5_K)
 DEFINE_TILES(q6_k, LP_FORMAT_Q6_K)
+
+/* Integer products: none in the portable build; LP_ARITH_INT8 matrices run the exact products. */
+const lp_int_tiles *lp_int_tiles_of(int format) {
+    (void)format;
+    return NULL;
+}
+
+/* formats.h's quantization (unused here without integer tiles, kept for the ABI's symmetry) */
+void lp_q8_quantize(const float *x, long m, long k, int8_t *q, float *d, float *s) {
+    for (long r = 0; r < m; r++)
+        for (long b = 0; b < k / 32; b++) {
+            const float *xb = x + r * k + 32 * b;
+            float most = 0.0f;
+            for (int i = 0; i < 32; i++) most = fabsf(xb[i]) > most ? fabsf(xb[i]) : most;
+            float inv = most > 0.0f ? 127.0f / most : 0.0f;
+            d[r * (k / 32) + b] = most / 127.0f;
+            for (int h = 0; h < 2; h++) {
+                int sum = 0;
+                for (int i = 16 * h; i < 16 * h + 16; i++) {
+                    q[r * k + 32 * b + i] = (int8_t)nearbyintf(xb[i] * inv);
+                    sum += q[r * k + 32 * b + i];
+                }
+                s[r * (k / 16) + 2 * b + h] = d[r * (k / 32) + b] * (float)sum;
+            }
+        }
+}
