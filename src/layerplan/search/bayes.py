@@ -5,7 +5,10 @@ team), or a journal file (`journal:PATH`). Several processes or machines running
 command with the same storage and study name share one study without repeating one another's
 work: each worker seeds its sampler differently, a plan the study holds is never evaluated again,
 and the study stops at exactly `n_trials` finished trials in total. Interrupted runs resume:
-finished trials are kept and trials whose worker died are marked failed (layerplan.search.workers).
+finished trials are kept and trials whose worker died are marked failed (layerplan.search.workers);
+a worker stopped by SIGTERM or Ctrl-C fails its running trial itself before it exits, so that the
+study asks its plan again. On a database server every storage call rides out an outage
+(layerplan.search.patience): the worker waits for the database, up to `patience` seconds.
 
 A study keeps one question: what it optimises (objective, directions), on which model and how many
 tokens is stored in the study's user attrs when it is made, and a run that asks something else of
@@ -19,9 +22,11 @@ import inspect
 import itertools
 import random
 import secrets
+import sys
 import time
 import warnings
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -31,7 +36,8 @@ from layerplan.plan.plan import LayerPlan, PlanError
 from layerplan.search.evaluator import CostModel, PlanEvaluator
 from layerplan.search.greedy import candidate_items
 from layerplan.search.objectives import OBJECTIVES, score
-from layerplan.search.workers import Heartbeat, claiming, is_stale
+from layerplan.search.patience import DEFAULT_PATIENCE, StorageUnavailable, patient_storage, single_attempt
+from layerplan.search.workers import Heartbeat, claiming, is_stale, stopping_politely
 
 MAX_REPEATS = 3  # proposals in a row of plans the study holds before a worker draws an unseen one
 
@@ -90,10 +96,13 @@ def check_storage(url: str | None) -> None:
                          f"({error}); install it or use {STORAGE_FORMS}") from None
 
 
-def make_storage(url: str | None, heartbeat: int | None = 60):
+def make_storage(url: str | None, heartbeat: int | None = 60, patience: float = DEFAULT_PATIENCE):
     """An Optuna storage for `url` (see the module's docstring). heartbeat: with an RDB, Optuna's
     own heartbeat for studies run by Study.optimize, retrying trials whose process died (None:
-    off; run_study keeps its own liveness record on every storage, see layerplan.search.workers)."""
+    off; run_study keeps its own liveness record on every storage, see layerplan.search.workers).
+    patience: on a database server (not SQLite), seconds every call waits for an unreachable
+    database to come back (layerplan.search.patience) before StorageUnavailable. Opening it
+    fails fast: a wrong URL or a server that is not there is a ValueError within seconds."""
     import optuna
 
     if url is None:
@@ -112,7 +121,12 @@ def make_storage(url: str | None, heartbeat: int | None = 60):
             Path(url).parent.mkdir(parents=True, exist_ok=True)
         url = f"sqlite:///{url}"
     # workers sharing a SQLite file wait for its lock rather than fail
-    options: dict = {"engine_kwargs": {"connect_args": {"timeout": 60}}} if url.startswith("sqlite:") else {}
+    server = not url.startswith("sqlite:")
+    options: dict = {"engine_kwargs": {"connect_args": {"timeout": 60}}} if not server else {}
+    if server:  # a pooled connection the server dropped (a restart) is replaced, not used and failed
+        options["engine_kwargs"] = {"pool_pre_ping": True}
+        if url.startswith("postgresql"):  # an unreachable host fails the attempt, not hangs it
+            options["engine_kwargs"]["connect_args"] = {"connect_timeout": 10}
     if heartbeat is not None:
         retry_class = (getattr(optuna.storages, "RetryHeartbeatStaleTrialCallback", None)
                        or optuna.storages.RetryFailedTrialCallback)
@@ -128,7 +142,8 @@ def make_storage(url: str | None, heartbeat: int | None = 60):
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # heartbeats are marked experimental
-                return optuna.storages.RDBStorage(url, **options)
+                storage = optuna.storages.RDBStorage(url, **options)
+            return patient_storage(optuna.storages.get_storage(storage), patience) if server else storage
         except (IntegrityError, OperationalError, ProgrammingError) as error:
             # workers started together race to create the schema in an empty database (SQLite:
             # locked; PostgreSQL: "relation ... already exists", a ProgrammingError, or a unique
@@ -256,11 +271,12 @@ def run_study(
     heartbeat: float = 10.0,
     grace: float = 60.0,
     poll: float = 0.2,
+    patience: float = DEFAULT_PATIENCE,
 ) -> StudyResult:
     """Optimise `objective` over per-sub-layer skip plans (and, with multi_objective, the plan's
     relative cost too, minimised) until the study holds `n_trials` finished trials, counting every
     worker's (see optimise). `seeds` (e.g. the greedy result, the full model) are enqueued as the
-    first trials of a new study."""
+    first trials of a new study. `patience`: seconds to wait for an unreachable database server."""
     model = evaluator.model
     items = [item for item in candidate_items(model.num_layers, "sublayer", allow_ends)]
     directions = [OBJECTIVES[objective].direction] + (["minimize"] if multi_objective else [])
@@ -273,14 +289,14 @@ def run_study(
                     study_name or f"{model.name}-{objective}{'-cost' if multi_objective else ''}",
                     sampler if not (multi_objective and sampler == "tpe") else "nsga2",
                     [params_from_plan(plan, items) for plan in seeds], seed, on_trial, heartbeat, grace, poll,
-                    identity={"model": model.name, "tokens": int(evaluator.ids.numel())})
+                    identity={"model": model.name, "tokens": int(evaluator.ids.numel())}, patience=patience)
 
 
 def optimise(space: StudySpace, evaluate: Callable[[LayerPlan], float | tuple[float, ...]], objective: str,
              directions: list[str], n_trials: int, storage: str | None, name: str, sampler: str = "tpe",
              seeds: list[dict] = (), seed: int | None = None, on_trial: Callable[[int, int], None] | None = None,
              heartbeat: float = 10.0, grace: float = 60.0, poll: float = 0.2,
-             identity: dict[str, Any] | None = None) -> StudyResult:
+             identity: dict[str, Any] | None = None, patience: float = DEFAULT_PATIENCE) -> StudyResult:
     """One worker of study `name` on `storage`: proposes plans from `space` and evaluates them
     (`evaluate`: the value, or one per direction) until the study holds `n_trials` finished
     trials, counting every worker's.
@@ -294,7 +310,11 @@ def optimise(space: StudySpace, evaluate: Callable[[LayerPlan], float | tuple[fl
     `heartbeat`/`grace`: seconds between a running trial's heartbeats / before a silent one on
     another host counts as dead; `poll`: seconds between looks at the study while waiting.
     `identity`: what the study is about beyond `objective` and `directions` (model, tokens, ...),
-    kept in the study and checked on every later run (check_identity)."""
+    kept in the study and checked on every later run (check_identity).
+    `patience`: on a database server, seconds every storage call waits for the database to come
+    back (layerplan.search.patience), then StorageUnavailable. SIGTERM (while this runs on the
+    main thread, where no one else handles it) and Ctrl-C fail the running trial, then end the
+    process (SystemExit 143) or raise KeyboardInterrupt."""
     import optuna
     from optuna.trial import TrialState
 
@@ -302,7 +322,7 @@ def optimise(space: StudySpace, evaluate: Callable[[LayerPlan], float | tuple[fl
         raise ValueError(f"unknown sampler '{sampler}'; choose from {', '.join(SAMPLERS)}")
     chosen = SAMPLERS[sampler]
     multi_objective = len(directions) > 1
-    study = optuna.create_study(storage=make_storage(storage, heartbeat=None), study_name=name,
+    study = optuna.create_study(storage=make_storage(storage, heartbeat=None, patience=patience), study_name=name,
                                 directions=directions, sampler=chosen.make(optuna, derive_seed(name, seed, "start")),
                                 load_if_exists=True)
     check_identity(study, {"objective": objective, "directions": list(directions), **(identity or {})})
@@ -318,6 +338,8 @@ def optimise(space: StudySpace, evaluate: Callable[[LayerPlan], float | tuple[fl
                     study.tell(t.number, state=TrialState.FAIL)
                     stale.append(t.number)
                     failed = True
+                except StorageUnavailable:
+                    raise
                 except (ValueError, RuntimeError, optuna.exceptions.UpdateFinishedTrialError):
                     pass  # another worker failed it first
         return study.get_trials(deepcopy=False) if failed else trials
@@ -354,8 +376,9 @@ def optimise(space: StudySpace, evaluate: Callable[[LayerPlan], float | tuple[fl
             time.sleep(poll)
 
     def run_trial(trial) -> str:
-        beat = Heartbeat(trial, heartbeat)
+        beat = None
         try:
+            beat = Heartbeat(trial, heartbeat)
             trial.set_user_attr("sampler_seed", worker_seed)
             try:
                 plan = space.propose(trial)
@@ -384,50 +407,73 @@ def optimise(space: StudySpace, evaluate: Callable[[LayerPlan], float | tuple[fl
                 return verdict
             values = evaluate(plan)
             beat.stop()
-            study.tell(trial, values)
+            study.tell(trial, values)  # the storage away: told once it is back (patience)
             return "complete"
-        except BaseException:
-            beat.stop()
-            try:
-                study.tell(trial, state=TrialState.FAIL)  # leave no RUNNING trial behind
-            except Exception:
-                pass
+        except BaseException as error:
+            if beat is not None:  # the caller fails the trial
+                beat.stop(wait=1.0 if not isinstance(error, Exception) else None)
             raise
+
+    def fail(trial, error: BaseException) -> bool:
+        """Leave no RUNNING trial behind: FAIL it (True), so that the study asks its plan again.
+        A worker stopping, or one whose storage is gone, tries once: a trial it could not fail is
+        failed by the next worker's staleness check (layerplan.search.workers)."""
+        hurry = not isinstance(error, Exception) or isinstance(error, StorageUnavailable)
+        with single_attempt() if hurry else nullcontext():
+            try:
+                study.tell(trial, state=TrialState.FAIL)
+                return True
+            except Exception:  # told already (a signal right after the tell), or the storage is away
+                return False
 
     worker_seed = None
     rng = None
     repeats = 0  # this worker's proposals in a row that the study already held
-    while True:
-        trials = look()
-        done = complete(trials)
-        if on_trial:
-            on_trial(min(len(done), n_trials), n_trials)
-        if len(done) >= n_trials:
-            break
-        if len(done) + sum(t.state == TrialState.RUNNING for t in trials) >= n_trials:
-            time.sleep(poll)  # the trials in flight may fill the study: see how they end
-            continue
-        if repeats >= MAX_REPEATS and rng is not None:
-            # the sampler keeps proposing held plans (it has converged, or the space is small): one
-            # plan nobody has run yet, drawn at random, keeps the study moving
-            held = {_plan_of(t) for t in trials if t.state in (TrialState.COMPLETE, TrialState.RUNNING,
-                                                                 TrialState.WAITING)}
-            held |= {queued_plan(t) for t in trials if t.state == TrialState.WAITING}
-            params = space.unseen(held, rng)
-            if params is None:
-                break  # every valid plan has been run
-            study.enqueue_trial(params)
-            repeats = 0
-        with claiming(storage):  # on SQLite two workers could otherwise pop one enqueued trial
-            trial = study.ask()
-        if worker_seed is None:  # the first trial's number is this worker's identity in the study
-            worker_seed = derive_seed(name, seed, trial.number)
-            study.sampler = chosen.make(optuna, worker_seed)
-            rng = random.Random(worker_seed)
-        outcome = run_trial(trial)
-        if outcome == "full":
-            break
-        repeats = repeats + 1 if outcome in ("duplicate", "invalid") else 0
+    current = None  # the trial this worker holds RUNNING
+    try:
+        with stopping_politely():
+            while True:
+                trials = look()
+                done = complete(trials)
+                if on_trial:
+                    on_trial(min(len(done), n_trials), n_trials)
+                if len(done) >= n_trials:
+                    break
+                if len(done) + sum(t.state == TrialState.RUNNING for t in trials) >= n_trials:
+                    time.sleep(poll)  # the trials in flight may fill the study: see how they end
+                    continue
+                if repeats >= MAX_REPEATS and rng is not None:
+                    # the sampler keeps proposing held plans (it has converged, or the space is small): one
+                    # plan nobody has run yet, drawn at random, keeps the study moving
+                    held = {_plan_of(t) for t in trials if t.state in (TrialState.COMPLETE, TrialState.RUNNING,
+                                                                         TrialState.WAITING)}
+                    held |= {queued_plan(t) for t in trials if t.state == TrialState.WAITING}
+                    params = space.unseen(held, rng)
+                    if params is None:
+                        break  # every valid plan has been run
+                    study.enqueue_trial(params)
+                    repeats = 0
+                with claiming(storage):  # on SQLite two workers could otherwise pop one enqueued trial
+                    current = study.ask()
+                if worker_seed is None:  # the first trial's number is this worker's identity in the study
+                    worker_seed = derive_seed(name, seed, current.number)
+                    study.sampler = chosen.make(optuna, worker_seed)
+                    rng = random.Random(worker_seed)
+                outcome = run_trial(current)
+                current = None
+                if outcome == "full":
+                    break
+                repeats = repeats + 1 if outcome in ("duplicate", "invalid") else 0
+    except BaseException as error:
+        if current is not None:
+            failed = fail(current, error)
+            if not isinstance(error, Exception):
+                why = getattr(error, "signal_name", "SIGINT" if isinstance(error, KeyboardInterrupt) else "exit")
+                print(f"stopped ({why}): trial {current.number} "
+                      + ("marked failed; the study will ask its plan again" if failed else
+                         "not marked failed (the storage did not answer); the next worker fails it"),
+                      file=sys.stderr, flush=True)
+        raise
     result = summarise(study, objective, directions)
     result.stale_failed = stale
     return result

@@ -19,6 +19,7 @@ from layerplan.search.evaluate import Divergence
 from layerplan.search.evaluator import CostModel, PlanEvaluator, measure_costs
 from layerplan.search.greedy import GreedyResult, greedy_search
 from layerplan.search.objectives import OBJECTIVES
+from layerplan.search.patience import DEFAULT_PATIENCE
 
 METHODS = {
     "greedy": "greedy skipping",
@@ -80,6 +81,7 @@ def run_search(
     on_progress: Callable[[int, int], None] | None = None,
     probe_row: ProbeRow | None = None,
     save_draft: bool | None = False,
+    storage_patience: float = DEFAULT_PATIENCE,
 ) -> SearchResult:
     """Search a plan for `objective` on calibration ids (B, T).
 
@@ -90,7 +92,8 @@ def run_search(
     probe_row: this machine's probe row for the model (engine/probe.py), the verify costs of the
     tokens-per-second objective's timed decoding. save_draft: keep the best plan as the `auto`
     drafter's layer-plan draft (decoding/drafters/registry.py save_draft_plan); None: when the
-    objective looks for a draft (SearchResult.draft_worthy)."""
+    objective looks for a draft (SearchResult.draft_worthy). storage_patience: seconds the study
+    waits for an unreachable database server (layerplan.search.patience)."""
     if method not in METHODS:
         raise ValueError(f"unknown search method '{method}'; choose from {', '.join(METHODS)}")
     chosen = OBJECTIVES.get(objective)
@@ -117,7 +120,8 @@ def run_search(
     if method in ("bayes", "both"):
         _stage(on_stage, "trials")
         study = run_study(evaluator, objective, trials, str(storage or folder / "study.db"), study_name, sampler,
-                          multi, seeds, allow_ends, costs, prompts, seed, on_trial=on_progress)
+                          multi, seeds, allow_ends, costs, prompts, seed, on_trial=on_progress,
+                          patience=storage_patience)
         best = study.best_plan
     best_plan = model.plan(best or "full")
     result = SearchResult(objective, multi, best_plan, evaluator.divergence(best_plan), costs, greedy, study)

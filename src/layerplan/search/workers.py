@@ -5,11 +5,16 @@ a heartbeat time it refreshes while the trial runs. A RUNNING trial is stale whe
 known dead: on this host, its process is gone (or the pid now belongs to another process); on
 another host, its heartbeat is older than the grace period. This works the same on every storage
 (SQLite, any RDB, journal files), which Optuna's own heartbeat (RDB only, Study.optimize only) does not.
+
+A worker that is asked to stop (SIGTERM, Ctrl-C) fails its running trial itself before it exits
+(stopping_politely and layerplan.search.bayes.optimise); only a worker that cannot (SIGKILL, a
+lost machine) leaves the trial RUNNING for the check above.
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import threading
 import time
@@ -18,6 +23,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
+
+from layerplan.search.patience import single_attempt
 
 try:
     import fcntl
@@ -117,6 +124,44 @@ def claiming(storage_url: str | None) -> Iterator[None]:
             fcntl.flock(lock, fcntl.LOCK_UN)
 
 
+class Stopped(SystemExit):
+    """Raised in the main thread by SIGTERM while a worker runs (stopping_politely): the worker
+    fails its trial on the way out, and the process exits with 128 + the signal's number."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(128 + signum)
+        self.signal_name = signal.Signals(signum).name
+
+
+@contextmanager
+def stopping_politely() -> Iterator[None]:
+    """SIGTERM raises Stopped in the main thread inside the block (Ctrl-C raises KeyboardInterrupt
+    as always), so that `finally` and `except` clauses run: the running trial is failed rather
+    than left RUNNING until a heartbeat grace runs out. Nothing changes off the main thread, or
+    where the program handles SIGTERM itself. A second SIGTERM ends the process at once."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    try:
+        previous = signal.getsignal(signal.SIGTERM)
+    except (AttributeError, ValueError):  # no SIGTERM here
+        yield
+        return
+    if previous not in (signal.SIG_DFL, None):
+        yield
+        return
+
+    def stop(signum, _frame) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the second one is not polite
+        raise Stopped(signum)
+
+    signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 class Heartbeat:
     """Marks `trial` as run by this worker and refreshes its heartbeat every `interval` seconds
     until stop()."""
@@ -131,13 +176,15 @@ class Heartbeat:
         self._thread.start()
 
     def _beat(self) -> None:
-        while not self._stop.wait(self.interval):
-            try:
-                self.trial.set_user_attr(ALIVE_ATTR, time.time())
-            except Exception:  # the trial was finished meanwhile (or the storage hiccupped): next beat
-                pass
+        with single_attempt():  # a beat the storage misses is retried at the next one, not waited for
+            while not self._stop.wait(self.interval):
+                try:
+                    self.trial.set_user_attr(ALIVE_ATTR, time.time())
+                except Exception:  # the trial was finished meanwhile (or the storage is away): next beat
+                    pass
 
-    def stop(self) -> None:
+    def stop(self, wait: float | None = None) -> None:
+        """Stop beating; wait for a beat in flight (at most `wait` seconds when given)."""
         self._stop.set()
         if self._thread.is_alive() and self._thread is not threading.current_thread():
-            self._thread.join()
+            self._thread.join(wait)

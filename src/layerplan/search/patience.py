@@ -1,0 +1,265 @@
+"""One retry policy for every storage call of a shared study (ask, tell, heartbeat, the
+duplicate-plan check, the final summary): a database server that restarts, fails over or drops
+its connections must not end a search that runs on eight machines overnight.
+
+PatientStorage wraps an Optuna storage. A call that fails because the database cannot be reached
+is retried with backoff (SQLAlchemy's pool reconnects on the next checkout) until it succeeds or
+the storage has been unreachable for `patience` seconds straight; one line goes to stderr when
+the storage becomes unreachable and one when it is back, and after the patience a
+StorageUnavailable (a one-line ValueError) ends the worker. Calls that change state are not
+blindly repeated: before a retry the trial is read back, so a tell that committed before its
+connection dropped is not told twice (and an ambiguous claim of an enqueued trial is let go, for
+the staleness check to fail it; see layerplan.search.workers).
+
+A thread inside `single_attempt()` (the heartbeat, a worker stopping on a signal) never waits:
+its call is tried once and fails at once while the storage is away.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+DEFAULT_PATIENCE = 600.0  # seconds a worker waits for its storage to come back
+_FIRST_WAIT, _LONGEST_WAIT = 0.25, 5.0  # backoff between attempts: doubling, at most this
+_NOT_DONE = object()
+_local = threading.local()
+
+
+class StorageUnavailable(ValueError):
+    """The storage stayed unreachable for longer than the patience (a one-line message)."""
+
+
+@contextmanager
+def single_attempt() -> Iterator[None]:
+    """Storage calls of this thread, inside the block, are tried once (no waiting for an outage)."""
+    before = getattr(_local, "single", False)
+    _local.single = True
+    try:
+        yield
+    finally:
+        _local.single = before
+
+
+def describe(seconds: float) -> str:
+    """'10 min', '90 s', '2.5 s'."""
+    if seconds >= 60 and seconds % 60 == 0:
+        return f"{int(seconds // 60)} min"
+    return f"{seconds:g} s"
+
+
+def _chain(error: BaseException) -> list[BaseException]:
+    found: list[BaseException] = []
+    while error is not None and all(error is not e for e in found):
+        found.append(error)
+        error = error.__cause__ or error.__context__
+    return found
+
+
+def unreachable_reason(error: BaseException) -> str | None:
+    """Why the database could not be reached, in one line, when `error` says so (a dropped or
+    refused connection, a server shutting down, a pool timeout); None for any other error (a
+    bad value, a finished trial, a missing table), which is not retried."""
+    try:
+        from sqlalchemy import exc
+    except ImportError:  # no SQLAlchemy: no database either
+        return None
+    chain = _chain(error)
+    transient = False
+    for e in chain:
+        if isinstance(e, (exc.OperationalError, exc.InterfaceError, exc.DisconnectionError, exc.TimeoutError,
+                          ConnectionError)):
+            transient = True
+        elif isinstance(e, exc.DBAPIError) and e.connection_invalidated:
+            transient = True
+        elif type(e).__module__.startswith(("psycopg", "pymysql", "MySQLdb")) and type(e).__name__ in (
+                "OperationalError", "InterfaceError"):
+            transient = True
+    if not transient:
+        return None
+    for e in reversed(chain):  # the driver's own words are the deepest
+        text = str(getattr(e, "orig", None) or e)
+        line = next((part.strip() for part in text.splitlines() if part.strip()), "")
+        if line:
+            line = line.split(" (Background on this error")[0]
+            return line if len(line) <= 160 else line[:157] + "..."
+    return type(error).__name__
+
+
+class _Outage:
+    """What the workers' threads share: since when the storage has been unreachable, and why."""
+
+    def __init__(self, patience: float, say: Callable[[str], None]) -> None:
+        self.patience = patience
+        self.say = say
+        self.since: float | None = None
+        self.reason = ""
+        self.outages = 0  # times the storage became unreachable (for reports and tests)
+        self._lock = threading.Lock()
+
+    def failed(self, reason: str) -> float:
+        """Record a failed attempt; the time (monotonic) at which patience runs out."""
+        with self._lock:
+            if self.since is None:
+                self.since, self.reason = time.monotonic(), reason
+                self.outages += 1
+                self.say(f"storage unreachable ({reason}): retrying for up to {describe(self.patience)}")
+            return self.since + self.patience
+
+    def succeeded(self) -> None:
+        if self.since is None:
+            return
+        with self._lock:
+            if self.since is not None:
+                self.say(f"storage reachable again after {time.monotonic() - self.since:.1f} s")
+                self.since = None
+
+
+def _stderr(line: str) -> None:
+    try:
+        sys.stderr.write(line + "\n")
+        sys.stderr.flush()
+    except (OSError, ValueError):  # stderr closed: the line is lost, the work goes on
+        pass
+
+
+_CLASS = None
+
+
+def patient_storage(inner, patience: float = DEFAULT_PATIENCE, say: Callable[[str], None] = _stderr):
+    """`inner` (an Optuna storage) with every call under the retry policy (see the module): an
+    Optuna BaseStorage (and BaseHeartbeat, handing the heartbeat calls through), made on first use
+    so that importing this module does not import Optuna."""
+    global _CLASS
+    if _CLASS is None:
+        _CLASS = _make_class()
+    return _CLASS(inner, patience, say)
+
+
+def _make_class():
+    from optuna.storages import BaseStorage
+    from optuna.storages._heartbeat import BaseHeartbeat
+
+    class PatientStorage(BaseStorage, BaseHeartbeat):
+        """An Optuna storage whose every call waits out an unreachable database (see the module)."""
+
+        def __init__(self, inner, patience: float = DEFAULT_PATIENCE, say: Callable[[str], None] = _stderr) -> None:
+            self._inner = inner
+            self._outage = _Outage(float(patience), say)
+
+        @property
+        def patience(self) -> float:
+            return self._outage.patience
+
+        @property
+        def outages(self) -> int:
+            return self._outage.outages
+
+        def _call(self, name: str, args: tuple, kwargs: dict, confirm: Callable[[], Any] | None = None):
+            method = getattr(self._inner, name)
+            wait, retrying = _FIRST_WAIT, False
+            while True:
+                try:
+                    if retrying and confirm is not None:
+                        done = confirm()  # did the attempt that lost its connection commit after all?
+                        if done is not _NOT_DONE:
+                            self._outage.succeeded()
+                            return done
+                    result = method(*args, **kwargs)
+                except Exception as error:
+                    reason = unreachable_reason(error)
+                    if reason is None:
+                        if retrying:
+                            self._outage.succeeded()  # it answered, with an error of another kind
+                        raise
+                    deadline = self._outage.failed(reason)
+                    now = time.monotonic()
+                    if now >= deadline:
+                        raise StorageUnavailable(
+                            f"the study storage has been unreachable for {now - deadline + self.patience:.0f} s "
+                            f"({self._outage.reason}); giving up (--storage-patience {self.patience:g})") from None
+                    if getattr(_local, "single", False):
+                        raise
+                    time.sleep(min(wait, max(0.0, deadline - now)))
+                    wait, retrying = min(2 * wait, _LONGEST_WAIT), True
+                    continue
+                self._outage.succeeded()
+                return result
+
+        # ----- calls that change state: read back before a retry ------------------------------------
+        def set_trial_state_values(self, trial_id: int, state, values=None) -> bool:
+            from optuna.trial import TrialState
+
+            def confirm():
+                current = self._inner.get_trial(trial_id)
+                if state.is_finished() and current.state == state and (
+                        values is None or list(current.values or []) == [float(v) for v in values]):
+                    return True  # the tell committed before its connection dropped: told once
+                if state == TrialState.RUNNING and current.state == TrialState.RUNNING:
+                    return False  # claimed, by this worker or another: let it go (stale trials are failed)
+                return _NOT_DONE
+
+            return self._call("set_trial_state_values", (trial_id, state, values), {}, confirm)
+
+        def set_trial_param(self, trial_id: int, param_name: str, param_value_internal: float, distribution) -> None:
+            def confirm():
+                return None if param_name in self._inner.get_trial(trial_id).params else _NOT_DONE
+
+            return self._call("set_trial_param", (trial_id, param_name, param_value_internal, distribution), {}, confirm)
+
+        def create_new_study(self, directions, study_name: str | None = None) -> int:
+            def confirm():
+                if study_name is None:
+                    return _NOT_DONE
+                try:
+                    return self._inner.get_study_id_from_name(study_name)
+                except KeyError:
+                    return _NOT_DONE
+
+            return self._call("create_new_study", (directions, study_name), {}, confirm)
+
+        # ----- the heartbeat calls of Optuna's own heartbeat (Study.optimize), handed through --------
+        def get_heartbeat_interval(self) -> int | None:
+            getter = getattr(self._inner, "get_heartbeat_interval", None)
+            return getter() if getter else None
+
+        def get_heartbeat_stale_trial_callback(self):
+            getter = getattr(self._inner, "get_heartbeat_stale_trial_callback", None)
+            return getter() if getter else None
+
+        def remove_session(self) -> None:
+            getattr(self._inner, "remove_session", lambda: None)()
+
+        def check_trial_is_updatable(self, trial_id: int, trial_state) -> None:
+            self._inner.check_trial_is_updatable(trial_id, trial_state)
+
+        def __getattr__(self, name: str):  # anything else of the inner storage (its engine, ...)
+            if name.startswith("__") or name == "_inner":
+                raise AttributeError(name)
+            return getattr(self._inner, name)
+
+    # the rest: reads, and writes that may be repeated (attributes, intermediate values, a new trial)
+    for name in REPEATABLE:
+        setattr(PatientStorage, name, _delegate(name))
+    PatientStorage.__abstractmethods__ = frozenset()  # each is defined above or by _delegate
+    return PatientStorage
+
+
+REPEATABLE = ("create_new_trial", "delete_study", "get_all_studies", "get_all_trials", "get_best_trial",
+              "get_n_trials", "get_study_directions", "get_study_id_from_name", "get_study_name_from_id",
+              "get_study_system_attrs", "get_study_user_attrs", "get_trial", "get_trial_id_from_study_id_trial_number",
+              "get_trial_number_from_id", "get_trial_param", "get_trial_params", "get_trial_system_attrs",
+              "get_trial_user_attrs", "set_study_system_attr", "set_study_user_attr", "set_trial_intermediate_value",
+              "set_trial_system_attr", "set_trial_user_attr", "record_heartbeat", "_get_stale_trial_ids")
+
+
+def _delegate(name: str):
+    def method(self, *args, **kwargs):
+        return self._call(name, args, kwargs)
+
+    method.__name__ = name
+    return method
