@@ -282,7 +282,7 @@ def test_formats_without_integer_tiles_run_exact(native, name):
 
 @pytest.mark.parametrize("name", INTEGER)
 def test_every_build_gives_the_same_integer_products(native, name):
-    """vpdpbusd (avx2vnni) and vpmaddubsw + vpmaddwd (avx2) sum the same integers; the portable
+    """vpdpbusd (avx512vnni) and vpmaddubsw + vpmaddwd (avx2) sum the same integers; the portable
     build has no integer tiles and runs exact."""
     from layerplan.machine import read_cpuinfo
 

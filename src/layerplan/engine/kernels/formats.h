@@ -68,12 +68,16 @@ typedef struct {
     long k;
 } lp_q8;
 
-#define LP_INT_ROWS 4 /* the most rows an integer tile takes */
+#define LP_INT_ROWS 8 /* the most rows an integer tile may take */
 
 /* rows [r0, r0 + r) of x on one panel (all k inputs): y[r][j] = the sums (overwritten) */
 typedef void (*lp_int_tile)(const lp_q8 *x, long r0, const void *w, float *y, long ys);
+/* the same on two panels, the second panel_bytes after the first: y[r][16 + j] its sums */
+typedef void (*lp_int_pair_tile)(const lp_q8 *x, long r0, const void *w, long panel_bytes, float *y, long ys);
 typedef struct {
-    lp_int_tile rows[LP_INT_ROWS + 1]; /* [r]: r rows */
+    lp_int_tile rows[LP_INT_ROWS + 1];           /* [r]: r rows */
+    lp_int_pair_tile pair_rows[LP_INT_ROWS + 1]; /* [r]: r rows on two panels (NULL: one at a time) */
+    long most;                         /* the most rows a pass gives one tile (<= LP_INT_ROWS) */
 } lp_int_tiles;
 
 /* x (m, k fp32; k a multiple of 32) -> q, d, s of an lp_q8 */

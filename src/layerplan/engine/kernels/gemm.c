@@ -97,13 +97,20 @@ static void run_product(const lp_product *pr, long p0, long p1, float *y, long y
         run_panels(pr->tiles, pr->w, pr->panel_bytes, pr->k, pr->x, pr->m, y, ys, p0, p1, ybase);
         return;
     }
-    long m = pr->m, groups = (m + LP_INT_ROWS - 1) / LP_INT_ROWS; /* 6 rows = 3 + 3 */
-    for (long p = p0; p < p1; p++)
+    long m = pr->m, groups = (m + pr->int_tiles->most - 1) / pr->int_tiles->most; /* 10 rows = 5 + 5 */
+    const lp_int_tiles *t = pr->int_tiles;
+    for (long p = p0; p < p1;) {
+        int pair = p + 1 < p1 && t->pair_rows[1] != NULL;
         for (long g = 0, r0 = 0; g < groups; g++) {
             long nr = m / groups + (g < m % groups);
-            pr->int_tiles->rows[nr](pr->xq, r0, pr->w + p * pr->panel_bytes, y + r0 * ys + (p - ybase) * LP_PANEL, ys);
+            const char *w = pr->w + p * pr->panel_bytes;
+            float *out = y + r0 * ys + (p - ybase) * LP_PANEL;
+            if (pair) t->pair_rows[nr](pr->xq, r0, w, pr->panel_bytes, out, ys);
+            else t->rows[nr](pr->xq, r0, w, out, ys);
             r0 += nr;
         }
+        p += pair ? 2 : 1;
+    }
 }
 
 int lp_gemm(const lp_matrix *mat, const float *x, long m, float *y, int threads) {
@@ -119,7 +126,7 @@ int lp_gemm(const lp_matrix *mat, const float *x, long m, float *y, int threads)
     lp_product pr = {f->tiles, NULL, NULL, (const char *)mat->w, panel_bytes, k, m, x};
     if (mat->arithmetic == LP_ARITH_INT8 && k % 32 == 0) pr.int_tiles = lp_int_tiles_of(mat->format);
     /* the panels the tiles for few rows take at once (four_panels; two_panels and the pairs) */
-    long grain = pr.int_tiles ? 1 : m == 1 ? 4 : 2;
+    long grain = pr.int_tiles ? 2 : m == 1 ? 4 : 2;
     lp_run *runs = (lp_run *)aligned_alloc(64, sizeof(lp_run) * (size_t)threads);
     /* the last, partial panel's outputs go to scratch of whole panels, then its valid columns to y */
     float *tail = whole < panels ? lp_floats(m * LP_PANEL) : NULL;

@@ -18,8 +18,8 @@
 #error "products_avx2.c is built with -mavx2 -mfma"
 #endif
 
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-const char lp_products_isa[] = "avx2vnni";
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+const char lp_products_isa[] = "avx512vnni";
 #else
 const char lp_products_isa[] = "avx2";
 #endif

@@ -683,12 +683,278 @@ ALWAYS __m256i four_bytes(const int8_t *p) {
         }                                                                                          \
     }
 
+/* RR rows on one panel as ITILE, with the rows' float sums in y (in L1) rather than in registers:
+ * for more rows than the registers hold sums for, so a pass of up to LP_INT_ROWS rows unpacks each
+ * word once. The same operations in the same order as ITILE: the same bits. */
+#define ITILE_Y(NAME, F, f, RR)                                                                    \
+    static void NAME(const lp_q8 *x, long r0, const void *wv, float *y, long ys) {                \
+        enum { R = RR };                                                                           \
+        const uint8_t *w = (const uint8_t *)wv;                                                    \
+        const long k = x->k;                                                                       \
+        const int8_t *xr[R];                                                                       \
+        _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                                      \
+            xr[r] = x->q + (r0 + r) * k;                                                           \
+            _mm256_storeu_ps(y + r * ys, _mm256_setzero_ps());                                     \
+            _mm256_storeu_ps(y + r * ys + 8, _mm256_setzero_ps());                                 \
+        }                                                                                          \
+        for (long s0 = 0; s0 < k; s0 += F##_ISUB) {                                                \
+            istate st;                                                                             \
+            f##_iset(&st, w + s0 / F##_BLOCK * F##_PB, (int)(s0 % F##_BLOCK / F##_ISUB));          \
+            __m256i al[R], ah[R];                                                                  \
+            _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) al[r] = ah[r] = _mm256_setzero_si256(); \
+            _Pragma("GCC unroll 8") for (int c = 0; c < F##_ISUB / 4; c++) {                       \
+                __m256i wl, wh;                                                                    \
+                f##_iload(&st, c, &wl, &wh);                                                       \
+                _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                              \
+                    __m256i xb = four_bytes(xr[r] + s0 + 4 * c);                                   \
+                    al[r] = dot4(al[r], wl, xb);                                                   \
+                    ah[r] = dot4(ah[r], wh, xb);                                                   \
+                }                                                                                  \
+            }                                                                                      \
+            _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                                  \
+                const float *ss = x->s + (r0 + r) * (k / 16) + s0 / 16;                            \
+                __m256 d = _mm256_set1_ps(x->d[(r0 + r) * (k / 32) + s0 / 32]);                    \
+                __m256 s = _mm256_set1_ps(F##_ISUB == 32 ? ss[0] + ss[1] : ss[0]);                 \
+                float *o = y + r * ys;                                                             \
+                _mm256_storeu_ps(o, fma_(st.ol, s, fma_(cvt(al[r]), mul(st.dl, d), _mm256_loadu_ps(o)))); \
+                _mm256_storeu_ps(o + 8, fma_(st.oh, s, fma_(cvt(ah[r]), mul(st.dh, d), _mm256_loadu_ps(o + 8)))); \
+            }                                                                                      \
+        }                                                                                          \
+    }
+
+#if defined(__AVX512BW__) && defined(__AVX512VNNI__)
+/* ----- 64-byte words (the avx512vnni build) -----
+ * Two consecutive 32-byte words in one register: lanes 0-7 hold word c (inputs 4c..4c+3 of rows
+ * 0-7, or 8-15 after the shift), lanes 8-15 word c + 1. The activations' eight bytes go to lanes
+ * 0-7 (the first four) and 8-15 (the next four), and at a sub-block's end the two halves' integer
+ * sums are added: the same integers as the 32-byte tiles, with half the instructions. */
+ALWAYS void nibble_words2(const istate *s, int c, __m512i *wl, __m512i *wh) {
+    __m512i v = _mm512_loadu_si512((const void *)(s->q + 64 * c));
+    *wl = _mm512_and_si512(v, _mm512_set1_epi8(0x0F));
+    *wh = _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(0x0F));
+}
+#define q4_0_iload2 nibble_words2
+#define q4_1_iload2 nibble_words2
+#define q4_k_iload2 nibble_words2
+ALWAYS void q6_k_iload2(const istate *s, int c, __m512i *wl, __m512i *wh) {
+    __m512i v = _mm512_loadu_si512((const void *)(s->q + 64 * c));
+    __m512i h = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(s->h + 32 * c)));
+    __m512i t = _mm512_shuffle_epi8(h, _mm512_broadcast_i32x4(_mm_setr_epi8(0, 0, 1, 1, 4, 4, 5, 5, 8, 8, 9, 9, 12, 12,
+                                                                               13, 13)));
+    __m512i lo = _mm512_or_si512(_mm512_slli_epi16(_mm512_and_si512(t, _mm512_set1_epi16(0x0003)), 4),
+                                 _mm512_slli_epi16(_mm512_and_si512(t, _mm512_set1_epi16(0x0C00)), 2));
+    __m512i hi = _mm512_or_si512(_mm512_and_si512(t, _mm512_set1_epi16(0x0030)),
+                                 _mm512_srli_epi16(_mm512_and_si512(t, _mm512_set1_epi16((short)0xC000)), 2));
+    *wl = _mm512_or_si512(_mm512_and_si512(v, _mm512_set1_epi8(0x0F)), lo);
+    *wh = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(0x0F)), hi);
+}
+
+/* bytes p[0..3] to lanes 0-7, p[4..7] to lanes 8-15 */
+ALWAYS __m512i eight_bytes(const int8_t *p) {
+    return _mm512_permutexvar_epi32(_mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0),
+                                    _mm512_castsi128_si512(_mm_loadl_epi64((const __m128i *)p)));
+}
+ALWAYS __m256i halves(__m512i a) { return _mm256_add_epi32(_mm512_castsi512_si256(a), _mm512_extracti64x4_epi64(a, 1)); }
+
+/* RR rows on one panel over 64-byte words; the rows' float sums in registers (YSUMS 0) or in y */
+#define ZTILE(NAME, F, f, RR, YSUMS)                                                               \
+    static void NAME(const lp_q8 *x, long r0, const void *wv, float *y, long ys) {                \
+        enum { R = RR, S = RR <= 2 ? 2 : 1 };                                                      \
+        const uint8_t *w = (const uint8_t *)wv;                                                    \
+        const long k = x->k;                                                                       \
+        const int8_t *xr[R];                                                                       \
+        __m256 sl[YSUMS ? 1 : R], sh[YSUMS ? 1 : R];                                               \
+        _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                                      \
+            xr[r] = x->q + (r0 + r) * k;                                                           \
+            if (YSUMS) {                                                                           \
+                _mm256_storeu_ps(y + r * ys, _mm256_setzero_ps());                                 \
+                _mm256_storeu_ps(y + r * ys + 8, _mm256_setzero_ps());                             \
+            } else {                                                                               \
+                sl[YSUMS ? 0 : r] = sh[YSUMS ? 0 : r] = _mm256_setzero_ps();                       \
+            }                                                                                      \
+        }                                                                                          \
+        for (long s0 = 0; s0 < k; s0 += F##_ISUB) {                                                \
+            istate st;                                                                             \
+            f##_iset(&st, w + s0 / F##_BLOCK * F##_PB, (int)(s0 % F##_BLOCK / F##_ISUB));          \
+            __m512i al[R][S], ah[R][S];                                                            \
+            _Pragma("GCC unroll 8") for (int r = 0; r < R; r++)                                    \
+                _Pragma("GCC unroll 2") for (int c = 0; c < S; c++) al[r][c] = ah[r][c] = _mm512_setzero_si512(); \
+            _Pragma("GCC unroll 4") for (int c = 0; c < F##_ISUB / 8; c++) {                       \
+                __m512i wl, wh;                                                                    \
+                f##_iload2(&st, c, &wl, &wh);                                                      \
+                _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                              \
+                    __m512i xb = eight_bytes(xr[r] + s0 + 8 * c);                                  \
+                    al[r][c % S] = _mm512_dpbusd_epi32(al[r][c % S], wl, xb);                      \
+                    ah[r][c % S] = _mm512_dpbusd_epi32(ah[r][c % S], wh, xb);                      \
+                }                                                                                  \
+            }                                                                                      \
+            _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                                  \
+                __m512i zl = al[r][0], zh = ah[r][0];                                              \
+                if (S > 1) {                                                                       \
+                    zl = _mm512_add_epi32(zl, al[r][S - 1]);                                       \
+                    zh = _mm512_add_epi32(zh, ah[r][S - 1]);                                       \
+                }                                                                                  \
+                const float *ss = x->s + (r0 + r) * (k / 16) + s0 / 16;                            \
+                __m256 d = _mm256_set1_ps(x->d[(r0 + r) * (k / 32) + s0 / 32]);                    \
+                __m256 s = _mm256_set1_ps(F##_ISUB == 32 ? ss[0] + ss[1] : ss[0]);                 \
+                if (YSUMS) {                                                                       \
+                    float *o = y + r * ys;                                                         \
+                    _mm256_storeu_ps(o, fma_(st.ol, s, fma_(cvt(halves(zl)), mul(st.dl, d), _mm256_loadu_ps(o)))); \
+                    _mm256_storeu_ps(o + 8, fma_(st.oh, s, fma_(cvt(halves(zh)), mul(st.dh, d), _mm256_loadu_ps(o + 8)))); \
+                } else {                                                                           \
+                    const int i = YSUMS ? 0 : r;                                                   \
+                    sl[i] = fma_(st.ol, s, fma_(cvt(halves(zl)), mul(st.dl, d), sl[i]));           \
+                    sh[i] = fma_(st.oh, s, fma_(cvt(halves(zh)), mul(st.dh, d), sh[i]));           \
+                }                                                                                  \
+            }                                                                                      \
+        }                                                                                          \
+        if (!YSUMS)                                                                                \
+            _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                                  \
+                _mm256_storeu_ps(y + r * ys, sl[YSUMS ? 0 : r]);                                   \
+                _mm256_storeu_ps(y + r * ys + 8, sh[YSUMS ? 0 : r]);                               \
+            }                                                                                      \
+    }
+
+/* ----- two panels at once (the avx512vnni build) -----
+ * Lanes 0-7 hold panel A's word c, lanes 8-15 panel B's word c: the same four inputs, so one
+ * broadcast of the activations' four bytes serves both panels, and each half's integer sums are
+ * its panel's (the same integers as the 32-byte tiles). Scales, offsets and float sums likewise:
+ * lanes 0-7 panel A's, 8-15 panel B's. */
+ALWAYS __m512i pair256(const uint8_t *a, const uint8_t *b) {
+    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)a)),
+                              _mm256_loadu_si256((const __m256i *)b), 1);
+}
+ALWAYS __m512 pair_ps(__m256 a, __m256 b) {
+    return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(a)), _mm256_castps_pd(b), 1));
+}
+ALWAYS void nibble_pair(const istate *a, const istate *b, int c, __m512i *wl, __m512i *wh) {
+    __m512i v = pair256(a->q + 32 * c, b->q + 32 * c);
+    *wl = _mm512_and_si512(v, _mm512_set1_epi8(0x0F));
+    *wh = _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(0x0F));
+}
+#define q4_0_ipair nibble_pair
+#define q4_1_ipair nibble_pair
+#define q4_k_ipair nibble_pair
+ALWAYS void q6_k_ipair(const istate *a, const istate *b, int c, __m512i *wl, __m512i *wh) {
+    __m512i v = pair256(a->q + 32 * c, b->q + 32 * c);
+    __m256i hh = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(a->h + 16 * c))),
+                                         _mm_loadu_si128((const __m128i *)(b->h + 16 * c)), 1);
+    __m512i t = _mm512_shuffle_epi8(_mm512_cvtepu16_epi32(hh),
+                                    _mm512_broadcast_i32x4(_mm_setr_epi8(0, 0, 1, 1, 4, 4, 5, 5, 8, 8, 9, 9, 12, 12, 13, 13)));
+    __m512i lo = _mm512_or_si512(_mm512_slli_epi16(_mm512_and_si512(t, _mm512_set1_epi16(0x0003)), 4),
+                                 _mm512_slli_epi16(_mm512_and_si512(t, _mm512_set1_epi16(0x0C00)), 2));
+    __m512i hi = _mm512_or_si512(_mm512_and_si512(t, _mm512_set1_epi16(0x0030)),
+                                 _mm512_srli_epi16(_mm512_and_si512(t, _mm512_set1_epi16((short)0xC000)), 2));
+    *wl = _mm512_or_si512(_mm512_and_si512(v, _mm512_set1_epi8(0x0F)), lo);
+    *wh = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(0x0F)), hi);
+}
+
+/* RR rows on panels A and B (panel_bytes apart): y[r][0..15] panel A's, y[r][16..31] panel B's;
+ * the float sums in registers (YSUMS 0) or in y */
+#define ZPAIR(NAME, F, f, RR, YSUMS)                                                               \
+    static void NAME(const lp_q8 *x, long r0, const void *wv, long panel_bytes, float *y, long ys) { \
+        enum { R = RR, S = RR <= 1 ? 2 : 1 };                                                      \
+        const uint8_t *wa = (const uint8_t *)wv, *wb = wa + panel_bytes;                           \
+        const long k = x->k;                                                                       \
+        const int8_t *xr[R];                                                                       \
+        __m512 sl[YSUMS ? 1 : R], sh[YSUMS ? 1 : R];                                               \
+        _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                                      \
+            xr[r] = x->q + (r0 + r) * k;                                                           \
+            if (YSUMS) {                                                                           \
+                _mm512_storeu_ps(y + r * ys, _mm512_setzero_ps());                                 \
+                _mm512_storeu_ps(y + r * ys + 16, _mm512_setzero_ps());                            \
+            } else {                                                                               \
+                sl[YSUMS ? 0 : r] = sh[YSUMS ? 0 : r] = _mm512_setzero_ps();                       \
+            }                                                                                      \
+        }                                                                                          \
+        for (long s0 = 0; s0 < k; s0 += F##_ISUB) {                                                \
+            istate sa, sb;                                                                         \
+            const long at = s0 / F##_BLOCK * F##_PB;                                               \
+            const int sub = (int)(s0 % F##_BLOCK / F##_ISUB);                                      \
+            f##_iset(&sa, wa + at, sub);                                                           \
+            f##_iset(&sb, wb + at, sub);                                                           \
+            const __m512 dl = pair_ps(sa.dl, sb.dl), dh = pair_ps(sa.dh, sb.dh), ol = pair_ps(sa.ol, sb.ol), \
+                         oh = pair_ps(sa.oh, sb.oh);                                               \
+            __m512i al[R][S], ah[R][S];                                                            \
+            _Pragma("GCC unroll 8") for (int r = 0; r < R; r++)                                    \
+                _Pragma("GCC unroll 2") for (int c = 0; c < S; c++) al[r][c] = ah[r][c] = _mm512_setzero_si512(); \
+            _Pragma("GCC unroll 8") for (int c = 0; c < F##_ISUB / 4; c++) {                       \
+                __m512i wl, wh;                                                                    \
+                f##_ipair(&sa, &sb, c, &wl, &wh);                                                  \
+                _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                              \
+                    int32_t four;                                                                  \
+                    memcpy(&four, xr[r] + s0 + 4 * c, 4);                                          \
+                    __m512i xb = _mm512_set1_epi32(four);                                          \
+                    al[r][c % S] = _mm512_dpbusd_epi32(al[r][c % S], wl, xb);                      \
+                    ah[r][c % S] = _mm512_dpbusd_epi32(ah[r][c % S], wh, xb);                      \
+                }                                                                                  \
+            }                                                                                      \
+            _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                                  \
+                __m512i zl = al[r][0], zh = ah[r][0];                                              \
+                if (S > 1) {                                                                       \
+                    zl = _mm512_add_epi32(zl, al[r][S - 1]);                                       \
+                    zh = _mm512_add_epi32(zh, ah[r][S - 1]);                                       \
+                }                                                                                  \
+                const float *ss = x->s + (r0 + r) * (k / 16) + s0 / 16;                            \
+                __m512 d = _mm512_set1_ps(x->d[(r0 + r) * (k / 32) + s0 / 32]);                    \
+                __m512 s = _mm512_set1_ps(F##_ISUB == 32 ? ss[0] + ss[1] : ss[0]);                 \
+                if (YSUMS) {                                                                       \
+                    float *o = y + r * ys;                                                         \
+                    __m512 pl = _mm512_fmadd_ps(_mm512_cvtepi32_ps(zl), _mm512_mul_ps(dl, d), lanes_ab(o, 0)); \
+                    __m512 ph = _mm512_fmadd_ps(_mm512_cvtepi32_ps(zh), _mm512_mul_ps(dh, d), lanes_ab(o, 8)); \
+                    store_ab(o, 0, _mm512_fmadd_ps(ol, s, pl));                                    \
+                    store_ab(o, 8, _mm512_fmadd_ps(oh, s, ph));                                    \
+                } else {                                                                           \
+                    const int i = YSUMS ? 0 : r;                                                   \
+                    sl[i] = _mm512_fmadd_ps(ol, s, _mm512_fmadd_ps(_mm512_cvtepi32_ps(zl), _mm512_mul_ps(dl, d), sl[i])); \
+                    sh[i] = _mm512_fmadd_ps(oh, s, _mm512_fmadd_ps(_mm512_cvtepi32_ps(zh), _mm512_mul_ps(dh, d), sh[i])); \
+                }                                                                                  \
+            }                                                                                      \
+        }                                                                                          \
+        if (!YSUMS)                                                                                \
+            _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                                  \
+                store_ab(y + r * ys, 0, sl[YSUMS ? 0 : r]);                                        \
+                store_ab(y + r * ys, 8, sh[YSUMS ? 0 : r]);                                        \
+            }                                                                                      \
+    }
+
+/* a pair's sums of rows 0-7 (at 0) or 8-15 (at 8): panel A's at o + at, panel B's at o + 16 + at */
+ALWAYS __m512 lanes_ab(const float *o, int at) { return pair_ps(_mm256_loadu_ps(o + at), _mm256_loadu_ps(o + 16 + at)); }
+ALWAYS void store_ab(float *o, int at, __m512 v) {
+    _mm256_storeu_ps(o + at, _mm512_castps512_ps256(v));
+    _mm256_storeu_ps(o + 16 + at, _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+}
+
+#define ITILES(F, f)                                                                               \
+    ZTILE(f##_i1, F, f, 1, 0)                                                                      \
+    ZTILE(f##_i2, F, f, 2, 0)                                                                      \
+    ZTILE(f##_i3, F, f, 3, 0)                                                                      \
+    ZTILE(f##_i4, F, f, 4, 0)                                                                      \
+    ZTILE(f##_i5, F, f, 5, 1)                                                                      \
+    ZTILE(f##_i6, F, f, 6, 1)                                                                      \
+    ZTILE(f##_i7, F, f, 7, 1)                                                                      \
+    ZTILE(f##_i8, F, f, 8, 1)                                                                      \
+    ZPAIR(f##_p1, F, f, 1, 0)                                                                      \
+    ZPAIR(f##_p2, F, f, 2, 0)                                                                      \
+    ZPAIR(f##_p3, F, f, 3, 0)                                                                      \
+    ZPAIR(f##_p4, F, f, 4, 0)                                                                      \
+    ZPAIR(f##_p5, F, f, 5, 1)                                                                      \
+    ZPAIR(f##_p6, F, f, 6, 1)                                                                      \
+    ZPAIR(f##_p7, F, f, 7, 1)                                                                      \
+    ZPAIR(f##_p8, F, f, 8, 1)                                                                      \
+    static const lp_int_tiles int_tiles_##f = {{NULL, f##_i1, f##_i2, f##_i3, f##_i4, f##_i5, f##_i6, f##_i7, f##_i8}, \
+                                               {NULL, f##_p1, f##_p2, f##_p3, f##_p4, f##_p5, f##_p6, f##_p7, f##_p8}, 8};
+#else
+/* the tiles by rows: sums in registers for up to 4 rows, in y for 5 and 6 */
 #define ITILES(F, f)                                                                               \
     ITILE(f##_i1, F, f, 1)                                                                         \
     ITILE(f##_i2, F, f, 2)                                                                         \
     ITILE(f##_i3, F, f, 3)                                                                         \
     ITILE(f##_i4, F, f, 4)                                                                         \
-    static const lp_int_tiles int_tiles_##f = {{NULL, f##_i1, f##_i2, f##_i3, f##_i4}};
+    ITILE_Y(f##_i5, F, f, 5)                                                                       \
+    ITILE_Y(f##_i6, F, f, 6)                                                                       \
+    static const lp_int_tiles int_tiles_##f = {{NULL, f##_i1, f##_i2, f##_i3, f##_i4, f##_i5, f##_i6}, {NULL}, 6};
+#endif
 
 ITILES(Q4_0, q4_0)
 ITILES(Q4_1, q4_1)
