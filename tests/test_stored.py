@@ -192,3 +192,18 @@ def test_fast_arithmetic_takes_integer_products_close_to_the_exact_ones(tmp_path
     cache = new_cache(fast.plan(), 64)
     steps = [forward(fast, ids[:, i:i + 1], cache=cache, start_pos=i) for i in range(ids.shape[1])]
     assert torch.allclose(torch.cat(steps, 1), got, rtol=1e-5, atol=1e-5)
+
+
+def test_matrices_packed_in_parts_are_the_matrices_packed_whole(tmp_path, monkeypatch):
+    """A large matrix is read and packed a part of whole panels at a time (the transient copy stays
+    small): the packed bytes are those of the whole matrix packed at once."""
+    from layerplan.engine.native import PackedMatrix
+
+    stored, _ = _stored_and_dense(tmp_path, "llama", "Q4_1")
+    weight = stored.stored.of(stored.parts.layers[0].mlp.gate_proj)
+    whole = PackedMatrix([weight], [None])
+    monkeypatch.setattr(PackedMatrix, "PACK_ROWS", 16)
+    parts = PackedMatrix([weight], [None])
+    assert weight.rows > 16 and torch.equal(parts.packed, whole.packed)
+    with pytest.raises(ValueError, match="read whole"):
+        stored.stored.of(stored.parts.layers[0].attention.q_proj).read_rows(first=16, count=16)

@@ -162,16 +162,50 @@ class PackedMatrix:
         kinds = {w.type_name for w in weights}
         self.format = getattr(ABI, f"LP_FORMAT_{kinds.pop()}", None) if len(kinds) == 1 else None
         nbytes = library().lp_packed_bytes(self.format, n, k) if self.format is not None else -1
+        self.n, self.k, self.dtype = n, k, torch.float32  # products read and write fp32 rows
         if nbytes < 0:
             self.format = ABI.LP_FORMAT_F32
             rows = torch.cat([w.dequantize() for w in weights])
             nbytes = library().lp_packed_bytes(self.format, n, k)
+            self.packed = arena.empty(nbytes, torch.uint8) if arena is not None else torch.empty(nbytes, dtype=torch.uint8)
+            check(library().lp_pack(rows.data_ptr(), self.format, n, k, self.packed.data_ptr()), "packing a matrix")
         else:
-            rows = torch.from_numpy(np.concatenate([w.read_rows() for w in weights]))
-        self.n, self.k, self.dtype = n, k, torch.float32  # products read and write fp32 rows
-        self.packed = arena.empty(nbytes, torch.uint8) if arena is not None else torch.empty(nbytes, dtype=torch.uint8)
-        check(library().lp_pack(rows.data_ptr(), self.format, n, k, self.packed.data_ptr()), "packing a stored matrix")
+            self.packed = arena.empty(nbytes, torch.uint8) if arena is not None else torch.empty(nbytes, dtype=torch.uint8)
+            self._pack_rows(weights)
         self._describe([w.rows for w in weights], biases)
+
+    # rows read and packed at a time where a matrix is packed in parts: the transient copy of the
+    # file's rows stays this small beside the packed matrix (a 152k-token LM head is ~200 MB)
+    PACK_ROWS = 4096
+
+    def _pack_rows(self, weights: list[StoredTensor]) -> None:
+        """The stack's stored rows into self.packed: in parts of whole panels where every matrix's
+        rows are, each part read from the file and packed at its panels' place; else the stack at
+        once."""
+        panel_bytes = library().lp_packed_bytes(self.format, ABI.LP_PANEL, self.k)
+        if any(w.rows % ABI.LP_PANEL for w in weights[:-1]):  # a stack whose parts share panels
+            rows = np.empty((self.n, weights[0].row_bytes), np.uint8)
+            at = 0
+            for weight in weights:
+                weight.read_rows(rows[at:at + weight.rows])
+                at += weight.rows
+            parts = [(0, rows)]
+        else:
+            parts = self._row_parts(weights)
+        for first, rows in parts:
+            out = self.packed.data_ptr() + first // ABI.LP_PANEL * panel_bytes
+            check(library().lp_pack(rows.ctypes.data, self.format, rows.shape[0], self.k, out), "packing a stored matrix")
+
+    def _row_parts(self, weights: list[StoredTensor]):
+        """(first row in the stack, its rows) for parts of at most PACK_ROWS rows (whole panels)."""
+        at = 0
+        for weight in weights:
+            if weight.row_order is not None or weight.rows <= self.PACK_ROWS:
+                yield at, weight.read_rows()
+            else:
+                for first in range(0, weight.rows, self.PACK_ROWS):
+                    yield at + first, weight.read_rows(first=first, count=min(self.PACK_ROWS, weight.rows - first))
+            at += weight.rows
 
     def _describe(self, rows: list[int], biases: list[torch.Tensor | None]) -> None:
         """The bias (fp32, zeros for a stacked part without one) and the descriptor over both."""

@@ -51,12 +51,26 @@ class StoredTensor:
     def nbytes(self) -> int:
         return self.rows * self.row_bytes
 
-    def read_rows(self) -> np.ndarray:
-        """(rows, row_bytes) uint8 in transformers' row order, read into memory of its own (the
-        file is not mapped, so its pages do not count as the process's)."""
-        data = np.fromfile(self.path, dtype=np.uint8, count=self.nbytes, offset=self.offset)
-        data = data.reshape(self.rows, self.row_bytes)
-        return data[np.asarray(self.row_order)] if self.row_order is not None else data
+    def read_rows(self, out: np.ndarray | None = None, first: int = 0, count: int | None = None) -> np.ndarray:
+        """(count, row_bytes) uint8: rows first.. of the matrix in transformers' row order (all of
+        them by default), read into memory of its own (the file is not mapped, so its pages do not
+        count as the process's): into `out` where given (a C-contiguous array of that shape, as a
+        stack of matrices is built without a copy). A part (first, count) of a matrix whose rows
+        transformers permutes is refused: it reads whole."""
+        count = self.rows - first if count is None else count
+        if self.row_order is not None and (first, count) != (0, self.rows):
+            raise ValueError("a matrix with permuted rows is read whole")
+        if out is None:
+            out = np.empty((count, self.row_bytes), np.uint8)
+        if out.shape != (count, self.row_bytes) or not out.flags.c_contiguous:
+            raise ValueError(f"rows of {count} x {self.row_bytes} bytes go to a contiguous array of that shape")
+        with open(self.path, "rb") as file:
+            file.seek(self.offset + first * self.row_bytes)
+            if file.readinto(memoryview(out).cast("B")) != count * self.row_bytes:
+                raise ModelError(f"{self.path}: the file ends inside a tensor (truncated?)")
+        if self.row_order is not None:  # q and k rows in transformers' order: a permutation in place
+            out[:] = out[np.asarray(self.row_order)]
+        return out
 
     def map_rows(self) -> np.ndarray:
         """(rows, row_bytes) uint8 mapped from the file in its stored order: only the pages of the

@@ -29,8 +29,6 @@
 #define LP_BLOCK 64
 #endif
 
-/* output rows of one packed panel, for every weight format */
-#define LP_PANEL 16
 
 /* bytes of one element of an activation / cache dtype; 0 for an unknown one */
 static inline long lp_dtype_bytes(int dtype) { return dtype == LP_DTYPE_F32 ? 4 : dtype == LP_DTYPE_BF16 ? 2 : 0; }

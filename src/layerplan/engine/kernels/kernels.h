@@ -39,6 +39,10 @@
 #define LP_FORMAT_Q6_K 12
 #define LP_FORMATS 13
 
+/* output rows of one packed panel, for every weight format: a matrix packs in whole panels, so
+ * rows from a multiple of LP_PANEL on may be packed apart, at their panels' place */
+#define LP_PANEL 16
+
 /* arithmetic of a packed matrix's products (lp_matrix.arithmetic) */
 #define LP_ARITH_EXACT 0 /* fp32 on the weights' exact values: the fp32 product of the dequantized matrix */
 #define LP_ARITH_INT8 1  /* block formats: integer dot products on activations quantized to int8 per 32
