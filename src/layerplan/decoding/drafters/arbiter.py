@@ -13,9 +13,24 @@ expected tokens (1 − α^(γ+1)) / (1 − α) over the round's cost γ·c + V(�
 α is the candidate's own per-token acceptance (exponentially decayed counts of accepted tokens and
 rejections, from each round's outcome), c its measured seconds per draft token over a measured
 plain step, V(k) the cost of a k-token verify pass: the probe's curve (engine/probe.py) when this
-machine was probed, else learned from the verify passes seen (1 + (k − 1)·extra). A candidate not
-chosen for `probe_every` rounds gets a one-token round, so that acceptance that recovers with the
-text is noticed.
+machine was probed, else learned from the verify passes seen (1 + (k − 1)·extra).
+
+Never slower than plain (issue 29): that formula is a model, and a model can be wrong about a
+machine or a text (a probe row timed for other weights or beside other load: verify passes dearer
+than it says; acceptance that is not geometric; the lookups' and the arbiter's own time per round).
+So each candidate's predicted speedup is scaled by its `calibration` κ ≤ 1: what its rounds
+actually gave (tokens per round time, in plain steps, every second of the round counted) over what
+the formula predicted for them. κ only ever lowers a prediction: a wrong model can make the
+arbiter miss a gain, never keep a loss going. And exploration is paid for: a candidate not chosen
+gets a one-token probe round, so that acceptance that recovers with the text is noticed, but no
+more often than keeps the probe's expected loss under `probe_budget` of the rounds between
+(probe_interval): on a model where no draft pays, probing costs at most that share per candidate.
+Last, a ledger bounds what any model error can cost in all: `ledger` sums, over the drafting
+rounds, tokens emitted minus the round's cost in plain steps (what the round gained on plain), and
+a round drafts only when, were every draft rejected, the ledger would stay above
+−(loss_credit + loss_budget · rounds). So a generation never falls more than that (plus one
+round's misjudged cost) behind plain, from the first round on: a 48-token run where nothing pays
+loses at most ~1.3 steps, while a run whose drafts pay earns the room to try more.
 """
 
 from __future__ import annotations
@@ -24,7 +39,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from layerplan.decoding.draft_length import expected_speedup
+from layerplan.decoding.draft_length import expected_speedup, expected_tokens, probe_interval
 from layerplan.decoding.drafters.base import DraftState, Drafter, Proposal, RoundOutcome
 from layerplan.models.loading import LoadedModel
 from layerplan.plan.plan import LayerPlan
@@ -38,18 +53,33 @@ class Measured:
     rejected: float = 1.0
     seconds_per_token: float | None = None  # model drafts: one draft step (lookups: unused)
     idle: int = 0  # rounds since it last drafted
+    # its drafting rounds, decayed like the counts: tokens emitted and round cost in plain steps,
+    # as measured and as the formula predicted them; the prior (one round as predicted) is κ = 1
+    tokens: float = 1.0
+    steps: float = 1.0
+    predicted_tokens: float = 1.0
+    predicted_steps: float = 1.0
+    rounds: int = 0  # its drafting rounds counted in κ
 
     @property
     def alpha(self) -> float:
         return self.accepted / (self.accepted + self.rejected)
 
+    @property
+    def calibration(self) -> float:
+        """κ ∈ (0, 1]: measured speedup of its rounds over the predicted one (capped at 1)."""
+        measured = self.tokens / self.steps
+        predicted = self.predicted_tokens / self.predicted_steps
+        return min(1.0, measured / predicted)
+
 
 @dataclass(frozen=True)
 class Choice:
-    speedup: float
+    speedup: float  # predicted, κ applied
     drafter: Drafter
     gamma: int
     tokens: tuple[int, ...] = ()  # a lookup's proposal, already made
+    cost: float = 0.0  # one draft step, in plain steps (lookups: 0)
 
 
 class Arbiter:
@@ -59,16 +89,22 @@ class Arbiter:
 
     def __init__(self, lookups: Sequence[Drafter], models: Sequence[Drafter] = (),
                  pass_costs: dict[int, float] | None = None, max_draft: int = 8, decay: float = 0.9,
-                 smoothing: float = 0.3, probe_every: int = 16, model_cost_prior: float = 0.5) -> None:
+                 smoothing: float = 0.3, probe_every: int = 16, model_cost_prior: float = 0.5,
+                 probe_budget: float = 0.005, loss_credit: float = 0.3, loss_budget: float = 0.02) -> None:
         if not lookups and not models:
             raise ValueError("the arbiter needs at least one drafter")
         self.lookups, self.models = list(lookups), list(models)
         self.pass_costs = dict(pass_costs or {})
         self.max_draft, self.decay, self.smoothing, self.probe_every = max_draft, decay, smoothing, probe_every
+        self.probe_budget = probe_budget  # a probe's expected loss, as a share of the rounds between probes
+        self.loss_credit, self.loss_budget = loss_credit, loss_budget  # the ledger's floor (module docstring)
+        self.ledger = 0.0  # Σ over drafting rounds of (tokens emitted − round cost in plain steps)
+        self.rounds = 0  # every round observed, plain ones included
         self.model_cost_prior = model_cost_prior  # draft-step cost of a model draft never run (a skip plan)
         self.measured = {d.name: Measured() for d in [*self.lookups, *self.models]}
         self.plain_seconds: float | None = None  # one plain target step
         self.verify_extra: float | None = None  # learned cost per verified token beyond the first, in plain steps
+        self.pending: tuple[str, float, float] | None = None  # this round's drafter, its α and draft cost
 
     def check(self, model: LoadedModel, target: LayerPlan) -> None:
         for drafter in [*self.lookups, *self.models]:
@@ -84,17 +120,27 @@ class Arbiter:
     def _best_gamma(self, alpha: float, limit: int, draft_cost: float) -> tuple[float, int]:
         return max((expected_speedup(alpha, g, draft_cost, self.verify_cost(g + 1)), g) for g in range(1, limit + 1))
 
+    def _due(self, measured: Measured, draft_cost: float) -> bool:
+        """Whether a candidate not chosen lately is due a one-token probe: its idle rounds reach
+        probe_interval of what that probe is expected to lose (κ not applied: the probe is there to
+        measure it again)."""
+        if not measured.rounds:  # never drafted: its first try comes after probe_every
+            return measured.idle >= self.probe_every
+        loss = draft_cost + self.verify_cost(2) - expected_tokens(measured.alpha, 1)
+        return measured.idle >= probe_interval(loss, self.probe_every, self.probe_budget)
+
     def choices(self, state: DraftState, max_tokens: int) -> list[Choice]:
         """Every candidate for this round with its best γ and expected speedup (lookups are run)."""
         found = []
         for drafter in self.lookups:
             measured = self.measured[drafter.name]
-            if measured.idle < self.probe_every and self._best_gamma(measured.alpha, max_tokens, 0.0)[0] <= 1.0:
+            best = self._best_gamma(measured.alpha, max_tokens, 0.0)[0] * measured.calibration
+            if best <= 1.0 and not self._due(measured, 0.0):
                 continue  # could not pay even with its longest proposal: not asked until its probe
             tokens = drafter.propose(state, max_tokens).tokens[:max_tokens]
             if tokens:
-                speedup, gamma = self._best_gamma(self.measured[drafter.name].alpha, len(tokens), 0.0)
-                found.append(Choice(speedup, drafter, gamma, tuple(tokens)))
+                speedup, gamma = self._best_gamma(measured.alpha, len(tokens), 0.0)
+                found.append(Choice(speedup * measured.calibration, drafter, gamma, tuple(tokens)))
         for drafter in self.models:
             measured = self.measured[drafter.name]
             if measured.seconds_per_token is None or self.plain_seconds is None:
@@ -102,7 +148,7 @@ class Arbiter:
             else:
                 cost = measured.seconds_per_token / self.plain_seconds
             speedup, gamma = self._best_gamma(measured.alpha, max_tokens, cost)
-            found.append(Choice(speedup, drafter, gamma))
+            found.append(Choice(speedup * measured.calibration, drafter, gamma, cost=cost))
         return found
 
     def propose(self, state: DraftState, max_tokens: int) -> Proposal:
@@ -115,11 +161,19 @@ class Arbiter:
             return Proposal()
         best = max(found, key=lambda c: c.speedup)
         if best.speedup <= 1.0:  # nothing pays: a plain step, unless a candidate is due for a probe
-            due = [c for c in found if self.measured[c.drafter.name].idle >= self.probe_every]
+            due = [c for c in found if self._due(self.measured[c.drafter.name], c.cost)]
             if not due:
                 return Proposal()
-            best = Choice(0.0, due[0].drafter, 1, due[0].tokens)
+            best = Choice(0.0, due[0].drafter, 1, due[0].tokens, due[0].cost)
+        floor = -(self.loss_credit + self.loss_budget * self.rounds)
+        gamma = best.gamma  # the longest γ ≤ the chosen one whose round, all rejected, keeps the ledger above its floor
+        while gamma and self.ledger - (gamma * best.cost + self.verify_cost(gamma + 1) - 1.0) < floor:
+            gamma -= 1
+        if not gamma:
+            return Proposal()
+        best = Choice(best.speedup, best.drafter, gamma, best.tokens, best.cost)
         self.measured[best.drafter.name].idle = 0
+        self.pending = (best.drafter.name, self.measured[best.drafter.name].alpha, best.cost)
         if best.tokens:
             return Proposal(list(best.tokens[: best.gamma]), None, best.drafter.name)
         start = time.perf_counter()
@@ -132,10 +186,27 @@ class Arbiter:
         return proposal
 
     def observe(self, outcome: RoundOutcome) -> None:
+        pending, self.pending = self.pending, None
+        self.rounds += 1
+        if outcome.drafted and self.plain_seconds:
+            round_steps = (outcome.draft_seconds + outcome.verify_seconds) / self.plain_seconds
+            self.ledger += outcome.accepted + 1 - round_steps
         if not outcome.drafted:
             self.plain_seconds = self._ema(self.plain_seconds, outcome.verify_seconds)
             return
         measured = self.measured.get(outcome.source or "")
+        if measured is not None and pending is not None and pending[0] == outcome.source and self.plain_seconds:
+            # κ: this round as measured (all of its time: the draft, the lookups asked, the
+            # verify pass) against the formula's prediction for what was drafted, with the α and
+            # draft cost it was chosen with; priced before this round's own verify cost is learned
+            _, alpha, cost = pending
+            d = self.decay
+            measured.rounds += 1
+            measured.tokens = d * measured.tokens + outcome.accepted + 1
+            measured.steps = d * measured.steps + round_steps
+            measured.predicted_tokens = d * measured.predicted_tokens + expected_tokens(alpha, outcome.drafted)
+            measured.predicted_steps = d * measured.predicted_steps + outcome.drafted * cost + self.verify_cost(
+                outcome.drafted + 1)
         if measured is not None:
             measured.accepted = self.decay * measured.accepted + outcome.accepted
             measured.rejected = self.decay * measured.rejected + (outcome.accepted < outcome.drafted)
