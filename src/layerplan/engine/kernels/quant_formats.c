@@ -188,6 +188,9 @@ typedef struct {
     long block, block_bytes, panel_block; /* inputs and bytes of a stored block; bytes of a panel block */
     void (*fields)(const uint8_t *, lpq_fields *);
     void (*put)(const lpq_fields *, int row, uint8_t *panel_block); /* row's block into the panel block */
+    /* NULL, or the 16 rows' blocks into a zeroed panel block at once: what put gives, a word at a
+     * time rather than a field at a time (packing is then bound by reading the file) */
+    void (*put_panel)(const lpq_fields *rows, uint8_t *panel_block);
 } lpq_format;
 
 static const lpq_format *lpq(int format);
@@ -344,17 +347,77 @@ static void put_q6_k(const lpq_fields *f, int j, uint8_t *pb) {
     }
 }
 
+/* ----- whole panel blocks at a time (put_panel) ----- */
+
+/* the 16 rows' nibbles of `inputs` inputs into quads at p: 32-bit lane L of quad c holds row L's
+ * nibbles of inputs 4c..4c+3 in its bytes' low halves and row L+8's in their high halves */
+static void nibbles_panel(uint8_t *p, const lpq_fields *f, int inputs) {
+    for (int c = 0; c < inputs / 4; c++)
+        for (int lane = 0; lane < 8; lane++) {
+            uint32_t lo, hi, word;
+            memcpy(&lo, f[lane].q + 4 * c, 4);
+            memcpy(&hi, f[lane + 8].q + 4 * c, 4);
+            word = (lo & 0x0F0F0F0Fu) | (hi & 0x0F0F0F0Fu) << 4;
+            memcpy(p + 32 * c + 4 * lane, &word, 4);
+        }
+}
+
+static void put_panel_q4_0(const lpq_fields *f, uint8_t *pb) {
+    for (int j = 0; j < LP_PANEL; j++) put16(pb + 2 * j, f[j].d);
+    nibbles_panel(pb + 32, f, 32);
+}
+
+static void put_panel_q4_1(const lpq_fields *f, uint8_t *pb) {
+    for (int j = 0; j < LP_PANEL; j++) {
+        put16(pb + 2 * j, f[j].d);
+        put16(pb + 32 + 2 * j, f[j].m);
+    }
+    nibbles_panel(pb + 64, f, 32);
+}
+
+static void put_panel_q4_k(const lpq_fields *f, uint8_t *pb) {
+    for (int j = 0; j < LP_PANEL; j++) {
+        put16(pb + 2 * j, f[j].d);
+        put16(pb + 32 + 2 * j, f[j].m);
+        put_scales_k4(&f[j], j, pb);
+    }
+    nibbles_panel(pb + 256, f, LPQ_QK);
+}
+
+/* Q6_K's high 2 bits (q >> 4) of inputs 4c..4c+3: 16-bit lane L of the 16-byte group c, row L's at
+ * bits Q6_AT = {0, 2, 8, 10}, row L+8's 4 bits up */
+static uint32_t q6_highs(const uint8_t *q) {
+    uint32_t a;
+    memcpy(&a, q, 4);
+    a = a >> 4 & 0x03030303u; /* input t's two bits at 8t */
+    a |= a >> 6;              /* input 1's to bits 2-3, input 3's to 18-19 */
+    return (a & 0xFu) | (a >> 16 & 0xFu) << 8;
+}
+
+static void put_panel_q6_k(const lpq_fields *f, uint8_t *pb) {
+    for (int j = 0; j < LP_PANEL; j++) {
+        put16(pb + 2 * j, f[j].d);
+        for (int s = 0; s < 16; s++) pb[32 + 16 * s + j] = f[j].sc[s];
+    }
+    for (int c = 0; c < LPQ_QK / 4; c++)
+        for (int lane = 0; lane < 8; lane++) {
+            uint16_t v = (uint16_t)(q6_highs(f[lane].q + 4 * c) | q6_highs(f[lane + 8].q + 4 * c) << 4);
+            put16(pb + 288 + 16 * c + 2 * lane, v);
+        }
+    nibbles_panel(pb + 1312, f, LPQ_QK);
+}
+
 static const lpq_format formats_q[] = {
     [LP_FORMAT_Q8_0] = {32, 34, 544, fields_q8_0, put_q8_0},
-    [LP_FORMAT_Q4_0] = {32, 18, 288, fields_q4_0, put_q4_0},
-    [LP_FORMAT_Q4_1] = {32, 20, 320, fields_q4_1, put_q4_1},
+    [LP_FORMAT_Q4_0] = {32, 18, 288, fields_q4_0, put_q4_0, put_panel_q4_0},
+    [LP_FORMAT_Q4_1] = {32, 20, 320, fields_q4_1, put_q4_1, put_panel_q4_1},
     [LP_FORMAT_Q5_0] = {32, 22, 352, fields_q5_0, put_q5_0},
     [LP_FORMAT_Q5_1] = {32, 24, 384, fields_q5_1, put_q5_1},
     [LP_FORMAT_Q2_K] = {256, 84, 1344, fields_q2_k, put_q2_k},
     [LP_FORMAT_Q3_K] = {256, 110, 1760, fields_q3_k, put_q3_k},
-    [LP_FORMAT_Q4_K] = {256, 144, 2304, fields_q4_k, put_q4_k},
+    [LP_FORMAT_Q4_K] = {256, 144, 2304, fields_q4_k, put_q4_k, put_panel_q4_k},
     [LP_FORMAT_Q5_K] = {256, 176, 2816, fields_q5_k, put_q5_k},
-    [LP_FORMAT_Q6_K] = {256, 210, 3360, fields_q6_k, put_q6_k},
+    [LP_FORMAT_Q6_K] = {256, 210, 3360, fields_q6_k, put_q6_k, put_panel_q6_k},
 };
 
 static const lpq_format *lpq(int format) {
@@ -370,14 +433,15 @@ static void pack_blocks(int format, const void *w, long n, long k, void *out) {
     for (long p = 0; p < panels; p++)
         for (long b = 0; b < blocks; b++) {
             uint8_t *pb = (uint8_t *)out + (p * blocks + b) * q->panel_block;
+            lpq_fields f[LP_PANEL];
             memset(pb, 0, (size_t)q->panel_block);
             for (int j = 0; j < LP_PANEL; j++) {
-                lpq_fields f;
                 long row = p * LP_PANEL + j;
-                if (row < n) q->fields((const uint8_t *)w + (row * blocks + b) * q->block_bytes, &f);
-                else memset(&f, 0, sizeof f);
-                q->put(&f, j, pb);
+                if (row < n) q->fields((const uint8_t *)w + (row * blocks + b) * q->block_bytes, &f[j]);
+                else memset(&f[j], 0, sizeof f[j]);
             }
+            if (q->put_panel) q->put_panel(f, pb);
+            else for (int j = 0; j < LP_PANEL; j++) q->put(&f[j], j, pb);
         }
 }
 
