@@ -352,14 +352,14 @@ def test_a_row_measured_again_replaces_the_cached_one(tmp_path):
     stale = probe.ProbeRow("native", "float32", 60.0, {1: 1.0, 8: 1.4})
     other = probe.ProbeRow("native", "bfloat16", 14.0, {1: 1.0, 8: 1.7})
     probe.save_probe(probe.ProbeResult(probe.machine_key(), "cpu", "m", [stale, other]), tmp_path)
-    model = SimpleNamespace(name="m", native=object(), dtype=torch.float32)
+    model = SimpleNamespace(name="m", native=object(), dtype=torch.float32, precision="float32")
     fresh = probe.ProbeRow("native", "float32", 20.0, {1: 1.0, 8: 1.3})
     assert probe.checked_model_row(model, tmp_path, time_step=lambda: 0.050, remeasure=lambda: fresh) == stale
     assert probe.load_probe(tmp_path, "m").rows == [stale, other]  # agreed: the file is left alone
     assert probe.checked_model_row(model, tmp_path, time_step=lambda: 0.020, remeasure=lambda: fresh) == fresh
     assert probe.load_probe(tmp_path, "m").rows == [fresh, other]
     assert probe.default_dtype(tmp_path, "m", "native", native_bf16=False) == "bfloat16"
-    eager = SimpleNamespace(name="m", native=None, dtype=torch.float32)
+    eager = SimpleNamespace(name="m", native=None, dtype=torch.float32, precision="float32")
     assert probe.checked_model_row(eager, tmp_path, time_step=lambda: 1 / 0, remeasure=lambda: 1 / 0) is None
 
 

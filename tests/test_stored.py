@@ -207,3 +207,21 @@ def test_matrices_packed_in_parts_are_the_matrices_packed_whole(tmp_path, monkey
     assert weight.rows > 16 and torch.equal(parts.packed, whole.packed)
     with pytest.raises(ValueError, match="read whole"):
         stored.stored.of(stored.parts.layers[0].attention.q_proj).read_rows(first=16, count=16)
+
+
+def test_a_stored_model_has_probe_rows_of_its_own(tmp_path):
+    """The verify costs a stored model drafts by are its block kernels' (the probe row keyed by its
+    precision), and the bytes a step streams are its stored blocks'."""
+    from layerplan.engine.probe import model_engine_dtype, streamed_matrix_bytes, streamed_matrix_elements
+
+    for dtype in ("stored", "stored-fast"):
+        (tmp_path / dtype).mkdir()
+        stored, dense = _stored_and_dense(tmp_path / dtype, "llama", "Q4_1", dtype=dtype)
+        assert model_engine_dtype(stored) == ("native", dtype)
+        nbytes, elements = streamed_matrix_bytes(stored, torch.float32)
+        matrices = [t for name, t in stored.stored.tensors.items() if name != "model.embed_tokens.weight"]
+        head = stored.stored.of(stored.parts.lm_head)
+        if head is not None and head not in matrices:
+            matrices.append(head)
+        assert nbytes == sum(t.nbytes for t in matrices) and elements == sum(t.rows * t.columns for t in matrices)
+        assert elements == streamed_matrix_elements(dense)

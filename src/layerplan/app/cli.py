@@ -39,7 +39,7 @@ from layerplan.export import export_checkpoint
 from layerplan.files import WriteError, check_output, write_json_atomic, write_text_atomic
 from layerplan.machine import cpu_info
 from layerplan.models.architectures import STATUSES, architecture_statuses
-from layerplan.models.loading import (DEFAULT_MODEL, ModelError, available_models, cache_dir, model_depth,
+from layerplan.models.loading import (DEFAULT_MODEL, ModelError, available_models, cache_dir, gguf_of, model_depth,
                                       resolve_dtype)
 from layerplan.plan.formats import FORMATS, load_plan, save_plan, to_mergekit
 from layerplan.plan.plan import MAX_STEPS, PlanError
@@ -984,8 +984,9 @@ def peers_show() -> None:
 
 @main.command()
 @model_option
-@click.option("--dtype", "dtypes", multiple=True, type=click.Choice(["float32", "bfloat16"]),
-              help="dtype(s) to time (repeatable; default: both)")
+@click.option("--dtype", "dtypes", multiple=True, type=click.Choice(["float32", "bfloat16", STORED, STORED_FAST]),
+              help="dtype(s) to time (repeatable; default: a GGUF's stored and stored-fast where the native "
+                   "kernels run, else float32 and bfloat16)")
 @click.option("--engine", "engines", multiple=True, type=click.Choice([e for e in ENGINES if e != "auto"]),
               help="engine(s) to time (repeatable; default: every one that can run here)")
 @threads_option
@@ -1003,7 +1004,8 @@ def probe(model, dtypes, engines, threads, max_length, repeats, refresh, as_json
     _threads(threads)
     with _user_errors():
         _, name = model_depth(model)
-        dtypes = list(dtypes) or ["float32", "bfloat16"]
+        stored_here = gguf_of(model) is not None and native_available() is None
+        dtypes = list(dtypes) or ([STORED, STORED_FAST] if stored_here else ["float32", "bfloat16"])
         engines = list(engines) or [e for e in ENGINES if e != "auto"]
         cached = None if refresh else load_probe(cache_dir(), name)
         wanted = {(e, d) for e in engines for d in dtypes}
@@ -1012,8 +1014,8 @@ def probe(model, dtypes, engines, threads, max_length, repeats, refresh, as_json
                 click.echo(f"native engine left out: {native_available()}", err=True)
 
             def load(dtype: str, engine: str):
-                if engine == "native" and native_available() is not None:
-                    return None
+                if (engine == "native" and native_available() is not None) or (engine == "eager" and dtype in STORED_ARITHMETIC):
+                    return None  # a GGUF as stored runs on the native kernels only (eagerly it is a reference)
                 click.echo(f"loading {model} ({dtype}, engine {engine})…", err=True)
                 return load_model(model, dtype=dtype, engine=engine, pack=None if engine == "eager" else False)
 

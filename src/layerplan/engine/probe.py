@@ -339,6 +339,18 @@ def time_passes(model, lengths: Sequence[int] = PASS_LENGTHS, repeats: int = 5, 
     return {k: statistics.median(v) for k, v in samples.items()}
 
 
+def streamed_matrix_bytes(model, dtype: torch.dtype) -> tuple[int, int]:
+    """(bytes, elements) of the matrices a decoding step reads whole (streamed_matrix_elements), in
+    `dtype`; a model run as stored reads its matrices' stored blocks."""
+    if getattr(model, "stored", None) is None:
+        elements = streamed_matrix_elements(model)
+        return elements * torch.finfo(dtype).bits // 8, elements
+    table = getattr(model.hf.get_input_embeddings(), "table", None)
+    head = model.stored.of(model.hf.get_output_embeddings()) if model.hf.get_output_embeddings() is not None else None
+    streamed = {t for t in model.stored.tensors.values() if t is not table or t is head}
+    return sum(t.nbytes for t in streamed), sum(t.rows * t.columns for t in streamed)
+
+
 def streamed_matrix_elements(model) -> int:
     """Elements of the matrices a decoding step reads whole: every 2-D weight but the input
     embedding, whose rows are only looked up (the LM head counts, also when it shares the
@@ -396,18 +408,19 @@ def measure_row(model, engine: str, dtype: str, lengths: Sequence[int] = PASS_LE
     more times, while it fails its checks. Returns the row and its last timing's problems (empty:
     it passed). sampler: the machine's rates between the rounds, for a model on the CPU (a GPU
     row gets no floor from the CPU's rates)."""
-    if sampler is not None and torch.device(model.device).type != "cpu":
-        sampler = None
+    if sampler is not None and (torch.device(model.device).type != "cpu" or dtype.startswith("stored")):
+        sampler = None  # the sampled rates are the dense dtypes' products: not a floor for block formats
+    weights_dtype = precision_dtype(dtype)
     if sampler is not None:
-        sampler.dtype = getattr(torch, dtype)
+        sampler.dtype = weights_dtype
         sampler.best()  # samples of an earlier row are not this one's
-    elements = streamed_matrix_elements(model)
+    weight_bytes, elements = streamed_matrix_bytes(model, weights_dtype)
     for attempt in range(retries + 1):
         times = time_row(model, lengths, repeats, on_progress=on_progress, between_rounds=sampler)
         step = times[min(times)]
         products, read = sampler.best() if sampler is not None else (None, None)
         row = ProbeRow(engine, dtype, step * 1000, {k: t / step for k, t in sorted(times.items())}, products, read,
-                       elements * torch.finfo(getattr(torch, dtype)).bits // 8, 2.0 * elements)
+                       weight_bytes, 2.0 * elements)
         problems = row_problems(row)
         if not problems:
             return row, []
@@ -481,8 +494,16 @@ def pass_costs(folder: Path, model_name: str, engine: str, dtype: str) -> dict[i
 
 
 def model_engine_dtype(model) -> tuple[str, str]:
-    """The probe row's key of a loaded model as it runs now."""
-    return "native" if model.native is not None else "eager", str(model.dtype).replace("torch.", "")
+    """The probe row's key of a loaded model as it runs now: its engine and its precision (a dtype,
+    or "stored" / "stored-fast" for a GGUF's blocks: their passes cost what the blocks' kernels
+    cost, not what the dense dtype's do)."""
+    return "native" if model.native is not None else "eager", model.precision
+
+
+def precision_dtype(precision: str) -> torch.dtype:
+    """The torch dtype of a probe row's precision: a stored GGUF's activations and products are
+    float32."""
+    return torch.float32 if precision.startswith("stored") else getattr(torch, precision)
 
 
 def model_pass_costs(model) -> dict[int, float]:
