@@ -225,3 +225,41 @@ def test_a_stored_model_has_probe_rows_of_its_own(tmp_path):
             matrices.append(head)
         assert nbytes == sum(t.nbytes for t in matrices) and elements == sum(t.rows * t.columns for t in matrices)
         assert elements == streamed_matrix_elements(dense)
+
+
+@pytest.mark.parametrize("text", ["0,1,1,2", "0,2,1/attn,1", "exit:2"])
+def test_a_plan_exports_as_a_gguf_in_the_stored_types(tmp_path, text):
+    """export --to gguf: the plan's layers copied byte for byte in their stored types (an off
+    sub-layer's output projection zero); the file run as stored gives the plan's logits."""
+    from gguf import GGUFReader
+
+    from layerplan.engine.load import STORED, load_model
+    from layerplan.engine.runner import forward, new_cache
+    from layerplan.export import export_gguf
+
+    stored, _ = _stored_and_dense(tmp_path, "llama", "Q4_1", layers=3)
+    plan = stored.plan(text)
+    path = export_gguf(stored, plan, tmp_path / "merged.gguf")
+    reader = GGUFReader(path)
+    assert reader.fields["llama.block_count"].contents() == len(plan.active_steps)
+    source = {t.name: t for t in GGUFReader(stored.source).tensors}
+    for j, step in enumerate(plan.active_steps):
+        q = next(t for t in reader.tensors if t.name == f"blk.{j}.attn_q.weight")
+        assert q.tensor_type == source[f"blk.{step.layer}.attn_q.weight"].tensor_type
+        assert np.array_equal(q.data, source[f"blk.{step.layer}.attn_q.weight"].data)
+    merged = load_model(path, dtype=STORED, engine="native")
+    ids = torch.tensor([[5, 17, 3, 88, 41, 9, 60]])
+    want = forward(stored, ids, plan, cache=new_cache(plan, 16))
+    got = forward(merged, ids, cache=new_cache(merged.plan(), 16))
+    assert torch.equal(got, want)
+
+
+def test_what_a_gguf_cannot_hold_is_refused_in_one_line(tmp_path):
+    from layerplan.export import export_gguf
+
+    stored, dense = _stored_and_dense(tmp_path, "llama", "Q4_1", layers=3)
+    with pytest.raises(ValueError, match="scales its attention by 0.5"):
+        export_gguf(stored, stored.plan("0,1@0.5,2"), tmp_path / "a.gguf")
+    with pytest.raises(ValueError, match="use --to checkpoint"):
+        export_gguf(dense, dense.plan("0,1"), tmp_path / "b.gguf")
+    assert not list(tmp_path.glob("*.gguf*"))[1:]  # only the source file: nothing half-written

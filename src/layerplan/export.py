@@ -1,7 +1,9 @@
 """Plans as real checkpoints: copy each step's layer into a new, deeper or shallower model.
 
 The exported folder is what mergekit's passthrough merge would build from `formats.to_mergekit(plan)`;
-transformers loads it as an ordinary model whose logits equal the in-memory plan's.
+transformers loads it as an ordinary model whose logits equal the in-memory plan's. A model loaded
+from a GGUF also exports as a GGUF whose tensors keep their stored types byte for byte
+(export_gguf): llama.cpp runs the frankenmerge without quantizing again.
 """
 
 from __future__ import annotations
@@ -11,10 +13,10 @@ from pathlib import Path
 
 import torch
 
-from layerplan.files import replace_folder
+from layerplan.files import atomic_file, replace_folder
 from layerplan.models.architectures import config_with_layers, update_parameters
 from layerplan.models.discovery import spec_of
-from layerplan.models.loading import LoadedModel
+from layerplan.models.loading import LoadedModel, gguf_of
 from layerplan.plan.plan import LayerPlan
 
 
@@ -95,3 +97,84 @@ def export_checkpoint(model: LoadedModel, plan: LayerPlan, folder: str | os.Path
         if model.tokenizer is not None:
             model.tokenizer.save_pretrained(staging)
     return folder
+
+
+# A GGUF layer's tensors that make each sub-layer's update (llama.cpp's names, the same in every
+# architecture): a switched-off sub-layer exports with them zero, which adds exactly nothing to the
+# residual stream (a post-norm of zero is zero), in any stored type (all-zero bytes are zero weights).
+GGUF_UPDATE_TENSORS = {"attention": ("attn_output.",), "mlp": ("ffn_down.", "ffn_down_exps.", "ffn_down_shexp.")}
+
+
+def export_gguf(model: LoadedModel, plan: LayerPlan, path: str | os.PathLike) -> Path:
+    """Write the plan as a GGUF file: layer j is a byte-for-byte copy of the tensors of the layer
+    step j runs, in the source file's stored types, with the source's metadata (its block count,
+    and every per-layer array, following the plan). Atomic. Refused, with the reason: a model not
+    loaded from a GGUF, a plan over two models, a residual scale other than 0 or 1 (it would need
+    the weights quantized again), layers of several kinds (a GGUF names their pattern, not each
+    layer)."""
+    import gguf
+    import numpy as np
+
+    source = gguf_of(model.source) if model.source else None
+    if source is None:
+        raise ValueError(f"--to gguf writes a model loaded from a GGUF file, not {model.source}; use --to checkpoint")
+    model.check_plan(plan)
+    if plan.models:
+        raise ValueError("--to gguf writes one model's layers; a plan over two models exports --to checkpoint")
+    steps = plan.active_steps
+    layer_types = getattr(model.hf.config, "layer_types", None) or []
+    if len(set(layer_types)) > 1:
+        raise ValueError(f"{model.hf.config.model_type} has layers of several kinds ({', '.join(sorted(set(layer_types)))}), "
+                         "which a GGUF gives as a pattern, not layer by layer; use --to checkpoint")
+    zeroed: dict[int, tuple[str, ...]] = {}
+    for j, step in enumerate(steps):
+        kinds = []
+        for sub_layer, on in (("attention", step.attention), ("mlp", step.mlp)):
+            scale = step.scale if on else 0.0
+            if scale not in (0.0, 1.0):
+                raise ValueError(f"step {j} scales its {sub_layer} by {scale:g}: a GGUF keeps the stored weights as they "
+                                 "are, so only 0 (off) and 1 export; use --to checkpoint")
+            if scale == 0.0:
+                kinds.extend(GGUF_UPDATE_TENSORS[sub_layer])
+        zeroed[j] = tuple(kinds)
+
+    reader = gguf.GGUFReader(source)
+    arch = reader.fields[gguf.Keys.General.ARCHITECTURE].contents()
+    depth = int(reader.fields[f"{arch}.block_count"].contents())
+    by_layer: dict[int, list] = {}
+    others = []
+    for tensor in reader.tensors:
+        if tensor.name.startswith("blk."):
+            by_layer.setdefault(int(tensor.name.split(".")[1]), []).append(tensor)
+        else:
+            others.append(tensor)
+    tensors = [(t.name, t.data, t.tensor_type) for t in others]  # (name, its stored bytes, its type)
+    for j, step in enumerate(steps):
+        for tensor in by_layer[step.layer]:
+            rest = tensor.name.split(".", 2)[2]
+            data = np.zeros_like(tensor.data) if rest.startswith(zeroed[j]) else tensor.data
+            tensors.append((f"blk.{j}.{rest}", data, tensor.tensor_type))
+
+    path = Path(path)
+    with atomic_file(path) as staged:
+        writer = gguf.GGUFWriter(staged, arch)
+        for field in reader.fields.values():
+            if field.name == gguf.Keys.General.ARCHITECTURE or field.name.startswith("GGUF."):
+                continue
+            kind = field.types[0]
+            sub_type = field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None
+            value = field.contents()
+            if field.name == f"{arch}.block_count":
+                value = len(steps)
+            elif sub_type is not None and field.name.startswith(f"{arch}.") and len(value) == depth:
+                value = [value[step.layer] for step in steps]  # a per-layer array follows the plan
+            writer.add_key_value(field.name, value, kind, sub_type=sub_type)
+        for name, data, kind in tensors:
+            writer.add_tensor_info(name, data.shape, data.dtype, data.nbytes, kind)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_ti_data_to_file()
+        for _, data, _ in tensors:
+            writer.write_tensor_data(data, tensor_endianess=reader.endianess)
+        writer.close()
+    return path

@@ -35,7 +35,7 @@ from layerplan.engine.native import ENGINES, NativeUnavailable, native_available
 from layerplan.engine.probe import (CONTEXT, PASS_LENGTHS, checked_model_row, load_probe,
                                     probe as run_probe, save_probe)
 from layerplan.engine.verify import check_architecture, config_for
-from layerplan.export import export_checkpoint
+from layerplan.export import export_checkpoint, export_gguf
 from layerplan.files import WriteError, check_output, write_json_atomic, write_text_atomic
 from layerplan.machine import cpu_info
 from layerplan.models.architectures import STATUSES, architecture_statuses
@@ -670,7 +670,9 @@ def _explore_merges(model, dtype, device, blocks, layer_range, max_len, repeats,
 @model_option
 @dtype_option
 @click.option("--out", type=click.Path(), required=True, help="folder (checkpoint) or .yaml file (mergekit)")
-@click.option("--to", "fmt", type=click.Choice(["checkpoint", "mergekit"]), default="checkpoint", show_default=True)
+@click.option("--to", "fmt", type=click.Choice(["checkpoint", "gguf", "mergekit"]), default="checkpoint", show_default=True,
+              help="checkpoint: a Hugging Face folder; gguf: a GGUF file whose tensors keep the source GGUF's stored "
+                   "types (no quantizing again); mergekit: passthrough YAML")
 @click.option("--source", default=None, help="model name written into mergekit YAML (default: --model)")
 @model_b_option
 def export(plan, model, dtype, out, fmt, source, model_b) -> None:
@@ -680,7 +682,14 @@ def export(plan, model, dtype, out, fmt, source, model_b) -> None:
     The checkpoint loads in transformers (and converts for llama.cpp / vLLM) like any model;
     a plan with fewer layers is a pruned model usable as a standalone draft model."""
     with _user_errors():
-        check_output(out, "file" if fmt == "mergekit" else "checkpoint")  # before any work
+        check_output(out, "checkpoint" if fmt == "checkpoint" else "file")  # before any work
+        if fmt == "gguf":
+            loaded = _load(model, STORED if gguf_of(model) is not None else dtype)
+            if model_b:
+                raise click.UsageError("--to gguf writes one model's layers; a plan over two models exports --to checkpoint")
+            path = export_gguf(loaded, loaded.plan(plan), out)
+            click.echo(f"wrote {path} ({len(loaded.plan(plan).active_steps)} layers, the source's stored types)")
+            return
         if fmt == "mergekit":
             depth, name = model_depth(model)
             text = to_mergekit(load_plan(plan, depth, name), source or model, dtype,
