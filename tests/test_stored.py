@@ -263,3 +263,46 @@ def test_what_a_gguf_cannot_hold_is_refused_in_one_line(tmp_path):
     with pytest.raises(ValueError, match="use --to checkpoint"):
         export_gguf(dense, dense.plan("0,1"), tmp_path / "b.gguf")
     assert not list(tmp_path.glob("*.gguf*"))[1:]  # only the source file: nothing half-written
+
+
+@pytest.mark.parametrize("dtype", ["q8_0", "q5_0", "q4_1-fast"])
+def test_a_checkpoint_quantized_at_load_runs_on_the_block_kernels(tmp_path, dtype):
+    """--dtype q4_k etc.: a Hugging Face checkpoint's matrices quantized at load, run as a GGUF of
+    that type would be: its logits are those of the dense model holding the dequantized values
+    (exact arithmetic), or close to them (-fast), and drafts keep plain greedy output."""
+    from layerplan.decoding.generate import generate
+    from layerplan.engine.executors import use_native
+    from layerplan.engine.load import load_model, wrap_model
+    from layerplan.engine.runner import forward, new_cache
+
+    hf = tiny_hf("llama", num_layers=2)
+    hf.save_pretrained(tmp_path / "ckpt")
+    quantized = load_model(tmp_path / "ckpt", dtype=dtype, engine="native")
+    assert quantized.precision == dtype and quantized.native is not None
+    assert all(p.device.type == "meta" for p in quantized.parts.layers[0].mlp.parameters())
+    reference = tiny_hf("llama", num_layers=2)
+    with torch.no_grad():
+        for name, module in reference.named_modules():
+            stored = quantized.stored.tensors.get(f"{name}.weight")
+            if stored is not None:
+                module.weight = torch.nn.Parameter(stored.dequantize())
+    dense = wrap_model(reference)
+    use_native(dense)
+    ids = torch.tensor([[5, 17, 3, 88, 41, 9, 60]])
+    got = forward(quantized, ids, cache=new_cache(quantized.plan(), 16))
+    want = forward(dense, ids, cache=new_cache(dense.plan(), 16))
+    if dtype.endswith("-fast"):
+        assert (got - want).abs().max() <= 0.05 * want.abs().max()
+    else:
+        assert torch.equal(got, want)
+    prompt = [5, 6, 7, 5, 6, 7, 5, 6]
+    plain = generate(quantized, prompt, max_new_tokens=12, stop_at_eos=False)
+    assert generate(quantized, prompt, max_new_tokens=12, stop_at_eos=False, draft="ngram").token_ids == plain.token_ids
+
+
+def test_a_format_whose_blocks_fit_no_matrix_is_refused(tmp_path):
+    from layerplan.engine.load import load_model
+
+    tiny_hf("llama", num_layers=1).save_pretrained(tmp_path / "ckpt")  # 32 inputs wide: K-quants need 256
+    with pytest.raises(ModelError, match="as q4_k blocks need"):
+        load_model(tmp_path / "ckpt", dtype="q4_k", engine="native")

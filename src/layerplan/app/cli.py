@@ -30,7 +30,7 @@ from layerplan.decoding.budget import token_budget
 from layerplan.decoding.output import prompt_ids
 from layerplan.decoding.sampling import SEED_RANGE, SamplingParams
 from layerplan.engine.cpu_pack import packing_supported
-from layerplan.engine.load import STORED, STORED_ARITHMETIC, STORED_FAST, choose_dtype, load_model
+from layerplan.engine.load import BLOCK_PRECISIONS, STORED, STORED_ARITHMETIC, STORED_FAST, choose_dtype, load_model
 from layerplan.engine.native import ENGINES, NativeUnavailable, native_available, resolve_engine
 from layerplan.engine.probe import (CONTEXT, PASS_LENGTHS, checked_model_row, load_probe,
                                     probe as run_probe, save_probe)
@@ -201,7 +201,7 @@ def _load_for_timing(model: str, dtype: str, engine: str):
     native engine leaves the modules as they are, so one load serves both; the eager engine
     packs bf16 linears where oneDNN supports it, into a second copy."""
     dtype = _dtype(model, dtype, engine)
-    if dtype in STORED_ARITHMETIC:  # transformers runs the file dequantized: its own GGUF loader, in float32
+    if dtype in BLOCK_PRECISIONS:  # transformers runs the model dense: in float32 (a GGUF by its own loader)
         click.echo(f"loading {model} ({dtype}, engine native; transformers: float32)…", err=True)
         return load_model(model, dtype="float32", engine="eager"), load_model(model, dtype=dtype, engine="native")
     kind = resolve_engine(engine, resolve_dtype(dtype), "cpu")
@@ -261,10 +261,11 @@ def _threads(threads: int | None) -> None:
 
 model_option = click.option("--model", "-m", default=DEFAULT_MODEL, show_default=True, help=MODEL_HELP)
 dtype_option = click.option("--dtype", default="float32", show_default=True,
-                            type=click.Choice(["float32", "bfloat16", "float16", STORED, STORED_FAST]),
+                            type=click.Choice(["float32", "bfloat16", "float16", *BLOCK_PRECISIONS]),
                             help="weights and activations (stored: a GGUF's weights in their block formats, float32 "
-                                 "activations, exact products; stored-fast: the same with integer products on "
-                                 "int8-quantized activations, as llama.cpp computes)")
+                                 "activations, exact products; q8_0, q4_k, …: any model's matrices quantized to that "
+                                 "block format at load; -fast after either: integer products on int8-quantized "
+                                 "activations, as llama.cpp computes)")
 DEVICE_MAP_KEY = "layerplan.device_map"
 _device_only = click.option("--device", default="cpu", show_default=True, help="cpu, cuda, cuda:1, …")
 _device_map_option = click.option(
@@ -280,12 +281,13 @@ def device_option(command):
 engine_option = click.option("--engine", default="auto", show_default=True, type=click.Choice(list(ENGINES)),
                              help="; ".join(f"{name}: {text}" for name, text in ENGINES.items()))
 auto_dtype_option = click.option("--dtype", default="auto", show_default=True,
-                                 type=click.Choice(["auto", "float32", "bfloat16", "float16", STORED, STORED_FAST]),
+                                 type=click.Choice(["auto", "float32", "bfloat16", "float16", *BLOCK_PRECISIONS]),
                                  help="auto: a GGUF as stored where the native kernels run, else the fastest "
                                       "here by `layerplan probe` (measured once per machine), else bfloat16 where "
                                       "it is fast, float32 elsewhere; stored: a GGUF's weights in their block "
-                                      "formats (float32 activations, exact products); stored-fast: the same with "
-                                      "integer products on int8-quantized activations, as llama.cpp computes")
+                                      "formats (float32 activations, exact products); q8_0, q4_k, …: any model's "
+                                      "matrices quantized to that block format at load; -fast after either: integer "
+                                      "products on int8-quantized activations, as llama.cpp computes")
 threads_option = click.option("--threads", type=click.IntRange(1, 1024), default=None,
                               help="torch CPU threads (default: torch's choice)")
 

@@ -5,6 +5,7 @@ executor (executors.py). These are the package's `load_model` and `wrap_model`."
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -26,6 +27,14 @@ from layerplan.models.loading import LoadedModel
 STORED = "stored"
 STORED_FAST = "stored-fast"
 STORED_ARITHMETIC = {STORED: "exact", STORED_FAST: "fast"}
+# block formats any model's matrices are quantized to at load ("--dtype q4_k", "q4_k-fast"): a
+# Hugging Face checkpoint then runs as a GGUF of that type would (kernels/quant.h says how each
+# quantizes: the legacy formats as gguf-py does, the K-quants by plain min / max)
+QUANTIZE_AT_LOAD = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k")
+QUANTIZED = {**{name: (name, "exact") for name in QUANTIZE_AT_LOAD},
+             **{f"{name}-fast": (name, "fast") for name in QUANTIZE_AT_LOAD}}
+# every precision of the native kernels' block formats, for the CLI's choices
+BLOCK_PRECISIONS = (STORED, STORED_FAST, *QUANTIZED)
 
 
 def choose_dtype(dtype: str, engine: str = "auto", device: str | torch.device = "cpu",
@@ -69,11 +78,55 @@ def load_model(
     pack: prepack bf16 linears for oneDNN (see engine/cpu_pack.py) when the eager engine runs;
     None = when dtype is bf16 on a CPU that supports it."""
     ensure_checked(loading.model_config(source))
-    if dtype in STORED_ARITHMETIC:
+    if dtype in STORED_ARITHMETIC or dtype in QUANTIZED:
         if device_map is not None or torch.device(device).type != "cpu":
-            raise ModelError("a GGUF runs as stored on the CPU only, without --device-map; use --dtype float32 or bfloat16")
-        return prepare(loading.load_stored_model(source, STORED_ARITHMETIC[dtype]), engine, pack=False)
+            raise ModelError(f"--dtype {dtype} runs on the CPU only, without --device-map; use --dtype float32 or bfloat16")
+        if dtype in STORED_ARITHMETIC:
+            return prepare(loading.load_stored_model(source, STORED_ARITHMETIC[dtype]), engine, pack=False)
+        return prepare(quantize_linears(loading.load_model(source, "float32"), *QUANTIZED[dtype]), engine, pack=False)
     return prepare(loading.load_model(source, dtype, device, device_map), engine, pack)
+
+
+def quantize_linears(model: LoadedModel, block_format: str, arithmetic: str = "exact") -> LoadedModel:
+    """The model with the matrices of its decoder layers and LM head quantized to `block_format`
+    (QUANTIZE_AT_LOAD) by the native kernels (lp_quantize_rows), held as stored rows in memory and
+    run by the block-format kernels in `arithmetic`: the dense matrices are freed. A matrix whose
+    width the format's blocks do not divide stays dense."""
+    import gguf
+    import numpy as np
+
+    from layerplan.engine.kernel_library import ABI, check, library, native_available
+    from layerplan.models.stored import StoredTensor, StoredWeights
+
+    if native_available() is not None:
+        raise ModelError(f"--dtype {block_format} quantizes with the native kernels: {native_available()}")
+    kind = gguf.GGMLQuantizationType[block_format.upper()]
+    block, type_bytes = gguf.GGML_QUANT_SIZES[kind]
+    code = ABI.constants[f"LP_FORMAT_{block_format.upper()}"]
+    names = {id(m): n for n, m in model.hf.named_modules()}
+    tensors, modules = {}, {}
+    linears = [m for layer in model.parts.layers for part in (layer.attention, layer.mlp) for m in part.modules()
+               if isinstance(m, nn.Linear)]
+    linears += [model.parts.lm_head] if isinstance(model.parts.lm_head, nn.Linear) else []
+    for module in linears:
+        rows, columns = module.weight.shape
+        if columns % block:
+            continue
+        weight = module.weight.detach().float().contiguous()
+        data = np.empty((rows, columns // block * type_bytes), np.uint8)
+        check(library().lp_quantize_rows(code, weight.data_ptr(), rows, columns, data.ctypes.data),
+              f"quantizing a matrix to {block_format}")
+        name = f"{names[id(module)]}.weight"
+        tensors[name] = StoredTensor(Path(model.source or model.name), 0, kind.name, int(kind), rows, columns,
+                                     data.shape[1], data=data)
+        modules[id(module)] = name
+        # the dense matrix goes (a tied head unties: the embedding keeps its own)
+        module.weight = nn.Parameter(torch.empty(rows, columns, device="meta"), requires_grad=False)
+    if not tensors:
+        raise ModelError(f"no matrix of {model.name} is {block} inputs wide or a multiple of it, as {block_format} "
+                         "blocks need; choose another format (q8_0, q4_0, q4_1: blocks of 32)")
+    model.stored = StoredWeights(Path(model.source or model.name), tensors, modules, arithmetic, block_format)
+    return model
 
 
 def prepare(model: LoadedModel, engine: str = "auto", pack: bool | None = None) -> LoadedModel:

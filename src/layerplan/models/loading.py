@@ -100,10 +100,10 @@ class LoadedModel:
 
     @property
     def precision(self) -> str:
-        """What its weights are, for reports and commands: "stored" (a GGUF's blocks; "stored-fast" with
-        integer products) or the dtype."""
+        """What its weights are, for reports and commands: "stored" (a GGUF's blocks), a block format
+        quantized to at load ("q4_k"), "-fast" after either with integer products; or the dtype."""
         if self.stored is not None:
-            return "stored" if self.stored.arithmetic == "exact" else f"stored-{self.stored.arithmetic}"
+            return self.stored.precision
         return str(self.dtype).replace("torch.", "")
 
     @property

@@ -20,7 +20,7 @@ import json
 import os
 import shutil
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -46,6 +46,9 @@ class StoredTensor:
     columns: int
     row_bytes: int
     row_order: tuple[int, ...] | None = None  # stored row of each transformers row; None: the same
+    # the rows in memory, (rows, row_bytes) uint8, for a matrix quantized at load rather than read
+    # from a GGUF (then path names the model it came from, and offset is 0)
+    data: np.ndarray | None = field(default=None, compare=False, hash=False, repr=False)
 
     @property
     def nbytes(self) -> int:
@@ -64,6 +67,9 @@ class StoredTensor:
             out = np.empty((count, self.row_bytes), np.uint8)
         if out.shape != (count, self.row_bytes) or not out.flags.c_contiguous:
             raise ValueError(f"rows of {count} x {self.row_bytes} bytes go to a contiguous array of that shape")
+        if self.data is not None:
+            out[:] = self.data[first:first + count]
+            return out
         with open(self.path, "rb") as file:
             file.seek(self.offset + first * self.row_bytes)
             if file.readinto(memoryview(out).cast("B")) != count * self.row_bytes:
@@ -75,6 +81,8 @@ class StoredTensor:
     def map_rows(self) -> np.ndarray:
         """(rows, row_bytes) uint8 mapped from the file in its stored order: only the pages of the
         rows read are brought into memory (an embedding table's lookups)."""
+        if self.data is not None:
+            return self.data
         return np.memmap(self.path, dtype=np.uint8, mode="r", offset=self.offset, shape=(self.rows, self.row_bytes))
 
     def dequantize(self) -> torch.Tensor:
@@ -132,6 +140,14 @@ class StoredWeights:
     tensors: dict[str, StoredTensor]
     modules: dict[int, str]  # id() of each linear module with a stored weight -> its weight's name
     arithmetic: str = "exact"
+    # the block format the matrices were quantized to at load ("q4_k"); None: as the GGUF stores them
+    quantized: str | None = None
+
+    @property
+    def precision(self) -> str:
+        """"stored" (a GGUF's blocks) or the format quantized to at load, "-fast" with integer products."""
+        base = self.quantized or "stored"
+        return base if self.arithmetic == "exact" else f"{base}-{self.arithmetic}"
 
     def of(self, module: nn.Module) -> StoredTensor | None:
         """The stored weight of a linear module, None for a module whose weight is dense."""
