@@ -9,7 +9,7 @@ STAMP  := $(VENV)/.installed-$(shell cat $(LOCKS) | cksum | cut -d' ' -f1)
 PYTHON ?= python3
 LATEST ?= .venv-latest
 
-.PHONY: demo test fuzz test-latest test-sanitize bench install lock clean
+.PHONY: demo test fuzz test-latest test-sanitize bench chaos install lock clean
 
 $(STAMP): $(LOCKS)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -33,6 +33,14 @@ test: $(STAMP)
 FUZZ_TESTS := tests/test_bad_input.py tests/test_plan_fuzz.py tests/test_serve_bad_input.py
 fuzz: $(STAMP)
 	LAYERPLAN_FUZZ=1 $(PY) -m pytest -q $(FUZZ_TESTS) -k fuzz --hypothesis-show-statistics
+
+# issue 35's chaos runs, full length (≤ 10 min on 2 cores, 127.0.0.1 only): 4 workers of one search
+# on a PostgreSQL server restarted twice, a worker killed every 20 s; `layerplan serve` with 8
+# streaming clients hanging up and malformed requests for 5 min. One summary line each; nonzero
+# exit when any figure is off. `make test` runs a short version (tests/test_chaos.py).
+chaos: $(STAMP)
+	@bash .ci/install-postgresql
+	$(PY) benchmarks/chaos.py
 
 # unlocked: whatever the ranges allow today (pip upgrades every dependency it can)
 test-latest:

@@ -25,7 +25,7 @@ from contextlib import contextmanager
 from typing import Any
 
 DEFAULT_PATIENCE = 600.0  # seconds a worker waits for its storage to come back
-_FIRST_WAIT, _LONGEST_WAIT = 0.25, 5.0  # backoff between attempts: doubling, at most this
+_FIRST_WAIT, _LONGEST_WAIT = 0.25, 2.0  # backoff between attempts: doubling, at most this
 _NOT_DONE = object()
 _local = threading.local()
 
@@ -81,11 +81,12 @@ def unreachable_reason(error: BaseException) -> str | None:
             transient = True
     if not transient:
         return None
-    for e in reversed(chain):  # the driver's own words are the deepest
-        text = str(getattr(e, "orig", None) or e)
-        line = next((part.strip() for part in text.splitlines() if part.strip()), "")
-        if line:
-            line = line.split(" (Background on this error")[0]
+    drivers = [e.orig for e in chain if getattr(e, "orig", None) is not None]  # the driver's own words
+    drivers += [e for e in chain if type(e).__module__.startswith(("psycopg", "pymysql", "MySQLdb"))]
+    for e in drivers + chain:
+        line = next((part.strip() for part in str(e).splitlines() if part.strip()), "")
+        line = line.split(" (Background on this error")[0]
+        if line and line != "()":
             return line if len(line) <= 160 else line[:157] + "..."
     return type(error).__name__
 

@@ -1,0 +1,216 @@
+"""A shared study's storage going away and coming back (issue 35): the retry policy of
+search/patience.py, its one-line messages, the tell that is never told twice, and the polite
+stop (SIGTERM, Ctrl-C) that fails the running trial. Unit-sized: a tiny model, a throwaway
+PostgreSQL server where one is needed (the chaos runs themselves are tests/test_chaos.py)."""
+
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from layerplan.search.bayes import make_storage, run_study
+from layerplan.search.evaluator import PlanEvaluator
+from layerplan.search.patience import StorageUnavailable, patient_storage, unreachable_reason
+from studies import fork_worker, study_trials
+from tiny import VOCAB, tiny_model
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+import chaos  # noqa: E402 - benchmarks/chaos.py: the throwaway PostgreSQL server
+
+
+@pytest.fixture(scope="module")
+def pg():
+    import optuna
+
+    try:
+        server = chaos.Postgres()
+    except chaos.Unavailable as error:
+        pytest.skip(str(error))
+    verbosity = optuna.logging.get_verbosity()
+    optuna.logging.set_verbosity(optuna.logging.WARNING)  # its handler writes to the stderr capsys replaced
+    yield server
+    optuna.logging.set_verbosity(verbosity)
+    server.close()
+
+
+def _lines(capsys) -> list[str]:
+    """Our lines on stderr (not Optuna's log)."""
+    return [line for line in capsys.readouterr().err.splitlines() if line.startswith("storage ")]
+
+
+def test_a_tell_while_the_database_is_down_is_told_once_it_is_back(pg, capsys):
+    import optuna
+    from optuna.trial import TrialState
+
+    study = optuna.create_study(study_name="outage-tell", storage=make_storage(pg.url, heartbeat=None, patience=60))
+    trial = study.ask()
+    trial.set_user_attr("plan", "full")
+    pg.crash()
+    threading.Timer(2.0, pg.start).start()
+    started = time.monotonic()
+    study.tell(trial, 0.5)  # waits for the database, then tells
+    assert time.monotonic() - started >= 1.5
+    lines = _lines(capsys)
+    assert len(lines) == 2, lines
+    assert lines[0].startswith("storage unreachable (") and lines[0].endswith("): retrying for up to 1 min")
+    assert lines[1].startswith("storage reachable again after ")
+    found = [t for t in study_trials(pg.url, "outage-tell")]
+    assert [(t.state, t.values) for t in found] == [(TrialState.COMPLETE, [0.5])]
+
+
+def test_past_its_patience_a_worker_gives_up_in_one_line(pg, capsys):
+    import optuna
+
+    study = optuna.create_study(study_name="outage-patience", storage=make_storage(pg.url, heartbeat=None, patience=1))
+    trial = study.ask()
+    pg.crash()
+    try:
+        started = time.monotonic()
+        with pytest.raises(StorageUnavailable) as caught:
+            study.tell(trial, 1.0)
+        assert 0.9 <= time.monotonic() - started < 5
+    finally:
+        pg.start()
+    message = str(caught.value)
+    assert "\n" not in message and message.startswith("the study storage has been unreachable for 1 s (")
+    assert message.endswith("giving up (--storage-patience 1)")
+    assert isinstance(caught.value, ValueError)  # the CLI's one-line error, exit status 1
+    assert _lines(capsys) == [_lines_first(message)]
+
+
+def _lines_first(message: str) -> str:
+    reason = message.partition("(")[2].rpartition("); giving up")[0]
+    return f"storage unreachable ({reason}): retrying for up to 1 s"
+
+
+class _FlakyCommit:
+    """An Optuna storage whose first tell commits and then loses its connection, as a database
+    that goes down between the commit and its answer."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.tells = inner, 0
+
+    def set_trial_state_values(self, trial_id, state, values=None):
+        from sqlalchemy.exc import OperationalError
+
+        self.tells += 1
+        result = self.inner.set_trial_state_values(trial_id, state, values)
+        if state.is_finished() and self.tells == 1:
+            raise OperationalError("COMMIT", {}, Exception("server closed the connection unexpectedly"))
+        return result
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def test_a_tell_that_committed_before_its_connection_dropped_is_not_told_again():
+    import optuna
+    from optuna.storages import InMemoryStorage
+    from optuna.trial import TrialState
+
+    flaky = _FlakyCommit(InMemoryStorage())
+    said = []
+    study = optuna.create_study(storage=patient_storage(flaky, patience=30, say=said.append))
+    trial = study.ask()
+    study.tell(trial, 2.0)  # would raise "Cannot tell a COMPLETE trial" on a blind retry
+    assert flaky.tells == 1
+    assert [(t.state, t.values) for t in study.trials] == [(TrialState.COMPLETE, [2.0])]
+    assert said[0] == ("storage unreachable (server closed the connection unexpectedly): retrying for up to 30 s")
+    assert said[1].startswith("storage reachable again after")
+
+
+def test_only_a_lost_connection_is_retried():
+    from sqlalchemy.exc import IntegrityError, OperationalError
+
+    assert unreachable_reason(OperationalError("SELECT 1", {}, Exception("connection refused\n\tIs the server running?"))) \
+        == "connection refused"
+    assert unreachable_reason(IntegrityError("INSERT", {}, Exception("duplicate key"))) is None
+    assert unreachable_reason(ValueError("Cannot tell a COMPLETE trial.")) is None
+
+
+def test_sqlite_and_journal_storages_are_not_wrapped(tmp_path):
+    from optuna.storages import JournalStorage, RDBStorage
+
+    assert isinstance(make_storage(str(tmp_path / "s.db")), RDBStorage)
+    assert isinstance(make_storage(f"journal:{tmp_path / 's.log'}"), JournalStorage)
+
+
+class _SlowEvaluator(PlanEvaluator):
+    """Touches `marker` in its third evaluation, then takes `seconds` (in short steps, as a real
+    evaluation does between torch calls)."""
+
+    def __init__(self, model, ids, marker: Path, seconds: float) -> None:
+        super().__init__(model, ids)
+        self.marker, self.seconds = marker, seconds
+
+    def divergence(self, plan, give_up=None):
+        if self.evaluations >= 2 and not self.marker.exists():
+            self.marker.touch()
+            for _ in range(int(self.seconds * 100)):
+                time.sleep(0.01)
+        return super().divergence(plan, give_up)
+
+
+def _work(model, storage: str, marker: Path, patience: float = 600, seconds: float = 60) -> None:
+    torch.set_num_threads(1)
+    ids = torch.randint(3, VOCAB, (1, 16), generator=torch.Generator().manual_seed(0))
+    try:
+        run_study(_SlowEvaluator(model, ids, marker, seconds), "kl", 20, storage, "polite", seeds=[model.plan()], poll=0.05,
+                  patience=patience)
+    except StorageUnavailable as error:
+        Path(str(marker) + ".error").write_text(str(error))
+        os._exit(3)
+
+
+@pytest.fixture(scope="module")
+def worker_model():
+    return tiny_model("llama", num_layers=6)
+
+
+@pytest.mark.parametrize("how", ["SIGTERM", "SIGINT"])
+def test_a_worker_stopped_politely_fails_its_trial_within_a_second(worker_model, tmp_path, how):
+    from optuna.trial import TrialState
+
+    storage = str(tmp_path / "study.db")
+    marker = tmp_path / "in-trial"
+    worker = fork_worker(_work, worker_model, storage, marker)
+    for _ in range(600):
+        if marker.exists() or not worker.is_alive():
+            break
+        time.sleep(0.05)
+    assert marker.exists(), "the worker never reached its slow trial"
+    running = [t.number for t in study_trials(storage, "polite") if t.state == TrialState.RUNNING]
+    assert len(running) == 1
+    sent = time.monotonic()
+    os.kill(worker.pid, getattr(signal, how))
+    while study_trials(storage, "polite")[running[0]].state == TrialState.RUNNING and time.monotonic() - sent < 5:
+        time.sleep(0.02)
+    assert time.monotonic() - sent < 1.0  # failed within a second (then the process exits)
+    worker.join(timeout=10)
+    assert worker.exitcode == (128 + signal.SIGTERM if how == "SIGTERM" else 1)  # SIGINT: KeyboardInterrupt
+    found = study_trials(storage, "polite")
+    assert found[running[0]].state == TrialState.FAIL
+    assert not [t for t in found if t.state == TrialState.RUNNING]
+
+
+def test_a_worker_whose_database_stays_away_exits_with_one_line(worker_model, pg):
+    marker = Path(pg.folder) / "patience-marker"
+    worker = fork_worker(_work, worker_model, pg.url, marker, 1.0, 2.0)
+    for _ in range(600):
+        if marker.exists() or not worker.is_alive():
+            break
+        time.sleep(0.05)
+    assert marker.exists(), "the worker never reached its slow trial"
+    pg.crash()
+    try:
+        worker.join(timeout=60)  # the slow trial (2 s) cannot be told: it gives up at the tell
+    finally:
+        pg.start()
+    assert worker.exitcode == 3
+    message = Path(str(marker) + ".error").read_text()
+    assert "\n" not in message and "giving up (--storage-patience 1)" in message
