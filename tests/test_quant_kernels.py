@@ -229,7 +229,7 @@ def test_f16_rounding_is_numpys_for_every_kind_of_float(native):
 
 
 # the formats with integer tiles (products_quant_avx2.c lp_int_tiles_of); the others run exact
-INTEGER = ("Q4_0", "Q4_1", "Q4_K", "Q6_K")
+INTEGER = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
 
 
 def int8_activations(x: np.ndarray) -> np.ndarray:
@@ -258,7 +258,10 @@ def test_integer_products_are_the_product_with_int8_activations(native, name):
         alone = linear(native, _fmt(abi, name), packed, n, k, x, 1, abi.LP_ARITH_INT8)
         xq = int8_activations(x)
         reference, bound = xq @ values.T, np.abs(xq) @ np.abs(values).T
-        assert np.all(np.abs(alone - reference) <= 1e-6 * bound + 1e-30), name
+        # Q8_0 runs q + 128 and takes 128 d times the activations' sum off in fp32: a cancellation
+        # that costs a few more roundings than the unsigned formats' offsets
+        tolerance = 1e-5 if name == "Q8_0" else 1e-6
+        assert np.all(np.abs(alone - reference) <= tolerance * bound + 1e-30), name
         exact = linear(native, _fmt(abi, name), packed, n, k, x, 1)
         assert not same_bits(alone, exact)  # it is another arithmetic, and within the int8 rounding of x:
         assert np.all(np.abs(alone - exact) <= 0.01 * (np.abs(x) @ np.abs(values).T) + 1e-30)

@@ -148,14 +148,14 @@ class Isa:
         return self.family or self.name
 
 
-# Best first. "avx512vnni" is the AVX2 product files built where the CPU has AVX-512 BW, VL and VNNI
-# (Ice Lake, Sapphire Rapids, Zen 4): the integer products (LP_ARITH_INT8) take 64-byte words and
+# Best first. "avx512vnni" is the AVX2 product files built where the CPU has AVX-512 BW, VL, VNNI and
+# VBMI (Ice Lake, Sapphire Rapids, Zen 4): the integer products (LP_ARITH_INT8) take 64-byte words and
 # vpdpbusd, and give the same integers as AVX2's vpmaddubsw route. An AVX-512 build of the fp32
 # tiles would be a row here with its own products_avx512.c (and an AVX-512 branch of simd.h).
 _AVX2 = ("-mavx2", "-mfma", "-mf16c")
 ISAS = (
-    Isa("avx512vnni", frozenset({"avx2", "fma", "avx512bw", "avx512vl", "avx512_vnni"}),
-        _AVX2 + ("-mavx512bw", "-mavx512vl", "-mavx512vnni"), "products_avx2.c", family="avx2"),
+    Isa("avx512vnni", frozenset({"avx2", "fma", "avx512bw", "avx512vl", "avx512_vnni", "avx512vbmi"}),
+        _AVX2 + ("-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mavx512vbmi"), "products_avx2.c", family="avx2"),
     Isa("avx2", frozenset({"avx2", "fma"}), _AVX2, "products_avx2.c"),
 )
 PORTABLE = Isa("generic", frozenset(), (), "products_generic.c")  # only when LAYERPLAN_KERNEL_ISA asks for it

@@ -595,6 +595,103 @@ ALWAYS void q4_k_iset(istate *s, const uint8_t *pb, int sub) {
     s->q = pb + 256 + 256 * sub;
 }
 #define q4_k_iload nibble_words
+/* the products of quants below 64 fit vpmaddubsw's pairs (dot4) */
+#define q4_0_dot dot4
+#define q4_1_dot dot4
+#define q4_k_dot dot4
+#define q5_0_dot dot4
+#define q5_1_dot dot4
+#define q5_k_dot dot4
+#define q6_k_dot dot4
+
+/* Q8_0: w = d q, q signed; the tiles take q + 128 (unsigned: q XOR 0x80) and subtract 128 d times
+ * the activations' sum, as the offset. On AVX2 a product of q + 128 (to 255) with x (to 127) does
+ * not fit a vpmaddubsw pair, so q + 128 goes as (q + 128) & 0x7F plus (q + 128) & 0x80: the same
+ * integer as vpdpbusd's. The input-major panel (16 rows' bytes of each input) is transposed to four
+ * inputs a lane. */
+#define Q8_0_ISUB 32
+ALWAYS void q8_0_iset(istate *s, const uint8_t *pb, int sub) {
+    (void)sub;
+    s->dl = half8(pb);
+    s->dh = half8(pb + 16);
+    s->ol = mul(s->dl, _mm256_set1_ps(-128.0f));
+    s->oh = mul(s->dh, _mm256_set1_ps(-128.0f));
+    s->q = pb + 32;
+}
+ALWAYS void q8_0_iload(const istate *s, int c, __m256i *wl, __m256i *wh) {
+    const uint8_t *p = s->q + 64 * c; /* inputs 4c..4c+3, 16 rows each */
+    __m128i a = _mm_loadu_si128((const __m128i *)p), b = _mm_loadu_si128((const __m128i *)(p + 16)),
+            c2 = _mm_loadu_si128((const __m128i *)(p + 32)), d = _mm_loadu_si128((const __m128i *)(p + 48));
+    __m128i ab_lo = _mm_unpacklo_epi8(a, b), ab_hi = _mm_unpackhi_epi8(a, b);
+    __m128i cd_lo = _mm_unpacklo_epi8(c2, d), cd_hi = _mm_unpackhi_epi8(c2, d);
+    const __m256i flip = _mm256_set1_epi8((char)0x80);
+    *wl = _mm256_xor_si256(_mm256_set_m128i(_mm_unpackhi_epi16(ab_lo, cd_lo), _mm_unpacklo_epi16(ab_lo, cd_lo)), flip);
+    *wh = _mm256_xor_si256(_mm256_set_m128i(_mm_unpackhi_epi16(ab_hi, cd_hi), _mm_unpacklo_epi16(ab_hi, cd_hi)), flip);
+}
+ALWAYS __m256i q8_0_dot(__m256i acc, __m256i w, __m256i x) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(acc, w, x);
+#else
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256i low = _mm256_maddubs_epi16(_mm256_and_si256(w, _mm256_set1_epi8(0x7F)), x);
+    __m256i high = _mm256_maddubs_epi16(_mm256_and_si256(w, _mm256_set1_epi8((char)0x80)), x);
+    return _mm256_add_epi32(acc, _mm256_add_epi32(_mm256_madd_epi16(low, ones), _mm256_madd_epi16(high, ones)));
+#endif
+}
+
+/* fifth bits: byte j of a quad's 8 bytes holds row j's bit of input 4c + t at bit t and row j+8's
+ * at bit 4 + t; (bits) * 0x00204081 moves bit t to bit 8t (the shifted copies never meet), so
+ * masked and shifted by 4 they are the 16s of the quants' bytes. `flip` inverts them (Q5_0 stores
+ * them inverted). */
+ALWAYS void fifths(__m256i h, int flip, __m256i *fl, __m256i *fh) {
+    const __m256i spread = _mm256_set1_epi32(0x00204081), ones = _mm256_set1_epi32(0x01010101);
+    __m256i lo = _mm256_and_si256(_mm256_mullo_epi32(and_(h, 0xF), spread), ones);
+    __m256i hi = _mm256_and_si256(_mm256_mullo_epi32(and_(_mm256_srli_epi32(h, 4), 0xF), spread), ones);
+    if (flip) {
+        lo = _mm256_xor_si256(lo, ones);
+        hi = _mm256_xor_si256(hi, ones);
+    }
+    *fl = _mm256_slli_epi32(lo, 4);
+    *fh = _mm256_slli_epi32(hi, 4);
+}
+ALWAYS void fifth_words(const istate *s, int c, int flip, __m256i *wl, __m256i *wh) {
+    __m256i fl, fh;
+    nibble_words(s, c, wl, wh);
+    fifths(bytes8(s->h + 8 * c), flip, &fl, &fh);
+    *wl = _mm256_or_si256(*wl, fl);
+    *wh = _mm256_or_si256(*wh, fh);
+}
+
+/* Q5_0: w = d (q - 16), q = nibble + 16 fifth (stored inverted) */
+#define Q5_0_ISUB 32
+ALWAYS void q5_0_iset(istate *s, const uint8_t *pb, int sub) {
+    (void)sub;
+    s->dl = half8(pb);
+    s->dh = half8(pb + 16);
+    s->ol = mul(s->dl, _mm256_set1_ps(-16.0f));
+    s->oh = mul(s->dh, _mm256_set1_ps(-16.0f));
+    s->h = pb + 32;
+    s->q = pb + 96;
+}
+ALWAYS void q5_0_iload(const istate *s, int c, __m256i *wl, __m256i *wh) { fifth_words(s, c, 1, wl, wh); }
+
+/* Q5_1: w = d q + m */
+#define Q5_1_ISUB 32
+ALWAYS void q5_1_iset(istate *s, const uint8_t *pb, int sub) {
+    q4_1_iset(s, pb, sub);
+    s->h = pb + 64;
+    s->q = pb + 128;
+}
+ALWAYS void q5_1_iload(const istate *s, int c, __m256i *wl, __m256i *wh) { fifth_words(s, c, 0, wl, wh); }
+
+/* Q5_K: as Q4_K with fifth bits */
+#define Q5_K_ISUB 32
+ALWAYS void q5_k_iset(istate *s, const uint8_t *pb, int sub) {
+    q4_k_iset(s, pb, sub);
+    s->h = pb + 256 + 64 * sub;
+    s->q = pb + 768 + 256 * sub;
+}
+ALWAYS void q5_k_iload(const istate *s, int c, __m256i *wl, __m256i *wh) { fifth_words(s, c, 0, wl, wh); }
 
 /* Q6_K: sub-blocks of 16; the high 2 bits of row j's input t at bits P[t] = {0, 2, 8, 10} of 16-bit
  * lane j (row j+8's at P[t] + 4), moved to bits 4-5 of byte t of dword lane j */
@@ -660,8 +757,8 @@ ALWAYS __m256i four_bytes(const int8_t *p) {
                 f##_iload(&st, c, &wl, &wh);                                                       \
                 _Pragma("GCC unroll 4") for (int r = 0; r < R; r++) {                              \
                     __m256i xb = four_bytes(xr[r] + s0 + 4 * c);                                   \
-                    al[r][c % S] = dot4(al[r][c % S], wl, xb);                                     \
-                    ah[r][c % S] = dot4(ah[r][c % S], wh, xb);                                     \
+                    al[r][c % S] = f##_dot(al[r][c % S], wl, xb);                                  \
+                    ah[r][c % S] = f##_dot(ah[r][c % S], wh, xb);                                  \
                 }                                                                                  \
             }                                                                                      \
             _Pragma("GCC unroll 4") for (int r = 0; r < R; r++) {                                  \
@@ -707,8 +804,8 @@ ALWAYS __m256i four_bytes(const int8_t *p) {
                 f##_iload(&st, c, &wl, &wh);                                                       \
                 _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                              \
                     __m256i xb = four_bytes(xr[r] + s0 + 4 * c);                                   \
-                    al[r] = dot4(al[r], wl, xb);                                                   \
-                    ah[r] = dot4(ah[r], wh, xb);                                                   \
+                    al[r] = f##_dot(al[r], wl, xb);                                                \
+                    ah[r] = f##_dot(ah[r], wh, xb);                                                \
                 }                                                                                  \
             }                                                                                      \
             _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                                  \
@@ -736,6 +833,49 @@ ALWAYS void nibble_words2(const istate *s, int c, __m512i *wl, __m512i *wh) {
 #define q4_0_iload2 nibble_words2
 #define q4_1_iload2 nibble_words2
 #define q4_k_iload2 nibble_words2
+
+/* fifths as the 32-byte tiles take them, 16 bytes of bits (two words' quads, or panel A's and B's) */
+ALWAYS void fifths2(__m128i bits, int flip, __m512i *fl, __m512i *fh) {
+    const __m512i spread = _mm512_set1_epi32(0x00204081), ones = _mm512_set1_epi32(0x01010101);
+    __m512i h = _mm512_cvtepu8_epi32(bits);
+    __m512i lo = _mm512_and_si512(_mm512_mullo_epi32(_mm512_and_si512(h, _mm512_set1_epi32(0xF)), spread), ones);
+    __m512i hi = _mm512_and_si512(_mm512_mullo_epi32(_mm512_and_si512(_mm512_srli_epi32(h, 4), _mm512_set1_epi32(0xF)),
+                                                     spread), ones);
+    if (flip) {
+        lo = _mm512_xor_si512(lo, ones);
+        hi = _mm512_xor_si512(hi, ones);
+    }
+    *fl = _mm512_slli_epi32(lo, 4);
+    *fh = _mm512_slli_epi32(hi, 4);
+}
+ALWAYS void fifth_words2(const istate *s, int c, int flip, __m512i *wl, __m512i *wh) {
+    __m512i fl, fh;
+    nibble_words2(s, c, wl, wh);
+    fifths2(_mm_loadu_si128((const __m128i *)(s->h + 16 * c)), flip, &fl, &fh);
+    *wl = _mm512_or_si512(*wl, fl);
+    *wh = _mm512_or_si512(*wh, fh);
+}
+ALWAYS void q5_0_iload2(const istate *s, int c, __m512i *wl, __m512i *wh) { fifth_words2(s, c, 1, wl, wh); }
+
+/* Q8_0's input-major bytes of four inputs from two 64-byte sources (the next four inputs, or the
+ * same inputs of panel B) to lanes 0-7 (rows 0-7 of the first) and 8-15 (of the second): one byte
+ * permutation each for rows 0-7 and 8-15, then + 128 */
+ALWAYS void q8_0_transpose2(__m512i first, __m512i second, __m512i *wl, __m512i *wh) {
+    _Alignas(64) static const uint8_t lo[64] = {
+        0, 16, 32, 48, 1, 17, 33, 49, 2, 18, 34, 50, 3, 19, 35, 51, 4, 20, 36, 52, 5, 21, 37, 53, 6, 22, 38, 54,
+        7, 23, 39, 55, 64, 80, 96, 112, 65, 81, 97, 113, 66, 82, 98, 114, 67, 83, 99, 115, 68, 84, 100, 116,
+        69, 85, 101, 117, 70, 86, 102, 118, 71, 87, 103, 119};
+    const __m512i index_lo = _mm512_load_si512((const void *)lo), eight = _mm512_set1_epi8(8);
+    const __m512i flip = _mm512_set1_epi8((char)0x80);
+    *wl = _mm512_xor_si512(_mm512_permutex2var_epi8(first, index_lo, second), flip);
+    *wh = _mm512_xor_si512(_mm512_permutex2var_epi8(first, _mm512_add_epi8(index_lo, eight), second), flip);
+}
+ALWAYS void q8_0_iload2(const istate *s, int c, __m512i *wl, __m512i *wh) {
+    const uint8_t *p = s->q + 128 * c;
+    q8_0_transpose2(_mm512_loadu_si512((const void *)p), _mm512_loadu_si512((const void *)(p + 64)), wl, wh);
+}
+ALWAYS void q5_1_iload2(const istate *s, int c, __m512i *wl, __m512i *wh) { fifth_words2(s, c, 0, wl, wh); }
+ALWAYS void q5_k_iload2(const istate *s, int c, __m512i *wl, __m512i *wh) { fifth_words2(s, c, 0, wl, wh); }
 ALWAYS void q6_k_iload2(const istate *s, int c, __m512i *wl, __m512i *wh) {
     __m512i v = _mm512_loadu_si512((const void *)(s->q + 64 * c));
     __m512i h = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(s->h + 32 * c)));
@@ -835,6 +975,21 @@ ALWAYS void nibble_pair(const istate *a, const istate *b, int c, __m512i *wl, __
 #define q4_0_ipair nibble_pair
 #define q4_1_ipair nibble_pair
 #define q4_k_ipair nibble_pair
+ALWAYS void fifth_pair(const istate *a, const istate *b, int c, int flip, __m512i *wl, __m512i *wh) {
+    __m512i fl, fh;
+    nibble_pair(a, b, c, wl, wh);
+    fifths2(_mm_unpacklo_epi64(_mm_loadl_epi64((const __m128i *)(a->h + 8 * c)),
+                               _mm_loadl_epi64((const __m128i *)(b->h + 8 * c))), flip, &fl, &fh);
+    *wl = _mm512_or_si512(*wl, fl);
+    *wh = _mm512_or_si512(*wh, fh);
+}
+ALWAYS void q5_0_ipair(const istate *a, const istate *b, int c, __m512i *wl, __m512i *wh) { fifth_pair(a, b, c, 1, wl, wh); }
+ALWAYS void q8_0_ipair(const istate *a, const istate *b, int c, __m512i *wl, __m512i *wh) {
+    q8_0_transpose2(_mm512_loadu_si512((const void *)(a->q + 64 * c)), _mm512_loadu_si512((const void *)(b->q + 64 * c)),
+                    wl, wh);
+}
+ALWAYS void q5_1_ipair(const istate *a, const istate *b, int c, __m512i *wl, __m512i *wh) { fifth_pair(a, b, c, 0, wl, wh); }
+ALWAYS void q5_k_ipair(const istate *a, const istate *b, int c, __m512i *wl, __m512i *wh) { fifth_pair(a, b, c, 0, wl, wh); }
 ALWAYS void q6_k_ipair(const istate *a, const istate *b, int c, __m512i *wl, __m512i *wh) {
     __m512i v = pair256(a->q + 32 * c, b->q + 32 * c);
     __m256i hh = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(a->h + 16 * c))),
@@ -960,6 +1115,10 @@ ITILES(Q4_0, q4_0)
 ITILES(Q4_1, q4_1)
 ITILES(Q4_K, q4_k)
 ITILES(Q6_K, q6_k)
+ITILES(Q5_0, q5_0)
+ITILES(Q5_1, q5_1)
+ITILES(Q5_K, q5_k)
+ITILES(Q8_0, q8_0)
 
 const lp_int_tiles *lp_int_tiles_of(int format) {
     switch (format) {
@@ -967,6 +1126,10 @@ const lp_int_tiles *lp_int_tiles_of(int format) {
     case LP_FORMAT_Q4_1: return &int_tiles_q4_1;
     case LP_FORMAT_Q4_K: return &int_tiles_q4_k;
     case LP_FORMAT_Q6_K: return &int_tiles_q6_k;
+    case LP_FORMAT_Q5_0: return &int_tiles_q5_0;
+    case LP_FORMAT_Q5_1: return &int_tiles_q5_1;
+    case LP_FORMAT_Q5_K: return &int_tiles_q5_k;
+    case LP_FORMAT_Q8_0: return &int_tiles_q8_0;
     default: return NULL;
     }
 }
