@@ -198,11 +198,16 @@ def run_bench(
     plain: str = "layerplan plain",
     on_progress: Callable[[int, int], None] | None = None,
     chat: Collection[str] = CHAT_PROMPTS,
+    precision: str | None = None,
 ) -> BenchResult:
-    """chat: the prompt names that go through the tokenizer's chat template."""
+    """chat: the prompt names that go through the tokenizer's chat template. precision: layerplan's
+    (default: model's), where it differs from the reference model's (a GGUF as stored against
+    transformers' float32 of it)."""
     if reference not in methods:
         raise ValueError(f"the methods must include the reference '{reference}'")
-    result = BenchResult(model.name, model.precision, torch.get_num_threads(),
+    if precision is not None and precision != model.precision:
+        precision = f"{precision} (transformers: {model.precision})"
+    result = BenchResult(model.name, precision or model.precision, torch.get_num_threads(),
                          new_tokens, repeats, cpu_info())
     total, done = len(prompts) * repeats * len(methods), 0
     for label, prompt in prompts.items():

@@ -945,7 +945,8 @@ def bench(model, dtype, engine, threads, new_tokens, repeats, prompt_names, prom
         methods = bench_methods(stock, fast, list(drafts), list(hf_exits), hf_prompt_lookup, draft_length, peers,
                                 probe_row=_checked_probe_row(fast))
         with _Progress("bench") as progress:
-            result = run_bench(stock, methods, prompts, new_tokens, repeats, on_progress=progress, chat=chat)
+            result = run_bench(stock, methods, prompts, new_tokens, repeats, on_progress=progress, chat=chat,
+                               precision=fast.precision)
     click.echo(result.cpu.line())
     click.echo(f"{result.model}, {result.dtype}, {result.threads} threads, up to {new_tokens} new tokens, "
                f"median of {repeats}; 'vs HF' = transformers plain ms/token ÷ this row's; dec/s: decoding alone")
