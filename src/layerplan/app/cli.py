@@ -1119,9 +1119,15 @@ def _check_host(host: str) -> None:
 @click.option("--api-key", envvar="LAYERPLAN_API_KEY", default=None,
               help="require 'Authorization: Bearer KEY' on /v1/* (or set LAYERPLAN_API_KEY); not empty")
 @click.option("--served-name", default=None, help="the model id clients send (default: the model's name)")
-def serve(model, dtype, device, engine, threads, plan, draft, draft_length, host, port, api_key, served_name) -> None:
+@click.option("--max-batch", type=click.IntRange(1, 64), default=8, show_default=True,
+              help="requests decoded at once, each pass carrying a token of each (continuous batching; "
+                   "with --draft, one speculative request at a time)")
+def serve(model, dtype, device, engine, threads, plan, draft, draft_length, host, port, api_key, served_name,
+          max_batch) -> None:
     """OpenAI-compatible HTTP server: /v1/completions, /v1/chat/completions (SSE streaming),
-    /v1/models, /health. One decode at a time, requests served in arrival order."""
+    /v1/models, /health. Up to --max-batch requests decode at once, in arrival order (continuous
+    batching: each pass carries the next token of every one; a request's tokens are those of its
+    solo run); /health shows the batch."""
     from layerplan.app.serve import ListenError, serve as run_server  # deferred: the web stack is heavy
 
     _threads(threads)
@@ -1139,7 +1145,7 @@ def serve(model, dtype, device, engine, threads, plan, draft, draft_length, host
         try:
             run_server(loaded, host, port, on_listening=listening, plan=loaded.plan(plan) if plan else None,
                        draft=draft, draft_length=draft_length, api_key=api_key, served_name=served_name,
-                       probe_row=_checked_probe_row(loaded))
+                       probe_row=_checked_probe_row(loaded), max_batch=max_batch)
         except ListenError as error:
             raise click.ClickException(str(error)) from None
 

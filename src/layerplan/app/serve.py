@@ -42,6 +42,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from layerplan.decoding.batch import Decoding, step_all
 from layerplan.decoding.drafters.registry import make_drafter
 from layerplan.decoding.generate import generate
 from layerplan.decoding.output import GenerationResult
@@ -50,6 +51,11 @@ from layerplan.decoding.sampling import SEED_RANGE, SamplingError, SamplingParam
 from layerplan.engine.probe import ProbeRow
 from layerplan.models.loading import LoadedModel
 from layerplan.plan.plan import LayerPlan
+
+
+# plain decodes batched at most (serve --max-batch): on a CPU a pass of 8 tokens costs little more
+# than one, so 8 clients decode at nearly one client's pace each
+DEFAULT_MAX_BATCH = 8
 
 
 # ----- errors ------------------------------------------------------------------------------------
@@ -194,7 +200,10 @@ class EngineCounters:
 
 
 class Engine:
-    """Runs one generation at a time, in arrival order, on the thread that calls run().
+    """Runs the generations, in arrival order, on the thread that calls run(): up to max_batch
+    plain decodes at once (continuous batching: decoding/batch.py; a request joins after its
+    prefill and leaves when done, and its tokens are its solo run's), or, with a draft, one
+    speculative generation at a time (speculation inside a batch is not built yet).
 
     Which thread decodes matters on CPU: torch's OpenMP pool belongs to the thread that first
     ran parallel work (usually the main thread, which loaded the model), and a decode on a
@@ -204,7 +213,9 @@ class Engine:
 
     def __init__(self, model: LoadedModel, plan: LayerPlan | None = None, draft=None,
                  draft_length: str | None = None, run_in_thread: bool = True,
-                 probe_row: ProbeRow | None = None) -> None:
+                 probe_row: ProbeRow | None = None, max_batch: int = DEFAULT_MAX_BATCH) -> None:
+        if max_batch < 1:
+            raise ValueError(f"--max-batch must be at least 1, not {max_batch}")
         self.model = model
         self.probe_row = probe_row  # this machine's probe row for the model: the pace decodes are held to
         # the latest decode's GenerationResult.slow_note: set while decodes run far slower than the
@@ -214,6 +225,8 @@ class Engine:
         # built once: a model drafter keeps its own cache between requests (it re-syncs by prefix)
         self.drafter = make_drafter(draft, model, self.plan) if draft else None  # checks it, fails at startup
         self.draft_length = draft_length
+        self.max_batch = max_batch if self.drafter is None else 1
+        self.batch = 0  # decodes in the batch now
         self.counters = EngineCounters()
         self._lock = threading.Lock()
         self._jobs: queue.Queue = queue.Queue()  # FIFO: fair in arrival order
@@ -228,6 +241,9 @@ class Engine:
 
     def run(self) -> None:
         """Decode queued jobs until close()."""
+        if self.max_batch > 1:
+            self._run_batched()
+            return
         while True:
             try:
                 item = self._jobs.get(timeout=0.5)  # wake up now and then, so Ctrl-C gets through
@@ -265,6 +281,69 @@ class Engine:
         self._count(running=-1, **({"cancelled": 1} if result.stop_reason == "cancelled" else {"finished": 1}))
         self.slow_note = result.slow_note
         return result
+
+    def _run_batched(self) -> None:
+        """Continuous batching: admit queued jobs (each prefilled alone) while the batch has room,
+        then one pass for the next token of every job in it; a job leaves when done or cancelled
+        (its client gone: should_stop), freeing its place at the next step."""
+        active: list[tuple[Job, Future, Decoding]] = []
+        closing = False
+        while not (closing and not active):
+            while not closing and len(active) < self.max_batch:
+                try:  # wait for work only when there is none; wake now and then, so Ctrl-C gets through
+                    item = self._jobs.get(timeout=0.5) if not active else self._jobs.get_nowait()
+                except queue.Empty:
+                    break
+                if item is None:
+                    closing = True
+                    break
+                started = self._start(*item)
+                if started is not None:
+                    active.append(started)
+            self.batch = len(active)
+            if not active:
+                continue
+            try:
+                step_all(self.model, self.plan, [decoding for _, _, decoding in active])
+            except Exception as error:  # noqa: BLE001 - every job of the pass carries it
+                for _, future, _ in active:
+                    self._count(running=-1, failed=1)
+                    future.set_exception(error)
+                active = []
+                continue
+            for job, future, decoding in [entry for entry in active if entry[2].done]:
+                self._finish(future, decoding)
+            active = [entry for entry in active if not entry[2].done]
+        self.batch = 0
+
+    def _start(self, job: Job, future: Future) -> tuple[Job, Future, Decoding] | None:
+        """A job's prefill and first token; None when it ends there (cancelled, failed, done)."""
+        if not future.set_running_or_notify_cancel():
+            return None
+        if job.cancelled.is_set():
+            self._count(waiting=-1, cancelled=1)
+            future.set_result(None)
+            return None
+        self._count(waiting=-1, running=1)
+        try:
+            if job.on_start:
+                job.on_start()
+            decoding = Decoding(self.model, job.prompt_ids, self.plan, job.max_tokens, job.sampling, job.seed,
+                                job.stop, on_text=job.on_text, should_stop=job.cancelled.is_set)
+            decoding.prefill()
+        except Exception as error:  # noqa: BLE001 - the caller's future carries it
+            self._count(running=-1, failed=1)
+            future.set_exception(error)
+            return None
+        if decoding.done:
+            self._finish(future, decoding)
+            return None
+        return job, future, decoding
+
+    def _finish(self, future: Future, decoding: Decoding) -> None:
+        result = decoding.result()
+        self._count(running=-1, **({"cancelled": 1} if result.stop_reason == "cancelled" else {"finished": 1}))
+        future.set_result(result)
 
     def close(self) -> None:
         self._jobs.put(None)
@@ -319,12 +398,13 @@ def _sse(payload: dict | str) -> str:
 
 def create_app(model: LoadedModel, plan: LayerPlan | None = None, draft=None, draft_length: str | None = None,
                api_key: str | None = None, served_name: str | None = None, engine_thread: bool = True,
-               probe_row: ProbeRow | None = None) -> FastAPI:
+               probe_row: ProbeRow | None = None, max_batch: int = DEFAULT_MAX_BATCH) -> FastAPI:
     """The FastAPI app serving `model` (run by `plan`, speculatively when `draft` is given).
     engine_thread=False: the caller runs `app.state.engine.run()` on the thread that should
     decode (see Engine; `serve` does this). probe_row: this machine's probe row for the model
     (engine/probe.py checked_model_row); /health says when decodes ran far slower than it."""
-    engine = Engine(model, plan, draft, draft_length, run_in_thread=engine_thread, probe_row=probe_row)
+    engine = Engine(model, plan, draft, draft_length, run_in_thread=engine_thread, probe_row=probe_row,
+                    max_batch=max_batch)
     name = served_name or model.name
     created = int(time.time())
     # one thread: a fast tokenizer used from two threads at once may fail ("Already borrowed")
@@ -369,6 +449,7 @@ def create_app(model: LoadedModel, plan: LayerPlan | None = None, draft=None, dr
     async def health():
         return {"status": "ok", "model": name, "plan": engine.plan.to_string(),
                 "draft": getattr(engine.drafter, "name", None), **vars(engine.counters),
+                "batch": engine.batch, "max_batch": engine.max_batch,
                 "slow_decode": engine.slow_note}
 
     @app.get("/v1/models")

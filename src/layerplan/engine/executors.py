@@ -59,6 +59,10 @@ class Executor(Protocol):
                   hidden: torch.Tensor) -> torch.Tensor | None:
         """Steps [first, end) in one call, or None to run them one by one."""
 
+    def batch_pass(self, model, sequences: list[tuple[torch.Tensor, KVCache, int]],
+                   plan: LayerPlan) -> list[torch.Tensor] | None:
+        """Several sequences' whole passes in one call, or None to run each on its own."""
+
     def enter(self, step: Step, hidden: torch.Tensor) -> torch.Tensor:
         """The stream where the step's layer runs (its weights in place for the step)."""
 
@@ -105,6 +109,9 @@ class ModuleExecutor:
         return None
 
     def run_steps(self, state, plan, first, end, hidden) -> torch.Tensor | None:
+        return None
+
+    def batch_pass(self, model, sequences, plan) -> list[torch.Tensor] | None:
         return None
 
     def enter(self, step: Step, hidden: torch.Tensor) -> torch.Tensor:
@@ -240,6 +247,26 @@ class NativeExecutor(ModuleExecutor):
         cache.write_pos = start_pos
         logits = run.logits(ends, input_ids, cache, start_pos, ropes, cache.read_window, mask, last_only)
         return softcap(parts, logits)
+
+    def batch_pass(self, model, sequences: list[tuple[torch.Tensor, KVCache, int]],
+                   plan: LayerPlan) -> list[torch.Tensor] | None:
+        """Several sequences' passes (token ids (1, T_s), own cache, start) as one native call, the
+        products shared (continuous batching); each one's logits (T_s, vocab) are those of its
+        pass alone. None where a part has no kernels (then each runs its own pass)."""
+        native, parts = self.native, model.parts
+        rows = sum(ids.shape[1] for ids, _, _ in sequences)
+        if not native.takes(rows) or any(cache.read_window is not None for _, cache, _ in sequences):
+            return None
+        ends = native.pass_ends(parts, rows)
+        run = native.step_run(plan, 0, len(plan.active_steps), rope_key(parts)) if ends is not None else None
+        if run is None:
+            return None
+        ropes = []
+        for layer in run.rope_layers:
+            tables = [rope_by_table(parts, ends.embedding, start, ids.shape[1], None, layer)
+                      for ids, _, start in sequences]
+            ropes.append((torch.cat([c for c, _ in tables], -2), torch.cat([s for _, s in tables], -2)))
+        return [softcap(parts, logits) for logits in run.batch_logits(ends, sequences, ropes)]
 
     def run_steps(self, state: Pass, plan: LayerPlan, first: int, end: int,
                   hidden: torch.Tensor) -> torch.Tensor | None:

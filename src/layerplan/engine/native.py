@@ -43,6 +43,7 @@ _Kv = ABI.structs["lp_kv"]
 _Attention = ABI.structs["lp_attention"]
 _Mlp = ABI.structs["lp_mlp"]
 _Step = ABI.structs["lp_step"]
+_Segment = ABI.structs["lp_segment"]
 
 
 def _holding(descriptor: ctypes.Structure, *owners) -> ctypes.Structure:
@@ -456,6 +457,46 @@ class StepRun:
                                      cos, sin, sink, recent, tree.data_ptr() if tree is not None else None,
                                      self.dtype, torch.get_num_threads()), "a native run of steps")
         return hidden
+
+    def batch_logits(self, ends: PassEnds, sequences: list[tuple[torch.Tensor, object, int]],
+                     ropes: list[tuple[torch.Tensor, torch.Tensor]]) -> list[torch.Tensor]:
+        """The logits (T_s, vocab) of several sequences' passes as one native call (continuous
+        batching, lp_forward_batch): sequences[s] = (its token ids (1, T_s), its cache, its start
+        position); ropes: each rope table's rows for every sequence in order. Each sequence's keys
+        and values go to its own cache; its logits are those of its pass alone."""
+        ids = torch.cat([s[0].reshape(-1) for s in sequences]).to(torch.long).contiguous()
+        rows, table = ids.shape[0], ends.embedding
+        if ends.lookup is not None:
+            table = ends.lookup(ids[None]).reshape(rows, -1).contiguous()
+            ids = torch.arange(rows)
+        dtype, nsegs = table.dtype, len(sequences)
+        kvs = (_Kv * (len(self.slots) * nsegs))()
+        held = []  # the slot buffers stay referenced until the call returns
+        segments = (_Segment * nsegs)()
+        for s, (tokens, cache, start) in enumerate(sequences):
+            segments[s] = _Segment(tokens.shape[-1], start)
+            cache.write_pos = start
+            for i, (slot, attention) in enumerate(self.slots):
+                if attention is None:
+                    continue
+                keys, values = cache.reserve(slot, start + tokens.shape[-1], 1, attention.kv_heads, attention.head_dim,
+                                             attention.head_dim, dtype, table.device)
+                kvs[i * nsegs + s] = _Kv(keys.data_ptr(), values.data_ptr(), keys.shape[2], 0, _DTYPES[keys.dtype])
+                held.append((keys, values))
+        tables = [(cos.contiguous(), sin.contiguous()) for cos, sin in ropes]
+        cos = (ctypes.c_void_p * len(tables))(*(c.data_ptr() for c, _ in tables))
+        sin = (ctypes.c_void_p * len(tables))(*(s.data_ptr() for _, s in tables))
+        hidden = torch.empty(rows, table.shape[1], dtype=dtype)
+        logits = torch.empty(rows, ends.head.n, dtype=dtype)
+        status = library().lp_forward_batch(
+            table.data_ptr(), table.shape[0], ids.data_ptr(), rows, hidden.data_ptr(), self.table, len(self.table),
+            kvs, segments, nsegs, cos, sin, ctypes.byref(ends.norm), ctypes.byref(ends.head.descriptor),
+            logits.data_ptr(), self.dtype, torch.get_num_threads())
+        if status == ABI.LP_E_TOKEN:
+            bad = ids[(ids < 0) | (ids >= table.shape[0])][0].item()
+            raise IndexError(f"token id {bad} is outside the vocabulary (0 to {table.shape[0] - 1})")
+        check(status, "a native batched pass")
+        return list(logits.split([s[0].shape[-1] for s in sequences]))
 
     def logits(self, ends: PassEnds, input_ids: torch.Tensor, cache, start_pos: int,
                ropes: list[tuple[torch.Tensor, torch.Tensor]], window: tuple[int, int] | None,

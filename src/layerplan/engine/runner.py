@@ -24,7 +24,7 @@ from layerplan.engine.tree import TreeShape
 from layerplan.models.loading import LoadedModel
 from layerplan.plan.plan import LayerPlan
 
-__all__ = ["Observer", "Resume", "embed", "forward", "head", "new_cache", "run_hidden", "softcap"]
+__all__ = ["Observer", "Resume", "embed", "forward", "forward_batch", "head", "new_cache", "run_hidden", "softcap"]
 
 # observe(step_index, sub_layer, hidden) is called before each sub-layer ("attention" / "mlp")
 Observer = Callable[[int, str, torch.Tensor], None]
@@ -62,6 +62,20 @@ def forward(
         return logits
     hidden = run_hidden(model, input_ids, plan, cache, start_pos, tree=tree)
     return head(model, hidden[:, -1:] if last_only else hidden)
+
+
+@torch.inference_mode()
+def forward_batch(model: LoadedModel, sequences: list[tuple[torch.Tensor, KVCache, int]],
+                  plan: LayerPlan | None = None) -> list[torch.Tensor]:
+    """Logits (T_s, vocab) of several sequences' passes through one plan: sequences[s] = (its token
+    ids (1, T_s), its own cache, its start position). The native engine runs them as one pass whose
+    products every sequence shares (continuous batching); each sequence's logits are those of its
+    own forward(), bit for bit. Elsewhere each runs its own forward()."""
+    plan = plan if plan is not None else model.plan()
+    logits = executor_of(model).batch_pass(model, sequences, plan) if len(sequences) > 1 else None
+    if logits is not None:
+        return logits
+    return [forward(model, ids, plan, cache, start)[0] for ids, cache, start in sequences]
 
 
 @torch.inference_mode()

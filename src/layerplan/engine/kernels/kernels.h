@@ -16,7 +16,7 @@
 #ifndef LP_KERNELS_H
 #define LP_KERNELS_H
 
-#define LP_ABI_VERSION 5
+#define LP_ABI_VERSION 6
 
 /* activation / cache / norm-weight element types */
 #define LP_DTYPE_F32 0
@@ -128,6 +128,12 @@ typedef struct {
     int activation;    /* LP_ACT_ */
 } lp_mlp;
 
+/* One sequence's rows in a pass over several (lp_forward_batch): `rows` tokens at positions pos0.. */
+typedef struct {
+    long rows;
+    long pos0;
+} lp_segment;
+
 /* One plan step: its sub-layers (NULL = off), its KV slot and its residual scale. */
 typedef struct {
     const lp_attention *attention;
@@ -181,6 +187,12 @@ LP_API int lp_forward(const void *embedding, long vocab, const long *ids, long r
                       const lp_step *steps, long count, long pos0, const void *const *cos, const void *const *sin,
                       long keep_sink, long keep_recent, const unsigned char *tree, const lp_norm *final_norm,
                       const lp_matrix *head, long head_from, void *logits, int dtype, int threads);
+/* several sequences' passes as one: each its own KV slots (kvs: count x nsegs, step-major) and
+ * positions, the products shared; logits of every row (see passes.c) */
+LP_API int lp_forward_batch(const void *embedding, long vocab, const long *ids, long rows, void *hidden,
+                            const lp_step *steps, long count, const lp_kv *kvs, const lp_segment *segments, long nsegs,
+                            const void *const *cos, const void *const *sin, const lp_norm *final_norm,
+                            const lp_matrix *head, void *logits, int dtype, int threads);
 
 /* ----- the machine's ceilings (layerplan probe) ----- */
 /* GFLOP/s of 8-row products over `format` weights in cache; < 0 where an allocation failed */

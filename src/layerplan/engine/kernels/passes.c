@@ -19,6 +19,11 @@
 
 static int valid_norm(const lp_norm *nm) { return !nm->weight || lp_dtype_bytes(nm->dtype); }
 
+static int attention_segments(const lp_attention *a, const void *hidden, void *out, long rows, const lp_segment *segs,
+                              const lp_kv *kvs, long nsegs, const void *cos, const void *sin, long keep_sink,
+                              long keep_recent, const unsigned char *tree, float residual_scale, int dtype,
+                              int threads);
+
 /* One attention sub-layer on `rows` tokens at positions pos0.. (hidden and out: (rows, hidden)):
  * out = hidden + residual_scale * o_proj(attention(rope(q), rope(k), v)), with k and v written into
  * the slot at pos0.. first.
@@ -31,23 +36,55 @@ static int valid_norm(const lp_norm *nm) { return !nm->weight || lp_dtype_bytes(
 LP_API int lp_attention_block(const lp_attention *a, const void *hidden, void *out, long rows, long pos0,
                               const void *cos, const void *sin, const lp_kv *kv, long keep_sink, long keep_recent,
                               const unsigned char *tree, float residual_scale, int dtype, int threads) {
+    lp_segment whole = {rows, pos0};
+    return attention_segments(a, hidden, out, rows, &whole, kv, 1, cos, sin, keep_sink, keep_recent, tree,
+                              residual_scale, dtype, threads);
+}
+
+/* lp_attention_block over the rows of several sequences (segments, in row order; kvs[s] the slot
+ * of segment s): the products run on every row at once, each segment's rows write their keys and
+ * values into their own slot at their own positions and attend to it alone. A row's numbers are
+ * those of its sequence's pass alone (the products are batch-invariant, the rest per row or per
+ * segment). keep_sink / keep_recent / tree: one segment only. */
+static int attention_segments(const lp_attention *a, const void *hidden, void *out, long rows, const lp_segment *segs,
+                              const lp_kv *kvs, long nsegs, const void *cos, const void *sin, long keep_sink,
+                              long keep_recent, const unsigned char *tree, float residual_scale, int dtype,
+                              int threads) {
     long H = a->hidden, D = a->head_dim, NQ = a->heads * D, NK = a->kv_heads * D, R = a->rotary_dim;
     long es = lp_dtype_bytes(dtype);
-    if (!es || !lp_dtype_bytes(kv->dtype) || !valid_norm(&a->norm) || !valid_norm(&a->q_norm)
-        || !valid_norm(&a->k_norm) || !valid_norm(&a->post_norm))
+    if (!es || !valid_norm(&a->norm) || !valid_norm(&a->q_norm) || !valid_norm(&a->k_norm) || !valid_norm(&a->post_norm))
         return LP_E_TYPE;
-    if (D <= 0 || D > 512 || R < 0 || R > D || a->kv_heads <= 0 || a->heads % a->kv_heads || (tree && a->window > 0))
+    if (D <= 0 || D > 512 || R < 0 || R > D || a->kv_heads <= 0 || a->heads % a->kv_heads || (tree && a->window > 0)
+        || nsegs < 1 || (nsegs > 1 && (tree || keep_sink || keep_recent)))
         return LP_E_SHAPE;
     long apart = a->v.n > 0, QKV = apart ? NQ + NK : NQ + 2 * NK; /* qkv's rows, v's apart or not */
     if (a->qkv.n != QKV || (apart && a->v.n != NK)) return LP_E_SHAPE;
+    long total = 0;
+    for (long s = 0; s < nsegs; s++) {
+        const lp_kv *kv = kvs + s;
+        if (!lp_dtype_bytes(kv->dtype)) return LP_E_TYPE;
+        if (segs[s].rows < 0) return LP_E_SHAPE;
+        if (segs[s].pos0 < kv->start || segs[s].pos0 - kv->start + segs[s].rows > kv->capacity) return LP_E_CAPACITY;
+        total += segs[s].rows;
+    }
+    if (total != rows) return LP_E_SHAPE;
     if (rows <= 0) return LP_OK;
-    if (pos0 < kv->start || pos0 - kv->start + rows > kv->capacity) return LP_E_CAPACITY;
     if (threads < 1) threads = 1;
+    /* each row's segment and its place in it */
+    long *seg_of = (long *)malloc(sizeof(long) * (size_t)rows), *first_of = (long *)malloc(sizeof(long) * (size_t)nsegs);
+    if (!seg_of || !first_of) {
+        free(seg_of);
+        free(first_of);
+        return LP_E_MEMORY;
+    }
+    for (long s = 0, r0 = 0; s < nsegs; r0 += segs[s].rows, s++) {
+        first_of[s] = r0;
+        for (long r = r0; r < r0 + segs[s].rows; r++) seg_of[r] = s;
+    }
     float *x = lp_floats(rows * H), *qkv = lp_floats(rows * (NQ + 2 * NK)), *q = lp_floats(rows * NQ),
           *k = lp_floats(rows * NK), *v = lp_floats(rows * NK), *o = lp_floats(rows * NQ), *u = lp_floats(rows * H);
     float *v_apart = apart ? lp_floats(rows * NK) : NULL;
     int status = x && qkv && q && k && v && o && u && (v_apart || !apart) ? LP_OK : LP_E_MEMORY;
-    long ces = lp_dtype_bytes(kv->dtype);
     int split = rows > 1 && threads > 1; /* a pass shares the per-row work too; a step keeps one thread */
     if (status == LP_OK) {
         EACH_ROW(split, threads, rows, {
@@ -76,13 +113,19 @@ LP_API int lp_attention_block(const lp_attention *a, const void *hidden, void *o
                 lp_rope_rows(qr, 1, a->heads, D, R, cs, sn, dtype);
                 lp_rope_rows(kr, 1, a->kv_heads, D, R, cs, sn, dtype);
             }
+            const long s = seg_of[r];
+            const lp_kv *kv = kvs + s;
+            const long ces = lp_dtype_bytes(kv->dtype), at_row = segs[s].pos0 - kv->start + r - first_of[s];
             for (long h = 0; h < a->kv_heads; h++) {
-                long at = (h * kv->capacity + pos0 - kv->start + r) * D;
+                long at = (h * kv->capacity + at_row) * D;
                 lp_store(kr + h * D, (char *)kv->k + at * ces, kv->dtype, D);
                 lp_store(vr + h * D, (char *)kv->v + at * ces, kv->dtype, D);
             }
         });
-        status = lp_attend(a, q, o, rows, pos0, kv, keep_sink, keep_recent, tree, dtype, threads);
+        for (long s = 0; s < nsegs && status == LP_OK; s++)
+            if (segs[s].rows > 0)
+                status = lp_attend(a, q + first_of[s] * NQ, o + first_of[s] * NQ, segs[s].rows, segs[s].pos0, kvs + s,
+                                   keep_sink, keep_recent, tree, dtype, threads);
     }
     if (status == LP_OK) status = lp_gemm(&a->o, o, rows, u, threads);
     if (status == LP_OK)
@@ -92,7 +135,7 @@ LP_API int lp_attention_block(const lp_attention *a, const void *hidden, void *o
             lp_residual_add((const char *)hidden + r * H * es, u + r * H, x + r * H, (char *)out + r * H * es, H,
                             residual_scale, dtype);
         });
-    free(x); free(qkv); free(q); free(k); free(v); free(o); free(u); free(v_apart);
+    free(x); free(qkv); free(q); free(k); free(v); free(o); free(u); free(v_apart); free(seg_of); free(first_of);
     return status;
 }
 
@@ -164,4 +207,32 @@ LP_API int lp_forward(const void *embedding, long vocab, const long *ids, long r
     if (status != LP_OK) return status;
     return lp_norm_linear(final_norm, (const char *)hidden + head_from * dim * es, head, logits, rows - head_from, dtype,
                           threads);
+}
+
+/* Several sequences' passes as one (continuous batching): segments[s] rows of sequence s at its
+ * positions, in row order over `rows` rows of ids; each step's attention writes and reads each
+ * segment's own slot, kvs[step * nsegs + s] (the steps' own kv fields are not read); the products
+ * (and the LM head) run on every row at once. cos / sin: each rope table's rows in row order (row
+ * r at its segment's position). logits: (rows, vocab), every row's. A row's numbers are those of
+ * its sequence's pass alone (lp_forward). */
+LP_API int lp_forward_batch(const void *embedding, long vocab, const long *ids, long rows, void *hidden,
+                            const lp_step *steps, long count, const lp_kv *kvs, const lp_segment *segments, long nsegs,
+                            const void *const *cos, const void *const *sin, const lp_norm *final_norm,
+                            const lp_matrix *head, void *logits, int dtype, int threads) {
+    long dim = head->k, es = lp_dtype_bytes(dtype);
+    if (!es) return LP_E_TYPE;
+    for (long r = 0; r < rows; r++)
+        if (ids[r] < 0 || ids[r] >= vocab) return LP_E_TOKEN;
+    for (long r = 0; r < rows; r++)
+        memcpy((char *)hidden + r * dim * es, (const char *)embedding + ids[r] * dim * es, (size_t)(dim * es));
+    for (long s = 0; s < count; s++) {
+        const lp_step *st = steps + s;
+        int status = LP_OK;
+        if (st->attention)
+            status = attention_segments(st->attention, hidden, hidden, rows, segments, kvs + s * nsegs, nsegs,
+                                        cos[st->rope], sin[st->rope], 0, 0, NULL, st->scale, dtype, threads);
+        if (status == LP_OK && st->mlp) status = lp_mlp_block(st->mlp, hidden, hidden, rows, st->scale, dtype, threads);
+        if (status != LP_OK) return status;
+    }
+    return lp_norm_linear(final_norm, hidden, head, logits, rows, dtype, threads);
 }

@@ -1,0 +1,108 @@
+"""Several generations at once (continuous batching): each request's plain decode is a `Decoding`,
+and a step runs the next token of every active one in one pass (runner.forward_batch), whose
+products the requests share. A request's tokens are those of its own generate() call, bit for
+bit: the kernels' rows do not depend on the other rows of a pass, and each request keeps its own
+cache, positions, sampler and seed. Requests join after their prefill and leave when done."""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+
+import torch
+
+from layerplan.decoding.output import Emitter, GenerationResult, prompt_ids
+from layerplan.decoding.sampling import SamplingParams, pick
+from layerplan.engine.runner import forward, forward_batch, new_cache
+from layerplan.models.loading import LoadedModel
+from layerplan.plan.plan import LayerPlan
+
+
+class Decoding:
+    """One request's plain decode, a token at a time, as generate() runs it without a draft: the
+    prompt's prefill, then for each token the logits of the last one (given by whoever runs the
+    pass: alone, or in a batch)."""
+
+    def __init__(self, model: LoadedModel, prompt, plan: LayerPlan, max_new_tokens: int = 64,
+                 sampling: SamplingParams | None = None, seed: int | None = None, stop: Sequence[str] = (),
+                 stop_at_eos: bool | Sequence[int] = True, chat: bool = False,
+                 on_text: Callable[[str], None] | None = None, should_stop: Callable[[], bool] | None = None) -> None:
+        if max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+        self.model, self.plan = model, plan
+        self.sampling = sampling or SamplingParams()
+        self.generator = torch.Generator(device="cpu").manual_seed(seed) if seed is not None else None
+        self.ids = prompt_ids(model, prompt, chat)
+        self.out = Emitter(model, max_new_tokens, stop, stop_at_eos, on_text, should_stop)
+        self.cache = new_cache(plan, capacity=self.ids.shape[1] + max_new_tokens + 1)
+        self.context = self.ids[0].tolist()
+        self.start = time.perf_counter()
+        self.prefill_seconds = 0.0
+
+    @property
+    def done(self) -> bool:
+        return self.out.done
+
+    def prefill(self) -> None:
+        """The prompt through the plan (alone: a prompt's pass is long), and the first token."""
+        logits = forward(self.model, self.ids, self.plan, self.cache, 0, last_only=True)[0, -1]
+        self.prefill_seconds = time.perf_counter() - self.start
+        self.take(logits)
+
+    def take(self, logits: torch.Tensor) -> None:
+        """The next token from the logits (vocab,) of the last one."""
+        seen = torch.tensor(self.context, device=logits.device) if self.sampling.repetition_penalty != 1.0 else None
+        token = pick(logits, self.sampling, seen, self.generator)
+        self.context.append(token)
+        self.out.emit([token])
+
+    def next_pass(self) -> tuple[torch.Tensor, object, int]:
+        """(the last token (1, 1), this request's cache, its position): its part of the next pass."""
+        return torch.tensor([[self.context[-1]]]), self.cache, len(self.context) - 1
+
+    def result(self) -> GenerationResult:
+        text = self.out.finish()
+        return GenerationResult(text, self.out.tokens, self.ids.shape[1], self.out.reason,
+                                time.perf_counter() - self.start, self.prefill_seconds, self.plan.to_string())
+
+
+def step_all(model: LoadedModel, plan: LayerPlan, active: Sequence[Decoding]) -> None:
+    """The next token of every active decode, in one pass."""
+    for decoding, logits in zip(active, forward_batch(model, [d.next_pass() for d in active], plan)):
+        decoding.take(logits[-1])
+
+
+@torch.inference_mode()
+def generate_batch(model: LoadedModel, prompts: Sequence, plan: LayerPlan | None = None, max_new_tokens: int = 64,
+                   sampling: SamplingParams | None = None, seeds: Sequence[int | None] | None = None,
+                   stop: Sequence[str] = (), stop_at_eos: bool | Sequence[int] = True, chat: bool = False,
+                   max_batch: int = 8) -> list[GenerationResult]:
+    """generate() for every prompt, up to max_batch decoding at once (continuous batching): a
+    prompt starts as soon as one ends. Each result is its prompt's generate() result, token for
+    token (greedy, or sampled with its seed)."""
+    if max_batch < 1:
+        raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+    plan = plan if plan is not None else model.plan()
+    seeds = list(seeds) if seeds is not None else [None] * len(prompts)
+    if len(seeds) != len(prompts):
+        raise ValueError(f"{len(seeds)} seeds for {len(prompts)} prompts")
+    waiting = deque(range(len(prompts)))
+    results: list[GenerationResult | None] = [None] * len(prompts)
+    active: list[tuple[int, Decoding]] = []
+    while waiting or active:
+        while waiting and len(active) < max_batch:
+            index = waiting.popleft()
+            decoding = Decoding(model, prompts[index], plan, max_new_tokens, sampling, seeds[index], stop,
+                                stop_at_eos, chat)
+            decoding.prefill()
+            if decoding.done:
+                results[index] = decoding.result()
+            else:
+                active.append((index, decoding))
+        if active:
+            step_all(model, plan, [d for _, d in active])
+            for index, decoding in [(i, d) for i, d in active if d.done]:
+                results[index] = decoding.result()
+            active = [(i, d) for i, d in active if not d.done]
+    return results

@@ -1,0 +1,69 @@
+"""Continuous batching (decoding/batch.py, runner.forward_batch): several sequences in one pass,
+each its own cache and positions, give each one's own numbers bit for bit; requests join and
+leave; greedy and seeded sampled outputs equal their solo generate()."""
+
+import pytest
+import torch
+
+from layerplan.decoding.batch import generate_batch
+from layerplan.decoding.generate import generate
+from layerplan.decoding.sampling import SamplingParams
+from layerplan.engine.executors import use_native
+from layerplan.engine.kernel_library import native_available
+from layerplan.engine.runner import forward, forward_batch, new_cache
+from tiny import tiny_model
+
+native = pytest.mark.skipif(native_available() is not None, reason=str(native_available()))
+
+
+def _native(arch: str, dtype=torch.float32):
+    model = tiny_model(arch, num_layers=3, dtype=dtype)
+    use_native(model)
+    return model
+
+
+@native
+@pytest.mark.parametrize("arch,dtype", [("llama", torch.float32), ("qwen2", torch.bfloat16), ("gemma3", torch.float32)])
+def test_a_batched_pass_gives_each_sequence_its_own_logits(arch, dtype):
+    model = _native(arch, dtype)
+    plan = model.plan("0,1,1,2")  # a repeated layer: its own KV slot in every sequence's cache
+    prompts = [torch.tensor([[3, 9, 27, 81]]), torch.tensor([[5]]), torch.tensor([[7, 1, 4, 1, 5, 9, 2]])]
+    alone, together = [], []
+    for ids in prompts:
+        for caches in (alone, together):
+            cache = new_cache(plan, 32)
+            forward(model, ids, plan, cache)
+            caches.append(cache)
+    for step in range(3):  # one token each, then a chunk of two for one of them
+        inputs = [torch.tensor([[11 + step]]), torch.tensor([[13, 17]]) if step == 2 else torch.tensor([[12]]),
+                  torch.tensor([[14 + step]])]
+        starts = [ids.shape[1] + step for ids in prompts]
+        batched = forward_batch(model, [(x, c, s) for x, c, s in zip(inputs, together, starts)], plan)
+        for x, cache, start, got in zip(inputs, alone, starts, batched):
+            assert torch.equal(got, forward(model, x, plan, cache, start)[0])
+
+
+@native
+def test_generate_batch_equals_solo_generation_as_requests_join_and_leave():
+    model = _native("llama")
+    prompts = [[5, 6, 7, 5, 6], [9], [1, 2, 3, 4, 5, 6, 7, 8], [42, 17], [3, 3, 3]]
+    batched = generate_batch(model, prompts, max_new_tokens=12, stop_at_eos=False, max_batch=2)
+    for prompt, result in zip(prompts, batched):
+        assert result.token_ids == generate(model, prompt, max_new_tokens=12, stop_at_eos=False).token_ids
+    sampling = SamplingParams(temperature=0.9, top_k=20)
+    seeds = [11, 12, 13, 14, 15]
+    sampled = generate_batch(model, prompts, max_new_tokens=10, sampling=sampling, seeds=seeds, stop_at_eos=False,
+                             max_batch=3)
+    for prompt, seed, result in zip(prompts, seeds, sampled):
+        assert result.token_ids == generate(model, prompt, max_new_tokens=10, sampling=sampling, seed=seed,
+                                            stop_at_eos=False).token_ids
+
+
+def test_generate_batch_refuses_what_it_cannot_do():
+    model = tiny_model("llama", num_layers=1)
+    with pytest.raises(ValueError, match="max_batch must be >= 1"):
+        generate_batch(model, [[1]], max_batch=0)
+    with pytest.raises(ValueError, match="2 seeds for 1 prompts"):
+        generate_batch(model, [[1]], seeds=[1, 2])
+    assert [r.token_ids for r in generate_batch(model, [[1], [2]], max_new_tokens=3, stop_at_eos=False)] == \
+        [generate(model, [p], max_new_tokens=3, stop_at_eos=False).token_ids for p in (1, 2)]  # the eager engine

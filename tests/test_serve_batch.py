@@ -1,0 +1,104 @@
+"""`layerplan serve` with continuous batching (no draft): concurrent requests share each pass, and
+each one's reply is its solo run's; a client hanging up mid-batch frees its place; bad requests
+get their 4xx while a batch runs."""
+
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+from layerplan.app.serve import create_app
+from layerplan.decoding.generate import generate
+from layerplan.decoding.sampling import SamplingParams
+
+pytestmark = pytest.mark.real
+
+
+@pytest.fixture(scope="module")
+def batched(smollm2):
+    import uvicorn
+
+    app = create_app(smollm2, max_batch=4)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    uv = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    thread = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    base = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    for _ in range(200):
+        try:
+            if httpx.get(f"{base}/health").status_code == 200:
+                break
+        except httpx.TransportError:
+            time.sleep(0.05)
+    yield base, app
+    uv.should_exit = True
+    thread.join(timeout=10)
+    sock.close()
+
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Three colours of the rainbow are",
+           "Once upon a time", "1, 2, 3, 4,", "The best way to learn is"]
+
+
+def _complete(base, model, prompt, n, **extra):
+    with httpx.Client(base_url=base, timeout=300) as client:
+        response = client.post("/v1/completions", json={"model": model, "prompt": prompt, "max_tokens": n,
+                                                         "temperature": 0, **extra})
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def test_concurrent_requests_share_passes_and_each_reply_is_its_solo_run(batched, smollm2):
+    base, app = batched
+    assert httpx.get(f"{base}/health").json()["max_batch"] == 4
+    lengths = [24, 9, 17, 30, 5, 12]  # requests leave at different steps; two wait for a place
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:
+        replies = list(pool.map(lambda pair: _complete(base, smollm2.name, *pair), zip(PROMPTS, lengths)))
+    for prompt, n, reply in zip(PROMPTS, lengths, replies):
+        solo = generate(smollm2, smollm2.tokenizer(prompt).input_ids, max_new_tokens=n, sampling=SamplingParams())
+        assert reply["choices"][0]["text"] == solo.text, prompt
+    assert app.state.engine.counters.running == 0 and app.state.engine.batch == 0
+
+
+def test_seeded_sampling_in_a_batch_is_its_solo_run(batched, smollm2):
+    base, _ = batched
+    extra = {"temperature": 0.8, "seed": 7}
+    with ThreadPoolExecutor(3) as pool:
+        replies = list(pool.map(lambda p: _complete(base, smollm2.name, p, 12, **extra), PROMPTS[:3]))
+    for prompt, reply in zip(PROMPTS[:3], replies):
+        solo = generate(smollm2, smollm2.tokenizer(prompt).input_ids, max_new_tokens=12,
+                        sampling=SamplingParams(temperature=0.8), seed=7)
+        assert reply["choices"][0]["text"] == solo.text
+
+
+def test_a_client_hanging_up_mid_batch_frees_its_place_and_others_finish(batched, smollm2):
+    base, app = batched
+    counters = app.state.engine.counters
+    cancelled = counters.cancelled
+
+    def hang_up():
+        request = {"model": smollm2.name, "prompt": "1, 2, 3, 4, 5, 6,", "max_tokens": 300, "temperature": 0,
+                   "stream": True}
+        with httpx.Client(base_url=base, timeout=120) as client:
+            with client.stream("POST", "/v1/completions", json=request) as response:
+                for line in response.iter_lines():
+                    if line.startswith("data: "):
+                        return  # the first piece of text: hang up
+
+    with ThreadPoolExecutor(3) as pool:
+        others = [pool.submit(_complete, base, smollm2.name, p, 20) for p in PROMPTS[:2]]
+        pool.submit(hang_up).result()
+        bad = httpx.post(f"{base}/v1/completions", json={"model": smollm2.name, "prompt": "x", "max_tokens": -1})
+        assert 400 <= bad.status_code < 500  # answered while the batch decodes
+        replies = [f.result() for f in others]
+    for prompt, reply in zip(PROMPTS[:2], replies):
+        solo = generate(smollm2, smollm2.tokenizer(prompt).input_ids, max_new_tokens=20, sampling=SamplingParams())
+        assert reply["choices"][0]["text"] == solo.text
+    deadline = time.time() + 30
+    while counters.cancelled == cancelled and time.time() < deadline:
+        time.sleep(0.05)
+    assert counters.cancelled == cancelled + 1 and counters.running == 0
