@@ -41,6 +41,11 @@ def test_a_batched_pass_gives_each_sequence_its_own_logits(arch, dtype):
         batched = forward_batch(model, [(x, c, s) for x, c, s in zip(inputs, together, starts)], plan)
         for x, cache, start, got in zip(inputs, alone, starts, batched):
             assert torch.equal(got, forward(model, x, plan, cache, start)[0])
+    # prompts of several lengths prefilled in one pass, the head on each one's last row only
+    fresh = [new_cache(plan, 32) for _ in prompts]
+    lasts = forward_batch(model, [(ids, cache, 0) for ids, cache in zip(prompts, fresh)], plan, last_only=True)
+    for ids, got in zip(prompts, lasts):
+        assert torch.equal(got, forward(model, ids, plan, new_cache(plan, 32), 0, last_only=True)[0])
 
 
 @native

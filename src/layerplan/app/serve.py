@@ -42,7 +42,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from layerplan.decoding.batch import Decoding, step_all
+from layerplan.decoding.batch import Decoding, prefill_all, step_all
 from layerplan.decoding.drafters.registry import make_drafter
 from layerplan.decoding.generate import generate
 from layerplan.decoding.output import GenerationResult
@@ -289,9 +289,10 @@ class Engine:
         active: list[tuple[Job, Future, Decoding]] = []
         closing = False
         while not (closing and not active):
-            while not closing and len(active) < self.max_batch:
+            joining = []
+            while not closing and len(active) + len(joining) < self.max_batch:
                 try:  # wait for work only when there is none; wake now and then, so Ctrl-C gets through
-                    item = self._jobs.get(timeout=0.5) if not active else self._jobs.get_nowait()
+                    item = self._jobs.get(timeout=0.5) if not (active or joining) else self._jobs.get_nowait()
                 except queue.Empty:
                     break
                 if item is None:
@@ -299,7 +300,8 @@ class Engine:
                     break
                 started = self._start(*item)
                 if started is not None:
-                    active.append(started)
+                    joining.append(started)
+            active += self._prefill(joining)
             self.batch = len(active)
             if not active:
                 continue
@@ -316,8 +318,25 @@ class Engine:
             active = [entry for entry in active if not entry[2].done]
         self.batch = 0
 
+    def _prefill(self, joining: list[tuple[Job, Future, Decoding]]) -> list[tuple[Job, Future, Decoding]]:
+        """The joining jobs' prompts in one pass and their first tokens; those that go on."""
+        if not joining:
+            return []
+        try:
+            prefill_all(self.model, self.plan, [decoding for _, _, decoding in joining])
+        except Exception as error:  # noqa: BLE001 - every job of the pass carries it
+            for _, future, _ in joining:
+                self._count(running=-1, failed=1)
+                future.set_exception(error)
+            return []
+        for _, future, decoding in joining:
+            if decoding.done:
+                self._finish(future, decoding)
+        return [entry for entry in joining if not entry[2].done]
+
     def _start(self, job: Job, future: Future) -> tuple[Job, Future, Decoding] | None:
-        """A job's prefill and first token; None when it ends there (cancelled, failed, done)."""
+        """A job taken up: its decode, ready for its prefill; None when it ends here (cancelled,
+        failed)."""
         if not future.set_running_or_notify_cancel():
             return None
         if job.cancelled.is_set():
@@ -330,13 +349,9 @@ class Engine:
                 job.on_start()
             decoding = Decoding(self.model, job.prompt_ids, self.plan, job.max_tokens, job.sampling, job.seed,
                                 job.stop, on_text=job.on_text, should_stop=job.cancelled.is_set)
-            decoding.prefill()
         except Exception as error:  # noqa: BLE001 - the caller's future carries it
             self._count(running=-1, failed=1)
             future.set_exception(error)
-            return None
-        if decoding.done:
-            self._finish(future, decoding)
             return None
         return job, future, decoding
 

@@ -45,8 +45,11 @@ class Decoding:
         return self.out.done
 
     def prefill(self) -> None:
-        """The prompt through the plan (alone: a prompt's pass is long), and the first token."""
-        logits = forward(self.model, self.ids, self.plan, self.cache, 0, last_only=True)[0, -1]
+        """The prompt through the plan alone, and the first token (prefill_all does several)."""
+        self.prefilled(forward(self.model, self.ids, self.plan, self.cache, 0, last_only=True)[0, -1])
+
+    def prefilled(self, logits: torch.Tensor) -> None:
+        """The first token, from the prompt's last logits (vocab,)."""
         self.prefill_seconds = time.perf_counter() - self.start
         self.take(logits)
 
@@ -65,6 +68,14 @@ class Decoding:
         text = self.out.finish()
         return GenerationResult(text, self.out.tokens, self.ids.shape[1], self.out.reason,
                                 time.perf_counter() - self.start, self.prefill_seconds, self.plan.to_string())
+
+
+def prefill_all(model: LoadedModel, plan: LayerPlan, joining: Sequence[Decoding]) -> None:
+    """The prompts of the decodes that join, in one pass (the head on each one's last row only),
+    and each one's first token."""
+    sequences = [(d.ids, d.cache, 0) for d in joining]
+    for decoding, logits in zip(joining, forward_batch(model, sequences, plan, last_only=True)):
+        decoding.prefilled(logits[-1])
 
 
 def step_all(model: LoadedModel, plan: LayerPlan, active: Sequence[Decoding]) -> None:
@@ -91,15 +102,18 @@ def generate_batch(model: LoadedModel, prompts: Sequence, plan: LayerPlan | None
     results: list[GenerationResult | None] = [None] * len(prompts)
     active: list[tuple[int, Decoding]] = []
     while waiting or active:
-        while waiting and len(active) < max_batch:
+        joining = []
+        while waiting and len(active) + len(joining) < max_batch:
             index = waiting.popleft()
-            decoding = Decoding(model, prompts[index], plan, max_new_tokens, sampling, seeds[index], stop,
-                                stop_at_eos, chat)
-            decoding.prefill()
-            if decoding.done:
-                results[index] = decoding.result()
-            else:
-                active.append((index, decoding))
+            joining.append((index, Decoding(model, prompts[index], plan, max_new_tokens, sampling, seeds[index],
+                                            stop, stop_at_eos, chat)))
+        if joining:
+            prefill_all(model, plan, [d for _, d in joining])
+            for index, decoding in joining:
+                if decoding.done:
+                    results[index] = decoding.result()
+                else:
+                    active.append((index, decoding))
         if active:
             step_all(model, plan, [d for _, d in active])
             for index, decoding in [(i, d) for i, d in active if d.done]:

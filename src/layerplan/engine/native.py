@@ -459,11 +459,12 @@ class StepRun:
         return hidden
 
     def batch_logits(self, ends: PassEnds, sequences: list[tuple[torch.Tensor, object, int]],
-                     ropes: list[tuple[torch.Tensor, torch.Tensor]]) -> list[torch.Tensor]:
+                     ropes: list[tuple[torch.Tensor, torch.Tensor]], last_only: bool = False) -> list[torch.Tensor]:
         """The logits (T_s, vocab) of several sequences' passes as one native call (continuous
         batching, lp_forward_batch): sequences[s] = (its token ids (1, T_s), its cache, its start
         position); ropes: each rope table's rows for every sequence in order. Each sequence's keys
-        and values go to its own cache; its logits are those of its pass alone."""
+        and values go to its own cache; its logits (its last row's with last_only: (1, vocab)) are
+        those of its pass alone."""
         ids = torch.cat([s[0].reshape(-1) for s in sequences]).to(torch.long).contiguous()
         rows, table = ids.shape[0], ends.embedding
         if ends.lookup is not None:
@@ -487,16 +488,16 @@ class StepRun:
         cos = (ctypes.c_void_p * len(tables))(*(c.data_ptr() for c, _ in tables))
         sin = (ctypes.c_void_p * len(tables))(*(s.data_ptr() for _, s in tables))
         hidden = torch.empty(rows, table.shape[1], dtype=dtype)
-        logits = torch.empty(rows, ends.head.n, dtype=dtype)
+        logits = torch.empty(nsegs if last_only else rows, ends.head.n, dtype=dtype)
         status = library().lp_forward_batch(
             table.data_ptr(), table.shape[0], ids.data_ptr(), rows, hidden.data_ptr(), self.table, len(self.table),
             kvs, segments, nsegs, cos, sin, ctypes.byref(ends.norm), ctypes.byref(ends.head.descriptor),
-            logits.data_ptr(), self.dtype, torch.get_num_threads())
+            int(last_only), logits.data_ptr(), self.dtype, torch.get_num_threads())
         if status == ABI.LP_E_TOKEN:
             bad = ids[(ids < 0) | (ids >= table.shape[0])][0].item()
             raise IndexError(f"token id {bad} is outside the vocabulary (0 to {table.shape[0] - 1})")
         check(status, "a native batched pass")
-        return list(logits.split([s[0].shape[-1] for s in sequences]))
+        return list(logits.split([1 if last_only else s[0].shape[-1] for s in sequences]))
 
     def logits(self, ends: PassEnds, input_ids: torch.Tensor, cache, start_pos: int,
                ropes: list[tuple[torch.Tensor, torch.Tensor]], window: tuple[int, int] | None,

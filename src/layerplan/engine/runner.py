@@ -66,16 +66,16 @@ def forward(
 
 @torch.inference_mode()
 def forward_batch(model: LoadedModel, sequences: list[tuple[torch.Tensor, KVCache, int]],
-                  plan: LayerPlan | None = None) -> list[torch.Tensor]:
-    """Logits (T_s, vocab) of several sequences' passes through one plan: sequences[s] = (its token
-    ids (1, T_s), its own cache, its start position). The native engine runs them as one pass whose
-    products every sequence shares (continuous batching); each sequence's logits are those of its
-    own forward(), bit for bit. Elsewhere each runs its own forward()."""
+                  plan: LayerPlan | None = None, last_only: bool = False) -> list[torch.Tensor]:
+    """Logits (T_s, or 1 with last_only, vocab) of several sequences' passes through one plan:
+    sequences[s] = (its token ids (1, T_s), its own cache, its start position). The native engine
+    runs them as one pass whose products every sequence shares (continuous batching); each
+    sequence's logits are those of its own forward(), bit for bit. Elsewhere each runs its own."""
     plan = plan if plan is not None else model.plan()
-    logits = executor_of(model).batch_pass(model, sequences, plan) if len(sequences) > 1 else None
+    logits = executor_of(model).batch_pass(model, sequences, plan, last_only) if len(sequences) > 1 else None
     if logits is not None:
         return logits
-    return [forward(model, ids, plan, cache, start)[0] for ids, cache, start in sequences]
+    return [forward(model, ids, plan, cache, start, last_only=last_only)[0] for ids, cache, start in sequences]
 
 
 @torch.inference_mode()

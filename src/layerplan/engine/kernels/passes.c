@@ -213,12 +213,13 @@ LP_API int lp_forward(const void *embedding, long vocab, const long *ids, long r
  * positions, in row order over `rows` rows of ids; each step's attention writes and reads each
  * segment's own slot, kvs[step * nsegs + s] (the steps' own kv fields are not read); the products
  * (and the LM head) run on every row at once. cos / sin: each rope table's rows in row order (row
- * r at its segment's position). logits: (rows, vocab), every row's. A row's numbers are those of
- * its sequence's pass alone (lp_forward). */
+ * r at its segment's position). logits: (rows, vocab), every row's, or with last_only (nsegs,
+ * vocab), each segment's last row's. A row's numbers are those of its sequence's pass alone
+ * (lp_forward). */
 LP_API int lp_forward_batch(const void *embedding, long vocab, const long *ids, long rows, void *hidden,
                             const lp_step *steps, long count, const lp_kv *kvs, const lp_segment *segments, long nsegs,
                             const void *const *cos, const void *const *sin, const lp_norm *final_norm,
-                            const lp_matrix *head, void *logits, int dtype, int threads) {
+                            const lp_matrix *head, int last_only, void *logits, int dtype, int threads) {
     long dim = head->k, es = lp_dtype_bytes(dtype);
     if (!es) return LP_E_TYPE;
     for (long r = 0; r < rows; r++)
@@ -234,5 +235,16 @@ LP_API int lp_forward_batch(const void *embedding, long vocab, const long *ids, 
         if (status == LP_OK && st->mlp) status = lp_mlp_block(st->mlp, hidden, hidden, rows, st->scale, dtype, threads);
         if (status != LP_OK) return status;
     }
-    return lp_norm_linear(final_norm, hidden, head, logits, rows, dtype, threads);
+    if (!last_only) return lp_norm_linear(final_norm, hidden, head, logits, rows, dtype, threads);
+    /* each segment's last row, gathered in order, through the head */
+    char *last = (char *)malloc((size_t)(nsegs * dim * es));
+    if (!last) return LP_E_MEMORY;
+    for (long s = 0, end = 0; s < nsegs; s++) {
+        end += segments[s].rows;
+        if (segments[s].rows > 0) memcpy(last + s * dim * es, (const char *)hidden + (end - 1) * dim * es, (size_t)(dim * es));
+        else memset(last + s * dim * es, 0, (size_t)(dim * es));
+    }
+    int status = lp_norm_linear(final_norm, last, head, logits, nsegs, dtype, threads);
+    free(last);
+    return status;
 }

@@ -1,0 +1,144 @@
+"""Continuous batching against one client and against llama.cpp's own server, in one run: the
+aggregate tokens/s of C concurrent clients (each a different prompt) to `layerplan serve`'s app
+on 127.0.0.1, its ratio to one client, each client's median time per token, whether every reply
+equals its solo run, and the same clients against `llama-server --parallel N` (continuous
+batching, the same GGUF file and threads; `layerplan peers build` once).
+
+    python benchmarks/serve_batch.py [--model smollm2] [--dtype stored-fast] [--clients 1,4,8] [--tokens 64]
+
+Prints one JSON object. Greedy decoding; the requests ask for --tokens tokens and stop at EOS. One
+client sends all the prompts in turn (the baseline rate); C clients send the first C at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import torch
+
+from layerplan.decoding.generate import generate
+from layerplan.decoding.sampling import SamplingParams
+from layerplan.engine.load import load_model
+from layerplan.machine import read_cpuinfo
+from layerplan.models.loading import gguf_of
+
+PROMPTS = ["Write a short poem about the sea.", "def quicksort(items):", "The three laws of motion are",
+           "Explain what a compiler does.", "List five European capitals:", "Once upon a time, in a small village,",
+           "The recipe for pancakes needs", "In 1969, the first person to walk on the moon"]
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _wait(url: str, seconds: float = 120) -> None:
+    deadline = time.time() + seconds
+    while time.time() < deadline:
+        try:
+            if httpx.get(url, timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    raise SystemExit(f"{url} did not answer within {seconds} s")
+
+
+def _round(base: str, model: str, clients: int, tokens: int, extra: dict, prompts: list[str] | None = None) -> dict:
+    """C clients at once, each one request (of `prompts`, default the first C; one client sends
+    them one after another): wall, tokens, per-request seconds per token, texts."""
+    prompts = prompts if prompts is not None else PROMPTS[:clients]
+    def one(prompt: str):
+        start = time.perf_counter()
+        with httpx.Client(base_url=base, timeout=600) as client:
+            reply = client.post("/v1/completions", json={"model": model, "prompt": prompt, "max_tokens": tokens,
+                                                         "temperature": 0, **extra}).json()
+        seconds = time.perf_counter() - start
+        done = reply["usage"]["completion_tokens"]
+        return reply["choices"][0]["text"], done, seconds / max(done, 1)
+
+    start = time.perf_counter()
+    with ThreadPoolExecutor(clients) as pool:
+        results = list(pool.map(one, prompts))
+    wall = time.perf_counter() - start
+    total = sum(n for _, n, _ in results)
+    return {"clients": clients, "requests": len(prompts), "wall_seconds": wall, "tokens": total, "tokens_per_second": total / wall,
+            "median_seconds_per_token": statistics.median(s for _, _, s in results),
+            "texts": [t for t, _, _ in results]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2")
+    parser.add_argument("--dtype", default="stored-fast")
+    parser.add_argument("--clients", default="1,4,8")
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--no-llama-server", action="store_true")
+    args = parser.parse_args()
+    counts = [int(c) for c in args.clients.split(",")]
+    threads = torch.get_num_threads()
+    model = load_model(args.model, dtype=args.dtype)
+    solo = {p: generate(model, model.tokenizer(p).input_ids, max_new_tokens=args.tokens,
+                        sampling=SamplingParams()).text for p in PROMPTS[:max(counts)]}
+    # `layerplan serve` as a user runs it: a process of its own, decoding on its main thread
+    port = _free_port()
+    process = subprocess.Popen(["layerplan", "serve", "--model", args.model, "--dtype", args.dtype, "--threads",
+                                str(threads), "--port", str(port), "--max-batch", str(max(counts))],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        base = f"http://127.0.0.1:{port}"
+        _wait(f"{base}/health", 300)
+        _round(base, model.name, 1, 8, {})  # warm-up
+        every = PROMPTS[:max(counts)]  # one client sends them all in turn: the same work, no concurrency
+        ours = [_round(base, model.name, c, args.tokens, {}, every if c == 1 else None) for c in counts]
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+    for row in ours:
+        row["equal_to_solo"] = f"{sum(text == solo[p] for text, p in zip(row.pop('texts'), PROMPTS))}/{row['requests']}"
+    one = next((r for r in ours if r["clients"] == 1), None)
+    for row in ours:
+        if one is not None:
+            row["vs_one_client"] = row["tokens_per_second"] / one["tokens_per_second"]
+            row["time_per_token_vs_solo"] = row["median_seconds_per_token"] / one["median_seconds_per_token"]
+    theirs = []
+    gguf = gguf_of(args.model)
+    if not args.no_llama_server and gguf is not None:
+        from layerplan.app.llamacpp import find_tools
+
+        tools = find_tools(("llama-server",))
+        if tools is not None:
+            port = _free_port()
+            parallel = max(counts)
+            process = subprocess.Popen([str(tools / "llama-server"), "-m", str(gguf), "-t", str(threads), "--host",
+                                        "127.0.0.1", "--port", str(port), "--parallel", str(parallel), "-c",
+                                        str(parallel * 1024)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            try:
+                base = f"http://127.0.0.1:{port}"
+                _wait(f"{base}/health")
+                _round(base, "x", 1, 8, {})
+                theirs = [_round(base, "x", c, args.tokens, {}, every if c == 1 else None) for c in counts]
+                for row in theirs:
+                    row.pop("texts")
+            finally:
+                process.terminate()
+                process.wait(timeout=30)
+    for ours_row, theirs_row in zip(ours, theirs):
+        ours_row["vs_llama_server"] = ours_row["tokens_per_second"] / theirs_row["tokens_per_second"]
+    print(json.dumps({"model": args.model, "dtype": args.dtype, "cpu": read_cpuinfo()[0], "threads": threads,
+                      "tokens": args.tokens, "layerplan": ours, "llama-server": theirs,
+                      "load_average": os.getloadavg()[0]}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
