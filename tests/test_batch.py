@@ -72,3 +72,27 @@ def test_generate_batch_refuses_what_it_cannot_do():
         generate_batch(model, [[1]], seeds=[1, 2])
     assert [r.token_ids for r in generate_batch(model, [[1], [2]], max_new_tokens=3, stop_at_eos=False)] == \
         [generate(model, [p], max_new_tokens=3, stop_at_eos=False).token_ids for p in (1, 2)]  # the eager engine
+
+
+@native
+@pytest.mark.parametrize("draft", ["ngram", "suffix", "exit:2"])
+def test_speculation_inside_a_batch_keeps_each_requests_solo_output(draft):
+    """Each request drafts with its own drafter; its chain is verified in the batch's pass, the
+    draft length shrinking with the batch (ROW_BUDGET): greedy tokens equal the request's solo
+    generate(), drafted or not. Sampled, a request alone in its batch gives its solo speculative
+    run's tokens for its seed; in a fuller batch its drafts are shorter, so the random draws fall
+    differently (still the target's distribution: the acceptance rule is the solo one's)."""
+    model = _native("llama")
+    prompts = [[5, 6, 7, 5, 6, 7, 5, 6], [9, 9, 9, 9], [1, 2, 3, 1, 2, 3], [42, 17, 42, 17, 42]]
+    for max_batch in (1, 2, 4):
+        batched = generate_batch(model, prompts, max_new_tokens=14, stop_at_eos=False, max_batch=max_batch,
+                                 draft=draft)
+        for prompt, result in zip(prompts, batched):
+            assert result.token_ids == generate(model, prompt, max_new_tokens=14, stop_at_eos=False).token_ids
+    assert any(r.stats["drafted"] for r in batched)
+    sampling = SamplingParams(temperature=0.9)
+    sampled = generate_batch(model, prompts, max_new_tokens=10, sampling=sampling, seeds=[1, 2, 3, 4],
+                             stop_at_eos=False, draft=draft, max_batch=1)
+    for prompt, seed, result in zip(prompts, [1, 2, 3, 4], sampled):
+        solo = generate(model, prompt, max_new_tokens=10, sampling=sampling, seed=seed, stop_at_eos=False, draft=draft)
+        assert result.token_ids == solo.token_ids

@@ -102,3 +102,37 @@ def test_a_client_hanging_up_mid_batch_frees_its_place_and_others_finish(batched
     while counters.cancelled == cancelled and time.time() < deadline:
         time.sleep(0.05)
     assert counters.cancelled == cancelled + 1 and counters.running == 0
+
+
+def test_a_lookup_draft_runs_inside_the_batch(smollm2):
+    """serve --draft suffix batches: every request its own suffix drafter, its replies its solo
+    (greedy) ones, its usage reporting the speculation."""
+    import uvicorn
+
+    app = create_app(smollm2, draft="suffix", max_batch=4)
+    assert app.state.engine.max_batch == 4
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    uv = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    thread = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    base = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    try:
+        for _ in range(200):
+            try:
+                if httpx.get(f"{base}/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.05)
+        prompts = ["1, 2, 3, 4, 1, 2, 3, 4, 1, 2,", "def add(a, b):\n    return a + b\n\ndef add(a, b):"] + PROMPTS[:2]
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            replies = list(pool.map(lambda p: _complete(base, smollm2.name, p, 24), prompts))
+        for prompt, reply in zip(prompts, replies):
+            solo = generate(smollm2, smollm2.tokenizer(prompt).input_ids, max_new_tokens=24, sampling=SamplingParams())
+            assert reply["choices"][0]["text"] == solo.text, prompt
+        assert any(reply["usage"].get("speculative", {}).get("drafted") for reply in replies)
+    finally:
+        uv.should_exit = True
+        thread.join(timeout=10)
+        sock.close()
+    assert create_app(smollm2, draft="exit:20", max_batch=4).state.engine.max_batch == 1  # runs a model: alone

@@ -43,8 +43,9 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from layerplan.decoding.batch import Decoding, prefill_all, step_all
-from layerplan.decoding.drafters.registry import make_drafter
+from layerplan.decoding.drafters.registry import drafts_by_lookup, make_drafter
 from layerplan.decoding.generate import generate
+from layerplan.decoding.speculative import SpeculativeDecoding
 from layerplan.decoding.output import GenerationResult
 from layerplan.decoding.budget import ContextLengthError, token_budget
 from layerplan.decoding.sampling import SEED_RANGE, SamplingError, SamplingParams
@@ -200,10 +201,11 @@ class EngineCounters:
 
 
 class Engine:
-    """Runs the generations, in arrival order, on the thread that calls run(): up to max_batch
-    plain decodes at once (continuous batching: decoding/batch.py; a request joins after its
-    prefill and leaves when done, and its tokens are its solo run's), or, with a draft, one
-    speculative generation at a time (speculation inside a batch is not built yet).
+    """Runs the generations, in arrival order, on the thread that calls run(): up to max_batch at
+    once (continuous batching: decoding/batch.py; a request joins after its prefill and leaves
+    when done, and its greedy tokens are its solo run's), each with its own drafter when the draft
+    is a lookup (n-gram, suffix: its chain verified in the batch's pass, shorter as the batch
+    fills); a drafter that runs a model decodes one request at a time.
 
     Which thread decodes matters on CPU: torch's OpenMP pool belongs to the thread that first
     ran parallel work (usually the main thread, which loaded the model), and a decode on a
@@ -225,7 +227,11 @@ class Engine:
         # built once: a model drafter keeps its own cache between requests (it re-syncs by prefix)
         self.drafter = make_drafter(draft, model, self.plan) if draft else None  # checks it, fails at startup
         self.draft_length = draft_length
-        self.max_batch = max_batch if self.drafter is None else 1
+        # a lookup drafter (n-gram, suffix) is made anew for each request of a batch, its drafts
+        # verified in the batch's passes; a drafter that runs a model keeps one request at a time
+        self.draft_spec = draft if isinstance(draft, str) and self.drafter is not None \
+            and drafts_by_lookup(self.drafter) else None
+        self.max_batch = max_batch if self.drafter is None or self.draft_spec is not None else 1
         self.batch = 0  # decodes in the batch now
         self.counters = EngineCounters()
         self._lock = threading.Lock()
@@ -347,8 +353,14 @@ class Engine:
         try:
             if job.on_start:
                 job.on_start()
-            decoding = Decoding(self.model, job.prompt_ids, self.plan, job.max_tokens, job.sampling, job.seed,
-                                job.stop, on_text=job.on_text, should_stop=job.cancelled.is_set)
+            if self.draft_spec is not None:
+                decoding = SpeculativeDecoding(self.model, job.prompt_ids, self.draft_spec, self.plan, job.max_tokens,
+                                               job.sampling, job.seed, job.stop, on_text=job.on_text,
+                                               draft_length=self.draft_length, should_stop=job.cancelled.is_set,
+                                               probe_row=self.probe_row)
+            else:
+                decoding = Decoding(self.model, job.prompt_ids, self.plan, job.max_tokens, job.sampling, job.seed,
+                                    job.stop, on_text=job.on_text, should_stop=job.cancelled.is_set)
         except Exception as error:  # noqa: BLE001 - the caller's future carries it
             self._count(running=-1, failed=1)
             future.set_exception(error)

@@ -1,8 +1,11 @@
-"""Several generations at once (continuous batching): each request's plain decode is a `Decoding`,
-and a step runs the next token of every active one in one pass (runner.forward_batch), whose
-products the requests share. A request's tokens are those of its own generate() call, bit for
-bit: the kernels' rows do not depend on the other rows of a pass, and each request keeps its own
-cache, positions, sampler and seed. Requests join after their prefill and leave when done."""
+"""Several generations at once (continuous batching): each request's decode is a `Decoding` (plain)
+or a speculative.SpeculativeDecoding (its own drafter, draft length and acceptance), and a step
+runs every active one's next pass (its pending token, and its drafted chain) as one pass
+(runner.forward_batch), whose products the requests share. A request's tokens are those of its
+own generate() call, bit for bit: the kernels' rows do not depend on the other rows of a pass,
+and each request keeps its own cache, positions, sampler and seed. Requests join after their
+prefill and leave when done. The rows of a pass are budgeted (ROW_BUDGET): the more requests, the
+shorter each one's drafts, since a pass's cost grows with its rows."""
 
 from __future__ import annotations
 
@@ -14,9 +17,14 @@ import torch
 
 from layerplan.decoding.output import Emitter, GenerationResult, prompt_ids
 from layerplan.decoding.sampling import SamplingParams, pick
+from layerplan.decoding.speculative import SpeculativeDecoding
 from layerplan.engine.runner import forward, forward_batch, new_cache
 from layerplan.models.loading import LoadedModel
 from layerplan.plan.plan import LayerPlan
+
+# the rows a batch's pass carries at most, drafts included: one request drafts up to its policy's
+# length, 4 up to 3 tokens each, 8 one each (what an 8-16-row pass costs over one row on a CPU)
+ROW_BUDGET = 16
 
 
 class Decoding:
@@ -60,9 +68,13 @@ class Decoding:
         self.context.append(token)
         self.out.emit([token])
 
-    def next_pass(self) -> tuple[torch.Tensor, object, int]:
+    def next_pass(self, cap: int | None = None) -> tuple[torch.Tensor, object, int]:
         """(the last token (1, 1), this request's cache, its position): its part of the next pass."""
         return torch.tensor([[self.context[-1]]]), self.cache, len(self.context) - 1
+
+    def take_pass(self, logits: torch.Tensor) -> None:
+        """Its logits (1, vocab) of the pass."""
+        self.take(logits[-1])
 
     def result(self) -> GenerationResult:
         text = self.out.finish()
@@ -70,7 +82,7 @@ class Decoding:
                                 time.perf_counter() - self.start, self.prefill_seconds, self.plan.to_string())
 
 
-def prefill_all(model: LoadedModel, plan: LayerPlan, joining: Sequence[Decoding]) -> None:
+def prefill_all(model: LoadedModel, plan: LayerPlan, joining: Sequence[Decoding | SpeculativeDecoding]) -> None:
     """The prompts of the decodes that join, in one pass (the head on each one's last row only),
     and each one's first token."""
     sequences = [(d.ids, d.cache, 0) for d in joining]
@@ -78,20 +90,24 @@ def prefill_all(model: LoadedModel, plan: LayerPlan, joining: Sequence[Decoding]
         decoding.prefilled(logits[-1])
 
 
-def step_all(model: LoadedModel, plan: LayerPlan, active: Sequence[Decoding]) -> None:
-    """The next token of every active decode, in one pass."""
-    for decoding, logits in zip(active, forward_batch(model, [d.next_pass() for d in active], plan)):
-        decoding.take(logits[-1])
+def step_all(model: LoadedModel, plan: LayerPlan, active: Sequence[Decoding | SpeculativeDecoding]) -> None:
+    """The next pass of every active decode (a token each, and the drafts' chains within the row
+    budget), in one pass."""
+    cap = max(ROW_BUDGET // max(len(active), 1) - 1, 0)
+    passes = [d.next_pass(cap) for d in active]
+    for decoding, logits in zip(active, forward_batch(model, passes, plan)):
+        decoding.take_pass(logits)
 
 
 @torch.inference_mode()
 def generate_batch(model: LoadedModel, prompts: Sequence, plan: LayerPlan | None = None, max_new_tokens: int = 64,
                    sampling: SamplingParams | None = None, seeds: Sequence[int | None] | None = None,
                    stop: Sequence[str] = (), stop_at_eos: bool | Sequence[int] = True, chat: bool = False,
-                   max_batch: int = 8) -> list[GenerationResult]:
+                   max_batch: int = 8, draft: str | None = None, draft_length=None) -> list[GenerationResult]:
     """generate() for every prompt, up to max_batch decoding at once (continuous batching): a
     prompt starts as soon as one ends. Each result is its prompt's generate() result, token for
-    token (greedy, or sampled with its seed)."""
+    token (greedy, or sampled with its seed). draft: each prompt drafts with its own drafter of
+    this spec (lossless: the same tokens), its chains verified in the batch's passes."""
     if max_batch < 1:
         raise ValueError(f"max_batch must be >= 1, got {max_batch}")
     plan = plan if plan is not None else model.plan()
@@ -105,8 +121,13 @@ def generate_batch(model: LoadedModel, prompts: Sequence, plan: LayerPlan | None
         joining = []
         while waiting and len(active) + len(joining) < max_batch:
             index = waiting.popleft()
-            joining.append((index, Decoding(model, prompts[index], plan, max_new_tokens, sampling, seeds[index],
-                                            stop, stop_at_eos, chat)))
+            if draft is None:
+                decoding = Decoding(model, prompts[index], plan, max_new_tokens, sampling, seeds[index], stop,
+                                    stop_at_eos, chat)
+            else:
+                decoding = SpeculativeDecoding(model, prompts[index], draft, plan, max_new_tokens, sampling,
+                                               seeds[index], stop, stop_at_eos, chat, draft_length=draft_length)
+            joining.append((index, decoding))
         if joining:
             prefill_all(model, plan, [d for _, d in joining])
             for index, decoding in joining:

@@ -133,60 +133,121 @@ def speculative_generate(
     when its top-1 probability falls below this. probe_row: this machine's checked probe row for
     the model (see generate): the verify costs, and the pace the passes are compared with; None:
     the draft length and `auto` learn verify costs from the passes they see."""
-    target = plan if plan is not None else model.plan()
-    costs = dict(probe_row.relative) if probe_row is not None else {}
-    drafter = make_drafter(drafter, model, target, draft_confidence, costs)
-    learner = drafter if isinstance(drafter, LearnsFromRounds) else None
-    if draft_length is None and learner is not None:
-        draft_length = FixedLength(learner.max_draft)  # it picks its own length per round
-    lengths = make_draft_length(draft_length, pass_costs=costs)
-    pace = PaceCheck(probe_row)
-    sampling = sampling or SamplingParams()
-    generator = torch.Generator(device="cpu").manual_seed(seed) if seed is not None else None
-    ids = prompt_ids(model, prompt, chat)
-    out = Emitter(model, max_new_tokens, stop, stop_at_eos, on_text, should_stop)
-    stats = SpeculativeStats(drafter.name)
+    decoding = SpeculativeDecoding(model, prompt, drafter, plan, max_new_tokens, sampling, seed, stop, stop_at_eos,
+                                   chat, on_text, draft_length, draft_confidence, should_stop, probe_row)
+    decoding.prefill()
+    while not decoding.done:
+        decoding.round()
+    return decoding.result()
 
-    start = time.perf_counter()
-    max_gamma = getattr(lengths, "max_gamma", getattr(lengths, "gamma", 8))
-    trees = not any(layer.sliding_window for layer in model.parts.layers)  # a tree pass needs full attention
-    cache = new_cache(target, capacity=ids.shape[1] + max_new_tokens + max_gamma + 2)
-    logits = forward(model, ids, target, cache, 0, last_only=True)[0, -1]  # the full target, always
-    prefill = time.perf_counter() - start
-    context = ids[0].tolist()
-    token = pick(logits, sampling, _seen(context, sampling, logits.device), generator)
-    context.append(token)  # pending: chosen, not yet in the cache
-    out.emit([token])
 
-    while not out.done:
-        gamma = min(lengths.next_gamma(), max_new_tokens - len(out.tokens) - 1)
+class SpeculativeDecoding:
+    """One request's speculative decode, a round at a time: the round alone (round()), or its
+    verify pass given by whoever runs it, in a batch with other requests' (next_pass / take_pass:
+    chains only, the draft length capped by the batch's row budget)."""
+
+    def __init__(self, model: LoadedModel, prompt, drafter: Drafter | str, plan: LayerPlan | None = None,
+                 max_new_tokens: int = 64, sampling: SamplingParams | None = None, seed: int | None = None,
+                 stop: Sequence[str] = (), stop_at_eos: bool | Sequence[int] = True, chat: bool = False,
+                 on_text: Callable[[str], None] | None = None, draft_length=None, draft_confidence: float = 0.0,
+                 should_stop: Callable[[], bool] | None = None, probe_row: ProbeRow | None = None) -> None:
+        self.model = model
+        self.target = target = plan if plan is not None else model.plan()
+        costs = dict(probe_row.relative) if probe_row is not None else {}
+        self.drafter = make_drafter(drafter, model, target, draft_confidence, costs)
+        self.learner = self.drafter if isinstance(self.drafter, LearnsFromRounds) else None
+        if draft_length is None and self.learner is not None:
+            draft_length = FixedLength(self.learner.max_draft)  # it picks its own length per round
+        self.lengths = make_draft_length(draft_length, pass_costs=costs)
+        self.pace = PaceCheck(probe_row)
+        self.sampling = sampling or SamplingParams()
+        self.generator = torch.Generator(device="cpu").manual_seed(seed) if seed is not None else None
+        self.ids = prompt_ids(model, prompt, chat)
+        self.max_new_tokens = max_new_tokens
+        self.out = Emitter(model, max_new_tokens, stop, stop_at_eos, on_text, should_stop)
+        self.stats = SpeculativeStats(self.drafter.name)
+        self.start = time.perf_counter()
+        max_gamma = getattr(self.lengths, "max_gamma", getattr(self.lengths, "gamma", 8))
+        self.trees = not any(layer.sliding_window for layer in model.parts.layers)  # a tree pass needs full attention
+        self.cache = new_cache(target, capacity=self.ids.shape[1] + max_new_tokens + max_gamma + 2)
+        self.context: list[int] = []
+        self.prefill_seconds = 0.0
+        self._round: tuple | None = None  # (gamma, draft, proposal, t0, t1) of the round whose pass is out
+
+    @property
+    def done(self) -> bool:
+        return self.out.done
+
+    def prefill(self) -> None:
+        """The prompt through the full target, always (skipping layers on it ruins acceptance)."""
+        self.prefilled(forward(self.model, self.ids, self.target, self.cache, 0, last_only=True)[0, -1])
+
+    def prefilled(self, logits: torch.Tensor) -> None:
+        self.prefill_seconds = time.perf_counter() - self.start
+        self.context = self.ids[0].tolist()
+        token = pick(logits, self.sampling, _seen(self.context, self.sampling, logits.device), self.generator)
+        self.context.append(token)  # pending: chosen, not yet in the cache
+        self.out.emit([token])
+
+    def _propose(self, cap: int | None) -> tuple[int, Proposal | None, float, float]:
+        gamma = min(self.lengths.next_gamma(), self.max_new_tokens - len(self.out.tokens) - 1)
+        if cap is not None:
+            gamma = min(gamma, cap)
         t0 = time.perf_counter()
-        state = DraftState(model, target, cache, context, sampling, generator)
-        proposal = drafter.propose(state, gamma) if gamma > 0 else None
+        state = DraftState(self.model, self.target, self.cache, self.context, self.sampling, self.generator)
+        proposal = self.drafter.propose(state, gamma) if gamma > 0 else None
+        return gamma, proposal, t0, time.perf_counter()
+
+    def round(self) -> None:
+        """One round alone: draft, verify (a chain, or a token tree), accept, roll back."""
+        gamma, proposal, t0, t1 = self._propose(None)
         tree = proposal is not None and proposal.tree is not None
-        if tree and not (trees and proposal.probs is None and len(proposal.tokens) <= gamma):
+        if tree and not (self.trees and proposal.probs is None and len(proposal.tokens) <= gamma):
             proposal, tree = proposal.first_chain(), False
-        t1 = time.perf_counter()
         if tree:
             drafted = len(proposal.tokens)
-            emitted, accepted = _verify_tree(model, target, cache, context, proposal, sampling, generator)
+            emitted, accepted = _verify_tree(self.model, self.target, self.cache, self.context, proposal,
+                                             self.sampling, self.generator)
         else:
             draft = proposal.tokens[:gamma] if proposal else []
             drafted = len(draft)
-            emitted, accepted = _verify_chain(model, target, cache, context, draft, proposal, sampling, generator)
-        t2 = time.perf_counter()
-        context.extend(emitted)  # the last one is the new pending token
-        out.emit(emitted)
-        source = (proposal.source or drafter.name) if drafted else None
-        stats.record(gamma, drafted, accepted, len(emitted), t1 - t0, t2 - t1, source)
-        pace.add(drafted + 1, t2 - t1)  # the verify pass: the pending token and the drafts
-        if learner is not None:
-            learner.observe(RoundOutcome(source, drafted, accepted, t1 - t0, t2 - t1))
-        lengths.update(gamma, drafted, accepted, t1 - t0, t2 - t1)
-    elapsed = time.perf_counter() - start
-    text = out.finish()
-    return GenerationResult(text, out.tokens, ids.shape[1], out.reason, elapsed, prefill, target.to_string(),
-                            stats=stats.to_dict(), slow_note=pace.note())
+            emitted, accepted = _verify_chain(self.model, self.target, self.cache, self.context, draft, proposal,
+                                              self.sampling, self.generator)
+        self._record(gamma, drafted, accepted, emitted, proposal, t0, t1, time.perf_counter())
+
+    def next_pass(self, cap: int | None = None) -> tuple[torch.Tensor, object, int]:
+        """This request's part of a batch's pass: the pending token and a chain of at most `cap`
+        drafted tokens (a tree goes as its first chain), its cache, the pending token's position."""
+        gamma, proposal, t0, t1 = self._propose(cap)
+        if proposal is not None and proposal.tree is not None:
+            proposal = proposal.first_chain()
+        draft = proposal.tokens[:gamma] if proposal else []
+        self._round = (gamma, draft, proposal, t0, t1)
+        return torch.tensor([self.context[-1:] + draft]), self.cache, len(self.context) - 1
+
+    def take_pass(self, logits: torch.Tensor) -> None:
+        """The round's verify logits (1 + drafted, vocab) from the batch's pass: accept, roll back."""
+        gamma, draft, proposal, t0, t1 = self._round
+        emitted, accepted = _accept_chain(self.cache, self.context, draft, proposal, logits, self.sampling,
+                                          self.generator)
+        self._record(gamma, len(draft), accepted, emitted, proposal, t0, t1, time.perf_counter())
+
+    def _record(self, gamma: int, drafted: int, accepted: int, emitted: list[int], proposal: Proposal | None,
+                t0: float, t1: float, t2: float) -> None:
+        self.context.extend(emitted)  # the last one is the new pending token
+        self.out.emit(emitted)
+        source = (proposal.source or self.drafter.name) if drafted else None
+        self.stats.record(gamma, drafted, accepted, len(emitted), t1 - t0, t2 - t1, source)
+        self.pace.add(drafted + 1, t2 - t1)  # the verify pass: the pending token and the drafts
+        if self.learner is not None:
+            self.learner.observe(RoundOutcome(source, drafted, accepted, t1 - t0, t2 - t1))
+        self.lengths.update(gamma, drafted, accepted, t1 - t0, t2 - t1)
+
+    def result(self) -> GenerationResult:
+        text = self.out.finish()
+        return GenerationResult(text, self.out.tokens, self.ids.shape[1], self.out.reason,
+                                time.perf_counter() - self.start, self.prefill_seconds, self.target.to_string(),
+                                stats=self.stats.to_dict(), slow_note=self.pace.note())
 
 
 def _verify_chain(model: LoadedModel, target: LayerPlan, cache, context: list[int], draft: list[int],
@@ -197,6 +258,13 @@ def _verify_chain(model: LoadedModel, target: LayerPlan, cache, context: list[in
     position = len(context) - 1  # of the pending token
     verify_ids = torch.tensor([context[-1:] + draft], device=model.device)
     target_logits = forward(model, verify_ids, target, cache, position)[0]  # (γ+1, V)
+    return _accept_chain(cache, context, draft, proposal, target_logits, sampling, generator)
+
+
+def _accept_chain(cache, context: list[int], draft: list[int], proposal: Proposal | None, target_logits: torch.Tensor,
+                  sampling: SamplingParams, generator: torch.Generator | None) -> tuple[list[int], int]:
+    """A chain's verdict from its verify logits (γ+1, V), and the cache cropped to what stays."""
+    position = len(context) - 1
     target_probs = torch.stack([
         next_token_probs(target_logits[i], sampling, _seen(context + draft[:i], sampling, target_logits.device))
         for i in range(len(draft) + 1)

@@ -233,3 +233,9 @@ def save_draft_plan(model: LoadedModel, plan: LayerPlan) -> Path | None:
     path = saved_draft_path(model)
     save_plan(plan, path)
     return path
+
+
+def drafts_by_lookup(drafter: Drafter) -> bool:
+    """A drafter that looks its drafts up and runs no model (n-gram, suffix): cheap to make for each
+    request, so a server gives every request of a batch its own (decoding/batch.py)."""
+    return isinstance(drafter, (NgramDrafter, SuffixDrafter))
