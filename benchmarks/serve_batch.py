@@ -5,6 +5,7 @@ equals its solo run, and the same clients against `llama-server --parallel N` (c
 batching, the same GGUF file and threads; `layerplan peers build` once).
 
     python benchmarks/serve_batch.py [--model smollm2] [--dtype stored-fast] [--clients 1,4,8] [--tokens 64]
+                                     [--draft suffix]
 
 Prints one JSON object. Greedy decoding; the requests ask for --tokens tokens and stop at EOS. One
 client sends all the prompts in turn (the baseline rate); C clients send the first C at once.
@@ -83,6 +84,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="stored-fast")
     parser.add_argument("--clients", default="1,4,8")
     parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--draft", default=None, help="serve with this (lookup) drafter: ngram or suffix")
     parser.add_argument("--no-llama-server", action="store_true")
     args = parser.parse_args()
     counts = [int(c) for c in args.clients.split(",")]
@@ -93,7 +95,8 @@ def main() -> None:
     # `layerplan serve` as a user runs it: a process of its own, decoding on its main thread
     port = _free_port()
     process = subprocess.Popen(["layerplan", "serve", "--model", args.model, "--dtype", args.dtype, "--threads",
-                                str(threads), "--port", str(port), "--max-batch", str(max(counts))],
+                                str(threads), "--port", str(port), "--max-batch", str(max(counts)),
+                                *(["--draft", args.draft] if args.draft else [])],
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         base = f"http://127.0.0.1:{port}"
@@ -135,7 +138,7 @@ def main() -> None:
                 process.wait(timeout=30)
     for ours_row, theirs_row in zip(ours, theirs):
         ours_row["vs_llama_server"] = ours_row["tokens_per_second"] / theirs_row["tokens_per_second"]
-    print(json.dumps({"model": args.model, "dtype": args.dtype, "cpu": read_cpuinfo()[0], "threads": threads,
+    print(json.dumps({"model": args.model, "dtype": args.dtype, "draft": args.draft, "cpu": read_cpuinfo()[0], "threads": threads,
                       "tokens": args.tokens, "layerplan": ours, "llama-server": theirs,
                       "load_average": os.getloadavg()[0]}, indent=2))
 
