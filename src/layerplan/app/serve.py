@@ -360,7 +360,8 @@ class Engine:
                                                probe_row=self.probe_row)
             else:
                 decoding = Decoding(self.model, job.prompt_ids, self.plan, job.max_tokens, job.sampling, job.seed,
-                                    job.stop, on_text=job.on_text, should_stop=job.cancelled.is_set)
+                                    job.stop, on_text=job.on_text, should_stop=job.cancelled.is_set,
+                                    probe_row=self.probe_row)
         except Exception as error:  # noqa: BLE001 - the caller's future carries it
             self._count(running=-1, failed=1)
             future.set_exception(error)
@@ -370,6 +371,7 @@ class Engine:
     def _finish(self, future: Future, decoding: Decoding) -> None:
         result = decoding.result()
         self._count(running=-1, **({"cancelled": 1} if result.stop_reason == "cancelled" else {"finished": 1}))
+        self.slow_note = result.slow_note
         future.set_result(result)
 
     def close(self) -> None:

@@ -18,6 +18,7 @@ import torch
 from layerplan.decoding.output import Emitter, GenerationResult, prompt_ids
 from layerplan.decoding.sampling import SamplingParams, pick
 from layerplan.decoding.speculative import SpeculativeDecoding
+from layerplan.engine.probe import PaceCheck, ProbeRow
 from layerplan.engine.runner import forward, forward_batch, new_cache
 from layerplan.models.loading import LoadedModel
 from layerplan.plan.plan import LayerPlan
@@ -35,7 +36,8 @@ class Decoding:
     def __init__(self, model: LoadedModel, prompt, plan: LayerPlan, max_new_tokens: int = 64,
                  sampling: SamplingParams | None = None, seed: int | None = None, stop: Sequence[str] = (),
                  stop_at_eos: bool | Sequence[int] = True, chat: bool = False,
-                 on_text: Callable[[str], None] | None = None, should_stop: Callable[[], bool] | None = None) -> None:
+                 on_text: Callable[[str], None] | None = None, should_stop: Callable[[], bool] | None = None,
+                 probe_row: ProbeRow | None = None) -> None:
         if max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
         self.model, self.plan = model, plan
@@ -47,6 +49,7 @@ class Decoding:
         self.context = self.ids[0].tolist()
         self.start = time.perf_counter()
         self.prefill_seconds = 0.0
+        self.pace = PaceCheck(probe_row)  # its passes against this machine's probe (result.slow_note)
 
     @property
     def done(self) -> bool:
@@ -72,14 +75,17 @@ class Decoding:
         """(the last token (1, 1), this request's cache, its position): its part of the next pass."""
         return torch.tensor([[self.context[-1]]]), self.cache, len(self.context) - 1
 
-    def take_pass(self, logits: torch.Tensor) -> None:
-        """Its logits (1, vocab) of the pass."""
+    def take_pass(self, logits: torch.Tensor, rows: int = 1, seconds: float | None = None) -> None:
+        """Its logits (1, vocab) of a pass of `rows` rows that took `seconds`."""
+        if seconds is not None:
+            self.pace.add(rows, seconds)
         self.take(logits[-1])
 
     def result(self) -> GenerationResult:
         text = self.out.finish()
         return GenerationResult(text, self.out.tokens, self.ids.shape[1], self.out.reason,
-                                time.perf_counter() - self.start, self.prefill_seconds, self.plan.to_string())
+                                time.perf_counter() - self.start, self.prefill_seconds, self.plan.to_string(),
+                                slow_note=self.pace.note())
 
 
 def prefill_all(model: LoadedModel, plan: LayerPlan, joining: Sequence[Decoding | SpeculativeDecoding]) -> None:
@@ -95,8 +101,14 @@ def step_all(model: LoadedModel, plan: LayerPlan, active: Sequence[Decoding | Sp
     budget), in one pass."""
     cap = max(ROW_BUDGET // max(len(active), 1) - 1, 0)
     passes = [d.next_pass(cap) for d in active]
-    for decoding, logits in zip(active, forward_batch(model, passes, plan)):
-        decoding.take_pass(logits)
+    start = time.perf_counter()
+    every = forward_batch(model, passes, plan)
+    seconds, rows = time.perf_counter() - start, sum(ids.shape[1] for ids, _, _ in passes)
+    for decoding, logits in zip(active, every):
+        if isinstance(decoding, Decoding):
+            decoding.take_pass(logits, rows, seconds)
+        else:  # a speculative round times its own verify
+            decoding.take_pass(logits)
 
 
 @torch.inference_mode()
