@@ -2,7 +2,6 @@
 serving the packaged SmolLM2 (float32) with an n-gram drafter and an API key."""
 
 import json
-import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -13,6 +12,7 @@ import pytest
 from layerplan.app.serve import chat_prompt_ids, create_app
 from layerplan.decoding.generate import generate
 from layerplan.decoding.sampling import SamplingParams
+from servers import serving
 
 pytestmark = pytest.mark.real
 KEY = "test-key"
@@ -20,26 +20,9 @@ KEY = "test-key"
 
 @pytest.fixture(scope="module")
 def server(smollm2):
-    import uvicorn
-
     app = create_app(smollm2, draft="ngram", api_key=KEY)
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    uv = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-    thread = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    base = f"http://127.0.0.1:{port}"
-    for _ in range(200):
-        try:
-            if httpx.get(f"{base}/health").status_code == 200:
-                break
-        except httpx.TransportError:
-            time.sleep(0.05)
-    yield base, app
-    uv.should_exit = True
-    thread.join(timeout=10)
-    sock.close()
+    with serving(app) as base:
+        yield base, app
 
 
 def _client(base: str, key: str | None = KEY) -> httpx.Client:

@@ -2,8 +2,6 @@
 each one's reply is its solo run's; a client hanging up mid-batch frees its place; bad requests
 get their 4xx while a batch runs."""
 
-import socket
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -13,31 +11,16 @@ import pytest
 from layerplan.app.serve import create_app
 from layerplan.decoding.generate import generate
 from layerplan.decoding.sampling import SamplingParams
+from servers import serving
 
 pytestmark = pytest.mark.real
 
 
 @pytest.fixture(scope="module")
 def batched(smollm2):
-    import uvicorn
-
     app = create_app(smollm2, max_batch=4)
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    uv = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-    thread = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    base = f"http://127.0.0.1:{sock.getsockname()[1]}"
-    for _ in range(200):
-        try:
-            if httpx.get(f"{base}/health").status_code == 200:
-                break
-        except httpx.TransportError:
-            time.sleep(0.05)
-    yield base, app
-    uv.should_exit = True
-    thread.join(timeout=10)
-    sock.close()
+    with serving(app) as base:
+        yield base, app
 
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Three colours of the rainbow are",
@@ -107,23 +90,9 @@ def test_a_client_hanging_up_mid_batch_frees_its_place_and_others_finish(batched
 def test_a_lookup_draft_runs_inside_the_batch(smollm2):
     """serve --draft suffix batches: every request its own suffix drafter, its replies its solo
     (greedy) ones, its usage reporting the speculation."""
-    import uvicorn
-
     app = create_app(smollm2, draft="suffix", max_batch=4)
     assert app.state.engine.max_batch == 4
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    uv = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-    thread = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    base = f"http://127.0.0.1:{sock.getsockname()[1]}"
-    try:
-        for _ in range(200):
-            try:
-                if httpx.get(f"{base}/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.05)
+    with serving(app) as base:
         prompts = ["1, 2, 3, 4, 1, 2, 3, 4, 1, 2,", "def add(a, b):\n    return a + b\n\ndef add(a, b):"] + PROMPTS[:2]
         with ThreadPoolExecutor(len(prompts)) as pool:
             replies = list(pool.map(lambda p: _complete(base, smollm2.name, p, 24), prompts))
@@ -131,8 +100,4 @@ def test_a_lookup_draft_runs_inside_the_batch(smollm2):
             solo = generate(smollm2, smollm2.tokenizer(prompt).input_ids, max_new_tokens=24, sampling=SamplingParams())
             assert reply["choices"][0]["text"] == solo.text, prompt
         assert any(reply["usage"].get("speculative", {}).get("drafted") for reply in replies)
-    finally:
-        uv.should_exit = True
-        thread.join(timeout=10)
-        sock.close()
     assert create_app(smollm2, draft="exit:20", max_batch=4).state.engine.max_batch == 1  # runs a model: alone

@@ -307,38 +307,27 @@ class Engine:
                 started = self._start(*item)
                 if started is not None:
                     joining.append(started)
-            active += self._prefill(joining)
+            if joining:
+                active += self._pass(prefill_all, joining)
             self.batch = len(active)
-            if not active:
-                continue
-            try:
-                step_all(self.model, self.plan, [decoding for _, _, decoding in active])
-            except Exception as error:  # noqa: BLE001 - every job of the pass carries it
-                for _, future, _ in active:
-                    self._count(running=-1, failed=1)
-                    future.set_exception(error)
-                active = []
-                continue
-            for job, future, decoding in [entry for entry in active if entry[2].done]:
-                self._finish(future, decoding)
-            active = [entry for entry in active if not entry[2].done]
+            if active:
+                active = self._pass(step_all, active)
         self.batch = 0
 
-    def _prefill(self, joining: list[tuple[Job, Future, Decoding]]) -> list[tuple[Job, Future, Decoding]]:
-        """The joining jobs' prompts in one pass and their first tokens; those that go on."""
-        if not joining:
-            return []
+    def _pass(self, run: Callable, entries: list[tuple[Job, Future, Decoding]]) -> list[tuple[Job, Future, Decoding]]:
+        """One pass for the entries' decodes (prefill_all or step_all); those that go on after it.
+        A pass that fails fails each of its jobs with the error."""
         try:
-            prefill_all(self.model, self.plan, [decoding for _, _, decoding in joining])
+            run(self.model, self.plan, [decoding for _, _, decoding in entries])
         except Exception as error:  # noqa: BLE001 - every job of the pass carries it
-            for _, future, _ in joining:
+            for _, future, _ in entries:
                 self._count(running=-1, failed=1)
                 future.set_exception(error)
             return []
-        for _, future, decoding in joining:
+        for _, future, decoding in entries:
             if decoding.done:
                 self._finish(future, decoding)
-        return [entry for entry in joining if not entry[2].done]
+        return [entry for entry in entries if not entry[2].done]
 
     def _start(self, job: Job, future: Future) -> tuple[Job, Future, Decoding] | None:
         """A job taken up: its decode, ready for its prefill; None when it ends here (cancelled,

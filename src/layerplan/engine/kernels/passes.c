@@ -172,26 +172,44 @@ LP_API int lp_mlp_block(const lp_mlp *m, const void *hidden, void *out, long row
     return status;
 }
 
-/* hidden (rows, hidden) in place through `count` steps, as the runner's loop would run them one
- * sub-layer at a time; the same kernels, so the same numbers. LP_OK, or the failing status. */
-LP_API int lp_run_steps(const lp_step *steps, long count, void *hidden, long rows, long pos0, const void *const *cos,
-                        const void *const *sin, long keep_sink, long keep_recent, const unsigned char *tree,
-                        int dtype, int threads) {
+/* hidden (rows, hidden) in place through `count` steps over the rows of `nsegs` sequences (one:
+ * a pass; several: lp_forward_batch): step s's attention writes and reads segment g's KV slot
+ * kvs[s * nsegs + g], or with kvs NULL the step's own slot (one segment). */
+static int run_segments(const lp_step *steps, long count, void *hidden, long rows, const lp_segment *segs, long nsegs,
+                        const lp_kv *kvs, const void *const *cos, const void *const *sin, long keep_sink,
+                        long keep_recent, const unsigned char *tree, int dtype, int threads) {
     for (long s = 0; s < count; s++) {
         const lp_step *st = steps + s;
         int status = LP_OK;
         if (st->attention)
-            status = lp_attention_block(st->attention, hidden, hidden, rows, pos0, cos[st->rope], sin[st->rope], &st->kv,
-                                        keep_sink, keep_recent, tree, st->scale, dtype, threads);
+            status = attention_segments(st->attention, hidden, hidden, rows, segs, kvs ? kvs + s * nsegs : &st->kv,
+                                        nsegs, cos[st->rope], sin[st->rope], keep_sink, keep_recent, tree, st->scale,
+                                        dtype, threads);
         if (status == LP_OK && st->mlp) status = lp_mlp_block(st->mlp, hidden, hidden, rows, st->scale, dtype, threads);
         if (status != LP_OK) return status;
     }
     return LP_OK;
 }
 
-/* A whole pass in one call: the embedding rows of the token ids (the embedding in `dtype`), the
- * steps (lp_run_steps), then the final norm and the LM head (lp_norm_linear) on rows
- * [head_from, rows) into logits. hidden: (rows, hidden) scratch in `dtype`. */
+/* hidden (rows, hidden) in place through `count` steps, as the runner's loop would run them one
+ * sub-layer at a time; the same kernels, so the same numbers. LP_OK, or the failing status. */
+LP_API int lp_run_steps(const lp_step *steps, long count, void *hidden, long rows, long pos0, const void *const *cos,
+                        const void *const *sin, long keep_sink, long keep_recent, const unsigned char *tree,
+                        int dtype, int threads) {
+    lp_segment whole = {rows, pos0};
+    return run_segments(steps, count, hidden, rows, &whole, 1, NULL, cos, sin, keep_sink, keep_recent, tree, dtype,
+                        threads);
+}
+
+/* hidden's rows: the embedding's rows of the token ids; LP_E_TOKEN for an id outside [0, vocab) */
+static int embed_rows(const void *embedding, long vocab, const long *ids, long rows, void *hidden, long dim, long es) {
+    for (long r = 0; r < rows; r++)
+        if (ids[r] < 0 || ids[r] >= vocab) return LP_E_TOKEN;
+    for (long r = 0; r < rows; r++)
+        memcpy((char *)hidden + r * dim * es, (const char *)embedding + ids[r] * dim * es, (size_t)(dim * es));
+    return LP_OK;
+}
+
 LP_API int lp_forward(const void *embedding, long vocab, const long *ids, long rows, void *hidden,
                       const lp_step *steps, long count, long pos0, const void *const *cos, const void *const *sin,
                       long keep_sink, long keep_recent, const unsigned char *tree, const lp_norm *final_norm,
@@ -199,11 +217,9 @@ LP_API int lp_forward(const void *embedding, long vocab, const long *ids, long r
     long dim = head->k, es = lp_dtype_bytes(dtype);
     if (!es) return LP_E_TYPE;
     if (head_from < 0 || head_from > rows) return LP_E_SHAPE;
-    for (long r = 0; r < rows; r++)
-        if (ids[r] < 0 || ids[r] >= vocab) return LP_E_TOKEN;
-    for (long r = 0; r < rows; r++)
-        memcpy((char *)hidden + r * dim * es, (const char *)embedding + ids[r] * dim * es, (size_t)(dim * es));
-    int status = lp_run_steps(steps, count, hidden, rows, pos0, cos, sin, keep_sink, keep_recent, tree, dtype, threads);
+    int status = embed_rows(embedding, vocab, ids, rows, hidden, dim, es);
+    if (status != LP_OK) return status;
+    status = lp_run_steps(steps, count, hidden, rows, pos0, cos, sin, keep_sink, keep_recent, tree, dtype, threads);
     if (status != LP_OK) return status;
     return lp_norm_linear(final_norm, (const char *)hidden + head_from * dim * es, head, logits, rows - head_from, dtype,
                           threads);
@@ -222,19 +238,10 @@ LP_API int lp_forward_batch(const void *embedding, long vocab, const long *ids, 
                             const lp_matrix *head, int last_only, void *logits, int dtype, int threads) {
     long dim = head->k, es = lp_dtype_bytes(dtype);
     if (!es) return LP_E_TYPE;
-    for (long r = 0; r < rows; r++)
-        if (ids[r] < 0 || ids[r] >= vocab) return LP_E_TOKEN;
-    for (long r = 0; r < rows; r++)
-        memcpy((char *)hidden + r * dim * es, (const char *)embedding + ids[r] * dim * es, (size_t)(dim * es));
-    for (long s = 0; s < count; s++) {
-        const lp_step *st = steps + s;
-        int status = LP_OK;
-        if (st->attention)
-            status = attention_segments(st->attention, hidden, hidden, rows, segments, kvs + s * nsegs, nsegs,
-                                        cos[st->rope], sin[st->rope], 0, 0, NULL, st->scale, dtype, threads);
-        if (status == LP_OK && st->mlp) status = lp_mlp_block(st->mlp, hidden, hidden, rows, st->scale, dtype, threads);
-        if (status != LP_OK) return status;
-    }
+    int status = embed_rows(embedding, vocab, ids, rows, hidden, dim, es);
+    if (status == LP_OK)
+        status = run_segments(steps, count, hidden, rows, segments, nsegs, kvs, cos, sin, 0, 0, NULL, dtype, threads);
+    if (status != LP_OK) return status;
     if (!last_only) return lp_norm_linear(final_norm, hidden, head, logits, rows, dtype, threads);
     /* each segment's last row, gathered in order, through the head */
     char *last = (char *)malloc((size_t)(nsegs * dim * es));
@@ -244,7 +251,7 @@ LP_API int lp_forward_batch(const void *embedding, long vocab, const long *ids, 
         if (segments[s].rows > 0) memcpy(last + s * dim * es, (const char *)hidden + (end - 1) * dim * es, (size_t)(dim * es));
         else memset(last + s * dim * es, 0, (size_t)(dim * es));
     }
-    int status = lp_norm_linear(final_norm, last, head, logits, nsegs, dtype, threads);
+    status = lp_norm_linear(final_norm, last, head, logits, nsegs, dtype, threads);
     free(last);
     return status;
 }
