@@ -3,6 +3,7 @@
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -320,7 +321,9 @@ def postgres():
     data.mkdir()
     shutil.chown(tmp_path, "postgres")
     shutil.chown(data, "postgres")
-    port = 54329
+    with socket.socket() as sock:  # a free port: a server left by an interrupted run keeps its own
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
 
     def as_postgres(*args):
         subprocess.run(["runuser", "-u", "postgres", "--", *args], check=True, capture_output=True)
