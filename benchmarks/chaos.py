@@ -47,6 +47,13 @@ class Unavailable(RuntimeError):
     """What a run needs is not here (PostgreSQL): the run cannot be made, which is not a pass."""
 
 
+def _default_sigint() -> None:
+    """In a child before it runs: SIGINT to its default, so the child's Python turns it into
+    KeyboardInterrupt even where this run was started in the background (a shell starts background
+    jobs with SIGINT ignored, which children inherit)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -212,7 +219,8 @@ def run_search_chaos(settings: SearchSettings, folder: Path, say=print, pg: Post
                              "--storage-patience", f"{settings.patience:g}", "--no-save-draft",
                              "--out", str(folder / f"out{index}")]
             with open(log, "w") as handle:
-                process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=handle, stdin=subprocess.DEVNULL)
+                process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=handle, stdin=subprocess.DEVNULL,
+                                           preexec_fn=_default_sigint)
             worker = Worker(index, process, time.monotonic(), log)
             workers.append(worker)
             return worker
@@ -587,7 +595,7 @@ def run_server_chaos(settings: ServerSettings, folder: Path, say=print) -> Serve
     log = folder / "server.log"
     with open(log, "w") as handle:
         server = subprocess.Popen(CLI + ["serve", "--host", "127.0.0.1", "--port", "0"], stdout=handle,
-                                  stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+                                  stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, preexec_fn=_default_sigint)
     stop = threading.Event()
     threads: list[threading.Thread] = []
     try:

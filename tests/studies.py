@@ -2,14 +2,23 @@
 storage: shared by the skip search's tests (test_search.py) and the merge study's (test_blocks.py)."""
 
 import multiprocessing
+import signal
 import time
 from pathlib import Path
+
+
+def _interruptible(work, *args):
+    # Ctrl-C (SIGINT) raises KeyboardInterrupt in the worker, as in a command started from a
+    # terminal, even where this test run was started in the background (a shell starts background
+    # jobs with SIGINT ignored, and a forked child inherits that)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    work(*args)
 
 
 def fork_worker(work, *args):
     """work(*args) in its own process, forked so that it starts without re-importing torch
     (work must set torch.set_num_threads(1): a forked child must not reuse the parent's pool)."""
-    process = multiprocessing.get_context("fork").Process(target=work, args=args)
+    process = multiprocessing.get_context("fork").Process(target=_interruptible, args=(work, *args))
     process.start()
     return process
 
