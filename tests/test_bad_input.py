@@ -99,7 +99,8 @@ CASES = [
      "cannot write FILES/empty.json/study.db: FILES/empty.json is a file, not a folder"),
     (["search", "--method", "bayes", "--trials", "1", "--tokens", "16", "--storage",
       "postgresql://nobody@127.0.0.1:1/none"], 1, "cannot open the study storage postgresql://nobody@127.0.0.1:1/none"),
-    (["generate"], 2, "Missing argument 'PROMPT'"),
+    (["generate"], 2, "give a PROMPT or --prompt-file FILE"),
+    (["generate", "hi", "--prompt-file", "FILES/empty.txt"], 2, "give a PROMPT or --prompt-file FILE"),
     (["no-such-command"], 2, "No such command 'no-such-command'"),
     # issue 31: tracebacks
     (["plan", "0-29", "--layers", "30", "--out", "/proc/nope/x"], 2, "cannot write /proc/nope/x: nothing can be "

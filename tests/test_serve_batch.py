@@ -101,3 +101,29 @@ def test_a_lookup_draft_runs_inside_the_batch(smollm2):
             assert reply["choices"][0]["text"] == solo.text, prompt
         assert any(reply["usage"].get("speculative", {}).get("drafted") for reply in replies)
     assert create_app(smollm2, draft="exit:20", max_batch=4).state.engine.max_batch == 1  # runs a model: alone
+
+
+def test_generate_prompt_file_decodes_the_prompts_together_as_they_decode_alone(smollm2, tmp_path):
+    """layerplan generate --prompt-file: one JSON line a prompt, in the file's order, each text its
+    solo run's; a PROMPT beside it, or a drafter that runs a model, is refused in one line."""
+    import json
+
+    from click.testing import CliRunner
+
+    from layerplan.app.cli import main
+
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("\n".join(PROMPTS[:3]) + "\n")
+    run = CliRunner().invoke(main, ["generate", "--prompt-file", str(prompts), "--dtype", "float32", "-n", "10",
+                                    "--max-batch", "2"])
+    assert run.exit_code == 0, run.output
+    lines = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
+    assert [line["name"] for line in lines] == ["prompts-1", "prompts-2", "prompts-3"]
+    for prompt, line in zip(PROMPTS, lines):
+        solo = generate(smollm2, smollm2.tokenizer(prompt).input_ids, max_new_tokens=10, sampling=SamplingParams())
+        assert line["text"] == solo.text and line["tokens"] == len(solo.token_ids)
+    both = CliRunner().invoke(main, ["generate", "x", "--prompt-file", str(prompts)])
+    assert both.exit_code != 0 and "give a PROMPT or --prompt-file FILE" in both.output
+    model_draft = CliRunner().invoke(main, ["generate", "--prompt-file", str(prompts), "--dtype", "float32",
+                                            "--draft", "exit:20"])
+    assert model_draft.exit_code != 0 and "runs a model" in model_draft.output

@@ -24,7 +24,8 @@ from layerplan.app.tune import tune as run_tune
 from layerplan.corpus import default_corpus, read_texts
 from layerplan.decoding.drafters.heads import default_head_path, save_head, train_exit_head
 from layerplan.decoding.draft_length import DRAFT_LENGTHS, draft_length_help
-from layerplan.decoding.drafters.registry import drafter_help
+from layerplan.decoding.batch import generate_batch
+from layerplan.decoding.drafters.registry import drafter_help, drafts_by_lookup, make_drafter
 from layerplan.decoding.generate import generate as run_generate
 from layerplan.decoding.budget import token_budget
 from layerplan.decoding.output import prompt_ids
@@ -424,7 +425,7 @@ def scan(model, dtype, device, threads, base_plan, tokens, text, kinds, exits, n
 
 
 @main.command()
-@click.argument("prompt")
+@click.argument("prompt", required=False)
 @model_option
 @auto_dtype_option
 @device_option
@@ -452,10 +453,15 @@ def scan(model, dtype, device, threads, base_plan, tokens, text, kinds, exits, n
               help="lossy dynamic early exit per token: confidence=P | entropy=H | cosine=C, then min=N, every=K, "
                    "vocab=K (as a lossless draft: --draft dynamic:POLICY)")
 @click.option("--stats", is_flag=True, help="print timing and speculative statistics as JSON on stderr")
+@click.option("--prompt-file", type=click.Path(dir_okay=False), default=None,
+              help="generate for every prompt of this file (.jsonl records or one prompt a line), up to "
+                   "--max-batch at once (continuous batching); one JSON line a prompt on stdout")
+@click.option("--max-batch", type=click.IntRange(1, 64), default=8, show_default=True,
+              help="with --prompt-file: prompts decoded at once")
 def generate(prompt, model, dtype, device, engine, threads, plan, model_b, max_new_tokens, temperature, top_k, top_p,
              repetition_penalty, seed, stop, chat, stream, draft, draft_length, draft_model, draft_confidence,
-             exit_policy, stats) -> None:
-    """Generate a continuation of PROMPT."""
+             exit_policy, stats, prompt_file, max_batch) -> None:
+    """Generate a continuation of PROMPT, or of every prompt of --prompt-file."""
     _threads(threads)
     with _user_errors():
         params = SamplingParams(temperature, top_k, top_p, repetition_penalty)  # refused before the model loads
@@ -463,6 +469,17 @@ def generate(prompt, model, dtype, device, engine, threads, plan, model_b, max_n
             if draft:
                 raise ValueError("give either --draft or --draft-model, not both")
             draft = f"model:{draft_model}"
+        if (prompt is None) == (prompt_file is None):
+            raise click.UsageError("give a PROMPT or --prompt-file FILE (one of them)")
+        if prompt_file is not None:
+            if exit_policy or model_b:
+                raise ValueError("--prompt-file decodes plainly or with a lookup draft; --exit-policy and "
+                                 "--model-b run one prompt at a time")
+            prompts, chat_names = read_prompt_file(prompt_file)
+            loaded = _load(model, dtype, device, engine)
+            _generate_file(loaded, loaded.plan(plan), prompts, chat_names | (set(prompts) if chat else set()),
+                           max_new_tokens, params, seed, stop, draft, draft_length, max_batch)
+            return
         loaded = _load(model, dtype, device, engine)
         loaded = _attach(loaded, model_b, str(loaded.dtype).replace("torch.", ""), device, engine)
         layer_plan = loaded.plan(plan)
@@ -480,6 +497,25 @@ def generate(prompt, model, dtype, device, engine, threads, plan, model_b, max_n
     if stats:
         summary = {k: v for k, v in result.to_dict().items() if k not in ("text", "token_ids")}
         click.echo(json.dumps(summary, indent=2), err=True)
+
+
+def _generate_file(loaded, plan, prompts: dict[str, str], chat: set[str], max_new_tokens: int, params, seed,
+                   stop, draft, draft_length, max_batch: int) -> None:
+    """generate --prompt-file: every prompt through generate_batch, one JSON line each (its name,
+    text, tokens, stop reason) on stdout, in the file's order; prompt i samples with seed + i."""
+    if draft is not None and not drafts_by_lookup(make_drafter(draft, loaded, plan)):
+        raise ValueError(f"--prompt-file drafts with a lookup drafter (ngram, suffix), each prompt its own; "
+                         f"'{draft}' runs a model: give the prompts one at a time")
+    ids = {name: prompt_ids(loaded, text, name in chat)[0].tolist() for name, text in prompts.items()}
+    for name, tokens in ids.items():  # every prompt's context check before any decoding
+        token_budget(len(tokens), max_new_tokens, loaded.context_length, new_tokens_name="--max-new-tokens")
+    seeds = [seed + i if seed is not None else None for i in range(len(ids))]
+    results = generate_batch(loaded, list(ids.values()), plan, max_new_tokens, params, seeds, stop,
+                             max_batch=max_batch, draft=draft, draft_length=draft_length)
+    for name, result in zip(ids, results):
+        click.echo(json.dumps({"name": name, "text": result.text, "tokens": len(result.token_ids),
+                               "stop_reason": result.stop_reason,
+                               "tokens_per_second": round(result.tokens_per_second, 2)}))
 
 
 @main.command()
