@@ -91,8 +91,10 @@ def test_speculation_inside_a_batch_keeps_each_requests_solo_output(draft):
             assert result.token_ids == generate(model, prompt, max_new_tokens=14, stop_at_eos=False).token_ids
     assert any(r.stats["drafted"] for r in batched)
     sampling = SamplingParams(temperature=0.9)
+    # a fixed draft length: the adaptive one follows the passes' timings, and the random draws follow it
     sampled = generate_batch(model, prompts, max_new_tokens=10, sampling=sampling, seeds=[1, 2, 3, 4],
-                             stop_at_eos=False, draft=draft, max_batch=1)
+                             stop_at_eos=False, draft=draft, max_batch=1, draft_length="fixed")
     for prompt, seed, result in zip(prompts, [1, 2, 3, 4], sampled):
-        solo = generate(model, prompt, max_new_tokens=10, sampling=sampling, seed=seed, stop_at_eos=False, draft=draft)
+        solo = generate(model, prompt, max_new_tokens=10, sampling=sampling, seed=seed, stop_at_eos=False, draft=draft,
+                        draft_length="fixed")
         assert result.token_ids == solo.token_ids

@@ -13,6 +13,7 @@ from torch import nn
 
 from layerplan.engine.cpu_pack import pack_linears, packing_supported
 from layerplan.engine.executors import modules_executor, use_native
+from layerplan.engine.kernel_library import ABI, check, library, native_available
 from layerplan.engine.native import resolve_engine
 from layerplan.engine.probe import ProbeResult
 from layerplan.engine.verify import ensure_checked
@@ -20,6 +21,7 @@ from layerplan.models import loading
 from layerplan.models.architectures import ModelError
 from layerplan.models.discovery import native_allowed, parts_of
 from layerplan.models.loading import LoadedModel
+from layerplan.models.stored import StoredTensor, StoredWeights
 
 
 # the dtypes that keep a GGUF's matrices in their stored block formats (float32 activations), by
@@ -92,11 +94,8 @@ def quantize_linears(model: LoadedModel, block_format: str, arithmetic: str = "e
     (QUANTIZE_AT_LOAD) by the native kernels (lp_quantize_rows), held as stored rows in memory and
     run by the block-format kernels in `arithmetic`: the dense matrices are freed. A matrix whose
     width the format's blocks do not divide stays dense."""
-    import gguf
+    import gguf  # (gguf-py and numpy only where a model is quantized at load)
     import numpy as np
-
-    from layerplan.engine.kernel_library import ABI, check, library, native_available
-    from layerplan.models.stored import StoredTensor, StoredWeights
 
     if native_available() is not None:
         raise ModelError(f"--dtype {block_format} quantizes with the native kernels: {native_available()}")
