@@ -69,6 +69,23 @@ class _Request:
 
 
 @pytest.mark.real
+def test_generate_until_decodes_requests_together_as_each_decodes_alone(smollm2, harness_lm):
+    """Requests sharing their options decode in one batch (continuous batching); each text is its
+    generate() run's, stop strings and max_gen_toks per group."""
+    from layerplan.decoding.generate import generate
+    from layerplan.decoding.sampling import SamplingParams
+
+    contexts = ["The capital of France is", "def add(a, b):", "Three colours:", "Once upon a time"]
+    options = [{"until": ["\n"], "max_gen_toks": 12}, {"until": ["\n\n"], "max_gen_toks": 16},
+               {"until": ["\n"], "max_gen_toks": 12}, {"until": "\n", "max_gen_toks": 12}]
+    texts = harness_lm.generate_until([_Request(c, dict(o)) for c, o in zip(contexts, options)])
+    for context, option, text in zip(contexts, options, texts):
+        until = [option["until"]] if isinstance(option["until"], str) else option["until"]
+        ids = smollm2.tokenizer.encode(context, add_special_tokens=False)
+        solo = generate(smollm2, ids, max_new_tokens=option["max_gen_toks"], sampling=SamplingParams(), stop=until)
+        assert text == solo.text, context
+
+
 def test_loglikelihood_equals_transformers_logits(smollm2, harness_lm):
     context, choices = "The capital of France is", [" Paris", " a large city in Europe", " Berlin"]
     results = harness_lm.loglikelihood([_Request(context, c) for c in choices])

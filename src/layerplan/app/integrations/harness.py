@@ -23,6 +23,8 @@ import torch.nn.functional as F
 from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
 
+from layerplan.decoding.batch import generate_batch
+from layerplan.decoding.drafters.registry import drafts_by_lookup, make_drafter
 from layerplan.decoding.generate import generate
 from layerplan.decoding.sampling import SamplingParams
 from layerplan.engine.runner import forward, new_cache
@@ -114,12 +116,16 @@ class LayerplanLM(LM):
 
     # ----- generation ------------------------------------------------------------------------
     def generate_until(self, requests) -> list[str]:
-        out = []
-        for request in requests:
+        """Each request's continuation, as generate() gives it alone. Requests that share their
+        generation options decode together (decoding/batch.py: continuous batching, the same
+        tokens), but for a draft that runs a model, which decodes one request at a time."""
+        batched = self.draft is None or drafts_by_lookup(make_drafter(self.draft, self.model, self.plan))
+        groups: dict[tuple, list[tuple[int, list[int]]]] = defaultdict(list)
+        for index, request in enumerate(requests):
             context, options = request.args
             options = dict(options or {})
             until = options.pop("until", None) or []
-            until = [until] if isinstance(until, str) else list(until)
+            until = tuple([until] if isinstance(until, str) else until)
             max_new = int(options.pop("max_gen_toks", self.max_gen_toks))
             sampling = SamplingParams()
             if options.pop("do_sample", False) and float(options.get("temperature", 1.0)) > 0:
@@ -127,7 +133,16 @@ class LayerplanLM(LM):
                                           top_k=int(options.get("top_k") or 0), top_p=float(options.get("top_p") or 1.0))
             ids = self.model.tokenizer.encode(context, add_special_tokens=False)
             ids = ids[-max(self.max_length - max_new, 1):]
-            result = generate(self.model, ids, self.plan, max_new, sampling, seed=options.get("seed"), stop=until,
-                              draft=self.draft)
-            out.append(result.text)
+            key = (until, max_new, sampling, options.get("seed"), index if not batched else None)
+            groups[key].append((index, ids))
+        out: list[str] = [""] * len(requests)
+        for (until, max_new, sampling, seed, _), members in groups.items():
+            if batched:
+                results = generate_batch(self.model, [ids for _, ids in members], self.plan, max_new, sampling,
+                                         [seed] * len(members), until, draft=self.draft)
+            else:
+                results = [generate(self.model, ids, self.plan, max_new, sampling, seed=seed, stop=until,
+                                    draft=self.draft) for _, ids in members]
+            for (index, _), result in zip(members, results):
+                out[index] = result.text
         return out
