@@ -820,21 +820,7 @@ ALWAYS __m256i four_bytes(const int8_t *p) {
     }
 
 #if defined(__AVX512BW__) && defined(__AVX512VNNI__)
-/* ----- 64-byte words (the avx512vnni build) -----
- * Two consecutive 32-byte words in one register: lanes 0-7 hold word c (inputs 4c..4c+3 of rows
- * 0-7, or 8-15 after the shift), lanes 8-15 word c + 1. The activations' eight bytes go to lanes
- * 0-7 (the first four) and 8-15 (the next four), and at a sub-block's end the two halves' integer
- * sums are added: the same integers as the 32-byte tiles, with half the instructions. */
-ALWAYS void nibble_words2(const istate *s, int c, __m512i *wl, __m512i *wh) {
-    __m512i v = _mm512_loadu_si512((const void *)(s->q + 64 * c));
-    *wl = _mm512_and_si512(v, _mm512_set1_epi8(0x0F));
-    *wh = _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(0x0F));
-}
-#define q4_0_iload2 nibble_words2
-#define q4_1_iload2 nibble_words2
-#define q4_k_iload2 nibble_words2
-
-/* fifths as the 32-byte tiles take them, 16 bytes of bits (two words' quads, or panel A's and B's) */
+/* fifths as the 32-byte tiles take them, for 16 bytes of bits (panel A's and B's quads) */
 ALWAYS void fifths2(__m128i bits, int flip, __m512i *fl, __m512i *fh) {
     const __m512i spread = _mm512_set1_epi32(0x00204081), ones = _mm512_set1_epi32(0x01010101);
     __m512i h = _mm512_cvtepu8_epi32(bits);
@@ -848,18 +834,8 @@ ALWAYS void fifths2(__m128i bits, int flip, __m512i *fl, __m512i *fh) {
     *fl = _mm512_slli_epi32(lo, 4);
     *fh = _mm512_slli_epi32(hi, 4);
 }
-ALWAYS void fifth_words2(const istate *s, int c, int flip, __m512i *wl, __m512i *wh) {
-    __m512i fl, fh;
-    nibble_words2(s, c, wl, wh);
-    fifths2(_mm_loadu_si128((const __m128i *)(s->h + 16 * c)), flip, &fl, &fh);
-    *wl = _mm512_or_si512(*wl, fl);
-    *wh = _mm512_or_si512(*wh, fh);
-}
-ALWAYS void q5_0_iload2(const istate *s, int c, __m512i *wl, __m512i *wh) { fifth_words2(s, c, 1, wl, wh); }
-
-/* Q8_0's input-major bytes of four inputs from two 64-byte sources (the next four inputs, or the
- * same inputs of panel B) to lanes 0-7 (rows 0-7 of the first) and 8-15 (of the second): one byte
- * permutation each for rows 0-7 and 8-15, then + 128 */
+/* Q8_0's input-major bytes of four inputs of panels A and B (64 bytes each) to lanes 0-7 (A's
+ * rows 0-7) and 8-15 (B's): one byte permutation each for rows 0-7 and 8-15, then + 128 */
 ALWAYS void q8_0_transpose2(__m512i first, __m512i second, __m512i *wl, __m512i *wh) {
     _Alignas(64) static const uint8_t lo[64] = {
         0, 16, 32, 48, 1, 17, 33, 49, 2, 18, 34, 50, 3, 19, 35, 51, 4, 20, 36, 52, 5, 21, 37, 53, 6, 22, 38, 54,
@@ -870,91 +846,6 @@ ALWAYS void q8_0_transpose2(__m512i first, __m512i second, __m512i *wl, __m512i 
     *wl = _mm512_xor_si512(_mm512_permutex2var_epi8(first, index_lo, second), flip);
     *wh = _mm512_xor_si512(_mm512_permutex2var_epi8(first, _mm512_add_epi8(index_lo, eight), second), flip);
 }
-ALWAYS void q8_0_iload2(const istate *s, int c, __m512i *wl, __m512i *wh) {
-    const uint8_t *p = s->q + 128 * c;
-    q8_0_transpose2(_mm512_loadu_si512((const void *)p), _mm512_loadu_si512((const void *)(p + 64)), wl, wh);
-}
-ALWAYS void q5_1_iload2(const istate *s, int c, __m512i *wl, __m512i *wh) { fifth_words2(s, c, 0, wl, wh); }
-ALWAYS void q5_k_iload2(const istate *s, int c, __m512i *wl, __m512i *wh) { fifth_words2(s, c, 0, wl, wh); }
-ALWAYS void q6_k_iload2(const istate *s, int c, __m512i *wl, __m512i *wh) {
-    __m512i v = _mm512_loadu_si512((const void *)(s->q + 64 * c));
-    __m512i h = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(s->h + 32 * c)));
-    __m512i t = _mm512_shuffle_epi8(h, _mm512_broadcast_i32x4(_mm_setr_epi8(0, 0, 1, 1, 4, 4, 5, 5, 8, 8, 9, 9, 12, 12,
-                                                                               13, 13)));
-    __m512i lo = _mm512_or_si512(_mm512_slli_epi16(_mm512_and_si512(t, _mm512_set1_epi16(0x0003)), 4),
-                                 _mm512_slli_epi16(_mm512_and_si512(t, _mm512_set1_epi16(0x0C00)), 2));
-    __m512i hi = _mm512_or_si512(_mm512_and_si512(t, _mm512_set1_epi16(0x0030)),
-                                 _mm512_srli_epi16(_mm512_and_si512(t, _mm512_set1_epi16((short)0xC000)), 2));
-    *wl = _mm512_or_si512(_mm512_and_si512(v, _mm512_set1_epi8(0x0F)), lo);
-    *wh = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(0x0F)), hi);
-}
-
-/* bytes p[0..3] to lanes 0-7, p[4..7] to lanes 8-15 */
-ALWAYS __m512i eight_bytes(const int8_t *p) {
-    return _mm512_permutexvar_epi32(_mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0),
-                                    _mm512_castsi128_si512(_mm_loadl_epi64((const __m128i *)p)));
-}
-ALWAYS __m256i halves(__m512i a) { return _mm256_add_epi32(_mm512_castsi512_si256(a), _mm512_extracti64x4_epi64(a, 1)); }
-
-/* RR rows on one panel over 64-byte words; the rows' float sums in registers (YSUMS 0) or in y */
-#define ZTILE(NAME, F, f, RR, YSUMS)                                                               \
-    static void NAME(const lp_q8 *x, long r0, const void *wv, float *y, long ys) {                \
-        enum { R = RR, S = RR <= 2 ? 2 : 1 };                                                      \
-        const uint8_t *w = (const uint8_t *)wv;                                                    \
-        const long k = x->k;                                                                       \
-        const int8_t *xr[R];                                                                       \
-        __m256 sl[YSUMS ? 1 : R], sh[YSUMS ? 1 : R];                                               \
-        _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                                      \
-            xr[r] = x->q + (r0 + r) * k;                                                           \
-            if (YSUMS) {                                                                           \
-                _mm256_storeu_ps(y + r * ys, _mm256_setzero_ps());                                 \
-                _mm256_storeu_ps(y + r * ys + 8, _mm256_setzero_ps());                             \
-            } else {                                                                               \
-                sl[YSUMS ? 0 : r] = sh[YSUMS ? 0 : r] = _mm256_setzero_ps();                       \
-            }                                                                                      \
-        }                                                                                          \
-        for (long s0 = 0; s0 < k; s0 += F##_ISUB) {                                                \
-            istate st;                                                                             \
-            f##_iset(&st, w + s0 / F##_BLOCK * F##_PB, (int)(s0 % F##_BLOCK / F##_ISUB));          \
-            __m512i al[R][S], ah[R][S];                                                            \
-            _Pragma("GCC unroll 8") for (int r = 0; r < R; r++)                                    \
-                _Pragma("GCC unroll 2") for (int c = 0; c < S; c++) al[r][c] = ah[r][c] = _mm512_setzero_si512(); \
-            _Pragma("GCC unroll 4") for (int c = 0; c < F##_ISUB / 8; c++) {                       \
-                __m512i wl, wh;                                                                    \
-                f##_iload2(&st, c, &wl, &wh);                                                      \
-                _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                              \
-                    __m512i xb = eight_bytes(xr[r] + s0 + 8 * c);                                  \
-                    al[r][c % S] = _mm512_dpbusd_epi32(al[r][c % S], wl, xb);                      \
-                    ah[r][c % S] = _mm512_dpbusd_epi32(ah[r][c % S], wh, xb);                      \
-                }                                                                                  \
-            }                                                                                      \
-            _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                                  \
-                __m512i zl = al[r][0], zh = ah[r][0];                                              \
-                if (S > 1) {                                                                       \
-                    zl = _mm512_add_epi32(zl, al[r][S - 1]);                                       \
-                    zh = _mm512_add_epi32(zh, ah[r][S - 1]);                                       \
-                }                                                                                  \
-                const float *ss = x->s + (r0 + r) * (k / 16) + s0 / 16;                            \
-                __m256 d = _mm256_set1_ps(x->d[(r0 + r) * (k / 32) + s0 / 32]);                    \
-                __m256 s = _mm256_set1_ps(F##_ISUB == 32 ? ss[0] + ss[1] : ss[0]);                 \
-                if (YSUMS) {                                                                       \
-                    float *o = y + r * ys;                                                         \
-                    _mm256_storeu_ps(o, fma_(st.ol, s, fma_(cvt(halves(zl)), mul(st.dl, d), _mm256_loadu_ps(o)))); \
-                    _mm256_storeu_ps(o + 8, fma_(st.oh, s, fma_(cvt(halves(zh)), mul(st.dh, d), _mm256_loadu_ps(o + 8)))); \
-                } else {                                                                           \
-                    const int i = YSUMS ? 0 : r;                                                   \
-                    sl[i] = fma_(st.ol, s, fma_(cvt(halves(zl)), mul(st.dl, d), sl[i]));           \
-                    sh[i] = fma_(st.oh, s, fma_(cvt(halves(zh)), mul(st.dh, d), sh[i]));           \
-                }                                                                                  \
-            }                                                                                      \
-        }                                                                                          \
-        if (!YSUMS)                                                                                \
-            _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                                  \
-                _mm256_storeu_ps(y + r * ys, sl[YSUMS ? 0 : r]);                                   \
-                _mm256_storeu_ps(y + r * ys + 8, sh[YSUMS ? 0 : r]);                               \
-            }                                                                                      \
-    }
-
 /* ----- two panels at once (the avx512vnni build) -----
  * Lanes 0-7 hold panel A's word c, lanes 8-15 panel B's word c: the same four inputs, so one
  * broadcast of the activations' four bytes serves both panels, and each half's integer sums are
@@ -1080,15 +971,17 @@ ALWAYS void store_ab(float *o, int at, __m512 v) {
     _mm256_storeu_ps(o + 16 + at, _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
 }
 
+/* pairs of panels on 64-byte words; a panel alone (a run's odd last one) on the 32-byte tiles,
+ * whose integers are the same */
 #define ITILES(F, f)                                                                               \
-    ZTILE(f##_i1, F, f, 1, 0)                                                                      \
-    ZTILE(f##_i2, F, f, 2, 0)                                                                      \
-    ZTILE(f##_i3, F, f, 3, 0)                                                                      \
-    ZTILE(f##_i4, F, f, 4, 0)                                                                      \
-    ZTILE(f##_i5, F, f, 5, 1)                                                                      \
-    ZTILE(f##_i6, F, f, 6, 1)                                                                      \
-    ZTILE(f##_i7, F, f, 7, 1)                                                                      \
-    ZTILE(f##_i8, F, f, 8, 1)                                                                      \
+    ITILE(f##_i1, F, f, 1)                                                                         \
+    ITILE(f##_i2, F, f, 2)                                                                         \
+    ITILE(f##_i3, F, f, 3)                                                                         \
+    ITILE(f##_i4, F, f, 4)                                                                         \
+    ITILE_Y(f##_i5, F, f, 5)                                                                       \
+    ITILE_Y(f##_i6, F, f, 6)                                                                       \
+    ITILE_Y(f##_i7, F, f, 7)                                                                       \
+    ITILE_Y(f##_i8, F, f, 8)                                                                       \
     ZPAIR(f##_p1, F, f, 1, 0)                                                                      \
     ZPAIR(f##_p2, F, f, 2, 0)                                                                      \
     ZPAIR(f##_p3, F, f, 3, 0)                                                                      \
