@@ -42,9 +42,9 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from layerplan.decoding.batch import Decoding, prefill_all, step_all
+from layerplan.decoding.batch import prefill_all, step_all
+from layerplan.decoding.generate import Decoding, generate
 from layerplan.decoding.drafters.registry import drafts_by_lookup, make_drafter
-from layerplan.decoding.generate import generate
 from layerplan.decoding.speculative import SpeculativeDecoding
 from layerplan.decoding.output import GenerationResult
 from layerplan.decoding.budget import ContextLengthError, token_budget

@@ -1,4 +1,4 @@
-"""Several generations at once (continuous batching): each request's decode is a `Decoding` (plain)
+"""Several generations at once (continuous batching): each request's decode is a generate.Decoding (plain)
 or a speculative.SpeculativeDecoding (its own drafter, draft length and acceptance), and a step
 runs every active one's next pass (its pending token, and its drafted chain) as one pass
 (runner.forward_batch), whose products the requests share. A request's tokens are those of its
@@ -11,81 +11,21 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 
-from layerplan.decoding.output import Emitter, GenerationResult, prompt_ids
-from layerplan.decoding.sampling import SamplingParams, pick
+from layerplan.decoding.generate import Decoding
+from layerplan.decoding.output import GenerationResult
+from layerplan.decoding.sampling import SamplingParams
 from layerplan.decoding.speculative import SpeculativeDecoding
-from layerplan.engine.probe import PaceCheck, ProbeRow
-from layerplan.engine.runner import forward, forward_batch, new_cache
+from layerplan.engine.runner import forward_batch
 from layerplan.models.loading import LoadedModel
 from layerplan.plan.plan import LayerPlan
 
 # the rows a batch's pass carries at most, drafts included: one request drafts up to its policy's
 # length, 4 up to 3 tokens each, 8 one each (what an 8-16-row pass costs over one row on a CPU)
 ROW_BUDGET = 16
-
-
-class Decoding:
-    """One request's plain decode, a token at a time, as generate() runs it without a draft: the
-    prompt's prefill, then for each token the logits of the last one (given by whoever runs the
-    pass: alone, or in a batch)."""
-
-    def __init__(self, model: LoadedModel, prompt, plan: LayerPlan, max_new_tokens: int = 64,
-                 sampling: SamplingParams | None = None, seed: int | None = None, stop: Sequence[str] = (),
-                 stop_at_eos: bool | Sequence[int] = True, chat: bool = False,
-                 on_text: Callable[[str], None] | None = None, should_stop: Callable[[], bool] | None = None,
-                 probe_row: ProbeRow | None = None) -> None:
-        if max_new_tokens < 0:
-            raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
-        self.model, self.plan = model, plan
-        self.sampling = sampling or SamplingParams()
-        self.generator = torch.Generator(device="cpu").manual_seed(seed) if seed is not None else None
-        self.ids = prompt_ids(model, prompt, chat)
-        self.out = Emitter(model, max_new_tokens, stop, stop_at_eos, on_text, should_stop)
-        self.cache = new_cache(plan, capacity=self.ids.shape[1] + max_new_tokens + 1)
-        self.context = self.ids[0].tolist()
-        self.start = time.perf_counter()
-        self.prefill_seconds = 0.0
-        self.pace = PaceCheck(probe_row)  # its passes against this machine's probe (result.slow_note)
-
-    @property
-    def done(self) -> bool:
-        return self.out.done
-
-    def prefill(self) -> None:
-        """The prompt through the plan alone, and the first token (prefill_all does several)."""
-        self.prefilled(forward(self.model, self.ids, self.plan, self.cache, 0, last_only=True)[0, -1])
-
-    def prefilled(self, logits: torch.Tensor) -> None:
-        """The first token, from the prompt's last logits (vocab,)."""
-        self.prefill_seconds = time.perf_counter() - self.start
-        self.take(logits)
-
-    def take(self, logits: torch.Tensor) -> None:
-        """The next token from the logits (vocab,) of the last one."""
-        seen = torch.tensor(self.context, device=logits.device) if self.sampling.repetition_penalty != 1.0 else None
-        token = pick(logits, self.sampling, seen, self.generator)
-        self.context.append(token)
-        self.out.emit([token])
-
-    def next_pass(self, cap: int | None = None) -> tuple[torch.Tensor, object, int]:
-        """(the last token (1, 1), this request's cache, its position): its part of the next pass."""
-        return torch.tensor([[self.context[-1]]]), self.cache, len(self.context) - 1
-
-    def take_pass(self, logits: torch.Tensor, rows: int = 1, seconds: float | None = None) -> None:
-        """Its logits (1, vocab) of a pass of `rows` rows that took `seconds`."""
-        if seconds is not None:
-            self.pace.add(rows, seconds)
-        self.take(logits[-1])
-
-    def result(self) -> GenerationResult:
-        text = self.out.finish()
-        return GenerationResult(text, self.out.tokens, self.ids.shape[1], self.out.reason,
-                                time.perf_counter() - self.start, self.prefill_seconds, self.plan.to_string(),
-                                slow_note=self.pace.note())
 
 
 def prefill_all(model: LoadedModel, plan: LayerPlan, joining: Sequence[Decoding | SpeculativeDecoding]) -> None:

@@ -10,7 +10,7 @@ import torch
 
 from layerplan.decoding.drafters.dynamic_exit import DynamicExit, ExitPolicy
 from layerplan.decoding.output import Emitter, GenerationResult, prompt_ids
-from layerplan.decoding.sampling import SamplingParams, pick
+from layerplan.decoding.sampling import SamplingParams, penalty_context, pick
 from layerplan.decoding.speculative import speculative_generate
 from layerplan.engine.probe import PaceCheck, ProbeRow
 from layerplan.engine.runner import forward, new_cache
@@ -57,36 +57,85 @@ def generate(
         return speculative_generate(model, prompt, draft, plan, max_new_tokens, sampling, seed, stop,
                                     stop_at_eos, chat, on_text, draft_length, draft_confidence, should_stop,
                                     probe_row)
-    plan = plan if plan is not None else model.plan()
-    sampling = sampling or SamplingParams()
-    generator = torch.Generator(device="cpu").manual_seed(seed) if seed is not None else None
-    ids = prompt_ids(model, prompt, chat)
-    out = Emitter(model, max_new_tokens, stop, stop_at_eos, on_text, should_stop)
-    pace = PaceCheck(probe_row)
+    decoding = Decoding(model, prompt, plan if plan is not None else model.plan(), max_new_tokens, sampling, seed,
+                        stop, stop_at_eos, chat, on_text, should_stop, probe_row, exit_policy)
+    decoding.prefill()
+    while not decoding.done:
+        decoding.step()
+    return decoding.result()
 
-    start = time.perf_counter()
-    cache = new_cache(plan, capacity=ids.shape[1] + max_new_tokens + 1)
-    logits = forward(model, ids, plan, cache, 0, last_only=True)[0, -1]
-    prefill = time.perf_counter() - start
-    dynamic = None
-    if exit_policy is not None:
-        policy = ExitPolicy.parse(exit_policy) if isinstance(exit_policy, str) else exit_policy
-        dynamic = DynamicExit(model, plan, policy)
-    context = ids[0].tolist()
-    while not out.done:
-        seen = torch.tensor(context, device=logits.device) if sampling.repetition_penalty != 1.0 else None
-        token = pick(logits, sampling, seen, generator)
-        context.append(token)
-        out.emit([token])
-        if not out.done:
-            step_start = time.perf_counter()
-            if dynamic is not None:
-                logits = dynamic(token, cache, len(context) - 1, propagate=True)
-            else:
-                step = torch.tensor([[token]], device=ids.device)
-                logits = forward(model, step, plan, cache, len(context) - 1, last_only=True)[0, -1]
-            pace.add(1, time.perf_counter() - step_start)
-    elapsed = time.perf_counter() - start
-    text = out.finish()
-    return GenerationResult(text, out.tokens, ids.shape[1], out.reason, elapsed, prefill, plan.to_string(),
-                            stats=dynamic.stats() if dynamic is not None else {}, slow_note=pace.note())
+
+class Decoding:
+    """One request's plain decode, a token at a time: the prompt's prefill, then for each token the
+    logits of the last one, from a step of its own (step: generate) or from a pass shared with
+    other requests (next_pass / take_pass: decoding/batch.py). exit_policy: dynamic early exit per
+    token (its steps alone)."""
+
+    def __init__(self, model: LoadedModel, prompt, plan: LayerPlan, max_new_tokens: int = 64,
+                 sampling: SamplingParams | None = None, seed: int | None = None, stop: Sequence[str] = (),
+                 stop_at_eos: bool | Sequence[int] = True, chat: bool = False,
+                 on_text: Callable[[str], None] | None = None, should_stop: Callable[[], bool] | None = None,
+                 probe_row: ProbeRow | None = None, exit_policy=None) -> None:
+        if max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+        self.model, self.plan = model, plan
+        self.sampling = sampling or SamplingParams()
+        self.generator = torch.Generator(device="cpu").manual_seed(seed) if seed is not None else None
+        self.ids = prompt_ids(model, prompt, chat)
+        self.out = Emitter(model, max_new_tokens, stop, stop_at_eos, on_text, should_stop)
+        self.cache = new_cache(plan, capacity=self.ids.shape[1] + max_new_tokens + 1)
+        self.context = self.ids[0].tolist()
+        self.dynamic = None
+        if exit_policy is not None:
+            policy = ExitPolicy.parse(exit_policy) if isinstance(exit_policy, str) else exit_policy
+            self.dynamic = DynamicExit(model, plan, policy)
+        self.start = time.perf_counter()
+        self.prefill_seconds = 0.0
+        self.pace = PaceCheck(probe_row)  # its passes against this machine's probe (result.slow_note)
+
+    @property
+    def done(self) -> bool:
+        return self.out.done
+
+    def prefill(self) -> None:
+        """The prompt through the plan alone, and the first token (batch.prefill_all does several)."""
+        self.prefilled(forward(self.model, self.ids, self.plan, self.cache, 0, last_only=True)[0, -1])
+
+    def prefilled(self, logits: torch.Tensor) -> None:
+        """The first token, from the prompt's last logits (vocab,)."""
+        self.prefill_seconds = time.perf_counter() - self.start
+        self.take(logits)
+
+    def take(self, logits: torch.Tensor) -> None:
+        """The next token from the logits (vocab,) of the last one."""
+        token = pick(logits, self.sampling, penalty_context(self.context, self.sampling, logits.device), self.generator)
+        self.context.append(token)
+        self.out.emit([token])
+
+    def step(self) -> None:
+        """The next token from a step of its own (a dynamic exit's, where one is set)."""
+        start, token, position = time.perf_counter(), self.context[-1], len(self.context) - 1
+        if self.dynamic is not None:
+            logits = self.dynamic(token, self.cache, position, propagate=True)
+        else:
+            logits = forward(self.model, torch.tensor([[token]], device=self.ids.device), self.plan, self.cache,
+                             position, last_only=True)[0, -1]
+        self.pace.add(1, time.perf_counter() - start)
+        self.take(logits)
+
+    def next_pass(self, cap: int | None = None) -> tuple[torch.Tensor, object, int]:
+        """(the last token (1, 1), this request's cache, its position): its part of the next pass."""
+        return torch.tensor([[self.context[-1]]]), self.cache, len(self.context) - 1
+
+    def take_pass(self, logits: torch.Tensor, rows: int = 1, seconds: float | None = None) -> None:
+        """Its logits (1, vocab) of a pass of `rows` rows that took `seconds`."""
+        if seconds is not None:
+            self.pace.add(rows, seconds)
+        self.take(logits[-1])
+
+    def result(self) -> GenerationResult:
+        text = self.out.finish()
+        return GenerationResult(text, self.out.tokens, self.ids.shape[1], self.out.reason,
+                                time.perf_counter() - self.start, self.prefill_seconds, self.plan.to_string(),
+                                stats=self.dynamic.stats() if self.dynamic is not None else {},
+                                slow_note=self.pace.note())

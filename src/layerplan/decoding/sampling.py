@@ -52,6 +52,11 @@ class SamplingParams:
         return asdict(self)
 
 
+def penalty_context(context: list[int], params: SamplingParams, device) -> torch.Tensor | None:
+    """The tokens a repetition penalty looks at (None where there is none)."""
+    return torch.tensor(context, device=device) if params.repetition_penalty != 1.0 else None
+
+
 def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor | None, penalty: float) -> torch.Tensor:
     """logits (V,); seen: 1-D token ids already in the context."""
     if penalty == 1.0 or seen is None or seen.numel() == 0:

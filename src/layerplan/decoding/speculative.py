@@ -30,7 +30,7 @@ from layerplan.decoding.draft_length import FixedLength, make_draft_length
 from layerplan.decoding.drafters.base import DraftState, Drafter, LearnsFromRounds, Proposal, RoundOutcome
 from layerplan.decoding.drafters.registry import make_drafter
 from layerplan.decoding.output import Emitter, GenerationResult, prompt_ids
-from layerplan.decoding.sampling import SamplingParams, next_token_probs, pick
+from layerplan.decoding.sampling import SamplingParams, next_token_probs, penalty_context, pick
 from layerplan.engine.probe import PaceCheck, ProbeRow
 from layerplan.engine.runner import forward, new_cache
 from layerplan.engine.tree import TreeShape
@@ -185,7 +185,7 @@ class SpeculativeDecoding:
     def prefilled(self, logits: torch.Tensor) -> None:
         self.prefill_seconds = time.perf_counter() - self.start
         self.context = self.ids[0].tolist()
-        token = pick(logits, self.sampling, _seen(self.context, self.sampling, logits.device), self.generator)
+        token = pick(logits, self.sampling, penalty_context(self.context, self.sampling, logits.device), self.generator)
         self.context.append(token)  # pending: chosen, not yet in the cache
         self.out.emit([token])
 
@@ -266,7 +266,7 @@ def _accept_chain(cache, context: list[int], draft: list[int], proposal: Proposa
     """A chain's verdict from its verify logits (γ+1, V), and the cache cropped to what stays."""
     position = len(context) - 1
     target_probs = torch.stack([
-        next_token_probs(target_logits[i], sampling, _seen(context + draft[:i], sampling, target_logits.device))
+        next_token_probs(target_logits[i], sampling, penalty_context(context + draft[:i], sampling, target_logits.device))
         for i in range(len(draft) + 1)
     ])
     draft_probs = proposal.probs[: len(draft)] if proposal is not None and proposal.probs is not None else None
@@ -287,13 +287,9 @@ def _verify_tree(model: LoadedModel, target: LayerPlan, cache, context: list[int
 
     def target_probs(node: int) -> torch.Tensor:  # what follows node, given the context and its path
         path = [tokens[i] for i in shape.path(node)[1:]]
-        return next_token_probs(logits[node], sampling, _seen(context + path, sampling, logits.device))
+        return next_token_probs(logits[node], sampling, penalty_context(context + path, sampling, logits.device))
 
     verdict = accept_tree(shape, tokens, target_probs, generator)
     cache.keep_path(position, [0] + verdict.path)
     return [tokens[i] for i in verdict.path] + [verdict.next_token], len(verdict.path)
-
-
-def _seen(context: list[int], sampling: SamplingParams, device) -> torch.Tensor | None:
-    return torch.tensor(context, device=device) if sampling.repetition_penalty != 1.0 else None
 
