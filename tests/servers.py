@@ -10,8 +10,9 @@ import httpx
 
 
 @contextmanager
-def serving(app) -> Iterator[str]:
-    """The app on a free port of 127.0.0.1 until the block ends; yields its base URL once /health answers."""
+def serving(app, wait_seconds: float = 10.0) -> Iterator[str]:
+    """The app on a free port of 127.0.0.1 until the block ends; yields its base URL once /health
+    answers (or wait_seconds have passed)."""
     import uvicorn
 
     sock = socket.socket()
@@ -21,7 +22,7 @@ def serving(app) -> Iterator[str]:
     thread.start()
     base = f"http://127.0.0.1:{sock.getsockname()[1]}"
     try:
-        for _ in range(200):
+        for _ in range(int(wait_seconds / 0.05)):
             try:
                 if httpx.get(f"{base}/health").status_code == 200:
                     break

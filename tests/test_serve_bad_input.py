@@ -3,7 +3,6 @@ server stays healthy. A tiny model with a byte tokenizer (context 128 tokens) ke
 fast; the fuzz draws request bodies from the app's own OpenAPI schema."""
 
 import json
-import socket
 import threading
 import time
 
@@ -15,6 +14,7 @@ from hypothesis import strategies as st
 
 from fuzzing import fuzz_settings
 from layerplan.app.serve import create_app
+from servers import serving
 
 
 @pytest.fixture(scope="module")
@@ -113,23 +113,9 @@ class _SlowTokenizer:
 
 @pytest.mark.parametrize("path, body", [("/v1/completions", COMPLETION), ("/v1/chat/completions", CHAT)])
 def test_tokenizing_a_long_prompt_does_not_hold_up_health(tiny_folder, path, body):
-    import uvicorn
-
     model = _load(tiny_folder)
     model.tokenizer = _SlowTokenizer(model.tokenizer, 2.0)
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    base = f"http://127.0.0.1:{sock.getsockname()[1]}"
-    server = uvicorn.Server(uvicorn.Config(create_app(model, served_name="tiny"), log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    try:
-        for _ in range(400):
-            try:
-                if httpx.get(f"{base}/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.05)
+    with serving(create_app(model, served_name="tiny"), wait_seconds=20.0) as base:
         slow = threading.Thread(target=lambda: httpx.post(f"{base}{path}", json=body, timeout=60))
         slow.start()
         time.sleep(0.5)  # the request is being tokenized now
@@ -138,10 +124,6 @@ def test_tokenizing_a_long_prompt_does_not_hold_up_health(tiny_folder, path, bod
         waited = time.perf_counter() - start
         slow.join(timeout=60)
         assert waited < 1.0, f"/health waited {waited:.2f}s behind the tokenizer"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)
-        sock.close()
 
 
 # ----- the fuzz: request bodies from the OpenAPI schema --------------------------------------------

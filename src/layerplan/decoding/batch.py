@@ -1,5 +1,6 @@
-"""Several generations at once (continuous batching): each request's decode is a generate.Decoding (plain)
-or a speculative.SpeculativeDecoding (its own drafter, draft length and acceptance), and a step
+"""Several generations at once (continuous batching): each request's decode is a
+generate.Decoding (plain) or a speculative.SpeculativeDecoding (its own drafter, draft length and
+acceptance), and a step
 runs every active one's next pass (its pending token, and its drafted chain) as one pass
 (runner.forward_batch), whose products the requests share. A request's tokens are those of its
 own generate() call, bit for bit: the kernels' rows do not depend on the other rows of a pass,
