@@ -55,17 +55,22 @@ def assert_exact_and_distinct(storage_url: str, trials: int, name: str = "shared
     return found
 
 
+def reach_marker(worker, marker: Path, seconds: float, what: str) -> None:
+    """Wait until the forked worker touches `marker` (it is inside its trial), for at most
+    `seconds` or until it dies; assert that it did."""
+    deadline = time.monotonic() + seconds
+    while not marker.exists() and worker.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert marker.exists(), f"the worker never reached its {what} trial"
+
+
 def kill_mid_trial(work, args: tuple, storage_url: str, marker: Path, name: str = "shared"):
     """Start work(*args) (which touches `marker` inside a trial and then hangs), SIGKILL it there
     (no handler runs: the trial stays RUNNING in `storage_url`) and return that RUNNING trial."""
     from optuna.trial import TrialState
 
     victim = fork_worker(work, *args)
-    for _ in range(1200):
-        if marker.exists() or not victim.is_alive():
-            break
-        time.sleep(0.1)
-    assert marker.exists(), "the worker never reached its hanging trial"
+    reach_marker(victim, marker, 120.0, "hanging")
     victim.kill()
     victim.join()
     killed = [t for t in study_trials(storage_url, name) if t.state == TrialState.RUNNING]

@@ -16,7 +16,7 @@ import torch
 from layerplan.search.bayes import make_storage, run_study
 from layerplan.search.evaluator import PlanEvaluator
 from layerplan.search.patience import StorageUnavailable, patient_storage, unreachable_reason
-from studies import fork_worker, study_trials
+from studies import fork_worker, reach_marker, study_trials
 from tiny import VOCAB, tiny_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
@@ -179,11 +179,7 @@ def test_a_worker_stopped_politely_fails_its_trial_within_a_second(worker_model,
     storage = str(tmp_path / "study.db")
     marker = tmp_path / "in-trial"
     worker = fork_worker(_work, worker_model, storage, marker)
-    for _ in range(600):
-        if marker.exists() or not worker.is_alive():
-            break
-        time.sleep(0.05)
-    assert marker.exists(), "the worker never reached its slow trial"
+    reach_marker(worker, marker, 30.0, "slow")
     running = [t.number for t in study_trials(storage, "polite") if t.state == TrialState.RUNNING]
     assert len(running) == 1
     sent = time.monotonic()
@@ -201,11 +197,7 @@ def test_a_worker_stopped_politely_fails_its_trial_within_a_second(worker_model,
 def test_a_worker_whose_database_stays_away_exits_with_one_line(worker_model, pg):
     marker = Path(pg.folder) / "patience-marker"
     worker = fork_worker(_work, worker_model, pg.url, marker, 1.0, 2.0)
-    for _ in range(600):
-        if marker.exists() or not worker.is_alive():
-            break
-        time.sleep(0.05)
-    assert marker.exists(), "the worker never reached its slow trial"
+    reach_marker(worker, marker, 30.0, "slow")
     pg.crash()
     try:
         worker.join(timeout=60)  # the slow trial (2 s) cannot be told: it gives up at the tell
