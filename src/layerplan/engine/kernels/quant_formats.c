@@ -187,9 +187,9 @@ static void values(int format, const lpq_fields *f, float *out) {
 typedef struct {
     long block, block_bytes, panel_block; /* inputs and bytes of a stored block; bytes of a panel block */
     void (*fields)(const uint8_t *, lpq_fields *);
-    void (*put)(const lpq_fields *, int row, uint8_t *panel_block); /* row's block into the panel block */
-    /* NULL, or the 16 rows' blocks into a zeroed panel block at once: what put gives, a word at a
-     * time rather than a field at a time (packing is then bound by reading the file) */
+    /* one of these two: a row's block into the (zeroed) panel block, a field at a time; or the 16
+     * rows' blocks at once, a word at a time (packing is then ~4x faster) */
+    void (*put)(const lpq_fields *, int row, uint8_t *panel_block);
     void (*put_panel)(const lpq_fields *rows, uint8_t *panel_block);
 } lpq_format;
 
@@ -264,17 +264,6 @@ static void put_q8_0(const lpq_fields *f, int j, uint8_t *pb) {
     for (int i = 0; i < 32; i++) pb[32 + 16 * i + j] = f->q[i];
 }
 
-static void put_q4_0(const lpq_fields *f, int j, uint8_t *pb) {
-    put16(pb + 2 * j, f->d);
-    for (int i = 0; i < 32; i++) put_nibble(pb + 32, j, i, f->q[i]);
-}
-
-static void put_q4_1(const lpq_fields *f, int j, uint8_t *pb) {
-    put16(pb + 2 * j, f->d);
-    put16(pb + 32 + 2 * j, f->m);
-    for (int i = 0; i < 32; i++) put_nibble(pb + 64, j, i, f->q[i]);
-}
-
 static void put_q5_0(const lpq_fields *f, int j, uint8_t *pb) {
     put16(pb + 2 * j, f->d);
     for (int i = 0; i < 32; i++) {
@@ -321,13 +310,6 @@ static void put_scales_k4(const lpq_fields *f, int j, uint8_t *pb) {
     }
 }
 
-static void put_q4_k(const lpq_fields *f, int j, uint8_t *pb) {
-    put16(pb + 2 * j, f->d);
-    put16(pb + 32 + 2 * j, f->m);
-    put_scales_k4(f, j, pb);
-    for (int i = 0; i < LPQ_QK; i++) put_nibble(pb + 256, j, i, f->q[i]);
-}
-
 static void put_q5_k(const lpq_fields *f, int j, uint8_t *pb) {
     put16(pb + 2 * j, f->d);
     put16(pb + 32 + 2 * j, f->m);
@@ -335,15 +317,6 @@ static void put_q5_k(const lpq_fields *f, int j, uint8_t *pb) {
     for (int i = 0; i < LPQ_QK; i++) {
         put_fifth(pb + 256, j, i, f->q[i] >> 4);
         put_nibble(pb + 768, j, i, f->q[i]);
-    }
-}
-
-static void put_q6_k(const lpq_fields *f, int j, uint8_t *pb) {
-    put16(pb + 2 * j, f->d);
-    for (int s = 0; s < 16; s++) pb[32 + 16 * s + j] = f->sc[s];
-    for (int i = 0; i < LPQ_QK; i++) {
-        put_lane16(pb + 288, j, i, f->q[i] >> 4, 4, Q6_AT, 4);
-        put_nibble(pb + 1312, j, i, f->q[i]);
     }
 }
 
@@ -409,15 +382,15 @@ static void put_panel_q6_k(const lpq_fields *f, uint8_t *pb) {
 
 static const lpq_format formats_q[] = {
     [LP_FORMAT_Q8_0] = {32, 34, 544, fields_q8_0, put_q8_0},
-    [LP_FORMAT_Q4_0] = {32, 18, 288, fields_q4_0, put_q4_0, put_panel_q4_0},
-    [LP_FORMAT_Q4_1] = {32, 20, 320, fields_q4_1, put_q4_1, put_panel_q4_1},
+    [LP_FORMAT_Q4_0] = {32, 18, 288, fields_q4_0, NULL, put_panel_q4_0},
+    [LP_FORMAT_Q4_1] = {32, 20, 320, fields_q4_1, NULL, put_panel_q4_1},
     [LP_FORMAT_Q5_0] = {32, 22, 352, fields_q5_0, put_q5_0},
     [LP_FORMAT_Q5_1] = {32, 24, 384, fields_q5_1, put_q5_1},
     [LP_FORMAT_Q2_K] = {256, 84, 1344, fields_q2_k, put_q2_k},
     [LP_FORMAT_Q3_K] = {256, 110, 1760, fields_q3_k, put_q3_k},
-    [LP_FORMAT_Q4_K] = {256, 144, 2304, fields_q4_k, put_q4_k, put_panel_q4_k},
+    [LP_FORMAT_Q4_K] = {256, 144, 2304, fields_q4_k, NULL, put_panel_q4_k},
     [LP_FORMAT_Q5_K] = {256, 176, 2816, fields_q5_k, put_q5_k},
-    [LP_FORMAT_Q6_K] = {256, 210, 3360, fields_q6_k, put_q6_k, put_panel_q6_k},
+    [LP_FORMAT_Q6_K] = {256, 210, 3360, fields_q6_k, NULL, put_panel_q6_k},
 };
 
 static const lpq_format *lpq(int format) {
