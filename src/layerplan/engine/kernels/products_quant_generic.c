@@ -82,7 +82,8 @@ const lp_int_tiles *lp_int_tiles_of(int format) {
     return NULL;
 }
 
-/* formats.h's quantization (unused here without integer tiles, kept for the ABI's symmetry) */
+/* formats.h's quantization in scalar C: its rule written plainly (lp_gemm links to it; without
+ * integer tiles this build never calls it) */
 void lp_q8_quantize(const float *x, long m, long k, int8_t *q, float *d, float *s) {
     for (long r = 0; r < m; r++)
         for (long b = 0; b < k / 32; b++) {
