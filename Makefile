@@ -9,7 +9,7 @@ STAMP  := $(VENV)/.installed-$(shell cat $(LOCKS) | cksum | cut -d' ' -f1)
 PYTHON ?= python3
 LATEST ?= .venv-latest
 
-.PHONY: demo test fuzz test-latest test-sanitize bench chaos install lock clean
+.PHONY: demo test fuzz test-latest test-sanitize bench chaos figures install lock clean
 
 $(STAMP): $(LOCKS)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -67,6 +67,11 @@ lock:
 
 bench: $(STAMP)
 	$(VENV)/bin/layerplan bench
+
+# BENCHMARKS.md's table of current figures, rewritten from benchmarks/figures/*.json (one record a
+# figure: its value, peer, ratio, command, CPU, date, issue); `make test` checks that it matches.
+figures:
+	$(PYTHON) benchmarks/figures.py
 
 # llama.cpp's own tools, which `layerplan bench` times beside layerplan: built once from the
 # llama-cpp-python sdist's source into the cache (~10-20 min on 2 cores); does nothing when built.

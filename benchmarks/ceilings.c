@@ -1,8 +1,8 @@
-/* What this machine lets the products do, measured in turns in one process (BENCHMARKS.md, "The
- * engine, ninth round"): bare FMAs on one and two threads, then 8-row bf16 products on weights in
- * cache (576 KB, so each thread's half stays in its L2) on one thread, on two threads sharing one
- * product (gemm, as a pass runs them), and on two threads each running its own product with
- * nothing shared (no claims, no waiting).
+/* What this machine lets the products do, measured in turns in one process
+ * (docs/lab/engine-rounds.md, "The engine, ninth round"): bare FMAs on one and two threads, then
+ * 8-row bf16 products on weights in cache (576 KB, so each thread's half stays in its L2) on one
+ * thread, on two threads sharing one product (gemm, as a pass runs them), and on two threads each
+ * running its own product with nothing shared (no claims, no waiting).
  *
  *   k=src/layerplan/engine/kernels
  *   gcc -O3 -mavx2 -mfma -mf16c -fopenmp -std=c11 -I$k benchmarks/ceilings.c \

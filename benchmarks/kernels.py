@@ -1,4 +1,4 @@
-"""Kernel-level figures quoted in README / BENCHMARKS, in one run.
+"""Kernel-level figures quoted in docs/how-it-works.md and docs/lab/, in one run.
 
     python benchmarks/kernels.py
 

@@ -1,5 +1,5 @@
 /* One product of the native kernels, its packed weights on 2 MB pages against 4 KB pages,
- * alternated in one process (BENCHMARKS.md, "The engine, seventh round").
+ * alternated in one process (docs/lab/engine-rounds.md, "The engine, seventh round").
  *
  *   gcc -O2 -Isrc/layerplan/engine/kernels benchmarks/product_pages.c -o /tmp/product_pages -ldl
  *   so=$(.venv/bin/python -c "from layerplan.engine import native; print(native.library()._name)")

@@ -25,7 +25,7 @@ def test_probe_times_every_length():
 
 
 def _sane_row(engine: str = "native", dtype: str = "float32", step_ms: float = 27.4) -> probe.ProbeRow:
-    """A quiet run's row (BENCHMARKS, run 4, fp32): its floor is 20.0 ms (540 MB read at 27 GB/s)."""
+    """A quiet run's row (docs/lab/engine-rounds.md, ninth round, run 4): its floor is 20.0 ms (540 MB read at 27 GB/s)."""
     relative = {1: 1.00, 2: 1.17, 3: 1.17, 4: 1.25, 8: 1.40, 15: 1.82, 16: 1.77}
     return probe.ProbeRow(engine, dtype, step_ms, relative, product_gflops=125.0, read_gbs=27.0,
                           weight_bytes=540_000_000, flops_per_token=0.27e9)
