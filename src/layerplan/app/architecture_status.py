@@ -1,5 +1,5 @@
 """Regenerate models/architecture_status.json, the status of every causal LM of the installed
-transformers (`layerplan models --architectures` prints it, the README lists it):
+transformers (`layerplan models --architectures` prints it, docs/architectures.md lists it):
 
     python -m layerplan.app.architecture_status               # the model types not listed yet
     python -m layerplan.app.architecture_status TYPE [TYPE…]  # these again

@@ -505,9 +505,10 @@ def config_with_layers(config, layers: list[int]):
 
 
 # ----- the status of every causal LM of the installed transformers -------------------------------
-# `layerplan models --architectures` and the README list these; tests/test_architectures.py checks
-# every TINY_CHECKED one (identity, exit, repeat/export, speculative) and that the lists cover all
-# of transformers' causal LMs. They are data, generated: architecture_status.json beside this file
+# `layerplan models --architectures` and docs/architectures.md list these;
+# tests/test_architectures.py checks every TINY_CHECKED one (identity, exit, repeat/export,
+# speculative) and that the lists cover all of transformers' causal LMs. They are data,
+# generated: architecture_status.json beside this file
 # (package data), written by `python -m layerplan.app.architecture_status` from the check of
 # engine/verify.py (`layerplan models --check TYPE` runs it for one type).
 STATUS_FILE = "architecture_status.json"
