@@ -306,3 +306,63 @@ def test_a_format_whose_blocks_fit_no_matrix_is_refused(tmp_path):
     tiny_hf("llama", num_layers=1).save_pretrained(tmp_path / "ckpt")  # 32 inputs wide: K-quants need 256
     with pytest.raises(ModelError, match="as q4_k blocks need"):
         load_model(tmp_path / "ckpt", dtype="q4_k", engine="native")
+
+
+def test_kept_panels_load_bit_for_bit_and_are_packed_again_when_cut_short(tmp_path, monkeypatch):
+    """A GGUF's packed panels are written once to the cache and read back by later loads (no
+    packing), with the same logits; an entry cut short is packed again; a changed file, or the
+    cache turned off, never reads them."""
+    import os
+
+    from layerplan.engine.load import load_model
+    from layerplan.engine.native import PackedMatrix
+    from layerplan.engine.panel_cache import PanelCache
+    from layerplan.engine.runner import forward
+
+    monkeypatch.setenv("LAYERPLAN_CACHE", str(tmp_path / "cache"))
+    path = write_tiny_gguf(tiny_hf("llama", num_layers=2), tmp_path / "m.gguf", "Q4_1")
+    ids = torch.tensor([[5, 17, 3, 88, 41]])
+    want = forward(load_model(path, dtype="stored", engine="native"), ids)
+    folders = list((tmp_path / "cache" / "panels").iterdir())
+    entries = sorted(folders[0].glob("*.panels"))
+    assert len(folders) == 1 and len(entries) == 2 * 4 + 1  # qkv, o, gate_up, down a layer; the head
+
+    packed, taken = [], []
+    pack_rows, take = PackedMatrix._pack_rows, PanelCache.take
+    monkeypatch.setattr(PackedMatrix, "_pack_rows", lambda self, weights: packed.append(pack_rows(self, weights)))
+    monkeypatch.setattr(PanelCache, "take", lambda self, entry: taken.append(take(self, entry)) or taken[-1])
+    for dtype in ("stored", "stored-fast"):  # the arithmetics share their panels
+        got = forward(load_model(path, dtype=dtype, engine="native"), ids)
+        assert packed == [] and (torch.equal(got, want) if dtype == "stored" else torch.allclose(got, want, atol=0.3))
+    # load_model read them on threads of its own while the model loaded: each matrix took its entry
+    assert len(taken) == 2 * 9 and all(t is not None for t in taken)
+
+    entries[0].write_bytes(entries[0].read_bytes()[:-1])
+    assert torch.equal(forward(load_model(path, dtype="stored", engine="native"), ids), want)
+    assert len(packed) == 1 and entries[0].stat().st_size > 0  # packed again, and kept whole again
+
+    os.utime(path, ns=(path.stat().st_atime_ns, path.stat().st_mtime_ns + 10**9))
+    assert torch.equal(forward(load_model(path, dtype="stored", engine="native"), ids), want)
+    assert len(list((tmp_path / "cache" / "panels").iterdir())) == 2 and len(packed) == 1 + 9
+    monkeypatch.setenv("LAYERPLAN_PANEL_CACHE", "0")
+    assert torch.equal(forward(load_model(path, dtype="stored", engine="native"), ids), want)
+    assert len(packed) == 1 + 9 + 9
+
+
+def test_kept_panels_beyond_the_budget_go_least_recently_loaded_first(tmp_path, monkeypatch):
+    import os
+    import time
+
+    from layerplan.engine.panel_cache import PanelCache
+
+    monkeypatch.setenv("LAYERPLAN_CACHE", str(tmp_path / "cache"))
+    files = [tmp_path / f"{name}.gguf" for name in "abcd"]
+    for age, file in enumerate(files):
+        file.write_bytes(b"x")
+        cache = PanelCache.for_file(file, "kernels")
+        (cache.folder / "e.panels").write_bytes(bytes(1000))
+        os.utime(cache.folder, (time.time() - 3600 * (10 - age),) * 2)  # a loaded first, d last
+    monkeypatch.setenv("LAYERPLAN_PANEL_CACHE_BYTES", "2500")
+    PanelCache.for_file(files[1], "kernels")  # b loaded again: now the most recent
+    kept = sorted(p.name[0] for p in (tmp_path / "cache" / "panels").iterdir())
+    assert kept == ["b", "d"]  # b, then d: 2000 bytes; c would make 3000

@@ -313,12 +313,12 @@ def modules_executor(model) -> Executor:
     return MODULES if model.placement is None else PlacedExecutor(model.placement)
 
 
-def use_native(model) -> NativeEngine:
+def use_native(model, panels: PanelCache | None = None) -> NativeEngine:
     """Run `model` (a LoadedModel on the CPU, not spread by a device map) on the native kernels
-    from now on; returns its kernels."""
+    from now on; returns its kernels. panels: where its GGUF's packed matrices are kept."""
     if model.placement is not None:
         raise ValueError("the native engine does not run a model spread by a device map")
-    engine = NativeEngine(model)
+    engine = NativeEngine(model, panels)
     model.executor = NativeExecutor(engine, modules_executor(model))
     return engine
 

@@ -13,8 +13,9 @@ from torch import nn
 
 from layerplan.engine.cpu_pack import pack_linears, packing_supported
 from layerplan.engine.executors import modules_executor, use_native
-from layerplan.engine.kernel_library import ABI, check, library, native_available
+from layerplan.engine.kernel_library import ABI, check, kernels_key, library, native_available
 from layerplan.engine.native import resolve_engine
+from layerplan.engine.panel_cache import PanelCache
 from layerplan.engine.probe import ProbeResult
 from layerplan.engine.verify import ensure_checked
 from layerplan.models import loading
@@ -79,14 +80,27 @@ def load_model(
     (models/placement.py); instead of `device`. Such a model runs on the eager engine.
     pack: prepack bf16 linears for oneDNN (see engine/cpu_pack.py) when the eager engine runs;
     None = when dtype is bf16 on a CPU that supports it."""
+    panels = _prefetch_panels(source) if dtype in STORED_ARITHMETIC and engine != "eager" else None
     ensure_checked(loading.model_config(source))
     if dtype in STORED_ARITHMETIC or dtype in QUANTIZED:
         if device_map is not None or torch.device(device).type != "cpu":
             raise ModelError(f"--dtype {dtype} runs on the CPU only, without --device-map; use --dtype float32 or bfloat16")
         if dtype in STORED_ARITHMETIC:
-            return prepare(loading.load_stored_model(source, STORED_ARITHMETIC[dtype]), engine, pack=False)
+            return prepare(loading.load_stored_model(source, STORED_ARITHMETIC[dtype]), engine, pack=False,
+                           panels=panels)
         return prepare(quantize_linears(loading.load_model(source, "float32"), *QUANTIZED[dtype]), engine, pack=False)
     return prepare(loading.load_model(source, dtype, device, device_map), engine, pack)
+
+
+def _prefetch_panels(source) -> PanelCache | None:
+    """The GGUF's kept packed matrices (engine/panel_cache.py), being read on threads of their own
+    from now on: a load spends seconds importing transformers and building the modules, without
+    the GIL's readers waiting for it."""
+    gguf = loading.gguf_of(source)
+    if gguf is None or native_available() is not None:
+        return None
+    panels = PanelCache.for_file(gguf, kernels_key())
+    return panels.prefetch(torch.get_num_threads()) if panels is not None else None
 
 
 def quantize_linears(model: LoadedModel, block_format: str, arithmetic: str = "exact") -> LoadedModel:
@@ -128,10 +142,11 @@ def quantize_linears(model: LoadedModel, block_format: str, arithmetic: str = "e
     return model
 
 
-def prepare(model: LoadedModel, engine: str = "auto", pack: bool | None = None) -> LoadedModel:
+def prepare(model: LoadedModel, engine: str = "auto", pack: bool | None = None,
+            panels: PanelCache | None = None) -> LoadedModel:
     """Attach the executor of `engine` to a loaded model (see load_model): the native kernels where
     they run here and the architecture passed its check with them, else the modules (bf16 linears
-    packed where `pack` says)."""
+    packed where `pack` says). panels: where a GGUF's packed matrices are kept."""
     dtype, device = model.dtype, model.device
     if model.placement is not None:  # the native kernels and packed linears hold their own copies of the weights
         if engine == "native":
@@ -146,7 +161,7 @@ def prepare(model: LoadedModel, engine: str = "auto", pack: bool | None = None) 
         pack_linears(model.hf)
         model.parts = parts_of(model.hf)  # the packed linears (the LM head among them) are its parts now
     if kind == "native" and native_allowed(model.hf.config):
-        use_native(model)
+        use_native(model, panels)
     else:
         model.executor = modules_executor(model)
     return model

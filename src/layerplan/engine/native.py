@@ -15,9 +15,11 @@ one keeps a reference to each tensor it points into for as long as the descripto
 from __future__ import annotations
 
 import ctypes
+import threading
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 import torch
@@ -25,6 +27,8 @@ from torch import nn
 
 from layerplan.engine.kernel_library import (ABI, AbiMismatch, NativeUnavailable, check, kernels_key, library,
                                              native_available)
+from layerplan.engine.arena import WeightArena
+from layerplan.engine.panel_cache import PanelCache
 from layerplan.machine import read_cpuinfo
 from layerplan.models.architectures import ACTIVATIONS, NORM_EPSILONS, KernelLayout, arch_spec
 from layerplan.models.stored import StoredEmbedding, StoredTensor
@@ -44,6 +48,13 @@ _Attention = ABI.structs["lp_attention"]
 _Mlp = ABI.structs["lp_mlp"]
 _Step = ABI.structs["lp_step"]
 _Segment = ABI.structs["lp_segment"]
+
+
+_REPACKING = threading.Lock()
+
+
+def _now(job: Callable[[], object]) -> None:
+    job()
 
 
 def _holding(descriptor: ctypes.Structure, *owners) -> ctypes.Structure:
@@ -90,34 +101,6 @@ def read_rate(buffer: torch.Tensor) -> float:
     """GB/s of reading `buffer` (contiguous, far larger than the last-level cache) once on torch's
     threads now: the ceiling of streaming a step's weights here."""
     return library().lp_read_rate(buffer.data_ptr(), buffer.numel() * buffer.element_size(), torch.get_num_threads())
-
-
-class WeightArena:
-    """Memory for a model's packed weights, in chunks on 2 MB pages where the system gives them
-    (lp_advise_huge_pages). A pass streams every packed weight from memory once, and on 4 KB pages
-    that costs a TLB miss every 64 cache lines and stops the hardware prefetchers at every page
-    (benchmarks/product_pages.c measures the difference). Chunks rather than a buffer per matrix,
-    so that the small matrices (a layer's o_proj) sit on 2 MB pages too."""
-
-    HUGE_PAGE = 2 << 20
-    CHUNK = 64 << 20
-
-    def __init__(self) -> None:
-        self._chunk: torch.Tensor | None = None
-        self._used = 0
-
-    def empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        """An uninitialised 1-d tensor of numel elements, 4 KB-aligned, in the arena."""
-        nbytes = numel * dtype.itemsize
-        if self._chunk is None or self._used + nbytes > self._chunk.numel():
-            size = max(self.CHUNK, -(-nbytes // self.HUGE_PAGE) * self.HUGE_PAGE)
-            raw = torch.empty(size + self.HUGE_PAGE, dtype=torch.uint8)  # not touched yet: advised before use
-            start = -raw.data_ptr() % self.HUGE_PAGE
-            self._chunk, self._used = raw[start:start + size], 0
-            library().lp_advise_huge_pages(self._chunk.data_ptr(), size)
-        out = self._chunk[self._used:self._used + nbytes].view(dtype)
-        self._used += -(-nbytes // 4096) * 4096
-        return out
 
 
 class PackedMatrix:
@@ -171,9 +154,35 @@ class PackedMatrix:
             self.packed = arena.empty(nbytes, torch.uint8) if arena is not None else torch.empty(nbytes, dtype=torch.uint8)
             check(library().lp_pack(rows.data_ptr(), self.format, n, k, self.packed.data_ptr()), "packing a matrix")
         else:
-            self.packed = arena.empty(nbytes, torch.uint8) if arena is not None else torch.empty(nbytes, dtype=torch.uint8)
-            self._pack_rows(weights)
+            panels = arena.panels if arena is not None and arena.panels is not None and arena.panels.holds(weights) else None
+            entry = panels.kept(weights, self.format, nbytes) if panels is not None else None
+            self.packed = panels.take(entry) if entry is not None else None  # read while the model loaded
+            if self.packed is None:
+                self._fill(weights, nbytes, arena, panels, entry)
         self._describe([w.rows for w in weights], biases)
+
+    def _fill(self, weights: list[StoredTensor], nbytes: int, arena: WeightArena | None, panels: PanelCache | None,
+              entry) -> None:
+        """self.packed from the kept entry, else packed from the file's rows (and kept), on the
+        arena's fill threads."""
+        self.packed = arena.empty(nbytes, torch.uint8) if arena is not None else torch.empty(nbytes, dtype=torch.uint8)
+        fill = arena.fill if arena is not None else _now
+        if entry is not None:  # in parts, so that a large matrix's pages fault in on every fill thread
+            for start in range(0, nbytes, PanelCache.READ_BYTES):
+                fill(partial(self._read_kept, weights, entry, start, min(PanelCache.READ_BYTES, nbytes - start)))
+        elif panels is not None:
+            fill(lambda: self._pack_and_keep(weights, panels))
+        else:
+            fill(lambda: self._pack_rows(weights))
+
+    def _read_kept(self, weights: list[StoredTensor], entry, start: int, count: int) -> None:
+        if not PanelCache.read(entry, self.packed[start:start + count], start):
+            with _REPACKING:  # the entry changed under us: the rows are packed again (the same bytes)
+                self._pack_rows(weights)
+
+    def _pack_and_keep(self, weights: list[StoredTensor], panels: PanelCache) -> None:
+        self._pack_rows(weights)
+        panels.write(weights, self.format, self.packed)
 
     # rows read and packed at a time where a matrix is packed in parts: the transient copy of the
     # file's rows stays this small beside the packed matrix (a 152k-token LM head is ~200 MB)
@@ -553,20 +562,24 @@ def _rows_limit(dtype: torch.dtype) -> int | None:
 class NativeEngine:
     """The native kernels of one loaded model: a NativeLayer per decoder layer."""
 
-    def __init__(self, model) -> None:
+    def __init__(self, model, panels: PanelCache | None = None) -> None:
+        """panels: where the GGUF's packed matrices are kept (prefetched, maybe); None: found here."""
         library()  # fail here, with the reason, rather than inside a forward pass
         model_type = model.hf.config.model_type
         spec = arch_spec(model_type)
         offset = self.norm_offset = spec.norm_weight_offset
         self.layout = spec.kernels  # how the kernels read its layers (None: they are not checked for them)
         self.why_eager = None
-        self.arena = WeightArena()  # the packed weights of the layers and LM heads
+        # a model run as stored (models/stored.py): its matrices come from the GGUF's rows
+        self.stored = getattr(model, "stored", None)
+        # the packed weights of the layers and LM heads; a GGUF's, as packed by an earlier load
+        if panels is None and self.stored is not None and self.stored.quantized is None:
+            panels = PanelCache.for_file(self.stored.path, kernels_key())
+        self.arena = WeightArena(panels, fillers=torch.get_num_threads())
         if self.layout is None:
             self.why_eager = f"the kernels are not checked for {model_type} layers"
         elif model.parts.rotary is None:
             self.why_eager = "the model has no rotary embedding module"
-        # a model run as stored (models/stored.py): its matrices come from the GGUF's rows
-        self.stored = getattr(model, "stored", None)
         self.weight_of: WeightOf = _dense_weight if self.stored is None else self._stored_weight
         # how the products over stored blocks compute (models/stored.py ARITHMETICS)
         self.arithmetic = (ABI.LP_ARITH_INT8 if self.stored is not None and self.stored.arithmetic == "fast"
@@ -577,6 +590,7 @@ class NativeEngine:
             self.layers = tuple(NativeLayer(layer, model.dtype, offset, self.arena, self.weight_of, self.layout,
                                             self.arithmetic)
                                 for layer in model.parts.layers)
+        self.arena.settle()
         if self.stored is not None:  # what the kernels do not run, its modules run: on dense weights
             for layer, kernels in zip(model.parts.layers, self.layers):
                 for sub_layer in ("attention", "mlp"):
@@ -593,6 +607,9 @@ class NativeEngine:
         self._last_run: tuple | None = None  # (plan, first, end, its run): the last asked for
         # pass_ends by parts and whether the kernels take the pass (the parts are held: ids stay theirs)
         self._ends: dict[tuple[int, bool], tuple[object, PassEnds | None]] = {}
+        if panels is not None:  # the LM head's kept panels are taken now, and what no matrix took goes
+            self._packed_head(model.parts.lm_head, model.dtype, 1)
+            panels.finish()
 
     def _stored_weight(self, module: nn.Module):
         return self.stored.of(module) or module.weight
@@ -652,6 +669,7 @@ class NativeEngine:
         if id(lm_head) not in self._heads:
             self._heads[id(lm_head)] = (lm_head, PackedMatrix([self.weight_of(lm_head)], [lm_head.bias], self.arena,
                                                              self.arithmetic))
+            self.arena.settle()
         return self._heads[id(lm_head)][1]
 
     def _final_norm(self, module: nn.Module, dtype: torch.dtype) -> _Norm | None:

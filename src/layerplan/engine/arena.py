@@ -1,0 +1,68 @@
+"""Memory for a model's packed weights (WeightArena), and the threads that fill it."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+from layerplan.engine.kernel_library import library
+
+
+class WeightArena:
+    """Memory for a model's packed weights, in chunks on 2 MB pages where the system gives them
+    (lp_advise_huge_pages). A pass streams every packed weight from memory once, and on 4 KB pages
+    that costs a TLB miss every 64 cache lines and stops the hardware prefetchers at every page
+    (benchmarks/product_pages.c measures the difference). Chunks rather than a buffer per matrix,
+    so that the small matrices (a layer's o_proj) sit on 2 MB pages too."""
+
+    HUGE_PAGE = 2 << 20
+    CHUNK = 64 << 20
+
+    def __init__(self, panels=None, fillers: int = 1) -> None:
+        self._chunk: torch.Tensor | None = None
+        self._used = 0
+        self.panels = panels  # where a GGUF's matrices may be found packed already
+        # threads that fill stored matrices (read and pack a file's rows, or read kept panels):
+        # each job is one C call or file read without the GIL, and faulting in fresh pages
+        # (2 MB ones are compacted for) costs as much as the copy, so they run side by side
+        self.fillers = fillers
+        self._pool: ThreadPoolExecutor | None = None
+        self._pending: list[Future] = []
+
+    def fill(self, job: Callable[[], object]) -> Future:
+        """Run `job` (it writes a matrix's packed bytes into this arena) on the fill threads; its
+        matrix is ready for the kernels once settle() (or the future returned) is done."""
+        if self.fillers <= 1:
+            done: Future = Future()
+            done.set_result(job())
+            return done
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self.fillers, thread_name_prefix="layerplan-fill")
+        self._pending.append(self._pool.submit(job))
+        return self._pending[-1]
+
+    def settle(self) -> None:
+        """Wait for every fill job; the first that failed raises its error here."""
+        pending, self._pending = self._pending, []
+        try:
+            for job in pending:
+                job.result()
+        finally:
+            if self._pool is not None:
+                self._pool.shutdown(wait=True, cancel_futures=True)
+                self._pool = None
+
+    def empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """An uninitialised 1-d tensor of numel elements, 4 KB-aligned, in the arena."""
+        nbytes = numel * dtype.itemsize
+        if self._chunk is None or self._used + nbytes > self._chunk.numel():
+            size = max(self.CHUNK, -(-nbytes // self.HUGE_PAGE) * self.HUGE_PAGE)
+            raw = torch.empty(size + self.HUGE_PAGE, dtype=torch.uint8)  # not touched yet: advised before use
+            start = -raw.data_ptr() % self.HUGE_PAGE
+            self._chunk, self._used = raw[start:start + size], 0
+            library().lp_advise_huge_pages(self._chunk.data_ptr(), size)
+        out = self._chunk[self._used:self._used + nbytes].view(dtype)
+        self._used += -(-nbytes // 4096) * 4096
+        return out

@@ -1,0 +1,164 @@
+"""Packed panels of a GGUF's matrices kept on disk, so a later load reads them instead of packing.
+
+Packing a file's block rows into the kernels' panel order (kernels/formats.c) reads and rewrites
+every weight byte through the format's unpacking: seconds for a 1B file, half a minute for a 7B
+one, on every start. The packed bytes depend only on the file's rows and the packing code, so they
+are written once per (file, kernels) to the cache folder and read back into the weight arena by
+later loads (a copy out of the page cache, at memory speed; the arena keeps its 2 MB pages).
+
+Invariants: an entry is a whole matrix's packed bytes or absent (written to a temporary file and
+renamed into place); its name covers the rows it packs (file, offset, type, shape, row order),
+and its folder the file's identity (path, size, modification time, inode) and kernels_key, so a
+changed file or changed kernels never read old panels. The least recently loaded files' panels
+go first, beyond KEPT_BYTES ($LAYERPLAN_PANEL_CACHE_BYTES) or KEPT_FOLDERS files.
+LAYERPLAN_PANEL_CACHE=0 turns the cache off.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from functools import partial
+import os
+import shutil
+import time
+from pathlib import Path
+
+import torch
+
+from layerplan.engine.arena import WeightArena
+from layerplan.files import cache_dir, staging
+from layerplan.models.stored import StoredTensor
+
+KEPT_BYTES = 16 << 30  # the most kept panels take on disk (a 7B Q4_K_M file's are ~4.4 GB)
+KEPT_FOLDERS = 32  # the most files whose panels are kept
+
+
+# which matrices are stacked into one packed matrix is decided in native.py: its source is part of
+# the folder's key, so that entries of other stacks are never read
+_STACKING = hashlib.sha256(Path(__file__).with_name("native.py").read_bytes()).hexdigest()[:16]
+
+
+def _digest(*parts) -> str:
+    return hashlib.sha256("\0".join(str(p) for p in parts).encode()).hexdigest()[:20]
+
+
+class PanelCache:
+    """The packed panels of one GGUF file's matrices under one build of the kernels."""
+
+    READ_BYTES = 64 << 20  # entries are read in parts of this size, on every fill thread
+
+    def __init__(self, folder: Path, source: Path) -> None:
+        self.folder = folder
+        self.source = source  # the GGUF file
+        self._arena: WeightArena | None = None  # where prefetch() reads the entries
+        self._prefetched: dict[str, tuple[torch.Tensor, list]] = {}  # entry name -> (bytes, its reads)
+
+    def prefetch(self, fillers: int) -> PanelCache:
+        """Start reading every kept entry into memory of its own on `fillers` threads, while the
+        caller goes on (a load imports transformers and builds the model meanwhile); take() hands
+        an entry's bytes over once read."""
+        self._arena = WeightArena(fillers=max(fillers, 2))  # threads, even for one compute thread
+        for entry in sorted(self.folder.glob("*.panels")):
+            size = entry.stat().st_size
+            out = self._arena.empty(size, torch.uint8)
+            reads = [self._arena.fill(partial(self.read, entry, out[start:start + self.READ_BYTES], start))
+                     for start in range(0, size, self.READ_BYTES)]
+            self._prefetched[entry.name] = (out, reads)
+        return self
+
+    def take(self, entry: Path) -> torch.Tensor | None:
+        """The entry's bytes as prefetch() read them (waiting for its reads), or None where it was
+        not prefetched or a read came up short."""
+        found = self._prefetched.pop(entry.name, None)
+        if found is None:
+            return None
+        out, reads = found
+        return out if all(read.result() for read in reads) else None
+
+    def holds(self, weights: list[StoredTensor]) -> bool:
+        """Whether the stack's panels belong here: rows read from this cache's file."""
+        return all(w.data is None and w.path == self.source for w in weights)
+
+    @classmethod
+    def for_file(cls, path: Path, kernels: str) -> PanelCache | None:
+        """The cache for `path`'s matrices packed by the kernels of `kernels` (kernels_key); None
+        where it is turned off or the cache folder cannot be made."""
+        if os.environ.get("LAYERPLAN_PANEL_CACHE", "1") in ("0", "off", "no", "false"):
+            return None
+        try:
+            source = Path(path).resolve()
+            status = source.stat()
+            root = cache_dir() / "panels"
+            identity = _digest(source, status.st_size, status.st_mtime_ns, status.st_ino, kernels, _STACKING)
+            folder = root / f"{source.stem[:60]}-{identity}"
+            folder.mkdir(parents=True, exist_ok=True)
+            os.utime(folder)  # recently used: kept over the others
+            _evict(root, keep=folder)
+        except OSError:
+            return None
+        return cls(folder, path)
+
+    def _entry(self, weights: list[StoredTensor], format_code: int, nbytes: int) -> Path:
+        rows = [(w.offset, w.type_name, w.rows, w.columns, w.row_bytes,
+                 _digest(*w.row_order) if w.row_order else "") for w in weights]
+        return self.folder / f"{_digest(format_code, nbytes, rows)}.panels"
+
+    def finish(self) -> None:
+        """Wait for prefetch()'s reads and drop the entries no matrix took."""
+        if self._arena is not None:
+            self._arena.settle()
+        self._prefetched.clear()
+
+    def kept(self, weights: list[StoredTensor], format_code: int, nbytes: int) -> Path | None:
+        """The entry holding the stack's `nbytes` of panels, if kept."""
+        entry = self._entry(weights, format_code, nbytes)
+        try:
+            return entry if entry.stat().st_size == nbytes else None
+        except OSError:
+            return None
+
+    @staticmethod
+    def read(entry: Path, out: torch.Tensor, start: int) -> bool:
+        """Fill `out` (uint8) with the entry's bytes from `start`; False where they are not all
+        there (the entry went, or was cut short, since it was found)."""
+        try:
+            with open(entry, "rb") as file:
+                file.seek(start)
+                return file.readinto(memoryview(out.numpy()).cast("B")) == out.numel()
+        except OSError:
+            return False
+
+    def write(self, weights: list[StoredTensor], format_code: int, packed: torch.Tensor) -> None:
+        """Keep the stack's panels (atomically; a full disk or a read-only cache only costs the
+        next load its packing)."""
+        entry = self._entry(weights, format_code, packed.numel())
+        try:
+            with staging(entry) as staged:  # no fsync: a lost entry is only packed again
+                with open(staged, "wb") as file:
+                    file.write(memoryview(packed.numpy()).cast("B"))
+                os.replace(staged, entry)
+        except OSError:
+            pass
+
+
+def _evict(root: Path, keep: Path) -> None:
+    """Drop the least recently loaded files' panels beyond KEPT_BYTES or KEPT_FOLDERS (never
+    `keep`, nor a folder used in the last minute: another process may be writing it)."""
+    folders = sorted((p for p in root.iterdir() if p.is_dir()), key=lambda p: p.stat().st_mtime, reverse=True)
+    budget = int(os.environ.get("LAYERPLAN_PANEL_CACHE_BYTES", KEPT_BYTES))
+    used = 0
+    for count, folder in enumerate(folders):
+        used += _size(folder)
+        if (used > budget or count >= KEPT_FOLDERS) and folder != keep and time.time() - folder.stat().st_mtime > 60:
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def _size(folder: Path) -> int:
+    """Bytes of the folder's entries (0 for one another process removes meanwhile)."""
+    total = 0
+    try:
+        for entry in folder.iterdir():
+            total += entry.stat().st_size
+    except OSError:
+        pass
+    return total
