@@ -98,3 +98,60 @@ def test_speculation_inside_a_batch_keeps_each_requests_solo_output(draft):
         solo = generate(model, prompt, max_new_tokens=10, sampling=sampling, seed=seed, stop_at_eos=False, draft=draft,
                         draft_length="fixed")
         assert result.token_ids == solo.token_ids
+
+
+@native
+def test_a_batched_pass_gives_each_sequence_the_logits_of_the_rows_it_wants():
+    """A pass's segments each want the logits of their last 0 (a prompt's chunk), 1 (its last
+    chunk) or all rows (a verify): each gets exactly those, as its own pass computes them."""
+    model = _native("qwen2")
+    plan = model.plan()
+    prompts = [torch.tensor([[3, 9, 27, 81]]), torch.tensor([[5, 6]]), torch.tensor([[7, 1, 4, 1, 5]])]
+    for wanted in ([0, 2, 1], [4, 0, 0], [1, 1, 5], [0, 0, 0]):
+        got = forward_batch(model, [(ids, new_cache(plan, 16), 0) for ids in prompts], plan, wanted=wanted)
+        for ids, rows, logits in zip(prompts, wanted, got):
+            whole = forward(model, ids, plan, new_cache(plan, 16), 0)[0]
+            assert logits.shape == (rows, whole.shape[-1]) and torch.equal(logits, whole[whole.shape[0] - rows:])
+
+
+@native
+@pytest.mark.parametrize("stored", [False, True])
+def test_prompts_prefilled_in_chunks_beside_decoding_requests_keep_their_solo_output(tmp_path, monkeypatch, stored):
+    """A newcomer's prompt goes through the batch's passes a chunk at a time (PREFILL_CHUNK rows
+    a pass) while the others decode: each request still gets its solo generate()'s tokens, greedy
+    and sampled, and the requests decoding get a token at every pass meanwhile."""
+    from layerplan.decoding import batch as batching
+    from layerplan.engine.load import load_model
+    from tiny import tiny_hf
+    from tiny_gguf import write_tiny_gguf
+
+    model = (load_model(write_tiny_gguf(tiny_hf("llama", num_layers=2), tmp_path / "m.gguf", "Q4_1"), dtype="stored")
+             if stored else _native("llama"))
+    monkeypatch.setattr(batching, "PREFILL_CHUNK", 3)
+    seen = []
+    real = batching.forward_batch
+    monkeypatch.setattr(batching, "forward_batch", lambda *a, **k: seen.append(k.get("wanted")) or real(*a, **k))
+    prompts = [[5, 6, 7, 5, 6, 1, 2, 3, 4, 9, 9], [9], [1, 2, 3, 4, 5, 6, 7, 8], [42, 17]]
+    batched = generate_batch(model, prompts, max_new_tokens=8, stop_at_eos=False, max_batch=3)
+    for prompt, result in zip(prompts, batched):
+        assert result.token_ids == generate(model, prompt, max_new_tokens=8, stop_at_eos=False).token_ids
+    assert any(w is not None and 0 in w for w in seen)  # some chunk before a prompt's last
+    sampling = SamplingParams(temperature=0.9, top_k=20)
+    sampled = generate_batch(model, prompts, max_new_tokens=6, sampling=sampling, seeds=[1, 2, 3, 4],
+                             stop_at_eos=False, max_batch=2)
+    for prompt, seed, result in zip(prompts, [1, 2, 3, 4], sampled):
+        assert result.token_ids == generate(model, prompt, max_new_tokens=6, sampling=sampling, seed=seed,
+                                            stop_at_eos=False).token_ids
+
+    # one request decoding, a long prompt joining: a token a pass for the first, 11 / 3 -> 4 passes
+    # of prefill for the second, then both decode
+    group = batching.Batch(model, model.plan())
+    first = batching.Decoding(model, [9], model.plan(), 20, stop_at_eos=False)
+    group.join("first", first)
+    group.step()
+    before = len(first.out.tokens)
+    group.join("second", second := batching.Decoding(model, prompts[0], model.plan(), 20, stop_at_eos=False))
+    for passes in range(1, 5):
+        group.step()
+        assert len(first.out.tokens) == before + passes
+        assert (len(second.out.tokens) == 1) == (passes == 4)

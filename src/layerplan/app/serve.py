@@ -42,7 +42,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from layerplan.decoding.batch import prefill_all, step_all
+from layerplan.decoding.batch import Batch
 from layerplan.decoding.generate import Decoding, generate
 from layerplan.decoding.drafters.registry import drafts_by_lookup, make_drafter
 from layerplan.decoding.speculative import SpeculativeDecoding
@@ -289,16 +289,16 @@ class Engine:
         return result
 
     def _run_batched(self) -> None:
-        """Continuous batching: admit queued jobs (each prefilled alone) while the batch has room,
-        then one pass for the next token of every job in it; a job leaves when done or cancelled
-        (its client gone: should_stop), freeing its place at the next step."""
-        active: list[tuple[Job, Future, Decoding]] = []
+        """Continuous batching: admit queued jobs while the batch has room (their prompts prefill a
+        chunk per pass beside the decoding rows: decoding/batch.py), then one pass for the batch;
+        a job leaves when done or cancelled (its client gone: should_stop), freeing its place at
+        the next step."""
+        batch = Batch(self.model, self.plan)
         closing = False
-        while not (closing and not active):
-            joining = []
-            while not closing and len(active) + len(joining) < self.max_batch:
+        while not (closing and not len(batch)):
+            while not closing and len(batch) < self.max_batch:
                 try:  # wait for work only when there is none; wake now and then, so Ctrl-C gets through
-                    item = self._jobs.get(timeout=0.5) if not (active or joining) else self._jobs.get_nowait()
+                    item = self._jobs.get(timeout=0.5) if not len(batch) else self._jobs.get_nowait()
                 except queue.Empty:
                     break
                 if item is None:
@@ -306,28 +306,26 @@ class Engine:
                     break
                 started = self._start(*item)
                 if started is not None:
-                    joining.append(started)
-            if joining:
-                active += self._pass(prefill_all, joining)
-            self.batch = len(active)
-            if active:
-                active = self._pass(step_all, active)
+                    job, future, decoding = started
+                    batch.join(future, decoding)
+            self.batch = len(batch)
+            if len(batch):
+                self._step(batch)
         self.batch = 0
 
-    def _pass(self, run: Callable, entries: list[tuple[Job, Future, Decoding]]) -> list[tuple[Job, Future, Decoding]]:
-        """One pass for the entries' decodes (prefill_all or step_all); those that go on after it.
-        A pass that fails fails each of its jobs with the error."""
+    def _step(self, batch: Batch) -> None:
+        """One pass for the batch; the jobs it finished get their results. A pass that fails fails
+        each job in the batch with the error."""
         try:
-            run(self.model, self.plan, [decoding for _, _, decoding in entries])
+            finished = batch.step()
         except Exception as error:  # noqa: BLE001 - every job of the pass carries it
-            for _, future, _ in entries:
+            for future, _ in batch.entries():
                 self._count(running=-1, failed=1)
                 future.set_exception(error)
-            return []
-        for _, future, decoding in entries:
-            if decoding.done:
-                self._finish(future, decoding)
-        return [entry for entry in entries if not entry[2].done]
+            batch.clear()
+            return
+        for future, decoding in finished:
+            self._finish(future, decoding)
 
     def _start(self, job: Job, future: Future) -> tuple[Job, Future, Decoding] | None:
         """A job taken up: its decode, ready for its prefill; None when it ends here (cancelled,

@@ -4,15 +4,17 @@ acceptance), and a step
 runs every active one's next pass (its pending token, and its drafted chain) as one pass
 (runner.forward_batch), whose products the requests share. A request's tokens are those of its
 own generate() call, bit for bit: the kernels' rows do not depend on the other rows of a pass,
-and each request keeps its own cache, positions, sampler and seed. Requests join after their
-prefill and leave when done. The rows of a pass are budgeted (ROW_BUDGET): the more requests, the
-shorter each one's drafts, since a pass's cost grows with its rows."""
+and each request keeps its own cache, positions, sampler and seed. Requests join at any step,
+their prompts prefilled a chunk per pass beside the decoding rows (PREFILL_CHUNK), and leave when
+done. The rows of a pass are budgeted (ROW_BUDGET): the more requests, the shorter each one's
+drafts, since a pass's cost grows with its rows."""
 
 from __future__ import annotations
 
 import time
 from collections import deque
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -20,6 +22,7 @@ from layerplan.decoding.generate import Decoding
 from layerplan.decoding.output import GenerationResult
 from layerplan.decoding.sampling import SamplingParams
 from layerplan.decoding.speculative import SpeculativeDecoding
+from layerplan.engine.executors import executor_of
 from layerplan.engine.runner import forward_batch
 from layerplan.models.loading import LoadedModel
 from layerplan.plan.plan import LayerPlan
@@ -27,6 +30,27 @@ from layerplan.plan.plan import LayerPlan
 # the rows a batch's pass carries at most, drafts included: one request drafts up to its policy's
 # length, 4 up to 3 tokens each, 8 one each (what an 8-16-row pass costs over one row on a CPU)
 ROW_BUDGET = 16
+# prompt rows a pass carries at most beside the decoding rows: a newcomer's prompt goes in chunks,
+# so the requests decoding meanwhile wait a chunk's pass per step, not the whole prompt's
+PREFILL_CHUNK = 32
+
+
+@dataclass
+class Prefill:
+    """A decode whose prompt goes through the batch's passes a chunk at a time."""
+
+    decoding: Decoding | SpeculativeDecoding
+    rows: int  # the prompt's
+    done_rows: int = 0
+
+
+def chunkable(model: LoadedModel, rows: int) -> bool:
+    """Whether a prompt of `rows` tokens may prefill in chunks: only where the native kernels run
+    every sub-layer and take a pass of the whole prompt, whose rows are independent of one another
+    (elsewhere a chunk's numbers could differ from the whole prompt's, and the request's tokens
+    from its solo run's)."""
+    native = executor_of(model).native
+    return native is not None and native.takes(rows) and not native.eager_sub_layers()
 
 
 def prefill_all(model: LoadedModel, plan: LayerPlan, joining: Sequence[Decoding | SpeculativeDecoding]) -> None:
@@ -37,19 +61,93 @@ def prefill_all(model: LoadedModel, plan: LayerPlan, joining: Sequence[Decoding 
         decoding.prefilled(logits[-1])
 
 
-def step_all(model: LoadedModel, plan: LayerPlan, active: Sequence[Decoding | SpeculativeDecoding]) -> None:
+def step_all(model: LoadedModel, plan: LayerPlan, active: Sequence[Decoding | SpeculativeDecoding],
+             prefilling: Sequence[Prefill] = ()) -> list[Prefill]:
     """The next pass of every active decode (a token each, and the drafts' chains within the row
-    budget), in one pass."""
+    budget) and the next chunks of the prompts prefilling (PREFILL_CHUNK rows at most, the first
+    joined first), in one pass; the prefills it completed (each decode holds its first token)."""
     cap = max(ROW_BUDGET // max(len(active), 1) - 1, 0)
     passes = [d.next_pass(cap) for d in active]
+    chunks, budget = [], PREFILL_CHUNK
+    for prefill in prefilling:
+        if budget == 0:
+            break
+        rows = min(budget, prefill.rows - prefill.done_rows)
+        chunks.append((prefill, rows))
+        budget -= rows
+    sequences = passes + [(p.decoding.ids[:, p.done_rows:p.done_rows + rows], p.decoding.cache, p.done_rows)
+                          for p, rows in chunks]
+    # a verify needs every row's logits; a chunk only its prompt's last row's, in its last chunk
+    wanted = [ids.shape[1] for ids, _, _ in passes] + [int(p.done_rows + rows == p.rows) for p, rows in chunks]
     start = time.perf_counter()
-    every = forward_batch(model, passes, plan)
-    seconds, rows = time.perf_counter() - start, sum(ids.shape[1] for ids, _, _ in passes)
+    every = forward_batch(model, sequences, plan, wanted=wanted)
+    seconds, rows = time.perf_counter() - start, sum(ids.shape[1] for ids, _, _ in sequences)
     for decoding, logits in zip(active, every):
         if isinstance(decoding, Decoding):
             decoding.take_pass(logits, rows, seconds)
         else:  # a speculative round times its own verify
             decoding.take_pass(logits)
+    completed = []
+    for (prefill, count), logits in zip(chunks, every[len(passes):]):
+        prefill.done_rows += count
+        if prefill.done_rows == prefill.rows:
+            prefill.decoding.prefilled(logits[-1])
+            completed.append(prefill)
+    return completed
+
+
+class Batch:
+    """The decodes of a continuous batch, each under a key of the caller's: those decoding, those
+    whose prompts still prefill a chunk at a time, and those joined whose prompts prefill whole
+    (where chunks could change their numbers). step() runs their next pass."""
+
+    def __init__(self, model: LoadedModel, plan: LayerPlan) -> None:
+        self.model, self.plan = model, plan
+        self.decoding: list[tuple[object, Decoding | SpeculativeDecoding]] = []
+        self.prefilling: list[tuple[object, Prefill]] = []
+        self.whole: list[tuple[object, Decoding | SpeculativeDecoding]] = []
+
+    def __len__(self) -> int:
+        return len(self.decoding) + len(self.prefilling) + len(self.whole)
+
+    def join(self, key, decoding: Decoding | SpeculativeDecoding) -> None:
+        rows = decoding.ids.shape[1]
+        if chunkable(self.model, rows):
+            self.prefilling.append((key, Prefill(decoding, rows)))
+        else:
+            self.whole.append((key, decoding))
+
+    def entries(self) -> list[tuple[object, Decoding | SpeculativeDecoding]]:
+        """(key, decode) of every decode in the batch."""
+        return self.decoding + [(k, p.decoding) for k, p in self.prefilling] + self.whole
+
+    def clear(self) -> None:
+        self.decoding, self.prefilling, self.whole = [], [], []
+
+    def step(self) -> list[tuple[object, Decoding | SpeculativeDecoding]]:
+        """One pass for the batch (the whole prompts joined, if any, first in a pass of their own);
+        the (key, decode) pairs that finished with it, now out of the batch. A decode whose caller
+        lost interest while its prompt prefills leaves at once."""
+        if self.whole:
+            prefill_all(self.model, self.plan, [d for _, d in self.whole])
+            self.decoding, self.whole = self.decoding + self.whole, []
+        gone = [(k, p) for k, p in self.prefilling if _lost_interest(p.decoding)]
+        self.prefilling = [(k, p) for k, p in self.prefilling if not _lost_interest(p.decoding)]
+        if self.decoding or self.prefilling:
+            completed = step_all(self.model, self.plan, [d for _, d in self.decoding], [p for _, p in self.prefilling])
+            self.decoding += [(k, p.decoding) for k, p in self.prefilling if p in completed]
+            self.prefilling = [(k, p) for k, p in self.prefilling if p not in completed]
+        finished = [(k, d) for k, d in self.decoding if d.done] + [(k, p.decoding) for k, p in gone]
+        self.decoding = [(k, d) for k, d in self.decoding if not d.done]
+        return finished
+
+
+def _lost_interest(decoding: Decoding | SpeculativeDecoding) -> bool:
+    should_stop = decoding.out.should_stop
+    if should_stop is not None and should_stop():
+        decoding.out.cancel()
+        return True
+    return False
 
 
 @torch.inference_mode()
@@ -69,10 +167,9 @@ def generate_batch(model: LoadedModel, prompts: Sequence, plan: LayerPlan | None
         raise ValueError(f"{len(seeds)} seeds for {len(prompts)} prompts")
     waiting = deque(range(len(prompts)))
     results: list[GenerationResult | None] = [None] * len(prompts)
-    active: list[tuple[int, Decoding]] = []
-    while waiting or active:
-        joining = []
-        while waiting and len(active) + len(joining) < max_batch:
+    batch = Batch(model, plan)
+    while waiting or len(batch):
+        while waiting and len(batch) < max_batch:
             index = waiting.popleft()
             if draft is None:
                 decoding = Decoding(model, prompts[index], plan, max_new_tokens, sampling, seeds[index], stop,
@@ -80,17 +177,7 @@ def generate_batch(model: LoadedModel, prompts: Sequence, plan: LayerPlan | None
             else:
                 decoding = SpeculativeDecoding(model, prompts[index], draft, plan, max_new_tokens, sampling,
                                                seeds[index], stop, stop_at_eos, chat, draft_length=draft_length)
-            joining.append((index, decoding))
-        if joining:
-            prefill_all(model, plan, [d for _, d in joining])
-            for index, decoding in joining:
-                if decoding.done:
-                    results[index] = decoding.result()
-                else:
-                    active.append((index, decoding))
-        if active:
-            step_all(model, plan, [d for _, d in active])
-            for index, decoding in [(i, d) for i, d in active if d.done]:
-                results[index] = decoding.result()
-            active = [(i, d) for i, d in active if not d.done]
+            batch.join(index, decoding)
+        for index, decoding in batch.step():
+            results[index] = decoding.result()
     return results

@@ -112,6 +112,10 @@ class Emitter:
         if self.should_stop is not None and not self.done and self.should_stop():
             self.reason = "cancelled"
 
+    def cancel(self) -> None:
+        """The caller lost interest before any token (should_stop, while the prompt prefilled)."""
+        self.reason = self.reason or "cancelled"
+
     def finish(self) -> str:
         if self.reason != "stop":
             self.stream.update([t for t in self.tokens if t not in self.eos])

@@ -60,8 +60,9 @@ class Executor(Protocol):
         """Steps [first, end) in one call, or None to run them one by one."""
 
     def batch_pass(self, model, sequences: list[tuple[torch.Tensor, KVCache, int]], plan: LayerPlan,
-                   last_only: bool = False) -> list[torch.Tensor] | None:
-        """Several sequences' whole passes in one call, or None to run each on its own."""
+                   wanted: list[int]) -> list[torch.Tensor] | None:
+        """Several sequences' whole passes in one call (the logits of each one's last wanted[s]
+        rows), or None to run each on its own."""
 
     def enter(self, step: Step, hidden: torch.Tensor) -> torch.Tensor:
         """The stream where the step's layer runs (its weights in place for the step)."""
@@ -111,7 +112,7 @@ class ModuleExecutor:
     def run_steps(self, state, plan, first, end, hidden) -> torch.Tensor | None:
         return None
 
-    def batch_pass(self, model, sequences, plan, last_only=False) -> list[torch.Tensor] | None:
+    def batch_pass(self, model, sequences, plan, wanted) -> list[torch.Tensor] | None:
         return None
 
     def enter(self, step: Step, hidden: torch.Tensor) -> torch.Tensor:
@@ -249,9 +250,9 @@ class NativeExecutor(ModuleExecutor):
         return softcap(parts, logits)
 
     def batch_pass(self, model, sequences: list[tuple[torch.Tensor, KVCache, int]], plan: LayerPlan,
-                   last_only: bool = False) -> list[torch.Tensor] | None:
+                   wanted: list[int]) -> list[torch.Tensor] | None:
         """Several sequences' passes (token ids (1, T_s), own cache, start) as one native call, the
-        products shared (continuous batching); each one's logits (T_s, or 1 with last_only, vocab)
+        products shared (continuous batching); each one's logits (wanted[s], vocab: its last rows)
         are those of its pass alone. None where a part has no kernels (then each runs its own)."""
         native, parts = self.native, model.parts
         rows = sum(ids.shape[1] for ids, _, _ in sequences)
@@ -266,7 +267,7 @@ class NativeExecutor(ModuleExecutor):
             tables = [rope_by_table(parts, ends.embedding, start, ids.shape[1], None, layer)
                       for ids, _, start in sequences]
             ropes.append((torch.cat([c for c, _ in tables], -2), torch.cat([s for _, s in tables], -2)))
-        return [softcap(parts, logits) for logits in run.batch_logits(ends, sequences, ropes, last_only)]
+        return [softcap(parts, logits) for logits in run.batch_logits(ends, sequences, ropes, wanted)]
 
     def run_steps(self, state: Pass, plan: LayerPlan, first: int, end: int,
                   hidden: torch.Tensor) -> torch.Tensor | None:

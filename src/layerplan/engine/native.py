@@ -468,12 +468,12 @@ class StepRun:
         return hidden
 
     def batch_logits(self, ends: PassEnds, sequences: list[tuple[torch.Tensor, object, int]],
-                     ropes: list[tuple[torch.Tensor, torch.Tensor]], last_only: bool = False) -> list[torch.Tensor]:
-        """The logits (T_s, vocab) of several sequences' passes as one native call (continuous
-        batching, lp_forward_batch): sequences[s] = (its token ids (1, T_s), its cache, its start
-        position); ropes: each rope table's rows for every sequence in order. Each sequence's keys
-        and values go to its own cache; its logits (its last row's with last_only: (1, vocab)) are
-        those of its pass alone."""
+                     ropes: list[tuple[torch.Tensor, torch.Tensor]], wanted: list[int]) -> list[torch.Tensor]:
+        """The logits of several sequences' passes as one native call (continuous batching,
+        lp_forward_batch): sequences[s] = (its token ids (1, T_s), its cache, its start position);
+        ropes: each rope table's rows for every sequence in order. Each sequence's keys and values
+        go to its own cache; its logits (wanted[s], vocab), of its last wanted[s] rows (0 to T_s),
+        are those of its pass alone."""
         ids = torch.cat([s[0].reshape(-1) for s in sequences]).to(torch.long).contiguous()
         rows, table = ids.shape[0], ends.embedding
         if ends.lookup is not None:
@@ -484,7 +484,9 @@ class StepRun:
         held = []  # the slot buffers stay referenced until the call returns
         segments = (_Segment * nsegs)()
         for s, (tokens, cache, start) in enumerate(sequences):
-            segments[s] = _Segment(tokens.shape[-1], start)
+            if not 0 <= wanted[s] <= tokens.shape[-1]:
+                raise ValueError(f"the logits of {wanted[s]} rows of a {tokens.shape[-1]}-token pass")
+            segments[s] = _Segment(tokens.shape[-1], start, wanted[s])
             cache.write_pos = start
             for i, (slot, attention) in enumerate(self.slots):
                 if attention is None:
@@ -497,16 +499,16 @@ class StepRun:
         cos = (ctypes.c_void_p * len(tables))(*(c.data_ptr() for c, _ in tables))
         sin = (ctypes.c_void_p * len(tables))(*(s.data_ptr() for _, s in tables))
         hidden = torch.empty(rows, table.shape[1], dtype=dtype)
-        logits = torch.empty(nsegs if last_only else rows, ends.head.n, dtype=dtype)
+        logits = torch.empty(sum(wanted), ends.head.n, dtype=dtype)
         status = library().lp_forward_batch(
             table.data_ptr(), table.shape[0], ids.data_ptr(), rows, hidden.data_ptr(), self.table, len(self.table),
             kvs, segments, nsegs, cos, sin, ctypes.byref(ends.norm), ctypes.byref(ends.head.descriptor),
-            int(last_only), logits.data_ptr(), self.dtype, torch.get_num_threads())
+            logits.data_ptr(), self.dtype, torch.get_num_threads())
         if status == ABI.LP_E_TOKEN:
             bad = ids[(ids < 0) | (ids >= table.shape[0])][0].item()
             raise IndexError(f"token id {bad} is outside the vocabulary (0 to {table.shape[0] - 1})")
         check(status, "a native batched pass")
-        return list(logits.split([1 if last_only else s[0].shape[-1] for s in sequences]))
+        return list(logits.split(wanted))
 
     def logits(self, ends: PassEnds, input_ids: torch.Tensor, cache, start_pos: int,
                ropes: list[tuple[torch.Tensor, torch.Tensor]], window: tuple[int, int] | None,

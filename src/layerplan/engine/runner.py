@@ -66,16 +66,22 @@ def forward(
 
 @torch.inference_mode()
 def forward_batch(model: LoadedModel, sequences: list[tuple[torch.Tensor, KVCache, int]],
-                  plan: LayerPlan | None = None, last_only: bool = False) -> list[torch.Tensor]:
-    """Logits (T_s, or 1 with last_only, vocab) of several sequences' passes through one plan:
-    sequences[s] = (its token ids (1, T_s), its own cache, its start position). The native engine
-    runs them as one pass whose products every sequence shares (continuous batching); each
-    sequence's logits are those of its own forward(), bit for bit. Elsewhere each runs its own."""
+                  plan: LayerPlan | None = None, last_only: bool = False,
+                  wanted: list[int] | None = None) -> list[torch.Tensor]:
+    """Logits of several sequences' passes through one plan: sequences[s] = (its token ids
+    (1, T_s), its own cache, its start position); of each one's last wanted[s] rows (0 to T_s:
+    (wanted[s], vocab)), by default all T_s, or 1 with last_only. The native engine runs them as
+    one pass whose products every sequence shares (continuous batching); each sequence's logits
+    are those of its own forward(), bit for bit. Elsewhere each runs its own."""
     plan = plan if plan is not None else model.plan()
-    logits = executor_of(model).batch_pass(model, sequences, plan, last_only) if len(sequences) > 1 else None
+    if wanted is None:
+        wanted = [1 if last_only else ids.shape[1] for ids, _, _ in sequences]
+    logits = executor_of(model).batch_pass(model, sequences, plan, wanted) if len(sequences) > 1 else None
     if logits is not None:
         return logits
-    return [forward(model, ids, plan, cache, start, last_only=last_only)[0] for ids, cache, start in sequences]
+    # (the head on the last row alone where no more is wanted; none kept where none is)
+    return [forward(model, ids, plan, cache, start, last_only=rows <= 1)[0, ids.shape[1] - rows if rows > 1 else 1 - rows:]
+            for (ids, cache, start), rows in zip(sequences, wanted)]
 
 
 @torch.inference_mode()

@@ -16,7 +16,7 @@
 #ifndef LP_KERNELS_H
 #define LP_KERNELS_H
 
-#define LP_ABI_VERSION 6
+#define LP_ABI_VERSION 7
 
 /* activation / cache / norm-weight element types */
 #define LP_DTYPE_F32 0
@@ -132,6 +132,7 @@ typedef struct {
 typedef struct {
     long rows;
     long pos0;
+    long logits; /* its last rows whose logits lp_forward_batch computes: 0 to rows */
 } lp_segment;
 
 /* One plan step: its sub-layers (NULL = off), its KV slot and its residual scale. */
@@ -188,11 +189,11 @@ LP_API int lp_forward(const void *embedding, long vocab, const long *ids, long r
                       long keep_sink, long keep_recent, const unsigned char *tree, const lp_norm *final_norm,
                       const lp_matrix *head, long head_from, void *logits, int dtype, int threads);
 /* several sequences' passes as one: each its own KV slots (kvs: count x nsegs, step-major) and
- * positions, the products shared; logits of every row, or of each segment's last (see passes.c) */
+ * positions, the products shared; the logits of each segment's last `logits` rows (see passes.c) */
 LP_API int lp_forward_batch(const void *embedding, long vocab, const long *ids, long rows, void *hidden,
                             const lp_step *steps, long count, const lp_kv *kvs, const lp_segment *segments, long nsegs,
                             const void *const *cos, const void *const *sin, const lp_norm *final_norm,
-                            const lp_matrix *head, int last_only, void *logits, int dtype, int threads);
+                            const lp_matrix *head, void *logits, int dtype, int threads);
 
 /* ----- the machine's ceilings (layerplan probe) ----- */
 /* GFLOP/s of 8-row products over `format` weights in cache; < 0 where an allocation failed */

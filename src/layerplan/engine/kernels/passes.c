@@ -36,7 +36,7 @@ static int attention_segments(const lp_attention *a, const void *hidden, void *o
 LP_API int lp_attention_block(const lp_attention *a, const void *hidden, void *out, long rows, long pos0,
                               const void *cos, const void *sin, const lp_kv *kv, long keep_sink, long keep_recent,
                               const unsigned char *tree, float residual_scale, int dtype, int threads) {
-    lp_segment whole = {rows, pos0};
+    lp_segment whole = {rows, pos0, rows};
     return attention_segments(a, hidden, out, rows, &whole, kv, 1, cos, sin, keep_sink, keep_recent, tree,
                               residual_scale, dtype, threads);
 }
@@ -196,7 +196,7 @@ static int run_segments(const lp_step *steps, long count, void *hidden, long row
 LP_API int lp_run_steps(const lp_step *steps, long count, void *hidden, long rows, long pos0, const void *const *cos,
                         const void *const *sin, long keep_sink, long keep_recent, const unsigned char *tree,
                         int dtype, int threads) {
-    lp_segment whole = {rows, pos0};
+    lp_segment whole = {rows, pos0, rows};
     return run_segments(steps, count, hidden, rows, &whole, 1, NULL, cos, sin, keep_sink, keep_recent, tree, dtype,
                         threads);
 }
@@ -229,29 +229,36 @@ LP_API int lp_forward(const void *embedding, long vocab, const long *ids, long r
  * positions, in row order over `rows` rows of ids; each step's attention writes and reads each
  * segment's own slot, kvs[step * nsegs + s] (the steps' own kv fields are not read); the products
  * (and the LM head) run on every row at once. cos / sin: each rope table's rows in row order (row
- * r at its segment's position). logits: (rows, vocab), every row's, or with last_only (nsegs,
- * vocab), each segment's last row's. A row's numbers are those of its sequence's pass alone
- * (lp_forward). */
+ * r at its segment's position). logits: (sum of segments[s].logits, vocab), each segment's last
+ * `logits` rows in order (a prompt's chunk before its last needs none; a verify needs all). A
+ * row's numbers are those of its sequence's pass alone (lp_forward). */
 LP_API int lp_forward_batch(const void *embedding, long vocab, const long *ids, long rows, void *hidden,
                             const lp_step *steps, long count, const lp_kv *kvs, const lp_segment *segments, long nsegs,
                             const void *const *cos, const void *const *sin, const lp_norm *final_norm,
-                            const lp_matrix *head, int last_only, void *logits, int dtype, int threads) {
-    long dim = head->k, es = lp_dtype_bytes(dtype);
+                            const lp_matrix *head, void *logits, int dtype, int threads) {
+    long dim = head->k, es = lp_dtype_bytes(dtype), wanted = 0, total = 0;
     if (!es) return LP_E_TYPE;
+    for (long s = 0; s < nsegs; s++) {
+        if (segments[s].logits < 0 || segments[s].logits > segments[s].rows) return LP_E_SHAPE;
+        wanted += segments[s].logits;
+        total += segments[s].rows;
+    }
+    if (total != rows) return LP_E_SHAPE;
     int status = embed_rows(embedding, vocab, ids, rows, hidden, dim, es);
     if (status == LP_OK)
         status = run_segments(steps, count, hidden, rows, segments, nsegs, kvs, cos, sin, 0, 0, NULL, dtype, threads);
-    if (status != LP_OK) return status;
-    if (!last_only) return lp_norm_linear(final_norm, hidden, head, logits, rows, dtype, threads);
-    /* each segment's last row, gathered in order, through the head */
-    char *last = (char *)malloc((size_t)(nsegs * dim * es));
-    if (!last) return LP_E_MEMORY;
-    for (long s = 0, end = 0; s < nsegs; s++) {
+    if (status != LP_OK || wanted == 0) return status;
+    if (wanted == rows) return lp_norm_linear(final_norm, hidden, head, logits, rows, dtype, threads);
+    /* the wanted rows, gathered in order, through the head */
+    char *picked = (char *)malloc((size_t)(wanted * dim * es));
+    if (!picked) return LP_E_MEMORY;
+    for (long s = 0, end = 0, at = 0; s < nsegs; s++) {
         end += segments[s].rows;
-        if (segments[s].rows > 0) memcpy(last + s * dim * es, (const char *)hidden + (end - 1) * dim * es, (size_t)(dim * es));
-        else memset(last + s * dim * es, 0, (size_t)(dim * es));
+        long n = segments[s].logits;
+        if (n > 0) memcpy(picked + at * dim * es, (const char *)hidden + (end - n) * dim * es, (size_t)(n * dim * es));
+        at += n;
     }
-    status = lp_norm_linear(final_norm, last, head, logits, nsegs, dtype, threads);
-    free(last);
+    status = lp_norm_linear(final_norm, picked, head, logits, wanted, dtype, threads);
+    free(picked);
     return status;
 }
