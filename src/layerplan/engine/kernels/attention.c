@@ -213,10 +213,43 @@ static void attend_group(const lp_query *qs, long count, const void *kbase, cons
     }
 }
 
+/* The (head, row) items [i0, i1) of one sequence's queries (item = head * rows + row), attended in
+ * groups that share a kv head (attend_group). kw / vw: the slot's keys and values widened to fp32
+ * (NULL: read as stored); scores and keep: a thread's scratch of LP_QUERIES x (pos0 + rows + 8). */
+static void attend_items(const lp_attention *a, const float *q, float *o, long rows, long pos0, const lp_kv *kv,
+                         long keep_sink, long keep_recent, const unsigned char *tree, int dtype, const float *kw,
+                         const float *vw, long i0, long i1, float *scores, unsigned char *keep) {
+    long D = a->head_dim, group = a->heads / a->kv_heads, end = pos0 + rows, capacity = kv->capacity;
+    long ces = lp_dtype_bytes(kv->dtype), kv_start = kv->start, span = end - kv_start;
+    lp_query qs[LP_QUERIES];
+    for (long b0 = i0, b1; b0 < i1; b0 = b1) {
+        long kh = b0 / rows / group;
+        for (b1 = b0; b1 < i1 && b1 - b0 < LP_QUERIES && b1 / rows / group == kh; b1++) {
+            long h = b1 / rows, r = b1 % rows, s = b1 - b0;
+            long pos = pos0 + r, first = 0;
+            if (a->window > 0 && pos - a->window + 1 > 0) first = pos - a->window + 1;
+            if (first < kv_start) first = kv_start;
+            int masked = tree || (rows == 1 && keep_recent > 0); /* else every position is kept */
+            unsigned char *kp = keep + s * (end + 8);
+            if (masked)
+                for (long p = first; p <= pos; p++)
+                    kp[p - first] = !((rows == 1 && keep_recent > 0 && p >= keep_sink && p < end - keep_recent)
+                                      || (tree && p >= pos0 && !tree[r * rows + p - pos0]));
+            /* the cache holds positions from kv_start on */
+            qs[s] = (lp_query){q + (r * a->heads + h) * D, first - kv_start, pos - kv_start, masked ? kp : NULL,
+                               scores + s * (end + 8), o + (r * a->heads + h) * D};
+        }
+        const void *kbase = kw ? (const void *)(kw + kh * span * D) : (const void *)((const char *)kv->k + kh * capacity * D * ces);
+        const void *vbase = vw ? (const void *)(vw + kh * span * D) : (const void *)((const char *)kv->v + kh * capacity * D * ces);
+        attend_group(qs, b1 - b0, kbase, vbase, D, a->scaling, kv->dtype == LP_DTYPE_BF16 && !kw, D);
+        for (long s = 0; s < b1 - b0; s++) lp_round_all(qs[s].out, D, dtype);
+    }
+}
+
 int lp_attend(const lp_attention *a, const float *q, float *o, long rows, long pos0, const lp_kv *kv, long keep_sink,
               long keep_recent, const unsigned char *tree, int dtype, int threads) {
     long D = a->head_dim, group = a->heads / a->kv_heads, end = pos0 + rows, capacity = kv->capacity;
-    long ces = lp_dtype_bytes(kv->dtype), kv_start = kv->start;
+    long kv_start = kv->start;
     /* A pass's queries share each kv head's keys and values: a bf16 cache is widened to fp32 once
      * for all of them rather than once per query (exact, so the same numbers); a step (few queries
      * per head) reads the cache as it is. */
@@ -241,43 +274,65 @@ int lp_attend(const lp_attention *a, const float *q, float *o, long rows, long p
                 lp_load_f32((const uint16_t *)kv->v + at, LP_DTYPE_BF16, vw + hp * D, D);
             }
         }
-        /* each thread takes an even, contiguous share of the (head, row) items, and attends to them in
-         * groups that share a kv head (attend_group) */
+        /* each thread takes an even, contiguous share of the (head, row) items */
         int t = omp_get_thread_num(), nt = omp_get_num_threads();
         long items = a->heads * rows, i0 = items * t / nt, i1 = items * (t + 1) / nt;
         float *scores = lp_floats(LP_QUERIES * (end + 8));
         unsigned char *keep = (unsigned char *)malloc((size_t)(LP_QUERIES * (end + 8)));
-        if (!scores || !keep) {
+        if (!scores || !keep)
             __atomic_store_n(&failed, 1, __ATOMIC_RELAXED);
-            i1 = i0;
-        }
-        lp_query qs[LP_QUERIES];
-        for (long b0 = i0, b1; b0 < i1; b0 = b1) {
-            long kh = b0 / rows / group;
-            for (b1 = b0; b1 < i1 && b1 - b0 < LP_QUERIES && b1 / rows / group == kh; b1++) {
-                long h = b1 / rows, r = b1 % rows, s = b1 - b0;
-                long pos = pos0 + r, first = 0;
-                if (a->window > 0 && pos - a->window + 1 > 0) first = pos - a->window + 1;
-                if (first < kv_start) first = kv_start;
-                int masked = tree || (rows == 1 && keep_recent > 0); /* else every position is kept */
-                unsigned char *kp = keep + s * (end + 8);
-                if (masked)
-                    for (long p = first; p <= pos; p++)
-                        kp[p - first] = !((rows == 1 && keep_recent > 0 && p >= keep_sink && p < end - keep_recent)
-                                          || (tree && p >= pos0 && !tree[r * rows + p - pos0]));
-                /* the cache holds positions from kv_start on */
-                qs[s] = (lp_query){q + (r * a->heads + h) * D, first - kv_start, pos - kv_start, masked ? kp : NULL,
-                                   scores + s * (end + 8), o + (r * a->heads + h) * D};
-            }
-            const void *kbase = widen ? (const void *)(kw + kh * span * D) : (const void *)((const char *)kv->k + kh * capacity * D * ces);
-            const void *vbase = widen ? (const void *)(vw + kh * span * D) : (const void *)((const char *)kv->v + kh * capacity * D * ces);
-            attend_group(qs, b1 - b0, kbase, vbase, D, a->scaling, kv->dtype == LP_DTYPE_BF16 && !widen, D);
-            for (long s = 0; s < b1 - b0; s++) lp_round_all(qs[s].out, D, dtype);
-        }
+        else
+            attend_items(a, q, o, rows, pos0, kv, keep_sink, keep_recent, tree, dtype, kw, vw, i0, i1, scores, keep);
         free(scores);
         free(keep);
     }
     free(kw);
     free(vw);
+    return failed ? LP_E_MEMORY : LP_OK;
+}
+
+int lp_attend_segments(const lp_attention *a, const float *q, float *o, const lp_segment *segs, long nsegs,
+                       const lp_kv *kvs, int dtype, int threads) {
+    /* a segment whose queries would widen a bf16 cache attends alone (lp_attend), the others in one
+     * parallel region: several requests' decode rows are one token each, and a region per request
+     * per layer would cost more than their attention */
+    long items = 0, longest = 0;
+    for (long s = 0, r0 = 0; s < nsegs; r0 += segs[s].rows, s++) {
+        int widen = kvs[s].dtype == LP_DTYPE_BF16 && a->heads / a->kv_heads * segs[s].rows >= 8;
+        if (widen || nsegs == 1) {
+            int status = lp_attend(a, q + r0 * a->heads * a->head_dim, o + r0 * a->heads * a->head_dim, segs[s].rows,
+                                   segs[s].pos0, kvs + s, 0, 0, NULL, dtype, threads);
+            if (status != LP_OK) return status;
+            continue;
+        }
+        items += a->heads * segs[s].rows;
+        if (segs[s].pos0 + segs[s].rows > longest) longest = segs[s].pos0 + segs[s].rows;
+    }
+    if (items == 0) return LP_OK;
+    int failed = 0;
+    #pragma omp parallel num_threads(threads)
+    {
+        /* each thread takes an even, contiguous share of the items of every such segment in order */
+        int t = omp_get_thread_num(), nt = omp_get_num_threads();
+        long g0 = items * t / nt, g1 = items * (t + 1) / nt;
+        float *scores = lp_floats(LP_QUERIES * (longest + 8));
+        unsigned char *keep = (unsigned char *)malloc((size_t)(LP_QUERIES * (longest + 8)));
+        if (!scores || !keep) {
+            __atomic_store_n(&failed, 1, __ATOMIC_RELAXED);
+            g1 = g0;
+        }
+        for (long s = 0, r0 = 0, at = 0; s < nsegs && at < g1; r0 += segs[s].rows, s++) {
+            if (kvs[s].dtype == LP_DTYPE_BF16 && a->heads / a->kv_heads * segs[s].rows >= 8) continue;
+            long n = a->heads * segs[s].rows, i0 = g0 - at, i1 = g1 - at;
+            if (i0 < 0) i0 = 0;
+            if (i1 > n) i1 = n;
+            if (i0 < i1)
+                attend_items(a, q + r0 * a->heads * a->head_dim, o + r0 * a->heads * a->head_dim, segs[s].rows,
+                             segs[s].pos0, kvs + s, 0, 0, NULL, dtype, NULL, NULL, i0, i1, scores, keep);
+            at += n;
+        }
+        free(scores);
+        free(keep);
+    }
     return failed ? LP_E_MEMORY : LP_OK;
 }

@@ -72,5 +72,9 @@ int lp_gemm(const lp_matrix *mat, const float *x, long m, float *y, int threads)
  * out likewise (rounded to `dtype`), keys and values from the slot. LP_OK or LP_E_MEMORY. */
 int lp_attend(const lp_attention *a, const float *q, float *o, long rows, long pos0, const lp_kv *kv, long keep_sink,
               long keep_recent, const unsigned char *tree, int dtype, int threads);
+/* lp_attend for several sequences' rows (segments in row order, kvs[s] the slot of segment s; no
+ * window masks nor trees), in as few parallel regions as their queries allow: the same numbers. */
+int lp_attend_segments(const lp_attention *a, const float *q, float *o, const lp_segment *segs, long nsegs,
+                       const lp_kv *kvs, int dtype, int threads);
 
 #endif

@@ -122,10 +122,10 @@ static int attention_segments(const lp_attention *a, const void *hidden, void *o
                 lp_store(vr + h * D, (char *)kv->v + at * ces, kv->dtype, D);
             }
         });
-        for (long s = 0; s < nsegs && status == LP_OK; s++)
-            if (segs[s].rows > 0)
-                status = lp_attend(a, q + first_of[s] * NQ, o + first_of[s] * NQ, segs[s].rows, segs[s].pos0, kvs + s,
-                                   keep_sink, keep_recent, tree, dtype, threads);
+        if (nsegs > 1) /* (no window masks nor trees in a pass over several: checked above) */
+            status = lp_attend_segments(a, q, o, segs, nsegs, kvs, dtype, threads);
+        else if (rows > 0)
+            status = lp_attend(a, q, o, rows, segs[0].pos0, kvs, keep_sink, keep_recent, tree, dtype, threads);
     }
     if (status == LP_OK) status = lp_gemm(&a->o, o, rows, u, threads);
     if (status == LP_OK)
