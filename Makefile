@@ -9,7 +9,7 @@ STAMP  := $(VENV)/.installed-$(shell cat $(LOCKS) | cksum | cut -d' ' -f1)
 PYTHON ?= python3
 LATEST ?= .venv-latest
 
-.PHONY: demo test fuzz test-latest test-sanitize bench chaos figures install lock clean
+.PHONY: demo test test-fast fuzz test-latest test-sanitize bench chaos figures install lock clean
 
 $(STAMP): $(LOCKS)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -27,6 +27,13 @@ demo: $(STAMP)
 test: $(STAMP)
 	@bash .ci/install-postgresql
 	$(PY) -m pytest -q
+
+# the fast lane while working (≤ 2 min on 2 cores): everything but the tests marked slow, which
+# tests/conftest.py lists (the real model, PostgreSQL, worker processes, lm-eval, a subprocess per
+# command line, the chaos runs, library builds, statistical samples). `make test` runs them all,
+# as CI does.
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "not slow"
 
 # the fuzz suite at full strength (over 10,000 cases; `make test` runs a few hundred of each kind):
 # bad command lines from the click tree, plan strings and files, weights headers, server bodies

