@@ -130,6 +130,24 @@ def test_cli_tune_writes_report_and_checks_exactness(tmp_path):
     html_text = (tmp_path / "report.html").read_text()
     assert "data:image/png;base64," in html_text and "layerplan generate --dtype stored" in html_text  # auto runs the GGUF as stored
     assert "use it: layerplan generate" in result.output
+    # the frontier: every family placed, the lookups at no draft cost, in the report and its picture
+    points = {p["draft"]: p for p in report["frontier"]["points"]}
+    assert {"online", "ngram", "suffix"} <= set(points) and any(d.startswith("exit:") for d in points)
+    assert points["ngram"]["draft_cost"] < 0.1 < min(p["draft_cost"] for d, p in points.items() if d.startswith("exit:"))
+    assert (tmp_path / "frontier.png").exists() and "The draft frontier" in html_text
+    assert "frontier: best self-draft" in result.output
+
+
+@pytest.mark.real
+def test_cli_frontier_places_the_drafts_it_is_given(tmp_path):
+    result = CliRunner().invoke(main, ["frontier", "--draft", "exit:15", "--draft", "ngram", "--prompt", "code",
+                                       "--new-tokens", "8", "--gamma", "2", "--out", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    report = json.loads((tmp_path / "frontier.json").read_text())
+    assert [p["draft"] for p in report["points"]] == ["exit:15", "ngram"] and report["gamma"] == 2
+    assert (tmp_path / "frontier.png").exists() and "exit:15" in result.output
+    bad = CliRunner().invoke(main, ["frontier", "--draft", "exit:999", "--out", str(tmp_path)])
+    assert bad.exit_code != 0 and "Traceback" not in bad.output and len(bad.output.strip().splitlines()) <= 2
 
 
 @pytest.mark.parametrize("args,message", [

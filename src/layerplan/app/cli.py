@@ -18,14 +18,15 @@ from layerplan.app import llamacpp
 from layerplan.app.peers import (GGUF_PRECISIONS, LOOKUP_COUNTERPARTS, SHORT_DTYPES, LlamaToolError, gguf_at_precision,
                                  gguf_file_type, llama_bench_runner, llama_lookup_runner)
 from layerplan.app.merges import export_commands, scan_blocks, study_merges, write_scan
-from layerplan.app.report import (exits_plot, explore_plot, pareto_plot, scan_heatmap, search_trajectory,
-                                  skip_frequency_plot, tune_html)
+from layerplan.app.report import (exits_plot, explore_plot, frontier_plot, pareto_plot, scan_heatmap,
+                                  search_trajectory, skip_frequency_plot, tune_html)
 from layerplan.app.tune import tune as run_tune
 from layerplan.corpus import default_corpus, read_texts
 from layerplan.decoding.drafters.heads import default_head_path, save_head, train_exit_head
 from layerplan.decoding.draft_length import DRAFT_LENGTHS, draft_length_help
+from layerplan.decoding.frontier import measure_frontier, pass_costs_of, self_drafts
 from layerplan.decoding.batch import generate_batch
-from layerplan.decoding.drafters.registry import drafter_help, drafts_by_lookup, make_drafter
+from layerplan.decoding.drafters.registry import drafter_help, drafts_by_lookup, make_drafter, saved_draft_path
 from layerplan.decoding.generate import generate as run_generate
 from layerplan.decoding.budget import token_budget
 from layerplan.decoding.output import prompt_ids
@@ -897,16 +898,74 @@ def tune(model, dtype, engine, threads, tokens, steps, repeats, new_tokens, prom
     if result.greedy.steps:
         search_trajectory([s.value for s in result.greedy.steps], "maximize", "predicted speedup",
                           out_dir / "search.png")
+    if result.frontier is not None:
+        frontier_plot(result.frontier, out_dir / "frontier.png")
     write_json_atomic(out_dir / "report.json", result.to_dict())
     tune_html(result, {"Damage from skipping each sub-layer": out_dir / "scan.png",
-                       "Greedy search for a faster draft": out_dir / "search.png"}, out_dir / "report.html")
+                       "Greedy search for a faster draft": out_dir / "search.png",
+                       "The draft frontier: acceptance against cost, and where a draft pays": out_dir / "frontier.png"},
+              out_dir / "report.html")
     best = result.best
     click.echo(f"\nbest draft: {best.draft}: {best.speedup_median:.2f}x transformers' plain greedy "
                f"(range {best.speedup_min:.2f}-{best.speedup_max:.2f}x over prompts); "
                f"identical to plain greedy in float32: {'yes' if best.same_as_plain_fp32 else 'NO'}")
     click.echo(f"searched skip plan: {result.saved_plan or 'none pays on this model (lookup drafting does)'}")
+    if result.frontier is not None:
+        click.echo(_frontier_line(result.frontier))
     click.echo(f"use it: {result.command()}")
     click.echo(f"wrote {out_dir / 'report.html'} and {out_dir / 'report.json'}")
+
+
+def _frontier_line(result) -> str:
+    """Which self-drafts (every draft but the lookups) can pay here, in one line."""
+    own = [p for p in result.points if p.draft not in ("ngram", "suffix")]
+    best = max(own, key=lambda p: p.measured_speedup, default=None)
+    if best is None:
+        return "frontier: no self-draft measured"
+    paying = [p.draft for p in own if p.above_break_even]
+    return (f"frontier: best self-draft {best.draft}: {best.measured_speedup:.2f}x plain (α {best.acceptance:.2f}, "
+            f"draft step {best.draft_cost:.2f} of a plain one); above break-even: {', '.join(paying) or 'none'}")
+
+
+@main.command()
+@model_option
+@auto_dtype_option
+@engine_option
+@threads_option
+@click.option("--draft", "drafts", multiple=True, help="a draft to place (repeatable; default: exits at 1/2 and "
+              "3/4 of the layers, online skips, the plan a search or tune saved, n-gram and suffix lookup)")
+@click.option("--prompt", "prompt_names", multiple=True, help="built-in prompts (default: code, summary)")
+@click.option("--new-tokens", type=click.IntRange(min=1), default=48, show_default=True)
+@click.option("--gamma", type=click.IntRange(min=1, max=16), default=4, show_default=True,
+              help="the draft length every draft is measured at")
+@click.option("--out", type=_Output("folder"), default="runs/frontier", show_default=True,
+              help="folder for frontier.json and frontier.png")
+def frontier(model, dtype, engine, threads, drafts, prompt_names, new_tokens, gamma, out) -> None:
+    """Each draft's measured acceptance against its measured cost on this machine, beside the
+    break-even curve of the probe's verify costs: whether any self-draft can pay here, and by how
+    much."""
+    _threads(threads)
+    out_dir = Path(out)
+    with _user_errors():
+        prompts = _pick_prompts(prompt_names) or {name: PROMPTS[name] for name in ("code", "summary")}
+        loaded = _load(model, _dtype(model, dtype, engine), engine=engine)
+        token_budget(1, new_tokens, loaded.context_length, new_tokens_name="--new-tokens")
+        saved = saved_draft_path(loaded)
+        chosen = list(drafts) or self_drafts(loaded, saved.read_text().strip() if saved.exists() else None)
+        for draft in chosen:
+            make_drafter(draft, loaded)  # a bad spec fails here, in one line, before anything is timed
+        encoded = [loaded.encode(p, chat=k in CHAT_PROMPTS) for k, p in prompts.items()]
+        with _Progress("frontier") as progress:
+            result = measure_frontier(loaded, chosen, encoded, pass_costs_of(loaded, _checked_probe_row(loaded)),
+                                      new_tokens, gamma, cpu=cpu_info().line(), on_progress=progress)
+    write_json_atomic(out_dir / "frontier.json", result.to_dict())
+    frontier_plot(result, out_dir / "frontier.png")
+    for p in result.points:
+        click.echo(f"{p.draft:<28} α {p.acceptance:.2f}  draft step {p.draft_cost:.2f}  measured {p.measured_speedup:.2f}x"
+                   f"  predicted {p.predicted_speedup:.2f}x at γ={p.predicted_gamma}"
+                   f"  {'pays' if p.above_break_even else 'below break-even'}")
+    click.echo(_frontier_line(result))
+    click.echo(f"wrote {out_dir / 'frontier.json'} and {out_dir / 'frontier.png'}")
 
 
 @main.command("plan")

@@ -270,3 +270,27 @@ change {best.score(rank).change:+.4g} [{best.score(rank).change_low:+.4g}, {best
 {_inline_images(images)}
 </body></html>"""
     return write_bytes_atomic(path, page.encode("utf-8"))
+
+
+def frontier_plot(result, path: str | Path) -> Path:
+    """Each drafter's measured acceptance against its draft cost, over the break-even curve of
+    this machine's verify costs (decoding/frontier.py), as a PNG."""
+    fig, ax = _figure(6.4, 4.4)
+    curve = [(c, a) for c, a in result.curve if a is not None]
+    if curve:
+        costs, alphas = zip(*curve)
+        ax.plot(costs, alphas, color="black", linewidth=1.2, label="break-even (best draft length)")
+        ax.fill_between(costs, alphas, 1.0, color="tab:green", alpha=0.08, label="a draft here can pay")
+    for point in result.points:
+        colour = "tab:green" if point.above_break_even else "tab:red"
+        ax.scatter([point.draft_cost], [point.acceptance], color=colour, s=28, zorder=3)
+        ax.annotate(f"{point.draft} ({point.measured_speedup:.2f}x)", (point.draft_cost, point.acceptance),
+                    textcoords="offset points", xytext=(4, 4), fontsize=7)
+    ax.set_xlim(-0.02, max([1.2] + [p.draft_cost + 0.1 for p in result.points]))
+    ax.set_ylim(0.0, 1.02)
+    ax.set_xlabel("draft step cost (plain steps)")
+    ax.set_ylabel("per-token acceptance α")
+    ax.set_title(f"{result.model} ({result.precision}): draft frontier at γ={result.gamma}, "
+                 f"plain {result.plain_ms_per_token:.1f} ms/token", fontsize=9)
+    ax.legend(fontsize=7, loc="lower right")
+    return _save(fig, path)

@@ -1,5 +1,5 @@
 """The whole job in one call: scan, search a draft, benchmark it against plain decoding and
-transformers, check exactness, keep the plan for the `auto` drafter. Printing and the report's
+transformers, check exactness, keep the plan for the `auto` drafter, and draw the draft frontier. Printing and the report's
 files live in the CLI and report."""
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass, field
 
 from layerplan.app.bench import CHAT_PROMPTS, PROMPTS, BenchResult, bench_methods, run_bench
 from layerplan.decoding.drafters.registry import save_draft_plan
+from layerplan.decoding.frontier import FrontierResult, measure_frontier, pass_costs_of, self_drafts
 from layerplan.decoding.generate import generate
 from layerplan.engine.probe import ProbeRow
 from layerplan.models.loading import LoadedModel
@@ -43,6 +44,8 @@ class TuneResult:
     best: DraftChoice | None = None
     saved_plan: str | None = None  # the skip plan kept for the `auto` drafter, if it was worth keeping
     saved_to: str | None = None  # where it was kept (decoding/drafters/registry.py save_draft_plan)
+    # every family's acceptance against its draft cost, beside the break-even curve (frontier.py)
+    frontier: FrontierResult | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -110,7 +113,13 @@ def tune(
         ))
     best = max(choices, key=lambda c: c.speedup_median)
     saved_to = save_draft_plan(model, plan) if plan is not None else None
+
+    _stage(on_stage, "frontier: each draft family's acceptance against its cost, and the break-even curve")
+    frontier = measure_frontier(model, self_drafts(model, plan.to_string() if plan is not None else None),
+                                [model.encode(p, chat=k in CHAT_PROMPTS) for k, p in prompts.items()],
+                                pass_costs_of(model, probe_row), new_tokens, cpu=bench.cpu.line(),
+                                on_progress=on_progress)
     return TuneResult(model.name, model.precision, scanned, greedy, predicted, bench,
                       choices, best, plan.to_string() if plan is not None else None,
-                      str(saved_to) if saved_to is not None else None)
+                      str(saved_to) if saved_to is not None else None, frontier)
 
