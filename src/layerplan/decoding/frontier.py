@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 from layerplan.decoding.draft_length import FixedLength, expected_speedup
 from layerplan.decoding.generate import generate
@@ -41,10 +42,12 @@ def pass_costs_of(model, probe_row: ProbeRow | None = None) -> dict[int, float]:
 
 def self_drafts(model, plan: str | None = None) -> list[str]:
     """The drafts of the frontier's families for `model`: exits at half and three quarters of its
-    layers, online skips, a searched skip plan if given, and the lookups."""
+    layers, online skips, a searched skip plan if given, a 4-bit copy of it (where it has a file to
+    quantize again from), and the lookups."""
     layers = len(model.parts.layers)
     exits = sorted({max(1, layers // 2), max(1, 3 * layers // 4)})
-    return [*(f"exit:{e}" for e in exits), "online", *([plan] if plan else []), "ngram", "suffix"]
+    copy = ["self:bits=q4_0"] if model.source and Path(model.source).exists() else []
+    return [*(f"exit:{e}" for e in exits), "online", *([plan] if plan else []), *copy, "ngram", "suffix"]
 
 
 def verify_cost(pass_costs: dict[int, float], k: int) -> float:

@@ -1,4 +1,5 @@
-"""Classic speculative decoding: a separate small model that shares the tokenizer drafts."""
+"""Classic speculative decoding: a separate small model that shares the tokenizer drafts (or the
+target's own weights quantized again to fewer bits: `self:bits=`)."""
 
 from __future__ import annotations
 
@@ -14,10 +15,12 @@ from layerplan.plan.plan import LayerPlan
 class ModelDrafter(AutoregressiveDrafter):
     """Classic speculative decoding with a separate small model that shares the tokenizer."""
 
-    def __init__(self, model: LoadedModel, min_confidence: float = 0.0) -> None:
+    def __init__(self, model: LoadedModel, min_confidence: float = 0.0, plan: LayerPlan | None = None,
+                 name: str | None = None) -> None:
+        """plan: how the draft model runs (its full plan by default); name: the spec it came from."""
         self.model = model
-        self.plan = model.plan()
-        self.name = f"model:{model.name}"
+        self.plan = plan if plan is not None else model.plan()
+        self.name = name or f"model:{model.name}"
         self.min_confidence = min_confidence
         self.cache: KVCache | None = None
         self.fed: list[int] = []  # tokens whose KV is in self.cache, in order

@@ -21,7 +21,9 @@ from layerplan.decoding.drafters.online import OnlineSkipDrafter
 from layerplan.decoding.drafters.plan import ExitHeadDrafter, PlanDrafter, WindowedDrafter
 from layerplan.decoding.drafters.staged import StagedDrafter
 from layerplan.decoding.drafters.suffix import SuffixDrafter, read_corpus
-from layerplan.engine.load import load_model
+from layerplan.engine.load import QUANTIZE_AT_LOAD, load_model
+from layerplan.engine.native import BoundedCache
+from layerplan.models.architectures import ModelError
 from layerplan.models.loading import LoadedModel, cache_dir
 from layerplan.plan.formats import save_plan
 from layerplan.plan.plan import LayerPlan
@@ -119,6 +121,37 @@ def _model(arg: str | None, text: str, ctx: Context) -> Drafter:
     return ModelDrafter(load_model(arg, dtype=ctx.model.dtype, device=ctx.model.device), ctx.min_confidence)
 
 
+# quantized copies of a model kept for its `self:bits=` drafts, by (source, precision): a copy
+# quantizes the whole model at load (seconds), and every decode builds its drafter anew
+_QUANTIZED_COPIES: BoundedCache = BoundedCache(2)
+
+
+def _quantized_copy(model: LoadedModel, precision: str) -> LoadedModel:
+    key = (model.source, precision)
+    copy = _QUANTIZED_COPIES.get(key)
+    if copy is None:
+        copy = _QUANTIZED_COPIES[key] = load_model(model.source, dtype=precision)
+    return copy
+
+
+def _self(arg: str | None, text: str, ctx: Context) -> Drafter:
+    spec, _, rest = (arg or "").partition("/")
+    key, _, bits = spec.partition("=")
+    bits = bits.strip().lower()
+    if key.strip() != "bits" or bits.removesuffix("-fast") not in QUANTIZE_AT_LOAD:
+        raise ValueError(f"cannot read '{text}': expected self:bits=FORMAT[/PLAN] with FORMAT one of "
+                         f"{', '.join(QUANTIZE_AT_LOAD)} (e.g. self:bits=q4_0, self:bits=q3_k/exit:20)")
+    if ctx.model.device.type != "cpu":
+        raise ValueError(f"'{text}' quantizes the model again on the CPU: this model's weights are on "
+                         f"{ctx.model.device}")
+    # the copy's products in integer arithmetic where the format has them: a draft need not be exact
+    try:
+        copy = _quantized_copy(ctx.model, bits if bits.endswith("-fast") else f"{bits}-fast")
+    except ModelError as error:
+        raise ValueError(f"'{text}' quantizes the model again from its file: {error}") from None
+    return ModelDrafter(copy, ctx.min_confidence, plan=copy.plan(rest) if rest else None, name=text)
+
+
 def _online(arg: str | None, text: str, ctx: Context) -> Drafter:
     options: dict = {}
     for item in arg.split(",") if arg else []:
@@ -155,6 +188,9 @@ DRAFTERS: dict[str, DrafterKind] = {
     "dynamic": DrafterKind("dynamic:POLICY", "per-token early exit: confidence=P | entropy=H | cosine=C, then "
                            "min=N, every=K, vocab=K, kv=propagate|verify", _dynamic),
     "model": DrafterKind("model:PATH", "a separate small model with the same tokenizer", _model),
+    "self": DrafterKind("self:bits=FORMAT[/PLAN]", "the same model quantized again at load to a block format of "
+                        "fewer bits (q4_0, q3_k, q2_k, ...; integer products), run by PLAN if given (exit:E, "
+                        "skip:...), with a KV cache of its own", _self),
     "online": DrafterKind("online[:every=R,calibration=T,start=F]", "the target skipping the sub-layers that turn "
                           "the residual stream least on the last T verified tokens, re-chosen every R rounds, how "
                           "many by measured speed (no search needed)", _online),
