@@ -63,7 +63,7 @@ test-latest:
 # (LAYERPLAN_SANITIZE=1: a library of its own in the build cache). The ASan runtime must come first
 # in a Python host, so it is preloaded; Python's and torch's own allocations are not leak-checked.
 # Any report fails the run (the kernels are built with -fno-sanitize-recover=all).
-SANITIZE_TESTS ?= tests/test_kernels.py tests/test_native.py tests/test_tree.py
+SANITIZE_TESTS ?= tests/test_kernels.py tests/test_native.py tests/test_tree.py tests/test_batch.py
 test-sanitize: $(STAMP)
 	LAYERPLAN_SANITIZE=1 LD_PRELOAD="$$($${CC:-cc} -print-file-name=libasan.so)" \
 	ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
