@@ -31,7 +31,8 @@ import numpy as np
 from layerplan.files import atomic_file
 
 # layerplan dtype -> (GGUF tensor type name, general.file_type value of llama.cpp's LLAMA_FTYPE)
-GGUF_PRECISIONS = {"float32": ("F32", 0), "bfloat16": ("BF16", 32), "float16": ("F16", 1)}
+GGUF_PRECISIONS = {"float32": ("F32", 0), "bfloat16": ("BF16", 32), "float16": ("F16", 1),
+                   "q8_0": ("Q8_0", 7), "q4_0": ("Q4_0", 2)}  # (GGUF type, llama.cpp's file type)
 SHORT_DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 # layerplan drafters whose llama.cpp counterpart is llama-lookup (n-gram drafts from the context)
 LOOKUP_COUNTERPARTS = ("ngram", "suffix", "auto")
