@@ -551,8 +551,8 @@ class PassEnds:
 
 def _rows_limit(dtype: torch.dtype) -> int | None:
     """Longest pass the kernels take; longer ones (prefill) run PyTorch's own kernels where those
-    are as fast or faster: MKL's fp32 GEMM from about 128 rows (AVX2 EPYC: 3072x576 on 128 rows
-    6.6 ms both), oneDNN's bf16 GEMM on CPUs with native bf16 instructions."""
+    are as fast or faster: MKL's fp32 GEMM from about 128 rows, oneDNN's bf16 GEMM on CPUs with
+    native bf16 instructions (docs/lab/engine-rounds.md has the timings)."""
     _, flags = read_cpuinfo()
     if "avx512_bf16" in (flags or ()) or "amx_bf16" in (flags or ()):
         return 32

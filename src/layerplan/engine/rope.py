@@ -1,8 +1,8 @@
 """Rotary embeddings by table, for the native engine: the model's own rotary module, run over
 blocks of positions once, then sliced for every pass after.
 
-Why: calling the module costs a pass a dozen small PyTorch operations (0.2-0.3 ms of a 12 ms bf16
-step of SmolLM2 on the AVX2 EPYC, their code and data cold after the layers). The table holds what
+Why: calling the module costs a pass a dozen small PyTorch operations, whose code and data are cold
+after the layers (a few percent of a small model's step). The table holds what
 the module returns for each position: every value is a function of its own position (a product of
 the position and a frequency, its cosine or sine, a scaling, a cast). It is computed in blocks of
 64 positions, one call each, so a position's values do not depend on how long the table has grown
@@ -74,7 +74,7 @@ def chain_rotary_embedding(rotary: nn.Module, like: torch.Tensor, start: int, le
                            layer_type: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """rotary_embedding of the positions start..start+length-1, which a table serves without a
     tensor of them (a decoding step's Python runs cold after the layers: every PyTorch call it
-    leaves out saves it about 0.1 ms on the AVX2 EPYC)."""
+    leaves out counts)."""
     if not takes_table(rotary, layer_type):
         return _call(rotary, like, torch.arange(start, start + length, device=like.device)[None], layer_type)
     cos, sin = _table(rotary, like, start + length, layer_type)
