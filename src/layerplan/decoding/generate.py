@@ -9,11 +9,12 @@ from collections.abc import Callable, Sequence
 import torch
 
 from layerplan.decoding.drafters.dynamic_exit import DynamicExit, ExitPolicy
-from layerplan.decoding.output import Emitter, GenerationResult, prompt_ids
-from layerplan.decoding.sampling import SamplingParams, penalty_context, pick
+from layerplan.decoding.output import GenerationResult
+from layerplan.decoding.request import DecodeRequest
+from layerplan.decoding.sampling import SamplingParams
 from layerplan.decoding.speculative import speculative_generate
-from layerplan.engine.probe import PaceCheck, ProbeRow
-from layerplan.engine.runner import forward, new_cache
+from layerplan.engine.probe import ProbeRow
+from layerplan.engine.runner import forward
 from layerplan.models.loading import LoadedModel
 from layerplan.plan.plan import LayerPlan
 
@@ -65,7 +66,7 @@ def generate(
     return decoding.result()
 
 
-class Decoding:
+class Decoding(DecodeRequest):
     """One request's plain decode, a token at a time: the prompt's prefill, then for each token the
     logits of the last one, from a step of its own (step: generate) or from a pass shared with
     other requests (next_pass / take_pass: decoding/batch.py). exit_policy: dynamic early exit per
@@ -78,39 +79,12 @@ class Decoding:
                  probe_row: ProbeRow | None = None, exit_policy=None) -> None:
         if max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
-        self.model, self.plan = model, plan
-        self.sampling = sampling or SamplingParams()
-        self.generator = torch.Generator(device="cpu").manual_seed(seed) if seed is not None else None
-        self.ids = prompt_ids(model, prompt, chat)
-        self.out = Emitter(model, max_new_tokens, stop, stop_at_eos, on_text, should_stop)
-        self.cache = new_cache(plan, capacity=self.ids.shape[1] + max_new_tokens + 1)
-        self.context = self.ids[0].tolist()
+        super().__init__(model, prompt, plan, max_new_tokens, sampling, seed, stop, stop_at_eos, chat, on_text,
+                         should_stop, probe_row)
         self.dynamic = None
         if exit_policy is not None:
             policy = ExitPolicy.parse(exit_policy) if isinstance(exit_policy, str) else exit_policy
             self.dynamic = DynamicExit(model, plan, policy)
-        self.start = time.perf_counter()
-        self.prefill_seconds = 0.0
-        self.pace = PaceCheck(probe_row)  # its passes against this machine's probe (result.slow_note)
-
-    @property
-    def done(self) -> bool:
-        return self.out.done
-
-    def prefill(self) -> None:
-        """The prompt through the plan alone, and the first token (batch.prefill_all does several)."""
-        self.prefilled(forward(self.model, self.ids, self.plan, self.cache, 0, last_only=True)[0, -1])
-
-    def prefilled(self, logits: torch.Tensor) -> None:
-        """The first token, from the prompt's last logits (vocab,)."""
-        self.prefill_seconds = time.perf_counter() - self.start
-        self.take(logits)
-
-    def take(self, logits: torch.Tensor) -> None:
-        """The next token from the logits (vocab,) of the last one."""
-        token = pick(logits, self.sampling, penalty_context(self.context, self.sampling, logits.device), self.generator)
-        self.context.append(token)
-        self.out.emit([token])
 
     def step(self) -> None:
         """The next token from a step of its own (a dynamic exit's, where one is set)."""

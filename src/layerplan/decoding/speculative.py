@@ -29,10 +29,11 @@ from layerplan.decoding.acceptance import accept_draft, accept_tree
 from layerplan.decoding.draft_length import FixedLength, make_draft_length
 from layerplan.decoding.drafters.base import DraftState, Drafter, LearnsFromRounds, Proposal, RoundOutcome
 from layerplan.decoding.drafters.registry import make_drafter
-from layerplan.decoding.output import Emitter, GenerationResult, prompt_ids
+from layerplan.decoding.output import GenerationResult
+from layerplan.decoding.request import DecodeRequest
 from layerplan.decoding.sampling import SamplingParams, next_token_probs, penalty_context, pick
-from layerplan.engine.probe import PaceCheck, ProbeRow
-from layerplan.engine.runner import forward, new_cache
+from layerplan.engine.probe import ProbeRow
+from layerplan.engine.runner import forward
 from layerplan.engine.tree import TreeShape
 from layerplan.models.loading import LoadedModel
 from layerplan.plan.plan import LayerPlan
@@ -141,7 +142,7 @@ def speculative_generate(
     return decoding.result()
 
 
-class SpeculativeDecoding:
+class SpeculativeDecoding(DecodeRequest):
     """One request's speculative decode, a round at a time: the round alone (round()), or its
     verify pass given by whoever runs it, in a batch with other requests' (next_pass / take_pass:
     chains only, the draft length capped by the batch's row budget)."""
@@ -151,43 +152,22 @@ class SpeculativeDecoding:
                  stop: Sequence[str] = (), stop_at_eos: bool | Sequence[int] = True, chat: bool = False,
                  on_text: Callable[[str], None] | None = None, draft_length=None, draft_confidence: float = 0.0,
                  should_stop: Callable[[], bool] | None = None, probe_row: ProbeRow | None = None) -> None:
-        self.model = model
-        self.target = target = plan if plan is not None else model.plan()
+        target = plan if plan is not None else model.plan()
         costs = dict(probe_row.relative) if probe_row is not None else {}
         self.drafter = make_drafter(drafter, model, target, draft_confidence, costs)
         self.learner = self.drafter if isinstance(self.drafter, LearnsFromRounds) else None
         if draft_length is None and self.learner is not None:
             draft_length = FixedLength(self.learner.max_draft)  # it picks its own length per round
         self.lengths = make_draft_length(draft_length, pass_costs=costs)
-        self.pace = PaceCheck(probe_row)
-        self.sampling = sampling or SamplingParams()
-        self.generator = torch.Generator(device="cpu").manual_seed(seed) if seed is not None else None
-        self.ids = prompt_ids(model, prompt, chat)
-        self.max_new_tokens = max_new_tokens
-        self.out = Emitter(model, max_new_tokens, stop, stop_at_eos, on_text, should_stop)
-        self.stats = SpeculativeStats(self.drafter.name)
-        self.start = time.perf_counter()
         max_gamma = getattr(self.lengths, "max_gamma", getattr(self.lengths, "gamma", 8))
+        super().__init__(model, prompt, target, max_new_tokens, sampling, seed, stop, stop_at_eos, chat, on_text,
+                         should_stop, probe_row, spare=max_gamma + 2)
+        self.target = target  # the prompt prefills through it: the full target, always (skipping layers on
+        # the prompt ruins acceptance)
+        self.max_new_tokens = max_new_tokens
+        self.stats = SpeculativeStats(self.drafter.name)
         self.trees = not any(layer.sliding_window for layer in model.parts.layers)  # a tree pass needs full attention
-        self.cache = new_cache(target, capacity=self.ids.shape[1] + max_new_tokens + max_gamma + 2)
-        self.context: list[int] = []
-        self.prefill_seconds = 0.0
         self._round: tuple | None = None  # (gamma, draft, proposal, t0, t1) of the round whose pass is out
-
-    @property
-    def done(self) -> bool:
-        return self.out.done
-
-    def prefill(self) -> None:
-        """The prompt through the full target, always (skipping layers on it ruins acceptance)."""
-        self.prefilled(forward(self.model, self.ids, self.target, self.cache, 0, last_only=True)[0, -1])
-
-    def prefilled(self, logits: torch.Tensor) -> None:
-        self.prefill_seconds = time.perf_counter() - self.start
-        self.context = self.ids[0].tolist()
-        token = pick(logits, self.sampling, penalty_context(self.context, self.sampling, logits.device), self.generator)
-        self.context.append(token)  # pending: chosen, not yet in the cache
-        self.out.emit([token])
 
     def _propose(self, cap: int | None) -> tuple[int, Proposal | None, float, float]:
         gamma = min(self.lengths.next_gamma(), self.max_new_tokens - len(self.out.tokens) - 1)
