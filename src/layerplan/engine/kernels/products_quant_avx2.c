@@ -558,13 +558,19 @@ ALWAYS void nibble_words(const istate *s, int c, __m256i *wl, __m256i *wh) {
     *wh = high_nibbles(v);
 }
 
+/* the scales of a sub-block whose quants are centred on `zero` (w = d (q - zero)): the offset is
+ * -zero d */
+ALWAYS void centred_scales(istate *s, __m256 dl, __m256 dh, float zero) {
+    s->dl = dl;
+    s->dh = dh;
+    s->ol = mul(dl, _mm256_set1_ps(-zero));
+    s->oh = mul(dh, _mm256_set1_ps(-zero));
+}
+
 #define Q4_0_ISUB 32
 ALWAYS void q4_0_iset(istate *s, const uint8_t *pb, int sub) {
     (void)sub;
-    s->dl = half8(pb);
-    s->dh = half8(pb + 16);
-    s->ol = mul(s->dl, _mm256_set1_ps(-8.0f));
-    s->oh = mul(s->dh, _mm256_set1_ps(-8.0f));
+    centred_scales(s, half8(pb), half8(pb + 16), 8.0f);
     s->q = pb + 32;
 }
 #define q4_0_iload nibble_words
@@ -612,10 +618,7 @@ ALWAYS void q4_k_iset(istate *s, const uint8_t *pb, int sub) {
 #define Q8_0_ISUB 32
 ALWAYS void q8_0_iset(istate *s, const uint8_t *pb, int sub) {
     (void)sub;
-    s->dl = half8(pb);
-    s->dh = half8(pb + 16);
-    s->ol = mul(s->dl, _mm256_set1_ps(-128.0f));
-    s->oh = mul(s->dh, _mm256_set1_ps(-128.0f));
+    centred_scales(s, half8(pb), half8(pb + 16), 128.0f);
     s->q = pb + 32;
 }
 ALWAYS void q8_0_iload(const istate *s, int c, __m256i *wl, __m256i *wh) {
@@ -666,10 +669,7 @@ ALWAYS void fifth_words(const istate *s, int c, int flip, __m256i *wl, __m256i *
 #define Q5_0_ISUB 32
 ALWAYS void q5_0_iset(istate *s, const uint8_t *pb, int sub) {
     (void)sub;
-    s->dl = half8(pb);
-    s->dh = half8(pb + 16);
-    s->ol = mul(s->dl, _mm256_set1_ps(-16.0f));
-    s->oh = mul(s->dh, _mm256_set1_ps(-16.0f));
+    centred_scales(s, half8(pb), half8(pb + 16), 16.0f);
     s->h = pb + 32;
     s->q = pb + 96;
 }
@@ -698,10 +698,7 @@ ALWAYS void q5_k_iload(const istate *s, int c, __m256i *wl, __m256i *wh) { fifth
 #define Q6_K_ISUB 16
 ALWAYS void q6_k_iset(istate *s, const uint8_t *pb, int sub) {
     const uint8_t *sc = pb + 32 + 16 * sub;
-    s->dl = mul(half8(pb), cvt(sbytes8(sc)));
-    s->dh = mul(half8(pb + 16), cvt(sbytes8(sc + 8)));
-    s->ol = mul(s->dl, _mm256_set1_ps(-32.0f));
-    s->oh = mul(s->dh, _mm256_set1_ps(-32.0f));
+    centred_scales(s, mul(half8(pb), cvt(sbytes8(sc))), mul(half8(pb + 16), cvt(sbytes8(sc + 8))), 32.0f);
     s->h = pb + 288 + 64 * sub;
     s->q = pb + 1312 + 128 * sub;
 }
