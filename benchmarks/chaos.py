@@ -25,6 +25,7 @@ Every loop is bounded: a run that overstays its limit stops its processes and fa
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
 import random
@@ -204,6 +205,13 @@ def _study_rows(pg: Postgres, study: str, sql_tail: str, *params) -> list[tuple]
                     f"WHERE s.study_name = %s {sql_tail}", *params)
 
 
+def _completed_before(pg: Postgres, study: str, trial: int, moment: datetime.datetime) -> bool:
+    """Whether the trial is COMPLETE with its completion stamped no later than `moment`."""
+    rows = pg.query("SELECT t.state::text, t.datetime_complete FROM trials t JOIN studies s ON s.study_id = t.study_id "
+                    "WHERE s.study_name = %s AND t.number = %s", study, trial)
+    return bool(rows) and rows[0][0] == "COMPLETE" and rows[0][1] is not None and rows[0][1] <= moment
+
+
 def run_search_chaos(settings: SearchSettings, folder: Path, say=print, pg: Postgres | None = None) -> SearchReport:
     own = pg is None
     pg = pg or Postgres()
@@ -268,7 +276,7 @@ def run_search_chaos(settings: SearchSettings, folder: Path, say=print, pg: Post
                     if trial is not None or worker.process.poll() is not None:
                         break
                     time.sleep(0.05)
-                sent = time.monotonic()
+                sent, sent_at = time.monotonic(), datetime.datetime.now()  # (optuna's clock: naive local time)
                 worker.process.send_signal(signal.SIGTERM if how == "SIGTERM" else signal.SIGINT)
                 failed_after = None
                 while time.monotonic() - sent < 10:
@@ -276,7 +284,8 @@ def run_search_chaos(settings: SearchSettings, folder: Path, say=print, pg: Post
                         state = _study_rows(pg, study, "AND t.number = %s", "plan", study, trial)[0][1]
                         if state != "RUNNING":
                             failed_after = time.monotonic() - sent
-                            if state != "FAIL":
+                            # a trial whose result was committed before the signal landed ends COMPLETE
+                            if state != "FAIL" and not _completed_before(pg, study, trial, sent_at):
                                 report.problems.append(f"{how}: trial {trial} ended {state}, not FAIL")
                     if worker.process.poll() is not None and (trial is None or failed_after is not None):
                         break
