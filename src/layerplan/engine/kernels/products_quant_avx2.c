@@ -816,6 +816,15 @@ ALWAYS __m256i four_bytes(const int8_t *p) {
         }                                                                                          \
     }
 
+/* the one-panel tiles by rows: sums in registers for up to 4 rows, in y for 5 and 6 */
+#define PANEL_TILES(F, f)                                                                          \
+    ITILE(f##_i1, F, f, 1)                                                                         \
+    ITILE(f##_i2, F, f, 2)                                                                         \
+    ITILE(f##_i3, F, f, 3)                                                                         \
+    ITILE(f##_i4, F, f, 4)                                                                         \
+    ITILE_Y(f##_i5, F, f, 5)                                                                       \
+    ITILE_Y(f##_i6, F, f, 6)
+
 #if defined(__AVX512BW__) && defined(__AVX512VNNI__)
 /* fifths as the 32-byte tiles take them, for 16 bytes of bits (panel A's and B's quads) */
 ALWAYS void fifths2(__m128i bits, int flip, __m512i *fl, __m512i *fh) {
@@ -971,12 +980,7 @@ ALWAYS void store_ab(float *o, int at, __m512 v) {
 /* pairs of panels on 64-byte words; a panel alone (a run's odd last one) on the 32-byte tiles,
  * whose integers are the same */
 #define ITILES(F, f)                                                                               \
-    ITILE(f##_i1, F, f, 1)                                                                         \
-    ITILE(f##_i2, F, f, 2)                                                                         \
-    ITILE(f##_i3, F, f, 3)                                                                         \
-    ITILE(f##_i4, F, f, 4)                                                                         \
-    ITILE_Y(f##_i5, F, f, 5)                                                                       \
-    ITILE_Y(f##_i6, F, f, 6)                                                                       \
+    PANEL_TILES(F, f)                                                                              \
     ITILE_Y(f##_i7, F, f, 7)                                                                       \
     ITILE_Y(f##_i8, F, f, 8)                                                                       \
     ZPAIR(f##_p1, F, f, 1, 0)                                                                      \
@@ -990,14 +994,8 @@ ALWAYS void store_ab(float *o, int at, __m512 v) {
     static const lp_int_tiles int_tiles_##f = {{NULL, f##_i1, f##_i2, f##_i3, f##_i4, f##_i5, f##_i6, f##_i7, f##_i8}, \
                                                {NULL, f##_p1, f##_p2, f##_p3, f##_p4, f##_p5, f##_p6, f##_p7, f##_p8}, 8};
 #else
-/* the tiles by rows: sums in registers for up to 4 rows, in y for 5 and 6 */
 #define ITILES(F, f)                                                                               \
-    ITILE(f##_i1, F, f, 1)                                                                         \
-    ITILE(f##_i2, F, f, 2)                                                                         \
-    ITILE(f##_i3, F, f, 3)                                                                         \
-    ITILE(f##_i4, F, f, 4)                                                                         \
-    ITILE_Y(f##_i5, F, f, 5)                                                                       \
-    ITILE_Y(f##_i6, F, f, 6)                                                                       \
+    PANEL_TILES(F, f)                                                                              \
     static const lp_int_tiles int_tiles_##f = {{NULL, f##_i1, f##_i2, f##_i3, f##_i4, f##_i5, f##_i6}, {NULL}, 6};
 #endif
 
