@@ -90,6 +90,12 @@ def test_speculation_inside_a_batch_keeps_each_requests_solo_output(draft):
         for prompt, result in zip(prompts, batched):
             assert result.token_ids == generate(model, prompt, max_new_tokens=14, stop_at_eos=False).token_ids
     assert any(r.stats["drafted"] for r in batched)
+    # four at once: 16 rows a pass leave each 3 drafts, under the fixed length's 4; each says so
+    full = generate_batch(model, prompts, max_new_tokens=14, stop_at_eos=False, max_batch=4, draft=draft,
+                          draft_length="fixed")
+    assert all(r.stats["capped_rounds"] > 0 for r in full)
+    alone = generate_batch(model, prompts[:1], max_new_tokens=14, stop_at_eos=False, draft=draft, draft_length="fixed")
+    assert alone[0].stats["capped_rounds"] == 0
     sampling = SamplingParams(temperature=0.9)
     # a fixed draft length: the adaptive one follows the passes' timings, and the random draws follow it
     sampled = generate_batch(model, prompts, max_new_tokens=10, sampling=sampling, seeds=[1, 2, 3, 4],

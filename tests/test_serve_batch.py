@@ -45,6 +45,8 @@ def test_concurrent_requests_share_passes_and_each_reply_is_its_solo_run(batched
         solo = generate(smollm2, smollm2.tokenizer(prompt).input_ids, max_new_tokens=n, sampling=SamplingParams())
         assert reply["choices"][0]["text"] == solo.text, prompt
     assert app.state.engine.counters.running == 0 and app.state.engine.batch == 0
+    recent = httpx.get(f"{base}/health").json()["batch_recent"]  # the batch over the last minute
+    assert recent["passes"] > 0 and 1 <= recent["mean_batch"] <= recent["max_batch"] <= 4
 
 
 def test_seeded_sampling_in_a_batch_is_its_solo_run(batched, smollm2):

@@ -30,6 +30,7 @@ import socket
 import threading
 import time
 import uuid
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -57,6 +58,8 @@ from layerplan.plan.plan import LayerPlan
 # plain decodes batched at most (serve --max-batch): on a CPU a pass of 8 tokens costs little more
 # than one, so 8 clients decode at nearly one client's pace each
 DEFAULT_MAX_BATCH = 8
+PASSES_KEPT = 4096  # the latest passes /health summarises (a few minutes of a busy server's)
+RECENT_SECONDS = 60.0  # the span of /health's batch_recent
 
 
 # ----- errors ------------------------------------------------------------------------------------
@@ -233,6 +236,8 @@ class Engine:
             and drafts_by_lookup(self.drafter) else None
         self.max_batch = max_batch if self.drafter is None or self.draft_spec is not None else 1
         self.batch = 0  # decodes in the batch now
+        # (monotonic time, decodes in the pass) of the latest passes, for /health's batch over time
+        self.passes: deque[tuple[float, int]] = deque(maxlen=PASSES_KEPT)
         self.counters = EngineCounters()
         self._lock = threading.Lock()
         self._jobs: queue.Queue = queue.Queue()  # FIFO: fair in arrival order
@@ -310,8 +315,16 @@ class Engine:
                     batch.join(future, decoding)
             self.batch = len(batch)
             if len(batch):
+                self.passes.append((time.monotonic(), len(batch)))
                 self._step(batch)
         self.batch = 0
+
+    def batch_recent(self, seconds: float = RECENT_SECONDS) -> dict:
+        """The passes of the last `seconds`: how many, and the decodes they carried (mean, most)."""
+        since = time.monotonic() - seconds
+        sizes = [size for at, size in list(self.passes) if at >= since]
+        return {"seconds": seconds, "passes": len(sizes), "mean_batch": sum(sizes) / len(sizes) if sizes else 0.0,
+                "max_batch": max(sizes, default=0)}
 
     def _step(self, batch: Batch) -> None:
         """One pass for the batch; the jobs it finished get their results. A pass that fails fails
@@ -465,7 +478,7 @@ def create_app(model: LoadedModel, plan: LayerPlan | None = None, draft=None, dr
     async def health():
         return {"status": "ok", "model": name, "plan": engine.plan.to_string(),
                 "draft": getattr(engine.drafter, "name", None), **vars(engine.counters),
-                "batch": engine.batch, "max_batch": engine.max_batch,
+                "batch": engine.batch, "max_batch": engine.max_batch, "batch_recent": engine.batch_recent(),
                 "slow_decode": engine.slow_note}
 
     @app.get("/v1/models")

@@ -61,6 +61,9 @@ class SpeculativeStats:
     accepted: int = 0
     emitted: int = 0  # tokens produced by the rounds (accepted + recovered/bonus)
     plain_rounds: int = 0  # rounds with nothing drafted (a plain decoding step)
+    # rounds whose draft length the batch's row budget cut (decoding/batch.py): a busy server
+    # drafts less
+    capped_rounds: int = 0
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
     drafted_at: list[int] = field(default_factory=list)  # per draft position: times drafted
@@ -171,8 +174,9 @@ class SpeculativeDecoding(DecodeRequest):
 
     def _propose(self, cap: int | None) -> tuple[int, Proposal | None, float, float]:
         gamma = min(self.lengths.next_gamma(), self.max_new_tokens - len(self.out.tokens) - 1)
-        if cap is not None:
-            gamma = min(gamma, cap)
+        if cap is not None and cap < gamma:
+            gamma = cap
+            self.stats.capped_rounds += 1
         t0 = time.perf_counter()
         state = DraftState(self.model, self.target, self.cache, self.context, self.sampling, self.generator)
         proposal = self.drafter.propose(state, gamma) if gamma > 0 else None
