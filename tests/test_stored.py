@@ -366,3 +366,29 @@ def test_kept_panels_beyond_the_budget_go_least_recently_loaded_first(tmp_path, 
     PanelCache.for_file(files[1], "kernels")  # b loaded again: now the most recent
     kept = sorted(p.name[0] for p in (tmp_path / "cache" / "panels").iterdir())
     assert kept == ["b", "d"]  # b, then d: 2000 bytes; c would make 3000
+
+
+def test_kept_panels_are_read_in_parts_and_a_short_part_is_named(tmp_path, monkeypatch):
+    """read_parts: every part a job of its own, into its place; one that comes up short (the
+    entry cut while read) calls `short` and reports False."""
+    from layerplan.engine.panel_cache import PanelCache
+
+    monkeypatch.setattr(PanelCache, "READ_BYTES", 4)
+    entry = tmp_path / "e.panels"
+    entry.write_bytes(bytes(range(10)))
+    jobs, shorts = [], []
+
+    def run_now(job):
+        jobs.append(job)
+        from concurrent.futures import Future
+        done = Future()
+        done.set_result(job())
+        return done
+
+    out = torch.zeros(10, dtype=torch.uint8)
+    assert [f.result() for f in PanelCache.read_parts(entry, out, run_now, lambda: shorts.append(1))] == [True] * 3
+    assert len(jobs) == 3 and out.tolist() == list(range(10)) and not shorts
+    longer = torch.zeros(12, dtype=torch.uint8)
+    assert [f.result() for f in PanelCache.read_parts(entry, longer, run_now, lambda: shorts.append(1))] == \
+        [True, True, False]
+    assert shorts == [1]

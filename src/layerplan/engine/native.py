@@ -167,18 +167,17 @@ class PackedMatrix:
         arena's fill threads."""
         self.packed = arena.empty(nbytes, torch.uint8) if arena is not None else torch.empty(nbytes, dtype=torch.uint8)
         fill = arena.fill if arena is not None else _now
-        if entry is not None:  # in parts, so that a large matrix's pages fault in on every fill thread
-            for start in range(0, nbytes, PanelCache.READ_BYTES):
-                fill(partial(self._read_kept, weights, entry, start, min(PanelCache.READ_BYTES, nbytes - start)))
+        if entry is not None:
+            PanelCache.read_parts(entry, self.packed, fill, short=partial(self._pack_again, weights))
         elif panels is not None:
             fill(lambda: self._pack_and_keep(weights, panels))
         else:
             fill(lambda: self._pack_rows(weights))
 
-    def _read_kept(self, weights: list[StoredTensor], entry, start: int, count: int) -> None:
-        if not PanelCache.read(entry, self.packed[start:start + count], start):
-            with _REPACKING:  # the entry changed under us: the rows are packed again (the same bytes)
-                self._pack_rows(weights)
+    def _pack_again(self, weights: list[StoredTensor]) -> None:
+        """A kept entry changed under us while read: the rows are packed again (the same bytes)."""
+        with _REPACKING:
+            self._pack_rows(weights)
 
     def _pack_and_keep(self, weights: list[StoredTensor], panels: PanelCache) -> None:
         self._pack_rows(weights)

@@ -17,10 +17,12 @@ LAYERPLAN_PANEL_CACHE=0 turns the cache off.
 from __future__ import annotations
 
 import hashlib
-from functools import partial
 import os
 import shutil
 import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -59,11 +61,8 @@ class PanelCache:
         an entry's bytes over once read."""
         self._arena = WeightArena(fillers=max(fillers, 2))  # threads, even for one compute thread
         for entry in sorted(self.folder.glob("*.panels")):
-            size = entry.stat().st_size
-            out = self._arena.empty(size, torch.uint8)
-            reads = [self._arena.fill(partial(self.read, entry, out[start:start + self.READ_BYTES], start))
-                     for start in range(0, size, self.READ_BYTES)]
-            self._prefetched[entry.name] = (out, reads)
+            out = self._arena.empty(entry.stat().st_size, torch.uint8)
+            self._prefetched[entry.name] = (out, self.read_parts(entry, out, self._arena.fill))
         return self
 
     def take(self, entry: Path) -> torch.Tensor | None:
@@ -116,6 +115,20 @@ class PanelCache:
             return entry if entry.stat().st_size == nbytes else None
         except OSError:
             return None
+
+    @classmethod
+    def read_parts(cls, entry: Path, out: torch.Tensor, fill: Callable[[Callable[[], object]], Future],
+                   short: Callable[[], object] | None = None) -> list[Future]:
+        """Read the entry into `out` in parts of READ_BYTES, each a job for `fill` (so that a large
+        matrix's fresh pages fault in on every fill thread); a part that comes up short calls
+        `short` where given. Each future's result: whether its part was read whole."""
+        def part(start: int) -> bool:
+            whole = cls.read(entry, out[start:start + cls.READ_BYTES], start)
+            if not whole and short is not None:
+                short()
+            return whole
+
+        return [fill(partial(part, start)) for start in range(0, out.numel(), cls.READ_BYTES)]
 
     @staticmethod
     def read(entry: Path, out: torch.Tensor, start: int) -> bool:
