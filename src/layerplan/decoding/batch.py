@@ -35,7 +35,7 @@ ROW_BUDGET = 16
 PREFILL_CHUNK = 32
 
 
-@dataclass
+@dataclass(eq=False)  # one per decode: compared by identity
 class Prefill:
     """A decode whose prompt goes through the batch's passes a chunk at a time."""
 
@@ -131,8 +131,11 @@ class Batch:
         if self.whole:
             prefill_all(self.model, self.plan, [d for _, d in self.whole])
             self.decoding, self.whole = self.decoding + self.whole, []
-        gone = [(k, p) for k, p in self.prefilling if _lost_interest(p.decoding)]
-        self.prefilling = [(k, p) for k, p in self.prefilling if not _lost_interest(p.decoding)]
+        # asked once each: a client may hang up between two asks, and its decode would be in neither list
+        gone, staying = [], []
+        for entry in self.prefilling:
+            (gone if _lost_interest(entry[1].decoding) else staying).append(entry)
+        self.prefilling = staying
         if self.decoding or self.prefilling:
             completed = step_all(self.model, self.plan, [d for _, d in self.decoding], [p for _, p in self.prefilling])
             self.decoding += [(k, p.decoding) for k, p in self.prefilling if p in completed]

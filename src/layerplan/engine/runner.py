@@ -79,9 +79,11 @@ def forward_batch(model: LoadedModel, sequences: list[tuple[torch.Tensor, KVCach
     logits = executor_of(model).batch_pass(model, sequences, plan, wanted) if len(sequences) > 1 else None
     if logits is not None:
         return logits
-    # (the head on the last row alone where no more is wanted; none kept where none is)
-    return [forward(model, ids, plan, cache, start, last_only=rows <= 1)[0, ids.shape[1] - rows if rows > 1 else 1 - rows:]
-            for (ids, cache, start), rows in zip(sequences, wanted)]
+    every = []
+    for (ids, cache, start), rows in zip(sequences, wanted):
+        logits = forward(model, ids, plan, cache, start, last_only=rows <= 1)[0]  # the head on the last row alone
+        every.append(logits[logits.shape[0] - rows:])  # where no more is wanted; 0 rows: none
+    return every
 
 
 @torch.inference_mode()
