@@ -13,6 +13,7 @@ from layerplan.decoding.output import GenerationResult
 from layerplan.decoding.request import DecodeRequest
 from layerplan.decoding.sampling import SamplingParams
 from layerplan.decoding.speculative import speculative_generate
+from layerplan.engine.cache import KVCache
 from layerplan.engine.probe import ProbeRow
 from layerplan.engine.runner import forward
 from layerplan.models.loading import LoadedModel
@@ -70,17 +71,17 @@ class Decoding(DecodeRequest):
     """One request's plain decode, a token at a time: the prompt's prefill, then for each token the
     logits of the last one, from a step of its own (step: generate) or from a pass shared with
     other requests (next_pass / take_pass: decoding/batch.py). exit_policy: dynamic early exit per
-    token (its steps alone)."""
+    token (its steps alone). cache: see DecodeRequest."""
 
     def __init__(self, model: LoadedModel, prompt, plan: LayerPlan, max_new_tokens: int = 64,
                  sampling: SamplingParams | None = None, seed: int | None = None, stop: Sequence[str] = (),
                  stop_at_eos: bool | Sequence[int] = True, chat: bool = False,
                  on_text: Callable[[str], None] | None = None, should_stop: Callable[[], bool] | None = None,
-                 probe_row: ProbeRow | None = None, exit_policy=None) -> None:
+                 probe_row: ProbeRow | None = None, exit_policy=None, cache: KVCache | None = None) -> None:
         if max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
         super().__init__(model, prompt, plan, max_new_tokens, sampling, seed, stop, stop_at_eos, chat, on_text,
-                         should_stop, probe_row)
+                         should_stop, probe_row, cache=cache)
         self.dynamic = None
         if exit_policy is not None:
             policy = ExitPolicy.parse(exit_policy) if isinstance(exit_policy, str) else exit_policy
@@ -112,4 +113,4 @@ class Decoding(DecodeRequest):
         return GenerationResult(text, self.out.tokens, self.ids.shape[1], self.out.reason,
                                 time.perf_counter() - self.start, self.prefill_seconds, self.plan.to_string(),
                                 stats=self.dynamic.stats() if self.dynamic is not None else {},
-                                slow_note=self.pace.note())
+                                slow_note=self.pace.note(), provenance=self.out.provenance())

@@ -1,14 +1,45 @@
 """What a generation produces and how it stops: the result, streamed text, stop strings, EOS,
-the token budget, cancellation. Shared by plain and speculative decoding."""
+the token budget, cancellation, and where each token came from (its provenance). Shared by plain
+and speculative decoding."""
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
+from typing import Literal
 
 import torch
 
 from layerplan.models.loading import LoadedModel
+
+
+# where an emitted token came from: a plain decoding step; a drafted token the target accepted; the
+# target's own token where it rejected a draft (the recovered token); the extra token after a
+# fully accepted draft (the bonus)
+TokenKind = Literal["plain", "accepted", "correction", "bonus"]
+TOKEN_KINDS: tuple[TokenKind, ...] = ("plain", "accepted", "correction", "bonus")
+
+
+@dataclass(frozen=True)
+class TokenText:
+    """Text that one token produced (or the part of it in one streamed delta), and its provenance."""
+
+    text: str
+    kind: TokenKind
+
+
+class TextDelta(str):
+    """A streamed piece of text that also says which tokens it came from: `pieces`, one per token
+    in order, whose texts concatenate to the delta. A callback that wants only text uses it as the
+    str it is, so every on_text keeps its one-argument form."""
+
+    pieces: tuple[TokenText, ...]
+
+    def __new__(cls, text: str, pieces: Sequence[TokenText] = ()) -> TextDelta:
+        delta = super().__new__(cls, text)
+        delta.pieces = tuple(pieces)
+        return delta
 
 
 @dataclass
@@ -24,6 +55,8 @@ class GenerationResult:
     # one line when the decode's passes ran SLOW_DECODE_RATIO times slower than this machine's
     # probe says they cost (engine/probe.py PaceCheck): a busy machine; None otherwise
     slow_note: str | None = None
+    # how many of the new tokens are of each TokenKind (plain decoding: all "plain")
+    provenance: dict[str, int] = field(default_factory=dict)
 
     @property
     def tokens_per_second(self) -> float:
@@ -35,36 +68,68 @@ class GenerationResult:
 
 
 class TextStream:
-    """Tracks the decoded text of new tokens, stop strings, and streams text deltas."""
+    """Tracks the decoded text of new tokens, stop strings, and streams text deltas (TextDelta:
+    each delta's parts by token, with the token's kind)."""
 
     def __init__(self, tokenizer, stop: Sequence[str], on_text: Callable[[str], None] | None) -> None:
         self.tokenizer, self.stop, self.on_text = tokenizer, tuple(s for s in stop if s), on_text
         self.emitted = 0
         self.text = ""
+        self.owner: list[int] = []  # per character of text: the index of the token that produced it
+        self.kinds: Sequence[str] = ()
 
-    def update(self, token_ids: list[int]) -> bool:
-        """Decode the tokens so far; return True when a stop string appeared (text is cut there)."""
+    def update(self, token_ids: list[int], kinds: Sequence[str] = ()) -> bool:
+        """Decode the tokens so far (kinds: each one's TokenKind; none given: plain); return True
+        when a stop string appeared (text is cut there)."""
         if self.tokenizer is None:
             return False
         text = self.tokenizer.decode(token_ids, skip_special_tokens=True)
+        # the characters the text had before keep their tokens; the new ones are the newest token's
+        # (decoding the whole sequence may rewrite the tail, e.g. bytes that now complete a character)
+        kept = len(self.text) if text.startswith(self.text) else _common_prefix(self.text, text)
+        del self.owner[kept:]
+        self.owner.extend([len(token_ids) - 1] * (len(text) - kept))
+        self.kinds = kinds
         hit = min((text.find(s) for s in self.stop if s in text), default=-1)
         stopped = hit >= 0
         if stopped:
             text = text[:hit]
+            del self.owner[hit:]
         self.text = text
         # hold back a possible prefix of a stop string and an incomplete UTF-8 character
         safe = len(text) if stopped else len(text) - max((len(s) - 1 for s in self.stop), default=0)
         if text.endswith("\ufffd"):
             safe = min(safe, len(text) - 1)
-        if self.on_text and safe > self.emitted:
-            self.on_text(text[self.emitted : safe])
-            self.emitted = safe
+        if safe > self.emitted:
+            self._send(safe)
         return stopped
 
     def finish(self) -> None:
-        if self.on_text and len(self.text) > self.emitted:
-            self.on_text(self.text[self.emitted :])
-            self.emitted = len(self.text)
+        if len(self.text) > self.emitted:
+            self._send(len(self.text))
+
+    def _send(self, end: int) -> None:
+        """text[emitted:end] to on_text, with its parts by token."""
+        if self.on_text:
+            pieces, start = [], self.emitted
+            for at in range(self.emitted + 1, end + 1):
+                if at == end or self.owner[at] != self.owner[start]:
+                    token = self.owner[start]
+                    kind = self.kinds[token] if token < len(self.kinds) else "plain"
+                    pieces.append(TokenText(self.text[start:at], kind))
+                    start = at
+            self.on_text(TextDelta(self.text[self.emitted:end], pieces))
+        self.emitted = end
+
+
+def _common_prefix(a: str, b: str) -> int:
+    """The length of the longest common prefix of a and b."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 def prompt_ids(model: LoadedModel, prompt: str | torch.Tensor | Sequence[int], chat: bool = False) -> torch.Tensor:
@@ -79,6 +144,30 @@ def prompt_ids(model: LoadedModel, prompt: str | torch.Tensor | Sequence[int], c
     return ids
 
 
+class ChatTemplateError(ValueError):
+    """The model's chat template refuses a conversation (its own raise_exception: roles out of
+    order, a system message it does not take, ...); the message says what it said."""
+
+
+def chat_prompt_ids(model: LoadedModel, messages: Sequence[dict[str, str]]) -> list[int]:
+    """Token ids of a conversation, ready for the assistant's turn: the tokenizer's chat template,
+    or plain 'role: content' lines for a model without one."""
+    tokenizer = model.tokenizer
+    if tokenizer is None:
+        model.encode("")  # the model's own message: it has no tokenizer
+    if getattr(tokenizer, "chat_template", None):
+        from jinja2 import TemplateError
+
+        try:
+            encoded = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True,
+                                                    return_dict=True)
+        except TemplateError as error:
+            raise ChatTemplateError(f"the model's chat template refuses these messages: {error}") from None
+        return list(encoded["input_ids"])
+    text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
+    return tokenizer(text).input_ids
+
+
 class Emitter:
     """Collects emitted tokens and decides when to stop: EOS, a stop string, the budget, or
     should_stop() (a caller that lost interest, e.g. a server whose client disconnected)."""
@@ -91,21 +180,24 @@ class Emitter:
         self.eos = set(model.eos_token_ids) if stop_at_eos is True else set(stop_at_eos or ())
         self.stream = TextStream(model.tokenizer, stop, on_text)
         self.tokens: list[int] = []
+        self.kinds: list[TokenKind] = []  # each token's provenance
         self.reason: str | None = None if max_new_tokens > 0 else "length"
 
     @property
     def done(self) -> bool:
         return self.reason is not None
 
-    def emit(self, tokens: Sequence[int]) -> None:
-        """Append tokens in order until one of them ends the generation."""
-        for token in tokens:
+    def emit(self, tokens: Sequence[int], kinds: Sequence[TokenKind] | None = None) -> None:
+        """Append tokens in order until one of them ends the generation; kinds: each one's
+        provenance (None: plain decoding)."""
+        for i, token in enumerate(tokens):
             if self.done:
                 return
             self.tokens.append(token)
+            self.kinds.append(kinds[i] if kinds is not None else "plain")
             if token in self.eos:
                 self.reason = "eos"
-            elif self.stream.update(self.tokens):
+            elif self.stream.update(self.tokens, self.kinds):
                 self.reason = "stop"
             elif len(self.tokens) >= self.max_new_tokens:
                 self.reason = "length"
@@ -118,6 +210,13 @@ class Emitter:
 
     def finish(self) -> str:
         if self.reason != "stop":
-            self.stream.update([t for t in self.tokens if t not in self.eos])
+            # (an EOS token can only be the last one, so the others keep their indices)
+            kept = [(t, k) for t, k in zip(self.tokens, self.kinds) if t not in self.eos]
+            self.stream.update([t for t, _ in kept], [k for _, k in kept])
         self.stream.finish()
         return self.stream.text
+
+    def provenance(self) -> dict[str, int]:
+        """How many tokens are of each kind (GenerationResult.provenance)."""
+        counts = Counter(self.kinds)
+        return {kind: counts[kind] for kind in TOKEN_KINDS}

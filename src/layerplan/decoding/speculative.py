@@ -29,9 +29,10 @@ from layerplan.decoding.acceptance import accept_draft, accept_tree
 from layerplan.decoding.draft_length import FixedLength, make_draft_length
 from layerplan.decoding.drafters.base import DraftState, Drafter, LearnsFromRounds, Proposal, RoundOutcome
 from layerplan.decoding.drafters.registry import make_drafter
-from layerplan.decoding.output import GenerationResult
+from layerplan.decoding.output import GenerationResult, TokenKind
 from layerplan.decoding.request import DecodeRequest
 from layerplan.decoding.sampling import SamplingParams, next_token_probs, penalty_context, pick
+from layerplan.engine.cache import KVCache
 from layerplan.engine.probe import ProbeRow
 from layerplan.engine.runner import forward
 from layerplan.engine.tree import TreeShape
@@ -148,13 +149,15 @@ def speculative_generate(
 class SpeculativeDecoding(DecodeRequest):
     """One request's speculative decode, a round at a time: the round alone (round()), or its
     verify pass given by whoever runs it, in a batch with other requests' (next_pass / take_pass:
-    chains only, the draft length capped by the batch's row budget)."""
+    chains only, the draft length capped by the batch's row budget). cache: see DecodeRequest; a
+    drafter given as an object keeps what it learned from earlier decodes (a conversation's)."""
 
     def __init__(self, model: LoadedModel, prompt, drafter: Drafter | str, plan: LayerPlan | None = None,
                  max_new_tokens: int = 64, sampling: SamplingParams | None = None, seed: int | None = None,
                  stop: Sequence[str] = (), stop_at_eos: bool | Sequence[int] = True, chat: bool = False,
                  on_text: Callable[[str], None] | None = None, draft_length=None, draft_confidence: float = 0.0,
-                 should_stop: Callable[[], bool] | None = None, probe_row: ProbeRow | None = None) -> None:
+                 should_stop: Callable[[], bool] | None = None, probe_row: ProbeRow | None = None,
+                 cache: KVCache | None = None) -> None:
         target = plan if plan is not None else model.plan()
         costs = dict(probe_row.relative) if probe_row is not None else {}
         self.drafter = make_drafter(drafter, model, target, draft_confidence, costs)
@@ -164,7 +167,7 @@ class SpeculativeDecoding(DecodeRequest):
         self.lengths = make_draft_length(draft_length, pass_costs=costs)
         max_gamma = getattr(self.lengths, "max_gamma", getattr(self.lengths, "gamma", 8))
         super().__init__(model, prompt, target, max_new_tokens, sampling, seed, stop, stop_at_eos, chat, on_text,
-                         should_stop, probe_row, spare=max_gamma + 2)
+                         should_stop, probe_row, spare=max_gamma + 2, cache=cache)
         self.target = target  # the prompt prefills through it: the full target, always (skipping layers on
         # the prompt ruins acceptance)
         self.max_new_tokens = max_new_tokens
@@ -190,14 +193,14 @@ class SpeculativeDecoding(DecodeRequest):
             proposal, tree = proposal.first_chain(), False
         if tree:
             drafted = len(proposal.tokens)
-            emitted, accepted = _verify_tree(self.model, self.target, self.cache, self.context, proposal,
-                                             self.sampling, self.generator)
+            emitted, accepted, bonus = _verify_tree(self.model, self.target, self.cache, self.context, proposal,
+                                                    self.sampling, self.generator)
         else:
             draft = proposal.tokens[:gamma] if proposal else []
             drafted = len(draft)
-            emitted, accepted = _verify_chain(self.model, self.target, self.cache, self.context, draft, proposal,
-                                              self.sampling, self.generator)
-        self._record(gamma, drafted, accepted, emitted, proposal, t0, t1, time.perf_counter())
+            emitted, accepted, bonus = _verify_chain(self.model, self.target, self.cache, self.context, draft,
+                                                     proposal, self.sampling, self.generator)
+        self._record(gamma, drafted, accepted, emitted, bonus, proposal, t0, t1, time.perf_counter())
 
     def next_pass(self, cap: int | None = None) -> tuple[torch.Tensor, object, int]:
         """This request's part of a batch's pass: the pending token and a chain of at most `cap`
@@ -212,14 +215,15 @@ class SpeculativeDecoding(DecodeRequest):
     def take_pass(self, logits: torch.Tensor) -> None:
         """The round's verify logits (1 + drafted, vocab) from the batch's pass: accept, roll back."""
         gamma, draft, proposal, t0, t1 = self._round
-        emitted, accepted = _accept_chain(self.cache, self.context, draft, proposal, logits, self.sampling,
-                                          self.generator)
-        self._record(gamma, len(draft), accepted, emitted, proposal, t0, t1, time.perf_counter())
+        emitted, accepted, bonus = _accept_chain(self.cache, self.context, draft, proposal, logits, self.sampling,
+                                                 self.generator)
+        self._record(gamma, len(draft), accepted, emitted, bonus, proposal, t0, t1, time.perf_counter())
 
-    def _record(self, gamma: int, drafted: int, accepted: int, emitted: list[int], proposal: Proposal | None,
-                t0: float, t1: float, t2: float) -> None:
+    def _record(self, gamma: int, drafted: int, accepted: int, emitted: list[int], bonus: bool,
+                proposal: Proposal | None, t0: float, t1: float, t2: float) -> None:
         self.context.extend(emitted)  # the last one is the new pending token
-        self.out.emit(emitted)
+        last: TokenKind = ("bonus" if bonus else "correction") if drafted else "plain"
+        self.out.emit(emitted, ["accepted"] * accepted + [last])
         source = (proposal.source or self.drafter.name) if drafted else None
         self.stats.record(gamma, drafted, accepted, len(emitted), t1 - t0, t2 - t1, source)
         self.pace.add(drafted + 1, t2 - t1)  # the verify pass: the pending token and the drafts
@@ -231,14 +235,15 @@ class SpeculativeDecoding(DecodeRequest):
         text = self.out.finish()
         return GenerationResult(text, self.out.tokens, self.ids.shape[1], self.out.reason,
                                 time.perf_counter() - self.start, self.prefill_seconds, self.target.to_string(),
-                                stats=self.stats.to_dict(), slow_note=self.pace.note())
+                                stats=self.stats.to_dict(), slow_note=self.pace.note(),
+                                provenance=self.out.provenance())
 
 
 def _verify_chain(model: LoadedModel, target: LayerPlan, cache, context: list[int], draft: list[int],
                   proposal: Proposal | None, sampling: SamplingParams,
-                  generator: torch.Generator | None) -> tuple[list[int], int]:
+                  generator: torch.Generator | None) -> tuple[list[int], int, bool]:
     """Check a chain of drafted tokens in one target pass (accept / recover / bonus). Returns the
-    emitted tokens and how many drafted tokens were accepted."""
+    emitted tokens, how many drafted tokens were accepted, and whether the last one is a bonus."""
     position = len(context) - 1  # of the pending token
     verify_ids = torch.tensor([context[-1:] + draft], device=model.device)
     target_logits = forward(model, verify_ids, target, cache, position)[0]  # (γ+1, V)
@@ -246,7 +251,7 @@ def _verify_chain(model: LoadedModel, target: LayerPlan, cache, context: list[in
 
 
 def _accept_chain(cache, context: list[int], draft: list[int], proposal: Proposal | None, target_logits: torch.Tensor,
-                  sampling: SamplingParams, generator: torch.Generator | None) -> tuple[list[int], int]:
+                  sampling: SamplingParams, generator: torch.Generator | None) -> tuple[list[int], int, bool]:
     """A chain's verdict from its verify logits (γ+1, V), and the cache cropped to what stays."""
     position = len(context) - 1
     target_probs = torch.stack([
@@ -256,13 +261,14 @@ def _accept_chain(cache, context: list[int], draft: list[int], proposal: Proposa
     draft_probs = proposal.probs[: len(draft)] if proposal is not None and proposal.probs is not None else None
     verdict = accept_draft(draft, target_probs, draft_probs, generator)
     cache.crop(position + 1 + verdict.accepted)  # keep the pending token and the accepted drafts
-    return verdict.emitted(draft), verdict.accepted
+    return verdict.emitted(draft), verdict.accepted, verdict.bonus
 
 
 def _verify_tree(model: LoadedModel, target: LayerPlan, cache, context: list[int], proposal: Proposal,
-                 sampling: SamplingParams, generator: torch.Generator | None) -> tuple[list[int], int]:
+                 sampling: SamplingParams, generator: torch.Generator | None) -> tuple[list[int], int, bool]:
     """Check a token tree of deterministic proposals in one target pass. Returns the emitted tokens
-    (the accepted path, then a recovered or bonus token) and how many drafted tokens were accepted."""
+    (the accepted path, then a recovered or bonus token), how many drafted tokens were accepted,
+    and whether the last one is a bonus."""
     # the pass: the pending token as node 0, the drafted nodes after it
     shape = TreeShape((-1,) + tuple(parent + 1 for parent in proposal.tree.parents))
     tokens = context[-1:] + list(proposal.tokens)
@@ -275,5 +281,5 @@ def _verify_tree(model: LoadedModel, target: LayerPlan, cache, context: list[int
 
     verdict = accept_tree(shape, tokens, target_probs, generator)
     cache.keep_path(position, [0] + verdict.path)
-    return [tokens[i] for i in verdict.path] + [verdict.next_token], len(verdict.path)
+    return [tokens[i] for i in verdict.path] + [verdict.next_token], len(verdict.path), verdict.bonus
 

@@ -26,7 +26,7 @@ from layerplan.engine.native import BoundedCache
 from layerplan.models.architectures import ModelError
 from layerplan.models.loading import LoadedModel, cache_dir
 from layerplan.plan.formats import save_plan
-from layerplan.plan.plan import LayerPlan
+from layerplan.plan.plan import LayerPlan, parse_plan
 
 
 @dataclass(frozen=True)
@@ -39,6 +39,23 @@ class Context:
     head: Head | None = None  # +vocab=K: a reduced LM head for a layer-plan draft
     # k -> cost of a k-token verify pass in steps on this machine (engine/probe.py); empty: learned
     pass_costs: dict[int, float] = field(default_factory=dict)
+    # the spec came from a client of this machine (a server's request): it may name no file here
+    # (a plan, corpus or head file) and load no other model (the server keeps one model in memory)
+    remote: bool = False
+
+    def plan(self, text: str) -> LayerPlan:
+        """A plan for the model: a plan string, or (not remote) a plan file."""
+        if not self.remote:
+            return self.model.plan(text)
+        plan = parse_plan(text, self.model.num_layers, self.model.name)
+        self.model.check_plan(plan)
+        return plan
+
+    def local_only(self, text: str, what: str) -> None:
+        """Refuse a remote spec that would `what` (read a file, load a model) on this machine."""
+        if self.remote:
+            raise ValueError(f"draft '{text}' would {what} on the server: a request may not; start the server "
+                             f"with --draft {text} instead")
 
 
 @dataclass(frozen=True)
@@ -63,6 +80,7 @@ def _suffix(arg: str | None, text: str, ctx: Context) -> Drafter:
     for item in arg.split(",") if arg else []:
         key, eq, value = (part.strip() for part in item.partition("="))
         if key == "corpus" and value:
+            ctx.local_only(text, "read a corpus file")
             corpus.append(read_corpus(value, ctx.model))
         elif key in ("max", "share") and _is_number(value, integer=key == "max"):
             options["max_tokens" if key == "max" else "min_share"] = int(value) if key == "max" else float(value)
@@ -83,7 +101,7 @@ def _is_number(text: str, integer: bool) -> bool:
 
 
 def _plan(arg: str | None, text: str, ctx: Context) -> Drafter:
-    return PlanDrafter(ctx.model.plan(text), ctx.min_confidence, ctx.head)
+    return PlanDrafter(ctx.plan(text), ctx.min_confidence, ctx.head)
 
 
 def _exit(arg: str | None, text: str, ctx: Context) -> Drafter:
@@ -92,6 +110,8 @@ def _exit(arg: str | None, text: str, ctx: Context) -> Drafter:
         if not exit_text.isdigit():
             raise ValueError(f"cannot read '{text}': expected exit:E+head or exit:E+head=PATH")
         exit = int(exit_text)
+        if path:
+            ctx.local_only(text, "read a head file")
         exit_head = load_head(path[1:] if path.startswith("=") else default_head_path(ctx.model, exit), ctx.model)
         if exit_head.exit and exit_head.exit != exit:
             raise ValueError(f"the exit head was trained for exit:{exit_head.exit}, not exit:{exit}")
@@ -107,7 +127,7 @@ def _window(arg: str | None, text: str, ctx: Context) -> Drafter:
     if len(sizes) != 2 or not all(v.strip().isdigit() for v in sizes):
         raise ValueError(f"cannot read '{text}': expected window:SINK,RECENT (e.g. window:4,64), "
                          "optionally /PLAN for a cheaper draft plan")
-    plan = ctx.model.plan(rest) if rest else ctx.target
+    plan = ctx.plan(rest) if rest else ctx.target
     return WindowedDrafter(plan, int(sizes[0]), int(sizes[1]), ctx.min_confidence, ctx.head)
 
 
@@ -118,6 +138,7 @@ def _dynamic(arg: str | None, text: str, ctx: Context) -> Drafter:
 def _model(arg: str | None, text: str, ctx: Context) -> Drafter:
     if not arg:
         raise ValueError(f"cannot read '{text}': expected model:PATH")
+    ctx.local_only(text, "load a second model")
     return ModelDrafter(load_model(arg, dtype=ctx.model.dtype, device=ctx.model.device), ctx.min_confidence)
 
 
@@ -141,6 +162,7 @@ def _self(arg: str | None, text: str, ctx: Context) -> Drafter:
     if key.strip() != "bits" or bits.removesuffix("-fast") not in QUANTIZE_AT_LOAD:
         raise ValueError(f"cannot read '{text}': expected self:bits=FORMAT[/PLAN] with FORMAT one of "
                          f"{', '.join(QUANTIZE_AT_LOAD)} (e.g. self:bits=q4_0, self:bits=q3_k/exit:20)")
+    ctx.local_only(text, "load a quantized copy of the model")
     if ctx.model.device.type != "cpu":
         raise ValueError(f"'{text}' quantizes the model again on the CPU: this model's weights are on "
                          f"{ctx.model.device}")
@@ -212,12 +234,15 @@ def drafter_help() -> str:
 
 
 def make_drafter(spec: str | Drafter, model: LoadedModel, target: LayerPlan | None = None,
-                 min_confidence: float = 0.0, pass_costs: dict[int, float] | None = None) -> Drafter:
+                 min_confidence: float = 0.0, pass_costs: dict[int, float] | None = None,
+                 remote: bool = False) -> Drafter:
     """A drafter from its spec (see DRAFTERS) or a ready-made one, checked against the model and
     the target plan before anything runs. pass_costs: k -> a k-token verify pass in steps on this
-    machine (engine/probe.py), for the drafters that weigh proposals by cost (auto)."""
+    machine (engine/probe.py), for the drafters that weigh proposals by cost (auto). remote: the
+    spec came from a server's client, and may name no file on this machine nor load another model
+    (ValueError)."""
     target = target if target is not None else model.plan()
-    context = Context(model, target, min_confidence, pass_costs=dict(pass_costs or {}))
+    context = Context(model, target, min_confidence, pass_costs=dict(pass_costs or {}), remote=remote)
     drafter = _build(spec, context) if isinstance(spec, str) else spec
     drafter.check(model, target)
     return drafter
