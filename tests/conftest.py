@@ -23,7 +23,7 @@ def smollm2():
 # `make test-fast` runs `pytest -m "not slow"` (≤ 2 min on 2 cores); `make test` runs everything.
 # This hook is the one place that says what the fast lane leaves out: tests that load the packaged
 # model (the smollm2 fixture, or marked `real`), start PostgreSQL or worker processes, run
-# lm-evaluation-harness, a subprocess per command line or the chaos runs; and a few long single
+# lm-evaluation-harness, a subprocess per command line, a browser or the chaos runs; and a few long single
 # tests (library builds, statistical samples, timing the machine, waits).
 SLOW_MODULES = {
     "test_bad_input.py",  # a `python -m layerplan.app.cli` subprocess per case
@@ -35,6 +35,7 @@ SLOW_FIXTURES = {
     "smollm2",  # the packaged SmolLM2-135M
     "postgres",  # a throwaway PostgreSQL server
     "worker_model",  # forked worker processes sharing a study
+    "browser",  # Debian's chromium driven by selenium (tests/test_playground.py)
 }
 # single tests that take long for what the fast lane's other tests cover
 SLOW_TESTS = {

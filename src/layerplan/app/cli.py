@@ -55,7 +55,7 @@ from layerplan.search.measures import MEASURES, MeasureInputs, check_measures
 from layerplan.search.objectives import OBJECTIVES, objectives_help
 from layerplan.search.probes import task_manager
 from layerplan.search.run import METHODS, run_search
-from layerplan.search.scan import scan as run_scan
+from layerplan.search.scan import save_cached_scan, scan as run_scan
 
 DRAFT_LENGTH_HELP = "draft length policy: " + draft_length_help()
 MODEL_HELP = f"HF folder (config.json + safetensors), .gguf file, or '{DEFAULT_MODEL}' (the packaged default)"
@@ -418,6 +418,8 @@ def scan(model, dtype, device, threads, base_plan, tokens, text, kinds, exits, n
         return
     write_json_atomic(out_dir / "scan.json", result.to_dict())
     scan_heatmap(result, out_dir / "scan.png")
+    with _user_errors():
+        save_cached_scan(result)  # the copy `layerplan serve`'s page draws its plan builder from
     least = ", ".join(item.label for item in result.ranked()[:6])
     click.echo(f"\nbase perplexity {result.base_perplexity:.3f} on {result.tokens} tokens; "
                f"{len(result.items)} candidates in {result.seconds:.1f}s ({'reuse' if result.reuse else 'naive'})")

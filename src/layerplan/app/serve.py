@@ -43,6 +43,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from layerplan.app.playground import add_playground
 from layerplan.decoding.batch import Batch
 from layerplan.decoding.generate import Decoding, generate
 from layerplan.decoding.drafters.registry import drafts_by_lookup, make_drafter
@@ -250,6 +251,21 @@ class Engine:
         self._jobs.put((job, future))
         return future
 
+    def call(self, function: Callable[[], Any]) -> Future:
+        """function() on the decode thread, between passes, queued in arrival order like a request:
+        work on the model that must not overlap a decode (the page's layer scan: playground.py).
+        Decodes wait while it runs."""
+        future: Future = Future()
+        self._jobs.put((function, future))
+        return future
+
+    def _call(self, function: Callable[[], Any], future: Future) -> None:
+        if future.set_running_or_notify_cancel():
+            try:
+                future.set_result(function())
+            except Exception as error:  # noqa: BLE001 - the caller's future carries it
+                future.set_exception(error)
+
     def run(self) -> None:
         """Decode queued jobs until close()."""
         if self.max_batch > 1:
@@ -263,6 +279,9 @@ class Engine:
             if item is None:
                 return
             job, future = item
+            if not isinstance(job, Job):
+                self._call(job, future)
+                continue
             if not future.set_running_or_notify_cancel():
                 continue
             try:
@@ -342,7 +361,10 @@ class Engine:
 
     def _start(self, job: Job, future: Future) -> tuple[Job, Future, Decoding] | None:
         """A job taken up: its decode, ready for its prefill; None when it ends here (cancelled,
-        failed)."""
+        failed, or not a request but a call)."""
+        if not isinstance(job, Job):
+            self._call(job, future)
+            return None
         if not future.set_running_or_notify_cancel():
             return None
         if job.cancelled.is_set():
@@ -379,14 +401,18 @@ class Engine:
 
 
 class RequireKey:
-    """ASGI middleware: /v1/* needs 'Authorization: Bearer KEY'; /health stays open for probes.
+    """ASGI middleware: /v1/* and the page's /layerplan/* need 'Authorization: Bearer KEY'; /health
+    stays open for probes, and so do the page's own files (/, /playground/*), which hold no data:
+    the page asks for the key and sends it with each request (playground.py).
     (A plain ASGI wrapper: starlette's BaseHTTPMiddleware would hide client disconnects from streams.)"""
+
+    GUARDED = ("/v1/", "/layerplan/")
 
     def __init__(self, app, key: str) -> None:
         self.app, self.expected = app, f"Bearer {key}".encode()
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
+        if scope["type"] == "http" and scope["path"].startswith(self.GUARDED):
             given = dict(scope["headers"]).get(b"authorization", b"")
             if not secrets.compare_digest(given, self.expected):
                 response = APIError(401, "missing or wrong API key (send 'Authorization: Bearer KEY')",
@@ -480,6 +506,8 @@ def create_app(model: LoadedModel, plan: LayerPlan | None = None, draft=None, dr
                 "draft": getattr(engine.drafter, "name", None), **vars(engine.counters),
                 "batch": engine.batch, "max_batch": engine.max_batch, "batch_recent": engine.batch_recent(),
                 "slow_decode": engine.slow_note}
+
+    add_playground(app, model, engine, name)  # the web page at /, and the JSON it reads under /layerplan/
 
     @app.get("/v1/models")
     async def list_models():

@@ -8,12 +8,15 @@ mixture-of-experts model the scan also reports each expert's routing share (sear
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 import torch
 
+from layerplan.files import cache_dir, write_json_atomic
 from layerplan.models.loading import LoadedModel
 from layerplan.plan.plan import LayerPlan, PlanError
 from layerplan.search.evaluator import PlanEvaluator
@@ -56,6 +59,13 @@ class ScanResult:
     def to_dict(self) -> dict:
         return asdict(self)
 
+    @classmethod
+    def from_dict(cls, data: dict) -> ScanResult:
+        """The result to_dict wrote (a KeyError or TypeError for a file that is not one)."""
+        fields = {k: v for k, v in data.items() if k not in ("items", "routing")}
+        return cls(**fields, items=[ScanItem(**item) for item in data["items"]],
+                   routing=[ExpertRouting(**{**r, "shares": tuple(r["shares"])}) for r in data.get("routing", [])])
+
     def item(self, kind: str, layer: int) -> ScanItem | None:
         return next((i for i in self.items if i.kind == kind and i.layer == layer), None)
 
@@ -78,6 +88,27 @@ class ScanResult:
                                                       if experts <= 16 else "")]
             lines += [f"{r.step:>5} {r.layer:>5}  {r.line()}" for r in self.routing]
         return "\n".join(lines)
+
+
+def cached_scan_path(model_name: str) -> Path:
+    """Where the latest sub-layer scan of a model is kept (`layerplan scan`, the server's page),
+    so that a server finds it whatever folder it was started in."""
+    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in model_name)
+    return cache_dir() / "scans" / f"{safe}.json"
+
+
+def save_cached_scan(result: ScanResult) -> Path:
+    return write_json_atomic(cached_scan_path(result.model), result.to_dict())
+
+
+def load_cached_scan(model_name: str) -> ScanResult | None:
+    """The kept scan of the model; None when there is none or the file is not one (a scan is
+    worth running again, not a reason to fail)."""
+    try:
+        result = ScanResult.from_dict(json.loads(cached_scan_path(model_name).read_text()))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return result if result.model == model_name else None
 
 
 @torch.inference_mode()
