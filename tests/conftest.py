@@ -49,6 +49,8 @@ SLOW_TESTS = {
     "test_tokenizing_a_long_prompt_does_not_hold_up_health",  # waits out a 2 s tokenizer, twice
     "test_workers_asking_together_never_pop_the_same_enqueued_trial",  # forks four processes
     "test_merge_study_workers_share_a_storage_and_fail_a_dead_workers_trial",  # and kills one
+    "test_sigint_mid_reply_stops_the_reply_not_the_piped_session",  # a `layerplan chat` process
+    "test_a_person_at_a_terminal",  # `layerplan chat` in tmux, typed at
 }
 
 

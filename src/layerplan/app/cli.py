@@ -1247,5 +1247,47 @@ def serve(model, dtype, device, engine, threads, plan, draft, draft_length, host
             raise click.ClickException(str(error)) from None
 
 
+@main.command()
+@model_option
+@auto_dtype_option
+@device_option
+@engine_option
+@threads_option
+@click.option("--plan", default=None, help="run the model by this plan (default: the full model; /plan switches)")
+@click.option("--draft", default=None, help="lossless speculative decoding with this drafter, as in generate "
+                                           "(/draft switches)")
+@click.option("--temperature", "-t", type=float, default=0.0, show_default=True, help="0 = greedy (/temp)")
+@click.option("--seed", type=SEED, default=None, help="every reply samples with this seed (/seed)")
+@click.option("--max-new-tokens", "-n", type=click.IntRange(min=1), default=256, show_default=True,
+              help="at most this many tokens a reply (within the model's context)")
+@click.option("--system", default=None, help="a system message before the conversation (/system)")
+@click.option("--load", "load_file", type=click.Path(dir_okay=False), default=None,
+              help="resume a conversation /save wrote (options given here override its settings)")
+def chat(model, dtype, device, engine, threads, plan, draft, temperature, seed, max_new_tokens, system,
+         load_file) -> None:
+    """A multi-turn conversation in the model's chat template, streamed; /help lists the commands.
+    From a pipe: a line a message or command, replies on stdout, the rest on stderr."""
+    from layerplan.app.chat import ChatSession, ChatSettings, read_saved, run_chat
+
+    _threads(threads)
+    options = dict(plan=plan, draft=draft, temperature=temperature, seed=seed, max_new_tokens=max_new_tokens,
+                   system=system)
+    context = click.get_current_context()
+    with _user_errors():
+        if load_file:  # the file's settings, but for the options named on the command line
+            given = {k: v for k, v in options.items()
+                     if context.get_parameter_source(k) is click.core.ParameterSource.COMMANDLINE}
+            saved = read_saved(load_file, given)
+            settings, messages = saved.settings, saved.messages
+        else:
+            settings, messages = ChatSettings(**{**options, "plan": plan or "full"}), []
+        loaded = _load(model, dtype, device, engine)
+        if load_file and saved.model != loaded.name:
+            click.echo(f"{load_file} was saved with {saved.model or 'an unnamed model'}; resuming with {loaded.name}",
+                       err=True)
+        session = ChatSession(loaded, settings, messages, probe_row=_checked_probe_row(loaded))
+    return run_chat(session, guard=_user_errors)
+
+
 if __name__ == "__main__":
     main()

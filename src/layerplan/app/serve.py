@@ -48,7 +48,7 @@ from layerplan.decoding.batch import Batch
 from layerplan.decoding.generate import Decoding, generate
 from layerplan.decoding.drafters.registry import drafts_by_lookup, make_drafter
 from layerplan.decoding.speculative import SpeculativeDecoding
-from layerplan.decoding.output import GenerationResult
+from layerplan.decoding.output import ChatTemplateError, GenerationResult, chat_prompt_ids
 from layerplan.decoding.budget import ContextLengthError, token_budget
 from layerplan.decoding.sampling import SEED_RANGE, SamplingError, SamplingParams
 from layerplan.engine.probe import ProbeRow
@@ -627,7 +627,7 @@ def create_app(model: LoadedModel, plan: LayerPlan | None = None, draft=None, dr
         body.check_supported()
         body.sampling()  # a 400 now, not a failed generation later
         messages = [{"role": m.role, "content": m.text(i)} for i, m in enumerate(body.messages)]
-        prompt_ids = await off_loop(chat_prompt_ids, model, messages)
+        prompt_ids = await off_loop(_chat_ids, model, messages)
         max_tokens = _budget(prompt_ids, body.max_completion_tokens if body.max_tokens is None else body.max_tokens,
                              default=None)
         ident, stamp = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time())
@@ -648,21 +648,12 @@ def create_app(model: LoadedModel, plan: LayerPlan | None = None, draft=None, dr
     return app
 
 
-def chat_prompt_ids(model: LoadedModel, messages: list[dict[str, str]]) -> list[int]:
-    """Token ids of a conversation, ready for the assistant's turn: the tokenizer's chat template,
-    or plain 'role: content' lines for a model without one."""
-    tokenizer = model.tokenizer
-    if getattr(tokenizer, "chat_template", None):
-        from jinja2 import TemplateError
-
-        try:
-            encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                    return_dict=True)
-        except TemplateError as error:  # the template's own raise_exception: roles out of order, ...
-            raise APIError(400, f"the model's chat template refuses these messages: {error}", "messages") from None
-        return list(encoded["input_ids"])
-    text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
-    return tokenizer(text).input_ids
+def _chat_ids(model: LoadedModel, messages: list[dict[str, str]]) -> list[int]:
+    """chat_prompt_ids, with a conversation the model's template refuses as a 400."""
+    try:
+        return chat_prompt_ids(model, messages)
+    except ChatTemplateError as error:
+        raise APIError(400, str(error), "messages") from None
 
 
 class ListenError(OSError):

@@ -1,0 +1,353 @@
+"""`layerplan chat`: the session (KV cache kept between turns, /plan mid-dialogue, drafts, Ctrl-C,
+/save and --load) on a tiny random model with a byte tokenizer and a chat template, and the
+command driven as a person would: from a pipe (in process, and a real process stopped by SIGINT
+mid-reply), in a terminal (tmux send-keys / capture-pane), and on the packaged SmolLM2."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from layerplan.app.chat import ChatSession, ChatSettings, first_changed_step, read_saved
+from layerplan.app.cli import main
+from layerplan.decoding.generate import generate
+from layerplan.decoding.sampling import SamplingParams
+from layerplan.engine.load import load_model
+
+LAYERPLAN = str(Path(sys.executable).parent / "layerplan")
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    from tiny_text import save_tiny_with_tokenizer
+
+    return save_tiny_with_tokenizer(tmp_path_factory.mktemp("chat") / "tiny", context=8192)
+
+
+@pytest.fixture(scope="module", params=["native", "eager"])
+def model(folder, request):
+    from layerplan.engine.native import native_available
+
+    reason = native_available() if request.param == "native" else None  # None: they run here
+    if reason:
+        pytest.skip(f"the native kernels do not run here: {reason}")
+    return load_model(str(folder), dtype="float32", engine=request.param)
+
+
+def _fresh(model, session: ChatSession, plan=None, n=12, temperature=0.0, seed=None):
+    """A fresh run of the conversation's history so far (its last reply left out): what the
+    session's last reply must equal."""
+    ids = session.prompt_ids(session.messages[:-1])
+    return generate(model, ids, plan=model.plan(plan) if plan else None, max_new_tokens=n,
+                    sampling=SamplingParams(temperature), seed=seed)
+
+
+def test_a_turn_prefills_only_what_is_new_and_equals_a_fresh_run(model):
+    session = ChatSession(model, ChatSettings(max_new_tokens=12))
+    first = session.reply("hello there")
+    assert first.totals.reused == 0 and first.token_ids == _fresh(model, session).token_ids
+    second = session.reply("tell me more")
+    history = len(session.prompt_ids(session.messages[:-1]))
+    assert second.totals.reused > 0 and second.totals.reused + second.totals.prefilled == history
+    assert second.token_ids == _fresh(model, session).token_ids
+    third = session.reply("and then?")
+    assert third.totals.reused > second.totals.reused
+    assert third.token_ids == _fresh(model, session).token_ids
+    assert [m["role"] for m in session.messages] == ["user", "assistant"] * 3
+    assert session.stats().session.replies == 3 and session.stats().turns == 3
+
+
+@pytest.mark.parametrize("plan", ["skip:attn=1", "0-2,1-2", "exit:2", "full"])
+def test_a_plan_switched_mid_dialogue_answers_as_a_fresh_run_of_that_plan(model, plan):
+    session = ChatSession(model, ChatSettings(max_new_tokens=12))
+    session.reply("hello there")
+    session.reply("tell me more")
+    note = session.set_plan(plan)
+    reply = session.reply("and then?")
+    assert reply.token_ids == _fresh(model, session, plan).token_ids
+    if plan == "full":  # the same steps: the cache stays
+        assert "kept whole" in note and reply.totals.reused > 0
+    else:
+        assert "not kept" in note and reply.totals.reused == 0
+    # and the turn after goes on from the new plan's cache
+    after = session.reply("ok")
+    assert after.totals.reused > 0 and after.token_ids == _fresh(model, session, plan).token_ids
+
+
+def test_first_changed_step(model):
+    full = model.plan()
+    assert first_changed_step(full, model.plan("full")) is None
+    assert first_changed_step(full, model.plan("skip:mlp=2")) == 2
+    assert first_changed_step(full, model.plan("exit:2")) == 2
+    assert first_changed_step(full, model.plan("0-2,1-2")) == 3
+    assert first_changed_step(full, model.plan("skip:attn=0")) == 0
+
+
+@pytest.mark.parametrize("draft", ["suffix", "ngram", "exit:2", "skip:attn=1"])
+def test_drafted_replies_with_the_kept_cache_equal_plain_greedy(model, draft):
+    session = ChatSession(model, ChatSettings(max_new_tokens=16))
+    session.reply("hello there")
+    session.set_draft(draft)
+    second = session.reply("tell me more tell me more")
+    assert second.totals.reused > 0
+    assert second.token_ids == _fresh(model, session, n=16).token_ids
+    assert session.reply("more").token_ids == _fresh(model, session, n=16).token_ids
+    assert session.stats().session.passes > 0
+    session.set_draft("none")
+    assert session.drafter is None and session.settings.draft is None
+
+
+def test_a_stopped_reply_stays_in_the_conversation_and_the_session_goes_on(model):
+    session = ChatSession(model, ChatSettings(max_new_tokens=40))
+    pieces = []
+    stopped = session.reply("hello there", on_text=pieces.append, should_stop=lambda: len(pieces) >= 3)
+    assert stopped.stop_reason == "cancelled" and 0 < len(stopped.token_ids) < 40
+    assert session.messages[-1] == {"role": "assistant", "content": stopped.text}
+    following = session.reply("go on")
+    assert following.token_ids == _fresh(model, session, n=40).token_ids
+
+
+def test_sampled_replies_follow_from_the_seed(model):
+    session = ChatSession(model, ChatSettings(max_new_tokens=12, temperature=0.9, seed=5))
+    session.reply("hello")
+    reply = session.reply("again")
+    assert reply.token_ids == _fresh(model, session, temperature=0.9, seed=5).token_ids
+
+
+def test_the_system_message_and_reset(model):
+    session = ChatSession(model, ChatSettings(max_new_tokens=8))
+    session.reply("hello")
+    session.set_system("be brief")
+    reply = session.reply("again")
+    assert session.conversation()[0] == {"role": "system", "content": "be brief"}
+    assert reply.token_ids == _fresh(model, session, n=8).token_ids
+    session.reset()
+    assert session.messages == []
+    reply = session.reply("hi")
+    assert reply.totals.reused > 0  # the template's opening and the system message stay cached
+    assert reply.token_ids == _fresh(model, session, n=8).token_ids
+
+
+def test_save_and_load_resume_the_conversation(model, tmp_path):
+    session = ChatSession(model, ChatSettings(max_new_tokens=10, plan="skip:attn=1", draft="suffix"))
+    session.reply("hello there")
+    session.reply("tell me more")
+    path = session.save(tmp_path / "chat.json")
+    saved = read_saved(path)
+    assert saved.settings == session.settings and saved.messages == session.messages and saved.model == model.name
+    resumed = ChatSession(model, saved.settings, saved.messages)
+    assert resumed.reply("and then?").token_ids == session.reply("and then?").token_ids
+    assert read_saved(path, {"temperature": 0.5}).settings.temperature == 0.5
+
+
+@pytest.mark.parametrize("content, needle", [
+    ("{", "not JSON"),
+    ('{"format": "other"}', "not a saved chat"),
+    ('{"format": "layerplan-chat", "settings": {"colour": 1}, "messages": []}', "settings"),
+    ('{"format": "layerplan-chat", "settings": {}, "messages": [{"role": "robot", "content": "x"}]}', "messages"),
+    ('{"format": "layerplan-chat", "settings": {"temperature": -1}, "messages": []}', "temperature"),
+])
+def test_a_file_that_is_not_a_saved_chat_is_one_line(tmp_path, content, needle):
+    path = tmp_path / "bad.json"
+    path.write_text(content)
+    with pytest.raises(ValueError, match=needle):
+        read_saved(path)
+
+
+def test_a_full_context_is_one_line_and_the_conversation_stays(folder):
+    small = load_model(str(folder), dtype="float32")
+    small.hf.config.max_position_embeddings = 40
+    session = ChatSession(small, ChatSettings(max_new_tokens=4))
+    with pytest.raises(ValueError, match="/reset starts a new one"):
+        session.reply("x" * 60)
+    assert session.messages == []
+
+
+# ----- the command, from a pipe (in process) --------------------------------------------------------
+def _chat(folder, lines, *options):
+    runner = CliRunner()
+    return runner.invoke(main, ["chat", "-m", str(folder), "--dtype", "float32", "-n", "12", *options],
+                         input="".join(f"{line}\n" for line in lines))
+
+
+def _error_line(result) -> str:
+    return [line for line in result.stderr.splitlines() if line.startswith("Error:")]
+
+
+def test_a_piped_dialogue_gives_a_reply_a_line_and_equals_the_session(folder, tmp_path):
+    lines = ["hello there", "/plan skip:attn=1", "tell me more", "/stats", f"/save {tmp_path / 'c.json'}"]
+    result = _chat(folder, lines)
+    assert result.exit_code == 0, result.output
+    model = load_model(str(folder), dtype="float32")
+    session = ChatSession(model, ChatSettings(max_new_tokens=12))
+    expected = [session.reply("hello there").text]
+    session.set_plan("skip:attn=1")
+    expected.append(session.reply("tell me more").text)
+    assert result.stdout == "".join(f"{text}\n" for text in expected)
+    assert "tokens/s" in result.stderr and "tokens per pass" in result.stderr and "last /plan" in result.stderr
+    saved = json.loads((tmp_path / "c.json").read_text())
+    assert saved["settings"]["plan"] == "skip:attn=1" and saved["messages"] == session.messages
+
+
+def test_bad_commands_get_the_clis_one_line_and_the_session_goes_on(folder, tmp_path):
+    lines = ["/bogus", "/plan 7-9", "/plan", "/draft nonsense:1", "/temp -1", "/temp x", "/seed 1.5",
+             f"/save {tmp_path}", "hello"]
+    result = _chat(folder, lines)
+    assert result.exit_code == 0, result.output
+    errors = _error_line(result)
+    assert len(errors) == 8, result.stderr
+    assert "unknown command /bogus" in errors[0]
+    assert "Traceback" not in result.output
+    assert result.stdout.count("\n") == 1  # the reply to "hello"
+    # the same line `layerplan generate` gives for the same plan
+    generate_run = CliRunner().invoke(main, ["generate", "-m", str(folder), "--dtype", "float32", "--plan", "7-9", "x"])
+    assert generate_run.exit_code == 1 and _error_line(generate_run) == [errors[1]]
+
+
+def test_load_resumes_and_command_line_options_override(folder, tmp_path):
+    path = tmp_path / "c.json"
+    first = _chat(folder, ["hello there", "/plan skip:attn=1", f"/save {path}"])
+    assert first.exit_code == 0, first.output
+    resumed = _chat(folder, ["/stats", "tell me more"], "--load", str(path), "-n", "5")
+    assert resumed.exit_code == 0, resumed.output
+    assert "plan skip:attn=1" in resumed.stderr
+    model = load_model(str(folder), dtype="float32")
+    saved = read_saved(path, {"max_new_tokens": 5})
+    session = ChatSession(model, saved.settings, saved.messages)
+    assert resumed.stdout == session.reply("tell me more").text + "\n"
+    bad = _chat(folder, [], "--load", str(tmp_path / "missing.json"))
+    assert bad.exit_code == 1 and len(_error_line(bad)) == 1
+
+
+def test_option_errors_are_refused_before_the_model_loads(folder):
+    result = _chat(folder, [], "-t", "-1")
+    assert result.exit_code == 1 and "temperature -1.0 is out of range" in result.stderr
+    assert "loading" not in result.stderr
+
+
+# ----- the command as a process: a pipe stopped by SIGINT, a terminal --------------------------------
+LONG_PROMPT = "write a long story"  # the tiny model's greedy reply to it runs to the token limit (6,000 in 3-4 s)
+
+
+def test_sigint_mid_reply_stops_the_reply_not_the_piped_session(folder):
+    process = subprocess.Popen([LAYERPLAN, "chat", "-m", str(folder), "--dtype", "float32", "-n", "6000"],
+                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    process.stdin.write(f"{LONG_PROMPT}\n".encode())
+    process.stdin.flush()
+    process.stdout.read(1)  # the reply has begun
+    process.send_signal(signal.SIGINT)
+    out, err = process.communicate(b"/stats\n", timeout=120)
+    assert process.returncode == 0, err.decode()
+    assert b"reply stopped after" in err and b"turns 1" in err
+
+
+TMUX = shutil.which("tmux")
+
+
+class Terminal:
+    """A tmux session running a command in a pane of 200 x 50: send keys, read the screen."""
+
+    def __init__(self, command: list[str], cwd: Path) -> None:
+        self.name = f"chat-{uuid.uuid4().hex[:8]}"
+        subprocess.run([TMUX, "new-session", "-d", "-s", self.name, "-x", "200", "-y", "50", "-c", str(cwd),
+                        " ".join(command)], check=True)
+
+    def keys(self, *keys: str) -> None:
+        subprocess.run([TMUX, "send-keys", "-t", self.name, *keys], check=True)
+
+    def screen(self) -> str:
+        return subprocess.run([TMUX, "capture-pane", "-p", "-J", "-S", "-200", "-t", self.name],
+                              capture_output=True, text=True).stdout
+
+    def wait(self, needle: str, seconds: float = 60.0, count: int = 1) -> str:
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            screen = self.screen()
+            if screen.count(needle) >= count:
+                return screen
+            time.sleep(0.1)
+        raise AssertionError(f"{needle!r} did not appear {count}x on the screen:\n{self.screen()}")
+
+    def changed(self, screen: str, seconds: float = 60.0) -> str:
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            now = self.screen()
+            if now != screen:
+                return now
+            time.sleep(0.02)
+        raise AssertionError(f"the screen did not change:\n{screen}")
+
+    def alive(self) -> bool:
+        return subprocess.run([TMUX, "has-session", "-t", self.name], capture_output=True).returncode == 0
+
+    def close(self) -> None:
+        subprocess.run([TMUX, "kill-session", "-t", self.name], capture_output=True)
+
+
+@pytest.mark.skipif(TMUX is None, reason="tmux is not installed (`make test` installs it: .ci/install-tmux)")
+def test_a_person_at_a_terminal(folder, tmp_path):
+    saved = tmp_path / "t.json"
+    done = tmp_path / "done"
+    command = [LAYERPLAN, "chat", "-m", str(folder), "--dtype", "float32", "-n", "800", f"; touch {done}"]
+    terminal = Terminal(command, tmp_path)
+    try:
+        terminal.wait("/help lists the commands")
+        terminal.keys("-l", "/temp 0")
+        terminal.keys("Enter")
+        terminal.wait("temperature 0")
+        terminal.keys("-l", "helo")  # line editing: back one character, add the missing l
+        terminal.keys("Left", "l", "Enter")
+        terminal.keys("-l", "/stats")
+        terminal.keys("Enter")
+        terminal.wait("tokens in the cache", seconds=120)  # (typed during the reply, read after it)
+        terminal.keys("-l", "/plan skip:attn=1")
+        terminal.keys("Enter")
+        terminal.wait("the residual stream entering step 1 is not kept")
+        terminal.keys("-l", LONG_PROMPT)
+        terminal.keys("Enter")
+        asked = terminal.wait(f"> {LONG_PROMPT}")
+        terminal.changed(asked)  # the reply has begun
+        terminal.keys("C-c")  # mid-reply: the reply stops, the session stays
+        terminal.wait("reply stopped after")
+        terminal.keys("Up", "Up", "Enter")  # the history: "/plan skip:attn=1" again
+        terminal.wait("skip:attn=1: the same steps as before")
+        terminal.keys("-l", "/bogus")
+        terminal.keys("Enter")
+        terminal.wait("Error: unknown command /bogus")
+        terminal.keys("-l", f"/save {saved}")
+        terminal.keys("Enter")
+        terminal.wait("saved to")
+        terminal.keys("C-d")
+        deadline = time.monotonic() + 30
+        while not done.exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert done.exists(), terminal.screen()
+    finally:
+        terminal.close()
+    messages = json.loads(saved.read_text())["messages"]
+    assert [m["content"] for m in messages if m["role"] == "user"] == ["hello", LONG_PROMPT]
+    assert json.loads(saved.read_text())["settings"]["plan"] == "skip:attn=1"
+
+
+# ----- the packaged model -------------------------------------------------------------------------------
+def test_smollm2_dialogue_with_a_plan_switch_equals_fresh_runs(smollm2):
+    session = ChatSession(smollm2, ChatSettings(max_new_tokens=16))
+    session.reply("What is the capital of France?")
+    assert "Paris" in session.messages[-1]["content"]
+    second = session.reply("And of Italy?")
+    assert second.totals.reused > 0
+    assert second.token_ids == _fresh(smollm2, session, n=16).token_ids
+    session.set_plan("skip:attn=20-24")
+    third = session.reply("And of Spain?")
+    assert third.token_ids == _fresh(smollm2, session, "skip:attn=20-24", n=16).token_ids
+    session.set_draft("suffix")
+    fourth = session.reply("Thanks.")
+    assert fourth.token_ids == _fresh(smollm2, session, "skip:attn=20-24", n=16).token_ids
