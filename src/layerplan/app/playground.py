@@ -160,10 +160,12 @@ def add_playground(app: FastAPI, model: LoadedModel, engine, name: str) -> None:
 
         def finished(future) -> None:
             try:
-                found["scan"], job.state = future.result(), "done"
-                save_cached_scan(found["scan"])
-            except OSError as error:  # the scan stands; only keeping it for the next start failed
-                job.error = f"not kept: {error}"
+                result = future.result()
+                try:
+                    save_cached_scan(result)
+                except OSError as error:  # the scan stands; only keeping it for the next start failed
+                    job.error = f"not kept: {error}"
+                found["scan"], job.state = result, "done"
             except Exception as error:  # noqa: BLE001 - the page shows it; the server stays up
                 job.state, job.error = "failed", (f"{type(error).__name__}: {error}".splitlines() or [""])[0]
             finally:
