@@ -173,6 +173,18 @@ UNSUPPORTED = st.fixed_dictionaries({}, optional={
     "user": json_values, "logit_bias": json_values, "logprobs": json_values, "echo": json_values})
 
 
+# the `layerplan` extension object: plans and drafts that fit the tiny model (3 layers), that do not,
+# and that would read the server's files or load a second model
+PLANS = ["full", "skip:attn=1", "exit:2", "0,1,1,2", "skip:mlp=0;exit:1", "exit:9", "bogus", "", "plan.json", "a\nb"]
+DRAFTS = ["ngram", "suffix", "suffix:tree", "exit:1", "skip:attn=0", "dynamic:confidence=0.5", "ngram|exit:1",
+          "exit:1+vocab=8", "auto", "suffix:corpus=/etc/hostname", "exit:1+head=/etc/hostname", "model:/tmp",
+          "self:bits=q4_0", "bogus", ""]
+LAYERPLAN = st.fixed_dictionaries({}, optional={
+    "plan": st.sampled_from(PLANS) | json_values, "draft": st.sampled_from(DRAFTS) | json_values,
+    "draft_length": st.sampled_from(["fixed", "adaptive", "heuristic", "often"]) | json_values,
+    "provenance": st.booleans() | json_values, "plans": json_values})
+
+
 @pytest.fixture(scope="module")
 def schemas(client):
     components = client.get("/openapi.json").json()["components"]["schemas"]
@@ -197,6 +209,8 @@ def test_fuzzed_request_bodies_get_a_4xx_or_an_answer_never_a_500(client, schema
             if data.draw(st.booleans()):
                 body["model"] = "tiny"
         body.update(data.draw(UNSUPPORTED) if kind % 3 == 0 else {})
+        if kind % 4 == 1:
+            body["layerplan"] = data.draw(LAYERPLAN)
         answer = client.post(path, content=json.dumps(body, allow_nan=True), headers={"Content-Type": "application/json"})
     assert answer.status_code < 500, answer.text
     if answer.status_code >= 400:

@@ -17,6 +17,11 @@ message without content. Every client mistake is a 4xx: a sampling setting whose
 not stay finite (temperature 1e-300), a seed torch cannot take, a conversation the chat template
 refuses. Prompts are tokenized off the event loop (one worker thread), so a long one does not
 hold up /health or other requests.
+
+Extension: a request's `"layerplan": {"plan", "draft", "draft_length", "provenance"}` object runs
+it by its own plan and draft (parsed as the command line parses them; a 400 naming the field when
+one cannot be used), and with provenance each stream chunk's `layerplan.tokens` says which tokens
+were plain, accepted drafts, corrections or bonuses (usage.provenance counts them).
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ import uuid
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -46,14 +51,18 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from layerplan.app.playground import add_playground
 from layerplan.decoding.batch import Batch
 from layerplan.decoding.generate import Decoding, generate
+from layerplan.decoding.drafters.base import Drafter
+from layerplan.decoding.drafters.model import ModelDrafter
 from layerplan.decoding.drafters.registry import drafts_by_lookup, make_drafter
+from layerplan.decoding.draft_length import make_draft_length
 from layerplan.decoding.speculative import SpeculativeDecoding
 from layerplan.decoding.output import ChatTemplateError, GenerationResult, chat_prompt_ids
 from layerplan.decoding.budget import ContextLengthError, token_budget
 from layerplan.decoding.sampling import SEED_RANGE, SamplingError, SamplingParams
 from layerplan.engine.probe import ProbeRow
+from layerplan.models.architectures import ModelError
 from layerplan.models.loading import LoadedModel
-from layerplan.plan.plan import LayerPlan
+from layerplan.plan.plan import LayerPlan, PlanError, parse_plan
 
 
 # plain decodes batched at most (serve --max-batch): on a CPU a pass of 8 tokens costs little more
@@ -78,6 +87,19 @@ class APIError(Exception):
 
 
 # ----- request bodies ----------------------------------------------------------------------------
+class LayerplanOptions(BaseModel):
+    """The request's `layerplan` extension object: the plan and draft this request runs with (the
+    server's own where left out; "draft": null decodes plainly), and whether the answer says where
+    each token came from (provenance: each stream chunk's `layerplan.tokens`, usage's counts)."""
+
+    model_config = ConfigDict(extra="forbid")  # a misspelt key would otherwise change nothing, silently
+
+    plan: str | None = None  # a plan string (`layerplan generate --plan`'s grammar; no files)
+    draft: str | None = None  # a drafter spec (`--draft`'s), made for this request; no files, no second model
+    draft_length: str | None = None  # `--draft-length`'s policies
+    provenance: bool = False
+
+
 class _GenerationRequest(BaseModel):
     # clients send fields we have no use for (user, logit_bias, ...): ignore them, reject only
     # the ones whose meaning we would silently change
@@ -97,6 +119,7 @@ class _GenerationRequest(BaseModel):
     logprobs: Any = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    layerplan: LayerplanOptions | None = None  # extension: this request's plan, draft, provenance
 
     def check_supported(self) -> None:
         if self.logprobs not in (None, False, 0):
@@ -193,6 +216,12 @@ class Job:
     on_text: Callable[[str], None] | None = None
     on_start: Callable[[], None] | None = None  # called on the decode thread as decoding starts
     cancelled: threading.Event = field(default_factory=threading.Event)
+    plan: LayerPlan | None = None  # None: the server's
+    # this request's drafter, made for its plan (Engine.drafter_for), when draft_chosen (None then:
+    # it decodes plainly); otherwise the server's draft for its plan
+    draft: Drafter | None = None
+    draft_chosen: bool = False
+    draft_length: str | None = None  # None: the server's
 
 
 @dataclass
@@ -210,6 +239,12 @@ class Engine:
     when done, and its greedy tokens are its solo run's), each with its own drafter when the draft
     is a lookup (n-gram, suffix: its chain verified in the batch's pass, shorter as the batch
     fills); a drafter that runs a model decodes one request at a time.
+
+    Each request runs by its own plan and draft (a Job's, from the request's `layerplan` object)
+    or the server's. Plans are data on the one model: the requests of one plan share a batch, and
+    the batches of different plans take turns, a pass each, so every request moves once a turn; a
+    request whose own drafter runs a model decodes alone, a round a turn. A server whose own draft
+    runs a model decodes one request at a time, whatever its plan and draft.
 
     Which thread decodes matters on CPU: torch's OpenMP pool belongs to the thread that first
     ran parallel work (usually the main thread, which loaded the model), and a decode on a
@@ -230,6 +265,7 @@ class Engine:
         self.plan = plan if plan is not None else model.plan()
         # built once: a model drafter keeps its own cache between requests (it re-syncs by prefix)
         self.drafter = make_drafter(draft, model, self.plan) if draft else None  # checks it, fails at startup
+        self.draft_text = draft if isinstance(draft, str) else None  # made again for a request's own plan
         self.draft_length = draft_length
         # a lookup drafter (n-gram, suffix) is made anew for each request of a batch, its drafts
         # verified in the batch's passes; a drafter that runs a model keeps one request at a time
@@ -245,7 +281,35 @@ class Engine:
         if run_in_thread:
             threading.Thread(target=self.run, name="layerplan-decode", daemon=True).start()
 
+    def drafter_for(self, plan: LayerPlan, spec: str | None = None, chosen: bool = False) -> Drafter | None:
+        """The drafter of a request run by `plan`: the one its spec names when chosen (None: it
+        decodes plainly), made for it alone from a client's spec (no files, no second model); else
+        the server's draft for that plan. ValueError (PlanError, ...) for a draft that cannot be made
+        or does not fit the plan."""
+        costs = dict(self.probe_row.relative) if self.probe_row is not None else {}
+        if chosen:
+            return make_drafter(spec, self.model, plan, pass_costs=costs, remote=True) if spec is not None else None
+        if self.drafter is None:
+            return None
+        if self.draft_spec is not None:  # a lookup: each request its own
+            return make_drafter(self.draft_spec, self.model, plan, pass_costs=costs)
+        # one at a time (max_batch 1): the server's drafter, which keeps its cache between requests;
+        # a drafter with a model of its own drafts for any plan, a self-draft only for its target's
+        if plan == self.plan or isinstance(self.drafter, ModelDrafter):
+            return self.drafter
+        if self.draft_text is None:
+            raise ValueError(f"the server's draft {self.drafter.name} was made for its own plan: name a draft "
+                             "for this plan")
+        return make_drafter(self.draft_text, self.model, plan, pass_costs=costs)
+
     def submit(self, job: Job) -> Future:
+        """Queue a job (its plan, draft and draft length the server's where it leaves them out)."""
+        if job.plan is None:
+            job.plan = self.plan
+        if not job.draft_chosen:
+            job.draft, job.draft_chosen = self.drafter_for(job.plan), True
+        if job.draft_length is None:
+            job.draft_length = self.draft_length
         future: Future = Future()
         self._count(waiting=1)
         self._jobs.put((job, future))
@@ -302,8 +366,8 @@ class Engine:
         try:
             if job.on_start:
                 job.on_start()
-            result = generate(self.model, job.prompt_ids, self.plan, job.max_tokens, job.sampling, job.seed,
-                              job.stop, on_text=job.on_text, draft=self.drafter, draft_length=self.draft_length,
+            result = generate(self.model, job.prompt_ids, job.plan, job.max_tokens, job.sampling, job.seed,
+                              job.stop, on_text=job.on_text, draft=job.draft, draft_length=job.draft_length,
                               should_stop=job.cancelled.is_set, probe_row=self.probe_row)
         except Exception:
             self._count(running=-1, failed=1)
@@ -313,30 +377,58 @@ class Engine:
         return result
 
     def _run_batched(self) -> None:
-        """Continuous batching: admit queued jobs while the batch has room (their prompts prefill a
-        chunk per pass beside the decoding rows: decoding/batch.py), then one pass for the batch;
-        a job leaves when done or cancelled (its client gone: should_stop), freeing its place at
-        the next step."""
-        batch = Batch(self.model, self.plan)
+        """Continuous batching: admit queued jobs while there is room (max_batch decodes in all),
+        each into the batch of its plan (its prompt prefills a chunk per pass beside the decoding
+        rows: decoding/batch.py), or, when its drafter runs a model, to decode alone; then a turn:
+        each batch's pass and each lone decode's round, so every request moves once a turn whatever
+        its plan. A job leaves when done or cancelled (its client gone: should_stop), freeing its
+        place for the next turn."""
+        batches: dict[LayerPlan, Batch] = {}  # one per plan: a pass runs one plan's steps on every row
+        alone: list[tuple[Future, SpeculativeDecoding]] = []
+
+        def in_flight() -> int:
+            return sum(len(batch) for batch in batches.values()) + len(alone)
+
         closing = False
-        while not (closing and not len(batch)):
-            while not closing and len(batch) < self.max_batch:
+        while not (closing and not in_flight()):
+            while not closing and in_flight() < self.max_batch:
                 try:  # wait for work only when there is none; wake now and then, so Ctrl-C gets through
-                    item = self._jobs.get(timeout=0.5) if not len(batch) else self._jobs.get_nowait()
+                    item = self._jobs.get(timeout=0.5) if not in_flight() else self._jobs.get_nowait()
                 except queue.Empty:
                     break
                 if item is None:
                     closing = True
                     break
                 started = self._start(*item)
-                if started is not None:
-                    job, future, decoding = started
-                    batch.join(future, decoding)
-            self.batch = len(batch)
-            if len(batch):
+                if started is None:
+                    continue
+                job, future, decoding = started
+                if job.draft is None or drafts_by_lookup(job.draft):
+                    batches.setdefault(job.plan, Batch(self.model, job.plan)).join(future, decoding)
+                elif self._alone(future, decoding, first=True):
+                    alone.append((future, decoding))
+            self.batch = in_flight()
+            for plan, batch in list(batches.items()):
                 self.passes.append((time.monotonic(), len(batch)))
                 self._step(batch)
+                if not len(batch):
+                    del batches[plan]
+            alone = [entry for entry in alone if self._alone(*entry)]
         self.batch = 0
+
+    def _alone(self, future: Future, decoding: SpeculativeDecoding, first: bool = False) -> bool:
+        """The next round of a decode whose drafter runs a model (first: its prompt's prefill);
+        False once it has left (done, cancelled, failed)."""
+        try:
+            decoding.prefill() if first else decoding.round()
+        except Exception as error:  # noqa: BLE001 - the caller's future carries it
+            self._count(running=-1, failed=1)
+            future.set_exception(error)
+            return False
+        if decoding.done:
+            self._finish(future, decoding)
+            return False
+        return True
 
     def batch_recent(self, seconds: float = RECENT_SECONDS) -> dict:
         """The passes of the last `seconds`: how many, and the decodes they carried (mean, most)."""
@@ -375,13 +467,13 @@ class Engine:
         try:
             if job.on_start:
                 job.on_start()
-            if self.draft_spec is not None:
-                decoding = SpeculativeDecoding(self.model, job.prompt_ids, self.draft_spec, self.plan, job.max_tokens,
+            if job.draft is not None:
+                decoding = SpeculativeDecoding(self.model, job.prompt_ids, job.draft, job.plan, job.max_tokens,
                                                job.sampling, job.seed, job.stop, on_text=job.on_text,
-                                               draft_length=self.draft_length, should_stop=job.cancelled.is_set,
+                                               draft_length=job.draft_length, should_stop=job.cancelled.is_set,
                                                probe_row=self.probe_row)
             else:
-                decoding = Decoding(self.model, job.prompt_ids, self.plan, job.max_tokens, job.sampling, job.seed,
+                decoding = Decoding(self.model, job.prompt_ids, job.plan, job.max_tokens, job.sampling, job.seed,
                                     job.stop, on_text=job.on_text, should_stop=job.cancelled.is_set,
                                     probe_row=self.probe_row)
         except Exception as error:  # noqa: BLE001 - the caller's future carries it
@@ -438,13 +530,20 @@ def _finite(value):
     return value
 
 
-def _usage(result: GenerationResult) -> dict:
+def _usage(result: GenerationResult, provenance: bool = False) -> dict:
     usage = {"prompt_tokens": result.prompt_tokens, "completion_tokens": len(result.token_ids),
              "total_tokens": result.prompt_tokens + len(result.token_ids),
              "decode_seconds": round(result.seconds, 4), "tokens_per_second": round(result.tokens_per_second, 2)}
     if result.stats:
         usage["speculative"] = result.stats
+    if provenance:  # the completion's tokens by kind (output.TokenKind): they sum to completion_tokens
+        usage["provenance"] = result.provenance
     return _finite(usage)
+
+
+def _one_line(error: Exception) -> str:
+    """An error's message on one line (a plan or spec the client sent may hold line breaks)."""
+    return " ".join(str(error).splitlines())
 
 
 def _sse(payload: dict | str) -> str:
@@ -525,17 +624,50 @@ def create_app(model: LoadedModel, plan: LayerPlan | None = None, draft=None, dr
             param = error.param if error.param != "prompt" else ("messages" if default is None else "prompt")
             raise APIError(400, str(error), param, code="context_length_exceeded") from None
 
+    def _chosen(options: LayerplanOptions | None) -> dict:
+        """The Job fields a request's `layerplan` object sets: its plan, its drafter made for that
+        plan (the server's draft where it names none), its draft length; a 400 naming the field that
+        cannot be used, with the command line's message."""
+        if options is None:
+            return {"draft": engine.drafter_for(engine.plan), "draft_chosen": True}
+        chosen: dict = {}
+        plan = engine.plan
+        if options.plan is not None:
+            try:
+                plan = parse_plan(options.plan, model.num_layers, model.name)
+                model.check_plan(plan)
+            except PlanError as error:
+                raise APIError(400, _one_line(error), "layerplan.plan") from None
+            chosen["plan"] = plan
+        named = "draft" in options.model_fields_set  # "draft": null decodes plainly
+        try:
+            draft = engine.drafter_for(plan, options.draft, named)
+        except (ValueError, FileNotFoundError, ModelError) as error:  # PlanError included
+            raise APIError(400, _one_line(error), "layerplan.draft" if named else "layerplan.plan") from None
+        chosen.update(draft=draft, draft_chosen=True)
+        if options.draft_length is not None:
+            if draft is None:
+                raise APIError(400, "draft_length is the length policy of a draft, and this request decodes "
+                                    "plainly: name a draft too", "layerplan.draft_length")
+            try:
+                make_draft_length(options.draft_length)
+            except ValueError as error:
+                raise APIError(400, _one_line(error), "layerplan.draft_length") from None
+            chosen["draft_length"] = options.draft_length
+        return chosen
+
     async def _run(request: Request, body: _GenerationRequest, prompt_ids: list[int], max_tokens: int,
-                   shape: Callable[..., dict]):
+                   shape: Callable[..., dict], chosen: dict):
         """Queue the job; answer with one JSON object or with server-sent events."""
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
         stream = body.stream
+        provenance = body.layerplan is not None and body.layerplan.provenance
         def put(event) -> None:  # from the decode thread
             loop.call_soon_threadsafe(events.put_nowait, event)
 
         job = Job(prompt_ids, max_tokens, body.sampling(), body.seed, body.stops(),
-                  on_text=put if stream else None, on_start=(lambda: put(STARTED)) if stream else None)
+                  on_text=put if stream else None, on_start=(lambda: put(STARTED)) if stream else None, **chosen)
         future = engine.submit(job)
         done = asyncio.wrap_future(future)
         if not stream:
@@ -549,7 +681,7 @@ def create_app(model: LoadedModel, plan: LayerPlan | None = None, draft=None, dr
                 raise APIError(500, f"generation failed: {error}", kind="server_error") from error
             if result is None:
                 raise APIError(499, "client closed the request")
-            return {**shape(result.text, FINISH_REASONS[result.stop_reason]), "usage": _usage(result)}
+            return {**shape(result.text, FINISH_REASONS[result.stop_reason]), "usage": _usage(result, provenance)}
 
         include_usage = bool((body.stream_options or {}).get("include_usage"))
         done.add_done_callback(lambda _: events.put_nowait(None))
@@ -573,7 +705,10 @@ def create_app(model: LoadedModel, plan: LayerPlan | None = None, draft=None, dr
                         if await request.is_disconnected():
                             return
                     if piece:
-                        yield _sse(shape(piece, None))
+                        chunk = shape(piece, None)
+                        if provenance:  # an extension field, which OpenAI clients ignore
+                            chunk["layerplan"] = {"tokens": [asdict(part) for part in piece.pieces]}
+                        yield _sse(chunk)
                 try:
                     result = await done
                 except Exception as error:  # noqa: BLE001
@@ -582,7 +717,7 @@ def create_app(model: LoadedModel, plan: LayerPlan | None = None, draft=None, dr
                     return
                 yield _sse(shape("", FINISH_REASONS[result.stop_reason]))
                 if include_usage:
-                    yield _sse({**shape("", None), "choices": [], "usage": _usage(result)})
+                    yield _sse({**shape("", None), "choices": [], "usage": _usage(result, provenance)})
                 yield _sse("[DONE]")
             finally:
                 job.cancelled.set()  # a disconnect lands here: stop decoding at the next token
@@ -595,6 +730,7 @@ def create_app(model: LoadedModel, plan: LayerPlan | None = None, draft=None, dr
         _check_model(body.model)
         body.check_supported()
         body.sampling()  # a 400 now, not a failed generation later
+        chosen = await off_loop(_chosen, body.layerplan)  # a drafter may read (the corpus of suffix:corpus=F)
         prompt = body.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
             if len(prompt) != 1:
@@ -619,13 +755,14 @@ def create_app(model: LoadedModel, plan: LayerPlan | None = None, draft=None, dr
             return {"id": ident, "object": "text_completion", "created": stamp, "model": name,
                     "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]}
 
-        return await _run(request, body, prompt_ids, max_tokens, shape)
+        return await _run(request, body, prompt_ids, max_tokens, shape, chosen)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatRequest, request: Request):
         _check_model(body.model)
         body.check_supported()
         body.sampling()  # a 400 now, not a failed generation later
+        chosen = await off_loop(_chosen, body.layerplan)  # a drafter may read (the corpus of suffix:corpus=F)
         messages = [{"role": m.role, "content": m.text(i)} for i, m in enumerate(body.messages)]
         prompt_ids = await off_loop(_chat_ids, model, messages)
         max_tokens = _budget(prompt_ids, body.max_completion_tokens if body.max_tokens is None else body.max_tokens,
@@ -643,7 +780,7 @@ def create_app(model: LoadedModel, plan: LayerPlan | None = None, draft=None, dr
                 kind = "chat.completion"
             return {"id": ident, "object": kind, "created": stamp, "model": name, "choices": [choice]}
 
-        return await _run(request, body, prompt_ids, max_tokens, shape)
+        return await _run(request, body, prompt_ids, max_tokens, shape, chosen)
 
     return app
 

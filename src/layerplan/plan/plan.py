@@ -168,13 +168,14 @@ class LayerPlan:
 
     def is_draft_of(self, target: LayerPlan) -> bool:
         """True when this plan runs a subset of `target`'s sub-layers with the same step indices,
-        so both can share one KV cache (a step's slot holds the same layer's keys)."""
-        if len(self.active_steps) > len(target.steps):
+        so both can share one KV cache (a step's slot holds the same layer's keys). Steps after the
+        target's exit do not count: the target never fills their slots."""
+        if len(self.active_steps) > len(target.active_steps):
             return False
         return all(
             d.layer == t.layer and d.model == t.model and d.scale == t.scale
             and d.attention <= t.attention and d.mlp <= t.mlp
-            for d, t in zip(self.active_steps, target.steps)
+            for d, t in zip(self.active_steps, target.active_steps)
         )
 
     # ----- the human string ---------------------------------------------------------------
