@@ -27,6 +27,7 @@ demo: $(STAMP)
 test: $(STAMP)
 	@bash .ci/install-postgresql
 	@bash .ci/install-chromium
+	@bash .ci/install-tmux
 	$(PY) -m pytest -q
 
 # the fast lane while working (≤ 2 min on 2 cores): everything but the tests marked slow, which
@@ -59,6 +60,7 @@ test-latest:
 	@$(LATEST)/bin/python -m pip list 2>/dev/null | grep -iE '^(torch|transformers|tokenizers|gguf|optuna|numpy) '
 	@bash .ci/install-postgresql
 	@bash .ci/install-chromium
+	@bash .ci/install-tmux
 	$(LATEST)/bin/python -m pytest -q
 
 # The engine's tests with the native kernels built under AddressSanitizer and UBSan
