@@ -4,7 +4,6 @@ type the API key, send a message and watch the reply stream in coloured tokens, 
 compare two plans side by side, run a scan and build a plan from its heatmap. A tiny random model
 with a byte tokenizer serves it on 127.0.0.1 (a reply takes a fraction of a second)."""
 
-import json
 import shutil
 import time
 
@@ -42,15 +41,6 @@ def server(model, tmp_path_factory):
 
 def _client(base: str, key: str | None = KEY) -> httpx.Client:
     return httpx.Client(base_url=base, headers={"Authorization": f"Bearer {key}"} if key else {}, timeout=60)
-
-
-def _takes_plans(base: str) -> bool:
-    """Whether the server reads the request's "layerplan" object (an unknown key in it is refused
-    then; a server that ignores the object answers 200)."""
-    body = {"model": NAME, "messages": [{"role": "user", "content": "a"}], "max_tokens": 1,
-            "layerplan": {"no such key": 1}}
-    with _client(base) as client:
-        return client.post("/v1/chat/completions", json=body).status_code == 400
 
 
 def _greedy(model, text: str, n: int, plan: str | None = None) -> str:
@@ -181,7 +171,7 @@ def test_a_message_streams_its_reply_in_tokens_with_the_servers_figures(browser,
     browser.save_screenshot(str(tmp_path / "chat.png"))
 
 
-def test_switching_the_plan_changes_the_request_and_its_reply(browser, model, server):
+def test_switching_the_plan_changes_the_request_and_its_reply(browser, model):
     _tab(browser, "chat")
     browser.find_element("id", "chat-reset").click()
     plan = browser.find_element("id", "chat-plan")
@@ -189,15 +179,25 @@ def test_switching_the_plan_changes_the_request_and_its_reply(browser, model, se
     plan.send_keys("skip:attn=1")
     reply = _send_chat(browser, "hello")
     assert "plan skip:attn=1" in reply["footer"]
-    if not _takes_plans(server):
-        pytest.skip("the server does not read the request's layerplan object yet: the reply is the server plan's")
     assert reply["text"] == _greedy(model, "hello", 12, "skip:attn=1")
     plan.clear()
 
 
-def test_tokens_are_coloured_by_their_provenance(browser, server):
-    if not _takes_plans(server):
-        pytest.skip("the server does not stream provenance yet")
+def test_a_bad_plan_in_the_chat_gets_the_servers_line_and_the_chat_goes_on(browser, model):
+    _tab(browser, "chat")
+    browser.find_element("id", "chat-reset").click()
+    plan = browser.find_element("id", "chat-plan")
+    plan.clear()
+    plan.send_keys("0-9")
+    browser.find_element("id", "chat-input").send_keys("hello\n")
+    _wait(browser, lambda d: "layer 9" in _text(d, "error"), "the error line")
+    assert "\n" not in _text(browser, "error") and "failed" in _text(browser, "chat-log")
+    plan.clear()
+    reply = _send_chat(browser, "hello")
+    assert reply["text"] == _greedy(model, "hello", 12) and not browser.find_element("id", "error").is_displayed()
+
+
+def test_tokens_are_coloured_by_their_provenance(browser):
     _tab(browser, "chat")
     browser.find_element("id", "chat-reset").click()
     browser.find_element("id", "chat-draft").send_keys("ngram")

@@ -147,6 +147,7 @@ async function sendChat(event) {
   event.preventDefault();
   const content = $("chat-input").value.trim();
   if (!content || chat.controller) return;
+  if (!info) return askKey();  // nothing answers without the key
   showError("");
   $("chat-input").value = "";
   chat.messages.push({role: "user", content});
@@ -194,6 +195,7 @@ async function runAB(event) {
   event.preventDefault();
   const prompt = $("ab-input").value.trim();
   if (!prompt) return;
+  if (!info) return askKey();
   showError("");
   $("ab-send").disabled = true;
   $("ab-agreement").textContent = "";
