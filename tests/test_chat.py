@@ -223,14 +223,21 @@ def test_load_resumes_and_command_line_options_override(folder, tmp_path):
     saved = read_saved(path, {"max_new_tokens": 5})
     session = ChatSession(model, saved.settings, saved.messages)
     assert resumed.stdout == session.reply("tell me more").text + "\n"
-    bad = _chat(folder, [], "--load", str(tmp_path / "missing.json"))
-    assert bad.exit_code == 1 and len(_error_line(bad)) == 1
 
 
-def test_option_errors_are_refused_before_the_model_loads(folder):
-    result = _chat(folder, [], "-t", "-1")
-    assert result.exit_code == 1 and "temperature -1.0 is out of range" in result.stderr
-    assert "loading" not in result.stderr
+@pytest.mark.parametrize("options, status, needle", [
+    (["-t", "-1"], 1, "temperature -1.0 is out of range"),
+    (["--load", "/dev/zero"], 1, "/dev/zero: not a file"),
+    (["--load", "/proc"], 2, "'/proc' is a directory"),
+    (["--load", "missing.json"], 1, "missing.json: no such file"),
+    (["--load", "BINARY"], 1, "not a text file"),
+])
+def test_bad_options_are_one_line_before_the_model_loads(folder, tmp_path, options, status, needle):
+    binary = tmp_path / "binary.json"
+    binary.write_bytes(b"\xff\xfe\x00garbage")
+    result = _chat(folder, [], *[str(binary) if o == "BINARY" else o for o in options])
+    assert result.exit_code == status and needle in result.stderr and len(_error_line(result)) == 1, result.stderr
+    assert "loading" not in result.stderr and "Traceback" not in result.output
 
 
 # ----- the command as a process: a pipe stopped by SIGINT, a terminal --------------------------------

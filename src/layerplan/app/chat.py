@@ -42,6 +42,7 @@ from layerplan.plan.plan import LayerPlan
 SAVE_FORMAT = "layerplan-chat"  # the "format" of a /save file, which `chat --load` checks
 ROLES = ("user", "assistant")
 NO_DRAFT = ("none", "off")  # /draft none: plain decoding again
+MAX_SAVED_BYTES = 256 * 2 ** 20  # a transcript longer than any model's context, many times over
 
 
 @dataclass
@@ -333,6 +334,11 @@ def read_saved(path: str | Path, given: dict | None = None) -> SavedChat:
     """A /save file, its settings overridden by `given` (options named on the command line). A
     file that is not one is a ValueError naming what is wrong."""
     path = Path(path)
+    if not path.is_file():  # (a device such as /dev/zero would be read forever)
+        raise ValueError(f"{path}: {'not a file' if path.exists() else 'no such file'}: give a file /save wrote")
+    if path.stat().st_size > MAX_SAVED_BYTES:
+        raise ValueError(f"{path}: {path.stat().st_size} bytes, more than a saved chat holds "
+                         f"({MAX_SAVED_BYTES // 2 ** 20} MiB at most): give a file /save wrote")
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as error:
