@@ -1222,9 +1222,9 @@ def _check_host(host: str) -> None:
 def serve(model, dtype, device, engine, threads, plan, draft, draft_length, host, port, api_key, served_name,
           max_batch) -> None:
     """OpenAI-compatible HTTP server: /v1/completions, /v1/chat/completions (SSE streaming),
-    /v1/models, /health. Up to --max-batch requests decode at once, in arrival order (continuous
-    batching: each pass carries the next token of every one; a request's tokens are those of its
-    solo run); /health shows the batch."""
+    /v1/models, /health, and a web playground at /. Up to --max-batch requests decode at once, in
+    arrival order (continuous batching: each pass carries the next token of every one; a request's
+    tokens are those of its solo run); /health shows the batch."""
     from layerplan.app.serve import ListenError, serve as run_server  # deferred: the web stack is heavy
 
     _threads(threads)
@@ -1237,7 +1237,8 @@ def serve(model, dtype, device, engine, threads, plan, draft, draft_length, host
 
         def listening(bound_host: str, bound_port: int) -> None:
             click.echo(f"serving '{served_name or loaded.name}' on http://{bound_host}:{bound_port}/v1 "
-                       f"(draft: {draft or 'none'}); Ctrl-C stops", err=True)
+                       f"(draft: {draft or 'none'}), the playground on http://{bound_host}:{bound_port}/; "
+                       "Ctrl-C stops", err=True)
 
         try:
             run_server(loaded, host, port, on_listening=listening, plan=loaded.plan(plan) if plan else None,
