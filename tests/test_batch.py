@@ -107,6 +107,37 @@ def test_speculation_inside_a_batch_keeps_each_requests_solo_output(draft):
 
 
 @native
+def test_a_caches_slot_descriptors_are_kept_between_passes_and_renewed_when_it_grows():
+    """The native batched pass keeps each cache's slot descriptors (cache.descriptors) between
+    passes: still each sequence's own logits while its buffers grow past their capacity (the
+    addresses change), after a rollback (crop), and a write past a skipped position still fails."""
+    model = _native("llama")
+    plan = model.plan("0,1,1,2")
+    prompts = [torch.tensor([[3, 9, 27]]), torch.tensor([[5]])]
+    alone, together = [new_cache(plan, 4) for _ in prompts], [new_cache(plan, 4) for _ in prompts]
+    for ids, a, t in zip(prompts, alone, together):
+        forward(model, ids, plan, a)
+        forward(model, ids, plan, t)
+    lengths = [ids.shape[1] for ids in prompts]
+    for step in range(12):  # past the initial capacity of 4 twice over: the buffers move
+        inputs = [torch.tensor([[11 + step]]), torch.tensor([[12 + step, 40 + step]])]
+        batched = forward_batch(model, [(x, c, n) for x, c, n in zip(inputs, together, lengths)], plan)
+        assert all(c.descriptors for c in together)  # kept for the next pass
+        for x, cache, n, got in zip(inputs, alone, lengths, batched):
+            assert torch.equal(got, forward(model, x, plan, cache, n)[0])
+        if step == 5:  # a rejected draft's rollback: the next pass writes from the cropped end
+            for cache in alone + together:
+                cache.crop(lengths[1] + 1)
+            lengths[1] += 1
+        else:
+            lengths[1] += 2
+        lengths[0] += 1
+    with pytest.raises(RuntimeError, match="a write starts at"):
+        forward_batch(model, [(torch.tensor([[1]]), together[0], lengths[0] + 3), (torch.tensor([[2]]), together[1],
+                                                                                    lengths[1])], plan)
+
+
+@native
 def test_a_batched_pass_gives_each_sequence_the_logits_of_the_rows_it_wants():
     """A pass's segments each want the logits of their last 0 (a prompt's chunk), 1 (its last
     chunk) or all rows (a verify): each gets exactly those, as its own pass computes them."""

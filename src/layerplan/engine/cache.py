@@ -25,6 +25,10 @@ class KVCache:
         # zero-fill the positions a step skipped instead of refusing the write: set while a
         # dynamic-exit draft leaves deeper slots unwritten (the verify pass rewrites them)
         self.fill_gaps = False
+        # what an executor built from the buffers' addresses (the native kernels' slot
+        # descriptors), by the executor's key: emptied whenever a buffer is allocated, so nothing
+        # in it points at a buffer this cache no longer holds
+        self.descriptors: dict = {}
         self.views = tuple(_SlotView(self, i) for i in range(num_slots))
 
     @property
@@ -43,10 +47,7 @@ class KVCache:
         slot's whole buffers (B, H, capacity, D), which the caller fills at those positions."""
         start = self.write_pos
         if start > self.lengths[slot] and not (self.fill_gaps and self.keys[slot] is not None):
-            raise RuntimeError(
-                f"KV slot {slot} holds {self.lengths[slot]} positions but a write starts at {start}: "
-                "a step that skipped earlier positions cannot attend to them"
-            )
+            raise self._gap(slot, start)
         buf_k, buf_v = self.keys[slot], self.values[slot]
         if buf_k is None or end > buf_k.shape[2] or buf_k.shape[0] != batch:
             buf_k, buf_v = self._allocate(slot, batch, heads, key_dim, value_dim, dtype, device, end)
@@ -55,6 +56,19 @@ class KVCache:
             buf_v[:, :, self.lengths[slot] : start] = 0
         self.lengths[slot] = end
         return buf_k, buf_v
+
+    def mark_written(self, slots, end: int) -> None:
+        """reserve() for slots whose buffers already hold `end` positions (and fill_gaps off):
+        positions [write_pos, end) of each are marked written (the caller fills them)."""
+        start, lengths = self.write_pos, self.lengths
+        for slot in slots:
+            if start > lengths[slot]:
+                raise self._gap(slot, start)
+            lengths[slot] = end
+
+    def _gap(self, slot: int, start: int) -> RuntimeError:
+        return RuntimeError(f"KV slot {slot} holds {self.lengths[slot]} positions but a write starts at {start}: "
+                            "a step that skipped earlier positions cannot attend to them")
 
     def write(self, slot: int, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store key/value (B, H, T, D) at positions [write_pos, write_pos+T); return all keys and
@@ -84,6 +98,7 @@ class KVCache:
             new_k[:, :, :keep] = old_k[:, :, :keep]
             new_v[:, :, :keep] = old_v[:, :, :keep]
         self.keys[slot], self.values[slot], self.lengths[slot] = new_k, new_v, keep
+        self.descriptors.clear()
         return new_k, new_v
 
     def crop(self, length: int) -> None:

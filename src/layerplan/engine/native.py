@@ -428,6 +428,7 @@ class StepRun:
         # steps: (slot, layer kernels, attention on, mlp on, scale); rope_layers[i]: a layer of rope table i;
         # dtype: the activations' (LP_DTYPE_...)
         self.slots = [(slot, layer.attention if attention else None) for slot, layer, attention, _, _ in steps]
+        self.kv_slots = [slot for slot, attention in self.slots if attention is not None]
         self.rope_layers, self.dtype = rope_layers, dtype
         self.table = (_Step * len(steps))()
         for entry, (slot, layer, attention, mlp, scale) in zip(self.table, steps):
@@ -454,6 +455,27 @@ class StepRun:
         sin = (ctypes.c_void_p * len(tables))(*(s.data_ptr() for _, s in tables))
         return tables, cos, sin  # the tensors stay referenced until the call returns
 
+    def _slot_descriptors(self, cache, start: int, end: int, dtype: torch.dtype, device: torch.device) -> bytes:
+        """The steps' slot descriptors (lp_kv, one a step; zero where the attention is off) for a
+        pass writing positions [start, end) of `cache`, those positions reserved. Built once per
+        cache and kept in it (cache.descriptors) until one of its buffers is allocated anew."""
+        cache.write_pos = start
+        kept = cache.descriptors.get(self)
+        if kept is not None and end <= kept[1] and not cache.fill_gaps:
+            cache.mark_written(self.kv_slots, end)
+            return kept[0]
+        descriptors, capacity = (_Kv * len(self.slots))(), None
+        for i, (slot, attention) in enumerate(self.slots):
+            if attention is None:
+                continue
+            keys, values = cache.reserve(slot, end, 1, attention.kv_heads, attention.head_dim, attention.head_dim,
+                                         dtype, device)
+            descriptors[i] = _Kv(keys.data_ptr(), values.data_ptr(), keys.shape[2], 0, _DTYPES[keys.dtype])
+            capacity = keys.shape[2] if capacity is None else min(capacity, keys.shape[2])
+        blob = bytes(descriptors)
+        cache.descriptors[self] = (blob, capacity if capacity is not None else end)
+        return blob
+
     def __call__(self, hidden: torch.Tensor, cache, start_pos: int, ropes: list[tuple[torch.Tensor, torch.Tensor]],
                  window: tuple[int, int] | None, tree: torch.Tensor | None = None) -> torch.Tensor:
         """hidden (1, T, H) after the steps; each step's new keys and values go to its cache slot.
@@ -479,21 +501,17 @@ class StepRun:
             table = ends.lookup(ids[None]).reshape(rows, -1).contiguous()
             ids = torch.arange(rows)
         dtype, nsegs = table.dtype, len(sequences)
-        kvs = (_Kv * (len(self.slots) * nsegs))()
-        held = []  # the slot buffers stay referenced until the call returns
-        segments = (_Segment * nsegs)()
-        for s, (tokens, cache, start) in enumerate(sequences):
+        for s, (tokens, _, _) in enumerate(sequences):
             if not 0 <= wanted[s] <= tokens.shape[-1]:
                 raise ValueError(f"the logits of {wanted[s]} rows of a {tokens.shape[-1]}-token pass")
-            segments[s] = _Segment(tokens.shape[-1], start, wanted[s])
-            cache.write_pos = start
-            for i, (slot, attention) in enumerate(self.slots):
-                if attention is None:
-                    continue
-                keys, values = cache.reserve(slot, start + tokens.shape[-1], 1, attention.kv_heads, attention.head_dim,
-                                             attention.head_dim, dtype, table.device)
-                kvs[i * nsegs + s] = _Kv(keys.data_ptr(), values.data_ptr(), keys.shape[2], 0, _DTYPES[keys.dtype])
-                held.append((keys, values))
+        segments = (_Segment * nsegs)(*(_Segment(tokens.shape[-1], start, rows_wanted)
+                                        for (tokens, _, start), rows_wanted in zip(sequences, wanted)))
+        # kvs[step * nsegs + s]: step-major, as lp_forward_batch reads them (each cache's buffers
+        # stay held by the cache until the call returns)
+        per_sequence = [self._slot_descriptors(cache, start, start + tokens.shape[-1], dtype, table.device)
+                        for tokens, cache, start in sequences]
+        steps = np.frombuffer(b"".join(per_sequence), np.uint8).reshape(nsegs, len(self.slots), ctypes.sizeof(_Kv))
+        kvs = (_Kv * (len(self.slots) * nsegs)).from_buffer_copy(np.ascontiguousarray(steps.transpose(1, 0, 2)))
         tables = [(cos.contiguous(), sin.contiguous()) for cos, sin in ropes]
         cos = (ctypes.c_void_p * len(tables))(*(c.data_ptr() for c, _ in tables))
         sin = (ctypes.c_void_p * len(tables))(*(s.data_ptr() for _, s in tables))
