@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from layerplan.decoding.sampling import argmax_token
 from layerplan.engine.tree import TreeShape
 
 
@@ -66,7 +67,7 @@ def _draw(weights: torch.Tensor, generator: torch.Generator | None) -> int:
     total = float(weights.sum())
     if total <= 0:
         raise ValueError("the residual distribution is empty: target and draft distributions are inconsistent")
-    top = int(weights.argmax())
+    top = argmax_token(weights)
     if float(weights[top]) == total:
         return top
     return int(torch.multinomial(weights / total, 1, generator=generator))

@@ -68,6 +68,16 @@ def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor | None, pe
     return logits
 
 
+def argmax_token(logits: torch.Tensor) -> int:
+    """The index of the first maximum of logits (V,), a NaN counting as the maximum: torch's rule,
+    which numpy's argmax follows too. On a CPU float32 row numpy's skips the dispatch of torch's
+    parallel reduction, which costs far more than the scan itself at a vocabulary's length (and
+    is paid for every token of every request)."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 1:
+        return int(logits.numpy().argmax())
+    return int(logits.argmax())
+
+
 def process_logits(logits: torch.Tensor, params: SamplingParams, seen: torch.Tensor | None = None) -> torch.Tensor:
     """Processed logits (V,) in float32: penalty, temperature, then top-k / top-p masking (-inf)."""
     logits = apply_repetition_penalty(logits.float(), seen, params.repetition_penalty)
@@ -91,7 +101,7 @@ def next_token_probs(logits: torch.Tensor, params: SamplingParams, seen: torch.T
     """The distribution (V,) the decoder draws from; one-hot at the argmax when greedy."""
     processed = process_logits(logits, params, seen)
     if params.greedy:
-        return torch.nn.functional.one_hot(processed.argmax(), processed.shape[-1]).float()
+        return torch.nn.functional.one_hot(torch.tensor(argmax_token(processed)), processed.shape[-1]).float()
     return torch.softmax(processed, -1)
 
 
@@ -106,5 +116,5 @@ def pick(logits: torch.Tensor, params: SamplingParams, seen: torch.Tensor | None
     """One next token from logits (V,)."""
     processed = process_logits(logits, params, seen)
     if params.greedy:
-        return int(processed.argmax())
+        return argmax_token(processed)
     return int(torch.multinomial(torch.softmax(processed, -1), 1, generator=generator))

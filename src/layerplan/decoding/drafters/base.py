@@ -15,7 +15,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from layerplan.decoding.sampling import SamplingParams, process_logits
+from layerplan.decoding.sampling import SamplingParams, argmax_token, process_logits
 from layerplan.engine.cache import KVCache
 from layerplan.engine.tree import TreeShape
 from layerplan.models.loading import LoadedModel
@@ -90,7 +90,7 @@ def draft_token(logits: torch.Tensor, state: DraftState, seen: list[int]) -> tup
     penalty_context = torch.tensor(seen, device=logits.device) if params.repetition_penalty != 1.0 else None
     processed = process_logits(logits, params, penalty_context)
     if params.greedy:
-        token = int(processed.argmax())
+        token = argmax_token(processed)
         confidence = float(torch.softmax(processed, -1)[token])
         q = torch.zeros_like(processed)
         q[token] = 1.0
