@@ -105,6 +105,21 @@ def test_drafted_replies_with_the_kept_cache_equal_plain_greedy(model, draft):
     assert session.drafter is None and session.settings.draft is None
 
 
+def test_stats_give_the_plans_cost_in_the_probes_full_model_steps(model):
+    from layerplan.engine.probe import ProbeRow
+
+    session = ChatSession(model, ChatSettings(max_new_tokens=12, plan="skip:mlp=1", draft="suffix"),
+                          probe_row=ProbeRow("native", "float32", 2.0, {1: 1.0, 2: 1.1, 4: 1.3, 8: 1.8}))
+    session.reply("hello there")
+    stats = session.stats()
+    per_pass = stats.session.decode_seconds / stats.session.passes
+    assert stats.relative_cost == pytest.approx(per_pass * 1000 / 2.0)
+    assert stats.sub_layers == pytest.approx(5 / 6) and stats.plan == "skip:mlp=1" and stats.draft == "suffix"
+    text = "\n".join(stats.lines())
+    assert "the probe's full-model step (2.00 ms)" in text and "runs 83% of the sub-layers" in text
+    assert json.loads(json.dumps(stats.to_dict()))["session"]["replies"] == 1
+
+
 def test_a_stopped_reply_stays_in_the_conversation_and_the_session_goes_on(model):
     session = ChatSession(model, ChatSettings(max_new_tokens=40))
     pieces = []
