@@ -4,7 +4,6 @@ command driven as a person would: from a pipe (in process, and a real process st
 mid-reply), in a terminal (tmux send-keys / capture-pane), and on the packaged SmolLM2."""
 
 import json
-import os
 import shutil
 import signal
 import subprocess

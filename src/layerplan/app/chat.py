@@ -261,8 +261,8 @@ class ChatSession:
         ids = self.prompt_ids(messages)
         room = self.model.context_length - len(ids)
         if room <= 0:
-            raise ValueError(f"the conversation is {len(ids)} tokens and the model's context {self.model.context_length}: "
-                             "/reset starts a new one (/save keeps this one first)")
+            raise ValueError(f"the conversation is {len(ids)} tokens and the model's context "
+                             f"{self.model.context_length}: /reset starts a new one (/save keeps this one first)")
         kept = self._keep(ids)
         cache, self.cache, self.cached = self.cache, None, []  # a reply that fails leaves no half-written cache
         settings, sampling = self.settings, SamplingParams(self.settings.temperature)
@@ -460,6 +460,8 @@ class ChatLoop:
                         self.answer(line[1:] if line.startswith("//") else line)
             except click.ClickException as error:
                 self.status(f"Error: {error.format_message()}")
+            except KeyboardInterrupt:  # a command that takes long (a draft model loading): that command
+                self.status("(interrupted)")
         return 0
 
     def answer(self, text: str) -> None:

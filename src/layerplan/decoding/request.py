@@ -42,7 +42,9 @@ class DecodeRequest:
         if cache is not None and cache.length >= self.ids.shape[1]:
             raise ValueError(f"the cache holds {cache.length} positions of a {self.ids.shape[1]}-token prompt: "
                              "at least its last token must be left to prefill")
-        self.cache = cache if cache is not None else new_cache(plan, capacity=self.ids.shape[1] + max_new_tokens + spare)
+        if cache is None:
+            cache = new_cache(plan, capacity=self.ids.shape[1] + max_new_tokens + spare)
+        self.cache = cache
         self.context: list[int] = self.ids[0].tolist()  # the last one pending: chosen, not yet in the cache
         self.pace = PaceCheck(probe_row)  # its passes against this machine's probe (result.slow_note)
         self.start = time.perf_counter()
