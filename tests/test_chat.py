@@ -254,6 +254,15 @@ def test_bad_options_are_one_line_before_the_model_loads(folder, tmp_path, optio
     assert "loading" not in result.stderr and "Traceback" not in result.output
 
 
+def test_a_model_without_a_tokenizer_is_one_line_at_the_start(tmp_path):
+    from tiny import tiny_hf
+
+    tiny_hf("llama").save_pretrained(tmp_path / "bare")
+    result = _chat(tmp_path / "bare", ["hello"])
+    assert result.exit_code == 1 and "has no tokenizer" in result.stderr and len(_error_line(result)) == 1
+    assert result.stdout == ""
+
+
 # ----- the command as a process: a pipe stopped by SIGINT, a terminal --------------------------------
 LONG_PROMPT = "write a long story"  # the tiny model's greedy reply to it runs to the token limit (6,000 in 3-4 s)
 

@@ -184,6 +184,8 @@ class ChatSession:
     def __init__(self, model: LoadedModel, settings: ChatSettings | None = None,
                  messages: Sequence[dict[str, str]] = (), probe_row: ProbeRow | None = None,
                  draft_length: str | None = None) -> None:
+        if model.tokenizer is None:
+            model.encode("")  # ModelError in the model's own words: text cannot be turned into tokens
         self.model, self.probe_row, self.draft_length = model, probe_row, draft_length
         self.settings = settings if settings is not None else ChatSettings()
         self.plan = model.plan(self.settings.plan)
