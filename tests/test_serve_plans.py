@@ -198,6 +198,18 @@ def test_a_stream_says_where_each_token_came_from(client, tiny):
     assert "".join(chunk["text"] for chunk in chunks) == _alone(tiny, REPETITIVE, 40).text
 
 
+@pytest.mark.parametrize("draft", ["suffix", "suffix:tree", "ngram|exit:2", "skip:attn=0"])
+def test_every_drafter_labels_every_token_and_keeps_the_plain_text(tiny, draft):
+    pieces: list = []
+    result = _alone(tiny, REPETITIVE, 40, draft=draft, on_text=pieces.append)
+    assert result.text == _alone(tiny, REPETITIVE, 40).text == "".join(pieces)
+    assert sum(result.provenance.values()) == len(result.token_ids)
+    assert result.provenance["accepted"] <= result.stats["accepted"]
+    assert result.provenance["correction"] + result.provenance["bonus"] <= result.stats["rounds"] - \
+        result.stats["plain_rounds"]
+    assert all("".join(piece.text for piece in delta.pieces) == delta for delta in pieces)
+
+
 def test_a_plain_stream_is_all_plain_and_provenance_is_only_sent_when_asked(client):
     chunks, usage = _stream(client, _body(PROMPTS[0], 30, {"provenance": True}))
     assert {piece["kind"] for chunk in chunks for piece in chunk["tokens"]} == {"plain"}
