@@ -54,6 +54,7 @@ def _alone(model, prompt: str, n: int, plan: str | None = None, draft: str | Non
     ({"plan": "bogus"}, "layerplan.plan", "cannot read 'bogus'"),
     ({"plan": "skip:attn=1\nmlp=9"}, "layerplan.plan", ""),  # the client's line break: still one line
     ({"plan": "plan.json"}, "layerplan.plan", "cannot read"),  # a plan string only: no files of the server
+    ({"plan": "0-2," * 4 + "0"}, "layerplan.plan", "runs at most 12 here"),  # 13 steps of a 3-layer model
     ({"draft": "bogus"}, "layerplan.draft", "cannot read 'bogus'"),
     ({"draft": "ngram:x"}, "layerplan.draft", "expected ngram or ngram:N"),
     ({"draft": "suffix:corpus=/etc/hostname"}, "layerplan.draft", "would read a corpus file on the server"),

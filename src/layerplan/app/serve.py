@@ -70,6 +70,10 @@ from layerplan.plan.plan import LayerPlan, PlanError, parse_plan
 DEFAULT_MAX_BATCH = 8
 PASSES_KEPT = 4096  # the latest passes /health summarises (a few minutes of a busy server's)
 RECENT_SECONDS = 60.0  # the span of /health's batch_recent
+# a request's plan runs at most this many steps per layer of the model: a frankenmerge repeats a
+# block once or twice, while a plan of thousands of steps would take a KV slot each (gigabytes) and
+# hold every other request up (the server's own --plan has no such bound)
+REQUEST_STEPS_PER_LAYER = 4
 
 
 # ----- errors ------------------------------------------------------------------------------------
@@ -638,6 +642,10 @@ def create_app(model: LoadedModel, plan: LayerPlan | None = None, draft=None, dr
                 model.check_plan(plan)
             except PlanError as error:
                 raise APIError(400, _one_line(error), "layerplan.plan") from None
+            most = REQUEST_STEPS_PER_LAYER * model.num_layers
+            if len(plan.active_steps) > most:
+                raise APIError(400, f"the plan runs {len(plan.active_steps)} steps; a request's plan runs at most "
+                                    f"{most} here ({REQUEST_STEPS_PER_LAYER} per layer of the model)", "layerplan.plan")
             chosen["plan"] = plan
         named = "draft" in options.model_fields_set  # "draft": null decodes plainly
         try:
