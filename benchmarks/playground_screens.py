@@ -54,10 +54,10 @@ def _browser(width: int = 1360, height: int = 1000):
     return webdriver.Chrome(service=Service(driver), options=options)
 
 
-def _wait(driver, condition, what: str, seconds: float = 600.0):
+def _wait(driver, condition, what: str, seconds: float = 600.0, poll: float = 0.1):
     from selenium.webdriver.support.ui import WebDriverWait
 
-    return WebDriverWait(driver, seconds, poll_frequency=0.1).until(condition, f"waited {seconds:.0f} s for {what}")
+    return WebDriverWait(driver, seconds, poll_frequency=poll).until(condition, f"waited {seconds:.0f} s for {what}")
 
 
 def _fill(driver, element_id: str, text: str) -> None:
@@ -66,12 +66,13 @@ def _fill(driver, element_id: str, text: str) -> None:
     box.send_keys(text)
 
 
-def _chat(driver, text: str) -> str:
-    """Send a message; the stats line of its reply once the server's usage came."""
+def _chat(driver, text: str, poll: float = 0.1) -> str:
+    """Send a message; the stats line of its reply once the server's usage came. poll: seconds
+    between looks at the page (each look is work for the browser, on the cores that decode)."""
     replies = len(driver.find_elements("css selector", ".msg.assistant .footer"))
     _fill(driver, "chat-input", text + "\n")
     _wait(driver, lambda d: len(d.find_elements("css selector", ".msg.assistant .footer")) > replies
-          and "tokens/s" in d.find_elements("css selector", ".msg.assistant .footer")[-1].text, "the reply")
+          and "tokens/s" in d.find_elements("css selector", ".msg.assistant .footer")[-1].text, "the reply", poll=poll)
     return driver.find_element("id", "chat-stats").text
 
 
@@ -80,8 +81,10 @@ def _rate(stats: str) -> float:
 
 
 def _api_rate(base: str, model: str, tokens: int) -> float:
+    """The server's tokens/s for the request the page sends (provenance asked for, as the page does)."""
     body = {"model": model, "messages": [{"role": "user", "content": MEASURE_PROMPT}], "max_tokens": tokens,
-            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+            "temperature": 0, "stream": True, "stream_options": {"include_usage": True},
+            "layerplan": {"provenance": True, "stream_interval": 0.1}}
     usage = None
     with httpx.stream("POST", f"{base}/v1/chat/completions", json=body, timeout=600) as response:
         for line in response.iter_lines():
@@ -94,7 +97,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2")
     parser.add_argument("--dtype", default=None, help="serve's --dtype (default: serve's own)")
-    parser.add_argument("--draft", default="ngram")
+    parser.add_argument("--draft", default="ngram", help="serve's --draft; none: plain decoding (the steadiest rate "
+                        "to compare page and API by: an adaptive draft's speed moves from run to run)")
     parser.add_argument("--out", default="docs")
     parser.add_argument("--scan-tokens", type=int, default=128, help="tokens of a scan run from the page, if none is cached")
     parser.add_argument("--skip", type=int, default=2, help="sub-layers to switch off in the plan builder")
@@ -104,8 +108,8 @@ def main() -> None:
 
     port = _free_port()
     base = f"http://127.0.0.1:{port}"
-    command = [str(Path(sys.executable).with_name("layerplan")), "serve", "--model", args.model, "--port", str(port),
-               "--draft", args.draft] + (["--dtype", args.dtype] if args.dtype else [])
+    command = [str(Path(sys.executable).with_name("layerplan")), "serve", "--model", args.model, "--port", str(port)]
+    command += (["--draft", args.draft] if args.draft != "none" else []) + (["--dtype", args.dtype] if args.dtype else [])
     server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     driver = None
     try:
@@ -164,7 +168,7 @@ def main() -> None:
             page, api = [], []
             for _ in range(args.measure):
                 driver.find_element("id", "chat-reset").click()
-                page.append(_rate(_chat(driver, MEASURE_PROMPT)))
+                page.append(_rate(_chat(driver, MEASURE_PROMPT, poll=1.0)))
                 api.append(_api_rate(base, info["model"], args.measure_tokens))
             print(json.dumps({"model": info["model"], "plan": info["plan"], "draft": info["draft"],
                               "tokens": args.measure_tokens, "page_tokens_per_second": page,

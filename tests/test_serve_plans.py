@@ -66,6 +66,7 @@ def _alone(model, prompt: str, n: int, plan: str | None = None, draft: str | Non
     ({"draft_length": "fixed"}, "layerplan.draft_length", "decodes plainly"),
     ({"plans": "exit:1"}, "layerplan.plans", "Extra inputs are not permitted"),
     ({"plan": 3}, "layerplan.plan", "valid string"),
+    ({"stream_interval": 2}, "layerplan.stream_interval", "less than or equal to 1"),
 ])
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
 def test_a_plan_or_draft_that_cannot_be_used_is_a_400_in_one_line_naming_it(client, path, options, param, says):
@@ -209,6 +210,18 @@ def test_every_drafter_labels_every_token_and_keeps_the_plain_text(tiny, draft):
     assert result.provenance["correction"] + result.provenance["bonus"] <= result.stats["rounds"] - \
         result.stats["plain_rounds"]
     assert all("".join(piece.text for piece in delta.pieces) == delta for delta in pieces)
+
+
+def test_a_stream_interval_gathers_the_tokens_that_come_within_it_into_one_chunk(client, tiny):
+    """stream_interval: fewer chunks, the same text, every token still labelled in order."""
+    each, _ = _stream(client, _body(PROMPTS[1], 40, {"provenance": True}))
+    gathered, usage = _stream(client, _body(PROMPTS[1], 40, {"provenance": True, "stream_interval": 1.0}))
+    assert len(each) >= 30  # a chunk a token (a byte of a character may wait for the next)
+    assert len(gathered) <= 3  # the tiny model's 40 tokens take well under the second
+    assert "".join(c["text"] for c in gathered) == "".join(c["text"] for c in each) == _alone(tiny, PROMPTS[1], 40).text
+    assert all("".join(p["text"] for p in c["tokens"]) == c["text"] for c in gathered)
+    assert [p for c in gathered for p in c["tokens"]] == [p for c in each for p in c["tokens"]]
+    assert usage["completion_tokens"] == 40
 
 
 def test_a_plain_stream_is_all_plain_and_provenance_is_only_sent_when_asked(client):

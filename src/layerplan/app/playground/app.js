@@ -56,9 +56,11 @@ function askKey() {
 // ----- streaming a reply -----------------------------------------------------------------------
 // The request's "layerplan" object asks for the plan, the draft and each token's provenance;
 // chunks that carry "layerplan": {"tokens": [{text, kind}]} are coloured by kind, any other text
-// is shown plain.
+// is shown plain. The server gathers a tenth of a second's tokens into one chunk: the browser
+// reads each chunk on the cores that decode, and a chunk a token cost the decode a tenth of its
+// speed.
 function extension(plan, draft) {
-  const object = {provenance: true};
+  const object = {provenance: true, stream_interval: 0.1};
   if (plan) object.plan = plan;
   if (draft) object.draft = draft;
   return object;
@@ -72,7 +74,9 @@ function tokenSpan(text, kind) {
 }
 
 // POST a streamed chat completion; tokens are appended to `out` as they come and `onTick` gets
-// the live figures. Resolves to {text, usage, kinds}.
+// the live figures. Resolves to {text, usage, kinds}. The page touches the DOM at most once a
+// frame, however many tokens arrive: on a machine whose cores also decode, laying out and
+// painting a reply token by token would take the time the decode needs.
 async function streamChat(body, out, onTick, signal) {
   const response = await send("/v1/chat/completions",
     {...body, stream: true, stream_options: {include_usage: true}}, signal);
@@ -80,6 +84,15 @@ async function streamChat(body, out, onTick, signal) {
   const decoder = new TextDecoder();
   const counts = {};
   let buffer = "", text = "", usage = null, tokens = 0, first = null;
+  let pending = document.createDocumentFragment(), frame = null;
+  const flush = () => {
+    frame = null;
+    out.appendChild(pending);  // empties the fragment
+    if (tokens) {
+      const seconds = (performance.now() - first) / 1000;
+      onTick({tokens, tokensPerSecond: seconds > 0 ? (tokens - 1) / seconds : null, counts});
+    }
+  };
   const take = (data) => {
     if (data === "[DONE]") return;
     const chunk = JSON.parse(data);
@@ -88,7 +101,7 @@ async function streamChat(body, out, onTick, signal) {
     const delta = (chunk.choices && chunk.choices[0] && chunk.choices[0].delta.content) || "";
     const pieces = (chunk.layerplan && chunk.layerplan.tokens) || (delta ? [{text: delta, kind: null}] : []);
     for (const piece of pieces) {
-      out.appendChild(tokenSpan(piece.text, piece.kind));
+      pending.appendChild(tokenSpan(piece.text, piece.kind));
       const kind = KINDS.includes(piece.kind) ? piece.kind : "plain";
       counts[kind] = (counts[kind] || 0) + 1;
       tokens += 1;
@@ -96,20 +109,24 @@ async function streamChat(body, out, onTick, signal) {
     text += delta;
     if (pieces.length) {
       first = first || performance.now();
-      const seconds = (performance.now() - first) / 1000;
-      onTick({tokens, tokensPerSecond: seconds > 0 ? (tokens - 1) / seconds : null, counts});
+      if (frame === null) frame = requestAnimationFrame(flush);
     }
   };
-  for (;;) {
-    const {value, done} = await reader.read();
-    if (done) break;
-    buffer += decoder.decode(value, {stream: true});
-    let cut;
-    while ((cut = buffer.indexOf("\n\n")) >= 0) {
-      const event = buffer.slice(0, cut);
-      buffer = buffer.slice(cut + 2);
-      for (const line of event.split("\n")) if (line.startsWith("data: ")) take(line.slice(6));
+  try {
+    for (;;) {
+      const {value, done} = await reader.read();
+      if (done) break;
+      buffer += decoder.decode(value, {stream: true});
+      let cut;
+      while ((cut = buffer.indexOf("\n\n")) >= 0) {
+        const event = buffer.slice(0, cut);
+        buffer = buffer.slice(cut + 2);
+        for (const line of event.split("\n")) if (line.startsWith("data: ")) take(line.slice(6));
+      }
     }
+  } finally {  // what came is shown, a stopped or failed reply's too
+    if (frame !== null) cancelAnimationFrame(frame);
+    flush();
   }
   return {text, usage, counts};
 }
