@@ -1,14 +1,16 @@
 """Continuous batching against one client and against llama.cpp's own server, in one run: the
-aggregate tokens/s of C concurrent clients (each a different prompt) to `layerplan serve`'s app
-on 127.0.0.1, its ratio to one client, each client's median time per token, whether every reply
-equals its solo run, and the same clients against `llama-server --parallel N` (continuous
-batching, the same GGUF file and threads; `layerplan peers build` once).
+aggregate tokens/s of C concurrent clients to `layerplan serve` on 127.0.0.1, its ratio to one
+client, the median time per token of the requests, whether every reply equals its solo run, and
+the same clients against `llama-server --parallel N` (continuous batching, the same GGUF file and
+threads; `layerplan peers build` once).
 
     python benchmarks/serve_batch.py [--model smollm2] [--dtype stored-fast] [--clients 1,4,8] [--tokens 64]
-                                     [--draft suffix]
+                                     [--requests 24] [--draft suffix]
 
-Prints one JSON object. Greedy decoding; the requests ask for --tokens tokens and stop at EOS. One
-client sends all the prompts in turn (the baseline rate); C clients send the first C at once.
+Prints one JSON object. Greedy decoding; the requests ask for --tokens tokens and stop at EOS.
+Every round sends the same --requests requests (the prompts in turn); its C clients are a closed
+loop, each sending its next request when its last reply came, so the batch holds C requests
+until the last ones; one client sends them one after another (the baseline rate).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import os
 import socket
 import statistics
 import subprocess
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -55,27 +58,40 @@ def _wait(url: str, seconds: float = 120) -> None:
     raise SystemExit(f"{url} did not answer within {seconds} s")
 
 
-def _round(base: str, model: str, clients: int, tokens: int, extra: dict, prompts: list[str] | None = None) -> dict:
-    """C clients at once, each one request (of `prompts`, default the first C; one client sends
-    them one after another): wall, tokens, per-request seconds per token, texts."""
-    prompts = prompts if prompts is not None else PROMPTS[:clients]
-    def one(prompt: str):
-        start = time.perf_counter()
-        with httpx.Client(base_url=base, timeout=600) as client:
-            reply = client.post("/v1/completions", json={"model": model, "prompt": prompt, "max_tokens": tokens,
-                                                         "temperature": 0, **extra}).json()
-        seconds = time.perf_counter() - start
-        done = reply["usage"]["completion_tokens"]
-        return reply["choices"][0]["text"], done, seconds / max(done, 1)
+def _round(base: str, model: str, clients: int, tokens: int, extra: dict, prompts: list[str]) -> dict:
+    """C clients at once, closed loop: each sends its next request as soon as its last reply came,
+    taking them in order from `prompts` until none is left (so a batch stays full but at the very
+    end, as a busy server's does). Every round sends the same requests. Wall, tokens, each
+    request's seconds per token, texts (in prompts' order)."""
+    texts: list[str | None] = [None] * len(prompts)
+    done_tokens, per_token = [0] * len(prompts), [0.0] * len(prompts)
+    next_index, lock = [0], threading.Lock()
+
+    def client() -> None:
+        with httpx.Client(base_url=base, timeout=600) as session:
+            while True:
+                with lock:
+                    index = next_index[0]
+                    next_index[0] += 1
+                if index >= len(prompts):
+                    return
+                start = time.perf_counter()
+                reply = session.post("/v1/completions", json={"model": model, "prompt": prompts[index],
+                                                              "max_tokens": tokens, "temperature": 0, **extra}).json()
+                seconds = time.perf_counter() - start
+                done_tokens[index] = reply["usage"]["completion_tokens"]
+                texts[index] = reply["choices"][0]["text"]
+                per_token[index] = seconds / max(done_tokens[index], 1)
 
     start = time.perf_counter()
     with ThreadPoolExecutor(clients) as pool:
-        results = list(pool.map(one, prompts))
+        for future in [pool.submit(client) for _ in range(clients)]:
+            future.result()
     wall = time.perf_counter() - start
-    total = sum(n for _, n, _ in results)
-    return {"clients": clients, "requests": len(prompts), "wall_seconds": wall, "tokens": total, "tokens_per_second": total / wall,
-            "median_seconds_per_token": statistics.median(s for _, _, s in results),
-            "texts": [t for t, _, _ in results]}
+    total = sum(done_tokens)
+    return {"clients": clients, "requests": len(prompts), "wall_seconds": wall, "tokens": total,
+            "tokens_per_second": total / wall, "median_seconds_per_token": statistics.median(per_token),
+            "texts": texts}
 
 
 def main() -> None:
@@ -84,14 +100,19 @@ def main() -> None:
     parser.add_argument("--dtype", default="stored-fast")
     parser.add_argument("--clients", default="1,4,8")
     parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--requests", type=int, default=24,
+                        help="requests each round sends (the prompts in turn), whatever its clients")
     parser.add_argument("--draft", default=None, help="serve with this (lookup) drafter: ngram or suffix")
     parser.add_argument("--no-llama-server", action="store_true")
     args = parser.parse_args()
     counts = [int(c) for c in args.clients.split(",")]
     threads = torch.get_num_threads()
     model = load_model(args.model, dtype=args.dtype)
+    # every round sends the same requests, the prompts in turn: one client sends them one after
+    # another (no concurrency), C clients C at a time
+    every = [PROMPTS[i % len(PROMPTS)] for i in range(args.requests)]
     solo = {p: generate(model, model.tokenizer(p).input_ids, max_new_tokens=args.tokens,
-                        sampling=SamplingParams()).text for p in PROMPTS[:max(counts)]}
+                        sampling=SamplingParams()).text for p in set(every)}
     # `layerplan serve` as a user runs it: a process of its own, decoding on its main thread
     port = _free_port()
     process = subprocess.Popen(["layerplan", "serve", "--model", args.model, "--dtype", args.dtype, "--threads",
@@ -101,14 +122,13 @@ def main() -> None:
     try:
         base = f"http://127.0.0.1:{port}"
         _wait(f"{base}/health", 300)
-        _round(base, model.name, 1, 8, {})  # warm-up
-        every = PROMPTS[:max(counts)]  # one client sends them all in turn: the same work, no concurrency
-        ours = [_round(base, model.name, c, args.tokens, {}, every if c == 1 else None) for c in counts]
+        _round(base, model.name, 1, 8, {}, PROMPTS[:1])  # warm-up
+        ours = [_round(base, model.name, c, args.tokens, {}, every) for c in counts]
     finally:
         process.terminate()
         process.wait(timeout=30)
     for row in ours:
-        row["equal_to_solo"] = f"{sum(text == solo[p] for text, p in zip(row.pop('texts'), PROMPTS))}/{row['requests']}"
+        row["equal_to_solo"] = f"{sum(text == solo[p] for text, p in zip(row.pop('texts'), every))}/{row['requests']}"
     one = next((r for r in ours if r["clients"] == 1), None)
     for row in ours:
         if one is not None:
@@ -129,8 +149,8 @@ def main() -> None:
             try:
                 base = f"http://127.0.0.1:{port}"
                 _wait(f"{base}/health")
-                _round(base, "x", 1, 8, {})
-                theirs = [_round(base, "x", c, args.tokens, {}, every if c == 1 else None) for c in counts]
+                _round(base, "x", 1, 8, {}, PROMPTS[:1])
+                theirs = [_round(base, "x", c, args.tokens, {}, every) for c in counts]
                 for row in theirs:
                     row.pop("texts")
             finally:
