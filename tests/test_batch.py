@@ -5,6 +5,7 @@ leave; greedy and seeded sampled outputs equal their solo generate()."""
 import pytest
 import torch
 
+from layerplan.decoding import batch as batching
 from layerplan.decoding.batch import generate_batch
 from layerplan.decoding.generate import generate
 from layerplan.decoding.sampling import SamplingParams
@@ -138,6 +139,59 @@ def test_a_caches_slot_descriptors_are_kept_between_passes_and_renewed_when_it_g
 
 
 @native
+@pytest.mark.parametrize("arch,dtype,shared", [("llama", torch.float32, True), ("qwen2", torch.bfloat16, True),
+                                               ("gemma3", torch.float32, False)])  # Gemma scales its embedding: each runs alone
+def test_sequences_of_different_plans_share_the_steps_their_plans_begin_with(arch, dtype, shared, monkeypatch):
+    """A pass of several plans: the steps they begin with alike run once over every row, then each
+    plan's own from there; each sequence gets its own plan's logits bit for bit (a skip and a
+    repeat that part at step 2, an exit inside the shared steps, the full plan)."""
+    from layerplan.engine import native as native_module
+
+    model = tiny_model(arch, num_layers=4, dtype=dtype)
+    use_native(model)
+    plans = [model.plan(), model.plan("skip:attn=2"), model.plan("0,1,1,2,3"), model.plan("exit:2"), model.plan()]
+    prompts = [torch.tensor([[3, 9, 27]]), torch.tensor([[5]]), torch.tensor([[7, 1, 4, 1]]), torch.tensor([[2, 8]]),
+               torch.tensor([[6]])]
+    calls = []
+    monkeypatch.setattr(native_module.StepRun, "batch_hidden", lambda self, *a, _real=native_module.StepRun.batch_hidden:
+                        calls.append(len(self.slots)) or _real(self, *a))
+    alone = [new_cache(plan, 32) for plan in plans]
+    together = [new_cache(plan, 32) for plan in plans]
+    lasts = forward_batch(model, [(ids, cache, 0) for ids, cache in zip(prompts, together)], plans, last_only=True)
+    for ids, plan, cache, got in zip(prompts, plans, alone, lasts):
+        assert torch.equal(got, forward(model, ids, plan, cache, 0, last_only=True)[0])
+    # the full plans share a group; from step 2 each other plan runs its own rest (exit:2: none)
+    assert sorted(calls) == ([0, 2, 2, 3] if shared else [])
+    for step in range(3):
+        inputs = [torch.tensor([[11 + step + s]]) for s in range(len(plans))]
+        starts = [ids.shape[1] + step for ids in prompts]
+        batched = forward_batch(model, [(x, c, n) for x, c, n in zip(inputs, together, starts)], plans)
+        for x, plan, cache, n, got in zip(inputs, plans, alone, starts, batched):
+            assert torch.equal(got, forward(model, x, plan, cache, n)[0])
+    # plans that part at the first step share nothing but the pass: still each one's own logits
+    apart = [model.plan("skip:mlp=0"), model.plan()]
+    got = forward_batch(model, [(prompts[0], new_cache(plan, 32), 0) for plan in apart], apart)
+    for plan, logits in zip(apart, got):
+        assert torch.equal(logits, forward(model, prompts[0], plan, new_cache(plan, 32), 0)[0])
+
+
+@native
+def test_a_batch_of_decodes_of_different_plans_keeps_each_ones_solo_output():
+    model = _native("llama")
+    group = batching.Batch(model)
+    plans = ["full", "skip:attn=1", "exit:2", "0,1,1,2"]
+    decodes = {plan: batching.Decoding(model, [3, 9, 27], model.plan(plan), 12, stop_at_eos=False) for plan in plans}
+    for plan, decoding in decodes.items():
+        group.join(plan, decoding)
+    finished = {}
+    while len(group):
+        finished.update(group.step())
+    for plan in plans:
+        solo = generate(model, [3, 9, 27], model.plan(plan), 12, stop_at_eos=False)
+        assert finished[plan].out.tokens == solo.token_ids
+
+
+@native
 def test_a_batched_pass_gives_each_sequence_the_logits_of_the_rows_it_wants():
     """A pass's segments each want the logits of their last 0 (a prompt's chunk), 1 (its last
     chunk) or all rows (a verify): each gets exactly those, as its own pass computes them."""
@@ -157,7 +211,6 @@ def test_prompts_prefilled_in_chunks_beside_decoding_requests_keep_their_solo_ou
     """A newcomer's prompt goes through the batch's passes a chunk at a time (PREFILL_CHUNK rows
     a pass) while the others decode: each request still gets its solo generate()'s tokens, greedy
     and sampled, and the requests decoding get a token at every pass meanwhile."""
-    from layerplan.decoding import batch as batching
     from layerplan.engine.load import load_model
     from tiny import tiny_hf
     from tiny_gguf import write_tiny_gguf
@@ -182,7 +235,7 @@ def test_prompts_prefilled_in_chunks_beside_decoding_requests_keep_their_solo_ou
 
     # one request decoding, a long prompt joining: a token a pass for the first, 11 / 3 -> 4 passes
     # of prefill for the second, then both decode
-    group = batching.Batch(model, model.plan())
+    group = batching.Batch(model)
     first = batching.Decoding(model, [9], model.plan(), 20, stop_at_eos=False)
     group.join("first", first)
     group.step()
@@ -192,3 +245,15 @@ def test_prompts_prefilled_in_chunks_beside_decoding_requests_keep_their_solo_ou
         group.step()
         assert len(first.out.tokens) == before + passes
         assert (len(second.out.tokens) == 1) == (passes == 4)
+
+    # requests of other plans, a long prompt among them prefilling in chunks: each its solo output
+    mixed = batching.Batch(model)
+    plans = {"full": model.plan(), "skip": model.plan("skip:attn=1"), "exit": model.plan("exit:1")}
+    asked = {"full": [9, 4], "skip": prompts[0], "exit": [3, 1, 4, 1, 5]}
+    for name, plan in plans.items():
+        mixed.join(name, batching.Decoding(model, asked[name], plan, 8, stop_at_eos=False))
+    done = {}
+    while len(mixed):
+        done.update(mixed.step())
+    for name, plan in plans.items():
+        assert done[name].out.tokens == generate(model, asked[name], plan, 8, stop_at_eos=False).token_ids

@@ -249,10 +249,11 @@ class Engine:
     fills); a drafter that runs a model decodes one request at a time.
 
     Each request runs by its own plan and draft (a Job's, from the request's `layerplan` object)
-    or the server's. Plans are data on the one model: the requests of one plan share a batch, and
-    the batches of different plans take turns, a pass each, so every request moves once a turn; a
-    request whose own drafter runs a model decodes alone, a round a turn. A server whose own draft
-    runs a model decodes one request at a time, whatever its plan and draft.
+    or the server's. Plans are data on the one model: requests of every plan share the batch's
+    passes, the steps their plans begin with alike run once over all their rows (runner.
+    forward_batch); a request whose own drafter runs a model decodes alone, a round a turn beside
+    the batch's pass. A server whose own draft runs a model decodes one request at a time,
+    whatever its plan and draft.
 
     Which thread decodes matters on CPU: torch's OpenMP pool belongs to the thread that first
     ran parallel work (usually the main thread, which loaded the model), and a decode on a
@@ -386,16 +387,15 @@ class Engine:
 
     def _run_batched(self) -> None:
         """Continuous batching: admit queued jobs while there is room (max_batch decodes in all),
-        each into the batch of its plan (its prompt prefills a chunk per pass beside the decoding
-        rows: decoding/batch.py), or, when its drafter runs a model, to decode alone; then a turn:
-        each batch's pass and each lone decode's round, so every request moves once a turn whatever
-        its plan. A job leaves when done or cancelled (its client gone: should_stop), freeing its
-        place for the next turn."""
-        batches: dict[LayerPlan, Batch] = {}  # one per plan: a pass runs one plan's steps on every row
+        each into the batch whatever its plan (its prompt prefills a chunk per pass beside the
+        decoding rows: decoding/batch.py), or, when its drafter runs a model, to decode alone; then
+        a turn: the batch's pass and each lone decode's round. A job leaves when done or cancelled
+        (its client gone: should_stop), freeing its place for the next turn."""
+        batch = Batch(self.model)  # requests of any plan: each decode carries its own
         alone: list[tuple[Future, SpeculativeDecoding]] = []
 
         def in_flight() -> int:
-            return sum(len(batch) for batch in batches.values()) + len(alone)
+            return len(batch) + len(alone)
 
         closing = False
         while not (closing and not in_flight()):
@@ -412,15 +412,13 @@ class Engine:
                     continue
                 job, future, decoding = started
                 if job.draft is None or drafts_by_lookup(job.draft):
-                    batches.setdefault(job.plan, Batch(self.model, job.plan)).join(future, decoding)
+                    batch.join(future, decoding)
                 elif self._alone(future, decoding, first=True):
                     alone.append((future, decoding))
             self.batch = in_flight()
-            for plan, batch in list(batches.items()):
+            if len(batch):
                 self.passes.append((time.monotonic(), len(batch)))
                 self._step(batch)
-                if not len(batch):
-                    del batches[plan]
             alone = [entry for entry in alone if self._alone(*entry)]
         self.batch = 0
 

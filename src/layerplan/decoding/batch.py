@@ -53,19 +53,20 @@ def chunkable(model: LoadedModel, rows: int) -> bool:
     return native is not None and native.takes(rows) and not native.eager_sub_layers()
 
 
-def prefill_all(model: LoadedModel, plan: LayerPlan, joining: Sequence[Decoding | SpeculativeDecoding]) -> None:
-    """The prompts of the decodes that join, in one pass (the head on each one's last row only),
-    and each one's first token."""
+def prefill_all(model: LoadedModel, joining: Sequence[Decoding | SpeculativeDecoding]) -> None:
+    """The prompts of the decodes that join, each through its own plan, in one pass (the head on
+    each one's last row only), and each one's first token."""
     sequences = [(d.ids, d.cache, 0) for d in joining]
-    for decoding, logits in zip(joining, forward_batch(model, sequences, plan, last_only=True)):
+    for decoding, logits in zip(joining, forward_batch(model, sequences, [d.plan for d in joining], last_only=True)):
         decoding.prefilled(logits[-1])
 
 
-def step_all(model: LoadedModel, plan: LayerPlan, active: Sequence[Decoding | SpeculativeDecoding],
+def step_all(model: LoadedModel, active: Sequence[Decoding | SpeculativeDecoding],
              prefilling: Sequence[Prefill] = ()) -> list[Prefill]:
     """The next pass of every active decode (a token each, and the drafts' chains within the row
     budget) and the next chunks of the prompts prefilling (PREFILL_CHUNK rows at most, the first
-    joined first), in one pass; the prefills it completed (each decode holds its first token)."""
+    joined first), in one pass, each through its own plan (the steps their plans begin with alike
+    shared by all); the prefills it completed (each decode holds its first token)."""
     cap = max(ROW_BUDGET // max(len(active), 1) - 1, 0)
     passes = [d.next_pass(cap) for d in active]
     chunks, budget = [], PREFILL_CHUNK
@@ -80,7 +81,8 @@ def step_all(model: LoadedModel, plan: LayerPlan, active: Sequence[Decoding | Sp
     # a verify needs every row's logits; a chunk only its prompt's last row's, in its last chunk
     wanted = [ids.shape[1] for ids, _, _ in passes] + [int(p.done_rows + rows == p.rows) for p, rows in chunks]
     start = time.perf_counter()
-    every = forward_batch(model, sequences, plan, wanted=wanted)
+    plans = [d.plan for d in active] + [p.decoding.plan for p, _ in chunks]
+    every = forward_batch(model, sequences, plans, wanted=wanted)
     seconds, rows = time.perf_counter() - start, sum(ids.shape[1] for ids, _, _ in sequences)
     for decoding, logits in zip(active, every):
         if isinstance(decoding, Decoding):
@@ -97,12 +99,13 @@ def step_all(model: LoadedModel, plan: LayerPlan, active: Sequence[Decoding | Sp
 
 
 class Batch:
-    """The decodes of a continuous batch, each under a key of the caller's: those decoding, those
-    whose prompts still prefill a chunk at a time, and those joined whose prompts prefill whole
-    (where chunks could change their numbers). step() runs their next pass."""
+    """The decodes of a continuous batch, each under a key of the caller's and each with its own
+    plan: those decoding, those whose prompts still prefill a chunk at a time, and those joined
+    whose prompts prefill whole (where chunks could change their numbers). step() runs their next
+    pass."""
 
-    def __init__(self, model: LoadedModel, plan: LayerPlan) -> None:
-        self.model, self.plan = model, plan
+    def __init__(self, model: LoadedModel) -> None:
+        self.model = model
         self.decoding: list[tuple[object, Decoding | SpeculativeDecoding]] = []
         self.prefilling: list[tuple[object, Prefill]] = []
         self.whole: list[tuple[object, Decoding | SpeculativeDecoding]] = []
@@ -129,7 +132,7 @@ class Batch:
         the (key, decode) pairs that finished with it, now out of the batch. A decode whose caller
         lost interest while its prompt prefills leaves at once."""
         if self.whole:
-            prefill_all(self.model, self.plan, [d for _, d in self.whole])
+            prefill_all(self.model, [d for _, d in self.whole])
             self.decoding, self.whole = self.decoding + self.whole, []
         # asked once each: a client may hang up between two asks, and its decode would be in neither list
         gone, staying = [], []
@@ -137,7 +140,7 @@ class Batch:
             (gone if _lost_interest(entry[1].decoding) else staying).append(entry)
         self.prefilling = staying
         if self.decoding or self.prefilling:
-            completed = step_all(self.model, self.plan, [d for _, d in self.decoding], [p for _, p in self.prefilling])
+            completed = step_all(self.model, [d for _, d in self.decoding], [p for _, p in self.prefilling])
             self.decoding += [(k, p.decoding) for k, p in self.prefilling if p in completed]
             self.prefilling = [(k, p) for k, p in self.prefilling if p not in completed]
         finished = [(k, d) for k, d in self.decoding if d.done] + [(k, p.decoding) for k, p in gone]
@@ -170,7 +173,7 @@ def generate_batch(model: LoadedModel, prompts: Sequence, plan: LayerPlan | None
         raise ValueError(f"{len(seeds)} seeds for {len(prompts)} prompts")
     waiting = deque(range(len(prompts)))
     results: list[GenerationResult | None] = [None] * len(prompts)
-    batch = Batch(model, plan)
+    batch = Batch(model)
     while waiting or len(batch):
         while waiting and len(batch) < max_batch:
             index = waiting.popleft()

@@ -59,10 +59,10 @@ class Executor(Protocol):
                   hidden: torch.Tensor) -> torch.Tensor | None:
         """Steps [first, end) in one call, or None to run them one by one."""
 
-    def batch_pass(self, model, sequences: list[tuple[torch.Tensor, KVCache, int]], plan: LayerPlan,
-                   wanted: list[int]) -> list[torch.Tensor] | None:
+    def batch_pass(self, model, sequences: list[tuple[torch.Tensor, KVCache, int]],
+                   plans: LayerPlan | list[LayerPlan], wanted: list[int]) -> list[torch.Tensor] | None:
         """Several sequences' whole passes in one call (the logits of each one's last wanted[s]
-        rows), or None to run each on its own."""
+        rows), under one plan or each one's own, or None to run each on its own."""
 
     def enter(self, step: Step, hidden: torch.Tensor) -> torch.Tensor:
         """The stream where the step's layer runs (its weights in place for the step)."""
@@ -112,7 +112,7 @@ class ModuleExecutor:
     def run_steps(self, state, plan, first, end, hidden) -> torch.Tensor | None:
         return None
 
-    def batch_pass(self, model, sequences, plan, wanted) -> list[torch.Tensor] | None:
+    def batch_pass(self, model, sequences, plans, wanted) -> list[torch.Tensor] | None:
         return None
 
     def enter(self, step: Step, hidden: torch.Tensor) -> torch.Tensor:
@@ -249,25 +249,64 @@ class NativeExecutor(ModuleExecutor):
         logits = run.logits(ends, input_ids, cache, start_pos, ropes, cache.read_window, mask, last_only)
         return softcap(parts, logits)
 
-    def batch_pass(self, model, sequences: list[tuple[torch.Tensor, KVCache, int]], plan: LayerPlan,
-                   wanted: list[int]) -> list[torch.Tensor] | None:
+    def batch_pass(self, model, sequences: list[tuple[torch.Tensor, KVCache, int]],
+                   plans: LayerPlan | list[LayerPlan], wanted: list[int]) -> list[torch.Tensor] | None:
         """Several sequences' passes (token ids (1, T_s), own cache, start) as one native call, the
         products shared (continuous batching); each one's logits (wanted[s], vocab: its last rows)
-        are those of its pass alone. None where a part has no kernels (then each runs its own)."""
+        are those of its pass alone. plans: one for all, or each sequence's own: the steps their
+        plans begin with alike run once over every row, then each plan's other steps over its
+        sequences' rows (a row's numbers do not depend on the others in its pass, so each is its
+        plan's alone). None where a part has no kernels (then each runs its own)."""
         native, parts = self.native, model.parts
         rows = sum(ids.shape[1] for ids, _, _ in sequences)
         if not native.takes(rows) or any(cache.read_window is not None for _, cache, _ in sequences):
             return None
         ends = native.pass_ends(parts, rows)
-        run = native.step_run(plan, 0, len(plan.active_steps), rope_key(parts)) if ends is not None else None
-        if run is None:
+        if ends is None:
             return None
+        if isinstance(plans, LayerPlan) or all(plan == plans[0] for plan in plans):
+            plan = plans if isinstance(plans, LayerPlan) else plans[0]
+            run = native.step_run(plan, 0, len(plan.active_steps), rope_key(parts))
+            if run is None:
+                return None
+            return [softcap(parts, logits)
+                    for logits in run.batch_logits(ends, sequences, self._ropes(parts, ends, run, sequences), wanted)]
+        return self._plans_pass(model, ends, sequences, plans, wanted)
+
+    def _plans_pass(self, model, ends, sequences, plans: list[LayerPlan], wanted: list[int]) -> list[torch.Tensor] | None:
+        """batch_pass for sequences of several plans: the shared first steps in one call over every
+        row (no head), then a call per plan from there, on its rows of the stream."""
+        native, parts = self.native, model.parts
+        shared = _shared_steps(plans)
+        groups: dict[LayerPlan, list[int]] = {}
+        for s, plan in enumerate(plans):
+            groups.setdefault(plan, []).append(s)
+        runs = {plan: native.step_run(plan, shared, len(plan.active_steps), rope_key(parts)) for plan in groups}
+        first = native.step_run(plans[0], 0, shared, rope_key(parts))
+        if first is None or any(run is None for run in runs.values()):
+            return None
+        _, hidden = first.batch_logits_and_stream(ends, sequences, self._ropes(parts, ends, first, sequences),
+                                                  [0] * len(sequences))
+        starts = torch.tensor([0] + [ids.shape[1] for ids, _, _ in sequences]).cumsum(0).tolist()
+        every: list[torch.Tensor | None] = [None] * len(sequences)
+        for plan, members in groups.items():
+            rows = torch.cat([torch.arange(starts[s], starts[s + 1]) for s in members])
+            group = [sequences[s] for s in members]
+            logits, _ = runs[plan].batch_hidden(ends, hidden.index_select(0, rows), group,
+                                                self._ropes(parts, ends, runs[plan], group), [wanted[s] for s in members])
+            for s, rows_logits in zip(members, logits):
+                every[s] = softcap(parts, rows_logits)
+        return every
+
+    @staticmethod
+    def _ropes(parts, ends, run, sequences) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each rope table of the run's layers, the rows of every sequence in order."""
         ropes = []
         for layer in run.rope_layers:
             tables = [rope_by_table(parts, ends.embedding, start, ids.shape[1], None, layer)
                       for ids, _, start in sequences]
             ropes.append((torch.cat([c for c, _ in tables], -2), torch.cat([s for _, s in tables], -2)))
-        return [softcap(parts, logits) for logits in run.batch_logits(ends, sequences, ropes, wanted)]
+        return ropes
 
     def run_steps(self, state: Pass, plan: LayerPlan, first: int, end: int,
                   hidden: torch.Tensor) -> torch.Tensor | None:
@@ -327,3 +366,13 @@ def use_native(model, panels: PanelCache | None = None) -> NativeEngine:
 def use_modules(model) -> None:
     """Run `model` on its own modules from now on (the eager engine)."""
     model.executor = modules_executor(model)
+
+
+def _shared_steps(plans: list[LayerPlan]) -> int:
+    """How many steps the plans begin with alike (the same layer, sub-layers and scale at the
+    same index: the same cache slot in each one's cache), within every one's exit."""
+    limit = min(len(plan.active_steps) for plan in plans)
+    shared = 0
+    while shared < limit and all(plan.steps[shared] == plans[0].steps[shared] for plan in plans[1:]):
+        shared += 1
+    return shared

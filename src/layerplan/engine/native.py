@@ -495,12 +495,31 @@ class StepRun:
         ropes: each rope table's rows for every sequence in order. Each sequence's keys and values
         go to its own cache; its logits (wanted[s], vocab), of its last wanted[s] rows (0 to T_s),
         are those of its pass alone."""
+        return self.batch_logits_and_stream(ends, sequences, ropes, wanted)[0]
+
+    def batch_logits_and_stream(self, ends: PassEnds, sequences: list[tuple[torch.Tensor, object, int]],
+                                ropes: list[tuple[torch.Tensor, torch.Tensor]],
+                                wanted: list[int]) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """batch_logits, and the residual stream (rows, hidden) after the steps."""
         ids = torch.cat([s[0].reshape(-1) for s in sequences]).to(torch.long).contiguous()
-        rows, table = ids.shape[0], ends.embedding
+        table = ends.embedding
         if ends.lookup is not None:
-            table = ends.lookup(ids[None]).reshape(rows, -1).contiguous()
-            ids = torch.arange(rows)
-        dtype, nsegs = table.dtype, len(sequences)
+            table = ends.lookup(ids[None]).reshape(ids.shape[0], -1).contiguous()
+            ids = torch.arange(ids.shape[0])
+        return self._batch(ends, table, ids, sequences, ropes, wanted)
+
+    def batch_hidden(self, ends: PassEnds, hidden: torch.Tensor, sequences: list[tuple[torch.Tensor, object, int]],
+                     ropes: list[tuple[torch.Tensor, torch.Tensor]],
+                     wanted: list[int]) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """batch_logits from the residual stream (rows, hidden) entering these steps instead of
+        token ids (sequences[s][0] gives only its row count): each sequence's logits, and the
+        stream after the steps."""
+        return self._batch(ends, hidden.contiguous(), torch.arange(hidden.shape[0]), sequences, ropes, wanted)
+
+    def _batch(self, ends: PassEnds, table: torch.Tensor, ids: torch.Tensor, sequences, ropes,
+               wanted: list[int]) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """lp_forward_batch over rows table[ids]: the logits each sequence wants, and the stream."""
+        rows, dtype, nsegs = ids.shape[0], table.dtype, len(sequences)
         for s, (tokens, _, _) in enumerate(sequences):
             if not 0 <= wanted[s] <= tokens.shape[-1]:
                 raise ValueError(f"the logits of {wanted[s]} rows of a {tokens.shape[-1]}-token pass")
@@ -525,7 +544,7 @@ class StepRun:
             bad = ids[(ids < 0) | (ids >= table.shape[0])][0].item()
             raise IndexError(f"token id {bad} is outside the vocabulary (0 to {table.shape[0] - 1})")
         check(status, "a native batched pass")
-        return list(logits.split(wanted))
+        return list(logits.split(wanted)), hidden
 
     def logits(self, ends: PassEnds, input_ids: torch.Tensor, cache, start_pos: int,
                ropes: list[tuple[torch.Tensor, torch.Tensor]], window: tuple[int, int] | None,

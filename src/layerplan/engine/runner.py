@@ -12,7 +12,7 @@ map); the loop, the plan's order, the KV cache slots and the observers are the r
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -66,22 +66,32 @@ def forward(
 
 @torch.inference_mode()
 def forward_batch(model: LoadedModel, sequences: list[tuple[torch.Tensor, KVCache, int]],
-                  plan: LayerPlan | None = None, last_only: bool = False,
+                  plan: LayerPlan | Sequence[LayerPlan] | None = None, last_only: bool = False,
                   wanted: list[int] | None = None) -> list[torch.Tensor]:
-    """Logits of several sequences' passes through one plan: sequences[s] = (its token ids
-    (1, T_s), its own cache, its start position); of each one's last wanted[s] rows (0 to T_s:
-    (wanted[s], vocab)), by default all T_s, or 1 with last_only. The native engine runs them as
-    one pass whose products every sequence shares (continuous batching); each sequence's logits
-    are those of its own forward(), bit for bit. Elsewhere each runs its own."""
-    plan = plan if plan is not None else model.plan()
+    """Logits of several sequences' passes: sequences[s] = (its token ids (1, T_s), its own cache,
+    its start position); of each one's last wanted[s] rows (0 to T_s: (wanted[s], vocab)), by
+    default all T_s, or 1 with last_only. plan: one for every sequence, or each one's own (a
+    sequence's cache holds its own plan's slots). The native engine runs them as one pass whose
+    products every sequence shares (continuous batching; of sequences of different plans, the
+    steps their plans begin with alike); each sequence's logits are those of its own forward(),
+    bit for bit. Elsewhere each runs its own."""
+    one = plan is None or isinstance(plan, LayerPlan)
+    if one:
+        plan = plan if plan is not None else model.plan()
+        plans = [plan] * len(sequences)
+    else:
+        plans = list(plan)
+        if len(plans) != len(sequences):
+            raise ValueError(f"{len(plans)} plans for {len(sequences)} sequences")
     if wanted is None:
         wanted = [1 if last_only else ids.shape[1] for ids, _, _ in sequences]
-    logits = executor_of(model).batch_pass(model, sequences, plan, wanted) if len(sequences) > 1 else None
+    logits = executor_of(model).batch_pass(model, sequences, plan if one else plans, wanted) \
+        if len(sequences) > 1 else None
     if logits is not None:
         return logits
     every = []
-    for (ids, cache, start), rows in zip(sequences, wanted):
-        logits = forward(model, ids, plan, cache, start, last_only=rows <= 1)[0]  # the head on the last row alone
+    for (ids, cache, start), rows, own in zip(sequences, wanted, plans):
+        logits = forward(model, ids, own, cache, start, last_only=rows <= 1)[0]  # the head on the last row alone
         every.append(logits[logits.shape[0] - rows:])  # where no more is wanted; 0 rows: none
     return every
 
