@@ -206,7 +206,7 @@ def test_a_batched_pass_gives_each_sequence_the_logits_of_the_rows_it_wants():
 
 
 @native
-@pytest.mark.parametrize("stored", [False, True])
+@pytest.mark.parametrize("stored", [None, "stored", "stored-fast"])
 def test_prompts_prefilled_in_chunks_beside_decoding_requests_keep_their_solo_output(tmp_path, monkeypatch, stored):
     """A newcomer's prompt goes through the batch's passes a chunk at a time (PREFILL_CHUNK rows
     a pass) while the others decode: each request still gets its solo generate()'s tokens, greedy
@@ -215,7 +215,7 @@ def test_prompts_prefilled_in_chunks_beside_decoding_requests_keep_their_solo_ou
     from tiny import tiny_hf
     from tiny_gguf import write_tiny_gguf
 
-    model = (load_model(write_tiny_gguf(tiny_hf("llama", num_layers=2), tmp_path / "m.gguf", "Q4_1"), dtype="stored")
+    model = (load_model(write_tiny_gguf(tiny_hf("llama", num_layers=2), tmp_path / "m.gguf", "Q4_1"), dtype=stored)
              if stored else _native("llama"))
     monkeypatch.setattr(batching, "PREFILL_CHUNK", 3)
     seen = []

@@ -125,7 +125,7 @@ def test_stored_modules_run_one_layer_at_a_time_and_match_transformers(tmp_path)
 
 
 @pytest.mark.parametrize("dtype", ["stored", "stored-fast"])
-@pytest.mark.parametrize("draft", ["ngram", "exit:2", "skip:attn=1", "suffix"])
+@pytest.mark.parametrize("draft", ["ngram", "exit:2", "skip:attn=1", "suffix", "suffix:tree"])
 def test_speculative_greedy_equals_plain_greedy_on_stored_weights(tmp_path, draft, dtype):
     from layerplan.decoding.generate import generate
 
