@@ -104,19 +104,30 @@ _ROUNDING_CHECK = r"""
 #include <stdio.h>
 #include "simd.h"
 /* every seventh fp32 bit pattern (NaNs, infinities, subnormals and ties among them) through the
- * eight-lane rounding and bf16 store against the scalar ones */
+ * eight-lane rounding and bf16 and f16 stores against the scalar ones (on AVX2, the f16 lanes are
+ * F16C's conversions: the scalar f32_to_f16 is checked against the hardware's); every f16 bit
+ * pattern through the eight-lane load against f16_to_f32 (NaNs compared as NaNs) */
 int main(void) {
     long differ = 0;
     float in[8], out[8];
-    uint16_t stored[8];
+    uint16_t stored[8], halves[8];
     for (uint64_t base = 0; base < (1ull << 32); base += 56) {
         for (int j = 0; j < 8; j++) { uint32_t u = (uint32_t)(base + 7 * j); memcpy(&in[j], &u, 4); }
         lp_f8 v = f8_load(in);
         f8_store(out, f8_round_bf16(v));
         f8_store_bf16(stored, v);
+        f8_store_f16(halves, v);
         for (int j = 0; j < 8; j++) {
             float want = round_bf16(in[j]);
-            differ += memcmp(&want, &out[j], 4) != 0 || stored[j] != f32_to_bf16(in[j]);
+            differ += memcmp(&want, &out[j], 4) != 0 || stored[j] != f32_to_bf16(in[j]) || halves[j] != f32_to_f16(in[j]);
+        }
+    }
+    for (uint32_t h = 0; h < 65536; h += 8) {
+        for (int j = 0; j < 8; j++) halves[j] = (uint16_t)(h + j);
+        f8_store(out, f8_load_f16(halves));
+        for (int j = 0; j < 8; j++) {
+            float want = f16_to_f32(halves[j]);
+            differ += isnan(want) ? !isnan(out[j]) : memcmp(&want, &out[j], 4) != 0;
         }
     }
     printf("%ld\n", differ);
@@ -166,6 +177,29 @@ def test_attention_refuses_positions_past_its_kv_slot(dtype):
     layer.run_attention(hidden, keys, values, 3, rope, 1.0, None)  # positions 3-5 of 6: fits
     with pytest.raises(RuntimeError, match="positions past the end of the KV slot"):
         layer.run_attention(hidden, keys, values, 4, rope, 1.0, None)  # 4-6 of 6: does not
+
+
+@pytest.mark.parametrize("rows", [1, 4])  # a step reads the cache as it is; a pass of 4 widens it first
+def test_an_f16_kv_cache_holds_torchs_halves_of_the_keys_and_values(rows):
+    """A KV cache in f16 (stored-fast's): every key and value written is torch's .half() of the one
+    an fp32 cache gets, and attention over them stays within f16's rounding of the fp32 result."""
+    model = tiny_model("llama", 1)
+    layer = native.NativeLayer(model.parts.layers[0], torch.float32, 0.0, native.WeightArena())
+    a = layer.attention
+    torch.manual_seed(0)
+    prefix, step = torch.randn(1, 5, 32), torch.randn(1, rows, 32)
+    cos, sin = chain_rotary_embedding(model.parts.rotary, torch.cat([prefix, step], 1), 0, 5 + rows, None)
+    half = [torch.zeros(1, a.kv_heads, 16, a.head_dim, dtype=torch.float16) for _ in range(2)]
+    wide = [torch.zeros(1, a.kv_heads, 16, a.head_dim) for _ in range(2)]
+    for cache in (half, wide):
+        layer.run_attention(prefix, *cache, 0, (cos[..., :5, :], sin[..., :5, :]), 1.0, None)
+    for h, w in zip(half, wide):
+        w.copy_(w.half().float())  # the same prefix in both: the step's own rows are what differs
+    got = layer.run_attention(step, *half, 5, (cos[..., 5:, :], sin[..., 5:, :]), 1.0, None)
+    want = layer.run_attention(step, *wide, 5, (cos[..., 5:, :], sin[..., 5:, :]), 1.0, None)
+    for h, w in zip(half, wide):
+        assert torch.equal(h[:, :, :5 + rows], w[:, :, :5 + rows].half())
+    assert not torch.equal(got, want) and torch.allclose(got, want, rtol=0, atol=2e-3)
 
 
 # ----- references held, caches bounded -----------------------------------------------------------
@@ -227,11 +261,11 @@ def test_the_portable_products_equal_the_isas_bit_for_bit(libraries, dtype):
     assert all(torch.equal(a, b) for a, b in zip(simd, portable))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype,kv_dtype", [(torch.float32, None), (torch.bfloat16, None), (torch.float32, torch.float16)])
 @pytest.mark.parametrize("head_dim", [8, 36, 64])
-def test_the_portable_layers_equal_the_isas_bit_for_bit(libraries, dtype, head_dim):
-    """A layer's attention and MLP (norms, RoPE, the cache, shared keys, the softmax's exp, SiLU) on
-    a 9-token pass and three one-token steps after it."""
+def test_the_portable_layers_equal_the_isas_bit_for_bit(libraries, dtype, kv_dtype, head_dim):
+    """A layer's attention and MLP (norms, RoPE, the cache in the activations' dtype or f16, shared
+    keys, the softmax's exp, SiLU) on a 9-token pass and three one-token steps after it."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     from layerplan.models.loading import wrap_model
@@ -244,7 +278,7 @@ def test_the_portable_layers_equal_the_isas_bit_for_bit(libraries, dtype, head_d
     hidden = torch.randn(1, 12, 3 * head_dim, generator=torch.Generator().manual_seed(2)).to(dtype)
 
     def run():
-        keys, values = (torch.zeros(1, 1, 16, head_dim, dtype=dtype) for _ in range(2))
+        keys, values = (torch.zeros(1, 1, 16, head_dim, dtype=kv_dtype or dtype) for _ in range(2))
         outs = []
         for start, end in ((0, 9), (9, 10), (10, 11), (11, 12)):
             rope = chain_rotary_embedding(model.parts.rotary, hidden, start, end - start, None)

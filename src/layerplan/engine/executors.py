@@ -328,9 +328,10 @@ class NativeExecutor(ModuleExecutor):
         if cache is not None:
             kernels = fast.attention
             keys, values = cache.reserve(index, state.start_pos + state.length, 1, kernels.kv_heads, kernels.head_dim,
-                                         kernels.head_dim, hidden.dtype, state.device)
+                                         kernels.head_dim, self.native.kv_dtype or hidden.dtype, state.device)
         return fast.run_attention(hidden, keys, values, state.start_pos, state.rope(layer), step.scale,
-                                  cache.read_window if cache is not None else None, state.tree_mask)
+                                  cache.read_window if cache is not None else None, state.tree_mask,
+                                  self.native.kv_dtype)
 
     def mlp(self, state: Pass, step: Step, layer, hidden: torch.Tensor, block_input: torch.Tensor) -> torch.Tensor:
         fast = self.native.layers[step.layer]

@@ -37,6 +37,7 @@ __all__ = ["AbiMismatch", "NativeUnavailable", "kernels_key", "library", "native
 
 # activation / cache / norm-weight dtypes, and the weight formats of kernels/formats.c, by torch dtype
 _DTYPES = {torch.float32: ABI.LP_DTYPE_F32, torch.bfloat16: ABI.LP_DTYPE_BF16}
+_KV_DTYPES = {**_DTYPES, torch.float16: ABI.LP_DTYPE_F16}  # a KV cache's (lp_kv.dtype)
 _FORMATS = {torch.float32: ABI.LP_FORMAT_F32, torch.bfloat16: ABI.LP_FORMAT_BF16}
 _MISSING = object()  # a dict lookup's "not there", where None is a value
 
@@ -388,21 +389,23 @@ class NativeLayer:
 
     def run_attention(self, hidden: torch.Tensor, keys: torch.Tensor | None, values: torch.Tensor | None,
                       start_pos: int, rope: tuple[torch.Tensor, torch.Tensor], scale: float,
-                      window: tuple[int, int] | None, tree: torch.Tensor | None = None) -> torch.Tensor:
+                      window: tuple[int, int] | None, tree: torch.Tensor | None = None,
+                      kv_dtype: torch.dtype | None = None) -> torch.Tensor:
         """hidden (1, T, H) -> hidden after the sub-layer; writes the T new keys and values into
         the slot buffers (1, kv_heads, capacity, head_dim) at start_pos.. first. Without buffers
-        (a pass with no KV cache) the tokens attend to each other only. tree: (T, T) uint8 of
-        which tokens of the pass each one attends to (a token tree), None for a chain."""
+        (a pass with no KV cache) the tokens attend to each other only, their keys and values
+        held in kv_dtype (None: the activations'), as a cache would hold them. tree: (T, T) uint8
+        of which tokens of the pass each one attends to (a token tree), None for a chain."""
         kv_start = 0
         if keys is None:
             shape = (1, self.attention.kv_heads, hidden.shape[1], self.attention.head_dim)
-            keys, values = torch.empty(shape, dtype=hidden.dtype), torch.empty(shape, dtype=hidden.dtype)
+            keys, values = (torch.empty(shape, dtype=kv_dtype or hidden.dtype) for _ in range(2))
             kv_start = start_pos
         hidden = hidden.contiguous()
         out = torch.empty_like(hidden)
         cos, sin = (t.contiguous() for t in rope)
         sink, recent = window if window is not None and hidden.shape[1] == 1 else (0, 0)
-        slot = _Kv(keys.data_ptr(), values.data_ptr(), keys.shape[2], kv_start, _DTYPES[keys.dtype])
+        slot = _Kv(keys.data_ptr(), values.data_ptr(), keys.shape[2], kv_start, _KV_DTYPES[keys.dtype])
         check(library().lp_attention_block(
             ctypes.byref(self.attention), hidden.data_ptr(), out.data_ptr(), hidden.shape[1], start_pos,
             cos.data_ptr(), sin.data_ptr(), ctypes.byref(slot), sink, recent,
@@ -424,12 +427,13 @@ class StepRun:
     step table points into the steps' descriptors (held by the pointers in it) and into the KV
     slot buffers (held in _buffers until the table points elsewhere)."""
 
-    def __init__(self, steps: list[tuple[int, NativeLayer, bool, bool, float]], rope_layers: list, dtype: int) -> None:
+    def __init__(self, steps: list[tuple[int, NativeLayer, bool, bool, float]], rope_layers: list, dtype: int,
+                 kv_dtype: torch.dtype | None = None) -> None:
         # steps: (slot, layer kernels, attention on, mlp on, scale); rope_layers[i]: a layer of rope table i;
-        # dtype: the activations' (LP_DTYPE_...)
+        # dtype: the activations' (LP_DTYPE_...); kv_dtype: the cache's (None: the activations')
         self.slots = [(slot, layer.attention if attention else None) for slot, layer, attention, _, _ in steps]
         self.kv_slots = [slot for slot, attention in self.slots if attention is not None]
-        self.rope_layers, self.dtype = rope_layers, dtype
+        self.rope_layers, self.dtype, self.kv_dtype = rope_layers, dtype, kv_dtype
         self.table = (_Step * len(steps))()
         for entry, (slot, layer, attention, mlp, scale) in zip(self.table, steps):
             entry.attention = ctypes.pointer(layer.attention) if attention else None
@@ -445,10 +449,10 @@ class StepRun:
             if attention is None:
                 continue
             keys, values = cache.reserve(slot, end, 1, attention.kv_heads, attention.head_dim, attention.head_dim,
-                                         dtype, device)
+                                         self.kv_dtype or dtype, device)
             held = self._buffers[i]
             if held is None or held[0] is not keys or held[1] is not values:  # a new or grown buffer
-                self.table[i].kv = _Kv(keys.data_ptr(), values.data_ptr(), keys.shape[2], 0, _DTYPES[keys.dtype])
+                self.table[i].kv = _Kv(keys.data_ptr(), values.data_ptr(), keys.shape[2], 0, _KV_DTYPES[keys.dtype])
                 self._buffers[i] = (keys, values)
         tables = [(cos.contiguous(), sin.contiguous()) for cos, sin in ropes]
         cos = (ctypes.c_void_p * len(tables))(*(c.data_ptr() for c, _ in tables))
@@ -469,8 +473,8 @@ class StepRun:
             if attention is None:
                 continue
             keys, values = cache.reserve(slot, end, 1, attention.kv_heads, attention.head_dim, attention.head_dim,
-                                         dtype, device)
-            descriptors[i] = _Kv(keys.data_ptr(), values.data_ptr(), keys.shape[2], 0, _DTYPES[keys.dtype])
+                                         self.kv_dtype or dtype, device)
+            descriptors[i] = _Kv(keys.data_ptr(), values.data_ptr(), keys.shape[2], 0, _KV_DTYPES[keys.dtype])
             capacity = keys.shape[2] if capacity is None else min(capacity, keys.shape[2])
         blob = bytes(descriptors)
         cache.descriptors[self] = (blob, capacity if capacity is not None else end)
@@ -622,6 +626,10 @@ class NativeEngine:
         # how the products over stored blocks compute (models/stored.py ARITHMETICS)
         self.arithmetic = (ABI.LP_ARITH_INT8 if self.stored is not None and self.stored.arithmetic == "fast"
                            else ABI.LP_ARITH_EXACT)
+        # the KV cache's dtype (None: the activations'): llama.cpp's arithmetic keeps its keys and
+        # values in f16, as llama.cpp does. A decode step reads every cached position of every
+        # slot; at fp32, a long context or a batch of requests reads as much cache as weights
+        self.kv_dtype = torch.float16 if self.arithmetic == ABI.LP_ARITH_INT8 else None
         if self.why_eager:
             self.layers = tuple(None for _ in model.parts.layers)
         else:
@@ -753,7 +761,7 @@ class NativeEngine:
                 rope_layers.append(layer)
             steps.append((index, fast, step.attention, step.mlp, step.scale))
             rope_of_step.append(rope_index.get(key, 0))
-        run = StepRun(steps, rope_layers, int(self.model.dtype == torch.bfloat16))
+        run = StepRun(steps, rope_layers, int(self.model.dtype == torch.bfloat16), self.kv_dtype)
         for entry, rope in zip(run.table, rope_of_step):
             entry.rope = rope
         return run

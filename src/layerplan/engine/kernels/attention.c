@@ -57,6 +57,7 @@
         if (lanes > 7) f8_store(out + 56, a7);                                                     \
     }
 DEFINE_WEIGH(weigh_values_bf16, uint16_t, f8_load_bf16)
+DEFINE_WEIGH(weigh_values_f16, uint16_t, f8_load_f16)
 DEFINE_WEIGH(weigh_values_f32, float, f8_load)
 
 /* q . key for the eight cache rows r0, r0 + stride, ... (the first `valid` of them; row 0 stands in
@@ -94,17 +95,19 @@ DEFINE_WEIGH(weigh_values_f32, float, f8_load)
     }
 #define AS_F32(v) (v)
 DEFINE_DOT8(dot8_bf16, uint16_t, f8_load_bf16, bf16_to_f32)
+DEFINE_DOT8(dot8_f16, uint16_t, f8_load_f16, f16_to_f32)
 DEFINE_DOT8(dot8_f32, float, f8_load, AS_F32)
 
 /* scores[p - first] = q . key[p] * scaling for the cache positions p in [from, to], a run of the
  * query's [first, ...] (-inf where keep[p - first] is 0; keep NULL: every one kept). Eight keys at
  * a time; a key left out is scored all the same, and its score dropped (no branch per key). */
 static void score_keys(const float *q, const void *kbase, long stride, long first, long from, long to,
-                       const unsigned char *keep, float scaling, int bf16, long d, float *scores) {
+                       const unsigned char *keep, float scaling, int kvt, long d, float *scores) {
     for (long p = from; p <= to; p += 8) {
         int valid = to - p + 1 < 8 ? (int)(to - p + 1) : 8;
-        lp_f8 dots = bf16 ? dot8_bf16(q, (const uint16_t *)kbase + p * stride, stride, valid, d)
-                          : dot8_f32(q, (const float *)kbase + p * stride, stride, valid, d);
+        lp_f8 dots = kvt == LP_DTYPE_BF16 ? dot8_bf16(q, (const uint16_t *)kbase + p * stride, stride, valid, d)
+                   : kvt == LP_DTYPE_F16  ? dot8_f16(q, (const uint16_t *)kbase + p * stride, stride, valid, d)
+                                          : dot8_f32(q, (const float *)kbase + p * stride, stride, valid, d);
         if (!keep && valid == 8) { /* eight kept keys: the same products on eight lanes */
             f8_store(scores + p - first, f8_mul(dots, f8_set1(scaling)));
             continue;
@@ -167,7 +170,7 @@ typedef struct {
  * over the positions in order, carried from run to run in out. */
 #define LP_RUN_ELEMENTS 4096
 static void attend_group(const lp_query *qs, long count, const void *kbase, const void *vbase, long stride,
-                         float scaling, int bf16, long d) {
+                         float scaling, int kvt, long d) {
     long lo = qs[0].first, hi = qs[0].last;
     for (long s = 1; s < count; s++) {
         if (qs[s].first < lo) lo = qs[s].first;
@@ -178,7 +181,7 @@ static void attend_group(const lp_query *qs, long count, const void *kbase, cons
     for (long r0 = lo; r0 <= hi; r0 += run)
         for (long s = 0; s < count; s++) {
             long from = r0 > qs[s].first ? r0 : qs[s].first, to = r0 + run - 1 < qs[s].last ? r0 + run - 1 : qs[s].last;
-            if (from <= to) score_keys(qs[s].q, kbase, stride, qs[s].first, from, to, qs[s].keep, scaling, bf16, d, qs[s].scores);
+            if (from <= to) score_keys(qs[s].q, kbase, stride, qs[s].first, from, to, qs[s].keep, scaling, kvt, d, qs[s].scores);
         }
     float totals[LP_QUERIES];
     for (long s = 0; s < count; s++) totals[s] = exp_scores(qs[s].scores, qs[s].last - qs[s].first + 1);
@@ -190,7 +193,8 @@ static void attend_group(const lp_query *qs, long count, const void *kbase, cons
             const unsigned char *kp = qs[s].keep ? qs[s].keep + (from - qs[s].first) : NULL;
             for (long c = 0; c < d; c += 64) { /* 64 output dims in eight registers */
                 long width = d - c < 64 ? d - c : 64, lanes = width / 8;
-                if (bf16) weigh_values_bf16(sc, kp, (const uint16_t *)vbase + c, stride, from, to - from + 1, lanes, qs[s].out + c, from > qs[s].first);
+                if (kvt == LP_DTYPE_BF16) weigh_values_bf16(sc, kp, (const uint16_t *)vbase + c, stride, from, to - from + 1, lanes, qs[s].out + c, from > qs[s].first);
+                else if (kvt == LP_DTYPE_F16) weigh_values_f16(sc, kp, (const uint16_t *)vbase + c, stride, from, to - from + 1, lanes, qs[s].out + c, from > qs[s].first);
                 else weigh_values_f32(sc, kp, (const float *)vbase + c, stride, from, to - from + 1, lanes, qs[s].out + c, from > qs[s].first);
             }
         }
@@ -203,7 +207,7 @@ static void attend_group(const lp_query *qs, long count, const void *kbase, cons
                 float tail = 0.0f;
                 for (long q2 = 0; q2 < n; q2++)
                     if (!qy->keep || qy->keep[q2])
-                        tail += qy->scores[q2] * lp_param(vbase, bf16 ? LP_DTYPE_BF16 : LP_DTYPE_F32, (qy->first + q2) * stride + c + t);
+                        tail += qy->scores[q2] * lp_param(vbase, kvt, (qy->first + q2) * stride + c + t);
                 qy->out[c + t] = tail;
             }
         }
@@ -220,7 +224,7 @@ static void attend_items(const lp_attention *a, const float *q, float *o, long r
                          long keep_sink, long keep_recent, const unsigned char *tree, int dtype, const float *kw,
                          const float *vw, long i0, long i1, float *scores, unsigned char *keep) {
     long D = a->head_dim, group = a->heads / a->kv_heads, end = pos0 + rows, capacity = kv->capacity;
-    long ces = lp_dtype_bytes(kv->dtype), kv_start = kv->start, span = end - kv_start;
+    long ces = lp_kv_bytes(kv->dtype), kv_start = kv->start, span = end - kv_start;
     lp_query qs[LP_QUERIES];
     for (long b0 = i0, b1; b0 < i1; b0 = b1) {
         long kh = b0 / rows / group;
@@ -241,7 +245,7 @@ static void attend_items(const lp_attention *a, const float *q, float *o, long r
         }
         const void *kbase = kw ? (const void *)(kw + kh * span * D) : (const void *)((const char *)kv->k + kh * capacity * D * ces);
         const void *vbase = vw ? (const void *)(vw + kh * span * D) : (const void *)((const char *)kv->v + kh * capacity * D * ces);
-        attend_group(qs, b1 - b0, kbase, vbase, D, a->scaling, kv->dtype == LP_DTYPE_BF16 && !kw, D);
+        attend_group(qs, b1 - b0, kbase, vbase, D, a->scaling, kw ? LP_DTYPE_F32 : kv->dtype, D);
         for (long s = 0; s < b1 - b0; s++) lp_round_all(qs[s].out, D, dtype);
     }
 }
@@ -250,11 +254,11 @@ int lp_attend(const lp_attention *a, const float *q, float *o, long rows, long p
               long keep_recent, const unsigned char *tree, int dtype, int threads) {
     long D = a->head_dim, group = a->heads / a->kv_heads, end = pos0 + rows, capacity = kv->capacity;
     long kv_start = kv->start;
-    /* A pass's queries share each kv head's keys and values: a bf16 cache is widened to fp32 once
+    /* A pass's queries share each kv head's keys and values: a 16-bit cache is widened to fp32 once
      * for all of them rather than once per query (exact, so the same numbers); a step (few queries
      * per head) reads the cache as it is. */
     long span = end - kv_start;
-    int widen = kv->dtype == LP_DTYPE_BF16 && group * rows >= 8;
+    int widen = kv->dtype != LP_DTYPE_F32 && group * rows >= 8;
     float *kw = widen ? lp_floats(a->kv_heads * span * D) : NULL;
     float *vw = widen ? lp_floats(a->kv_heads * span * D) : NULL;
     if (widen && (!kw || !vw)) {
@@ -270,8 +274,8 @@ int lp_attend(const lp_attention *a, const float *q, float *o, long rows, long p
             #pragma omp for schedule(static)
             for (long hp = 0; hp < a->kv_heads * span; hp++) {
                 long h = hp / span, at = (h * capacity + hp % span) * D;
-                lp_load_f32((const uint16_t *)kv->k + at, LP_DTYPE_BF16, kw + hp * D, D);
-                lp_load_f32((const uint16_t *)kv->v + at, LP_DTYPE_BF16, vw + hp * D, D);
+                lp_load_f32((const uint16_t *)kv->k + at, kv->dtype, kw + hp * D, D);
+                lp_load_f32((const uint16_t *)kv->v + at, kv->dtype, vw + hp * D, D);
             }
         }
         /* each thread takes an even, contiguous share of the (head, row) items */
@@ -293,12 +297,12 @@ int lp_attend(const lp_attention *a, const float *q, float *o, long rows, long p
 
 int lp_attend_segments(const lp_attention *a, const float *q, float *o, const lp_segment *segs, long nsegs,
                        const lp_kv *kvs, int dtype, int threads) {
-    /* a segment whose queries would widen a bf16 cache attends alone (lp_attend), the others in one
+    /* a segment whose queries would widen a 16-bit cache attends alone (lp_attend), the others in one
      * parallel region: several requests' decode rows are one token each, and a region per request
      * per layer would cost more than their attention */
     long items = 0, longest = 0;
     for (long s = 0, r0 = 0; s < nsegs; r0 += segs[s].rows, s++) {
-        int widen = kvs[s].dtype == LP_DTYPE_BF16 && a->heads / a->kv_heads * segs[s].rows >= 8;
+        int widen = kvs[s].dtype != LP_DTYPE_F32 && a->heads / a->kv_heads * segs[s].rows >= 8;
         if (widen || nsegs == 1) {
             int status = lp_attend(a, q + r0 * a->heads * a->head_dim, o + r0 * a->heads * a->head_dim, segs[s].rows,
                                    segs[s].pos0, kvs + s, 0, 0, NULL, dtype, threads);
@@ -322,7 +326,7 @@ int lp_attend_segments(const lp_attention *a, const float *q, float *o, const lp
             g1 = g0;
         }
         for (long s = 0, r0 = 0, at = 0; s < nsegs && at < g1; r0 += segs[s].rows, s++) {
-            if (kvs[s].dtype == LP_DTYPE_BF16 && a->heads / a->kv_heads * segs[s].rows >= 8) continue;
+            if (kvs[s].dtype != LP_DTYPE_F32 && a->heads / a->kv_heads * segs[s].rows >= 8) continue;
             long n = a->heads * segs[s].rows, i0 = g0 - at, i1 = g1 - at;
             if (i0 < 0) i0 = 0;
             if (i1 > n) i1 = n;

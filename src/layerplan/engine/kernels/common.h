@@ -30,16 +30,21 @@
 #endif
 
 
-/* bytes of one element of an activation / cache dtype; 0 for an unknown one */
+/* bytes of one element of an activation / norm-weight dtype; 0 for an unknown one */
 static inline long lp_dtype_bytes(int dtype) { return dtype == LP_DTYPE_F32 ? 4 : dtype == LP_DTYPE_BF16 ? 2 : 0; }
+
+/* bytes of one element of a KV cache's dtype (F16 too); 0 for an unknown one */
+static inline long lp_kv_bytes(int dtype) { return dtype == LP_DTYPE_F16 ? 2 : lp_dtype_bytes(dtype); }
 
 /* v rounded as a tensor of `dtype` would store it */
 static inline float lp_rnd(float v, int dtype) { return dtype == LP_DTYPE_BF16 ? round_bf16(v) : v; }
 static inline lp_f8 lp_rnd8(lp_f8 v, int dtype) { return dtype == LP_DTYPE_BF16 ? f8_round_bf16(v) : v; }
 
-/* element i of a float or bf16 array, as a float */
+/* element i of a float, bf16 or f16 array, as a float */
 static inline float lp_param(const void *p, int dtype, long i) {
-    return dtype == LP_DTYPE_BF16 ? bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+    return dtype == LP_DTYPE_BF16 ? bf16_to_f32(((const uint16_t *)p)[i])
+         : dtype == LP_DTYPE_F16  ? f16_to_f32(((const uint16_t *)p)[i])
+                                  : ((const float *)p)[i];
 }
 
 /* ----- rows.c: per-row work ----- */

@@ -16,11 +16,12 @@
 #ifndef LP_KERNELS_H
 #define LP_KERNELS_H
 
-#define LP_ABI_VERSION 7
+#define LP_ABI_VERSION 8
 
-/* activation / cache / norm-weight element types */
+/* activation / cache / norm-weight element types; F16 for a KV cache only (lp_kv.dtype) */
 #define LP_DTYPE_F32 0
 #define LP_DTYPE_BF16 1
+#define LP_DTYPE_F16 2
 
 /* weight formats of a packed matrix: rows of the trait table (formats.c); F16 and the GGUF block
  * formats are laid out in kernels/quant.h */

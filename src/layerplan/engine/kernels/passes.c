@@ -62,7 +62,7 @@ static int attention_segments(const lp_attention *a, const void *hidden, void *o
     long total = 0;
     for (long s = 0; s < nsegs; s++) {
         const lp_kv *kv = kvs + s;
-        if (!lp_dtype_bytes(kv->dtype)) return LP_E_TYPE;
+        if (!lp_kv_bytes(kv->dtype)) return LP_E_TYPE;
         if (segs[s].rows < 0) return LP_E_SHAPE;
         if (segs[s].pos0 < kv->start || segs[s].pos0 - kv->start + segs[s].rows > kv->capacity) return LP_E_CAPACITY;
         total += segs[s].rows;
@@ -115,7 +115,7 @@ static int attention_segments(const lp_attention *a, const void *hidden, void *o
             }
             const long s = seg_of[r];
             const lp_kv *kv = kvs + s;
-            const long ces = lp_dtype_bytes(kv->dtype), at_row = segs[s].pos0 - kv->start + r - first_of[s];
+            const long ces = lp_kv_bytes(kv->dtype), at_row = segs[s].pos0 - kv->start + r - first_of[s];
             for (long h = 0; h < a->kv_heads; h++) {
                 long at = (h * kv->capacity + at_row) * D;
                 lp_store(kr + h * D, (char *)kv->k + at * ces, kv->dtype, D);

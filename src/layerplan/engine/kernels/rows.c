@@ -10,17 +10,31 @@ float *lp_floats(long count) {
 }
 
 void lp_load_f32(const void *src, int dtype, float *dst, long count) {
-    if (dtype != LP_DTYPE_BF16) { memcpy(dst, src, sizeof(float) * (size_t)count); return; }
+    const uint16_t *h = (const uint16_t *)src;
     long i = 0;
-    for (; i + 8 <= count; i += 8) f8_store(dst + i, f8_load_bf16((const uint16_t *)src + i));
-    for (; i < count; i++) dst[i] = bf16_to_f32(((const uint16_t *)src)[i]);
+    if (dtype == LP_DTYPE_BF16) {
+        for (; i + 8 <= count; i += 8) f8_store(dst + i, f8_load_bf16(h + i));
+        for (; i < count; i++) dst[i] = bf16_to_f32(h[i]);
+    } else if (dtype == LP_DTYPE_F16) {
+        for (; i + 8 <= count; i += 8) f8_store(dst + i, f8_load_f16(h + i));
+        for (; i < count; i++) dst[i] = f16_to_f32(h[i]);
+    } else {
+        memcpy(dst, src, sizeof(float) * (size_t)count);
+    }
 }
 
 void lp_store(const float *src, void *dst, int dtype, long count) {
-    if (dtype != LP_DTYPE_BF16) { memcpy(dst, src, sizeof(float) * (size_t)count); return; }
+    uint16_t *h = (uint16_t *)dst;
     long i = 0;
-    for (; i + 8 <= count; i += 8) f8_store_bf16((uint16_t *)dst + i, f8_load(src + i));
-    for (; i < count; i++) ((uint16_t *)dst)[i] = f32_to_bf16(src[i]);
+    if (dtype == LP_DTYPE_BF16) {
+        for (; i + 8 <= count; i += 8) f8_store_bf16(h + i, f8_load(src + i));
+        for (; i < count; i++) h[i] = f32_to_bf16(src[i]);
+    } else if (dtype == LP_DTYPE_F16) {
+        for (; i + 8 <= count; i += 8) f8_store_f16(h + i, f8_load(src + i));
+        for (; i < count; i++) h[i] = f32_to_f16(src[i]);
+    } else {
+        memcpy(dst, src, sizeof(float) * (size_t)count);
+    }
 }
 
 void lp_round_all(float *v, long count, int dtype) {

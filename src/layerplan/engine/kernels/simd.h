@@ -7,7 +7,7 @@
  * are spelled out and both versions keep them. Code outside the product files uses only these,
  * never intrinsics: a new ISA (AVX-512, NEON) is a new branch of this file plus its product file.
  *
- * The scalar bf16 conversions are the reference the lanes are checked against
+ * The scalar bf16 and f16 conversions are the reference the lanes are checked against
  * (tests/test_kernels.py: every seventh fp32 bit pattern).
  */
 #ifndef LP_SIMD_H
@@ -39,6 +39,51 @@ static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch
 
 /* v rounded to bf16 and back (the value a bf16 tensor would hold) */
 static inline float round_bf16(float v) { return bf16_to_f32(f32_to_bf16(v)); }
+
+/* IEEE half precision, as F16C's vcvtph2ps / vcvtps2ph (round to nearest even) and torch convert */
+static inline float f16_to_f32(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 0x1fu, m = h & 0x3ffu, x;
+    if (e == 0x1f) {
+        x = sign | 0x7f800000u | (m << 13);
+    } else if (e) {
+        x = sign | ((e + 112) << 23) | (m << 13);
+    } else if (m) { /* a subnormal half is a normal float */
+        e = 113;
+        while (!(m & 0x400u)) {
+            m <<= 1;
+            e--;
+        }
+        x = sign | (e << 23) | ((m & 0x3ffu) << 13);
+    } else {
+        x = sign;
+    }
+    float f;
+    memcpy(&f, &x, 4);
+    return f;
+}
+
+static inline uint16_t f32_to_f16(float f) {
+    uint32_t x;
+    memcpy(&x, &f, 4);
+    uint32_t sign = (x >> 16) & 0x8000u, ax = x & 0x7fffffffu;
+    if (ax >= 0x7f800000u) /* inf; a NaN quiet, its payload's high bits kept */
+        return (uint16_t)(sign | 0x7c00u | (ax > 0x7f800000u ? 0x200u | ((ax >> 13) & 0x3ffu) : 0u));
+    if (ax >= 0x477ff000u) return (uint16_t)(sign | 0x7c00u); /* 65520 and up round to inf */
+    uint32_t h, rem, half;
+    if (ax < 0x38800000u) { /* below 2^-14: a subnormal half, or zero */
+        if (ax < 0x33000000u) return (uint16_t)sign; /* below 2^-25 */
+        uint32_t shift = 126 - (ax >> 23), m = (ax & 0x7fffffu) | 0x800000u;
+        h = m >> shift;
+        rem = m & ((1u << shift) - 1);
+        half = 1u << (shift - 1);
+    } else {
+        h = (ax - 0x38000000u) >> 13;
+        rem = ax & 0x1fffu;
+        half = 0x1000u;
+    }
+    h += rem > half || (rem == half && (h & 1u)); /* a carry moves into the exponent, as it should */
+    return (uint16_t)(sign | h);
+}
 
 #ifdef LP_SIMD_AVX2
 
@@ -81,6 +126,11 @@ static inline lp_f8 f8_round_bf16(lp_f8 v) {
 static inline void f8_store_bf16(uint16_t *p, lp_f8 v) {
     __m256i bits = _mm256_srli_epi32(_mm256_castps_si256(f8_round_bf16(v)), 16); /* 0 .. 0xffff */
     _mm_storeu_si128((__m128i *)p, _mm_packus_epi32(_mm256_castsi256_si128(bits), _mm256_extracti128_si256(bits, 1)));
+}
+
+static inline lp_f8 f8_load_f16(const uint16_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
+static inline void f8_store_f16(uint16_t *p, lp_f8 v) {
+    _mm_storeu_si128((__m128i *)p, _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
 }
 
 static inline __m128 hsum4(__m256 a, __m256 b, __m256 c, __m256 d) {
@@ -164,6 +214,10 @@ static inline lp_f8 f8_load_bf16(const uint16_t *p) { LP_F8_MAP(bf16_to_f32(p[j]
 static inline lp_f8 f8_round_bf16(lp_f8 v) { LP_F8_MAP(round_bf16(v.v[j])); }
 static inline void f8_store_bf16(uint16_t *p, lp_f8 v) {
     for (int j = 0; j < 8; j++) p[j] = f32_to_bf16(v.v[j]);
+}
+static inline lp_f8 f8_load_f16(const uint16_t *p) { LP_F8_MAP(f16_to_f32(p[j])); }
+static inline void f8_store_f16(uint16_t *p, lp_f8 v) {
+    for (int j = 0; j < 8; j++) p[j] = f32_to_f16(v.v[j]);
 }
 
 static inline float lp_hsum(lp_f8 a) {
