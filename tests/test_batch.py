@@ -108,6 +108,35 @@ def test_speculation_inside_a_batch_keeps_each_requests_solo_output(draft):
 
 
 @native
+def test_a_busy_batch_drafts_less_and_says_so():
+    """With the probe's pass costs steep past 4 rows (a pass bound by arithmetic), requests in a
+    batch of four draft less than alone (usage's busy_rounds), and keep their solo greedy tokens."""
+    from layerplan.engine.probe import ProbeRow
+
+    model = _native("llama")
+    steep = ProbeRow("native", "float32", 1.0, {k: 1.0 + 0.05 * (k - 1) if k <= 4 else 1.15 + 0.3 * (k - 4)
+                                                 for k in range(1, 17)})
+    prompts = [[5, 6, 7, 5, 6, 7, 5, 6], [9, 9, 9, 9], [1, 2, 3, 1, 2, 3], [42, 17, 42, 17, 42]]
+
+    def decode(group_of: list[list[int]]) -> list:
+        group = batching.Batch(model)
+        decodes = [batching.SpeculativeDecoding(model, p, "ngram", model.plan(), 24, stop_at_eos=False, probe_row=steep)
+                   for p in group_of]
+        for i, d in enumerate(decodes):
+            group.join(i, d)
+        while len(group):
+            group.step()
+        return [d.result() for d in decodes]
+    together = decode(prompts)
+    alone = [decode([p])[0] for p in prompts]
+    for prompt, busy, solo in zip(prompts, together, alone):
+        assert busy.token_ids == solo.token_ids == generate(model, prompt, max_new_tokens=24, stop_at_eos=False).token_ids
+        assert solo.stats["busy_rounds"] == 0
+    assert sum(r.stats["busy_rounds"] for r in together) > 0
+    assert sum(r.stats["drafted"] for r in together) < sum(r.stats["drafted"] for r in alone)
+
+
+@native
 def test_a_caches_slot_descriptors_are_kept_between_passes_and_renewed_when_it_grows():
     """The native batched pass keeps each cache's slot descriptors (cache.descriptors) between
     passes: still each sequence's own logits while its buffers grow past their capacity (the

@@ -293,6 +293,26 @@ def test_adaptive_length_drafts_long_when_drafts_are_free_and_good():
     assert policy.next_gamma() >= 6
 
 
+def test_adaptive_length_in_a_busy_pass_drafts_less():
+    """In a batch the speedup is the pass's: (others + E(α, γ)) tokens for c(others + 1 + γ)
+    against others + 1 for c(others + 1). Where rows are nearly free (a flat cost curve) a full
+    batch leaves fewer free rows to fill with drafts; where a pass turns compute-bound past 4 rows
+    (steep), a busy one drafts nothing."""
+    flat = {k: 1.0 + 0.03 * (k - 1) for k in range(1, 17)}
+    steep = {k: 1.0 + 0.05 * (k - 1) if k <= 4 else 1.15 + 0.3 * (k - 4) for k in range(1, 17)}
+    chosen = {}
+    for name, costs in (("flat", flat), ("steep", steep)):
+        policy = AdaptiveLength(max_gamma=8, pass_costs=costs)
+        policy.update(0, 0, 0, 0.0, 1.0)
+        for _ in range(10):
+            policy.update(4, 4, 2, 0.0, 1.1)  # free lookup drafts, α about 0.66
+        chosen[name] = [policy.best_gamma(others) for others in (0, 1, 3, 6, 10, 15)]
+    assert chosen["flat"][0] == 6 and chosen["flat"] == sorted(chosen["flat"], reverse=True) and chosen["flat"][4] > 0
+    assert chosen["steep"][0] > 0 and chosen["steep"][2:] == [0, 0, 0, 0]
+    # by hand, steep at others = 3: plain 4 tokens / 1.15 = 3.48 a step; γ = 1: (3 + 1.66) / 1.45 = 3.21
+    assert AdaptiveLength(max_gamma=8).next_gamma(others=3) == 0  # nothing measured yet: plain first
+
+
 def test_heuristic_schedule():
     policy = HeuristicLength(4)
     policy.update(4, 4, 4, 0, 0)

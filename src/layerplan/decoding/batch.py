@@ -67,8 +67,6 @@ def step_all(model: LoadedModel, active: Sequence[Decoding | SpeculativeDecoding
     budget) and the next chunks of the prompts prefilling (PREFILL_CHUNK rows at most, the first
     joined first), in one pass, each through its own plan (the steps their plans begin with alike
     shared by all); the prefills it completed (each decode holds its first token)."""
-    cap = max(ROW_BUDGET // max(len(active), 1) - 1, 0)
-    passes = [d.next_pass(cap) for d in active]
     chunks, budget = [], PREFILL_CHUNK
     for prefill in prefilling:
         if budget == 0:
@@ -76,6 +74,10 @@ def step_all(model: LoadedModel, active: Sequence[Decoding | SpeculativeDecoding
         rows = min(budget, prefill.rows - prefill.done_rows)
         chunks.append((prefill, rows))
         budget -= rows
+    cap = max(ROW_BUDGET // max(len(active), 1) - 1, 0)
+    # the rows the pass carries besides a decode's own: the others' tokens and the prompts' chunks
+    others = len(active) - 1 + sum(rows for _, rows in chunks)
+    passes = [d.next_pass(cap, others) for d in active]
     sequences = passes + [(p.decoding.ids[:, p.done_rows:p.done_rows + rows], p.decoding.cache, p.done_rows)
                           for p, rows in chunks]
     # a verify needs every row's logits; a chunk only its prompt's last row's, in its last chunk

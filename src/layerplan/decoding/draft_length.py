@@ -15,7 +15,7 @@ class FixedLength:
     def __init__(self, gamma: int = 4) -> None:
         self.gamma = gamma
 
-    def next_gamma(self) -> int:
+    def next_gamma(self, others: int = 0) -> int:
         return self.gamma
 
     def update(self, gamma: int, drafted: int, accepted: int, draft_s: float, verify_s: float) -> None:
@@ -86,24 +86,47 @@ class AdaptiveLength:
     def _ema(self, old: float | None, new: float) -> float:
         return new if old is None else (1 - self.smoothing) * old + self.smoothing * new
 
-    def next_gamma(self) -> int:
-        if self.plain_step is None:
-            return 0  # measure a plain step first
-        if self.draft_step is None:
-            return self.gamma  # and one drafting round
-        draft_cost = self.draft_step / self.plain_step
-        verify_cost = self.verify_extra / self.plain_step
-        best, best_s = 0, 1.0
-        for gamma in range(1, self.max_gamma + 1):
-            verify = self.pass_costs.get(gamma + 1, 1.0 + gamma * verify_cost)
-            s = expected_speedup(self.alpha, gamma, draft_cost, verify)
-            if s > best_s:
-                best, best_s = gamma, s
+    def next_gamma(self, others: int = 0) -> int:
+        """γ for the next round. others: the rows a batch's pass carries for other requests; each
+        γ is then weighed by what its rows add to that pass (see best_gamma), so a busy pass
+        drafts less."""
+        if self.plain_step is None or self.draft_step is None:
+            return self.best_gamma(others)  # a plain step first, then one drafting round
+        best = self.best_gamma(others)
         if best == 0:
             self.since_probe += 1
             if self.since_probe >= self.probe_every:
                 self.since_probe = 0
                 return 1  # probe: acceptance may have changed with the text
+        return best
+
+    def best_gamma(self, others: int = 0) -> int:
+        """The γ of the highest expected speedup over plain decoding (0: none beats it), from the
+        measured acceptance and costs. In a pass that carries `others` rows for other requests
+        (each a token), and where the probe's pass costs c(k) cover it, the speedup is the pass's:
+        (others + E(α, γ)) tokens for c(others + 1 + γ) + γ·draft steps, against others + 1 tokens
+        for c(others + 1). Rows a pass carries for free (bound by reading the weights) pay for
+        drafts alone, not in a batch that already fills them: a busy pass drafts less. Before a
+        plain step and a drafting round are measured: what next_gamma measures them with."""
+        if self.plain_step is None or self.draft_step is None:
+            return 0 if self.plain_step is None else self.gamma
+        draft_cost = self.draft_step / self.plain_step
+        verify_cost = self.verify_extra / self.plain_step
+        costs = self.pass_costs
+        batched = others > 0 and others + 1 in costs
+        plain = (others + 1) / costs[others + 1] if batched else 1.0  # tokens per step of a plain pass
+        best, best_s = 0, 1.0
+        for gamma in range(1, self.max_gamma + 1):
+            if batched:
+                if others + 1 + gamma not in costs:  # past the probe's longest pass: no cost to weigh
+                    break
+                tokens = others + expected_tokens(self.alpha, gamma)
+                s = tokens / (costs[others + 1 + gamma] + gamma * draft_cost) / plain
+            else:
+                verify = costs.get(gamma + 1, 1.0 + gamma * verify_cost)
+                s = expected_speedup(self.alpha, gamma, draft_cost, verify)
+            if s > best_s:
+                best, best_s = gamma, s
         return best
 
     def update(self, gamma: int, drafted: int, accepted: int, draft_s: float, verify_s: float) -> None:

@@ -98,7 +98,7 @@ class Decoding(DecodeRequest):
         self.pace.add(1, time.perf_counter() - start)
         self.take(logits)
 
-    def next_pass(self, cap: int | None = None) -> tuple[torch.Tensor, object, int]:
+    def next_pass(self, cap: int | None = None, others: int = 0) -> tuple[torch.Tensor, object, int]:
         """(the last token (1, 1), this request's cache, its position): its part of the next pass."""
         return torch.tensor([[self.context[-1]]]), self.cache, len(self.context) - 1
 

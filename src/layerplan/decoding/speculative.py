@@ -65,6 +65,9 @@ class SpeculativeStats:
     # rounds whose draft length the batch's row budget cut (decoding/batch.py): a busy server
     # drafts less
     capped_rounds: int = 0
+    # rounds drafted shorter (or not at all) because the batch's pass carried other requests' rows,
+    # which make each drafted row cost more (draft_length.py AdaptiveLength.best_gamma)
+    busy_rounds: int = 0
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
     drafted_at: list[int] = field(default_factory=list)  # per draft position: times drafted
@@ -175,8 +178,12 @@ class SpeculativeDecoding(DecodeRequest):
         self.trees = not any(layer.sliding_window for layer in model.parts.layers)  # a tree pass needs full attention
         self._round: tuple | None = None  # (gamma, draft, proposal, t0, t1) of the round whose pass is out
 
-    def _propose(self, cap: int | None) -> tuple[int, Proposal | None, float, float]:
-        gamma = min(self.lengths.next_gamma(), self.max_new_tokens - len(self.out.tokens) - 1)
+    def _propose(self, cap: int | None, others: int = 0) -> tuple[int, Proposal | None, float, float]:
+        left = self.max_new_tokens - len(self.out.tokens) - 1
+        gamma = min(self.lengths.next_gamma(others), left)
+        alone = getattr(self.lengths, "best_gamma", None)
+        if others and gamma < left and alone is not None and gamma < alone(0):
+            self.stats.busy_rounds += 1  # the pass's other rows made drafting cost more
         if cap is not None and cap < gamma:
             gamma = cap
             self.stats.capped_rounds += 1
@@ -202,10 +209,12 @@ class SpeculativeDecoding(DecodeRequest):
                                                      proposal, self.sampling, self.generator)
         self._record(gamma, drafted, accepted, emitted, bonus, proposal, t0, t1, time.perf_counter())
 
-    def next_pass(self, cap: int | None = None) -> tuple[torch.Tensor, object, int]:
+    def next_pass(self, cap: int | None = None, others: int = 0) -> tuple[torch.Tensor, object, int]:
         """This request's part of a batch's pass: the pending token and a chain of at most `cap`
-        drafted tokens (a tree goes as its first chain), its cache, the pending token's position."""
-        gamma, proposal, t0, t1 = self._propose(cap)
+        drafted tokens (a tree goes as its first chain), its length weighed by what it adds to a
+        pass that carries `others` rows for other requests; its cache, the pending token's
+        position."""
+        gamma, proposal, t0, t1 = self._propose(cap, others)
         if proposal is not None and proposal.tree is not None:
             proposal = proposal.first_chain()
         draft = proposal.tokens[:gamma] if proposal else []
