@@ -30,7 +30,7 @@ import click
 
 from layerplan.decoding.drafters.registry import make_drafter
 from layerplan.decoding.generate import Decoding
-from layerplan.decoding.output import chat_prompt_ids
+from layerplan.decoding.output import chat_prompt_ids, common_prefix
 from layerplan.decoding.sampling import SamplingParams, check_seed
 from layerplan.decoding.speculative import SpeculativeDecoding
 from layerplan.engine.cache import KVCache
@@ -295,11 +295,7 @@ class ChatSession:
         left to run: its logits give the reply's first token); how many tokens it keeps."""
         if self.cache is None:
             return 0
-        kept = 0
-        for held, token in zip(self.cached, ids[:-1]):
-            if held != token:
-                break
-            kept += 1
+        kept = common_prefix(self.cached, ids[:-1])
         self.cache.crop(kept)
         self.cached = self.cached[:kept]
         return kept

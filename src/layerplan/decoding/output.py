@@ -86,7 +86,7 @@ class TextStream:
         text = self.tokenizer.decode(token_ids, skip_special_tokens=True)
         # the characters the text had before keep their tokens; the new ones are the newest token's
         # (decoding the whole sequence may rewrite the tail, e.g. bytes that now complete a character)
-        kept = len(self.text) if text.startswith(self.text) else _common_prefix(self.text, text)
+        kept = len(self.text) if text.startswith(self.text) else common_prefix(self.text, text)
         del self.owner[kept:]
         self.owner.extend([len(token_ids) - 1] * (len(text) - kept))
         self.kinds = kinds
@@ -122,8 +122,8 @@ class TextStream:
         self.emitted = end
 
 
-def _common_prefix(a: str, b: str) -> int:
-    """The length of the longest common prefix of a and b."""
+def common_prefix(a: Sequence, b: Sequence) -> int:
+    """The length of the longest common prefix of a and b (texts, or token ids)."""
     n = 0
     for x, y in zip(a, b):
         if x != y:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from layerplan.decoding.drafters.base import AutoregressiveDrafter, DraftState, Proposal
+from layerplan.decoding.output import common_prefix
 from layerplan.engine.cache import KVCache
 from layerplan.engine.runner import forward, new_cache
 from layerplan.models.loading import LoadedModel
@@ -35,11 +36,7 @@ class ModelDrafter(AutoregressiveDrafter):
         if self.cache is None:
             self.cache = new_cache(self.plan, capacity=len(state.tokens) + 256)
         context = state.tokens
-        common = 0
-        for fed, token in zip(self.fed, context[:-1]):
-            if fed != token:
-                break
-            common += 1
+        common = common_prefix(self.fed, context[:-1])
         self.cache.crop(common)
         self.fed = self.fed[:common]
         device = self.model.device
