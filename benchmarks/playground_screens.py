@@ -84,7 +84,7 @@ def _api_rate(base: str, model: str, tokens: int) -> float:
     """The server's tokens/s for the request the page sends (provenance asked for, as the page does)."""
     body = {"model": model, "messages": [{"role": "user", "content": MEASURE_PROMPT}], "max_tokens": tokens,
             "temperature": 0, "stream": True, "stream_options": {"include_usage": True},
-            "layerplan": {"provenance": True, "stream_interval": 0.1}}
+            "layerplan": {"provenance": True, "stream_interval": 0.25}}
     usage = None
     with httpx.stream("POST", f"{base}/v1/chat/completions", json=body, timeout=600) as response:
         for line in response.iter_lines():

@@ -719,7 +719,7 @@ def create_app(model: LoadedModel, plan: LayerPlan | None = None, draft=None, dr
 
         async def event_stream():
             try:
-                checked = sent = time.monotonic()
+                checked, sent = time.monotonic(), float("-inf")  # the first text goes at once
                 held = ""  # an event taken while gathering text, for the next round
                 while True:
                     piece, held = (held, "") if held != "" else (await next_event(0.2), "")
