@@ -218,6 +218,7 @@ def test_a_stream_interval_gathers_the_tokens_that_come_within_it_into_one_chunk
     gathered, usage = _stream(client, _body(PROMPTS[1], 40, {"provenance": True, "stream_interval": 1.0}))
     assert len(each) >= 30  # a chunk a token (a byte of a character may wait for the next)
     assert len(gathered) <= 3  # the tiny model's 40 tokens take well under the second
+    assert len(gathered[0]["tokens"]) == 1 < len(gathered[-1]["tokens"])  # the first goes at once
     assert "".join(c["text"] for c in gathered) == "".join(c["text"] for c in each) == _alone(tiny, PROMPTS[1], 40).text
     assert all("".join(p["text"] for p in c["tokens"]) == c["text"] for c in gathered)
     assert [p for c in gathered for p in c["tokens"]] == [p for c in each for p in c["tokens"]]
