@@ -1,10 +1,12 @@
 """An OpenAI-compatible HTTP server over layerplan's decoding (`layerplan serve`).
 
-One model, one decode at a time: on a CPU, interleaving decodes only makes each slower. Requests
-wait in a first-come-first-served queue and are decoded one by one on the thread that runs the
-engine (`layerplan serve`: the main thread, which owns torch's OpenMP pool, while HTTP is served
-from a background thread; see Engine). Each generation gets its own KV cache, and a client that
-disconnects has its generation stopped at its next token so the queue moves on. Speculative
+One model, its requests decoded together: up to --max-batch of them share each pass (continuous
+batching, decoding/batch.py: a step's products read the weights once for every request's rows,
+which on a CPU bound by reading the weights costs little more than one request's step). Requests
+wait in a first-come-first-served queue and join the batch as room frees, on the thread that runs
+the engine (`layerplan serve`: the main thread, which owns torch's OpenMP pool, while HTTP is
+served from a background thread; see Engine). Each generation gets its own KV cache, and a client
+that disconnects has its generation stopped at its next pass, its place freed. Speculative
 statistics ride in each response's `usage` block.
 
 Endpoints: GET /health, GET /v1/models, POST /v1/completions, POST /v1/chat/completions (both
@@ -18,10 +20,11 @@ not stay finite (temperature 1e-300), a seed torch cannot take, a conversation t
 refuses. Prompts are tokenized off the event loop (one worker thread), so a long one does not
 hold up /health or other requests.
 
-Extension: a request's `"layerplan": {"plan", "draft", "draft_length", "provenance"}` object runs
-it by its own plan and draft (parsed as the command line parses them; a 400 naming the field when
-one cannot be used), and with provenance each stream chunk's `layerplan.tokens` says which tokens
-were plain, accepted drafts, corrections or bonuses (usage.provenance counts them).
+Extension: a request's `"layerplan": {"plan", "draft", "draft_length", "provenance",
+"stream_interval"}` object runs it by its own plan and draft (parsed as the command line parses
+them; a 400 naming the field when one cannot be used), with provenance each stream chunk's
+`layerplan.tokens` says which tokens were plain, accepted drafts, corrections or bonuses
+(usage.provenance counts them), and stream_interval gathers a stream's text into fewer chunks.
 """
 
 from __future__ import annotations
