@@ -189,14 +189,22 @@ def test_sequences_of_different_plans_share_the_steps_their_plans_begin_with(arc
     lasts = forward_batch(model, [(ids, cache, 0) for ids, cache in zip(prompts, together)], plans, last_only=True)
     for ids, plan, cache, got in zip(prompts, plans, alone, lasts):
         assert torch.equal(got, forward(model, ids, plan, cache, 0, last_only=True)[0])
-    # the full plans share a group; from step 2 each other plan runs its own rest (exit:2: none)
-    assert sorted(calls) == ([0, 2, 2, 3] if shared else [])
+    # the full plans share a group; from step 2 each other plan runs its own rest (exit:2: none),
+    # then one call of no steps runs the LM head over every sequence's wanted rows
+    assert sorted(calls) == ([0, 0, 2, 2, 3] if shared else [])
     for step in range(3):
         inputs = [torch.tensor([[11 + step + s]]) for s in range(len(plans))]
         starts = [ids.shape[1] + step for ids in prompts]
         batched = forward_batch(model, [(x, c, n) for x, c, n in zip(inputs, together, starts)], plans)
         for x, plan, cache, n, got in zip(inputs, plans, alone, starts, batched):
             assert torch.equal(got, forward(model, x, plan, cache, n)[0])
+    # a pass that wants no logits of some (a prompt's chunk) or of none: the head runs on the rest
+    for want in ([0, 1, 0, 2, 0], [0] * 5):
+        got = forward_batch(model, [(ids, new_cache(plan, 32), 0) for ids, plan in zip(prompts, plans)], plans,
+                            wanted=want)
+        for ids, plan, rows, logits in zip(prompts, plans, want, got):
+            whole = forward(model, ids, plan, new_cache(plan, 32), 0)[0]
+            assert torch.equal(logits, whole[whole.shape[0] - rows:])
     # plans that part at the first step share nothing but the pass: still each one's own logits
     apart = [model.plan("skip:mlp=0"), model.plan()]
     got = forward_batch(model, [(prompts[0], new_cache(plan, 32), 0) for plan in apart], apart)

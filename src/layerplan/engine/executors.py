@@ -275,7 +275,8 @@ class NativeExecutor(ModuleExecutor):
 
     def _plans_pass(self, model, ends, sequences, plans: list[LayerPlan], wanted: list[int]) -> list[torch.Tensor] | None:
         """batch_pass for sequences of several plans: the shared first steps in one call over every
-        row (no head), then a call per plan from there, on its rows of the stream."""
+        row, then a call per plan from there on its rows of the stream, then one call of no steps
+        for the LM head over every wanted row (the head is read once, not once a plan)."""
         native, parts = self.native, model.parts
         shared = _shared_steps(plans)
         groups: dict[LayerPlan, list[int]] = {}
@@ -283,20 +284,24 @@ class NativeExecutor(ModuleExecutor):
             groups.setdefault(plan, []).append(s)
         runs = {plan: native.step_run(plan, shared, len(plan.active_steps), rope_key(parts)) for plan in groups}
         first = native.step_run(plans[0], 0, shared, rope_key(parts))
+        last = native.step_run(plans[0], shared, shared, rope_key(parts))  # no steps: the head alone
         if first is None or any(run is None for run in runs.values()):
             return None
-        _, hidden = first.batch_logits_and_stream(ends, sequences, self._ropes(parts, ends, first, sequences),
-                                                  [0] * len(sequences))
+        nothing = [0] * len(sequences)
+        _, hidden = first.batch_logits_and_stream(ends, sequences, self._ropes(parts, ends, first, sequences), nothing)
         starts = torch.tensor([0] + [ids.shape[1] for ids, _, _ in sequences]).cumsum(0).tolist()
-        every: list[torch.Tensor | None] = [None] * len(sequences)
         for plan, members in groups.items():
             rows = torch.cat([torch.arange(starts[s], starts[s + 1]) for s in members])
             group = [sequences[s] for s in members]
-            logits, _ = runs[plan].batch_hidden(ends, hidden.index_select(0, rows), group,
-                                                self._ropes(parts, ends, runs[plan], group), [wanted[s] for s in members])
-            for s, rows_logits in zip(members, logits):
-                every[s] = softcap(parts, rows_logits)
-        return every
+            _, after = runs[plan].batch_hidden(ends, hidden.index_select(0, rows), group,
+                                               self._ropes(parts, ends, runs[plan], group), [0] * len(members))
+            hidden.index_copy_(0, rows, after)
+        # each sequence's wanted rows (its last), in order, as sequences of those rows alone
+        picked = torch.cat([torch.arange(starts[s + 1] - wanted[s], starts[s + 1]) for s in range(len(sequences))])
+        heads = [(ids[:, ids.shape[1] - n:], cache, start + ids.shape[1] - n)
+                 for (ids, cache, start), n in zip(sequences, wanted)]
+        logits, _ = last.batch_hidden(ends, hidden.index_select(0, picked), heads, [], wanted)
+        return [softcap(parts, rows_logits) for rows_logits in logits]
 
     @staticmethod
     def _ropes(parts, ends, run, sequences) -> list[tuple[torch.Tensor, torch.Tensor]]:
