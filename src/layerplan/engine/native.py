@@ -425,7 +425,8 @@ class StepRun:
     """A run of plan steps whose switched-on sub-layers all have kernels, as one native call: the
     runner's loop without a Python round trip per sub-layer. Built once per (plan, steps). The
     step table points into the steps' descriptors (held by the pointers in it) and into the KV
-    slot buffers (held in _buffers until the table points elsewhere)."""
+    slot buffers of the cache of its latest call (held by that cache, which the call is given:
+    the table is pointed at a call's cache before the call)."""
 
     def __init__(self, steps: list[tuple[int, NativeLayer, bool, bool, float]], rope_layers: list, dtype: int,
                  kv_dtype: torch.dtype | None = None) -> None:
@@ -439,21 +440,19 @@ class StepRun:
             entry.attention = ctypes.pointer(layer.attention) if attention else None
             entry.mlp = ctypes.pointer(layer.mlp) if mlp else None
             entry.scale = scale
-        self._buffers: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(steps)
+        self._table_slots: bytes | None = None  # the slot descriptors the table holds now
 
     def _slots_and_tables(self, cache, start_pos: int, rows: int, dtype: torch.dtype, device: torch.device,
                           ropes: list[tuple[torch.Tensor, torch.Tensor]]):
-        """Reserves the steps' cache positions; the rotary tables as the kernels take them."""
-        end = start_pos + rows
-        for i, (slot, attention) in enumerate(self.slots):
-            if attention is None:
-                continue
-            keys, values = cache.reserve(slot, end, 1, attention.kv_heads, attention.head_dim, attention.head_dim,
-                                         self.kv_dtype or dtype, device)
-            held = self._buffers[i]
-            if held is None or held[0] is not keys or held[1] is not values:  # a new or grown buffer
-                self.table[i].kv = _Kv(keys.data_ptr(), values.data_ptr(), keys.shape[2], 0, _KV_DTYPES[keys.dtype])
-                self._buffers[i] = (keys, values)
+        """Reserves the steps' cache positions and points the step table at the cache's slots (its
+        kept descriptors: _slot_descriptors); the rotary tables as the kernels take them."""
+        kept = self._slot_descriptors(cache, start_pos, start_pos + rows, dtype, device)
+        if kept is not self._table_slots:  # another cache, or one whose buffers moved
+            size = ctypes.sizeof(_Kv)
+            for i, (_, attention) in enumerate(self.slots):
+                if attention is not None:
+                    self.table[i].kv = _Kv.from_buffer_copy(kept, i * size)
+            self._table_slots = kept
         tables = [(cos.contiguous(), sin.contiguous()) for cos, sin in ropes]
         cos = (ctypes.c_void_p * len(tables))(*(c.data_ptr() for c, _ in tables))
         sin = (ctypes.c_void_p * len(tables))(*(s.data_ptr() for _, s in tables))
