@@ -59,10 +59,10 @@ class Executor(Protocol):
                   hidden: torch.Tensor) -> torch.Tensor | None:
         """Steps [first, end) in one call, or None to run them one by one."""
 
-    def batch_pass(self, model, sequences: list[tuple[torch.Tensor, KVCache, int]],
-                   plans: LayerPlan | list[LayerPlan], wanted: list[int]) -> list[torch.Tensor] | None:
+    def batch_pass(self, model, sequences: list[tuple[torch.Tensor, KVCache, int]], plans: list[LayerPlan],
+                   wanted: list[int]) -> list[torch.Tensor] | None:
         """Several sequences' whole passes in one call (the logits of each one's last wanted[s]
-        rows), under one plan or each one's own, or None to run each on its own."""
+        rows), each under its own plan (plans[s]), or None to run each on its own."""
 
     def enter(self, step: Step, hidden: torch.Tensor) -> torch.Tensor:
         """The stream where the step's layer runs (its weights in place for the step)."""
@@ -249,12 +249,12 @@ class NativeExecutor(ModuleExecutor):
         logits = run.logits(ends, input_ids, cache, start_pos, ropes, cache.read_window, mask, last_only)
         return softcap(parts, logits)
 
-    def batch_pass(self, model, sequences: list[tuple[torch.Tensor, KVCache, int]],
-                   plans: LayerPlan | list[LayerPlan], wanted: list[int]) -> list[torch.Tensor] | None:
+    def batch_pass(self, model, sequences: list[tuple[torch.Tensor, KVCache, int]], plans: list[LayerPlan],
+                   wanted: list[int]) -> list[torch.Tensor] | None:
         """Several sequences' passes (token ids (1, T_s), own cache, start) as one native call, the
         products shared (continuous batching); each one's logits (wanted[s], vocab: its last rows)
-        are those of its pass alone. plans: one for all, or each sequence's own: the steps their
-        plans begin with alike run once over every row, then each plan's other steps over its
+        are those of its pass alone. plans[s]: sequence s's; where they differ, the steps they
+        begin with alike run once over every row, then each plan's other steps over its
         sequences' rows (a row's numbers do not depend on the others in its pass, so each is its
         plan's alone). None where a part has no kernels (then each runs its own)."""
         native, parts = self.native, model.parts
@@ -264,8 +264,8 @@ class NativeExecutor(ModuleExecutor):
         ends = native.pass_ends(parts, rows)
         if ends is None:
             return None
-        if isinstance(plans, LayerPlan) or all(plan == plans[0] for plan in plans):
-            plan = plans if isinstance(plans, LayerPlan) else plans[0]
+        if all(plan == plans[0] for plan in plans):
+            plan = plans[0]
             run = native.step_run(plan, 0, len(plan.active_steps), rope_key(parts))
             if run is None:
                 return None

@@ -75,18 +75,15 @@ def forward_batch(model: LoadedModel, sequences: list[tuple[torch.Tensor, KVCach
     products every sequence shares (continuous batching; of sequences of different plans, the
     steps their plans begin with alike); each sequence's logits are those of its own forward(),
     bit for bit. Elsewhere each runs its own."""
-    one = plan is None or isinstance(plan, LayerPlan)
-    if one:
-        plan = plan if plan is not None else model.plan()
-        plans = [plan] * len(sequences)
+    if plan is None or isinstance(plan, LayerPlan):
+        plans = [plan if plan is not None else model.plan()] * len(sequences)
     else:
         plans = list(plan)
         if len(plans) != len(sequences):
             raise ValueError(f"{len(plans)} plans for {len(sequences)} sequences")
     if wanted is None:
         wanted = [1 if last_only else ids.shape[1] for ids, _, _ in sequences]
-    logits = executor_of(model).batch_pass(model, sequences, plan if one else plans, wanted) \
-        if len(sequences) > 1 else None
+    logits = executor_of(model).batch_pass(model, sequences, plans, wanted) if len(sequences) > 1 else None
     if logits is not None:
         return logits
     every = []
