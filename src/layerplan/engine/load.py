@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from layerplan.collection import collection_paused
 from layerplan.engine.cpu_pack import pack_linears, packing_supported
 from layerplan.engine.executors import modules_executor, use_native
 from layerplan.engine.kernel_library import ABI, check, kernels_key, library, native_available
@@ -80,16 +81,19 @@ def load_model(
     (models/placement.py); instead of `device`. Such a model runs on the eager engine.
     pack: prepack bf16 linears for oneDNN (see engine/cpu_pack.py) when the eager engine runs;
     None = when dtype is bf16 on a CPU that supports it."""
-    panels = _prefetch_panels(source) if dtype in STORED_ARITHMETIC and engine != "eager" else None
-    ensure_checked(loading.model_config(source))
-    if dtype in STORED_ARITHMETIC or dtype in QUANTIZED:
-        if device_map is not None or torch.device(device).type != "cpu":
-            raise ModelError(f"--dtype {dtype} runs on the CPU only, without --device-map; use --dtype float32 or bfloat16")
-        if dtype in STORED_ARITHMETIC:
-            return prepare(loading.load_stored_model(source, STORED_ARITHMETIC[dtype]), engine, pack=False,
-                           panels=panels)
-        return prepare(quantize_linears(loading.load_model(source, "float32"), *QUANTIZED[dtype]), engine, pack=False)
-    return prepare(loading.load_model(source, dtype, device, device_map), engine, pack)
+    with collection_paused():  # the modules' objects live as long as the model (layerplan/collection.py)
+        panels = _prefetch_panels(source) if dtype in STORED_ARITHMETIC and engine != "eager" else None
+        ensure_checked(loading.model_config(source))
+        if dtype in STORED_ARITHMETIC or dtype in QUANTIZED:
+            if device_map is not None or torch.device(device).type != "cpu":
+                raise ModelError(f"--dtype {dtype} runs on the CPU only, without --device-map; "
+                                 "use --dtype float32 or bfloat16")
+            if dtype in STORED_ARITHMETIC:
+                return prepare(loading.load_stored_model(source, STORED_ARITHMETIC[dtype]), engine, pack=False,
+                               panels=panels)
+            return prepare(quantize_linears(loading.load_model(source, "float32"), *QUANTIZED[dtype]), engine,
+                           pack=False)
+        return prepare(loading.load_model(source, dtype, device, device_map), engine, pack)
 
 
 def _prefetch_panels(source) -> PanelCache | None:
