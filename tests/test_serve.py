@@ -2,6 +2,7 @@
 serving the packaged SmolLM2 (float32) with an n-gram drafter and an API key."""
 
 import json
+import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -9,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from layerplan.app.serve import chat_prompt_ids, create_app
+from layerplan.app.serve import ListenError, chat_prompt_ids, create_app, listen_socket
 from layerplan.decoding.generate import generate
 from layerplan.decoding.sampling import SamplingParams
 from servers import serving
@@ -242,3 +243,15 @@ def test_client_disconnect_mid_stream_stops_its_generation(server, smollm2):
     with _client(base) as client:  # the queue moved on
         response = client.post("/v1/completions", json={"model": smollm2.name, "prompt": "Hello", "max_tokens": 3})
     assert response.status_code == 200
+
+
+def test_replies_are_not_held_back_by_nagle():
+    """The server's connections send at once (TCP_NODELAY): with Nagle's algorithm, a reply written
+    in two parts waited for the client's delayed acknowledgement, ~40 ms a request."""
+    listening = listen_socket("127.0.0.1", 0)
+    with listening, socket.create_connection(listening.getsockname()) as client:
+        accepted, _ = listening.accept()
+        with accepted:
+            assert accepted.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
+    with pytest.raises(ListenError, match="cannot listen on '127.0.0.1':70000: not an address"):
+        listen_socket("127.0.0.1", 70000)
