@@ -167,7 +167,12 @@ typedef struct {
 /* Queries that attend over one kv head, each softmax(q . k * scaling) . v into its out. They go
  * through the positions in runs of about LP_RUN_ELEMENTS cache elements: every query scores a run's
  * keys, and later weighs a run's values, while the run is in L1. Each output is one chain of FMAs
- * over the positions in order, carried from run to run in out. */
+ * over the positions in order, carried from run to run in out.
+ *
+ * Several queries over a 16-bit cache (a grouped-query head's query heads, a pass's rows) take the
+ * run widened to fp32 once, in `run_f32`, rather than each converting every element again: the
+ * conversion is exact, so the same numbers. The cache's positions [r0, r0 + run) are run_f32's rows
+ * 0, 1, ...: the queries' positions go in shifted by r0. */
 #define LP_RUN_ELEMENTS 4096
 static void attend_group(const lp_query *qs, long count, const void *kbase, const void *vbase, long stride,
                          float scaling, int kvt, long d) {
@@ -178,14 +183,34 @@ static void attend_group(const lp_query *qs, long count, const void *kbase, cons
     }
     long run = LP_RUN_ELEMENTS / d / 8 * 8;
     if (run < 8) run = 8;
-    for (long r0 = lo; r0 <= hi; r0 += run)
+    _Alignas(64) float run_f32[LP_RUN_ELEMENTS];
+    int widen = kvt != LP_DTYPE_F32 && count > 1 && run * stride <= LP_RUN_ELEMENTS;
+    for (long r0 = lo; r0 <= hi; r0 += run) {
+        long shift = widen ? r0 : 0;
+        const void *keys = kbase;
+        if (widen) {
+            long n = hi - r0 + 1 < run ? hi - r0 + 1 : run;
+            lp_load_f32((const char *)kbase + r0 * stride * lp_kv_bytes(kvt), kvt, run_f32, n * stride);
+            keys = run_f32;
+        }
         for (long s = 0; s < count; s++) {
             long from = r0 > qs[s].first ? r0 : qs[s].first, to = r0 + run - 1 < qs[s].last ? r0 + run - 1 : qs[s].last;
-            if (from <= to) score_keys(qs[s].q, kbase, stride, qs[s].first, from, to, qs[s].keep, scaling, kvt, d, qs[s].scores);
+            if (from <= to)
+                score_keys(qs[s].q, keys, stride, qs[s].first - shift, from - shift, to - shift, qs[s].keep, scaling,
+                           widen ? LP_DTYPE_F32 : kvt, d, qs[s].scores);
         }
+    }
     float totals[LP_QUERIES];
     for (long s = 0; s < count; s++) totals[s] = exp_scores(qs[s].scores, qs[s].last - qs[s].first + 1);
-    for (long r0 = lo; r0 <= hi; r0 += run)
+    for (long r0 = lo; r0 <= hi; r0 += run) {
+        long shift = widen ? r0 : 0;
+        int vt = widen ? LP_DTYPE_F32 : kvt;
+        const void *values = vbase;
+        if (widen) {
+            long n = hi - r0 + 1 < run ? hi - r0 + 1 : run;
+            lp_load_f32((const char *)vbase + r0 * stride * lp_kv_bytes(kvt), kvt, run_f32, n * stride);
+            values = run_f32;
+        }
         for (long s = 0; s < count; s++) {
             long from = r0 > qs[s].first ? r0 : qs[s].first, to = r0 + run - 1 < qs[s].last ? r0 + run - 1 : qs[s].last;
             if (from > to) continue;
@@ -193,11 +218,12 @@ static void attend_group(const lp_query *qs, long count, const void *kbase, cons
             const unsigned char *kp = qs[s].keep ? qs[s].keep + (from - qs[s].first) : NULL;
             for (long c = 0; c < d; c += 64) { /* 64 output dims in eight registers */
                 long width = d - c < 64 ? d - c : 64, lanes = width / 8;
-                if (kvt == LP_DTYPE_BF16) weigh_values_bf16(sc, kp, (const uint16_t *)vbase + c, stride, from, to - from + 1, lanes, qs[s].out + c, from > qs[s].first);
-                else if (kvt == LP_DTYPE_F16) weigh_values_f16(sc, kp, (const uint16_t *)vbase + c, stride, from, to - from + 1, lanes, qs[s].out + c, from > qs[s].first);
-                else weigh_values_f32(sc, kp, (const float *)vbase + c, stride, from, to - from + 1, lanes, qs[s].out + c, from > qs[s].first);
+                if (vt == LP_DTYPE_BF16) weigh_values_bf16(sc, kp, (const uint16_t *)values + c, stride, from - shift, to - from + 1, lanes, qs[s].out + c, from > qs[s].first);
+                else if (vt == LP_DTYPE_F16) weigh_values_f16(sc, kp, (const uint16_t *)values + c, stride, from - shift, to - from + 1, lanes, qs[s].out + c, from > qs[s].first);
+                else weigh_values_f32(sc, kp, (const float *)values + c, stride, from - shift, to - from + 1, lanes, qs[s].out + c, from > qs[s].first);
             }
         }
+    }
     for (long s = 0; s < count; s++) {
         const lp_query *qy = qs + s;
         long n = qy->last - qy->first + 1;
