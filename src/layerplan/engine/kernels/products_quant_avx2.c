@@ -355,13 +355,26 @@ ALWAYS v16 q2_k_widen(const qstate *s, const qraw *r, const int t) {
 
 #define ZERO_ROW(r) __m256 a##r##0l = z, a##r##0h = z, a##r##1l = z, a##r##1h = z, a##r##2l = z, a##r##2h = z, a##r##3l = z, a##r##3h = z;
 
+/* Prefetching. The tiles read each panel's bytes in order, but a core's own loads and the
+ * hardware's prefetchers leave it waiting on memory, one row or sixteen: while a sub-block of the
+ * panels in hand is summed, the same sub-block's bytes of the panels LP_AHEAD_PANELS on are
+ * fetched (SUB inputs of format F: its share of the panel block at `at`; the bytes of a block are
+ * fetched once over its sub-blocks, whatever their layout). Where rows go in groups, the first
+ * group fetches. */
+#ifndef LP_AHEAD_PANELS
+#define LP_AHEAD_PANELS 2
+#endif
+#define PREFETCH_SUB(F, SUB, w, ahead, at, sub)                                                    \
+    for (long o = 0; o < F##_PB * (SUB) / F##_BLOCK; o += 64) /* addresses as integers: past the end \
+                                                                  of the weights, no pointer is made */ \
+        lp_prefetch((uintptr_t)(w) + (uintptr_t)((ahead) + (at) + (long)(sub) * (F##_PB * (SUB) / F##_BLOCK) + o))
+
 /* RR rows x PP panels of format F (literal constants). The sums are named variables, not an
  * array, so GCC keeps them in registers. */
 #define QTILE(NAME, F, f, RR, PP)                                                                  \
     static void NAME(const float *x, long k, long from, long to, const void *wv, long panel_bytes, float *y, long ys, \
                      int fetch) {                                                                  \
         enum { R = RR, P = PP };                                                                   \
-        (void)fetch;                                                                               \
         const uint8_t *w = (const uint8_t *)wv;                                                    \
         const float *x0 = x, *x1 = x + (R > 1 ? 1 : 0) * k, *x2 = x + (R > 2 ? 2 : 0) * k, *x3 = x + (R > 3 ? 3 : 0) * k, \
                     *x4 = x + (R > 4 ? 4 : 0) * k, *x5 = x + (R > 5 ? 5 : 0) * k;                 \
@@ -378,6 +391,9 @@ ALWAYS v16 q2_k_widen(const qstate *s, const qraw *r, const int t) {
                 if (P > 1) f##_setup(&st1, pb + panel_bytes, sub);                                \
                 if (P > 2) f##_setup(&st2, pb + 2 * panel_bytes, sub);                            \
                 if (P > 3) f##_setup(&st3, pb + 3 * panel_bytes, sub);                            \
+                if (fetch)                                                                         \
+                    for (int q = 0; q < P; q++)                                                    \
+                        PREFETCH_SUB(F, F##_SUB, w, (LP_AHEAD_PANELS + q) * panel_bytes, s0 / F##_BLOCK * F##_PB, sub); \
                 for (int c = 0; c < F##_SUB / F##_CHUNK; c++) {                                    \
                     qraw r0, r1, r2, r3;                                                           \
                     if (P > 0) f##_load(&st0, c, &r0);                                            \
@@ -403,12 +419,14 @@ ALWAYS v16 q2_k_widen(const qstate *s, const qraw *r, const int t) {
 
 /* ----- many rows: each block of a panel widened once into L1, every row group over it ----- */
 
-/* widens inputs [i0, i1) of a panel (LP_BLOCK at most, whole sub-blocks) into buf[(i - i0) 16 + j] */
+/* widens inputs [i0, i1) of a panel (LP_BLOCK at most, whole sub-blocks) into buf[(i - i0) 16 + j],
+ * prefetching the same inputs of the panel `ahead` bytes on */
 #define WIDEN_BLOCK(NAME, F, f)                                                                    \
-    static void NAME(const uint8_t *w, long i0, long i1, float *buf) {                            \
+    static void NAME(const uint8_t *w, long i0, long i1, float *buf, long ahead) {                \
         for (long s0 = i0; s0 < i1; s0 += F##_SUB) {                                               \
             qstate st;                                                                             \
             f##_setup(&st, w + s0 / F##_BLOCK * F##_PB, (int)(s0 % F##_BLOCK / F##_SUB));          \
+            PREFETCH_SUB(F, F##_SUB, w, ahead, s0 / F##_BLOCK * F##_PB, (int)(s0 % F##_BLOCK / F##_SUB)); \
             for (int c = 0; c < F##_SUB / F##_CHUNK; c++) {                                        \
                 qraw r;                                                                            \
                 f##_load(&st, c, &r);                                                              \
@@ -451,14 +469,15 @@ static const buf_tile buf_tiles[LP_GROUP_ROWS + 1] = {NULL, buf1, buf2, buf3, bu
 
 /* m rows (any number) on `panels` panels, inputs [from, to) (LP_BLOCK granularity): each block of
  * a panel widened once into buf, then the rows in even groups of at most LP_GROUP_ROWS over it */
-static void rows_on_buffer(void (*widen)(const uint8_t *, long, long, float *), const float *x, long m, long k,
+static void rows_on_buffer(void (*widen)(const uint8_t *, long, long, float *, long), const float *x,
+                           long m, long k,
                            long from, long to, const void *w, long panel_bytes, long panels, float *y, long ys) {
     _Alignas(64) float buf[LP_BLOCK * LP_PANEL];
     long groups = (m + LP_GROUP_ROWS - 1) / LP_GROUP_ROWS;
     for (long p = 0; p < panels; p++)
         for (long i0 = from; i0 < to; i0 += LP_BLOCK) {
             long i1 = i0 + LP_BLOCK < k ? i0 + LP_BLOCK : k;
-            widen((const uint8_t *)w + p * panel_bytes, i0, i1, buf);
+            widen((const uint8_t *)w + p * panel_bytes, i0, i1, buf, LP_AHEAD_PANELS * panel_bytes);
             for (long g = 0, r0 = 0; g < groups; g++) { /* 16 rows = 6 + 5 + 5 */
                 long nr = m / groups + (g < m % groups);
                 buf_tiles[nr](x + r0 * k, k, i0, i1, buf, y + r0 * ys + p * LP_PANEL, ys);
@@ -746,6 +765,9 @@ ALWAYS __m256i four_bytes(const int8_t *p) {
         for (long s0 = 0; s0 < k; s0 += F##_ISUB) {                                                \
             istate st;                                                                             \
             f##_iset(&st, w + s0 / F##_BLOCK * F##_PB, (int)(s0 % F##_BLOCK / F##_ISUB));          \
+            if (r0 == 0)                                                                           \
+                PREFETCH_SUB(F, F##_ISUB, w, LP_AHEAD_PANELS * (k / F##_BLOCK * F##_PB), s0 / F##_BLOCK * F##_PB, \
+                             (int)(s0 % F##_BLOCK / F##_ISUB));                                    \
             __m256i al[R][S], ah[R][S];                                                            \
             _Pragma("GCC unroll 4") for (int r = 0; r < R; r++)                                    \
                 _Pragma("GCC unroll 2") for (int c = 0; c < S; c++) al[r][c] = ah[r][c] = _mm256_setzero_si256(); \
@@ -794,6 +816,9 @@ ALWAYS __m256i four_bytes(const int8_t *p) {
         for (long s0 = 0; s0 < k; s0 += F##_ISUB) {                                                \
             istate st;                                                                             \
             f##_iset(&st, w + s0 / F##_BLOCK * F##_PB, (int)(s0 % F##_BLOCK / F##_ISUB));          \
+            if (r0 == 0)                                                                           \
+                PREFETCH_SUB(F, F##_ISUB, w, LP_AHEAD_PANELS * (k / F##_BLOCK * F##_PB), s0 / F##_BLOCK * F##_PB, \
+                             (int)(s0 % F##_BLOCK / F##_ISUB));                                    \
             __m256i al[R], ah[R];                                                                  \
             _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) al[r] = ah[r] = _mm256_setzero_si256(); \
             _Pragma("GCC unroll 8") for (int c = 0; c < F##_ISUB / 4; c++) {                       \
@@ -925,6 +950,10 @@ ALWAYS void q6_k_ipair(const istate *a, const istate *b, int c, __m512i *wl, __m
             const int sub = (int)(s0 % F##_BLOCK / F##_ISUB);                                      \
             f##_iset(&sa, wa + at, sub);                                                           \
             f##_iset(&sb, wb + at, sub);                                                           \
+            if (r0 == 0) {                                                                         \
+                PREFETCH_SUB(F, F##_ISUB, wa, LP_AHEAD_PANELS * panel_bytes, at, sub);            \
+                PREFETCH_SUB(F, F##_ISUB, wa, (LP_AHEAD_PANELS + 1) * panel_bytes, at, sub);      \
+            }                                                                                      \
             const __m512 dl = pair_ps(sa.dl, sb.dl), dh = pair_ps(sa.dh, sb.dh), ol = pair_ps(sa.ol, sb.ol), \
                          oh = pair_ps(sa.oh, sb.oh);                                               \
             __m512i al[R][S], ah[R][S];                                                            \
