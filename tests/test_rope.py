@@ -51,6 +51,27 @@ def test_a_positions_values_do_not_depend_on_how_the_table_grew():
         assert torch.equal(a, b)
 
 
+class _ThreadedProduct(torch.nn.Module):
+    """A rotary module whose many-position calls round positions 32 on differently, as a BLAS
+    library's product did when it split a call between two threads."""
+
+    rope_type = "default"
+
+    def forward(self, like, positions):
+        angles = positions[..., None].float() * torch.tensor([1.0, 0.01])
+        if positions.shape[-1] > 32:
+            angles[:, 32:] = torch.nextafter(angles[:, 32:], torch.tensor(float("inf")))
+        return angles.cos().to(like.dtype), angles.sin().to(like.dtype)
+
+
+def test_a_positions_values_are_those_of_the_module_called_on_it_alone():
+    module, like = _ThreadedProduct(), torch.zeros(1)
+    cos, sin = rope.chain_rotary_embedding(module, like, 0, 300)
+    for position in (0, 31, 32, 63, 64, 255, 299):
+        want_cos, want_sin = module(like, torch.tensor([[position]]))
+        assert torch.equal(cos[0, position], want_cos[0, 0]) and torch.equal(sin[0, position], want_sin[0, 0])
+
+
 def test_tree_positions_are_looked_up_one_by_one():
     parts = tiny_model("llama").parts
     like = torch.zeros(1, 1, 32)

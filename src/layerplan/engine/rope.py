@@ -3,12 +3,14 @@ blocks of positions once, then sliced for every pass after.
 
 Why: calling the module costs a pass a dozen small PyTorch operations, whose code and data are cold
 after the layers (a few percent of a small model's step). The table holds what
-the module returns for each position: every value is a function of its own position (a product of
-the position and a frequency, its cosine or sine, a scaling, a cast). It is computed in blocks of
-64 positions, one call each, so a position's values do not depend on how long the table has grown
-or on how a pass's positions fall into PyTorch's vector loops and threads: a position gets the same
-values in every pass (which the module alone does not promise: its scalar tail and its vector body
-may differ in the last bit). Only RoPE types whose frequencies never change take a table; the
+the module returns for each position called alone: every value is a function of its own position
+(a product of the position and a frequency, its cosine or sine, a scaling, a cast), so a position
+gets the same values in every pass and every process. Called on many positions, the module does not
+promise that: its product of frequencies by positions is a matrix product, and the BLAS library
+split a 64-position call between two threads in some processes and not in others, giving positions
+32-63 values one rounding apart (and a greedy decode that changed from one run to the next). One
+position a call is one product per frequency; its 64 values fill whole vectors of the cosine's
+loop (no scalar tail). The table grows in blocks of 64 positions. Only RoPE types whose frequencies never change take a table; the
 others (dynamic NTK, LongRoPE: frequencies that depend on the longest position seen) call the
 module. The eager engine calls the module as transformers does.
 """
@@ -22,7 +24,7 @@ from torch import nn
 
 # RoPE types (transformers' rope_parameters["rope_type"]) whose frequencies are fixed at load time
 STATIC_ROPE_TYPES = frozenset({"default", "linear", "llama3", "yarn"})
-_BLOCK = 64  # positions per module call: 64 x head_dim values, one serial, whole-vector kernel run
+_BLOCK = 64  # positions the table grows by (at least)
 
 # rotary module -> {(layer type, dtype, device): (cos, sin) over positions 0..N-1}
 _tables: WeakKeyDictionary[nn.Module, dict[tuple, tuple[torch.Tensor, torch.Tensor]]] = WeakKeyDictionary()
@@ -49,10 +51,10 @@ def _table(rotary: nn.Module, like: torch.Tensor, end: int, layer_type: str | No
     if have < end:
         size = max(end, 2 * have, 4 * _BLOCK)
         size = -(-size // _BLOCK) * _BLOCK
-        blocks = [_call(rotary, like, torch.arange(first, first + _BLOCK, device=like.device)[None], layer_type)
-                  for first in range(have, size, _BLOCK)]
-        cos = torch.cat(([table[0]] if table is not None else []) + [c[0] for c, _ in blocks])
-        sin = torch.cat(([table[1]] if table is not None else []) + [s[0] for _, s in blocks])
+        rows = [_call(rotary, like, torch.tensor([[position]], device=like.device), layer_type)
+                for position in range(have, size)]
+        cos = torch.cat(([table[0]] if table is not None else []) + [c[0] for c, _ in rows])
+        sin = torch.cat(([table[1]] if table is not None else []) + [s[0] for _, s in rows])
         table = tables[key] = (cos, sin)
     return table
 
