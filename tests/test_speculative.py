@@ -7,7 +7,7 @@ import torch
 from scipy.stats import chisquare
 from transformers import AutoModelForCausalLM
 
-from layerplan.decoding.acceptance import accept_draft
+from layerplan.decoding.acceptance import accept_draft, accept_greedy
 from layerplan.decoding.draft_length import AdaptiveLength, HeuristicLength, expected_speedup
 from layerplan.decoding.drafters.base import DraftState
 from layerplan.decoding.drafters.model import ModelDrafter
@@ -381,3 +381,24 @@ def test_a_bad_quantized_copy_spec_is_named(tmp_path, draft, message):
         make_drafter(draft, tiny_model("llama", num_layers=1))
     with pytest.raises(ValueError, match="quantizes the model again from its file"):
         make_drafter("self:bits=q4_0", tiny_model("llama", num_layers=1))
+
+
+@pytest.mark.parametrize("picks", [[3, 1, 4, 1], [3, 1, 4, 2], [0, 1, 4, 1], [3, 2, 2, 2]])
+@pytest.mark.parametrize("draft_q", ["deterministic", "drawn"])
+def test_greedy_verdict_from_picks_is_accept_drafts(picks, draft_q):
+    """accept_greedy gives what accept_draft gives on the one-hot distributions of a greedy target,
+    for deterministic proposals and for proposals drawn from a q of their own."""
+    vocab, draft = 6, [3, 1, 4]
+    target = torch.nn.functional.one_hot(torch.tensor(picks), vocab).float()
+    q = None
+    if draft_q == "drawn":
+        q = torch.full((len(draft), vocab), 0.1)
+        for i, token in enumerate(draft):
+            q[i, token] = 0.5
+    want = accept_draft(draft, target, q, torch.Generator().manual_seed(0))
+    assert accept_greedy(draft, picks) == want
+
+
+def test_greedy_verdict_needs_a_pick_per_position():
+    with pytest.raises(ValueError, match="need 3 target picks for 2 drafted tokens, got 2"):
+        accept_greedy([1, 2], [1, 2])

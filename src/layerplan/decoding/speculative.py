@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from layerplan.decoding.acceptance import accept_draft, accept_tree
+from layerplan.decoding.acceptance import accept_draft, accept_greedy, accept_tree
 from layerplan.decoding.draft_length import FixedLength, make_draft_length
 from layerplan.decoding.drafters.base import DraftState, Drafter, LearnsFromRounds, Proposal, RoundOutcome
 from layerplan.decoding.drafters.registry import make_drafter
@@ -263,12 +263,13 @@ def _accept_chain(cache, context: list[int], draft: list[int], proposal: Proposa
                   sampling: SamplingParams, generator: torch.Generator | None) -> tuple[list[int], int, bool]:
     """A chain's verdict from its verify logits (γ+1, V), and the cache cropped to what stays."""
     position = len(context) - 1
-    target_probs = torch.stack([
-        next_token_probs(target_logits[i], sampling, penalty_context(context + draft[:i], sampling, target_logits.device))
-        for i in range(len(draft) + 1)
-    ])
-    draft_probs = proposal.probs[: len(draft)] if proposal is not None and proposal.probs is not None else None
-    verdict = accept_draft(draft, target_probs, draft_probs, generator)
+    seen = [penalty_context(context + draft[:i], sampling, target_logits.device) for i in range(len(draft) + 1)]
+    if sampling.greedy:  # the picks alone decide (accept_greedy)
+        verdict = accept_greedy(draft, [pick(target_logits[i], sampling, seen[i], None) for i in range(len(draft) + 1)])
+    else:
+        target_probs = torch.stack([next_token_probs(target_logits[i], sampling, seen[i]) for i in range(len(draft) + 1)])
+        draft_probs = proposal.probs[: len(draft)] if proposal is not None and proposal.probs is not None else None
+        verdict = accept_draft(draft, target_probs, draft_probs, generator)
     cache.crop(position + 1 + verdict.accepted)  # keep the pending token and the accepted drafts
     return verdict.emitted(draft), verdict.accepted, verdict.bonus
 
