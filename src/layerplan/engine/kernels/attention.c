@@ -164,6 +164,14 @@ typedef struct {
     float *scores, *out;
 } lp_query;
 
+/* positions [r0, min(r0 + run, hi + 1)) of a cache run (rows `stride` apart, of dtype kvt) widened
+ * to fp32 into buf; buf */
+static const float *widened_run(const void *base, int kvt, long r0, long hi, long run, long stride, float *buf) {
+    long n = hi - r0 + 1 < run ? hi - r0 + 1 : run;
+    lp_load_f32((const char *)base + r0 * stride * lp_kv_bytes(kvt), kvt, buf, n * stride);
+    return buf;
+}
+
 /* Queries that attend over one kv head, each softmax(q . k * scaling) . v into its out. They go
  * through the positions in runs of about LP_RUN_ELEMENTS cache elements: every query scores a run's
  * keys, and later weighs a run's values, while the run is in L1. Each output is one chain of FMAs
@@ -187,12 +195,7 @@ static void attend_group(const lp_query *qs, long count, const void *kbase, cons
     int widen = kvt != LP_DTYPE_F32 && count > 1 && run * stride <= LP_RUN_ELEMENTS;
     for (long r0 = lo; r0 <= hi; r0 += run) {
         long shift = widen ? r0 : 0;
-        const void *keys = kbase;
-        if (widen) {
-            long n = hi - r0 + 1 < run ? hi - r0 + 1 : run;
-            lp_load_f32((const char *)kbase + r0 * stride * lp_kv_bytes(kvt), kvt, run_f32, n * stride);
-            keys = run_f32;
-        }
+        const void *keys = widen ? widened_run(kbase, kvt, r0, hi, run, stride, run_f32) : kbase;
         for (long s = 0; s < count; s++) {
             long from = r0 > qs[s].first ? r0 : qs[s].first, to = r0 + run - 1 < qs[s].last ? r0 + run - 1 : qs[s].last;
             if (from <= to)
@@ -205,12 +208,7 @@ static void attend_group(const lp_query *qs, long count, const void *kbase, cons
     for (long r0 = lo; r0 <= hi; r0 += run) {
         long shift = widen ? r0 : 0;
         int vt = widen ? LP_DTYPE_F32 : kvt;
-        const void *values = vbase;
-        if (widen) {
-            long n = hi - r0 + 1 < run ? hi - r0 + 1 : run;
-            lp_load_f32((const char *)vbase + r0 * stride * lp_kv_bytes(kvt), kvt, run_f32, n * stride);
-            values = run_f32;
-        }
+        const void *values = widen ? widened_run(vbase, kvt, r0, hi, run, stride, run_f32) : vbase;
         for (long s = 0; s < count; s++) {
             long from = r0 > qs[s].first ? r0 : qs[s].first, to = r0 + run - 1 < qs[s].last ? r0 + run - 1 : qs[s].last;
             if (from > to) continue;
