@@ -358,16 +358,17 @@ ALWAYS v16 q2_k_widen(const qstate *s, const qraw *r, const int t) {
 /* Prefetching. The tiles read each panel's bytes in order, but a core's own loads and the
  * hardware's prefetchers leave it waiting on memory, one row or sixteen: while a sub-block of the
  * panels in hand is summed, the same sub-block's bytes of the panels LP_AHEAD_PANELS on are
- * fetched (SUB inputs of format F: its share of the panel block at `at`; the bytes of a block are
- * fetched once over its sub-blocks, whatever their layout). Where rows go in groups, the first
+ * fetched (the SUB inputs from s0 of format F: their share of their panel block; the bytes of a
+ * block are fetched once over its sub-blocks, whatever their layout). Where rows go in groups, the first
  * group fetches. */
 #ifndef LP_AHEAD_PANELS
 #define LP_AHEAD_PANELS 2
 #endif
-#define PREFETCH_SUB(F, SUB, w, ahead, at, sub)                                                    \
+#define PREFETCH_SUB(F, SUB, w, ahead, s0)                                                         \
     for (long o = 0; o < F##_PB * (SUB) / F##_BLOCK; o += 64) /* addresses as integers: past the end \
                                                                   of the weights, no pointer is made */ \
-        lp_prefetch((uintptr_t)(w) + (uintptr_t)((ahead) + (at) + (long)(sub) * (F##_PB * (SUB) / F##_BLOCK) + o))
+        lp_prefetch((uintptr_t)(w) + (uintptr_t)((ahead) + (s0) / F##_BLOCK * F##_PB                     \
+                                                 + (s0) % F##_BLOCK / (SUB) * (F##_PB * (SUB) / F##_BLOCK) + o))
 
 /* RR rows x PP panels of format F (literal constants). The sums are named variables, not an
  * array, so GCC keeps them in registers. */
@@ -393,7 +394,7 @@ ALWAYS v16 q2_k_widen(const qstate *s, const qraw *r, const int t) {
                 if (P > 3) f##_setup(&st3, pb + 3 * panel_bytes, sub);                            \
                 if (fetch)                                                                         \
                     for (int q = 0; q < P; q++)                                                    \
-                        PREFETCH_SUB(F, F##_SUB, w, (LP_AHEAD_PANELS + q) * panel_bytes, s0 / F##_BLOCK * F##_PB, sub); \
+                        PREFETCH_SUB(F, F##_SUB, w, (LP_AHEAD_PANELS + q) * panel_bytes, s0); \
                 for (int c = 0; c < F##_SUB / F##_CHUNK; c++) {                                    \
                     qraw r0, r1, r2, r3;                                                           \
                     if (P > 0) f##_load(&st0, c, &r0);                                            \
@@ -426,7 +427,7 @@ ALWAYS v16 q2_k_widen(const qstate *s, const qraw *r, const int t) {
         for (long s0 = i0; s0 < i1; s0 += F##_SUB) {                                               \
             qstate st;                                                                             \
             f##_setup(&st, w + s0 / F##_BLOCK * F##_PB, (int)(s0 % F##_BLOCK / F##_SUB));          \
-            PREFETCH_SUB(F, F##_SUB, w, ahead, s0 / F##_BLOCK * F##_PB, (int)(s0 % F##_BLOCK / F##_SUB)); \
+            PREFETCH_SUB(F, F##_SUB, w, ahead, s0); \
             for (int c = 0; c < F##_SUB / F##_CHUNK; c++) {                                        \
                 qraw r;                                                                            \
                 f##_load(&st, c, &r);                                                              \
@@ -766,8 +767,7 @@ ALWAYS __m256i four_bytes(const int8_t *p) {
             istate st;                                                                             \
             f##_iset(&st, w + s0 / F##_BLOCK * F##_PB, (int)(s0 % F##_BLOCK / F##_ISUB));          \
             if (r0 == 0)                                                                           \
-                PREFETCH_SUB(F, F##_ISUB, w, LP_AHEAD_PANELS * (k / F##_BLOCK * F##_PB), s0 / F##_BLOCK * F##_PB, \
-                             (int)(s0 % F##_BLOCK / F##_ISUB));                                    \
+                PREFETCH_SUB(F, F##_ISUB, w, LP_AHEAD_PANELS * (k / F##_BLOCK * F##_PB), s0);       \
             __m256i al[R][S], ah[R][S];                                                            \
             _Pragma("GCC unroll 4") for (int r = 0; r < R; r++)                                    \
                 _Pragma("GCC unroll 2") for (int c = 0; c < S; c++) al[r][c] = ah[r][c] = _mm256_setzero_si256(); \
@@ -817,8 +817,7 @@ ALWAYS __m256i four_bytes(const int8_t *p) {
             istate st;                                                                             \
             f##_iset(&st, w + s0 / F##_BLOCK * F##_PB, (int)(s0 % F##_BLOCK / F##_ISUB));          \
             if (r0 == 0)                                                                           \
-                PREFETCH_SUB(F, F##_ISUB, w, LP_AHEAD_PANELS * (k / F##_BLOCK * F##_PB), s0 / F##_BLOCK * F##_PB, \
-                             (int)(s0 % F##_BLOCK / F##_ISUB));                                    \
+                PREFETCH_SUB(F, F##_ISUB, w, LP_AHEAD_PANELS * (k / F##_BLOCK * F##_PB), s0);       \
             __m256i al[R], ah[R];                                                                  \
             _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) al[r] = ah[r] = _mm256_setzero_si256(); \
             _Pragma("GCC unroll 8") for (int c = 0; c < F##_ISUB / 4; c++) {                       \
@@ -951,8 +950,8 @@ ALWAYS void q6_k_ipair(const istate *a, const istate *b, int c, __m512i *wl, __m
             f##_iset(&sa, wa + at, sub);                                                           \
             f##_iset(&sb, wb + at, sub);                                                           \
             if (r0 == 0) {                                                                         \
-                PREFETCH_SUB(F, F##_ISUB, wa, LP_AHEAD_PANELS * panel_bytes, at, sub);            \
-                PREFETCH_SUB(F, F##_ISUB, wa, (LP_AHEAD_PANELS + 1) * panel_bytes, at, sub);      \
+                PREFETCH_SUB(F, F##_ISUB, wa, LP_AHEAD_PANELS * panel_bytes, s0);            \
+                PREFETCH_SUB(F, F##_ISUB, wa, (LP_AHEAD_PANELS + 1) * panel_bytes, s0);      \
             }                                                                                      \
             const __m512 dl = pair_ps(sa.dl, sb.dl), dh = pair_ps(sa.dh, sb.dh), ol = pair_ps(sa.ol, sb.ol), \
                          oh = pair_ps(sa.oh, sb.oh);                                               \
