@@ -1,18 +1,19 @@
-"""Rotary embeddings by table, for the native engine: the model's own rotary module, run over
-blocks of positions once, then sliced for every pass after.
+"""Rotary embeddings by table, for the native engine: the model's own rotary module, run once for
+each position, then sliced for every pass after.
 
 Why: calling the module costs a pass a dozen small PyTorch operations, whose code and data are cold
-after the layers (a few percent of a small model's step). The table holds what
-the module returns for each position called alone: every value is a function of its own position
-(a product of the position and a frequency, its cosine or sine, a scaling, a cast), so a position
-gets the same values in every pass and every process. Called on many positions, the module does not
-promise that: its product of frequencies by positions is a matrix product, and the BLAS library
-split a 64-position call between two threads in some processes and not in others, giving positions
-32-63 values one rounding apart (and a greedy decode that changed from one run to the next). One
+after the layers (a few percent of a small model's step). The table holds what the module returns
+for each position called alone: every value is a function of its own position (a product of the
+position and a frequency, its cosine or sine, a scaling, a cast), so a position gets the same
+values in every pass and every process. Called on many positions, the module does not promise
+that: its product of frequencies by positions is a matrix product, and the BLAS library split a
+64-position call between two threads in some processes and not in others, giving positions 32-63
+values one rounding apart (and a greedy decode that changed from one run to the next). One
 position a call is one product per frequency; its 64 values fill whole vectors of the cosine's
-loop (no scalar tail). The table grows in blocks of 64 positions. Only RoPE types whose frequencies never change take a table; the
-others (dynamic NTK, LongRoPE: frequencies that depend on the longest position seen) call the
-module. The eager engine calls the module as transformers does.
+loop (no scalar tail). The table grows in blocks of 64 positions. Only RoPE types whose
+frequencies never change take a table; the others (dynamic NTK, LongRoPE: frequencies that depend
+on the longest position seen) call the module. The eager engine calls the module as transformers
+does.
 """
 
 from __future__ import annotations
