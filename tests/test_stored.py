@@ -109,6 +109,31 @@ def test_stored_run_equals_the_dequantized_run_bit_for_bit(tmp_path, arch, matri
                           rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", ["stored", "stored-fast"])
+def test_a_pass_whose_rows_are_shared_among_threads_gives_each_token_its_own_logits(tmp_path, dtype):
+    """A pass shares its per-row work (norms, rotary, activations, residuals) among the threads
+    only from LP_SPLIT_ELEMENTS (16384) elements on: with hidden 256, a 70-token pass shares it and
+    a 5-token one keeps one thread. Either way each token gets the logits of decoding it alone."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from layerplan.engine.load import load_model
+    from layerplan.engine.runner import forward, new_cache
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=96, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    path = write_tiny_gguf(AutoModelForCausalLM.from_config(config).eval(), tmp_path / "wide.gguf", "Q8_0")
+    model = load_model(path, dtype=dtype, engine="native")
+    ids = torch.randint(3, 96, (1, 77), generator=torch.Generator().manual_seed(3))
+    plan = model.plan()
+    cache = new_cache(plan, 80)
+    forward(model, ids[:, :7], plan, cache, 0)
+    alone = torch.cat([forward(model, ids[:, p:p + 1], plan, cache, p) for p in range(7, 77)], 1)
+    for rows in (5, 70):
+        cache.crop(7)
+        assert torch.equal(forward(model, ids[:, 7:7 + rows], plan, cache, 7), alone[:, :rows]), rows
+
+
 def test_stored_modules_run_one_layer_at_a_time_and_match_transformers(tmp_path):
     """The eager reference (StoredExecutor) dequantizes a layer for its step only."""
     from layerplan.engine.load import STORED, load_model

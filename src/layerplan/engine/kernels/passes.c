@@ -5,8 +5,10 @@
 
 #include "common.h"
 
-/* BODY for r = 0 .. rows-1: shared among the threads when `split` (a pass), in this thread
- * otherwise (a step: even an OpenMP region of one thread costs a team's set-up). */
+/* BODY for r = 0 .. rows-1: shared among the threads when `split`, in this thread otherwise. A
+ * region's fork and join cost about as much as a norm over a few thousand elements, so the per-row
+ * work is shared only where there is enough of it (SPLIT_ROWS): a step, and the few rows of a
+ * batch's decode, keep one thread. Which thread runs a row changes no number. */
 #define EACH_ROW(split, threads, rows, ...)                                                         \
     do {                                                                                            \
         if (split) {                                                                                \
@@ -16,6 +18,11 @@
             for (long r = 0; r < (rows); r++) __VA_ARGS__                                           \
         }                                                                                           \
     } while (0)
+
+#define LP_SPLIT_ELEMENTS 16384
+static inline int split_rows(long rows, long width, int threads) {
+    return threads > 1 && rows > 1 && rows * width >= LP_SPLIT_ELEMENTS;
+}
 
 static int valid_norm(const lp_norm *nm) { return !nm->weight || lp_dtype_bytes(nm->dtype); }
 
@@ -85,7 +92,7 @@ static int attention_segments(const lp_attention *a, const void *hidden, void *o
           *k = lp_floats(rows * NK), *v = lp_floats(rows * NK), *o = lp_floats(rows * NQ), *u = lp_floats(rows * H);
     float *v_apart = apart ? lp_floats(rows * NK) : NULL;
     int status = x && qkv && q && k && v && o && u && (v_apart || !apart) ? LP_OK : LP_E_MEMORY;
-    int split = rows > 1 && threads > 1; /* a pass shares the per-row work too; a step keeps one thread */
+    int split = split_rows(rows, H, threads);
     if (status == LP_OK) {
         EACH_ROW(split, threads, rows, {
             lp_load_f32((const char *)hidden + r * H * es, dtype, x + r * H, H);
@@ -149,7 +156,7 @@ LP_API int lp_mlp_block(const lp_mlp *m, const void *hidden, void *out, long row
     if (threads < 1) threads = 1;
     float *x = lp_floats(rows * H), *gu = lp_floats(rows * 2 * I), *g = lp_floats(rows * I), *d = lp_floats(rows * H);
     int status = x && gu && g && d ? LP_OK : LP_E_MEMORY;
-    int split = rows > 1 && threads > 1; /* a pass shares the per-row work too; a step keeps one thread */
+    int split = split_rows(rows, H, threads), split_inner = split_rows(rows, I, threads);
     if (status == LP_OK) {
         EACH_ROW(split, threads, rows, {
             lp_load_f32((const char *)hidden + r * H * es, dtype, x + r * H, H);
@@ -158,7 +165,7 @@ LP_API int lp_mlp_block(const lp_mlp *m, const void *hidden, void *out, long row
         status = lp_gemm(&m->gate_up, x, rows, gu, threads);
     }
     if (status == LP_OK) {
-        EACH_ROW(split, threads, rows, { lp_gated_activation(gu + r * 2 * I, gu + r * 2 * I + I, g + r * I, I, m->activation, dtype); });
+        EACH_ROW(split_inner, threads, rows, { lp_gated_activation(gu + r * 2 * I, gu + r * 2 * I + I, g + r * I, I, m->activation, dtype); });
         status = lp_gemm(&m->down, g, rows, d, threads);
     }
     if (status == LP_OK)
