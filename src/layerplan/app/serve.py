@@ -23,8 +23,9 @@ hold up /health or other requests.
 Extension: a request's `"layerplan": {"plan", "draft", "draft_length", "provenance",
 "stream_interval"}` object runs it by its own plan and draft (parsed as the command line parses
 them; a 400 naming the field when one cannot be used), with provenance each stream chunk's
-`layerplan.tokens` says which tokens were plain, accepted drafts, corrections or bonuses
-(usage.provenance counts them), and stream_interval gathers a stream's text into fewer chunks.
+`layerplan.tokens` (a whole answer's, for one not streamed) says which tokens were plain,
+accepted drafts, corrections or bonuses (usage.provenance counts them), and stream_interval
+gathers a stream's text into fewer chunks.
 """
 
 from __future__ import annotations
@@ -97,7 +98,8 @@ class APIError(Exception):
 class LayerplanOptions(BaseModel):
     """The request's `layerplan` extension object: the plan and draft this request runs with (the
     server's own where left out; "draft": null decodes plainly), and whether the answer says where
-    each token came from (provenance: each stream chunk's `layerplan.tokens`, usage's counts).
+    each token came from (provenance: `layerplan.tokens` of each stream chunk, or of the answer not
+    streamed, and usage's counts).
     stream_interval: a stream's text that comes within this many seconds of the last chunk waits
     and goes out with the next one, in one chunk (a browser pays for every event it reads, on the
     cores that decode; 0: a chunk as each piece comes)."""
@@ -694,7 +696,10 @@ def create_app(model: LoadedModel, plan: LayerPlan | None = None, draft=None, dr
                 raise APIError(500, f"generation failed: {error}", kind="server_error") from error
             if result is None:
                 raise APIError(499, "client closed the request")
-            return {**shape(result.text, FINISH_REASONS[result.stop_reason]), "usage": _usage(result, provenance)}
+            answer = {**shape(result.text, FINISH_REASONS[result.stop_reason]), "usage": _usage(result, provenance)}
+            if provenance:  # the whole text by token, as a stream's chunks carry it
+                answer["layerplan"] = {"tokens": [asdict(piece) for piece in result.pieces]}
+            return answer
 
         include_usage = bool((body.stream_options or {}).get("include_usage"))
         done.add_done_callback(lambda _: events.put_nowait(None))

@@ -113,4 +113,5 @@ class Decoding(DecodeRequest):
         return GenerationResult(text, self.out.tokens, self.ids.shape[1], self.out.reason,
                                 time.perf_counter() - self.start, self.prefill_seconds, self.plan.to_string(),
                                 stats=self.dynamic.stats() if self.dynamic is not None else {},
-                                slow_note=self.pace.note(), provenance=self.out.provenance())
+                                slow_note=self.pace.note(), provenance=self.out.provenance(),
+                                pieces=self.out.stream.pieces())

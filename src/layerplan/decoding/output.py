@@ -57,6 +57,8 @@ class GenerationResult:
     slow_note: str | None = None
     # how many of the new tokens are of each TokenKind (plain decoding: all "plain")
     provenance: dict[str, int] = field(default_factory=dict)
+    # the text by the token that produced each part, with its kind (what a stream's deltas carry)
+    pieces: list[TokenText] = field(default_factory=list)
 
     @property
     def tokens_per_second(self) -> float:
@@ -108,17 +110,23 @@ class TextStream:
         if len(self.text) > self.emitted:
             self._send(len(self.text))
 
+    def pieces(self, start: int = 0, end: int | None = None) -> list[TokenText]:
+        """text[start:end] by the token that produced each part (a token whose text is empty, or
+        not yet final, has no part), with each token's kind."""
+        end = len(self.text) if end is None else end
+        pieces = []
+        for at in range(start + 1, end + 1):
+            if at == end or self.owner[at] != self.owner[start]:
+                token = self.owner[start]
+                kind = self.kinds[token] if token < len(self.kinds) else "plain"
+                pieces.append(TokenText(self.text[start:at], kind))
+                start = at
+        return pieces
+
     def _send(self, end: int) -> None:
         """text[emitted:end] to on_text, with its parts by token."""
         if self.on_text:
-            pieces, start = [], self.emitted
-            for at in range(self.emitted + 1, end + 1):
-                if at == end or self.owner[at] != self.owner[start]:
-                    token = self.owner[start]
-                    kind = self.kinds[token] if token < len(self.kinds) else "plain"
-                    pieces.append(TokenText(self.text[start:at], kind))
-                    start = at
-            self.on_text(TextDelta(self.text[self.emitted:end], pieces))
+            self.on_text(TextDelta(self.text[self.emitted:end], self.pieces(self.emitted, end)))
         self.emitted = end
 
 

@@ -245,7 +245,7 @@ class SpeculativeDecoding(DecodeRequest):
         return GenerationResult(text, self.out.tokens, self.ids.shape[1], self.out.reason,
                                 time.perf_counter() - self.start, self.prefill_seconds, self.target.to_string(),
                                 stats=self.stats.to_dict(), slow_note=self.pace.note(),
-                                provenance=self.out.provenance())
+                                provenance=self.out.provenance(), pieces=self.out.stream.pieces())
 
 
 def _verify_chain(model: LoadedModel, target: LayerPlan, cache, context: list[int], draft: list[int],
