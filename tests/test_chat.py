@@ -13,6 +13,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+import torch
 from click.testing import CliRunner
 
 from layerplan.app.chat import ChatSession, ChatSettings, first_changed_step, read_saved
@@ -64,9 +65,13 @@ def test_a_turn_prefills_only_what_is_new_and_equals_a_fresh_run(model):
     assert session.stats().session.replies == 3 and session.stats().turns == 3
 
 
-@pytest.mark.parametrize("plan", ["skip:attn=1", "0-2,1-2", "exit:2", "full"])
-def test_a_plan_switched_mid_dialogue_answers_as_a_fresh_run_of_that_plan(model, plan):
-    session = ChatSession(model, ChatSettings(max_new_tokens=12))
+@pytest.mark.parametrize("stream_every", [1, 4])
+@pytest.mark.parametrize("plan", ["skip:attn=1", "0-2,1-2", "exit:2", "skip:attn=0", "full"])
+def test_a_plan_switched_mid_dialogue_answers_as_a_fresh_run_of_that_plan(model, plan, stream_every):
+    """/plan keeps the cache's slots before the first step it changes and runs the conversation
+    again from the last kept stream at or before it (every step's kept: from that very step; every
+    4th, of 3 layers: none kept, so from the start); the next replies equal fresh runs."""
+    session = ChatSession(model, ChatSettings(max_new_tokens=12), stream_every=stream_every)
     session.reply("hello there")
     session.reply("tell me more")
     note = session.set_plan(plan)
@@ -74,11 +79,35 @@ def test_a_plan_switched_mid_dialogue_answers_as_a_fresh_run_of_that_plan(model,
     assert reply.token_ids == _fresh(model, session, plan).token_ids
     if plan == "full":  # the same steps: the cache stays
         assert "kept whole" in note and reply.totals.reused > 0
+    elif stream_every == 1 and plan != "skip:attn=0":  # (step 0's stream is the embeddings: not kept)
+        restart = first_changed_step(model.plan(), model.plan(plan)) if plan != "0-2,1-2" else 2
+        assert f"from step {restart}" in note and reply.totals.reused > 0
     else:
-        assert "not kept" in note and reply.totals.reused == 0
+        assert "nothing of the cache reused" in note and reply.totals.reused == 0
     # and the turn after goes on from the new plan's cache
     after = session.reply("ok")
     assert after.totals.reused > 0 and after.token_ids == _fresh(model, session, plan).token_ids
+
+
+@pytest.mark.parametrize("draft", [None, "suffix:tree", "exit:2"])
+def test_a_cache_run_again_from_a_kept_stream_holds_what_a_fresh_prefill_of_the_plan_writes(model, draft):
+    """After /plan, every slot of the new plan holds (to fp32 rounding of a pass's size) the keys
+    and values a fresh prefill of the conversation through that plan writes, the kept ones too:
+    the streams followed the cache through drafts, rejected ones and token trees included."""
+    from layerplan.engine.runner import forward, new_cache
+
+    session = ChatSession(model, ChatSettings(max_new_tokens=16, draft=draft), stream_every=1)
+    session.reply("hello there hello there")
+    session.reply("tell me more tell me more")
+    session.set_plan("0-2,1-2")
+    plan, cache, held = session.plan, session.cache, len(session.cached)
+    fresh = new_cache(plan, held + 1)
+    forward(model, torch.tensor([session.cached]), plan, fresh)
+    assert cache.num_slots == len(plan.steps) and cache.length == held
+    for slot in range(len(plan.steps)):
+        torch.testing.assert_close(cache.keys[slot][:, :, :held], fresh.keys[slot][:, :, :held], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(cache.values[slot][:, :, :held], fresh.values[slot][:, :, :held], rtol=1e-5,
+                                   atol=1e-5)
 
 
 def test_first_changed_step(model):
@@ -340,7 +369,7 @@ def test_a_person_at_a_terminal(folder, tmp_path):
         terminal.wait("tokens in the cache", seconds=120)  # (typed during the reply, read after it)
         terminal.keys("-l", "/plan skip:attn=1")
         terminal.keys("Enter")
-        terminal.wait("the residual stream entering step 1 is not kept")
+        terminal.wait("no stream is kept before it")
         terminal.keys("-l", LONG_PROMPT)
         terminal.keys("Enter")
         asked = terminal.wait(f"> {LONG_PROMPT}")

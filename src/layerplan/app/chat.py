@@ -35,6 +35,7 @@ from layerplan.decoding.sampling import SamplingParams, check_seed
 from layerplan.decoding.speculative import SpeculativeDecoding
 from layerplan.engine.cache import KVCache
 from layerplan.engine.probe import ProbeRow
+from layerplan.engine.runner import Resume, new_cache, run_hidden
 from layerplan.files import write_json_atomic
 from layerplan.models.loading import LoadedModel
 from layerplan.plan.plan import LayerPlan
@@ -43,6 +44,10 @@ SAVE_FORMAT = "layerplan-chat"  # the "format" of a /save file, which `chat --lo
 ROLES = ("user", "assistant")
 NO_DRAFT = ("none", "off")  # /draft none: plain decoding again
 MAX_SAVED_BYTES = 256 * 2 ** 20  # a transcript longer than any model's context, many times over
+# the cache keeps the residual stream entering every STREAM_EVERY-th step, so that /plan reruns
+# the conversation from the last such step at or before the first one it changes, not from the
+# start (each kept stream costs a hidden-wide row a token: at 4, SmolLM2's are 0.7x its cache)
+STREAM_EVERY = 4
 
 
 @dataclass
@@ -183,10 +188,11 @@ class ChatSession:
 
     def __init__(self, model: LoadedModel, settings: ChatSettings | None = None,
                  messages: Sequence[dict[str, str]] = (), probe_row: ProbeRow | None = None,
-                 draft_length: str | None = None) -> None:
+                 draft_length: str | None = None, stream_every: int = STREAM_EVERY) -> None:
         if model.tokenizer is None:
             model.encode("")  # ModelError in the model's own words: text cannot be turned into tokens
         self.model, self.probe_row, self.draft_length = model, probe_row, draft_length
+        self.stream_every = stream_every  # the cache keeps the stream entering every such step (STREAM_EVERY)
         self.settings = settings if settings is not None else ChatSettings()
         self.plan = model.plan(self.settings.plan)
         self.settings.plan = self.plan.to_string()
@@ -213,17 +219,47 @@ class ChatSession:
             self.replan = "the same steps as before: the cache is kept whole"
             return self.replan
         held = len(self.cached)
-        # Steps before `first` hold the same keys and values under both plans, but recomputing
-        # step `first` onwards needs the residual stream entering it at every position, which is
-        # not kept (it would cost more memory than the cache itself): the history runs again
-        # through the new plan at the next reply, its unchanged steps included.
-        self.cache, self.cached = None, []
-        unchanged = {0: "the first step changes, and", 1: "step 0 is unchanged but"}.get(
-            first, f"steps 0-{first - 1} are unchanged but")
-        self.replan = (f"{unchanged} the residual stream entering step {first} is not kept: the "
-                       f"{held}-token conversation prefills again through {plan.to_string()} at the next reply "
-                       "(nothing of the cache reused)")
+        # Steps before `first` hold the same keys and values under both plans: the conversation
+        # runs again from the last step at or before `first` whose entering stream the cache
+        # kept, that step's stream being where it starts, the steps before it kept as they are
+        restart = self._restart_step(first, held)
+        if restart is None:
+            self.cache, self.cached = None, []
+            self.replan = (f"step {first} is the first to change and no stream is kept before it: the "
+                           f"{held}-token conversation prefills again through {plan.to_string()} at the next "
+                           "reply (nothing of the cache reused)")
+            return self.replan
+        self._run_again_from(restart, held)
+        self.replan = (f"step {first} is the first to change: steps 0-{restart - 1} kept, the {held}-token "
+                       f"conversation ran again from step {restart} (its kept stream) through the new plan")
         return self.replan
+
+    def _stream_steps(self, plan: LayerPlan) -> range:
+        """The steps whose entering stream the cache keeps."""
+        return range(self.stream_every, len(plan.active_steps), self.stream_every)
+
+    def _restart_step(self, first: int, held: int) -> int | None:
+        """The last step at or before `first` whose entering stream the cache holds for every one
+        of its `held` tokens (None: none, or nothing held)."""
+        cache = self.cache
+        if cache is None or held == 0:
+            return None
+        kept = [step for step, length in cache.stream_lengths.items() if 0 < step <= first and length >= held]
+        return max(kept, default=None)
+
+    def _run_again_from(self, restart: int, held: int) -> None:
+        """The cache made the new plan's (self.plan's): its slots from `restart` on written again
+        over the `held` positions from the stream entering that step, its streams kept anew."""
+        cache, plan = self.cache, self.plan
+        cache.crop(held)
+        hidden = cache.streams[restart][:held][None].clone()
+        cache.resize(len(plan.steps))
+        for slot in range(restart, cache.num_slots):  # another layer's slot: written anew, maybe another shape
+            cache.keys[slot] = cache.values[slot] = None
+            cache.lengths[slot] = 0
+        cache.descriptors.clear()
+        cache.keep_streams(plan, self._stream_steps(plan))
+        run_hidden(self.model, None, plan, cache, 0, resume=Resume(hidden, restart))
 
     def set_draft(self, spec: str | None) -> None:
         spec = None if spec is None or spec.strip().lower() in ("", *NO_DRAFT) else spec.strip()
@@ -269,6 +305,9 @@ class ChatSession:
         cache, self.cache, self.cached = self.cache, None, []  # a reply that fails leaves no half-written cache
         settings, sampling = self.settings, SamplingParams(self.settings.temperature)
         budget = min(settings.max_new_tokens, room)
+        if cache is None:
+            cache = new_cache(self.plan, capacity=len(ids) + budget + 16)
+            cache.keep_streams(self.plan, self._stream_steps(self.plan))
         if self.drafter is not None:
             decoding = SpeculativeDecoding(self.model, ids, self.drafter, self.plan, budget, sampling, settings.seed,
                                            on_text=on_text, draft_length=self.draft_length, should_stop=should_stop,

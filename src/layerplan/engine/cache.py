@@ -30,10 +30,65 @@ class KVCache:
         # in it points at a buffer this cache no longer holds
         self.descriptors: dict = {}
         self.views = tuple(_SlotView(self, i) for i in range(num_slots))
+        # the residual stream entering some steps, by position (keep_streams): what a plan that
+        # changes from such a step on restarts from, its earlier slots kept (app/chat.py /plan).
+        # Only passes of `stream_plan` write them, so a stream is what that plan's steps before it
+        # made of the tokens (a pass of another plan on this cache, a draft's, writes none).
+        self.stream_plan = None
+        self.stream_steps: frozenset[int] = frozenset()
+        self.streams: dict[int, torch.Tensor] = {}  # step -> (capacity, hidden)
+        self.stream_lengths: dict[int, int] = {}  # positions written (and valid) per kept stream
 
     @property
     def num_slots(self) -> int:
         return len(self.keys)
+
+    def resize(self, num_slots: int) -> None:
+        """num_slots slots: the first ones kept, new ones empty (a plan of another length)."""
+        keep = min(num_slots, self.num_slots)
+        extra = num_slots - keep
+        self.keys = self.keys[:keep] + [None] * extra
+        self.values = self.values[:keep] + [None] * extra
+        self.lengths = self.lengths[:keep] + [0] * extra
+        self.views = tuple(_SlotView(self, i) for i in range(num_slots))
+        self.descriptors.clear()
+
+    def keep_streams(self, plan, steps) -> None:
+        """From now on, passes of `plan` keep the residual stream entering each of `steps` (plan
+        step indices) at its positions; streams of other steps are dropped."""
+        self.stream_plan, self.stream_steps = plan, frozenset(steps)
+        for step in set(self.streams) - self.stream_steps:
+            del self.streams[step], self.stream_lengths[step]
+        self.descriptors.clear()
+
+    def keeps_streams_of(self, plan) -> bool:
+        return bool(self.stream_steps) and (plan is self.stream_plan or plan == self.stream_plan)
+
+    def stream_buffer(self, step: int, start: int, end: int, width: int, dtype: torch.dtype,
+                      device: torch.device) -> torch.Tensor:
+        """Step's stream buffer (capacity, width), positions [start, end) marked written (the
+        caller fills them); allocated, or grown by doubling, as the KV buffers are."""
+        buffer = self.streams.get(step)
+        if start > self.stream_lengths.get(step, 0):
+            raise RuntimeError(f"the stream of step {step} holds {self.stream_lengths.get(step, 0)} positions but a "
+                               f"write starts at {start}")
+        if buffer is None or end > buffer.shape[0] or buffer.shape[1] != width or buffer.dtype != dtype:
+            size = max(self.capacity, end, 2 * buffer.shape[0] if buffer is not None else 0)
+            grown = torch.empty(size, width, dtype=dtype, device=device)
+            keep = self.stream_lengths.get(step, 0) if buffer is not None and buffer.shape[1:] == grown.shape[1:] \
+                and buffer.dtype == dtype else 0
+            if keep:
+                grown[:keep] = buffer[:keep]
+            self.streams[step], self.stream_lengths[step], buffer = grown, keep, grown
+            self.descriptors.clear()
+        self.stream_lengths[step] = end
+        return buffer
+
+    def keep_stream(self, step: int, start: int, hidden: torch.Tensor) -> None:
+        """The stream entering `step` of a pass (1, T, hidden) at positions [start, start + T)."""
+        rows = hidden.shape[1]
+        buffer = self.stream_buffer(step, start, start + rows, hidden.shape[-1], hidden.dtype, hidden.device)
+        buffer[start:start + rows] = hidden[0]
 
     @property
     def length(self) -> int:
@@ -104,6 +159,8 @@ class KVCache:
     def crop(self, length: int) -> None:
         """Forget every position from `length` on (rollback after rejected drafts)."""
         self.lengths = [min(n, length) for n in self.lengths]
+        for step, n in self.stream_lengths.items():
+            self.stream_lengths[step] = min(n, length)
 
     def keep_path(self, start: int, nodes: list[int]) -> None:
         """After a token-tree pass written at [start, start + nodes of the tree): keep the entries of
@@ -117,6 +174,9 @@ class KVCache:
                     if keys is not None and self.lengths[slot] > int(source.max()):
                         keys[:, :, start:end] = keys[:, :, source.to(keys.device)]
                         values[:, :, start:end] = values[:, :, source.to(values.device)]
+                for step, stream in self.streams.items():
+                    if self.stream_lengths[step] > int(source.max()):
+                        stream[start:end] = stream[source.to(stream.device)]
         self.crop(start + len(nodes))
 
 

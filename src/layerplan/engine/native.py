@@ -428,10 +428,12 @@ class StepRun:
     slot buffers of the cache of its latest call (held by that cache, which the call is given:
     the table is pointed at a call's cache before the call)."""
 
-    def __init__(self, steps: list[tuple[int, NativeLayer, bool, bool, float]], rope_layers: list, dtype: int,
+    def __init__(self, plan, steps: list[tuple[int, NativeLayer, bool, bool, float]], rope_layers: list, dtype: int,
                  kv_dtype: torch.dtype | None = None) -> None:
-        # steps: (slot, layer kernels, attention on, mlp on, scale); rope_layers[i]: a layer of rope table i;
-        # dtype: the activations' (LP_DTYPE_...); kv_dtype: the cache's (None: the activations')
+        # plan: the one whose steps these are; steps: (slot, layer kernels, attention on, mlp on,
+        # scale); rope_layers[i]: a layer of rope table i; dtype: the activations' (LP_DTYPE_...);
+        # kv_dtype: the cache's (None: the activations')
+        self.plan = plan
         self.slots = [(slot, layer.attention if attention else None) for slot, layer, attention, _, _ in steps]
         self.kv_slots = [slot for slot, attention in self.slots if attention is not None]
         self.rope_layers, self.dtype, self.kv_dtype = rope_layers, dtype, kv_dtype
@@ -441,11 +443,13 @@ class StepRun:
             entry.mlp = ctypes.pointer(layer.mlp) if mlp else None
             entry.scale = scale
         self._table_slots: bytes | None = None  # the slot descriptors the table holds now
+        self._table_streams = False  # whether the table points at streams now
 
-    def _slots_and_tables(self, cache, start_pos: int, rows: int, dtype: torch.dtype, device: torch.device,
-                          ropes: list[tuple[torch.Tensor, torch.Tensor]]):
+    def _slots_and_tables(self, cache, start_pos: int, rows: int, width: int, dtype: torch.dtype,
+                          device: torch.device, ropes: list[tuple[torch.Tensor, torch.Tensor]]):
         """Reserves the steps' cache positions and points the step table at the cache's slots (its
-        kept descriptors: _slot_descriptors); the rotary tables as the kernels take them."""
+        kept descriptors: _slot_descriptors) and at the streams it keeps (width: the stream's);
+        the rotary tables as the kernels take them."""
         kept = self._slot_descriptors(cache, start_pos, start_pos + rows, dtype, device)
         if kept is not self._table_slots:  # another cache, or one whose buffers moved
             size = ctypes.sizeof(_Kv)
@@ -453,6 +457,15 @@ class StepRun:
                 if attention is not None:
                     self.table[i].kv = _Kv.from_buffer_copy(kept, i * size)
             self._table_slots = kept
+        streams = None
+        if cache.stream_steps and cache.keeps_streams_of(self.plan):
+            streams = tuple(cache.stream_buffer(slot, start_pos, start_pos + rows, width, dtype, device)
+                            if slot in cache.stream_steps else None for slot, _ in self.slots)
+        if streams is not None or self._table_streams:
+            for entry, buffer in zip(self.table, streams or (None,) * len(self.slots)):
+                entry.stream = buffer.data_ptr() if buffer is not None else None
+                entry.stream_capacity = buffer.shape[0] if buffer is not None else 0
+            self._table_streams = streams is not None  # (the cache holds the buffers)
         tables = [(cos.contiguous(), sin.contiguous()) for cos, sin in ropes]
         cos = (ctypes.c_void_p * len(tables))(*(c.data_ptr() for c, _ in tables))
         sin = (ctypes.c_void_p * len(tables))(*(s.data_ptr() for _, s in tables))
@@ -484,7 +497,8 @@ class StepRun:
         """hidden (1, T, H) after the steps; each step's new keys and values go to its cache slot.
         tree: as NativeLayer.run_attention's."""
         hidden = hidden.contiguous().clone()  # written in place
-        tables, cos, sin = self._slots_and_tables(cache, start_pos, hidden.shape[1], hidden.dtype, hidden.device, ropes)
+        tables, cos, sin = self._slots_and_tables(cache, start_pos, hidden.shape[1], hidden.shape[-1], hidden.dtype,
+                                                  hidden.device, ropes)
         sink, recent = window if window is not None and hidden.shape[1] == 1 else (0, 0)
         check(library().lp_run_steps(self.table, len(self.table), hidden.data_ptr(), hidden.shape[1], start_pos,
                                      cos, sin, sink, recent, tree.data_ptr() if tree is not None else None,
@@ -563,7 +577,7 @@ class StepRun:
         dtype = table.dtype
         hidden = torch.empty(1, rows, table.shape[1], dtype=dtype)
         logits = torch.empty(1, 1 if last_only else rows, ends.head.n, dtype=dtype)
-        tables, cos, sin = self._slots_and_tables(cache, start_pos, rows, dtype, hidden.device, ropes)
+        tables, cos, sin = self._slots_and_tables(cache, start_pos, rows, table.shape[1], dtype, hidden.device, ropes)
         sink, recent = window if window is not None and rows == 1 else (0, 0)
         status = library().lp_forward(
             table.data_ptr(), table.shape[0], ids.data_ptr(), rows, hidden.data_ptr(), self.table,
@@ -760,7 +774,7 @@ class NativeEngine:
                 rope_layers.append(layer)
             steps.append((index, fast, step.attention, step.mlp, step.scale))
             rope_of_step.append(rope_index.get(key, 0))
-        run = StepRun(steps, rope_layers, int(self.model.dtype == torch.bfloat16), self.kv_dtype)
+        run = StepRun(plan, steps, rope_layers, int(self.model.dtype == torch.bfloat16), self.kv_dtype)
         for entry, rope in zip(run.table, rope_of_step):
             entry.rope = rope
         return run

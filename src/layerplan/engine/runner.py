@@ -141,9 +141,12 @@ def run_hidden(
         if done is not None:
             return done
 
+    streams = cache is not None and cache.keeps_streams_of(plan) and hidden.shape[0] == 1
     for index in range(first_step, end_step):
         step = plan.steps[index]
         layer = model.layers_of(step.model)[step.layer]
+        if streams and index in cache.stream_steps and not (index == first_step and first_sub == "mlp"):
+            cache.keep_stream(index, start_pos, hidden)
         # an attached model's layers (a merge's 'b:') run on that model's executor
         runs = executor if not step.model else executor.for_other(model.others[step.model])
         hidden = runs.enter(step, hidden)

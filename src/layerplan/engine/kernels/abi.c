@@ -39,6 +39,6 @@ LP_API long lp_abi_layout(char *out, long capacity) {
     LP_FIELD(lp_mlp, post_norm); LP_FIELD(lp_mlp, gate_up); LP_FIELD(lp_mlp, down); LP_FIELD(lp_mlp, activation);
     LP_STRUCT(lp_segment); LP_FIELD(lp_segment, rows); LP_FIELD(lp_segment, pos0); LP_FIELD(lp_segment, logits);
     LP_STRUCT(lp_step); LP_FIELD(lp_step, attention); LP_FIELD(lp_step, mlp); LP_FIELD(lp_step, kv);
-    LP_FIELD(lp_step, rope); LP_FIELD(lp_step, scale);
+    LP_FIELD(lp_step, rope); LP_FIELD(lp_step, scale); LP_FIELD(lp_step, stream); LP_FIELD(lp_step, stream_capacity);
     return used;
 }

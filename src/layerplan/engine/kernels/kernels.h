@@ -16,7 +16,7 @@
 #ifndef LP_KERNELS_H
 #define LP_KERNELS_H
 
-#define LP_ABI_VERSION 8
+#define LP_ABI_VERSION 9
 
 /* activation / cache / norm-weight element types; F16 for a KV cache only (lp_kv.dtype) */
 #define LP_DTYPE_F32 0
@@ -136,13 +136,18 @@ typedef struct {
     long logits; /* its last rows whose logits lp_forward_batch computes: 0 to rows */
 } lp_segment;
 
-/* One plan step: its sub-layers (NULL = off), its KV slot and its residual scale. */
+/* One plan step: its sub-layers (NULL = off), its KV slot and its residual scale; and where the
+ * residual stream entering it is kept, by position (NULL: not kept; a pass of one sequence writes
+ * row r at stream + (pos0 + r) * hidden elements of the pass's dtype, below stream_capacity
+ * positions): what a plan changed from this step on starts from (engine/cache.py). */
 typedef struct {
     const lp_attention *attention;
     const lp_mlp *mlp;
     lp_kv kv;
     long rope;  /* index into the pass's cos / sin tables (the layer's type) */
     float scale;
+    void *stream;
+    long stream_capacity;
 } lp_step;
 
 /* ----- the library itself ----- */

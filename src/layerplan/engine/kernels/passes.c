@@ -188,6 +188,11 @@ static int run_segments(const lp_step *steps, long count, void *hidden, long row
     for (long s = 0; s < count; s++) {
         const lp_step *st = steps + s;
         int status = LP_OK;
+        if (st->stream && !kvs) { /* one sequence's pass (a batch's steps keep no stream) */
+            long H = st->attention ? st->attention->hidden : st->mlp ? st->mlp->hidden : 0, es = lp_dtype_bytes(dtype);
+            if (segs[0].pos0 < 0 || segs[0].pos0 + rows > st->stream_capacity) return LP_E_CAPACITY;
+            memcpy((char *)st->stream + segs[0].pos0 * H * es, hidden, (size_t)(rows * H * es));
+        }
         if (st->attention)
             status = attention_segments(st->attention, hidden, hidden, rows, segs, kvs ? kvs + s * nsegs : &st->kv,
                                         nsegs, cos[st->rope], sin[st->rope], keep_sink, keep_recent, tree, st->scale,
