@@ -85,12 +85,14 @@ def test_speculation_inside_a_batch_keeps_each_requests_solo_output(draft):
     differently (still the target's distribution: the acceptance rule is the solo one's)."""
     model = _native("llama")
     prompts = [[5, 6, 7, 5, 6, 7, 5, 6], [9, 9, 9, 9], [1, 2, 3, 1, 2, 3], [42, 17, 42, 17, 42]]
+    drafted = {}
     for max_batch in (1, 2, 4):
         batched = generate_batch(model, prompts, max_new_tokens=14, stop_at_eos=False, max_batch=max_batch,
                                  draft=draft)
         for prompt, result in zip(prompts, batched):
             assert result.token_ids == generate(model, prompt, max_new_tokens=14, stop_at_eos=False).token_ids
-    assert any(r.stats["drafted"] for r in batched)
+        drafted[max_batch] = sum(r.stats["drafted"] for r in batched)
+    assert drafted[1] > 0  # (the adaptive length, with no probe's pass costs, drafts only in a pass of its own)
     # four at once: 16 rows a pass leave each 3 drafts, under the fixed length's 4; each says so
     full = generate_batch(model, prompts, max_new_tokens=14, stop_at_eos=False, max_batch=4, draft=draft,
                           draft_length="fixed")

@@ -91,8 +91,12 @@ def test_a_client_hanging_up_mid_batch_frees_its_place_and_others_finish(batched
 
 def test_a_lookup_draft_runs_inside_the_batch(smollm2):
     """serve --draft suffix batches: every request its own suffix drafter, its replies its solo
-    (greedy) ones, its usage reporting the speculation."""
-    app = create_app(smollm2, draft="suffix", max_batch=4)
+    (greedy) ones, its usage reporting the speculation. (A probe row whose rows are nearly free:
+    without the probe's pass costs a shared pass drafts nothing.)"""
+    from layerplan.engine.probe import ProbeRow
+
+    flat = ProbeRow("native", "stored", 1.0, {k: 1.0 + 0.03 * (k - 1) for k in range(1, 17)})
+    app = create_app(smollm2, draft="suffix", max_batch=4, probe_row=flat)
     assert app.state.engine.max_batch == 4
     with serving(app) as base:
         prompts = ["1, 2, 3, 4, 1, 2, 3, 4, 1, 2,", "def add(a, b):\n    return a + b\n\ndef add(a, b):"] + PROMPTS[:2]

@@ -313,6 +313,18 @@ def test_adaptive_length_in_a_busy_pass_drafts_less():
     assert AdaptiveLength(max_gamma=8).next_gamma(others=3) == 0  # nothing measured yet: plain first
 
 
+def test_adaptive_length_without_the_probes_costs_drafts_only_in_a_pass_of_its_own():
+    """No pass costs (no probe on this machine): what a request measures of its own verify passes
+    says nothing of a batch's other rows, so a shared pass drafts nothing; alone, the same
+    measurements draft as before."""
+    policy = AdaptiveLength(max_gamma=8)
+    policy.update(0, 0, 0, 0.0, 1.0)
+    for _ in range(10):
+        policy.update(8, 8, 7, 0.001, 1.05)  # free, well-accepted drafts
+    assert policy.next_gamma(others=0) >= 6
+    assert [policy.best_gamma(others) for others in (1, 3, 15)] == [0, 0, 0]
+
+
 def test_heuristic_schedule():
     policy = HeuristicLength(4)
     policy.update(4, 4, 4, 0, 0)

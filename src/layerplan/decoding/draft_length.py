@@ -106,14 +106,20 @@ class AdaptiveLength:
         (each a token), and where the probe's pass costs c(k) cover it, the speedup is the pass's:
         (others + E(α, γ)) tokens for c(others + 1 + γ) + γ·draft steps, against others + 1 tokens
         for c(others + 1). Rows a pass carries for free (bound by reading the weights) pay for
-        drafts alone, not in a batch that already fills them: a busy pass drafts less. Before a
-        plain step and a drafting round are measured: what next_gamma measures them with."""
+        drafts alone, not in a batch that already fills them: a busy pass drafts less. Without
+        the probe's costs a shared pass drafts nothing: what a request learns of its verify passes
+        alone says nothing of the rows a batch's pass already carries, and where the products are
+        bound by arithmetic (a CPU's int8 tiles at 4-8 rows) a row costs nearly its share of a
+        step. Before a plain step and a drafting round are measured: what next_gamma measures them
+        with."""
+        costs = self.pass_costs
+        batched = others > 0 and others + 1 in costs
+        if others > 0 and not batched:
+            return 0
         if self.plain_step is None or self.draft_step is None:
             return 0 if self.plain_step is None else self.gamma
         draft_cost = self.draft_step / self.plain_step
         verify_cost = self.verify_extra / self.plain_step
-        costs = self.pass_costs
-        batched = others > 0 and others + 1 in costs
         plain = (others + 1) / costs[others + 1] if batched else 1.0  # tokens per step of a plain pass
         best, best_s = 0, 1.0
         for gamma in range(1, self.max_gamma + 1):
