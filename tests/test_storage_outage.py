@@ -172,6 +172,37 @@ def worker_model():
     return tiny_model("llama", num_layers=6)
 
 
+class _WrappingEvaluator(PlanEvaluator):
+    """Its third evaluation is stopped mid-call, and the call's library turns the stop into its own
+    error (as SQLAlchemy does when SIGTERM lands in a connection's ping)."""
+
+    def divergence(self, plan, give_up=None):
+        if self.evaluations >= 2:
+            from layerplan.search.workers import Stopped
+
+            try:
+                raise Stopped(signal.SIGTERM)
+            except Stopped as stop:
+                raise RuntimeError("can't change 'autocommit' now: connection in transaction status ACTIVE") from stop
+        return super().divergence(plan, give_up)
+
+
+def test_a_stop_that_a_library_wrapped_in_its_own_error_still_stops_politely(worker_model, tmp_path, capsys):
+    """The worker fails its trial and exits with 128 + SIGTERM, no traceback, as for a stop
+    raised in its own code."""
+    from optuna.trial import TrialState
+
+    storage = str(tmp_path / "study.db")
+    ids = torch.randint(3, VOCAB, (1, 16), generator=torch.Generator().manual_seed(0))
+    with pytest.raises(SystemExit) as stopped:
+        run_study(_WrappingEvaluator(worker_model, ids), "kl", 20, storage, "wrapped", seeds=[worker_model.plan()],
+                  poll=0.05)
+    assert stopped.value.code == 128 + signal.SIGTERM and stopped.value.__cause__ is None
+    states = [t.state for t in study_trials(storage, "wrapped")]
+    assert states.count(TrialState.FAIL) == 1 and TrialState.RUNNING not in states
+    assert "stopped (SIGTERM): trial" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("how", ["SIGTERM", "SIGINT"])
 def test_a_worker_stopped_politely_fails_its_trial_within_a_second(worker_model, tmp_path, how):
     from optuna.trial import TrialState

@@ -37,7 +37,7 @@ from layerplan.search.evaluator import CostModel, PlanEvaluator
 from layerplan.search.greedy import candidate_items
 from layerplan.search.objectives import OBJECTIVES, score
 from layerplan.search.patience import DEFAULT_PATIENCE, StorageUnavailable, patient_storage, single_attempt
-from layerplan.search.workers import Heartbeat, claiming, is_stale, stopping_politely
+from layerplan.search.workers import Heartbeat, claiming, is_stale, stop_within, stopping_politely
 
 MAX_REPEATS = 3  # proposals in a row of plans the study holds before a worker draws an unseen one
 
@@ -464,7 +464,8 @@ def optimise(space: StudySpace, evaluate: Callable[[LayerPlan], float | tuple[fl
                 if outcome == "full":
                     break
                 repeats = repeats + 1 if outcome in ("duplicate", "invalid") else 0
-    except BaseException as error:
+    except BaseException as caught:
+        error = stop_within(caught) or caught  # a stop a library turned into its own error is a stop
         if current is not None:
             failed = fail(current, error)
             if not isinstance(error, Exception):
@@ -473,7 +474,9 @@ def optimise(space: StudySpace, evaluate: Callable[[LayerPlan], float | tuple[fl
                       + ("marked failed; the study will ask its plan again" if failed else
                          "not marked failed (the storage did not answer); the next worker fails it"),
                       file=sys.stderr, flush=True)
-        raise
+        if error is caught:
+            raise
+        raise error from None
     result = summarise(study, objective, directions)
     result.stale_failed = stale
     return result

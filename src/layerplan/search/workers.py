@@ -133,6 +133,19 @@ class Stopped(SystemExit):
         self.signal_name = signal.Signals(signum).name
 
 
+def stop_within(error: BaseException) -> Stopped | None:
+    """The Stopped that `error` is, or that it was raised from or while handling: a signal that
+    lands inside a library's call (a database driver's, mid-query) may come out as that library's
+    own error, whose cause or context is the stop. None: no stop in the chain."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        if isinstance(error, Stopped):
+            return error
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+    return None
+
+
 @contextmanager
 def stopping_politely() -> Iterator[None]:
     """SIGTERM raises Stopped in the main thread inside the block (Ctrl-C raises KeyboardInterrupt
