@@ -110,6 +110,23 @@ def test_a_cache_run_again_from_a_kept_stream_holds_what_a_fresh_prefill_of_the_
                                    atol=1e-5)
 
 
+def test_a_plan_switch_stopped_while_it_runs_the_conversation_again_leaves_no_half_written_cache(model, monkeypatch):
+    import layerplan.app.chat as chat_module
+
+    session = ChatSession(model, ChatSettings(max_new_tokens=12), stream_every=1)
+    session.reply("hello there")
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(chat_module, "run_hidden", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        session.set_plan("skip:attn=1")
+    monkeypatch.undo()
+    assert session.cache is None and session.plan.to_string() == model.plan("skip:attn=1").to_string()
+    reply = session.reply("tell me more")
+    assert reply.totals.reused == 0 and reply.token_ids == _fresh(model, session, "skip:attn=1").token_ids
+
+
 def test_first_changed_step(model):
     full = model.plan()
     assert first_changed_step(full, model.plan("full")) is None

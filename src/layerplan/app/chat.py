@@ -229,7 +229,11 @@ class ChatSession:
                            f"{held}-token conversation prefills again through {plan.to_string()} at the next "
                            "reply (nothing of the cache reused)")
             return self.replan
-        self._run_again_from(restart, held)
+        try:
+            self._run_again_from(restart, held)
+        except BaseException:  # (Ctrl-C among them) half rewritten: the next reply prefills it all again
+            self.cache, self.cached = None, []
+            raise
         self.replan = (f"step {first} is the first to change: steps 0-{restart - 1} kept, the {held}-token "
                        f"conversation ran again from step {restart} (its kept stream) through the new plan")
         return self.replan

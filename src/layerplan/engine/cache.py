@@ -59,7 +59,6 @@ class KVCache:
         self.stream_plan, self.stream_steps = plan, frozenset(steps)
         for step in set(self.streams) - self.stream_steps:
             del self.streams[step], self.stream_lengths[step]
-        self.descriptors.clear()
 
     def keeps_streams_of(self, plan) -> bool:
         return bool(self.stream_steps) and (plan is self.stream_plan or plan == self.stream_plan)
@@ -67,7 +66,8 @@ class KVCache:
     def stream_buffer(self, step: int, start: int, end: int, width: int, dtype: torch.dtype,
                       device: torch.device) -> torch.Tensor:
         """Step's stream buffer (capacity, width), positions [start, end) marked written (the
-        caller fills them); allocated, or grown by doubling, as the KV buffers are."""
+        caller fills them); allocated, or grown by doubling, as the KV buffers are (the native
+        step table is pointed at the streams anew at every call, so no descriptor is kept)."""
         buffer = self.streams.get(step)
         if start > self.stream_lengths.get(step, 0):
             raise RuntimeError(f"the stream of step {step} holds {self.stream_lengths.get(step, 0)} positions but a "
@@ -80,7 +80,6 @@ class KVCache:
             if keep:
                 grown[:keep] = buffer[:keep]
             self.streams[step], self.stream_lengths[step], buffer = grown, keep, grown
-            self.descriptors.clear()
         self.stream_lengths[step] = end
         return buffer
 
