@@ -256,6 +256,20 @@ def test_greedy_tree_acceptance_follows_the_argmax_and_draws_nothing():
     assert torch.equal(generator.get_state(), state)
 
 
+def test_greedy_tree_verdict_from_picks_is_accept_trees():
+    """accept_tree_greedy gives what accept_tree gives on the one-hot distributions of a greedy
+    target, for every assignment of picks over the test tree's nodes (tokens 0-4)."""
+    import itertools
+
+    from layerplan.decoding.acceptance import accept_tree, accept_tree_greedy
+
+    nodes = len(PASS_TOKENS)
+    for picks in itertools.product(range(5), repeat=nodes):
+        def one_hot(node):
+            return torch.nn.functional.one_hot(torch.tensor(picks[node]), 5).float()
+        assert accept_tree_greedy(PASS, PASS_TOKENS, lambda node: picks[node]) == accept_tree(PASS, PASS_TOKENS, one_hot)
+
+
 @pytest.mark.parametrize("arch", ["llama", "phi3"])
 def test_sampled_tree_speculation_runs_and_is_seeded(arch):
     model = _model(arch, "native")

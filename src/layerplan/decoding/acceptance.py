@@ -126,3 +126,20 @@ def accept_tree(
             return TreeVerdict(path, _draw(residual, generator), bonus=not tree.children(node))
         path.append(accepted)
         node = accepted
+
+
+def accept_tree_greedy(tree: TreeShape, tokens: Sequence[int], pick_after: Callable[[int], int]) -> TreeVerdict:
+    """accept_tree's verdict where the target decodes greedily, from its picks alone (pick_after(i):
+    the target's token after node i): the one-hot distributions accept a child iff its token is
+    the pick (the first such child, in order), and a node none of whose children is the pick ends
+    the path with the pick (a bonus where it has no children). No vocabulary-wide distribution is
+    built and no randomness used, as accept_greedy for a chain."""
+    path: list[int] = []
+    node = 0
+    while True:
+        chosen = pick_after(node)
+        accepted = next((child for child in tree.children(node) if tokens[child] == chosen), None)
+        if accepted is None:
+            return TreeVerdict(path, chosen, bonus=not tree.children(node))
+        path.append(accepted)
+        node = accepted

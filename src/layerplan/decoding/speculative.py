@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from layerplan.decoding.acceptance import accept_draft, accept_greedy, accept_tree
+from layerplan.decoding.acceptance import accept_draft, accept_greedy, accept_tree, accept_tree_greedy
 from layerplan.decoding.draft_length import FixedLength, make_draft_length
 from layerplan.decoding.drafters.base import DraftState, Drafter, LearnsFromRounds, Proposal, RoundOutcome
 from layerplan.decoding.drafters.registry import make_drafter
@@ -285,11 +285,14 @@ def _verify_tree(model: LoadedModel, target: LayerPlan, cache, context: list[int
     position = len(context) - 1
     logits = forward(model, torch.tensor([tokens], device=model.device), target, cache, position, tree=shape)[0]
 
-    def target_probs(node: int) -> torch.Tensor:  # what follows node, given the context and its path
-        path = [tokens[i] for i in shape.path(node)[1:]]
-        return next_token_probs(logits[node], sampling, penalty_context(context + path, sampling, logits.device))
+    def seen(node: int) -> torch.Tensor | None:  # the context and the node's path, for penalties
+        return penalty_context(context + [tokens[i] for i in shape.path(node)[1:]], sampling, logits.device)
 
-    verdict = accept_tree(shape, tokens, target_probs, generator)
+    if sampling.greedy:  # the picks alone decide (accept_tree_greedy)
+        verdict = accept_tree_greedy(shape, tokens, lambda node: pick(logits[node], sampling, seen(node), None))
+    else:
+        verdict = accept_tree(shape, tokens, lambda node: next_token_probs(logits[node], sampling, seen(node)),
+                              generator)
     cache.keep_path(position, [0] + verdict.path)
     return [tokens[i] for i in verdict.path] + [verdict.next_token], len(verdict.path), verdict.bonus
 
