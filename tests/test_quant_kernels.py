@@ -255,6 +255,9 @@ def test_integer_products_are_the_product_with_int8_activations(native, name):
         x = rng.standard_normal((16, k)).astype(np.float32)
         x[3, :32] = 0.0  # an all-zero block
         x[5, 32:64] = np.linspace(-1.0, 1.0, 32, dtype=np.float32)  # ties of the rounding
+        # every activation at +-127 against the edge blocks' largest quants: the int16 sums of the
+        # AVX2 tiles at their bound (LP_INT16_SUMS)
+        x[6], x[7] = 1.0, -1.0
         alone = linear(native, _fmt(abi, name), packed, n, k, x, 1, abi.LP_ARITH_INT8)
         xq = int8_activations(x)
         reference, bound = xq @ values.T, np.abs(xq) @ np.abs(values).T

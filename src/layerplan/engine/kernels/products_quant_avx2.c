@@ -630,6 +630,25 @@ ALWAYS void q4_k_iset(istate *s, const uint8_t *pb, int sub) {
 #define q5_k_dot dot4
 #define q6_k_dot dot4
 
+/* AVX2 without VNNI: vpmaddubsw's int16 pair sums of several words add up in int16 (vpaddw) before
+ * one vpmaddwd widens them, where they cannot overflow: a pair is at most 2 x 63 x 128 for quants
+ * below 64, so 8 words of quants below 16 (the Q4 formats: a whole sub-block), 4 below 32 (Q5),
+ * 2 below 64 (Q6_K). The same integers as a vpmaddwd a word, with fewer instructions a row;
+ * 0: f##_dot a word (Q8_0, whose quants take two pairs). */
+#if !(defined(__AVX512VNNI__) && defined(__AVX512VL__)) && !defined(__AVXVNNI__)
+#define LP_INT16_SUMS 1
+#else
+#define LP_INT16_SUMS 0
+#endif
+#define Q4_0_STEPS16 8
+#define Q4_1_STEPS16 8
+#define Q4_K_STEPS16 8
+#define Q5_0_STEPS16 4
+#define Q5_1_STEPS16 4
+#define Q5_K_STEPS16 4
+#define Q6_K_STEPS16 2
+#define Q8_0_STEPS16 0
+
 /* Q8_0: w = d q, q signed; the tiles take q + 128 (unsigned: q XOR 0x80) and subtract 128 d times
  * the activations' sum, as the offset. On AVX2 a product of q + 128 (to 255) with x (to 127) does
  * not fit a vpmaddubsw pair, so q + 128 goes as (q + 128) & 0x7F plus (q + 128) & 0x80: the same
@@ -751,6 +770,28 @@ ALWAYS __m256i four_bytes(const int8_t *p) {
 #define CHAINS(R) 1
 #endif
 
+/* a sub-block's words into the rows' int32 sums AL / AH (expressions in r) the LP_INT16_SUMS way:
+ * each row's vpmaddubsw pair sums of F##_STEPS16 words in int16, then one vpmaddwd into the sums */
+#define INT16_WORDS(F, f, R, AL, AH)                                                               \
+    const __m256i ones16 = _mm256_set1_epi16(1);                                                   \
+    _Pragma("GCC unroll 8") for (int c0 = 0; c0 < F##_ISUB / 4; c0 += (F##_STEPS16 > 0 ? F##_STEPS16 : 1)) { \
+        __m256i pl[R], ph[R];                                                                      \
+        _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) pl[r] = ph[r] = _mm256_setzero_si256(); \
+        _Pragma("GCC unroll 8") for (int c = c0; c < c0 + F##_STEPS16 && c < F##_ISUB / 4; c++) {   \
+            __m256i wl, wh;                                                                        \
+            f##_iload(&st, c, &wl, &wh);                                                           \
+            _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                                  \
+                __m256i xb = four_bytes(xr[r] + s0 + 4 * c);                                       \
+                pl[r] = _mm256_add_epi16(pl[r], _mm256_maddubs_epi16(wl, xb));                     \
+                ph[r] = _mm256_add_epi16(ph[r], _mm256_maddubs_epi16(wh, xb));                     \
+            }                                                                                      \
+        }                                                                                          \
+        _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                                      \
+            AL = _mm256_add_epi32(AL, _mm256_madd_epi16(pl[r], ones16));                           \
+            AH = _mm256_add_epi32(AH, _mm256_madd_epi16(ph[r], ones16));                           \
+        }                                                                                          \
+    }
+
 /* RR rows on one panel of format F over all k inputs (formats.h: the sum rule) */
 #define ITILE(NAME, F, f, RR)                                                                      \
     static void NAME(const lp_q8 *x, long r0, const void *wv, float *y, long ys) {                \
@@ -771,13 +812,17 @@ ALWAYS __m256i four_bytes(const int8_t *p) {
             __m256i al[R][S], ah[R][S];                                                            \
             _Pragma("GCC unroll 4") for (int r = 0; r < R; r++)                                    \
                 _Pragma("GCC unroll 2") for (int c = 0; c < S; c++) al[r][c] = ah[r][c] = _mm256_setzero_si256(); \
-            _Pragma("GCC unroll 8") for (int c = 0; c < F##_ISUB / 4; c++) {                       \
-                __m256i wl, wh;                                                                    \
-                f##_iload(&st, c, &wl, &wh);                                                       \
-                _Pragma("GCC unroll 4") for (int r = 0; r < R; r++) {                              \
-                    __m256i xb = four_bytes(xr[r] + s0 + 4 * c);                                   \
-                    al[r][c % S] = f##_dot(al[r][c % S], wl, xb);                                  \
-                    ah[r][c % S] = f##_dot(ah[r][c % S], wh, xb);                                  \
+            if (LP_INT16_SUMS && F##_STEPS16 > 0) {                                                \
+                INT16_WORDS(F, f, R, al[r][0], ah[r][0])                                           \
+            } else {                                                                               \
+                _Pragma("GCC unroll 8") for (int c = 0; c < F##_ISUB / 4; c++) {                   \
+                    __m256i wl, wh;                                                                \
+                    f##_iload(&st, c, &wl, &wh);                                                   \
+                    _Pragma("GCC unroll 4") for (int r = 0; r < R; r++) {                          \
+                        __m256i xb = four_bytes(xr[r] + s0 + 4 * c);                               \
+                        al[r][c % S] = f##_dot(al[r][c % S], wl, xb);                              \
+                        ah[r][c % S] = f##_dot(ah[r][c % S], wh, xb);                              \
+                    }                                                                              \
                 }                                                                                  \
             }                                                                                      \
             _Pragma("GCC unroll 4") for (int r = 0; r < R; r++) {                                  \
@@ -820,13 +865,17 @@ ALWAYS __m256i four_bytes(const int8_t *p) {
                 PREFETCH_SUB(F, F##_ISUB, w, LP_AHEAD_PANELS * (k / F##_BLOCK * F##_PB), s0);       \
             __m256i al[R], ah[R];                                                                  \
             _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) al[r] = ah[r] = _mm256_setzero_si256(); \
-            _Pragma("GCC unroll 8") for (int c = 0; c < F##_ISUB / 4; c++) {                       \
-                __m256i wl, wh;                                                                    \
-                f##_iload(&st, c, &wl, &wh);                                                       \
-                _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                              \
-                    __m256i xb = four_bytes(xr[r] + s0 + 4 * c);                                   \
-                    al[r] = f##_dot(al[r], wl, xb);                                                \
-                    ah[r] = f##_dot(ah[r], wh, xb);                                                \
+            if (LP_INT16_SUMS && F##_STEPS16 > 0) {                                                \
+                INT16_WORDS(F, f, R, al[r], ah[r])                                                 \
+            } else {                                                                               \
+                _Pragma("GCC unroll 8") for (int c = 0; c < F##_ISUB / 4; c++) {                   \
+                    __m256i wl, wh;                                                                \
+                    f##_iload(&st, c, &wl, &wh);                                                   \
+                    _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                          \
+                        __m256i xb = four_bytes(xr[r] + s0 + 4 * c);                               \
+                        al[r] = f##_dot(al[r], wl, xb);                                            \
+                        ah[r] = f##_dot(ah[r], wh, xb);                                            \
+                    }                                                                              \
                 }                                                                                  \
             }                                                                                      \
             _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                                  \
