@@ -648,6 +648,16 @@ ALWAYS void q4_k_iset(istate *s, const uint8_t *pb, int sub) {
 #define Q5_K_STEPS16 4
 #define Q6_K_STEPS16 2
 #define Q8_0_STEPS16 0
+/* the formats whose words hold q + 128 (Q8_0): with LP_INT16_SUMS their words hold q, and 128 times
+ * the sub-block's activation sum is added to its integer sums */
+#define Q4_0_PLUS128 0
+#define Q4_1_PLUS128 0
+#define Q4_K_PLUS128 0
+#define Q5_0_PLUS128 0
+#define Q5_1_PLUS128 0
+#define Q5_K_PLUS128 0
+#define Q6_K_PLUS128 0
+#define Q8_0_PLUS128 1
 
 /* Q8_0: w = d q, q signed; the tiles take q + 128 (unsigned: q XOR 0x80) and subtract 128 d times
  * the activations' sum, as the offset. On AVX2 a product of q + 128 (to 255) with x (to 127) does
@@ -666,19 +676,30 @@ ALWAYS void q8_0_iload(const istate *s, int c, __m256i *wl, __m256i *wh) {
             c2 = _mm_loadu_si128((const __m128i *)(p + 32)), d = _mm_loadu_si128((const __m128i *)(p + 48));
     __m128i ab_lo = _mm_unpacklo_epi8(a, b), ab_hi = _mm_unpackhi_epi8(a, b);
     __m128i cd_lo = _mm_unpacklo_epi8(c2, d), cd_hi = _mm_unpackhi_epi8(c2, d);
-    const __m256i flip = _mm256_set1_epi8((char)0x80);
+    /* q + 128 for vpdpbusd; AVX2's q8_0_dot takes q itself (Q8_0_PLUS128) */
+    const __m256i flip = _mm256_set1_epi8(LP_INT16_SUMS ? 0 : (char)0x80);
     *wl = _mm256_xor_si256(_mm256_set_m128i(_mm_unpackhi_epi16(ab_lo, cd_lo), _mm_unpacklo_epi16(ab_lo, cd_lo)), flip);
     *wh = _mm256_xor_si256(_mm256_set_m128i(_mm_unpackhi_epi16(ab_hi, cd_hi), _mm_unpacklo_epi16(ab_hi, cd_hi)), flip);
 }
 ALWAYS __m256i q8_0_dot(__m256i acc, __m256i w, __m256i x) {
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-    return _mm256_dpbusd_epi32(acc, w, x);
+#if !LP_INT16_SUMS
+    return dot4(acc, w, x);
 #else
-    const __m256i ones = _mm256_set1_epi16(1);
-    __m256i low = _mm256_maddubs_epi16(_mm256_and_si256(w, _mm256_set1_epi8(0x7F)), x);
-    __m256i high = _mm256_maddubs_epi16(_mm256_and_si256(w, _mm256_set1_epi8((char)0x80)), x);
-    return _mm256_add_epi32(acc, _mm256_add_epi32(_mm256_madd_epi16(low, ones), _mm256_madd_epi16(high, ones)));
+    /* q x as |q| (unsigned: 128 for -128) times x with q's sign (x is never -128): one pair sum
+     * of at most 2 x 128 x 127 a pair, one vpmaddubsw a word; the tile adds 128 times the
+     * activations' sum after the sub-block, so the integers are those of (q + 128) x */
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(x, w)),
+                                                   _mm256_set1_epi16(1)));
 #endif
+}
+
+/* the sum of 32 activation bytes (signed), from vpsadbw on them + 128 */
+ALWAYS int sum32_i8(const int8_t *p) {
+    __m256i u = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)p), _mm256_set1_epi8((char)0x80));
+    __m256i sad = _mm256_sad_epu8(u, _mm256_setzero_si256());
+    __m128i t = _mm_add_epi64(_mm256_castsi256_si128(sad), _mm256_extracti128_si256(sad, 1));
+    t = _mm_add_epi64(t, _mm_unpackhi_epi64(t, t));
+    return _mm_cvtsi128_si32(t) - 32 * 128;
 }
 
 /* fifth bits: byte j of a quad's 8 bytes holds row j's bit of input 4c + t at bit t and row j+8's
@@ -831,6 +852,11 @@ ALWAYS __m256i four_bytes(const int8_t *p) {
                     il = _mm256_add_epi32(il, al[r][S - 1]);                                       \
                     ih = _mm256_add_epi32(ih, ah[r][S - 1]);                                       \
                 }                                                                                  \
+                if (LP_INT16_SUMS && F##_PLUS128) {                                                \
+                    const __m256i more = _mm256_set1_epi32(128 * sum32_i8(xr[r] + s0));            \
+                    il = _mm256_add_epi32(il, more);                                               \
+                    ih = _mm256_add_epi32(ih, more);                                               \
+                }                                                                                  \
                 const float *ss = x->s + (r0 + r) * (k / 16) + s0 / 16;                            \
                 __m256 d = _mm256_set1_ps(x->d[(r0 + r) * (k / 32) + s0 / 32]);                    \
                 __m256 s = _mm256_set1_ps(F##_ISUB == 32 ? ss[0] + ss[1] : ss[0]);                 \
@@ -883,6 +909,11 @@ ALWAYS __m256i four_bytes(const int8_t *p) {
                 __m256 d = _mm256_set1_ps(x->d[(r0 + r) * (k / 32) + s0 / 32]);                    \
                 __m256 s = _mm256_set1_ps(F##_ISUB == 32 ? ss[0] + ss[1] : ss[0]);                 \
                 float *o = y + r * ys;                                                             \
+                if (LP_INT16_SUMS && F##_PLUS128) {                                                \
+                    const __m256i more = _mm256_set1_epi32(128 * sum32_i8(xr[r] + s0));            \
+                    al[r] = _mm256_add_epi32(al[r], more);                                         \
+                    ah[r] = _mm256_add_epi32(ah[r], more);                                         \
+                }                                                                                  \
                 _mm256_storeu_ps(o, fma_(st.ol, s, fma_(cvt(al[r]), mul(st.dl, d), _mm256_loadu_ps(o)))); \
                 _mm256_storeu_ps(o + 8, fma_(st.oh, s, fma_(cvt(ah[r]), mul(st.dh, d), _mm256_loadu_ps(o + 8)))); \
             }                                                                                      \
