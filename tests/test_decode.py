@@ -78,3 +78,50 @@ def test_real_model_greedy_chat_stop_and_stream(smollm2):
         reference = smollm2.hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24,
                                         do_sample=False, pad_token_id=2)[0, ids.shape[1]:].tolist()
     assert generate(smollm2, ids, max_new_tokens=24).token_ids == reference
+
+
+def _stream_texts(tokenizer, sequences, stop=()) -> None:
+    """TextStream's text after each token, decoding through its anchored window, equals the whole
+    decode of the tokens so far (cut at a stop string), for every prefix of every sequence."""
+    from layerplan.decoding.output import TextStream
+
+    for ids in sequences:
+        stream, deltas = TextStream(tokenizer, stop, None), []
+        stream.on_text = deltas.append
+        for n in range(1, len(ids) + 1):
+            stopped = stream.update(ids[:n])
+            whole = tokenizer.decode(ids[:n], skip_special_tokens=True)
+            cut = min((whole.find(s) for s in stop if s in whole), default=-1)
+            assert stream.text == (whole[:cut] if cut >= 0 else whole), (ids[:n], stream.text, whole)
+            assert stopped == (cut >= 0)
+            if stopped:
+                break
+        stream.finish()
+        assert "".join(deltas) == stream.text
+
+
+def test_the_streamed_text_is_the_whole_decode_through_its_window():
+    """Random bytes (characters split across tokens, invalid UTF-8, special tokens among them),
+    past several anchors (TextStream.ANCHOR_EVERY), with and without stop strings."""
+    import random
+
+    from tiny_text import byte_tokenizer
+
+    tokenizer = byte_tokenizer()
+    rng = random.Random(4)
+    text = "héllo wörld, ünïcode ✓ and emoji 🙂 — " * 8
+    utf8 = tokenizer(text).input_ids
+    noise = [[rng.randrange(0, 259) for _ in range(200)] for _ in range(3)]
+    _stream_texts(tokenizer, [utf8, *noise])
+    _stream_texts(tokenizer, [utf8], stop=["emoji 🙂 — h", "ünï"])
+
+
+@pytest.mark.real
+def test_the_streamed_text_is_the_whole_decode_on_the_packaged_tokenizer(smollm2):
+    import random
+
+    tokenizer = smollm2.tokenizer
+    rng = random.Random(9)
+    prose = tokenizer("The quick brown fox — naïve café, 日本語, 🙂 — jumps; it's done. " * 12).input_ids
+    noise = [[rng.randrange(0, len(tokenizer)) for _ in range(160)] for _ in range(2)]
+    _stream_texts(tokenizer, [prose, *noise])
