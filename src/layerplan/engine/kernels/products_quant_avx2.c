@@ -808,10 +808,38 @@ ALWAYS __m256i four_bytes(const int8_t *p) {
             }                                                                                      \
         }                                                                                          \
         _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                                      \
+            const int c = c0; /* (AL and AH may name a word's chain) */                            \
+            (void)c;                                                                               \
             AL = _mm256_add_epi32(AL, _mm256_madd_epi16(pl[r], ones16));                           \
             AH = _mm256_add_epi32(AH, _mm256_madd_epi16(ph[r], ones16));                           \
         }                                                                                          \
     }
+
+/* a sub-block's words into the rows' int32 sums AL / AH (row r's for word c: expressions in r and
+ * c): int16 pair sums first where LP_INT16_SUMS takes the format, else f##_dot a word; then, for a
+ * format whose words hold q rather than q + 128 on AVX2, 128 times the activations' sum */
+#define SUB_BLOCK_WORDS(F, f, R, AL, AH)                                                           \
+    if (LP_INT16_SUMS && F##_STEPS16 > 0) {                                                        \
+        INT16_WORDS(F, f, R, AL, AH)                                                               \
+    } else {                                                                                       \
+        _Pragma("GCC unroll 8") for (int c = 0; c < F##_ISUB / 4; c++) {                           \
+            __m256i wl, wh;                                                                        \
+            f##_iload(&st, c, &wl, &wh);                                                           \
+            _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                                  \
+                __m256i xb = four_bytes(xr[r] + s0 + 4 * c);                                       \
+                AL = f##_dot(AL, wl, xb);                                                          \
+                AH = f##_dot(AH, wh, xb);                                                          \
+            }                                                                                      \
+        }                                                                                          \
+    }                                                                                              \
+    if (LP_INT16_SUMS && F##_PLUS128)                                                              \
+        _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                                      \
+            const int c = 0;                                                                       \
+            (void)c;                                                                               \
+            const __m256i more = _mm256_set1_epi32(128 * sum32_i8(xr[r] + s0));                    \
+            AL = _mm256_add_epi32(AL, more);                                                       \
+            AH = _mm256_add_epi32(AH, more);                                                       \
+        }
 
 /* RR rows on one panel of format F over all k inputs (formats.h: the sum rule) */
 #define ITILE(NAME, F, f, RR)                                                                      \
@@ -833,29 +861,12 @@ ALWAYS __m256i four_bytes(const int8_t *p) {
             __m256i al[R][S], ah[R][S];                                                            \
             _Pragma("GCC unroll 4") for (int r = 0; r < R; r++)                                    \
                 _Pragma("GCC unroll 2") for (int c = 0; c < S; c++) al[r][c] = ah[r][c] = _mm256_setzero_si256(); \
-            if (LP_INT16_SUMS && F##_STEPS16 > 0) {                                                \
-                INT16_WORDS(F, f, R, al[r][0], ah[r][0])                                           \
-            } else {                                                                               \
-                _Pragma("GCC unroll 8") for (int c = 0; c < F##_ISUB / 4; c++) {                   \
-                    __m256i wl, wh;                                                                \
-                    f##_iload(&st, c, &wl, &wh);                                                   \
-                    _Pragma("GCC unroll 4") for (int r = 0; r < R; r++) {                          \
-                        __m256i xb = four_bytes(xr[r] + s0 + 4 * c);                               \
-                        al[r][c % S] = f##_dot(al[r][c % S], wl, xb);                              \
-                        ah[r][c % S] = f##_dot(ah[r][c % S], wh, xb);                              \
-                    }                                                                              \
-                }                                                                                  \
-            }                                                                                      \
+            SUB_BLOCK_WORDS(F, f, R, al[r][c % S], ah[r][c % S])                                   \
             _Pragma("GCC unroll 4") for (int r = 0; r < R; r++) {                                  \
                 __m256i il = al[r][0], ih = ah[r][0];                                              \
                 if (S > 1) {                                                                       \
                     il = _mm256_add_epi32(il, al[r][S - 1]);                                       \
                     ih = _mm256_add_epi32(ih, ah[r][S - 1]);                                       \
-                }                                                                                  \
-                if (LP_INT16_SUMS && F##_PLUS128) {                                                \
-                    const __m256i more = _mm256_set1_epi32(128 * sum32_i8(xr[r] + s0));            \
-                    il = _mm256_add_epi32(il, more);                                               \
-                    ih = _mm256_add_epi32(ih, more);                                               \
                 }                                                                                  \
                 const float *ss = x->s + (r0 + r) * (k / 16) + s0 / 16;                            \
                 __m256 d = _mm256_set1_ps(x->d[(r0 + r) * (k / 32) + s0 / 32]);                    \
@@ -891,29 +902,12 @@ ALWAYS __m256i four_bytes(const int8_t *p) {
                 PREFETCH_SUB(F, F##_ISUB, w, LP_AHEAD_PANELS * (k / F##_BLOCK * F##_PB), s0);       \
             __m256i al[R], ah[R];                                                                  \
             _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) al[r] = ah[r] = _mm256_setzero_si256(); \
-            if (LP_INT16_SUMS && F##_STEPS16 > 0) {                                                \
-                INT16_WORDS(F, f, R, al[r], ah[r])                                                 \
-            } else {                                                                               \
-                _Pragma("GCC unroll 8") for (int c = 0; c < F##_ISUB / 4; c++) {                   \
-                    __m256i wl, wh;                                                                \
-                    f##_iload(&st, c, &wl, &wh);                                                   \
-                    _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                          \
-                        __m256i xb = four_bytes(xr[r] + s0 + 4 * c);                               \
-                        al[r] = f##_dot(al[r], wl, xb);                                            \
-                        ah[r] = f##_dot(ah[r], wh, xb);                                            \
-                    }                                                                              \
-                }                                                                                  \
-            }                                                                                      \
+            SUB_BLOCK_WORDS(F, f, R, al[r], ah[r])                                                 \
             _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                                  \
                 const float *ss = x->s + (r0 + r) * (k / 16) + s0 / 16;                            \
                 __m256 d = _mm256_set1_ps(x->d[(r0 + r) * (k / 32) + s0 / 32]);                    \
                 __m256 s = _mm256_set1_ps(F##_ISUB == 32 ? ss[0] + ss[1] : ss[0]);                 \
                 float *o = y + r * ys;                                                             \
-                if (LP_INT16_SUMS && F##_PLUS128) {                                                \
-                    const __m256i more = _mm256_set1_epi32(128 * sum32_i8(xr[r] + s0));            \
-                    al[r] = _mm256_add_epi32(al[r], more);                                         \
-                    ah[r] = _mm256_add_epi32(ah[r], more);                                         \
-                }                                                                                  \
                 _mm256_storeu_ps(o, fma_(st.ol, s, fma_(cvt(al[r]), mul(st.dl, d), _mm256_loadu_ps(o)))); \
                 _mm256_storeu_ps(o + 8, fma_(st.oh, s, fma_(cvt(ah[r]), mul(st.dh, d), _mm256_loadu_ps(o + 8)))); \
             }                                                                                      \
