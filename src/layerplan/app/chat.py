@@ -258,10 +258,7 @@ class ChatSession:
         cache.crop(held)
         hidden = cache.streams[restart][:held][None].clone()
         cache.resize(len(plan.steps))
-        for slot in range(restart, cache.num_slots):  # another layer's slot: written anew, maybe another shape
-            cache.keys[slot] = cache.values[slot] = None
-            cache.lengths[slot] = 0
-        cache.descriptors.clear()
+        cache.drop_slots(restart)
         cache.keep_streams(plan, self._stream_steps(plan))
         run_hidden(self.model, None, plan, cache, 0, resume=Resume(hidden, restart))
 

@@ -53,6 +53,14 @@ class KVCache:
         self.views = tuple(_SlotView(self, i) for i in range(num_slots))
         self.descriptors.clear()
 
+    def drop_slots(self, start: int) -> None:
+        """Forget the slots from `start` on, buffers and positions: their next writes allocate
+        anew (another plan's steps there, maybe of another shape)."""
+        for slot in range(start, self.num_slots):
+            self.keys[slot] = self.values[slot] = None
+            self.lengths[slot] = 0
+        self.descriptors.clear()
+
     def keep_streams(self, plan, steps) -> None:
         """From now on, passes of `plan` keep the residual stream entering each of `steps` (plan
         step indices) at its positions; streams of other steps are dropped."""

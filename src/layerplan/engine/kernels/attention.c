@@ -165,7 +165,7 @@ typedef struct {
 } lp_query;
 
 /* positions [r0, min(r0 + run, hi + 1)) of a cache run (rows `stride` apart, of dtype kvt) widened
- * to fp32 into buf; buf */
+ * to fp32 into buf, which it returns */
 static const float *widened_run(const void *base, int kvt, long r0, long hi, long run, long stride, float *buf) {
     long n = hi - r0 + 1 < run ? hi - r0 + 1 : run;
     lp_load_f32((const char *)base + r0 * stride * lp_kv_bytes(kvt), kvt, buf, n * stride);

@@ -7,7 +7,7 @@
 
 /* BODY for r = 0 .. rows-1: shared among the threads when `split`, in this thread otherwise. A
  * region's fork and join cost about as much as a norm over a few thousand elements, so the per-row
- * work is shared only where there is enough of it (SPLIT_ROWS): a step, and the few rows of a
+ * work is shared only where there is enough of it (LP_SPLIT_ELEMENTS): a step, and the few rows of a
  * batch's decode, keep one thread. Which thread runs a row changes no number. */
 #define EACH_ROW(split, threads, rows, ...)                                                         \
     do {                                                                                            \
