@@ -9,7 +9,7 @@ STAMP  := $(VENV)/.installed-$(shell cat $(LOCKS) | cksum | cut -d' ' -f1)
 PYTHON ?= python3
 LATEST ?= .venv-latest
 
-.PHONY: demo test test-fast fuzz test-latest test-sanitize bench chaos figures install lock clean
+.PHONY: demo test test-fast test-gpu fuzz test-latest test-sanitize bench chaos figures install lock clean
 
 $(STAMP): $(LOCKS)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -36,6 +36,12 @@ test: $(STAMP)
 # as CI does.
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow"
+
+# the CUDA lane, on a GPU machine (CI has none): tests/test_cuda.py and the device maps, run by a
+# Python whose torch sees the GPU (the lock's torch is the CPU build), with this checkout's source
+GPU_PYTHON ?= python3
+test-gpu:
+	PYTHONPATH=src:$$PYTHONPATH $(GPU_PYTHON) -m pytest -q -p no:cacheprovider tests/test_cuda.py tests/test_device_map.py
 
 # the fuzz suite at full strength (over 10,000 cases; `make test` runs a few hundred of each kind):
 # bad command lines from the click tree, plan strings and files, weights headers, server bodies

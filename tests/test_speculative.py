@@ -204,8 +204,8 @@ def exact_joint(model, prompt, params, length):
         grown = {}
         for prefix, mass in table.items():
             context = prompt + list(prefix)
-            logits = forward(model, torch.tensor([context]))[0, -1]
-            probs = next_token_probs(logits, params, torch.tensor(context))
+            logits = forward(model, torch.tensor([context], device=model.device))[0, -1]
+            probs = next_token_probs(logits, params, torch.tensor(context, device=model.device)).cpu()
             for token in torch.nonzero(probs).flatten().tolist():
                 grown[prefix + (token,)] = mass * float(probs[token])
         table = grown

@@ -84,7 +84,7 @@ def _draw(weights: torch.Tensor, generator: torch.Generator | None) -> int:
     top = argmax_token(weights)
     if float(weights[top]) == total:
         return top
-    return int(torch.multinomial(weights / total, 1, generator=generator))
+    return int(torch.multinomial(weights.cpu() / total, 1, generator=generator))  # the CPU generator's draw
 
 
 @dataclass(frozen=True)

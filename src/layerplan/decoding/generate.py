@@ -100,7 +100,7 @@ class Decoding(DecodeRequest):
 
     def next_pass(self, cap: int | None = None, others: int = 0) -> tuple[torch.Tensor, object, int]:
         """(the last token (1, 1), this request's cache, its position): its part of the next pass."""
-        return torch.tensor([[self.context[-1]]]), self.cache, len(self.context) - 1
+        return torch.tensor([[self.context[-1]]], device=self.ids.device), self.cache, len(self.context) - 1
 
     def take_pass(self, logits: torch.Tensor, rows: int = 1, seconds: float | None = None) -> None:
         """Its logits (1, vocab) of a pass of `rows` rows that took `seconds`."""

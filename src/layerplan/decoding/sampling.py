@@ -117,4 +117,5 @@ def pick(logits: torch.Tensor, params: SamplingParams, seen: torch.Tensor | None
     processed = process_logits(logits, params, seen)
     if params.greedy:
         return argmax_token(processed)
-    return int(torch.multinomial(torch.softmax(processed, -1), 1, generator=generator))
+    # drawn on the CPU, where the request's generator is: a seed gives the same tokens on any device
+    return int(torch.multinomial(torch.softmax(processed, -1).cpu(), 1, generator=generator))

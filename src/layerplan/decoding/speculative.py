@@ -219,7 +219,7 @@ class SpeculativeDecoding(DecodeRequest):
             proposal = proposal.first_chain()
         draft = proposal.tokens[:gamma] if proposal else []
         self._round = (gamma, draft, proposal, t0, t1)
-        return torch.tensor([self.context[-1:] + draft]), self.cache, len(self.context) - 1
+        return torch.tensor([self.context[-1:] + draft], device=self.ids.device), self.cache, len(self.context) - 1
 
     def take_pass(self, logits: torch.Tensor) -> None:
         """The round's verify logits (1 + drafted, vocab) from the batch's pass: accept, roll back."""

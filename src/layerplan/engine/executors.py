@@ -98,7 +98,7 @@ class ModuleExecutor:
 
     def embed(self, model, input_ids: torch.Tensor, start_pos: int, tree: TreeShape | None) -> torch.Tensor:
         parts = model.parts
-        hidden = parts.embed(input_ids)  # (B, T, hidden)
+        hidden = parts.embed(input_ids.to(model.device))  # (B, T, hidden); ids made on the CPU go to the model
         if parts.position_embed is not None:
             hidden = hidden + parts.position_embed(positions(start_pos, input_ids.shape[1], tree, input_ids.device))[None]
         return hidden

@@ -264,9 +264,11 @@ def place(hf: nn.Module, device_map: DeviceMap, layers_path: str) -> Placement:
     # a parameter shared with a module outside the offloaded layers (tied weights) stays in memory
     shared = frozenset(id(p) for name, p in hf.named_parameters(remove_duplicate=False)
                        if _layer_index(name, layers_path) not in on_disk)
+    placement = Placement(device_map, hf.get_submodule(layers_path), layers_path, None, shared)
+    if not on_disk:  # a map of devices alone (all on a GPU, say): no offload store
+        return placement
     folder = offload_folder()
     _owned(hf, folder)
-    placement = Placement(device_map, hf.get_submodule(layers_path), layers_path, None, shared)
     state = {full: getattr(module, name).detach().cpu() for index in sorted(on_disk)
              for module, name, full, _, _ in placement._slots[index]}
     offload_state_dict(str(folder), state)

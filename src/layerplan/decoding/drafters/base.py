@@ -96,7 +96,7 @@ def draft_token(logits: torch.Tensor, state: DraftState, seen: list[int]) -> tup
         q[token] = 1.0
         return token, q, confidence
     q = torch.softmax(processed, -1)
-    token = int(torch.multinomial(q, 1, generator=state.generator))
+    token = int(torch.multinomial(q.cpu(), 1, generator=state.generator))  # the request's CPU generator
     return token, q, float(q.max())
 
 
