@@ -24,6 +24,28 @@ def test_probe_times_every_length():
     assert "k=4" in result.table() and "eager" in result.table()
 
 
+def test_a_step_is_timed_as_plain_decoding_runs_it_among_steps_not_after_a_longer_pass(monkeypatch):
+    """On a machine where a one-token pass right after a longer one runs slower (and recovers over
+    a few steps), the probe's step is the steady one plain decoding sees: dividing by the slow one
+    made every verify pass look cheaper than it is against plain decoding."""
+    clock = SimpleNamespace(now=0.0, since_long=99)
+
+    def fake_forward(model, ids, plan=None, cache=None, start_pos=0, last_only=False):
+        rows = ids.shape[1]
+        if rows == 1:  # 2 ms a step, 1.5x that right after a longer pass, 10% less slow each step on
+            clock.now += 0.002 * (1 + 0.5 * 0.5 ** clock.since_long)
+            clock.since_long += 1
+        else:
+            clock.now += 0.002 * (1 + 0.25 * (rows - 1))
+            clock.since_long = 0
+
+    monkeypatch.setattr(probe, "forward", fake_forward)
+    monkeypatch.setattr(probe, "time", SimpleNamespace(perf_counter=lambda: clock.now))
+    times = probe.time_passes(tiny_model("llama"), lengths=(1, 2, 4, 8), repeats=3)
+    assert times[1] == pytest.approx(0.002, rel=0.01)  # the steady step, not the 3 ms one after a longer pass
+    assert times[4] / times[1] == pytest.approx(1.75, rel=0.01)
+
+
 def _sane_row(engine: str = "native", dtype: str = "float32", step_ms: float = 27.4) -> probe.ProbeRow:
     """A quiet run's row (docs/lab/engine-rounds.md, ninth round, run 4): its floor is 20.0 ms (540 MB read at 27 GB/s)."""
     relative = {1: 1.00, 2: 1.17, 3: 1.17, 4: 1.25, 8: 1.40, 15: 1.82, 16: 1.77}

@@ -8,7 +8,7 @@ from scipy.stats import chisquare
 from transformers import AutoModelForCausalLM
 
 from layerplan.decoding.acceptance import accept_draft, accept_greedy
-from layerplan.decoding.draft_length import AdaptiveLength, HeuristicLength, expected_speedup
+from layerplan.decoding.draft_length import AdaptiveLength, HeuristicLength, SharedRounds, expected_speedup
 from layerplan.decoding.drafters.base import DraftState
 from layerplan.decoding.drafters.model import ModelDrafter
 from layerplan.decoding.drafters.ngram import NgramDrafter
@@ -323,6 +323,33 @@ def test_adaptive_length_without_the_probes_costs_drafts_only_in_a_pass_of_its_o
         policy.update(8, 8, 7, 0.001, 1.05)  # free, well-accepted drafts
     assert policy.next_gamma(others=0) >= 6
     assert [policy.best_gamma(others) for others in (1, 3, 15)] == [0, 0, 0]
+
+
+def test_requests_that_share_their_rounds_start_from_what_the_others_measured():
+    """A server's requests of one drafter share what they measure (SharedRounds): where drafts do
+    not pay, a new request decodes plainly from its first round instead of spending a drafting
+    round and its prior (α = 0.5) finding that out again; in a shared pass of 4 requests each
+    probes 4 times less often, so the pass probes at one request's rate."""
+    shared = SharedRounds()
+    first = AdaptiveLength(max_gamma=8, probe_every=5, shared=shared)
+    first.update(0, 0, 0, 0.0, 1.0)  # a plain step: 1 s
+    for _ in range(6):
+        first.update(4, 4, 0, 3.6, 1.1)  # draft steps of 0.9 s, nothing accepted
+    assert shared.plain_step == first.plain_step and shared.draft_step == first.draft_step
+    assert shared.accepted_count < 0.6 and shared.rejected_count > 4
+    alone = AdaptiveLength(max_gamma=8, probe_every=5)
+    alone.update(0, 0, 0, 0.0, 1.0)
+    assert alone.next_gamma() == alone.gamma  # a request on its own: one drafting round to measure
+    later = AdaptiveLength(max_gamma=8, probe_every=5, shared=shared)
+    assert [later.next_gamma() for _ in range(10)] == [0, 0, 0, 0, 1, 0, 0, 0, 0, 1]  # plain; probes every 5
+    costs = {k: 1.0 + 0.05 * (k - 1) if k <= 4 else 1.15 + 0.3 * (k - 4) for k in range(1, 17)}
+    busy = AdaptiveLength(max_gamma=8, probe_every=5, shared=shared, pass_costs=costs)
+    gammas = [busy.next_gamma(others=3) for _ in range(40)]
+    assert gammas.count(1) == 2 and gammas.index(1) == 19  # a probe every 5 x 4 rounds
+    # what the probes find goes to the others: accepted drafts raise the shared acceptance
+    before = shared.accepted_count
+    busy.update(1, 1, 1, 0.0, 1.2)
+    assert shared.accepted_count > before * busy.decay
 
 
 def test_heuristic_schedule():

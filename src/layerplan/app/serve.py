@@ -58,7 +58,7 @@ from layerplan.decoding.generate import Decoding, generate
 from layerplan.decoding.drafters.base import Drafter
 from layerplan.decoding.drafters.model import ModelDrafter
 from layerplan.decoding.drafters.registry import drafts_by_lookup, make_drafter
-from layerplan.decoding.draft_length import make_draft_length
+from layerplan.decoding.draft_length import SharedRounds, make_draft_length
 from layerplan.decoding.speculative import SpeculativeDecoding
 from layerplan.decoding.output import ChatTemplateError, GenerationResult, TextDelta, chat_prompt_ids
 from layerplan.decoding.budget import ContextLengthError, token_budget
@@ -290,6 +290,9 @@ class Engine:
         # (monotonic time, decodes in the pass) of the latest passes, for /health's batch over time
         self.passes: deque[tuple[float, int]] = deque(maxlen=PASSES_KEPT)
         self.counters = EngineCounters()
+        # what the requests of each (draft, plan, length policy) measured of their rounds: where a
+        # new request's draft length starts (draft_length.SharedRounds); the decode thread's alone
+        self.shared_rounds: dict[tuple[str, str, str], SharedRounds] = {}
         self._lock = threading.Lock()
         self._jobs: queue.Queue = queue.Queue()  # FIFO: fair in arrival order
         if run_in_thread:
@@ -479,10 +482,13 @@ class Engine:
             if job.on_start:
                 job.on_start()
             if job.draft is not None:
+                plan = job.plan if job.plan is not None else self.plan
+                key = (getattr(job.draft, "name", str(job.draft)), plan.to_string(), str(job.draft_length))
                 decoding = SpeculativeDecoding(self.model, job.prompt_ids, job.draft, job.plan, job.max_tokens,
                                                job.sampling, job.seed, job.stop, on_text=job.on_text,
                                                draft_length=job.draft_length, should_stop=job.cancelled.is_set,
-                                               probe_row=self.probe_row)
+                                               probe_row=self.probe_row,
+                                               shared_rounds=self.shared_rounds.setdefault(key, SharedRounds()))
             else:
                 decoding = Decoding(self.model, job.prompt_ids, job.plan, job.max_tokens, job.sampling, job.seed,
                                     job.stop, on_text=job.on_text, should_stop=job.cancelled.is_set,

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from layerplan.decoding.draft_length import SharedRounds
 from layerplan.decoding.generate import Decoding
 from layerplan.decoding.output import GenerationResult
 from layerplan.decoding.sampling import SamplingParams
@@ -176,6 +177,7 @@ def generate_batch(model: LoadedModel, prompts: Sequence, plan: LayerPlan | None
     waiting = deque(range(len(prompts)))
     results: list[GenerationResult | None] = [None] * len(prompts)
     batch = Batch(model)
+    shared = SharedRounds()  # one drafter spec and plan: each prompt starts from what the others measured
     while waiting or len(batch):
         while waiting and len(batch) < max_batch:
             index = waiting.popleft()
@@ -184,7 +186,8 @@ def generate_batch(model: LoadedModel, prompts: Sequence, plan: LayerPlan | None
                                     stop_at_eos, chat)
             else:
                 decoding = SpeculativeDecoding(model, prompts[index], draft, plan, max_new_tokens, sampling,
-                                               seeds[index], stop, stop_at_eos, chat, draft_length=draft_length)
+                                               seeds[index], stop, stop_at_eos, chat, draft_length=draft_length,
+                                               shared_rounds=shared)
             batch.join(index, decoding)
         for index, decoding in batch.step():
             results[index] = decoding.result()

@@ -56,6 +56,21 @@ def probe_interval(loss: float, every: int, budget: float) -> int:
     return max(every, math.ceil(loss / budget)) if budget > 0 else every
 
 
+@dataclass
+class SharedRounds:
+    """What the requests that share a drafter (a server's, one generate_batch call's, each drafter
+    spec and plan its own) learned of its rounds: decayed acceptance counts and the last measured
+    step times, updated by every request's rounds. A request's adaptive length starts from them
+    instead of the prior (α = 0.5, costs unmeasured): where drafts do not pay, a new request does
+    not spend its first rounds finding it out again (the probes every `probe_every` rounds stay)."""
+
+    accepted_count: float = 1.0
+    rejected_count: float = 1.0
+    plain_step: float | None = None
+    draft_step: float | None = None
+    verify_extra: float = 0.0
+
+
 class AdaptiveLength:
     """Picks γ ∈ 0..max_gamma maximising the expected speedup from measured acceptance and costs;
     γ = 0 (plain decoding) when no γ is expected to beat plain, probing again every
@@ -66,7 +81,7 @@ class AdaptiveLength:
     the formula: accepted tokens / (accepted + rejections), over exponentially decayed counts."""
 
     def __init__(self, max_gamma: int = 8, probe_every: int = 16, decay: float = 0.9, smoothing: float = 0.3,
-                 pass_costs: dict[int, float] | None = None) -> None:
+                 pass_costs: dict[int, float] | None = None, shared: SharedRounds | None = None) -> None:
         self.max_gamma, self.probe_every, self.decay, self.smoothing = max_gamma, probe_every, decay, smoothing
         # k -> cost of a k-token pass in plain steps, from this machine's probe (engine/probe.py):
         # the verify cost of γ drafts is pass_costs[γ+1] from the first round on, instead of a
@@ -78,6 +93,11 @@ class AdaptiveLength:
         self.verify_extra = 0.0  # verify seconds beyond a plain step, per drafted token
         self.since_probe = 0
         self.gamma = min(4, max_gamma)  # first drafting round
+        self.shared = shared
+        if shared is not None:  # what the other requests of this drafter measured, as this one's start
+            self.accepted_count, self.rejected_count = shared.accepted_count, shared.rejected_count
+            self.plain_step, self.draft_step = shared.plain_step, shared.draft_step
+            self.verify_extra = shared.verify_extra
 
     @property
     def alpha(self) -> float:
@@ -95,7 +115,11 @@ class AdaptiveLength:
         best = self.best_gamma(others)
         if best == 0:
             self.since_probe += 1
-            if self.since_probe >= self.probe_every:
+            # a probe's row in a shared pass costs every request in it; where the requests share
+            # what they measure (SharedRounds), each one's probes inform the others: each probes
+            # (others + 1) times less often, so the pass as a whole probes at the solo rate
+            every = self.probe_every * (others + 1 if self.shared is not None else 1)
+            if self.since_probe >= every:
                 self.since_probe = 0
                 return 1  # probe: acceptance may have changed with the text
         return best
@@ -136,6 +160,16 @@ class AdaptiveLength:
         return best
 
     def update(self, gamma: int, drafted: int, accepted: int, draft_s: float, verify_s: float) -> None:
+        self._update(gamma, drafted, accepted, draft_s, verify_s)
+        shared = self.shared
+        if shared is None:
+            return
+        shared.plain_step, shared.draft_step, shared.verify_extra = self.plain_step, self.draft_step, self.verify_extra
+        if drafted:  # the shared counts decay by every request's drafting rounds, as each one's own do
+            shared.accepted_count = self.decay * shared.accepted_count + accepted
+            shared.rejected_count = self.decay * shared.rejected_count + (accepted < drafted)
+
+    def _update(self, gamma: int, drafted: int, accepted: int, draft_s: float, verify_s: float) -> None:
         if gamma == 0 or self.plain_step is None:
             self.plain_step = self._ema(self.plain_step, verify_s)
             return
@@ -152,29 +186,33 @@ class AdaptiveLength:
 @dataclass(frozen=True)
 class DraftLength:
     help: str
-    make: Callable[[int, dict[int, float]], object]  # (gamma, pass costs) -> a policy with next_gamma() and update()
+    # (gamma, pass costs, shared rounds or None) -> a policy with next_gamma() and update()
+    make: Callable[[int, dict[int, float], SharedRounds | None], object]
 
 
 DRAFT_LENGTHS = {
-    "fixed": DraftLength("always γ tokens", lambda gamma, costs: FixedLength(gamma)),
+    "fixed": DraftLength("always γ tokens", lambda gamma, costs, shared: FixedLength(gamma)),
     "heuristic": DraftLength("transformers' schedule: +2 after a fully accepted round, -1 otherwise",
-                             lambda gamma, costs: HeuristicLength(gamma)),
+                             lambda gamma, costs, shared: HeuristicLength(gamma)),
     "adaptive": DraftLength("γ from measured acceptance and cost (the probe's pass costs when cached), plain "
                             "decoding when drafting does not pay",
-                            lambda gamma, costs: AdaptiveLength(max_gamma=max(gamma, 1) * 2, pass_costs=costs)),
+                            lambda gamma, costs, shared: AdaptiveLength(max_gamma=max(gamma, 1) * 2, pass_costs=costs,
+                                                                        shared=shared)),
 }
 DEFAULT_DRAFT_LENGTH = "adaptive"
 
 
-def make_draft_length(spec: str | object | None, gamma: int = 4, pass_costs: dict[int, float] | None = None):
-    """A policy by name (see DRAFT_LENGTHS; default adaptive), or a policy object as it is."""
+def make_draft_length(spec: str | object | None, gamma: int = 4, pass_costs: dict[int, float] | None = None,
+                      shared: SharedRounds | None = None):
+    """A policy by name (see DRAFT_LENGTHS; default adaptive), or a policy object as it is. shared:
+    what other requests of the same drafter learned (SharedRounds), for a policy that learns."""
     if spec is None:
         spec = DEFAULT_DRAFT_LENGTH
     if not isinstance(spec, str):
         return spec
     if spec not in DRAFT_LENGTHS:
         raise ValueError(f"unknown draft length policy '{spec}'; choose from {', '.join(DRAFT_LENGTHS)}")
-    return DRAFT_LENGTHS[spec].make(gamma, pass_costs or {})
+    return DRAFT_LENGTHS[spec].make(gamma, pass_costs or {}, shared)
 
 
 def draft_length_help() -> str:

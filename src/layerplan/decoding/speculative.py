@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from layerplan.decoding.acceptance import accept_draft, accept_greedy, accept_tree, accept_tree_greedy
-from layerplan.decoding.draft_length import FixedLength, make_draft_length
+from layerplan.decoding.draft_length import FixedLength, SharedRounds, make_draft_length
 from layerplan.decoding.drafters.base import DraftState, Drafter, LearnsFromRounds, Proposal, RoundOutcome
 from layerplan.decoding.drafters.registry import make_drafter
 from layerplan.decoding.output import GenerationResult, TokenKind
@@ -153,21 +153,23 @@ class SpeculativeDecoding(DecodeRequest):
     """One request's speculative decode, a round at a time: the round alone (round()), or its
     verify pass given by whoever runs it, in a batch with other requests' (next_pass / take_pass:
     chains only, the draft length capped by the batch's row budget). cache: see DecodeRequest; a
-    drafter given as an object keeps what it learned from earlier decodes (a conversation's)."""
+    drafter given as an object keeps what it learned from earlier decodes (a conversation's).
+    shared_rounds: what earlier and concurrent requests of the same drafter measured (a server's),
+    where the draft length starts from (draft_length.SharedRounds)."""
 
     def __init__(self, model: LoadedModel, prompt, drafter: Drafter | str, plan: LayerPlan | None = None,
                  max_new_tokens: int = 64, sampling: SamplingParams | None = None, seed: int | None = None,
                  stop: Sequence[str] = (), stop_at_eos: bool | Sequence[int] = True, chat: bool = False,
                  on_text: Callable[[str], None] | None = None, draft_length=None, draft_confidence: float = 0.0,
                  should_stop: Callable[[], bool] | None = None, probe_row: ProbeRow | None = None,
-                 cache: KVCache | None = None) -> None:
+                 cache: KVCache | None = None, shared_rounds: SharedRounds | None = None) -> None:
         target = plan if plan is not None else model.plan()
         costs = dict(probe_row.relative) if probe_row is not None else {}
         self.drafter = make_drafter(drafter, model, target, draft_confidence, costs)
         self.learner = self.drafter if isinstance(self.drafter, LearnsFromRounds) else None
         if draft_length is None and self.learner is not None:
             draft_length = FixedLength(self.learner.max_draft)  # it picks its own length per round
-        self.lengths = make_draft_length(draft_length, pass_costs=costs)
+        self.lengths = make_draft_length(draft_length, pass_costs=costs, shared=shared_rounds)
         max_gamma = getattr(self.lengths, "max_gamma", getattr(self.lengths, "gamma", 8))
         super().__init__(model, prompt, target, max_new_tokens, sampling, seed, stop, stop_at_eos, chat, on_text,
                          should_stop, probe_row, spare=max_gamma + 2, cache=cache)
