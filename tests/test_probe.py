@@ -449,3 +449,14 @@ def test_health_says_when_decodes_run_slower_than_the_probe():
     assert result.slow_note is not None
     assert client.get("/health").json()["slow_decode"] == result.slow_note
     app.state.engine.close()
+
+
+def test_a_servers_default_batch_is_the_fewest_rows_near_the_best_rate():
+    """k / cost(k) is a pass's tokens per step: the default batch is the fewest rows at 90% of its
+    best, not the best itself, whose last rows add little and slow every request in the pass."""
+    flat = probe.ProbeRow("native", "stored-fast", 3.0, {1: 1.0, 2: 1.05, 4: 1.1, 8: 1.2, 16: 1.4})
+    assert flat.fullest_pass() == 16  # rows nearly free: 16 / 1.4 = 11.4 a step, 8 / 1.2 = 6.7
+    bound = probe.ProbeRow("native", "stored-fast", 3.0, {1: 1.0, 2: 1.08, 4: 1.34, 8: 2.07, 12: 3.3, 16: 4.2})
+    # rates 1, 1.85, 2.99, 3.86, 3.64, 3.81: 90% of 3.86 is 3.48, first reached at 8 rows
+    assert bound.fullest_pass() == 8 and bound.fullest_pass(share=0.75) == 4
+    assert probe.ProbeRow("native", "stored", 3.0, {1: 1.0, 2: 2.1}).fullest_pass() == 1

@@ -1221,16 +1221,19 @@ def _check_host(host: str) -> None:
 @click.option("--api-key", envvar="LAYERPLAN_API_KEY", default=None,
               help="require 'Authorization: Bearer KEY' on /v1/* (or set LAYERPLAN_API_KEY); not empty")
 @click.option("--served-name", default=None, help="the model id clients send (default: the model's name)")
-@click.option("--max-batch", type=click.IntRange(1, 64), default=8, show_default=True,
+@click.option("--max-batch", type=click.IntRange(1, 64), default=None,
               help="requests decoded at once, each pass carrying a token of each (continuous batching; "
-                   "with --draft, one speculative request at a time)")
+                   "with a --draft that runs a model, one request at a time); default: the fewest whose pass "
+                   "reaches 90% of the best tokens/s in this machine's probe of the model (`layerplan probe`), "
+                   "8 without one")
 def serve(model, dtype, device, engine, threads, plan, draft, draft_length, host, port, api_key, served_name,
           max_batch) -> None:
     """OpenAI-compatible HTTP server: /v1/completions, /v1/chat/completions (SSE streaming),
     /v1/models, /health, and a web playground at /. Up to --max-batch requests decode at once, in
     arrival order (continuous batching: each pass carries the next token of every one; a request's
     tokens are those of its solo run); /health shows the batch."""
-    from layerplan.app.serve import ListenError, serve as run_server  # deferred: the web stack is heavy
+    # deferred: the web stack is heavy
+    from layerplan.app.serve import DEFAULT_MAX_BATCH, ListenError, serve as run_server
 
     _threads(threads)
     if api_key is not None and not api_key.strip():
@@ -1239,6 +1242,11 @@ def serve(model, dtype, device, engine, threads, plan, draft, draft_length, host
     _check_host(host)
     with _user_errors():  # a bad plan or draft fails here, before the server starts
         loaded = _load(model, dtype, device, engine)
+        probe_row = _checked_probe_row(loaded)
+        if max_batch is None:  # the fewest requests a pass carries near its best rate here
+            max_batch = probe_row.fullest_pass() if probe_row is not None else DEFAULT_MAX_BATCH
+            source = "from this machine's probe" if probe_row is not None else "no probe cached: `layerplan probe`"
+            click.echo(f"--max-batch {max_batch} ({source})", err=True)
 
         def listening(bound_host: str, bound_port: int) -> None:
             click.echo(f"serving '{served_name or loaded.name}' on http://{bound_host}:{bound_port}/v1 "
@@ -1248,7 +1256,7 @@ def serve(model, dtype, device, engine, threads, plan, draft, draft_length, host
         try:
             run_server(loaded, host, port, on_listening=listening, plan=loaded.plan(plan) if plan else None,
                        draft=draft, draft_length=draft_length, api_key=api_key, served_name=served_name,
-                       probe_row=_checked_probe_row(loaded), max_batch=max_batch)
+                       probe_row=probe_row, max_batch=max_batch)
         except ListenError as error:
             raise click.ClickException(str(error)) from None
 

@@ -50,6 +50,7 @@ PASS_LENGTHS = tuple(range(1, 17))
 # k-token pass looked cheaper than a verify round is against plain decoding (c(4): 1.16 against
 # 1.45 measured in rounds), and drafts that lose were taken for drafts that pay
 STEP_RUN, STEP_WARM = 12, 8
+BATCH_RATE_SHARE = 0.9  # ProbeRow.fullest_pass: the default batch reaches 90% of the best rate
 TIMING = "k=1 as steady consecutive steps"  # in machine_key: a probe timed another way is not reused
 CONTEXT = 100  # cached positions before the timed pass (a short chat turn)
 READ_BYTES = 128 << 20  # at least this much, and 4x the last-level cache, read for the read rate
@@ -106,6 +107,15 @@ class ProbeRow:
         """The least ms of a step that the measured rates allow (reads and products only)."""
         least = self._least_seconds(1)
         return None if least is None else 1000 * least
+
+    def fullest_pass(self, share: float = BATCH_RATE_SHARE) -> int:
+        """The fewest rows a pass carries at `share` of the most tokens per second this row
+        measured (k / cost(k), over its k): a server's default batch (serve --max-batch). The last
+        rows before the best add little throughput, and each costs every request in the pass
+        its share of the time per token."""
+        rates = {k: k / cost for k, cost in self.relative.items() if cost > 0}
+        best = max(rates.values())
+        return min(k for k, rate in rates.items() if rate >= share * best)
 
     def cost(self, k: int) -> float:
         """Relative cost of a k-token pass (interpolated past the measured lengths)."""
