@@ -1243,15 +1243,15 @@ def serve(model, dtype, device, engine, threads, plan, draft, draft_length, host
     with _user_errors():  # a bad plan or draft fails here, before the server starts
         loaded = _load(model, dtype, device, engine)
         probe_row = _checked_probe_row(loaded)
+        batch_source = "--max-batch"
         if max_batch is None:  # the fewest requests a pass carries near its best rate here
             max_batch = probe_row.fullest_pass() if probe_row is not None else DEFAULT_MAX_BATCH
-            source = "from this machine's probe" if probe_row is not None else "no probe cached: `layerplan probe`"
-            click.echo(f"--max-batch {max_batch} ({source})", err=True)
+            batch_source = "this machine's probe" if probe_row is not None else "no probe cached"
 
         def listening(bound_host: str, bound_port: int) -> None:
             click.echo(f"serving '{served_name or loaded.name}' on http://{bound_host}:{bound_port}/v1 "
-                       f"(draft: {draft or 'none'}), the playground on http://{bound_host}:{bound_port}/; "
-                       "Ctrl-C stops", err=True)
+                       f"(draft: {draft or 'none'}; up to {max_batch} requests at once, {batch_source}), "
+                       f"the playground on http://{bound_host}:{bound_port}/; Ctrl-C stops", err=True)
 
         try:
             run_server(loaded, host, port, on_listening=listening, plan=loaded.plan(plan) if plan else None,
