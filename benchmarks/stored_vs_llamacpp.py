@@ -7,6 +7,7 @@ first round packs them when none are kept, and the best round is reported.
     python benchmarks/stored_vs_llamacpp.py smollm2
     python benchmarks/stored_vs_llamacpp.py /tmp/qwen2-1.5b-random-Q4_K_M.gguf --rounds 3
     python benchmarks/stored_vs_llamacpp.py smollm2 --dtype stored-fast   # integer products, as llama.cpp
+    python benchmarks/stored_vs_llamacpp.py smollm2 --depth 1024          # decoding after 1024 tokens
 
 Rounds alternate layerplan and llama-bench (each its own process), so drift in the machine's speed
 hits both; each figure is the best over rounds. Needs llama.cpp's tools (`layerplan peers build`).
@@ -24,11 +25,12 @@ import sys
 import time
 from pathlib import Path
 
-CONTEXT = 64  # tokens decoded from, as llama-bench's -d would hold them
+CONTEXT = 64  # tokens decoded from (llama-bench: none, unless --depth)
 PASS = 8
 
 
-def measure_layerplan(model: str, new_tokens: int, threads: int, dtype: str, started_at: float) -> dict:
+def measure_layerplan(model: str, new_tokens: int, threads: int, dtype: str, started_at: float,
+                      context: int = CONTEXT) -> dict:
     """(in a process of its own, so peak memory and the cold start are this run's alone; the cold
     start counts from `started_at`, the wall time at which the parent started this process, as
     llama.cpp's counts from the start of its process: the interpreter and imports count)"""
@@ -39,20 +41,21 @@ def measure_layerplan(model: str, new_tokens: int, threads: int, dtype: str, sta
 
     torch.set_num_threads(threads)
     loaded = load_model(model, dtype=dtype)
-    ids = torch.arange(CONTEXT)[None] + 100
-    cache = new_cache(loaded.plan(), CONTEXT + new_tokens + PASS + 1)
+    ids = torch.arange(context)[None] + 100
+    cache = new_cache(loaded.plan(), context + new_tokens + PASS + 1)
     forward(loaded, ids[:, :1], cache=cache, last_only=True)
     first_token = time.time() - started_at
-    forward(loaded, ids[:, 1:], cache=cache, start_pos=1, last_only=True)
+    for start in range(1, context, 512):  # the rest of the context, in chunks
+        forward(loaded, ids[:, start:start + 512], cache=cache, start_pos=start, last_only=True)
     steps = []
     for i in range(new_tokens):
         t = time.perf_counter()
-        forward(loaded, torch.tensor([[7 + i]]), cache=cache, start_pos=CONTEXT + i, last_only=True)
+        forward(loaded, torch.tensor([[7 + i]]), cache=cache, start_pos=context + i, last_only=True)
         steps.append(time.perf_counter() - t)
     passes = []
     for _ in range(5):
         t = time.perf_counter()
-        forward(loaded, torch.arange(PASS)[None] + 3, cache=cache, start_pos=CONTEXT + new_tokens)
+        forward(loaded, torch.arange(PASS)[None] + 3, cache=cache, start_pos=context + new_tokens)
         passes.append(time.perf_counter() - t)
     step = sorted(steps)[len(steps) // 2]
     return {"decode_tokens_per_second": 1 / step, "pass_steps": min(passes) / step,
@@ -61,14 +64,14 @@ def measure_layerplan(model: str, new_tokens: int, threads: int, dtype: str, sta
             "formats": loaded.stored.formats}
 
 
-def measure_llama_cpp(gguf: Path, new_tokens: int, threads: int) -> dict:
+def measure_llama_cpp(gguf: Path, new_tokens: int, threads: int, depth: int = 0) -> dict:
     from layerplan.app.llamacpp import find_tools
     from layerplan.app.peers import llama_bench
 
     tools = find_tools()
     if tools is None:
         raise SystemExit("llama.cpp's tools are not built: layerplan peers build")
-    run = llama_bench(tools / "llama-bench", gguf, threads, new_tokens, pass_length=PASS)
+    run = llama_bench(tools / "llama-bench", gguf, threads, new_tokens, pass_length=PASS, depth=depth)
     # a cold start to the first token (load, then one token), in a process whose peak memory is
     # read by a child of its own: RUSAGE_CHILDREN here would count the layerplan runs too
     probe = ("import resource, subprocess, sys, time; start = time.perf_counter(); "
@@ -89,10 +92,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--dtype", default="stored", choices=["stored", "stored-fast"],
                         help="stored: exact fp32 products; stored-fast: integer products on int8 activations")
+    parser.add_argument("--depth", type=int, default=0,
+                        help="decode after this many tokens of context, both sides (default: layerplan after "
+                             f"{CONTEXT}, llama-bench after none)")
     parser.add_argument("--_layerplan-only", dest="started_at", type=float, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.depth < 0:
+        raise SystemExit(f"--depth must be 0 or more, not {args.depth}")
     if args.started_at is not None:
-        print(json.dumps(measure_layerplan(args.model, args.new_tokens, args.threads, args.dtype, args.started_at)))
+        print(json.dumps(measure_layerplan(args.model, args.new_tokens, args.threads, args.dtype, args.started_at,
+                                           args.depth or CONTEXT)))
         return
     from layerplan.machine import read_cpuinfo
     from layerplan.models.loading import gguf_of
@@ -103,11 +112,11 @@ def main(argv: list[str] | None = None) -> None:
     ours, theirs = [], []
     for _ in range(args.rounds):
         done = subprocess.run([sys.executable, __file__, args.model, "--new-tokens", str(args.new_tokens),
-                               "--threads", str(args.threads), "--dtype", args.dtype,
+                               "--threads", str(args.threads), "--dtype", args.dtype, "--depth", str(args.depth),
                                "--_layerplan-only", repr(time.time())],
                               capture_output=True, text=True, check=True)
         ours.append(json.loads(done.stdout.strip().splitlines()[-1]))
-        theirs.append(measure_llama_cpp(gguf, args.new_tokens, args.threads))
+        theirs.append(measure_llama_cpp(gguf, args.new_tokens, args.threads, args.depth))
 
     def best(runs: list[dict], key: str, low: bool = False):
         values = [r[key] for r in runs if r.get(key) is not None]
@@ -128,6 +137,7 @@ def main(argv: list[str] | None = None) -> None:
     summary["llama_cpp_build"] = theirs[0]["build"]
     summary["threads"] = args.threads
     summary["dtype"] = args.dtype
+    summary["depth"] = args.depth
     summary["cpu"] = read_cpuinfo()[0]
     from layerplan.engine.kernel_library import library
     summary["kernels"] = library().isa

@@ -332,4 +332,7 @@ def test_real_llama_bench_on_the_packaged_gguf():
                       prompt_tokens=8, pass_length=4)
     assert run.n_gen == 8 and 1 < run.tg_tokens_per_second < 10_000
     assert set(run.pp_tokens_per_second) == {4} and run.pg_seconds > 0 and run.pg_prompt == 8
-    assert "Q4_1" in run.model_type
+    assert "Q4_1" in run.model_type and run.depth == 0
+    deep = llama_bench(BUILT / "llama-bench", gguf, threads=min(2, os.cpu_count() or 1), new_tokens=8, pass_length=4,
+                       depth=64)
+    assert deep.depth == 64 and deep.n_gen == 8

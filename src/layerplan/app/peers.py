@@ -98,6 +98,7 @@ class LlamaBenchRun:
     pg_prompt: int = 0
     model_type: str = ""
     build: str = ""
+    depth: int = 0  # tokens in the context before the tests (-d), as llama-bench reports it
 
     def pass_steps(self, k: int) -> float | None:
         """A pass over k tokens in one-token steps (1.0: as cheap as one step)."""
@@ -132,7 +133,7 @@ def parse_llama_bench_json(text: str) -> LlamaBenchRun:
     rate, n_gen, first = tg
     build = f"build {first.get('build_number', '?')} ({first.get('build_commit', '?')})"
     return LlamaBenchRun(rate, n_gen, pp, pg[0] if pg else None, pg[1] if pg else 0,
-                         str(first.get("model_type", "")), build)
+                         str(first.get("model_type", "")), build, int(first.get("n_depth") or 0))
 
 
 def _run_tool(command: list[str], what: str, stdout_only: bool = False) -> str:
@@ -150,12 +151,15 @@ def _run_tool(command: list[str], what: str, stdout_only: bool = False) -> str:
 
 
 def llama_bench(tool: Path, gguf: Path, threads: int, new_tokens: int, prompt_tokens: int = 0,
-                pass_length: int = PASS_LENGTH, repetitions: int = 1) -> LlamaBenchRun:
-    """tg `new_tokens`, pp `pass_length`, and (with prompt_tokens) pg prompt_tokens,new_tokens."""
+                pass_length: int = PASS_LENGTH, repetitions: int = 1, depth: int = 0) -> LlamaBenchRun:
+    """tg `new_tokens`, pp `pass_length`, and (with prompt_tokens) pg prompt_tokens,new_tokens;
+    depth: the tests run after that many tokens in the context (llama-bench's -d)."""
     command = [str(tool), "-m", str(gguf), "-t", str(threads), "-n", str(new_tokens), "-p", str(pass_length),
                "-r", str(repetitions), "-o", "json"]
     if prompt_tokens:
         command += ["-pg", f"{prompt_tokens},{new_tokens}"]
+    if depth:
+        command += ["-d", str(depth)]
     return parse_llama_bench_json(_run_tool(command, f"llama-bench on {gguf.name}", stdout_only=True))
 
 
