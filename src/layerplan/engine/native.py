@@ -591,6 +591,26 @@ class StepRun:
         return logits
 
 
+def _row_decoder(table) -> Callable[[np.ndarray], torch.Tensor] | None:
+    """Stored rows of `table` (a StoredTensor; uint8 (count, row_bytes)) -> float32 (count,
+    columns) by the kernels' lp_dequantize_rows: gguf-py's values bit for bit
+    (tests/test_quant_kernels.py), in a microsecond rather than gguf-py's ~50 us a call; None for
+    a type the kernels do not hold."""
+    code = ABI.constants.get(f"LP_FORMAT_{table.type_name.upper()}")
+    if code is None:
+        return None
+    lib, columns = library(), table.columns
+
+    def decode(rows: np.ndarray) -> torch.Tensor:
+        rows = np.ascontiguousarray(rows)
+        out = torch.empty(len(rows), columns)
+        check(lib.lp_dequantize_rows(code, rows.ctypes.data, len(rows), columns, out.data_ptr()),
+              f"dequantizing {table.type_name} embedding rows")
+        return out
+
+    return decode
+
+
 @dataclass(frozen=True)
 class PassEnds:
     """What a whole pass in one native call needs besides the steps: the embedding's weight (read
@@ -599,7 +619,7 @@ class PassEnds:
     embedding: torch.Tensor  # (vocab, hidden); (0, hidden) where `lookup` gives the rows
     norm: _Norm
     head: PackedMatrix
-    lookup: nn.Module | None = None  # a stored embedding (models/stored.py): ids -> their rows
+    lookup: Callable[[torch.Tensor], torch.Tensor] | None = None  # a stored embedding's: ids -> their rows
 
 
 def _rows_limit(dtype: torch.dtype) -> int | None:
@@ -692,7 +712,9 @@ class NativeEngine:
             norm = self._final_norm(parts.final_norm, dtype) if head is not None else None
             if norm is None or head.k != embedding.table.columns:
                 return None
-            return PassEnds(torch.empty(0, head.k, dtype=dtype), norm, head, lookup=embedding)
+            decode = _row_decoder(embedding.table)
+            lookup = embedding if decode is None else partial(embedding.lookup, decode=decode)
+            return PassEnds(torch.empty(0, head.k, dtype=dtype), norm, head, lookup=lookup)
         weight = getattr(embedding, "weight", None)
         if (type(embedding) is not nn.Embedding or embedding.max_norm is not None or parts.position_embed is not None
                 or weight.dtype != dtype or weight.device.type != "cpu" or not weight.is_contiguous()):
