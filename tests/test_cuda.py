@@ -26,7 +26,7 @@ from layerplan.engine.load import load_model, wrap_model
 from layerplan.engine.runner import forward, new_cache
 from layerplan.engine.verify import incremental_logits
 from layerplan.models.architectures import ModelError
-from test_speculative import chi_square_p, empirical, exact_joint, total_variation
+from test_speculative import assert_draws_keep_the_target_distribution
 from tiny import ARCHS, VOCAB, tiny_hf
 from tiny_gguf import write_tiny_gguf
 from tiny_text import save_tiny_with_tokenizer
@@ -160,14 +160,8 @@ def test_speculative_sampling_on_the_gpu_keeps_the_target_distribution():
     """tests/test_speculative.py's check, with the target and its exit draft on the GPU: 3 tokens,
     top-k 3, 1500 seeded runs; the chi-square test against the exact enumeration does not reject at
     p < 0.001 and the total variation distance is below 0.1."""
-    model = on_gpu("llama", num_layers=3, seed=2)
-    prompt = [5, 6, 7, 5, 6]
-    params = SamplingParams(temperature=1.0, top_k=3, repetition_penalty=1.3)
-    table = exact_joint(model, prompt, params, 3)
-    runs = 1500
-    counts = empirical(model, prompt, params, 3, runs, "exit:1")
-    assert chi_square_p(counts, table, runs) > 1e-3
-    assert total_variation(counts, table, runs) < 0.1
+    assert_draws_keep_the_target_distribution(on_gpu("llama", num_layers=3, seed=2), "exit:1", runs=1500,
+                                              most_apart=0.1)
 
 
 @pytest.mark.parametrize("draft", [None, "suffix", "exit:2"])

@@ -243,15 +243,25 @@ def test_speculative_sampling_preserves_the_target_distribution(draft):
     p < 0.001, and the total variation distance is below 0.08 (its expected value here is
     ≤ 0.045). Power: the draft's own distribution is more than 0.3 away from what we sample."""
     model = tiny_model("llama", num_layers=3, seed=2)
-    prompt = [5, 6, 7, 5, 6]
-    params = SamplingParams(temperature=1.0, top_k=3, repetition_penalty=1.3)
-    table = exact_joint(model, prompt, params, 3)
+    counts = assert_draws_keep_the_target_distribution(model, draft, runs=2500, most_apart=0.08)
+    assert total_variation(counts, exact_joint_draft(model, DISTRIBUTION_PROMPT, DISTRIBUTION_PARAMS, 3), 2500) > 0.3
+
+
+DISTRIBUTION_PROMPT = [5, 6, 7, 5, 6]
+DISTRIBUTION_PARAMS = SamplingParams(temperature=1.0, top_k=3, repetition_penalty=1.3)
+
+
+def assert_draws_keep_the_target_distribution(model, draft, runs: int, most_apart: float) -> dict:
+    """`runs` seeded 3-token samples of DISTRIBUTION_PROMPT with `draft` (top-k 3, a repetition
+    penalty: 27 possible sequences): the chi-square test against the target's exact enumeration
+    does not reject at p < 0.001, and the total variation distance is below `most_apart`. Returns
+    the counts."""
+    table = exact_joint(model, DISTRIBUTION_PROMPT, DISTRIBUTION_PARAMS, 3)
     assert sum(table.values()) == pytest.approx(1.0)
-    runs = 2500
-    counts = empirical(model, prompt, params, 3, runs, draft)
+    counts = empirical(model, DISTRIBUTION_PROMPT, DISTRIBUTION_PARAMS, 3, runs, draft)
     assert chi_square_p(counts, table, runs) > 1e-3
-    assert total_variation(counts, table, runs) < 0.08
-    assert total_variation(counts, exact_joint_draft(model, prompt, params, 3), runs) > 0.3
+    assert total_variation(counts, table, runs) < most_apart
+    return counts
 
 
 def exact_joint_draft(model, prompt, params, length):
@@ -398,14 +408,7 @@ def test_a_quantized_copy_drafts_losslessly(tmp_path, draft):
 def test_a_quantized_copys_samples_keep_the_target_distribution(tmp_path):
     """As test_speculative_sampling_preserves_the_target_distribution, with a q4_0 copy drafting
     (2000 seeded runs; chi-square against the exact enumeration, p > 0.001; TV < 0.08)."""
-    model = _folder_model(tmp_path)
-    prompt = [5, 6, 7, 5, 6]
-    params = SamplingParams(temperature=1.0, top_k=3, repetition_penalty=1.3)
-    table = exact_joint(model, prompt, params, 3)
-    runs = 2000
-    counts = empirical(model, prompt, params, 3, runs, "self:bits=q4_0")
-    assert chi_square_p(counts, table, runs) > 1e-3
-    assert total_variation(counts, table, runs) < 0.08
+    assert_draws_keep_the_target_distribution(_folder_model(tmp_path), "self:bits=q4_0", runs=2000, most_apart=0.08)
 
 
 @pytest.mark.parametrize("draft,message", [
