@@ -78,6 +78,7 @@ def test_the_full_plan_on_the_gpu_gives_transformers_logits_there_and_the_cpus(a
     assert largest_difference(logits, reference) < TOL
     assert largest_difference(incremental_logits(model, ids, model.plan()), reference) < TOL  # a cache grown twice
     assert largest_difference(logits, forward(on_cpu(arch, attn=attn), ids.cpu())) < TOL
+    assert largest_difference(forward(model, ids.cpu()), logits) < TOL  # ids made on the CPU go to the model
 
 
 @pytest.mark.parametrize("arch", ARCHS)

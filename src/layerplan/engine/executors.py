@@ -98,9 +98,10 @@ class ModuleExecutor:
 
     def embed(self, model, input_ids: torch.Tensor, start_pos: int, tree: TreeShape | None) -> torch.Tensor:
         parts = model.parts
-        hidden = parts.embed(input_ids.to(model.device))  # (B, T, hidden); ids made on the CPU go to the model
+        ids = input_ids.to(model.device)  # ids made on the CPU go where the model is
+        hidden = parts.embed(ids)  # (B, T, hidden)
         if parts.position_embed is not None:
-            hidden = hidden + parts.position_embed(positions(start_pos, input_ids.shape[1], tree, input_ids.device))[None]
+            hidden = hidden + parts.position_embed(positions(start_pos, ids.shape[1], tree, ids.device))[None]
         return hidden
 
     def head(self, parts, hidden: torch.Tensor) -> torch.Tensor:
