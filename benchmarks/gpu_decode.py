@@ -92,7 +92,9 @@ def decode_rows(model, ids: list[int], new_tokens: int, repeats: int, drafts: li
         median = statistics.median(seconds[name])
         rows.append({"method": name, "tokens": len(tokens), "seconds": median, "tokens_per_second": len(tokens) / median,
                      "token_ids": tokens,
-                     "acceptance_rate": stats.get("acceptance_rate"), "mean_accepted_length": stats.get("mean_accepted_length")})
+                     "acceptance_rate": stats.get("acceptance_rate"), "mean_accepted_length": stats.get("mean_accepted_length"),
+                     # where a drafting run's time went (the last run): its rounds, drafts, and seconds
+                     **{key: stats.get(key) for key in ("rounds", "drafted", "draft_seconds", "verify_seconds")}})
     plain = next(r for r in rows if r["method"] == "layerplan plain")
     reference = rows[0]
     for row in rows:
@@ -169,7 +171,8 @@ def main() -> None:
                                  "pass_steps": {k: v / costs[1] for k, v in costs.items()}, "gpu_busy": busy})
         print(f"\n{shape} (random weights, bfloat16)")
         for row in rows:
-            accept = f"  accept {row['acceptance_rate']:.2f}" if row["acceptance_rate"] is not None else ""
+            accept = (f"  accept {row['acceptance_rate']:.2f}, {row['rounds']} rounds: drafting {row['draft_seconds']:.2f} s, "
+                      f"verifying {row['verify_seconds']:.2f} s") if row["rounds"] is not None else ""
             print(f"  {row['method']:<28} {row['tokens_per_second']:8.1f} tok/s  {row['vs_transformers']:5.2f}x HF"
                   f"  same as plain: {row['same_tokens_as_plain']}{accept}")
         print("  k-token pass / 1-token step: " + ", ".join(f"{k}: {v / costs[1]:.2f}" for k, v in costs.items())
