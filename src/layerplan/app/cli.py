@@ -1248,10 +1248,12 @@ def serve(model, dtype, device, engine, threads, plan, draft, draft_length, host
             max_batch = probe_row.fullest_pass() if probe_row is not None else DEFAULT_MAX_BATCH
             batch_source = "this machine's probe" if probe_row is not None else "no probe cached"
 
-        def listening(bound_host: str, bound_port: int) -> None:
+        def listening(bound_host: str, bound_port: int, at_once: int) -> None:
+            batch = (f"up to {at_once} requests at once, {batch_source}" if at_once > 1 or max_batch == 1
+                     else "one request at a time: its draft runs a model")
             click.echo(f"serving '{served_name or loaded.name}' on http://{bound_host}:{bound_port}/v1 "
-                       f"(draft: {draft or 'none'}; up to {max_batch} requests at once, {batch_source}), "
-                       f"the playground on http://{bound_host}:{bound_port}/; Ctrl-C stops", err=True)
+                       f"(draft: {draft or 'none'}; {batch}), the playground on http://{bound_host}:{bound_port}/; "
+                       "Ctrl-C stops", err=True)
 
         try:
             run_server(loaded, host, port, on_listening=listening, plan=loaded.plan(plan) if plan else None,

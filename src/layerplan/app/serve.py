@@ -868,9 +868,10 @@ def listen_socket(host: str, port: int) -> socket.socket:
 
 
 def serve(model: LoadedModel, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info",
-          on_listening: Callable[[str, int], None] | None = None, **options) -> None:
+          on_listening: Callable[[str, int, int], None] | None = None, **options) -> None:
     """Serve until interrupted: HTTP on a background thread, decoding on this one (see Engine).
-    on_listening(host, port): once the address is bound (port 0 becomes the one chosen);
+    on_listening(host, port, max_batch): once the address is bound (port 0 becomes the one chosen),
+    with the requests the engine decodes at once (1 where the draft runs a model);
     options: see create_app."""
     import uvicorn
 
@@ -878,7 +879,7 @@ def serve(model: LoadedModel, host: str = "127.0.0.1", port: int = 8000, log_lev
     # bound here, not in uvicorn's thread, whose failure would leave this one serving nothing
     listening = listen_socket(host, port)
     if on_listening:
-        on_listening(host, listening.getsockname()[1])
+        on_listening(host, listening.getsockname()[1], app.state.engine.max_batch)
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level))
     http = threading.Thread(target=server.run, kwargs={"sockets": [listening]}, name="layerplan-http", daemon=True)
     http.start()
