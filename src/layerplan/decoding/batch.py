@@ -167,7 +167,10 @@ def generate_batch(model: LoadedModel, prompts: Sequence, plan: LayerPlan | None
     """generate() for every prompt, up to max_batch decoding at once (continuous batching): a
     prompt starts as soon as one ends. Each result is its prompt's generate() result, token for
     token (greedy, or sampled with its seed). draft: each prompt drafts with its own drafter of
-    this spec (lossless: the same tokens), its chains verified in the batch's passes."""
+    this spec (lossless: the same greedy tokens), its chains verified in the batch's passes, its
+    adaptive draft length starting from what the prompts before it measured (SharedRounds).
+    Sampled and drafted, the random draws follow the draft lengths: the same tokens as alone for
+    a fixed length in a batch of one, else other draws from the same distribution."""
     if max_batch < 1:
         raise ValueError(f"max_batch must be >= 1, got {max_batch}")
     plan = plan if plan is not None else model.plan()
