@@ -482,8 +482,8 @@ class Engine:
             if job.on_start:
                 job.on_start()
             if job.draft is not None:
-                plan = job.plan if job.plan is not None else self.plan
-                key = (getattr(job.draft, "name", str(job.draft)), plan.to_string(), str(job.draft_length))
+                # (submit gave the job its plan and its drafter, an object with a name)
+                key = (job.draft.name, job.plan.to_string(), str(job.draft_length))
                 decoding = SpeculativeDecoding(self.model, job.prompt_ids, job.draft, job.plan, job.max_tokens,
                                                job.sampling, job.seed, job.stop, on_text=job.on_text,
                                                draft_length=job.draft_length, should_stop=job.cancelled.is_set,

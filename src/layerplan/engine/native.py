@@ -596,7 +596,7 @@ def _row_decoder(table) -> Callable[[np.ndarray], torch.Tensor] | None:
     columns) by the kernels' lp_dequantize_rows: gguf-py's values bit for bit
     (tests/test_quant_kernels.py), in a microsecond rather than gguf-py's ~50 us a call; None for
     a type the kernels do not hold."""
-    code = ABI.constants.get(f"LP_FORMAT_{table.type_name.upper()}")
+    code = getattr(ABI, f"LP_FORMAT_{table.type_name}", None)  # as PackedMatrix names its format
     if code is None:
         return None
     lib, columns = library(), table.columns
