@@ -2,14 +2,14 @@
 weights, and what 8 rows cost against one.
 
     python benchmarks/quant_products.py [--mb 320] [--threads 2] [--rounds 7] [--formats Q4_1,...]
-                                        [--arithmetic exact,int8]
+                                        [--arithmetic exact,int8] [--rows 4,8,16]
 
 Each format gets one matrix of k = 4096 inputs and about --mb MB packed, filled with random blocks
 with sane scales; all are made first, then each round times every format in turn (one row, then
-8 rows), so a change in the machine's load falls on every format alike, and the other formats'
+the --rows passes), so a change in the machine's load falls on every format alike, and the other formats'
 matrices push each one out of the caches between its products. --arithmetic int8 times the integer
 products on quantized activations (kernels.h LP_ARITH_INT8; a format without them runs exact). A figure is the best of the
-rounds: one row's GB/s of packed bytes (and G weights/s), then the time of 8 rows over one's.
+rounds: one row's GB/s of packed bytes (and G weights/s), then the time of each --rows pass (8) over one row's.
 Figures on a machine shared with other work are indicative only.
 """
 
@@ -57,14 +57,17 @@ def main() -> None:
     parser.add_argument("--k", type=int, default=4096)
     parser.add_argument("--formats", default=",".join(FORMATS))
     parser.add_argument("--arithmetic", default="exact", help="exact, int8 or both (exact,int8)")
+    parser.add_argument("--rows", default="8", help="the passes timed against one row: row counts, e.g. 4,8,16")
     args = parser.parse_args()
+    passes = [int(r) for r in args.rows.split(",")]
     lib, abi = kl.library(), kl.ABI
     model, _ = read_cpuinfo()
     print(f"{model}; {os.cpu_count()} CPUs, {args.threads} threads; load average {os.getloadavg()[0]:.1f} "
           f"(a shared machine: indicative figures); kernels {lib.isa}")
     arithmetics = {"exact": abi.LP_ARITH_EXACT, "int8": abi.LP_ARITH_INT8}
     asked = args.arithmetic.split(",")
-    print(f"{'format':11} {'MB':>6} {'1 row ms':>9} {'GB/s':>6} {'Gw/s':>6} {'8 rows ms':>10} {'8 / 1':>6}")
+    print(f"{'format':11} {'MB':>6} {'1 row ms':>9} {'GB/s':>6} {'Gw/s':>6}"
+          + "".join(f" {f'{m} rows ms':>10} {f'{m} / 1':>6}" for m in passes))
     rng = np.random.default_rng(0)
     k = args.k
     matrices = {}
@@ -83,8 +86,8 @@ def main() -> None:
             matrices[label] = (packed, abi.structs["lp_matrix"](ctypes.c_void_p(packed.ctypes.data), None, n, k, fmt,
                                                                 arithmetics[arithmetic]))
         del rows
-    x = rng.standard_normal((8, k), dtype=np.float32)
-    y = np.empty((8, max(m.n for _, m in matrices.values())), np.float32)
+    x = rng.standard_normal((max(passes), k), dtype=np.float32)
+    y = np.empty((max(passes), max(m.n for _, m in matrices.values())), np.float32)
 
     def seconds(matrix, m: int) -> float:
         start = time.perf_counter()
@@ -92,15 +95,16 @@ def main() -> None:
                                ctypes.c_void_p(y.ctypes.data), abi.LP_DTYPE_F32, m, args.threads), "product")
         return time.perf_counter() - start
 
-    best = {name: [float("inf"), float("inf")] for name in matrices}
+    best = {name: {m: float("inf") for m in [1, *passes]} for name in matrices}
     for _ in range(args.rounds):
         for name, (_, matrix) in matrices.items():
-            best[name][0] = min(best[name][0], seconds(matrix, 1))
-            best[name][1] = min(best[name][1], seconds(matrix, 8))
+            for m in best[name]:
+                best[name][m] = min(best[name][m], seconds(matrix, m))
     for name, (packed, matrix) in matrices.items():
-        one, eight = best[name]
+        one = best[name][1]
         print(f"{name:11} {packed.size / 1e6:6.0f} {one * 1e3:9.2f} {packed.size / one / 1e9:6.1f} "
-              f"{matrix.n * k / one / 1e9:6.2f} {eight * 1e3:10.2f} {eight / one:6.2f}")
+              f"{matrix.n * k / one / 1e9:6.2f}"
+              + "".join(f" {best[name][m] * 1e3:10.2f} {best[name][m] / one:6.2f}" for m in passes))
 
 if __name__ == "__main__":
     main()

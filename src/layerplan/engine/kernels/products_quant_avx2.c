@@ -914,6 +914,70 @@ ALWAYS __m256i four_bytes(const int8_t *p) {
         }                                                                                          \
     }
 
+/* RR rows on one panel as ITILE_Y, for 7-8 rows on AVX2, whose 16 registers do not hold their
+ * int16 and int32 sums (ITILE_Y's row-inner loop spills them at every word; two 4-row tiles unpack
+ * every word twice): each sub-block's words are unpacked once into wls / whs (in L1), then the rows
+ * run over them one after another, each with its sums in four registers. (Two rows at a time, one
+ * load of a word serving both, measured no faster.) The same integers (exact sums) and the same
+ * float operations in the same order as ITILE: the same bits. */
+#define ITILE_W(NAME, F, f, RR)                                                                    \
+    static void NAME(const lp_q8 *x, long r0, const void *wv, float *y, long ys) {                \
+        enum { R = RR, WORDS = F##_ISUB / 4 };                                                     \
+        const uint8_t *w = (const uint8_t *)wv;                                                    \
+        const long k = x->k;                                                                       \
+        _Alignas(32) __m256i wls[WORDS], whs[WORDS];                                               \
+        for (int r = 0; r < R; r++) {                                                              \
+            _mm256_storeu_ps(y + r * ys, _mm256_setzero_ps());                                     \
+            _mm256_storeu_ps(y + r * ys + 8, _mm256_setzero_ps());                                 \
+        }                                                                                          \
+        for (long s0 = 0; s0 < k; s0 += F##_ISUB) {                                                \
+            istate st;                                                                             \
+            f##_iset(&st, w + s0 / F##_BLOCK * F##_PB, (int)(s0 % F##_BLOCK / F##_ISUB));          \
+            if (r0 == 0)                                                                           \
+                PREFETCH_SUB(F, F##_ISUB, w, LP_AHEAD_PANELS * (k / F##_BLOCK * F##_PB), s0);       \
+            _Pragma("GCC unroll 8") for (int c = 0; c < WORDS; c++) f##_iload(&st, c, &wls[c], &whs[c]); \
+            for (int r = 0; r < R; r++) {                                                          \
+                const int8_t *xr = x->q + (r0 + r) * k;                                            \
+                __m256i al = _mm256_setzero_si256(), ah = _mm256_setzero_si256();                  \
+                BUFFERED_WORDS(F, f)                                                               \
+                if (LP_INT16_SUMS && F##_PLUS128) {                                                \
+                    const __m256i more = _mm256_set1_epi32(128 * sum32_i8(xr + s0));               \
+                    al = _mm256_add_epi32(al, more);                                               \
+                    ah = _mm256_add_epi32(ah, more);                                               \
+                }                                                                                  \
+                const float *ss = x->s + (r0 + r) * (k / 16) + s0 / 16;                            \
+                __m256 d = _mm256_set1_ps(x->d[(r0 + r) * (k / 32) + s0 / 32]);                    \
+                __m256 s = _mm256_set1_ps(F##_ISUB == 32 ? ss[0] + ss[1] : ss[0]);                 \
+                float *o = y + r * ys;                                                             \
+                _mm256_storeu_ps(o, fma_(st.ol, s, fma_(cvt(al), mul(st.dl, d), _mm256_loadu_ps(o)))); \
+                _mm256_storeu_ps(o + 8, fma_(st.oh, s, fma_(cvt(ah), mul(st.dh, d), _mm256_loadu_ps(o + 8)))); \
+            }                                                                                      \
+        }                                                                                          \
+    }
+
+/* one row's integer sums al / ah over the sub-block's unpacked words, as SUB_BLOCK_WORDS sums them
+ * (int16 pair sums of F##_STEPS16 words where LP_INT16_SUMS takes the format) */
+#define BUFFERED_WORDS(F, f)                                                                       \
+    if (LP_INT16_SUMS && F##_STEPS16 > 0) {                                                        \
+        const __m256i ones16 = _mm256_set1_epi16(1);                                               \
+        _Pragma("GCC unroll 8") for (int c0 = 0; c0 < WORDS; c0 += (F##_STEPS16 > 0 ? F##_STEPS16 : 1)) { \
+            __m256i pl = _mm256_setzero_si256(), ph = _mm256_setzero_si256();                      \
+            _Pragma("GCC unroll 8") for (int c = c0; c < c0 + F##_STEPS16 && c < WORDS; c++) {     \
+                __m256i xb = four_bytes(xr + s0 + 4 * c);                                          \
+                pl = _mm256_add_epi16(pl, _mm256_maddubs_epi16(wls[c], xb));                       \
+                ph = _mm256_add_epi16(ph, _mm256_maddubs_epi16(whs[c], xb));                       \
+            }                                                                                      \
+            al = _mm256_add_epi32(al, _mm256_madd_epi16(pl, ones16));                              \
+            ah = _mm256_add_epi32(ah, _mm256_madd_epi16(ph, ones16));                              \
+        }                                                                                          \
+    } else {                                                                                       \
+        _Pragma("GCC unroll 8") for (int c = 0; c < WORDS; c++) {                                  \
+            __m256i xb = four_bytes(xr + s0 + 4 * c);                                              \
+            al = f##_dot(al, wls[c], xb);                                                          \
+            ah = f##_dot(ah, whs[c], xb);                                                          \
+        }                                                                                          \
+    }
+
 /* the one-panel tiles by rows: sums in registers for up to 4 rows, in y for 5 and 6 */
 #define PANEL_TILES(F, f)                                                                          \
     ITILE(f##_i1, F, f, 1)                                                                         \
@@ -1098,7 +1162,10 @@ ALWAYS void store_ab(float *o, int at, __m512 v) {
 #else
 #define ITILES(F, f)                                                                               \
     PANEL_TILES(F, f)                                                                              \
-    static const lp_int_tiles int_tiles_##f = {{NULL, f##_i1, f##_i2, f##_i3, f##_i4, f##_i5, f##_i6}, {NULL}, 6};
+    ITILE_W(f##_i7, F, f, 7)                                                                       \
+    ITILE_W(f##_i8, F, f, 8)                                                                       \
+    static const lp_int_tiles int_tiles_##f = {{NULL, f##_i1, f##_i2, f##_i3, f##_i4, f##_i5, f##_i6, f##_i7, f##_i8}, \
+                                               {NULL}, 8};
 #endif
 
 ITILES(Q4_0, q4_0)
