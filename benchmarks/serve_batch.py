@@ -5,8 +5,12 @@ the same clients against `llama-server --parallel N` (continuous batching, the s
 threads; `layerplan peers build` once).
 
     python benchmarks/serve_batch.py [--model smollm2] [--dtype stored-fast] [--clients 1,4,8] [--tokens 64]
-                                     [--requests 24] [--draft suffix]
+                                     [--requests 24] [--draft suffix] [--first-token]
 
+--first-token streams layerplan's replies and reports each round's median and longest time to a
+request's first text, and the longest against first-come-first-served's bound: the prefills of
+the request and of the C - 1 others ahead of it at most (each at most one client's longest wait)
+and the pass under way when it came.
 Prints one JSON object. Greedy decoding; the requests ask for --tokens tokens and stop at EOS.
 Every round sends the same --requests requests (the prompts in turn); its C clients are a closed
 loop, each sending its next request when its last reply came, so the batch holds C requests
@@ -58,13 +62,15 @@ def _wait(url: str, seconds: float = 120) -> None:
     raise SystemExit(f"{url} did not answer within {seconds} s")
 
 
-def _round(base: str, model: str, clients: int, tokens: int, extra: dict, prompts: list[str]) -> dict:
+def _round(base: str, model: str, clients: int, tokens: int, extra: dict, prompts: list[str],
+           stream: bool = False) -> dict:
     """C clients at once, closed loop: each sends its next request as soon as its last reply came,
     taking them in order from `prompts` until none is left (so a batch stays full but at the very
     end, as a busy server's does). Every round sends the same requests. Wall, tokens, each
-    request's seconds per token, texts (in prompts' order)."""
+    request's seconds per token, texts (in prompts' order); streamed (server-sent events), also
+    each request's time to its first text."""
     texts: list[str | None] = [None] * len(prompts)
-    done_tokens, per_token = [0] * len(prompts), [0.0] * len(prompts)
+    done_tokens, per_token, first = [0] * len(prompts), [0.0] * len(prompts), [0.0] * len(prompts)
     next_index, lock = [0], threading.Lock()
 
     def client() -> None:
@@ -76,11 +82,14 @@ def _round(base: str, model: str, clients: int, tokens: int, extra: dict, prompt
                 if index >= len(prompts):
                     return
                 start = time.perf_counter()
-                reply = session.post("/v1/completions", json={"model": model, "prompt": prompts[index],
-                                                              "max_tokens": tokens, "temperature": 0, **extra}).json()
+                body = {"model": model, "prompt": prompts[index], "max_tokens": tokens, "temperature": 0, **extra}
+                if stream:
+                    first[index], texts[index], done_tokens[index] = _streamed(session, body, start)
+                else:
+                    reply = session.post("/v1/completions", json=body).json()
+                    done_tokens[index] = reply["usage"]["completion_tokens"]
+                    texts[index] = reply["choices"][0]["text"]
                 seconds = time.perf_counter() - start
-                done_tokens[index] = reply["usage"]["completion_tokens"]
-                texts[index] = reply["choices"][0]["text"]
                 per_token[index] = seconds / max(done_tokens[index], 1)
 
     start = time.perf_counter()
@@ -89,9 +98,30 @@ def _round(base: str, model: str, clients: int, tokens: int, extra: dict, prompt
             future.result()
     wall = time.perf_counter() - start
     total = sum(done_tokens)
-    return {"clients": clients, "requests": len(prompts), "wall_seconds": wall, "tokens": total,
-            "tokens_per_second": total / wall, "median_seconds_per_token": statistics.median(per_token),
-            "texts": texts}
+    row = {"clients": clients, "requests": len(prompts), "wall_seconds": wall, "tokens": total,
+           "tokens_per_second": total / wall, "median_seconds_per_token": statistics.median(per_token),
+           "texts": texts}
+    if stream:
+        row["first_token_seconds"] = {"median": statistics.median(first), "longest": max(first)}
+    return row
+
+
+def _streamed(session: httpx.Client, body: dict, start: float) -> tuple[float, str, int]:
+    """One streamed completion: (seconds from `start` to its first text, its text, its tokens)."""
+    first, text, tokens = 0.0, "", 0
+    body = {**body, "stream": True, "stream_options": {"include_usage": True}}
+    with session.stream("POST", "/v1/completions", json=body) as reply:
+        for line in reply.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[len("data: "):])
+            if event.get("usage"):
+                tokens = event["usage"]["completion_tokens"]
+            piece = event["choices"][0].get("text", "") if event.get("choices") else ""
+            if piece and not text:
+                first = time.perf_counter() - start
+            text += piece
+    return first, text, tokens
 
 
 def main() -> None:
@@ -104,6 +134,8 @@ def main() -> None:
                         help="requests each round sends (the prompts in turn), whatever its clients")
     parser.add_argument("--draft", default=None, help="serve with this (lookup) drafter: ngram or suffix")
     parser.add_argument("--no-llama-server", action="store_true")
+    parser.add_argument("--first-token", action="store_true",
+                        help="stream layerplan's replies and time each request's first text (starvation)")
     args = parser.parse_args()
     counts = [int(c) for c in args.clients.split(",")]
     threads = torch.get_num_threads()
@@ -123,7 +155,7 @@ def main() -> None:
         base = f"http://127.0.0.1:{port}"
         _wait(f"{base}/health", 300)
         _round(base, model.name, 1, 8, {}, PROMPTS[:1])  # warm-up
-        ours = [_round(base, model.name, c, args.tokens, {}, every) for c in counts]
+        ours = [_round(base, model.name, c, args.tokens, {}, every, stream=args.first_token) for c in counts]
     finally:
         process.terminate()
         process.wait(timeout=30)
@@ -134,6 +166,13 @@ def main() -> None:
         if one is not None:
             row["vs_one_client"] = row["tokens_per_second"] / one["tokens_per_second"]
             row["time_per_token_vs_solo"] = row["median_seconds_per_token"] / one["median_seconds_per_token"]
+            if args.first_token:
+                # first come, first served: no request waits longer than its own prompt's prefill
+                # and those of the requests ahead of it (at most the C - 1 others; each at most one
+                # client's longest wait, the longest prompt's pass alone) and the pass under way
+                # when it came (a pass at this load: the median time per token)
+                bound = row["clients"] * one["first_token_seconds"]["longest"] + row["median_seconds_per_token"]
+                row["longest_first_token_vs_fcfs_bound"] = row["first_token_seconds"]["longest"] / bound
     theirs = []
     gguf = gguf_of(args.model)
     if not args.no_llama_server and gguf is not None:
