@@ -72,16 +72,22 @@ def measure_llama_cpp(gguf: Path, new_tokens: int, threads: int, depth: int = 0)
     if tools is None:
         raise SystemExit("llama.cpp's tools are not built: layerplan peers build")
     run = llama_bench(tools / "llama-bench", gguf, threads, new_tokens, pass_length=PASS, depth=depth)
-    # a cold start to the first token (load, then one token), in a process whose peak memory is
-    # read by a child of its own: RUSAGE_CHILDREN here would count the layerplan runs too
+    cold, peak_mb = llama_cold_start(tools, gguf, threads)
+    return {"decode_tokens_per_second": run.tg_tokens_per_second, "pass_steps": run.pass_steps(PASS),
+            "first_token_seconds": cold, "peak_rss_mb": peak_mb, "build": run.build}
+
+
+def llama_cold_start(tools: Path, gguf: Path, threads: int) -> tuple[float, float]:
+    """(seconds, peak RSS in MB) of llama.cpp's cold start to the first token (`llama-bench -n 1
+    -p 0`: load, then one token), in a process whose peak memory is read by a child of its own:
+    RUSAGE_CHILDREN in the caller would count its other children too."""
     probe = ("import resource, subprocess, sys, time; start = time.perf_counter(); "
              "subprocess.run(sys.argv[1:], capture_output=True, check=True); "
              "print(time.perf_counter() - start, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)")
     done = subprocess.run([sys.executable, "-c", probe, str(tools / "llama-bench"), "-m", str(gguf), "-t", str(threads),
                            "-n", "1", "-p", "0", "-r", "1"], capture_output=True, text=True, check=True)
     cold, peak_kb = (float(v) for v in done.stdout.split())
-    return {"decode_tokens_per_second": run.tg_tokens_per_second, "pass_steps": run.pass_steps(PASS),
-            "first_token_seconds": cold, "peak_rss_mb": peak_kb / 1024, "build": run.build}
+    return cold, peak_kb / 1024
 
 
 def main(argv: list[str] | None = None) -> None:
