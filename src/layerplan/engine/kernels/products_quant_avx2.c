@@ -890,28 +890,41 @@ ALWAYS __m256i four_bytes(const int8_t *p) {
         const uint8_t *w = (const uint8_t *)wv;                                                    \
         const long k = x->k;                                                                       \
         const int8_t *xr[R];                                                                       \
-        _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                                      \
-            xr[r] = x->q + (r0 + r) * k;                                                           \
-            _mm256_storeu_ps(y + r * ys, _mm256_setzero_ps());                                     \
-            _mm256_storeu_ps(y + r * ys + 8, _mm256_setzero_ps());                                 \
-        }                                                                                          \
+        _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) xr[r] = x->q + (r0 + r) * k;           \
+        ZERO_Y_ROWS(R)                                                                             \
         for (long s0 = 0; s0 < k; s0 += F##_ISUB) {                                                \
-            istate st;                                                                             \
-            f##_iset(&st, w + s0 / F##_BLOCK * F##_PB, (int)(s0 % F##_BLOCK / F##_ISUB));          \
-            if (r0 == 0)                                                                           \
-                PREFETCH_SUB(F, F##_ISUB, w, LP_AHEAD_PANELS * (k / F##_BLOCK * F##_PB), s0);       \
+            ISUB_STATE(F, f)                                                                       \
             __m256i al[R], ah[R];                                                                  \
             _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) al[r] = ah[r] = _mm256_setzero_si256(); \
             SUB_BLOCK_WORDS(F, f, R, al[r], ah[r])                                                 \
-            _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                                  \
-                const float *ss = x->s + (r0 + r) * (k / 16) + s0 / 16;                            \
-                __m256 d = _mm256_set1_ps(x->d[(r0 + r) * (k / 32) + s0 / 32]);                    \
-                __m256 s = _mm256_set1_ps(F##_ISUB == 32 ? ss[0] + ss[1] : ss[0]);                 \
-                float *o = y + r * ys;                                                             \
-                _mm256_storeu_ps(o, fma_(st.ol, s, fma_(cvt(al[r]), mul(st.dl, d), _mm256_loadu_ps(o)))); \
-                _mm256_storeu_ps(o + 8, fma_(st.oh, s, fma_(cvt(ah[r]), mul(st.dh, d), _mm256_loadu_ps(o + 8)))); \
-            }                                                                                      \
+            _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) ADD_INTO_Y(F, r, al[r], ah[r])     \
         }                                                                                          \
+    }
+
+/* (ITILE_Y, ITILE_W) the float sums of R rows in y, zeroed */
+#define ZERO_Y_ROWS(R)                                                                             \
+    _Pragma("GCC unroll 8") for (int r = 0; r < (R); r++) {                                        \
+        _mm256_storeu_ps(y + r * ys, _mm256_setzero_ps());                                         \
+        _mm256_storeu_ps(y + r * ys + 8, _mm256_setzero_ps());                                     \
+    }
+
+/* (ITILE_Y, ITILE_W) sub-block s0's scales and offsets in st; the first row group prefetches */
+#define ISUB_STATE(F, f)                                                                           \
+    istate st;                                                                                     \
+    f##_iset(&st, w + s0 / F##_BLOCK * F##_PB, (int)(s0 % F##_BLOCK / F##_ISUB));                  \
+    if (r0 == 0)                                                                                   \
+        PREFETCH_SUB(F, F##_ISUB, w, LP_AHEAD_PANELS * (k / F##_BLOCK * F##_PB), s0);
+
+/* (ITILE_Y, ITILE_W) row r's integer sums AL / AH of sub-block s0 into its float sums in y, as
+ * ITILE adds them into its registers */
+#define ADD_INTO_Y(F, r, AL, AH)                                                                   \
+    {                                                                                              \
+        const float *ss = x->s + (r0 + (r)) * (k / 16) + s0 / 16;                                  \
+        __m256 d = _mm256_set1_ps(x->d[(r0 + (r)) * (k / 32) + s0 / 32]);                          \
+        __m256 s = _mm256_set1_ps(F##_ISUB == 32 ? ss[0] + ss[1] : ss[0]);                         \
+        float *o = y + (r) * ys;                                                                   \
+        _mm256_storeu_ps(o, fma_(st.ol, s, fma_(cvt(AL), mul(st.dl, d), _mm256_loadu_ps(o))));     \
+        _mm256_storeu_ps(o + 8, fma_(st.oh, s, fma_(cvt(AH), mul(st.dh, d), _mm256_loadu_ps(o + 8)))); \
     }
 
 /* RR rows on one panel as ITILE_Y, for 7-8 rows on AVX2, whose 16 registers do not hold their
@@ -926,37 +939,22 @@ ALWAYS __m256i four_bytes(const int8_t *p) {
         const uint8_t *w = (const uint8_t *)wv;                                                    \
         const long k = x->k;                                                                       \
         _Alignas(32) __m256i wls[WORDS], whs[WORDS];                                               \
-        for (int r = 0; r < R; r++) {                                                              \
-            _mm256_storeu_ps(y + r * ys, _mm256_setzero_ps());                                     \
-            _mm256_storeu_ps(y + r * ys + 8, _mm256_setzero_ps());                                 \
-        }                                                                                          \
+        ZERO_Y_ROWS(R)                                                                             \
         for (long s0 = 0; s0 < k; s0 += F##_ISUB) {                                                \
-            istate st;                                                                             \
-            f##_iset(&st, w + s0 / F##_BLOCK * F##_PB, (int)(s0 % F##_BLOCK / F##_ISUB));          \
-            if (r0 == 0)                                                                           \
-                PREFETCH_SUB(F, F##_ISUB, w, LP_AHEAD_PANELS * (k / F##_BLOCK * F##_PB), s0);       \
+            ISUB_STATE(F, f)                                                                       \
             _Pragma("GCC unroll 8") for (int c = 0; c < WORDS; c++) f##_iload(&st, c, &wls[c], &whs[c]); \
             for (int r = 0; r < R; r++) {                                                          \
                 const int8_t *xr = x->q + (r0 + r) * k;                                            \
                 __m256i al = _mm256_setzero_si256(), ah = _mm256_setzero_si256();                  \
                 BUFFERED_WORDS(F, f)                                                               \
-                if (LP_INT16_SUMS && F##_PLUS128) {                                                \
-                    const __m256i more = _mm256_set1_epi32(128 * sum32_i8(xr + s0));               \
-                    al = _mm256_add_epi32(al, more);                                               \
-                    ah = _mm256_add_epi32(ah, more);                                               \
-                }                                                                                  \
-                const float *ss = x->s + (r0 + r) * (k / 16) + s0 / 16;                            \
-                __m256 d = _mm256_set1_ps(x->d[(r0 + r) * (k / 32) + s0 / 32]);                    \
-                __m256 s = _mm256_set1_ps(F##_ISUB == 32 ? ss[0] + ss[1] : ss[0]);                 \
-                float *o = y + r * ys;                                                             \
-                _mm256_storeu_ps(o, fma_(st.ol, s, fma_(cvt(al), mul(st.dl, d), _mm256_loadu_ps(o)))); \
-                _mm256_storeu_ps(o + 8, fma_(st.oh, s, fma_(cvt(ah), mul(st.dh, d), _mm256_loadu_ps(o + 8)))); \
+                ADD_INTO_Y(F, r, al, ah)                                                           \
             }                                                                                      \
         }                                                                                          \
     }
 
 /* one row's integer sums al / ah over the sub-block's unpacked words, as SUB_BLOCK_WORDS sums them
- * (int16 pair sums of F##_STEPS16 words where LP_INT16_SUMS takes the format) */
+ * (int16 pair sums of F##_STEPS16 words where LP_INT16_SUMS takes the format; then, for a format
+ * whose words hold q rather than q + 128 on AVX2, 128 times the activations' sum) */
 #define BUFFERED_WORDS(F, f)                                                                       \
     if (LP_INT16_SUMS && F##_STEPS16 > 0) {                                                        \
         const __m256i ones16 = _mm256_set1_epi16(1);                                               \
@@ -976,6 +974,11 @@ ALWAYS __m256i four_bytes(const int8_t *p) {
             al = f##_dot(al, wls[c], xb);                                                          \
             ah = f##_dot(ah, whs[c], xb);                                                          \
         }                                                                                          \
+    }                                                                                              \
+    if (LP_INT16_SUMS && F##_PLUS128) {                                                            \
+        const __m256i more = _mm256_set1_epi32(128 * sum32_i8(xr + s0));                           \
+        al = _mm256_add_epi32(al, more);                                                           \
+        ah = _mm256_add_epi32(ah, more);                                                           \
     }
 
 /* the one-panel tiles by rows: sums in registers for up to 4 rows, in y for 5 and 6 */
