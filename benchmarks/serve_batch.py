@@ -109,7 +109,7 @@ def _round(base: str, model: str, clients: int, tokens: int, extra: dict, prompt
            "tokens_per_second": total / wall, "median_seconds_per_token": statistics.median(per_token),
            "texts": texts}
     if stream:
-        waits = [seconds for seconds, text in zip(first, texts) if text]  # a reply without text has none
+        waits = [seconds for seconds, text in zip(first, texts) if text] or [0.0]  # a reply without text has none
         row["first_token_seconds"] = {"median": statistics.median(waits), "longest": max(waits)}
     return row
 
