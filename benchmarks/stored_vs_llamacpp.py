@@ -8,6 +8,7 @@ first round packs them when none are kept, and the best round is reported.
     python benchmarks/stored_vs_llamacpp.py /tmp/qwen2-1.5b-random-Q4_K_M.gguf --rounds 3
     python benchmarks/stored_vs_llamacpp.py smollm2 --dtype stored-fast   # integer products, as llama.cpp
     python benchmarks/stored_vs_llamacpp.py smollm2 --depth 1024          # decoding after 1024 tokens
+    python benchmarks/stored_vs_llamacpp.py smollm2 --prefill 512         # and a 512-token prompt's pass
 
 Rounds alternate layerplan and llama-bench (each its own process), so drift in the machine's speed
 hits both; each figure is the best over rounds. Needs llama.cpp's tools (`layerplan peers build`).
@@ -30,7 +31,7 @@ PASS = 8
 
 
 def measure_layerplan(model: str, new_tokens: int, threads: int, dtype: str, started_at: float,
-                      context: int = CONTEXT) -> dict:
+                      context: int = CONTEXT, prefill: int = 0) -> dict:
     """(in a process of its own, so peak memory and the cold start are this run's alone; the cold
     start counts from `started_at`, the wall time at which the parent started this process, as
     llama.cpp's counts from the start of its process: the interpreter and imports count)"""
@@ -58,13 +59,23 @@ def measure_layerplan(model: str, new_tokens: int, threads: int, dtype: str, sta
         forward(loaded, torch.arange(PASS)[None] + 3, cache=cache, start_pos=context + new_tokens)
         passes.append(time.perf_counter() - t)
     step = sorted(steps)[len(steps) // 2]
+    peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # before a long prompt's buffers
+    prompts = []
+    for _ in range(2 if prefill else 0):  # a prompt of `prefill` tokens into an empty cache, as llama-bench's pp
+        cache = new_cache(loaded.plan(), prefill + 1)
+        t = time.perf_counter()
+        for start in range(0, prefill, 512):  # in chunks, as a long prompt goes (engine/runner.py)
+            forward(loaded, (torch.arange(prefill)[None] + 100)[:, start:start + 512], cache=cache, start_pos=start,
+                    last_only=True)
+        prompts.append(time.perf_counter() - t)
     return {"decode_tokens_per_second": 1 / step, "pass_steps": min(passes) / step,
+            "prefill_tokens_per_second": prefill / min(prompts) if prompts else None,
             "first_token_seconds": first_token,
-            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            "peak_rss_mb": peak_mb,
             "formats": loaded.stored.formats}
 
 
-def measure_llama_cpp(gguf: Path, new_tokens: int, threads: int, depth: int = 0) -> dict:
+def measure_llama_cpp(gguf: Path, new_tokens: int, threads: int, depth: int = 0, prefill: int = 0) -> dict:
     from layerplan.app.llamacpp import find_tools
     from layerplan.app.peers import llama_bench
 
@@ -73,7 +84,10 @@ def measure_llama_cpp(gguf: Path, new_tokens: int, threads: int, depth: int = 0)
         raise SystemExit("llama.cpp's tools are not built: layerplan peers build")
     run = llama_bench(tools / "llama-bench", gguf, threads, new_tokens, pass_length=PASS, depth=depth)
     cold, peak_mb = llama_cold_start(tools, gguf, threads)
+    # its pp test of the prompt's length (a pass into an empty context); -n 1: its least tg test
+    prompt = llama_bench(tools / "llama-bench", gguf, threads, 1, pass_length=prefill) if prefill else None
     return {"decode_tokens_per_second": run.tg_tokens_per_second, "pass_steps": run.pass_steps(PASS),
+            "prefill_tokens_per_second": prompt.pp_tokens_per_second.get(prefill) if prompt else None,
             "first_token_seconds": cold, "peak_rss_mb": peak_mb, "build": run.build}
 
 
@@ -101,13 +115,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--depth", type=int, default=0,
                         help="decode after this many tokens of context, both sides (default: layerplan after "
                              f"{CONTEXT}, llama-bench after none)")
+    parser.add_argument("--prefill", type=int, default=0,
+                        help="also time a prompt of this many tokens into an empty cache (llama-bench's pp)")
     parser.add_argument("--_layerplan-only", dest="started_at", type=float, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.depth < 0:
-        raise SystemExit(f"--depth must be 0 or more, not {args.depth}")
+    if args.depth < 0 or args.prefill < 0:
+        raise SystemExit(f"--depth and --prefill must be 0 or more, not {min(args.depth, args.prefill)}")
     if args.started_at is not None:
         print(json.dumps(measure_layerplan(args.model, args.new_tokens, args.threads, args.dtype, args.started_at,
-                                           args.depth or CONTEXT)))
+                                           args.depth or CONTEXT, args.prefill)))
         return
     from layerplan.machine import read_cpuinfo
     from layerplan.models.loading import gguf_of
@@ -119,10 +135,10 @@ def main(argv: list[str] | None = None) -> None:
     for _ in range(args.rounds):
         done = subprocess.run([sys.executable, __file__, args.model, "--new-tokens", str(args.new_tokens),
                                "--threads", str(args.threads), "--dtype", args.dtype, "--depth", str(args.depth),
-                               "--_layerplan-only", repr(time.time())],
+                               "--prefill", str(args.prefill), "--_layerplan-only", repr(time.time())],
                               capture_output=True, text=True, check=True)
         ours.append(json.loads(done.stdout.strip().splitlines()[-1]))
-        theirs.append(measure_llama_cpp(gguf, args.new_tokens, args.threads, args.depth))
+        theirs.append(measure_llama_cpp(gguf, args.new_tokens, args.threads, args.depth, args.prefill))
 
     def best(runs: list[dict], key: str, low: bool = False):
         values = [r[key] for r in runs if r.get(key) is not None]
@@ -132,12 +148,17 @@ def main(argv: list[str] | None = None) -> None:
     for name, runs in (("layerplan", ours), ("llama.cpp", theirs)):
         summary[name] = {"decode_tokens_per_second": best(runs, "decode_tokens_per_second"),
                          "pass_steps": best(runs, "pass_steps", low=True),
+                         "prefill_tokens_per_second": best(runs, "prefill_tokens_per_second"),
                          "first_token_seconds": best(runs, "first_token_seconds", low=True),
                          "peak_rss_mb": best(runs, "peak_rss_mb", low=True)}
     # the slowest cold start: the first round's, where it packed the panels none had kept
     summary["layerplan"]["first_token_seconds_slowest"] = max(r["first_token_seconds"] for r in ours)
     summary["ratio_first_token"] = summary["layerplan"]["first_token_seconds"] / summary["llama.cpp"]["first_token_seconds"]
     summary["ratio_decode"] = summary["layerplan"]["decode_tokens_per_second"] / summary["llama.cpp"]["decode_tokens_per_second"]
+    if args.prefill:
+        summary["ratio_prefill"] = (summary["layerplan"]["prefill_tokens_per_second"]
+                                    / summary["llama.cpp"]["prefill_tokens_per_second"])
+    summary["prefill"] = args.prefill
     summary["file_mb"] = gguf.stat().st_size / 2**20
     summary["formats"] = ours[0]["formats"]
     summary["llama_cpp_build"] = theirs[0]["build"]
