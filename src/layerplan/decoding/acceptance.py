@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from layerplan.decoding.sampling import argmax_token
+from layerplan.decoding.sampling import argmax_token, draw_token
 from layerplan.engine.tree import TreeShape
 
 
@@ -84,7 +84,7 @@ def _draw(weights: torch.Tensor, generator: torch.Generator | None) -> int:
     top = argmax_token(weights)
     if float(weights[top]) == total:
         return top
-    return int(torch.multinomial(weights.cpu() / total, 1, generator=generator))  # the CPU generator's draw
+    return draw_token(weights.cpu() / total, generator)
 
 
 @dataclass(frozen=True)

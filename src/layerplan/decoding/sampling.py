@@ -112,10 +112,15 @@ def check_seed(seed: int | None) -> int | None:
     return seed
 
 
+def draw_token(probs: torch.Tensor, generator: torch.Generator | None) -> int:
+    """One token drawn from probs (V,) on the CPU, where a request's generator is: a seed gives the
+    same tokens whatever device the logits came from. Every random token is drawn here."""
+    return int(torch.multinomial(probs.cpu(), 1, generator=generator))
+
+
 def pick(logits: torch.Tensor, params: SamplingParams, seen: torch.Tensor | None, generator: torch.Generator | None) -> int:
     """One next token from logits (V,)."""
     processed = process_logits(logits, params, seen)
     if params.greedy:
         return argmax_token(processed)
-    # drawn on the CPU, where the request's generator is: a seed gives the same tokens on any device
-    return int(torch.multinomial(torch.softmax(processed, -1).cpu(), 1, generator=generator))
+    return draw_token(torch.softmax(processed, -1), generator)

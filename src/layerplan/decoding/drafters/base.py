@@ -15,7 +15,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from layerplan.decoding.sampling import SamplingParams, argmax_token, process_logits
+from layerplan.decoding.sampling import SamplingParams, argmax_token, draw_token, process_logits
 from layerplan.engine.cache import KVCache
 from layerplan.engine.tree import TreeShape
 from layerplan.models.loading import LoadedModel
@@ -96,7 +96,7 @@ def draft_token(logits: torch.Tensor, state: DraftState, seen: list[int]) -> tup
         q[token] = 1.0
         return token, q, confidence
     q = torch.softmax(processed, -1)
-    token = int(torch.multinomial(q.cpu(), 1, generator=state.generator))  # the request's CPU generator
+    token = draw_token(q, state.generator)
     return token, q, float(q.max())
 
 
