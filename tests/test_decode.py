@@ -83,7 +83,7 @@ def test_real_model_greedy_chat_stop_and_stream(smollm2):
 def _stream_texts(tokenizer, sequences, stop=()) -> None:
     """TextStream's text after each token, decoding through its anchored window, equals the whole
     decode of the tokens so far (cut at a stop string), for every prefix of every sequence."""
-    from layerplan.decoding.output import TextStream
+    from layerplan.decoding.text import TextStream
 
     for ids in sequences:
         stream, deltas = TextStream(tokenizer, stop, None), []

@@ -1,5 +1,5 @@
-"""The package's wings import one way only: app → search → decoding → engine → models → plan. Each
-imports the wings after it in that chain, never those before it; imports inside functions count."""
+"""The package's wings import one way only: app → lite → search → decoding → engine → models → plan.
+Each imports the wings after it in that chain, never those before it; imports inside functions count."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 import layerplan
 
 PACKAGE = Path(layerplan.__file__).resolve().parent
-WINGS = ("app", "search", "decoding", "engine", "models", "plan")  # each may import those after it
+WINGS = ("app", "lite", "search", "decoding", "engine", "models", "plan")  # each may import those after it
 
 
 def _imports(path: Path) -> set[str]:

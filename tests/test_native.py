@@ -9,6 +9,7 @@ import torch
 from layerplan.decoding.generate import generate
 from layerplan.engine import native
 from layerplan.engine.executors import use_native
+from layerplan.engine.kernel_library import HUGE_PAGE
 from layerplan.engine.cache import KVCache
 from layerplan.engine.runner import forward, head, new_cache, run_hidden, softcap
 from layerplan.engine.tree import TreeShape
@@ -87,9 +88,9 @@ def test_weight_arena_gives_aligned_disjoint_buffers_and_the_same_products(monke
     spans.sort()
     assert all(end <= start for (_, end), (start, _) in zip(spans, spans[1:])), "buffers overlap"
     # every chunk starts on a 2 MB page: the first buffer of each begins one
-    assert buffers[0].data_ptr() % native.WeightArena.HUGE_PAGE == 0
-    assert buffers[2].data_ptr() % native.WeightArena.HUGE_PAGE == 0
-    assert buffers[4].data_ptr() % native.WeightArena.HUGE_PAGE == 0
+    assert buffers[0].data_ptr() % HUGE_PAGE == 0
+    assert buffers[2].data_ptr() % HUGE_PAGE == 0
+    assert buffers[4].data_ptr() % HUGE_PAGE == 0
     for buffer in buffers:  # writable to the end, and nothing written spills into a neighbour
         buffer.fill_(1)
     assert all(bool((buffer == 1).all()) for buffer in buffers)

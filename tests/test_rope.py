@@ -22,9 +22,15 @@ def _layer_types(parts):
     return sorted({layer.layer_type for layer in parts.layers}) if parts.rope_per_layer_type else [None]
 
 
+def _ulps(a: torch.Tensor, b: torch.Tensor) -> int:
+    return int((a.float().view(torch.int32).long() - b.float().view(torch.int32).long()).abs().max())
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("arch", ROPE_ARCHS)
 def test_the_table_gives_what_the_module_gives(arch, dtype):
+    """In bf16 the same values; in fp32 within a unit in the last place (engine/rope_tables.py
+    computes the cosine and sine in float64, the module in float32)."""
     parts = tiny_model(arch, dtype=dtype).parts
     like = torch.zeros(1, 1, parts.lm_head.in_features, dtype=dtype)
     for layer_type in _layer_types(parts):
@@ -37,7 +43,11 @@ def test_the_table_gives_what_the_module_gives(arch, dtype):
             want = _module_call(parts, like, positions, layer_type)
             for g, c, w in zip(got, chain, want):
                 assert g.shape == c.shape == w.shape and g.dtype == c.dtype == w.dtype
-                assert torch.equal(g, w) and torch.equal(c, w), (layer_type, start, length)
+                assert torch.equal(g, c), (layer_type, start, length)
+                if dtype == torch.bfloat16:
+                    assert torch.equal(g, w), (layer_type, start, length)
+                else:
+                    assert _ulps(g, w) <= 1, (layer_type, start, length)
 
 
 def test_a_positions_values_do_not_depend_on_how_the_table_grew():

@@ -14,7 +14,7 @@ from fastapi.testclient import TestClient
 
 from layerplan.app.serve import Job, create_app
 from layerplan.decoding.generate import generate
-from layerplan.decoding.output import TOKEN_KINDS, TextStream
+from layerplan.decoding.text import TOKEN_KINDS, TextStream
 from layerplan.decoding.sampling import SamplingParams
 from servers import serving
 

@@ -1,6 +1,6 @@
 """Tiny GGUF files written from tiny random models (tests/tiny.py), as llama.cpp's converter
 writes them: its tensor names, Llama's q and k rows permuted, matrices in a chosen GGUF type
-(1-D tensors in F32), no tokenizer."""
+(1-D tensors in F32; the K-quants by the kernels' quantizer), no tokenizer."""
 
 from __future__ import annotations
 
@@ -17,6 +17,24 @@ def _permute(weights: np.ndarray, heads: int, kv_heads: int) -> np.ndarray:
     """llama.cpp's converter's row order for Llama's q (heads) and k (kv_heads) projections."""
     groups = kv_heads if kv_heads != heads else heads
     return weights.reshape(groups, 2, weights.shape[0] // groups // 2, *weights.shape[1:]).swapaxes(1, 2).reshape(weights.shape)
+
+
+def _quantized(values: np.ndarray, kind) -> np.ndarray:
+    """gguf-py's blocks of `values`; the kernels' (lp_quantize_rows) for the K-quants, which
+    gguf-py does not quantize."""
+    import gguf
+
+    try:
+        return gguf.quants.quantize(values, kind)
+    except NotImplementedError:
+        from layerplan.engine.kernel_library import ABI, check, library
+
+        rows = np.ascontiguousarray(values.reshape(-1, values.shape[-1]), np.float32)
+        row_bytes = gguf.quant_shape_to_byte_shape((1, rows.shape[1]), kind)[1]
+        out = np.empty((rows.shape[0], row_bytes), np.uint8)
+        check(library().lp_quantize_rows(getattr(ABI, f"LP_FORMAT_{kind.name}"), rows.ctypes.data, rows.shape[0],
+                                         rows.shape[1], out.ctypes.data), f"quantizing to {kind.name}")
+        return out.reshape(*values.shape[:-1], row_bytes)
 
 
 def write_tiny_gguf(hf: torch.nn.Module, path: Path, matrix_type: str = "Q8_0",
@@ -52,7 +70,7 @@ def write_tiny_gguf(hf: torch.nn.Module, path: Path, matrix_type: str = "Q8_0",
         matrix = values.ndim == 2
         kind_of_tensor = gguf.GGMLQuantizationType[(types or {}).get(gguf_name.rsplit(".", 1)[-1], matrix_type)]
         stored = kind_of_tensor if matrix else gguf.GGMLQuantizationType.F32
-        writer.add_tensor(f"{gguf_name}.{suffix}", gguf.quants.quantize(values, stored), raw_dtype=stored)
+        writer.add_tensor(f"{gguf_name}.{suffix}", _quantized(values, stored), raw_dtype=stored)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

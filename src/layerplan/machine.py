@@ -12,7 +12,6 @@ import platform
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import torch
 
 # instruction-set levels, best first: (label, /proc/cpuinfo flags that must all be present)
 ISA_LEVELS = (
@@ -69,6 +68,8 @@ def read_cpuinfo(path: str | Path = "/proc/cpuinfo") -> tuple[str | None, set[st
 
 
 def cpu_info(cpuinfo: str | Path = "/proc/cpuinfo") -> CpuInfo:
+    import torch  # here: read_cpuinfo is read by processes without torch (layerplan/lite/)
+
     model, flags = read_cpuinfo(cpuinfo)
     return CpuInfo(
         model=model or platform.processor() or "unknown CPU",

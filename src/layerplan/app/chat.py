@@ -30,7 +30,8 @@ import click
 
 from layerplan.decoding.drafters.registry import make_drafter
 from layerplan.decoding.generate import Decoding
-from layerplan.decoding.output import chat_prompt_ids, common_prefix
+from layerplan.decoding.output import chat_prompt_ids
+from layerplan.decoding.text import common_prefix
 from layerplan.decoding.sampling import SamplingParams, check_seed
 from layerplan.decoding.speculative import SpeculativeDecoding
 from layerplan.engine.cache import KVCache

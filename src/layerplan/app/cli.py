@@ -41,6 +41,7 @@ from layerplan.engine.verify import check_architecture, config_for
 from layerplan.export import export_checkpoint, export_gguf
 from layerplan.files import WriteError, check_output, write_json_atomic, write_text_atomic
 from layerplan.machine import cpu_info
+from layerplan.messages import one_line
 from layerplan.models.architectures import STATUSES, architecture_statuses
 from layerplan.models.loading import (DEFAULT_MODEL, ModelError, available_models, cache_dir, gguf_of, model_depth,
                                       resolve_dtype)
@@ -299,15 +300,10 @@ threads_option = click.option("--threads", type=click.IntRange(1, 1024), default
                               help="torch CPU threads (default: torch's choice)")
 
 
-def _one_line(text: str) -> str:
-    """An error message as one line: control characters (a newline in a file name given) escaped."""
-    return "".join(ch if ch.isprintable() or ch == " " else ascii(ch)[1:-1] for ch in text.strip())
-
-
 class _Commands(click.Group):
     """click's standalone mode, except that a usage error is one line, 'Error: WHAT (see
     'layerplan CMD -h')', instead of click's usage block, hint and blank line before it; every
-    error is one line (_one_line)."""
+    error is one line (one_line)."""
 
     def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
         if not standalone_mode:
@@ -316,10 +312,10 @@ class _Commands(click.Group):
             code = super().main(args, prog_name, complete_var, False, **extra)
         except click.UsageError as error:
             where = f" (see '{error.ctx.command_path} -h')" if error.ctx is not None else ""
-            click.echo(f"Error: {_one_line(error.format_message())}{where}", err=True)
+            click.echo(f"Error: {one_line(error.format_message())}{where}", err=True)
             sys.exit(error.exit_code)
         except click.ClickException as error:
-            click.echo(f"Error: {_one_line(error.format_message())}", err=True)
+            click.echo(f"Error: {one_line(error.format_message())}", err=True)
             sys.exit(error.exit_code)
         except click.Abort:
             click.echo("Aborted!", err=True)

@@ -10,7 +10,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from layerplan.decoding.output import Emitter, prompt_ids
+from layerplan.decoding.output import prompt_ids
+from layerplan.decoding.text import Emitter
 from layerplan.decoding.sampling import SamplingParams, penalty_context, pick
 from layerplan.engine.cache import KVCache
 from layerplan.engine.probe import PaceCheck, ProbeRow

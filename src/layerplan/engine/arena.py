@@ -7,7 +7,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from layerplan.engine.kernel_library import library
+from layerplan.engine.kernel_library import huge_page_buffer
 
 
 class WeightArena:
@@ -17,7 +17,6 @@ class WeightArena:
     (benchmarks/product_pages.c measures the difference). Chunks rather than a buffer per matrix,
     so that the small matrices (a layer's o_proj) sit on 2 MB pages too."""
 
-    HUGE_PAGE = 2 << 20
     CHUNK = 64 << 20
 
     def __init__(self, panels=None, fillers: int = 1) -> None:
@@ -58,11 +57,7 @@ class WeightArena:
         """An uninitialised 1-d tensor of numel elements, 4 KB-aligned, in the arena."""
         nbytes = numel * dtype.itemsize
         if self._chunk is None or self._used + nbytes > self._chunk.numel():
-            size = max(self.CHUNK, -(-nbytes // self.HUGE_PAGE) * self.HUGE_PAGE)
-            raw = torch.empty(size + self.HUGE_PAGE, dtype=torch.uint8)  # not touched yet: advised before use
-            start = -raw.data_ptr() % self.HUGE_PAGE
-            self._chunk, self._used = raw[start:start + size], 0
-            library().lp_advise_huge_pages(self._chunk.data_ptr(), size)
+            self._chunk, self._used = torch.from_numpy(huge_page_buffer(max(self.CHUNK, nbytes))), 0
         out = self._chunk[self._used:self._used + nbytes].view(dtype)
         self._used += -(-nbytes // 4096) * 4096
         return out

@@ -29,6 +29,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
+import numpy as np
+
 from layerplan.files import cache_dir
 from layerplan.machine import read_cpuinfo
 
@@ -354,6 +356,22 @@ def library() -> ctypes.CDLL:
     """The compiled kernels for this CPU, built on first use, checked at load."""
     isa = choose_isa()
     return _load(build(isa, _compiler()))
+
+
+HUGE_PAGE = 2 << 20
+
+
+def huge_page_buffer(nbytes: int):
+    """An uninitialised uint8 numpy array of nbytes (rounded up to whole 2 MB pages), 2 MB-aligned
+    and advised onto 2 MB pages (lp_advise_huge_pages) before anything touches it: where a model's
+    packed weights live, as a pass streams them (benchmarks/product_pages.c: 4 KB pages cost a TLB
+    miss every 64 cache lines and stop the prefetchers at every page)."""
+    size = -(-nbytes // HUGE_PAGE) * HUGE_PAGE
+    raw = np.empty(size + HUGE_PAGE, np.uint8)  # not touched yet
+    start = -raw.ctypes.data % HUGE_PAGE
+    out = raw[start:start + size]
+    library().lp_advise_huge_pages(out.ctypes.data, size)
+    return out
 
 
 def native_available() -> str | None:

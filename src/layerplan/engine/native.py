@@ -29,6 +29,7 @@ from layerplan.engine.kernel_library import (ABI, AbiMismatch, NativeUnavailable
                                              native_available)
 from layerplan.engine.arena import WeightArena
 from layerplan.engine.panel_cache import PanelCache
+from layerplan.engine.stored_pack import PACK_ROWS, pack_stored, stack_format, v_apart
 from layerplan.machine import read_cpuinfo
 from layerplan.models.architectures import ACTIVATIONS, NORM_EPSILONS, KernelLayout, arch_spec
 from layerplan.models.stored import StoredEmbedding, StoredTensor
@@ -144,8 +145,7 @@ class PackedMatrix:
         if not all(isinstance(w, StoredTensor) for w in weights) or len({w.columns for w in weights}) != 1:
             raise Unsupported("a stack of stored and dense matrices, or of different widths")
         n, k = sum(w.rows for w in weights), weights[0].columns
-        kinds = {w.type_name for w in weights}
-        self.format = getattr(ABI, f"LP_FORMAT_{kinds.pop()}", None) if len(kinds) == 1 else None
+        self.format = stack_format(weights)
         nbytes = library().lp_packed_bytes(self.format, n, k) if self.format is not None else -1
         self.n, self.k, self.dtype = n, k, torch.float32  # products read and write fp32 rows
         if nbytes < 0:
@@ -184,38 +184,10 @@ class PackedMatrix:
         self._pack_rows(weights)
         panels.write(weights, self.format, self.packed)
 
-    # rows read and packed at a time where a matrix is packed in parts: the transient copy of the
-    # file's rows stays this small beside the packed matrix (a 152k-token LM head is ~200 MB)
-    PACK_ROWS = 4096
+    PACK_ROWS = PACK_ROWS  # (a class attribute: tests make the parts small)
 
     def _pack_rows(self, weights: list[StoredTensor]) -> None:
-        """The stack's stored rows into self.packed: in parts of whole panels where every matrix's
-        rows are, each part read from the file and packed at its panels' place; else the stack at
-        once."""
-        panel_bytes = library().lp_packed_bytes(self.format, ABI.LP_PANEL, self.k)
-        if any(w.rows % ABI.LP_PANEL for w in weights[:-1]):  # a stack whose parts share panels
-            rows = np.empty((self.n, weights[0].row_bytes), np.uint8)
-            at = 0
-            for weight in weights:
-                weight.read_rows(rows[at:at + weight.rows])
-                at += weight.rows
-            parts = [(0, rows)]
-        else:
-            parts = self._row_parts(weights)
-        for first, rows in parts:
-            out = self.packed.data_ptr() + first // ABI.LP_PANEL * panel_bytes
-            check(library().lp_pack(rows.ctypes.data, self.format, rows.shape[0], self.k, out), "packing a stored matrix")
-
-    def _row_parts(self, weights: list[StoredTensor]):
-        """(first row in the stack, its rows) for parts of at most PACK_ROWS rows (whole panels)."""
-        at = 0
-        for weight in weights:
-            if weight.row_order is not None or weight.rows <= self.PACK_ROWS:
-                yield at, weight.read_rows()
-            else:
-                for first in range(0, weight.rows, self.PACK_ROWS):
-                    yield at + first, weight.read_rows(first=first, count=min(self.PACK_ROWS, weight.rows - first))
-            at += weight.rows
+        pack_stored(weights, self.format, self.k, self.packed.data_ptr(), self.PACK_ROWS)
 
     def _describe(self, rows: list[int], biases: list[torch.Tensor | None]) -> None:
         """The bias (fp32, zeros for a stacked part without one) and the descriptor over both."""
@@ -352,7 +324,7 @@ class NativeLayer:
                      post_norm=_norm(parts.attention_post_norm, dtype, offset, rounding))
         # packed only once every check passed: the arena keeps what it holds. A v projection
         # stored in another block format than q and k (Q4_K_M's Q6_K attn_v) is a matrix apart.
-        apart = len(qkv_linears) == 3 and len({_format_of(weight_of(m)) for m in qkv_linears}) > 1
+        apart = v_apart([_format_of(weight_of(m)) for m in qkv_linears])
         qk_linears, v_linears = (qkv_linears[:2], qkv_linears[2:]) if apart else (qkv_linears, [])
         qkv, o = _packed(qk_linears, arena, weight_of, arithmetic), _packed([module.o_proj], arena, weight_of, arithmetic)
         v = _packed(v_linears, arena, weight_of, arithmetic) if apart else None

@@ -25,19 +25,20 @@ from concurrent.futures import Future
 from functools import partial
 from pathlib import Path
 
-import torch
+import numpy as np
 
-from layerplan.engine.arena import WeightArena
 from layerplan.files import cache_dir, staging
-from layerplan.models.stored import StoredTensor
+from layerplan.models.gguf_index import StoredTensor
 
 KEPT_BYTES = 16 << 30  # the most kept panels take on disk (a 7B Q4_K_M file's are ~4.4 GB)
 KEPT_FOLDERS = 32  # the most files whose panels are kept
 
 
-# which matrices are stacked into one packed matrix is decided in native.py: its source is part of
-# the folder's key, so that entries of other stacks are never read
-_STACKING = hashlib.sha256(Path(__file__).with_name("native.py").read_bytes()).hexdigest()[:16]
+# which matrices are stacked into one packed matrix, and how they are packed, is decided in
+# native.py and stored_pack.py: their sources are part of the folder's key, so that entries of
+# other stacks are never read
+_STACKING = hashlib.sha256(b"".join(Path(__file__).with_name(name).read_bytes()
+                                    for name in ("native.py", "stored_pack.py"))).hexdigest()[:16]
 
 
 def _digest(*parts) -> str:
@@ -52,20 +53,24 @@ class PanelCache:
     def __init__(self, folder: Path, source: Path) -> None:
         self.folder = folder
         self.source = source  # the GGUF file
-        self._arena: WeightArena | None = None  # where prefetch() reads the entries
-        self._prefetched: dict[str, tuple[torch.Tensor, list]] = {}  # entry name -> (bytes, its reads)
+        self._arena = None  # the WeightArena prefetch() reads the entries into
+        self._prefetched: dict[str, tuple[object, list]] = {}  # entry name -> (bytes, its reads)
 
     def prefetch(self, fillers: int) -> PanelCache:
         """Start reading every kept entry into memory of its own on `fillers` threads, while the
         caller goes on (a load imports transformers and builds the model meanwhile); take() hands
         an entry's bytes over once read."""
+        import torch  # (the torch front end's: the light one reads its entries itself)
+
+        from layerplan.engine.arena import WeightArena
+
         self._arena = WeightArena(fillers=max(fillers, 2))  # threads, even for one compute thread
         for entry in sorted(self.folder.glob("*.panels")):
             out = self._arena.empty(entry.stat().st_size, torch.uint8)
             self._prefetched[entry.name] = (out, self.read_parts(entry, out, self._arena.fill))
         return self
 
-    def take(self, entry: Path) -> torch.Tensor | None:
+    def take(self, entry: Path):
         """The entry's bytes as prefetch() read them (waiting for its reads), or None where it was
         not prefetched or a read came up short."""
         found = self._prefetched.pop(entry.name, None)
@@ -117,7 +122,7 @@ class PanelCache:
             return None
 
     @classmethod
-    def read_parts(cls, entry: Path, out: torch.Tensor, fill: Callable[[Callable[[], object]], Future],
+    def read_parts(cls, entry: Path, out, fill: Callable[[Callable[[], object]], Future],
                    short: Callable[[], object] | None = None) -> list[Future]:
         """Read the entry into `out` in parts of READ_BYTES, each a job for `fill` (so that a large
         matrix's fresh pages fault in on every fill thread); a part that comes up short calls
@@ -128,30 +133,35 @@ class PanelCache:
                 short()
             return whole
 
-        return [fill(partial(part, start)) for start in range(0, out.numel(), cls.READ_BYTES)]
+        return [fill(partial(part, start)) for start in range(0, out.nbytes, cls.READ_BYTES)]
 
     @staticmethod
-    def read(entry: Path, out: torch.Tensor, start: int) -> bool:
-        """Fill `out` (uint8) with the entry's bytes from `start`; False where they are not all
+    def read(entry: Path, out, start: int) -> bool:
+        """Fill `out` (uint8: a numpy array or a CPU tensor) with the entry's bytes from `start`; False where they are not all
         there (the entry went, or was cut short, since it was found)."""
         try:
             with open(entry, "rb") as file:
                 file.seek(start)
-                return file.readinto(memoryview(out.numpy()).cast("B")) == out.numel()
+                return file.readinto(_bytes(out)) == out.nbytes
         except OSError:
             return False
 
-    def write(self, weights: list[StoredTensor], format_code: int, packed: torch.Tensor) -> None:
+    def write(self, weights: list[StoredTensor], format_code: int, packed) -> None:
         """Keep the stack's panels (atomically; a full disk or a read-only cache only costs the
         next load its packing)."""
-        entry = self._entry(weights, format_code, packed.numel())
+        entry = self._entry(weights, format_code, packed.nbytes)
         try:
             with staging(entry) as staged:  # no fsync: a lost entry is only packed again
                 with open(staged, "wb") as file:
-                    file.write(memoryview(packed.numpy()).cast("B"))
+                    file.write(_bytes(packed))
                 os.replace(staged, entry)
         except OSError:
             pass
+
+
+def _bytes(buffer) -> memoryview:
+    """A uint8 numpy array's or CPU tensor's bytes, writable where it is."""
+    return memoryview(buffer if isinstance(buffer, np.ndarray) else buffer.numpy()).cast("B")
 
 
 def _evict(root: Path, keep: Path) -> None:

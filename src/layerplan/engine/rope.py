@@ -1,19 +1,18 @@
-"""Rotary embeddings by table, for the native engine: the model's own rotary module, run once for
-each position, then sliced for every pass after.
+"""Rotary embeddings by table, for the native engine: rope_tables.py's rows of the model's own
+frequencies (a module that does not expose them: the module itself, run once for each position),
+then sliced for every pass after.
 
 Why: calling the module costs a pass a dozen small PyTorch operations, whose code and data are cold
-after the layers (a few percent of a small model's step). The table holds what the module returns
-for each position called alone: every value is a function of its own position (a product of the
-position and a frequency, its cosine or sine, a scaling, a cast), so a position gets the same
-values in every pass and every process. Called on many positions, the module does not promise
-that: its product of frequencies by positions is a matrix product, and the BLAS library split a
-64-position call between two threads in some processes and not in others, giving positions 32-63
-values one rounding apart (and a greedy decode that changed from one run to the next). One
-position a call is one product per frequency; its 64 values fill whole vectors of the cosine's
-loop (no scalar tail). The table grows in blocks of 64 positions. Only RoPE types whose
-frequencies never change take a table; the others (dynamic NTK, LongRoPE: frequencies that depend
-on the longest position seen) call the module. The eager engine calls the module as transformers
-does.
+after the layers (a few percent of a small model's step). Every value of a row is a function of its
+own position alone (a product of the position and a frequency, its cosine or sine, a scaling, a
+cast), so a position gets the same values in every pass and every process. The module called on
+many positions does not promise that (its product of frequencies by positions is a matrix product,
+which the BLAS library split between two threads in some processes and not in others: values one
+rounding apart, and a greedy decode that changed from one run to the next); called on one position
+a call it does, and that is how a module without exposed frequencies fills its table. The table
+grows in blocks of 64 positions. Only RoPE types whose frequencies never change take a table; the
+others (dynamic NTK, LongRoPE: frequencies that depend on the longest position seen) call the
+module. The eager engine calls the module as transformers does.
 """
 
 from __future__ import annotations
@@ -23,8 +22,9 @@ from weakref import WeakKeyDictionary
 import torch
 from torch import nn
 
-# RoPE types (transformers' rope_parameters["rope_type"]) whose frequencies are fixed at load time
-STATIC_ROPE_TYPES = frozenset({"default", "linear", "llama3", "yarn"})
+from layerplan.engine.rope_tables import rope_rows
+from layerplan.models.architectures import STATIC_ROPE_TYPES
+
 _BLOCK = 64  # positions the table grows by (at least)
 
 # rotary module -> {(layer type, dtype, device): (cos, sin) over positions 0..N-1}
@@ -52,10 +52,18 @@ def _table(rotary: nn.Module, like: torch.Tensor, end: int, layer_type: str | No
     if have < end:
         size = max(end, 2 * have, 4 * _BLOCK)
         size = -(-size // _BLOCK) * _BLOCK
-        rows = [_call(rotary, like, torch.tensor([[position]], device=like.device), layer_type)
-                for position in range(have, size)]
-        cos = torch.cat(([table[0]] if table is not None else []) + [c[0] for c, _ in rows])
-        sin = torch.cat(([table[1]] if table is not None else []) + [s[0] for _, s in rows])
+        prefix = f"{layer_type}_" if layer_type is not None else ""  # Gemma 3: frequencies by layer type
+        inv_freq = getattr(rotary, f"{prefix}inv_freq", None)
+        scaling = getattr(rotary, f"{prefix}attention_scaling", None)
+        if isinstance(inv_freq, torch.Tensor) and isinstance(scaling, (int, float)):  # rope_tables.py's rows
+            new = [torch.from_numpy(t).to(like.dtype).to(like.device)
+                   for t in rope_rows(inv_freq.float().cpu().numpy(), scaling, have, size)]
+        else:
+            rows = [_call(rotary, like, torch.tensor([[position]], device=like.device), layer_type)
+                    for position in range(have, size)]
+            new = [torch.cat([c[0] for c, _ in rows]), torch.cat([s[0] for _, s in rows])]
+        cos = torch.cat(([table[0]] if table is not None else []) + [new[0]])
+        sin = torch.cat(([table[1]] if table is not None else []) + [new[1]])
         table = tables[key] = (cos, sin)
     return table
 

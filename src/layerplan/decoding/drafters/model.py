@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from layerplan.decoding.drafters.base import AutoregressiveDrafter, DraftState, Proposal
-from layerplan.decoding.output import common_prefix
+from layerplan.decoding.text import common_prefix
 from layerplan.engine.cache import KVCache
 from layerplan.engine.runner import forward, new_cache
 from layerplan.models.loading import LoadedModel

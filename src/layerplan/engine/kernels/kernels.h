@@ -16,7 +16,7 @@
 #ifndef LP_KERNELS_H
 #define LP_KERNELS_H
 
-#define LP_ABI_VERSION 9
+#define LP_ABI_VERSION 10
 
 /* activation / cache / norm-weight element types; F16 for a KV cache only (lp_kv.dtype) */
 #define LP_DTYPE_F32 0
@@ -200,6 +200,13 @@ LP_API int lp_forward_batch(const void *embedding, long vocab, const long *ids, 
                             const lp_step *steps, long count, const lp_kv *kvs, const lp_segment *segments, long nsegs,
                             const void *const *cos, const void *const *sin, const lp_norm *final_norm,
                             const lp_matrix *head, void *logits, int dtype, int threads);
+
+/* ----- kept files ----- */
+/* reads file i (paths[i], its first sizes[i] bytes) into outs[i] for i < count, in this thread and
+ * without the caller's interpreter lock; whole[i] = 1 where every byte was read; returns how many
+ * were (files.c) */
+LP_API long lp_read_files(const char *const *paths, const long *sizes, void *const *outs, unsigned char *whole,
+                          long count);
 
 /* ----- the machine's ceilings (layerplan probe) ----- */
 /* GFLOP/s of 8-row products over `format` weights in cache; < 0 where an allocation failed */

@@ -1,0 +1,42 @@
+"""The `layerplan` command's entry: a GGUF's plain generation runs on the light front end
+(layerplan/lite/: numpy and the native kernels, a start of a tenth of a second), every other
+command line on the torch front end (app/cli.py), which reads it as it always has.
+
+Which one runs changes no output: the light front end takes only command lines whose meaning it
+carries out as the torch one does (lite/cli.py request_of), and only models whose index it can
+read (made by the torch front end's first load of the file). Where it finds, once started, that
+the model needs the torch front end, the command starts again as `python -m layerplan.app.cli`
+with LAYERPLAN_FRONT_END=torch: the kernels' library, loaded by then, links an OpenMP runtime that
+must not meet torch's in one process.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+
+def main() -> None:
+    argv = sys.argv[1:]
+    if argv[:1] == ["generate"]:
+        from layerplan.lite.cli import FRONT_END_VARIABLE, request_of, run, runnable
+
+        request = request_of(argv)
+        if request is not None and runnable(request):
+            status = run(request)
+            if status is not None:
+                # Nothing is left to clean up (what it wrote, it wrote whole and flushed), and
+                # the interpreter's teardown (every module, the tokenizer's tables, the kernels'
+                # threads) would add a tenth of the start to the command's time: leave now.
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(status)
+            os.environ[FRONT_END_VARIABLE] = "torch"
+            os.execv(sys.executable, [sys.executable, "-m", "layerplan.app.cli", *argv])
+    from layerplan.app.cli import main as torch_front_end
+
+    torch_front_end()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,191 @@
+"""A generation's text as its tokens make it, and when it stops: streamed deltas, stop strings,
+EOS, the token budget, cancellation, and each token's provenance. Without torch: the light front
+end (layerplan/lite/) decodes with these as the torch one does (decoding/output.py)."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+
+# where an emitted token came from: a plain decoding step; a drafted token the target accepted; the
+# target's own token where it rejected a draft (the recovered token); the extra token after a
+# fully accepted draft (the bonus)
+TokenKind = Literal["plain", "accepted", "correction", "bonus"]
+TOKEN_KINDS: tuple[TokenKind, ...] = ("plain", "accepted", "correction", "bonus")
+
+
+@dataclass(frozen=True)
+class TokenText:
+    """Text that one token produced (or the part of it in one streamed delta), and its provenance."""
+
+    text: str
+    kind: TokenKind
+
+
+class TextDelta(str):
+    """A streamed piece of text that also says which tokens it came from: `pieces`, one per token
+    in order, whose texts concatenate to the delta. A callback that wants only text uses it as the
+    str it is, so every on_text keeps its one-argument form."""
+
+    pieces: tuple[TokenText, ...]
+
+    def __new__(cls, text: str, pieces: Sequence[TokenText] = ()) -> TextDelta:
+        delta = super().__new__(cls, text)
+        delta.pieces = tuple(pieces)
+        return delta
+
+
+class TextStream:
+    """Tracks the decoded text of new tokens, stop strings, and streams text deltas (TextDelta:
+    each delta's parts by token, with the token's kind)."""
+
+    # the text of the tokens is their decode as a whole, computed from a window: the text of the
+    # first `anchor` tokens (decoded whole) and what the tokens after it add to the decode of the
+    # OVERLAP tokens before it. Decoders are concatenative but at the start of a text (a leading
+    # space stripped, cleanup patterns a few characters long), so that sum is the whole decode
+    # wherever the window's decode begins with its overlap's; where it does not (bytes of a
+    # character split at the anchor, a cleanup across it), or every ANCHOR_EVERY tokens, the
+    # tokens are decoded whole and anchored there. A token costs a window's decode, not all of
+    # them: a 1000-token reply's decode was 160 us a token on SmolLM2's tokenizer.
+    ANCHOR_EVERY = 64
+    OVERLAP = 4
+
+    def __init__(self, tokenizer, stop: Sequence[str], on_text: Callable[[str], None] | None) -> None:
+        self.tokenizer, self.stop, self.on_text = tokenizer, tuple(s for s in stop if s), on_text
+        self.emitted = 0
+        self.text = ""
+        self.owner: list[int] = []  # per character of text: the index of the token that produced it
+        self.kinds: Sequence[str] = ()
+        self._anchor_ids: list[int] = []  # tokens decoded whole: their text, and their last OVERLAP's
+        self._anchor_text = self._anchor_overlap = ""
+
+    def _decode(self, token_ids: list[int]) -> str:
+        """tokenizer.decode(token_ids) (special tokens skipped), through the anchored window."""
+        decode = self.tokenizer.decode
+        anchor = len(self._anchor_ids)
+        if anchor and anchor <= len(token_ids) < anchor + self.ANCHOR_EVERY \
+                and token_ids[:anchor] == self._anchor_ids:
+            window = decode(token_ids[max(anchor - self.OVERLAP, 0):], skip_special_tokens=True)
+            if window.startswith(self._anchor_overlap) and not self._anchor_overlap.endswith("\ufffd"):
+                return self._anchor_text + window[len(self._anchor_overlap):]
+        text = decode(token_ids, skip_special_tokens=True)
+        self._anchor_ids, self._anchor_text = list(token_ids), text
+        self._anchor_overlap = decode(token_ids[max(len(token_ids) - self.OVERLAP, 0):], skip_special_tokens=True)
+        return text
+
+    def update(self, token_ids: list[int], kinds: Sequence[str] = ()) -> bool:
+        """Decode the tokens so far (kinds: each one's TokenKind; none given: plain); return True
+        when a stop string appeared (text is cut there)."""
+        if self.tokenizer is None:
+            return False
+        text = self._decode(token_ids)
+        # the characters the text had before keep their tokens; the new ones are the newest token's
+        # (decoding the whole sequence may rewrite the tail, e.g. bytes that now complete a character)
+        kept = len(self.text) if text.startswith(self.text) else common_prefix(self.text, text)
+        del self.owner[kept:]
+        self.owner.extend([len(token_ids) - 1] * (len(text) - kept))
+        self.kinds = kinds
+        # a stop string in the text kept from before was found then: look from where it could begin
+        hit = min((at for s in self.stop if (at := text.find(s, max(kept - len(s) + 1, 0))) >= 0), default=-1)
+        stopped = hit >= 0
+        if stopped:
+            text = text[:hit]
+            del self.owner[hit:]
+        self.text = text
+        # hold back a possible prefix of a stop string and an incomplete UTF-8 character
+        safe = len(text) if stopped else len(text) - max((len(s) - 1 for s in self.stop), default=0)
+        if text.endswith("\ufffd"):
+            safe = min(safe, len(text) - 1)
+        if safe > self.emitted:
+            self._send(safe)
+        return stopped
+
+    def finish(self) -> None:
+        if len(self.text) > self.emitted:
+            self._send(len(self.text))
+
+    def pieces(self, start: int = 0, end: int | None = None) -> list[TokenText]:
+        """text[start:end] by the token that produced each part (a token whose text is empty, or
+        not yet final, has no part), with each token's kind."""
+        end = len(self.text) if end is None else end
+        pieces = []
+        for at in range(start + 1, end + 1):
+            if at == end or self.owner[at] != self.owner[start]:
+                token = self.owner[start]
+                kind = self.kinds[token] if token < len(self.kinds) else "plain"
+                pieces.append(TokenText(self.text[start:at], kind))
+                start = at
+        return pieces
+
+    def _send(self, end: int) -> None:
+        """text[emitted:end] to on_text, with its parts by token."""
+        if self.on_text:
+            self.on_text(TextDelta(self.text[self.emitted:end], self.pieces(self.emitted, end)))
+        self.emitted = end
+
+
+def common_prefix(a: Sequence, b: Sequence) -> int:
+    """The length of the longest common prefix of a and b (texts, or token ids)."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+class Emitter:
+    """Collects emitted tokens and decides when to stop: EOS, a stop string, the budget, or
+    should_stop() (a caller that lost interest, e.g. a server whose client disconnected)."""
+
+    def __init__(self, model, max_new_tokens: int, stop: Sequence[str], stop_at_eos: bool | Sequence[int],
+                 on_text: Callable[[str], None] | None, should_stop: Callable[[], bool] | None = None) -> None:
+        self.max_new_tokens = max_new_tokens
+        self.should_stop = should_stop
+        # stop_at_eos: True = the model's EOS ids, False = none, or the ids to stop at
+        self.eos = set(model.eos_token_ids) if stop_at_eos is True else set(stop_at_eos or ())
+        self.stream = TextStream(model.tokenizer, stop, on_text)
+        self.tokens: list[int] = []
+        self.kinds: list[TokenKind] = []  # each token's provenance
+        self.reason: str | None = None if max_new_tokens > 0 else "length"
+
+    @property
+    def done(self) -> bool:
+        return self.reason is not None
+
+    def emit(self, tokens: Sequence[int], kinds: Sequence[TokenKind] | None = None) -> None:
+        """Append tokens in order until one of them ends the generation; kinds: each one's
+        provenance (None: plain decoding)."""
+        for i, token in enumerate(tokens):
+            if self.done:
+                return
+            self.tokens.append(token)
+            self.kinds.append(kinds[i] if kinds is not None else "plain")
+            if token in self.eos:
+                self.reason = "eos"
+            elif self.stream.update(self.tokens, self.kinds):
+                self.reason = "stop"
+            elif len(self.tokens) >= self.max_new_tokens:
+                self.reason = "length"
+        if self.should_stop is not None and not self.done and self.should_stop():
+            self.reason = "cancelled"
+
+    def cancel(self) -> None:
+        """The caller lost interest before any token (should_stop, while the prompt prefilled)."""
+        self.reason = self.reason or "cancelled"
+
+    def finish(self) -> str:
+        if self.reason != "stop":
+            # (an EOS token can only be the last one, so the others keep their indices)
+            kept = [(t, k) for t, k in zip(self.tokens, self.kinds) if t not in self.eos]
+            self.stream.update([t for t, _ in kept], [k for _, k in kept])
+        self.stream.finish()
+        return self.stream.text
+
+    def provenance(self) -> dict[str, int]:
+        """How many tokens are of each kind (GenerationResult.provenance)."""
+        counts = Counter(self.kinds)
+        return {kind: counts[kind] for kind in TOKEN_KINDS}

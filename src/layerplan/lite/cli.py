@@ -1,0 +1,171 @@
+"""`layerplan generate` on the light front end, where it gives what the torch front end gives.
+
+`request_of` reads a command line as `layerplan generate` (app/cli.py) reads it, for the options
+whose meaning the light front end carries out as the torch one does: a GGUF's plain greedy
+continuation of one prompt (the model, its dtype as stored, the engine, threads, a plan of this
+model, the token budget, stop strings, streaming). Any other option, value or form — sampling,
+drafts, a chat template, statistics, a prompt file, a second model, help — returns None, and the
+torch front end reads the command line instead, with its own parser, checks and messages. The
+output (text, stream, the closing line and the messages on stderr) is the torch front end's for
+the same command line (tests/test_lite.py runs both).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass, field
+
+from layerplan.decoding.budget import token_budget
+from layerplan.decoding.text import TextDelta
+from layerplan.lite.generate import generate
+from layerplan.lite.model import LiteModel, TorchFrontEnd, lite_refusal
+from layerplan.messages import one_line
+from layerplan.models.errors import ModelError
+from layerplan.models.gguf_index import DEFAULT_MODEL, gguf_of, index_folder
+from layerplan.plan.plan import PlanError
+
+# LAYERPLAN_FRONT_END=torch: every command line to the torch front end
+FRONT_END_VARIABLE = "LAYERPLAN_FRONT_END"
+# dtype -> the arithmetic of the products (engine/load.py: auto is a GGUF as stored where the
+# native kernels run, and the light front end runs only where they do)
+ARITHMETICS = {"auto": "exact", "stored": "exact", "stored-fast": "fast"}
+
+
+@dataclass
+class LiteRequest:
+    prompt: str
+    model: str = DEFAULT_MODEL
+    dtype: str = "auto"
+    engine: str = "auto"
+    threads: int | None = None
+    plan: str | None = None
+    max_new_tokens: int = 128
+    stop: list[str] = field(default_factory=list)
+    stream: bool = True
+
+
+def _integer(text: str, low: int) -> int | None:
+    try:
+        value = int(text)
+    except ValueError:
+        return None
+    return value if value >= low else None
+
+
+def _set(request: LiteRequest, option: str, value: str) -> bool:
+    """Apply one option's value as app/cli.py's generate reads it; False where its meaning is not
+    the light front end's (the torch front end then reads the whole line)."""
+    if option in ("--model", "-m"):
+        request.model = value
+    elif option == "--dtype" and value in ARITHMETICS:
+        request.dtype = value
+    elif option == "--engine" and value in ("auto", "native"):
+        request.engine = value
+    elif option == "--device" and value == "cpu":
+        pass
+    elif option == "--threads" and (threads := _integer(value, 1)) is not None and threads <= 1024:
+        request.threads = threads
+    elif option == "--plan":
+        request.plan = value
+    elif option in ("--max-new-tokens", "-n") and (count := _integer(value, 0)) is not None:
+        request.max_new_tokens = count
+    elif option in ("--temperature", "-t") and _float(value) == 0.0:
+        pass
+    elif option == "--stop":
+        request.stop.append(value)
+    else:
+        return False
+    return True
+
+
+def _float(text: str) -> float | None:
+    try:
+        return float(text)
+    except ValueError:
+        return None
+
+
+VALUED = ("--model", "-m", "--dtype", "--engine", "--device", "--threads", "--plan", "--max-new-tokens", "-n",
+          "--temperature", "-t", "--stop")
+FLAGS = {"--stream": ("stream", True), "--no-stream": ("stream", False), "--no-chat": (None, None)}
+
+
+def request_of(argv: list[str]) -> LiteRequest | None:
+    """The request of `layerplan generate ...` (argv without the program), or None (see the module)."""
+    if not argv or argv[0] != "generate" or os.environ.get(FRONT_END_VARIABLE, "") == "torch":
+        return None
+    request, prompts, i = LiteRequest(prompt=""), [], 1
+    while i < len(argv):
+        arg = argv[i]
+        if arg in FLAGS:
+            name, value = FLAGS[arg]
+            if name is not None:
+                setattr(request, name, value)
+        elif arg.startswith("--") and "=" in arg:
+            option, value = arg.split("=", 1)
+            if option not in VALUED or not _set(request, option, value):
+                return None
+        elif arg in VALUED:
+            if i + 1 >= len(argv) or not _set(request, arg, argv[i + 1]):
+                return None
+            i += 1
+        elif arg.startswith("-"):  # another option or form (-n5, --help, --), or a prompt that starts with '-'
+            return None
+        else:
+            prompts.append(arg)
+        i += 1
+    if len(prompts) != 1 or not prompts[0]:
+        return None
+    request.prompt = prompts[0]
+    return request
+
+
+def runnable(request: LiteRequest) -> bool:
+    """Whether the light front end runs it: a GGUF whose index it reads (made by an earlier load),
+    with a tokenizer (the torch front end says what a model without one cannot do)."""
+    gguf = gguf_of(request.model)
+    if gguf is None:
+        return False
+    index = index_folder(gguf)
+    return lite_refusal(index) is None and (index / "tokenizer.json").exists()
+
+
+def run(request: LiteRequest) -> int | None:
+    """Carry out a runnable request as app/cli.py's generate would: the exit status, or None where
+    the model turned out to need the torch front end (before any output)."""
+    try:
+        print(f"loading {request.model} ({'stored' if ARITHMETICS[request.dtype] == 'exact' else 'stored-fast'}, "
+              f"cpu, engine {request.engine})…", file=sys.stderr, flush=True)
+        model = LiteModel(gguf_of(request.model), ARITHMETICS[request.dtype], request.threads)
+        plan = model.plan(request.plan)
+        ids = model.tokenizer.encode(request.prompt)
+        if not ids:
+            raise ValueError("the prompt is empty (no tokens): give some text to continue")
+        token_budget(len(ids), request.max_new_tokens, model.context_length, new_tokens_name="--max-new-tokens")
+
+        def on_text(piece: TextDelta) -> None:
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+
+        result = generate(model, ids, plan, request.max_new_tokens, request.stop,
+                          on_text if request.stream else None)
+    except TorchFrontEnd:
+        return None
+    except KeyboardInterrupt:  # as click's standalone mode ends it
+        print("Aborted!", file=sys.stderr)
+        return 1
+    except BrokenPipeError:  # `layerplan … | head` closed the pipe: nothing more to say
+        return 1
+    except (PlanError, ModelError, ValueError, FileNotFoundError) as error:
+        print(f"Error: {one_line(str(error))}", file=sys.stderr)
+        return 1
+    except OSError as error:
+        where = f"{error.filename}: " if error.filename else ""
+        print(f"Error: {one_line(where + (error.strerror or str(error)))}", file=sys.stderr)
+        return 1
+    print("" if request.stream else result.text, flush=True)
+    if not result.text.strip() and request.max_new_tokens > 0:
+        print(f"(no text generated, stop reason: {result.stop_reason}; an instruction-tuned model may answer a bare "
+              "prompt only when it is wrapped in its chat template: add --chat)", file=sys.stderr)
+    return 0

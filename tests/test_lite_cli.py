@@ -1,0 +1,83 @@
+"""`layerplan generate` on the light front end (layerplan/lite/, what the command starts on for a
+GGUF's plain greedy continuation) against the same command line on the torch front end
+(LAYERPLAN_FRONT_END=torch): the same text, streamed or not, the same messages; and a start
+that imports neither torch nor transformers. The packaged SmolLM2, a process per command."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from layerplan.lite.cli import request_of, runnable
+
+pytestmark = pytest.mark.real
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    """A cache of this module's own, where a first run on the torch front end indexed the file and
+    kept its panels (what a first start does; it also says more on stderr)."""
+    folder = tmp_path_factory.mktemp("cache")
+    first = _run(["generate", "Hi", "-n", "1"], folder, "torch")
+    assert first.returncode == 0, first.stderr
+    return folder
+
+
+def _run(argv: list[str], cache, front_end: str = "") -> subprocess.CompletedProcess:
+    env = {**os.environ, "LAYERPLAN_CACHE": str(cache), "LAYERPLAN_FRONT_END": front_end}
+    return subprocess.run([sys.executable, "-m", "layerplan.app.launch", *argv], capture_output=True, text=True,
+                          env=env, timeout=300)
+
+
+@pytest.mark.parametrize("argv", [
+    ["generate", "The capital of France is", "-n", "16"],
+    ["generate", "Once upon a time", "-n", "12", "--dtype", "stored-fast", "--no-stream", "--threads", "1"],
+    ["generate", "List three colors:", "-n", "24", "--stop", "\n\n", "--plan", "0-25,20-29"],
+    ["generate", "Write a haiku about rain.", "-n", "20", "--plan", "exit:24", "--stop", "rain"],
+    ["generate", "Hello", "-n", "0"],
+])
+def test_the_light_front_end_prints_what_the_torch_one_prints(argv, cache, monkeypatch):
+    torch_run = _run(argv, cache, "torch")
+    assert torch_run.returncode == 0, torch_run.stderr
+    monkeypatch.setenv("LAYERPLAN_CACHE", str(cache))
+    monkeypatch.delenv("LAYERPLAN_FRONT_END", raising=False)
+    assert runnable(request_of(argv))  # so launch runs it on the light front end
+    lite_run = _run(argv, cache)
+    assert (lite_run.returncode, lite_run.stdout, lite_run.stderr) == (0, torch_run.stdout, torch_run.stderr)
+
+
+@pytest.mark.parametrize("argv,error", [
+    (["generate", "Hello", "-n", "100000"], "Error: --max-new-tokens=100000 does not fit"),
+    (["generate", "Hello", "--plan", "0-40"], "Error: "),
+])
+def test_a_bad_request_gets_the_torch_front_ends_message(argv, error, cache):
+    torch_run, lite_run = _run(argv, cache, "torch"), _run(argv, cache)
+    assert torch_run.returncode == lite_run.returncode == 1
+    assert lite_run.stderr == torch_run.stderr and error in lite_run.stderr
+    assert lite_run.stderr.count("\n") == 2  # the loading line, then the error's one line
+
+
+def test_what_the_light_front_end_leaves_runs_on_the_torch_one(cache):
+    """A plan of a second model: found once the light front end started, so the command starts
+    again on the torch front end, whose message it gives."""
+    argv = ["generate", "Hello", "--plan", "0-10,b:11-20"]
+    torch_run, lite_run = _run(argv, cache, "torch"), _run(argv, cache)
+    assert lite_run.returncode == torch_run.returncode == 1
+    assert lite_run.stderr.endswith(torch_run.stderr.splitlines()[-1] + "\n")
+    assert "only a is loaded" in lite_run.stderr
+
+
+def test_a_start_on_the_light_front_end_imports_neither_torch_nor_transformers(cache):
+    probe = ("import sys\n"
+             "from layerplan.lite.cli import request_of, run, runnable\n"
+             "request = request_of(['generate', 'The capital of France is', '-n', '4'])\n"
+             "assert runnable(request)\n"
+             "assert run(request) == 0\n"
+             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers', 'accelerate')))\n")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "LAYERPLAN_CACHE": str(cache)})
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().splitlines()[-1] == "[]"
