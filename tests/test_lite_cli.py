@@ -38,6 +38,8 @@ def _run(argv: list[str], cache, front_end: str = "") -> subprocess.CompletedPro
     ["generate", "List three colors:", "-n", "24", "--stop", "\n\n", "--plan", "0-25,20-29"],
     ["generate", "Write a haiku about rain.", "-n", "20", "--plan", "exit:24", "--stop", "rain"],
     ["generate", "Hello", "-n", "0"],
+    ["generate", "What is the capital of France?", "--chat", "-n", "24"],
+    ["generate", "Name two planets.", "--chat", "-n", "16", "--dtype", "stored-fast", "--no-stream"],
 ])
 def test_the_light_front_end_prints_what_the_torch_one_prints(argv, cache, monkeypatch):
     torch_run = _run(argv, cache, "torch")
@@ -47,6 +49,23 @@ def test_the_light_front_end_prints_what_the_torch_one_prints(argv, cache, monke
     assert runnable(request_of(argv))  # so launch runs it on the light front end
     lite_run = _run(argv, cache)
     assert (lite_run.returncode, lite_run.stdout, lite_run.stderr) == (0, torch_run.stdout, torch_run.stderr)
+
+
+def test_the_chat_frame_tokenizes_as_transformers_chat_template(cache, monkeypatch):
+    """The prompt wrapped in the index's chat frame (models/stored.py _chat_frame) gives the ids
+    transformers' apply_chat_template gives, for texts with spaces, newlines, braces and the
+    template's own special tokens."""
+    from layerplan.engine.load import load_model
+    from layerplan.lite.model import LiteModel
+    from layerplan.models.gguf_index import gguf_of
+
+    monkeypatch.setenv("LAYERPLAN_CACHE", str(cache))
+    torch_model = load_model("smollm2", dtype="stored")
+    lite = LiteModel(gguf_of("smollm2"))
+    assert "prefix" in lite.chat
+    for text in ("Hi", "  two\n lines  ", "{{ not a template }} {% raw %}", "<|im_end|> and <|im_start|>user", "é ü 你好"):
+        assert lite.encode(text, chat=True) == torch_model.encode(text, chat=True)[0].tolist(), text
+        assert lite.encode(text) == torch_model.encode(text)[0].tolist(), text
 
 
 @pytest.mark.parametrize("argv,error", [

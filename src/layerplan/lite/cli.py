@@ -3,8 +3,9 @@
 `request_of` reads a command line as `layerplan generate` (app/cli.py) reads it, for the options
 whose meaning the light front end carries out as the torch one does: a GGUF's plain greedy
 continuation of one prompt (the model, its dtype as stored, the engine, threads, a plan of this
-model, the token budget, stop strings, streaming). Any other option, value or form — sampling,
-drafts, a chat template, statistics, a prompt file, a second model, help — returns None, and the
+model, the token budget, stop strings, streaming, the chat template where it only wraps the
+prompt). Any other option, value or form — sampling, drafts, statistics, a prompt file, a second
+model, help — returns None, and the
 torch front end reads the command line instead, with its own parser, checks and messages. The
 output (text, stream, the closing line and the messages on stderr) is the torch front end's for
 the same command line (tests/test_lite.py runs both).
@@ -43,6 +44,7 @@ class LiteRequest:
     max_new_tokens: int = 128
     stop: list[str] = field(default_factory=list)
     stream: bool = True
+    chat: bool = False
 
 
 def _integer(text: str, low: int) -> int | None:
@@ -88,7 +90,8 @@ def _float(text: str) -> float | None:
 
 VALUED = ("--model", "-m", "--dtype", "--engine", "--device", "--threads", "--plan", "--max-new-tokens", "-n",
           "--temperature", "-t", "--stop")
-FLAGS = {"--stream": ("stream", True), "--no-stream": ("stream", False), "--no-chat": (None, None)}
+FLAGS = {"--stream": ("stream", True), "--no-stream": ("stream", False), "--chat": ("chat", True),
+         "--no-chat": ("chat", False)}
 
 
 def request_of(argv: list[str]) -> LiteRequest | None:
@@ -100,8 +103,7 @@ def request_of(argv: list[str]) -> LiteRequest | None:
         arg = argv[i]
         if arg in FLAGS:
             name, value = FLAGS[arg]
-            if name is not None:
-                setattr(request, name, value)
+            setattr(request, name, value)
         elif arg.startswith("--") and "=" in arg:
             option, value = arg.split("=", 1)
             if option not in VALUED or not _set(request, option, value):
@@ -139,7 +141,7 @@ def run(request: LiteRequest) -> int | None:
               f"cpu, engine {request.engine})…", file=sys.stderr, flush=True)
         model = LiteModel(gguf_of(request.model), ARITHMETICS[request.dtype], request.threads)
         plan = model.plan(request.plan)
-        ids = model.tokenizer.encode(request.prompt)
+        ids = model.encode(request.prompt, request.chat)
         if not ids:
             raise ValueError("the prompt is empty (no tokens): give some text to continue")
         token_budget(len(ids), request.max_new_tokens, model.context_length, new_tokens_name="--max-new-tokens")
@@ -165,7 +167,7 @@ def run(request: LiteRequest) -> int | None:
         print(f"Error: {one_line(where + (error.strerror or str(error)))}", file=sys.stderr)
         return 1
     print("" if request.stream else result.text, flush=True)
-    if not result.text.strip() and request.max_new_tokens > 0:
+    if not result.text.strip() and not request.chat and request.max_new_tokens > 0:
         print(f"(no text generated, stop reason: {result.stop_reason}; an instruction-tuned model may answer a bare "
               "prompt only when it is wrapped in its chat template: add --chat)", file=sys.stderr)
     return 0

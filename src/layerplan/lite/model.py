@@ -199,6 +199,7 @@ class LiteModel:
         # (llama.cpp's arithmetic keeps its keys and values in f16, as engine/native.py's does)
         self.kv_dtype = np.float16 if self.arithmetic == ABI.LP_ARITH_INT8 else np.float32
         self.index = index
+        self.chat = facts.get("chat") or {"template": True}  # (models/stored.py _chat_frame)
         self.tensors: dict[str, StoredTensor] = {}
         self.small: dict[str, np.ndarray] = {}
         for entry in facts["tensors"]:
@@ -320,6 +321,19 @@ class LiteModel:
         self.embedding_format = stack_format([embedding])
         self.embedding_rows = embedding.map_rows() if embedding.row_order is None else embedding.read_rows()
 
+    def encode(self, text: str, chat: bool = False) -> list[int]:
+        """Token ids of a prompt, as models/loading.py's LoadedModel.encode gives them: with chat,
+        the chat template's frame around it, tokenized whole without added special tokens (as
+        transformers' apply_chat_template); without (or for a tokenizer without a template), the
+        text with the special tokens its post-processor adds."""
+        if self.tokenizer is None:
+            raise ModelError(f"{self.name} has no tokenizer: text cannot be turned into tokens")
+        if chat and self.chat.get("template"):
+            if "prefix" not in self.chat:
+                raise TorchFrontEnd("a chat template that does more than wrap the prompt")
+            return self.tokenizer.encode(self.chat["prefix"] + text + self.chat["suffix"], special_tokens=False)
+        return self.tokenizer.encode(text)
+
     # ----- plans and passes ----------------------------------------------------------------------
     @property
     def num_layers(self) -> int:
@@ -429,8 +443,8 @@ class LiteTokenizer:
         eos_id = self._tokenizer.token_to_id(eos) if isinstance(eos, str) else None
         self.eos_ids = (eos_id,) if eos_id is not None else ()
 
-    def encode(self, text: str) -> list[int]:
-        return self._tokenizer.encode(text).ids
+    def encode(self, text: str, special_tokens: bool = True) -> list[int]:
+        return self._tokenizer.encode(text, add_special_tokens=special_tokens).ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         text = self._tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)

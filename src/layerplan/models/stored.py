@@ -171,10 +171,40 @@ def _merges_as_strings(path: Path) -> None:
     path.write_text(json.dumps(data, ensure_ascii=False), encoding="utf-8")
 
 
+# user messages the chat frame is found with: none is in any template, and each is inserted
+# whole only where a template inserts a message's content as it is
+_CHAT_PROBES = ("\u27e6layerplan\u27e7", " \u27e6two words\u27e7 \n", "\u27e6{{ x }}{% raw %}'\"\u27e7")
+
+
+def _chat_frame(tokenizer) -> dict:
+    """How the tokenizer's chat template wraps one user message with the assistant's turn after
+    it: {"template": False} without a template; with one, its "prefix" and "suffix" where every
+    probe message renders as prefix + message + suffix (the light front end then wraps a prompt
+    itself, layerplan/lite/); none where the template does more (a date, a message changed)."""
+    template = getattr(tokenizer, "chat_template", None)
+    if not template:
+        return {"template": False}
+    frames = set()
+    for text in _CHAT_PROBES:
+        try:
+            rendered = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                                     tokenize=False)
+        except Exception:  # noqa: BLE001 - a template that refuses a lone user message: no frame
+            return {"template": True}
+        if not isinstance(rendered, str) or rendered.count(text) != 1:
+            return {"template": True}
+        frames.add(tuple(rendered.split(text)))
+    if len(frames) != 1 or "strftime_now" in template:
+        return {"template": True}
+    prefix, suffix = frames.pop()
+    return {"template": True, "prefix": prefix, "suffix": suffix}
+
+
 def index_gguf(path: Path, target: Path) -> Path:
     """Read a GGUF's metadata once into `target`: config.json, the tokenizer's files and
     tensors.json (each mapped tensor's transformers name, GGUF type, shape, file offset, and the
-    row order transformers gives a matrix; the rotary frequencies). Parsing a GGUF's metadata in Python takes seconds
+    row order transformers gives a matrix; the rotary frequencies; how the chat template wraps a
+    prompt). Parsing a GGUF's metadata in Python takes seconds
     (its vocabulary is tens of thousands of strings); every later load reads these instead."""
     import gguf
     from transformers import AutoConfig, AutoTokenizer
@@ -219,8 +249,10 @@ def index_gguf(path: Path, target: Path) -> Path:
         if tokenizer is not None:
             tokenizer.save_pretrained(staging)
             _merges_as_strings(staging / "tokenizer.json")
+        chat = _chat_frame(tokenizer) if tokenizer is not None else {"template": False}
         (staging / TENSORS_FILE).write_text(json.dumps({"gguf": str(path), "version": INDEX_VERSION,
-                                                        "rotary": _rotary_facts(skeleton), "tensors": entries}))
+                                                        "rotary": _rotary_facts(skeleton), "chat": chat,
+                                                        "tensors": entries}))
         try:
             os.replace(staging, target)  # atomic: a half-written index is never found
         except OSError:
