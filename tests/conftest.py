@@ -26,7 +26,7 @@ def smollm2():
 # lm-evaluation-harness, a subprocess per command line, a browser or the chaos runs; and a few long single
 # tests (library builds, statistical samples, timing the machine, waits).
 SLOW_MODULES = {
-    "test_bad_input.py",  # a `python -m layerplan.app.cli` subprocess per case
+    "test_bad_input.py",  # a `python -m layerplan.app.launch` subprocess per case
     "test_chaos.py",  # PostgreSQL restarted under a shared search; a server under hanging clients
     "test_integrations.py",  # lm-evaluation-harness and transformers' generate on the real model
     "test_storage_outage.py",  # a PostgreSQL server stopped and started under a study

@@ -171,13 +171,14 @@ def test_bad_input_gets_one_line(files, args, code, needle):
 
 
 def test_bad_input_gets_one_line_from_real_processes(files):
-    """A few rows again as `python -m layerplan.app.cli`, in parallel: the installed entry point's
-    behaviour, stderr as a terminal user sees it."""
+    """A few rows again as `python -m layerplan.app.launch` (the installed entry point, which hands
+    what the light front end does not take to app/cli.py), in parallel: stderr as a terminal user
+    sees it."""
     rows = [CASES[0], CASES[2], CASES[9], CASES[10], CASES[15]]
 
     def run(row):
         args, code, needle = row
-        done = subprocess.run([sys.executable, "-m", "layerplan.app.cli", *_args(args, files)],
+        done = subprocess.run([sys.executable, "-m", "layerplan.app.launch", *_args(args, files)],
                               capture_output=True, text=True, timeout=300)
         return done, code, needle
 

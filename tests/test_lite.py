@@ -7,6 +7,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from tiny import tiny_hf
 from tiny_gguf import write_tiny_gguf
 
@@ -145,3 +147,21 @@ def test_a_rotary_row_is_its_positions_alone():
     parts = [rope_rows(inv_freq, 1.0, start, end) for start, end in ((0, 3), (3, 256), (256, 700))]
     for i in range(2):
         assert np.array_equal(np.concatenate([part[i] for part in parts]), whole[i])
+
+
+_WORDS = ["generate", "Hi", "-n", "5", "-1", "--model", "--dtype", "stored", "auto", "float32", "--plan", "exit:2",
+          "--stop", "--chat", "--no-chat", "--stream", "--no-stream", "-t", "0", "0.5", "--threads", "--", "-", "",
+          "--plan=0,1", "--stop=x", "--dtype=", "--bogus", "-h", "--engine", "native", "--device", "cpu"]
+
+
+@given(st.lists(st.sampled_from(_WORDS) | st.text(max_size=6), max_size=9))
+@settings(max_examples=300, deadline=None)
+def test_any_command_line_is_taken_whole_or_left_to_the_torch_front_end(words):
+    """request_of never raises: a line is a request whose every field is a value the torch front
+    end would accept too, or None."""
+    request = request_of(["generate", *words])
+    if request is None:
+        return
+    assert request.prompt and not request.prompt.startswith("-") and request.prompt in words
+    assert request.dtype in ("auto", "stored", "stored-fast") and request.engine in ("auto", "native")
+    assert request.max_new_tokens >= 0 and (request.threads is None or 1 <= request.threads <= 1024)
