@@ -100,3 +100,16 @@ def test_a_start_on_the_light_front_end_imports_neither_torch_nor_transformers(c
                           env={**os.environ, "LAYERPLAN_CACHE": str(cache)})
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_a_reader_that_leaves_ends_the_command_without_a_traceback(cache):
+    """`layerplan generate … | head -c 5`: the light front end stops at the closed pipe, as the torch
+    front end does, with status 1 and nothing but its loading line on stderr."""
+    env = {**os.environ, "LAYERPLAN_CACHE": str(cache), "LAYERPLAN_FRONT_END": ""}
+    process = subprocess.Popen([sys.executable, "-m", "layerplan.app.launch", "generate", "Once upon a time", "-n", "64"],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    process.stdout.read(5)
+    process.stdout.close()
+    stderr = process.stderr.read().decode()
+    assert process.wait(timeout=300) == 1
+    assert "Traceback" not in stderr and stderr.count("\n") == 1, stderr

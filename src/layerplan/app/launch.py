@@ -28,8 +28,11 @@ def main() -> None:
                 # Nothing is left to clean up (what it wrote, it wrote whole and flushed), and
                 # the interpreter's teardown (every module, the tokenizer's tables, the kernels'
                 # threads) would add a tenth of the start to the command's time: leave now.
-                sys.stdout.flush()
-                sys.stderr.flush()
+                for stream in (sys.stdout, sys.stderr):
+                    try:
+                        stream.flush()
+                    except OSError:  # a reader gone (`| head`): nothing more to say
+                        status = status or 1
                 os._exit(status)
             os.environ[FRONT_END_VARIABLE] = "torch"
             os.execv(sys.executable, [sys.executable, "-m", "layerplan.app.cli", *argv])
