@@ -106,3 +106,19 @@ def test_rope_whose_frequencies_change_calls_the_module():
     want = LlamaRotaryEmbedding(config)(like, positions)
     assert all(torch.equal(g, w) and torch.equal(c, w) for g, c, w in zip(got, chain, want))
     assert rotary not in rope._tables
+
+
+def test_a_module_whose_layout_is_its_own_fills_its_table_itself():
+    """Cohere interleaves the halves of its rotary rows: rope_tables.py's rows (each half twice)
+    are not its values, so its table is its own output, position by position."""
+    from transformers import CohereConfig
+    from transformers.models.cohere.modeling_cohere import CohereRotaryEmbedding
+
+    rotary = CohereRotaryEmbedding(CohereConfig(hidden_size=64, num_attention_heads=4, max_position_embeddings=128))
+    like = torch.zeros(1, 1, 64)
+    assert rope.takes_table(rotary, None) and rope._own_frequencies(rotary, None) is None
+    positions = torch.arange(0, 40)[None]
+    with torch.inference_mode():
+        want = [torch.cat([rotary(like, torch.tensor([[p]]))[i] for p in range(40)], 1) for i in range(2)]
+    for got, expected in zip(rope.rotary_embedding(rotary, like, positions), want):
+        assert torch.equal(got, expected)

@@ -43,6 +43,37 @@ def takes_table(rotary: nn.Module, layer_type: str | None) -> bool:
     return rope_type in STATIC_ROPE_TYPES
 
 
+# rotary module -> {layer type: its frequencies and scaling, or None where rope_tables.py's rows
+# are not its values (a layout of its own: Cohere interleaves the halves)}
+_frequencies: WeakKeyDictionary[nn.Module, dict] = WeakKeyDictionary()
+_CHECKED_POSITIONS = (1, 37, 1001)
+
+
+def _own_frequencies(rotary: nn.Module, layer_type: str | None) -> tuple | None:
+    """(inv_freq as numpy float32, attention_scaling) where the module exposes them and
+    rope_tables.py's rows of them are the module's own values (a position a call, within a
+    rounding: checked once); else None, and the table is the module's output itself."""
+    known = _frequencies.setdefault(rotary, {})
+    if layer_type not in known:
+        prefix = f"{layer_type}_" if layer_type is not None else ""  # Gemma 3: frequencies by layer type
+        inv_freq = getattr(rotary, f"{prefix}inv_freq", None)
+        scaling = getattr(rotary, f"{prefix}attention_scaling", None)
+        found = None
+        if isinstance(inv_freq, torch.Tensor) and isinstance(scaling, (int, float)):
+            found = (inv_freq.float().cpu().numpy(), float(scaling))
+            like = torch.zeros(1, dtype=torch.float32, device=inv_freq.device)
+            for position in _CHECKED_POSITIONS:
+                want = _call(rotary, like, torch.tensor([[position]], device=inv_freq.device), layer_type)
+                got = rope_rows(*found, position, position + 1)
+                if any(w.shape[-1] != g.shape[-1] or not torch.allclose(w[0].float().cpu(), torch.from_numpy(g),
+                                                                         rtol=1e-5, atol=1e-6)
+                       for w, g in zip(want, got)):
+                    found = None
+                    break
+        known[layer_type] = found
+    return known[layer_type]
+
+
 def _table(rotary: nn.Module, like: torch.Tensor, end: int, layer_type: str | None) -> tuple[torch.Tensor, torch.Tensor]:
     """The (cos, sin) table of a static-frequency module over positions 0..end-1 at least."""
     tables = _tables.setdefault(rotary, {})
@@ -52,12 +83,9 @@ def _table(rotary: nn.Module, like: torch.Tensor, end: int, layer_type: str | No
     if have < end:
         size = max(end, 2 * have, 4 * _BLOCK)
         size = -(-size // _BLOCK) * _BLOCK
-        prefix = f"{layer_type}_" if layer_type is not None else ""  # Gemma 3: frequencies by layer type
-        inv_freq = getattr(rotary, f"{prefix}inv_freq", None)
-        scaling = getattr(rotary, f"{prefix}attention_scaling", None)
-        if isinstance(inv_freq, torch.Tensor) and isinstance(scaling, (int, float)):  # rope_tables.py's rows
-            new = [torch.from_numpy(t).to(like.dtype).to(like.device)
-                   for t in rope_rows(inv_freq.float().cpu().numpy(), scaling, have, size)]
+        frequencies = _own_frequencies(rotary, layer_type)
+        if frequencies is not None:  # rope_tables.py's rows: the light front end's too
+            new = [torch.from_numpy(t).to(like.dtype).to(like.device) for t in rope_rows(*frequencies, have, size)]
         else:
             rows = [_call(rotary, like, torch.tensor([[position]], device=like.device), layer_type)
                     for position in range(have, size)]
