@@ -4,6 +4,8 @@ front ends share."""
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -165,3 +167,15 @@ def test_any_command_line_is_taken_whole_or_left_to_the_torch_front_end(words):
     assert request.prompt and not request.prompt.startswith("-") and request.prompt in words
     assert request.dtype in ("auto", "stored", "stored-fast") and request.engine in ("auto", "native")
     assert request.max_new_tokens >= 0 and (request.threads is None or 1 <= request.threads <= 1024)
+
+
+def test_physical_cores_count_each_core_once(tmp_path):
+    from layerplan.machine import physical_cores
+
+    entries = [(0, 0, 0), (1, 0, 1), (2, 0, 0), (3, 0, 1)]  # (processor, package, core): 2 cores, 2 threads each
+    text = "\n\n".join(f"processor\t: {p}\nphysical id\t: {k}\ncore id\t\t: {c}" for p, k, c in entries)
+    (tmp_path / "cpuinfo").write_text(text)
+    allowed = os.sched_getaffinity(0)
+    expected = len({c for p, _, c in entries if p in allowed})
+    assert physical_cores(tmp_path / "cpuinfo") == max(expected, 1)
+    assert physical_cores(tmp_path / "absent") == len(allowed)

@@ -67,6 +67,28 @@ def read_cpuinfo(path: str | Path = "/proc/cpuinfo") -> tuple[str | None, set[st
     return model, flags
 
 
+def physical_cores(cpuinfo: str | Path = "/proc/cpuinfo") -> int:
+    """The physical cores among the CPUs this process may run on (each core once, however many
+    hardware threads it has): torch's default number of threads, which the light front end takes
+    too. Where /proc/cpuinfo does not say, the CPUs this process may run on."""
+    allowed = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 1))
+    try:
+        text = Path(cpuinfo).read_text()
+    except OSError:
+        return max(len(allowed), 1)
+    cores, processor, package = set(), None, "0"
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        key, value = key.strip(), value.strip()
+        if key == "processor":
+            processor = int(value) if value.isdigit() else None
+        elif key == "physical id":
+            package = value
+        elif key == "core id" and processor in allowed:
+            cores.add((package, value))
+    return max(len(cores) or len(allowed), 1)
+
+
 def cpu_info(cpuinfo: str | Path = "/proc/cpuinfo") -> CpuInfo:
     import torch  # here: read_cpuinfo is read by processes without torch (layerplan/lite/)
 

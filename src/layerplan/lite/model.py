@@ -32,6 +32,7 @@ from layerplan.engine.kernel_library import ABI, check, huge_page_buffer, kernel
 from layerplan.engine.panel_cache import PanelCache
 from layerplan.engine.rope_tables import rope_rows
 from layerplan.engine.stored_pack import pack_stored, stack_format, v_apart
+from layerplan.machine import physical_cores
 from layerplan.models.errors import ModelError
 from layerplan.models.gguf_index import (DEFAULT_DISPLAY_NAME, INDEX_VERSION, TENSORS_FILE, StoredTensor,
                                          default_gguf_path, index_folder)
@@ -195,7 +196,7 @@ class LiteModel:
         self.source = str(gguf)
         self.arithmetic = ARITHMETIC_CODES[arithmetic]
         self.precision = "stored" if arithmetic == "exact" else "stored-fast"
-        self.threads = threads or len(os.sched_getaffinity(0))
+        self.threads = threads or physical_cores()  # (torch's default, as the torch front end runs)
         # (llama.cpp's arithmetic keeps its keys and values in f16, as engine/native.py's does)
         self.kv_dtype = np.float16 if self.arithmetic == ABI.LP_ARITH_INT8 else np.float32
         self.index = index
