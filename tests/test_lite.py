@@ -57,6 +57,7 @@ def test_the_light_front_end_gives_the_torch_front_ends_logits(tmp_path, arch, m
     """Every plan's prompt pass (every row's logits) and the decoding steps after it: the same bits."""
     model, lite = _pair(tmp_path, arch, matrix_type, dtype, types)
     assert model.native is not None and not model.native.eager_sub_layers()
+    assert lite.packed.packed_here == 0  # it stacks as native.py does: every panel was kept by the torch load
     for text in PLANS:
         plan, lite_plan = model.plan(text), lite.plan(text)
         assert lite_plan == plan
@@ -67,6 +68,18 @@ def test_the_light_front_end_gives_the_torch_front_ends_logits(tmp_path, arch, m
             position = len(PROMPT) + i
             want = forward(model, torch.tensor([[token]]), plan, cache, position, last_only=True)[0].numpy()
             assert np.array_equal(lite.logits([token], lite_cache, position), want), (text, i)
+
+
+def test_panels_packed_from_the_files_rows_give_the_same_logits(tmp_path, monkeypatch):
+    """Without kept panels (LAYERPLAN_PANEL_CACHE=0) the light front end packs the file's rows
+    itself (stored_pack.py, as the torch front end does): the same bits."""
+    model, _ = _pair(tmp_path, "qwen2", "Q8_0", "stored")
+    monkeypatch.setenv("LAYERPLAN_PANEL_CACHE", "0")
+    lite = LiteModel(tmp_path / "qwen2.gguf", threads=2)
+    assert lite.packed.packed_here > 0 and lite.packed.panels is None
+    plan = model.plan()
+    want = forward(model, torch.tensor([PROMPT]), plan, new_cache(plan, 64))[0].numpy()
+    assert np.array_equal(lite.logits(PROMPT, lite.new_cache(lite.plan(), 64), 0, last_only=False), want)
 
 
 def test_a_file_the_light_front_end_cannot_run_says_why(tmp_path):

@@ -170,6 +170,7 @@ class Packed:
     def finish(self) -> None:
         for worker in self._workers:
             worker.join()
+        self.packed_here = len(self._missing)  # stacks no kept entry held (0 once the file was loaded)
         for _, wanted in self._missing:  # (a first start: its panels packed from the file's rows, and kept)
             weights, code, nbytes, offset = wanted
             out = self.buffer[offset:offset + nbytes]
