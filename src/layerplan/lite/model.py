@@ -20,8 +20,8 @@ from __future__ import annotations
 import ctypes
 import json
 import os
-from collections.abc import Sequence
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -87,7 +87,6 @@ def lite_refusal(index: Path) -> str | None:
 class LiteConfig:
     """What the kernels' descriptors need of the model's config.json."""
 
-    model_type: str
     hidden: int
     heads: int
     kv_heads: int
@@ -103,7 +102,7 @@ class LiteConfig:
         heads = config["num_attention_heads"]
         eos = config.get("eos_token_id")
         eos_ids = (eos,) if isinstance(eos, int) else tuple(eos or ())
-        return cls(model_type=config["model_type"], hidden=config["hidden_size"], heads=heads,
+        return cls(hidden=config["hidden_size"], heads=heads,
                    kv_heads=config.get("num_key_value_heads") or heads,
                    head_dim=config.get("head_dim") or config["hidden_size"] // heads,
                    inner=config["intermediate_size"], layers=config["num_hidden_layers"],
@@ -155,10 +154,6 @@ class Packed:
             worker.start()
 
     def _read(self, share: list) -> None:
-        if os.environ.get("LP_POP"):
-            libc = ctypes.CDLL(None)
-            for _, wanted in share:
-                libc.madvise(ctypes.c_void_p(self.address(wanted[3]) // 4096 * 4096), ctypes.c_size_t(-(-wanted[2] // 4096) * 4096), 23)
         paths = [ctypes.create_string_buffer(os.fsencode(entry)) for entry, _ in share]
         sizes = np.array([wanted[2] for _, wanted in share], np.int64)
         outs = (ctypes.c_void_p * len(share))(*(self.address(wanted[3]) for _, wanted in share))
@@ -196,7 +191,6 @@ class LiteModel:
         self.name = DEFAULT_DISPLAY_NAME if gguf == default_gguf_path() else gguf.stem
         self.source = str(gguf)
         self.arithmetic = ARITHMETIC_CODES[arithmetic]
-        self.precision = "stored" if arithmetic == "exact" else "stored-fast"
         self.threads = threads or physical_cores()  # (torch's default, as the torch front end runs)
         # (llama.cpp's arithmetic keeps its keys and values in f16, as engine/native.py's does)
         self.kv_dtype = np.float16 if self.arithmetic == ABI.LP_ARITH_INT8 else np.float32
@@ -397,7 +391,6 @@ class LiteModel:
             table.ctypes.data, rows, order.ctypes.data, rows, hidden.ctypes.data, cache.table, len(cache.table),
             start_pos, cos, sin, 0, 0, None, ctypes.byref(self.final_norm), ctypes.byref(self.head),
             rows - 1 if last_only else 0, logits.ctypes.data, ABI.LP_DTYPE_F32, self.threads), "a native pass")
-        cache.length = max(cache.length, start_pos + rows)
         return logits
 
 
@@ -407,12 +400,12 @@ class LiteCache:
 
     def __init__(self, model: LiteModel, plan: LayerPlan, capacity: int) -> None:
         c = model.config
-        self.capacity, self.length = capacity, 0
-        steps = [(i, s) for i, s in enumerate(plan.active_steps) if s.attention or s.mlp]
+        self.capacity = capacity
+        steps = [step for step in plan.active_steps if step.active]
         self.slots: list[tuple[np.ndarray, np.ndarray]] = []
         self.table = (_Step * len(steps))()
         kv_code = ABI.LP_DTYPE_F16 if model.kv_dtype == np.float16 else ABI.LP_DTYPE_F32
-        for entry, (_, step) in zip(self.table, steps):
+        for entry, step in zip(self.table, steps):
             if step.attention:
                 keys, values = (np.zeros((c.kv_heads, capacity, c.head_dim), model.kv_dtype) for _ in range(2))
                 self.slots.append((keys, values))
