@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 # model_type -> (GGUF architecture, the config keys it writes)
-ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "mistral": "llama"}
+ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mistral": "llama"}
 
 
 def _permute(weights: np.ndarray, heads: int, kv_heads: int) -> np.ndarray:

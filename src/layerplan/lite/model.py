@@ -43,10 +43,11 @@ _Norm, _Matrix, _Kv, _Attention, _Mlp, _Step = (ABI.structs[name] for name in (
 
 # model types (config.json's) whose decoder layers are the llama family's as the kernels run them:
 # RMSNorm rounding the normalised value, q/k/v/o projections (biases where the file has them),
-# RoPE on whole heads, scores scaled by head_dim ** -0.5, a SiLU-gated MLP. engine/native.py
-# checks the same facts on the modules (models/architectures.py KernelLayout); a type joins this
-# set once tests/test_lite.py gives it the torch front end's bits.
-LITE_ARCHITECTURES = frozenset({"llama", "qwen2"})
+# RoPE on whole heads, scores scaled by head_dim ** -0.5, a SiLU-gated MLP; value: whether the
+# attention normalises q and k per head (Qwen3's q_norm, k_norm). engine/native.py checks the same
+# facts on the modules (models/architectures.py KernelLayout); a type joins this table once
+# tests/test_lite.py gives it the torch front end's bits.
+LITE_ARCHITECTURES = {"llama": False, "qwen2": False, "qwen3": True}
 ARITHMETIC_CODES = {"exact": ABI.LP_ARITH_EXACT, "fast": ABI.LP_ARITH_INT8}
 # the small tensors (norms, biases) a file may store, as numpy reads them
 _SMALL_TYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16}
@@ -194,6 +195,7 @@ class LiteModel:
         self.threads = threads or physical_cores()  # (torch's default, as the torch front end runs)
         # (llama.cpp's arithmetic keeps its keys and values in f16, as engine/native.py's does)
         self.kv_dtype = np.float16 if self.arithmetic == ABI.LP_ARITH_INT8 else np.float32
+        self.qk_norm = LITE_ARCHITECTURES[config["model_type"]]
         self.index = index
         self.chat = facts.get("chat") or {"template": True}  # (models/stored.py _chat_frame)
         self.tensors: dict[str, StoredTensor] = {}
@@ -299,10 +301,12 @@ class LiteModel:
         self.packed.finish()
         self.attention, self.mlp = [], []
         for i, stack in enumerate(stacks):
+            attn = _layer_tensor(i, "self_attn")
             self.attention.append(_Attention(
                 hidden=c.hidden, heads=c.heads, kv_heads=c.kv_heads, head_dim=c.head_dim,
                 norm=self._norm(_layer_tensor(i, "input_layernorm.weight")),
-                q_norm=self._norm(None), k_norm=self._norm(None),
+                q_norm=self._norm(f"{attn}.q_norm.weight" if self.qk_norm else None),
+                k_norm=self._norm(f"{attn}.k_norm.weight" if self.qk_norm else None),
                 post_norm=self._norm(None), qkv=self._describe(stack["qkv"]), v=self._describe(stack["v"]),
                 o=self._describe(stack["o"]), scaling=float(c.head_dim ** -0.5), window=0, rotary_dim=c.head_dim))
             self.mlp.append(_Mlp(hidden=c.hidden, inner=c.inner,
