@@ -93,6 +93,24 @@ def test_panels_packed_from_the_files_rows_give_the_same_logits(tmp_path, monkey
     assert np.array_equal(lite.logits(PROMPT, lite.new_cache(lite.plan(), 64), 0, last_only=False), want)
 
 
+def test_a_kept_entry_cut_short_is_packed_again(tmp_path, monkeypatch):
+    """An entry cut short between finding it and reading it (another process's eviction, a full
+    disk): lp_read_files reports it, and that stack is packed from the file's rows and kept again:
+    the same logits."""
+    from layerplan.engine.panel_cache import PanelCache
+
+    model, first = _pair(tmp_path, "llama", "Q4_1", "stored")
+    entry = max(first.packed.panels.folder.glob("*.panels"), key=lambda p: p.stat().st_size)
+    whole = entry.stat().st_size
+    entry.write_bytes(entry.read_bytes()[:100])
+    monkeypatch.setattr(PanelCache, "kept", lambda self, *wanted: self._entry(*wanted))  # found before the cut
+    lite = LiteModel(tmp_path / "llama.gguf", threads=2)
+    assert lite.packed.packed_here == 1 and entry.stat().st_size == whole  # packed, and kept whole again
+    plan = model.plan()
+    want = forward(model, torch.tensor([PROMPT]), plan, new_cache(plan, 64))[0].numpy()
+    assert np.array_equal(lite.logits(PROMPT, lite.new_cache(lite.plan(), 64), 0, last_only=False), want)
+
+
 def test_a_file_the_light_front_end_cannot_run_says_why(tmp_path):
     """No index yet, then a stack of matrices of two types (the torch front end dequantizes it)."""
     path = write_tiny_gguf(tiny_hf("llama"), tmp_path / "mixed.gguf", "Q8_0", {"ffn_up": "Q4_0"})
