@@ -144,7 +144,7 @@ def test_a_plan_of_a_second_model_is_the_torch_front_ends(tmp_path):
     (["generate", "Hi", "--chat", "--no-chat"], LiteRequest("Hi")),
     (["generate", "Hi", "-t", "0.7"], None),  # sampling
     (["generate", "Hi", "--draft", "suffix"], None),
-    (["generate", "Hi", "--stats"], None),
+    (["generate", "Hi", "--stats"], LiteRequest("Hi", stats=True)),
     (["generate", "Hi", "-n5"], None),  # a form it does not read: the torch front end reads it
     (["generate", "Hi", "-n", "-1"], None),  # a bad value: the torch front end's message
     (["generate", "Hi", "--dtype", "float32"], None),

@@ -5,6 +5,7 @@ that imports neither torch nor transformers. The packaged SmolLM2, a process per
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -49,6 +50,18 @@ def test_the_light_front_end_prints_what_the_torch_one_prints(argv, cache, monke
     assert runnable(request_of(argv))  # so launch runs it on the light front end
     lite_run = _run(argv, cache)
     assert (lite_run.returncode, lite_run.stdout, lite_run.stderr) == (0, torch_run.stdout, torch_run.stderr)
+
+
+def test_the_statistics_are_the_torch_front_ends_but_the_timings(cache):
+    argv = ["generate", "The capital of France is", "-n", "8", "--stats", "--no-stream"]
+    torch_run, lite_run = _run(argv, cache, "torch"), _run(argv, cache)
+    assert lite_run.returncode == torch_run.returncode == 0 and lite_run.stdout == torch_run.stdout
+    stats = [json.loads(run.stderr[run.stderr.index("{"):]) for run in (torch_run, lite_run)]
+    assert list(stats[0]) == list(stats[1])
+    timings = ("seconds", "prefill_seconds", "tokens_per_second")
+    untimed = [{k: v for k, v in s.items() if k not in timings} for s in stats]
+    assert untimed[0] == untimed[1]
+    assert stats[1]["provenance"]["plain"] == 8 and stats[1]["tokens_per_second"] > 0
 
 
 def test_the_chat_frame_tokenizes_as_transformers_chat_template(cache, monkeypatch):

@@ -4,8 +4,8 @@
 whose meaning the light front end carries out as the torch one does: a GGUF's plain greedy
 continuation of one prompt (the model, its dtype as stored, the engine, threads, a plan of this
 model, the token budget, stop strings, streaming, the chat template where it only wraps the
-prompt). Any other option, value or form — sampling, drafts, statistics, a prompt file, a second
-model, help — returns None, and the
+prompt, the statistics). Any other option, value or form — sampling, drafts, a prompt file, a
+second model, help — returns None, and the
 torch front end reads the command line instead, with its own parser, checks and messages. The
 output (text, stream, the closing line and the messages on stderr) is the torch front end's for
 the same command line (tests/test_lite.py runs both).
@@ -13,6 +13,7 @@ the same command line (tests/test_lite.py runs both).
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from dataclasses import dataclass, field
@@ -45,6 +46,7 @@ class LiteRequest:
     stop: list[str] = field(default_factory=list)
     stream: bool = True
     chat: bool = False
+    stats: bool = False
 
 
 def _integer(text: str, low: int) -> int | None:
@@ -91,7 +93,7 @@ def _float(text: str) -> float | None:
 VALUED = ("--model", "-m", "--dtype", "--engine", "--device", "--threads", "--plan", "--max-new-tokens", "-n",
           "--temperature", "-t", "--stop")
 FLAGS = {"--stream": ("stream", True), "--no-stream": ("stream", False), "--chat": ("chat", True),
-         "--no-chat": ("chat", False)}
+         "--no-chat": ("chat", False), "--stats": ("stats", True)}
 
 
 def request_of(argv: list[str]) -> LiteRequest | None:
@@ -170,4 +172,7 @@ def run(request: LiteRequest) -> int | None:
     if not result.text.strip() and not request.chat and request.max_new_tokens > 0:
         print(f"(no text generated, stop reason: {result.stop_reason}; an instruction-tuned model may answer a bare "
               "prompt only when it is wrapped in its chat template: add --chat)", file=sys.stderr)
+    if request.stats:  # app/cli.py's summary: the result but its text and tokens
+        summary = {k: v for k, v in result.to_dict().items() if k not in ("text", "token_ids")}
+        print(json.dumps(summary, indent=2), file=sys.stderr)
     return 0
