@@ -23,6 +23,7 @@ import os
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
@@ -61,11 +62,18 @@ def _layer_tensor(layer: int, name: str) -> str:
     return f"model.layers.{layer}.{name}"
 
 
+@lru_cache(maxsize=4)
+def read_index(index: Path) -> tuple[dict, dict]:
+    """(config.json, TENSORS_FILE) of an index, parsed once a process: the command line's check
+    (lite/cli.py runnable) and the model read the same files on the start's path. An index is
+    written whole and never changed (models/stored.py index_gguf), so a parse stays its own."""
+    return json.loads((index / "config.json").read_text()), json.loads((index / TENSORS_FILE).read_text())
+
+
 def lite_refusal(index: Path) -> str | None:
     """Why the GGUF of this index cannot run here (one line), or None."""
     try:
-        config = json.loads((index / "config.json").read_text())
-        tensors = json.loads((index / TENSORS_FILE).read_text())
+        config, tensors = read_index(index)
     except (OSError, ValueError):
         return "the file has no index yet (the first load makes it)"
     if tensors.get("version") != INDEX_VERSION or tensors.get("rotary") is None:
@@ -186,8 +194,7 @@ class LiteModel:
         refusal = lite_refusal(index)
         if refusal is not None:
             raise TorchFrontEnd(f"{gguf.name}: {refusal}")
-        config = json.loads((index / "config.json").read_text())
-        facts = json.loads((index / TENSORS_FILE).read_text())
+        config, facts = read_index(index)
         self.config = LiteConfig.read(config)
         self.name = DEFAULT_DISPLAY_NAME if gguf == default_gguf_path() else gguf.stem
         self.source = str(gguf)
