@@ -60,8 +60,8 @@ from layerplan.decoding.drafters.model import ModelDrafter
 from layerplan.decoding.drafters.registry import drafts_by_lookup, make_drafter
 from layerplan.decoding.draft_length import SharedRounds, make_draft_length
 from layerplan.decoding.speculative import SpeculativeDecoding
-from layerplan.decoding.output import ChatTemplateError, GenerationResult, chat_prompt_ids
-from layerplan.decoding.text import TextDelta
+from layerplan.decoding.output import ChatTemplateError, chat_prompt_ids
+from layerplan.decoding.text import GenerationResult, TextDelta
 from layerplan.decoding.budget import ContextLengthError, token_budget
 from layerplan.decoding.sampling import SEED_RANGE, SamplingError, SamplingParams
 from layerplan.engine.probe import ProbeRow

@@ -20,7 +20,7 @@ import torch
 
 from layerplan.decoding.draft_length import SharedRounds
 from layerplan.decoding.generate import Decoding
-from layerplan.decoding.output import GenerationResult
+from layerplan.decoding.text import GenerationResult
 from layerplan.decoding.sampling import SamplingParams
 from layerplan.decoding.speculative import SpeculativeDecoding
 from layerplan.engine.executors import executor_of

@@ -9,7 +9,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from layerplan.decoding.drafters.dynamic_exit import DynamicExit, ExitPolicy
-from layerplan.decoding.output import GenerationResult
+from layerplan.decoding.text import GenerationResult
 from layerplan.decoding.request import DecodeRequest
 from layerplan.decoding.sampling import SamplingParams
 from layerplan.decoding.speculative import speculative_generate

@@ -1,43 +1,14 @@
-"""What a generation produces: the result, and the prompt's token ids (its text, a chat). How
-its text streams and when it stops (stop strings, EOS, the budget, cancellation, each token's
-provenance) is decoding/text.py's. Shared by plain and speculative decoding."""
+"""The prompt's token ids (its text, a chat). What a generation produces (GenerationResult), how its
+text streams and when it stops (stop strings, EOS, the budget, cancellation, each token's
+provenance) are decoding/text.py's. Shared by plain and speculative decoding."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
 
 import torch
 
-from layerplan.decoding.text import TokenText
 from layerplan.models.loading import LoadedModel
-
-
-@dataclass
-class GenerationResult:
-    text: str  # the new text (stop string removed)
-    token_ids: list[int]  # the new tokens
-    prompt_tokens: int
-    stop_reason: str  # "eos", "stop", "length", or "cancelled" (should_stop said so)
-    seconds: float  # decoding time, prefill included
-    prefill_seconds: float
-    plan: str
-    stats: dict = field(default_factory=dict)
-    # one line when the decode's passes ran SLOW_DECODE_RATIO times slower than this machine's
-    # probe says they cost (engine/probe.py PaceCheck): a busy machine; None otherwise
-    slow_note: str | None = None
-    # how many of the new tokens are of each TokenKind (plain decoding: all "plain")
-    provenance: dict[str, int] = field(default_factory=dict)
-    # the text by the token that produced each part, with its kind (what a stream's deltas carry)
-    pieces: list[TokenText] = field(default_factory=list)
-
-    @property
-    def tokens_per_second(self) -> float:
-        decode = self.seconds - self.prefill_seconds
-        return len(self.token_ids) / decode if decode > 0 else float("nan")
-
-    def to_dict(self) -> dict:
-        return {**asdict(self), "tokens_per_second": self.tokens_per_second}
 
 
 def prompt_ids(model: LoadedModel, prompt: str | torch.Tensor | Sequence[int], chat: bool = False) -> torch.Tensor:

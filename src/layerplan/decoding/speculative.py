@@ -29,8 +29,7 @@ from layerplan.decoding.acceptance import accept_draft, accept_greedy, accept_tr
 from layerplan.decoding.draft_length import FixedLength, SharedRounds, make_draft_length
 from layerplan.decoding.drafters.base import DraftState, Drafter, LearnsFromRounds, Proposal, RoundOutcome
 from layerplan.decoding.drafters.registry import make_drafter
-from layerplan.decoding.output import GenerationResult
-from layerplan.decoding.text import TokenKind
+from layerplan.decoding.text import GenerationResult, TokenKind
 from layerplan.decoding.request import DecodeRequest
 from layerplan.decoding.sampling import SamplingParams, next_token_probs, penalty_context, pick
 from layerplan.engine.cache import KVCache

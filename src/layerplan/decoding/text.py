@@ -1,12 +1,13 @@
 """A generation's text as its tokens make it, and when it stops: streamed deltas, stop strings,
-EOS, the token budget, cancellation, and each token's provenance. Without torch: the light front
+EOS, the token budget, cancellation, and each token's provenance; and what it produces
+(GenerationResult). Without torch: the light front
 end (layerplan/lite/) decodes with these as the torch one does (decoding/output.py)."""
 
 from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Literal
 
 
@@ -189,3 +190,30 @@ class Emitter:
         """How many tokens are of each kind (GenerationResult.provenance)."""
         counts = Counter(self.kinds)
         return {kind: counts[kind] for kind in TOKEN_KINDS}
+
+
+@dataclass
+class GenerationResult:
+    text: str  # the new text (stop string removed)
+    token_ids: list[int]  # the new tokens
+    prompt_tokens: int
+    stop_reason: str  # "eos", "stop", "length", or "cancelled" (should_stop said so)
+    seconds: float  # decoding time, prefill included
+    prefill_seconds: float
+    plan: str
+    stats: dict = field(default_factory=dict)
+    # one line when the decode's passes ran SLOW_DECODE_RATIO times slower than this machine's
+    # probe says they cost (engine/probe.py PaceCheck): a busy machine; None otherwise
+    slow_note: str | None = None
+    # how many of the new tokens are of each TokenKind (plain decoding: all "plain")
+    provenance: dict[str, int] = field(default_factory=dict)
+    # the text by the token that produced each part, with its kind (what a stream's deltas carry)
+    pieces: list[TokenText] = field(default_factory=list)
+
+    @property
+    def tokens_per_second(self) -> float:
+        decode = self.seconds - self.prefill_seconds
+        return len(self.token_ids) / decode if decode > 0 else float("nan")
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "tokens_per_second": self.tokens_per_second}

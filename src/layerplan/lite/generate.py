@@ -1,45 +1,19 @@
 """A plain greedy decode on the light front end: decoding/generate.py's Decoding, token for token
 (the prompt in one pass, then a pass a token; the first maximum of each row's logits), with the
-same Emitter deciding what text streams and when it stops."""
+same Emitter deciding what text streams and when it stops, and the same GenerationResult."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
 
-from layerplan.decoding.text import Emitter, TokenText
+from layerplan.decoding.text import Emitter, GenerationResult
 from layerplan.lite.model import LiteModel
 from layerplan.plan.plan import LayerPlan
 
 
-@dataclass(frozen=True)
-class LiteResult:
-    """decoding/output.py's GenerationResult, field for field, of a plain decode."""
-
-    text: str  # the new text (stop string removed)
-    token_ids: list[int]  # the new tokens
-    prompt_tokens: int
-    stop_reason: str  # "eos", "stop" or "length"
-    seconds: float  # decoding time, prefill included
-    prefill_seconds: float
-    plan: str
-    stats: dict = field(default_factory=dict)
-    slow_note: str | None = None  # (the torch front end's comparison with this machine's probe)
-    provenance: dict[str, int] = field(default_factory=dict)
-    pieces: list[TokenText] = field(default_factory=list)
-
-    @property
-    def tokens_per_second(self) -> float:
-        decode = self.seconds - self.prefill_seconds
-        return len(self.token_ids) / decode if decode > 0 else float("nan")
-
-    def to_dict(self) -> dict:
-        return {**asdict(self), "tokens_per_second": self.tokens_per_second}
-
-
 def generate(model: LiteModel, prompt_ids: Sequence[int], plan: LayerPlan, max_new_tokens: int,
-             stop: Sequence[str] = (), on_text: Callable[[str], None] | None = None) -> LiteResult:
+             stop: Sequence[str] = (), on_text: Callable[[str], None] | None = None) -> GenerationResult:
     """Greedy new tokens after `prompt_ids` (non-empty) through `plan`."""
     start = time.perf_counter()
     out = Emitter(model, max_new_tokens, stop, True, on_text)
@@ -55,5 +29,5 @@ def generate(model: LiteModel, prompt_ids: Sequence[int], plan: LayerPlan, max_n
             break
         logits = model.logits([token], cache, len(context) - 1)
     text = out.finish()
-    return LiteResult(text, out.tokens, len(prompt_ids), out.reason, time.perf_counter() - start, prefill_seconds,
-                      plan.to_string(), provenance=out.provenance(), pieces=out.stream.pieces())
+    return GenerationResult(text, out.tokens, len(prompt_ids), out.reason, time.perf_counter() - start,
+                            prefill_seconds, plan.to_string(), provenance=out.provenance(), pieces=out.stream.pieces())
