@@ -1,4 +1,7 @@
+import gc
+import os
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -67,3 +70,60 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if _slow(item):
             item.add_marker(pytest.mark.slow)
+
+
+# ----- the memory guard ---------------------------------------------------------------------------
+# CI runs on a 24 GiB machine beside nothing else; a test process that keeps what its modules made
+# grows until the OOM killer ends the run. Each module is measured from its first setup to its last
+# teardown (its module fixtures released, the collector run): the module fails its last test when the
+# process grew by more than MODULE_GROWTH across it or its peak resident memory passed PEAK. A line
+# per module goes to LAYERPLAN_MEMORY_LOG when set (module, seconds, RSS before/after, peak; MB).
+MODULE_GROWTH = 1536 << 20
+PEAK = 4096 << 20
+
+
+def _status_bytes(field: str) -> int:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) << 10
+    return 0
+
+
+def _reset_peak() -> bool:
+    try:  # Linux: writing 5 resets VmHWM to the current RSS
+        with open("/proc/self/clear_refs", "w") as refs:
+            refs.write("5")
+        return True
+    except OSError:
+        return False
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _module_memory(request):
+    """Autouse and module-scoped, so set up first and torn down last: after the module's own
+    fixtures have let their models go."""
+    if not os.path.exists("/proc/self/status"):
+        yield
+        return
+    gc.collect()
+    before, peak_known, start = _status_bytes("VmRSS"), _reset_peak(), time.monotonic()
+    yield
+    gc.collect()
+    after, peak = _status_bytes("VmRSS"), _status_bytes("VmHWM")
+    name = request.node.nodeid
+    log = os.environ.get("LAYERPLAN_MEMORY_LOG")
+    if log:
+        with open(log, "a") as out:
+            out.write(f"{name}\t{time.monotonic() - start:.1f}\t{before >> 20}\t{after >> 20}\t{peak >> 20}"
+                      f"\t{os.environ.get('PYTEST_XDIST_WORKER', 'main')}\n")
+    problems = []
+    if after - before > MODULE_GROWTH:
+        problems.append(f"the test process grew by {(after - before) >> 20} MB across {name} "
+                        f"({before >> 20} -> {after >> 20} MB; at most {MODULE_GROWTH >> 20} MB): "
+                        "something it made is still held")
+    if peak_known and peak > PEAK:
+        problems.append(f"the test process reached {peak >> 20} MB of resident memory in {name} "
+                        f"(at most {PEAK >> 20} MB)")
+    if problems:
+        pytest.fail("; ".join(problems), pytrace=False)

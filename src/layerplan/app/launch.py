@@ -36,9 +36,9 @@ def main() -> None:
                 os._exit(status)
             os.environ[FRONT_END_VARIABLE] = "torch"
             os.execv(sys.executable, [sys.executable, "-m", "layerplan.app.cli", *argv])
-    from layerplan.app.cli import main as torch_front_end
+    from layerplan.app.cli import run_as_process
 
-    torch_front_end()
+    run_as_process()
 
 
 if __name__ == "__main__":
