@@ -97,8 +97,10 @@ CASES = [
     (["ppl", "--text", "FILES/binary.txt"], 1, "binary.txt: not UTF-8 text (byte 2: invalid start byte)"),
     (["search", "--method", "bayes", "--trials", "1", "--tokens", "16", "--storage", "FILES/empty.json/study.db"], 1,
      "cannot write FILES/empty.json/study.db: FILES/empty.json is a file, not a folder"),
-    (["search", "--method", "bayes", "--trials", "1", "--tokens", "16", "--storage",
-      "postgresql://nobody@127.0.0.1:1/none"], 1, "cannot open the study storage postgresql://nobody@127.0.0.1:1/none"),
+    # a server that is not there is waited for as one restarting would be, for --storage-patience
+    (["search", "--method", "bayes", "--trials", "1", "--tokens", "16", "--storage-patience", "0", "--storage",
+      "postgresql://nobody@127.0.0.1:1/none"], 1, "cannot open the study storage postgresql://nobody@127.0.0.1:1/none: "
+                                                  "it has been unreachable for 0 s"),
     (["generate"], 2, "give a PROMPT or --prompt-file FILE"),
     (["generate", "hi", "--prompt-file", "FILES/empty.txt"], 2, "give a PROMPT or --prompt-file FILE"),
     (["no-such-command"], 2, "No such command 'no-such-command'"),

@@ -83,6 +83,40 @@ def test_past_its_patience_a_worker_gives_up_in_one_line(pg, capsys):
     assert _lines(capsys) == [_lines_first(message)]
 
 
+def test_a_worker_started_while_the_database_is_down_joins_when_it_comes_up(pg, capsys):
+    """Opening the storage waits with the same patience as every later call (issue 46: a chaos
+    worker restarted during a database restart gave up at once)."""
+    import optuna
+
+    pg.crash()
+    threading.Timer(10.0, pg.start).start()
+    started = time.monotonic()
+    storage = make_storage(pg.url, heartbeat=None, patience=60)
+    assert time.monotonic() - started >= 9.5
+    study = optuna.create_study(study_name="outage-open", storage=storage)
+    study.tell(study.ask(), 0.25)
+    lines = _lines(capsys)
+    assert len(lines) == 2, lines
+    assert lines[0].startswith("storage unreachable (") and lines[0].endswith("): retrying for up to 1 min")
+    assert lines[1].startswith("storage reachable again after ")
+    assert [t.values for t in study_trials(pg.url, "outage-open")] == [[0.25]]
+
+
+def test_a_database_that_stays_away_past_the_patience_is_one_line_at_open(pg):
+    pg.crash()
+    try:
+        started = time.monotonic()
+        with pytest.raises(ValueError) as caught:
+            make_storage(pg.url, heartbeat=None, patience=1)
+        assert 0.9 <= time.monotonic() - started < 15
+    finally:
+        pg.start()
+    message = str(caught.value)
+    assert "\n" not in message and message.startswith(f"cannot open the study storage {pg.url}: it has been "
+                                                      "unreachable for 1 s (")
+    assert message.endswith("giving up (--storage-patience 1)")
+
+
 def _lines_first(message: str) -> str:
     reason = message.partition("(")[2].rpartition("); giving up")[0]
     return f"storage unreachable ({reason}): retrying for up to 1 s"

@@ -36,7 +36,8 @@ from layerplan.plan.plan import LayerPlan, PlanError
 from layerplan.search.evaluator import CostModel, PlanEvaluator
 from layerplan.search.greedy import candidate_items
 from layerplan.search.objectives import OBJECTIVES, score
-from layerplan.search.patience import DEFAULT_PATIENCE, StorageUnavailable, patient_storage, single_attempt
+from layerplan.search.patience import (DEFAULT_PATIENCE, StorageUnavailable, open_patiently, patient_storage,
+                                       single_attempt)
 from layerplan.search.workers import Heartbeat, claiming, is_stale, stop_within, stopping_politely
 
 MAX_REPEATS = 3  # proposals in a row of plans the study holds before a worker draws an unseen one
@@ -101,8 +102,9 @@ def make_storage(url: str | None, heartbeat: int | None = 60, patience: float = 
     own heartbeat for studies run by Study.optimize, retrying trials whose process died (None:
     off; run_study keeps its own liveness record on every storage, see layerplan.search.workers).
     patience: on a database server (not SQLite), seconds every call waits for an unreachable
-    database to come back (layerplan.search.patience) before StorageUnavailable. Opening it
-    fails fast: a wrong URL or a server that is not there is a ValueError within seconds."""
+    database to come back (layerplan.search.patience) before StorageUnavailable; opening it
+    waits the same (a worker started while the server restarts joins when it is back). A
+    malformed URL or a missing driver is a ValueError at once."""
     import optuna
 
     if url is None:
@@ -138,12 +140,20 @@ def make_storage(url: str | None, heartbeat: int | None = 60, patience: float = 
         options.update(heartbeat_interval=heartbeat, grace_period=2 * heartbeat, **{keyword: retry})
     from sqlalchemy.exc import IntegrityError, OperationalError, ProgrammingError
 
+    def open_rdb():
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # heartbeats are marked experimental
+            return optuna.storages.RDBStorage(url, **options)
+
     for attempt in range(5):
         try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")  # heartbeats are marked experimental
-                storage = optuna.storages.RDBStorage(url, **options)
-            return patient_storage(optuna.storages.get_storage(storage), patience) if server else storage
+            if not server:
+                return open_rdb()
+            # a server that is down (restarting, failing over) is waited for, as every later call is
+            return patient_storage(optuna.storages.get_storage(open_patiently(open_rdb, patience)), patience)
+        except StorageUnavailable as error:
+            raise ValueError(f"cannot open the study storage {url}: {str(error).replace('the study storage', 'it', 1)}") \
+                from None
         except (IntegrityError, OperationalError, ProgrammingError) as error:
             # workers started together race to create the schema in an empty database (SQLite:
             # locked; PostgreSQL: "relation ... already exists", a ProgrammingError, or a unique

@@ -120,6 +120,47 @@ class _Outage:
                 self.since = None
 
 
+def patiently(attempt: Callable[[], Any], outage: _Outage, confirm: Callable[[], Any] | None = None):
+    """attempt(), tried again with backoff while it fails because the database cannot be reached,
+    for at most the outage's patience (then StorageUnavailable). confirm, before a retry: whether
+    the attempt that lost its connection committed after all (its result, or _NOT_DONE)."""
+    wait, retrying = _FIRST_WAIT, False
+    while True:
+        try:
+            if retrying and confirm is not None:
+                done = confirm()
+                if done is not _NOT_DONE:
+                    outage.succeeded()
+                    return done
+            result = attempt()
+        except Exception as error:
+            reason = unreachable_reason(error)
+            if reason is None:
+                if retrying:
+                    outage.succeeded()  # it answered, with an error of another kind
+                raise
+            deadline = outage.failed(reason)
+            now = time.monotonic()
+            if now >= deadline:
+                raise StorageUnavailable(
+                    f"the study storage has been unreachable for {now - deadline + outage.patience:.0f} s "
+                    f"({outage.reason}); giving up (--storage-patience {outage.patience:g})") from None
+            if getattr(_local, "single", False):
+                raise
+            time.sleep(min(wait, max(0.0, deadline - now)))
+            wait, retrying = min(2 * wait, _LONGEST_WAIT), True
+            continue
+        outage.succeeded()
+        return result
+
+
+def open_patiently(open_storage: Callable[[], Any], patience: float = DEFAULT_PATIENCE,
+                   say: Callable[[str], None] | None = None):
+    """open_storage() under the same policy as every call of an open storage: a worker started while
+    its database server is down (or restarting) joins when it is back, within the patience."""
+    return patiently(open_storage, _Outage(float(patience), say or _stderr))
+
+
 def _stderr(line: str) -> None:
     try:
         sys.stderr.write(line + "\n")
@@ -162,34 +203,7 @@ def _make_class():
 
         def _call(self, name: str, args: tuple, kwargs: dict, confirm: Callable[[], Any] | None = None):
             method = getattr(self._inner, name)
-            wait, retrying = _FIRST_WAIT, False
-            while True:
-                try:
-                    if retrying and confirm is not None:
-                        done = confirm()  # did the attempt that lost its connection commit after all?
-                        if done is not _NOT_DONE:
-                            self._outage.succeeded()
-                            return done
-                    result = method(*args, **kwargs)
-                except Exception as error:
-                    reason = unreachable_reason(error)
-                    if reason is None:
-                        if retrying:
-                            self._outage.succeeded()  # it answered, with an error of another kind
-                        raise
-                    deadline = self._outage.failed(reason)
-                    now = time.monotonic()
-                    if now >= deadline:
-                        raise StorageUnavailable(
-                            f"the study storage has been unreachable for {now - deadline + self.patience:.0f} s "
-                            f"({self._outage.reason}); giving up (--storage-patience {self.patience:g})") from None
-                    if getattr(_local, "single", False):
-                        raise
-                    time.sleep(min(wait, max(0.0, deadline - now)))
-                    wait, retrying = min(2 * wait, _LONGEST_WAIT), True
-                    continue
-                self._outage.succeeded()
-                return result
+            return patiently(lambda: method(*args, **kwargs), self._outage, confirm)
 
         # ----- calls that change state: read back before a retry ------------------------------------
         def set_trial_state_values(self, trial_id: int, state, values=None) -> bool:
