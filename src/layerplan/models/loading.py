@@ -48,6 +48,9 @@ class LoadedModel:
     placement: Placement | None = field(default=None, repr=False)
     # its matrices as a GGUF stores them (models/stored.py) when loaded as stored; None: dense modules
     stored: StoredWeights | None = field(default=None, repr=False)
+    # what is made of it once and kept as long as it lives (decoding/drafters/registry.py: the
+    # quantized copies `self:bits=` drafts run): held here, not by a module, so it goes with the model
+    derived: dict[str, Any] = field(default_factory=dict, repr=False)
     # a model whose parts were discovered runs only after its architecture passed the check
     # (engine/verify.py); the check itself builds its tiny model with require_check=False
     require_check: InitVar[bool] = True

@@ -31,6 +31,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+# Imported with this module, not where a study starts: Optuna keeps the ImportErrors of its optional
+# imports, tracebacks and all, and a traceback keeps every frame of the importer's stack alive with
+# its locals — imported inside a command, the model the command loaded, for the rest of the process
+# (0.6 GB a `search` run in-process). It costs ~55 ms once torch is imported.
+import optuna
+
 from layerplan.files import check_output, writing
 from layerplan.plan.plan import LayerPlan, PlanError
 from layerplan.search.evaluator import CostModel, PlanEvaluator

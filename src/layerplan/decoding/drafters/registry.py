@@ -142,16 +142,17 @@ def _model(arg: str | None, text: str, ctx: Context) -> Drafter:
     return ModelDrafter(load_model(arg, dtype=ctx.model.dtype, device=ctx.model.device), ctx.min_confidence)
 
 
-# quantized copies of a model kept for its `self:bits=` drafts, by (source, precision): a copy
-# quantizes the whole model at load (seconds), and every decode builds its drafter anew
-_QUANTIZED_COPIES: BoundedCache = BoundedCache(2)
+# quantized copies of a model kept for its `self:bits=` drafts, at most this many precisions, on the
+# model itself (LoadedModel.derived: they go when it goes): a copy quantizes the whole model at load
+# (seconds), and every decode builds its drafter anew
+QUANTIZED_COPIES_KEPT = 2
 
 
 def _quantized_copy(model: LoadedModel, precision: str) -> LoadedModel:
-    key = (model.source, precision)
-    copy = _QUANTIZED_COPIES.get(key)
+    copies = model.derived.setdefault("quantized copies", BoundedCache(QUANTIZED_COPIES_KEPT))
+    copy = copies.get(precision)
     if copy is None:
-        copy = _QUANTIZED_COPIES[key] = load_model(model.source, dtype=precision)
+        copy = copies[precision] = load_model(model.source, dtype=precision)
     return copy
 
 
