@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from dataclasses import InitVar, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,9 +21,10 @@ from layerplan.files import apply_umask, cache_dir, clean_debris, staging, writi
 from layerplan.models.architectures import (SHAPE_KEYS, TEXT_MODEL_TYPES, LayerParts, ModelError, ModelParts,
                                             config_depth, context_length)
 from layerplan.models.discovery import parts_of, require_checked, spec_of
+from layerplan.models.gguf_file import read_header
 from layerplan.models.gguf_index import (DEFAULT_DISPLAY_NAME, DEFAULT_GGUF_NAME, DEFAULT_GGUF_PACKAGE, DEFAULT_MODEL,
                                          TENSORS_FILE, default_gguf_path, file_key, gguf_of, index_folder)
-from layerplan.models.stored import StoredWeights, index_gguf, load_stored
+from layerplan.models.stored import StoredWeights, index_gguf, load_dense, load_stored
 from layerplan.models.placement import Placement, accelerate_map, adopt, offload_folder, place, read_device_map
 from layerplan.plan.formats import load_plan
 from layerplan.plan.plan import LayerPlan, PlanError
@@ -259,15 +261,24 @@ def _resolve(source: str | os.PathLike | None) -> tuple[Path, str, str]:
         path = Path(text).expanduser()
         if path.is_dir() and (path / "config.json").exists():
             return path, path.name, str(path)
-        gguf = gguf_of(source)
     except (OSError, RuntimeError) as error:  # a folder this user may not read; '~nobody'
         raise ModelError(f"cannot read the model at '{text}': {getattr(error, 'strerror', None) or error}") from None
+    gguf = _gguf_source(source)
     if gguf is not None:
         return convert_gguf(gguf), gguf.stem, str(gguf)
     raise ModelError(
         f"no model at '{text}': looked for a folder with config.json and safetensors weights, a .gguf file, "
         f"or the name '{DEFAULT_MODEL}' (see `layerplan models`)"
     )
+
+
+def _gguf_source(source: str | os.PathLike | None) -> Path | None:
+    """gguf_of, with a place this user may not read (or '~nobody') as one line."""
+    try:
+        return gguf_of(source)
+    except (OSError, RuntimeError) as error:
+        text = str(source) if source is not None else DEFAULT_MODEL
+        raise ModelError(f"cannot read the model at '{text}': {getattr(error, 'strerror', None) or error}") from None
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model")
@@ -292,17 +303,24 @@ def load_model(
     dtype: str | torch.dtype = "float32",
     device: str | torch.device = "cpu",
     device_map: str | None = None,
+    on_tensor: Callable[[int, int], None] | None = None,
 ) -> LoadedModel:
     """Load a HF folder, a GGUF file or the packaged default ('smollm2'): its modules as
     transformers builds them, no executor attached (engine/load.py's load_model attaches one).
+    A GGUF's weights are dequantized from the file one matrix at a time (on_tensor(done, total)
+    after each), in memory: no dense copy is written.
 
     device_map: 'auto' or a JSON / YAML file placing decoder layers on devices, CPU memory or disk
-    (models/placement.py); instead of `device`."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    (models/placement.py); instead of `device` (a GGUF is then converted once into the cache, as
+    the placement loads from a folder)."""
+    from transformers import AutoModelForCausalLM
 
     device = resolve_device(device)
     if device_map is not None and device.type != "cpu":
         raise ModelError(f"give --device ({device}) or --device-map ({device_map}), not both")
+    gguf = _gguf_source(source) if device_map is None else None
+    if gguf is not None:
+        return _load_gguf_dense(gguf, resolve_dtype(dtype), device, on_tensor)
     folder, name, origin = _resolve(source)
     if not any(any(folder.glob(pattern)) for pattern in WEIGHT_FILES):
         raise ModelError(f"{folder}: has config.json but no weights (looked for {', '.join(WEIGHT_FILES)})")
@@ -331,6 +349,26 @@ def load_model(
         hf.to(device)
     tokenizer = _tokenizer(folder)
     return LoadedModel(name=name, hf=hf, tokenizer=tokenizer, source=origin, placement=placement)
+
+
+def _load_gguf_dense(gguf: Path, dtype: torch.dtype, device: torch.device,
+                     on_tensor: Callable[[int, int], None] | None) -> LoadedModel:
+    index = _stored_index(gguf)
+    require_checked(_config_of(index))  # fail before dequantizing
+    hf = load_dense(gguf, index, dtype, on_tensor).to(device)
+    name = DEFAULT_DISPLAY_NAME if gguf == default_gguf_path() else gguf.stem
+    return LoadedModel(name=name, hf=hf, tokenizer=_tokenizer(index), source=str(gguf))
+
+
+def dense_bytes(source: str | os.PathLike | None, dtype: str | torch.dtype) -> tuple[int, int] | None:
+    """(bytes of the model's weights at `dtype`, bytes as its GGUF stores them) for a GGUF; None
+    for any other source (its weights are read as they are)."""
+    gguf = _gguf_source(source)
+    if gguf is None:
+        return None
+    header = read_header(gguf)
+    values = sum(t.values for t in header.tensors)
+    return values * resolve_dtype(dtype).itemsize, sum(t.nbytes for t in header.tensors)
 
 
 def _layers_path(hf: nn.Module) -> str:
@@ -414,7 +452,14 @@ def available_models() -> list[AvailableModel]:
 
 
 def model_depth(source: str | os.PathLike | None = None) -> tuple[int, str]:
-    """(number of decoder layers, display name) from the config alone, without loading weights."""
+    """(number of decoder layers, display name) from the config alone, without loading weights (a
+    GGUF's from its header: nothing is converted or indexed)."""
+    gguf = _gguf_source(source)
+    if gguf is not None:
+        depth = read_header(gguf).get("{arch}.block_count")
+        if not isinstance(depth, int) or depth < 1:
+            raise ModelError(f"{gguf}: its metadata gives no block_count")
+        return depth, DEFAULT_DISPLAY_NAME if gguf == default_gguf_path() else gguf.stem
     folder, name, _ = _resolve(source)
     try:
         config = json.loads((folder / "config.json").read_text())

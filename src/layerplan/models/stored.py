@@ -30,6 +30,8 @@ from torch import nn
 
 from layerplan.models.architectures import STATIC_ROPE_TYPES
 from layerplan.models.errors import ModelError
+from layerplan.models.gguf_config import load_config, load_tokenizer
+from layerplan.models.gguf_file import read_header
 from layerplan.models.gguf_index import INDEX_VERSION, TENSORS_FILE, StoredTensor
 
 # transformers' tensor processors whose only change to a matrix is a permutation of its rows
@@ -134,13 +136,13 @@ def _row_order(processor, name: str, rows: int) -> tuple[int, ...] | None:
     return None if np.array_equal(order, index[:, 0]) else tuple(int(i) for i in order)
 
 
-def _skeleton(config) -> nn.Module:
+def _skeleton(config, dtype: torch.dtype = torch.float32) -> nn.Module:
     """The CausalLM of `config` with its parameters on the meta device (buffers real)."""
     from accelerate import init_empty_weights
     from transformers import AutoModelForCausalLM
 
     with init_empty_weights(include_buffers=False):
-        hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
+        hf = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
     return hf.eval()
 
 
@@ -204,39 +206,39 @@ def index_gguf(path: Path, target: Path) -> Path:
     """Read a GGUF's metadata once into `target`: config.json, the tokenizer's files and
     tensors.json (each mapped tensor's transformers name, GGUF type, shape, file offset, and the
     row order transformers gives a matrix; the rotary frequencies; how the chat template wraps a
-    prompt). Parsing a GGUF's metadata in Python takes seconds
-    (its vocabulary is tens of thousands of strings); every later load reads these instead."""
+    prompt). The header is read once (models/gguf_file.py) and the config and tokenizer made from
+    it (models/gguf_config.py); making the tokenizer takes seconds for a large vocabulary, and every
+    later load reads these files instead."""
     import gguf
-    from transformers import AutoConfig, AutoTokenizer
     from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map
 
+    header = read_header(path)  # one line where the file is not a GGUF
     try:
-        config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
-        reader = gguf.GGUFReader(path)
+        config = load_config(header)
         # a file without a tokenizer (tests' tiny files) loads as a model of token ids
-        tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name) \
-            if gguf.Keys.Tokenizer.MODEL in reader.fields else None
-    except Exception as error:  # noqa: BLE001 - a damaged file fails in the gguf reader with any type
+        tokenizer = load_tokenizer(header, config)
+    except ModelError:
+        raise
+    except Exception as error:  # noqa: BLE001 - a damaged file fails in transformers' readers with any type
         first = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
         raise ModelError(f"{path}: cannot read it as a GGUF model (truncated or damaged?): {first}") from None
-    architecture = reader.fields[gguf.Keys.General.ARCHITECTURE].contents()
-    processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=config.to_dict())
+    processor = TENSOR_PROCESSORS.get(header.architecture, TensorProcessor)(config=config.to_dict())
     if type(processor).__name__ not in ROW_ORDER_PROCESSORS:
         raise ModelError(f"{path.name}: architecture '{config.model_type}' rearranges its GGUF tensors at load "
                          "(split or transposed matrices); run it dequantized (--dtype float32 or bfloat16)")
     skeleton = _skeleton(config)
     names = get_gguf_hf_weights_map(skeleton, processor)
     entries = []
-    for tensor in reader.tensors:
+    for tensor in header.tensors:
         name = names.get(tensor.name)
         if name is None:
             continue
-        kind = gguf.GGMLQuantizationType(tensor.tensor_type)
+        kind = gguf.GGMLQuantizationType(tensor.type_id)
         shape = [int(n) for n in reversed(tensor.shape)]  # GGUF lists the fastest dimension first
         matrix = len(shape) == 2 and shape[1] > 1
         entries.append({
             "gguf_name": tensor.name, "name": name, "type": kind.name, "shape": shape,
-            "offset": int(tensor.data_offset), "nbytes": int(tensor.n_bytes),
+            "offset": tensor.offset, "nbytes": tensor.nbytes,
             "row_order": list(_row_order(processor, tensor.name, shape[0]) or []) if matrix else [],
             "matrix": matrix,
             # what transformers' processor does to a small tensor (Gemma's norms: weight - 1)
@@ -268,11 +270,61 @@ def load_stored(path: Path, index: Path) -> tuple[nn.Module, StoredWeights]:
     """(the CausalLM with every matrix left on the meta device and every other tensor read from
     the GGUF, the stored matrices), from the GGUF and its index (index_gguf). One line naming a
     missing tensor."""
+    hf, tensors, embedding_name = _skeleton_with_small_tensors(path, index)
+    embedding, head = hf.get_input_embeddings(), hf.get_output_embeddings()
+    head_name = _name_of(hf, head.weight)
+    modules = {id(module): f"{name}.weight" for name, module in hf.named_modules()
+               if f"{name}.weight" in tensors and module is not embedding}
+    modules[id(head)] = head_name
+    if embedding_name in tensors:
+        scale = None
+        if type(embedding) is not nn.Embedding:  # Gemma's scaled lookup is known; anything else is refused
+            scale = getattr(embedding, "embed_scale", None)
+            if not isinstance(scale, torch.Tensor):
+                raise ModelError(f"{path.name}: its token embedding ({type(embedding).__name__}) does more than a "
+                                 "lookup; run it dequantized (--dtype float32 or bfloat16)")
+            scale = scale.detach().to(torch.float32)
+        hf.set_input_embeddings(StoredEmbedding(tensors[embedding_name], scale))
+    return hf, StoredWeights(path, tensors, modules)
+
+
+def load_dense(path: Path, index: Path, dtype: torch.dtype, on_tensor: Callable[[int, int], None] | None = None
+               ) -> nn.Module:
+    """The CausalLM with every weight dequantized from the GGUF (gguf-py's values, in transformers'
+    row order: the model transformers' own GGUF loader makes) and cast to `dtype`, one matrix at a
+    time: nothing is written to disk. on_tensor(done, total) after each matrix (a progress bar)."""
+    from accelerate.utils import set_module_tensor_to_device
+
+    hf, tensors, _ = _skeleton_with_small_tensors(path, index, dtype)
+    wanted = [n for n, p in hf.named_parameters(remove_duplicate=False) if p.device.type == "meta"]
+    read: set[int] = set()
+    for done, name in enumerate(wanted, 1):
+        if id(tensors[name]) not in read:  # a tied head reads the embedding's table: tied again below
+            read.add(id(tensors[name]))
+            set_module_tensor_to_device(hf, name, "cpu", value=tensors[name].dequantize().to(dtype))
+        if on_tensor is not None:
+            on_tensor(done, len(wanted))
+    hf.tie_weights()
+    missing = [n for n, p in hf.named_parameters() if p.device.type == "meta"]
+    if missing:
+        raise ModelError(f"{path.name}: no tensor for '{missing[0]}' in the file")
+    return hf
+
+
+def _name_of(hf: nn.Module, parameter: nn.Parameter) -> str:
+    return next(n for n, p in hf.named_parameters(remove_duplicate=False) if p is parameter)
+
+
+def _skeleton_with_small_tensors(path: Path, index: Path, dtype: torch.dtype = torch.float32
+                                 ) -> tuple[nn.Module, dict[str, StoredTensor], str]:
+    """(the CausalLM of `dtype` with its matrices on the meta device and its small tensors read,
+    the stored matrices by parameter name (a tied head under its own name too), the embedding's
+    name)."""
     import gguf
     from accelerate.utils import set_module_tensor_to_device
     from transformers import AutoConfig
 
-    hf = _skeleton(AutoConfig.from_pretrained(index))
+    hf = _skeleton(AutoConfig.from_pretrained(index), dtype)
     tensors: dict[str, StoredTensor] = {}
     for entry in json.loads((index / TENSORS_FILE).read_text())["tensors"]:
         kind = gguf.GGMLQuantizationType[entry["type"]]
@@ -287,26 +339,14 @@ def load_stored(path: Path, index: Path) -> tuple[nn.Module, StoredWeights]:
             values = stored.dequantize().reshape(parameter.shape)
             if entry["shift"]:
                 values = values + entry["shift"]
-            set_module_tensor_to_device(hf, entry["name"], "cpu", value=values)
+            set_module_tensor_to_device(hf, entry["name"], "cpu", value=values.to(dtype))
     embedding, head = hf.get_input_embeddings(), hf.get_output_embeddings()
     named = dict(hf.named_parameters(remove_duplicate=False))
-    embedding_name = next(n for n, p in named.items() if p is embedding.weight)
-    head_name = next(n for n, p in named.items() if p is head.weight)
+    embedding_name = _name_of(hf, embedding.weight)
+    head_name = _name_of(hf, head.weight)
     if head_name not in tensors and embedding_name in tensors:  # a tied head reads the embedding table
         tensors[head_name] = tensors[embedding_name]
     missing = [n for n, p in named.items() if p.device.type == "meta" and n not in tensors]
     if missing:
         raise ModelError(f"{path.name}: no tensor for '{missing[0]}' in the file")
-    modules = {id(module): f"{name}.weight" for name, module in hf.named_modules()
-               if f"{name}.weight" in tensors and module is not embedding}
-    modules[id(head)] = head_name
-    if embedding_name in tensors:
-        scale = None
-        if type(embedding) is not nn.Embedding:  # Gemma's scaled lookup is known; anything else is refused
-            scale = getattr(embedding, "embed_scale", None)
-            if not isinstance(scale, torch.Tensor):
-                raise ModelError(f"{path.name}: its token embedding ({type(embedding).__name__}) does more than a "
-                                 "lookup; run it dequantized (--dtype float32 or bfloat16)")
-            scale = scale.detach().to(torch.float32)
-        hf.set_input_embeddings(StoredEmbedding(tensors[embedding_name], scale))
-    return hf, StoredWeights(path, tensors, modules)
+    return hf, tensors, embedding_name
