@@ -189,14 +189,17 @@ def test_a_v_projection_of_another_format_runs_apart_and_exactly(tmp_path):
 
 def test_auto_runs_a_gguf_as_stored_where_the_kernels_run(tmp_path):
     from layerplan.engine.kernel_library import native_available
-    from layerplan.engine.load import STORED, choose_dtype
+    from layerplan.engine.load import BLOCK_PRECISIONS, GGUF_DEFAULT, STORED_FAST, choose_dtype
 
     path = write_tiny_gguf(tiny_hf("llama", num_layers=1), tmp_path / "m.gguf", "Q8_0")
-    assert choose_dtype("auto", "eager", source=path) != STORED  # the modules need dense weights
+    assert choose_dtype("auto", "eager", source=path) not in BLOCK_PRECISIONS  # the modules need dense weights
     assert choose_dtype("float32", source=path) == "float32"  # asked for: dequantized
-    assert choose_dtype("auto", source=tmp_path / "no-such-folder") != STORED
+    assert choose_dtype("auto", source=tmp_path / "no-such-folder") not in BLOCK_PRECISIONS
+    assert choose_dtype("auto", source=tmp_path / "no-such-folder", dense="float32") == "float32"  # research
+    assert GGUF_DEFAULT == STORED_FAST  # llama.cpp's arithmetic by default (docs/gguf-stored.md says why)
     if native_available() is None:
-        assert choose_dtype("auto", source=path) == STORED
+        assert choose_dtype("auto", source=path) == GGUF_DEFAULT
+        assert choose_dtype("auto", source=path, dense="float32") == GGUF_DEFAULT  # a GGUF runs as stored
 
 
 @pytest.mark.parametrize("matrix_type", ["Q4_1", "Q4_0"])

@@ -43,13 +43,13 @@ from layerplan.files import WriteError, check_output, write_json_atomic, write_t
 from layerplan.machine import cpu_info
 from layerplan.messages import one_line
 from layerplan.models.architectures import STATUSES, architecture_statuses
-from layerplan.models.loading import (DEFAULT_MODEL, ModelError, available_models, cache_dir, gguf_of, model_depth,
-                                      resolve_dtype)
+from layerplan.models.loading import (DEFAULT_MODEL, ModelError, available_models, cache_dir, dense_bytes, gguf_of,
+                                      model_depth, resolve_device, resolve_dtype)
 from layerplan.plan.formats import FORMATS, load_plan, save_plan, to_mergekit
 from layerplan.plan.plan import MAX_STEPS, PlanError
 from layerplan.search.bayes import SAMPLERS, check_storage
 from layerplan.search.blocks import MergeSpace, parse_range, parse_repeats, parse_scales
-from layerplan.search.evaluate import calibration_ids, perplexity
+from layerplan.search.evaluate import PROTOCOLS, calibration_ids, perplexity, perplexity_in_chunks
 from layerplan.search.evaluate import compare as run_compare
 from layerplan.search.explore import explore as run_explore
 from layerplan.search.explore import recompute_rewind_grid
@@ -152,10 +152,11 @@ class _Stages:
         self.close()
 
 
-def _dtype(model: str, dtype: str, engine: str, device: str = "cpu") -> str:
-    """'auto' -> the dtype this machine's probe found fastest for the model (see `layerplan probe`)."""
-    probe = load_probe(cache_dir(), model_depth(model)[1]) if dtype == "auto" else None
-    return choose_dtype(dtype, engine, device, probe, source=model)
+def _dtype(model: str, dtype: str, engine: str, device: str = "cpu", dense: str | None = None) -> str:
+    """'auto' -> a GGUF as stored; else `dense` where given (the research commands: float32), else the
+    dtype this machine's probe found fastest for the model (see `layerplan probe`)."""
+    probe = load_probe(cache_dir(), model_depth(model)[1]) if dtype == "auto" and dense is None else None
+    return choose_dtype(dtype, engine, device, probe, source=model, dense=dense)
 
 
 def _checked_probe_row(loaded):
@@ -173,11 +174,24 @@ def _device_map() -> str | None:
     return context.meta.get(DEVICE_MAP_KEY) if context is not None else None
 
 
-def _load(model: str, dtype: str, device: str = "cpu", engine: str = "auto"):
-    dtype = _dtype(model, dtype, engine, device)
+def _load(model: str, dtype: str, device: str = "cpu", engine: str = "auto", dense: str | None = None):
+    """The model at `dtype` ('auto': see _dtype; `dense`: what 'auto' means for a model that is not
+    a GGUF run as stored)."""
+    dtype = _dtype(model, dtype, engine, device, dense)
     where = f"device map {_device_map()}" if _device_map() else device
     click.echo(f"loading {model} ({dtype}, {where}, engine {engine})…", err=True)
-    loaded = load_model(model, dtype=dtype, device=device, engine=engine, device_map=_device_map())
+    resolve_device(device)  # a bad --device is the one line, before anything else is said
+    # (a device map spreads the weights over devices and disk: not all of them in memory)
+    sizes = dense_bytes(model, dtype) if dtype not in BLOCK_PRECISIONS and _device_map() is None else None
+    if sizes is not None:  # a GGUF dequantized whole: say what it costs before it starts
+        click.echo(f"dequantizing the GGUF to {dtype}: {sizes[0] / 1e9:.1f} GB of weights in memory (the file "
+                   f"stores them in {sizes[1] / 1e9:.1f} GB; --dtype auto runs them as stored)", err=True)
+    bar = _Progress("dequantizing") if sizes is not None else None
+    try:
+        loaded = load_model(model, dtype=dtype, device=device, engine=engine, device_map=_device_map(), on_tensor=bar)
+    finally:
+        if bar is not None:
+            bar.close()
     if _PROCESS_IS_THE_COMMAND:
         # what the load made lives as long as this process: kept out of the collector's full
         # collections, which would walk its ~400k objects again (150-225 ms a time, mid-reply for
@@ -187,11 +201,12 @@ def _load(model: str, dtype: str, device: str = "cpu", engine: str = "auto"):
     return loaded
 
 
-def _attach(loaded, model_b: str | None, dtype: str, device: str = "cpu", engine: str = "auto"):
-    """Load --model-b and make its layers available to plans as 'b:…'."""
+def _attach(loaded, model_b: str | None, device: str = "cpu", engine: str = "auto"):
+    """Load --model-b at the first model's precision and make its layers available to plans as 'b:…'."""
     if model_b:
-        click.echo(f"loading {model_b} as model b…", err=True)
-        loaded.attach(load_model(model_b, dtype=dtype, device=device, engine=engine, device_map=_device_map()), "b")
+        click.echo(f"loading {model_b} as model b ({loaded.precision})…", err=True)
+        loaded.attach(load_model(model_b, dtype=loaded.precision, device=device, engine=engine,
+                                 device_map=_device_map()), "b")
     return loaded
 
 
@@ -271,12 +286,17 @@ def _threads(threads: int | None) -> None:
 
 
 model_option = click.option("--model", "-m", default=DEFAULT_MODEL, show_default=True, help=MODEL_HELP)
-dtype_option = click.option("--dtype", default="float32", show_default=True,
-                            type=click.Choice(["float32", "bfloat16", "float16", *BLOCK_PRECISIONS]),
-                            help="weights and activations (stored: a GGUF's weights in their block formats, float32 "
-                                 "activations, exact products; q8_0, q4_k, …: any model's matrices quantized to that "
-                                 "block format at load; -fast after either: integer products on int8-quantized "
-                                 "activations, as llama.cpp computes)")
+_DTYPE_CHOICES = ["float32", "bfloat16", "float16", *BLOCK_PRECISIONS]
+_BLOCK_HELP = ("stored: a GGUF's weights in their block formats, float32 activations, exact products "
+               "(transformers' numbers); q8_0, q4_k, …: any model's matrices quantized to that block format at "
+               "load; -fast after either: integer products on int8-quantized activations, as llama.cpp computes")
+# the research commands (scan, ppl, explore, search, eval): a GGUF as stored, any other model in float32
+dtype_option = click.option("--dtype", default="auto", show_default=True, type=click.Choice(["auto", *_DTYPE_CHOICES]),
+                            help=f"auto: a GGUF as stored in llama.cpp's arithmetic (stored-fast), any other model "
+                                 f"in float32; {_BLOCK_HELP}")
+# export writes dense weights unless asked for a GGUF
+export_dtype_option = click.option("--dtype", default="float32", show_default=True, type=click.Choice(_DTYPE_CHOICES),
+                                   help=f"the checkpoint's weights; {_BLOCK_HELP}")
 DEVICE_MAP_KEY = "layerplan.device_map"
 _device_only = click.option("--device", default="cpu", show_default=True, help="cpu, cuda, cuda:1, …")
 _device_map_option = click.option(
@@ -291,14 +311,10 @@ def device_option(command):
     return _device_only(_device_map_option(command))
 engine_option = click.option("--engine", default="auto", show_default=True, type=click.Choice(list(ENGINES)),
                              help="; ".join(f"{name}: {text}" for name, text in ENGINES.items()))
-auto_dtype_option = click.option("--dtype", default="auto", show_default=True,
-                                 type=click.Choice(["auto", "float32", "bfloat16", "float16", *BLOCK_PRECISIONS]),
-                                 help="auto: a GGUF as stored where the native kernels run, else the fastest "
-                                      "here by `layerplan probe` (measured once per machine), else bfloat16 where "
-                                      "it is fast, float32 elsewhere; stored: a GGUF's weights in their block "
-                                      "formats (float32 activations, exact products); q8_0, q4_k, …: any model's "
-                                      "matrices quantized to that block format at load; -fast after either: integer "
-                                      "products on int8-quantized activations, as llama.cpp computes")
+auto_dtype_option = click.option("--dtype", default="auto", show_default=True, type=click.Choice(["auto", *_DTYPE_CHOICES]),
+                                 help="auto: a GGUF as stored in llama.cpp's arithmetic (stored-fast) where the "
+                                      "native kernels run, else the fastest here by `layerplan probe` (measured once "
+                                      f"per machine), else bfloat16 where it is fast, float32 elsewhere; {_BLOCK_HELP}")
 threads_option = click.option("--threads", type=click.IntRange(1, 1024), default=None,
                               help="torch CPU threads (default: torch's choice)")
 
@@ -407,7 +423,7 @@ def scan(model, dtype, device, threads, base_plan, tokens, text, kinds, exits, n
     _threads(threads)
     with _user_errors():
         calibration = _texts(text)
-        loaded = _load(model, dtype, device)
+        loaded = _load(model, dtype, device, dense="float32")
         plan = loaded.plan(base_plan)
         ids = calibration_ids(loaded, calibration, tokens)
         with _Progress("scan") as progress:
@@ -488,7 +504,7 @@ def generate(prompt, model, dtype, device, engine, threads, plan, model_b, max_n
                            max_new_tokens, params, seed, stop, draft, draft_length, max_batch)
             return
         loaded = _load(model, dtype, device, engine)
-        loaded = _attach(loaded, model_b, str(loaded.dtype).replace("torch.", ""), device, engine)
+        loaded = _attach(loaded, model_b, device, engine)
         layer_plan = loaded.plan(plan)
         ids = prompt_ids(loaded, prompt, chat)  # the server's context check, before any decoding
         token_budget(ids.shape[1], max_new_tokens, loaded.context_length, new_tokens_name="--max-new-tokens")
@@ -538,18 +554,24 @@ def _generate_file(loaded, plan, prompts: dict[str, str], chat: set[str], max_ne
 @click.option("--max-tokens", type=click.IntRange(min=0), default=4096, show_default=True, help="score at most this many tokens per text (0: all)")
 @click.option("--compare/--no-compare", default=True, show_default=True,
               help="also report KL and top-1 agreement against the full model")
-def ppl(model, dtype, device, threads, plan, model_b, text, window, stride, max_tokens, compare) -> None:
-    """Sliding-window perplexity of the model (under a plan) on a text."""
+@click.option("--protocol", type=click.Choice(list(PROTOCOLS)), default="sliding", show_default=True,
+              help="; ".join(f"{name}: {text}" for name, text in PROTOCOLS.items()))
+def ppl(model, dtype, device, threads, plan, model_b, text, window, stride, max_tokens, compare, protocol) -> None:
+    """Perplexity of the model (under a plan) on a text: sliding windows, or llama-perplexity's chunks."""
     _threads(threads)
     with _user_errors():
         texts = read_texts(text) if text else [default_corpus()]
-        loaded = _attach(_load(model, dtype, device), model_b, dtype, device)
+        loaded = _attach(_load(model, dtype, device, dense="float32"), model_b, device)
         layer_plan = loaded.plan(plan)
         token_ids = [loaded.tokenizer(t, return_tensors="pt").input_ids for t in texts]
         if max_tokens:
             token_ids = [ids[:, :max_tokens] for ids in token_ids]
         with _Progress("perplexity") as progress:
-            result = perplexity(loaded, token_ids, layer_plan, window, stride, on_progress=progress)
+            if protocol == "llama.cpp":  # one text, as llama-perplexity reads its file whole
+                result = perplexity_in_chunks(loaded, torch.cat(token_ids, 1), layer_plan, window,
+                                              on_progress=progress)
+            else:
+                result = perplexity(loaded, token_ids, layer_plan, window, stride, on_progress=progress)
         report = result.to_dict()
         if compare and not layer_plan.is_identity:
             ids = torch.cat(token_ids, 1)[:, : min(window, 512)]
@@ -632,7 +654,7 @@ def explore(model, dtype, device, threads, recompute, rewind, plans, tokens, tex
             except ValueError:
                 raise ValueError(f"--{name} takes integers separated by commas, got '{value}'") from None
         calibration = _texts(text)
-        loaded = _load(model, dtype, device)
+        loaded = _load(model, dtype, device, dense="float32")
         candidates = recompute_rewind_grid(loaded, numbers["recompute"], numbers["rewind"])
         candidates += [loaded.plan(p) for p in plans]
         ids = calibration_ids(loaded, calibration, tokens or 512)
@@ -664,7 +686,7 @@ def _explore_merges(model, dtype, device, blocks, layer_range, max_len, repeats,
         check_measures(names, inputs)  # bad input fails before the model loads
         span = parse_range(layer_range, model_depth(model)[0])
         counts = parse_repeats(repeats)
-        loaded = _attach(_load(model, dtype, device), model_b, dtype, device)
+        loaded = _attach(_load(model, dtype, device, dense="float32"), model_b, device)
         best_blocks = []  # (start, end, repeats) of the scan's best: the study's first trials
         if blocks:
             with _Stages() as stages:
@@ -713,7 +735,7 @@ def _explore_merges(model, dtype, device, blocks, layer_range, max_len, repeats,
 @main.command()
 @click.argument("plan")
 @model_option
-@dtype_option
+@export_dtype_option
 @click.option("--out", type=click.Path(), required=True, help="folder (checkpoint) or .yaml file (mergekit)")
 @click.option("--to", "fmt", type=click.Choice(["checkpoint", "gguf", "mergekit"]), default="checkpoint", show_default=True,
               help="checkpoint: a Hugging Face folder; gguf: a GGUF file whose tensors keep the source GGUF's stored "
@@ -741,7 +763,7 @@ def export(plan, model, dtype, out, fmt, source, model_b) -> None:
                                {"b": model_b} if model_b else None)
             write_text_atomic(out, text)
         else:
-            loaded = _attach(_load(model, dtype), model_b, dtype)
+            loaded = _attach(_load(model, dtype), model_b)
             folder = export_checkpoint(loaded, loaded.plan(plan), out)
             click.echo(f"wrote {folder} ({len(loaded.plan(plan).active_steps)} layers)")
             return
@@ -795,7 +817,7 @@ def search(model, dtype, threads, method, objective, multi, trials, budget, max_
         if method != "greedy":
             check_storage(storage)
         calibration = _texts(text)
-        loaded = _load(model, dtype)
+        loaded = _load(model, dtype, dense="float32")
         ids = calibration_ids(loaded, calibration, tokens)
         prompts = [loaded.encode(p) for p in PROMPTS.values()] if OBJECTIVES[objective].needs_prompts else None
         if method != "greedy":
@@ -1179,7 +1201,7 @@ def eval_command(tasks, model, dtype, device, engine, threads, plan, draft, incl
 
         names = [t.strip() for t in tasks.split(",") if t.strip()]
         manager = task_manager(names, include_path)  # unknown tasks are refused before the model loads
-        lm = LayerplanLM(pretrained=_load(model, dtype, device, engine), plan=plan, draft=draft)
+        lm = LayerplanLM(pretrained=_load(model, dtype, device, engine, dense="float32"), plan=plan, draft=draft)
         result = lm_eval.simple_evaluate(model=lm, tasks=names, task_manager=manager, limit=limit,
                                          num_fewshot=num_fewshot)
     click.echo(make_table(result))

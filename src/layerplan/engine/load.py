@@ -5,6 +5,7 @@ executor (executors.py). These are the package's `load_model` and `wrap_model`."
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -39,22 +40,36 @@ QUANTIZED = {**{name: (name, "exact") for name in QUANTIZE_AT_LOAD},
              **{f"{name}-fast": (name, "fast") for name in QUANTIZE_AT_LOAD}}
 # every precision of the native kernels' block formats, for the CLI's choices
 BLOCK_PRECISIONS = (STORED, STORED_FAST, *QUANTIZED)
+# What a GGUF runs as by default ("auto"): its blocks as stored, in llama.cpp's arithmetic. A
+# GGUF's user compares against llama.cpp, which quantizes activations to 8 bits and takes integer
+# products; the exact products (transformers' numbers on the dequantized weights, --dtype stored)
+# read the K-quant blocks through float unpacking, 0.66x llama.cpp's decode on a real 1.5B Q4_K_M
+# on the project's AVX2 machine, where llama.cpp's arithmetic runs at 1.1x (DESIGN.md). Exactness
+# still holds where it is promised: speculative output equals plain output in either arithmetic,
+# and `--dtype stored` is transformers' numbers.
+GGUF_DEFAULT = STORED_FAST
 
 
 def choose_dtype(dtype: str, engine: str = "auto", device: str | torch.device = "cpu",
-                 probe: ProbeResult | None = None, source: str | os.PathLike | None = None) -> str:
-    """`dtype`, or for "auto" the one that decodes fastest here: bfloat16 on a GPU; on the CPU a
-    GGUF `source` as stored where the native kernels run (its blocks are read, not dense copies
-    of 2-4x the bytes), else the fastest in `probe` (this machine's probe of the model,
-    engine/probe.py load_probe) on the engine `engine` resolves to, else bfloat16 where bf16
+                 probe: ProbeResult | None = None, source: str | os.PathLike | None = None,
+                 dense: str | None = None) -> str:
+    """`dtype`, or for "auto": on the CPU a GGUF `source` as stored (GGUF_DEFAULT) where the native
+    kernels run (its blocks are read, not dense copies of 2-8x the bytes); else `dense` where
+    given (the research commands: float32, transformers' reference numbers); else the one that
+    decodes fastest here: bfloat16 on a GPU, the fastest in `probe` (this machine's probe of the
+    model, engine/probe.py load_probe) on the engine `engine` resolves to, else bfloat16 where bf16
     weights are read at full speed (the native kernels, or a CPU with native bf16 instructions),
     else float32."""
     if dtype != "auto":
         return dtype
-    if loading.resolve_device(device).type != "cpu":
+    on_cpu = loading.resolve_device(device).type == "cpu"
+    if (on_cpu and source is not None and loading.gguf_of(source) is not None
+            and resolve_engine(engine, torch.float32, device) == "native"):
+        return GGUF_DEFAULT
+    if dense is not None:
+        return dense
+    if not on_cpu:
         return "bfloat16"
-    if source is not None and loading.gguf_of(source) is not None and resolve_engine(engine, torch.float32, device) == "native":
-        return STORED
     kind = resolve_engine(engine, torch.bfloat16, device)
     measured = probe.fastest_dtype(kind) if probe is not None else None
     if measured is not None:
@@ -64,23 +79,28 @@ def choose_dtype(dtype: str, engine: str = "auto", device: str | torch.device = 
 
 def load_model(
     source: str | os.PathLike | None = None,
-    dtype: str | torch.dtype = "float32",
+    dtype: str | torch.dtype = "auto",
     device: str | torch.device = "cpu",
     pack: bool | None = None,
     engine: str = "auto",
     device_map: str | None = None,
+    on_tensor: Callable[[int, int], None] | None = None,
 ) -> LoadedModel:
     """Load a HF folder, a GGUF file or the packaged default ('smollm2') for plan-driven runs, after
     its architecture's check (cached; a discovered one runs it once).
 
-    dtype: float32, bfloat16, float16, or 'stored': a GGUF's matrices kept in their block formats
+    dtype: 'auto' (a GGUF as stored, GGUF_DEFAULT, where the native kernels run; any other model
+    float32), float32, bfloat16, float16, or 'stored': a GGUF's matrices kept in their block formats
     for the native kernels (models/stored.py; activations float32), or 'stored-fast': the same with
     integer products on int8-quantized activations (llama.cpp's arithmetic; not transformers' numbers).
     engine: 'auto', 'native' or 'eager' (see engine/native.py ENGINES).
     device_map: 'auto' or a JSON / YAML file placing decoder layers on devices, CPU memory or disk
     (models/placement.py); instead of `device`. Such a model runs on the eager engine.
     pack: prepack bf16 linears for oneDNN (see engine/cpu_pack.py) when the eager engine runs;
-    None = when dtype is bf16 on a CPU that supports it."""
+    None = when dtype is bf16 on a CPU that supports it.
+    on_tensor(done, total): after each matrix a GGUF loaded dense (float32, bfloat16) dequantizes."""
+    if dtype == "auto":
+        dtype = choose_dtype("auto", engine, device, source=source, dense="float32")
     with collection_paused():  # the modules' objects live as long as the model (layerplan/collection.py)
         panels = _prefetch_panels(source) if dtype in STORED_ARITHMETIC and engine != "eager" else None
         ensure_checked(loading.model_config(source))
@@ -93,7 +113,7 @@ def load_model(
                                panels=panels)
             return prepare(quantize_linears(loading.load_model(source, "float32"), *QUANTIZED[dtype]), engine,
                            pack=False)
-        return prepare(loading.load_model(source, dtype, device, device_map), engine, pack)
+        return prepare(loading.load_model(source, dtype, device, device_map, on_tensor), engine, pack)
 
 
 def _prefetch_panels(source) -> PanelCache | None:

@@ -29,9 +29,9 @@ from layerplan.plan.plan import PlanError
 
 # LAYERPLAN_FRONT_END=torch: every command line to the torch front end
 FRONT_END_VARIABLE = "LAYERPLAN_FRONT_END"
-# dtype -> the arithmetic of the products (engine/load.py: auto is a GGUF as stored where the
-# native kernels run, and the light front end runs only where they do)
-ARITHMETICS = {"auto": "exact", "stored": "exact", "stored-fast": "fast"}
+# dtype -> the arithmetic of the products (engine/load.py: auto is a GGUF as stored, GGUF_DEFAULT,
+# where the native kernels run, and the light front end runs only where they do)
+ARITHMETICS = {"auto": "fast", "stored": "exact", "stored-fast": "fast"}
 
 
 @dataclass
