@@ -6,7 +6,7 @@ import torch.nn.functional as F
 
 from layerplan.corpus import default_corpus, read_texts
 from layerplan.engine.runner import forward
-from layerplan.search.evaluate import Reference, compare, perplexity
+from layerplan.search.evaluate import Reference, compare, perplexity, perplexity_in_chunks
 from tiny import VOCAB, tiny_model
 
 
@@ -36,6 +36,30 @@ def test_sliding_perplexity_matches_direct_computation(window, stride, scored):
     result = perplexity(model, ids, window=window, stride=stride)
     assert result.tokens == count == scored  # without overlap a window's first token has no context
     assert result.perplexity == pytest.approx(expected, rel=1e-5)
+
+
+@pytest.mark.parametrize("bos", [None, 1])
+def test_chunked_perplexity_scores_each_chunks_second_half_as_llama_perplexity_does(bos):
+    """llama-perplexity's protocol (its perplexity.cpp): chunks of n_ctx tokens, the rest of the text
+    dropped; BOS in each chunk's first place where the tokenizer adds one; tokens n_ctx/2+1..n_ctx-1
+    scored. Written out here from that description, on the model's own forward."""
+    model = tiny_model("llama")
+    model.tokenizer = type("Tokenizer", (), {"add_bos_token": bos is not None, "bos_token_id": bos})()
+    ids = torch.randint(3, VOCAB, (1, 37), generator=torch.Generator().manual_seed(1))
+    nll, count = 0.0, 0
+    for start in (0, 16):  # two chunks of 16; the last 5 tokens are dropped
+        chunk = ids[:, start:start + 16].clone()
+        if bos is not None:
+            chunk[0, 0] = bos
+        with torch.no_grad():
+            logits = model.hf(chunk).logits
+        losses = F.cross_entropy(logits[0, 8:15], chunk[0, 9:16], reduction="none")
+        nll, count = nll + float(losses.sum()), count + losses.numel()
+    result = perplexity_in_chunks(model, ids, context=16)
+    assert result.tokens == count == 14 and result.protocol == "llama.cpp"
+    assert result.perplexity == pytest.approx(math.exp(nll / count), rel=1e-5)
+    with pytest.raises(ValueError, match="shorter than one chunk of 64"):
+        perplexity_in_chunks(model, ids, context=64)
 
 
 def test_reference_divergence_matches_textbook_formulas():

@@ -23,9 +23,19 @@ class PerplexityResult:
     window: int
     stride: int
     plan: str
+    protocol: str = "sliding"  # PROTOCOLS
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+# how a text's tokens are cut into windows and which of them are scored
+PROTOCOLS = {
+    "sliding": "windows of --window tokens advancing by --stride; every token scored once, with up to "
+               "window-1 tokens of context (transformers' \"Perplexity of fixed-length models\")",
+    "llama.cpp": "llama-perplexity's: the text cut into chunks of --window tokens (the rest dropped), each "
+                 "begun with BOS where the model adds one, and only each chunk's second half scored",
+}
 
 
 @dataclass(frozen=True)
@@ -90,6 +100,44 @@ def perplexity(
         raise ValueError("nothing to score: every text is shorter than two tokens")
     mean = nll_sum / count
     return PerplexityResult(math.exp(mean), mean, count, window, stride, plan.to_string())
+
+
+def perplexity_in_chunks(
+    model: LoadedModel,
+    ids: torch.Tensor,
+    plan: LayerPlan | None = None,
+    context: int = 512,
+    on_progress: Callable[[int, int], None] | None = None,
+) -> PerplexityResult:
+    """Perplexity as llama.cpp's llama-perplexity computes it (PROTOCOLS["llama.cpp"]): the ids
+    (1, T), tokenized as the model's tokenizer does (BOS first where it adds one), cut into
+    T // context chunks; where the tokenizer adds BOS, each chunk's first token is replaced by it;
+    a chunk's tokens context/2+1 .. context-1 are scored, each with every chunk token before it as
+    context."""
+    plan = plan if plan is not None else model.plan()
+    if context < 4:
+        raise ValueError(f"a chunk of {context} tokens has no second half to score (at least 4)")
+    ids = ids.reshape(1, -1)
+    chunks = ids.shape[1] // context
+    if chunks == 0:
+        raise ValueError(f"nothing to score: the text is {ids.shape[1]} tokens, shorter than one chunk of {context}")
+    tokenizer = model.tokenizer
+    bos = getattr(tokenizer, "bos_token_id", None) if getattr(tokenizer, "add_bos_token", False) else None
+    first = context // 2
+    nll_sum, count = 0.0, 0
+    for index in range(chunks):
+        chunk = ids[:, index * context:(index + 1) * context].clone()
+        if bos is not None:
+            chunk[0, 0] = bos
+        chunk = chunk.to(model.device)
+        nll = token_nll(forward(model, chunk, plan), chunk)[0]  # nll of tokens 1..context-1
+        scored = nll[first:]  # tokens first+1 .. context-1, predicted at first .. context-2
+        nll_sum += float(scored.sum())
+        count += scored.numel()
+        if on_progress:
+            on_progress(index + 1, chunks)
+    mean = nll_sum / count
+    return PerplexityResult(math.exp(mean), mean, count, context, context, plan.to_string(), "llama.cpp")
 
 
 def _window_starts(length: int, window: int, stride: int) -> list[int]:
