@@ -108,7 +108,8 @@ class _Outage:
             if self.since is None:
                 self.since, self.reason = time.monotonic(), reason
                 self.outages += 1
-                self.say(f"storage unreachable ({reason}): retrying for up to {describe(self.patience)}")
+                if self.patience > 0:  # (no patience: the caller's one error line says it all)
+                    self.say(f"storage unreachable ({reason}): retrying for up to {describe(self.patience)}")
             return self.since + self.patience
 
     def succeeded(self) -> None:
