@@ -2,16 +2,16 @@
 tokens/s after a short context, the cost of an 8-token pass in one-token steps, the peak resident
 memory, and the time from a cold start (a new process: interpreter, imports, load) to the first
 token. A GGUF's packed panels are kept on disk after its first load (engine/panel_cache.py); the
-first round packs them when none are kept, and the best round is reported.
+first round packs them when none are kept. Each figure is the median over rounds, with its range.
 
-    python benchmarks/stored_vs_llamacpp.py smollm2
+    python benchmarks/stored_vs_llamacpp.py smollm2                        # default settings (--dtype auto)
     python benchmarks/stored_vs_llamacpp.py /tmp/qwen2-1.5b-random-Q4_K_M.gguf --rounds 3
     python benchmarks/stored_vs_llamacpp.py smollm2 --dtype stored-fast   # integer products, as llama.cpp
     python benchmarks/stored_vs_llamacpp.py smollm2 --depth 1024          # decoding after 1024 tokens
     python benchmarks/stored_vs_llamacpp.py smollm2 --prefill 512         # and a 512-token prompt's pass
 
 Rounds alternate layerplan and llama-bench (each its own process), so drift in the machine's speed
-hits both; each figure is the best over rounds. Needs llama.cpp's tools (`layerplan peers build`).
+hits both; each figure is the median over rounds (its range beside it). Needs llama.cpp's tools (`layerplan peers build`).
 Prints one JSON object.
 """
 
@@ -21,6 +21,7 @@ import argparse
 import json
 import os
 import resource
+import statistics
 import subprocess
 import sys
 import time
@@ -110,8 +111,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
-    parser.add_argument("--dtype", default="stored", choices=["stored", "stored-fast"],
-                        help="stored: exact fp32 products; stored-fast: integer products on int8 activations")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "stored", "stored-fast"],
+                        help="auto: the default a user gets; stored: exact fp32 products; stored-fast: integer "
+                             "products on int8 activations")
     parser.add_argument("--depth", type=int, default=0,
                         help="decode after this many tokens of context, both sides (default: layerplan after "
                              f"{CONTEXT}, llama-bench after none)")
@@ -140,21 +142,26 @@ def main(argv: list[str] | None = None) -> None:
         ours.append(json.loads(done.stdout.strip().splitlines()[-1]))
         theirs.append(measure_llama_cpp(gguf, args.new_tokens, args.threads, args.depth, args.prefill))
 
-    def best(runs: list[dict], key: str, low: bool = False):
-        values = [r[key] for r in runs if r.get(key) is not None]
-        return (min(values) if low else max(values)) if values else None
+    def median(runs: list[dict], key: str):
+        values = sorted(r[key] for r in runs if r.get(key) is not None)
+        return statistics.median(values) if values else None
 
+    def spread(runs: list[dict], key: str):
+        values = [r[key] for r in runs if r.get(key) is not None]
+        return [min(values), max(values)] if values else None
+
+    keys = ("decode_tokens_per_second", "pass_steps", "prefill_tokens_per_second", "first_token_seconds",
+            "peak_rss_mb")
     summary = {}
     for name, runs in (("layerplan", ours), ("llama.cpp", theirs)):
-        summary[name] = {"decode_tokens_per_second": best(runs, "decode_tokens_per_second"),
-                         "pass_steps": best(runs, "pass_steps", low=True),
-                         "prefill_tokens_per_second": best(runs, "prefill_tokens_per_second"),
-                         "first_token_seconds": best(runs, "first_token_seconds", low=True),
-                         "peak_rss_mb": best(runs, "peak_rss_mb", low=True)}
+        summary[name] = {key: median(runs, key) for key in keys}
+        summary[name]["range"] = {key: spread(runs, key) for key in keys}
     # the slowest cold start: the first round's, where it packed the panels none had kept
     summary["layerplan"]["first_token_seconds_slowest"] = max(r["first_token_seconds"] for r in ours)
     summary["ratio_first_token"] = summary["layerplan"]["first_token_seconds"] / summary["llama.cpp"]["first_token_seconds"]
     summary["ratio_decode"] = summary["layerplan"]["decode_tokens_per_second"] / summary["llama.cpp"]["decode_tokens_per_second"]
+    paired = [a["decode_tokens_per_second"] / b["decode_tokens_per_second"] for a, b in zip(ours, theirs)]
+    summary["ratio_decode_by_round"] = [round(r, 3) for r in paired]  # each round's pair, run back to back
     if args.prefill:
         summary["ratio_prefill"] = (summary["layerplan"]["prefill_tokens_per_second"]
                                     / summary["llama.cpp"]["prefill_tokens_per_second"])

@@ -30,9 +30,9 @@ from layerplan.files import cache_dir, writing
 # machines (or twice on one) come from the same llama.cpp.
 SDIST_PACKAGE = "llama-cpp-python"
 SDIST_VERSION = "0.3.36"
-# What the bench runs (llama-bench, llama-lookup), the model-draft peer (llama-speculative-simple)
-# and the serving comparisons' peer (llama-server).
-TOOLS = ("llama-bench", "llama-lookup", "llama-speculative-simple", "llama-server")
+# What the bench runs (llama-bench, llama-lookup), the model-draft peer (llama-speculative-simple),
+# the serving comparisons' peer (llama-server) and `ppl`'s (llama-perplexity).
+TOOLS = ("llama-bench", "llama-lookup", "llama-speculative-simple", "llama-server", "llama-perplexity")
 BENCH_TOOLS = ("llama-bench", "llama-lookup")
 BUILD_COMMAND = "layerplan peers build"
 RECIPE = 2  # bumped when the build changes in a way a finished build must be redone for (2: no AMX)
