@@ -151,3 +151,17 @@ def test_no_command_dequantizes_a_gguf_by_default(args, tmp_path, monkeypatch):
                               else args)
     assert done.exit_code == 0, done.output
     assert "(stored-fast, cpu" in done.output or "(stored-fast," in done.output, done.output
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_the_tensor_names_map_as_transformers_maps_them(tiny_ggufs, arch):
+    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map
+
+    from layerplan.models.stored import _skeleton, gguf_to_parameter_names
+
+    header = read_header(tiny_ggufs[arch])
+    config = load_config(header)
+    processor = TENSOR_PROCESSORS.get(header.architecture, TensorProcessor)(config=config.to_dict())
+    skeleton = _skeleton(config)
+    assert gguf_to_parameter_names(skeleton, processor, header.architecture) == get_gguf_hf_weights_map(skeleton,
+                                                                                                       processor)
