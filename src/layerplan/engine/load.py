@@ -43,10 +43,9 @@ BLOCK_PRECISIONS = (STORED, STORED_FAST, *QUANTIZED)
 # What a GGUF runs as by default ("auto"): its blocks as stored, in llama.cpp's arithmetic. A
 # GGUF's user compares against llama.cpp, which quantizes activations to 8 bits and takes integer
 # products; the exact products (transformers' numbers on the dequantized weights, --dtype stored)
-# read the K-quant blocks through float unpacking, 0.66x llama.cpp's decode on a real 1.5B Q4_K_M
-# on the project's AVX2 machine, where llama.cpp's arithmetic runs at 1.1x (DESIGN.md). Exactness
-# still holds where it is promised: speculative output equals plain output in either arithmetic,
-# and `--dtype stored` is transformers' numbers.
+# unpack every K-quant weight to float and decode slower than llama.cpp on the AVX2 machines
+# (docs/gguf-stored.md). What is promised exactly holds in either arithmetic: speculative output
+# equals plain output, and `--dtype stored` gives transformers' numbers.
 GGUF_DEFAULT = STORED_FAST
 
 

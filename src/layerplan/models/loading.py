@@ -242,7 +242,7 @@ def load_stored_model(source: str | os.PathLike | None = None, arithmetic: str =
     hf, stored = load_stored(gguf, index)
     stored.arithmetic = arithmetic
     require_checked(hf.config)
-    name = DEFAULT_DISPLAY_NAME if gguf == default_gguf_path() else gguf.stem
+    name = _display_name(gguf)
     return LoadedModel(name=name, hf=hf, tokenizer=_tokenizer(index), source=str(gguf), stored=stored)
 
 
@@ -270,6 +270,10 @@ def _resolve(source: str | os.PathLike | None) -> tuple[Path, str, str]:
         f"no model at '{text}': looked for a folder with config.json and safetensors weights, a .gguf file, "
         f"or the name '{DEFAULT_MODEL}' (see `layerplan models`)"
     )
+
+
+def _display_name(gguf: Path) -> str:
+    return DEFAULT_DISPLAY_NAME if gguf == default_gguf_path() else gguf.stem
 
 
 def _gguf_source(source: str | os.PathLike | None) -> Path | None:
@@ -356,7 +360,7 @@ def _load_gguf_dense(gguf: Path, dtype: torch.dtype, device: torch.device,
     index = _stored_index(gguf)
     require_checked(_config_of(index))  # fail before dequantizing
     hf = load_dense(gguf, index, dtype, on_tensor).to(device)
-    name = DEFAULT_DISPLAY_NAME if gguf == default_gguf_path() else gguf.stem
+    name = _display_name(gguf)
     return LoadedModel(name=name, hf=hf, tokenizer=_tokenizer(index), source=str(gguf))
 
 
@@ -459,7 +463,7 @@ def model_depth(source: str | os.PathLike | None = None) -> tuple[int, str]:
         depth = read_header(gguf).get("{arch}.block_count")
         if not isinstance(depth, int) or depth < 1:
             raise ModelError(f"{gguf}: its metadata gives no block_count")
-        return depth, DEFAULT_DISPLAY_NAME if gguf == default_gguf_path() else gguf.stem
+        return depth, _display_name(gguf)
     folder, name, _ = _resolve(source)
     try:
         config = json.loads((folder / "config.json").read_text())
