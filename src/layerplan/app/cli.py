@@ -155,7 +155,9 @@ class _Stages:
 def _dtype(model: str, dtype: str, engine: str, device: str = "cpu", dense: str | None = None) -> str:
     """'auto' -> a GGUF as stored; else `dense` where given (the research commands: float32), else the
     dtype this machine's probe found fastest for the model (see `layerplan probe`)."""
-    probe = load_probe(cache_dir(), model_depth(model)[1]) if dtype == "auto" and dense is None else None
+    # (a GGUF's auto is GGUF_DEFAULT whatever the probe says: its name would cost a header read)
+    wanted = dtype == "auto" and dense is None and gguf_of(model) is None
+    probe = load_probe(cache_dir(), model_depth(model)[1]) if wanted else None
     return choose_dtype(dtype, engine, device, probe, source=model, dense=dense)
 
 
