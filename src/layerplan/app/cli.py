@@ -152,11 +152,20 @@ class _Stages:
         self.close()
 
 
+def _names_gguf(model: str) -> bool:
+    """Whether the source names a GGUF; a place this user may not read counts as not one here
+    (loading it names the problem in one line)."""
+    try:
+        return gguf_of(model) is not None
+    except (OSError, RuntimeError):
+        return False
+
+
 def _dtype(model: str, dtype: str, engine: str, device: str = "cpu", dense: str | None = None) -> str:
     """'auto' -> a GGUF as stored; else `dense` where given (the research commands: float32), else the
     dtype this machine's probe found fastest for the model (see `layerplan probe`)."""
     # (a GGUF's auto is GGUF_DEFAULT whatever the probe says: its name would cost a header read)
-    wanted = dtype == "auto" and dense is None and gguf_of(model) is None
+    wanted = dtype == "auto" and dense is None and not _names_gguf(model)
     probe = load_probe(cache_dir(), model_depth(model)[1]) if wanted else None
     return choose_dtype(dtype, engine, device, probe, source=model, dense=dense)
 
