@@ -1,6 +1,6 @@
 """`layerplan chat` against `layerplan generate` on the same request, in one run: a greedy reply to
 one message, through a chat session fed by a pipe (its `/stats` line) and through `generate --chat
---stats` (its tokens_per_second), alternated; each in a process of its own, as a user runs them.
+--json` (its tokens_per_second), alternated; each in a process of its own, as a user runs them.
 Prints one JSON object with each side's rates, their medians and the ratio chat / generate.
 
     python benchmarks/chat_vs_generate.py [--model smollm2] [--dtype stored] [--rounds 6] [--tokens 128]
@@ -34,7 +34,7 @@ def _chat_rate(args) -> float:
 
 def _generate_rate(args) -> float:
     done = subprocess.run([_layerplan(), "generate", "--chat", "--model", args.model, "--dtype", args.dtype,
-                           "-n", str(args.tokens), "--stats", MESSAGE], capture_output=True, text=True, check=True,
+                           "-n", str(args.tokens), "--json", MESSAGE], capture_output=True, text=True, check=True,
                           timeout=600)
     return float(re.search(r'"tokens_per_second": ([\d.]+)', done.stdout + done.stderr).group(1))
 

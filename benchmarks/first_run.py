@@ -49,7 +49,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--drop-caches", action="store_true")
     args = parser.parse_args()
-    from layerplan.app.llamacpp import build_info, find_tools
+    from layerplan.app.llamacpp import find_tools, peer_name
     from layerplan.files import cache_dir
     from layerplan.machine import read_cpuinfo
 
@@ -85,7 +85,7 @@ def main() -> None:
     llama_s = seconds["llama.cpp"]["median"]
     print(json.dumps({
         "model": str(gguf), "cpu": read_cpuinfo()[0], "rounds": args.rounds, "page_cache_dropped": args.drop_caches,
-        "llama_cpp": build_info(tools).get("sdist"), "seconds": seconds, "peak_rss_mb": peaks,
+        "llama_cpp": peer_name(tools), "seconds": seconds, "peak_rss_mb": peaks,
         "first_run_vs_llama_cpp": round(seconds["first run"]["median"] / llama_s, 2),
         "later_run_vs_llama_cpp": round(seconds["later run"]["median"] / llama_s, 2),
         "file_mb": round(file_mb, 1), "memory_allowed_mb_without_kv": round(1.3 * file_mb + 300, 1),

@@ -46,7 +46,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--dtype", default="auto")
     args = parser.parse_args()
-    from layerplan.app.llamacpp import build_info, find_tools
+    from layerplan.app.llamacpp import find_tools, peer_name
     from layerplan.corpus import default_corpus
     from layerplan.machine import read_cpuinfo
 
@@ -75,7 +75,7 @@ def main() -> None:
     median = {name: statistics.median(s) for name, s in runs.items()}
     print(json.dumps({
         "model": args.model, "cpu": read_cpuinfo()[0], "dtype": args.dtype, "context": args.context,
-        "chunks": CHUNKS, "threads": args.threads, "llama_cpp": build_info(tools).get("sdist"),
+        "chunks": CHUNKS, "threads": args.threads, "llama_cpp": peer_name(tools),
         "seconds": {name: round(m, 2) for name, m in median.items()},
         "seconds_range": {name: [round(min(s), 2), round(max(s), 2)] for name, s in runs.items()},
         "speed_vs_llama_cpp": round(median["llama.cpp"] / median["layerplan"], 2),

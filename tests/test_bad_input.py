@@ -71,8 +71,8 @@ CASES = [
     (["generate", "hi", "--model", "FILES/no-weights", "--dtype", "float32"], 1, "has config.json but no weights"),
     (["generate", "hi", "--model", "FILES/truncated.gguf", "--dtype", "float32"], 1,
      "truncated.gguf: cannot read it as a GGUF model"),
-    (["generate", "hi", "--threads", "0"], 2, "Invalid value for '--threads': 0 is not in the range 1<=x<=1024"),
-    (["generate", "hi", "--threads", "-1"], 2, "Invalid value for '--threads': -1 is not in the range 1<=x<=1024"),
+    (["generate", "hi", "--threads", "0"], 2, "Invalid value for '--threads' / '-t': 0 is not in the range 1<=x<=1024"),
+    (["generate", "hi", "--threads", "-1"], 2, "Invalid value for '--threads' / '-t': -1 is not in the range 1<=x<=1024"),
     (["generate", "hi", "--device", "bogus", "--dtype", "float32"], 1, "unknown device 'bogus'"),
     (["plan", "0-29", "--layers", "0"], 2, "Invalid value for '--layers': 0 is not in the range 1<=x<=100000"),
     (["plan", "0-29", "--layers", "-3"], 2, "Invalid value for '--layers': -3 is not in the range 1<=x<=100000"),
@@ -86,7 +86,7 @@ CASES = [
     (["scan", "--tokens", "0"], 2, "Invalid value for '--tokens': 0 is not in the range x>=2"),
     (["train-exit", "--exit", "4", "--steps", "0"], 2, "Invalid value for '--steps': 0 is not in the range x>=1"),
     (["tune", "--repeats", "0"], 2, "Invalid value for '--repeats': 0 is not in the range x>=1"),
-    (["bench", "--new-tokens", "0"], 2, "Invalid value for '--new-tokens': 0 is not in the range x>=1"),
+    (["bench", "--new-tokens", "0"], 2, "Invalid value for '--n-predict' / '-n' / '--max-new-tokens' / '--new-tokens': 0 is not in the range x>=1"),
     (["probe", "--repeats", "0"], 2, "Invalid value for '--repeats': 0 is not in the range x>=1"),
     (["ppl", "--max-tokens", "-1"], 2, "Invalid value for '--max-tokens': -1 is not in the range x>=0"),
     (["generate", "hi", "--draft-confidence", "2"], 2, "Invalid value for '--draft-confidence'"),
@@ -101,8 +101,8 @@ CASES = [
     (["search", "--method", "bayes", "--trials", "1", "--tokens", "16", "--storage-patience", "0", "--storage",
       "postgresql://nobody@127.0.0.1:1/none"], 1, "cannot open the study storage postgresql://nobody@127.0.0.1:1/none: "
                                                   "it has been unreachable for 0 s"),
-    (["generate"], 2, "give a PROMPT or --prompt-file FILE"),
-    (["generate", "hi", "--prompt-file", "FILES/empty.txt"], 2, "give a PROMPT or --prompt-file FILE"),
+    (["generate"], 2, "give a PROMPT (or -p TEXT, -f FILE) or --prompt-file FILE"),
+    (["generate", "hi", "--prompt-file", "FILES/empty.txt"], 2, "give a PROMPT (or -p TEXT, -f FILE) or --prompt-file FILE"),
     (["no-such-command"], 2, "No such command 'no-such-command'"),
     # issue 31: tracebacks
     (["plan", "0-29", "--layers", "30", "--out", "/proc/nope/x"], 2, "cannot write /proc/nope/x: nothing can be "
@@ -110,7 +110,7 @@ CASES = [
     (["plan", "FILES/deep.yaml", "--layers", "30"], 1, "deep.yaml: not a mergekit file: nested deeper than"),
     (["generate", "hi", "--model", "FILES/random-weights", "--dtype", "float32"], 1,
      "random-weights: cannot load its weights (damaged, truncated or unreadable?)"),
-    (["generate", "hi", "--model", "FILES/tok", "-t", "nan"], 1, "temperature nan is out of range"),
+    (["generate", "hi", "--model", "FILES/tok", "--temp", "nan"], 1, "temperature nan is out of range"),
     (["generate", "hi", "--model", "FILES/tok", "--dtype", "float32", "-n", "1000000000"], 1,
      "--max-new-tokens=1000000000 does not fit: the prompt is 2 tokens and the model's context is 128 tokens"),
     (["ppl", "--model", "FILES/tok", "--text", "FILES/empty.txt"], 1, "empty.txt: no text in it"),
@@ -124,7 +124,7 @@ CASES = [
     (["generate", "x" * 300, "--model", "FILES/tok", "--dtype", "float32"], 1,
      "the prompt is 300 tokens; the model's context is 128 tokens"),
     # exit 0 doing something silly
-    (["generate", "hi", "--model", "FILES/tok", "-t", "inf"], 1, "temperature inf is out of range"),
+    (["generate", "hi", "--model", "FILES/tok", "--temp", "inf"], 1, "temperature inf is out of range"),
     (["generate", "hi", "--model", "FILES/tok", "--repetition-penalty", "nan"], 1,
      "repetition_penalty nan is out of range: a number in [0.01, 100]"),
     (["plan", "FILES/fraction.yaml", "--layers", "30"], 1,
@@ -139,13 +139,13 @@ CASES = [
     (["models", "--markdown"], 2, "--markdown formats the --architectures table: add --architectures"),
     # unclear errors
     (["plan", "1" * 10000, "--layers", "30"], 1, "layer 111111111111… (10000 digits) is out of range"),
-    (["generate", "hi", "--seed", str(2 ** 70)], 2, "Invalid value for '--seed': 1180591620717411303424 is not in "
+    (["generate", "hi", "--seed", str(2 ** 70)], 2, "Invalid value for '--seed' / '-s': 1180591620717411303424 is not in "
                                                     "the range"),
     (["serve", "--host", "999.1.1.1", "--model", "FILES/tok"], 2, "Invalid value for '--host': 999.1.1.1 is not an "
                                                                    "IP address"),
     (["probe", "--max-length", "0"], 2, "Invalid value for '--max-length': 0 is not in the range 1<=x<=256"),
     (["serve", "--draft", "bogus", "--model", "FILES/tok", "--dtype", "float32"], 1, "cannot read 'bogus'"),
-    (["generate", "hi", "--threads", "2147483648"], 2, "Invalid value for '--threads'"),
+    (["generate", "hi", "--threads", "2147483648"], 2, "Invalid value for '--threads' / '-t'"),
     (["plan", "skip:attn=1", "--layers", str(2 ** 70)], 2, "Invalid value for '--layers'"),  # (built 2**70 steps)
     (["bench", "--new-tokens", "1000000000", "--model", "FILES/tok", "--dtype", "float32", "--engine", "eager",
       "--no-llama-cpp"], 1, "--new-tokens=1000000000 does not fit"),

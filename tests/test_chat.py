@@ -286,7 +286,7 @@ def test_load_resumes_and_command_line_options_override(folder, tmp_path):
 
 
 @pytest.mark.parametrize("options, status, needle", [
-    (["-t", "-1"], 1, "temperature -1.0 is out of range"),
+    (["--temp", "-1"], 1, "temperature -1.0 is out of range"),
     (["--load", "/dev/zero"], 1, "/dev/zero: not a file"),
     (["--load", "/proc"], 2, "'/proc' is a directory"),
     (["--load", "missing.json"], 1, "missing.json: no such file"),

@@ -137,12 +137,19 @@ def test_a_plan_of_a_second_model_is_the_torch_front_ends(tmp_path):
     (["generate", "Hi"], LiteRequest("Hi")),
     (["generate", "Hi", "-n", "5", "--model", "x.gguf", "--dtype", "stored-fast", "--threads", "2"],
      LiteRequest("Hi", model="x.gguf", dtype="stored-fast", threads=2, max_new_tokens=5)),
-    (["generate", "--plan=exit:8", "Hi", "--stop", "a", "--stop", "b", "--no-stream", "-t", "0", "--no-chat"],
+    (["generate", "--plan=exit:8", "Hi", "--stop", "a", "--stop", "b", "--no-stream", "--temp", "0", "--no-chat"],
      LiteRequest("Hi", plan="exit:8", stop=["a", "b"], stream=False)),
+    (["generate", "-p", "Hi", "-t", "2", "--n-predict", "3", "--temperature=0"],
+     LiteRequest("Hi", threads=2, max_new_tokens=3)),
+    (["generate", "Hi", "-t", "0"], None),  # -t is the thread count: the torch front end refuses 0
+    (["generate", "Hi", "-p", "there"], None),  # two prompts: the torch front end's usage error
+    (["generate", "-f", "p.txt"], None),
+    (["generate", "Hi", "--json", "-v"], LiteRequest("Hi", stats=True, as_json=True)),
     (["generate", "--engine", "native", "--device", "cpu", "Hi"], LiteRequest("Hi", engine="native")),
     (["generate", "Hi", "--chat"], LiteRequest("Hi", chat=True)),
     (["generate", "Hi", "--chat", "--no-chat"], LiteRequest("Hi")),
-    (["generate", "Hi", "-t", "0.7"], None),  # sampling
+    (["generate", "Hi", "-t", "0.7"], None),  # not a thread count: the torch front end's message
+    (["generate", "Hi", "--temp", "0.7"], None),  # sampling
     (["generate", "Hi", "--draft", "suffix"], None),
     (["generate", "Hi", "--stats"], LiteRequest("Hi", stats=True)),
     (["generate", "Hi", "-n5"], None),  # a form it does not read: the torch front end reads it

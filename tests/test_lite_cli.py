@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -58,7 +59,7 @@ def test_the_light_front_end_prints_what_the_torch_one_prints(argv, cache, monke
 
 
 def test_the_statistics_are_the_torch_front_ends_but_the_timings(cache):
-    argv = ["generate", "The capital of France is", "-n", "8", "--stats", "--no-stream"]
+    argv = ["generate", "The capital of France is", "-n", "8", "--stats", "--json", "--no-stream"]
     torch_run, lite_run = _run(argv, cache, "torch"), _run(argv, cache)
     assert lite_run.returncode == torch_run.returncode == 0 and lite_run.stdout == torch_run.stdout
     stats = [json.loads(run.stderr[run.stderr.index("{"):]) for run in (torch_run, lite_run)]
@@ -67,6 +68,13 @@ def test_the_statistics_are_the_torch_front_ends_but_the_timings(cache):
     untimed = [{k: v for k, v in s.items() if k not in timings} for s in stats]
     assert untimed[0] == untimed[1]
     assert stats[1]["provenance"]["plain"] == 8 and stats[1]["tokens_per_second"] > 0
+    # --stats: llama.cpp's closing lines for a person, the same but for the times and rates
+    untimed_lines = [re.sub(r"[0-9.]+ s \([0-9.]+ tokens/s\)", "T", run.stderr[:run.stderr.index("{")])
+                     for run in (torch_run, lite_run)]
+    assert untimed_lines[0] == untimed_lines[1]
+    assert re.search(r"^prompt eval: \d+ tokens in T$", untimed_lines[1], re.M)
+    assert re.search(r"^ +eval: 8 tokens in T$", untimed_lines[1], re.M)
+    assert re.search(r"stopped: length · plan .* · stored-fast · \d+ threads · ", untimed_lines[1])
 
 
 def test_the_chat_frame_tokenizes_as_transformers_chat_template(cache, monkeypatch):

@@ -156,8 +156,8 @@ def test_cli_frontier_places_the_drafts_it_is_given(tmp_path):
 
 
 @pytest.mark.parametrize("args,message", [
-    (["generate", "hi", "--threads", "-1"], "Invalid value for '--threads': -1 is not in the range 1<=x<=1024"),
-    (["generate", "hi", "--threads", "0"], "Invalid value for '--threads': 0 is not in the range 1<=x<=1024"),
+    (["generate", "hi", "--threads", "-1"], "Invalid value for '--threads' / '-t': -1 is not in the range 1<=x<=1024"),
+    (["generate", "hi", "--threads", "0"], "Invalid value for '--threads' / '-t': 0 is not in the range 1<=x<=1024"),
     (["generate", "hi", "--device", "bogus", "--dtype", "float32"], "unknown device 'bogus'; use cpu, cuda or cuda:N"),
     (["generate", "hi", "--device", "bogus"], "unknown device 'bogus'; use cpu, cuda or cuda:N"),
 ])

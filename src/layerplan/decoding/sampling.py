@@ -1,4 +1,4 @@
-"""Turning logits into the next token: greedy, temperature, top-k, top-p, repetition penalty.
+"""Turning logits into the next token: greedy, temperature, top-k, top-p, min-p, repetition penalty.
 
 `next_token_probs` is the single definition of the distribution a decoder samples from; the
 speculative decoder applies it to draft and target logits alike, so q and p are processed the
@@ -30,6 +30,9 @@ class SamplingParams:
     top_k: int = 0  # keep the k most likely tokens; 0 keeps all
     top_p: float = 1.0  # keep the smallest set whose probability reaches top_p
     repetition_penalty: float = 1.0  # CTRL-style: divide positive / multiply negative logits of seen tokens
+    # keep the tokens whose probability (after temperature) is at least min_p times the most likely
+    # one's; 0 keeps all (transformers' MinPLogitsWarper; llama.cpp's --min-p)
+    min_p: float = 0.0
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.temperature) and (self.temperature == 0 or self.temperature >= MIN_TEMPERATURE)):
@@ -39,6 +42,8 @@ class SamplingParams:
             raise SamplingError(f"top_k {self.top_k} is out of range: a whole number >= 0 (0 keeps every token)")
         if not 0 < self.top_p <= 1:  # (NaN fails this too)
             raise SamplingError(f"top_p {self.top_p} is out of range: a number in (0, 1]")
+        if not 0 <= self.min_p <= 1:  # (NaN fails this too)
+            raise SamplingError(f"min_p {self.min_p} is out of range: a number in [0, 1] (0 keeps every token)")
         low, high = PENALTY_RANGE
         if not low <= self.repetition_penalty <= high:
             raise SamplingError(f"repetition_penalty {self.repetition_penalty} is out of range: a number in "
@@ -79,7 +84,7 @@ def argmax_token(logits: torch.Tensor) -> int:
 
 
 def process_logits(logits: torch.Tensor, params: SamplingParams, seen: torch.Tensor | None = None) -> torch.Tensor:
-    """Processed logits (V,) in float32: penalty, temperature, then top-k / top-p masking (-inf)."""
+    """Processed logits (V,) in float32: penalty, temperature, then top-k / top-p / min-p masking (-inf)."""
     logits = apply_repetition_penalty(logits.float(), seen, params.repetition_penalty)
     if params.greedy:
         return logits
@@ -94,6 +99,8 @@ def process_logits(logits: torch.Tensor, params: SamplingParams, seen: torch.Ten
         drop_sorted = (cumulative - torch.softmax(sorted_logits, -1)) >= params.top_p
         drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
+    if params.min_p > 0.0:  # p_i >= min_p * p_max  <=>  logit_i >= logit_max + log(min_p)
+        logits = logits.masked_fill(logits < logits.max() + math.log(params.min_p), float("-inf"))
     return logits
 
 

@@ -217,3 +217,24 @@ class GenerationResult:
 
     def to_dict(self) -> dict:
         return {**asdict(self), "tokens_per_second": self.tokens_per_second}
+
+    def summary_lines(self, precision: str, threads: int, cpu: str) -> list[str]:
+        """What llama.cpp prints after a run, for a person: the prompt's and the new tokens' counts,
+        times and rates, the draft's acceptance where one drafted, and what ran where."""
+        decode = self.seconds - self.prefill_seconds
+
+        def rate(tokens: int, seconds: float) -> str:
+            return f"{tokens / seconds:.1f} tokens/s" if seconds > 0 else "- tokens/s"
+
+        lines = [f"prompt eval: {self.prompt_tokens} tokens in {self.prefill_seconds:.2f} s "
+                 f"({rate(self.prompt_tokens, self.prefill_seconds)})",
+                 f"       eval: {len(self.token_ids)} tokens in {decode:.2f} s ({rate(len(self.token_ids), decode)})"]
+        if self.stats.get("drafted"):
+            drafted, accepted = self.stats["drafted"], self.stats.get("accepted", 0)
+            per_pass = self.stats.get("mean_accepted_length")
+            lines.append(f"      draft: {self.stats.get('drafter', '?')}: {drafted} drafted, {accepted} accepted "
+                         f"({100 * accepted / drafted:.0f}%), {per_pass:.2f} tokens a pass")
+        elif "drafter" in self.stats:
+            lines.append(f"      draft: {self.stats['drafter']}: nothing drafted")
+        lines.append(f"    stopped: {self.stop_reason} · plan {self.plan} · {precision} · {threads} threads · {cpu}")
+        return lines

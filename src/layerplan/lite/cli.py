@@ -22,6 +22,7 @@ from layerplan.decoding.budget import token_budget
 from layerplan.decoding.text import TextDelta
 from layerplan.lite.generate import generate
 from layerplan.lite.model import LiteModel, TorchFrontEnd, lite_refusal
+from layerplan.machine import read_cpuinfo
 from layerplan.messages import one_line
 from layerplan.models.errors import ModelError
 from layerplan.models.gguf_index import DEFAULT_MODEL, gguf_of, index_folder
@@ -46,7 +47,10 @@ class LiteRequest:
     stop: list[str] = field(default_factory=list)
     stream: bool = True
     chat: bool = False
-    stats: bool = False
+    stats: bool = False  # --stats / --verbose: the summary lines
+    # the first argument and -p as read (one of them is the prompt): the parser's, not the request's
+    prompts: list[str] = field(default_factory=list, compare=False, repr=False)
+    as_json: bool = False  # --json: the statistics object
 
 
 def _integer(text: str, low: int) -> int | None:
@@ -68,14 +72,16 @@ def _set(request: LiteRequest, option: str, value: str) -> bool:
         request.engine = value
     elif option == "--device" and value == "cpu":
         pass
-    elif option == "--threads" and (threads := _integer(value, 1)) is not None and threads <= 1024:
+    elif option in ("--threads", "-t") and (threads := _integer(value, 1)) is not None and threads <= 1024:
         request.threads = threads
     elif option == "--plan":
         request.plan = value
-    elif option in ("--max-new-tokens", "-n") and (count := _integer(value, 0)) is not None:
+    elif option in N_PREDICT and (count := _integer(value, 0)) is not None:
         request.max_new_tokens = count
-    elif option in ("--temperature", "-t") and _float(value) == 0.0:
+    elif option in ("--temp", "--temperature") and _float(value) == 0.0:
         pass
+    elif option in ("--prompt", "-p"):
+        request.prompts.append(value)
     elif option == "--stop":
         request.stop.append(value)
     else:
@@ -90,17 +96,20 @@ def _float(text: str) -> float | None:
         return None
 
 
-VALUED = ("--model", "-m", "--dtype", "--engine", "--device", "--threads", "--plan", "--max-new-tokens", "-n",
-          "--temperature", "-t", "--stop")
+N_PREDICT = ("--n-predict", "-n", "--max-new-tokens", "--new-tokens")  # (app/options.py n_predict_option)
+VALUED = ("--model", "-m", "--dtype", "--engine", "--device", "--threads", "-t", "--plan", *N_PREDICT,
+          "--temp", "--temperature", "--stop", "--prompt", "-p")
 FLAGS = {"--stream": ("stream", True), "--no-stream": ("stream", False), "--chat": ("chat", True),
-         "--no-chat": ("chat", False), "--stats": ("stats", True)}
+         "--no-chat": ("chat", False), "--stats": ("stats", True), "--verbose": ("stats", True),
+         "-v": ("stats", True), "--json": ("as_json", True)}
 
 
 def request_of(argv: list[str]) -> LiteRequest | None:
     """The request of `layerplan generate ...` (argv without the program), or None (see the module)."""
     if not argv or argv[0] != "generate" or os.environ.get(FRONT_END_VARIABLE, "") == "torch":
         return None
-    request, prompts, i = LiteRequest(prompt=""), [], 1
+    request, i = LiteRequest(prompt=""), 1
+    prompts = request.prompts
     while i < len(argv):
         arg = argv[i]
         if arg in FLAGS:
@@ -172,7 +181,11 @@ def run(request: LiteRequest) -> int | None:
     if not result.text.strip() and not request.chat and request.max_new_tokens > 0:
         print(f"(no text generated, stop reason: {result.stop_reason}; an instruction-tuned model may answer a bare "
               "prompt only when it is wrapped in its chat template: add --chat)", file=sys.stderr)
-    if request.stats:  # app/cli.py's summary: the result but its text and tokens
+    if request.stats:  # app/cli.py's summary lines
+        precision = "stored" if ARITHMETICS[request.dtype] == "exact" else "stored-fast"
+        for line in result.summary_lines(precision, model.threads, read_cpuinfo()[0] or "unknown CPU"):
+            print(line, file=sys.stderr)
+    if request.as_json:  # app/cli.py's object: the result but its text and tokens
         summary = {k: v for k, v in result.to_dict().items() if k not in ("text", "token_ids")}
         print(json.dumps(summary, indent=2), file=sys.stderr)
     return 0

@@ -53,6 +53,8 @@ class LoadedModel:
     # what is made of it once and kept as long as it lives (decoding/drafters/registry.py: the
     # quantized copies `self:bits=` drafts run): held here, not by a module, so it goes with the model
     derived: dict[str, Any] = field(default_factory=dict, repr=False)
+    # -c/--ctx-size: a context shorter than the model's (prompt plus new tokens); None: its own
+    context_limit: int | None = None
     # a model whose parts were discovered runs only after its architecture passed the check
     # (engine/verify.py); the check itself builds its tiny model with require_check=False
     require_check: InitVar[bool] = True
@@ -92,8 +94,19 @@ class LoadedModel:
 
     @property
     def context_length(self) -> int:
-        """The longest sequence the model was trained for (prompt plus generated tokens)."""
-        return context_length(self.hf.config)
+        """The longest sequence it runs (prompt plus generated tokens): what it was trained for, or
+        less where -c/--ctx-size said so."""
+        trained = context_length(self.hf.config)
+        return min(trained, self.context_limit) if self.context_limit else trained
+
+    def limit_context(self, tokens: int) -> None:
+        """-c/--ctx-size: run at most `tokens` (0: the model's own context); more than the model's
+        own is refused, as its positions past that were never trained."""
+        trained = context_length(self.hf.config)
+        if tokens > trained:
+            raise ModelError(f"-c/--ctx-size {tokens} is more than {self.name}'s context of {trained} tokens: "
+                             f"give at most {trained} (0: the model's own)")
+        self.context_limit = tokens or None
 
     @property
     def dtype(self) -> torch.dtype:

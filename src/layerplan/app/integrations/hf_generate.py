@@ -22,7 +22,8 @@ from layerplan.engine.load import wrap_model
 
 # the logits processors transformers builds from the settings we translate into SamplingParams;
 # any other (no_repeat_ngram_size, bad_words_ids, ...) has no layerplan equivalent yet
-_UNDERSTOOD = {"TemperatureLogitsWarper", "TopKLogitsWarper", "TopPLogitsWarper", "RepetitionPenaltyLogitsProcessor"}
+_UNDERSTOOD = {"TemperatureLogitsWarper", "TopKLogitsWarper", "TopPLogitsWarper", "MinPLogitsWarper",
+               "RepetitionPenaltyLogitsProcessor"}
 _wrapped: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # hf model -> LoadedModel
 
 
@@ -38,7 +39,8 @@ def sampling_from(config) -> SamplingParams:
         return SamplingParams(repetition_penalty=config.repetition_penalty or 1.0)
     return SamplingParams(temperature=config.temperature if config.temperature is not None else 1.0,
                           top_k=config.top_k or 0, top_p=config.top_p if config.top_p is not None else 1.0,
-                          repetition_penalty=config.repetition_penalty or 1.0)
+                          repetition_penalty=config.repetition_penalty or 1.0,
+                          min_p=getattr(config, "min_p", None) or 0.0)
 
 
 def _eos_ids(config) -> tuple[int, ...]:
@@ -61,7 +63,7 @@ def layerplan_generate(model, input_ids: torch.LongTensor, logits_processor, sto
     unknown = sorted({type(p).__name__ for p in logits_processor} - _UNDERSTOOD)
     if unknown:
         raise ValueError(f"layerplan_generate cannot apply {', '.join(unknown)}; it understands do_sample, "
-                         "temperature, top_k, top_p, repetition_penalty")
+                         "temperature, top_k, top_p, min_p, repetition_penalty")
     if generation_config.num_beams not in (None, 1):
         raise ValueError("layerplan_generate does not do beam search (num_beams must be 1)")
     lm = loaded(model)

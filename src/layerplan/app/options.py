@@ -1,0 +1,126 @@
+"""The options several commands share, each with one name in every command: llama.cpp's name where
+the meaning is the same (`-t` is the thread count, `-n` the tokens to generate, `--temp`), its
+longer or transformers' name beside it. FAMILIAR_NAMES is the table docs/coming-from.md shows
+(tests/test_familiar_flags.py checks both against the commands' own options)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import click
+
+from layerplan.decoding.sampling import SEED_RANGE
+
+SEED = click.IntRange(*SEED_RANGE)  # what torch's generator takes
+MAX_THREADS = 1024
+
+
+class ThreadCount(click.ParamType):
+    """A thread count, 1-1024. `-t` meant the temperature in layerplan's first releases; where a
+    value reads as one (0.7, 0) the refusal says so, rather than sampling or threading silently."""
+
+    name = "integer"
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, int) and not isinstance(value, bool):
+            count = value
+        else:
+            try:
+                count = int(str(value).strip())
+            except ValueError:
+                count = None
+        if count is not None and 1 <= count <= MAX_THREADS:
+            return count
+        said = f"{value} is not in the range 1<=x<=1024" if count is not None else f"'{value}' is not a whole number"
+        self.fail(f"{said}: -t/--threads is the CPU thread count, as in llama.cpp (-t was the temperature in "
+                  f"earlier layerplan; that is --temp now)", param, ctx)
+
+
+threads_option = click.option("--threads", "-t", type=ThreadCount(), default=None, metavar="N",
+                              help="CPU threads (default: torch's choice, one a core)")
+
+
+def n_predict_option(default: int, low: int = 1, help: str = "at most this many new tokens", dest: str = "max_new_tokens"):
+    """-n: how many tokens to generate, as llama.cpp's -n/--n-predict; --max-new-tokens (transformers')
+    and --new-tokens (layerplan's earlier name in the timing commands) stay as aliases."""
+    return click.option("--n-predict", "-n", "--max-new-tokens", "--new-tokens", dest,
+                        type=click.IntRange(min=low), default=default, show_default=True, metavar="N", help=help)
+
+
+ctx_size_option = click.option("--ctx-size", "-c", type=click.IntRange(min=0), default=0, show_default=True,
+                               metavar="N", help="context length: prompt plus new tokens (0: the model's own); "
+                                                 "at most the model's")
+seed_option = click.option("--seed", "-s", type=SEED, default=None, help="sampling seed (default: a fresh one)")
+temp_option = click.option("--temp", "--temperature", "temperature", type=float, default=0.0, show_default=True,
+                           help="sampling temperature; 0 = greedy")
+
+
+def sampling_options(command):
+    """--temp, --top-k, --top-p, --min-p, --repeat-penalty, -s/--seed: llama.cpp's sampling names."""
+    for option in reversed((
+        temp_option,
+        click.option("--top-k", type=click.IntRange(min=0), default=0, show_default=True, help="0 keeps every token"),
+        click.option("--top-p", type=float, default=1.0, show_default=True, help="1 keeps every token"),
+        click.option("--min-p", type=float, default=0.0, show_default=True,
+                     help="drop tokens below this fraction of the most likely one's probability; 0 keeps all"),
+        click.option("--repeat-penalty", "--repetition-penalty", "repetition_penalty", type=float, default=1.0,
+                     show_default=True, help="1 = none"),
+        seed_option,
+    )):
+        command = option(command)
+    return command
+
+
+@dataclass(frozen=True)
+class FamiliarName:
+    """One row of docs/coming-from.md: what llama.cpp and transformers call a setting, and ours."""
+
+    setting: str
+    llama_cpp: str  # its flag in llama.cpp's tools ("" where it has none)
+    transformers: str  # its name in transformers' generate / config ("" where it has none)
+    layerplan: str  # our flags, the first the one --help shows first
+    commands: tuple[str, ...]  # where it is taken
+
+
+FAMILIAR_NAMES = (
+    FamiliarName("model file or folder", "-m, --model", "from_pretrained(PATH)", "-m, --model",
+                 ("generate", "chat", "serve", "bench", "ppl", "scan", "search", "explore")),
+    FamiliarName("prompt", "-p, --prompt", "the input text", "-p, --prompt (or the first argument)", ("generate",)),
+    FamiliarName("prompt from a file", "-f, --file", "", "-f, --file", ("generate",)),
+    FamiliarName("tokens to generate", "-n, --n-predict", "max_new_tokens", "-n, --n-predict (--max-new-tokens)",
+                 ("generate", "chat", "bench", "tune", "frontier")),
+    FamiliarName("CPU threads", "-t, --threads", "torch.set_num_threads", "-t, --threads",
+                 ("generate", "chat", "serve", "bench", "ppl", "scan", "search", "explore", "tune")),
+    FamiliarName("context length", "-c, --ctx-size", "max_position_embeddings", "-c, --ctx-size",
+                 ("generate", "chat", "serve")),
+    FamiliarName("temperature", "--temp", "temperature", "--temp (--temperature)", ("generate", "chat")),
+    FamiliarName("top-k", "--top-k", "top_k", "--top-k", ("generate", "chat")),
+    FamiliarName("top-p (nucleus)", "--top-p", "top_p", "--top-p", ("generate", "chat")),
+    FamiliarName("min-p", "--min-p", "min_p", "--min-p", ("generate", "chat")),
+    FamiliarName("repetition penalty", "--repeat-penalty", "repetition_penalty",
+                 "--repeat-penalty (--repetition-penalty)", ("generate", "chat")),
+    FamiliarName("sampling seed", "-s, --seed", "torch.manual_seed / set_seed", "-s, --seed", ("generate", "chat")),
+    FamiliarName("system message", "-sys, --system-prompt", "a {'role': 'system'} message",
+                 "-sys, --system (--system-prompt)", ("chat",)),
+    FamiliarName("chat template", "-cnv / --jinja", "apply_chat_template", "--chat (generate); chat wraps always",
+                 ("generate",)),
+    FamiliarName("draft model", "-md, --model-draft", "assistant_model", "-md, --model-draft (--draft model:PATH)",
+                 ("generate",)),
+    FamiliarName("lookup drafts", "llama-lookup", "prompt_lookup_num_tokens", "--draft ngram, --draft suffix",
+                 ("generate", "chat", "serve")),
+    FamiliarName("timings after a run", "(printed always)", "", "--stats (a summary), --json (the object)",
+                 ("generate",)),
+    FamiliarName("server address", "--host, --port", "", "--host, --port", ("serve",)),
+    FamiliarName("served model name", "-a, --alias", "", "-a, --alias (--served-name)", ("serve",)),
+    FamiliarName("requests at once", "-np, --parallel", "", "-np, --parallel (--max-batch)", ("serve",)),
+    FamiliarName("API key", "--api-key", "", "--api-key", ("serve",)),
+)
+
+
+def familiar_table() -> str:
+    """FAMILIAR_NAMES as the Markdown table docs/coming-from.md shows."""
+    rows = ["| setting | llama.cpp | transformers | layerplan | commands |", "|---|---|---|---|---|"]
+    for name in FAMILIAR_NAMES:
+        cells = (name.setting, name.llama_cpp, name.transformers, name.layerplan, ", ".join(name.commands))
+        rows.append("| " + " | ".join(f"`{c}`" if c and i in (1, 3) else (c or "—") for i, c in enumerate(cells)) + " |")
+    return "\n".join(rows)

@@ -1,0 +1,93 @@
+"""llama.cpp's and transformers' names for the settings they share with layerplan (app/options.py
+FAMILIAR_NAMES): every command the table names takes every flag it lists, the docs show the table,
+the old `-t` (temperature) is refused in one line, and the new names mean what they say."""
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from layerplan.app.cli import main
+from layerplan.app.options import FAMILIAR_NAMES, familiar_table
+from layerplan.decoding.sampling import SamplingError, SamplingParams, process_logits
+
+DOCS = Path(__file__).parent.parent / "docs" / "coming-from.md"
+
+
+def _flags(text: str) -> list[str]:
+    return re.findall(r"(?<![\w-])(--?[a-z][a-z-]*)", text)
+
+
+def _command_flags(name: str) -> set[str]:
+    command = main.commands[name]
+    return {flag for param in command.params for flag in (*param.opts, *param.secondary_opts)}
+
+
+@pytest.mark.parametrize("row", FAMILIAR_NAMES, ids=lambda row: row.setting)
+def test_every_command_the_table_names_takes_its_flags(row):
+    flags = _flags(row.layerplan)
+    assert flags, row
+    for command in row.commands:
+        missing = [f for f in flags if f not in _command_flags(command)]
+        if command != "generate":  # (a generate-only note such as "--chat (generate)")
+            missing = [f for f in missing if f not in ("--chat", "--stats", "--json")]
+        assert not missing, f"layerplan {command} lacks {missing}"
+
+
+def test_the_docs_show_the_table():
+    assert familiar_table() in DOCS.read_text(), "docs/coming-from.md: paste app/options.py familiar_table()"
+
+
+def test_help_shows_the_familiar_name_first():
+    for command, flag, first in (("generate", "--n-predict", "-n, --n-predict, --max-new-tokens"),
+                                 ("generate", "--threads", "-t, --threads"), ("generate", "--temp", "--temp, --temperature"),
+                                 ("serve", "--alias", "-a, --alias, --served-name"),
+                                 ("serve", "--parallel", "-np, --parallel, --max-batch"),
+                                 ("chat", "--system", "-sys, --system, --system-prompt")):
+        text = CliRunner().invoke(main, [command, "--help"], terminal_width=200).output
+        assert first in text, (command, flag)
+
+
+@pytest.mark.parametrize("value", ["0.7", "0", "1.5", "hot"])
+def test_the_old_temperature_t_is_refused_in_one_line(value):
+    for command in ("generate", "chat"):
+        result = CliRunner().invoke(main, [command, "hi", "-t", value] if command == "generate" else [command, "-t", value])
+        assert result.exit_code == 2
+        lines = [line for line in result.output.splitlines() if line.strip()]
+        assert len(lines) == 1 and "Traceback" not in result.output, result.output
+        assert "-t/--threads is the CPU thread count, as in llama.cpp" in lines[0] and "--temp" in lines[0]
+
+
+def test_the_prompt_is_given_once():
+    for args, named in ((["hi", "-p", "there"], "PROMPT and -p/--prompt"),
+                        (["-p", "hi", "-f", __file__], "-p/--prompt and -f/--file")):
+        result = CliRunner().invoke(main, ["generate", *args])
+        assert result.exit_code == 2 and named in result.output, result.output
+
+
+def test_a_context_longer_than_the_models_is_refused(tmp_path):
+    from tiny import tiny_hf
+
+    tiny_hf("llama", num_layers=2).save_pretrained(tmp_path / "tiny")
+    result = CliRunner().invoke(main, ["generate", "--model", str(tmp_path / "tiny"), "-p", "hi", "-c", "999999"])
+    assert result.exit_code == 1 and "-c/--ctx-size 999999 is more than" in result.output, result.output
+
+
+def test_min_p_keeps_the_tokens_within_its_fraction_of_the_most_likely():
+    logits = torch.log(torch.tensor([0.5, 0.3, 0.1, 0.06, 0.04]))
+    kept = torch.isfinite(process_logits(logits, SamplingParams(temperature=1.0, min_p=0.2)))
+    assert kept.tolist() == [True, True, True, False, False]  # 0.1 >= 0.2 * 0.5 > 0.06
+    assert torch.isfinite(process_logits(logits, SamplingParams(temperature=1.0))).all()
+    with pytest.raises(SamplingError, match="min_p 1.5 is out of range"):
+        SamplingParams(temperature=1.0, min_p=1.5)
+
+
+def test_min_p_is_transformers_min_p():
+    from transformers.generation.logits_process import MinPLogitsWarper, TemperatureLogitsWarper
+
+    logits = torch.randn(257, generator=torch.Generator().manual_seed(0))
+    theirs = MinPLogitsWarper(0.05)(None, TemperatureLogitsWarper(0.8)(None, logits[None].clone()))[0]
+    ours = process_logits(logits, SamplingParams(temperature=0.8, min_p=0.05))
+    assert torch.equal(torch.isfinite(ours), torch.isfinite(theirs)) and 1 < torch.isfinite(ours).sum() < 257
