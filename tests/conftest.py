@@ -162,3 +162,29 @@ def _module_memory(request):
                         f"(at most {PEAK >> 20} MB)")
     if problems:
         pytest.fail("; ".join(problems), pytrace=False)
+
+
+# A test that leaves the process this much larger is followed by the collector and malloc_trim: a
+# command run in-process leaves its model in reference cycles (modules, hooks, closures) that only
+# the full collector frees, and glibc keeps what was freed in its arenas; left to the module's end,
+# five such tests in a row held 4 GB at once (test_models_cli.py on a worker).
+TEST_GROWTH = 256 << 20
+
+
+@pytest.fixture(autouse=True)
+def _test_memory(request):
+    """After a test that grew the process by TEST_GROWTH, release what it freed. With
+    LAYERPLAN_MEMORY_LOG set, a line per test too: the module's peak resident memory so far and the
+    process's after the test (MB); the test where the peak jumps is the one that made it."""
+    if not os.path.exists("/proc/self/status"):
+        yield
+        return
+    before = _status_bytes("VmRSS")
+    yield
+    if _status_bytes("VmRSS") - before > TEST_GROWTH:
+        _release_free_memory()
+    log = os.environ.get("LAYERPLAN_MEMORY_LOG")
+    if log:
+        with open(log, "a") as out:
+            out.write(f"  {request.node.nodeid}\t\t\t{_status_bytes('VmRSS') >> 20}\t{_status_bytes('VmHWM') >> 20}\t"
+                      f"{os.environ.get('PYTEST_XDIST_WORKER', 'main')}\n")

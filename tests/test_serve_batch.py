@@ -112,6 +112,7 @@ def test_a_lookup_draft_runs_inside_the_batch(smollm2):
 def test_generate_prompt_file_decodes_the_prompts_together_as_they_decode_alone(smollm2, tmp_path):
     """layerplan generate --prompt-file: one JSON line a prompt, in the file's order, each text its
     solo run's; a PROMPT beside it, or a drafter that runs a model, is refused in one line."""
+    import gc
     import json
 
     from click.testing import CliRunner
@@ -128,6 +129,8 @@ def test_generate_prompt_file_decodes_the_prompts_together_as_they_decode_alone(
     for prompt, line in zip(PROMPTS, lines):
         solo = generate(smollm2, smollm2.tokenizer(prompt).input_ids, max_new_tokens=10, sampling=SamplingParams())
         assert line["text"] == solo.text and line["tokens"] == len(solo.token_ids)
+    del run
+    gc.collect()  # the first command's model (in reference cycles) before the next command loads another
     both = CliRunner().invoke(main, ["generate", "x", "--prompt-file", str(prompts)])
     assert both.exit_code != 0 and "give a PROMPT (or -p TEXT, -f FILE) or --prompt-file FILE" in both.output
     model_draft = CliRunner().invoke(main, ["generate", "--prompt-file", str(prompts), "--dtype", "float32",

@@ -45,6 +45,7 @@ from layerplan.files import WriteError, check_output, write_json_atomic, write_t
 from layerplan.machine import cpu_info, read_cpuinfo
 from layerplan.messages import one_line
 from layerplan.models.architectures import STATUSES, architecture_statuses
+from layerplan.models.gguf_index import TENSORS_FILE, index_folder
 from layerplan.models.loading import (DEFAULT_MODEL, ModelError, available_models, cache_dir, dense_bytes, gguf_of,
                                       model_depth, resolve_device, resolve_dtype)
 from layerplan.plan.formats import FORMATS, load_plan, save_plan, to_mergekit
@@ -162,6 +163,14 @@ def _names_gguf(model: str) -> bool:
         return False
 
 
+def _indexed(model: str) -> bool:
+    """Whether a GGUF's index is in the cache (made by an earlier load)."""
+    try:
+        return (index_folder(gguf_of(model)) / TENSORS_FILE).exists()
+    except OSError:
+        return True  # (loading it names the problem)
+
+
 def _dtype(model: str, dtype: str, engine: str, device: str = "cpu", dense: str | None = None) -> str:
     """'auto' -> a GGUF as stored; else `dense` where given (the research commands: float32), else the
     dtype this machine's probe found fastest for the model (see `layerplan probe`)."""
@@ -192,7 +201,9 @@ def _load(model: str, dtype: str, device: str = "cpu", engine: str = "auto", den
     a GGUF run as stored); ctx_size: -c, a context shorter than the model's (0: its own)."""
     dtype = _dtype(model, dtype, engine, device, dense)
     where = f"device map {_device_map()}" if _device_map() else device
-    click.echo(f"loading {model} ({dtype}, {where}, engine {engine})…", err=True)
+    first = (f"; its first use: indexed and packed for the kernels once, into {cache_dir()}"
+             if dtype in BLOCK_PRECISIONS and _names_gguf(model) and not _indexed(model) else "")
+    click.echo(f"loading {model} ({dtype}, {where}, engine {engine}{first})…", err=True)
     resolve_device(device)  # a bad --device is the one line, before anything else is said
     # (a device map spreads the weights over devices and disk: not all of them in memory)
     sizes = dense_bytes(model, dtype) if dtype not in BLOCK_PRECISIONS and _device_map() is None else None
