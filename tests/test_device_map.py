@@ -2,6 +2,7 @@
 store, brought in for their step only) give the plain model's logits, prefill and incremental, for repeat plans too (a
 step's KV slot is its own), and the same greedy text; bad maps get one line naming the entry."""
 
+import gc
 import json
 
 import pytest
@@ -165,6 +166,7 @@ def test_the_command_line_takes_a_map(tmp_path):
     args = ["generate", "1, 2, 3,", "-n", "8", "--dtype", "float32", "--no-stream"]
     runner = CliRunner()
     plain_run = runner.invoke(main, args)
+    gc.collect()  # its model (in reference cycles) before the next command loads another
     mapped = runner.invoke(main, args + ["--device-map", str(tmp_path / "map.yaml")])
     assert plain_run.exit_code == 0 and mapped.exit_code == 0, mapped.output
     assert mapped.stdout == plain_run.stdout and "device map" in mapped.stderr

@@ -1,3 +1,4 @@
+import gc
 import json
 
 import pytest
@@ -98,6 +99,8 @@ def test_cli_explore_and_export_checkpoint(tmp_path):
     assert result.exit_code == 0, result.output
     assert (tmp_path / "explore" / "explore.png").read_bytes()[:4] == b"\x89PNG"
     assert "0-19,10-29" in result.output
+    del result
+    gc.collect()  # explore's model (in reference cycles) before export loads its own
     result = runner.invoke(main, ["export", "0-9", "--out", str(tmp_path / "pruned")])
     assert result.exit_code == 0, result.output
     assert '"num_hidden_layers": 10' in (tmp_path / "pruned" / "config.json").read_text()
@@ -116,6 +119,8 @@ def test_cli_search_writes_plan_report_plots_and_resumes(tmp_path):
     assert report["study"]["trials"][1]["plan"] == report["greedy"]["best_plan"]
     for name in ("best_plan.json", "greedy.png", "trajectory.png", "skip-frequency.png", "study.db"):
         assert (tmp_path / name).exists(), name
+    del first
+    gc.collect()  # the first run's model (in reference cycles) before the second loads its own
     again = CliRunner().invoke(main, args[:4] + ["7"] + args[5:])
     assert again.exit_code == 0, again.output
     report = json.loads((tmp_path / "search.json").read_text())
