@@ -1,6 +1,7 @@
 """Workers of a shared Optuna study in forked processes, and checks on what they left in the
 storage: shared by the skip search's tests (test_search.py) and the merge study's (test_blocks.py)."""
 
+import gc
 import multiprocessing
 import signal
 import time
@@ -12,6 +13,10 @@ def _interruptible(work, *args):
     # terminal, even where this test run was started in the background (a shell starts background
     # jobs with SIGINT ignored, and a forked child inherits that)
     signal.signal(signal.SIGINT, signal.default_int_handler)
+    # the parent's objects, inherited, are never the child's garbage: a collection that walked them
+    # would write to (and so copy) every page of a test process's heap, long enough to miss a
+    # deadline such as "a stopped worker fails its trial within a second"
+    gc.freeze()
     work(*args)
 
 
