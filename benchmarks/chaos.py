@@ -41,7 +41,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-CLI = [sys.executable, "-c", "import sys; from layerplan.app.cli import main; sys.argv[0] = 'layerplan'; main()"]
+# as the `layerplan` console script starts a command (app/launch.py: the process is the command)
+CLI = [sys.executable, "-c", "import sys; from layerplan.app.cli import run_as_process; sys.argv[0] = 'layerplan'; "
+       "run_as_process()"]
 
 
 class Unavailable(RuntimeError):

@@ -218,12 +218,17 @@ def _load(model: str, dtype: str, device: str = "cpu", engine: str = "auto", den
             bar.close()
     loaded.limit_context(ctx_size)
     if _PROCESS_IS_THE_COMMAND:
-        # what the load made lives as long as this process: kept out of the collector's full
-        # collections, which would walk its ~400k objects again (150-225 ms a time, mid-reply for
-        # serve). Only where the process is the command: a frozen object is never freed, so a
-        # caller that runs commands in-process (a test's CliRunner) would keep every model.
-        gc.freeze()
+        _freeze()
     return loaded
+
+
+def _freeze() -> None:
+    """What the load made lives as long as this process: kept out of the collector's full
+    collections, which would walk its ~400k objects again (150-225 ms a time, mid-reply for
+    serve). Only where the process is the command (the console entry, or serve, which holds the
+    process until it ends): a frozen object is never freed, so a caller that runs commands
+    in-process (a test's CliRunner) would keep every model."""
+    gc.freeze()
 
 
 def _attach(loaded, model_b: str | None, device: str = "cpu", engine: str = "auto"):
@@ -1322,6 +1327,7 @@ def serve(model, dtype, device, engine, threads, plan, draft, draft_length, host
             batch_source = "this machine's probe" if probe_row is not None else "no probe cached"
 
         def listening(bound_host: str, bound_port: int, at_once: int) -> None:
+            _freeze()  # bound and serving: this process is the server now, however it was started
             batch = (f"up to {at_once} requests at once, {batch_source}" if at_once > 1 or max_batch == 1
                      else "one request at a time: its draft runs a model")
             click.echo(f"serving '{served_name or loaded.name}' on http://{bound_host}:{bound_port}/v1 "
