@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> None:
         theirs.append(measure_llama_cpp(gguf, args.new_tokens, args.threads, args.depth, args.prefill))
 
     def median(runs: list[dict], key: str):
-        values = sorted(r[key] for r in runs if r.get(key) is not None)
+        values = [r[key] for r in runs if r.get(key) is not None]
         return statistics.median(values) if values else None
 
     def spread(runs: list[dict], key: str):

@@ -19,8 +19,7 @@ from layerplan.app import llamacpp
 from layerplan.app.peers import (GGUF_PRECISIONS, LOOKUP_COUNTERPARTS, SHORT_DTYPES, LlamaToolError, gguf_at_precision,
                                  gguf_file_type, llama_bench_runner, llama_lookup_runner)
 from layerplan.app.merges import export_commands, scan_blocks, study_merges, write_scan
-from layerplan.app.options import (SEED, ctx_size_option, n_predict_option, sampling_options, temp_option,
-                                     threads_option)
+from layerplan.app.options import SEED, ctx_size_option, n_predict_option, sampling_options, threads_option
 from layerplan.app.report import (exits_plot, explore_plot, frontier_plot, pareto_plot, scan_heatmap,
                                   search_trajectory, skip_frequency_plot, tune_html)
 from layerplan.app.tune import tune as run_tune
@@ -98,8 +97,6 @@ class _Output(click.Path):
         return value
 
 
-
-
 def _texts(text: str | None) -> str | None:
     """--text read before any model loads (None: the caller's default corpus)."""
     return "\n\n".join(read_texts(text)) if text else None
@@ -154,28 +151,20 @@ class _Stages:
         self.close()
 
 
-def _names_gguf(model: str) -> bool:
-    """Whether the source names a GGUF; a place this user may not read counts as not one here
+def _gguf_path(model: str) -> Path | None:
+    """The GGUF file the source names, or None; a place this user may not read counts as none here
     (loading it names the problem in one line)."""
     try:
-        return gguf_of(model) is not None
+        return gguf_of(model)
     except (OSError, RuntimeError):
-        return False
-
-
-def _indexed(model: str) -> bool:
-    """Whether a GGUF's index is in the cache (made by an earlier load)."""
-    try:
-        return (index_folder(gguf_of(model)) / TENSORS_FILE).exists()
-    except OSError:
-        return True  # (loading it names the problem)
+        return None
 
 
 def _dtype(model: str, dtype: str, engine: str, device: str = "cpu", dense: str | None = None) -> str:
     """'auto' -> a GGUF as stored; else `dense` where given (the research commands: float32), else the
     dtype this machine's probe found fastest for the model (see `layerplan probe`)."""
     # (a GGUF's auto is GGUF_DEFAULT whatever the probe says: its name would cost a header read)
-    wanted = dtype == "auto" and dense is None and not _names_gguf(model)
+    wanted = dtype == "auto" and dense is None and _gguf_path(model) is None
     probe = load_probe(cache_dir(), model_depth(model)[1]) if wanted else None
     return choose_dtype(dtype, engine, device, probe, source=model, dense=dense)
 
@@ -201,8 +190,9 @@ def _load(model: str, dtype: str, device: str = "cpu", engine: str = "auto", den
     a GGUF run as stored); ctx_size: -c, a context shorter than the model's (0: its own)."""
     dtype = _dtype(model, dtype, engine, device, dense)
     where = f"device map {_device_map()}" if _device_map() else device
+    gguf = _gguf_path(model) if dtype in BLOCK_PRECISIONS else None
     first = (f"; its first use: indexed and packed for the kernels once, into {cache_dir()}"
-             if dtype in BLOCK_PRECISIONS and _names_gguf(model) and not _indexed(model) else "")
+             if gguf is not None and not (index_folder(gguf) / TENSORS_FILE).exists() else "")
     click.echo(f"loading {model} ({dtype}, {where}, engine {engine}{first})…", err=True)
     resolve_device(device)  # a bad --device is the one line, before anything else is said
     # (a device map spreads the weights over devices and disk: not all of them in memory)
@@ -506,7 +496,7 @@ def scan(model, dtype, device, threads, base_plan, tokens, text, kinds, exits, n
                    "vocab=K (as a lossless draft: --draft dynamic:POLICY)")
 @click.option("--stats", is_flag=True, help="after the text, a summary on stderr: prompt and new tokens with their "
                                             "rates, the draft's acceptance, plan, dtype, threads, CPU")
-@click.option("--verbose", "-v", is_flag=True, help="the --stats summary, and what loading does")
+@click.option("--verbose", "-v", is_flag=True, help="the same summary as --stats")
 @click.option("--json", "as_json", is_flag=True,
               help="the run's statistics as one JSON object on stderr (every field, for scripts)")
 @click.option("--prompt-file", type=click.Path(dir_okay=False), default=None,

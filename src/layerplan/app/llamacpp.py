@@ -33,7 +33,6 @@ from pathlib import Path
 from layerplan.files import cache_dir, writing
 
 
-
 @dataclass(frozen=True)
 class LlamaCppSource:
     """A pinned PyPI sdist that carries llama.cpp's source, so that figures taken on two machines

@@ -16,7 +16,7 @@ MAX_THREADS = 1024
 
 
 class ThreadCount(click.ParamType):
-    """A thread count, 1-1024. `-t` meant the temperature in layerplan's first releases; where a
+    """A thread count, 1 to MAX_THREADS. `-t` meant the temperature in layerplan's first releases; where a
     value reads as one (0.7, 0) the refusal says so, rather than sampling or threading silently."""
 
     name = "integer"
@@ -31,7 +31,8 @@ class ThreadCount(click.ParamType):
                 count = None
         if count is not None and 1 <= count <= MAX_THREADS:
             return count
-        said = f"{value} is not in the range 1<=x<=1024" if count is not None else f"'{value}' is not a whole number"
+        said = (f"{value} is not in the range 1<=x<={MAX_THREADS}" if count is not None
+                else f"'{value}' is not a whole number")
         self.fail(f"{said}: -t/--threads is the CPU thread count, as in llama.cpp (-t was the temperature in "
                   f"earlier layerplan; that is --temp now)", param, ctx)
 

@@ -48,9 +48,12 @@ class LiteRequest:
     stream: bool = True
     chat: bool = False
     stats: bool = False  # --stats / --verbose: the summary lines
-    # the first argument and -p as read (one of them is the prompt): the parser's, not the request's
-    prompts: list[str] = field(default_factory=list, compare=False, repr=False)
     as_json: bool = False  # --json: the statistics object
+
+    @property
+    def precision(self) -> str:
+        """The dtype the torch front end names for it (a GGUF's auto is stored-fast)."""
+        return "stored" if ARITHMETICS[self.dtype] == "exact" else "stored-fast"
 
 
 def _integer(text: str, low: int) -> int | None:
@@ -61,9 +64,10 @@ def _integer(text: str, low: int) -> int | None:
     return value if value >= low else None
 
 
-def _set(request: LiteRequest, option: str, value: str) -> bool:
-    """Apply one option's value as app/cli.py's generate reads it; False where its meaning is not
-    the light front end's (the torch front end then reads the whole line)."""
+def _set(request: LiteRequest, prompts: list[str], option: str, value: str) -> bool:
+    """Apply one option's value as app/cli.py's generate reads it (-p to `prompts`, the prompts as
+    read); False where its meaning is not the light front end's (the torch front end then reads the
+    whole line)."""
     if option in ("--model", "-m"):
         request.model = value
     elif option == "--dtype" and value in ARITHMETICS:
@@ -81,7 +85,7 @@ def _set(request: LiteRequest, option: str, value: str) -> bool:
     elif option in ("--temp", "--temperature") and _float(value) == 0.0:
         pass
     elif option in ("--prompt", "-p"):
-        request.prompts.append(value)
+        prompts.append(value)
     elif option == "--stop":
         request.stop.append(value)
     else:
@@ -108,8 +112,7 @@ def request_of(argv: list[str]) -> LiteRequest | None:
     """The request of `layerplan generate ...` (argv without the program), or None (see the module)."""
     if not argv or argv[0] != "generate" or os.environ.get(FRONT_END_VARIABLE, "") == "torch":
         return None
-    request, i = LiteRequest(prompt=""), 1
-    prompts = request.prompts
+    request, prompts, i = LiteRequest(prompt=""), [], 1
     while i < len(argv):
         arg = argv[i]
         if arg in FLAGS:
@@ -117,10 +120,10 @@ def request_of(argv: list[str]) -> LiteRequest | None:
             setattr(request, name, value)
         elif arg.startswith("--") and "=" in arg:
             option, value = arg.split("=", 1)
-            if option not in VALUED or not _set(request, option, value):
+            if option not in VALUED or not _set(request, prompts, option, value):
                 return None
         elif arg in VALUED:
-            if i + 1 >= len(argv) or not _set(request, arg, argv[i + 1]):
+            if i + 1 >= len(argv) or not _set(request, prompts, arg, argv[i + 1]):
                 return None
             i += 1
         elif arg.startswith("-"):  # another option or form (-n5, --help, --), or a prompt that starts with '-'
@@ -148,7 +151,7 @@ def run(request: LiteRequest) -> int | None:
     """Carry out a runnable request as app/cli.py's generate would: the exit status, or None where
     the model turned out to need the torch front end (before any output)."""
     try:
-        print(f"loading {request.model} ({'stored' if ARITHMETICS[request.dtype] == 'exact' else 'stored-fast'}, "
+        print(f"loading {request.model} ({request.precision}, "
               f"cpu, engine {request.engine})…", file=sys.stderr, flush=True)
         model = LiteModel(gguf_of(request.model), ARITHMETICS[request.dtype], request.threads)
         plan = model.plan(request.plan)
@@ -182,8 +185,7 @@ def run(request: LiteRequest) -> int | None:
         print(f"(no text generated, stop reason: {result.stop_reason}; an instruction-tuned model may answer a bare "
               "prompt only when it is wrapped in its chat template: add --chat)", file=sys.stderr)
     if request.stats:  # app/cli.py's summary lines
-        precision = "stored" if ARITHMETICS[request.dtype] == "exact" else "stored-fast"
-        for line in result.summary_lines(precision, model.threads, read_cpuinfo()[0] or "unknown CPU"):
+        for line in result.summary_lines(request.precision, model.threads, read_cpuinfo()[0] or "unknown CPU"):
             print(line, file=sys.stderr)
     if request.as_json:  # app/cli.py's object: the result but its text and tokens
         summary = {k: v for k, v in result.to_dict().items() if k not in ("text", "token_ids")}
