@@ -153,8 +153,8 @@ def make_storage(url: str | None, heartbeat: int | None = 60, patience: float = 
 
     for attempt in range(5):
         try:
-            if not server:
-                return open_rdb()
+            if not server:  # no retries on a local file; parameters still written a trial at a time
+                return patient_storage(optuna.storages.get_storage(open_rdb()), None)
             # a server that is down (restarting, failing over) is waited for, as every later call is
             return patient_storage(optuna.storages.get_storage(open_patiently(open_rdb, patience)), patience)
         except StorageUnavailable as error:
