@@ -3,13 +3,19 @@ llama.cpp's Q4_K_M writes that architecture: for speed and memory figures where 
 that size is in the package registries (the values are random: acceptance and text mean nothing).
 
     python benchmarks/random_gguf.py qwen2-1.5b /tmp/qwen2-1.5b-random-Q4_K_M.gguf
-    python benchmarks/random_gguf.py qwen2-7b /tmp/qwen2-7b-random-Q4_K_M.gguf
+    python benchmarks/random_gguf.py qwen2-7b /tmp/qwen2-7b-random-Q4_K_M.gguf \
+        --vocab-from ~/.cache/layerplan-real-models/qwen2.5-coder-1.5b-instruct-Q4_K_M.gguf
 
 Q4_K_M's choice per tensor (llama.cpp's llama_tensor_get_type): Q6_K for the tied token table and
 for attn_v and ffn_down in the first and last eighth of the layers and every third layer between,
 Q4_K for every other matrix; norms and biases F32. Blocks are random bytes with scales chosen so
-that weights are ~0.02 in size. The vocabulary is a synthetic byte-level BPE one (256 byte
-tokens, one merge, then "t<i>"), enough for llama.cpp and transformers to load the file.
+that weights are ~0.02 in size.
+
+The vocabulary: with --vocab-from, a real file's (every tokenizer.* key copied: tokens, types,
+merges, special ids, chat template), padded with "[PAD<i>]" tokens to the shape's row count as
+the published Qwen2 GGUFs are — so a first run pays what a real file of that size costs
+(tokenizer build, chat template). Without it, a synthetic byte-level BPE one (256 byte tokens,
+one merge, then "t<i>"): enough to load, but far cheaper to read than a real 150k vocabulary.
 """
 
 from __future__ import annotations
@@ -56,7 +62,36 @@ def _random_blocks(kind, rows: int, columns: int, rng: np.random.Generator) -> n
     return blocks.reshape(rows, -1)
 
 
-def write(shape_name: str, path: Path, seed: int = 0) -> Path:
+def _tokenizer_fields(path: Path) -> list[tuple[str, object, object, object]]:
+    """(key, value, type, array item type) of every tokenizer.* key of the GGUF at `path`."""
+    import gguf
+
+    fields = []
+    for key, field in gguf.GGUFReader(str(path)).fields.items():
+        if key.startswith("tokenizer."):
+            kind = field.types[0]
+            item = field.types[1] if kind == gguf.GGUFValueType.ARRAY else None
+            fields.append((key, field.contents(), kind, item))
+    return fields
+
+
+def _add_real_vocabulary(writer, source: Path, rows: int) -> None:
+    import gguf
+
+    fields = _tokenizer_fields(source)
+    count = next(len(value) for key, value, _, _ in fields if key == "tokenizer.ggml.tokens")
+    if count > rows:
+        raise ValueError(f"{source.name} has {count} tokens, more than this shape's {rows} rows")
+    padded = {"tokenizer.ggml.tokens": [f"[PAD{i}]" for i in range(count, rows)],
+              "tokenizer.ggml.token_type": [int(gguf.TokenType.USER_DEFINED)] * (rows - count),
+              "tokenizer.ggml.scores": [0.0] * (rows - count)}
+    for key, value, kind, item in fields:
+        if key in padded:
+            value = list(value) + padded[key]
+        writer.add_key_value(key, value, kind, item)
+
+
+def write(shape_name: str, path: Path, seed: int = 0, vocab_from: Path | None = None) -> Path:
     import gguf
 
     s = SHAPES[shape_name]
@@ -74,15 +109,18 @@ def write(shape_name: str, path: Path, seed: int = 0) -> Path:
     writer.add_rope_freq_base(1e6)
     writer.add_layer_norm_rms_eps(1e-6)
     writer.add_file_type(15)  # LLAMA_FTYPE_MOSTLY_Q4_K_M
-    tokens = _byte_tokens() + ["\u0120t"] + [f"t{i}" for i in range(s["vocab"] - 257)]
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("qwen2")
-    writer.add_token_list(tokens)
-    writer.add_token_types([1] * len(tokens))
-    writer.add_token_scores([0.0] * len(tokens))
-    writer.add_token_merges(["\u0120 t"])  # llama.cpp refuses a BPE vocabulary without merges
-    writer.add_bos_token_id(s["vocab"] - 2)
-    writer.add_eos_token_id(s["vocab"] - 1)
+    if vocab_from is not None:
+        _add_real_vocabulary(writer, vocab_from, s["vocab"])
+    else:
+        tokens = _byte_tokens() + ["\u0120t"] + [f"t{i}" for i in range(s["vocab"] - 257)]
+        writer.add_tokenizer_model("gpt2")
+        writer.add_tokenizer_pre("qwen2")
+        writer.add_token_list(tokens)
+        writer.add_token_types([1] * len(tokens))
+        writer.add_token_scores([0.0] * len(tokens))
+        writer.add_token_merges(["\u0120 t"])  # llama.cpp refuses a BPE vocabulary without merges
+        writer.add_bos_token_id(s["vocab"] - 2)
+        writer.add_eos_token_id(s["vocab"] - 1)
 
     def matrix(name: str, kind, rows: int, columns: int) -> None:
         writer.add_tensor(name, _random_blocks(kind, rows, columns, rng), raw_dtype=kind)  # shape from the bytes
@@ -124,8 +162,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("shape", choices=sorted(SHAPES))
     parser.add_argument("out", type=Path)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--vocab-from", type=Path, default=None, metavar="GGUF",
+                        help="copy this real file's vocabulary, merges and chat template")
     args = parser.parse_args(argv)
-    path = write(args.shape, args.out, args.seed)
+    path = write(args.shape, args.out, args.seed, args.vocab_from)
     print(f"{path}: {path.stat().st_size / 2**30:.2f} GiB")
 
 
