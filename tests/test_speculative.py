@@ -1,5 +1,6 @@
 """Lossless speculative decoding: greedy equality, the acceptance rule, and the distribution."""
 
+import random
 import re
 
 import pytest
@@ -194,6 +195,31 @@ def test_ngram_drafter_proposes_what_followed_the_latest_match():
     state = DraftState(None, None, None, [1, 2, 3, 4, 9, 1, 2, 3, 7, 1, 2, 3], SamplingParams())
     assert NgramDrafter().propose(state, 3).tokens == [7, 1, 2]
     assert NgramDrafter().propose(DraftState(None, None, None, [1, 2, 3], SamplingParams()), 3).tokens == []
+
+
+def _ngram_by_scan(tokens: list[int], max_tokens: int, max_n: int = 4, min_n: int = 1) -> list[int]:
+    """Prompt lookup by its definition: the latest earlier occurrence of the last n tokens."""
+    for n in range(min(max_n, len(tokens) - 1), min_n - 1, -1):
+        for start in range(len(tokens) - n - 1, -1, -1):
+            if tokens[start: start + n] == tokens[-n:]:
+                return tokens[start + n: start + n + max_tokens]
+    return []
+
+
+def test_the_indexed_ngram_lookup_proposes_what_the_scan_does():
+    """The index grows with the context (rounds that add one token or several), and starts over on
+    a context that does not extend it (a new request), proposing what a scan of the whole context
+    proposes, for several n-gram ranges."""
+    rng = random.Random(5)
+    for max_n, min_n in ((4, 1), (3, 2), (1, 1)):
+        drafter = NgramDrafter(max_n, min_n)
+        for _ in range(6):  # requests
+            tokens = [rng.randrange(6) for _ in range(rng.randrange(1, 5))]
+            while len(tokens) < 80:
+                state = DraftState(None, None, None, list(tokens), SamplingParams())
+                limit = rng.randrange(1, 9)
+                assert drafter.propose(state, limit).tokens == _ngram_by_scan(tokens, limit, max_n, min_n)
+                tokens += [rng.randrange(6) for _ in range(rng.randrange(1, 6))]
 
 
 # ----- sampling: the output has the target's distribution ------------------------------------
