@@ -279,3 +279,24 @@ def test_the_ledger_bounds_the_loss_of_drafts_that_the_model_prices_wrong(monkey
     speedup, rounds = simulate(monkeypatch, lookups=[("ngram", 0.0, 0.0)], slope=0.5, probe_slope=0.0, tokens=48)
     arbiter_bound = 0.3 + 0.02 * 48 + 0.5 * 8  # the credit, the budget, one misjudged 8-token round
     assert 48 / speedup - 48 <= arbiter_bound and speedup >= 0.9
+
+
+def test_a_self_draft_that_could_not_pay_is_never_tried():
+    """A saved skip plan that runs 59 of 60 sub-layers costs ~a step a token: even with every token
+    accepted it gains nothing, so it is never probed (its one try cost SmolLM2's chat answer about
+    a step). The plan's share of sub-layers is its cost before it is measured; a cheap one is tried."""
+    def plan_draft(name, cost):
+        draft = FixedLookup(name, [1, 2, 3, 4])
+        draft.plan = SimpleNamespace(cost=cost)
+        return draft
+
+    for cost, tried in ((59 / 60, False), (0.3, True)):
+        arbiter = Arbiter([], [plan_draft("plan", cost)], pass_costs=CHEAP_VERIFY)
+        arbiter.observe(RoundOutcome(None, 0, 0, 0.0, 0.010))
+        drafted = []
+        for _ in range(40):
+            proposal = arbiter.propose(STATE, 8)
+            drafted.append(len(proposal.tokens))
+            arbiter.observe(RoundOutcome(proposal.source if proposal.tokens else None, len(proposal.tokens),
+                                         len(proposal.tokens), 0.0, 0.010))
+        assert any(drafted) is tried, (cost, drafted)

@@ -13,7 +13,11 @@ expected tokens (1 − α^(γ+1)) / (1 − α) over the round's cost γ·c + V(�
 α is the candidate's own per-token acceptance (exponentially decayed counts of accepted tokens and
 rejections, from each round's outcome), c its measured seconds per draft token over a measured
 plain step, V(k) the cost of a k-token verify pass: the probe's curve (engine/probe.py) when this
-machine was probed, else learned from the verify passes seen (1 + (k − 1)·extra).
+machine was probed, else learned from the verify passes seen (1 + (k − 1)·extra; before the first
+one, as cheap as a step). A pass size neither probed nor seen is not bet on: a round drafts at
+most `reach` tokens more than the longest pass seen (without it, the first drafted round of a
+prose answer drafted eight tokens that a 9-token pass, 2.5 steps, then rejected: 2.3% of a
+64-token answer on SmolLM2, 3.4% on Gemma 3; tests/test_arbiter_replay.py).
 
 Never slower than plain (issue 29): that formula is a model, and a model can be wrong about a
 machine or a text (a probe row timed for other weights or beside other load: verify passes dearer
@@ -89,8 +93,9 @@ class Arbiter:
 
     def __init__(self, lookups: Sequence[Drafter], models: Sequence[Drafter] = (),
                  pass_costs: dict[int, float] | None = None, max_draft: int = 8, decay: float = 0.9,
-                 smoothing: float = 0.3, probe_every: int = 16, model_cost_prior: float = 0.5,
-                 probe_budget: float = 0.005, loss_credit: float = 0.3, loss_budget: float = 0.02) -> None:
+                 smoothing: float = 0.3, probe_every: int = 16, model_cost_prior: float | None = None,
+                 probe_budget: float = 0.005, loss_credit: float = 0.3, loss_budget: float = 0.02,
+                 reach: int | None = 2, least_gain: float = 0.05) -> None:
         if not lookups and not models:
             raise ValueError("the arbiter needs at least one drafter")
         self.lookups, self.models = list(lookups), list(models)
@@ -100,10 +105,17 @@ class Arbiter:
         self.loss_credit, self.loss_budget = loss_credit, loss_budget  # the ledger's floor (module docstring)
         self.ledger = 0.0  # Σ over drafting rounds of (tokens emitted − round cost in plain steps)
         self.rounds = 0  # every round observed, plain ones included
-        self.model_cost_prior = model_cost_prior  # draft-step cost of a model draft never run (a skip plan)
+        # draft-step cost of a model draft never run (None: a self-draft's plan's share of the
+        # sub-layers, else half a step)
+        self.model_cost_prior = model_cost_prior
+        self.least_gain = least_gain
         self.measured = {d.name: Measured() for d in [*self.lookups, *self.models]}
         self.plain_seconds: float | None = None  # one plain target step
         self.verify_extra: float | None = None  # learned cost per verified token beyond the first, in plain steps
+        self.reach = reach  # at most this many tokens more than the longest pass seen (None: any)
+        self.longest_pass = 1  # tokens in the longest verify pass seen
+        self._gammas: dict[tuple[float, int, float], tuple[float, int]] = {}  # _best_gamma's answers, while
+        # the verify costs stay as they are (most rounds change neither α nor them: a plain step)
         self.pending: tuple[str, float, float] | None = None  # this round's drafter, its α and draft cost
 
     def check(self, model: LoadedModel, target: LayerPlan) -> None:
@@ -118,12 +130,23 @@ class Arbiter:
         return new if old is None else (1 - self.smoothing) * old + self.smoothing * new
 
     def _best_gamma(self, alpha: float, limit: int, draft_cost: float) -> tuple[float, int]:
-        return max((expected_speedup(alpha, g, draft_cost, self.verify_cost(g + 1)), g) for g in range(1, limit + 1))
+        key = (alpha, limit, draft_cost)
+        best = self._gammas.get(key)
+        if best is None:
+            best = max((expected_speedup(alpha, g, draft_cost, self.verify_cost(g + 1)), g) for g in range(1, limit + 1))
+            if len(self._gammas) > 4096:
+                self._gammas.clear()
+            self._gammas[key] = best
+        return best
 
     def _due(self, measured: Measured, draft_cost: float) -> bool:
         """Whether a candidate not chosen lately is due a one-token probe: its idle rounds reach
         probe_interval of what that probe is expected to lose (κ not applied: the probe is there to
-        measure it again)."""
+        measure it again). Never, for a draft that would not gain `least_gain` were every token
+        of it accepted (a skip plan that runs nearly every sub-layer): its probe could only lose.
+        (A lookup costs nothing to ask: its probes go on, so that verify costs are learned again.)"""
+        if draft_cost > 0 and self._best_gamma(1.0, self.max_draft, draft_cost)[0] < 1.0 + self.least_gain:
+            return False
         if not measured.rounds:  # never drafted: its first try comes after probe_every
             return measured.idle >= self.probe_every
         loss = draft_cost + self.verify_cost(2) - expected_tokens(measured.alpha, 1)
@@ -131,6 +154,8 @@ class Arbiter:
 
     def choices(self, state: DraftState, max_tokens: int) -> list[Choice]:
         """Every candidate for this round with its best γ and expected speedup (lookups are run)."""
+        if self.reach is not None and max_tokens + 1 not in self.pass_costs:
+            max_tokens = min(max_tokens, self.longest_pass - 1 + self.reach)
         found = []
         for drafter in self.lookups:
             measured = self.measured[drafter.name]
@@ -145,6 +170,8 @@ class Arbiter:
             measured = self.measured[drafter.name]
             if measured.seconds_per_token is None or self.plain_seconds is None:
                 cost = self.model_cost_prior
+                if cost is None:
+                    cost = getattr(getattr(drafter, "plan", None), "cost", None) or 0.5
             else:
                 cost = measured.seconds_per_token / self.plain_seconds
             speedup, gamma = self._best_gamma(measured.alpha, max_tokens, cost)
@@ -194,6 +221,7 @@ class Arbiter:
         if not outcome.drafted:
             self.plain_seconds = self._ema(self.plain_seconds, outcome.verify_seconds)
             return
+        self.longest_pass = max(self.longest_pass, outcome.drafted + 1)
         measured = self.measured.get(outcome.source or "")
         if measured is not None and pending is not None and pending[0] == outcome.source and self.plain_seconds:
             # κ: this round as measured (all of its time: the draft, the lookups asked, the
@@ -213,3 +241,4 @@ class Arbiter:
         if self.plain_seconds and outcome.drafted + 1 not in self.pass_costs:
             extra = (outcome.verify_seconds / self.plain_seconds - 1.0) / outcome.drafted
             self.verify_extra = min(max(self._ema(self.verify_extra, extra), 0.0), 1.0)
+            self._gammas.clear()  # the verify costs changed
