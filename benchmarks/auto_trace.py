@@ -26,29 +26,32 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-LOOKUPS = ("suffix", "ngram")
 
+def _loaded(model_path: str):
+    """The model as `layerplan generate` loads it (default settings), 2 threads, its objects frozen
+    as the command freezes them (cli._freeze: no full collection walks the model mid-run)."""
+    import torch
 
-def _lookups():
-    from layerplan.decoding.drafters.ngram import NgramDrafter
-    from layerplan.decoding.drafters.suffix import SuffixDrafter
+    from layerplan.app.cli import _load
 
-    return {"suffix": SuffixDrafter(), "ngram": NgramDrafter()}
+    torch.set_num_threads(2)
+    model = _load(model_path, "auto")
+    gc.freeze()
+    return model
 
 
 def record(model_path: str, prompt_name: str, new_tokens: int = 64, repeats: int = 5) -> dict:
     import torch
 
     from layerplan.app.bench import CHAT_PROMPTS, PROMPTS
-    from layerplan.app.cli import _checked_probe_row, _load
+    from layerplan.app.cli import _checked_probe_row
     from layerplan.decoding.drafters.base import DraftState
+    from layerplan.decoding.drafters.registry import make_drafter
     from layerplan.decoding.generate import generate
-    from layerplan.engine.runner import forward, new_cache
+    from layerplan.engine.probe import time_passes
     from layerplan.machine import cpu_info
 
-    torch.set_num_threads(2)
-    model = _load(model_path, "auto")  # as `layerplan generate` loads it: default settings
-    gc.freeze()  # as the command does (cli._freeze): no full collection walks the model mid-run
+    model = _loaded(model_path)
     prompt = model.encode(PROMPTS[prompt_name], chat=prompt_name in CHAT_PROMPTS)[0].tolist()
     generate(model, torch.tensor([prompt]), max_new_tokens=4)  # warm-up
     steps = []
@@ -57,19 +60,12 @@ def record(model_path: str, prompt_name: str, new_tokens: int = 64, repeats: int
         steps.append((result.seconds - result.prefill_seconds) / max(1, len(result.token_ids) - 1))
     output = result.token_ids
     plan = model.plan()
-    verify = {}
-    for k in (2, 3, 4, 5, 6, 7, 8, 9):  # a k-token pass after the prompt, as a verify pass runs
-        times = []
-        for _ in range(repeats):
-            with torch.inference_mode():
-                cache = new_cache(plan, capacity=len(prompt) + 16)
-                forward(model, torch.tensor([prompt]), plan, cache, 0)
-                start = time.perf_counter()
-                forward(model, torch.tensor([output[:k]]), plan, cache, len(prompt))
-                times.append(time.perf_counter() - start)
-        verify[k] = statistics.median(times) / statistics.median(steps)
+    with torch.inference_mode():  # the probe's timing of k-token passes after the prompt's length
+        passes = time_passes(model, tuple(range(1, 10)), repeats, context=len(prompt))
+    verify = {k: passes[k] / passes[1] for k in range(2, 10)}
     lookups = {}
-    for name, drafter in _lookups().items():
+    for drafter in make_drafter("auto", model).lookups:  # the lookups `--draft auto` asks
+        name = drafter.name
         proposals, seconds = [], []
         for i in range(len(output) - 1):  # the round whose pending token is output[i]
             state = DraftState(model, plan, None, prompt + output[: i + 1], None)
@@ -79,9 +75,9 @@ def record(model_path: str, prompt_name: str, new_tokens: int = 64, repeats: int
         lookups[name] = {"ask_seconds": statistics.median(seconds), "proposals": proposals}
     row = _checked_probe_row(model)  # what the arbiter is told a pass costs, as `generate --draft auto` tells it
     cpu = cpu_info()
-    return {"arbiter_pass_costs": dict(row.relative) if row is not None else {},"model": model.name, "precision": model.precision, "prompt": prompt_name, "cpu": f"{cpu.model}, {cpu.isa}",
-            "threads": torch.get_num_threads(), "prompt_tokens": len(prompt), "output": output,
-            "plain_step_seconds": statistics.median(steps), "verify_steps": verify, "lookups": lookups}
+    return {"model": model.name, "precision": model.precision, "prompt": prompt_name, "cpu": f"{cpu.model}, {cpu.isa}",
+            "arbiter_pass_costs": dict(row.relative) if row is not None else {}, "threads": torch.get_num_threads(),
+            "prompt_tokens": len(prompt), "output": output, "plain_step_seconds": statistics.median(steps), "verify_steps": verify, "lookups": lookups}
 
 
 @dataclass
@@ -121,7 +117,7 @@ def replay(trace: dict, arbiter_options: dict | None = None, max_draft: int = 8)
             return Proposal(list(self.data["proposals"][position[0]][:max_tokens]))
 
     told = {int(k): v for k, v in trace.get("arbiter_pass_costs", {}).items()}
-    arbiter = Arbiter([Recorded(name) for name in LOOKUPS], [], told, max_draft=max_draft,
+    arbiter = Arbiter([Recorded(name) for name in trace["lookups"]], [], told, max_draft=max_draft,
                       **(arbiter_options or {}))
     rounds = drafted_rounds = 0
     while position[0] < len(output) - 1:
@@ -150,15 +146,11 @@ def measure(model_path: str, new_tokens: int = 64, rounds: int = 5) -> list[dict
     time after the prefill), alternated `rounds` times in one process on the model as `layerplan
     generate` loads it, with this machine's probe row as generate gives it; medians and ranges of
     the ratio, and whether the outputs are the same."""
-    import torch
-
     from layerplan.app.bench import CHAT_PROMPTS, PROMPTS
-    from layerplan.app.cli import _checked_probe_row, _load
+    from layerplan.app.cli import _checked_probe_row
     from layerplan.decoding.generate import generate
 
-    torch.set_num_threads(2)
-    model = _load(model_path, "auto")
-    gc.freeze()  # as the command does (cli._freeze): no full collection walks the model mid-run
+    model = _loaded(model_path)
     row = _checked_probe_row(model)
     rows = []
     for name, text in PROMPTS.items():
@@ -207,7 +199,7 @@ def main(argv: list[str] | None = None) -> None:
         trace = record(args.model, args.prompt, args.new_tokens)
         args.out.write_text(json.dumps(trace) + "\n")
         print(f"{args.out}: {trace['model']} {trace['prompt']}, step {1e3 * trace['plain_step_seconds']:.2f} ms, "
-              + ", ".join(f"{n} ask {1e3 * trace['lookups'][n]['ask_seconds']:.3f} ms" for n in LOOKUPS))
+              + ", ".join(f"{n} ask {1e3 * data['ask_seconds']:.3f} ms" for n, data in trace["lookups"].items()))
     else:
         for path in args.traces:
             trace = json.loads(path.read_text())
