@@ -25,7 +25,8 @@ from layerplan.lite.model import LiteModel, TorchFrontEnd, lite_refusal
 from layerplan.machine import read_cpuinfo
 from layerplan.messages import one_line
 from layerplan.models.errors import ModelError
-from layerplan.models.gguf_index import DEFAULT_MODEL, gguf_of, index_folder
+from layerplan.files import cache_dir
+from layerplan.models.gguf_index import DEFAULT_MODEL, TENSORS_FILE, file_index, gguf_of, index_folder
 from layerplan.plan.plan import PlanError
 
 # LAYERPLAN_FRONT_END=torch: every command line to the torch front end
@@ -49,6 +50,7 @@ class LiteRequest:
     chat: bool = False
     stats: bool = False  # --stats / --verbose: the summary lines
     as_json: bool = False  # --json: the statistics object
+    first_use: bool = False  # the model's index was made by this command (runnable)
 
     @property
     def precision(self) -> str:
@@ -138,22 +140,38 @@ def request_of(argv: list[str]) -> LiteRequest | None:
 
 
 def runnable(request: LiteRequest) -> bool:
-    """Whether the light front end runs it: a GGUF whose index it reads (made by an earlier load),
-    with a tokenizer (the torch front end says what a model without one cannot do)."""
+    """Whether the light front end runs it: a GGUF whose index it reads (kept from an earlier
+    load, or made now from the file where models/file_index.py's tables cover it), with a
+    tokenizer (the torch front end says what a model without one cannot do). A file that cannot
+    be read is the torch front end's to report."""
     gguf = gguf_of(request.model)
     if gguf is None:
         return False
-    index = index_folder(gguf)
-    return lite_refusal(index) is None and (index / "tokenizer.json").exists()
+    try:
+        request.first_use = not (index_folder(gguf) / TENSORS_FILE).exists()
+        index = file_index(gguf)
+    except (ModelError, OSError):
+        return False
+    return index is not None and lite_refusal(index) is None and (index / "tokenizer.json").exists()
+
+
+def _packing_bar(done: int, total: int) -> None:
+    """The first start's packing, on a terminal: one line redrawn."""
+    end = "\n" if done >= total else ""
+    print(f"\rpacking the weights for the kernels: {done / 2 ** 20:,.0f} of {total / 2 ** 20:,.0f} MB{end}",
+          end="", file=sys.stderr, flush=True)
 
 
 def run(request: LiteRequest) -> int | None:
     """Carry out a runnable request as app/cli.py's generate would: the exit status, or None where
     the model turned out to need the torch front end (before any output)."""
     try:
+        first = (f"; its first use: indexed and packed for the kernels once, into {cache_dir()}"
+                 if request.first_use else "")  # (app/cli.py's loading line)
         print(f"loading {request.model} ({request.precision}, "
-              f"cpu, engine {request.engine})…", file=sys.stderr, flush=True)
-        model = LiteModel(gguf_of(request.model), ARITHMETICS[request.dtype], request.threads)
+              f"cpu, engine {request.engine}{first})…", file=sys.stderr, flush=True)
+        model = LiteModel(gguf_of(request.model), ARITHMETICS[request.dtype], request.threads,
+                          on_packed=_packing_bar if sys.stderr.isatty() else None)
         plan = model.plan(request.plan)
         ids = model.encode(request.prompt, request.chat)
         if not ids:

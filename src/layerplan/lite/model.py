@@ -21,7 +21,7 @@ import ctypes
 import json
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -107,13 +107,15 @@ class LiteConfig:
     eos_token_ids: tuple[int, ...]
 
     @classmethod
-    def read(cls, config: dict) -> LiteConfig:
+    def read(cls, config: dict, query_rows: int) -> LiteConfig:
+        """From config.json and the rows of layer 0's q projection: the heads' width is the file's
+        (hidden / heads is not every model's: Qwen3's are 128 wide whatever its hidden size)."""
         heads = config["num_attention_heads"]
         eos = config.get("eos_token_id")
         eos_ids = (eos,) if isinstance(eos, int) else tuple(eos or ())
         return cls(hidden=config["hidden_size"], heads=heads,
                    kv_heads=config.get("num_key_value_heads") or heads,
-                   head_dim=config.get("head_dim") or config["hidden_size"] // heads,
+                   head_dim=query_rows // heads,
                    inner=config["intermediate_size"], layers=config["num_hidden_layers"],
                    eps=float(config["rms_norm_eps"]),
                    # models/architectures.py context_length
@@ -146,41 +148,67 @@ class Packed:
 
     def start(self) -> None:
         """Start filling every reserved stack's bytes on `threads` threads, while the caller goes
-        on: the kept entries read by lp_read_files (one call a thread, without the interpreter's
-        lock, so the reads go on while the caller parses the tokenizer, which holds it), then
-        whatever was not kept packed from the file's rows and kept. finish() waits for them."""
+        on (it parses the tokenizer meanwhile): each thread reads its share of the kept entries
+        by one lp_read_files call (without the interpreter's lock), then packs its share of what
+        was not kept (a first start: from the file's rows, and keeps it). Shares are balanced by
+        bytes, the largest stacks first. finish() waits for them."""
         self.buffer = huge_page_buffer(self._size)
-        kept, self._missing = [], []
+        kept, missing = [], []
         for wanted in self._wanted:
             entry = self.panels.kept(*wanted[:3]) if self.panels is not None else None
-            (kept if entry is not None else self._missing).append((entry, wanted))
-        shares: list[list] = [[] for _ in range(max(self.threads, 1))]
-        for item in sorted(kept, key=lambda item: -item[1][2]):  # the largest first, to the least loaded
-            min(shares, key=lambda share: sum(w[2] for _, w in share)).append(item)
-        self._workers = [threading.Thread(target=self._read, args=(share,), name="layerplan-fill", daemon=True)
-                         for share in shares if share]
+            (kept if entry is not None else missing).append((entry, wanted))
+        count = max(self.threads, 1)
+        self._reads, self._packs = [[] for _ in range(count)], [[] for _ in range(count)]
+        load = [0] * count
+        # (packing costs a byte about as much as reading a kept one costs ten)
+        for item, cost, lists in sorted([(i, i[1][2] // 10, self._reads) for i in kept]
+                                        + [(i, i[1][2], self._packs) for i in missing], key=lambda x: -x[1]):
+            least = load.index(min(load))
+            lists[least].append(item)
+            load[least] += cost
+        self._missing = len(missing)
+        self._to_pack = sum(w[2] for _, w in missing)
+        self._done, self._short, self._failures = [0] * count, [0] * count, []
+        self._workers = [threading.Thread(target=self._fill, args=(i,), name="layerplan-fill", daemon=True)
+                         for i in range(count) if self._reads[i] or self._packs[i]]
         for worker in self._workers:
             worker.start()
 
-    def _read(self, share: list) -> None:
-        paths = [ctypes.create_string_buffer(os.fsencode(entry)) for entry, _ in share]
-        sizes = np.array([wanted[2] for _, wanted in share], np.int64)
-        outs = (ctypes.c_void_p * len(share))(*(self.address(wanted[3]) for _, wanted in share))
-        whole = np.zeros(len(share), np.uint8)
-        library().lp_read_files((ctypes.c_void_p * len(share))(*(ctypes.addressof(p) for p in paths)),
-                                sizes.ctypes.data, outs, whole.ctypes.data, len(share))
-        self._missing.extend((None, wanted) for (_, wanted), done in zip(share, whole) if not done)
+    def _fill(self, mine: int) -> None:
+        try:
+            share = self._reads[mine]
+            if share:
+                paths = [ctypes.create_string_buffer(os.fsencode(entry)) for entry, _ in share]
+                sizes = np.array([wanted[2] for _, wanted in share], np.int64)
+                outs = (ctypes.c_void_p * len(share))(*(self.address(wanted[3]) for _, wanted in share))
+                whole = np.zeros(len(share), np.uint8)
+                library().lp_read_files((ctypes.c_void_p * len(share))(*(ctypes.addressof(p) for p in paths)),
+                                        sizes.ctypes.data, outs, whole.ctypes.data, len(share))
+                short = [(None, wanted) for (_, wanted), done in zip(share, whole) if not done]
+                self._packs[mine].extend(short)  # (an entry cut short since it was found: packed again)
+                self._short[mine] = len(short)
+            for _, (weights, code, nbytes, offset) in self._packs[mine]:
+                out = self.buffer[offset:offset + nbytes]
+                pack_stored(weights, code, weights[0].columns, out.ctypes.data)
+                if self.panels is not None:
+                    self.panels.write(weights, code, out)
+                self._done[mine] += nbytes  # (this thread's own count; read for progress only)
+        except BaseException as error:  # noqa: BLE001 - raised again on the caller's thread
+            self._failures.append(error)
 
-    def finish(self) -> None:
+    def finish(self, on_packed: Callable[[int, int], None] | None = None) -> None:
+        """Wait for the threads; on_packed(bytes packed, bytes to pack) now and then while some
+        pack (a first start's progress bar)."""
         for worker in self._workers:
-            worker.join()
-        self.packed_here = len(self._missing)  # stacks no kept entry held (0 once the file was loaded)
-        for _, wanted in self._missing:  # (a first start: its panels packed from the file's rows, and kept)
-            weights, code, nbytes, offset = wanted
-            out = self.buffer[offset:offset + nbytes]
-            pack_stored(weights, code, weights[0].columns, out.ctypes.data)
-            if self.panels is not None:
-                self.panels.write(weights, code, out)
+            while worker.is_alive():
+                worker.join(0.25)
+                if on_packed is not None and self._to_pack:
+                    on_packed(sum(self._done), self._to_pack)
+        if on_packed is not None and self._to_pack:
+            on_packed(self._to_pack, self._to_pack)
+        if self._failures:
+            raise self._failures[0]
+        self.packed_here = self._missing + sum(self._short)  # stacks no kept entry held (0 once the file was loaded)
 
     def address(self, offset: int) -> int:
         return self.buffer.ctypes.data + offset
@@ -189,13 +217,16 @@ class Packed:
 class LiteModel:
     """A GGUF's model as the kernels run it, from its index (see the module's docstring)."""
 
-    def __init__(self, gguf: Path, arithmetic: str = "exact", threads: int | None = None) -> None:
+    def __init__(self, gguf: Path, arithmetic: str = "exact", threads: int | None = None,
+                 on_packed: Callable[[int, int], None] | None = None) -> None:
+        """on_packed(bytes, of bytes): the progress of packing the file's matrices (its first start)."""
         index = index_folder(gguf)
         refusal = lite_refusal(index)
         if refusal is not None:
             raise TorchFrontEnd(f"{gguf.name}: {refusal}")
         config, facts = read_index(index)
-        self.config = LiteConfig.read(config)
+        query = next(e for e in facts["tensors"] if e["name"] == _layer_tensor(0, "self_attn.q_proj.weight"))
+        self.config = LiteConfig.read(config, query["shape"][0])
         self.name = DEFAULT_DISPLAY_NAME if gguf == default_gguf_path() else gguf.stem
         self.source = str(gguf)
         self.arithmetic = ARITHMETIC_CODES[arithmetic]
@@ -213,7 +244,7 @@ class LiteModel:
         self.inv_freq = np.asarray(rotary["inv_freq"], np.float32)
         self.attention_scaling = rotary["attention_scaling"]
         self._cos = self._sin = np.empty((0, 2 * len(self.inv_freq)), np.float32)
-        self._build(gguf)
+        self._build(gguf, on_packed)
 
     # ----- the file's tensors ------------------------------------------------------------------
     def _read_entry(self, gguf: Path, entry: dict) -> None:
@@ -278,7 +309,7 @@ class LiteModel:
         return _Matrix(self.packed.address(stack["offset"]), bias.ctypes.data if bias is not None else None,
                        stack["n"], stack["k"], stack["code"], self.arithmetic)
 
-    def _build(self, gguf: Path) -> None:
+    def _build(self, gguf: Path, on_packed: Callable[[int, int], None] | None) -> None:
         """Every layer's attention and MLP descriptors, the final norm and the LM head."""
         c = self.config
         self._held: list[np.ndarray] = []
@@ -305,7 +336,7 @@ class LiteModel:
         self.tokenizer = LiteTokenizer(self.index) if (self.index / "tokenizer.json").exists() else None
         eos_ids = self.tokenizer.eos_ids if self.tokenizer is not None else ()
         self.eos_token_ids = tuple(sorted(set(self.config.eos_token_ids) | set(eos_ids)))
-        self.packed.finish()
+        self.packed.finish(on_packed)
         self.attention, self.mlp = [], []
         for i, stack in enumerate(stacks):
             attn = _layer_tensor(i, "self_attn")

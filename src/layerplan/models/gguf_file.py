@@ -56,6 +56,13 @@ class TensorInfo:
         block, block_bytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(self.type_id)]
         return self.values // block * block_bytes
 
+    @property
+    def type_name(self) -> str:
+        """The GGML type's name ("Q4_K", "F32", ...)."""
+        import gguf
+
+        return gguf.GGMLQuantizationType(self.type_id).name
+
 
 @dataclass(frozen=True)
 class GGUFHeader:

@@ -1,10 +1,12 @@
 """A GGUF's index and its stored matrices, without torch: what both front ends read.
 
-`index_gguf` (models/stored.py, with transformers) reads a GGUF's metadata once into a folder of
-the cache: config.json, the tokenizer's files and TENSORS_FILE (each mapped tensor's transformers
-name, GGUF type, shape, file offset and row order; the model's rotary frequencies; how its chat
-template wraps a prompt). The torch front end (models/stored.py) and the light one
-(layerplan/lite/) both load from it; a `StoredTensor` is one matrix as the file stores it.
+A GGUF's metadata is read once into a folder of the cache, its index: config.json, the
+tokenizer's files and TENSORS_FILE (each mapped tensor's transformers name, GGUF type, shape, file
+offset and row order; the model's rotary frequencies; how its chat template wraps a prompt).
+`file_index` makes it from the file alone (models/file_index.py) where that module's tables cover
+the file; models/stored.py `index_gguf` makes it with transformers for the others. The torch front
+end (models/stored.py) and the light one (layerplan/lite/) both load from it; a `StoredTensor` is
+one matrix as the file stores it.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ import numpy as np
 
 from layerplan.files import cache_dir
 from layerplan.models.errors import ModelError
+from layerplan.models.file_index import file_index_refusal, write_file_index
+from layerplan.models.gguf_file import read_header
 
 if TYPE_CHECKING:  # (torch only where a tensor is asked for: the light front end runs without it)
     import torch
@@ -71,6 +75,18 @@ def file_key(gguf: Path) -> str:
 def index_folder(gguf: Path) -> Path:
     """Where the GGUF's index is kept (made or not)."""
     return cache_dir() / "stored" / f"{gguf.stem}-{file_key(gguf)}-v{INDEX_VERSION}"
+
+
+def file_index(gguf: Path) -> Path | None:
+    """The GGUF's index: kept from an earlier load, or made now from the file alone; None where
+    the file index's tables do not cover the file (then transformers makes it)."""
+    target = index_folder(gguf)
+    if (target / TENSORS_FILE).exists():
+        return target
+    header = read_header(gguf)  # one line where the file is not a GGUF
+    if file_index_refusal(header) is not None:
+        return None
+    return write_file_index(header, target, INDEX_VERSION, TENSORS_FILE)
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ from layerplan.models.architectures import (SHAPE_KEYS, TEXT_MODEL_TYPES, LayerP
 from layerplan.models.discovery import parts_of, require_checked, spec_of
 from layerplan.models.gguf_file import read_header
 from layerplan.models.gguf_index import (DEFAULT_DISPLAY_NAME, DEFAULT_GGUF_NAME, DEFAULT_GGUF_PACKAGE, DEFAULT_MODEL,
-                                         TENSORS_FILE, default_gguf_path, file_key, gguf_of, index_folder)
+                                         default_gguf_path, file_index, file_key, gguf_of, index_folder)
 from layerplan.models.stored import StoredWeights, index_gguf, load_dense, load_stored
 from layerplan.models.placement import Placement, accelerate_map, adopt, offload_folder, place, read_device_map
 from layerplan.plan.formats import load_plan
@@ -238,9 +238,9 @@ def convert_gguf(gguf: Path, progress: bool = False) -> Path:
 
 
 def _stored_index(gguf: Path) -> Path:
-    """The GGUF's metadata index in the cache (models/stored.py index_gguf), made once."""
-    target = index_folder(gguf)
-    return target if (target / TENSORS_FILE).exists() else index_gguf(gguf, target)
+    """The GGUF's metadata index in the cache, made once: from the file alone where
+    models/file_index.py's tables cover it, else by transformers (models/stored.py index_gguf)."""
+    return file_index(gguf) or index_gguf(gguf, index_folder(gguf))
 
 
 def load_stored_model(source: str | os.PathLike | None = None, arithmetic: str = "exact") -> LoadedModel:

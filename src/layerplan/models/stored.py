@@ -158,6 +158,21 @@ def _rotary_facts(hf: nn.Module) -> dict | None:
     return {"inv_freq": [float(f) for f in inv_freq.float().tolist()], "attention_scaling": float(scaling)}
 
 
+def _rotary_of_index(hf: nn.Module, rotary: dict | None) -> None:
+    """The rotary module's frequencies set to the index's: an index made from the file computes
+    them rounded once (models/file_index.py), and the light front end reads the same values, so
+    both front ends compute the same numbers."""
+    module = getattr(getattr(hf, "model", None), "rotary_emb", None)
+    if rotary is None or not isinstance(getattr(module, "inv_freq", None), torch.Tensor):
+        return
+    values = torch.tensor(rotary["inv_freq"], dtype=torch.float32)
+    if values.shape != module.inv_freq.shape:
+        raise ModelError(f"the index's {len(values)} rotary frequencies do not fit the model's {module.inv_freq.numel()}")
+    module.inv_freq = values
+    if isinstance(getattr(module, "original_inv_freq", None), torch.Tensor):
+        module.original_inv_freq = values.clone()
+
+
 def _merges_as_strings(path: Path) -> None:
     """A BPE tokenizer.json's merges written "a b" rather than ["a", "b"], where no merged token
     holds a space: the same tokenizer (the `tokenizers` package reads both forms), parsed in three
@@ -305,6 +320,7 @@ def load_stored(path: Path, index: Path) -> tuple[nn.Module, StoredWeights]:
     the GGUF, the stored matrices), from the GGUF and its index (index_gguf). One line naming a
     missing tensor."""
     hf, tensors, embedding_name = _skeleton_with_small_tensors(path, index)
+    _rotary_of_index(hf, json.loads((index / TENSORS_FILE).read_text()).get("rotary"))
     embedding, head = hf.get_input_embeddings(), hf.get_output_embeddings()
     head_name = _name_of(hf, head.weight)
     modules = {id(module): f"{name}.weight" for name, module in hf.named_modules()

@@ -80,17 +80,23 @@ static void fields_q5_1(const uint8_t *b, lpq_fields *f) {
 /* Q2_K: scales[16] | qs[64] | d | dmin; element e = 128 h + 32 s + b: (qs[32 h + b] >> 2 s) & 3 */
 static void fields_q2_k(const uint8_t *b, lpq_fields *f) {
     for (int s = 0; s < 16; s++) { f->sc[s] = b[s] & 0xF; f->mn[s] = b[s] >> 4; }
-    for (int e = 0; e < LPQ_QK; e++) f->q[e] = b[16 + 32 * (e / 128) + e % 32] >> (2 * (e % 128 / 32)) & 3;
+    /* (loops over runs of 32 consecutive elements: the compiler vectorises them; a first start
+     * packs a whole model through these) */
+    for (int h = 0; h < 2; h++)
+        for (int s = 0; s < 4; s++)
+            for (int t = 0; t < 32; t++) f->q[128 * h + 32 * s + t] = b[16 + 32 * h + t] >> (2 * s) & 3;
     f->d = le16(b + 80);
     f->m = le16(b + 82);
 }
 
 /* Q3_K: hmask[32] | qs[64] | scales[12] | d; low bits as Q2_K's, third bit e: hmask[e % 32] >> (e / 32) */
 static void fields_q3_k(const uint8_t *b, lpq_fields *f) {
-    for (int e = 0; e < LPQ_QK; e++) {
-        unsigned low = b[32 + 32 * (e / 128) + e % 32] >> (2 * (e % 128 / 32)) & 3, third = b[e % 32] >> (e / 32) & 1;
-        f->q[e] = (uint8_t)(low | third << 2);
-    }
+    for (int h = 0; h < 2; h++)
+        for (int s = 0; s < 4; s++)
+            for (int t = 0; t < 32; t++) {
+                int e = 128 * h + 32 * s + t;
+                f->q[e] = (uint8_t)((b[32 + 32 * h + t] >> (2 * s) & 3) | (b[t] >> (4 * h + s) & 1) << 2);
+            }
     const uint8_t *s12 = b + 96;
     for (int s = 0; s < 16; s++)
         f->sc[s] = (uint8_t)((s12[s % 8] >> (4 * (s / 8)) & 0xF) | (s12[8 + s % 4] >> (2 * (s / 4)) & 3) << 4);
@@ -112,7 +118,9 @@ static void fields_q4_k(const uint8_t *b, lpq_fields *f) {
     f->d = le16(b);
     f->m = le16(b + 2);
     scales_k4(b + 4, f);
-    for (int e = 0; e < LPQ_QK; e++) f->q[e] = b[16 + 32 * (e / 64) + e % 32] >> (4 * (e % 64 / 32)) & 0xF;
+    for (int j = 0; j < 4; j++)
+        for (int h = 0; h < 2; h++)
+            for (int t = 0; t < 32; t++) f->q[64 * j + 32 * h + t] = b[16 + 32 * j + t] >> (4 * h) & 0xF;
 }
 
 /* Q5_K: as Q4_K with qh[32] before qs: fifth bit e = qh[e % 32] >> (e / 32) */
@@ -120,20 +128,23 @@ static void fields_q5_k(const uint8_t *b, lpq_fields *f) {
     f->d = le16(b);
     f->m = le16(b + 2);
     scales_k4(b + 4, f);
-    for (int e = 0; e < LPQ_QK; e++) {
-        unsigned low = b[48 + 32 * (e / 64) + e % 32] >> (4 * (e % 64 / 32)) & 0xF, fifth = b[16 + e % 32] >> (e / 32) & 1;
-        f->q[e] = (uint8_t)(low | fifth << 4);
-    }
+    for (int j = 0; j < 4; j++)
+        for (int h = 0; h < 2; h++)
+            for (int t = 0; t < 32; t++) {
+                int e = 64 * j + 32 * h + t;
+                f->q[e] = (uint8_t)((b[48 + 32 * j + t] >> (4 * h) & 0xF) | (b[16 + t] >> (2 * j + h) & 1) << 4);
+            }
 }
 
 /* Q6_K: ql[128] | qh[64] | scales[16] (int8) | d; element e = 128 h + r: low nibble
  * (ql[64 h + r % 64] >> 4 (r / 64)) & 15, high bits (qh[32 h + r % 32] >> 2 (r / 32)) & 3 */
 static void fields_q6_k(const uint8_t *b, lpq_fields *f) {
-    for (int e = 0; e < LPQ_QK; e++) {
-        int h = e / 128, r = e % 128;
-        unsigned low = b[64 * h + r % 64] >> (4 * (r / 64)) & 0xF, high = b[128 + 32 * h + r % 32] >> (2 * (r / 32)) & 3;
-        f->q[e] = (uint8_t)(low | high << 4);
-    }
+    for (int h = 0; h < 2; h++)
+        for (int s = 0; s < 4; s++)
+            for (int t = 0; t < 32; t++) {
+                unsigned low = b[64 * h + 32 * (s % 2) + t] >> (4 * (s / 2)) & 0xF, high = b[128 + 32 * h + t] >> (2 * s) & 3;
+                f->q[128 * h + 32 * s + t] = (uint8_t)(low | high << 4);
+            }
     for (int s = 0; s < 16; s++) f->sc[s] = b[192 + s];
     f->d = le16(b + 208);
 }

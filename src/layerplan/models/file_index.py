@@ -1,0 +1,343 @@
+"""A GGUF's index made from the file alone: numpy, `tokenizers` and jinja2, no torch, no transformers.
+
+The index (models/gguf_index.py) is what both front ends load a GGUF from: config.json, the
+tokenizer's files, and TENSORS_FILE (each tensor's transformers name, type, shape, offset and row
+order; the rotary frequencies; how the chat template wraps a prompt). transformers can make it
+(models/stored.py index_gguf: its config table, its GGUF tokenizer converter, a model skeleton for
+the names), at the cost of importing it and building the skeleton: seconds before a first token.
+Here it is made from the header's facts with the tables below, for the architectures and
+tokenizers they hold. Each table is transformers' own rule written as data, and
+tests/test_file_index.py checks the index against the one transformers makes: the same config
+dict, the same tensor names and row orders, the same tokenizer (its tokenizer.json, and its
+encodings of a text corpus), the same chat frame. A file outside the tables gets None from
+`file_index_refusal`'s reason and is indexed by transformers, as before.
+
+The rotary frequencies are the one value computed differently: transformers raises a float32 base
+to float32 exponents with torch's vectorised pow, whose last bit can depend on the CPU's vector
+width; here they are computed in float64 and rounded once, the same on every machine. The torch
+front end runs a stored GGUF with the index's frequencies (models/stored.py load_stored), so both
+front ends compute the same numbers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from layerplan.models.gguf_file import GGUFHeader
+
+# GGUF architecture -> (model_type, its config keys after "<arch>." -> the transformers config
+# attribute; None: read by transformers but kept nowhere). transformers' GGUF_CONFIG_MAPPING rows
+_DECODER_KEYS = {
+    "context_length": "max_position_embeddings", "block_count": "num_hidden_layers",
+    "feed_forward_length": "intermediate_size", "embedding_length": "hidden_size", "rope.freq_base": "rope_theta",
+    "attention.head_count": "num_attention_heads", "attention.head_count_kv": "num_key_value_heads",
+    "attention.layer_norm_rms_epsilon": "rms_norm_eps", "vocab_size": "vocab_size",
+}
+CONFIG_KEYS = {
+    "llama": {**_DECODER_KEYS, "rope.dimension_count": "head_dim"},
+    "qwen2": {**_DECODER_KEYS, "rope.dimension_count": None},
+    "qwen3": {**_DECODER_KEYS, "rope.dimension_count": None},
+}
+_GENERAL_KEYS = {"general.architecture": "model_type", "general.name": "_model_name_or_path",
+                 "tokenizer.ggml.bos_token_id": "bos_token_id", "tokenizer.ggml.eos_token_id": "eos_token_id",
+                 "tokenizer.ggml.unknown_token_id": "unk_token_id", "tokenizer.ggml.padding_token_id": "pad_token_id"}
+
+# GGUF tensor name (without ".weight"/".bias"; blk.{i} for layer i) -> transformers' parameter name
+# (gguf-py's tensor name table, as transformers maps it) for the llama family's decoder layers
+TENSOR_NAMES = {
+    "token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head",
+    "blk.{i}.attn_norm": "model.layers.{i}.input_layernorm",
+    "blk.{i}.attn_q": "model.layers.{i}.self_attn.q_proj", "blk.{i}.attn_k": "model.layers.{i}.self_attn.k_proj",
+    "blk.{i}.attn_v": "model.layers.{i}.self_attn.v_proj", "blk.{i}.attn_output": "model.layers.{i}.self_attn.o_proj",
+    "blk.{i}.attn_q_norm": "model.layers.{i}.self_attn.q_norm",
+    "blk.{i}.attn_k_norm": "model.layers.{i}.self_attn.k_norm",
+    "blk.{i}.ffn_norm": "model.layers.{i}.post_attention_layernorm",
+    "blk.{i}.ffn_gate": "model.layers.{i}.mlp.gate_proj", "blk.{i}.ffn_up": "model.layers.{i}.mlp.up_proj",
+    "blk.{i}.ffn_down": "model.layers.{i}.mlp.down_proj",
+}
+# the sub-layer tensors each model type has (qk norms: Qwen3's only)
+_QK_NORMS = {"blk.{i}.attn_q_norm", "blk.{i}.attn_k_norm"}
+MODEL_TENSORS = {"llama": set(TENSOR_NAMES) - _QK_NORMS, "mistral": set(TENSOR_NAMES) - _QK_NORMS,
+                 "qwen2": set(TENSOR_NAMES) - _QK_NORMS, "qwen3": set(TENSOR_NAMES)}
+# tensors a file may carry that transformers does not load (llama.cpp's own precomputed tables)
+_UNLOADED = {"rope_freqs"}
+_LAYER = re.compile(r"blk\.(\d+)\.(.+)")
+
+# byte-level BPE pre-tokenizer splits by tokenizer.ggml.pre (transformers' GGUF_PRE_TOKENIZER_SPLITS);
+# a name not here keeps GPT-2's own ByteLevel split, as transformers does
+_LLAMA3 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+           r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2 = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+_QWEN35 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
+           r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_TEKKEN = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+           r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+           r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_GPT4O = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+          r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+          r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+PRE_TOKENIZER_SPLITS = {
+    **dict.fromkeys(("llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2",
+                     "jina-v5-nano", "dbrx", "smaug-bpe"), _LLAMA3),
+    "tekken": _TEKKEN,
+    **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "kormo", "f2llmv2", "megrez"), _QWEN2),
+    "qwen35": _QWEN35,
+    **dict.fromkeys(("gpt-4o", "llama4", "kanana2", "talkie", "minimax-m2"), _GPT4O),
+}
+# tokenizer.ggml.token_type values
+_CONTROL, _USER_DEFINED = 3, 4
+
+# user messages the chat frame is found with: none is in any template, and each is inserted
+# whole only where a template inserts a message's content as it is
+CHAT_PROBES = ("\u27e6layerplan\u27e7", " \u27e6two words\u27e7 \n", "\u27e6{{ x }}{% raw %}'\"\u27e7")
+
+
+def file_index_refusal(header: GGUFHeader) -> str | None:
+    """Why this file's index is made by transformers rather than here (one line), or None."""
+    architecture = header.architecture
+    if architecture not in CONFIG_KEYS:
+        return f"architecture '{architecture}' is not in the file index's tables"
+    tokenizer = header.metadata.get("tokenizer.ggml.model")
+    if tokenizer not in (None, "gpt2"):
+        return f"a '{tokenizer}' vocabulary is converted by transformers"
+    if any(key.startswith(f"{architecture}.rope.scaling") for key in header.metadata):
+        return "scaled rotary frequencies are computed by transformers"
+    model_type = config_of(header)["model_type"]
+    if model_type not in MODEL_TENSORS:
+        return f"model type '{model_type}' is not in the file index's tables"
+    known = {template.removeprefix("blk.{i}.") for template in MODEL_TENSORS[model_type]} | _UNLOADED
+    for tensor in header.tensors:
+        base = tensor.name.rsplit(".", 1)[0]
+        layer = _LAYER.fullmatch(base)
+        if (layer.group(2) if layer else base) not in known:
+            return f"tensor '{tensor.name}' is not in the file index's tables"
+    return None
+
+
+def _python(value: Any) -> Any:
+    """A header value as transformers' reader gives it: arrays as lists, one-element lists unwrapped."""
+    if isinstance(value, np.ndarray):
+        value = value.tolist()
+    if isinstance(value, list):
+        return value[0] if len(value) == 1 else value
+    return value
+
+
+def config_of(header: GGUFHeader) -> dict[str, Any]:
+    """transformers' config dict for the file (load_gguf_checkpoint(...)["config"]), for an
+    architecture of CONFIG_KEYS."""
+    architecture = header.architecture
+    config: dict[str, Any] = {"tie_word_embeddings": all(t.name != "output.weight" for t in header.tensors)}
+    keys = {**_GENERAL_KEYS, **{f"{architecture}.{key}": name for key, name in CONFIG_KEYS[architecture].items()}}
+    for key, value in header.metadata.items():
+        name = keys.get(key)
+        if name is not None:
+            config[name] = _python(value)
+    if architecture == "llama" and header.metadata.get("general.name") == "mistral":
+        config["model_type"] = "mistral"  # (as transformers' reader renames it)
+    if "vocab_size" not in config and "tokenizer.ggml.tokens" in header.metadata:
+        config["vocab_size"] = len(header.metadata["tokenizer.ggml.tokens"])
+    return config
+
+
+def parameter_names(header: GGUFHeader, model_type: str) -> dict[str, str]:
+    """GGUF tensor name -> transformers parameter name, for the tensors transformers loads."""
+    names: dict[str, str] = {}
+    wanted = MODEL_TENSORS[model_type]
+    for tensor in header.tensors:
+        base, _, suffix = tensor.name.rpartition(".")
+        layer = _LAYER.fullmatch(base)
+        template = f"blk.{{i}}.{layer.group(2)}" if layer else base
+        if template not in wanted:
+            continue
+        target = TENSOR_NAMES[template].replace("{i}", layer.group(1)) if layer else TENSOR_NAMES[template]
+        names[tensor.name] = f"{target}.{suffix}"
+    return names
+
+
+def row_order(architecture: str, gguf_name: str, rows: int, config: dict[str, Any]) -> list[int]:
+    """The order transformers reads a matrix's rows in (empty: as stored): llama.cpp's converter
+    interleaves the two halves of each head's rows of Llama's q and k projections, and
+    transformers' LlamaTensorProcessor undoes it."""
+    if architecture != "llama" or not gguf_name.endswith((".attn_q.weight", ".attn_k.weight")):
+        return []
+    heads = config["num_attention_heads"]
+    if gguf_name.endswith(".attn_k.weight"):
+        heads = config.get("num_key_value_heads") or heads
+    index = np.arange(rows).reshape(heads, 2, rows // heads // 2).swapaxes(1, 2).reshape(rows)
+    order = np.empty(rows, np.int64)
+    order[index] = np.arange(rows)  # the rows were stored permuted by `index`: read them back
+    return [] if np.array_equal(order, np.arange(rows)) else order.tolist()
+
+
+def rotary(config: dict[str, Any], head_dim: int) -> dict[str, Any]:
+    """The default RoPE's frequencies base ** (-2i / dim), computed in float64 and rounded once."""
+    exponents = np.arange(0, head_dim, 2, dtype=np.float64) / head_dim
+    inv_freq = (1.0 / np.power(np.float64(np.float32(config.get("rope_theta", 10000.0))), exponents)).astype(np.float32)
+    return {"inv_freq": [float(f) for f in inv_freq], "attention_scaling": 1.0}
+
+
+def _byte_spelling() -> dict[int, str]:
+    """GPT-2's byte -> printable character table (bytes_to_unicode)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1), *range(ord("\xae"), 256)]
+    spelled, extra = dict(zip(printable, map(chr, printable))), 0
+    for byte in range(256):
+        if byte not in spelled:
+            spelled[byte] = chr(256 + extra)
+            extra += 1
+    return spelled
+
+
+def _token_of(header: GGUFHeader, key: str) -> str | None:
+    token_id = header.metadata.get(f"tokenizer.ggml.{key}")
+    return header.metadata["tokenizer.ggml.tokens"][int(token_id)] if token_id is not None else None
+
+
+def byte_level_tokenizer(header: GGUFHeader):
+    """The file's byte-level BPE vocabulary as transformers' GGUF converter builds it (GPT2Tokenizer
+    over the vocabulary respelled in GPT-2's byte alphabet and the file's merges; control tokens
+    added as special, user-defined ones as plain added tokens; the pre-tokenizer's split by
+    tokenizer.ggml.pre; a post-processor adding BOS / EOS where the file asks)."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, pre_tokenizers, processors
+    from tokenizers.models import BPE
+
+    metadata = header.metadata
+    tokens: list[str] = metadata["tokenizer.ggml.tokens"]
+    spelling = _byte_spelling()
+    alphabet = set(spelling.values())
+    vocab = {token if set(token) <= alphabet else "".join(spelling[b] for b in token.encode("utf-8")): index
+             for index, token in enumerate(tokens)}
+    merges = [tuple(merge.split(" ")) for merge in metadata.get("tokenizer.ggml.merges", ())]
+    tokenizer = Tokenizer(BPE(vocab=vocab, merges=merges, dropout=None, continuing_subword_prefix="",
+                              end_of_word_suffix="", fuse_unk=False))
+    split = PRE_TOKENIZER_SPLITS.get(metadata.get("tokenizer.ggml.pre"))
+    tokenizer.pre_tokenizer = (pre_tokenizers.ByteLevel(add_prefix_space=False) if split is None else
+                               pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(split), behavior="isolated"),
+                                                        pre_tokenizers.ByteLevel(add_prefix_space=False,
+                                                                                 use_regex=False)]))
+    tokenizer.decoder = decoders.ByteLevel()
+    types = metadata.get("tokenizer.ggml.token_type")
+    types = [] if types is None else np.asarray(types).tolist()
+    special = [AddedToken(token, normalized=False, special=True) for token, kind in zip(tokens, types)
+               if kind == _CONTROL and set(token) <= alphabet]
+    if special:
+        tokenizer.add_special_tokens(special)
+    plain = [AddedToken(token, normalized=False, special=False) for token, kind in zip(tokens, types)
+             if kind == _USER_DEFINED and token in vocab]
+    if plain:
+        tokenizer.add_tokens(plain)
+    bos, eos = _token_of(header, "bos_token_id"), _token_of(header, "eos_token_id")
+    add_bos = bool(metadata.get("tokenizer.ggml.add_bos_token", False)) and bos is not None
+    add_eos = bool(metadata.get("tokenizer.ggml.add_eos_token", False)) and eos is not None
+    single = f"{bos + ':0 ' if add_bos else ''}$A:0{' ' + eos + ':0' if add_eos else ''}"
+    pair = f"{single}{' ' + bos + ':1' if add_bos else ''} $B:1{' ' + eos + ':1' if add_eos else ''}"
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single=single, pair=pair,
+        special_tokens=[*([(bos, vocab[bos])] if add_bos else []), *([(eos, vocab[eos])] if add_eos else [])])
+    return tokenizer
+
+
+def tokenizer_config(header: GGUFHeader) -> dict[str, Any]:
+    """tokenizer_config.json for the generic tokenizers class (TokenizersBackend): the special
+    tokens by their text, and whether BOS / EOS are added."""
+    config: dict[str, Any] = {"tokenizer_class": "TokenizersBackend", "backend": "tokenizers",
+                              "clean_up_tokenization_spaces": False}
+    for name, key in (("bos_token", "bos_token_id"), ("eos_token", "eos_token_id"),
+                      ("unk_token", "unknown_token_id"), ("pad_token", "padding_token_id")):
+        config[name] = _token_of(header, key)
+    for flag in ("add_bos_token", "add_eos_token"):
+        if f"tokenizer.ggml.{flag}" in header.metadata:
+            config[flag] = bool(header.metadata[f"tokenizer.ggml.{flag}"])
+    return config
+
+
+def chat_frame(template: str | None, special_tokens: dict[str, str | None]) -> dict:
+    """How the chat template wraps one user message with the assistant's turn after it, rendered
+    as transformers renders a chat template (a sandboxed jinja2 environment, trimmed blocks, its
+    raise_exception): {"template": False} without a template; with one, its "prefix" and
+    "suffix" where every probe renders as prefix + message + suffix; neither where the template
+    does more (a date, a message changed) or cannot be rendered here."""
+    if not template:
+        return {"template": False}
+    import jinja2
+    from jinja2.ext import loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message):
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    try:
+        environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+        environment.filters["tojson"] = tojson
+        environment.globals["raise_exception"] = raise_exception
+        compiled = environment.from_string(template)
+        frames = set()
+        for text in CHAT_PROBES:
+            rendered = compiled.render(messages=[{"role": "user", "content": text}], add_generation_prompt=True,
+                                       tools=None, documents=None,
+                                       **{k: v for k, v in special_tokens.items() if v is not None})
+            if rendered.count(text) != 1:
+                return {"template": True}
+            frames.add(tuple(rendered.split(text)))
+    except Exception:  # noqa: BLE001 - a template that fails here (an extension, a refusal) is the torch front end's
+        return {"template": True}
+    if len(frames) != 1 or "strftime_now" in template:
+        return {"template": True}
+    prefix, suffix = frames.pop()
+    return {"template": True, "prefix": prefix, "suffix": suffix}
+
+
+def write_file_index(header: GGUFHeader, target: Path, version: int, tensors_file: str) -> Path:
+    """Write the file's index into `target` (atomically: staged beside it, then renamed), for a
+    file file_index_refusal passes."""
+    config = config_of(header)
+    model_type = config["model_type"]
+    names = parameter_names(header, model_type)
+    entries = []
+    for tensor in header.tensors:
+        name = names.get(tensor.name)
+        if name is None:
+            continue
+        shape = [int(n) for n in reversed(tensor.shape)]  # GGUF lists the fastest dimension first
+        matrix = len(shape) == 2 and shape[1] > 1
+        entries.append({"gguf_name": tensor.name, "name": name, "type": tensor.type_name, "shape": shape,
+                        "offset": tensor.offset, "nbytes": tensor.nbytes,
+                        "row_order": row_order(header.architecture, tensor.name, shape[0], config) if matrix else [],
+                        "matrix": matrix, "shift": 0.0})
+    query = next(e for e in entries if e["gguf_name"] == "blk.0.attn_q.weight")
+    head_dim = config.get("head_dim") or query["shape"][0] // config["num_attention_heads"]
+    has_vocabulary = "tokenizer.ggml.tokens" in header.metadata
+    special = tokenizer_config(header) if has_vocabulary else {}
+    template = header.metadata.get("tokenizer.chat_template") if has_vocabulary else None
+    chat = chat_frame(template, {k: special.get(k) for k in ("bos_token", "eos_token", "unk_token", "pad_token")})
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}."))
+    try:
+        (staging / "config.json").write_text(json.dumps(config, indent=2))
+        if has_vocabulary:
+            byte_level_tokenizer(header).save(str(staging / "tokenizer.json"))
+            (staging / "tokenizer_config.json").write_text(json.dumps(special, indent=2))
+            if template:
+                (staging / "chat_template.jinja").write_text(template)
+        (staging / tensors_file).write_text(json.dumps({
+            "gguf": str(header.path), "version": version, "made_by": "file", "rotary": rotary(config, head_dim),
+            "chat": chat, "tensors": entries}))
+        try:
+            os.replace(staging, target)  # atomic: a half-written index is never found
+        except OSError:
+            if not (target / tensors_file).exists():  # another process may have won the race
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target

@@ -1,0 +1,199 @@
+"""A GGUF's index made from the file alone (models/file_index.py, issue 47) against the index
+transformers makes (models/stored.py index_gguf): the same config dict, tensor names, row orders
+and chat frame; the same tokenizer (its tokenizer.json, and the ids and text of a corpus); rotary
+frequencies within one float32 step of transformers'; and a first start that makes it imports
+neither torch nor transformers."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from layerplan.models.file_index import file_index_refusal, write_file_index
+from layerplan.models.gguf_file import read_header
+from layerplan.models.gguf_index import INDEX_VERSION, TENSORS_FILE, default_gguf_path
+from tiny import tiny_hf
+from tiny_gguf import ARCHITECTURES, write_tiny_gguf
+
+CORPUS = ((Path(__file__).parents[1] / "README.md").read_text()
+          + "\n  two  spaces,\ttabs\r\n wörds, 你好, 🙂 <|im_start|>x<|im_end|> 12345 don't I'LL")
+
+
+def _both(path: Path, tmp_path: Path) -> tuple[Path, Path]:
+    """(the index made from the file, the index transformers makes) of one GGUF."""
+    from layerplan.models.stored import index_gguf
+
+    header = read_header(path)
+    assert file_index_refusal(header) is None
+    ours = write_file_index(header, tmp_path / "ours", INDEX_VERSION, TENSORS_FILE)
+    return ours, index_gguf(path, tmp_path / "theirs")
+
+
+def _facts(index: Path) -> dict:
+    return json.loads((index / TENSORS_FILE).read_text())
+
+
+def _same_rotary(ours: dict, theirs: dict) -> None:
+    """Within one float32 step: transformers' come from torch's vectorised pow."""
+    mine, reference = (np.asarray(f["rotary"]["inv_freq"], np.float32) for f in (ours, theirs))
+    steps = np.abs(mine.view(np.int32) - reference.view(np.int32))
+    assert mine.shape == reference.shape and steps.max() <= 1
+    assert ours["rotary"]["attention_scaling"] == theirs["rotary"]["attention_scaling"]
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
+def test_a_tiny_files_index_is_the_one_transformers_makes(arch, tmp_path):
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    path = write_tiny_gguf(tiny_hf(arch), tmp_path / f"{arch}.gguf", "Q4_0" if arch == "qwen2" else "Q8_0")
+    ours, theirs = _both(path, tmp_path)
+    assert _facts(ours)["tensors"] == _facts(theirs)["tensors"]  # names, types, offsets, row orders
+    assert _facts(ours)["chat"] == _facts(theirs)["chat"] == {"template": False}
+    if arch == "qwen3":  # transformers reads no key length for Qwen3 (its config's 128); ours, the file's 16
+        assert len(_facts(ours)["rotary"]["inv_freq"]) == 8
+    else:
+        _same_rotary(_facts(ours), _facts(theirs))
+    expected = load_gguf_checkpoint(str(path), return_tensors=False)["config"]
+    assert json.loads((ours / "config.json").read_text()) == expected
+    assert not (ours / "tokenizer.json").exists()  # a file without a vocabulary: a model of token ids
+
+
+def _tokenizer_json(index: Path) -> dict:
+    data = json.loads((index / "tokenizer.json").read_text())
+    merges = data["model"].get("merges") or []
+    data["model"]["merges"] = [m.split(" ") if isinstance(m, str) else m for m in merges]
+    return data
+
+
+def _same_tokenizer(ours: Path, path: Path) -> None:
+    """Ours, as the torch front end loads it from the index, against transformers' tokenizer of
+    the GGUF itself: the same ids for the corpus, with and without special tokens, and the same text back."""
+    from transformers import AutoTokenizer
+
+    mine, reference = AutoTokenizer.from_pretrained(ours), AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    for special in (True, False):
+        ids = mine(CORPUS, add_special_tokens=special)["input_ids"]
+        assert ids == reference(CORPUS, add_special_tokens=special)["input_ids"]
+        for skip in (True, False):
+            assert mine.decode(ids, skip_special_tokens=skip) == reference.decode(ids, skip_special_tokens=skip)
+    assert (mine.bos_token, mine.eos_token, mine.pad_token) == (reference.bos_token, reference.eos_token,
+                                                                reference.pad_token)
+
+
+def test_the_packaged_models_index_is_the_one_transformers_makes(tmp_path):
+    """SmolLM2: a byte-level BPE vocabulary of 49,152 tokens, its merges, control tokens and chat template."""
+    path = default_gguf_path()
+    ours, theirs = _both(path, tmp_path)
+    assert _facts(ours)["tensors"] == _facts(theirs)["tensors"]
+    assert _facts(ours)["chat"] == _facts(theirs)["chat"] and "prefix" in _facts(ours)["chat"]
+    _same_rotary(_facts(ours), _facts(theirs))
+    assert _tokenizer_json(ours) == _tokenizer_json(theirs)
+    _same_tokenizer(ours, path)
+
+
+def _with_vocabulary(path: Path, target: Path, changes: dict) -> Path:
+    """The tiny GGUF at `path` with the packaged model's vocabulary, merges and chat template,
+    and `changes` to its tokenizer keys (the pre-tokenizer's name, BOS, token types)."""
+    import gguf
+
+    source = read_header(default_gguf_path()).metadata
+    tiny = gguf.GGUFReader(path)
+    writer = gguf.GGUFWriter(str(target), "llama")
+    for key, field in tiny.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture":
+            continue
+        value = field.contents()
+        kind = field.types[0]
+        if kind == gguf.GGUFValueType.ARRAY:
+            writer.add_array(key, value)
+        else:
+            writer.add_key_value(key, value, kind)
+    types = np.asarray(source["tokenizer.ggml.token_type"]).astype(np.int32)
+    for index, kind in changes.get("types", {}).items():
+        types[index] = kind
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(changes.get("pre", "smollm"))
+    writer.add_token_list(source["tokenizer.ggml.tokens"])
+    writer.add_token_types(types.tolist())
+    writer.add_token_merges(source["tokenizer.ggml.merges"])
+    writer.add_bos_token_id(int(source["tokenizer.ggml.bos_token_id"]))
+    writer.add_eos_token_id(int(source["tokenizer.ggml.eos_token_id"]))
+    if "add_bos" in changes:
+        writer.add_add_bos_token(changes["add_bos"])
+    writer.add_chat_template(changes.get("template", source["tokenizer.chat_template"]))
+    for tensor in tiny.tensors:
+        writer.add_tensor(tensor.name, np.asarray(tensor.data), raw_dtype=tensor.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return target
+
+
+@pytest.mark.parametrize("changes", [
+    {"pre": "llama-bpe", "add_bos": True},  # Llama 3's split, a BOS added to every text
+    {"pre": "qwen2", "types": {5000: 4, 7: 4}},  # Qwen2's split; user-defined tokens, matched whole
+    {"pre": "gpt-4o", "add_bos": False,
+     "template": "{{ bos_token }}{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}{% endfor %}"},
+], ids=["llama3-bos", "qwen2-user-defined", "gpt4o-bos-in-template"])
+def test_byte_level_vocabularies_tokenize_as_transformers_converter_does(changes, tmp_path):
+    tiny = write_tiny_gguf(tiny_hf("llama"), tmp_path / "tiny.gguf")
+    (tmp_path / "vocab").mkdir()  # (a folder of one GGUF: transformers reads it by folder and name)
+    path = _with_vocabulary(tiny, tmp_path / "vocab" / "model.gguf", changes)
+    ours, theirs = _both(path, tmp_path)
+    assert _tokenizer_json(ours) == _tokenizer_json(theirs)
+    assert _facts(ours)["chat"] == _facts(theirs)["chat"]
+    _same_tokenizer(ours, path)
+
+
+def test_a_file_outside_the_tables_is_left_to_transformers(tmp_path, monkeypatch):
+    """Gemma 3's layers and a SentencePiece vocabulary are not in the file index's tables: the
+    index is then made by transformers, as before."""
+    from layerplan.models import file_index as tables
+
+    path = write_tiny_gguf(tiny_hf("llama"), tmp_path / "tiny.gguf")
+    header = read_header(path)
+    monkeypatch.setitem(header.metadata, "tokenizer.ggml.model", "llama")
+    assert file_index_refusal(header) == "a 'llama' vocabulary is converted by transformers"
+    monkeypatch.setitem(header.metadata, "general.architecture", "gemma3")
+    assert "architecture 'gemma3'" in file_index_refusal(header)
+    monkeypatch.setattr(tables, "MODEL_TENSORS", {**tables.MODEL_TENSORS, "llama": set()})
+    monkeypatch.setitem(header.metadata, "general.architecture", "llama")
+    monkeypatch.delitem(header.metadata, "tokenizer.ggml.model")
+    assert "tensor 'token_embd.weight' is not in the file index's tables" in file_index_refusal(header)
+
+
+def test_a_first_start_makes_the_index_without_torch_or_transformers(tmp_path):
+    """The packaged model never seen (an empty cache): the light front end makes its index and
+    packs its panels, and neither torch nor transformers is imported."""
+    probe = ("import sys\n"
+             "from layerplan.lite.cli import request_of, run, runnable\n"
+             "request = request_of(['generate', 'The capital of France is', '-n', '4'])\n"
+             "assert runnable(request) and request.first_use\n"
+             "assert run(request) == 0\n"
+             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers', 'accelerate')))\n")
+    env = {**os.environ, "LAYERPLAN_CACHE": str(tmp_path / "cache")}
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().splitlines()[-1] == "[]"
+    assert "its first use: indexed and packed for the kernels once" in done.stderr
+    assert _facts(next((tmp_path / "cache" / "stored").iterdir()))["made_by"] == "file"
+
+
+@pytest.mark.real
+def test_the_real_qwen_vocabulary_tokenizes_as_transformers_does(tmp_path):
+    """Qwen2.5-Coder-1.5B's 151,936-token vocabulary (shared/tools/real_models.sh; skipped without it)."""
+    path = Path.home() / ".cache" / "layerplan-real-models" / "qwen2.5-coder-1.5b-instruct-Q4_K_M.gguf"
+    if not path.exists():
+        pytest.skip("the real Qwen2.5-Coder-1.5B file is not here (shared/tools/real_models.sh fetches it)")
+    ours, theirs = _both(path, tmp_path)
+    assert _facts(ours)["tensors"] == _facts(theirs)["tensors"]
+    assert _facts(ours)["chat"] == _facts(theirs)["chat"]
+    assert _tokenizer_json(ours) == _tokenizer_json(theirs)
+    _same_tokenizer(ours, path)
