@@ -157,11 +157,11 @@ def test_no_command_dequantizes_a_gguf_by_default(args, tmp_path, monkeypatch):
 def test_the_tensor_names_map_as_transformers_maps_them(tiny_ggufs, arch):
     from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map
 
-    from layerplan.models.stored import _skeleton, gguf_to_parameter_names
+    from layerplan.models.stored import meta_skeleton, gguf_to_parameter_names
 
     header = read_header(tiny_ggufs[arch])
     config = load_config(header)
     processor = TENSOR_PROCESSORS.get(header.architecture, TensorProcessor)(config=config.to_dict())
-    skeleton = _skeleton(config)
+    skeleton = meta_skeleton(config)
     assert gguf_to_parameter_names(skeleton, processor, header.architecture) == get_gguf_hf_weights_map(skeleton,
                                                                                                        processor)

@@ -328,6 +328,40 @@ def test_a_checkpoint_quantized_at_load_runs_on_the_block_kernels(tmp_path, dtyp
     assert generate(quantized, prompt, max_new_tokens=12, stop_at_eos=False, draft="ngram").token_ids == plain.token_ids
 
 
+@pytest.mark.parametrize("tied,dtype", [(False, torch.float32), (True, torch.float32), (False, torch.bfloat16)])
+def test_a_checkpoint_is_quantized_a_tensor_at_a_time(tmp_path, monkeypatch, tied, dtype):
+    """--dtype q8_0 on a folder of safetensors reads and quantizes one tensor at a time (the model
+    is never whole in float32): the same blocks, and the same logits, as quantizing the model
+    loaded whole; a tied head is quantized from the embedding's table; bf16 weights are read as
+    they are stored."""
+    import numpy as np
+
+    from layerplan.engine import load
+    from layerplan.engine.runner import forward, new_cache
+    from layerplan.models import loading
+
+    hf = tiny_hf("llama", num_layers=2)
+    if tied:
+        hf.config.tie_word_embeddings = True
+        hf.tie_weights()
+    hf.to(dtype).save_pretrained(tmp_path / "ckpt")
+    whole = load.prepare(load.quantize_linears(loading.load_model(tmp_path / "ckpt", "float32"), "q8_0"), "native",
+                         pack=False)
+
+    def refused(*_args, **_kwargs):
+        raise AssertionError("the checkpoint was loaded whole")
+
+    monkeypatch.setattr(loading, "load_model", refused)
+    by_tensor = load.load_model(tmp_path / "ckpt", dtype="q8_0", engine="native")
+    mine, reference = by_tensor.stored.tensors, whole.stored.tensors
+    assert mine.keys() == reference.keys() and "lm_head.weight" in mine
+    assert all(np.array_equal(mine[k].data, reference[k].data) for k in mine)
+    assert all(p.device.type == "meta" for p in by_tensor.parts.layers[0].attention.parameters() if p.dim() == 2)
+    ids = torch.tensor([[5, 17, 3, 88, 41, 9, 60]])
+    assert torch.equal(forward(by_tensor, ids, cache=new_cache(by_tensor.plan(), 16)),
+                       forward(whole, ids, cache=new_cache(whole.plan(), 16)))
+
+
 def test_a_format_whose_blocks_fit_no_matrix_is_refused(tmp_path):
     from layerplan.engine.load import load_model
 

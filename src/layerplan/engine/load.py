@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from dataclasses import replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -110,8 +112,11 @@ def load_model(
             if dtype in STORED_ARITHMETIC:
                 return prepare(loading.load_stored_model(source, STORED_ARITHMETIC[dtype]), engine, pack=False,
                                panels=panels)
-            return prepare(quantize_linears(loading.load_model(source, "float32"), *QUANTIZED[dtype]), engine,
-                           pack=False)
+            block_format, arithmetic = QUANTIZED[dtype]
+            model = loading.load_by_tensor(source, partial(_quantizing_taker, block_format))
+            if model is None:  # not a folder of safetensors the model's names read: loaded whole first
+                model = loading.load_model(source, "float32")
+            return prepare(quantize_linears(model, block_format, arithmetic), engine, pack=False)
         return prepare(loading.load_model(source, dtype, device, device_map, on_tensor), engine, pack)
 
 
@@ -126,42 +131,88 @@ def _prefetch_panels(source) -> PanelCache | None:
     return panels.prefetch(torch.get_num_threads()) if panels is not None else None
 
 
+def _quantized_rows(weight: torch.Tensor, block_format: str) -> StoredTensor | None:
+    """A matrix (out, in) quantized to `block_format` by the native kernels (lp_quantize_rows), as
+    stored rows in memory; None where the format's blocks do not divide its width."""
+    import gguf  # (gguf-py and numpy only where a model is quantized at load)
+    import numpy as np
+
+    kind = gguf.GGMLQuantizationType[block_format.upper()]
+    block, type_bytes = gguf.GGML_QUANT_SIZES[kind]
+    rows, columns = weight.shape
+    if columns % block:
+        return None
+    weight = weight.detach().to(torch.float32).contiguous()
+    data = np.empty((rows, columns // block * type_bytes), np.uint8)
+    check(library().lp_quantize_rows(ABI.constants[f"LP_FORMAT_{block_format.upper()}"], weight.data_ptr(), rows,
+                                     columns, data.ctypes.data), f"quantizing a matrix to {block_format}")
+    return StoredTensor(Path(), 0, kind.name, int(kind), rows, columns, data.shape[1], data=data)
+
+
+def _quantized_linears(hf: nn.Module) -> list[nn.Module]:
+    """The linears quantize_linears quantizes: the decoder layers' and the LM head."""
+    parts = parts_of(hf)
+    linears = [m for layer in parts.layers for part in (layer.attention, layer.mlp) for m in part.modules()
+               if isinstance(m, nn.Linear)]
+    return linears + ([parts.lm_head] if isinstance(parts.lm_head, nn.Linear) else [])
+
+
+def _quantizing_taker(block_format: str, hf: nn.Module):
+    """loading.load_by_tensor's taker: each matrix quantize_linears would quantize, quantized as it
+    is read (its module's weight stays on the meta device and joins `hf._layerplan_quantized`, which
+    quantize_linears adopts), so no dense copy of the model is ever whole in memory."""
+    if native_available() is not None:
+        raise ModelError(f"--dtype {block_format} quantizes with the native kernels: {native_available()}")
+    names = {id(m): n for n, m in hf.named_modules()}
+    wanted = {f"{names[id(m)]}.weight": m for m in _quantized_linears(hf)}
+    hf._layerplan_quantized = {}
+
+    def take(name: str, values: torch.Tensor) -> bool:
+        module = wanted.get(name)
+        if module is None or values.dim() != 2:
+            return False
+        stored = _quantized_rows(values, block_format)
+        if stored is None:
+            return False
+        hf._layerplan_quantized[name] = (module, stored)
+        return True
+
+    return take
+
+
 def quantize_linears(model: LoadedModel, block_format: str, arithmetic: str = "exact") -> LoadedModel:
     """The model with the matrices of its decoder layers and LM head quantized to `block_format`
     (QUANTIZE_AT_LOAD) by the native kernels (lp_quantize_rows), held as stored rows in memory and
     run by the block-format kernels in `arithmetic`: the dense matrices are freed. A matrix whose
-    width the format's blocks do not divide stays dense."""
-    import gguf  # (gguf-py and numpy only where a model is quantized at load)
-    import numpy as np
-
+    width the format's blocks do not divide stays dense. Matrices quantized as they were read
+    (_quantizing_taker) are taken as they are."""
     if native_available() is not None:
         raise ModelError(f"--dtype {block_format} quantizes with the native kernels: {native_available()}")
-    kind = gguf.GGMLQuantizationType[block_format.upper()]
-    block, type_bytes = gguf.GGML_QUANT_SIZES[kind]
-    code = ABI.constants[f"LP_FORMAT_{block_format.upper()}"]
+    source = Path(model.source or model.name)
     names = {id(m): n for n, m in model.hf.named_modules()}
     tensors, modules = {}, {}
-    linears = [m for layer in model.parts.layers for part in (layer.attention, layer.mlp) for m in part.modules()
-               if isinstance(m, nn.Linear)]
-    linears += [model.parts.lm_head] if isinstance(model.parts.lm_head, nn.Linear) else []
-    for module in linears:
-        rows, columns = module.weight.shape
-        if columns % block:
-            continue
-        weight = module.weight.detach().float().contiguous()
-        data = np.empty((rows, columns // block * type_bytes), np.uint8)
-        check(library().lp_quantize_rows(code, weight.data_ptr(), rows, columns, data.ctypes.data),
-              f"quantizing a matrix to {block_format}")
+    for name, (module, stored) in model.hf.__dict__.pop("_layerplan_quantized", {}).items():
+        tensors[name], modules[id(module)] = replace(stored, path=source), name
+    for module in _quantized_linears(model.hf):
         name = f"{names[id(module)]}.weight"
-        tensors[name] = StoredTensor(Path(model.source or model.name), 0, kind.name, int(kind), rows, columns,
-                                     data.shape[1], data=data)
-        modules[id(module)] = name
+        if name in tensors or module.weight.device.type == "meta":
+            continue
+        stored = _quantized_rows(module.weight, block_format)
+        if stored is None:
+            continue
+        tensors[name], modules[id(module)] = replace(stored, path=source), name
         # the dense matrix goes (a tied head unties: the embedding keeps its own)
-        module.weight = nn.Parameter(torch.empty(rows, columns, device="meta"), requires_grad=False)
+        module.weight = nn.Parameter(torch.empty(module.weight.shape, device="meta"), requires_grad=False)
+    missing = [n for n, p in model.hf.named_parameters() if p.device.type == "meta" and n not in tensors]
+    if missing:
+        raise ModelError(f"{model.name}: no tensor for '{missing[0]}' in its checkpoint")
     if not tensors:
+        import gguf
+
+        block = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[block_format.upper()]][0]
         raise ModelError(f"no matrix of {model.name} is {block} inputs wide or a multiple of it, as {block_format} "
                          "blocks need; choose another format (q8_0, q4_0, q4_1: blocks of 32)")
-    model.stored = StoredWeights(Path(model.source or model.name), tensors, modules, arithmetic, block_format)
+    model.stored = StoredWeights(source, tensors, modules, arithmetic, block_format)
     return model
 
 

@@ -245,6 +245,21 @@ def byte_level_tokenizer(header: GGUFHeader):
     return tokenizer
 
 
+def merges_as_strings(path: Path) -> None:
+    """A BPE tokenizer.json's merges written "a b" rather than ["a", "b"], where no merged token
+    holds a space: the same tokenizer (the `tokenizers` package reads both forms), parsed in three
+    quarters of the time — a quarter of the light front end's start (layerplan/lite/)."""
+    if not path.exists():
+        return
+    data = json.loads(path.read_text(encoding="utf-8"))
+    merges = (data.get("model") or {}).get("merges")
+    if (not merges or not all(isinstance(m, list) and len(m) == 2 for m in merges)
+            or any(" " in part for m in merges for part in m)):
+        return
+    data["model"]["merges"] = [f"{a} {b}" for a, b in merges]
+    path.write_text(json.dumps(data, ensure_ascii=False), encoding="utf-8")
+
+
 def tokenizer_config(header: GGUFHeader) -> dict[str, Any]:
     """tokenizer_config.json for the generic tokenizers class (TokenizersBackend): the special
     tokens by their text, and whether BOS / EOS are added."""
@@ -327,6 +342,7 @@ def write_file_index(header: GGUFHeader, target: Path, version: int, tensors_fil
         (staging / "config.json").write_text(json.dumps(config, indent=2))
         if has_vocabulary:
             byte_level_tokenizer(header).save(str(staging / "tokenizer.json"))
+            merges_as_strings(staging / "tokenizer.json")
             (staging / "tokenizer_config.json").write_text(json.dumps(special, indent=2))
             if template:
                 (staging / "chat_template.jinja").write_text(template)

@@ -24,7 +24,7 @@ from layerplan.models.discovery import parts_of, require_checked, spec_of
 from layerplan.models.gguf_file import read_header
 from layerplan.models.gguf_index import (DEFAULT_DISPLAY_NAME, DEFAULT_GGUF_NAME, DEFAULT_GGUF_PACKAGE, DEFAULT_MODEL,
                                          default_gguf_path, file_index, file_key, gguf_of, index_folder)
-from layerplan.models.stored import StoredWeights, index_gguf, load_dense, load_stored
+from layerplan.models.stored import StoredWeights, meta_skeleton, index_gguf, load_dense, load_stored
 from layerplan.models.placement import Placement, accelerate_map, adopt, offload_folder, place, read_device_map
 from layerplan.plan.formats import load_plan
 from layerplan.plan.plan import LayerPlan, PlanError
@@ -366,6 +366,50 @@ def load_model(
         hf.to(device)
     tokenizer = _tokenizer(folder)
     return LoadedModel(name=name, hf=hf, tokenizer=tokenizer, source=origin, placement=placement)
+
+
+# what load_by_tensor's caller is given: the model without weights -> a taker of tensors, which
+# keeps a tensor (parameter name, its values as the checkpoint stores them) and says True, or
+# leaves it to be set as the module's float32 parameter
+Taker = Callable[[nn.Module], Callable[[str, torch.Tensor], bool]]
+
+
+def load_by_tensor(source: str | os.PathLike | None, taker: Taker) -> LoadedModel | None:
+    """A HF folder of safetensors built a tensor at a time: the model without weights (its
+    parameters on the meta device), then each of the checkpoint's tensors read from its
+    memory-mapped file in turn and handed to the taker, or set as the module's float32 parameter;
+    at most one tensor's values besides the model's are in memory. A tied head is tied again. None
+    where the source is not such a folder or names a tensor the model has no parameter for (the
+    caller loads it whole, as transformers does, with its renaming rules)."""
+    from accelerate.utils import set_module_tensor_to_device
+    from safetensors import SafetensorError, safe_open
+
+    if _gguf_source(source) is not None:
+        return None
+    folder, name, origin = _resolve(source)
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        return None
+    config = _config_of(folder)
+    require_checked(config)
+    hf = meta_skeleton(config)
+    parameters = dict(hf.named_parameters(remove_duplicate=False))
+    take = taker(hf)
+    try:
+        for file in files:
+            with safe_open(str(file), framework="pt") as tensors:
+                if any(key not in parameters for key in tensors.keys()):
+                    return None
+                for key in tensors.keys():
+                    values = tensors.get_tensor(key)
+                    if not take(key, values):
+                        set_module_tensor_to_device(hf, key, "cpu", value=values.to(torch.float32))
+                    del values
+    except (OSError, SafetensorError) as error:
+        first = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
+        raise ModelError(f"{folder}: cannot load its weights (damaged, truncated or unreadable?): {first}") from None
+    hf.tie_weights()
+    return LoadedModel(name=name, hf=hf.eval(), tokenizer=_tokenizer(folder), source=origin)
 
 
 def _load_gguf_dense(gguf: Path, dtype: torch.dtype, device: torch.device,

@@ -30,6 +30,7 @@ from torch import nn
 
 from layerplan.models.architectures import STATIC_ROPE_TYPES
 from layerplan.models.errors import ModelError
+from layerplan.models.file_index import merges_as_strings
 from layerplan.models.gguf_config import load_config, load_tokenizer
 from layerplan.models.gguf_file import read_header
 from layerplan.models.gguf_index import INDEX_VERSION, TENSORS_FILE, StoredTensor
@@ -136,7 +137,7 @@ def _row_order(processor, name: str, rows: int) -> tuple[int, ...] | None:
     return None if np.array_equal(order, index[:, 0]) else tuple(int(i) for i in order)
 
 
-def _skeleton(config, dtype: torch.dtype = torch.float32) -> nn.Module:
+def meta_skeleton(config, dtype: torch.dtype = torch.float32) -> nn.Module:
     """The CausalLM of `config` with its parameters on the meta device (buffers real)."""
     from accelerate import init_empty_weights
     from transformers import AutoModelForCausalLM
@@ -171,21 +172,6 @@ def _rotary_of_index(hf: nn.Module, rotary: dict | None) -> None:
     module.inv_freq = values
     if isinstance(getattr(module, "original_inv_freq", None), torch.Tensor):
         module.original_inv_freq = values.clone()
-
-
-def _merges_as_strings(path: Path) -> None:
-    """A BPE tokenizer.json's merges written "a b" rather than ["a", "b"], where no merged token
-    holds a space: the same tokenizer (the `tokenizers` package reads both forms), parsed in three
-    quarters of the time — a quarter of the light front end's start (layerplan/lite/)."""
-    if not path.exists():
-        return
-    data = json.loads(path.read_text(encoding="utf-8"))
-    merges = (data.get("model") or {}).get("merges")
-    if (not merges or not all(isinstance(m, list) and len(m) == 2 for m in merges)
-            or any(" " in part for m in merges for part in m)):
-        return
-    data["model"]["merges"] = [f"{a} {b}" for a, b in merges]
-    path.write_text(json.dumps(data, ensure_ascii=False), encoding="utf-8")
 
 
 # user messages the chat frame is found with: none is in any template, and each is inserted
@@ -275,7 +261,7 @@ def index_gguf(path: Path, target: Path) -> Path:
     if type(processor).__name__ not in ROW_ORDER_PROCESSORS:
         raise ModelError(f"{path.name}: architecture '{config.model_type}' rearranges its GGUF tensors at load "
                          "(split or transposed matrices); run it dequantized (--dtype float32 or bfloat16)")
-    skeleton = _skeleton(config)
+    skeleton = meta_skeleton(config)
     names = gguf_to_parameter_names(skeleton, processor, header.architecture)
     entries = []
     for tensor in header.tensors:
@@ -299,7 +285,7 @@ def index_gguf(path: Path, target: Path) -> Path:
         config.save_pretrained(staging)
         if tokenizer is not None:
             tokenizer.save_pretrained(staging)
-            _merges_as_strings(staging / "tokenizer.json")
+            merges_as_strings(staging / "tokenizer.json")
         chat = _chat_frame(tokenizer) if tokenizer is not None else {"template": False}
         (staging / TENSORS_FILE).write_text(json.dumps({"gguf": str(path), "version": INDEX_VERSION,
                                                         "rotary": _rotary_facts(skeleton), "chat": chat,
@@ -374,7 +360,7 @@ def _skeleton_with_small_tensors(path: Path, index: Path, dtype: torch.dtype = t
     from accelerate.utils import set_module_tensor_to_device
     from transformers import AutoConfig
 
-    hf = _skeleton(AutoConfig.from_pretrained(index), dtype)
+    hf = meta_skeleton(AutoConfig.from_pretrained(index), dtype)
     tensors: dict[str, StoredTensor] = {}
     for entry in json.loads((index / TENSORS_FILE).read_text())["tensors"]:
         kind = gguf.GGMLQuantizationType[entry["type"]]
