@@ -362,6 +362,18 @@ def test_a_checkpoint_is_quantized_a_tensor_at_a_time(tmp_path, monkeypatch, tie
                        forward(whole, ids, cache=new_cache(whole.plan(), 16)))
 
 
+@pytest.mark.parametrize("damage", ["garbage", "truncated"])
+def test_a_damaged_checkpoint_quantized_at_load_is_one_line(tmp_path, damage):
+    from layerplan.engine.load import load_model
+
+    tiny_hf("llama", num_layers=1).save_pretrained(tmp_path / "ckpt")
+    weights = tmp_path / "ckpt" / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(b"\xff" * 64 if damage == "garbage" else data[:len(data) - 100])
+    with pytest.raises(ModelError, match=r"ckpt.*(cannot load its weights|ends inside a tensor)"):
+        load_model(tmp_path / "ckpt", dtype="q8_0", engine="native")
+
+
 def test_a_format_whose_blocks_fit_no_matrix_is_refused(tmp_path):
     from layerplan.engine.load import load_model
 

@@ -14,6 +14,7 @@ from dataclasses import InitVar, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -374,6 +375,39 @@ def load_model(
 Taker = Callable[[nn.Module], Callable[[str, torch.Tensor], bool]]
 
 
+# safetensors dtypes -> (the numpy dtype its bytes are read as, the torch dtype they are)
+_SAFETENSOR_DTYPES = {"F32": (np.float32, torch.float32), "F16": (np.float16, torch.float16),
+                      "BF16": (np.int16, torch.bfloat16)}
+
+
+def _safetensors_header(file: Path) -> tuple[dict[str, dict], int]:
+    """(tensor name -> its header entry, where the data begins) of a .safetensors file: an 8-byte
+    little-endian length, then that many bytes of JSON."""
+    with open(file, "rb") as handle:
+        size = int.from_bytes(handle.read(8), "little")
+        if not 0 < size < 2 ** 30:
+            raise ValueError(f"{file.name}: not a safetensors file")
+        header = json.loads(handle.read(size))
+    header.pop("__metadata__", None)
+    for key, entry in header.items():
+        if entry.get("dtype") not in _SAFETENSOR_DTYPES:
+            raise ValueError(f"{file.name}: tensor {key} is stored as {entry.get('dtype')}")
+    return header, 8 + size
+
+
+def _read_safetensor(handle, file: Path, start: int, entry: dict) -> torch.Tensor:
+    """One tensor of a .safetensors file read into memory of its own (not mapped: its pages leave
+    with it, where a mapped file's read pages would stay in the process's resident set)."""
+    kind, dtype = _SAFETENSOR_DTYPES[entry["dtype"]]
+    first, end = entry["data_offsets"]
+    values = np.empty((end - first) // np.dtype(kind).itemsize, kind)
+    handle.seek(start + first)
+    if handle.readinto(memoryview(values).cast("B")) != end - first:
+        raise ModelError(f"{file}: the file ends inside a tensor (truncated?)")
+    tensor = torch.from_numpy(values)
+    return (tensor.view(dtype) if dtype == torch.bfloat16 else tensor).reshape(entry["shape"])
+
+
 def load_by_tensor(source: str | os.PathLike | None, taker: Taker) -> LoadedModel | None:
     """A HF folder of safetensors built a tensor at a time: the model without weights (its
     parameters on the meta device), then each of the checkpoint's tensors read from its
@@ -382,7 +416,6 @@ def load_by_tensor(source: str | os.PathLike | None, taker: Taker) -> LoadedMode
     where the source is not such a folder or names a tensor the model has no parameter for (the
     caller loads it whole, as transformers does, with its renaming rules)."""
     from accelerate.utils import set_module_tensor_to_device
-    from safetensors import SafetensorError, safe_open
 
     if _gguf_source(source) is not None:
         return None
@@ -392,22 +425,22 @@ def load_by_tensor(source: str | os.PathLike | None, taker: Taker) -> LoadedMode
         return None
     config = _config_of(folder)
     require_checked(config)
+    try:
+        headers = [(file, _safetensors_header(file)) for file in files]
+    except (OSError, ValueError) as error:
+        raise ModelError(f"{folder}: cannot load its weights (damaged, truncated or unreadable?): {error}") from None
     hf = meta_skeleton(config)
     parameters = dict(hf.named_parameters(remove_duplicate=False))
+    if any(key not in parameters for _, (entries, _) in headers for key in entries):
+        return None
     take = taker(hf)
-    try:
-        for file in files:
-            with safe_open(str(file), framework="pt") as tensors:
-                if any(key not in parameters for key in tensors.keys()):
-                    return None
-                for key in tensors.keys():
-                    values = tensors.get_tensor(key)
-                    if not take(key, values):
-                        set_module_tensor_to_device(hf, key, "cpu", value=values.to(torch.float32))
-                    del values
-    except (OSError, SafetensorError) as error:
-        first = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
-        raise ModelError(f"{folder}: cannot load its weights (damaged, truncated or unreadable?): {first}") from None
+    for file, (entries, start) in headers:
+        with open(file, "rb") as handle:
+            for key, entry in entries.items():
+                values = _read_safetensor(handle, file, start, entry)
+                if not take(key, values):
+                    set_module_tensor_to_device(hf, key, "cpu", value=values.to(torch.float32))
+                del values
     hf.tie_weights()
     return LoadedModel(name=name, hf=hf.eval(), tokenizer=_tokenizer(folder), source=origin)
 
