@@ -60,6 +60,7 @@ SLOW_TESTS = {
     "test_the_packaged_models_config_and_tokenizer_are_transformers_own",  # transformers' GGUF loader, 24 s
     "test_the_packaged_models_header_reads_as_gguf_py_reads_it",  # the packaged file through gguf-py
     "test_a_quantized_copys_samples_keep_the_target_distribution",  # seeded samples
+    "test_the_packaged_models_index_is_the_one_transformers_makes",  # transformers' GGUF tokenizer, twice
 }
 
 
