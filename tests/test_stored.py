@@ -382,6 +382,23 @@ def test_a_format_whose_blocks_fit_no_matrix_is_refused(tmp_path):
         load_model(tmp_path / "ckpt", dtype="q4_k", engine="native")
 
 
+def test_a_first_load_reports_its_packing(tmp_path, monkeypatch):
+    """on_tensor(done, total) follows the matrices packed for the kernels at a GGUF's first use
+    (the command line's progress bar), up to every matrix."""
+    import torch as torch_
+
+    from layerplan.engine.load import load_model
+
+    monkeypatch.setenv("LAYERPLAN_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(torch_, "get_num_threads", lambda: 2)  # (fill threads: the bar's jobs)
+    path = write_tiny_gguf(tiny_hf("llama", num_layers=2), tmp_path / "m.gguf", "Q4_1")
+    seen = []
+    model = load_model(path, dtype="stored", engine="native", on_tensor=lambda done, total: seen.append((done, total)))
+    assert model.native is not None and seen
+    assert [done for done, _ in seen] == sorted(done for done, _ in seen) and seen[-1][0] == seen[-1][1]
+    assert seen[-1][1] >= 2 * 4 + 1  # each layer's qkv, o, gate_up and down, and the LM head
+
+
 def test_kept_panels_load_bit_for_bit_and_are_packed_again_when_cut_short(tmp_path, monkeypatch):
     """A GGUF's packed panels are written once to the cache and read back by later loads (no
     packing), with the same logits; an entry cut short is packed again; a changed file, or the

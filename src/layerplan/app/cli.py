@@ -200,7 +200,8 @@ def _load(model: str, dtype: str, device: str = "cpu", engine: str = "auto", den
     if sizes is not None:  # a GGUF dequantized whole: say what it costs before it starts
         click.echo(f"dequantizing the GGUF to {dtype}: {sizes[0] / 1e9:.1f} GB of weights in memory (the file "
                    f"stores them in {sizes[1] / 1e9:.1f} GB; --dtype auto runs them as stored)", err=True)
-    bar = _Progress("dequantizing") if sizes is not None else None
+    # a bar where the load takes seconds: a GGUF dequantized, or packed for the kernels at its first use
+    bar = _Progress("dequantizing") if sizes is not None else _Progress("packing for the kernels") if first else None
     try:
         loaded = load_model(model, dtype=dtype, device=device, engine=engine, device_map=_device_map(), on_tensor=bar)
     finally:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, as_completed
 
 import torch
 
@@ -29,6 +29,9 @@ class WeightArena:
         self.fillers = fillers
         self._pool: ThreadPoolExecutor | None = None
         self._pending: list[Future] = []
+        # on_filled(jobs done, jobs given) as settle() sees jobs finish (a first load's progress bar)
+        self.on_filled: Callable[[int, int], None] | None = None
+        self._given = self._done = 0
 
     def fill(self, job: Callable[[], object]) -> Future:
         """Run `job` (it writes a matrix's packed bytes into this arena) on the fill threads; its
@@ -40,14 +43,18 @@ class WeightArena:
         if self._pool is None:
             self._pool = ThreadPoolExecutor(self.fillers, thread_name_prefix="layerplan-fill")
         self._pending.append(self._pool.submit(job))
+        self._given += 1
         return self._pending[-1]
 
     def settle(self) -> None:
         """Wait for every fill job; the first that failed raises its error here."""
         pending, self._pending = self._pending, []
         try:
-            for job in pending:
+            for job in as_completed(pending):
                 job.result()
+                self._done += 1
+                if self.on_filled is not None:
+                    self.on_filled(self._done, self._given)
         finally:
             if self._pool is not None:
                 self._pool.shutdown(wait=True, cancel_futures=True)

@@ -15,6 +15,7 @@ that was given none runs its modules (`executor_of`). The steps of an attached m
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -360,12 +361,14 @@ def modules_executor(model) -> Executor:
     return MODULES if model.placement is None else PlacedExecutor(model.placement)
 
 
-def use_native(model, panels: PanelCache | None = None) -> NativeEngine:
+def use_native(model, panels: PanelCache | None = None,
+               on_filled: Callable[[int, int], None] | None = None) -> NativeEngine:
     """Run `model` (a LoadedModel on the CPU, not spread by a device map) on the native kernels
-    from now on; returns its kernels. panels: where its GGUF's packed matrices are kept."""
+    from now on; returns its kernels. panels: where its GGUF's packed matrices are kept;
+    on_filled(done, total): the progress of reading or packing its matrices."""
     if model.placement is not None:
         raise ValueError("the native engine does not run a model spread by a device map")
-    engine = NativeEngine(model, panels)
+    engine = NativeEngine(model, panels, on_filled)
     model.executor = NativeExecutor(engine, modules_executor(model))
     return engine
 

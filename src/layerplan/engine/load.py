@@ -99,7 +99,8 @@ def load_model(
     (models/placement.py); instead of `device`. Such a model runs on the eager engine.
     pack: prepack bf16 linears for oneDNN (see engine/cpu_pack.py) when the eager engine runs;
     None = when dtype is bf16 on a CPU that supports it.
-    on_tensor(done, total): after each matrix a GGUF loaded dense (float32, bfloat16) dequantizes."""
+    on_tensor(done, total): after each matrix a GGUF loaded dense (float32, bfloat16) dequantizes,
+    or a GGUF run as stored reads or packs for the kernels."""
     if dtype == "auto":
         dtype = choose_dtype("auto", engine, device, source=source, dense="float32")
     with collection_paused():  # the modules' objects live as long as the model (layerplan/collection.py)
@@ -111,7 +112,7 @@ def load_model(
                                  "use --dtype float32 or bfloat16")
             if dtype in STORED_ARITHMETIC:
                 return prepare(loading.load_stored_model(source, STORED_ARITHMETIC[dtype]), engine, pack=False,
-                               panels=panels)
+                               panels=panels, on_filled=on_tensor)
             block_format, arithmetic = QUANTIZED[dtype]
             model = loading.load_by_tensor(source, partial(_quantizing_taker, block_format))
             if model is None:  # not a folder of safetensors the model's names read: loaded whole first
@@ -217,7 +218,7 @@ def quantize_linears(model: LoadedModel, block_format: str, arithmetic: str = "e
 
 
 def prepare(model: LoadedModel, engine: str = "auto", pack: bool | None = None,
-            panels: PanelCache | None = None) -> LoadedModel:
+            panels: PanelCache | None = None, on_filled: Callable[[int, int], None] | None = None) -> LoadedModel:
     """Attach the executor of `engine` to a loaded model (see load_model): the native kernels where
     they run here and the architecture passed its check with them, else the modules (bf16 linears
     packed where `pack` says). panels: where a GGUF's packed matrices are kept."""
@@ -235,7 +236,7 @@ def prepare(model: LoadedModel, engine: str = "auto", pack: bool | None = None,
         pack_linears(model.hf)
         model.parts = parts_of(model.hf)  # the packed linears (the LM head among them) are its parts now
     if kind == "native" and native_allowed(model.hf.config):
-        use_native(model, panels)
+        use_native(model, panels, on_filled)
     else:
         model.executor = modules_executor(model)
     return model

@@ -609,8 +609,10 @@ def _rows_limit(dtype: torch.dtype) -> int | None:
 class NativeEngine:
     """The native kernels of one loaded model: a NativeLayer per decoder layer."""
 
-    def __init__(self, model, panels: PanelCache | None = None) -> None:
-        """panels: where the GGUF's packed matrices are kept (prefetched, maybe); None: found here."""
+    def __init__(self, model, panels: PanelCache | None = None,
+                 on_filled: Callable[[int, int], None] | None = None) -> None:
+        """panels: where the GGUF's packed matrices are kept (prefetched, maybe); None: found here.
+        on_filled(matrices filled, matrices to fill): the progress of reading or packing them."""
         library()  # fail here, with the reason, rather than inside a forward pass
         model_type = model.hf.config.model_type
         spec = arch_spec(model_type)
@@ -623,6 +625,7 @@ class NativeEngine:
         if panels is None and self.stored is not None and self.stored.quantized is None:
             panels = PanelCache.for_file(self.stored.path, kernels_key())
         self.arena = WeightArena(panels, fillers=torch.get_num_threads())
+        self.arena.on_filled = on_filled
         if self.layout is None:
             self.why_eager = f"the kernels are not checked for {model_type} layers"
         elif model.parts.rotary is None:
