@@ -54,7 +54,9 @@ def _qwen3():
 def _pair(tmp_path, arch: str, matrix_type: str, dtype: str, types: dict | None = None):
     """(the tiny GGUF on the torch front end, which indexes it and keeps its panels; the same file
     on the light front end)."""
-    hf = {"wide-llama": _wide_llama, "qwen3": _qwen3}.get(arch, lambda: tiny_hf(arch, num_layers=3))()
+    hf = {"wide-llama": _wide_llama, "qwen3": _qwen3,
+          # six layers: the sixth is full attention (transformers' Gemma 3 default pattern), the rest sliding
+          "gemma3": lambda: tiny_hf("gemma3", num_layers=6)}.get(arch, lambda: tiny_hf(arch, num_layers=3))()
     path = write_tiny_gguf(hf, tmp_path / f"{arch}.gguf", matrix_type, types)
     model = load_model(path, dtype=dtype, engine="native")
     return model, LiteModel(path, STORED_ARITHMETIC[dtype], threads=2)
@@ -62,7 +64,7 @@ def _pair(tmp_path, arch: str, matrix_type: str, dtype: str, types: dict | None 
 
 @pytest.mark.parametrize("arch,matrix_type,types", [
     ("llama", "Q4_1", None), ("qwen2", "Q4_0", None), ("llama", "Q8_0", {"attn_v": "Q4_0", "ffn_down": "Q5_1"}),
-    ("wide-llama", "Q4_K", {"attn_v": "Q6_K", "ffn_down": "Q6_K"}), ("qwen3", "Q8_0", None)])
+    ("wide-llama", "Q4_K", {"attn_v": "Q6_K", "ffn_down": "Q6_K"}), ("qwen3", "Q8_0", None), ("gemma3", "Q8_0", None)])
 @pytest.mark.parametrize("dtype", ["stored", "stored-fast"])
 def test_the_light_front_end_gives_the_torch_front_ends_logits(tmp_path, arch, matrix_type, types, dtype):
     """Every plan's prompt pass (every row's logits) and the decoding steps after it: the same bits."""

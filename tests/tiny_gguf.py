@@ -11,6 +11,9 @@ import torch
 
 # model_type -> (GGUF architecture, the config keys it writes)
 ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mistral": "llama"}
+# written too, but not among the architectures the GGUF tests sweep: Gemma 3 (its norms stored as
+# 1 + w, as llama.cpp's converter writes them; its head width and sliding window in the header)
+WRITTEN = {**ARCHITECTURES, "gemma3_text": "gemma3"}
 
 
 def _permute(weights: np.ndarray, heads: int, kv_heads: int) -> np.ndarray:
@@ -44,7 +47,7 @@ def write_tiny_gguf(hf: torch.nn.Module, path: Path, matrix_type: str = "Q8_0",
     import gguf
 
     config = hf.config
-    arch = ARCHITECTURES[config.model_type]
+    arch = WRITTEN[config.model_type]
     kind = gguf.GGMLQuantizationType[matrix_type]
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_context_length(config.max_position_embeddings)
@@ -54,8 +57,14 @@ def write_tiny_gguf(hf: torch.nn.Module, path: Path, matrix_type: str = "Q8_0",
     writer.add_head_count(config.num_attention_heads)
     writer.add_head_count_kv(config.num_key_value_heads)
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-    writer.add_rope_freq_base(float(getattr(config, "rope_theta", None) or config.rope_parameters["rope_theta"]))
+    rope = config.rope_parameters
+    rope = rope.get("full_attention", rope)  # (Gemma 3's by layer type: the file holds the full layers')
+    writer.add_rope_freq_base(float(getattr(config, "rope_theta", None) or rope["rope_theta"]))
     writer.add_vocab_size(config.vocab_size)
+    if arch == "gemma3":
+        writer.add_key_length(config.head_dim)
+        writer.add_value_length(config.head_dim)
+        writer.add_sliding_window(config.sliding_window)
     writer.add_file_type(int(kind) if kind != gguf.GGMLQuantizationType.F32 else 0)
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], config.num_hidden_layers)
     for name, tensor in hf.state_dict().items():
@@ -64,6 +73,8 @@ def write_tiny_gguf(hf: torch.nn.Module, path: Path, matrix_type: str = "Q8_0",
         if gguf_name is None:
             continue
         values = tensor.detach().float().numpy()
+        if arch == "gemma3" and name.endswith("norm.weight"):
+            values = values + 1  # (llama.cpp's RMSNorm multiplies by the weight; Gemma's module by 1 + w)
         if arch == "llama" and gguf_name.endswith(("attn_q", "attn_k")):
             kv = config.num_key_value_heads if gguf_name.endswith("attn_k") else config.num_attention_heads
             values = _permute(values, config.num_attention_heads, kv)

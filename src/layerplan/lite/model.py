@@ -11,7 +11,7 @@ torch front end's whole_pass does. So its logits are the torch front end's bit f
 (tests/test_lite.py), and a start costs the interpreter, numpy, the tokenizer and the panels' read.
 
 It takes the architectures whose layers the kernels run whole with nothing the torch front end
-decides from modules (LITE_ARCHITECTURES) and plans of this one model; `lite_refusal` says why
+decides from modules (LITE_ARCHITECTURES: the llama family and Gemma 3) and plans of this one model; `lite_refusal` says why
 not, and then the caller runs the torch front end.
 """
 
@@ -42,13 +42,33 @@ from layerplan.plan.plan import LayerPlan
 _Norm, _Matrix, _Kv, _Attention, _Mlp, _Step = (ABI.structs[name] for name in (
     "lp_norm", "lp_matrix", "lp_kv", "lp_attention", "lp_mlp", "lp_step"))
 
-# model types (config.json's) whose decoder layers are the llama family's as the kernels run them:
-# RMSNorm rounding the normalised value, q/k/v/o projections (biases where the file has them),
-# RoPE on whole heads, scores scaled by head_dim ** -0.5, a SiLU-gated MLP; value: whether the
-# attention normalises q and k per head (Qwen3's q_norm, k_norm). engine/native.py checks the same
-# facts on the modules (models/architectures.py KernelLayout); a type joins this table once
-# tests/test_lite.py gives it the torch front end's bits.
-LITE_ARCHITECTURES = {"llama": False, "qwen2": False, "qwen3": True}
+@dataclass(frozen=True)
+class LiteLayout:
+    """How the kernels run one model type's decoder layers, as the torch front end reads them from
+    its modules (models/architectures.py: the ArchSpec's norm names and norm_weight_offset, its
+    KernelLayout; engine/native.py checks the same facts on the modules). A type joins
+    LITE_ARCHITECTURES once tests/test_lite.py gives it the torch front end's bits."""
+
+    qk_norm: bool = False  # the attention normalises q and k per head (q_norm, k_norm)
+    # the norms' tensors: before attention, after it (None: none), before the MLP, after it
+    norms: tuple[str, str | None, str, str | None] = ("input_layernorm", None, "post_attention_layernorm", None)
+    norm_offset: float = 0.0  # added to a norm's weight (Gemma's 1 + w)
+    rounding: int = ABI.LP_NORM_ROUND_NORMALISED  # llama's RMSNorm rounding, or Gemma's (LP_NORM_ROUND_PRODUCT)
+    activation: int = ABI.LP_ACT_SILU
+    scaled_embedding: bool = False  # the embedding's rows times sqrt(hidden) (Gemma)
+
+
+# model types (config.json's) the light front end runs: the llama family's layers (RMSNorm, q/k/v/o
+# projections with biases where the file has them, RoPE on whole heads, a gated MLP) and Gemma 3's
+LITE_ARCHITECTURES = {
+    "llama": LiteLayout(), "qwen2": LiteLayout(), "qwen3": LiteLayout(qk_norm=True),
+    "gemma3_text": LiteLayout(qk_norm=True, norm_offset=1.0, rounding=ABI.LP_NORM_ROUND_PRODUCT,
+                              activation=ABI.LP_ACT_GELU_TANH, scaled_embedding=True,
+                              norms=("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                                     "post_feedforward_layernorm")),
+}
+# config.json's activation names -> the kernels' (a layout's own is the only one it takes)
+_ACTIVATIONS = {"silu": ABI.LP_ACT_SILU, "gelu_pytorch_tanh": ABI.LP_ACT_GELU_TANH}
 ARITHMETIC_CODES = {"exact": ABI.LP_ARITH_EXACT, "fast": ABI.LP_ARITH_INT8}
 # the small tensors (norms, biases) a file may store, as numpy reads them
 _SMALL_TYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16}
@@ -81,10 +101,19 @@ def lite_refusal(index: Path) -> str | None:
     model_type = config.get("model_type")
     if model_type not in LITE_ARCHITECTURES:
         return f"architecture '{model_type}' runs on the torch front end"
-    if config.get("hidden_act", "silu") != "silu" or config.get("partial_rotary_factor", 1.0) != 1.0:
+    layout = LITE_ARCHITECTURES[model_type]
+    activation = config.get("hidden_activation") or config.get("hidden_act") or "silu"
+    if _ACTIVATIONS.get(activation) != layout.activation or config.get("partial_rotary_factor", 1.0) != 1.0:
         return "an activation or rotary layout the light front end does not take"
-    if config.get("use_sliding_window") or any(t != "full_attention" for t in config.get("layer_types") or ()):
+    if config.get("final_logit_softcapping") or config.get("attn_logit_softcapping"):
+        return "logit soft-capping runs on the torch front end"
+    types = config.get("layer_types") or ()
+    by_type = tensors["rotary"].get("by_layer_type")
+    if by_type is None and (config.get("use_sliding_window") or any(t != "full_attention" for t in types)):
         return "sliding-window attention runs on the torch front end"
+    if by_type is not None and (not types or set(types) - set(by_type)
+                                or set(types) - {"full_attention", "sliding_attention"}):
+        return "rotary frequencies by layer type that do not match its layers"
     kinds = {entry["type"] for entry in tensors["tensors"]}
     unknown = sorted(k for k in kinds if getattr(ABI, f"LP_FORMAT_{k}", None) is None)
     if unknown:
@@ -105,6 +134,9 @@ class LiteConfig:
     eps: float
     context_length: int
     eos_token_ids: tuple[int, ...]
+    scaling: float  # of the attention's scores: head_dim ** -0.5, or Gemma's query_pre_attn_scalar ** -0.5
+    layer_types: tuple[str, ...]  # each layer's ("full_attention", "sliding_attention")
+    windows: tuple[int, ...]  # each layer's sliding window (0: none)
 
     @classmethod
     def read(cls, config: dict, query_rows: int) -> LiteConfig:
@@ -113,6 +145,9 @@ class LiteConfig:
         heads = config["num_attention_heads"]
         eos = config.get("eos_token_id")
         eos_ids = (eos,) if isinstance(eos, int) else tuple(eos or ())
+        layers = config["num_hidden_layers"]
+        types = tuple(config.get("layer_types") or ("full_attention",) * layers)
+        window = int(config.get("sliding_window") or 0)
         return cls(hidden=config["hidden_size"], heads=heads,
                    kv_heads=config.get("num_key_value_heads") or heads,
                    head_dim=query_rows // heads,
@@ -120,7 +155,9 @@ class LiteConfig:
                    eps=float(config["rms_norm_eps"]),
                    # models/architectures.py context_length
                    context_length=int(config.get("max_position_embeddings") or config.get("n_positions") or 2048),
-                   eos_token_ids=tuple(int(i) for i in eos_ids))
+                   eos_token_ids=tuple(int(i) for i in eos_ids),
+                   scaling=float((config.get("query_pre_attn_scalar") or query_rows // heads) ** -0.5),
+                   layer_types=types, windows=tuple(window if t == "sliding_attention" else 0 for t in types))
 
 
 class Packed:
@@ -233,17 +270,22 @@ class LiteModel:
         self.threads = threads or physical_cores()  # (torch's default, as the torch front end runs)
         # (llama.cpp's arithmetic keeps its keys and values in f16, as engine/native.py's does)
         self.kv_dtype = np.float16 if self.arithmetic == ABI.LP_ARITH_INT8 else np.float32
-        self.qk_norm = LITE_ARCHITECTURES[config["model_type"]]
+        self.layout = LITE_ARCHITECTURES[config["model_type"]]
         self.index = index
         self.chat = facts.get("chat") or {"template": True}  # (models/stored.py _chat_frame)
         self.tensors: dict[str, StoredTensor] = {}
         self.small: dict[str, np.ndarray] = {}
         for entry in facts["tensors"]:
             self._read_entry(gguf, entry)
+        # one rotary table a layer type (Gemma 3's sliding and full attention), or one for all
         rotary = facts["rotary"]
-        self.inv_freq = np.asarray(rotary["inv_freq"], np.float32)
-        self.attention_scaling = rotary["attention_scaling"]
-        self._cos = self._sin = np.empty((0, 2 * len(self.inv_freq)), np.float32)
+        by_type = rotary.get("by_layer_type") or {"": rotary}
+        self._ropes = [(np.asarray(f["inv_freq"], np.float32), f["attention_scaling"]) for f in by_type.values()]
+        order = {layer_type: i for i, layer_type in enumerate(by_type)}
+        self.rope_of_layer = tuple(order.get(t, 0) for t in self.config.layer_types)
+        self._cos = [np.empty((0, 2 * len(inv_freq)), np.float32) for inv_freq, _ in self._ropes]
+        self._sin = list(self._cos)
+        self.embed_scale = np.float32(self.config.hidden ** 0.5) if self.layout.scaled_embedding else None
         self._build(gguf, on_packed)
 
     # ----- the file's tensors ------------------------------------------------------------------
@@ -280,10 +322,11 @@ class LiteModel:
 
     # ----- descriptors ---------------------------------------------------------------------------
     def _norm(self, name: str | None) -> ctypes.Structure:
+        layout = self.layout
         if name is None:
-            return _Norm(None, 0.0, 0.0, ABI.LP_NORM_ROUND_NORMALISED, ABI.LP_DTYPE_F32)
+            return _Norm(None, 0.0, 0.0, layout.rounding, ABI.LP_DTYPE_F32)
         weight = self._small(name)
-        return _Norm(weight.ctypes.data, self.config.eps, 0.0, ABI.LP_NORM_ROUND_NORMALISED, ABI.LP_DTYPE_F32)
+        return _Norm(weight.ctypes.data, self.config.eps, layout.norm_offset, layout.rounding, ABI.LP_DTYPE_F32)
 
     def _bias(self, names: Sequence[str], rows: Sequence[int]) -> np.ndarray | None:
         """The stack's biases in fp32 (zeros for a part without one), None where none has one."""
@@ -338,19 +381,24 @@ class LiteModel:
         self.eos_token_ids = tuple(sorted(set(self.config.eos_token_ids) | set(eos_ids)))
         self.packed.finish(on_packed)
         self.attention, self.mlp = [], []
+        attention_norm, attention_post, mlp_norm, mlp_post = self.layout.norms
+        qk_norm = self.layout.qk_norm
+
+        def norm_of(layer: int, name: str | None) -> ctypes.Structure:
+            return self._norm(_layer_tensor(layer, f"{name}.weight") if name is not None else None)
+
         for i, stack in enumerate(stacks):
             attn = _layer_tensor(i, "self_attn")
             self.attention.append(_Attention(
                 hidden=c.hidden, heads=c.heads, kv_heads=c.kv_heads, head_dim=c.head_dim,
-                norm=self._norm(_layer_tensor(i, "input_layernorm.weight")),
-                q_norm=self._norm(f"{attn}.q_norm.weight" if self.qk_norm else None),
-                k_norm=self._norm(f"{attn}.k_norm.weight" if self.qk_norm else None),
-                post_norm=self._norm(None), qkv=self._describe(stack["qkv"]), v=self._describe(stack["v"]),
-                o=self._describe(stack["o"]), scaling=float(c.head_dim ** -0.5), window=0, rotary_dim=c.head_dim))
-            self.mlp.append(_Mlp(hidden=c.hidden, inner=c.inner,
-                                 norm=self._norm(_layer_tensor(i, "post_attention_layernorm.weight")),
-                                 post_norm=self._norm(None), gate_up=self._describe(stack["gate_up"]),
-                                 down=self._describe(stack["down"]), activation=ABI.LP_ACT_SILU))
+                norm=norm_of(i, attention_norm),
+                q_norm=self._norm(f"{attn}.q_norm.weight" if qk_norm else None),
+                k_norm=self._norm(f"{attn}.k_norm.weight" if qk_norm else None),
+                post_norm=norm_of(i, attention_post), qkv=self._describe(stack["qkv"]), v=self._describe(stack["v"]),
+                o=self._describe(stack["o"]), scaling=c.scaling, window=c.windows[i], rotary_dim=c.head_dim))
+            self.mlp.append(_Mlp(hidden=c.hidden, inner=c.inner, norm=norm_of(i, mlp_norm),
+                                 post_norm=norm_of(i, mlp_post), gate_up=self._describe(stack["gate_up"]),
+                                 down=self._describe(stack["down"]), activation=self.layout.activation))
         self.final_norm = self._norm("model.norm.weight")
         self.head = self._describe(head)
         self.vocab = head["n"]
@@ -397,12 +445,13 @@ class LiteModel:
         return LiteCache(self, plan, capacity)
 
     def _rope(self, end: int) -> None:
-        """The rotary table over positions 0..end-1 at least."""
-        have = self._cos.shape[0]
-        if have < end:
-            size = -(-max(end, 2 * have, 256) // 64) * 64
-            cos, sin = rope_rows(self.inv_freq, self.attention_scaling, have, size)
-            self._cos, self._sin = np.concatenate([self._cos, cos]), np.concatenate([self._sin, sin])
+        """Every rotary table over positions 0..end-1 at least."""
+        for i, (inv_freq, scaling) in enumerate(self._ropes):
+            have = self._cos[i].shape[0]
+            if have < end:
+                size = -(-max(end, 2 * have, 256) // 64) * 64
+                cos, sin = rope_rows(inv_freq, scaling, have, size)
+                self._cos[i], self._sin[i] = np.concatenate([self._cos[i], cos]), np.concatenate([self._sin[i], sin])
 
     def embed_rows(self, ids: np.ndarray) -> np.ndarray:
         """float32 (len(ids), hidden): the ids' embedding rows, dequantized by the kernels."""
@@ -413,6 +462,8 @@ class LiteModel:
         out = np.empty((len(ids), self.embedding.columns), np.float32)
         check(library().lp_dequantize_rows(self.embedding_format, rows.ctypes.data, len(ids), self.embedding.columns,
                                            out.ctypes.data), f"dequantizing {self.embedding.type_name} embedding rows")
+        if self.embed_scale is not None:  # (Gemma's rows * sqrt(hidden) in float32, as its module scales them)
+            out *= self.embed_scale
         return out
 
     def logits(self, ids: Sequence[int], cache: LiteCache, start_pos: int, last_only: bool = True) -> np.ndarray:
@@ -427,8 +478,9 @@ class LiteModel:
         hidden = np.empty((rows, self.config.hidden), np.float32)
         logits = np.empty((1 if last_only else rows, self.vocab), np.float32)
         self._rope(start_pos + rows)
-        cos = (ctypes.c_void_p * 1)(self._cos[start_pos:].ctypes.data)
-        sin = (ctypes.c_void_p * 1)(self._sin[start_pos:].ctypes.data)
+        tables = len(self._ropes)
+        cos = (ctypes.c_void_p * tables)(*(table[start_pos:].ctypes.data for table in self._cos))
+        sin = (ctypes.c_void_p * tables)(*(table[start_pos:].ctypes.data for table in self._sin))
         check(library().lp_forward(
             table.ctypes.data, rows, order.ctypes.data, rows, hidden.ctypes.data, cache.table, len(cache.table),
             start_pos, cos, sin, 0, 0, None, ctypes.byref(self.final_norm), ctypes.byref(self.head),
@@ -455,7 +507,7 @@ class LiteCache:
                 entry.kv = _Kv(keys.ctypes.data, values.ctypes.data, capacity, 0, kv_code)
             if step.mlp:
                 entry.mlp = ctypes.pointer(model.mlp[step.layer])
-            entry.rope = 0
+            entry.rope = model.rope_of_layer[step.layer]
             entry.scale = step.scale
 
 

@@ -149,12 +149,22 @@ def meta_skeleton(config, dtype: torch.dtype = torch.float32) -> nn.Module:
 
 def _rotary_facts(hf: nn.Module) -> dict | None:
     """The model's rotary frequencies and scaling as its module holds them (engine/rope_tables.py
-    turns them into tables), where they are fixed at load and one for every layer; else None."""
+    turns them into tables), where they are fixed at load: {"inv_freq", "attention_scaling"} where
+    one serves every layer; {"by_layer_type": {layer type: the same}} where each layer type has its
+    own (Gemma 3's sliding and full attention); else None."""
     rotary = getattr(getattr(hf, "model", None), "rotary_emb", None)
-    inv_freq = getattr(rotary, "inv_freq", None)
-    scaling = getattr(rotary, "attention_scaling", None)
+    rope_type = getattr(rotary, "rope_type", None)
+    if not isinstance(rope_type, dict):
+        return _rope_of(rotary, "", rope_type)
+    found = {layer_type: _rope_of(rotary, f"{layer_type}_", kind) for layer_type, kind in rope_type.items()}
+    return {"by_layer_type": found} if found and None not in found.values() else None
+
+
+def _rope_of(rotary: nn.Module | None, prefix: str, rope_type) -> dict | None:
+    inv_freq = getattr(rotary, f"{prefix}inv_freq", None)
+    scaling = getattr(rotary, f"{prefix}attention_scaling", None)
     if (not isinstance(inv_freq, torch.Tensor) or not isinstance(scaling, (int, float))
-            or getattr(rotary, "rope_type", None) not in STATIC_ROPE_TYPES):
+            or rope_type not in STATIC_ROPE_TYPES):
         return None
     return {"inv_freq": [float(f) for f in inv_freq.float().tolist()], "attention_scaling": float(scaling)}
 
@@ -164,14 +174,20 @@ def _rotary_of_index(hf: nn.Module, rotary: dict | None) -> None:
     them rounded once (models/file_index.py), and the light front end reads the same values, so
     both front ends compute the same numbers."""
     module = getattr(getattr(hf, "model", None), "rotary_emb", None)
-    if rotary is None or not isinstance(getattr(module, "inv_freq", None), torch.Tensor):
+    if rotary is None or module is None:
         return
-    values = torch.tensor(rotary["inv_freq"], dtype=torch.float32)
-    if values.shape != module.inv_freq.shape:
-        raise ModelError(f"the index's {len(values)} rotary frequencies do not fit the model's {module.inv_freq.numel()}")
-    module.inv_freq = values
-    if isinstance(getattr(module, "original_inv_freq", None), torch.Tensor):
-        module.original_inv_freq = values.clone()
+    by_type = rotary.get("by_layer_type") or {"": rotary}
+    for layer_type, facts in by_type.items():
+        prefix = f"{layer_type}_" if layer_type else ""
+        current = getattr(module, f"{prefix}inv_freq", None)
+        if not isinstance(current, torch.Tensor):
+            return
+        values = torch.tensor(facts["inv_freq"], dtype=torch.float32)
+        if values.shape != current.shape:
+            raise ModelError(f"the index's {len(values)} rotary frequencies do not fit the model's {current.numel()}")
+        setattr(module, f"{prefix}inv_freq", values)
+        if isinstance(getattr(module, f"{prefix}original_inv_freq", None), torch.Tensor):
+            setattr(module, f"{prefix}original_inv_freq", values.clone())
 
 
 # user messages the chat frame is found with: none is in any template, and each is inserted
