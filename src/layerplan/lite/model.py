@@ -11,8 +11,8 @@ torch front end's whole_pass does. So its logits are the torch front end's bit f
 (tests/test_lite.py), and a start costs the interpreter, numpy, the tokenizer and the panels' read.
 
 It takes the architectures whose layers the kernels run whole with nothing the torch front end
-decides from modules (LITE_ARCHITECTURES: the llama family and Gemma 3) and plans of this one model; `lite_refusal` says why
-not, and then the caller runs the torch front end.
+decides from modules (LITE_ARCHITECTURES: the llama family and Gemma 3) and plans of this one
+model; `lite_refusal` says why not, and then the caller runs the torch front end.
 """
 
 from __future__ import annotations
