@@ -122,7 +122,7 @@ def file_index_refusal(header: GGUFHeader) -> str | None:
     return None
 
 
-def _python(value: Any) -> Any:
+def header_value(value: Any) -> Any:
     """A header value as transformers' reader gives it: arrays as lists, one-element lists unwrapped."""
     if isinstance(value, np.ndarray):
         value = value.tolist()
@@ -140,7 +140,7 @@ def config_of(header: GGUFHeader) -> dict[str, Any]:
     for key, value in header.metadata.items():
         name = keys.get(key)
         if name is not None:
-            config[name] = _python(value)
+            config[name] = header_value(value)
     if architecture == "llama" and header.metadata.get("general.name") == "mistral":
         config["model_type"] = "mistral"  # (as transformers' reader renames it)
     if "vocab_size" not in config and "tokenizer.ggml.tokens" in header.metadata:

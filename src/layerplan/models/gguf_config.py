@@ -19,9 +19,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 
 from layerplan.models.errors import ModelError
+from layerplan.models.file_index import CONFIG_KEYS, config_of, header_value
 from layerplan.models.gguf_file import GGUFHeader
 
 # architectures whose config transformers' reader builds with rules beyond its key table: read by it
@@ -32,24 +32,16 @@ _RENAMED = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe"}
 _TEXT_MODEL_TYPES = {"gemma3": "gemma3_text", "gemma4": "gemma4_text"}
 
 
-def _python(value: Any) -> Any:
-    """A header value as transformers' reader gives it: arrays as lists, one-element arrays as
-    their element (its reader makes a list of the field's parts and unwraps a list of one)."""
-    if isinstance(value, np.ndarray):
-        value = value.tolist()
-    if isinstance(value, list):
-        return value[0] if len(value) == 1 else value
-    return value
-
-
 def config_dict(header: GGUFHeader) -> dict[str, Any] | None:
     """transformers' config dict for the file (load_gguf_checkpoint(...)["config"]); None for an
     architecture read by transformers' own reader (LEGACY_ARCHITECTURES, or one its fast
     reader covers: GGUF_CONFIG_ARCHS)."""
+    architecture = header.architecture
+    if architecture in CONFIG_KEYS:  # (the file index's own table: no transformers import)
+        return config_of(header)
     from transformers.integrations.ggml import GGUF_CONFIG_DEFAULTS_MAPPING, GGUF_CONFIG_MAPPING
     from transformers.integrations.gguf import GGUF_CONFIG_ARCHS
 
-    architecture = header.architecture
     if not architecture:
         raise ModelError(f"{header.path}: no general.architecture in its metadata")
     if architecture in LEGACY_ARCHITECTURES or architecture in GGUF_CONFIG_ARCHS:
@@ -70,7 +62,7 @@ def config_dict(header: GGUFHeader) -> dict[str, Any] | None:
         target = renames[rest]
         if target is None or target == -1:
             continue
-        value = _python(value)
+        value = header_value(value)
         if isinstance(value, str) and architecture in value:
             value = value.replace(architecture, updated)
         config[target] = value
