@@ -168,6 +168,8 @@ def test_a_file_outside_the_tables_is_left_to_transformers(tmp_path, monkeypatch
 
     path = write_tiny_gguf(tiny_hf("llama"), tmp_path / "tiny.gguf")
     header = read_header(path)
+    monkeypatch.setitem(header.metadata, "tokenizer.ggml.model", "gpt2")
+    assert "without merges" in file_index_refusal(header)
     monkeypatch.setitem(header.metadata, "tokenizer.ggml.model", "llama")
     assert file_index_refusal(header) == "a 'llama' vocabulary is converted by transformers"
     monkeypatch.setitem(header.metadata, "general.architecture", "gemma3")

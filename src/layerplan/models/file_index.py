@@ -108,6 +108,8 @@ def file_index_refusal(header: GGUFHeader) -> str | None:
     tokenizer = header.metadata.get("tokenizer.ggml.model")
     if tokenizer not in (None, "gpt2"):
         return f"a '{tokenizer}' vocabulary is converted by transformers"
+    if tokenizer == "gpt2" and "tokenizer.ggml.merges" not in header.metadata:
+        return "a vocabulary without merges (transformers derives them from the scores)"
     if any(key.startswith(f"{architecture}.rope.scaling") for key in header.metadata):
         return "scaled rotary frequencies are computed by transformers"
     model_type = config_of(header)["model_type"]
