@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from dataclasses import replace
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -114,10 +113,11 @@ def load_model(
                 return prepare(loading.load_stored_model(source, STORED_ARITHMETIC[dtype]), engine, pack=False,
                                panels=panels, on_filled=on_tensor)
             block_format, arithmetic = QUANTIZED[dtype]
-            model = loading.load_by_tensor(source, partial(_quantizing_taker, block_format))
+            taker = QuantizingTaker(block_format)
+            model = loading.load_by_tensor(source, taker)
             if model is None:  # not a folder of safetensors the model's names read: loaded whole first
-                model = loading.load_model(source, "float32")
-            return prepare(quantize_linears(model, block_format, arithmetic), engine, pack=False)
+                model, taker.quantized = loading.load_model(source, "float32"), {}
+            return prepare(quantize_linears(model, block_format, arithmetic, taker.quantized), engine, pack=False)
         return prepare(loading.load_model(source, dtype, device, device_map, on_tensor), engine, pack)
 
 
@@ -158,41 +158,46 @@ def _quantized_linears(hf: nn.Module) -> list[nn.Module]:
     return linears + ([parts.lm_head] if isinstance(parts.lm_head, nn.Linear) else [])
 
 
-def _quantizing_taker(block_format: str, hf: nn.Module):
+class QuantizingTaker:
     """loading.load_by_tensor's taker: each matrix quantize_linears would quantize, quantized as it
-    is read (its module's weight stays on the meta device and joins `hf._layerplan_quantized`, which
-    quantize_linears adopts), so no dense copy of the model is ever whole in memory."""
-    if native_available() is not None:
-        raise ModelError(f"--dtype {block_format} quantizes with the native kernels: {native_available()}")
-    names = {id(m): n for n, m in hf.named_modules()}
-    wanted = {f"{names[id(m)]}.weight": m for m in _quantized_linears(hf)}
-    hf._layerplan_quantized = {}
+    is read (its module's weight stays on the meta device), so no dense copy of the model is ever
+    whole in memory. `quantized`: parameter name -> (its module, its stored rows), for
+    quantize_linears to adopt."""
 
-    def take(name: str, values: torch.Tensor) -> bool:
-        module = wanted.get(name)
-        if module is None or values.dim() != 2:
-            return False
-        stored = _quantized_rows(values, block_format)
-        if stored is None:
-            return False
-        hf._layerplan_quantized[name] = (module, stored)
-        return True
+    def __init__(self, block_format: str) -> None:
+        if native_available() is not None:
+            raise ModelError(f"--dtype {block_format} quantizes with the native kernels: {native_available()}")
+        self.block_format = block_format
+        self.quantized: dict[str, tuple[nn.Module, StoredTensor]] = {}
 
-    return take
+    def __call__(self, hf: nn.Module) -> Callable[[str, torch.Tensor], bool]:
+        names = {id(m): n for n, m in hf.named_modules()}
+        wanted = {f"{names[id(m)]}.weight": m for m in _quantized_linears(hf)}
+
+        def take(name: str, values: torch.Tensor) -> bool:
+            module = wanted.get(name)
+            stored = _quantized_rows(values, self.block_format) if module is not None and values.dim() == 2 else None
+            if stored is None:
+                return False
+            self.quantized[name] = (module, stored)
+            return True
+
+        return take
 
 
-def quantize_linears(model: LoadedModel, block_format: str, arithmetic: str = "exact") -> LoadedModel:
+def quantize_linears(model: LoadedModel, block_format: str, arithmetic: str = "exact",
+                     taken: dict[str, tuple[nn.Module, StoredTensor]] | None = None) -> LoadedModel:
     """The model with the matrices of its decoder layers and LM head quantized to `block_format`
     (QUANTIZE_AT_LOAD) by the native kernels (lp_quantize_rows), held as stored rows in memory and
     run by the block-format kernels in `arithmetic`: the dense matrices are freed. A matrix whose
-    width the format's blocks do not divide stays dense. Matrices quantized as they were read
-    (_quantizing_taker) are taken as they are."""
+    width the format's blocks do not divide stays dense. `taken`: matrices quantized as they were
+    read (QuantizingTaker.quantized), adopted as they are."""
     if native_available() is not None:
         raise ModelError(f"--dtype {block_format} quantizes with the native kernels: {native_available()}")
     source = Path(model.source or model.name)
     names = {id(m): n for n, m in model.hf.named_modules()}
     tensors, modules = {}, {}
-    for name, (module, stored) in model.hf.__dict__.pop("_layerplan_quantized", {}).items():
+    for name, (module, stored) in (taken or {}).items():
         tensors[name], modules[id(module)] = replace(stored, path=source), name
     for module in _quantized_linears(model.hf):
         name = f"{names[id(module)]}.weight"

@@ -26,6 +26,7 @@ import os
 import re
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -247,19 +248,22 @@ def byte_level_tokenizer(header: GGUFHeader):
     return tokenizer
 
 
-def merges_as_strings(path: Path) -> None:
-    """A BPE tokenizer.json's merges written "a b" rather than ["a", "b"], where no merged token
-    holds a space: the same tokenizer (the `tokenizers` package reads both forms), parsed in three
-    quarters of the time — a quarter of the light front end's start (layerplan/lite/)."""
-    if not path.exists():
-        return
-    data = json.loads(path.read_text(encoding="utf-8"))
+def with_string_merges(data: dict) -> dict:
+    """A BPE tokenizer.json's data with its merges written "a b" rather than ["a", "b"], where no
+    merged token holds a space: the same tokenizer (the `tokenizers` package reads both forms),
+    parsed in three quarters of the time — a quarter of the light front end's start."""
     merges = (data.get("model") or {}).get("merges")
-    if (not merges or not all(isinstance(m, list) and len(m) == 2 for m in merges)
-            or any(" " in part for m in merges for part in m)):
-        return
-    data["model"]["merges"] = [f"{a} {b}" for a, b in merges]
-    path.write_text(json.dumps(data, ensure_ascii=False), encoding="utf-8")
+    if (merges and all(isinstance(m, list) and len(m) == 2 for m in merges)
+            and not any(" " in part for m in merges for part in m)):
+        data["model"]["merges"] = [f"{a} {b}" for a, b in merges]
+    return data
+
+
+def merges_as_strings(path: Path) -> None:
+    """The tokenizer.json at `path` rewritten with_string_merges (where it exists)."""
+    if path.exists():
+        data = json.loads(path.read_text(encoding="utf-8"))
+        path.write_text(json.dumps(with_string_merges(data), ensure_ascii=False), encoding="utf-8")
 
 
 def tokenizer_config(header: GGUFHeader) -> dict[str, Any]:
@@ -276,12 +280,33 @@ def tokenizer_config(header: GGUFHeader) -> dict[str, Any]:
     return config
 
 
+def frame_of(template: str | None, render: Callable[[str], str]) -> dict:
+    """How a chat template wraps one user message with the assistant's turn after it, from
+    render(message) (the template rendered for that lone user message, generation prompt added):
+    {"template": False} without a template; with one, its "prefix" and "suffix" where every probe
+    message renders as prefix + message + suffix (the light front end then wraps a prompt itself,
+    layerplan/lite/); neither where the template does more (a date, a message changed) or refuses."""
+    if not template:
+        return {"template": False}
+    frames = set()
+    for text in CHAT_PROBES:
+        try:
+            rendered = render(text)
+        except Exception:  # noqa: BLE001 - a template that refuses a lone user message: no frame
+            return {"template": True}
+        if not isinstance(rendered, str) or rendered.count(text) != 1:
+            return {"template": True}
+        frames.add(tuple(rendered.split(text)))
+    if len(frames) != 1 or "strftime_now" in template:
+        return {"template": True}
+    prefix, suffix = frames.pop()
+    return {"template": True, "prefix": prefix, "suffix": suffix}
+
+
 def chat_frame(template: str | None, special_tokens: dict[str, str | None]) -> dict:
-    """How the chat template wraps one user message with the assistant's turn after it, rendered
-    as transformers renders a chat template (a sandboxed jinja2 environment, trimmed blocks, its
-    raise_exception): {"template": False} without a template; with one, its "prefix" and
-    "suffix" where every probe renders as prefix + message + suffix; neither where the template
-    does more (a date, a message changed) or cannot be rendered here."""
+    """frame_of the template rendered as transformers renders a chat template: a sandboxed jinja2
+    environment, trimmed blocks, its raise_exception and tojson, the special tokens by name (one
+    that cannot be compiled here has no frame)."""
     if not template:
         return {"template": False}
     import jinja2
@@ -294,25 +319,17 @@ def chat_frame(template: str | None, special_tokens: dict[str, str | None]) -> d
     def tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
         return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
+    environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    environment.filters["tojson"] = tojson
+    environment.globals["raise_exception"] = raise_exception
     try:
-        environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
-        environment.filters["tojson"] = tojson
-        environment.globals["raise_exception"] = raise_exception
         compiled = environment.from_string(template)
-        frames = set()
-        for text in CHAT_PROBES:
-            rendered = compiled.render(messages=[{"role": "user", "content": text}], add_generation_prompt=True,
-                                       tools=None, documents=None,
-                                       **{k: v for k, v in special_tokens.items() if v is not None})
-            if rendered.count(text) != 1:
-                return {"template": True}
-            frames.add(tuple(rendered.split(text)))
-    except Exception:  # noqa: BLE001 - a template that fails here (an extension, a refusal) is the torch front end's
+    except jinja2.exceptions.TemplateError:  # (an extension of transformers', such as {% generation %})
         return {"template": True}
-    if len(frames) != 1 or "strftime_now" in template:
-        return {"template": True}
-    prefix, suffix = frames.pop()
-    return {"template": True, "prefix": prefix, "suffix": suffix}
+    tokens = {name: value for name, value in special_tokens.items() if value is not None}
+    return frame_of(template, lambda text: compiled.render(
+        messages=[{"role": "user", "content": text}], add_generation_prompt=True, tools=None, documents=None,
+        **tokens))
 
 
 def write_file_index(header: GGUFHeader, target: Path, version: int, tensors_file: str) -> Path:
@@ -343,8 +360,9 @@ def write_file_index(header: GGUFHeader, target: Path, version: int, tensors_fil
     try:
         (staging / "config.json").write_text(json.dumps(config, indent=2))
         if has_vocabulary:
-            byte_level_tokenizer(header).save(str(staging / "tokenizer.json"))
-            merges_as_strings(staging / "tokenizer.json")
+            tokenizer_json = json.loads(byte_level_tokenizer(header).to_str())
+            (staging / "tokenizer.json").write_text(json.dumps(with_string_merges(tokenizer_json), ensure_ascii=False),
+                                                    encoding="utf-8")
             (staging / "tokenizer_config.json").write_text(json.dumps(special, indent=2))
             if template:
                 (staging / "chat_template.jinja").write_text(template)

@@ -30,7 +30,7 @@ from torch import nn
 
 from layerplan.models.architectures import STATIC_ROPE_TYPES
 from layerplan.models.errors import ModelError
-from layerplan.models.file_index import merges_as_strings
+from layerplan.models.file_index import frame_of, merges_as_strings
 from layerplan.models.gguf_config import load_config, load_tokenizer
 from layerplan.models.gguf_file import read_header
 from layerplan.models.gguf_index import INDEX_VERSION, TENSORS_FILE, StoredTensor
@@ -190,33 +190,10 @@ def _rotary_of_index(hf: nn.Module, rotary: dict | None) -> None:
             setattr(module, f"{prefix}original_inv_freq", values.clone())
 
 
-# user messages the chat frame is found with: none is in any template, and each is inserted
-# whole only where a template inserts a message's content as it is
-_CHAT_PROBES = ("\u27e6layerplan\u27e7", " \u27e6two words\u27e7 \n", "\u27e6{{ x }}{% raw %}'\"\u27e7")
-
-
 def _chat_frame(tokenizer) -> dict:
-    """How the tokenizer's chat template wraps one user message with the assistant's turn after
-    it: {"template": False} without a template; with one, its "prefix" and "suffix" where every
-    probe message renders as prefix + message + suffix (the light front end then wraps a prompt
-    itself, layerplan/lite/); none where the template does more (a date, a message changed)."""
-    template = getattr(tokenizer, "chat_template", None)
-    if not template:
-        return {"template": False}
-    frames = set()
-    for text in _CHAT_PROBES:
-        try:
-            rendered = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                                     tokenize=False)
-        except Exception:  # noqa: BLE001 - a template that refuses a lone user message: no frame
-            return {"template": True}
-        if not isinstance(rendered, str) or rendered.count(text) != 1:
-            return {"template": True}
-        frames.add(tuple(rendered.split(text)))
-    if len(frames) != 1 or "strftime_now" in template:
-        return {"template": True}
-    prefix, suffix = frames.pop()
-    return {"template": True, "prefix": prefix, "suffix": suffix}
+    """frame_of the tokenizer's chat template as transformers renders it (apply_chat_template)."""
+    return frame_of(getattr(tokenizer, "chat_template", None), lambda text: tokenizer.apply_chat_template(
+        [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False))
 
 
 def gguf_to_parameter_names(hf: nn.Module, processor, architecture: str) -> dict[str, str]:
