@@ -24,14 +24,14 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
-import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from layerplan.files import staging
 from layerplan.models.gguf_file import GGUFHeader
 
 # GGUF architecture -> (model_type, its config keys after "<arch>." -> the transformers config
@@ -332,6 +332,20 @@ def chat_frame(template: str | None, special_tokens: dict[str, str | None]) -> d
         **tokens))
 
 
+@contextmanager
+def staged_index(target: Path, tensors_file: str) -> Iterator[Path]:
+    """A staging folder beside `target` (files.staging) that becomes the index when the block
+    ends: renamed atomically, so a half-written index is never found; where another process won
+    the race, its index stands."""
+    with staging(target, folder=True) as staged:
+        yield staged
+        try:
+            os.replace(staged, target)
+        except OSError:
+            if not (target / tensors_file).exists():
+                raise
+
+
 def write_file_index(header: GGUFHeader, target: Path, version: int, tensors_file: str) -> Path:
     """Write the file's index into `target` (atomically: staged beside it, then renamed), for a
     file file_index_refusal passes."""
@@ -355,25 +369,16 @@ def write_file_index(header: GGUFHeader, target: Path, version: int, tensors_fil
     special = tokenizer_config(header) if has_vocabulary else {}
     template = header.metadata.get("tokenizer.chat_template") if has_vocabulary else None
     chat = chat_frame(template, {k: special.get(k) for k in ("bos_token", "eos_token", "unk_token", "pad_token")})
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}."))
-    try:
-        (staging / "config.json").write_text(json.dumps(config, indent=2))
+    with staged_index(target, tensors_file) as staged:
+        (staged / "config.json").write_text(json.dumps(config, indent=2))
         if has_vocabulary:
             tokenizer_json = json.loads(byte_level_tokenizer(header).to_str())
-            (staging / "tokenizer.json").write_text(json.dumps(with_string_merges(tokenizer_json), ensure_ascii=False),
-                                                    encoding="utf-8")
-            (staging / "tokenizer_config.json").write_text(json.dumps(special, indent=2))
+            (staged / "tokenizer.json").write_text(json.dumps(with_string_merges(tokenizer_json), ensure_ascii=False),
+                                                   encoding="utf-8")
+            (staged / "tokenizer_config.json").write_text(json.dumps(special, indent=2))
             if template:
-                (staging / "chat_template.jinja").write_text(template)
-        (staging / tensors_file).write_text(json.dumps({
+                (staged / "chat_template.jinja").write_text(template)
+        (staged / tensors_file).write_text(json.dumps({
             "gguf": str(header.path), "version": version, "made_by": "file", "rotary": rotary(config, head_dim),
             "chat": chat, "tensors": entries}))
-        try:
-            os.replace(staging, target)  # atomic: a half-written index is never found
-        except OSError:
-            if not (target / tensors_file).exists():  # another process may have won the race
-                raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
     return target

@@ -17,9 +17,6 @@ ways (split or transposed tensors) are refused with one line, and run dequantize
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,7 +27,7 @@ from torch import nn
 
 from layerplan.models.architectures import STATIC_ROPE_TYPES
 from layerplan.models.errors import ModelError
-from layerplan.models.file_index import frame_of, merges_as_strings
+from layerplan.models.file_index import frame_of, merges_as_strings, staged_index
 from layerplan.models.gguf_config import load_config, load_tokenizer
 from layerplan.models.gguf_file import read_header
 from layerplan.models.gguf_index import INDEX_VERSION, TENSORS_FILE, StoredTensor
@@ -272,24 +269,15 @@ def index_gguf(path: Path, target: Path) -> Path:
             # what transformers' processor does to a small tensor (Gemma's norms: weight - 1)
             "shift": 0.0 if matrix else float(processor.process(weights=np.zeros(1, np.float32), name=tensor.name).weights[0]),
         })
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}."))
-    try:
-        config.save_pretrained(staging)
+    with staged_index(target, TENSORS_FILE) as staged:
+        config.save_pretrained(staged)
         if tokenizer is not None:
-            tokenizer.save_pretrained(staging)
-            merges_as_strings(staging / "tokenizer.json")
+            tokenizer.save_pretrained(staged)
+            merges_as_strings(staged / "tokenizer.json")
         chat = _chat_frame(tokenizer) if tokenizer is not None else {"template": False}
-        (staging / TENSORS_FILE).write_text(json.dumps({"gguf": str(path), "version": INDEX_VERSION,
-                                                        "rotary": _rotary_facts(skeleton), "chat": chat,
-                                                        "tensors": entries}))
-        try:
-            os.replace(staging, target)  # atomic: a half-written index is never found
-        except OSError:
-            if not (target / TENSORS_FILE).exists():  # another process may have won the race
-                raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+        (staged / TENSORS_FILE).write_text(json.dumps({"gguf": str(path), "version": INDEX_VERSION,
+                                                       "rotary": _rotary_facts(skeleton), "chat": chat,
+                                                       "tensors": entries}))
     return target
 
 
