@@ -552,7 +552,8 @@ QTILES(Q6_K, q6_k)
  * AND) gives the 16 rows' quants as unsigned bytes, four inputs a lane, which vpdpbusd (VNNI) or
  * vpmaddubsw + vpmaddwd (AVX2) multiply by the four activation bytes broadcast to every lane and
  * add into one int32 a row. Every product is exact (|q x| <= 63 x 127, and a pair's sum fits
- * vpmaddubsw's int16), so both routes give the same integers. Formats: Q4_0, Q4_1, Q4_K, Q6_K. */
+ * vpmaddubsw's int16), so both routes give the same integers. Formats: every block format (Q2_K
+ * and Q3_K by oct words, below). */
 
 ALWAYS __m256i dot4(__m256i acc, __m256i w, __m256i x) {
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
@@ -629,6 +630,8 @@ ALWAYS void q4_k_iset(istate *s, const uint8_t *pb, int sub) {
 #define q5_1_dot dot4
 #define q5_k_dot dot4
 #define q6_k_dot dot4
+#define q2_k_dot dot4
+#define q3_k_dot dot4
 
 /* AVX2 without VNNI: vpmaddubsw's int16 pair sums of several words add up in int16 (vpaddw) before
  * one vpmaddwd widens them, where they cannot overflow: a pair is at most 2 x 63 x 128 for quants
@@ -647,6 +650,8 @@ ALWAYS void q4_k_iset(istate *s, const uint8_t *pb, int sub) {
 #define Q5_1_STEPS16 4
 #define Q5_K_STEPS16 4
 #define Q6_K_STEPS16 2
+#define Q2_K_STEPS16 4 /* pairs of at most 2 x 7 x 128 (Q3_K): a whole sub-block of 4 words */
+#define Q3_K_STEPS16 4
 #define Q8_0_STEPS16 0
 /* the formats whose words hold q + 128 (Q8_0): with LP_INT16_SUMS their words hold q, and 128 times
  * the sub-block's activation sum is added to its integer sums */
@@ -657,6 +662,8 @@ ALWAYS void q4_k_iset(istate *s, const uint8_t *pb, int sub) {
 #define Q5_1_PLUS128 0
 #define Q5_K_PLUS128 0
 #define Q6_K_PLUS128 0
+#define Q2_K_PLUS128 0
+#define Q3_K_PLUS128 0
 #define Q8_0_PLUS128 1
 
 /* Q8_0: w = d q, q signed; the tiles take q + 128 (unsigned: q XOR 0x80) and subtract 128 d times
@@ -782,6 +789,89 @@ ALWAYS __m256i four_bytes(const int8_t *p) {
     return _mm256_set1_epi32(v);
 }
 
+/* The 2-bit fields of Q2_K and Q3_K lie as their exact tiles read them: a dword lane j of a word
+ * holds an oct (8 inputs) of row j at bits 4t and of row j+8 at bits 4t + 2. Their integer words
+ * take every other input of an oct (word 2o: inputs 8o + {0, 2, 4, 6}, word 2o + 1: 8o + {1, 3, 5,
+ * 7}: one shift and one AND a word), and the activations' bytes are gathered in the same order
+ * (oct_four); the sums are of integers, so the order does not change them. */
+ALWAYS __m256i oct_four(const int8_t *p, int c) {
+    int64_t v;
+    memcpy(&v, p + 8 * (c >> 1), 8);
+    const __m256i even = _mm256_setr_epi8(0, 2, 4, 6, 0, 2, 4, 6, 0, 2, 4, 6, 0, 2, 4, 6,
+                                          0, 2, 4, 6, 0, 2, 4, 6, 0, 2, 4, 6, 0, 2, 4, 6);
+    const __m256i odd = _mm256_setr_epi8(1, 3, 5, 7, 1, 3, 5, 7, 1, 3, 5, 7, 1, 3, 5, 7,
+                                         1, 3, 5, 7, 1, 3, 5, 7, 1, 3, 5, 7, 1, 3, 5, 7);
+    return _mm256_shuffle_epi8(_mm256_set1_epi64x(v), (c & 1) ? odd : even);
+}
+/* the four activation bytes that meet word c of sub-block p (p: the sub-block's first input) */
+#define XFOUR(F, p, c) (F##_OCTS ? oct_four((p), (c)) : four_bytes((p) + 4 * (c)))
+#define Q4_0_OCTS 0
+#define Q4_1_OCTS 0
+#define Q4_K_OCTS 0
+#define Q5_0_OCTS 0
+#define Q5_1_OCTS 0
+#define Q5_K_OCTS 0
+#define Q6_K_OCTS 0
+#define Q8_0_OCTS 0
+#define Q2_K_OCTS 1
+#define Q3_K_OCTS 1
+
+/* word c of an oct layout: row j's (wl) and row j+8's (wh) 2-bit fields of every other input */
+ALWAYS void oct_words(const istate *s, int c, __m256i *wl, __m256i *wh) {
+    __m256i v = _mm256_loadu_si256((const __m256i *)(s->q + 32 * (c >> 1)));
+    const int at = 4 * (c & 1);
+    *wl = _mm256_and_si256(_mm256_srli_epi32(v, at), _mm256_set1_epi8(0x03));
+    *wh = _mm256_and_si256(_mm256_srli_epi32(v, at + 2), _mm256_set1_epi8(0x03));
+}
+
+/* Q2_K: w = (d sc) q - (dmin m), q 0..3, sub-blocks of 16 */
+#define Q2_K_ISUB 16
+ALWAYS void q2_k_iset(istate *s, const uint8_t *pb, int sub) {
+    const uint8_t *sm = pb + 64 + 16 * sub;
+    __m256i a = bytes8(sm), b = bytes8(sm + 8);
+    s->dl = mul(half8(pb), cvt(and_(a, 0xF)));
+    s->dh = mul(half8(pb + 16), cvt(and_(b, 0xF)));
+    s->ol = neg(mul(half8(pb + 32), cvt(_mm256_srli_epi32(a, 4))));
+    s->oh = neg(mul(half8(pb + 48), cvt(_mm256_srli_epi32(b, 4))));
+    s->q = pb + 320 + 64 * sub;
+}
+#define q2_k_iload oct_words
+
+/* Q3_K: w = (d (sc - 32)) (u - 4), u = low + 4 (third bit) in 0..7; sub-blocks of 16. The packed
+ * third bits are stored inverted (q3_k_widen subtracts 4 where one is set) in 16-bit lanes: nibble
+ * n of lane j holds, from bit 0, inputs 2n and 2n + 1 of the oct for row j, then for row j+8. The
+ * lane's two bytes are copied to (b0, b0, b1, b1), so byte n holds nibble n at bit 0 (n even) or 4
+ * (n odd): a compare with the field's bit in every byte's place, and 4 where it is clear. */
+#define Q3_K_ISUB 16
+ALWAYS void q3_k_iset(istate *s, const uint8_t *pb, int sub) {
+    const uint8_t *s12 = pb + 32 + 12 * sub;
+    uint32_t high;
+    memcpy(&high, s12 + 8, 4);
+    __m256i n = bytes8(s12);
+    __m256i hh = _mm256_srlv_epi32(_mm256_set1_epi32((int)high), _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28));
+    __m256i sc_lo = _mm256_or_si256(and_(n, 0xF), _mm256_slli_epi32(and_(hh, 0x3), 4));
+    __m256i sc_hi = _mm256_or_si256(_mm256_srli_epi32(n, 4), _mm256_slli_epi32(and_(hh, 0xC), 2));
+    __m256i off = _mm256_set1_epi32(32);
+    centred_scales(s, mul(half8(pb), cvt(_mm256_sub_epi32(sc_lo, off))),
+                   mul(half8(pb + 16), cvt(_mm256_sub_epi32(sc_hi, off))), 4.0f);
+    s->q = pb + 224 + 64 * sub;
+    s->h = pb + 1248 + 32 * sub;
+}
+ALWAYS __m256i third_fours(__m256i lanes, unsigned bit) {
+    const __m256i place = _mm256_set1_epi32((int)(bit | bit << 12 | bit << 16 | bit << 28));
+    __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(lanes, place), place);
+    return _mm256_andnot_si256(set, _mm256_set1_epi8(4));
+}
+ALWAYS void q3_k_iload(const istate *s, int c, __m256i *wl, __m256i *wh) {
+    oct_words(s, c, wl, wh);
+    __m256i lanes = _mm256_shuffle_epi8(words8(s->h + 16 * (c >> 1)),
+                                        _mm256_setr_epi8(0, 0, 1, 1, 4, 4, 5, 5, 8, 8, 9, 9, 12, 12, 13, 13,
+                                                         0, 0, 1, 1, 4, 4, 5, 5, 8, 8, 9, 9, 12, 12, 13, 13));
+    const unsigned odd = (unsigned)(c & 1);
+    *wl = _mm256_or_si256(*wl, third_fours(lanes, 1u << odd));
+    *wh = _mm256_or_si256(*wh, third_fours(lanes, 4u << odd));
+}
+
 /* chains of integer sums a row and half: vpdpbusd adds into its accumulator with a latency of
  * several cycles, so with few rows the words of a sub-block alternate between two chains (integer
  * sums: the order does not change them); AVX2's route adds with a one-cycle vpaddd */
@@ -802,7 +892,7 @@ ALWAYS __m256i four_bytes(const int8_t *p) {
             __m256i wl, wh;                                                                        \
             f##_iload(&st, c, &wl, &wh);                                                           \
             _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                                  \
-                __m256i xb = four_bytes(xr[r] + s0 + 4 * c);                                       \
+                __m256i xb = XFOUR(F, xr[r] + s0, c);                                       \
                 pl[r] = _mm256_add_epi16(pl[r], _mm256_maddubs_epi16(wl, xb));                     \
                 ph[r] = _mm256_add_epi16(ph[r], _mm256_maddubs_epi16(wh, xb));                     \
             }                                                                                      \
@@ -826,7 +916,7 @@ ALWAYS __m256i four_bytes(const int8_t *p) {
             __m256i wl, wh;                                                                        \
             f##_iload(&st, c, &wl, &wh);                                                           \
             _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                                  \
-                __m256i xb = four_bytes(xr[r] + s0 + 4 * c);                                       \
+                __m256i xb = XFOUR(F, xr[r] + s0, c);                                       \
                 AL = f##_dot(AL, wl, xb);                                                          \
                 AH = f##_dot(AH, wh, xb);                                                          \
             }                                                                                      \
@@ -962,7 +1052,7 @@ ALWAYS __m256i four_bytes(const int8_t *p) {
         _Pragma("GCC unroll 8") for (int c0 = 0; c0 < WORDS; c0 += (F##_STEPS16 > 0 ? F##_STEPS16 : 1)) { \
             __m256i pl = _mm256_setzero_si256(), ph = _mm256_setzero_si256();                      \
             _Pragma("GCC unroll 8") for (int c = c0; c < c0 + F##_STEPS16 && c < WORDS; c++) {     \
-                __m256i xb = four_bytes(xr + s0 + 4 * c);                                          \
+                __m256i xb = XFOUR(F, xr + s0, c);                                          \
                 pl = _mm256_add_epi16(pl, _mm256_maddubs_epi16(wls[c], xb));                       \
                 ph = _mm256_add_epi16(ph, _mm256_maddubs_epi16(whs[c], xb));                       \
             }                                                                                      \
@@ -971,7 +1061,7 @@ ALWAYS __m256i four_bytes(const int8_t *p) {
         }                                                                                          \
     } else {                                                                                       \
         _Pragma("GCC unroll 8") for (int c = 0; c < WORDS; c++) {                                  \
-            __m256i xb = four_bytes(xr + s0 + 4 * c);                                              \
+            __m256i xb = XFOUR(F, xr + s0, c);                                              \
             al = f##_dot(al, wls[c], xb);                                                          \
             ah = f##_dot(ah, whs[c], xb);                                                          \
         }                                                                                          \
@@ -1163,6 +1253,13 @@ ALWAYS void store_ab(float *o, int at, __m512 v) {
     ZPAIR(f##_p8, F, f, 8, 1)                                                                      \
     static const lp_int_tiles int_tiles_##f = {{NULL, f##_i1, f##_i2, f##_i3, f##_i4, f##_i5, f##_i6, f##_i7, f##_i8}, \
                                                {NULL, f##_p1, f##_p2, f##_p3, f##_p4, f##_p5, f##_p6, f##_p7, f##_p8}, 8};
+/* the oct formats (Q2_K, Q3_K) one panel at a time, on the 32-byte tiles */
+#define ITILES_ONE_PANEL(F, f)                                                                     \
+    PANEL_TILES(F, f)                                                                              \
+    ITILE_Y(f##_i7, F, f, 7)                                                                       \
+    ITILE_Y(f##_i8, F, f, 8)                                                                       \
+    static const lp_int_tiles int_tiles_##f = {{NULL, f##_i1, f##_i2, f##_i3, f##_i4, f##_i5, f##_i6, f##_i7, f##_i8}, \
+                                               {NULL}, 8};
 #else
 #define ITILES(F, f)                                                                               \
     PANEL_TILES(F, f)                                                                              \
@@ -1170,6 +1267,7 @@ ALWAYS void store_ab(float *o, int at, __m512 v) {
     ITILE_W(f##_i8, F, f, 8)                                                                       \
     static const lp_int_tiles int_tiles_##f = {{NULL, f##_i1, f##_i2, f##_i3, f##_i4, f##_i5, f##_i6, f##_i7, f##_i8}, \
                                                {NULL}, 8};
+#define ITILES_ONE_PANEL ITILES
 #endif
 
 ITILES(Q4_0, q4_0)
@@ -1180,6 +1278,8 @@ ITILES(Q5_0, q5_0)
 ITILES(Q5_1, q5_1)
 ITILES(Q5_K, q5_k)
 ITILES(Q8_0, q8_0)
+ITILES_ONE_PANEL(Q2_K, q2_k)
+ITILES_ONE_PANEL(Q3_K, q3_k)
 
 const lp_int_tiles *lp_int_tiles_of(int format) {
     switch (format) {
@@ -1191,6 +1291,8 @@ const lp_int_tiles *lp_int_tiles_of(int format) {
     case LP_FORMAT_Q5_1: return &int_tiles_q5_1;
     case LP_FORMAT_Q5_K: return &int_tiles_q5_k;
     case LP_FORMAT_Q8_0: return &int_tiles_q8_0;
+    case LP_FORMAT_Q2_K: return &int_tiles_q2_k;
+    case LP_FORMAT_Q3_K: return &int_tiles_q3_k;
     default: return NULL;
     }
 }
