@@ -161,6 +161,37 @@ def test_speculative_greedy_equals_plain_greedy_on_stored_weights(tmp_path, draf
     assert fast.token_ids == plain.token_ids
 
 
+@pytest.mark.parametrize("dtype", ["stored", "stored-fast"])
+def test_a_reduced_draft_head_scores_its_rows_of_the_stored_head(tmp_path, monkeypatch, dtype):
+    """+vocab=K on a model run as stored: the K rows stay in the head's block format and run by
+    the same kernels and arithmetic, so their scores are the full head's, bit for bit (a row's
+    result never depends on the other rows); a draft through it is lossless and accepted."""
+    from layerplan.decoding.drafters.heads import ReducedHead, reduced_head
+    from layerplan.decoding.drafters.plan import PlanDrafter
+    from layerplan.decoding.generate import generate
+    from layerplan.engine.runner import head
+
+    stored, _ = _stored_and_dense(tmp_path, "llama", "Q4_1", dtype=dtype)
+    ids = torch.tensor([0, 2, 3, 17, 50, 95])
+    hidden = torch.randn(1, 3, 32, generator=torch.Generator().manual_seed(0))
+    full, formats = head(stored, hidden), dict(stored.stored.formats)
+    reduced = ReducedHead(stored, ids)(hidden)
+    assert torch.equal(reduced[..., ids], full[..., ids])
+    outside = torch.ones(full.shape[-1], dtype=torch.bool)
+    outside[ids] = False
+    assert torch.isinf(reduced[..., outside]).all()
+    assert stored.stored.formats == formats  # the derived rows are not the file's
+    prompt = [5, 6, 7, 5, 6, 7, 5, 6]
+    plain = generate(stored, prompt, max_new_tokens=16, stop_at_eos=False)
+    everything = ReducedHead(stored, torch.arange(full.shape[-1]))
+    draft = PlanDrafter(stored.plan("exit:3"), head=everything)  # every layer: the target's own tokens
+    result = generate(stored, prompt, max_new_tokens=16, stop_at_eos=False, draft=draft, draft_length="fixed")
+    assert result.token_ids == plain.token_ids and result.stats["accepted"] == result.stats["drafted"] > 0
+    # made once per model (a server builds each request's drafter anew)
+    monkeypatch.setattr("layerplan.decoding.drafters.heads.frequent_tokens", lambda model, k, text: ids[:k])
+    assert reduced_head(stored, 4, "text") is reduced_head(stored, 4, "text") is not reduced_head(stored, 5, "text")
+
+
 def test_export_of_a_stored_model_equals_the_dequantized_export(tmp_path):
     from safetensors.torch import load_file
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -88,6 +88,8 @@ class StoredWeights:
     arithmetic: str = "exact"
     # the block format the matrices were quantized to at load ("q4_k"); None: as the GGUF stores them
     quantized: str | None = None
+    # name -> a linear given a stored weight after load (adopt), kept alive with the model
+    adopted: dict[str, nn.Module] = field(default_factory=dict, repr=False)
 
     @property
     def precision(self) -> str:
@@ -104,9 +106,23 @@ class StoredWeights:
     def formats(self) -> dict[str, int]:
         """GGUF type -> how many matrices have it."""
         counts: dict[str, int] = {}
-        for tensor in self.tensors.values():
+        for name, tensor in self.tensors.items():
+            if name in self.adopted:  # derived after load (adopt): not one of the file's
+                continue
             counts[tensor.type_name] = counts.get(tensor.type_name, 0) + 1
         return counts
+
+    def adopt(self, module: nn.Module, name: str, tensor: StoredTensor) -> None:
+        """Make `tensor` the stored weight of linear `module` (on the meta device), under a name
+        of its own (`name`, made unique): a matrix derived from the model's, such as a draft's
+        head over part of the vocabulary. It lives as long as the model."""
+        unique, n = name, 1
+        while unique in self.tensors:
+            n += 1
+            unique = f"{name}#{n}"
+        self.tensors[unique] = tensor
+        self.modules[id(module)] = unique
+        self.adopted[unique] = module  # held, so that its id() is never another module's
 
     def materialize(self, module: nn.Module) -> None:
         """Give every linear in `module` its dequantized weight (a sub-layer the kernels do not

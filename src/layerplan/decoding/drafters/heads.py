@@ -20,7 +20,7 @@ import json
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from functools import partial
 from pathlib import Path
 
@@ -207,7 +207,12 @@ def frequent_tokens(model: LoadedModel, k: int, text: str | None = None) -> torc
 
 
 class ReducedHead:
-    """Final norm + LM head restricted to `ids`; returns full-size logits with -inf elsewhere."""
+    """Final norm + LM head restricted to `ids`; returns full-size logits with -inf elsewhere.
+
+    A model run as stored (a GGUF's blocks, models/stored.py) keeps the head's rows `ids` in their
+    block format (each row is whole blocks): the K rows are read from the file once, held in
+    memory, and run by the same kernels and arithmetic as the full head; else the rows of the
+    dense weight are copied."""
 
     def __init__(self, model: LoadedModel, ids: torch.Tensor, name: str = "") -> None:
         parts = model.parts
@@ -217,11 +222,23 @@ class ReducedHead:
         self.ids = ids.to(model.device)
         full = parts.lm_head
         bias = getattr(full, "bias", None)
-        linear = nn.Linear(full.weight.shape[1], len(self.ids), bias=bias is not None,
-                           dtype=full.weight.dtype, device=full.weight.device)
-        linear.weight = nn.Parameter(full.weight.detach()[self.ids].contiguous(), requires_grad=False)  # (K, H)
+        stored = model.stored.of(full) if model.stored is not None else None
+        linear = nn.Linear(full.weight.shape[1], len(self.ids), bias=bias is not None, dtype=full.weight.dtype,
+                           device="meta" if stored is not None else full.weight.device)
         if bias is not None:
             linear.bias = nn.Parameter(bias.detach()[self.ids], requires_grad=False)
+        self.native = None
+        if stored is not None:
+            rows = stored.read_rows()[self.ids.cpu().numpy()]
+            model.stored.adopt(linear, f"lm_head.vocab={len(self.ids)}",
+                               replace(stored, rows=len(self.ids), offset=0, row_order=None, data=rows))
+            # the native engine runs the stored rows as it runs the head; without it, dense rows
+            self.native = getattr(model.executor, "native", None)
+            if self.native is None:
+                model.stored.materialize(linear)
+            self.linear = linear
+            return
+        linear.weight = nn.Parameter(full.weight.detach()[self.ids].contiguous(), requires_grad=False)  # (K, H)
         # the same oneDNN packing as the model's own linears, where it applies
         self.linear = PackedLinear(linear) if packing_supported(linear.weight.dtype, linear.weight.device) else linear
 
@@ -232,12 +249,21 @@ class ReducedHead:
     @torch.inference_mode()
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden (..., H) -> logits (..., V), -inf outside the subset."""
-        sub = softcap(self.parts, self.linear(self.parts.final_norm(hidden)))
+        if self.native is not None:
+            scores = self.native.head(self.parts.final_norm, self.linear, hidden)
+        else:
+            scores = self.linear(self.parts.final_norm(hidden))
+        sub = softcap(self.parts, scores)
         full = torch.full((*sub.shape[:-1], self.vocab), float("-inf"), dtype=sub.dtype, device=sub.device)
         full[..., self.ids] = sub
         return full
 
 
 def reduced_head(model: LoadedModel, k: int, text: str | None = None) -> ReducedHead:
-    """A ReducedHead over the k most frequent tokens of `text` (default: the built-in corpus)."""
-    return ReducedHead(model, frequent_tokens(model, k, text), name=f"vocab={k}")
+    """A ReducedHead over the k most frequent tokens of `text` (default: the built-in corpus),
+    made once per model (LoadedModel.derived: a server builds a request's drafter anew, and a
+    stored head's rows are read from the file)."""
+    heads = model.derived.setdefault("reduced heads", {})
+    if (k, text) not in heads:
+        heads[k, text] = ReducedHead(model, frequent_tokens(model, k, text), name=f"vocab={k}")
+    return heads[k, text]
