@@ -1,5 +1,5 @@
 /* The integer multiply-add ceiling of this machine's AVX2 route, against which the integer tiles
- * (products_quant_avx2.c, LP_ARITH_INT8) are measured:
+ * (products_int_avx2.c, LP_ARITH_INT8) are measured:
  *
  *   gcc -O3 -mavx2 -mfma -fopenmp -std=c11 benchmarks/int8_ceiling.c -o /tmp/int8_ceiling && /tmp/int8_ceiling 9
  *

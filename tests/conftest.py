@@ -137,6 +137,18 @@ def _reset_peak() -> bool:
         return False
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _kernels_built():
+    """The native kernels built (or found) in the user's cache and loaded once per test process,
+    before any test points LAYERPLAN_CACHE at a folder of its own: the library is loaded once a
+    process (kernel_library.library), and a first load under a test's empty cache compiled it again
+    there (14-30 s a worker). Two workers building at once: one builds, the other waits for it."""
+    from layerplan.engine.kernel_library import native_available
+
+    native_available()  # (where the kernels cannot run, the tests that need them say why)
+    yield
+
+
 @pytest.fixture(scope="module", autouse=True)
 def _module_memory(request):
     """Autouse and module-scoped, so set up first and torn down last: after the module's own

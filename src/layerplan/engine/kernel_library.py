@@ -17,6 +17,7 @@ anywhere a C compiler does). The checks at load, each failing with one line:
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import hashlib
 import os
 import re
@@ -25,6 +26,7 @@ import shutil
 import subprocess
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -253,34 +255,55 @@ def _cache_folder() -> Path:
 
 
 def build(isa: Isa, compiler: str, folder: Path | None = None) -> Path:
-    """The library for `isa`, compiled once per kernels_key (atomic write, so two processes
-    building at once both end with a whole library)."""
+    """The library for `isa`, compiled once per kernels_key: one process builds while the others
+    that want the same library wait for it (a lock file beside it), each source compiled on a
+    thread of its own (the product files take most of the time), then linked, and moved in
+    whole (atomic)."""
     folder = folder or _cache_folder()
     tag = "-sanitize" if sanitizing() else ""
     target = folder / f"kernels-{isa.name}{tag}-{kernels_key(compiler, isa)}.so"
     if target.exists():
         return target
     folder.mkdir(parents=True, exist_ok=True)
-    fd, staging = tempfile.mkstemp(dir=folder, prefix=".kernels-", suffix=".so")
-    os.close(fd)
-    try:
-        files = [str(p) for p in sources(isa)]
-        for flags in (build_flags(isa) + ALIGN_FLAGS, build_flags(isa)):
-            done = subprocess.run([compiler, *flags, *files, "-o", staging, *LIBS], capture_output=True, text=True)
-            if done.returncode == 0:
-                break
-        if done.returncode != 0:
-            raise NativeUnavailable(f"building the native kernels ({isa.name}) with {compiler} failed: "
-                                    f"{(done.stderr.strip().splitlines() or ['no message'])[-1]}")
-        os.replace(staging, target)
-    finally:
-        if os.path.exists(staging):
-            os.unlink(staging)
+    with open(folder / f".{target.name}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, or the process ends
+        if not target.exists():  # (else another process built it while this one waited)
+            with tempfile.TemporaryDirectory(dir=folder, prefix=".kernels-") as work:
+                staging = Path(work) / target.name
+                for flags in (build_flags(isa) + ALIGN_FLAGS, build_flags(isa)):
+                    error = _compile_and_link(compiler, flags, sources(isa), Path(work), staging)
+                    if error is None:
+                        break
+                if error is not None:
+                    raise NativeUnavailable(f"building the native kernels ({isa.name}) with {compiler} failed: "
+                                            f"{error}")
+                os.replace(staging, target)
+    (folder / f".{target.name}.lock").unlink(missing_ok=True)
     # builds unused for a week go (another install may still use a recent one)
     for old in folder.glob("kernels-*.so"):
         if old != target and time.time() - old.stat().st_atime > 7 * 86400:
             old.unlink(missing_ok=True)
     return target
+
+
+def _compile_and_link(compiler: str, flags: tuple[str, ...], files: list[Path], work: Path, out: Path) -> str | None:
+    """Each of `files` compiled to an object in `work`, as many at once as there are cores (the
+    largest first), then all linked into `out`; None, or the compiler's last line of error."""
+    def compile_one(item: tuple[int, Path]) -> tuple[Path, subprocess.CompletedProcess]:
+        index, path = item
+        obj = work / f"{index:03d}-{path.stem}.o"
+        return obj, subprocess.run([compiler, *flags, "-c", str(path), "-o", str(obj)], capture_output=True,
+                                   text=True)
+
+    largest_first = sorted(enumerate(files), key=lambda item: -item[1].stat().st_size)
+    with ThreadPoolExecutor(max_workers=max(1, min(len(files), os.cpu_count() or 1))) as pool:
+        compiled = sorted(pool.map(compile_one, largest_first))
+    runs = [done for _, done in compiled]
+    if all(done.returncode == 0 for done in runs):
+        runs = [subprocess.run([compiler, *flags, *(str(obj) for obj, _ in compiled), "-o", str(out), *LIBS],
+                               capture_output=True, text=True)]
+    failed = [done for done in runs if done.returncode != 0]
+    return (failed[0].stderr.strip().splitlines() or ["no message"])[-1] if failed else None
 
 
 # ----- loading and its checks ----------------------------------------------------------------------
