@@ -41,7 +41,7 @@ test: $(STAMP)
 # command line, the chaos runs, library builds, statistical samples). `make test` runs them all,
 # as CI does.
 test-fast: $(STAMP)
-	$(PY) -m pytest -q $(XDIST) -m "not slow"
+	LAYERPLAN_FUZZ=smoke $(PY) -m pytest -q $(XDIST) -m "not slow"
 
 # the CUDA lane, on a GPU machine (CI has none): tests/test_cuda.py and the device maps, run by a
 # Python whose torch sees the GPU (the lock's torch is the CPU build), with this checkout's source

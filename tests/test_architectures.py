@@ -237,3 +237,9 @@ def test_the_status_generator_files_refusals_failures_and_passes():
     assert status["refused"] == {"mamba": REFUSED["mamba"]}
     assert status["not_supported"]["doge"].startswith("failed its check against transformers: prefill logits differ")
     assert passed == ["olmo2"] and status["checked_with"] == "transformers 9.9"
+
+
+def test_the_fast_lanes_architectures_are_in_the_table():
+    from conftest import FAST_ARCHITECTURES
+
+    assert FAST_ARCHITECTURES <= set(TINY_CHECKED)
