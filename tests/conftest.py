@@ -29,8 +29,10 @@ def smollm2():
 # `make test-fast` runs `pytest -m "not slow"` (≤ 2 min on 2 cores); `make test` runs everything.
 # This hook is the one place that says what the fast lane leaves out: tests that load the packaged
 # model (the smollm2 fixture, or marked `real`), start PostgreSQL or worker processes, run
-# lm-evaluation-harness, a subprocess per command line, a browser or the chaos runs; and a few long single
-# tests (library builds, statistical samples, timing the machine, waits).
+# lm-evaluation-harness, a subprocess per command line, a browser or the chaos runs; a few long single
+# tests (library builds, statistical samples, timing the machine, waits); and most architectures'
+# cases of two per-architecture checks (SAMPLED_BY_ARCHITECTURE). The Makefile runs the fuzz tests
+# there at a quarter of `make test`'s counts (LAYERPLAN_FUZZ=smoke, tests/fuzzing.py).
 SLOW_MODULES = {
     "test_bad_input.py",  # a `python -m layerplan.app.launch` subprocess per case
     "test_chaos.py",  # PostgreSQL restarted under a shared search; a server under hanging clients
