@@ -393,6 +393,29 @@ def test_a_checkpoint_is_quantized_a_tensor_at_a_time(tmp_path, monkeypatch, tie
                        forward(whole, ids, cache=new_cache(whole.plan(), 16)))
 
 
+@pytest.mark.parametrize("dtype", ["q8_0", "q4_0-fast"])
+def test_a_gguf_is_quantized_again_a_matrix_at_a_time(tmp_path, dtype):
+    """--dtype FORMAT (and self:bits=FORMAT) on a GGUF: each matrix from the file's blocks to the
+    format's, one at a time, the same rows as the whole model dequantized by transformers and
+    quantized after (the path it replaces, which held the model dense in float32)."""
+    from layerplan.engine.load import QUANTIZED, load_model, prepare, quantize_linears
+    from layerplan.engine.runner import forward, new_cache
+    from layerplan.models.loading import load_model as load_dense_model
+
+    path = write_tiny_gguf(tiny_hf("llama", num_layers=3), tmp_path / "llama.gguf", "Q4_1",
+                           {"attn_v": "Q8_0", "ffn_down": "Q5_0"})
+    model = load_model(path, dtype=dtype, engine="native")
+    block_format, arithmetic = QUANTIZED[dtype]
+    whole = prepare(quantize_linears(load_dense_model(path, "float32"), block_format, arithmetic), "native",
+                    pack=False)
+    assert model.precision == whole.precision == dtype and model.stored.formats == whole.stored.formats
+    for name, tensor in whole.stored.tensors.items():
+        assert np.array_equal(model.stored.tensors[name].data, tensor.data), name
+    ids = torch.tensor([[5, 17, 3, 88, 41, 9, 60]])
+    assert torch.equal(forward(model, ids, cache=new_cache(model.plan(), 64)),
+                       forward(whole, ids, cache=new_cache(whole.plan(), 64)))
+
+
 @pytest.mark.parametrize("damage", ["garbage", "truncated"])
 def test_a_damaged_checkpoint_quantized_at_load_is_one_line(tmp_path, damage):
     from layerplan.engine.load import load_model

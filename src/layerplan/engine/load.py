@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -113,6 +114,10 @@ def load_model(
                 return prepare(loading.load_stored_model(source, STORED_ARITHMETIC[dtype]), engine, pack=False,
                                panels=panels, on_filled=on_tensor)
             block_format, arithmetic = QUANTIZED[dtype]
+            if loading.gguf_of(source) is not None:  # a GGUF's matrices, each from its blocks to the format's
+                model = loading.load_stored_model(source)
+                taken = requantized_linears(model, block_format)
+                return prepare(quantize_linears(model, block_format, arithmetic, taken), engine, pack=False)
             taker = QuantizingTaker(block_format)
             model = loading.load_by_tensor(source, taker)
             if model is None:  # not a folder of safetensors the model's names read: loaded whole first
@@ -145,9 +150,24 @@ def _quantized_rows(weight: torch.Tensor, block_format: str) -> StoredTensor | N
         return None
     weight = weight.detach().to(torch.float32).contiguous()
     data = np.empty((rows, columns // block * type_bytes), np.uint8)
-    check(library().lp_quantize_rows(ABI.constants[f"LP_FORMAT_{block_format.upper()}"], weight.data_ptr(), rows,
-                                     columns, data.ctypes.data), f"quantizing a matrix to {block_format}")
+    code, lib = ABI.constants[f"LP_FORMAT_{block_format.upper()}"], library()
+    _by_row_parts(rows, lambda first, count: check(
+        lib.lp_quantize_rows(code, weight[first].data_ptr(), count, columns, data[first].ctypes.data),
+        f"quantizing a matrix to {block_format}"))
     return StoredTensor(Path(), 0, kind.name, int(kind), rows, columns, data.shape[1], data=data)
+
+
+def _by_row_parts(rows: int, work: Callable[[int, int], None]) -> None:
+    """work(first, count) over `rows` rows in one part a thread (torch's count): each row's result
+    is its own, and the kernels' calls let the GIL go, so the parts run at once."""
+    parts = max(1, min(torch.get_num_threads(), rows // 64))
+    bounds = [rows * i // parts for i in range(parts + 1)]
+    if parts == 1:
+        work(0, rows)
+        return
+    with ThreadPoolExecutor(max_workers=parts) as pool:
+        for done in [pool.submit(work, a, b - a) for a, b in zip(bounds, bounds[1:])]:
+            done.result()
 
 
 def _quantized_linears(hf: nn.Module) -> list[nn.Module]:
@@ -183,6 +203,45 @@ class QuantizingTaker:
             return True
 
         return take
+
+
+def requantized_linears(model: LoadedModel, block_format: str) -> dict[str, tuple[nn.Module, StoredTensor]]:
+    """The matrices quantize_linears quantizes, of a GGUF run as stored (loading.load_stored_model),
+    each dequantized from the file's blocks (the kernels' lp_dequantize_rows: gguf's values) and
+    quantized to `block_format`, one at a time: no dense copy of the model is ever whole in memory
+    (a 1.5B's `self:bits=q2_k` held 8.4 GB loaded through transformers). A matrix whose width the
+    format's blocks do not divide gets its dense weight back. Parameter name -> (module, rows),
+    for quantize_linears to adopt; the model's stored weights are let go (its embedding keeps its
+    table)."""
+    names = {id(m): n for n, m in model.hf.named_modules()}
+    taken = {}
+    for module in _quantized_linears(model.hf):
+        stored = model.stored.of(module)
+        if stored is None:
+            continue
+        values = _dequantized(stored)
+        rows = _quantized_rows(values, block_format)
+        if rows is None:
+            module.weight = nn.Parameter(values, requires_grad=False)
+            continue
+        taken[f"{names[id(module)]}.weight"] = (module, rows)
+        del values
+    model.stored = None
+    return taken
+
+
+def _dequantized(stored: StoredTensor) -> torch.Tensor:
+    """float32 (rows, columns) of a stored matrix: the kernels' decoding where they hold its type
+    (gguf's values bit for bit, tests/test_quant_kernels.py), else gguf-py's."""
+    code = getattr(ABI, f"LP_FORMAT_{stored.type_name}", None)
+    if code is None:
+        return stored.dequantize()
+    rows, lib = stored.read_rows(), library()
+    out = torch.empty(stored.rows, stored.columns)
+    _by_row_parts(stored.rows, lambda first, count: check(
+        lib.lp_dequantize_rows(code, rows[first].ctypes.data, count, stored.columns, out[first].data_ptr()),
+        f"dequantizing a {stored.type_name} matrix"))
+    return out
 
 
 def quantize_linears(model: LoadedModel, block_format: str, arithmetic: str = "exact",
