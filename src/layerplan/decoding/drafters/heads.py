@@ -228,6 +228,7 @@ class ReducedHead:
         if bias is not None:
             linear.bias = nn.Parameter(bias.detach()[self.ids], requires_grad=False)
         self.native = None
+        self.model_stored = model.stored
         if stored is not None:
             rows = stored.read_rows()[self.ids.cpu().numpy()]
             model.stored.adopt(linear, f"lm_head.vocab={len(self.ids)}",
@@ -249,9 +250,12 @@ class ReducedHead:
     @torch.inference_mode()
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden (..., H) -> logits (..., V), -inf outside the subset."""
-        if self.native is not None:
+        rows = hidden.numel() // hidden.shape[-1]
+        if self.native is not None and self.native.takes(rows):
             scores = self.native.head(self.parts.final_norm, self.linear, hidden)
-        else:
+        else:  # (a stored head's rows dequantized, for passes longer than the kernels take)
+            if self.linear.weight.device.type == "meta":
+                self.model_stored.materialize(self.linear)
             scores = self.linear(self.parts.final_norm(hidden))
         sub = softcap(self.parts, scores)
         full = torch.full((*sub.shape[:-1], self.vocab), float("-inf"), dtype=sub.dtype, device=sub.device)
