@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -150,24 +149,9 @@ def _quantized_rows(weight: torch.Tensor, block_format: str) -> StoredTensor | N
         return None
     weight = weight.detach().to(torch.float32).contiguous()
     data = np.empty((rows, columns // block * type_bytes), np.uint8)
-    code, lib = ABI.constants[f"LP_FORMAT_{block_format.upper()}"], library()
-    _by_row_parts(rows, lambda first, count: check(
-        lib.lp_quantize_rows(code, weight[first].data_ptr(), count, columns, data[first].ctypes.data),
-        f"quantizing a matrix to {block_format}"))
+    check(library().lp_quantize_rows(ABI.constants[f"LP_FORMAT_{block_format.upper()}"], weight.data_ptr(), rows,
+                                     columns, data.ctypes.data), f"quantizing a matrix to {block_format}")
     return StoredTensor(Path(), 0, kind.name, int(kind), rows, columns, data.shape[1], data=data)
-
-
-def _by_row_parts(rows: int, work: Callable[[int, int], None]) -> None:
-    """work(first, count) over `rows` rows in one part a thread (torch's count): each row's result
-    is its own, and the kernels' calls let the GIL go, so the parts run at once."""
-    parts = max(1, min(torch.get_num_threads(), rows // 64))
-    bounds = [rows * i // parts for i in range(parts + 1)]
-    if parts == 1:
-        work(0, rows)
-        return
-    with ThreadPoolExecutor(max_workers=parts) as pool:
-        for done in [pool.submit(work, a, b - a) for a, b in zip(bounds, bounds[1:])]:
-            done.result()
 
 
 def _quantized_linears(hf: nn.Module) -> list[nn.Module]:
@@ -236,11 +220,10 @@ def _dequantized(stored: StoredTensor) -> torch.Tensor:
     code = getattr(ABI, f"LP_FORMAT_{stored.type_name}", None)
     if code is None:
         return stored.dequantize()
-    rows, lib = stored.read_rows(), library()
+    rows = stored.read_rows()
     out = torch.empty(stored.rows, stored.columns)
-    _by_row_parts(stored.rows, lambda first, count: check(
-        lib.lp_dequantize_rows(code, rows[first].ctypes.data, count, stored.columns, out[first].data_ptr()),
-        f"dequantizing a {stored.type_name} matrix"))
+    check(library().lp_dequantize_rows(code, rows.ctypes.data, stored.rows, stored.columns, out.data_ptr()),
+          f"dequantizing a {stored.type_name} matrix")  # (on the kernels' threads)
     return out
 
 
