@@ -66,16 +66,11 @@ ALWAYS void q4_1_iset(istate *s, const uint8_t *pb, int sub) {
 
 #define Q4_K_ISUB 32
 ALWAYS void q4_k_iset(istate *s, const uint8_t *pb, int sub) {
-    const uint8_t *s24 = pb + 64 + 24 * sub;
-    __m256i a = bytes8(s24), b = bytes8(s24 + 8), c = bytes8(s24 + 16);
-    __m256i sc_lo = _mm256_or_si256(and_(a, 0xF), _mm256_slli_epi32(and_(c, 0x3), 4));
-    __m256i mn_lo = _mm256_or_si256(_mm256_srli_epi32(a, 4), _mm256_slli_epi32(and_(c, 0xC), 2));
-    __m256i sc_hi = _mm256_or_si256(and_(b, 0xF), and_(c, 0x30));
-    __m256i mn_hi = _mm256_or_si256(_mm256_srli_epi32(b, 4), and_(_mm256_srli_epi32(c, 2), 0x30));
-    s->dl = mul(half8(pb), cvt(sc_lo));
-    s->dh = mul(half8(pb + 16), cvt(sc_hi));
-    s->ol = neg(mul(half8(pb + 32), cvt(mn_lo)));
-    s->oh = neg(mul(half8(pb + 48), cvt(mn_hi)));
+    kscales k = k4_fields(pb, sub);
+    s->dl = k.dl;
+    s->dh = k.dh;
+    s->ol = k.ol;
+    s->oh = k.oh;
     s->q = pb + 256 + 256 * sub;
 }
 #define q4_k_iload nibble_words
@@ -284,12 +279,11 @@ ALWAYS void oct_words(const istate *s, int c, __m256i *wl, __m256i *wh) {
 /* Q2_K: w = (d sc) q - (dmin m), q 0..3, sub-blocks of 16 */
 #define Q2_K_ISUB 16
 ALWAYS void q2_k_iset(istate *s, const uint8_t *pb, int sub) {
-    const uint8_t *sm = pb + 64 + 16 * sub;
-    __m256i a = bytes8(sm), b = bytes8(sm + 8);
-    s->dl = mul(half8(pb), cvt(and_(a, 0xF)));
-    s->dh = mul(half8(pb + 16), cvt(and_(b, 0xF)));
-    s->ol = neg(mul(half8(pb + 32), cvt(_mm256_srli_epi32(a, 4))));
-    s->oh = neg(mul(half8(pb + 48), cvt(_mm256_srli_epi32(b, 4))));
+    kscales k = q2_k_fields(pb, sub);
+    s->dl = k.dl;
+    s->dh = k.dh;
+    s->ol = k.ol;
+    s->oh = k.oh;
     s->q = pb + 320 + 64 * sub;
 }
 #define q2_k_iload oct_words
@@ -301,16 +295,8 @@ ALWAYS void q2_k_iset(istate *s, const uint8_t *pb, int sub) {
  * (n odd): a compare with the field's bit in every byte's place, and 4 where it is clear. */
 #define Q3_K_ISUB 16
 ALWAYS void q3_k_iset(istate *s, const uint8_t *pb, int sub) {
-    const uint8_t *s12 = pb + 32 + 12 * sub;
-    uint32_t high;
-    memcpy(&high, s12 + 8, 4);
-    __m256i n = bytes8(s12);
-    __m256i hh = _mm256_srlv_epi32(_mm256_set1_epi32((int)high), _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28));
-    __m256i sc_lo = _mm256_or_si256(and_(n, 0xF), _mm256_slli_epi32(and_(hh, 0x3), 4));
-    __m256i sc_hi = _mm256_or_si256(_mm256_srli_epi32(n, 4), _mm256_slli_epi32(and_(hh, 0xC), 2));
-    __m256i off = _mm256_set1_epi32(32);
-    centred_scales(s, mul(half8(pb), cvt(_mm256_sub_epi32(sc_lo, off))),
-                   mul(half8(pb + 16), cvt(_mm256_sub_epi32(sc_hi, off))), 4.0f);
+    kscales k = q3_k_fields(pb, sub);
+    centred_scales(s, k.dl, k.dh, 4.0f);
     s->q = pb + 224 + 64 * sub;
     s->h = pb + 1248 + 32 * sub;
 }

@@ -186,18 +186,29 @@ ALWAYS v16 q5_1_widen(const qstate *s, const qraw *r, const int t) {
     return (v16){fma_(cvt(lo), s->ml[t], s->ol), fma_(cvt(hi), s->mh[t], s->oh)};
 }
 
+/* A K-quant sub-block's fp32 scales of rows 0-7 (dl) and 8-15 (dh) and the offsets added (ol, oh),
+ * as gguf computes them: what the exact tiles' setup and the integer tiles' iset both start from */
+typedef struct {
+    __m256 dl, dh, ol, oh;
+} kscales;
+
 /* Q4_K / Q5_K sub-block s's scale and min of the 16 rows (6 bits each: 16 bytes of low nibbles,
- * 8 bytes of high bits), as gguf: d sc and dmin m in fp32 */
-ALWAYS void k4_scales(qstate *s, const uint8_t *pb, int sub) {
+ * 8 bytes of high bits), as gguf: d sc and -(dmin m) in fp32 */
+ALWAYS kscales k4_fields(const uint8_t *pb, int sub) {
     const uint8_t *s24 = pb + 64 + 24 * sub;
     __m256i a = bytes8(s24), b = bytes8(s24 + 8), c = bytes8(s24 + 16);
     __m256i sc_lo = _mm256_or_si256(and_(a, 0xF), _mm256_slli_epi32(and_(c, 0x3), 4));
     __m256i mn_lo = _mm256_or_si256(_mm256_srli_epi32(a, 4), _mm256_slli_epi32(and_(c, 0xC), 2));
     __m256i sc_hi = _mm256_or_si256(and_(b, 0xF), and_(c, 0x30));
     __m256i mn_hi = _mm256_or_si256(_mm256_srli_epi32(b, 4), and_(_mm256_srli_epi32(c, 2), 0x30));
-    nibble_scales(s, mul(half8(pb), cvt(sc_lo)), mul(half8(pb + 16), cvt(sc_hi)));
-    s->ol = neg(mul(half8(pb + 32), cvt(mn_lo)));
-    s->oh = neg(mul(half8(pb + 48), cvt(mn_hi)));
+    return (kscales){mul(half8(pb), cvt(sc_lo)), mul(half8(pb + 16), cvt(sc_hi)), neg(mul(half8(pb + 32), cvt(mn_lo))),
+                     neg(mul(half8(pb + 48), cvt(mn_hi)))};
+}
+ALWAYS void k4_scales(qstate *s, const uint8_t *pb, int sub) {
+    kscales k = k4_fields(pb, sub);
+    nibble_scales(s, k.dl, k.dh);
+    s->ol = k.ol;
+    s->oh = k.oh;
 }
 
 /* Q4_K: w = (d sc) q - (dmin m), sub-blocks of 32 */
@@ -271,7 +282,8 @@ ALWAYS __m256i pair_hi(__m256i v, const int t) { return t < 7 ? and_(v, 0xCu << 
 #define Q3_K_SUB 16
 #define Q3_K_CHUNK 8
 #define Q3_K_PB 1760
-ALWAYS void q3_k_setup(qstate *s, const uint8_t *pb, int sub) {
+/* Q3_K sub-block s's scales of the 16 rows, d (sc - 32) (sc: 4 low bits, 2 high bits); no offset */
+ALWAYS kscales q3_k_fields(const uint8_t *pb, int sub) {
     const uint8_t *s12 = pb + 32 + 12 * sub;
     uint32_t high;
     memcpy(&high, s12 + 8, 4);
@@ -280,8 +292,12 @@ ALWAYS void q3_k_setup(qstate *s, const uint8_t *pb, int sub) {
     __m256i sc_lo = _mm256_or_si256(and_(n, 0xF), _mm256_slli_epi32(and_(hh, 0x3), 4));
     __m256i sc_hi = _mm256_or_si256(_mm256_srli_epi32(n, 4), _mm256_slli_epi32(and_(hh, 0xC), 2));
     __m256i off = _mm256_set1_epi32(32);
-    pair_scales(s, mul(half8(pb), cvt(_mm256_sub_epi32(sc_lo, off))),
-                mul(half8(pb + 16), cvt(_mm256_sub_epi32(sc_hi, off))));
+    return (kscales){mul(half8(pb), cvt(_mm256_sub_epi32(sc_lo, off))),
+                     mul(half8(pb + 16), cvt(_mm256_sub_epi32(sc_hi, off))), _mm256_setzero_ps(), _mm256_setzero_ps()};
+}
+ALWAYS void q3_k_setup(qstate *s, const uint8_t *pb, int sub) {
+    kscales k = q3_k_fields(pb, sub);
+    pair_scales(s, k.dl, k.dh);
     s->q = pb + 224 + 64 * sub;
     s->h = pb + 1248 + 32 * sub;
 }
@@ -303,12 +319,19 @@ ALWAYS v16 q3_k_widen(const qstate *s, const qraw *r, const int t) {
 #define Q2_K_SUB 16
 #define Q2_K_CHUNK 8
 #define Q2_K_PB 1344
-ALWAYS void q2_k_setup(qstate *s, const uint8_t *pb, int sub) {
+/* Q2_K sub-block s's d sc and -(dmin m) of the 16 rows (sc, m: a byte's nibbles) */
+ALWAYS kscales q2_k_fields(const uint8_t *pb, int sub) {
     const uint8_t *sm = pb + 64 + 16 * sub;
     __m256i a = bytes8(sm), b = bytes8(sm + 8);
-    pair_scales(s, mul(half8(pb), cvt(and_(a, 0xF))), mul(half8(pb + 16), cvt(and_(b, 0xF))));
-    s->ol = neg(mul(half8(pb + 32), cvt(_mm256_srli_epi32(a, 4))));
-    s->oh = neg(mul(half8(pb + 48), cvt(_mm256_srli_epi32(b, 4))));
+    return (kscales){mul(half8(pb), cvt(and_(a, 0xF))), mul(half8(pb + 16), cvt(and_(b, 0xF))),
+                     neg(mul(half8(pb + 32), cvt(_mm256_srli_epi32(a, 4)))),
+                     neg(mul(half8(pb + 48), cvt(_mm256_srli_epi32(b, 4))))};
+}
+ALWAYS void q2_k_setup(qstate *s, const uint8_t *pb, int sub) {
+    kscales k = q2_k_fields(pb, sub);
+    pair_scales(s, k.dl, k.dh);
+    s->ol = k.ol;
+    s->oh = k.oh;
     s->q = pb + 320 + 64 * sub;
 }
 #define q2_k_load quad_load
