@@ -17,7 +17,7 @@ from layerplan.collection import collection_paused
 from layerplan.engine.cpu_pack import pack_linears, packing_supported
 from layerplan.engine.executors import modules_executor, use_native
 from layerplan.engine.kernel_library import ABI, check, kernels_key, library, native_available
-from layerplan.engine.native import resolve_engine
+from layerplan.engine.native import resolve_engine, row_decoder
 from layerplan.engine.panel_cache import PanelCache
 from layerplan.engine.probe import ProbeResult
 from layerplan.engine.verify import ensure_checked
@@ -216,15 +216,9 @@ def requantized_linears(model: LoadedModel, block_format: str) -> dict[str, tupl
 
 def _dequantized(stored: StoredTensor) -> torch.Tensor:
     """float32 (rows, columns) of a stored matrix: the kernels' decoding where they hold its type
-    (gguf's values bit for bit, tests/test_quant_kernels.py), else gguf-py's."""
-    code = getattr(ABI, f"LP_FORMAT_{stored.type_name}", None)
-    if code is None:
-        return stored.dequantize()
-    rows = stored.read_rows()
-    out = torch.empty(stored.rows, stored.columns)
-    check(library().lp_dequantize_rows(code, rows.ctypes.data, stored.rows, stored.columns, out.data_ptr()),
-          f"dequantizing a {stored.type_name} matrix")  # (on the kernels' threads)
-    return out
+    (gguf's values bit for bit), else gguf-py's."""
+    decode = row_decoder(stored)
+    return decode(stored.read_rows()) if decode is not None else stored.dequantize()
 
 
 def quantize_linears(model: LoadedModel, block_format: str, arithmetic: str = "exact",

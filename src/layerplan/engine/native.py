@@ -563,7 +563,7 @@ class StepRun:
         return logits
 
 
-def _row_decoder(table) -> Callable[[np.ndarray], torch.Tensor] | None:
+def row_decoder(table) -> Callable[[np.ndarray], torch.Tensor] | None:
     """Stored rows of `table` (a StoredTensor; uint8 (count, row_bytes)) -> float32 (count,
     columns) by the kernels' lp_dequantize_rows: gguf-py's values bit for bit
     (tests/test_quant_kernels.py), in a microsecond rather than gguf-py's ~50 us a call; None for
@@ -577,7 +577,7 @@ def _row_decoder(table) -> Callable[[np.ndarray], torch.Tensor] | None:
         rows = np.ascontiguousarray(rows)
         out = torch.empty(len(rows), columns)
         check(lib.lp_dequantize_rows(code, rows.ctypes.data, len(rows), columns, out.data_ptr()),
-              f"dequantizing {table.type_name} embedding rows")
+              f"dequantizing {table.type_name} rows")
         return out
 
     return decode
@@ -687,7 +687,7 @@ class NativeEngine:
             norm = self._final_norm(parts.final_norm, dtype) if head is not None else None
             if norm is None or head.k != embedding.table.columns:
                 return None
-            decode = _row_decoder(embedding.table)
+            decode = row_decoder(embedding.table)
             lookup = embedding if decode is None else partial(embedding.lookup, decode=decode)
             return PassEnds(torch.empty(0, head.k, dtype=dtype), norm, head, lookup=lookup)
         weight = getattr(embedding, "weight", None)

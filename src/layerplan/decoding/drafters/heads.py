@@ -233,10 +233,9 @@ class ReducedHead:
             rows = stored.read_rows()[self.ids.cpu().numpy()]
             model.stored.adopt(linear, f"lm_head.vocab={len(self.ids)}",
                                replace(stored, rows=len(self.ids), offset=0, row_order=None, data=rows))
-            # the native engine runs the stored rows as it runs the head; without it, dense rows
+            # the native engine runs the stored rows as it runs the head; without it (and for passes
+            # it does not take), __call__ dequantizes them once
             self.native = getattr(model.executor, "native", None)
-            if self.native is None:
-                model.stored.materialize(linear)
             self.linear = linear
             return
         linear.weight = nn.Parameter(full.weight.detach()[self.ids].contiguous(), requires_grad=False)  # (K, H)
