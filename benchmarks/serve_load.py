@@ -52,7 +52,7 @@ def main() -> None:
     # as `layerplan serve` does it: HTTP on a background thread, decoding on this (the main) thread
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
-    app = create_app(model, draft=args.draft, draft_length="fixed", engine_thread=False)
+    app = create_app(model, draft=args.draft, draft_length="fixed", decode_thread=False)
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
     threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True).start()
     base = f"http://127.0.0.1:{sock.getsockname()[1]}"
@@ -79,13 +79,13 @@ def main() -> None:
     def all_clients() -> list:
         with ThreadPoolExecutor(args.clients) as pool:
             found = [a for batch in pool.map(client, range(args.clients)) for a in batch]
-        app.state.engine.close()
+        app.state.scheduler.close()
         return found
 
     start = time.perf_counter()
     with ThreadPoolExecutor(1) as outside:
         pending = outside.submit(all_clients)
-        app.state.engine.run()  # returns once the clients are done
+        app.state.scheduler.run()  # returns once the clients are done
         answers = pending.result()
     served_s = time.perf_counter() - start
     server.should_exit = True

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from layerplan.decoding import batch as batching
-from layerplan.decoding.batch import generate_batch
+from layerplan.decoding.scheduler import generate_batch
 from layerplan.decoding.generate import generate
 from layerplan.decoding.sampling import SamplingParams
 from layerplan.engine.executors import use_native

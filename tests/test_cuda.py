@@ -19,7 +19,7 @@ import torch
 from click.testing import CliRunner
 
 from layerplan.app.cli import main
-from layerplan.decoding.batch import generate_batch
+from layerplan.decoding.scheduler import generate_batch
 from layerplan.decoding.generate import generate
 from layerplan.decoding.sampling import SamplingParams
 from layerplan.engine.load import load_model, wrap_model

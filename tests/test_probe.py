@@ -437,7 +437,8 @@ def test_a_decode_slower_than_its_probe_row_says_so(draft):
 def test_health_says_when_decodes_run_slower_than_the_probe():
     from fastapi.testclient import TestClient
 
-    from layerplan.app.serve import Job, create_app
+    from layerplan.app.serve import create_app
+    from layerplan.decoding.scheduler import Job
     from layerplan.decoding.sampling import SamplingParams
 
     impossible = probe.ProbeRow("eager", "float32", 1e-6, {1: 1.0})
@@ -445,10 +446,10 @@ def test_health_says_when_decodes_run_slower_than_the_probe():
     client = TestClient(app)
     assert client.get("/health").json()["slow_decode"] is None
     job = Job(prompt_ids=[5, 6, 7], max_tokens=8, sampling=SamplingParams(), seed=0, stop=())
-    result = app.state.engine.submit(job).result(timeout=60)
+    result = app.state.scheduler.submit(job).result(timeout=60)
     assert result.slow_note is not None
     assert client.get("/health").json()["slow_decode"] == result.slow_note
-    app.state.engine.close()
+    app.state.scheduler.close()
 
 
 def test_a_servers_default_batch_is_the_fewest_rows_near_the_best_rate():

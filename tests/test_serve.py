@@ -181,7 +181,7 @@ def test_chat_accepts_the_forms_that_ask_for_nothing_more(server, smollm2, extra
 
 
 def test_the_role_chunk_is_sent_when_decoding_starts_not_while_queued(server, smollm2):
-    from layerplan.app.serve import Job
+    from layerplan.decoding.scheduler import Job
 
     base, app = server
     gate, busy = threading.Event(), threading.Event()
@@ -190,7 +190,7 @@ def test_the_role_chunk_is_sent_when_decoding_starts_not_while_queued(server, sm
         busy.set()
         gate.wait(30)
 
-    app.state.engine.submit(Job([1, 2, 3], 1, SamplingParams(), None, (), on_start=hold))
+    app.state.scheduler.submit(Job([1, 2, 3], 1, SamplingParams(), None, (), on_start=hold))
     assert busy.wait(30)
     lines: list[tuple[float, str]] = []
 
@@ -226,7 +226,7 @@ def test_api_key_is_required(server, smollm2):
 
 def test_client_disconnect_mid_stream_stops_its_generation(server, smollm2):
     base, app = server
-    counters = app.state.engine.counters
+    counters = app.state.scheduler.counters
     cancelled_before = counters.cancelled
     request = {"model": smollm2.name, "prompt": "1, 2, 3, 4, 5, 6,", "max_tokens": 400,
                "temperature": 0, "stream": True}

@@ -44,7 +44,7 @@ def test_concurrent_requests_share_passes_and_each_reply_is_its_solo_run(batched
     for prompt, n, reply in zip(PROMPTS, lengths, replies):
         solo = generate(smollm2, smollm2.tokenizer(prompt).input_ids, max_new_tokens=n, sampling=SamplingParams())
         assert reply["choices"][0]["text"] == solo.text, prompt
-    assert app.state.engine.counters.running == 0 and app.state.engine.batch == 0
+    assert app.state.scheduler.counters.running == 0 and app.state.scheduler.batch == 0
     recent = httpx.get(f"{base}/health").json()["batch_recent"]  # the batch over the last minute
     assert recent["passes"] > 0 and 1 <= recent["mean_batch"] <= recent["max_batch"] <= 4
 
@@ -62,7 +62,7 @@ def test_seeded_sampling_in_a_batch_is_its_solo_run(batched, smollm2):
 
 def test_a_client_hanging_up_mid_batch_frees_its_place_and_others_finish(batched, smollm2):
     base, app = batched
-    counters = app.state.engine.counters
+    counters = app.state.scheduler.counters
     cancelled = counters.cancelled
 
     def hang_up():
@@ -97,7 +97,7 @@ def test_a_lookup_draft_runs_inside_the_batch(smollm2):
 
     flat = ProbeRow("native", "stored", 1.0, {k: 1.0 + 0.03 * (k - 1) for k in range(1, 17)})
     app = create_app(smollm2, draft="suffix", max_batch=4, probe_row=flat)
-    assert app.state.engine.max_batch == 4
+    assert app.state.scheduler.max_batch == 4
     with serving(app) as base:
         prompts = ["1, 2, 3, 4, 1, 2, 3, 4, 1, 2,", "def add(a, b):\n    return a + b\n\ndef add(a, b):"] + PROMPTS[:2]
         with ThreadPoolExecutor(len(prompts)) as pool:
@@ -106,7 +106,7 @@ def test_a_lookup_draft_runs_inside_the_batch(smollm2):
             solo = generate(smollm2, smollm2.tokenizer(prompt).input_ids, max_new_tokens=24, sampling=SamplingParams())
             assert reply["choices"][0]["text"] == solo.text, prompt
         assert any(reply["usage"].get("speculative", {}).get("drafted") for reply in replies)
-    assert create_app(smollm2, draft="exit:20", max_batch=4).state.engine.max_batch == 1  # runs a model: alone
+    assert create_app(smollm2, draft="exit:20", max_batch=4).state.scheduler.max_batch == 1  # runs a model: alone
 
 
 def test_generate_prompt_file_decodes_the_prompts_together_as_they_decode_alone(smollm2, tmp_path):

@@ -12,7 +12,8 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 
-from layerplan.app.serve import Job, create_app
+from layerplan.app.serve import create_app
+from layerplan.decoding.scheduler import Job
 from layerplan.decoding.generate import generate
 from layerplan.decoding.text import TOKEN_KINDS, TextStream
 from layerplan.decoding.sampling import SamplingParams
@@ -99,7 +100,7 @@ def test_requests_of_different_plans_batched_together_each_get_their_plans_reply
     """Three plans (the server's among them) and a model-running draft in flight at once: each
     reply is its solo run's, greedy and seeded."""
     app = create_app(tiny, served_name="tiny", max_batch=8)
-    engine = app.state.engine
+    engine = app.state.scheduler
     in_flight: list[int] = []
     step = engine._step
 
@@ -151,7 +152,7 @@ def test_a_server_that_drafts_with_a_model_makes_its_draft_for_a_requests_plan(t
     """serve --draft exit:2 (one request at a time): a request's own plan gets the server's draft
     made for that plan; "draft": null decodes plainly; the replies stay the plan's greedy ones."""
     with TestClient(create_app(tiny, served_name="tiny", draft="exit:2")) as test_client:
-        assert test_client.app.state.engine.max_batch == 1
+        assert test_client.app.state.scheduler.max_batch == 1
         for options, drafter in (({"plan": "skip:attn=0"}, "skip:attn=0;exit:2"),
                                  ({"plan": "skip:attn=0", "draft": None}, None),
                                  ({"plan": "skip:attn=0", "draft": "suffix", "draft_length": "fixed"}, "suffix")):

@@ -27,7 +27,7 @@ from layerplan.corpus import default_corpus, read_texts
 from layerplan.decoding.drafters.heads import default_head_path, save_head, train_exit_head
 from layerplan.decoding.draft_length import DRAFT_LENGTHS, draft_length_help
 from layerplan.decoding.frontier import measure_frontier, pass_costs_of, self_drafts
-from layerplan.decoding.batch import generate_batch
+from layerplan.decoding.scheduler import generate_batch
 from layerplan.decoding.drafters.registry import drafter_help, drafts_by_lookup, make_drafter, saved_draft_path
 from layerplan.decoding.generate import generate as run_generate
 from layerplan.decoding.budget import token_budget

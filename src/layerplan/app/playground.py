@@ -11,7 +11,7 @@ JavaScript, nothing fetched from elsewhere) and the small JSON endpoints it read
   parser's one line. The page's plan builder writes plans through this, never by itself.
 - GET /layerplan/scan: the model's latest sub-layer scan (search/scan.py, kept by `layerplan scan`
   and by the page) and the state of a scan the page started; POST /layerplan/scan {"tokens": N}
-  starts one. It runs on the decode thread between passes (Engine.call): decodes wait while it
+  starts one. It runs on the decode thread between passes (Scheduler.call): decodes wait while it
   runs rather than share the model with it.
 
 Chat and A/B go through the OpenAI endpoints themselves, with the request's "layerplan" object
@@ -86,16 +86,16 @@ def plan_steps(plan: LayerPlan) -> list[dict]:
     return [{"step": i, "layer": s.layer, "attention": s.attention, "mlp": s.mlp} for i, s in enumerate(plan.steps)]
 
 
-def add_playground(app: FastAPI, model: LoadedModel, engine, name: str) -> None:
-    """The page and its endpoints on `app`, serving `model` through `engine` (serve.Engine: its
-    plan, drafter and decode thread) under the served `name`."""
+def add_playground(app: FastAPI, model: LoadedModel, scheduler, name: str) -> None:
+    """The page and its endpoints on `app`, serving `model` through `scheduler` (decoding/
+    scheduler.py: its plan, drafter and decode thread) under the served `name`."""
     job = ScanJob()
     lock = threading.Lock()  # one scan at a time
     found: dict[str, ScanResult | None] = {"scan": load_cached_scan(model.name)}
 
     def parse(text: str | None) -> LayerPlan:
         if text is None:
-            return engine.plan
+            return scheduler.plan
         # the string syntax only: a file name from a web page must not read the server's files
         plan = parse_plan(text, model.num_layers, model.name)
         model.check_plan(plan)
@@ -109,7 +109,7 @@ def add_playground(app: FastAPI, model: LoadedModel, engine, name: str) -> None:
 
     @app.get("/layerplan/info")
     async def info():
-        plans = [{"name": "the server's plan", "plan": engine.plan.to_string()},
+        plans = [{"name": "the server's plan", "plan": scheduler.plan.to_string()},
                  {"name": "the full model", "plan": model.plan().to_string()}]
         saved = saved_draft_path(model)
         if saved.is_file():  # a search's or tune's best draft plan for this model
@@ -118,8 +118,8 @@ def add_playground(app: FastAPI, model: LoadedModel, engine, name: str) -> None:
             except (PlanError, OSError, ValueError):
                 pass  # a stale file is the registry's concern, not the page's
         return {"model": name, "layers": model.num_layers, "context_length": model.context_length,
-                "plan": engine.plan.to_string(), "draft": getattr(engine.drafter, "name", None),
-                "max_batch": engine.max_batch, "plans": plans, "drafters": drafter_choices(model.num_layers),
+                "plan": scheduler.plan.to_string(), "draft": getattr(scheduler.drafter, "name", None),
+                "max_batch": scheduler.max_batch, "plans": plans, "drafters": drafter_choices(model.num_layers),
                 "plan_help": (plan_module.__doc__ or "").strip()}
 
     @app.post("/layerplan/plan")
@@ -171,5 +171,5 @@ def add_playground(app: FastAPI, model: LoadedModel, engine, name: str) -> None:
             finally:
                 lock.release()
 
-        engine.call(run).add_done_callback(finished)
+        scheduler.call(run).add_done_callback(finished)
         return scan_state()

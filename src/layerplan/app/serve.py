@@ -1,13 +1,10 @@
 """An OpenAI-compatible HTTP server over layerplan's decoding (`layerplan serve`).
 
-One model, its requests decoded together: up to --max-batch of them share each pass (continuous
-batching, decoding/batch.py: a step's products read the weights once for every request's rows,
-which on a CPU bound by reading the weights costs little more than one request's step). Requests
-wait in a first-come-first-served queue and join the batch as room frees, on the thread that runs
-the engine (`layerplan serve`: the main thread, which owns torch's OpenMP pool, while HTTP is
-served from a background thread; see Engine). Each generation gets its own KV cache, and a client
-that disconnects has its generation stopped at its next pass, its place freed. Speculative
-statistics ride in each response's `usage` block.
+Routes and the mapping of requests and replies; the decoding is the scheduler's
+(decoding/scheduler.py: up to --max-batch requests share each pass, in arrival order, on the main
+thread, while HTTP is served from a background one). A client that disconnects has its generation
+stopped at its next pass, its place freed. Speculative statistics ride in each response's `usage`
+block.
 
 Endpoints: GET /health, GET /v1/models, POST /v1/completions, POST /v1/chat/completions (both
 with `"stream": true` for server-sent events, and `stream_options.include_usage`; a chat stream's
@@ -33,16 +30,14 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import queue
 import secrets
 import socket
 import threading
 import time
 import uuid
-from collections import deque
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -53,13 +48,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from layerplan.app.playground import add_playground
-from layerplan.decoding.batch import Batch
-from layerplan.decoding.generate import Decoding, generate
-from layerplan.decoding.drafters.base import Drafter
-from layerplan.decoding.drafters.model import ModelDrafter
-from layerplan.decoding.drafters.registry import drafts_by_lookup, make_drafter
-from layerplan.decoding.draft_length import SharedRounds, make_draft_length
-from layerplan.decoding.speculative import SpeculativeDecoding
+from layerplan.decoding.draft_length import make_draft_length
+from layerplan.decoding.scheduler import DEFAULT_MAX_BATCH, Job, Scheduler
 from layerplan.decoding.output import ChatTemplateError, chat_prompt_ids
 from layerplan.decoding.text import GenerationResult, TextDelta
 from layerplan.decoding.budget import ContextLengthError, token_budget
@@ -70,11 +60,6 @@ from layerplan.models.loading import LoadedModel
 from layerplan.plan.plan import LayerPlan, PlanError, parse_plan
 
 
-# plain decodes batched at most (serve --max-batch): on a CPU a pass of 8 tokens costs little more
-# than one, so 8 clients decode at nearly one client's pace each
-DEFAULT_MAX_BATCH = 8
-PASSES_KEPT = 4096  # the latest passes /health summarises (a few minutes of a busy server's)
-RECENT_SECONDS = 60.0  # the span of /health's batch_recent
 # a request's plan runs at most this many steps per layer of the model: a frankenmerge repeats a
 # block once or twice, while a plan of thousands of steps would take a KV slot each (gigabytes) and
 # hold every other request up (the server's own --plan has no such bound)
@@ -220,297 +205,6 @@ class ChatRequest(_GenerationRequest):
                                 "by this server (plain text only)", "response_format")
 
 
-# ----- the decode queue --------------------------------------------------------------------------
-@dataclass
-class Job:
-    prompt_ids: list[int]
-    max_tokens: int
-    sampling: SamplingParams
-    seed: int | None
-    stop: tuple[str, ...]
-    on_text: Callable[[str], None] | None = None
-    on_start: Callable[[], None] | None = None  # called on the decode thread as decoding starts
-    cancelled: threading.Event = field(default_factory=threading.Event)
-    plan: LayerPlan | None = None  # None: the server's
-    # this request's drafter, made for its plan (Engine.drafter_for), when draft_chosen (None then:
-    # it decodes plainly); otherwise the server's draft for its plan
-    draft: Drafter | None = None
-    draft_chosen: bool = False
-    draft_length: str | None = None  # None: the server's
-
-
-@dataclass
-class EngineCounters:
-    waiting: int = 0  # submitted, not started
-    running: int = 0
-    finished: int = 0
-    cancelled: int = 0  # stopped (or never started) because the client went away
-    failed: int = 0
-
-
-class Engine:
-    """Runs the generations, in arrival order, on the thread that calls run(): up to max_batch at
-    once (continuous batching: decoding/batch.py; a request joins after its prefill and leaves
-    when done, and its greedy tokens are its solo run's), each with its own drafter when the draft
-    is a lookup (n-gram, suffix: its chain verified in the batch's pass, shorter as the batch
-    fills); a drafter that runs a model decodes one request at a time.
-
-    Each request runs by its own plan and draft (a Job's, from the request's `layerplan` object)
-    or the server's. Plans are data on the one model: requests of every plan share the batch's
-    passes, the steps their plans begin with alike run once over all their rows (runner.
-    forward_batch); a request whose own drafter runs a model decodes alone, a round a turn beside
-    the batch's pass. A server whose own draft runs a model decodes one request at a time,
-    whatever its plan and draft.
-
-    Which thread decodes matters on CPU: torch's OpenMP pool belongs to the thread that first
-    ran parallel work (usually the main thread, which loaded the model), and a decode on a
-    second thread ran ~1.7x slower here. So `layerplan serve` decodes on the main thread and
-    serves HTTP from a background thread; run_in_thread=True (tests, notebooks) starts a
-    decode thread instead."""
-
-    def __init__(self, model: LoadedModel, plan: LayerPlan | None = None, draft=None,
-                 draft_length: str | None = None, run_in_thread: bool = True,
-                 probe_row: ProbeRow | None = None, max_batch: int = DEFAULT_MAX_BATCH) -> None:
-        if max_batch < 1:
-            raise ValueError(f"--max-batch must be at least 1, not {max_batch}")
-        self.model = model
-        self.probe_row = probe_row  # this machine's probe row for the model: the pace decodes are held to
-        # the latest decode's GenerationResult.slow_note: set while decodes run far slower than the
-        # probe says (a busy machine), cleared by one that keeps pace
-        self.slow_note: str | None = None
-        self.plan = plan if plan is not None else model.plan()
-        # built once: a model drafter keeps its own cache between requests (it re-syncs by prefix)
-        self.drafter = make_drafter(draft, model, self.plan) if draft else None  # checks it, fails at startup
-        self.draft_text = draft if isinstance(draft, str) else None  # made again for a request's own plan
-        self.draft_length = draft_length
-        # a lookup drafter (n-gram, suffix) is made anew for each request of a batch, its drafts
-        # verified in the batch's passes; a drafter that runs a model keeps one request at a time
-        self.draft_spec = draft if isinstance(draft, str) and self.drafter is not None \
-            and drafts_by_lookup(self.drafter) else None
-        self.max_batch = max_batch if self.drafter is None or self.draft_spec is not None else 1
-        self.batch = 0  # decodes in the batch now
-        # (monotonic time, decodes in the pass) of the latest passes, for /health's batch over time
-        self.passes: deque[tuple[float, int]] = deque(maxlen=PASSES_KEPT)
-        self.counters = EngineCounters()
-        # what the requests of each (draft, plan, length policy) measured of their rounds: where a
-        # new request's draft length starts (draft_length.SharedRounds); the decode thread's alone
-        self.shared_rounds: dict[tuple[str, str, str], SharedRounds] = {}
-        self._lock = threading.Lock()
-        self._jobs: queue.Queue = queue.Queue()  # FIFO: fair in arrival order
-        if run_in_thread:
-            threading.Thread(target=self.run, name="layerplan-decode", daemon=True).start()
-
-    def drafter_for(self, plan: LayerPlan, spec: str | None = None, chosen: bool = False) -> Drafter | None:
-        """The drafter of a request run by `plan`: the one its spec names when chosen (None: it
-        decodes plainly), made for it alone from a client's spec (no files, no second model); else
-        the server's draft for that plan. ValueError (PlanError, ...) for a draft that cannot be made
-        or does not fit the plan."""
-        costs = dict(self.probe_row.relative) if self.probe_row is not None else {}
-        if chosen:
-            return make_drafter(spec, self.model, plan, pass_costs=costs, remote=True) if spec is not None else None
-        if self.drafter is None:
-            return None
-        if self.draft_spec is not None:  # a lookup: each request its own
-            return make_drafter(self.draft_spec, self.model, plan, pass_costs=costs)
-        # one at a time (max_batch 1): the server's drafter, which keeps its cache between requests;
-        # a drafter with a model of its own drafts for any plan, a self-draft only for its target's
-        if plan == self.plan or isinstance(self.drafter, ModelDrafter):
-            return self.drafter
-        if self.draft_text is None:
-            raise ValueError(f"the server's draft {self.drafter.name} was made for its own plan: name a draft "
-                             "for this plan")
-        return make_drafter(self.draft_text, self.model, plan, pass_costs=costs)
-
-    def submit(self, job: Job) -> Future:
-        """Queue a job (its plan, draft and draft length the server's where it leaves them out)."""
-        if job.plan is None:
-            job.plan = self.plan
-        if not job.draft_chosen:
-            job.draft, job.draft_chosen = self.drafter_for(job.plan), True
-        if job.draft_length is None:
-            job.draft_length = self.draft_length
-        future: Future = Future()
-        self._count(waiting=1)
-        self._jobs.put((job, future))
-        return future
-
-    def call(self, function: Callable[[], Any]) -> Future:
-        """function() on the decode thread, between passes, queued in arrival order like a request:
-        work on the model that must not overlap a decode (the page's layer scan: playground.py).
-        Decodes wait while it runs."""
-        future: Future = Future()
-        self._jobs.put((function, future))
-        return future
-
-    def _call(self, function: Callable[[], Any], future: Future) -> None:
-        if future.set_running_or_notify_cancel():
-            try:
-                future.set_result(function())
-            except Exception as error:  # noqa: BLE001 - the caller's future carries it
-                future.set_exception(error)
-
-    def run(self) -> None:
-        """Decode queued jobs until close()."""
-        if self.max_batch > 1:
-            self._run_batched()
-            return
-        while True:
-            try:
-                item = self._jobs.get(timeout=0.5)  # wake up now and then, so Ctrl-C gets through
-            except queue.Empty:
-                continue
-            if item is None:
-                return
-            job, future = item
-            if not isinstance(job, Job):
-                self._call(job, future)
-                continue
-            if not future.set_running_or_notify_cancel():
-                continue
-            try:
-                future.set_result(self._run(job))
-            except Exception as error:  # noqa: BLE001 - the caller's future carries it
-                future.set_exception(error)
-
-    def _count(self, **changes: int) -> None:
-        with self._lock:
-            for name, delta in changes.items():
-                setattr(self.counters, name, getattr(self.counters, name) + delta)
-
-    def _run(self, job: Job) -> GenerationResult | None:
-        if job.cancelled.is_set():
-            self._count(waiting=-1, cancelled=1)
-            return None
-        self._count(waiting=-1, running=1)
-        try:
-            if job.on_start:
-                job.on_start()
-            result = generate(self.model, job.prompt_ids, job.plan, job.max_tokens, job.sampling, job.seed,
-                              job.stop, on_text=job.on_text, draft=job.draft, draft_length=job.draft_length,
-                              should_stop=job.cancelled.is_set, probe_row=self.probe_row)
-        except Exception:
-            self._count(running=-1, failed=1)
-            raise
-        self._count(running=-1, **({"cancelled": 1} if result.stop_reason == "cancelled" else {"finished": 1}))
-        self.slow_note = result.slow_note
-        return result
-
-    def _run_batched(self) -> None:
-        """Continuous batching: admit queued jobs while there is room (max_batch decodes in all),
-        each into the batch whatever its plan (its prompt prefills a chunk per pass beside the
-        decoding rows: decoding/batch.py), or, when its drafter runs a model, to decode alone; then
-        a turn: the batch's pass and each lone decode's round. A job leaves when done or cancelled
-        (its client gone: should_stop), freeing its place for the next turn."""
-        batch = Batch(self.model)  # requests of any plan: each decode carries its own
-        alone: list[tuple[Future, SpeculativeDecoding]] = []
-
-        def in_flight() -> int:
-            return len(batch) + len(alone)
-
-        closing = False
-        while not (closing and not in_flight()):
-            while not closing and in_flight() < self.max_batch:
-                try:  # wait for work only when there is none; wake now and then, so Ctrl-C gets through
-                    item = self._jobs.get(timeout=0.5) if not in_flight() else self._jobs.get_nowait()
-                except queue.Empty:
-                    break
-                if item is None:
-                    closing = True
-                    break
-                started = self._start(*item)
-                if started is None:
-                    continue
-                job, future, decoding = started
-                if job.draft is None or drafts_by_lookup(job.draft):
-                    batch.join(future, decoding)
-                elif self._alone(future, decoding, first=True):
-                    alone.append((future, decoding))
-            self.batch = in_flight()
-            if len(batch):
-                self.passes.append((time.monotonic(), len(batch)))
-                self._step(batch)
-            alone = [entry for entry in alone if self._alone(*entry)]
-        self.batch = 0
-
-    def _alone(self, future: Future, decoding: SpeculativeDecoding, first: bool = False) -> bool:
-        """The next round of a decode whose drafter runs a model (first: its prompt's prefill);
-        False once it has left (done, cancelled, failed)."""
-        try:
-            decoding.prefill() if first else decoding.round()
-        except Exception as error:  # noqa: BLE001 - the caller's future carries it
-            self._count(running=-1, failed=1)
-            future.set_exception(error)
-            return False
-        if decoding.done:
-            self._finish(future, decoding)
-            return False
-        return True
-
-    def batch_recent(self, seconds: float = RECENT_SECONDS) -> dict:
-        """The passes of the last `seconds`: how many, and the decodes they carried (mean, most)."""
-        since = time.monotonic() - seconds
-        sizes = [size for at, size in list(self.passes) if at >= since]
-        return {"seconds": seconds, "passes": len(sizes), "mean_batch": sum(sizes) / len(sizes) if sizes else 0.0,
-                "max_batch": max(sizes, default=0)}
-
-    def _step(self, batch: Batch) -> None:
-        """One pass for the batch; the jobs it finished get their results. A pass that fails fails
-        each job in the batch with the error."""
-        try:
-            finished = batch.step()
-        except Exception as error:  # noqa: BLE001 - every job of the pass carries it
-            for future, _ in batch.entries():
-                self._count(running=-1, failed=1)
-                future.set_exception(error)
-            batch.clear()
-            return
-        for future, decoding in finished:
-            self._finish(future, decoding)
-
-    def _start(self, job: Job, future: Future) -> tuple[Job, Future, Decoding] | None:
-        """A job taken up: its decode, ready for its prefill; None when it ends here (cancelled,
-        failed, or not a request but a call)."""
-        if not isinstance(job, Job):
-            self._call(job, future)
-            return None
-        if not future.set_running_or_notify_cancel():
-            return None
-        if job.cancelled.is_set():
-            self._count(waiting=-1, cancelled=1)
-            future.set_result(None)
-            return None
-        self._count(waiting=-1, running=1)
-        try:
-            if job.on_start:
-                job.on_start()
-            if job.draft is not None:
-                # (submit gave the job its plan and its drafter, an object with a name)
-                key = (job.draft.name, job.plan.to_string(), str(job.draft_length))
-                decoding = SpeculativeDecoding(self.model, job.prompt_ids, job.draft, job.plan, job.max_tokens,
-                                               job.sampling, job.seed, job.stop, on_text=job.on_text,
-                                               draft_length=job.draft_length, should_stop=job.cancelled.is_set,
-                                               probe_row=self.probe_row,
-                                               shared_rounds=self.shared_rounds.setdefault(key, SharedRounds()))
-            else:
-                decoding = Decoding(self.model, job.prompt_ids, job.plan, job.max_tokens, job.sampling, job.seed,
-                                    job.stop, on_text=job.on_text, should_stop=job.cancelled.is_set,
-                                    probe_row=self.probe_row)
-        except Exception as error:  # noqa: BLE001 - the caller's future carries it
-            self._count(running=-1, failed=1)
-            future.set_exception(error)
-            return None
-        return job, future, decoding
-
-    def _finish(self, future: Future, decoding: Decoding) -> None:
-        result = decoding.result()
-        self._count(running=-1, **({"cancelled": 1} if result.stop_reason == "cancelled" else {"finished": 1}))
-        self.slow_note = result.slow_note
-        future.set_result(result)
-
-    def close(self) -> None:
-        self._jobs.put(None)
-
-
 class RequireKey:
     """ASGI middleware: /v1/* and the page's /layerplan/* need 'Authorization: Bearer KEY'; /health
     stays open for probes, and so do the page's own files (/, /playground/*), which hold no data:
@@ -569,33 +263,53 @@ def _sse(payload: dict | str) -> str:
     return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
 
 
-def create_app(model: LoadedModel, plan: LayerPlan | None = None, draft=None, draft_length: str | None = None,
-               api_key: str | None = None, served_name: str | None = None, engine_thread: bool = True,
-               probe_row: ProbeRow | None = None, max_batch: int = DEFAULT_MAX_BATCH) -> FastAPI:
-    """The FastAPI app serving `model` (run by `plan`, speculatively when `draft` is given).
-    engine_thread=False: the caller runs `app.state.engine.run()` on the thread that should
-    decode (see Engine; `serve` does this). probe_row: this machine's probe row for the model
-    (engine/probe.py checked_model_row); /health says when decodes ran far slower than it."""
-    engine = Engine(model, plan, draft, draft_length, run_in_thread=engine_thread, probe_row=probe_row,
-                    max_batch=max_batch)
-    name = served_name or model.name
-    created = int(time.time())
-    # one thread: a fast tokenizer used from two threads at once may fail ("Already borrowed")
-    tokenizing = ThreadPoolExecutor(1, thread_name_prefix="layerplan-tokenize")
+def _budget(model: LoadedModel, prompt_ids: list[int], asked: int | None, default: int | None) -> int:
+    """The tokens a request may generate; a 400 when its prompt leaves it none."""
+    try:
+        return token_budget(len(prompt_ids), asked, model.context_length, default)
+    except ContextLengthError as error:
+        param = error.param if error.param != "prompt" else ("messages" if default is None else "prompt")
+        raise APIError(400, str(error), param, code="context_length_exceeded") from None
 
-    @asynccontextmanager
-    async def lifespan(_: FastAPI):
-        yield
-        engine.close()
-        tokenizing.shutdown(wait=False, cancel_futures=True)
+def _chosen(model: LoadedModel, scheduler: Scheduler, options: LayerplanOptions | None) -> dict:
+    """The Job fields a request's `layerplan` object sets: its plan, its drafter made for that
+    plan (the server's draft where it names none), its draft length; a 400 naming the field that
+    cannot be used, with the command line's message."""
+    if options is None:
+        return {"draft": scheduler.drafter_for(scheduler.plan), "draft_chosen": True}
+    chosen: dict = {}
+    plan = scheduler.plan
+    if options.plan is not None:
+        try:
+            plan = parse_plan(options.plan, model.num_layers, model.name)
+            model.check_plan(plan)
+        except PlanError as error:
+            raise APIError(400, _one_line(error), "layerplan.plan") from None
+        most = REQUEST_STEPS_PER_LAYER * model.num_layers
+        if len(plan.active_steps) > most:
+            raise APIError(400, f"the plan runs {len(plan.active_steps)} steps; a request's plan runs at most "
+                                f"{most} here ({REQUEST_STEPS_PER_LAYER} per layer of the model)", "layerplan.plan")
+        chosen["plan"] = plan
+    named = "draft" in options.model_fields_set  # "draft": null decodes plainly
+    try:
+        draft = scheduler.drafter_for(plan, options.draft, named)
+    except (ValueError, FileNotFoundError, ModelError) as error:  # PlanError included
+        raise APIError(400, _one_line(error), "layerplan.draft" if named else "layerplan.plan") from None
+    chosen.update(draft=draft, draft_chosen=True)
+    if options.draft_length is not None:
+        if draft is None:
+            raise APIError(400, "draft_length is the length policy of a draft, and this request decodes "
+                                "plainly: name a draft too", "layerplan.draft_length")
+        try:
+            make_draft_length(options.draft_length)
+        except ValueError as error:
+            raise APIError(400, _one_line(error), "layerplan.draft_length") from None
+        chosen["draft_length"] = options.draft_length
+    return chosen
 
-    async def off_loop(function: Callable, *args):
-        """function(*args) on the tokenizing thread: the event loop goes on answering meanwhile."""
-        return await asyncio.get_running_loop().run_in_executor(tokenizing, function, *args)
 
-    app = FastAPI(title="layerplan", description=f"OpenAI-compatible server for {name}", lifespan=lifespan)
-    app.state.engine = engine
-
+def _add_error_handlers(app: FastAPI) -> None:
+    """Every client mistake as an OpenAI-shaped error body with its status."""
     @app.exception_handler(APIError)
     async def _api_error(_: Request, error: APIError):
         return error.response()
@@ -615,17 +329,142 @@ def create_app(model: LoadedModel, plan: LayerPlan | None = None, draft=None, dr
         kind = "not_found_error" if error.status_code == 404 else "invalid_request_error"
         return APIError(error.status_code, str(error.detail), kind=kind).response()
 
+
+async def _reply(scheduler: Scheduler, request: Request, body: _GenerationRequest, prompt_ids: list[int],
+                 max_tokens: int, shape: Callable[..., dict], chosen: dict):
+    """Queue the job; answer with one JSON object or with server-sent events."""
+    loop = asyncio.get_running_loop()
+    events: asyncio.Queue = asyncio.Queue()
+    stream = body.stream
+    provenance = body.layerplan is not None and body.layerplan.provenance
+    def put(event) -> None:  # from the decode thread
+        loop.call_soon_threadsafe(events.put_nowait, event)
+
+    job = Job(prompt_ids, max_tokens, body.sampling(), body.seed, body.stops(),
+              on_text=put if stream else None, on_start=(lambda: put(STARTED)) if stream else None, **chosen)
+    future = scheduler.submit(job)
+    done = asyncio.wrap_future(future)
+    if not stream:
+        try:
+            while not done.done():  # poll for a vanished client while queued or decoding
+                await asyncio.wait({done}, timeout=0.2)
+                if not done.done() and await request.is_disconnected():
+                    job.cancelled.set()
+            result = await done
+        except Exception as error:  # noqa: BLE001 - the server stays up; the client learns why
+            raise APIError(500, f"generation failed: {error}", kind="server_error") from error
+        if result is None:
+            raise APIError(499, "client closed the request")
+        answer = {**shape(result.text, FINISH_REASONS[result.stop_reason]), "usage": _usage(result, provenance)}
+        if provenance:  # the whole text by token, as a stream's chunks carry it
+            answer["layerplan"] = {"tokens": [asdict(piece) for piece in result.pieces]}
+        return answer
+
+    include_usage = bool((body.stream_options or {}).get("include_usage"))
+    done.add_done_callback(lambda _: events.put_nowait(None))
+
+    interval = body.layerplan.stream_interval if body.layerplan is not None else 0.0
+
+    async def next_event(timeout: float):
+        """The next event, "" when none came within `timeout` seconds."""
+        try:
+            return await asyncio.wait_for(events.get(), timeout=timeout)
+        except TimeoutError:
+            return ""
+
+    async def gathered(piece: TextDelta, due: float) -> tuple[TextDelta, object]:
+        """piece and the text pieces that come until `due` (monotonic), as one; and the event
+        after them that is not text (None, the end), if one came before `due`."""
+        while (left := due - time.monotonic()) > 0:
+            event = await next_event(left)
+            if event == "":
+                continue
+            if not isinstance(event, str):
+                return piece, event
+            piece = TextDelta(piece + event, piece.pieces + event.pieces)
+        return piece, ""
+
+    async def event_stream():
+        try:
+            checked, sent = time.monotonic(), float("-inf")  # the first text goes at once
+            held = ""  # an event taken while gathering text, for the next round
+            while True:
+                piece, held = (held, "") if held != "" else (await next_event(0.2), "")
+                if interval and isinstance(piece, TextDelta):
+                    piece, held = await gathered(piece, sent + interval)
+                if piece is None:
+                    break
+                if piece is STARTED:  # not while queued: clients time their first token from it
+                    if (opening := shape("", None, first=True)) is not None:
+                        yield _sse(opening)
+                    continue
+                if time.monotonic() - checked > 0.2:  # notice a vanished client even while nothing is sent
+                    checked = time.monotonic()
+                    if await request.is_disconnected():
+                        return
+                if piece:
+                    chunk = shape(piece, None)
+                    if provenance:  # an extension field, which OpenAI clients ignore
+                        chunk["layerplan"] = {"tokens": [asdict(part) for part in piece.pieces]}
+                    yield _sse(chunk)
+                    sent = time.monotonic()
+            try:
+                result = await done
+            except Exception as error:  # noqa: BLE001
+                yield _sse({"error": {"message": f"generation failed: {error}", "type": "server_error"}})
+                yield _sse("[DONE]")
+                return
+            yield _sse(shape("", FINISH_REASONS[result.stop_reason]))
+            if include_usage:
+                yield _sse({**shape("", None), "choices": [], "usage": _usage(result, provenance)})
+            yield _sse("[DONE]")
+        finally:
+            job.cancelled.set()  # a disconnect lands here: stop decoding at the next token
+
+    return StreamingResponse(event_stream(), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+def create_app(model: LoadedModel, plan: LayerPlan | None = None, draft=None, draft_length: str | None = None,
+               api_key: str | None = None, served_name: str | None = None, decode_thread: bool = True,
+               probe_row: ProbeRow | None = None, max_batch: int = DEFAULT_MAX_BATCH) -> FastAPI:
+    """The FastAPI app serving `model` (run by `plan`, speculatively when `draft` is given).
+    decode_thread=False: the caller runs `app.state.scheduler.run()` on the thread that should
+    decode (decoding/scheduler.py; `serve` does this). probe_row: this machine's probe row for the
+    model (engine/probe.py checked_model_row); /health says when decodes ran far slower than it."""
+    scheduler = Scheduler(model, plan, draft, draft_length, probe_row=probe_row, max_batch=max_batch)
+    if decode_thread:
+        scheduler.start_thread()
+    name = served_name or model.name
+    created = int(time.time())
+    # one thread: a fast tokenizer used from two threads at once may fail ("Already borrowed")
+    tokenizing = ThreadPoolExecutor(1, thread_name_prefix="layerplan-tokenize")
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI):
+        yield
+        scheduler.close()
+        tokenizing.shutdown(wait=False, cancel_futures=True)
+
+    async def off_loop(function: Callable, *args):
+        """function(*args) on the tokenizing thread: the event loop goes on answering meanwhile."""
+        return await asyncio.get_running_loop().run_in_executor(tokenizing, function, *args)
+
+    app = FastAPI(title="layerplan", description=f"OpenAI-compatible server for {name}", lifespan=lifespan)
+    app.state.scheduler = scheduler
+
+    _add_error_handlers(app)
     if api_key:
         app.add_middleware(RequireKey, key=api_key)
 
     @app.get("/health")
     async def health():
-        return {"status": "ok", "model": name, "plan": engine.plan.to_string(),
-                "draft": getattr(engine.drafter, "name", None), **vars(engine.counters),
-                "batch": engine.batch, "max_batch": engine.max_batch, "batch_recent": engine.batch_recent(),
-                "slow_decode": engine.slow_note}
+        return {"status": "ok", "model": name, "plan": scheduler.plan.to_string(),
+                "draft": getattr(scheduler.drafter, "name", None), **vars(scheduler.counters),
+                "batch": scheduler.batch, "max_batch": scheduler.max_batch,
+                "batch_recent": scheduler.batch_recent(), "slow_decode": scheduler.slow_note}
 
-    add_playground(app, model, engine, name)  # the web page at /, and the JSON it reads under /layerplan/
+    add_playground(app, model, scheduler, name)  # the web page at /, and the JSON it reads under /layerplan/
 
     @app.get("/v1/models")
     async def list_models():
@@ -636,149 +475,13 @@ def create_app(model: LoadedModel, plan: LayerPlan | None = None, draft=None, dr
             raise APIError(404, f"model '{requested}' is not served here; this server serves '{name}'",
                            "model", code="model_not_found")
 
-    def _budget(prompt_ids: list[int], asked: int | None, default: int | None) -> int:
-        try:
-            return token_budget(len(prompt_ids), asked, model.context_length, default)
-        except ContextLengthError as error:
-            param = error.param if error.param != "prompt" else ("messages" if default is None else "prompt")
-            raise APIError(400, str(error), param, code="context_length_exceeded") from None
-
-    def _chosen(options: LayerplanOptions | None) -> dict:
-        """The Job fields a request's `layerplan` object sets: its plan, its drafter made for that
-        plan (the server's draft where it names none), its draft length; a 400 naming the field that
-        cannot be used, with the command line's message."""
-        if options is None:
-            return {"draft": engine.drafter_for(engine.plan), "draft_chosen": True}
-        chosen: dict = {}
-        plan = engine.plan
-        if options.plan is not None:
-            try:
-                plan = parse_plan(options.plan, model.num_layers, model.name)
-                model.check_plan(plan)
-            except PlanError as error:
-                raise APIError(400, _one_line(error), "layerplan.plan") from None
-            most = REQUEST_STEPS_PER_LAYER * model.num_layers
-            if len(plan.active_steps) > most:
-                raise APIError(400, f"the plan runs {len(plan.active_steps)} steps; a request's plan runs at most "
-                                    f"{most} here ({REQUEST_STEPS_PER_LAYER} per layer of the model)", "layerplan.plan")
-            chosen["plan"] = plan
-        named = "draft" in options.model_fields_set  # "draft": null decodes plainly
-        try:
-            draft = engine.drafter_for(plan, options.draft, named)
-        except (ValueError, FileNotFoundError, ModelError) as error:  # PlanError included
-            raise APIError(400, _one_line(error), "layerplan.draft" if named else "layerplan.plan") from None
-        chosen.update(draft=draft, draft_chosen=True)
-        if options.draft_length is not None:
-            if draft is None:
-                raise APIError(400, "draft_length is the length policy of a draft, and this request decodes "
-                                    "plainly: name a draft too", "layerplan.draft_length")
-            try:
-                make_draft_length(options.draft_length)
-            except ValueError as error:
-                raise APIError(400, _one_line(error), "layerplan.draft_length") from None
-            chosen["draft_length"] = options.draft_length
-        return chosen
-
-    async def _run(request: Request, body: _GenerationRequest, prompt_ids: list[int], max_tokens: int,
-                   shape: Callable[..., dict], chosen: dict):
-        """Queue the job; answer with one JSON object or with server-sent events."""
-        loop = asyncio.get_running_loop()
-        events: asyncio.Queue = asyncio.Queue()
-        stream = body.stream
-        provenance = body.layerplan is not None and body.layerplan.provenance
-        def put(event) -> None:  # from the decode thread
-            loop.call_soon_threadsafe(events.put_nowait, event)
-
-        job = Job(prompt_ids, max_tokens, body.sampling(), body.seed, body.stops(),
-                  on_text=put if stream else None, on_start=(lambda: put(STARTED)) if stream else None, **chosen)
-        future = engine.submit(job)
-        done = asyncio.wrap_future(future)
-        if not stream:
-            try:
-                while not done.done():  # poll for a vanished client while queued or decoding
-                    await asyncio.wait({done}, timeout=0.2)
-                    if not done.done() and await request.is_disconnected():
-                        job.cancelled.set()
-                result = await done
-            except Exception as error:  # noqa: BLE001 - the server stays up; the client learns why
-                raise APIError(500, f"generation failed: {error}", kind="server_error") from error
-            if result is None:
-                raise APIError(499, "client closed the request")
-            answer = {**shape(result.text, FINISH_REASONS[result.stop_reason]), "usage": _usage(result, provenance)}
-            if provenance:  # the whole text by token, as a stream's chunks carry it
-                answer["layerplan"] = {"tokens": [asdict(piece) for piece in result.pieces]}
-            return answer
-
-        include_usage = bool((body.stream_options or {}).get("include_usage"))
-        done.add_done_callback(lambda _: events.put_nowait(None))
-
-        interval = body.layerplan.stream_interval if body.layerplan is not None else 0.0
-
-        async def next_event(timeout: float):
-            """The next event, "" when none came within `timeout` seconds."""
-            try:
-                return await asyncio.wait_for(events.get(), timeout=timeout)
-            except TimeoutError:
-                return ""
-
-        async def gathered(piece: TextDelta, due: float) -> tuple[TextDelta, object]:
-            """piece and the text pieces that come until `due` (monotonic), as one; and the event
-            after them that is not text (None, the end), if one came before `due`."""
-            while (left := due - time.monotonic()) > 0:
-                event = await next_event(left)
-                if event == "":
-                    continue
-                if not isinstance(event, str):
-                    return piece, event
-                piece = TextDelta(piece + event, piece.pieces + event.pieces)
-            return piece, ""
-
-        async def event_stream():
-            try:
-                checked, sent = time.monotonic(), float("-inf")  # the first text goes at once
-                held = ""  # an event taken while gathering text, for the next round
-                while True:
-                    piece, held = (held, "") if held != "" else (await next_event(0.2), "")
-                    if interval and isinstance(piece, TextDelta):
-                        piece, held = await gathered(piece, sent + interval)
-                    if piece is None:
-                        break
-                    if piece is STARTED:  # not while queued: clients time their first token from it
-                        if (opening := shape("", None, first=True)) is not None:
-                            yield _sse(opening)
-                        continue
-                    if time.monotonic() - checked > 0.2:  # notice a vanished client even while nothing is sent
-                        checked = time.monotonic()
-                        if await request.is_disconnected():
-                            return
-                    if piece:
-                        chunk = shape(piece, None)
-                        if provenance:  # an extension field, which OpenAI clients ignore
-                            chunk["layerplan"] = {"tokens": [asdict(part) for part in piece.pieces]}
-                        yield _sse(chunk)
-                        sent = time.monotonic()
-                try:
-                    result = await done
-                except Exception as error:  # noqa: BLE001
-                    yield _sse({"error": {"message": f"generation failed: {error}", "type": "server_error"}})
-                    yield _sse("[DONE]")
-                    return
-                yield _sse(shape("", FINISH_REASONS[result.stop_reason]))
-                if include_usage:
-                    yield _sse({**shape("", None), "choices": [], "usage": _usage(result, provenance)})
-                yield _sse("[DONE]")
-            finally:
-                job.cancelled.set()  # a disconnect lands here: stop decoding at the next token
-
-        return StreamingResponse(event_stream(), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         _check_model(body.model)
         body.check_supported()
         body.sampling()  # a 400 now, not a failed generation later
-        chosen = await off_loop(_chosen, body.layerplan)  # a drafter may read (the corpus of suffix:corpus=F)
+        # off the loop: a drafter may read (the corpus of suffix:corpus=F)
+        chosen = await off_loop(_chosen, model, scheduler, body.layerplan)
         prompt = body.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
             if len(prompt) != 1:
@@ -794,7 +497,7 @@ def create_app(model: LoadedModel, plan: LayerPlan | None = None, draft=None, dr
             prompt_ids = list(prompt)
         if not prompt_ids:
             raise APIError(400, "the prompt is empty", "prompt")
-        max_tokens = _budget(prompt_ids, body.max_tokens, default=16)  # OpenAI's default for completions
+        max_tokens = _budget(model, prompt_ids, body.max_tokens, default=16)  # OpenAI's default for completions
         ident, stamp = f"cmpl-{uuid.uuid4().hex[:24]}", int(time.time())
 
         def shape(text: str, finish: str | None, first: bool = False) -> dict | None:
@@ -803,18 +506,19 @@ def create_app(model: LoadedModel, plan: LayerPlan | None = None, draft=None, dr
             return {"id": ident, "object": "text_completion", "created": stamp, "model": name,
                     "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]}
 
-        return await _run(request, body, prompt_ids, max_tokens, shape, chosen)
+        return await _reply(scheduler, request, body, prompt_ids, max_tokens, shape, chosen)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatRequest, request: Request):
         _check_model(body.model)
         body.check_supported()
         body.sampling()  # a 400 now, not a failed generation later
-        chosen = await off_loop(_chosen, body.layerplan)  # a drafter may read (the corpus of suffix:corpus=F)
+        # off the loop: a drafter may read (the corpus of suffix:corpus=F)
+        chosen = await off_loop(_chosen, model, scheduler, body.layerplan)
         messages = [{"role": m.role, "content": m.text(i)} for i, m in enumerate(body.messages)]
         prompt_ids = await off_loop(_chat_ids, model, messages)
-        max_tokens = _budget(prompt_ids, body.max_completion_tokens if body.max_tokens is None else body.max_tokens,
-                             default=None)
+        asked = body.max_completion_tokens if body.max_tokens is None else body.max_tokens
+        max_tokens = _budget(model, prompt_ids, asked, default=None)
         ident, stamp = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time())
 
         def shape(text: str, finish: str | None, first: bool = False) -> dict:
@@ -828,7 +532,7 @@ def create_app(model: LoadedModel, plan: LayerPlan | None = None, draft=None, dr
                 kind = "chat.completion"
             return {"id": ident, "object": kind, "created": stamp, "model": name, "choices": [choice]}
 
-        return await _run(request, body, prompt_ids, max_tokens, shape, chosen)
+        return await _reply(scheduler, request, body, prompt_ids, max_tokens, shape, chosen)
 
     return app
 
@@ -871,22 +575,23 @@ def listen_socket(host: str, port: int) -> socket.socket:
 
 def serve(model: LoadedModel, host: str = "127.0.0.1", port: int = 8080, log_level: str = "info",
           on_listening: Callable[[str, int, int], None] | None = None, **options) -> None:
-    """Serve until interrupted: HTTP on a background thread, decoding on this one (see Engine).
+    """Serve until interrupted: HTTP on a background thread, decoding on this one (decoding/
+    scheduler.py).
     on_listening(host, port, max_batch): once the address is bound (port 0 becomes the one chosen),
-    with the requests the engine decodes at once (1 where the draft runs a model);
+    with the requests the scheduler decodes at once (1 where the draft runs a model);
     options: see create_app."""
     import uvicorn
 
-    app = create_app(model, engine_thread=False, **options)  # a bad draft fails here, before "listening"
+    app = create_app(model, decode_thread=False, **options)  # a bad draft fails here, before "listening"
     # bound here, not in uvicorn's thread, whose failure would leave this one serving nothing
     listening = listen_socket(host, port)
     if on_listening:
-        on_listening(host, listening.getsockname()[1], app.state.engine.max_batch)
+        on_listening(host, listening.getsockname()[1], app.state.scheduler.max_batch)
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level))
     http = threading.Thread(target=server.run, kwargs={"sockets": [listening]}, name="layerplan-http", daemon=True)
     http.start()
     try:
-        app.state.engine.run()
+        app.state.scheduler.run()
     except KeyboardInterrupt:
         pass
     finally:

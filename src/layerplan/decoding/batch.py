@@ -7,26 +7,20 @@ own generate() call, bit for bit: the kernels' rows do not depend on the other r
 and each request keeps its own cache, positions, sampler and seed. Requests join at any step,
 their prompts prefilled a chunk per pass beside the decoding rows (PREFILL_CHUNK), and leave when
 done. The rows of a pass are budgeted (ROW_BUDGET): the more requests, the shorter each one's
-drafts, since a pass's cost grows with its rows."""
+drafts, since a pass's cost grows with its rows. The queue that feeds a batch, and its loop:
+scheduler.py."""
 
 from __future__ import annotations
 
 import time
-from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import torch
-
-from layerplan.decoding.draft_length import SharedRounds
 from layerplan.decoding.generate import Decoding
-from layerplan.decoding.text import GenerationResult
-from layerplan.decoding.sampling import SamplingParams
 from layerplan.decoding.speculative import SpeculativeDecoding
 from layerplan.engine.executors import executor_of
 from layerplan.engine.runner import forward_batch
 from layerplan.models.loading import LoadedModel
-from layerplan.plan.plan import LayerPlan
 
 # the rows a batch's pass carries at most, drafts included: one request drafts up to its policy's
 # length, 4 up to 3 tokens each, 8 one each (what an 8-16-row pass costs over one row on a CPU)
@@ -157,41 +151,3 @@ def _lost_interest(decoding: Decoding | SpeculativeDecoding) -> bool:
         decoding.out.cancel()
         return True
     return False
-
-
-@torch.inference_mode()
-def generate_batch(model: LoadedModel, prompts: Sequence, plan: LayerPlan | None = None, max_new_tokens: int = 64,
-                   sampling: SamplingParams | None = None, seeds: Sequence[int | None] | None = None,
-                   stop: Sequence[str] = (), stop_at_eos: bool | Sequence[int] = True, chat: bool = False,
-                   max_batch: int = 8, draft: str | None = None, draft_length=None) -> list[GenerationResult]:
-    """generate() for every prompt, up to max_batch decoding at once (continuous batching): a
-    prompt starts as soon as one ends. Each result is its prompt's generate() result, token for
-    token (greedy, or sampled with its seed). draft: each prompt drafts with its own drafter of
-    this spec (lossless: the same greedy tokens), its chains verified in the batch's passes, its
-    adaptive draft length starting from what the prompts before it measured (SharedRounds).
-    Sampled and drafted, the random draws follow the draft lengths: the same tokens as alone for
-    a fixed length in a batch of one, else other draws from the same distribution."""
-    if max_batch < 1:
-        raise ValueError(f"max_batch must be >= 1, got {max_batch}")
-    plan = plan if plan is not None else model.plan()
-    seeds = list(seeds) if seeds is not None else [None] * len(prompts)
-    if len(seeds) != len(prompts):
-        raise ValueError(f"{len(seeds)} seeds for {len(prompts)} prompts")
-    waiting = deque(range(len(prompts)))
-    results: list[GenerationResult | None] = [None] * len(prompts)
-    batch = Batch(model)
-    shared = SharedRounds()  # one drafter spec and plan: each prompt starts from what the others measured
-    while waiting or len(batch):
-        while waiting and len(batch) < max_batch:
-            index = waiting.popleft()
-            if draft is None:
-                decoding = Decoding(model, prompts[index], plan, max_new_tokens, sampling, seeds[index], stop,
-                                    stop_at_eos, chat)
-            else:
-                decoding = SpeculativeDecoding(model, prompts[index], draft, plan, max_new_tokens, sampling,
-                                               seeds[index], stop, stop_at_eos, chat, draft_length=draft_length,
-                                               shared_rounds=shared)
-            batch.join(index, decoding)
-        for index, decoding in batch.step():
-            results[index] = decoding.result()
-    return results

@@ -23,9 +23,7 @@ import torch.nn.functional as F
 from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
 
-from layerplan.decoding.batch import generate_batch
-from layerplan.decoding.drafters.registry import drafts_by_lookup, make_drafter
-from layerplan.decoding.generate import generate
+from layerplan.decoding.scheduler import generate_batch
 from layerplan.decoding.sampling import SamplingParams
 from layerplan.engine.runner import forward, new_cache
 from layerplan.models.loading import LoadedModel
@@ -117,9 +115,8 @@ class LayerplanLM(LM):
     # ----- generation ------------------------------------------------------------------------
     def generate_until(self, requests) -> list[str]:
         """Each request's continuation, as generate() gives it alone. Requests that share their
-        generation options decode together (decoding/batch.py: continuous batching, the same
-        tokens), but for a draft that runs a model, which decodes one request at a time."""
-        batched = self.draft is None or drafts_by_lookup(make_drafter(self.draft, self.model, self.plan))
+        generation options go to the scheduler together (decoding/scheduler.py: continuous
+        batching, the same tokens; one at a time for a draft that runs a model)."""
         groups: dict[tuple, list[tuple[int, list[int]]]] = defaultdict(list)
         for index, request in enumerate(requests):
             context, options = request.args
@@ -133,16 +130,12 @@ class LayerplanLM(LM):
                                           top_k=int(options.get("top_k") or 0), top_p=float(options.get("top_p") or 1.0))
             ids = self.model.tokenizer.encode(context, add_special_tokens=False)
             ids = ids[-max(self.max_length - max_new, 1):]
-            key = (until, max_new, sampling, options.get("seed"), index if not batched else None)
+            key = (until, max_new, sampling, options.get("seed"))
             groups[key].append((index, ids))
         out: list[str] = [""] * len(requests)
-        for (until, max_new, sampling, seed, _), members in groups.items():
-            if batched:
-                results = generate_batch(self.model, [ids for _, ids in members], self.plan, max_new, sampling,
-                                         [seed] * len(members), until, draft=self.draft)
-            else:
-                results = [generate(self.model, ids, self.plan, max_new, sampling, seed=seed, stop=until,
-                                    draft=self.draft) for _, ids in members]
+        for (until, max_new, sampling, seed), members in groups.items():
+            results = generate_batch(self.model, [ids for _, ids in members], self.plan, max_new, sampling,
+                                     [seed] * len(members), until, draft=self.draft)
             for (index, _), result in zip(members, results):
                 out[index] = result.text
         return out
