@@ -161,8 +161,117 @@ def test_byte_level_vocabularies_tokenize_as_transformers_converter_does(changes
     _same_tokenizer(ours, path)
 
 
+def _sentencepiece_vocabulary() -> tuple[list[str], list[float], list[int]]:
+    """A SentencePiece vocabulary as llama.cpp writes one (tokens, scores, token types): <unk>,
+    <s>, </s>, the 256 byte tokens, the corpus's characters, then "▁word" pieces of its words with
+    every prefix of each, scored by rank (no merges: they come from the scores)."""
+    from collections import Counter
+
+    tokens, types = ["<unk>", "<s>", "</s>"], [2, 3, 3]
+    tokens += [f"<0x{b:02X}>" for b in range(256)]
+    types += [6] * 256
+    pieces = ["\u2581"] + sorted({c for c in CORPUS if not c.isspace()})
+    words = Counter("\u2581" + w for w in CORPUS.split() if w.isalpha())
+    for word, _ in words.most_common(300):
+        pieces += [word[:end] for end in range(2, len(word) + 1)]
+    pieces = list(dict.fromkeys(p for p in pieces if p not in tokens))
+    tokens += pieces
+    types += [1] * len(pieces)
+    scores = [0.0] * 259 + [-float(rank) for rank in range(len(pieces))]
+    return tokens, scores, types
+
+
+def _with_sentencepiece(path: Path, target: Path, changes: dict) -> Path:
+    """The tiny GGUF at `path` with _sentencepiece_vocabulary and `changes` (BOS flag, token types)."""
+    import gguf
+
+    tokens, scores, types = _sentencepiece_vocabulary()
+    for index, kind in changes.get("types", {}).items():
+        types[index] = kind
+    tiny = gguf.GGUFReader(path)
+    writer = gguf.GGUFWriter(str(target), "llama")
+    for key, field in tiny.fields.items():
+        if key.startswith(("GGUF.", "tokenizer.")) or key in ("general.architecture", "llama.vocab_size"):
+            continue
+        value = field.contents()
+        kind = field.types[0]
+        if kind == gguf.GGUFValueType.ARRAY:
+            writer.add_array(key, value)
+        else:
+            writer.add_key_value(key, value, kind)
+    writer.add_vocab_size(len(tokens))
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(tokens)
+    writer.add_token_scores(scores)
+    writer.add_token_types(types)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_unk_token_id(0)
+    if "add_bos" in changes:
+        writer.add_add_bos_token(changes["add_bos"])
+    for tensor in tiny.tensors:
+        data = np.asarray(tensor.data)
+        if tensor.name in ("token_embd.weight", "output.weight"):  # one row a token of the new vocabulary
+            rows = np.resize(data, (len(tokens), *data.shape[1:]))
+            writer.add_tensor(tensor.name, rows, raw_dtype=tensor.tensor_type)
+        else:
+            writer.add_tensor(tensor.name, data, raw_dtype=tensor.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return target
+
+
+@pytest.mark.parametrize("changes", [
+    {},  # llama.cpp's default: BOS added
+    {"add_bos": False, "types": {300: 4, 3: 3}},  # no BOS; a user-defined piece matched whole, a byte as control
+], ids=["bos", "no-bos-user-defined"])
+def test_sentencepiece_vocabularies_tokenize_as_transformers_converter_does(changes, tmp_path):
+    """A Llama / Mistral SentencePiece vocabulary without merges: ours derives them from the scores
+    as transformers does, and the tokenizer is transformers' LlamaTokenizer, byte fallback included."""
+    tiny = write_tiny_gguf(tiny_hf("llama"), tmp_path / "tiny.gguf", "F32")
+    (tmp_path / "vocab").mkdir()
+    path = _with_sentencepiece(tiny, tmp_path / "vocab" / "model.gguf", changes)
+    ours, theirs = _both(path, tmp_path)
+    assert _tokenizer_json(ours) == _tokenizer_json(theirs)
+    assert len(_tokenizer_json(ours)["model"]["merges"]) > 300
+    _same_tokenizer(ours, path)
+
+
+def test_gemma_vocabularies_build_as_transformers_converter_builds_them(tmp_path, monkeypatch):
+    """Gemma's rules (tokens of spaces respelled "▁▁", merges ranked by file order, no prefix space):
+    the tokenizer transformers' converter makes from the same metadata, piece for piece. (The real
+    Gemma 3 vocabulary, 262,144 tokens: test_the_real_gemma_vocabulary_tokenizes_as_transformers_does.)"""
+    from transformers.integrations.gguf import convert_gguf_tokenizer, get_gguf_tokenizer
+
+    from layerplan.models.file_index import sentencepiece_tokenizer
+
+    tiny = write_tiny_gguf(tiny_hf("llama"), tmp_path / "tiny.gguf", "F32")
+    path = _with_sentencepiece(tiny, tmp_path / "model.gguf", {"types": {300: 4}})
+    header = read_header(path)
+    tokens = list(header.metadata["tokenizer.ggml.tokens"])
+    tokens[301], tokens[302] = "  ", "   "  # Gemma stores its tokens of spaces as spaces
+    tokens[1], tokens[2], tokens[-2], tokens[-1] = "<bos>", "<eos>", "<pad>", "<mask>"  # GemmaTokenizer's names
+    types = np.asarray(header.metadata["tokenizer.ggml.token_type"]).copy()
+    types[-2:] = 3
+    monkeypatch.setitem(header.metadata, "tokenizer.ggml.tokens", tokens)
+    monkeypatch.setitem(header.metadata, "tokenizer.ggml.token_type", types)
+    monkeypatch.setitem(header.metadata, "general.architecture", "gemma3")
+    _, tokenizer_dict, _ = get_gguf_tokenizer(str(path))
+    tokenizer_dict["tokens"], tokenizer_dict["token_type"] = tokens, types.tolist()
+    theirs, _ = convert_gguf_tokenizer("gemma3", tokenizer_dict)
+    mine = json.loads(sentencepiece_tokenizer(header).to_str())
+    reference = json.loads(theirs.to_str())
+    for part in ("model", "normalizer", "pre_tokenizer", "decoder", "added_tokens"):
+        assert mine[part] == reference[part], part
+    assert mine["model"]["vocab"]["\u2581\u2581"] == 301
+    for text in (CORPUS, "  two  spaces ", "x\n\n  y"):
+        assert sentencepiece_tokenizer(header).encode(text).ids[1:] == theirs.encode(text).ids
+
+
 def test_a_file_outside_the_tables_is_left_to_transformers(tmp_path, monkeypatch):
-    """Gemma 3's layers and a SentencePiece vocabulary are not in the file index's tables: the
+    """Gemma 3's layers and a T5 (unigram) vocabulary are not in the file index's tables: the
     index is then made by transformers, as before."""
     from layerplan.models import file_index as tables
 
@@ -170,8 +279,8 @@ def test_a_file_outside_the_tables_is_left_to_transformers(tmp_path, monkeypatch
     header = read_header(path)
     monkeypatch.setitem(header.metadata, "tokenizer.ggml.model", "gpt2")
     assert "without merges" in file_index_refusal(header)
-    monkeypatch.setitem(header.metadata, "tokenizer.ggml.model", "llama")
-    assert file_index_refusal(header) == "a 'llama' vocabulary is converted by transformers"
+    monkeypatch.setitem(header.metadata, "tokenizer.ggml.model", "t5")
+    assert file_index_refusal(header) == "a 't5' vocabulary is converted by transformers"
     monkeypatch.setitem(header.metadata, "general.architecture", "gemma3")
     assert "architecture 'gemma3'" in file_index_refusal(header)
     monkeypatch.setattr(tables, "MODEL_TENSORS", {**tables.MODEL_TENSORS, "llama": set()})
@@ -213,3 +322,22 @@ def test_the_real_qwen_vocabulary_tokenizes_as_transformers_does(tmp_path):
     assert _facts(ours)["chat"] == _facts(theirs)["chat"]
     assert _tokenizer_json(ours) == _tokenizer_json(theirs)
     _same_tokenizer(ours, path)
+
+
+@pytest.mark.real
+def test_the_real_gemma_vocabulary_tokenizes_as_transformers_does(tmp_path):
+    """Gemma 3 270M's 262,144-token SentencePiece vocabulary (no merges in the file: 514,906 derived
+    from its order), in `make bench-real` only. Its layers are not in the file index's tables, so
+    this compares the tokenizer alone."""
+    from transformers import AutoTokenizer
+
+    from layerplan.models.file_index import sentencepiece_tokenizer
+
+    folder = os.environ.get("LAYERPLAN_REAL_MODELS")
+    path = Path(folder or "/nonexistent") / "gemma-3-270m-Q4_K_M.gguf"
+    if not path.exists():
+        pytest.skip("LAYERPLAN_REAL_MODELS does not name a folder with the real Gemma 3 270M file")
+    reference = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    mine = sentencepiece_tokenizer(read_header(path))
+    assert json.loads(mine.to_str()) == json.loads(reference.backend_tokenizer.to_str())
+    assert mine.encode(CORPUS).ids == reference(CORPUS)["input_ids"]

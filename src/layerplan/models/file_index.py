@@ -93,6 +93,10 @@ PRE_TOKENIZER_SPLITS = {
     "qwen35": _QWEN35,
     **dict.fromkeys(("gpt-4o", "llama4", "kanana2", "talkie", "minimax-m2"), _GPT4O),
 }
+# architectures whose SentencePiece vocabularies are Gemma's (transformers' GGUF_SENTENCEPIECE_BUILDERS)
+_GEMMA_VOCABULARIES = {"gemma", "gemma2", "gemma3"}
+# tokenizer.ggml.model values indexed here (others, e.g. "t5" or Phi-3's "llama", go to transformers)
+_VOCABULARY_KINDS = {"gpt2": "byte-level BPE", "llama": "SentencePiece BPE"}
 # tokenizer.ggml.token_type values
 _CONTROL, _USER_DEFINED = 3, 4
 
@@ -107,7 +111,7 @@ def file_index_refusal(header: GGUFHeader) -> str | None:
     if architecture not in CONFIG_KEYS:
         return f"architecture '{architecture}' is not in the file index's tables"
     tokenizer = header.metadata.get("tokenizer.ggml.model")
-    if tokenizer not in (None, "gpt2"):
+    if tokenizer is not None and (tokenizer not in _VOCABULARY_KINDS or architecture == "phi3"):
         return f"a '{tokenizer}' vocabulary is converted by transformers"
     if tokenizer == "gpt2" and "tokenizer.ggml.merges" not in header.metadata:
         return "a vocabulary without merges (transformers derives them from the scores)"
@@ -209,7 +213,7 @@ def byte_level_tokenizer(header: GGUFHeader):
     over the vocabulary respelled in GPT-2's byte alphabet and the file's merges; control tokens
     added as special, user-defined ones as plain added tokens; the pre-tokenizer's split by
     tokenizer.ggml.pre; a post-processor adding BOS / EOS where the file asks)."""
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, pre_tokenizers, processors
+    from tokenizers import Regex, Tokenizer, decoders, pre_tokenizers
     from tokenizers.models import BPE
 
     metadata = header.metadata
@@ -227,24 +231,100 @@ def byte_level_tokenizer(header: GGUFHeader):
                                                         pre_tokenizers.ByteLevel(add_prefix_space=False,
                                                                                  use_regex=False)]))
     tokenizer.decoder = decoders.ByteLevel()
+    return _with_special_tokens(tokenizer, header, vocab, control=lambda token: set(token) <= alphabet)
+
+
+def sentencepiece_tokenizer(header: GGUFHeader):
+    """The file's SentencePiece vocabulary (tokenizer.ggml.model "llama") as transformers' GGUF
+    converter builds it: BPE with byte fallback over the vocabulary as the file spells it, with
+    the file's merges or, where it has none, the merges its vocabulary implies (sentencepiece_merges);
+    Gemma's files respell their tokens of spaces and rank merges by file order (GemmaTokenizer's
+    pipeline), the others by score (LlamaTokenizer's: Metaspace, a space prefixed to the first word);
+    control and user-defined tokens and BOS / EOS as for byte-level vocabularies."""
+    from tokenizers import Tokenizer, decoders, normalizers, pre_tokenizers
+    from tokenizers.models import BPE
+
+    metadata = header.metadata
+    tokens: list[str] = metadata["tokenizer.ggml.tokens"]
+    gemma = header.architecture in _GEMMA_VOCABULARIES
+    if gemma:  # a token of two or more spaces is looked up as "▁▁", as GemmaTokenizer spells it
+        spelled = ["\u2581" * len(t) if " " in t and not t.strip() else t for t in tokens]
+        ranks = {token: -index for index, token in enumerate(spelled)}  # file order, not scores
+    else:
+        spelled = tokens
+        ranks = None
+    vocab = {token: index for index, token in enumerate(spelled)}
+    if "tokenizer.ggml.merges" in metadata:
+        merges = [tuple(merge.split(" ")) for merge in metadata["tokenizer.ggml.merges"]]
+    else:
+        if ranks is None:
+            ranks = dict(zip(tokens, np.asarray(metadata["tokenizer.ggml.scores"]).tolist()))
+        merges = sentencepiece_merges(vocab, ranks)
+    if gemma:
+        tokenizer = Tokenizer(BPE(vocab=vocab, merges=merges, fuse_unk=True, unk_token="<unk>", dropout=None,
+                                  byte_fallback=True))
+        tokenizer.pre_tokenizer = pre_tokenizers.Split(pattern=" ", behavior="merged_with_previous", invert=False)
+        tokenizer.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(),
+                                               decoders.Fuse()])
+        tokenizer.normalizer = normalizers.Replace(" ", "\u2581")
+    else:
+        tokenizer = Tokenizer(BPE(vocab=vocab, merges=merges, fuse_unk=True, byte_fallback=True, dropout=None))
+        tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first",
+                                                           split=False)
+        tokenizer.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(),
+                                               decoders.Fuse(), decoders.Strip(content=" ", left=1)])
+    # (user-defined tokens are looked up as the file spells them: a Gemma token of spaces is not)
+    return _with_special_tokens(tokenizer, header, set(tokenizer.get_vocab()), control=lambda token: True,
+                                named=True)
+
+
+def sentencepiece_merges(vocab: dict[str, int], ranks: dict[str, float]) -> list[tuple[str, str]]:
+    """The merges a SentencePiece vocabulary implies, as transformers derives them: every split of
+    a token into two tokens of the vocabulary, ranked by the token's rank (highest first), then by
+    the lengths of the two halves (longest first); a token's own splits by their halves' ids."""
+    found = []
+    for token, rank in ranks.items():
+        splits = [(token[:cut], token[cut:]) for cut in range(1, len(token))
+                  if token[:cut] in vocab and token[cut:] in vocab]
+        splits.sort(key=lambda pair: (vocab[pair[0]], vocab[pair[1]]))
+        found.extend((left, right, rank) for left, right in splits)
+    found.sort(key=lambda merge: (merge[2], len(merge[0]), len(merge[1])), reverse=True)
+    return [(left, right) for left, right, _ in found]
+
+
+def _with_special_tokens(tokenizer, header: GGUFHeader, vocab, control: Callable[[str], bool], named: bool = False):
+    """tokenizer with the file's control tokens added as special (those `control` admits; named:
+    its BOS, EOS, unknown and padding tokens too, as transformers adds a tokenizer class's named
+    tokens), its user-defined ones found in `vocab` as plain added tokens, and a post-processor
+    adding BOS / EOS where the file asks (a SentencePiece vocabulary adds BOS unless it says not to)."""
+    from tokenizers import AddedToken, processors
+
+    metadata = header.metadata
+    tokens: list[str] = metadata["tokenizer.ggml.tokens"]
     types = metadata.get("tokenizer.ggml.token_type")
     types = [] if types is None else np.asarray(types).tolist()
     special = [AddedToken(token, normalized=False, special=True) for token, kind in zip(tokens, types)
-               if kind == _CONTROL and set(token) <= alphabet]
+               if kind == _CONTROL and control(token)]
+    if named:
+        names = [_token_of(header, key) for key in ("bos_token_id", "eos_token_id", "unknown_token_id",
+                                                    "padding_token_id")]
+        special += [AddedToken(token, normalized=False, special=True) for token in names if token is not None]
     if special:
         tokenizer.add_special_tokens(special)
     plain = [AddedToken(token, normalized=False, special=False) for token, kind in zip(tokens, types)
              if kind == _USER_DEFINED and token in vocab]
     if plain:
         tokenizer.add_tokens(plain)
+    ids = tokenizer.get_vocab()
     bos, eos = _token_of(header, "bos_token_id"), _token_of(header, "eos_token_id")
-    add_bos = bool(metadata.get("tokenizer.ggml.add_bos_token", False)) and bos is not None
+    bos_default = metadata.get("tokenizer.ggml.model") == "llama"
+    add_bos = bool(metadata.get("tokenizer.ggml.add_bos_token", bos_default)) and bos is not None
     add_eos = bool(metadata.get("tokenizer.ggml.add_eos_token", False)) and eos is not None
     single = f"{bos + ':0 ' if add_bos else ''}$A:0{' ' + eos + ':0' if add_eos else ''}"
     pair = f"{single}{' ' + bos + ':1' if add_bos else ''} $B:1{' ' + eos + ':1' if add_eos else ''}"
     tokenizer.post_processor = processors.TemplateProcessing(
         single=single, pair=pair,
-        special_tokens=[*([(bos, vocab[bos])] if add_bos else []), *([(eos, vocab[eos])] if add_eos else [])])
+        special_tokens=[*([(bos, ids[bos])] if add_bos else []), *([(eos, ids[eos])] if add_eos else [])])
     return tokenizer
 
 
@@ -277,7 +357,16 @@ def tokenizer_config(header: GGUFHeader) -> dict[str, Any]:
     for flag in ("add_bos_token", "add_eos_token"):
         if f"tokenizer.ggml.{flag}" in header.metadata:
             config[flag] = bool(header.metadata[f"tokenizer.ggml.{flag}"])
+    if header.metadata.get("tokenizer.ggml.model") == "llama":  # llama.cpp adds BOS unless the file says not
+        config.setdefault("add_bos_token", True)
     return config
+
+
+def vocabulary_tokenizer(header: GGUFHeader):
+    """The file's tokenizer (a `tokenizers` Tokenizer) by its tokenizer.ggml.model."""
+    if header.metadata.get("tokenizer.ggml.model") == "llama":
+        return sentencepiece_tokenizer(header)
+    return byte_level_tokenizer(header)
 
 
 def frame_of(template: str | None, render: Callable[[str], str]) -> dict:
@@ -372,7 +461,7 @@ def write_file_index(header: GGUFHeader, target: Path, version: int, tensors_fil
     with staged_index(target, tensors_file) as staged:
         (staged / "config.json").write_text(json.dumps(config, indent=2))
         if has_vocabulary:
-            tokenizer_json = json.loads(byte_level_tokenizer(header).to_str())
+            tokenizer_json = json.loads(vocabulary_tokenizer(header).to_str())
             (staged / "tokenizer.json").write_text(json.dumps(with_string_merges(tokenizer_json), ensure_ascii=False),
                                                    encoding="utf-8")
             (staged / "tokenizer_config.json").write_text(json.dumps(special, indent=2))
