@@ -349,7 +349,7 @@ def test_fuzzed_command_lines_get_one_line_or_reach_work_and_touch_nothing_else(
     """Any command line: exit 0 (it was valid and needed no model), or its checks passed and it
     reached a model load (stopped there), or a nonzero exit with one 'Error:' line; never a
     traceback, never a file touched outside its --out (or --storage)."""
-    from layerplan.app import cli, llamacpp
+    from layerplan.app import bench, cli, llamacpp
 
     files, work = fuzz_place
     out_dir = work / "out"
@@ -363,6 +363,7 @@ def test_fuzzed_command_lines_get_one_line_or_reach_work_and_touch_nothing_else(
         patch.chdir(work)
         for name in ("load_model", "check_architecture", "run_probe"):
             patch.setattr(cli, name, _stop, raising=False)
+        patch.setattr(bench, "load_model", _stop)  # bench's and tune's timing loads
         patch.setattr(llamacpp, "build", _stop)
         patch.setattr(cli, "task_manager", _known_tasks, raising=False)
         def hang(*_):

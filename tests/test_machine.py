@@ -85,7 +85,7 @@ def test_tune_draws_one_progress_bar_per_stage(monkeypatch, tmp_path):
 
     model = tiny_model("llama", num_layers=2)
     monkeypatch.setattr(cli, "tqdm", Bar)
-    monkeypatch.setattr(cli, "_load_for_timing", lambda name, dtype, engine: (model, model))
+    monkeypatch.setattr(cli, "load_for_timing", lambda name, dtype, engine, on_note: (model, model))
     monkeypatch.setattr(cli, "run_tune", fake_tune)
     result = CliRunner().invoke(cli.main, ["tune", "--out", str(tmp_path)])
     assert "stop here" in result.output
@@ -94,7 +94,7 @@ def test_tune_draws_one_progress_bar_per_stage(monkeypatch, tmp_path):
 
 
 def test_prompt_file_jsonl_and_text(tmp_path):
-    from layerplan.app.bench import read_prompt_file
+    from layerplan.app.prompts import read_prompt_file
 
     jsonl = tmp_path / "mine.jsonl"
     jsonl.write_text('{"prompt": "def f(x):\\n", "name": "code"}\n\n"plain string"\n{"prompt": "Hi?", "chat": true}\n')
@@ -114,7 +114,7 @@ def test_prompt_file_jsonl_and_text(tmp_path):
     ("\n\n", r"bad.jsonl holds no prompt"),
 ])
 def test_prompt_file_errors_name_file_and_line(tmp_path, content, message):
-    from layerplan.app.bench import read_prompt_file
+    from layerplan.app.prompts import read_prompt_file
 
     path = tmp_path / "bad.jsonl"
     path.write_text(content)

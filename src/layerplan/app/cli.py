@@ -14,11 +14,12 @@ import click
 import torch
 from tqdm import tqdm
 
-from layerplan.app.bench import CHAT_PROMPTS, PROMPTS, bench_methods, read_prompt_file, run_bench
+from layerplan.app.bench import bench_methods, load_for_timing, run_bench
 from layerplan.app import llamacpp
-from layerplan.app.peers import (GGUF_PRECISIONS, LOOKUP_COUNTERPARTS, SHORT_DTYPES, LlamaToolError, gguf_at_precision,
-                                 gguf_file_type, llama_bench_runner, llama_lookup_runner)
+from layerplan.app.peers import LlamaToolError, llama_cpp_peers
 from layerplan.app.merges import export_commands, scan_blocks, study_merges, write_scan
+from layerplan.app.prompts import (CHAT_PROMPTS, PROMPTS, PromptUsageError, generate_prompt_file, one_prompt,
+                                   pick_prompts, read_prompt_file)
 from layerplan.app.options import SEED, ctx_size_option, n_predict_option, sampling_options, threads_option
 from layerplan.app.report import (exits_plot, explore_plot, frontier_plot, pareto_plot, scan_heatmap,
                                   search_trajectory, skip_frequency_plot, tune_html)
@@ -27,15 +28,13 @@ from layerplan.corpus import default_corpus, read_texts
 from layerplan.decoding.drafters.heads import default_head_path, save_head, train_exit_head
 from layerplan.decoding.draft_length import DRAFT_LENGTHS, draft_length_help
 from layerplan.decoding.frontier import measure_frontier, pass_costs_of, self_drafts
-from layerplan.decoding.batch import generate_batch
-from layerplan.decoding.drafters.registry import drafter_help, drafts_by_lookup, make_drafter, saved_draft_path
+from layerplan.decoding.drafters.registry import drafter_help, make_drafter, saved_draft_path
 from layerplan.decoding.generate import generate as run_generate
 from layerplan.decoding.budget import token_budget
 from layerplan.decoding.output import prompt_ids
 from layerplan.decoding.sampling import SamplingParams
-from layerplan.engine.cpu_pack import packing_supported
 from layerplan.engine.load import BLOCK_PRECISIONS, STORED, STORED_ARITHMETIC, STORED_FAST, choose_dtype, load_model
-from layerplan.engine.native import ENGINES, NativeUnavailable, native_available, resolve_engine
+from layerplan.engine.native import ENGINES, NativeUnavailable, native_available
 from layerplan.engine.probe import (CONTEXT, PASS_LENGTHS, checked_model_row, load_probe,
                                     probe as run_probe, save_probe)
 from layerplan.engine.verify import check_architecture, config_for
@@ -46,7 +45,7 @@ from layerplan.messages import one_line
 from layerplan.models.architectures import STATUSES, architecture_statuses
 from layerplan.models.gguf_index import TENSORS_FILE, index_folder
 from layerplan.models.loading import (DEFAULT_MODEL, ModelError, available_models, cache_dir, dense_bytes, gguf_of,
-                                      model_depth, resolve_device, resolve_dtype)
+                                      model_depth, resolve_device)
 from layerplan.plan.formats import FORMATS, load_plan, save_plan, to_mergekit
 from layerplan.plan.plan import MAX_STEPS, PlanError
 from layerplan.search.bayes import SAMPLERS, check_storage
@@ -235,70 +234,9 @@ model_b_option = click.option("--model-b", default=None,
                               help="a second model of the same architecture and size; plans name its layers as b:8-23")
 
 
-def _pick_prompts(names, default=None) -> dict[str, str] | None:
-    """The built-in prompts named on the command line (default when none)."""
-    unknown = set(names) - set(PROMPTS)
-    if unknown:
-        raise ValueError(f"unknown prompt(s) {sorted(unknown)}; built-in: {', '.join(PROMPTS)}")
-    return {k: PROMPTS[k] for k in names} if names else default
-
-
-def _load_for_timing(model: str, dtype: str, engine: str):
-    """(stock, fast): transformers' generate runs stock's own modules, layerplan runs fast. The
-    native engine leaves the modules as they are, so one load serves both; the eager engine
-    packs bf16 linears where oneDNN supports it, into a second copy."""
-    dtype = _dtype(model, dtype, engine)
-    if dtype in BLOCK_PRECISIONS:  # transformers runs the model dense: in float32 (a GGUF by its own loader)
-        click.echo(f"loading {model} ({dtype}, engine native; transformers: float32)…", err=True)
-        return load_model(model, dtype="float32", engine="eager"), load_model(model, dtype=dtype, engine="native")
-    kind = resolve_engine(engine, resolve_dtype(dtype), "cpu")
-    click.echo(f"loading {model} ({dtype}, engine {kind})…", err=True)
-    if kind == "native":
-        loaded = load_model(model, dtype=dtype, engine="native")
-        return loaded, loaded
-    stock = load_model(model, dtype=dtype, pack=False, engine="eager")
-    packed = load_model(model, dtype=dtype, pack=True, engine="eager") if packing_supported(stock.dtype, "cpu") else None
-    return stock, packed or stock
-
-
-def _llama_cpp_peers(loaded, drafts, draft_max: int) -> tuple[dict, dict]:
-    """llama.cpp's own tools on the model's GGUF as stored and rewritten at the model's precision:
-    ({method: runner}, {peer method: the layerplan methods it is compared with}); ({}, {}) with a
-    one-line message saying why not."""
-    if not loaded.source.endswith(".gguf"):
-        click.echo("llama.cpp rows left out: they need the model as a GGUF file (--model FILE.gguf)", err=True)
-        return {}, {}
-    bin_dir = llamacpp.find_tools()
-    if bin_dir is None:
-        click.echo(llamacpp.missing_message(), err=True)
-        return {}, {}
-    source, dtype = Path(loaded.source), str(loaded.dtype).replace("torch.", "")
-    stored = gguf_file_type(source)
-    files = {f"{stored} file": source}
-    if loaded.stored is not None:  # layerplan runs the file as stored: the file is the same precision
-        pass
-    elif dtype not in GGUF_PRECISIONS:
-        click.echo(f"llama.cpp rows at layerplan's precision left out: no {dtype} GGUF is written here", err=True)
-    elif GGUF_PRECISIONS[dtype][0] != stored:
-        target = cache_dir() / "gguf" / f"{source.stem}-{dtype}.gguf"
-        if not target.exists():
-            click.echo(f"writing {target.name} for llama.cpp (once)…", err=True)
-        files[SHORT_DTYPES[dtype]] = gguf_at_precision(source, dtype, target)
-    threads = torch.get_num_threads()
-    runners, pairs = {}, {}
-    for label, path in files.items():
-        name = f"llama.cpp llama-bench ({label})"
-        runners[name], pairs[name] = llama_bench_runner(bin_dir / "llama-bench", path, threads), ["layerplan plain"]
-    counterparts = [f"layerplan draft={d}" for d in drafts if d.split(":")[0].split("+")[0] in LOOKUP_COUNTERPARTS]
-    if counterparts:
-        def prompt_text(ids):  # the text whose tokens are ids: chat template and special tokens kept
-            return loaded.tokenizer.decode(ids[0].tolist(), skip_special_tokens=False)
-
-        for label, path in files.items():
-            name = f"llama.cpp llama-lookup ({label})"
-            runners[name] = llama_lookup_runner(bin_dir / "llama-lookup", path, threads, prompt_text, draft_max)
-            pairs[name] = counterparts
-    return runners, pairs
+def _note(line: str) -> None:
+    """A line on stderr: what a command is doing, or leaves out."""
+    click.echo(line, err=True)
 
 
 def _threads(threads: int | None) -> None:
@@ -513,7 +451,10 @@ def generate(prompt, prompt_option, prompt_path, model, dtype, device, engine, t
     _threads(threads)
     with _user_errors():
         params = SamplingParams(temperature, top_k, top_p, repetition_penalty, min_p)  # refused before the model loads
-        prompt = _one_prompt(prompt, prompt_option, prompt_path)
+        try:
+            prompt = one_prompt(prompt, prompt_option, prompt_path)
+        except PromptUsageError as error:
+            raise click.UsageError(str(error)) from None
         if draft_model:
             if draft:
                 raise ValueError("give either --draft or -md/--model-draft, not both")
@@ -526,8 +467,10 @@ def generate(prompt, prompt_option, prompt_path, model, dtype, device, engine, t
                                  "--model-b run one prompt at a time")
             prompts, chat_names = read_prompt_file(prompt_file)
             loaded = _load(model, dtype, device, engine, ctx_size=ctx_size)
-            _generate_file(loaded, loaded.plan(plan), prompts, chat_names | (set(prompts) if chat else set()),
-                           max_new_tokens, params, seed, stop, draft, draft_length, max_batch)
+            for record in generate_prompt_file(loaded, loaded.plan(plan), prompts,
+                                               chat_names | (set(prompts) if chat else set()), max_new_tokens,
+                                               params, seed, stop, draft, draft_length, max_batch):
+                click.echo(json.dumps(record))
             return
         loaded = _load(model, dtype, device, engine, ctx_size=ctx_size)
         loaded = _attach(loaded, model_b, device, engine)
@@ -550,36 +493,6 @@ def generate(prompt, prompt_option, prompt_path, model, dtype, device, engine, t
     if as_json:
         summary = {k: v for k, v in result.to_dict().items() if k not in ("text", "token_ids")}
         click.echo(json.dumps(summary, indent=2), err=True)
-
-
-def _one_prompt(argument: str | None, option: str | None, path: str | None) -> str | None:
-    """The prompt from the first argument, -p or -f (one of them), or None."""
-    given = [name for name, value in (("PROMPT", argument), ("-p/--prompt", option), ("-f/--file", path))
-             if value is not None]
-    if len(given) > 1:
-        raise click.UsageError(f"give the prompt once: {' and '.join(given)} both name one")
-    if path is not None:
-        return Path(path).read_text(encoding="utf-8")
-    return argument if argument is not None else option
-
-
-def _generate_file(loaded, plan, prompts: dict[str, str], chat: set[str], max_new_tokens: int, params, seed,
-                   stop, draft, draft_length, max_batch: int) -> None:
-    """generate --prompt-file: every prompt through generate_batch, one JSON line each (its name,
-    text, tokens, stop reason) on stdout, in the file's order; prompt i samples with seed + i."""
-    if draft is not None and not drafts_by_lookup(make_drafter(draft, loaded, plan)):
-        raise ValueError(f"--prompt-file drafts with a lookup drafter (ngram, suffix), each prompt its own; "
-                         f"'{draft}' runs a model: give the prompts one at a time")
-    ids = {name: prompt_ids(loaded, text, name in chat)[0].tolist() for name, text in prompts.items()}
-    for name, tokens in ids.items():  # every prompt's context check before any decoding
-        token_budget(len(tokens), max_new_tokens, loaded.context_length, new_tokens_name="--max-new-tokens")
-    seeds = [seed + i if seed is not None else None for i in range(len(ids))]
-    results = generate_batch(loaded, list(ids.values()), plan, max_new_tokens, params, seeds, stop,
-                             max_batch=max_batch, draft=draft, draft_length=draft_length)
-    for name, result in zip(ids, results):
-        click.echo(json.dumps({"name": name, "text": result.text, "tokens": len(result.token_ids),
-                               "stop_reason": result.stop_reason,
-                               "tokens_per_second": round(result.tokens_per_second, 2)}))
 
 
 @main.command()
@@ -951,8 +864,8 @@ def tune(model, dtype, engine, threads, tokens, steps, repeats, new_tokens, prom
     _threads(threads)
     out_dir = Path(out)
     with _user_errors():
-        prompts = _pick_prompts(prompt_names)
-        stock, fast = _load_for_timing(model, dtype, engine)
+        prompts = pick_prompts(prompt_names)
+        stock, fast = load_for_timing(model, _dtype(model, dtype, engine), engine, on_note=_note)
         token_budget(1, new_tokens, fast.context_length, new_tokens_name="--new-tokens")  # before any decoding
         click.echo(cpu_info().line(), err=True)
 
@@ -1020,7 +933,7 @@ def frontier(model, dtype, engine, threads, drafts, prompt_names, new_tokens, ga
     _threads(threads)
     out_dir = Path(out)
     with _user_errors():
-        prompts = _pick_prompts(prompt_names) or {name: PROMPTS[name] for name in ("code", "summary")}
+        prompts = pick_prompts(prompt_names) or {name: PROMPTS[name] for name in ("code", "summary")}
         loaded = _load(model, _dtype(model, dtype, engine), engine=engine)
         token_budget(1, new_tokens, loaded.context_length, new_tokens_name="--new-tokens")
         saved = saved_draft_path(loaded)
@@ -1106,10 +1019,10 @@ def bench(model, dtype, engine, threads, new_tokens, repeats, prompt_names, prom
         if prompt_file:
             prompts, chat = read_prompt_file(prompt_file)
         else:
-            prompts, chat = _pick_prompts(prompt_names, PROMPTS), CHAT_PROMPTS
-        stock, fast = _load_for_timing(model, dtype, engine)
+            prompts, chat = pick_prompts(prompt_names, PROMPTS), CHAT_PROMPTS
+        stock, fast = load_for_timing(model, _dtype(model, dtype, engine), engine, on_note=_note)
         token_budget(1, new_tokens, fast.context_length, new_tokens_name="--new-tokens")  # before any decoding
-        peers, pairs = _llama_cpp_peers(fast, drafts, llama_draft_max) if llama_cpp else ({}, {})
+        peers, pairs = llama_cpp_peers(fast, drafts, llama_draft_max, on_note=_note) if llama_cpp else ({}, {})
         methods = bench_methods(stock, fast, list(drafts), list(hf_exits), hf_prompt_lookup, draft_length, peers,
                                 probe_row=_checked_probe_row(fast))
         with _Progress("bench") as progress:
