@@ -29,13 +29,13 @@ from pathlib import Path
 
 def _loaded(model_path: str):
     """The model as `layerplan generate` loads it (default settings), 2 threads, its objects frozen
-    as the command freezes them (cli._freeze: no full collection walks the model mid-run)."""
+    as the command freezes them (cli.common.freeze: no full collection walks the model mid-run)."""
     import torch
 
-    from layerplan.app.cli import _load
+    from layerplan.app.cli.common import load
 
     torch.set_num_threads(2)
-    model = _load(model_path, "auto")
+    model = load(model_path, "auto")
     gc.freeze()
     return model
 
@@ -43,8 +43,8 @@ def _loaded(model_path: str):
 def record(model_path: str, prompt_name: str, new_tokens: int = 64, repeats: int = 5) -> dict:
     import torch
 
-    from layerplan.app.bench import CHAT_PROMPTS, PROMPTS
-    from layerplan.app.cli import _checked_probe_row
+    from layerplan.app.cli.common import checked_probe_row
+    from layerplan.app.prompts import CHAT_PROMPTS, PROMPTS
     from layerplan.decoding.drafters.base import DraftState
     from layerplan.decoding.drafters.registry import make_drafter
     from layerplan.decoding.generate import generate
@@ -73,7 +73,7 @@ def record(model_path: str, prompt_name: str, new_tokens: int = 64, repeats: int
             proposals.append(drafter.propose(state, 8).tokens[:8])
             seconds.append(time.perf_counter() - start)
         lookups[name] = {"ask_seconds": statistics.median(seconds), "proposals": proposals}
-    row = _checked_probe_row(model)  # what the arbiter is told a pass costs, as `generate --draft auto` tells it
+    row = checked_probe_row(model)  # what the arbiter is told a pass costs, as `generate --draft auto` tells it
     cpu = cpu_info()
     return {"model": model.name, "precision": model.precision, "prompt": prompt_name, "cpu": f"{cpu.model}, {cpu.isa}",
             "arbiter_pass_costs": dict(row.relative) if row is not None else {}, "threads": torch.get_num_threads(),
@@ -146,12 +146,12 @@ def measure(model_path: str, new_tokens: int = 64, rounds: int = 5) -> list[dict
     time after the prefill), alternated `rounds` times in one process on the model as `layerplan
     generate` loads it, with this machine's probe row as generate gives it; medians and ranges of
     the ratio, and whether the outputs are the same."""
-    from layerplan.app.bench import CHAT_PROMPTS, PROMPTS
-    from layerplan.app.cli import _checked_probe_row
+    from layerplan.app.cli.common import checked_probe_row
+    from layerplan.app.prompts import CHAT_PROMPTS, PROMPTS
     from layerplan.decoding.generate import generate
 
     model = _loaded(model_path)
-    row = _checked_probe_row(model)
+    row = checked_probe_row(model)
     rows = []
     for name, text in PROMPTS.items():
         ids = model.encode(text, chat=name in CHAT_PROMPTS)

@@ -20,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import uvicorn
 
-from layerplan.app.bench import PROMPTS
+from layerplan.app.prompts import PROMPTS
 from layerplan.app.serve import create_app
 from layerplan.decoding.generate import generate
 from layerplan.decoding.sampling import SamplingParams

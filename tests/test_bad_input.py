@@ -174,7 +174,7 @@ def test_bad_input_gets_one_line(files, args, code, needle):
 
 def test_bad_input_gets_one_line_from_real_processes(files):
     """A few rows again as `python -m layerplan.app.launch` (the installed entry point, which hands
-    what the light front end does not take to app/cli.py), in parallel: stderr as a terminal user
+    what the light front end does not take to app/cli/), in parallel: stderr as a terminal user
     sees it."""
     rows = [CASES[0], CASES[2], CASES[9], CASES[10], CASES[15]]
 
@@ -349,7 +349,8 @@ def test_fuzzed_command_lines_get_one_line_or_reach_work_and_touch_nothing_else(
     """Any command line: exit 0 (it was valid and needed no model), or its checks passed and it
     reached a model load (stopped there), or a nonzero exit with one 'Error:' line; never a
     traceback, never a file touched outside its --out (or --storage)."""
-    from layerplan.app import cli, llamacpp
+    from layerplan.app import bench, llamacpp
+    from layerplan.app.cli import common, measuring, research, running
 
     files, work = fuzz_place
     out_dir = work / "out"
@@ -361,10 +362,12 @@ def test_fuzzed_command_lines_get_one_line_or_reach_work_and_touch_nothing_else(
     reached = False
     with pytest.MonkeyPatch.context() as patch:
         patch.chdir(work)
-        for name in ("load_model", "check_architecture", "run_probe"):
-            patch.setattr(cli, name, _stop, raising=False)
+        for module in (common, running, research, measuring, bench):  # where the commands look the names up
+            for name in ("load_model", "check_architecture", "run_probe"):
+                if hasattr(module, name):
+                    patch.setattr(module, name, _stop)
         patch.setattr(llamacpp, "build", _stop)
-        patch.setattr(cli, "task_manager", _known_tasks, raising=False)
+        patch.setattr(running, "task_manager", _known_tasks)
         def hang(*_):
             raise TimeoutError(f"hung for {HANG_S}s: {args}")
 

@@ -49,7 +49,7 @@ def test_the_package_import_leaves_the_collector_on():
 
 
 def test_a_command_run_in_process_leaves_its_model_to_the_collector(tmp_path):
-    """cli._load freezes what a load made only where the process is the command (the console
+    """cli.common.load freezes what a load made only where the process is the command (the console
     entry): a caller running commands in-process (a test's CliRunner) gets its memory back. Frozen,
     each in-process `generate` of the packaged model kept ~118 MB for the rest of the suite."""
     import weakref
@@ -57,11 +57,12 @@ def test_a_command_run_in_process_leaves_its_model_to_the_collector(tmp_path):
     from click.testing import CliRunner
 
     from layerplan.app import cli
+    from layerplan.app.cli import common
     from tiny_text import save_tiny_with_tokenizer
 
     folder = save_tiny_with_tokenizer(tmp_path / "tok")
     loads = []
-    real_load = cli.load_model
+    real_load = common.load_model
 
     def recorded(*args, **kwargs):
         model = real_load(*args, **kwargs)
@@ -70,7 +71,7 @@ def test_a_command_run_in_process_leaves_its_model_to_the_collector(tmp_path):
 
     frozen = gc.get_freeze_count()
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(cli, "load_model", recorded)
+        patch.setattr(common, "load_model", recorded)
         for _ in range(2):
             done = CliRunner().invoke(cli.main, ["generate", "hi", "--model", str(folder), "--dtype", "float32",
                                                  "-n", "2"])

@@ -8,6 +8,7 @@ import torch
 from click.testing import CliRunner
 
 from layerplan.app import cli
+from layerplan.app.cli import common, research
 from layerplan.app.bench import run_bench
 from layerplan.machine import cpu_info, isa_level, read_cpuinfo
 from tiny import tiny_model
@@ -84,9 +85,9 @@ def test_tune_draws_one_progress_bar_per_stage(monkeypatch, tmp_path):
         raise ValueError("stop here")  # the rest of tune is not under test
 
     model = tiny_model("llama", num_layers=2)
-    monkeypatch.setattr(cli, "tqdm", Bar)
-    monkeypatch.setattr(cli, "_load_for_timing", lambda name, dtype, engine: (model, model))
-    monkeypatch.setattr(cli, "run_tune", fake_tune)
+    monkeypatch.setattr(common, "tqdm", Bar)
+    monkeypatch.setattr(research, "load_for_timing", lambda name, dtype, engine, on_note: (model, model))
+    monkeypatch.setattr(research, "run_tune", fake_tune)
     result = CliRunner().invoke(cli.main, ["tune", "--out", str(tmp_path)])
     assert "stop here" in result.output
     assert [(b.desc, b.n, b.total) for b in bars] == [("scan", 4, 4), ("search", 3, 3), ("bench", 2, 2)]
@@ -94,7 +95,7 @@ def test_tune_draws_one_progress_bar_per_stage(monkeypatch, tmp_path):
 
 
 def test_prompt_file_jsonl_and_text(tmp_path):
-    from layerplan.app.bench import read_prompt_file
+    from layerplan.app.prompts import read_prompt_file
 
     jsonl = tmp_path / "mine.jsonl"
     jsonl.write_text('{"prompt": "def f(x):\\n", "name": "code"}\n\n"plain string"\n{"prompt": "Hi?", "chat": true}\n')
@@ -114,7 +115,7 @@ def test_prompt_file_jsonl_and_text(tmp_path):
     ("\n\n", r"bad.jsonl holds no prompt"),
 ])
 def test_prompt_file_errors_name_file_and_line(tmp_path, content, message):
-    from layerplan.app.bench import read_prompt_file
+    from layerplan.app.prompts import read_prompt_file
 
     path = tmp_path / "bad.jsonl"
     path.write_text(content)

@@ -186,21 +186,24 @@ def test_peer_rows_carry_counts_decoding_rates_and_pass_costs_and_their_ratios()
 
 # --- the missing build ---------------------------------------------------------------------------
 
-def test_without_a_build_the_rows_are_left_out_with_the_command_that_builds_them(tmp_path, monkeypatch, capsys):
-    from layerplan.app.cli import _llama_cpp_peers
+def test_without_a_build_the_rows_are_left_out_with_the_command_that_builds_them(tmp_path, monkeypatch):
+    from layerplan.app.peers import llama_cpp_peers
 
     monkeypatch.setenv("LAYERPLAN_CACHE", str(tmp_path))
     assert llamacpp.find_tools() is None
     loaded = SimpleNamespace(source=str(tmp_path / "model.gguf"), dtype=torch.bfloat16)
-    assert _llama_cpp_peers(loaded, ["ngram"], 8) == ({}, {})
-    message = capsys.readouterr().err.strip()
+    notes = []
+    assert llama_cpp_peers(loaded, ["ngram"], 8, on_note=notes.append) == ({}, {})
+    assert len(notes) == 1
+    message = notes.pop()
     assert message.count("\n") == 0 and message.endswith(": layerplan peers build")
     assert message.startswith("llama.cpp rows left out: llama.cpp's own tools are not built here")
     assert str(tmp_path / "llama.cpp") in message
 
     # a model that is not a GGUF file: left out, saying why
-    assert _llama_cpp_peers(SimpleNamespace(source=str(tmp_path), dtype=torch.float32), [], 8) == ({}, {})
-    assert "need the model as a GGUF file" in capsys.readouterr().err
+    assert llama_cpp_peers(SimpleNamespace(source=str(tmp_path), dtype=torch.float32), [], 8,
+                           on_note=notes.append) == ({}, {})
+    assert len(notes) == 1 and "need the model as a GGUF file" in notes[0]
 
 
 def test_peers_show_says_what_to_run_when_nothing_is_built(tmp_path, monkeypatch):

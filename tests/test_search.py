@@ -412,3 +412,85 @@ def test_bounds_of_an_aborted_candidate_are_on_the_right_side(setup):
     early = PlanEvaluator(model, ids).divergence(plan, give_up=lambda bounds: True)
     assert not early.complete and full.complete
     assert early.kl <= full.kl and early.perplexity <= full.perplexity and early.top1_agreement >= full.top1_agreement
+
+
+# --- the steps of one worker's study (BayesOptimisation), one at a time -------------------------
+
+def _toy_optimisation(storage=None, n_trials=3, seeds=(), on_trial=None):
+    """Two switches (attention and MLP of layer 1 of 4): four plans; a plan's value is its cost."""
+    from types import SimpleNamespace
+
+    from layerplan.search.bayes import BayesOptimisation, skip_space
+
+    space = skip_space(SimpleNamespace(num_layers=4, name="toy"), [("attention", 1), ("mlp", 1)])
+    return BayesOptimisation(space, lambda plan: float(plan.cost), "kl", ["minimize"], n_trials, storage, "toy",
+                             seeds=list(seeds), seed=0, on_trial=on_trial, poll=0.01)
+
+
+def _params(attn: bool, mlp: bool) -> dict:
+    return {"attn_1": attn, "mlp_1": mlp}
+
+
+def test_open_seeds_a_new_study_and_not_a_resumed_one(tmp_path):
+    from optuna.trial import TrialState
+
+    storage = f"journal:{tmp_path / 'toy.log'}"
+    first = _toy_optimisation(storage, seeds=[_params(False, True)])
+    first.open()
+    assert [t.state for t in first.study.get_trials()] == [TrialState.WAITING]
+    again = _toy_optimisation(storage, seeds=[_params(True, False)])
+    again.open()
+    assert [t.system_attrs["fixed_params"] for t in again.study.get_trials()] == [_params(False, True)]
+
+
+def test_run_trial_evaluates_a_new_plan_and_prunes_a_held_one_with_the_holders_values():
+    optimisation = _toy_optimisation()
+    optimisation.open()
+    for _ in range(2):
+        optimisation.study.enqueue_trial(_params(False, True))
+    first = optimisation.ask()
+    assert optimisation.worker_seed is not None and optimisation.rng is not None
+    assert optimisation.run_trial(first) == "complete"
+    second = optimisation.ask()
+    assert optimisation.run_trial(second) == "duplicate"
+    told = optimisation.study.get_trials()[1]
+    assert told.user_attrs["duplicate_of"] == first.number
+    assert told.user_attrs["copied_values"] == optimisation.study.get_trials()[0].values
+    assert told.user_attrs["plan"] == "skip:attn=1"
+
+
+def test_turn_says_full_once_the_study_has_its_trials_and_the_trial_is_failed():
+    from optuna.trial import TrialState
+
+    optimisation = _toy_optimisation(n_trials=1)
+    optimisation.open()
+    optimisation.study.enqueue_trial(_params(False, True))
+    optimisation.study.enqueue_trial(_params(True, False))
+    assert optimisation.run_trial(optimisation.ask()) == "complete"
+    assert optimisation.turn(99, "skip:mlp=1") == ("full", None)
+    assert optimisation.run_trial(optimisation.ask()) == "full"
+    assert optimisation.study.get_trials()[1].state == TrialState.FAIL
+
+
+def test_enqueue_unseen_draws_a_plan_nobody_holds_until_none_is_left():
+    optimisation = _toy_optimisation(n_trials=10)
+    optimisation.open()
+    for attn, mlp in ((True, True), (False, True), (True, False)):
+        optimisation.study.enqueue_trial(_params(attn, mlp))
+        assert optimisation.run_trial(optimisation.ask()) == "complete"
+    optimisation.repeats = 3
+    assert optimisation.enqueue_unseen(optimisation.look()) and optimisation.repeats == 0
+    assert optimisation.queued_plan(optimisation.study.get_trials()[-1]) == "skip:layers=1"
+    assert not optimisation.enqueue_unseen(optimisation.look())  # all four held (one of them queued)
+
+
+def test_step_reports_progress_and_ends_when_the_study_is_full():
+    seen = []
+    optimisation = _toy_optimisation(n_trials=2, on_trial=lambda done, total: seen.append((done, total)))
+    optimisation.open()
+    steps = 0
+    while optimisation.step():
+        steps += 1
+    assert seen[0] == (0, 2) and seen[-1] == (2, 2)
+    result = optimisation.result()
+    assert len([t for t in result.trials if t.state == "COMPLETE"]) == 2 and result.stale_failed == []

@@ -8,37 +8,21 @@ the decoding rate alone (prefill left out): the figure llama.cpp's llama-bench p
 
 from __future__ import annotations
 
-import json
 import statistics
 import time
 from collections.abc import Callable, Collection
 from dataclasses import asdict, dataclass, field, replace
-from pathlib import Path
 
 import torch
 
+from layerplan.app.prompts import CHAT_PROMPTS
 from layerplan.decoding.generate import generate
+from layerplan.engine.cpu_pack import packing_supported
+from layerplan.engine.load import BLOCK_PRECISIONS, load_model
+from layerplan.engine.native import resolve_engine
 from layerplan.engine.probe import ProbeRow
 from layerplan.machine import CpuInfo, cpu_info
-from layerplan.models.loading import LoadedModel
-
-# Small prompts of different kinds; the continuation is what gets timed.
-PROMPTS = {
-    "code": (
-        "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n"
-        "        self.items.append(item)\n\n    def pop(self):\n        return self.items.pop()\n\n"
-        "class Queue:\n    def __init__(self):\n"
-    ),
-    "chat": "What are three good habits for writing readable Python code?",
-    "summary": (
-        "Summarise in one sentence: The Python standard library is very extensive, offering a wide "
-        "range of facilities. It contains built-in modules that provide access to system functionality "
-        "such as file I/O, as well as modules written in Python that provide standardized solutions "
-        "for many problems that occur in everyday programming."
-    ),
-    "continuation": "The history of the printing press begins in",
-}
-CHAT_PROMPTS = {"chat", "summary"}
+from layerplan.models.loading import LoadedModel, resolve_dtype
 
 # run(ids, new_tokens) -> (seconds, tokens, stats or None). A peer that does not hand its tokens back
 # (llama.cpp's tools) gives their count instead. Stats: speculative figures, and
@@ -116,47 +100,6 @@ class BenchResult:
                     f"{name}: {part['rounds']} rounds, {part['acceptance_rate'] or 0:.2f} accept, "
                     f"{part['tokens_per_pass'] or 0:.2f} tok/pass" for name, part in row.by_drafter.items()))
         return "\n".join(lines)
-
-
-def read_prompt_file(path: str | Path) -> tuple[dict[str, str], set[str]]:
-    """({name: prompt}, names to wrap in the chat template) from a user's file.
-
-    .jsonl: one record a line, either a JSON string or an object with "prompt" and optionally
-    "name" and "chat" (true/false). Any other file: one prompt a non-empty line (plain text)."""
-    path = Path(path)
-    if path.exists() and not (path.is_file() or path.is_dir() or path.is_fifo()):  # /dev/zero never ends
-        raise ValueError(f"cannot read prompts from {path}: not a text file (a device or socket)")
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except (OSError, UnicodeDecodeError) as error:
-        raise ValueError(f"cannot read prompts from {path}: {error.strerror or error}") from None
-    prompts: dict[str, str] = {}
-    chat: set[str] = set()
-    for number, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        name, prompt, as_chat = f"{path.stem}-{len(prompts) + 1}", line, False
-        if path.suffix.lower() == ".jsonl":
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as error:
-                raise ValueError(f"{path}:{number}: not JSON ({error.msg})") from None
-            if isinstance(record, dict):
-                prompt, name = record.get("prompt"), str(record.get("name") or name)
-                as_chat = record.get("chat", False)
-            else:
-                prompt = record
-            if not isinstance(prompt, str) or not prompt.strip() or not isinstance(as_chat, bool):
-                raise ValueError(f"{path}:{number}: expected a non-empty string or "
-                                 '{"prompt": "...", "name": "...", "chat": true|false}')
-        if name in prompts:
-            raise ValueError(f"{path}:{number}: prompt name '{name}' is used twice")
-        prompts[name] = prompt
-        if as_chat:
-            chat.add(name)
-    if not prompts:
-        raise ValueError(f"{path} holds no prompt")
-    return prompts, chat
 
 
 def transformers_runner(model: LoadedModel, **options) -> Runner:
@@ -247,6 +190,25 @@ def run_bench(
                 {k: statistics.median(v) for k, v in passes[name].items()},
             ))
     return result
+
+
+def load_for_timing(model: str, dtype: str, engine: str,
+                    on_note: Callable[[str], None] = lambda _: None) -> tuple[LoadedModel, LoadedModel]:
+    """(stock, fast) at `dtype` (chosen already: no 'auto'): transformers' generate runs stock's own
+    modules, layerplan runs fast. The native engine leaves the modules as they are, so one load
+    serves both; the eager engine packs bf16 linears where oneDNN supports it, into a second copy.
+    on_note: the line that says what loads."""
+    if dtype in BLOCK_PRECISIONS:  # transformers runs the model dense: in float32 (a GGUF by its own loader)
+        on_note(f"loading {model} ({dtype}, engine native; transformers: float32)…")
+        return load_model(model, dtype="float32", engine="eager"), load_model(model, dtype=dtype, engine="native")
+    kind = resolve_engine(engine, resolve_dtype(dtype), "cpu")
+    on_note(f"loading {model} ({dtype}, engine {kind})…")
+    if kind == "native":
+        loaded = load_model(model, dtype=dtype, engine="native")
+        return loaded, loaded
+    stock = load_model(model, dtype=dtype, pack=False, engine="eager")
+    packed = load_model(model, dtype=dtype, pack=True, engine="eager") if packing_supported(stock.dtype, "cpu") else None
+    return stock, packed or stock
 
 
 def eager_view(model: LoadedModel) -> LoadedModel:

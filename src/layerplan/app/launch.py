@@ -1,6 +1,6 @@
 """The `layerplan` command's entry: a GGUF's plain generation runs on the light front end
 (layerplan/lite/: numpy and the native kernels, a start of a tenth of a second), every other
-command line on the torch front end (app/cli.py), which reads it as it always has.
+command line on the torch front end (app/cli/), which reads it as it always has.
 
 Which one runs changes no output: the light front end takes only command lines whose meaning it
 carries out as the torch one does (lite/cli.py request_of), and only models whose index it can

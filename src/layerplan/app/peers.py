@@ -23,12 +23,15 @@ import os
 import re
 import subprocess
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+import torch
 
-from layerplan.files import atomic_file
+from layerplan.app import llamacpp
+from layerplan.files import atomic_file, cache_dir
 
 # layerplan dtype -> (GGUF tensor type name, general.file_type value of llama.cpp's LLAMA_FTYPE)
 GGUF_PRECISIONS = {"float32": ("F32", 0), "bfloat16": ("BF16", 32), "float16": ("F16", 1),
@@ -242,3 +245,44 @@ def llama_lookup_runner(tool: Path, gguf: Path, threads: int, prompt_text, draft
                  "acceptance_rate": result.acceptance_rate})
 
     return run
+
+
+def llama_cpp_peers(loaded, drafts, draft_max: int,
+                    on_note: Callable[[str], None] = lambda _: None) -> tuple[dict, dict]:
+    """llama.cpp's own tools on the model's GGUF as stored and rewritten at the model's precision:
+    ({method: runner}, {peer method: the layerplan methods it is compared with}); ({}, {}) with a
+    one-line note saying why not. on_note: what is left out, and a file written for the tools."""
+    if not loaded.source.endswith(".gguf"):
+        on_note("llama.cpp rows left out: they need the model as a GGUF file (--model FILE.gguf)")
+        return {}, {}
+    bin_dir = llamacpp.find_tools()
+    if bin_dir is None:
+        on_note(llamacpp.missing_message())
+        return {}, {}
+    source, dtype = Path(loaded.source), str(loaded.dtype).replace("torch.", "")
+    stored = gguf_file_type(source)
+    files = {f"{stored} file": source}
+    if loaded.stored is not None:  # layerplan runs the file as stored: the file is the same precision
+        pass
+    elif dtype not in GGUF_PRECISIONS:
+        on_note(f"llama.cpp rows at layerplan's precision left out: no {dtype} GGUF is written here")
+    elif GGUF_PRECISIONS[dtype][0] != stored:
+        target = cache_dir() / "gguf" / f"{source.stem}-{dtype}.gguf"
+        if not target.exists():
+            on_note(f"writing {target.name} for llama.cpp (once)…")
+        files[SHORT_DTYPES[dtype]] = gguf_at_precision(source, dtype, target)
+    threads = torch.get_num_threads()
+    runners, pairs = {}, {}
+    for label, path in files.items():
+        name = f"llama.cpp llama-bench ({label})"
+        runners[name], pairs[name] = llama_bench_runner(bin_dir / "llama-bench", path, threads), ["layerplan plain"]
+    counterparts = [f"layerplan draft={d}" for d in drafts if d.split(":")[0].split("+")[0] in LOOKUP_COUNTERPARTS]
+    if counterparts:
+        def prompt_text(ids):  # the text whose tokens are ids: chat template and special tokens kept
+            return loaded.tokenizer.decode(ids[0].tolist(), skip_special_tokens=False)
+
+        for label, path in files.items():
+            name = f"llama.cpp llama-lookup ({label})"
+            runners[name] = llama_lookup_runner(bin_dir / "llama-lookup", path, threads, prompt_text, draft_max)
+            pairs[name] = counterparts
+    return runners, pairs

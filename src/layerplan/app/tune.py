@@ -8,7 +8,8 @@ import statistics
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
-from layerplan.app.bench import CHAT_PROMPTS, PROMPTS, BenchResult, bench_methods, run_bench
+from layerplan.app.bench import BenchResult, bench_methods, run_bench
+from layerplan.app.prompts import CHAT_PROMPTS, PROMPTS
 from layerplan.decoding.drafters.registry import save_draft_plan
 from layerplan.decoding.frontier import FrontierResult, measure_frontier, pass_costs_of, self_drafts
 from layerplan.decoding.generate import generate

@@ -1,6 +1,6 @@
 """`layerplan generate` on the light front end, where it gives what the torch front end gives.
 
-`request_of` reads a command line as `layerplan generate` (app/cli.py) reads it, for the options
+`request_of` reads a command line as `layerplan generate` (app/cli/running.py) reads it, for the options
 whose meaning the light front end carries out as the torch one does: a GGUF's plain greedy
 continuation of one prompt (the model, its dtype as stored, the engine, threads, a plan of this
 model, the token budget, stop strings, streaming, the chat template where it only wraps the
@@ -67,7 +67,7 @@ def _integer(text: str, low: int) -> int | None:
 
 
 def _set(request: LiteRequest, prompts: list[str], option: str, value: str) -> bool:
-    """Apply one option's value as app/cli.py's generate reads it (-p to `prompts`, the prompts as
+    """Apply one option's value as app/cli/running.py's generate reads it (-p to `prompts`, the prompts as
     read); False where its meaning is not the light front end's (the torch front end then reads the
     whole line)."""
     if option in ("--model", "-m"):
@@ -163,11 +163,11 @@ def _packing_bar(done: int, total: int) -> None:
 
 
 def run(request: LiteRequest) -> int | None:
-    """Carry out a runnable request as app/cli.py's generate would: the exit status, or None where
+    """Carry out a runnable request as app/cli/running.py's generate would: the exit status, or None where
     the model turned out to need the torch front end (before any output)."""
     try:
         first = (f"; its first use: indexed and packed for the kernels once, into {cache_dir()}"
-                 if request.first_use else "")  # (app/cli.py's loading line)
+                 if request.first_use else "")  # (app/cli/common.py's loading line)
         print(f"loading {request.model} ({request.precision}, "
               f"cpu, engine {request.engine}{first})…", file=sys.stderr, flush=True)
         model = LiteModel(gguf_of(request.model), ARITHMETICS[request.dtype], request.threads,
@@ -202,10 +202,10 @@ def run(request: LiteRequest) -> int | None:
     if not result.text.strip() and not request.chat and request.max_new_tokens > 0:
         print(f"(no text generated, stop reason: {result.stop_reason}; an instruction-tuned model may answer a bare "
               "prompt only when it is wrapped in its chat template: add --chat)", file=sys.stderr)
-    if request.stats:  # app/cli.py's summary lines
+    if request.stats:  # app/cli/running.py's summary lines
         for line in result.summary_lines(request.precision, model.threads, read_cpuinfo()[0] or "unknown CPU"):
             print(line, file=sys.stderr)
-    if request.as_json:  # app/cli.py's object: the result but its text and tokens
+    if request.as_json:  # app/cli/running.py's object: the result but its text and tokens
         summary = {k: v for k, v in result.to_dict().items() if k not in ("text", "token_ids")}
         print(json.dumps(summary, indent=2), file=sys.stderr)
     return 0

@@ -36,6 +36,7 @@ from typing import Any
 # its locals — imported inside a command, the model the command loaded, for the rest of the process
 # (0.6 GB a `search` run in-process). It costs ~55 ms once torch is imported.
 import optuna
+from optuna.trial import TrialState
 
 from layerplan.files import check_output, writing
 from layerplan.plan.plan import LayerPlan, PlanError
@@ -331,171 +332,221 @@ def optimise(space: StudySpace, evaluate: Callable[[LayerPlan], float | tuple[fl
     back (layerplan.search.patience), then StorageUnavailable. SIGTERM (while this runs on the
     main thread, where no one else handles it) and Ctrl-C fail the running trial, then end the
     process (SystemExit 143) or raise KeyboardInterrupt."""
-    import optuna
-    from optuna.trial import TrialState
+    return BayesOptimisation(space, evaluate, objective, directions, n_trials, storage, name, sampler, seeds, seed,
+                             on_trial, heartbeat, grace, poll, identity, patience).run()
 
-    if sampler not in SAMPLERS:
-        raise ValueError(f"unknown sampler '{sampler}'; choose from {', '.join(SAMPLERS)}")
-    chosen = SAMPLERS[sampler]
-    multi_objective = len(directions) > 1
-    study = optuna.create_study(storage=make_storage(storage, heartbeat=None, patience=patience), study_name=name,
-                                directions=directions, sampler=chosen.make(optuna, derive_seed(name, seed, "start")),
-                                load_if_exists=True)
-    check_identity(study, {"objective": objective, "directions": list(directions), **(identity or {})})
-    stale: list[int] = []
 
-    def look() -> list:
+def _complete(trials) -> list:
+    return [t for t in trials if t.state == TrialState.COMPLETE]
+
+
+class BayesOptimisation:
+    """One worker of a shared study (optimise), a step a method: open (the study, checked and
+    seeded), then rounds of step (look, ask, run_trial: wait for its turn, evaluate, tell) until
+    the study is full, and result. Arguments as optimise's."""
+
+    def __init__(self, space: StudySpace, evaluate: Callable[[LayerPlan], float | tuple[float, ...]], objective: str,
+                 directions: list[str], n_trials: int, storage: str | None, name: str, sampler: str = "tpe",
+                 seeds: list[dict] = (), seed: int | None = None, on_trial: Callable[[int, int], None] | None = None,
+                 heartbeat: float = 10.0, grace: float = 60.0, poll: float = 0.2,
+                 identity: dict[str, Any] | None = None, patience: float = DEFAULT_PATIENCE) -> None:
+        if sampler not in SAMPLERS:
+            raise ValueError(f"unknown sampler '{sampler}'; choose from {', '.join(SAMPLERS)}")
+        self.space, self.evaluate, self.objective, self.directions = space, evaluate, objective, list(directions)
+        self.n_trials, self.storage, self.name, self.sampler = n_trials, storage, name, SAMPLERS[sampler]
+        self.seeds, self.seed, self.on_trial = seeds, seed, on_trial
+        self.heartbeat, self.grace, self.poll, self.patience = heartbeat, grace, poll, patience
+        self.identity = {"objective": objective, "directions": list(directions), **(identity or {})}
+        self.multi_objective = len(directions) > 1
+        self.study = None
+        self.stale: list[int] = []  # trials of dead workers this one failed
+        self.worker_seed: int | None = None  # from this worker's first trial (ask)
+        self.rng: random.Random | None = None
+        self.repeats = 0  # this worker's proposals in a row that the study already held
+        self.current = None  # the trial this worker holds RUNNING
+
+    def run(self) -> StudyResult:
+        """open, then steps until the study is full; a stop (SIGTERM, Ctrl-C) or an error fails the
+        running trial (stopped)."""
+        self.open()
+        try:
+            with stopping_politely():
+                while self.step():
+                    pass
+        except BaseException as caught:
+            self.stopped(caught)
+        return self.result()
+
+    def open(self) -> None:
+        """Open (or make) the study, check what it is about (check_identity) and seed it if new."""
+        self.study = optuna.create_study(
+            storage=make_storage(self.storage, heartbeat=None, patience=self.patience), study_name=self.name,
+            directions=self.directions, sampler=self.sampler.make(optuna, derive_seed(self.name, self.seed, "start")),
+            load_if_exists=True)
+        check_identity(self.study, self.identity)
+        if not self.look():  # seed only a new study; a resumed one already has them
+            for params in self.seeds:
+                self.study.enqueue_trial(params, skip_if_exists=True)
+
+    def look(self) -> list:
         """The study's trials, after failing the RUNNING ones whose worker is gone."""
-        trials = study.get_trials(deepcopy=False)
+        trials = self.study.get_trials(deepcopy=False)
         now, failed = time.time(), False
         for t in trials:
-            if t.state == TrialState.RUNNING and is_stale(t, grace, now):
+            if t.state == TrialState.RUNNING and is_stale(t, self.grace, now):
                 try:
-                    study.tell(t.number, state=TrialState.FAIL)
-                    stale.append(t.number)
+                    self.study.tell(t.number, state=TrialState.FAIL)
+                    self.stale.append(t.number)
                     failed = True
                 except StorageUnavailable:
                     raise
                 except (ValueError, RuntimeError, optuna.exceptions.UpdateFinishedTrialError):
                     pass  # another worker failed it first
-        return study.get_trials(deepcopy=False) if failed else trials
+        return self.study.get_trials(deepcopy=False) if failed else trials
 
-    if not look():  # seed only a new study; a resumed one already has them
-        for params in seeds:
-            study.enqueue_trial(params, skip_if_exists=True)
+    def step(self) -> bool:
+        """One round: report progress, then run one trial; False once this worker is done (the study
+        has its n_trials, or every valid plan has run)."""
+        trials = self.look()
+        done = _complete(trials)
+        if self.on_trial:
+            self.on_trial(min(len(done), self.n_trials), self.n_trials)
+        if len(done) >= self.n_trials:
+            return False
+        if len(done) + sum(t.state == TrialState.RUNNING for t in trials) >= self.n_trials:
+            time.sleep(self.poll)  # the trials in flight may fill the study: see how they end
+            return True
+        if self.repeats >= MAX_REPEATS and self.rng is not None and not self.enqueue_unseen(trials):
+            return False  # every valid plan has been run
+        self.current = self.ask()
+        outcome = self.run_trial(self.current)
+        self.current = None
+        if outcome == "full":
+            return False
+        self.repeats = self.repeats + 1 if outcome in ("duplicate", "invalid") else 0
+        return True
 
-    def queued_plan(trial) -> str | None:
+    def enqueue_unseen(self, trials) -> bool:
+        """The sampler keeps proposing held plans (it has converged, or the space is small): enqueue
+        one plan nobody has run yet, drawn at random, to keep the study moving; False when there is
+        none left."""
+        held = {_plan_of(t) for t in trials if t.state in (TrialState.COMPLETE, TrialState.RUNNING,
+                                                             TrialState.WAITING)}
+        held |= {self.queued_plan(t) for t in trials if t.state == TrialState.WAITING}
+        params = self.space.unseen(held, self.rng)
+        if params is None:
+            return False
+        self.study.enqueue_trial(params)
+        self.repeats = 0
+        return True
+
+    def queued_plan(self, trial) -> str | None:
         """The plan of a WAITING (enqueued) trial."""
         try:
-            return space.plan_of_params(trial.system_attrs.get("fixed_params", {})).to_string()
+            return self.space.plan_of_params(trial.system_attrs.get("fixed_params", {})).to_string()
         except PlanError:
             return None
 
-    def complete(trials) -> list:
-        return [t for t in trials if t.state == TrialState.COMPLETE]
+    def ask(self):
+        """A new trial, RUNNING; the first one's number seeds this worker's sampler and draws."""
+        with claiming(self.storage):  # on SQLite two workers could otherwise pop one enqueued trial
+            trial = self.study.ask()
+        if self.worker_seed is None:  # the first trial's number is this worker's identity in the study
+            self.worker_seed = derive_seed(self.name, self.seed, trial.number)
+            self.study.sampler = self.sampler.make(optuna, self.worker_seed)
+            self.rng = random.Random(self.worker_seed)
+        return trial
 
-    def turn(number: int, plan: str):
+    def turn(self, number: int, plan: str):
         """Wait until trial `number` may run plan `plan`: ("run", None), ("duplicate", the trial
         that holds the plan) or ("full", None) once the study has its n_trials."""
         while True:
-            trials = look()
+            trials = self.look()
             earlier = [t for t in trials if t.number < number and t.state == TrialState.RUNNING]
             if not any(_plan_of(t) is None for t in earlier):  # every earlier trial has said its plan
-                done = complete(trials)
+                done = _complete(trials)
                 holder = next((t for t in done + earlier if _plan_of(t) == plan), None)
                 if holder is not None:
                     return "duplicate", holder
-                if len(done) >= n_trials:
+                if len(done) >= self.n_trials:
                     return "full", None
-                if len(done) + len(earlier) < n_trials:
+                if len(done) + len(earlier) < self.n_trials:
                     return "run", None
-            time.sleep(poll)
+            time.sleep(self.poll)
 
-    def run_trial(trial) -> str:
+    def run_trial(self, trial) -> str:
+        """Propose the trial's plan, wait for its turn, evaluate it and tell the study: 'complete',
+        'invalid' (pruned), 'duplicate' (pruned, the holder's values copied) or 'full' (failed)."""
         beat = None
         try:
-            beat = Heartbeat(trial, heartbeat)
-            trial.set_user_attr("sampler_seed", worker_seed)
+            beat = Heartbeat(trial, self.heartbeat)
+            trial.set_user_attr("sampler_seed", self.worker_seed)
             try:
-                plan = space.propose(trial)
+                plan = self.space.propose(trial)
             except PlanError as error:
                 trial.set_user_attr("plan", "")
                 trial.set_user_attr("invalid", str(error))
                 beat.stop()
-                study.tell(trial, state=TrialState.PRUNED)
+                self.study.tell(trial, state=TrialState.PRUNED)
                 return "invalid"
             trial.set_user_attr("plan", plan.to_string())
             trial.set_user_attr("cost", plan.cost)
-            verdict, holder = turn(trial.number, plan.to_string())  # the heartbeat goes on while waiting
+            verdict, holder = self.turn(trial.number, plan.to_string())  # the heartbeat goes on while waiting
             if verdict == "duplicate":
                 trial.set_user_attr("duplicate_of", holder.number)
                 if holder.values is not None:
                     trial.set_user_attr("copied_values", list(holder.values))
-                    if not multi_objective:  # a pruned trial's value is its last report
+                    if not self.multi_objective:  # a pruned trial's value is its last report
                         trial.report(holder.values[0], 0)
                 beat.stop()
-                study.tell(trial, state=TrialState.PRUNED)
+                self.study.tell(trial, state=TrialState.PRUNED)
                 return verdict
             if verdict == "full":
-                trial.set_user_attr("not_run", f"the study had its {n_trials} finished trials")
+                trial.set_user_attr("not_run", f"the study had its {self.n_trials} finished trials")
                 beat.stop()
-                study.tell(trial, state=TrialState.FAIL)
+                self.study.tell(trial, state=TrialState.FAIL)
                 return verdict
-            values = evaluate(plan)
+            values = self.evaluate(plan)
             beat.stop()
-            study.tell(trial, values)  # the storage away: told once it is back (patience)
+            self.study.tell(trial, values)  # the storage away: told once it is back (patience)
             return "complete"
         except BaseException as error:
             if beat is not None:  # the caller fails the trial
                 beat.stop(wait=1.0 if not isinstance(error, Exception) else None)
             raise
 
-    def fail(trial, error: BaseException) -> bool:
+    def fail(self, trial, error: BaseException) -> bool:
         """Leave no RUNNING trial behind: FAIL it (True), so that the study asks its plan again.
         A worker stopping, or one whose storage is gone, tries once: a trial it could not fail is
         failed by the next worker's staleness check (layerplan.search.workers)."""
         hurry = not isinstance(error, Exception) or isinstance(error, StorageUnavailable)
         with single_attempt() if hurry else nullcontext():
             try:
-                study.tell(trial, state=TrialState.FAIL)
+                self.study.tell(trial, state=TrialState.FAIL)
                 return True
             except Exception:  # told already (a signal right after the tell), or the storage is away
                 return False
 
-    worker_seed = None
-    rng = None
-    repeats = 0  # this worker's proposals in a row that the study already held
-    current = None  # the trial this worker holds RUNNING
-    try:
-        with stopping_politely():
-            while True:
-                trials = look()
-                done = complete(trials)
-                if on_trial:
-                    on_trial(min(len(done), n_trials), n_trials)
-                if len(done) >= n_trials:
-                    break
-                if len(done) + sum(t.state == TrialState.RUNNING for t in trials) >= n_trials:
-                    time.sleep(poll)  # the trials in flight may fill the study: see how they end
-                    continue
-                if repeats >= MAX_REPEATS and rng is not None:
-                    # the sampler keeps proposing held plans (it has converged, or the space is small): one
-                    # plan nobody has run yet, drawn at random, keeps the study moving
-                    held = {_plan_of(t) for t in trials if t.state in (TrialState.COMPLETE, TrialState.RUNNING,
-                                                                         TrialState.WAITING)}
-                    held |= {queued_plan(t) for t in trials if t.state == TrialState.WAITING}
-                    params = space.unseen(held, rng)
-                    if params is None:
-                        break  # every valid plan has been run
-                    study.enqueue_trial(params)
-                    repeats = 0
-                with claiming(storage):  # on SQLite two workers could otherwise pop one enqueued trial
-                    current = study.ask()
-                if worker_seed is None:  # the first trial's number is this worker's identity in the study
-                    worker_seed = derive_seed(name, seed, current.number)
-                    study.sampler = chosen.make(optuna, worker_seed)
-                    rng = random.Random(worker_seed)
-                outcome = run_trial(current)
-                current = None
-                if outcome == "full":
-                    break
-                repeats = repeats + 1 if outcome in ("duplicate", "invalid") else 0
-    except BaseException as caught:
+    def stopped(self, caught: BaseException) -> None:
+        """A stop or an error while running: fail the running trial, say so on a stop, raise again."""
         error = stop_within(caught) or caught  # a stop a library turned into its own error is a stop
-        if current is not None:
-            failed = fail(current, error)
+        if self.current is not None:
+            failed = self.fail(self.current, error)
             if not isinstance(error, Exception):
                 why = getattr(error, "signal_name", "SIGINT" if isinstance(error, KeyboardInterrupt) else "exit")
-                print(f"stopped ({why}): trial {current.number} "
+                print(f"stopped ({why}): trial {self.current.number} "
                       + ("marked failed; the study will ask its plan again" if failed else
                          "not marked failed (the storage did not answer); the next worker fails it"),
                       file=sys.stderr, flush=True)
         if error is caught:
-            raise
+            raise caught
         raise error from None
-    result = summarise(study, objective, directions)
-    result.stale_failed = stale
-    return result
+
+    def result(self) -> StudyResult:
+        """The study summarised (summarise), with the stale trials this worker failed."""
+        result = summarise(self.study, self.objective, self.directions)
+        result.stale_failed = self.stale
+        return result
 
 
 def check_identity(study, identity: dict[str, Any]) -> None:

@@ -1,0 +1,245 @@
+"""What the commands share: their common options, the loading of a model as a command line asks
+for it, progress bars on stderr, and bad input turned into one line."""
+
+from __future__ import annotations
+
+import gc
+import sys
+from contextlib import contextmanager
+from pathlib import Path
+
+import click
+import torch
+from tqdm import tqdm
+
+from layerplan.app import llamacpp
+from layerplan.app.peers import LlamaToolError
+from layerplan.corpus import read_texts
+from layerplan.decoding.draft_length import draft_length_help
+from layerplan.engine.load import BLOCK_PRECISIONS, choose_dtype, load_model
+from layerplan.engine.native import ENGINES, NativeUnavailable
+from layerplan.engine.probe import checked_model_row, load_probe
+from layerplan.files import WriteError, check_output
+from layerplan.models.gguf_index import TENSORS_FILE, index_folder
+from layerplan.models.loading import (DEFAULT_MODEL, ModelError, cache_dir, dense_bytes, gguf_of, model_depth,
+                                      resolve_device)
+from layerplan.plan.plan import PlanError
+
+DRAFT_LENGTH_HELP = "draft length policy: " + draft_length_help()
+MODEL_HELP = f"HF folder (config.json + safetensors), .gguf file, or '{DEFAULT_MODEL}' (the packaged default)"
+
+
+@contextmanager
+def user_errors():
+    """Bad input becomes a one-line message and exit status 2, not a traceback."""
+    try:
+        yield
+    except (PlanError, ModelError, NativeUnavailable, FileNotFoundError, WriteError, ValueError, LlamaToolError,
+            llamacpp.LlamaCppBuildError) as error:
+        raise click.ClickException(str(error)) from None
+    except ConnectionError as error:  # lm-eval task data (or anything else) neither on disk nor reachable
+        raise click.ClickException(f"{error}: not on disk and not downloadable from here") from None
+    except OSError as error:  # a file that cannot be read or written, named
+        where = f"{error.filename}: " if error.filename else ""
+        raise click.ClickException(f"{where}{error.strerror or error}") from None
+
+
+class Output(click.Path):
+    """An output path, checked as it is parsed (files.check_output), so that a command refuses it
+    before any work: kind 'file', or 'folder' (its files are written into it)."""
+
+    def __init__(self, kind: str = "file") -> None:
+        super().__init__(dir_okay=kind != "file", file_okay=kind == "file")
+        self.kind = kind
+
+    def convert(self, value, param, ctx):
+        value = super().convert(value, param, ctx)
+        try:
+            check_output(value, self.kind)
+        except (WriteError, ValueError) as error:  # (ValueError: a NUL in the path)
+            self.fail(str(error), param, ctx)
+        return value
+
+
+def given_text(text: str | None) -> str | None:
+    """--text read before any model loads (None: the caller's default corpus)."""
+    return "\n\n".join(read_texts(text)) if text else None
+
+
+class Progress:
+    """on_progress(done, total) callback drawing a tqdm bar on stderr."""
+
+    def __init__(self, description: str) -> None:
+        # disable=None: no bar when stderr is not a terminal (a log file would get every redraw)
+        self.bar = tqdm(desc=description, unit="it", file=sys.stderr, dynamic_ncols=True, leave=False, disable=None)
+
+    def __call__(self, done: int, total: int) -> None:
+        self.bar.total = total
+        self.bar.n = done
+        self.bar.refresh()
+
+    def close(self) -> None:
+        self.bar.close()
+
+    def __enter__(self) -> Progress:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class Stages:
+    """One progress bar per stage: start(text) closes the current bar and opens a fresh one (its
+    count and clock start at zero); calling it reports progress to the current bar."""
+
+    def __init__(self) -> None:
+        self.current: Progress | None = None
+
+    def start(self, text: str) -> None:
+        self.close()
+        self.current = Progress(text)
+
+    def __call__(self, done: int, total: int) -> None:
+        if self.current is not None:
+            self.current(done, total)
+
+    def close(self) -> None:
+        if self.current is not None:
+            self.current.close()
+            self.current = None
+
+    def __enter__(self) -> Stages:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _gguf_path(model: str) -> Path | None:
+    """The GGUF file the source names, or None; a place this user may not read counts as none here
+    (loading it names the problem in one line)."""
+    try:
+        return gguf_of(model)
+    except (OSError, RuntimeError):
+        return None
+
+
+def command_dtype(model: str, dtype: str, engine: str, device: str = "cpu", dense: str | None = None) -> str:
+    """'auto' -> a GGUF as stored; else `dense` where given (the research commands: float32), else the
+    dtype this machine's probe found fastest for the model (see `layerplan probe`)."""
+    # (a GGUF's auto is GGUF_DEFAULT whatever the probe says: its name would cost a header read)
+    wanted = dtype == "auto" and dense is None and _gguf_path(model) is None
+    probe = load_probe(cache_dir(), model_depth(model)[1]) if wanted else None
+    return choose_dtype(dtype, engine, device, probe, source=model, dense=dense)
+
+
+def checked_probe_row(loaded):
+    """This machine's probe row for the loaded model, checked by one timed step and measured again
+    when it is off by more than 2x (probe.checked_model_row); None when none is cached, or when the
+    model is not all on the CPU, where the probe times its rows."""
+    if loaded.device.type != "cpu" or loaded.placement is not None:
+        return None
+    return checked_model_row(loaded, cache_dir(), on_note=lambda line: click.echo(line, err=True))
+
+
+def _device_map() -> str | None:
+    """The command's --device-map (device_option keeps it in the click context)."""
+    context = click.get_current_context(silent=True)
+    return context.meta.get(DEVICE_MAP_KEY) if context is not None else None
+
+
+def load(model: str, dtype: str, device: str = "cpu", engine: str = "auto", dense: str | None = None,
+          ctx_size: int = 0):
+    """The model at `dtype` ('auto': see command_dtype; `dense`: what 'auto' means for a model that is not
+    a GGUF run as stored); ctx_size: -c, a context shorter than the model's (0: its own)."""
+    dtype = command_dtype(model, dtype, engine, device, dense)
+    where = f"device map {_device_map()}" if _device_map() else device
+    gguf = _gguf_path(model) if dtype in BLOCK_PRECISIONS else None
+    first = (f"; its first use: indexed and packed for the kernels once, into {cache_dir()}"
+             if gguf is not None and not (index_folder(gguf) / TENSORS_FILE).exists() else "")
+    click.echo(f"loading {model} ({dtype}, {where}, engine {engine}{first})…", err=True)
+    resolve_device(device)  # a bad --device is the one line, before anything else is said
+    # (a device map spreads the weights over devices and disk: not all of them in memory)
+    sizes = dense_bytes(model, dtype) if dtype not in BLOCK_PRECISIONS and _device_map() is None else None
+    if sizes is not None:  # a GGUF dequantized whole: say what it costs before it starts
+        click.echo(f"dequantizing the GGUF to {dtype}: {sizes[0] / 1e9:.1f} GB of weights in memory (the file "
+                   f"stores them in {sizes[1] / 1e9:.1f} GB; --dtype auto runs them as stored)", err=True)
+    # a bar where the load takes seconds: a GGUF dequantized, or packed for the kernels at its first use
+    bar = Progress("dequantizing") if sizes is not None else Progress("packing for the kernels") if first else None
+    try:
+        loaded = load_model(model, dtype=dtype, device=device, engine=engine, device_map=_device_map(), on_tensor=bar)
+    finally:
+        if bar is not None:
+            bar.close()
+    loaded.limit_context(ctx_size)
+    if PROCESS_IS_THE_COMMAND:
+        freeze()
+    return loaded
+
+
+# set by run_as_process: this process runs one command and ends with it (see freeze)
+PROCESS_IS_THE_COMMAND = False
+
+
+def freeze() -> None:
+    """What the load made lives as long as this process: kept out of the collector's full
+    collections, which would walk its ~400k objects again (150-225 ms a time, mid-reply for
+    serve). Only where the process is the command (the console entry, or serve, which holds the
+    process until it ends): a frozen object is never freed, so a caller that runs commands
+    in-process (a test's CliRunner) would keep every model."""
+    gc.freeze()
+
+
+def attach(loaded, model_b: str | None, device: str = "cpu", engine: str = "auto"):
+    """Load --model-b at the first model's precision and make its layers available to plans as 'b:…'."""
+    if model_b:
+        click.echo(f"loading {model_b} as model b ({loaded.precision})…", err=True)
+        loaded.attach(load_model(model_b, dtype=loaded.precision, device=device, engine=engine,
+                                 device_map=_device_map()), "b")
+    return loaded
+
+
+model_b_option = click.option("--model-b", default=None,
+                              help="a second model of the same architecture and size; plans name its layers as b:8-23")
+
+
+def note(line: str) -> None:
+    """A line on stderr: what a command is doing, or leaves out."""
+    click.echo(line, err=True)
+
+
+def set_threads(threads: int | None) -> None:
+    if threads:
+        torch.set_num_threads(threads)
+
+
+model_option = click.option("--model", "-m", default=DEFAULT_MODEL, show_default=True, help=MODEL_HELP)
+_DTYPE_CHOICES = ["float32", "bfloat16", "float16", *BLOCK_PRECISIONS]
+_BLOCK_HELP = ("stored: a GGUF's weights in their block formats, float32 activations, exact products "
+               "(transformers' numbers); q8_0, q4_k, …: any model's matrices quantized to that block format at "
+               "load; -fast after either: integer products on int8-quantized activations, as llama.cpp computes")
+# the research commands (scan, ppl, explore, search, eval): a GGUF as stored, any other model in float32
+dtype_option = click.option("--dtype", default="auto", show_default=True, type=click.Choice(["auto", *_DTYPE_CHOICES]),
+                            help=f"auto: a GGUF as stored in llama.cpp's arithmetic (stored-fast), any other model "
+                                 f"in float32; {_BLOCK_HELP}")
+# export writes dense weights unless asked for a GGUF
+export_dtype_option = click.option("--dtype", default="float32", show_default=True, type=click.Choice(_DTYPE_CHOICES),
+                                   help=f"the checkpoint's weights; {_BLOCK_HELP}")
+DEVICE_MAP_KEY = "layerplan.device_map"
+_device_only = click.option("--device", default="cpu", show_default=True, help="cpu, cuda, cuda:1, …")
+_device_map_option = click.option(
+    "--device-map", metavar="auto|FILE", default=None, expose_value=False,
+    callback=lambda context, _, value: context.meta.__setitem__(DEVICE_MAP_KEY, value),
+    help="spread the decoder layers over GPUs, CPU memory and disk instead of --device: auto (accelerate's plan "
+         "for the free memory) or a JSON/YAML map of module -> cpu, disk, cuda:N (as accelerate writes it)")
+
+
+def device_option(command):
+    """--device, and --device-map beside it (read by load: every command that takes a device takes a map)."""
+    return _device_only(_device_map_option(command))
+engine_option = click.option("--engine", default="auto", show_default=True, type=click.Choice(list(ENGINES)),
+                             help="; ".join(f"{name}: {text}" for name, text in ENGINES.items()))
+auto_dtype_option = click.option("--dtype", default="auto", show_default=True, type=click.Choice(["auto", *_DTYPE_CHOICES]),
+                                 help="auto: a GGUF as stored in llama.cpp's arithmetic (stored-fast) where the "
+                                      "native kernels run, else the fastest here by `layerplan probe` (measured once "
+                                      f"per machine), else bfloat16 where it is fast, float32 elsewhere; {_BLOCK_HELP}")

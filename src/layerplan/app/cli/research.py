@@ -1,0 +1,452 @@
+"""The commands that study a model's layers: scan, ppl, explore, search, train-exit, tune."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+import torch
+
+from layerplan.app.bench import load_for_timing
+from layerplan.app.cli.common import (Output, Progress, Stages, attach, auto_dtype_option, checked_probe_row,
+                                      command_dtype, device_option, dtype_option, engine_option, given_text, load,
+                                      model_b_option, model_option, note, set_threads, user_errors)
+from layerplan.app.cli.measuring import frontier_line
+from layerplan.app.merges import export_commands, scan_blocks, study_merges, write_scan
+from layerplan.app.options import SEED, n_predict_option, threads_option
+from layerplan.app.prompts import PROMPTS, pick_prompts
+from layerplan.app.report import (exits_plot, explore_plot, frontier_plot, pareto_plot, scan_heatmap, search_trajectory,
+                                  skip_frequency_plot, tune_html)
+from layerplan.app.tune import tune as run_tune
+from layerplan.corpus import default_corpus, read_texts
+from layerplan.decoding.budget import token_budget
+from layerplan.decoding.drafters.heads import default_head_path, save_head, train_exit_head
+from layerplan.engine.load import load_model
+from layerplan.files import write_json_atomic
+from layerplan.machine import cpu_info
+from layerplan.models.loading import model_depth
+from layerplan.plan.formats import save_plan
+from layerplan.search.bayes import SAMPLERS, check_storage
+from layerplan.search.blocks import MergeSpace, parse_range, parse_repeats, parse_scales
+from layerplan.search.evaluate import PROTOCOLS, calibration_ids, perplexity, perplexity_in_chunks
+from layerplan.search.evaluate import compare as run_compare
+from layerplan.search.explore import explore as run_explore
+from layerplan.search.explore import recompute_rewind_grid
+from layerplan.search.measures import MEASURES, MeasureInputs, check_measures
+from layerplan.search.objectives import OBJECTIVES, objectives_help
+from layerplan.search.run import METHODS, run_search
+from layerplan.search.scan import save_cached_scan, scan as run_scan
+
+
+@click.command()
+@model_option
+@dtype_option
+@device_option
+@threads_option
+@click.option("--plan", "base_plan", default=None, help="base plan to scan (default: the full model)")
+@click.option("--tokens", type=click.IntRange(min=2), default=512, show_default=True, help="calibration tokens")
+@click.option("--text", type=click.Path(dir_okay=False), default=None, help="calibration text (.txt or .jsonl); default: built-in corpus")
+@click.option("--kinds", default="attention,mlp,layer", show_default=True, help="what to switch off in turn")
+@click.option("--exits", is_flag=True, help="scan every exit point instead (logit lens): writes exits.png")
+@click.option("--no-reuse", is_flag=True, help="recompute from the embeddings for every candidate (naive baseline)")
+@click.option("--out", type=Output("folder"), default="runs/scan", show_default=True, help="folder for scan.json and scan.png")
+def scan(model, dtype, device, threads, base_plan, tokens, text, kinds, exits, no_reuse, out) -> None:
+    """Skip each layer, attention and MLP in turn; report perplexity, KL and top-1 agreement."""
+    set_threads(threads)
+    with user_errors():
+        calibration = given_text(text)
+        loaded = load(model, dtype, device, dense="float32")
+        plan = loaded.plan(base_plan)
+        ids = calibration_ids(loaded, calibration, tokens)
+        with Progress("scan") as progress:
+            result = run_scan(loaded, ids, plan, kinds=["exit"] if exits else [k.strip() for k in kinds.split(",")],
+                              reuse=not no_reuse, on_progress=progress)
+    click.echo(result.table())
+    out_dir = Path(out)
+    if exits:
+        write_json_atomic(out_dir / "exits.json", result.to_dict())
+        exits_plot(result, out_dir / "exits.png")
+        click.echo(f"wrote {out_dir / 'exits.json'} and {out_dir / 'exits.png'}")
+        return
+    write_json_atomic(out_dir / "scan.json", result.to_dict())
+    scan_heatmap(result, out_dir / "scan.png")
+    with user_errors():
+        save_cached_scan(result)  # the copy `layerplan serve`'s page draws its plan builder from
+    least = ", ".join(item.label for item in result.ranked()[:6])
+    click.echo(f"\nbase perplexity {result.base_perplexity:.3f} on {result.tokens} tokens; "
+               f"{len(result.items)} candidates in {result.seconds:.1f}s ({'reuse' if result.reuse else 'naive'})")
+    click.echo(f"least harmful to skip: {least}")
+    click.echo(f"wrote {out_dir / 'scan.json'} and {out_dir / 'scan.png'}")
+
+
+@click.command()
+@model_option
+@dtype_option
+@device_option
+@threads_option
+@click.option("--plan", default=None, help="plan to evaluate (default: full model)")
+@model_b_option
+@click.option("--text", "-f", "--file", "text", type=click.Path(dir_okay=False), default=None,
+              help=".txt or .jsonl; default: built-in corpus (llama-perplexity's -f)")
+@click.option("--window", type=click.IntRange(min=1), default=512, show_default=True)
+@click.option("--stride", type=click.IntRange(min=1), default=256, show_default=True)
+@click.option("--max-tokens", type=click.IntRange(min=0), default=4096, show_default=True, help="score at most this many tokens per text (0: all)")
+@click.option("--compare/--no-compare", default=True, show_default=True,
+              help="also report KL and top-1 agreement against the full model")
+@click.option("--protocol", type=click.Choice(list(PROTOCOLS)), default="sliding", show_default=True,
+              help="; ".join(f"{name}: {text}" for name, text in PROTOCOLS.items()))
+def ppl(model, dtype, device, threads, plan, model_b, text, window, stride, max_tokens, compare, protocol) -> None:
+    """Perplexity of the model (under a plan) on a text: sliding windows, or llama-perplexity's chunks."""
+    set_threads(threads)
+    with user_errors():
+        texts = read_texts(text) if text else [default_corpus()]
+        loaded = attach(load(model, dtype, device, dense="float32"), model_b, device)
+        layer_plan = loaded.plan(plan)
+        token_ids = [loaded.tokenizer(t, return_tensors="pt").input_ids for t in texts]
+        if max_tokens:
+            token_ids = [ids[:, :max_tokens] for ids in token_ids]
+        with Progress("perplexity") as progress:
+            if protocol == "llama.cpp":  # one text, as llama-perplexity reads its file whole
+                result = perplexity_in_chunks(loaded, torch.cat(token_ids, 1), layer_plan, window,
+                                              on_progress=progress)
+            else:
+                result = perplexity(loaded, token_ids, layer_plan, window, stride, on_progress=progress)
+        report = result.to_dict()
+        if compare and not layer_plan.is_identity:
+            ids = torch.cat(token_ids, 1)[:, : min(window, 512)]
+            report["vs_full_model"] = run_compare(loaded, ids, layer_plan).to_dict()
+    click.echo(json.dumps(report, indent=2))
+
+
+@click.command(epilog="\b\nMeasures (--measure, --rank):\n" + "\n".join(f"  {m.name:<11} {m.help}"
+                                                                       for m in MEASURES.values()))
+@model_option
+@dtype_option
+@device_option
+@threads_option
+@click.option("--recompute", default="6,8,10,12", show_default=True, help="layers run before each rewind (list)")
+@click.option("--rewind", default="1,2,4,6", show_default=True, help="layers stepped back each time (list)")
+@click.option("--plan", "plans", multiple=True, help="extra plan(s) to evaluate alongside the grid")
+@click.option("--tokens", type=click.IntRange(min=2), default=None,
+              help="evaluation tokens of the corpus / --text (default: 512; 256 with --blocks or --search)")
+@click.option("--text", type=click.Path(dir_okay=False), default=None,
+              help=".txt or .jsonl: the grid's evaluation text; with --blocks / --search a perplexity measure on it")
+@click.option("--blocks", is_flag=True, help="scan every block i..j repeated after itself (0..j, i..j, j+1..N-1) "
+              "against the model, on --measure; writes blocks.json and a heatmap per measure")
+@click.option("--range", "layer_range", default=None, help="blocks inside these layers only, e.g. 4-25 (inclusive)")
+@click.option("--max-len", type=click.IntRange(min=1), default=None, help="blocks of at most this many layers")
+@click.option("--repeats", default="1", show_default=True,
+              help="extra passes of the block: 1, 2, or 1,2 for both (a heatmap each; --search: the most it may choose)")
+@click.option("--measure", "measures", multiple=True, type=click.Choice(list(MEASURES)),
+              help="repeatable; default: ppl and arithmetic (plus text with --text, file with --probe-file, task with --task)")
+@click.option("--rank", type=click.Choice(list(MEASURES)), default=None,
+              help="the measure that ranks blocks and that --search optimises (default: the first)")
+@click.option("--probe-file", type=click.Path(dir_okay=False), default=None,
+              help='your probe: JSONL records {"prompt": ..., "answer": ...}')
+@click.option("--probe-items", type=click.IntRange(min=1), default=24, show_default=True,
+              help="items per built-in probe (documents of --task)")
+@click.option("--task", default=None, help="a local lm-evaluation-harness task as a probe (loglikelihood, "
+              "generate_until or multiple_choice; pip install 'layerplan[eval]')")
+@click.option("--include-path", type=click.Path(exists=True, file_okay=False), default=None,
+              help="folder of your own lm-evaluation-harness task YAML files")
+@click.option("--seed", "-s", type=SEED, default=0, show_default=True,
+              help="built-in probe items, bootstrap and the study's sampler")
+@click.option("--limit", type=click.IntRange(min=1), default=None, help="scan only the first N blocks (a quick look)")
+@click.option("--no-reuse", is_flag=True, help="run every block from the embeddings (the naive baseline)")
+@click.option("--workers", type=click.IntRange(min=1), default=None,
+              help="--blocks: candidates scored at once, each on one thread, instead of every thread on one "
+              "candidate (default: torch's thread count; the scores are the same)")
+@click.option("--report", is_flag=True, help="also write report.html (heatmaps, top blocks, export commands)")
+@click.option("--search", "study", is_flag=True, help="an Optuna study over merge plans (block, repeats, residual "
+              "scale, --model-b) optimising --rank; resumes from its storage; exports the best")
+@click.option("--trials", type=click.IntRange(min=1), default=60, show_default=True, help="--search: finished trials in the study")
+@click.option("--scales", default="0.5-1.0", show_default=True,
+              help="--search: residual scale range of the repeated passes (one number fixes it)")
+@click.option("--sampler", type=click.Choice(list(SAMPLERS)), default="tpe", show_default=True)
+@click.option("--storage", default=None, help="--search: Optuna storage (default OUT/study.db; RDB URL or journal:PATH)")
+@click.option("--study", "study_name", default=None, help="--search: study name (default MODEL-merge-MEASURE)")
+@click.option("--export/--no-export", default=True, show_default=True,
+              help="--search: write the best plan as a checkpoint (OUT/best-merge/) besides mergekit YAML")
+@model_b_option
+@click.option("--out", type=Output("folder"), default="runs/explore", show_default=True)
+def explore(model, dtype, device, threads, recompute, rewind, plans, tokens, text, blocks, layer_range, max_len,
+            repeats, measures, rank, probe_file, probe_items, task, include_path, seed, limit, no_reuse, workers, report,
+            study, trials, scales, sampler, storage, study_name, export, model_b, out) -> None:
+    """Explore in-situ frankenmerges.
+
+    \b
+    Default: a grid of recompute/rewind layer orders, perplexity against added compute.
+    --blocks: every block i..j repeated after itself, scored on measures that say "better"
+    (perplexity, task probes) with bootstrap intervals; --search: an Optuna study over merges."""
+    set_threads(threads)
+    if blocks or study:
+        _explore_merges(model, dtype, device, blocks, layer_range, max_len, repeats, measures,
+                        rank, MeasureInputs(tokens or 256, text, probe_file, probe_items, seed, task, include_path),
+                        limit, no_reuse, workers, report, study, trials, scales, sampler, storage, study_name, export,
+                        model_b, Path(out))
+        return
+    with user_errors():
+        numbers = {}
+        for name, value in (("recompute", recompute), ("rewind", rewind)):
+            try:
+                numbers[name] = [int(v) for v in value.split(",") if v.strip()]
+            except ValueError:
+                raise ValueError(f"--{name} takes integers separated by commas, got '{value}'") from None
+        calibration = given_text(text)
+        loaded = load(model, dtype, device, dense="float32")
+        candidates = recompute_rewind_grid(loaded, numbers["recompute"], numbers["rewind"])
+        candidates += [loaded.plan(p) for p in plans]
+        ids = calibration_ids(loaded, calibration, tokens or 512)
+        with Progress("explore") as progress:
+            result = run_explore(loaded, ids, candidates, on_progress=progress)
+    click.echo(result.table())
+    out_dir = Path(out)
+    write_json_atomic(out_dir / "explore.json", result.to_dict())
+    explore_plot(result, out_dir / "explore.png")
+    best = result.best()
+    click.echo(f"\nfull model perplexity {result.base_perplexity:.3f}; best order {best.plan} "
+               f"({best.perplexity:.3f}, {best.added_compute:+.0%} compute)")
+    click.echo(f"wrote {out_dir / 'explore.json'} and {out_dir / 'explore.png'}")
+
+
+def _explore_merges(model, dtype, device, blocks, layer_range, max_len, repeats, measures, rank,
+                    inputs: MeasureInputs, limit, no_reuse, workers, report, study, trials, scales, sampler, storage,
+                    study_name, export, model_b, out_dir: Path) -> None:
+    """explore --blocks and/or --search (the scan's best blocks seed the study)."""
+    with user_errors():
+        names = list(dict.fromkeys(list(measures) or ["ppl", "arithmetic"]))
+        names += [extra for extra, given in (("text", inputs.text), ("file", inputs.probe_file), ("task", inputs.task))
+                  if given and extra not in names]
+        if rank is not None:
+            names = [rank] + [n for n in names if n != rank]
+        scale_range = parse_scales(scales)
+        if study:
+            check_storage(storage)
+        check_measures(names, inputs)  # bad input fails before the model loads
+        span = parse_range(layer_range, model_depth(model)[0])
+        counts = parse_repeats(repeats)
+        loaded = attach(load(model, dtype, device, dense="float32"), model_b, device)
+        best_blocks = []  # (start, end, repeats) of the scan's best: the study's first trials
+        if blocks:
+            with Stages() as stages:
+                def stage(line: str) -> None:
+                    click.echo(f"· {line}", err=True)
+                    stages.start(line.partition(":")[0])
+
+                result = scan_blocks(loaded, names, inputs, span, max_len, counts, limit, not no_reuse,
+                                     workers or torch.get_num_threads(), checkpoint=out_dir / "blocks.partial.json",
+                                     on_stage=stage, on_progress=stages)
+            click.echo(result.table(top=20))
+            written = write_scan(result, out_dir, model, report)
+            best = result.best()
+            sure = len(result.better())
+            resumed = f", {result.resumed} of them resumed" if result.resumed else ""
+            click.echo(f"\n{len(result.rows)} blocks in {result.seconds:.1f}s ({'shared prefix' if result.reuse else 'naive'}"
+                       f"{resumed});"
+                       f" best by {names[0]}: {best.plan} (change {best.score(names[0]).change:+.4g} "
+                       f"[{best.score(names[0]).change_low:+.4g}, {best.score(names[0]).change_high:+.4g}]); "
+                       f"{sure} block(s) better beyond the 95% interval")
+            for command in export_commands(best.plan, model):
+                click.echo(f"export it: {command}")
+            click.echo("wrote " + ", ".join(str(p) for p in written))
+            best_blocks = [(r.start, r.end, r.repeats) for r in result.ranked()[:3]]
+        if study:
+            import optuna  # deferred: heavy
+
+            optuna.logging.set_verbosity(optuna.logging.WARNING)  # a line per trial would hide the progress bar
+            space = MergeSpace(span, max_len or (span[1] - span[0] + 1), counts[-1], scale_range,
+                               ("", "b") if model_b else ("",))
+            seeds = [space.seed(*block) for block in best_blocks]
+            with Progress("study") as progress:
+                outcome = study_merges(loaded, names[0], inputs, space, trials, out_dir, model, storage, study_name,
+                                       sampler, inputs.seed, seeds, export, model_b, on_trial=progress)
+            found = outcome.study
+            click.echo(f"study '{found.study}': {len([t for t in found.trials if t.state == 'COMPLETE'])} finished "
+                       f"trials; {names[0]} of the model {outcome.base_value:.4g}, best {found.best_value:.4g} "
+                       f"with plan {found.best_plan}")
+            written = [p for p in (outcome.mergekit, outcome.checkpoint) if p] + [str(out_dir / "merge-study.json")]
+            if outcome.mergekit is None:
+                click.echo("no mergekit YAML: its scale filters cannot express this architecture's scaled updates "
+                           "(the checkpoint can)")
+            click.echo("wrote " + ", ".join(written))
+
+
+@click.command(epilog="\b\nObjectives:\n" + objectives_help())
+@model_option
+@dtype_option
+@threads_option
+@click.option("--method", type=click.Choice(list(METHODS)), default="both", show_default=True,
+              help="; ".join(f"{name}: {text}" for name, text in METHODS.items()))
+@click.option("--objective", type=click.Choice(list(OBJECTIVES)), default="speedup", show_default=True,
+              help="what to optimise (see below)")
+@click.option("--multi", is_flag=True, help="optimise the objective and the plan's cost together (Pareto front)")
+@click.option("--trials", type=click.IntRange(min=1), default=100, show_default=True, help="finished trials in the study, all workers together")
+@click.option("--budget", type=click.IntRange(min=1), default=None, help="greedy: sub-layers (or layers) to switch; default 20")
+@click.option("--max-cost-cut", type=click.FloatRange(0.0, 1.0, min_open=True), default=None,
+              help="greedy: stop once this fraction of the model's sub-layers is switched off (e.g. 0.3)")
+@click.option("--granularity", type=click.Choice(["sublayer", "layer"]), default="sublayer", show_default=True)
+@click.option("--mode", type=click.Choice(["forward", "anti"]), default="forward", show_default=True,
+              help="greedy: skip the least harmful (forward) or start skipped and add back the most useful (anti)")
+@click.option("--sampler", type=click.Choice(list(SAMPLERS)), default="tpe", show_default=True,
+              help="; ".join(f"{name}: {sampler.help}" for name, sampler in SAMPLERS.items()))
+@click.option("--storage", default=None, help="Optuna storage: SQLite path (default OUT/study.db), any RDB URL "
+              "(postgresql://user@host/db), or journal:PATH")
+@click.option("--study", "study_name", default=None, help="study name (default: MODEL-OBJECTIVE); share it across machines")
+@click.option("--storage-patience", type=click.FloatRange(min=0), default=600, show_default=True, metavar="SECONDS",
+              help="how long a worker waits for an unreachable database server (retrying) before it gives up")
+@click.option("--tokens", type=click.IntRange(min=2), default=512, show_default=True, help="calibration tokens")
+@click.option("--text", type=click.Path(dir_okay=False), default=None, help="calibration text (.txt/.jsonl)")
+@click.option("--allow-ends", is_flag=True, help="allow skipping the first and last layers")
+@click.option("--save-draft/--no-save-draft", default=None,
+              help="save the best plan for `--draft auto` (default: for "
+                   f"{'/'.join(name for name, o in OBJECTIVES.items() if o.drafts)})")
+@click.option("--seed", "-s", type=SEED, default=None,
+              help="makes the study's sampler seeds reproducible (each worker still gets its own); default: fresh")
+@click.option("--out", type=Output("folder"), default="runs/search", show_default=True)
+def search(model, dtype, threads, method, objective, multi, trials, budget, max_cost_cut, granularity, mode, sampler,
+           storage, study_name, storage_patience, tokens, text, allow_ends, save_draft, seed, out) -> None:
+    """Find a good plan: greedy skipping and/or a Bayesian (Optuna) study; resumable, shareable.
+
+    \b
+    Interrupt it (Ctrl-C, kill) and run the same command again: it resumes from its storage.
+    Run the same command with the same --storage URL and --study name on several machines and
+    they share one study; a worker rides out a database restart (--storage-patience), and
+    SIGTERM or Ctrl-C fails its running trial so that the study asks that plan again."""
+    set_threads(threads)
+    out_dir = Path(out)
+    with user_errors():
+        if method != "greedy":
+            check_storage(storage)
+        calibration = given_text(text)
+        loaded = load(model, dtype, dense="float32")
+        ids = calibration_ids(loaded, calibration, tokens)
+        prompts = [loaded.encode(p) for p in PROMPTS.values()] if OBJECTIVES[objective].needs_prompts else None
+        if method != "greedy":
+            import optuna  # deferred: heavy
+
+            optuna.logging.set_verbosity(optuna.logging.WARNING)  # a line per trial would hide the progress bar
+        probe_row = checked_probe_row(loaded) if prompts is not None else None  # timed decoding's verify costs
+        with Stages() as stages:
+            result = run_search(loaded, ids, objective, method, multi, trials, budget, max_cost_cut, granularity, mode,
+                                sampler, storage, study_name, allow_ends, seed, prompts, out_dir,
+                                on_stage=stages.start, on_progress=stages, probe_row=probe_row, save_draft=save_draft,
+                                storage_patience=storage_patience)
+        direction = OBJECTIVES[objective].direction
+        if result.greedy is not None:
+            greedy = result.greedy
+            if greedy.steps:
+                search_trajectory([step.value for step in greedy.steps], direction,
+                                  f"{objective} after each greedy step", out_dir / "greedy.png")
+            click.echo(f"greedy: {len(greedy.steps)} steps, {greedy.evaluations} evaluations; plan {greedy.best_plan}")
+        if result.study is not None:
+            study = result.study
+            ranked = study.ranked()
+            search_trajectory([t.values[0] for t in study.trials if t.state == "COMPLETE"], direction, objective,
+                              out_dir / "trajectory.png")
+            if multi:
+                pareto_plot([(t.values[0], t.values[1]) for t in ranked],
+                            [(t.values[0], t.values[1]) for t in study.pareto], objective, out_dir / "pareto.png")
+            top = [loaded.plan(t.plan) for t in ranked[: max(1, len(ranked) // 10)] if t.plan]
+            if top:
+                skip_frequency_plot(top, loaded.num_layers, out_dir / "skip-frequency.png")
+            if study.stale_failed:
+                click.echo(f"marked failed: trial(s) {', '.join(map(str, study.stale_failed))} of workers that died",
+                           err=True)
+            click.echo(f"study '{study.study}': {len(ranked)} finished trials; best {objective} {study.best_value} "
+                       f"with plan {study.best_plan}")
+        best_plan = result.best_plan
+        save_plan(best_plan, out_dir / "best_plan.json")
+        write_json_atomic(out_dir / "search.json", {"model": model, **result.to_dict()})
+        if result.saved_draft is not None:
+            click.echo(f"saved for --draft auto: {result.saved_draft}")
+        elif save_draft if save_draft is not None else OBJECTIVES[objective].drafts:
+            click.echo("no skip plan beats the full model here: nothing saved for --draft auto (it uses n-gram)")
+    click.echo(f"best plan: {best_plan}  (agreement {result.best.top1_agreement:.3f}, KL {result.best.kl:.4f})")
+    click.echo(f"wrote {out_dir / 'best_plan.json'}, {out_dir / 'search.json'} and plots in {out_dir}")
+
+
+@click.command("train-exit")
+@click.option("--exit", "exits", multiple=True, type=int, required=True, help="exit after this many steps (repeatable)")
+@model_option
+@threads_option
+@click.option("--tokens", type=click.IntRange(min=2), default=2560, show_default=True, help="training + held-out tokens (built-in corpus unless --text)")
+@click.option("--text", default=None, help=".txt or .jsonl, or builtin:code (standard-library Python source)")
+@click.option("--steps", type=click.IntRange(min=1), default=150, show_default=True, help="optimiser steps (batches of 256 positions)")
+@click.option("--out", type=Output("file"), default=None,
+              help="where to save (default: the cache, where --draft exit:E+head finds it)")
+def train_exit(exits, model, threads, tokens, text, steps, out) -> None:
+    """Train light exit heads by self-distillation; use them with --draft exit:E+head."""
+    set_threads(threads)
+    with user_errors():
+        if out and len(exits) > 1:
+            raise ValueError("--out names one file: give one --exit with it")
+        calibration = given_text(text)
+        loaded = load(model, "float32")
+        ids = calibration_ids(loaded, calibration, tokens)
+        rows = tokens // 512 if tokens % 512 == 0 else 1
+        ids = ids.reshape(rows, -1)
+        for exit in exits:
+            with Progress(f"exit {exit}") as progress:
+                head, report = train_exit_head(loaded, ids, exit, steps=steps, on_progress=progress)
+            path = save_head(head, out or default_head_path(loaded, exit), loaded, report)
+            click.echo(f"exit {exit}: held-out top-1 agreement {report.agreement_before:.3f} -> {report.agreement_after:.3f}, "
+                       f"KL {report.kl_before:.3f} -> {report.kl_after:.3f} ({report.seconds:.0f}s); saved {path}")
+
+
+@click.command()
+@model_option
+@auto_dtype_option
+@engine_option
+@threads_option
+@click.option("--tokens", type=click.IntRange(min=2), default=256, show_default=True, help="calibration tokens for the scan and search")
+@click.option("--steps", type=click.IntRange(min=1), default=8, show_default=True, help="greedy search steps")
+@click.option("--repeats", type=click.IntRange(min=1), default=3, show_default=True, help="timings per method and prompt")
+@n_predict_option(48, help="new tokens a prompt", dest="new_tokens")
+@click.option("--prompt", "prompt_names", multiple=True, help="built-in prompts to tune on (default: code, summary)")
+@click.option("--out", type=Output("folder"), default="runs/tune", show_default=True)
+def tune(model, dtype, engine, threads, tokens, steps, repeats, new_tokens, prompt_names, out) -> None:
+    """The whole job: scan, search a draft, benchmark against plain decoding and transformers,
+    check exactness, save the plan, write report.html and report.json."""
+    set_threads(threads)
+    out_dir = Path(out)
+    with user_errors():
+        prompts = pick_prompts(prompt_names)
+        stock, fast = load_for_timing(model, command_dtype(model, dtype, engine), engine, on_note=note)
+        token_budget(1, new_tokens, fast.context_length, new_tokens_name="--new-tokens")  # before any decoding
+        click.echo(cpu_info().line(), err=True)
+
+        def stage(text: str) -> None:  # "scan: every attention and MLP..." -> a line, and a bar named "scan"
+            click.echo(f"· {text}", err=True)
+            stages.start(text.partition(":")[0])
+
+        def exact_model():  # transformers' float32 copy serves the float32 check: no second copy beside it
+            return stock if stock.dtype == torch.float32 else load_model(model, dtype="float32", engine=engine)
+
+        with Stages() as stages:
+            result = run_tune(fast, exact_model, prompts, tokens, steps, repeats,
+                              new_tokens, stock=stock, on_stage=stage, on_progress=stages,
+                              probe_row=checked_probe_row(fast))
+    scan_heatmap(result.scan, out_dir / "scan.png")
+    if result.greedy.steps:
+        search_trajectory([s.value for s in result.greedy.steps], "maximize", "predicted speedup",
+                          out_dir / "search.png")
+    if result.frontier is not None:
+        frontier_plot(result.frontier, out_dir / "frontier.png")
+    write_json_atomic(out_dir / "report.json", result.to_dict())
+    tune_html(result, {"Damage from skipping each sub-layer": out_dir / "scan.png",
+                       "Greedy search for a faster draft": out_dir / "search.png",
+                       "The draft frontier: acceptance against cost, and where a draft pays": out_dir / "frontier.png"},
+              out_dir / "report.html")
+    best = result.best
+    click.echo(f"\nbest draft: {best.draft}: {best.speedup_median:.2f}x transformers' plain greedy "
+               f"(range {best.speedup_min:.2f}-{best.speedup_max:.2f}x over prompts); "
+               f"identical to plain greedy in float32: {'yes' if best.same_as_plain_fp32 else 'NO'}")
+    click.echo(f"searched skip plan: {result.saved_plan or 'none pays on this model (lookup drafting does)'}")
+    if result.frontier is not None:
+        click.echo(frontier_line(result.frontier))
+    click.echo(f"use it: {result.command()}")
+    click.echo(f"wrote {out_dir / 'report.html'} and {out_dir / 'report.json'}")
+
+
+COMMANDS = (scan, ppl, explore, search, train_exit, tune)  # registered on main (the package's __init__)

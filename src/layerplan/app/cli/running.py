@@ -1,0 +1,338 @@
+"""The commands that run a model: generate, chat, serve, eval, export, plan."""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import re
+
+import click
+import torch
+
+from layerplan.app.cli.common import (DRAFT_LENGTH_HELP, MODEL_HELP, Output, attach, auto_dtype_option,
+                                      checked_probe_row, device_option, dtype_option, engine_option,
+                                      export_dtype_option, freeze, load, model_b_option, model_option, set_threads,
+                                      user_errors)
+from layerplan.app.options import ctx_size_option, n_predict_option, sampling_options, threads_option
+from layerplan.app.prompts import PromptUsageError, generate_prompt_file, one_prompt, read_prompt_file
+from layerplan.decoding.budget import token_budget
+from layerplan.decoding.draft_length import DRAFT_LENGTHS
+from layerplan.decoding.drafters.registry import drafter_help
+from layerplan.decoding.generate import generate as run_generate
+from layerplan.decoding.output import prompt_ids
+from layerplan.decoding.sampling import SamplingParams
+from layerplan.engine.load import STORED
+from layerplan.export import export_checkpoint, export_gguf
+from layerplan.files import check_output, write_json_atomic, write_text_atomic
+from layerplan.machine import read_cpuinfo
+from layerplan.models.loading import DEFAULT_MODEL, gguf_of, model_depth
+from layerplan.plan.formats import FORMATS, load_plan, to_mergekit
+from layerplan.plan.plan import MAX_STEPS
+from layerplan.search.probes import task_manager
+
+
+@click.command()
+@click.argument("prompt", required=False)
+@click.option("--prompt", "-p", "prompt_option", default=None, metavar="TEXT",
+              help="the prompt (as the first argument; llama.cpp's -p)")
+@click.option("--file", "-f", "prompt_path", type=click.Path(dir_okay=False), default=None,
+              help="read the prompt from this file (its whole text; llama.cpp's -f)")
+@model_option
+@auto_dtype_option
+@device_option
+@engine_option
+@threads_option
+@n_predict_option(128, low=0, help="at most this many new tokens (prompt and new tokens fit the context)")
+@ctx_size_option
+@sampling_options
+@click.option("--plan", default=None, help="run the model by this plan (lossy unless it is the full model)")
+@model_b_option
+@click.option("--stop", multiple=True, help="stop string (repeatable)")
+@click.option("--chat/--no-chat", default=False, help="wrap the prompt in the model's chat template")
+@click.option("--stream/--no-stream", default=True, show_default=True)
+@click.option("--draft", default=None, help="lossless speculative decoding with this drafter: " + drafter_help())
+@click.option("--draft-length", default=None, type=click.Choice(list(DRAFT_LENGTHS)), help=DRAFT_LENGTH_HELP)
+@click.option("--model-draft", "-md", "--draft-model", "draft_model", type=click.Path(), default=None,
+              help="a smaller model of the same vocabulary as the draft (llama.cpp's -md; --draft model:PATH)")
+@click.option("--draft-confidence", type=click.FloatRange(0.0, 1.0), default=0.0, show_default=True,
+              help="a drafter that runs a model (a layer plan, exit, window, dynamic exit or model:PATH) stops "
+                   "a round when its top-1 probability falls below this; n-gram lookup ignores it")
+@click.option("--exit-policy", default=None,
+              help="lossy dynamic early exit per token: confidence=P | entropy=H | cosine=C, then min=N, every=K, "
+                   "vocab=K (as a lossless draft: --draft dynamic:POLICY)")
+@click.option("--stats", is_flag=True, help="after the text, a summary on stderr: prompt and new tokens with their "
+                                            "rates, the draft's acceptance, plan, dtype, threads, CPU")
+@click.option("--verbose", "-v", is_flag=True, help="the same summary as --stats")
+@click.option("--json", "as_json", is_flag=True,
+              help="the run's statistics as one JSON object on stderr (every field, for scripts)")
+@click.option("--prompt-file", type=click.Path(dir_okay=False), default=None,
+              help="generate for every prompt of this file (.jsonl records or one prompt a line), up to "
+                   "--max-batch at once (continuous batching); one JSON line a prompt on stdout")
+@click.option("--max-batch", type=click.IntRange(1, 64), default=8, show_default=True,
+              help="with --prompt-file: prompts decoded at once")
+def generate(prompt, prompt_option, prompt_path, model, dtype, device, engine, threads, max_new_tokens, ctx_size,
+             temperature, top_k, top_p, min_p, repetition_penalty, seed, plan, model_b, stop, chat, stream, draft,
+             draft_length, draft_model, draft_confidence, exit_policy, stats, verbose, as_json, prompt_file,
+             max_batch) -> None:
+    """Generate a continuation of PROMPT (or -p TEXT, -f FILE), or of every prompt of --prompt-file."""
+    set_threads(threads)
+    with user_errors():
+        params = SamplingParams(temperature, top_k, top_p, repetition_penalty, min_p)  # refused before the model loads
+        try:
+            prompt = one_prompt(prompt, prompt_option, prompt_path)
+        except PromptUsageError as error:
+            raise click.UsageError(str(error)) from None
+        if draft_model:
+            if draft:
+                raise ValueError("give either --draft or -md/--model-draft, not both")
+            draft = f"model:{draft_model}"
+        if (prompt is None) == (prompt_file is None):
+            raise click.UsageError("give a PROMPT (or -p TEXT, -f FILE) or --prompt-file FILE (one of them)")
+        if prompt_file is not None:
+            if exit_policy or model_b:
+                raise ValueError("--prompt-file decodes plainly or with a lookup draft; --exit-policy and "
+                                 "--model-b run one prompt at a time")
+            prompts, chat_names = read_prompt_file(prompt_file)
+            loaded = load(model, dtype, device, engine, ctx_size=ctx_size)
+            for record in generate_prompt_file(loaded, loaded.plan(plan), prompts,
+                                               chat_names | (set(prompts) if chat else set()), max_new_tokens,
+                                               params, seed, stop, draft, draft_length, max_batch):
+                click.echo(json.dumps(record))
+            return
+        loaded = load(model, dtype, device, engine, ctx_size=ctx_size)
+        loaded = attach(loaded, model_b, device, engine)
+        layer_plan = loaded.plan(plan)
+        ids = prompt_ids(loaded, prompt, chat)  # the server's context check, before any decoding
+        token_budget(ids.shape[1], max_new_tokens, loaded.context_length, new_tokens_name="--max-new-tokens")
+        on_text = (lambda piece: click.echo(piece, nl=False)) if stream else None
+        result = run_generate(loaded, ids, layer_plan, max_new_tokens, params, seed, stop,
+                              chat=chat, on_text=on_text, draft=draft, draft_length=draft_length,
+                              draft_confidence=draft_confidence, exit_policy=exit_policy,
+                              probe_row=checked_probe_row(loaded))
+    click.echo("" if stream else result.text)
+    if not result.text.strip() and not chat and max_new_tokens > 0:
+        click.echo(f"(no text generated, stop reason: {result.stop_reason}; an instruction-tuned model may answer "
+                   "a bare prompt only when it is wrapped in its chat template: add --chat)", err=True)
+    if stats or verbose:
+        cpu = read_cpuinfo()[0] or "unknown CPU"
+        for line in result.summary_lines(loaded.precision, torch.get_num_threads(), cpu):
+            click.echo(line, err=True)
+    if as_json:
+        summary = {k: v for k, v in result.to_dict().items() if k not in ("text", "token_ids")}
+        click.echo(json.dumps(summary, indent=2), err=True)
+
+
+@click.command()
+@click.argument("plan")
+@model_option
+@export_dtype_option
+@click.option("--out", type=click.Path(), required=True, help="folder (checkpoint) or .yaml file (mergekit)")
+@click.option("--to", "fmt", type=click.Choice(["checkpoint", "gguf", "mergekit"]), default="checkpoint", show_default=True,
+              help="checkpoint: a Hugging Face folder; gguf: a GGUF file whose tensors keep the source GGUF's stored "
+                   "types (no quantizing again); mergekit: passthrough YAML")
+@click.option("--source", default=None, help="model name written into mergekit YAML (default: --model)")
+@model_b_option
+def export(plan, model, dtype, out, fmt, source, model_b) -> None:
+    """Write PLAN as a real Hugging Face checkpoint, or as mergekit passthrough YAML.
+
+    \b
+    The checkpoint loads in transformers (and converts for llama.cpp / vLLM) like any model;
+    a plan with fewer layers is a pruned model usable as a standalone draft model."""
+    with user_errors():
+        check_output(out, "checkpoint" if fmt == "checkpoint" else "file")  # before any work
+        if fmt == "gguf":
+            loaded = load(model, STORED if gguf_of(model) is not None else dtype)
+            if model_b:
+                raise click.UsageError("--to gguf writes one model's layers; a plan over two models exports --to checkpoint")
+            path = export_gguf(loaded, loaded.plan(plan), out)
+            click.echo(f"wrote {path} ({len(loaded.plan(plan).active_steps)} layers, the source's stored types)")
+            return
+        if fmt == "mergekit":
+            depth, name = model_depth(model)
+            text = to_mergekit(load_plan(plan, depth, name), source or model, dtype,
+                               {"b": model_b} if model_b else None)
+            write_text_atomic(out, text)
+        else:
+            loaded = attach(load(model, dtype), model_b)
+            folder = export_checkpoint(loaded, loaded.plan(plan), out)
+            click.echo(f"wrote {folder} ({len(loaded.plan(plan).active_steps)} layers)")
+            return
+    click.echo(f"wrote {out}")
+
+
+@click.command("plan")
+@click.argument("plan")
+@click.option("--model", "-m", default=DEFAULT_MODEL, show_default=True, help=MODEL_HELP)
+@click.option("--layers", type=click.IntRange(1, MAX_STEPS), default=None, help="model depth instead of reading --model")
+@click.option("--to", "fmt", type=click.Choice(list(FORMATS)), default="string", show_default=True,
+              help="; ".join(f"{f.name}: {f.help}" for f in FORMATS.values()))
+@click.option("--out", type=Output("file"), default=None, help="write to this file (atomically)")
+def plan_command(plan, model, layers, fmt, out) -> None:
+    """Validate PLAN (string or file) and print it in another format."""
+    with user_errors():
+        depth, name = (layers, "the model") if layers is not None else model_depth(model)
+        text = FORMATS[fmt].dump(load_plan(plan, depth, name), model)
+    if out:
+        write_text_atomic(out, text + "\n")
+        click.echo(f"wrote {out}", err=True)
+    else:
+        click.echo(text)
+
+
+@click.command("eval")
+@click.option("--tasks", required=True, help="lm-evaluation-harness task names, comma-separated")
+@model_option
+@dtype_option
+@device_option
+@engine_option
+@threads_option
+@click.option("--plan", default=None, help="evaluate the model run by this plan")
+@click.option("--draft", default=None, help="drafter for generate_until tasks (same output, faster)")
+@click.option("--include-path", type=click.Path(exists=True, file_okay=False), default=None,
+              help="folder of your own task YAML files")
+@click.option("--limit", type=click.FloatRange(0.0, min_open=True), default=None, help="documents per task (or a fraction)")
+@click.option("--num-fewshot", type=click.IntRange(min=0), default=None)
+@click.option("--out", type=Output("file"), default="runs/eval.json", show_default=True)
+def eval_command(tasks, model, dtype, device, engine, threads, plan, draft, include_path, limit, num_fewshot, out) -> None:
+    """Evaluate the model under a plan with lm-evaluation-harness (pip install 'layerplan[eval]').
+    Tasks whose data is not on disk are downloaded by lm_eval itself."""
+    set_threads(threads)
+    with user_errors():
+        try:
+            import lm_eval
+            from lm_eval.utils import make_table
+        except ImportError:
+            raise ValueError("lm-evaluation-harness is not installed: pip install 'layerplan[eval]'") from None
+        from layerplan.app.integrations.harness import LayerplanLM
+
+        names = [t.strip() for t in tasks.split(",") if t.strip()]
+        manager = task_manager(names, include_path)  # unknown tasks are refused before the model loads
+        lm = LayerplanLM(pretrained=load(model, dtype, device, engine, dense="float32"), plan=plan, draft=draft)
+        result = lm_eval.simple_evaluate(model=lm, tasks=names, task_manager=manager, limit=limit,
+                                         num_fewshot=num_fewshot)
+    click.echo(make_table(result))
+    summary = {"model": model, "plan": lm.plan.to_string(), "results": result["results"],
+               "config": {k: v for k, v in result.get("config", {}).items() if isinstance(v, (str, int, float, type(None)))}}
+    write_json_atomic(out, summary)
+    click.echo(f"wrote {out}")
+
+
+def _check_host(host: str) -> None:
+    """A usage error for a --host that is no IP address and no host name (999.1.1.1, a space);
+    whether a name is this machine's is known when the server binds it."""
+    try:
+        ipaddress.ip_address(host)
+        return
+    except ValueError:
+        pass
+    if re.fullmatch(r"[0-9.]+", host) or ":" in host:
+        raise click.BadParameter(f"{host} is not an IP address (e.g. 127.0.0.1, 0.0.0.0 or ::1)",
+                                 param_hint="'--host'")
+    label = r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
+    if len(host) > 253 or not re.fullmatch(rf"{label}(\.{label})*\.?", host):
+        raise click.BadParameter(f"{host!r} is not a host name or IP address (e.g. localhost, 127.0.0.1)",
+                                 param_hint="'--host'")
+
+
+@click.command()
+@model_option
+@auto_dtype_option
+@device_option
+@engine_option
+@threads_option
+@click.option("--plan", default=None, help="serve the model run by this plan (lossy unless it is the full model)")
+@click.option("--draft", default=None, help="lossless speculative decoding with this drafter (as in generate)")
+@click.option("--draft-length", default=None, type=click.Choice(list(DRAFT_LENGTHS)), help=DRAFT_LENGTH_HELP)
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", type=click.IntRange(0, 65535), default=8080, show_default=True, help="as llama-server's")
+@click.option("--api-key", envvar="LAYERPLAN_API_KEY", default=None,
+              help="require 'Authorization: Bearer KEY' on /v1/* (or set LAYERPLAN_API_KEY); not empty")
+@click.option("--alias", "-a", "--served-name", "served_name", default=None,
+              help="the model id clients send (default: the model's name)")
+@ctx_size_option
+@click.option("--parallel", "-np", "--max-batch", "max_batch", type=click.IntRange(1, 64), default=None,
+              help="requests decoded at once, each pass carrying a token of each (continuous batching; "
+                   "with a --draft that runs a model, one request at a time); default: the fewest whose pass "
+                   "reaches 90% of the best tokens/s in this machine's probe of the model (`layerplan probe`), "
+                   "8 without one")
+def serve(model, dtype, device, engine, threads, plan, draft, draft_length, host, port, api_key, served_name,
+          ctx_size, max_batch) -> None:
+    """OpenAI-compatible HTTP server: /v1/completions, /v1/chat/completions (SSE streaming),
+    /v1/models, /health, and a web playground at /. Up to --parallel requests decode at once, in
+    arrival order (continuous batching: each pass carries the next token of every one; a request's
+    tokens are those of its solo run); /health shows the batch."""
+    # deferred: the web stack is heavy
+    from layerplan.app.serve import DEFAULT_MAX_BATCH, ListenError, serve as run_server
+
+    set_threads(threads)
+    if api_key is not None and not api_key.strip():
+        raise click.BadParameter("an empty key would switch authentication off: give a key, or leave --api-key "
+                                 "and LAYERPLAN_API_KEY out to serve without one", param_hint="'--api-key'")
+    _check_host(host)
+    with user_errors():  # a bad plan or draft fails here, before the server starts
+        loaded = load(model, dtype, device, engine, ctx_size=ctx_size)
+        probe_row = checked_probe_row(loaded)
+        batch_source = "--parallel"
+        if max_batch is None:  # the fewest requests a pass carries near its best rate here
+            max_batch = probe_row.fullest_pass() if probe_row is not None else DEFAULT_MAX_BATCH
+            batch_source = "this machine's probe" if probe_row is not None else "no probe cached"
+
+        def listening(bound_host: str, bound_port: int, at_once: int) -> None:
+            freeze()  # bound and serving: this process is the server now, however it was started
+            batch = (f"up to {at_once} requests at once, {batch_source}" if at_once > 1 or max_batch == 1
+                     else "one request at a time: its draft runs a model")
+            click.echo(f"serving '{served_name or loaded.name}' on http://{bound_host}:{bound_port}/v1 "
+                       f"(draft: {draft or 'none'}; {batch}), the playground on http://{bound_host}:{bound_port}/; "
+                       "Ctrl-C stops", err=True)
+
+        try:
+            run_server(loaded, host, port, on_listening=listening, plan=loaded.plan(plan) if plan else None,
+                       draft=draft, draft_length=draft_length, api_key=api_key, served_name=served_name,
+                       probe_row=probe_row, max_batch=max_batch)
+        except ListenError as error:
+            raise click.ClickException(str(error)) from None
+
+
+@click.command()
+@model_option
+@auto_dtype_option
+@device_option
+@engine_option
+@threads_option
+@click.option("--plan", default=None, help="run the model by this plan (default: the full model; /plan switches)")
+@click.option("--draft", default=None, help="lossless speculative decoding with this drafter, as in generate "
+                                           "(/draft switches)")
+@ctx_size_option
+@sampling_options
+@n_predict_option(256, help="at most this many tokens a reply (within the context)")
+@click.option("--system", "-sys", "--system-prompt", "system", default=None,
+              help="a system message before the conversation (/system)")
+@click.option("--load", "load_file", type=click.Path(dir_okay=False), default=None,
+              help="resume a conversation /save wrote (options given here override its settings)")
+def chat(model, dtype, device, engine, threads, plan, draft, ctx_size, temperature, top_k, top_p, min_p,
+         repetition_penalty, seed, max_new_tokens, system, load_file) -> None:
+    """A multi-turn conversation in the model's chat template, streamed; /help lists the commands.
+    From a pipe: a line a message or command, replies on stdout, the rest on stderr."""
+    from layerplan.app.chat import ChatSession, ChatSettings, read_saved, run_chat
+
+    set_threads(threads)
+    options = dict(plan=plan, draft=draft, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                   repetition_penalty=repetition_penalty, seed=seed, max_new_tokens=max_new_tokens, system=system)
+    context = click.get_current_context()
+    with user_errors():
+        if load_file:  # the file's settings, but for the options named on the command line
+            given = {k: v for k, v in options.items()
+                     if context.get_parameter_source(k) is click.core.ParameterSource.COMMANDLINE}
+            saved = read_saved(load_file, given)
+            settings, messages = saved.settings, saved.messages
+        else:
+            settings, messages = ChatSettings(**{**options, "plan": plan or "full"}), []
+        loaded = load(model, dtype, device, engine, ctx_size=ctx_size)
+        if load_file and saved.model != loaded.name:
+            click.echo(f"{load_file} was saved with {saved.model or 'an unnamed model'}; resuming with {loaded.name}",
+                       err=True)
+        session = ChatSession(loaded, settings, messages, probe_row=checked_probe_row(loaded))
+    return run_chat(session, guard=user_errors)
+
+
+COMMANDS = (generate, export, plan_command, eval_command, serve, chat)  # registered on main (the package's __init__)
