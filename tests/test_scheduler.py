@@ -6,12 +6,14 @@ owns decodes one job at a time."""
 import threading
 
 import pytest
+import torch
 
 from layerplan.decoding.generate import generate
 from layerplan.decoding.sampling import SamplingParams
 from layerplan.decoding.scheduler import Job, Scheduler
 from layerplan.engine.executors import use_native
 from layerplan.engine.kernel_library import native_available
+from layerplan.engine.runner import forward, new_cache
 from tiny import tiny_model
 
 native = pytest.mark.skipif(native_available() is not None, reason=str(native_available()))
@@ -89,3 +91,19 @@ def test_a_model_drafter_the_scheduler_owns_decodes_one_job_at_a_time(model):
     thread.join(timeout=10)
     assert not thread.is_alive()
     assert isinstance(thread, threading.Thread)
+
+
+@native
+@pytest.mark.parametrize("max_batch", [1, 2])
+def test_a_job_whose_cache_holds_its_first_tokens_prefills_from_there(model, max_batch):
+    """(layerplan chat: a reply's earlier turns stay in its cache.) The tokens are a fresh run's."""
+    prompt = PROMPTS[2]
+    cache = new_cache(model.plan(), capacity=64)
+    forward(model, torch.tensor([prompt[:4]]), model.plan(), cache, 0)
+    scheduler = Scheduler(model, max_batch=max_batch)
+    other = scheduler.submit(_job(PROMPTS[0], tokens=10))
+    kept = scheduler.submit(_job(prompt, cache=cache))
+    scheduler.run(until_idle=True)
+    assert kept.result().token_ids == generate(model, prompt, max_new_tokens=6, stop_at_eos=False).token_ids
+    assert other.result().token_ids == generate(model, PROMPTS[0], max_new_tokens=10, stop_at_eos=False).token_ids
+    assert cache.length == len(prompt) + 6 - 1  # written on: the last token chosen, not yet run

@@ -29,11 +29,10 @@ from typing import TextIO
 import click
 
 from layerplan.decoding.drafters.registry import make_drafter
-from layerplan.decoding.generate import Decoding
 from layerplan.decoding.output import chat_prompt_ids
-from layerplan.decoding.text import common_prefix
+from layerplan.decoding.scheduler import Job, Scheduler
+from layerplan.decoding.text import GenerationResult, common_prefix
 from layerplan.decoding.sampling import SamplingParams, check_seed
-from layerplan.decoding.speculative import SpeculativeDecoding
 from layerplan.engine.cache import KVCache
 from layerplan.engine.probe import ProbeRow
 from layerplan.engine.runner import Resume, new_cache, run_hidden
@@ -317,19 +316,16 @@ class ChatSession:
         if cache is None:
             cache = new_cache(self.plan, capacity=len(ids) + budget + 16)
             cache.keep_streams(self.plan, self._stream_steps(self.plan))
-        if self.drafter is not None:
-            decoding = SpeculativeDecoding(self.model, ids, self.drafter, self.plan, budget, sampling, settings.seed,
-                                           on_text=on_text, draft_length=self.draft_length, should_stop=should_stop,
-                                           probe_row=self.probe_row, cache=cache)
-        else:
-            decoding = Decoding(self.model, ids, self.plan, budget, sampling, settings.seed, on_text=on_text,
-                                should_stop=should_stop, probe_row=self.probe_row, cache=cache)
-        decoding.prefill()
-        while not decoding.done:
-            decoding.round() if self.drafter is not None else decoding.step()
-        result = decoding.result()
+        scheduler = Scheduler(self.model, self.plan, probe_row=self.probe_row, max_batch=1)
+        reply = scheduler.submit(Job(ids, budget, sampling, settings.seed, (), on_text=on_text, plan=self.plan,
+                                     draft=self.drafter, draft_chosen=True, draft_length=self.draft_length,
+                                     cache=cache, should_stop=should_stop))
+        scheduler.run(until_idle=True)
+        result = reply.result()
+        if result is None:  # stopped before it began: nothing said, the cache as it was
+            result = GenerationResult("", [], len(ids), "cancelled", 0.0, 0.0, self.plan.to_string())
         self.messages = [*messages, {"role": "assistant", "content": result.text}]
-        self.cache, self.cached = decoding.cache, decoding.context[: decoding.cache.length]
+        self.cache, self.cached = cache, [*ids, *result.token_ids][: cache.length]
         spec = result.stats if self.drafter is not None else {}
         totals = Totals(1, len(result.token_ids), result.seconds - result.prefill_seconds, result.prefill_seconds,
                         len(ids) - kept, kept, spec.get("rounds", max(len(result.token_ids) - 1, 0)),

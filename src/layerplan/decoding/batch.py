@@ -50,8 +50,9 @@ def chunkable(model: LoadedModel, rows: int) -> bool:
 
 def prefill_all(model: LoadedModel, joining: Sequence[Decoding | SpeculativeDecoding]) -> None:
     """The prompts of the decodes that join, each through its own plan, in one pass (the head on
-    each one's last row only), and each one's first token."""
-    sequences = [(d.ids, d.cache, 0) for d in joining]
+    each one's last row only; a cache that holds the prompt's first tokens, from the next one),
+    and each one's first token."""
+    sequences = [(d.ids[:, d.cache.length:], d.cache, d.cache.length) for d in joining]  # past what a cache kept
     for decoding, logits in zip(joining, forward_batch(model, sequences, [d.plan for d in joining], last_only=True)):
         decoding.prefilled(logits[-1])
 
@@ -62,7 +63,10 @@ def step_all(model: LoadedModel, active: Sequence[Decoding | SpeculativeDecoding
     budget) and the next chunks of the prompts prefilling (PREFILL_CHUNK rows at most, the first
     joined first), in one pass, each through its own plan (the steps their plans begin with alike
     shared by all); the prefills it completed (each decode holds its first token)."""
-    chunks, budget = [], PREFILL_CHUNK
+    # a chunk at a time beside decoding rows, so they wait a chunk's pass per step; with none
+    # decoding, none waits: the prompts' rows whole (the same numbers: chunkable)
+    chunks = []
+    budget = PREFILL_CHUNK if active else sum(p.rows - p.done_rows for p in prefilling)
     for prefill in prefilling:
         if budget == 0:
             break
@@ -112,8 +116,8 @@ class Batch:
 
     def join(self, key, decoding: Decoding | SpeculativeDecoding) -> None:
         rows = decoding.ids.shape[1]
-        if chunkable(self.model, rows):
-            self.prefilling.append((key, Prefill(decoding, rows)))
+        if chunkable(self.model, rows):  # from the first token its cache does not hold (a chat's kept turns)
+            self.prefilling.append((key, Prefill(decoding, rows, decoding.cache.length)))
         else:
             self.whole.append((key, decoding))
 

@@ -2,7 +2,7 @@
 to max_batch at once (decoding/batch.py: a pass's products read the weights once for every
 request's rows, which on a CPU bound by reading the weights costs little more than one request's
 step). A batch of one is a batch: one loop serves `layerplan serve`, `generate --prompt-file`, the
-lm-eval adapter and generate_batch.
+lm-eval adapter, generate_batch and `layerplan chat` (a reply a job, its earlier turns in its cache).
 
 Each job decodes by its own plan and drafter (or the scheduler's). A lookup drafter (n-gram,
 suffix) is made anew for each job, its chains verified in the batch's passes; a drafter that runs a
@@ -38,6 +38,7 @@ from layerplan.decoding.generate import Decoding
 from layerplan.decoding.sampling import SamplingParams
 from layerplan.decoding.speculative import SpeculativeDecoding
 from layerplan.decoding.text import GenerationResult
+from layerplan.engine.cache import KVCache
 from layerplan.engine.probe import ProbeRow
 from layerplan.models.loading import LoadedModel
 from layerplan.plan.plan import LayerPlan
@@ -71,6 +72,13 @@ class Job:
     draft_length: str | None = None
     stop_at_eos: bool | Sequence[int] = True
     chat: bool = False
+    # a cache that holds the keys and values of the prompt's first cache.length tokens (a chat's
+    # earlier turns), for the plan the job runs; the decode writes on into it
+    cache: KVCache | None = None
+    should_stop: Callable[[], bool] | None = None  # the caller's own stop, asked beside `cancelled`
+
+    def stopped(self) -> bool:
+        return self.cancelled.is_set() or (self.should_stop is not None and self.should_stop())
 
 
 @dataclass
@@ -240,7 +248,7 @@ class Scheduler:
             return None
         if not future.set_running_or_notify_cancel():
             return None
-        if job.cancelled.is_set():
+        if job.stopped():
             self._count(waiting=-1, cancelled=1)
             future.set_result(None)
             return None
@@ -254,12 +262,12 @@ class Scheduler:
                 decoding = SpeculativeDecoding(self.model, job.prompt_ids, job.draft, job.plan, job.max_tokens,
                                                job.sampling, job.seed, job.stop, job.stop_at_eos, job.chat,
                                                on_text=job.on_text, draft_length=job.draft_length,
-                                               should_stop=job.cancelled.is_set, probe_row=self.probe_row,
+                                               should_stop=job.stopped, probe_row=self.probe_row, cache=job.cache,
                                                shared_rounds=self.shared_rounds.setdefault(key, SharedRounds()))
             else:
                 decoding = Decoding(self.model, job.prompt_ids, job.plan, job.max_tokens, job.sampling, job.seed,
                                     job.stop, job.stop_at_eos, job.chat, on_text=job.on_text,
-                                    should_stop=job.cancelled.is_set, probe_row=self.probe_row)
+                                    should_stop=job.stopped, probe_row=self.probe_row, cache=job.cache)
         except Exception as error:  # noqa: BLE001 - the caller's future carries it
             self._count(running=-1, failed=1)
             future.set_exception(error)
