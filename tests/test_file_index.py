@@ -115,23 +115,17 @@ def test_the_packaged_models_index_is_the_one_transformers_makes(tmp_path):
     _same_tokenizer(ours, path)
 
 
-def _with_vocabulary(path: Path, target: Path, changes: dict, size: int = 3000) -> Path:
-    """The tiny GGUF at `path` with the first `size` tokens of the packaged model's vocabulary
-    (its special tokens among them), the merges among those, its chat template, and `changes` to
-    its tokenizer keys (the pre-tokenizer's name, BOS, token types)."""
+def _rewritten(path: Path, target: Path, add_vocabulary, rows: int | None = None) -> Path:
+    """The tiny GGUF at `path` written again to `target`: its keys but its tokenizer's, which
+    add_vocabulary(writer) writes, and its tensors (rows: the embedding's and head's rows, one a
+    token of the new vocabulary, where it changes their count)."""
     import gguf
 
-    source = dict(read_header(default_gguf_path()).metadata)
-    tokens = source["tokenizer.ggml.tokens"][:size]
-    kept = set(tokens)
-    source["tokenizer.ggml.tokens"] = tokens
-    source["tokenizer.ggml.token_type"] = np.asarray(source["tokenizer.ggml.token_type"])[:size]
-    source["tokenizer.ggml.merges"] = [m for m in source["tokenizer.ggml.merges"]
-                                       if all(part in kept for part in (*m.split(" "), m.replace(" ", "")))]
     tiny = gguf.GGUFReader(path)
     writer = gguf.GGUFWriter(str(target), "llama")
     for key, field in tiny.fields.items():
-        if key.startswith("GGUF.") or key == "general.architecture":
+        if key.startswith(("GGUF.", "tokenizer.")) or key == "general.architecture" or (
+                rows is not None and key == "llama.vocab_size"):
             continue
         value = field.contents()
         kind = field.types[0]
@@ -139,26 +133,47 @@ def _with_vocabulary(path: Path, target: Path, changes: dict, size: int = 3000) 
             writer.add_array(key, value)
         else:
             writer.add_key_value(key, value, kind)
-    types = np.asarray(source["tokenizer.ggml.token_type"]).astype(np.int32)
-    for index, kind in changes.get("types", {}).items():
-        types[index] = kind
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre(changes.get("pre", "smollm"))
-    writer.add_token_list(source["tokenizer.ggml.tokens"])
-    writer.add_token_types(types.tolist())
-    writer.add_token_merges(source["tokenizer.ggml.merges"])
-    writer.add_bos_token_id(int(source["tokenizer.ggml.bos_token_id"]))
-    writer.add_eos_token_id(int(source["tokenizer.ggml.eos_token_id"]))
-    if "add_bos" in changes:
-        writer.add_add_bos_token(changes["add_bos"])
-    writer.add_chat_template(changes.get("template", source["tokenizer.chat_template"]))
+    add_vocabulary(writer)
     for tensor in tiny.tensors:
-        writer.add_tensor(tensor.name, np.asarray(tensor.data), raw_dtype=tensor.tensor_type)
+        data = np.asarray(tensor.data)
+        if rows is not None and tensor.name in ("token_embd.weight", "output.weight"):
+            data = np.resize(data, (rows, *data.shape[1:]))
+        writer.add_tensor(tensor.name, data, raw_dtype=tensor.tensor_type)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
     return target
+
+
+def _with_vocabulary(path: Path, target: Path, changes: dict, size: int = 3000) -> Path:
+    """The tiny GGUF at `path` with the first `size` tokens of the packaged model's vocabulary
+    (its special tokens among them), the merges among those, its chat template, and `changes` to
+    its tokenizer keys (the pre-tokenizer's name, BOS, token types)."""
+    source = dict(read_header(default_gguf_path()).metadata)
+    tokens = source["tokenizer.ggml.tokens"][:size]
+    kept = set(tokens)
+    source["tokenizer.ggml.tokens"] = tokens
+    source["tokenizer.ggml.token_type"] = np.asarray(source["tokenizer.ggml.token_type"])[:size]
+    source["tokenizer.ggml.merges"] = [m for m in source["tokenizer.ggml.merges"]
+                                       if all(part in kept for part in (*m.split(" "), m.replace(" ", "")))]
+    types = np.asarray(source["tokenizer.ggml.token_type"]).astype(np.int32)
+    for index, kind in changes.get("types", {}).items():
+        types[index] = kind
+
+    def add_vocabulary(writer) -> None:
+        writer.add_tokenizer_model("gpt2")
+        writer.add_tokenizer_pre(changes.get("pre", "smollm"))
+        writer.add_token_list(source["tokenizer.ggml.tokens"])
+        writer.add_token_types(types.tolist())
+        writer.add_token_merges(source["tokenizer.ggml.merges"])
+        writer.add_bos_token_id(int(source["tokenizer.ggml.bos_token_id"]))
+        writer.add_eos_token_id(int(source["tokenizer.ggml.eos_token_id"]))
+        if "add_bos" in changes:
+            writer.add_add_bos_token(changes["add_bos"])
+        writer.add_chat_template(changes.get("template", source["tokenizer.chat_template"]))
+
+    return _rewritten(path, target, add_vocabulary)
 
 
 @pytest.mark.parametrize("changes", [
@@ -199,44 +214,23 @@ def _sentencepiece_vocabulary() -> tuple[list[str], list[float], list[int]]:
 
 def _with_sentencepiece(path: Path, target: Path, changes: dict) -> Path:
     """The tiny GGUF at `path` with _sentencepiece_vocabulary and `changes` (BOS flag, token types)."""
-    import gguf
-
     tokens, scores, types = _sentencepiece_vocabulary()
     for index, kind in changes.get("types", {}).items():
         types[index] = kind
-    tiny = gguf.GGUFReader(path)
-    writer = gguf.GGUFWriter(str(target), "llama")
-    for key, field in tiny.fields.items():
-        if key.startswith(("GGUF.", "tokenizer.")) or key in ("general.architecture", "llama.vocab_size"):
-            continue
-        value = field.contents()
-        kind = field.types[0]
-        if kind == gguf.GGUFValueType.ARRAY:
-            writer.add_array(key, value)
-        else:
-            writer.add_key_value(key, value, kind)
-    writer.add_vocab_size(len(tokens))
-    writer.add_tokenizer_model("llama")
-    writer.add_token_list(tokens)
-    writer.add_token_scores(scores)
-    writer.add_token_types(types)
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(2)
-    writer.add_unk_token_id(0)
-    if "add_bos" in changes:
-        writer.add_add_bos_token(changes["add_bos"])
-    for tensor in tiny.tensors:
-        data = np.asarray(tensor.data)
-        if tensor.name in ("token_embd.weight", "output.weight"):  # one row a token of the new vocabulary
-            rows = np.resize(data, (len(tokens), *data.shape[1:]))
-            writer.add_tensor(tensor.name, rows, raw_dtype=tensor.tensor_type)
-        else:
-            writer.add_tensor(tensor.name, data, raw_dtype=tensor.tensor_type)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return target
+
+    def add_vocabulary(writer) -> None:
+        writer.add_vocab_size(len(tokens))
+        writer.add_tokenizer_model("llama")
+        writer.add_token_list(tokens)
+        writer.add_token_scores(scores)
+        writer.add_token_types(types)
+        writer.add_bos_token_id(1)
+        writer.add_eos_token_id(2)
+        writer.add_unk_token_id(0)
+        if "add_bos" in changes:
+            writer.add_add_bos_token(changes["add_bos"])
+
+    return _rewritten(path, target, add_vocabulary, rows=len(tokens))
 
 
 @pytest.mark.parametrize("changes", [
