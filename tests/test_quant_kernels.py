@@ -228,7 +228,7 @@ def test_f16_rounding_is_numpys_for_every_kind_of_float(native):
         assert np.array_equal(ours, values.astype(np.float16).view(np.uint16))
 
 
-# the formats with integer tiles (products_int_avx2.c lp_int_tiles_of); the others run exact
+# the formats with integer tiles (the trait rows' int_tiles, products_int_avx2.c); the others run exact
 INTEGER = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 
 

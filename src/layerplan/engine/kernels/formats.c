@@ -36,19 +36,19 @@ static void bf16_from_f32(const float *src, void *dst, long count) {
 }
 
 static const lp_format_traits formats[LP_FORMATS] = {
-    [LP_FORMAT_F32] = {"f32", 1, 4, pack_f32, f32_from_f32, &lp_tiles_f32},
-    [LP_FORMAT_BF16] = {"bf16", 1, 2, pack_bf16, bf16_from_f32, &lp_tiles_bf16},
-    [LP_FORMAT_F16] = {"f16", 1, 2, lp_pack_f16, lp_f16_from_f32, &lp_tiles_f16},
-    [LP_FORMAT_Q8_0] = {"q8_0", 32, 34, lp_pack_q8_0, lp_q8_0_from_f32, &lp_tiles_q8_0},
-    [LP_FORMAT_Q4_0] = {"q4_0", 32, 18, lp_pack_q4_0, lp_q4_0_from_f32, &lp_tiles_q4_0},
-    [LP_FORMAT_Q4_1] = {"q4_1", 32, 20, lp_pack_q4_1, lp_q4_1_from_f32, &lp_tiles_q4_1},
-    [LP_FORMAT_Q5_0] = {"q5_0", 32, 22, lp_pack_q5_0, lp_q5_0_from_f32, &lp_tiles_q5_0},
-    [LP_FORMAT_Q5_1] = {"q5_1", 32, 24, lp_pack_q5_1, lp_q5_1_from_f32, &lp_tiles_q5_1},
-    [LP_FORMAT_Q2_K] = {"q2_k", 256, 84, lp_pack_q2_k, lp_q2_k_from_f32, &lp_tiles_q2_k},
-    [LP_FORMAT_Q3_K] = {"q3_k", 256, 110, lp_pack_q3_k, lp_q3_k_from_f32, &lp_tiles_q3_k},
-    [LP_FORMAT_Q4_K] = {"q4_k", 256, 144, lp_pack_q4_k, lp_q4_k_from_f32, &lp_tiles_q4_k},
-    [LP_FORMAT_Q5_K] = {"q5_k", 256, 176, lp_pack_q5_k, lp_q5_k_from_f32, &lp_tiles_q5_k},
-    [LP_FORMAT_Q6_K] = {"q6_k", 256, 210, lp_pack_q6_k, lp_q6_k_from_f32, &lp_tiles_q6_k},
+    [LP_FORMAT_F32] = {"f32", 1, 4, pack_f32, f32_from_f32, &lp_tiles_f32, NULL},
+    [LP_FORMAT_BF16] = {"bf16", 1, 2, pack_bf16, bf16_from_f32, &lp_tiles_bf16, NULL},
+    [LP_FORMAT_F16] = {"f16", 1, 2, lp_pack_f16, lp_f16_from_f32, &lp_tiles_f16, NULL},
+    [LP_FORMAT_Q8_0] = {"q8_0", 32, 34, lp_pack_q8_0, lp_q8_0_from_f32, &lp_tiles_q8_0, &lp_int_tiles_q8_0},
+    [LP_FORMAT_Q4_0] = {"q4_0", 32, 18, lp_pack_q4_0, lp_q4_0_from_f32, &lp_tiles_q4_0, &lp_int_tiles_q4_0},
+    [LP_FORMAT_Q4_1] = {"q4_1", 32, 20, lp_pack_q4_1, lp_q4_1_from_f32, &lp_tiles_q4_1, &lp_int_tiles_q4_1},
+    [LP_FORMAT_Q5_0] = {"q5_0", 32, 22, lp_pack_q5_0, lp_q5_0_from_f32, &lp_tiles_q5_0, &lp_int_tiles_q5_0},
+    [LP_FORMAT_Q5_1] = {"q5_1", 32, 24, lp_pack_q5_1, lp_q5_1_from_f32, &lp_tiles_q5_1, &lp_int_tiles_q5_1},
+    [LP_FORMAT_Q2_K] = {"q2_k", 256, 84, lp_pack_q2_k, lp_q2_k_from_f32, &lp_tiles_q2_k, &lp_int_tiles_q2_k},
+    [LP_FORMAT_Q3_K] = {"q3_k", 256, 110, lp_pack_q3_k, lp_q3_k_from_f32, &lp_tiles_q3_k, &lp_int_tiles_q3_k},
+    [LP_FORMAT_Q4_K] = {"q4_k", 256, 144, lp_pack_q4_k, lp_q4_k_from_f32, &lp_tiles_q4_k, &lp_int_tiles_q4_k},
+    [LP_FORMAT_Q5_K] = {"q5_k", 256, 176, lp_pack_q5_k, lp_q5_k_from_f32, &lp_tiles_q5_k, &lp_int_tiles_q5_k},
+    [LP_FORMAT_Q6_K] = {"q6_k", 256, 210, lp_pack_q6_k, lp_q6_k_from_f32, &lp_tiles_q6_k, &lp_int_tiles_q6_k},
 };
 
 const lp_format_traits *lp_format(int format) {

@@ -40,17 +40,6 @@ typedef struct {
                       long ys);
 } lp_tiles;
 
-typedef struct {
-    const char *name;
-    long block;       /* inputs per block (1 for the plain formats) */
-    long block_bytes; /* bytes of one row's block */
-    /* w (n, k) as the format's rows are stored unpacked -> out, the packed panels */
-    void (*pack)(const void *w, long n, long k, void *out);
-    /* count fp32 values (a whole number of blocks) -> the format's unpacked row */
-    void (*from_f32)(const float *src, void *dst, long count);
-    const lp_tiles *tiles; /* this library's ISA's tiles for the format */
-} lp_format_traits;
-
 /* ----- integer products (LP_ARITH_INT8) -----
  * The activations of a product are quantized row by row, per block of 32 inputs, as llama.cpp's
  * Q8_0 quantizes them: d = max|x| / 127, q = x * (127 / max|x|) rounded to the nearest (ties to
@@ -80,10 +69,22 @@ typedef struct {
     long most;                         /* the most rows a pass gives one tile (<= LP_INT_ROWS) */
 } lp_int_tiles;
 
+typedef struct {
+    const char *name;
+    long block;       /* inputs per block (1 for the plain formats) */
+    long block_bytes; /* bytes of one row's block */
+    /* w (n, k) as the format's rows are stored unpacked -> out, the packed panels */
+    void (*pack)(const void *w, long n, long k, void *out);
+    /* count fp32 values (a whole number of blocks) -> the format's unpacked row */
+    void (*from_f32)(const float *src, void *dst, long count);
+    const lp_tiles *tiles; /* this library's ISA's tiles for the format */
+    /* this library's ISA's integer tiles for the format (LP_ARITH_INT8); NULL where the format or
+     * the build has none (the products then run exact) */
+    const lp_int_tiles *int_tiles;
+} lp_format_traits;
+
 /* x (m, k fp32; k a multiple of 32) -> q, d, s of an lp_q8 */
 void lp_q8_quantize(const float *x, long m, long k, int8_t *q, float *d, float *s);
-/* this library's ISA's integer tiles for `format`; NULL where it has none (the products run exact) */
-const lp_int_tiles *lp_int_tiles_of(int format);
 
 /* the row of `format`, NULL for an unknown one */
 const lp_format_traits *lp_format(int format);
@@ -98,6 +99,13 @@ static inline long lp_panel_bytes(const lp_format_traits *f, long k) {
 extern const lp_tiles lp_tiles_f32, lp_tiles_bf16;
 extern const lp_tiles lp_tiles_f16, lp_tiles_q8_0, lp_tiles_q4_0, lp_tiles_q4_1, lp_tiles_q5_0, lp_tiles_q5_1,
     lp_tiles_q2_k, lp_tiles_q3_k, lp_tiles_q4_k, lp_tiles_q5_k, lp_tiles_q6_k;
+/* the integer tiles of the block formats (products_int_<isa>.c), declared weak: where no file of a
+ * build defines a format's (the generic build defines none), the linker makes its address NULL, so
+ * the format's row says the build has none */
+#define LP_MAYBE __attribute__((weak, visibility("hidden")))
+extern const lp_int_tiles lp_int_tiles_q8_0 LP_MAYBE, lp_int_tiles_q4_0 LP_MAYBE, lp_int_tiles_q4_1 LP_MAYBE,
+    lp_int_tiles_q5_0 LP_MAYBE, lp_int_tiles_q5_1 LP_MAYBE, lp_int_tiles_q2_k LP_MAYBE, lp_int_tiles_q3_k LP_MAYBE,
+    lp_int_tiles_q4_k LP_MAYBE, lp_int_tiles_q5_k LP_MAYBE, lp_int_tiles_q6_k LP_MAYBE;
 extern const char lp_products_isa[];
 
 #endif

@@ -1,5 +1,5 @@
 /* The integer products over the block formats for AVX2 (and the avx512vnni build of the same
- * files): the tiles of LP_ARITH_INT8 (formats.h), lp_int_tiles_of and lp_q8_quantize. */
+ * files): the tiles of LP_ARITH_INT8 (formats.h: lp_int_tiles_<format>) and lp_q8_quantize. */
 #include "quant_avx2.h"
 
 /* ===== integer products (LP_ARITH_INT8; formats.h) =====
@@ -694,21 +694,21 @@ ALWAYS void store_ab(float *o, int at, __m512 v) {
     ZPAIR(f##_p6, F, f, 6, 1)                                                                      \
     ZPAIR(f##_p7, F, f, 7, 1)                                                                      \
     ZPAIR(f##_p8, F, f, 8, 1)                                                                      \
-    static const lp_int_tiles int_tiles_##f = {{NULL, f##_i1, f##_i2, f##_i3, f##_i4, f##_i5, f##_i6, f##_i7, f##_i8}, \
+    const lp_int_tiles lp_int_tiles_##f = {{NULL, f##_i1, f##_i2, f##_i3, f##_i4, f##_i5, f##_i6, f##_i7, f##_i8}, \
                                                {NULL, f##_p1, f##_p2, f##_p3, f##_p4, f##_p5, f##_p6, f##_p7, f##_p8}, 8};
 /* the oct formats (Q2_K, Q3_K) one panel at a time, on the 32-byte tiles */
 #define ITILES_ONE_PANEL(F, f)                                                                     \
     PANEL_TILES(F, f)                                                                              \
     ITILE_Y(f##_i7, F, f, 7)                                                                       \
     ITILE_Y(f##_i8, F, f, 8)                                                                       \
-    static const lp_int_tiles int_tiles_##f = {{NULL, f##_i1, f##_i2, f##_i3, f##_i4, f##_i5, f##_i6, f##_i7, f##_i8}, \
+    const lp_int_tiles lp_int_tiles_##f = {{NULL, f##_i1, f##_i2, f##_i3, f##_i4, f##_i5, f##_i6, f##_i7, f##_i8}, \
                                                {NULL}, 8};
 #else
 #define ITILES(F, f)                                                                               \
     PANEL_TILES(F, f)                                                                              \
     ITILE_W(f##_i7, F, f, 7)                                                                       \
     ITILE_W(f##_i8, F, f, 8)                                                                       \
-    static const lp_int_tiles int_tiles_##f = {{NULL, f##_i1, f##_i2, f##_i3, f##_i4, f##_i5, f##_i6, f##_i7, f##_i8}, \
+    const lp_int_tiles lp_int_tiles_##f = {{NULL, f##_i1, f##_i2, f##_i3, f##_i4, f##_i5, f##_i6, f##_i7, f##_i8}, \
                                                {NULL}, 8};
 #define ITILES_ONE_PANEL ITILES
 #endif
@@ -723,22 +723,6 @@ ITILES(Q5_K, q5_k)
 ITILES(Q8_0, q8_0)
 ITILES_ONE_PANEL(Q2_K, q2_k)
 ITILES_ONE_PANEL(Q3_K, q3_k)
-
-const lp_int_tiles *lp_int_tiles_of(int format) {
-    switch (format) {
-    case LP_FORMAT_Q4_0: return &int_tiles_q4_0;
-    case LP_FORMAT_Q4_1: return &int_tiles_q4_1;
-    case LP_FORMAT_Q4_K: return &int_tiles_q4_k;
-    case LP_FORMAT_Q6_K: return &int_tiles_q6_k;
-    case LP_FORMAT_Q5_0: return &int_tiles_q5_0;
-    case LP_FORMAT_Q5_1: return &int_tiles_q5_1;
-    case LP_FORMAT_Q5_K: return &int_tiles_q5_k;
-    case LP_FORMAT_Q8_0: return &int_tiles_q8_0;
-    case LP_FORMAT_Q2_K: return &int_tiles_q2_k;
-    case LP_FORMAT_Q3_K: return &int_tiles_q3_k;
-    default: return NULL;
-    }
-}
 
 /* formats.h's quantization, eight lanes at a time: the same max, product and rounding as the
  * scalar rule (_mm256_cvtps_epi32 rounds to nearest even, as nearbyintf does by default) */

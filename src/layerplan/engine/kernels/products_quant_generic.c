@@ -76,11 +76,8 @@ DEFINE_TILES(q4_k, LP_FORMAT_Q4_K)
 DEFINE_TILES(q5_k, LP_FORMAT_Q5_K)
 DEFINE_TILES(q6_k, LP_FORMAT_Q6_K)
 
-/* Integer products: none in the portable build; LP_ARITH_INT8 matrices run the exact products. */
-const lp_int_tiles *lp_int_tiles_of(int format) {
-    (void)format;
-    return NULL;
-}
+/* Integer products: none in the portable build (no lp_int_tiles_<format>: the trait rows' int_tiles
+ * are NULL); LP_ARITH_INT8 matrices run the exact products. */
 
 /* formats.h's quantization in scalar C: its rule written plainly (lp_gemm links to it; without
  * integer tiles this build never calls it) */
