@@ -8,7 +8,7 @@
 
 static void widen(int format, const void *panel, long i, float out[LP_PANEL]) {
     if (format == LP_FORMAT_F16) {
-        for (int j = 0; j < LP_PANEL; j++) out[j] = lp_f16_to_f32(((const uint16_t *)panel)[i * LP_PANEL + j]);
+        for (int j = 0; j < LP_PANEL; j++) out[j] = f16_to_f32(((const uint16_t *)panel)[i * LP_PANEL + j]);
         return;
     }
     static const long block[] = {[LP_FORMAT_Q8_0] = 32, [LP_FORMAT_Q4_0] = 32, [LP_FORMAT_Q4_1] = 32,

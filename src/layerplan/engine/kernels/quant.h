@@ -54,25 +54,7 @@
 
 #define LPQ_QK 256 /* inputs of a K-quant super-block */
 
-/* An f16 (IEEE binary16) as the fp32 of the same value: exact for every f16, subnormals included,
- * as F16C's conversion (NaNs keep their payload). */
-static inline float lp_f16_to_f32(uint16_t h) {
-    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu, u;
-    if (exp == 0x1f) u = sign | 0x7f800000u | man << 13;
-    else if (exp) u = sign | (exp + 112) << 23 | man << 13;
-    else if (!man) u = sign;
-    else { /* subnormal: man * 2^-24, normalised */
-        uint32_t e = 113;
-        while (!(man & 0x400u)) { man <<= 1; e--; }
-        u = sign | e << 23 | (man & 0x3ffu) << 13;
-    }
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-/* v rounded to the nearest f16, ties to even (as numpy's astype(float16) and F16C round) */
-uint16_t lp_f32_to_f16(float v);
+/* f16 scales convert with simd.h's f16_to_f32 and f32_to_f16 */
 
 /* ----- quant_formats.c ----- */
 /* the file's rows (n rows of k / block stored blocks) -> the packed panels (lp_packed_bytes) */
