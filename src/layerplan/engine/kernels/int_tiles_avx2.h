@@ -43,7 +43,6 @@ ALWAYS void centred_scales(istate *s, __m256 dl, __m256 dh, float zero) {
     s->oh = mul(dh, _mm256_set1_ps(-zero));
 }
 
-#define Q4_0_ISUB 32
 ALWAYS void q4_0_iset(istate *s, const uint8_t *pb, int sub) {
     (void)sub;
     centred_scales(s, half8(pb), half8(pb + 16), 8.0f);
@@ -51,7 +50,6 @@ ALWAYS void q4_0_iset(istate *s, const uint8_t *pb, int sub) {
 }
 #define q4_0_iload nibble_words
 
-#define Q4_1_ISUB 32
 ALWAYS void q4_1_iset(istate *s, const uint8_t *pb, int sub) {
     (void)sub;
     s->dl = half8(pb);
@@ -62,7 +60,6 @@ ALWAYS void q4_1_iset(istate *s, const uint8_t *pb, int sub) {
 }
 #define q4_1_iload nibble_words
 
-#define Q4_K_ISUB 32
 ALWAYS void q4_k_iset(istate *s, const uint8_t *pb, int sub) {
     kscales k = k4_fields(pb, sub);
     s->dl = k.dl;
@@ -116,7 +113,6 @@ ALWAYS void q4_k_iset(istate *s, const uint8_t *pb, int sub) {
  * not fit a vpmaddubsw pair, so q + 128 goes as (q + 128) & 0x7F plus (q + 128) & 0x80: the same
  * integer as vpdpbusd's. The input-major panel (16 rows' bytes of each input) is transposed to four
  * inputs a lane. */
-#define Q8_0_ISUB 32
 ALWAYS void q8_0_iset(istate *s, const uint8_t *pb, int sub) {
     (void)sub;
     centred_scales(s, half8(pb), half8(pb + 16), 128.0f);
@@ -175,7 +171,6 @@ ALWAYS void fifth_words(const istate *s, int c, int flip, __m256i *wl, __m256i *
 }
 
 /* Q5_0: w = d (q - 16), q = nibble + 16 fifth (stored inverted) */
-#define Q5_0_ISUB 32
 ALWAYS void q5_0_iset(istate *s, const uint8_t *pb, int sub) {
     (void)sub;
     centred_scales(s, half8(pb), half8(pb + 16), 16.0f);
@@ -185,7 +180,6 @@ ALWAYS void q5_0_iset(istate *s, const uint8_t *pb, int sub) {
 ALWAYS void q5_0_iload(const istate *s, int c, __m256i *wl, __m256i *wh) { fifth_words(s, c, 1, wl, wh); }
 
 /* Q5_1: w = d q + m */
-#define Q5_1_ISUB 32
 ALWAYS void q5_1_iset(istate *s, const uint8_t *pb, int sub) {
     q4_1_iset(s, pb, sub);
     s->h = pb + 64;
@@ -194,7 +188,6 @@ ALWAYS void q5_1_iset(istate *s, const uint8_t *pb, int sub) {
 ALWAYS void q5_1_iload(const istate *s, int c, __m256i *wl, __m256i *wh) { fifth_words(s, c, 0, wl, wh); }
 
 /* Q5_K: as Q4_K with fifth bits */
-#define Q5_K_ISUB 32
 ALWAYS void q5_k_iset(istate *s, const uint8_t *pb, int sub) {
     q4_k_iset(s, pb, sub);
     s->h = pb + 256 + 64 * sub;
@@ -204,7 +197,6 @@ ALWAYS void q5_k_iload(const istate *s, int c, __m256i *wl, __m256i *wh) { fifth
 
 /* Q6_K: sub-blocks of 16; the high 2 bits of row j's input t at bits P[t] = {0, 2, 8, 10} of 16-bit
  * lane j (row j+8's at P[t] + 4), moved to bits 4-5 of byte t of dword lane j */
-#define Q6_K_ISUB 16
 ALWAYS void q6_k_iset(istate *s, const uint8_t *pb, int sub) {
     const uint8_t *sc = pb + 32 + 16 * sub;
     centred_scales(s, mul(half8(pb), cvt(sbytes8(sc))), mul(half8(pb + 16), cvt(sbytes8(sc + 8))), 32.0f);
@@ -267,7 +259,6 @@ ALWAYS void oct_words(const istate *s, int c, __m256i *wl, __m256i *wh) {
 }
 
 /* Q2_K: w = (d sc) q - (dmin m), q 0..3, sub-blocks of 16 */
-#define Q2_K_ISUB 16
 ALWAYS void q2_k_iset(istate *s, const uint8_t *pb, int sub) {
     kscales k = q2_k_fields(pb, sub);
     s->dl = k.dl;
@@ -283,7 +274,6 @@ ALWAYS void q2_k_iset(istate *s, const uint8_t *pb, int sub) {
  * n of lane j holds, from bit 0, inputs 2n and 2n + 1 of the oct for row j, then for row j+8. The
  * lane's two bytes are copied to (b0, b0, b1, b1), so byte n holds nibble n at bit 0 (n even) or 4
  * (n odd): a compare with the field's bit in every byte's place, and 4 where it is clear. */
-#define Q3_K_ISUB 16
 ALWAYS void q3_k_iset(istate *s, const uint8_t *pb, int sub) {
     kscales k = q3_k_fields(pb, sub);
     centred_scales(s, k.dl, k.dh, 4.0f);
@@ -309,10 +299,10 @@ ALWAYS void q3_k_iload(const istate *s, int c, __m256i *wl, __m256i *wh) {
  * each row's vpmaddubsw pair sums of F##_STEPS16 words in int16, then one vpmaddwd into the sums */
 #define INT16_WORDS(F, f, R, AL, AH)                                                               \
     const __m256i ones16 = _mm256_set1_epi16(1);                                                   \
-    _Pragma("GCC unroll 8") for (int c0 = 0; c0 < F##_ISUB / 4; c0 += (F##_STEPS16 > 0 ? F##_STEPS16 : 1)) { \
+    _Pragma("GCC unroll 8") for (int c0 = 0; c0 < F##_SUB / 4; c0 += (F##_STEPS16 > 0 ? F##_STEPS16 : 1)) { \
         __m256i pl[R], ph[R];                                                                      \
         _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) pl[r] = ph[r] = _mm256_setzero_si256(); \
-        _Pragma("GCC unroll 8") for (int c = c0; c < c0 + F##_STEPS16 && c < F##_ISUB / 4; c++) {   \
+        _Pragma("GCC unroll 8") for (int c = c0; c < c0 + F##_STEPS16 && c < F##_SUB / 4; c++) {   \
             __m256i wl, wh;                                                                        \
             f##_iload(&st, c, &wl, &wh);                                                           \
             _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                                  \
@@ -336,7 +326,7 @@ ALWAYS void q3_k_iload(const istate *s, int c, __m256i *wl, __m256i *wh) {
     if (LP_INT16_SUMS && F##_STEPS16 > 0) {                                                        \
         INT16_WORDS(F, f, R, AL, AH)                                                               \
     } else {                                                                                       \
-        _Pragma("GCC unroll 8") for (int c = 0; c < F##_ISUB / 4; c++) {                           \
+        _Pragma("GCC unroll 8") for (int c = 0; c < F##_SUB / 4; c++) {                           \
             __m256i wl, wh;                                                                        \
             f##_iload(&st, c, &wl, &wh);                                                           \
             _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                                  \
@@ -367,11 +357,11 @@ ALWAYS void q3_k_iload(const istate *s, int c, __m256i *wl, __m256i *wh) {
             xr[r] = x->q + (r0 + r) * k;                                                           \
             sl[r] = sh[r] = _mm256_setzero_ps();                                                   \
         }                                                                                          \
-        for (long s0 = 0; s0 < k; s0 += F##_ISUB) {                                                \
+        for (long s0 = 0; s0 < k; s0 += F##_SUB) {                                                \
             istate st;                                                                             \
-            f##_iset(&st, w + s0 / F##_BLOCK * F##_PB, (int)(s0 % F##_BLOCK / F##_ISUB));          \
+            f##_iset(&st, w + s0 / F##_BLOCK * F##_PB, (int)(s0 % F##_BLOCK / F##_SUB));          \
             if (r0 == 0)                                                                           \
-                PREFETCH_SUB(F, F##_ISUB, w, LP_AHEAD_PANELS * (k / F##_BLOCK * F##_PB), s0);       \
+                PREFETCH_SUB(F, F##_SUB, w, LP_AHEAD_PANELS * (k / F##_BLOCK * F##_PB), s0);       \
             __m256i al[R][S], ah[R][S];                                                            \
             _Pragma("GCC unroll 4") for (int r = 0; r < R; r++)                                    \
                 _Pragma("GCC unroll 2") for (int c = 0; c < S; c++) al[r][c] = ah[r][c] = _mm256_setzero_si256(); \
@@ -384,7 +374,7 @@ ALWAYS void q3_k_iload(const istate *s, int c, __m256i *wl, __m256i *wh) {
                 }                                                                                  \
                 const float *ss = x->s + (r0 + r) * (k / 16) + s0 / 16;                            \
                 __m256 d = _mm256_set1_ps(x->d[(r0 + r) * (k / 32) + s0 / 32]);                    \
-                __m256 s = _mm256_set1_ps(F##_ISUB == 32 ? ss[0] + ss[1] : ss[0]);                 \
+                __m256 s = _mm256_set1_ps(F##_SUB == 32 ? ss[0] + ss[1] : ss[0]);                 \
                 sl[r] = fma_(st.ol, s, fma_(cvt(il), mul(st.dl, d), sl[r]));                       \
                 sh[r] = fma_(st.oh, s, fma_(cvt(ih), mul(st.dh, d), sh[r]));                       \
             }                                                                                      \
@@ -406,7 +396,7 @@ ALWAYS void q3_k_iload(const istate *s, int c, __m256i *wl, __m256i *wh) {
         const int8_t *xr[R];                                                                       \
         _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) xr[r] = x->q + (r0 + r) * k;           \
         ZERO_Y_ROWS(R)                                                                             \
-        for (long s0 = 0; s0 < k; s0 += F##_ISUB) {                                                \
+        for (long s0 = 0; s0 < k; s0 += F##_SUB) {                                                \
             ISUB_STATE(F, f)                                                                       \
             __m256i al[R], ah[R];                                                                  \
             _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) al[r] = ah[r] = _mm256_setzero_si256(); \
@@ -425,9 +415,9 @@ ALWAYS void q3_k_iload(const istate *s, int c, __m256i *wl, __m256i *wh) {
 /* (ITILE_Y, ITILE_W) sub-block s0's scales and offsets in st; the first row group prefetches */
 #define ISUB_STATE(F, f)                                                                           \
     istate st;                                                                                     \
-    f##_iset(&st, w + s0 / F##_BLOCK * F##_PB, (int)(s0 % F##_BLOCK / F##_ISUB));                  \
+    f##_iset(&st, w + s0 / F##_BLOCK * F##_PB, (int)(s0 % F##_BLOCK / F##_SUB));                  \
     if (r0 == 0)                                                                                   \
-        PREFETCH_SUB(F, F##_ISUB, w, LP_AHEAD_PANELS * (k / F##_BLOCK * F##_PB), s0);
+        PREFETCH_SUB(F, F##_SUB, w, LP_AHEAD_PANELS * (k / F##_BLOCK * F##_PB), s0);
 
 /* (ITILE_Y, ITILE_W) row r's integer sums AL / AH of sub-block s0 into its float sums in y, as
  * ITILE adds them into its registers */
@@ -435,7 +425,7 @@ ALWAYS void q3_k_iload(const istate *s, int c, __m256i *wl, __m256i *wh) {
     {                                                                                              \
         const float *ss = x->s + (r0 + (r)) * (k / 16) + s0 / 16;                                  \
         __m256 d = _mm256_set1_ps(x->d[(r0 + (r)) * (k / 32) + s0 / 32]);                          \
-        __m256 s = _mm256_set1_ps(F##_ISUB == 32 ? ss[0] + ss[1] : ss[0]);                         \
+        __m256 s = _mm256_set1_ps(F##_SUB == 32 ? ss[0] + ss[1] : ss[0]);                         \
         float *o = y + (r) * ys;                                                                   \
         _mm256_storeu_ps(o, fma_(st.ol, s, fma_(cvt(AL), mul(st.dl, d), _mm256_loadu_ps(o))));     \
         _mm256_storeu_ps(o + 8, fma_(st.oh, s, fma_(cvt(AH), mul(st.dh, d), _mm256_loadu_ps(o + 8)))); \
@@ -450,12 +440,12 @@ ALWAYS void q3_k_iload(const istate *s, int c, __m256i *wl, __m256i *wh) {
  * float operations in the same order as ITILE: the same bits. */
 #define ITILE_W(NAME, F, f, RR)                                                                    \
     static void NAME(const lp_q8 *x, long r0, const void *wv, float *y, long ys) {                \
-        enum { R = RR, WORDS = F##_ISUB / 4 };                                                     \
+        enum { R = RR, WORDS = F##_SUB / 4 };                                                     \
         const uint8_t *w = (const uint8_t *)wv;                                                    \
         const long k = x->k;                                                                       \
         _Alignas(32) __m256i wls[WORDS], whs[WORDS];                                               \
         ZERO_Y_ROWS(R)                                                                             \
-        for (long s0 = 0; s0 < k; s0 += F##_ISUB) {                                                \
+        for (long s0 = 0; s0 < k; s0 += F##_SUB) {                                                \
             ISUB_STATE(F, f)                                                                       \
             _Pragma("GCC unroll 8") for (int c = 0; c < WORDS; c++) f##_iload(&st, c, &wls[c], &whs[c]); \
             for (int r = 0; r < R; r++) {                                                          \

@@ -111,22 +111,22 @@ ALWAYS void q6_k_ipair(const istate *a, const istate *b, int c, __m512i *wl, __m
                 sl[YSUMS ? 0 : r] = sh[YSUMS ? 0 : r] = _mm512_setzero_ps();                       \
             }                                                                                      \
         }                                                                                          \
-        for (long s0 = 0; s0 < k; s0 += F##_ISUB) {                                                \
+        for (long s0 = 0; s0 < k; s0 += F##_SUB) {                                                \
             istate sa, sb;                                                                         \
             const long at = s0 / F##_BLOCK * F##_PB;                                               \
-            const int sub = (int)(s0 % F##_BLOCK / F##_ISUB);                                      \
+            const int sub = (int)(s0 % F##_BLOCK / F##_SUB);                                      \
             f##_iset(&sa, wa + at, sub);                                                           \
             f##_iset(&sb, wb + at, sub);                                                           \
             if (r0 == 0) {                                                                         \
-                PREFETCH_SUB(F, F##_ISUB, wa, LP_AHEAD_PANELS * panel_bytes, s0);            \
-                PREFETCH_SUB(F, F##_ISUB, wa, (LP_AHEAD_PANELS + 1) * panel_bytes, s0);      \
+                PREFETCH_SUB(F, F##_SUB, wa, LP_AHEAD_PANELS * panel_bytes, s0);            \
+                PREFETCH_SUB(F, F##_SUB, wa, (LP_AHEAD_PANELS + 1) * panel_bytes, s0);      \
             }                                                                                      \
             const __m512 dl = pair_ps(sa.dl, sb.dl), dh = pair_ps(sa.dh, sb.dh), ol = pair_ps(sa.ol, sb.ol), \
                          oh = pair_ps(sa.oh, sb.oh);                                               \
             __m512i al[R][S], ah[R][S];                                                            \
             _Pragma("GCC unroll 8") for (int r = 0; r < R; r++)                                    \
                 _Pragma("GCC unroll 2") for (int c = 0; c < S; c++) al[r][c] = ah[r][c] = _mm512_setzero_si512(); \
-            _Pragma("GCC unroll 8") for (int c = 0; c < F##_ISUB / 4; c++) {                       \
+            _Pragma("GCC unroll 8") for (int c = 0; c < F##_SUB / 4; c++) {                       \
                 __m512i wl, wh;                                                                    \
                 f##_ipair(&sa, &sb, c, &wl, &wh);                                                  \
                 _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                              \
@@ -145,7 +145,7 @@ ALWAYS void q6_k_ipair(const istate *a, const istate *b, int c, __m512i *wl, __m
                 }                                                                                  \
                 const float *ss = x->s + (r0 + r) * (k / 16) + s0 / 16;                            \
                 __m512 d = _mm512_set1_ps(x->d[(r0 + r) * (k / 32) + s0 / 32]);                    \
-                __m512 s = _mm512_set1_ps(F##_ISUB == 32 ? ss[0] + ss[1] : ss[0]);                 \
+                __m512 s = _mm512_set1_ps(F##_SUB == 32 ? ss[0] + ss[1] : ss[0]);                 \
                 if (YSUMS) {                                                                       \
                     float *o = y + r * ys;                                                         \
                     __m512 pl = _mm512_fmadd_ps(_mm512_cvtepi32_ps(zl), _mm512_mul_ps(dl, d), lanes_ab(o, 0)); \

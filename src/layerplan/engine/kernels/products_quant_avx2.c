@@ -209,17 +209,8 @@ static void rows_on_buffer(void (*widen)(const uint8_t *, long, long, float *, l
         .many_rows = f##_many,                                                                     \
     };
 
-QTILES(F16, f16)
-QTILES(Q8_0, q8_0)
-QTILES(Q4_0, q4_0)
-QTILES(Q4_1, q4_1)
-QTILES(Q5_0, q5_0)
-QTILES(Q5_1, q5_1)
-QTILES(Q2_K, q2_k)
-QTILES(Q3_K, q3_k)
-QTILES(Q4_K, q4_k)
-QTILES(Q5_K, q5_k)
-QTILES(Q6_K, q6_k)
+#define QTILES_OF(ID, name, ...) QTILES(ID, name)
+LP_QUANT_FORMATS(QTILES_OF)
 
 /* ----- the activations of the integer products (LP_ARITH_INT8), for both integer builds ----- */
 

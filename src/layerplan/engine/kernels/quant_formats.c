@@ -370,16 +370,16 @@ static void put_panel_q6_k(const lpq_fields *f, uint8_t *pb) {
 }
 
 static const lpq_format formats_q[] = {
-    [LP_FORMAT_Q8_0] = {32, 34, 544, fields_q8_0, put_q8_0},
-    [LP_FORMAT_Q4_0] = {32, 18, 288, fields_q4_0, NULL, put_panel_q4_0},
-    [LP_FORMAT_Q4_1] = {32, 20, 320, fields_q4_1, NULL, put_panel_q4_1},
-    [LP_FORMAT_Q5_0] = {32, 22, 352, fields_q5_0, put_q5_0},
-    [LP_FORMAT_Q5_1] = {32, 24, 384, fields_q5_1, put_q5_1},
-    [LP_FORMAT_Q2_K] = {256, 84, 1344, fields_q2_k, put_q2_k},
-    [LP_FORMAT_Q3_K] = {256, 110, 1760, fields_q3_k, put_q3_k},
-    [LP_FORMAT_Q4_K] = {256, 144, 2304, fields_q4_k, NULL, put_panel_q4_k},
-    [LP_FORMAT_Q5_K] = {256, 176, 2816, fields_q5_k, put_q5_k},
-    [LP_FORMAT_Q6_K] = {256, 210, 3360, fields_q6_k, NULL, put_panel_q6_k},
+    [LP_FORMAT_Q8_0] = {Q8_0_BLOCK, Q8_0_BYTES, Q8_0_PB, fields_q8_0, put_q8_0},
+    [LP_FORMAT_Q4_0] = {Q4_0_BLOCK, Q4_0_BYTES, Q4_0_PB, fields_q4_0, NULL, put_panel_q4_0},
+    [LP_FORMAT_Q4_1] = {Q4_1_BLOCK, Q4_1_BYTES, Q4_1_PB, fields_q4_1, NULL, put_panel_q4_1},
+    [LP_FORMAT_Q5_0] = {Q5_0_BLOCK, Q5_0_BYTES, Q5_0_PB, fields_q5_0, put_q5_0},
+    [LP_FORMAT_Q5_1] = {Q5_1_BLOCK, Q5_1_BYTES, Q5_1_PB, fields_q5_1, put_q5_1},
+    [LP_FORMAT_Q2_K] = {Q2_K_BLOCK, Q2_K_BYTES, Q2_K_PB, fields_q2_k, put_q2_k},
+    [LP_FORMAT_Q3_K] = {Q3_K_BLOCK, Q3_K_BYTES, Q3_K_PB, fields_q3_k, put_q3_k},
+    [LP_FORMAT_Q4_K] = {Q4_K_BLOCK, Q4_K_BYTES, Q4_K_PB, fields_q4_k, NULL, put_panel_q4_k},
+    [LP_FORMAT_Q5_K] = {Q5_K_BLOCK, Q5_K_BYTES, Q5_K_PB, fields_q5_k, put_q5_k},
+    [LP_FORMAT_Q6_K] = {Q6_K_BLOCK, Q6_K_BYTES, Q6_K_PB, fields_q6_k, NULL, put_panel_q6_k},
 };
 
 static const lpq_format *lpq(int format) {
