@@ -83,30 +83,11 @@ ALWAYS void q4_k_iset(istate *s, const uint8_t *pb, int sub) {
 /* AVX2 without VNNI: vpmaddubsw's int16 pair sums of several words add up in int16 (vpaddw) before
  * one vpmaddwd widens them, where they cannot overflow: a pair is at most 2 x 63 x 128 for quants
  * below 64, so 8 words of quants below 16 (the Q4 formats: a whole sub-block), 4 below 32 (Q5),
- * 2 below 64 (Q6_K). The same integers as a vpmaddwd a word, with fewer instructions a row;
- * 0: f##_dot a word (Q8_0, whose quants take two pairs). */
-#define Q4_0_STEPS16 8
-#define Q4_1_STEPS16 8
-#define Q4_K_STEPS16 8
-#define Q5_0_STEPS16 4
-#define Q5_1_STEPS16 4
-#define Q5_K_STEPS16 4
-#define Q6_K_STEPS16 2
-#define Q2_K_STEPS16 4 /* pairs of at most 2 x 7 x 128 (Q3_K): a whole sub-block of 4 words */
-#define Q3_K_STEPS16 4
-#define Q8_0_STEPS16 0
-/* the formats whose words hold q + 128 (Q8_0): with LP_INT16_SUMS their words hold q, and 128 times
- * the sub-block's activation sum is added to its integer sums */
-#define Q4_0_PLUS128 0
-#define Q4_1_PLUS128 0
-#define Q4_K_PLUS128 0
-#define Q5_0_PLUS128 0
-#define Q5_1_PLUS128 0
-#define Q5_K_PLUS128 0
-#define Q6_K_PLUS128 0
-#define Q2_K_PLUS128 0
-#define Q3_K_PLUS128 0
-#define Q8_0_PLUS128 1
+ * 2 below 64 (Q6_K), 4 for Q2_K and Q3_K (pairs of at most 2 x 7 x 128: a whole sub-block of 4
+ * words). The same integers as a vpmaddwd a word, with fewer instructions a row; 0: f##_dot a word
+ * (Q8_0, whose quants take two pairs). Each format's count is its LP_INT_FORMATS row's steps16. */
+/* plus128 (LP_INT_FORMATS): the formats whose words hold q + 128 (Q8_0): with LP_INT16_SUMS their
+ * words hold q, and 128 times the sub-block's activation sum is added to its integer sums */
 
 /* Q8_0: w = d q, q signed; the tiles take q + 128 (unsigned: q XOR 0x80) and subtract 128 d times
  * the activations' sum, as the offset. On AVX2 a product of q + 128 (to 255) with x (to 127) does
@@ -237,18 +218,9 @@ ALWAYS __m256i oct_four(const int8_t *p, int c) {
                                          1, 3, 5, 7, 1, 3, 5, 7, 1, 3, 5, 7, 1, 3, 5, 7);
     return _mm256_shuffle_epi8(_mm256_set1_epi64x(v), (c & 1) ? odd : even);
 }
-/* the four activation bytes that meet word c of sub-block p (p: the sub-block's first input) */
+/* the four activation bytes that meet word c of sub-block p (p: the sub-block's first input; F##_OCTS:
+ * its LP_INT_FORMATS row's octs) */
 #define XFOUR(F, p, c) (F##_OCTS ? oct_four((p), (c)) : four_bytes((p) + 4 * (c)))
-#define Q4_0_OCTS 0
-#define Q4_1_OCTS 0
-#define Q4_K_OCTS 0
-#define Q5_0_OCTS 0
-#define Q5_1_OCTS 0
-#define Q5_K_OCTS 0
-#define Q6_K_OCTS 0
-#define Q8_0_OCTS 0
-#define Q2_K_OCTS 1
-#define Q3_K_OCTS 1
 
 /* word c of an oct layout: row j's (wl) and row j+8's (wh) 2-bit fields of every other input */
 ALWAYS void oct_words(const istate *s, int c, __m256i *wl, __m256i *wh) {
@@ -502,10 +474,26 @@ ALWAYS void q3_k_iload(const istate *s, int c, __m256i *wl, __m256i *wh) {
                                            {PAIRS}, 8};
 #define INT_PAIRS(f) NULL, f##_p1, f##_p2, f##_p3, f##_p4, f##_p5, f##_p6, f##_p7, f##_p8
 
-/* the formats with integer tiles: WORDS(F, f) for those on 32-byte words of four inputs a lane,
- * OCTS(F, f) for the oct formats (Q2_K, Q3_K: every other input of an oct a word) */
-#define LP_INT_FORMATS(WORDS, OCTS)                                                                \
-    WORDS(Q4_0, q4_0) WORDS(Q4_1, q4_1) WORDS(Q4_K, q4_k) WORDS(Q6_K, q6_k) WORDS(Q5_0, q5_0) WORDS(Q5_1, q5_1) \
-    WORDS(Q5_K, q5_k) WORDS(Q8_0, q8_0) OCTS(Q2_K, q2_k) OCTS(Q3_K, q3_k)
+/* The formats with integer tiles, one row each: X(F, f, octs, steps16, plus128)
+ *   F, f     the format's ID and name (formats.h's LP_FORMAT_LIST): its f##_iset, f##_iload, f##_dot
+ *            above, and the tiles' names
+ *   octs     1: its words take every other input of an oct (Q2_K, Q3_K: oct_four, oct_words)
+ *   steps16  words whose pair sums add up in int16 (LP_INT16_SUMS; 0: none)
+ *   plus128  1: its words hold q + 128 (Q8_0), so AVX2's int16 route adds 128 times the activations'
+ *            sum
+ * Each build expands its tiles over it (LP_INT_FORMATS(ITILES_OF)). */
+#define LP_INT_FORMATS(X)                                                                          \
+    X(Q4_0, q4_0, 0, 8, 0)                                                                         \
+    X(Q4_1, q4_1, 0, 8, 0)                                                                         \
+    X(Q4_K, q4_k, 0, 8, 0)                                                                         \
+    X(Q6_K, q6_k, 0, 2, 0)                                                                         \
+    X(Q5_0, q5_0, 0, 4, 0)                                                                         \
+    X(Q5_1, q5_1, 0, 4, 0)                                                                         \
+    X(Q5_K, q5_k, 0, 4, 0)                                                                         \
+    X(Q8_0, q8_0, 0, 0, 1)                                                                         \
+    X(Q2_K, q2_k, 1, 4, 0)                                                                         \
+    X(Q3_K, q3_k, 1, 4, 0)
+#define INT_FACTS(F, f, octs, steps16, plus128) enum { F##_OCTS = octs, F##_STEPS16 = steps16, F##_PLUS128 = plus128 };
+LP_INT_FORMATS(INT_FACTS)
 
 #endif

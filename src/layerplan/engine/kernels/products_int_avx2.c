@@ -19,4 +19,5 @@ ALWAYS __m256i dot4(__m256i acc, __m256i w, __m256i x) {
     ITILE_W(f##_i8, F, f, 8)                                                                       \
     INT_TILES_ROW(f, NULL)
 
-LP_INT_FORMATS(ITILES, ITILES)
+#define ITILES_OF(F, f, ...) ITILES(F, f)
+LP_INT_FORMATS(ITILES_OF)

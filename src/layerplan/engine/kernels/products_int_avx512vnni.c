@@ -195,4 +195,8 @@ ALWAYS void store_ab(float *o, int at, __m512 v) {
     ITILE_Y(f##_i8, F, f, 8)                                                                       \
     INT_TILES_ROW(f, NULL)
 
-LP_INT_FORMATS(ITILES, ITILES_ONE_PANEL)
+/* the oct formats (octs 1) one panel at a time, the others on pairs of panels too */
+#define ITILES_OF(F, f, octs, ...) ITILES_OCTS##octs(F, f)
+#define ITILES_OCTS0 ITILES
+#define ITILES_OCTS1 ITILES_ONE_PANEL
+LP_INT_FORMATS(ITILES_OF)
