@@ -20,6 +20,14 @@
  * vpmaddubsw's int16), so both routes give the same integers. Formats: every block format (Q2_K
  * and Q3_K by oct words, below). */
 
+/* formats.h's rule for one sub-block on eight rows: sum + float(dot) times scale d, then + offset s
+ * (d: the activations' block scale, s: d times the sum of their q; both in every lane),
+ * two FMAs (the one place the 32-byte tiles write it; products_int_avx512vnni.c's combine16 is it
+ * on sixteen lanes) */
+ALWAYS __m256 combine8(__m256 sum, __m256i dot, __m256 scale, __m256 offset, __m256 d, __m256 s) {
+    return fma_(offset, s, fma_(cvt(dot), mul(scale, d), sum));
+}
+
 /* a sub-block's scales (dl: rows 0-7, dh: rows 8-15) and offsets, and where its words start */
 typedef struct {
     __m256 dl, dh, ol, oh;
@@ -347,8 +355,8 @@ ALWAYS void q3_k_iload(const istate *s, int c, __m256i *wl, __m256i *wh) {
                 const float *ss = x->s + (r0 + r) * (k / 16) + s0 / 16;                            \
                 __m256 d = _mm256_set1_ps(x->d[(r0 + r) * (k / 32) + s0 / 32]);                    \
                 __m256 s = _mm256_set1_ps(F##_SUB == 32 ? ss[0] + ss[1] : ss[0]);                 \
-                sl[r] = fma_(st.ol, s, fma_(cvt(il), mul(st.dl, d), sl[r]));                       \
-                sh[r] = fma_(st.oh, s, fma_(cvt(ih), mul(st.dh, d), sh[r]));                       \
+                sl[r] = combine8(sl[r], il, st.dl, st.ol, d, s);                                   \
+                sh[r] = combine8(sh[r], ih, st.dh, st.oh, d, s);                                   \
             }                                                                                      \
         }                                                                                          \
         _Pragma("GCC unroll 4") for (int r = 0; r < R; r++) {                                      \
@@ -399,8 +407,8 @@ ALWAYS void q3_k_iload(const istate *s, int c, __m256i *wl, __m256i *wh) {
         __m256 d = _mm256_set1_ps(x->d[(r0 + (r)) * (k / 32) + s0 / 32]);                          \
         __m256 s = _mm256_set1_ps(F##_SUB == 32 ? ss[0] + ss[1] : ss[0]);                         \
         float *o = y + (r) * ys;                                                                   \
-        _mm256_storeu_ps(o, fma_(st.ol, s, fma_(cvt(AL), mul(st.dl, d), _mm256_loadu_ps(o))));     \
-        _mm256_storeu_ps(o + 8, fma_(st.oh, s, fma_(cvt(AH), mul(st.dh, d), _mm256_loadu_ps(o + 8)))); \
+        _mm256_storeu_ps(o, combine8(_mm256_loadu_ps(o), AL, st.dl, st.ol, d, s));                 \
+        _mm256_storeu_ps(o + 8, combine8(_mm256_loadu_ps(o + 8), AH, st.dh, st.oh, d, s));         \
     }
 
 /* RR rows on one panel as ITILE_Y, for 7-8 rows on AVX2, whose 16 registers do not hold their

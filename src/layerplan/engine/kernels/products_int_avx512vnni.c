@@ -18,6 +18,11 @@ ALWAYS __m256i dot4(__m256i acc, __m256i w, __m256i x) { return _mm256_dpbusd_ep
 
 #include "int_tiles_avx2.h"
 
+/* int_tiles_avx2.h's combine8 (formats.h's rule for one sub-block) on sixteen lanes */
+ALWAYS __m512 combine16(__m512 sum, __m512i dot, __m512 scale, __m512 offset, __m512 d, __m512 s) {
+    return _mm512_fmadd_ps(offset, s, _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(scale, d), sum));
+}
+
 /* fifths as the 32-byte tiles take them, for 16 bytes of bits (panel A's and B's quads) */
 ALWAYS void fifths2(__m128i bits, int flip, __m512i *fl, __m512i *fh) {
     const __m512i spread = _mm512_set1_epi32(0x00204081), ones = _mm512_set1_epi32(0x01010101);
@@ -148,14 +153,12 @@ ALWAYS void q6_k_ipair(const istate *a, const istate *b, int c, __m512i *wl, __m
                 __m512 s = _mm512_set1_ps(F##_SUB == 32 ? ss[0] + ss[1] : ss[0]);                 \
                 if (YSUMS) {                                                                       \
                     float *o = y + r * ys;                                                         \
-                    __m512 pl = _mm512_fmadd_ps(_mm512_cvtepi32_ps(zl), _mm512_mul_ps(dl, d), lanes_ab(o, 0)); \
-                    __m512 ph = _mm512_fmadd_ps(_mm512_cvtepi32_ps(zh), _mm512_mul_ps(dh, d), lanes_ab(o, 8)); \
-                    store_ab(o, 0, _mm512_fmadd_ps(ol, s, pl));                                    \
-                    store_ab(o, 8, _mm512_fmadd_ps(oh, s, ph));                                    \
+                    store_ab(o, 0, combine16(lanes_ab(o, 0), zl, dl, ol, d, s));                   \
+                    store_ab(o, 8, combine16(lanes_ab(o, 8), zh, dh, oh, d, s));                   \
                 } else {                                                                           \
                     const int i = YSUMS ? 0 : r;                                                   \
-                    sl[i] = _mm512_fmadd_ps(ol, s, _mm512_fmadd_ps(_mm512_cvtepi32_ps(zl), _mm512_mul_ps(dl, d), sl[i])); \
-                    sh[i] = _mm512_fmadd_ps(oh, s, _mm512_fmadd_ps(_mm512_cvtepi32_ps(zh), _mm512_mul_ps(dh, d), sh[i])); \
+                    sl[i] = combine16(sl[i], zl, dl, ol, d, s);                                    \
+                    sh[i] = combine16(sh[i], zh, dh, oh, d, s);                                    \
                 }                                                                                  \
             }                                                                                      \
         }                                                                                          \
