@@ -62,7 +62,8 @@ def import_revision(revision: str, into: Path):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("revision", help="a git revision of this repository, e.g. HEAD~3 or a commit")
-    parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", *loading_now.QUANTIZED],
+                        help="a block format (q4_k; q4_k-fast: integer products) quantizes the matrices at load")
     parser.add_argument("--rounds", type=int, default=60)
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 4, 8], help="tokens per pass")
     parser.add_argument("--engine", default="native")

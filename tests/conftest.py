@@ -47,6 +47,7 @@ SLOW_FIXTURES = {
 }
 # single tests that take long for what the fast lane's other tests cover
 SLOW_TESTS = {
+    "test_the_avx512vnni_build_compiles_and_links_whole",  # builds a library
     "test_a_compiler_that_refuses_the_alignment_flags_still_builds_the_kernels",  # builds a library
     "test_every_build_gives_the_same_integer_products",  # builds every ISA's library
     "test_speculative_sampling_preserves_the_target_distribution",  # thousands of sampled rounds

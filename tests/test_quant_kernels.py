@@ -216,19 +216,30 @@ def test_shapes_and_formats_the_kernels_refuse(native):
     assert lib.lp_dequantize_rows(abi.LP_FORMATS, _ptr(rows), 1, 32, _ptr(out)) == abi.LP_E_TYPE
 
 
-def test_f16_rounding_is_numpys_for_every_kind_of_float(native):
+def test_f16_rounding_is_torchs_for_every_kind_of_float(native):
+    """The F16 format's halves (simd.h's f32_to_f16, the kernels' one f16 pair) are torch's and
+    F16C's: numpy's too, but for NaNs, which torch and F16C make quiet (numpy keeps a signalling NaN
+    signalling); and every half widens back to torch's float."""
     lib, abi = native
     bits = np.arange(0, 2 ** 32, 4099, dtype=np.uint64).astype(np.uint32)  # every exponent, both signs
     edges = np.array([0x477fefff, 0x477ff000, 0x33000000, 0x33000001, 0x387fc000, 0x387fe000, 0x7f800000,
-                      0x7f800001, 0xffc00000, 0x00000001, 0x80000000], np.uint32)
+                      0x7f800001, 0x7fa00000, 0xff812345, 0xffc00000, 0x00000001, 0x80000000], np.uint32)
     values = np.concatenate([bits, edges]).view(np.float32)
     ours = np.empty(values.size, np.uint16)
     assert lib.lp_quantize_rows(abi.LP_FORMAT_F16, _ptr(values), 1, values.size, _ptr(ours)) == abi.LP_OK
+    torchs = torch.from_numpy(values).to(torch.float16).view(torch.int16).numpy().view(np.uint16)
+    assert np.array_equal(ours, torchs)
     with np.errstate(over="ignore", invalid="ignore"):
-        assert np.array_equal(ours, values.astype(np.float16).view(np.uint16))
+        numbers = ~np.isnan(values)
+        assert np.array_equal(ours[numbers], values[numbers].astype(np.float16).view(np.uint16))
+    halves = np.arange(2 ** 16, dtype=np.uint32).astype(np.uint16)  # subnormals, infinities, NaNs
+    widened = np.empty(halves.size, np.float32)
+    assert lib.lp_dequantize_rows(abi.LP_FORMAT_F16, _ptr(halves), 1, halves.size, _ptr(widened)) == abi.LP_OK
+    want = torch.from_numpy(halves.view(np.int16)).view(torch.float16).float().numpy()
+    assert np.array_equal(widened.view(np.uint32), want.view(np.uint32))
 
 
-# the formats with integer tiles (products_int_avx2.c lp_int_tiles_of); the others run exact
+# the formats with integer tiles (the trait rows' int_tiles, products_int_avx2.c); the others run exact
 INTEGER = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 
 

@@ -144,25 +144,25 @@ class Isa:
     name: str
     cpu_flags: frozenset[str]  # /proc/cpuinfo flags it needs
     flags: tuple[str, ...]  # compiler flags
-    products: str  # its product file in kernels/
-    family: str = ""  # whose companion product files (products_<part>_<family>.c) it builds; "" = its name
-
-    @property
-    def files(self) -> str:
-        return self.family or self.name
+    products: tuple[str, ...]  # its product files in kernels/, each named for the ISA it is written for
 
 
-# Best first. "avx512vnni" is the AVX2 product files built where the CPU has AVX-512 BW, VL, VNNI and
-# VBMI (Ice Lake, Sapphire Rapids, Zen 4): the integer products (LP_ARITH_INT8) take 64-byte words and
-# vpdpbusd, and give the same integers as AVX2's vpmaddubsw route. An AVX-512 build of the fp32
-# tiles would be a row here with its own products_avx512.c (and an AVX-512 branch of simd.h).
+# Best first. Each library compiles the shared files (every .c in kernels/ but products_*.c) and its
+# row's product files: products_<isa>.c (fp32, bf16), products_quant_<isa>.c (the block formats'
+# exact tiles) and products_int_<isa>.c (their integer tiles, LP_ARITH_INT8; the generic build has
+# none). "avx512vnni" is where the CPU has AVX-512 BW, VL, VNNI and VBMI (Ice Lake, Sapphire Rapids,
+# Zen 4): AVX2's exact tiles, and integer tiles on vpdpbusd and 64-byte words, which give the same
+# integers as AVX2's vpmaddubsw route. An AVX-512 build of the fp32 tiles would be a
+# products_avx512.c in its row (and an AVX-512 branch of simd.h).
 _AVX2 = ("-mavx2", "-mfma", "-mf16c")
 ISAS = (
     Isa("avx512vnni", frozenset({"avx2", "fma", "avx512bw", "avx512vl", "avx512_vnni", "avx512vbmi"}),
-        _AVX2 + ("-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mavx512vbmi"), "products_avx2.c", family="avx2"),
-    Isa("avx2", frozenset({"avx2", "fma"}), _AVX2, "products_avx2.c"),
+        _AVX2 + ("-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mavx512vbmi"),
+        ("products_avx2.c", "products_quant_avx2.c", "products_int_avx512vnni.c")),
+    Isa("avx2", frozenset({"avx2", "fma"}), _AVX2, ("products_avx2.c", "products_quant_avx2.c", "products_int_avx2.c")),
 )
-PORTABLE = Isa("generic", frozenset(), (), "products_generic.c")  # only when LAYERPLAN_KERNEL_ISA asks for it
+# only when LAYERPLAN_KERNEL_ISA asks for it
+PORTABLE = Isa("generic", frozenset(), (), ("products_generic.c", "products_quant_generic.c"))
 
 FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=c11", "-fvisibility=hidden")
 # Functions and loops start on 64-byte lines, so where the hot loops fall (which moves pass times)
@@ -171,14 +171,13 @@ FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=c11", "-fvisibility=hidden
 ALIGN_FLAGS = ("-falign-functions=64", "-falign-loops=64")
 SANITIZE_FLAGS = ("-fsanitize=address,undefined", "-fno-sanitize-recover=all", "-fno-omit-frame-pointer", "-g")
 LIBS = ("-lm", "-ldl")
-# the shared kernel files: every .c in kernels/ but the product files, which go one to a library
-_PRODUCTS = re.compile(r"products_\w+\.c")
+_PRODUCTS = re.compile(r"products_\w+\.c")  # the product files, which go to the libraries their ISAS rows name
 
 
 def sources(isa: Isa) -> list[Path]:
-    """The shared files, then the ISA's product file and its companions (products_<part>_<isa>.c)."""
-    return (sorted(p for p in KERNELS.glob("*.c") if not _PRODUCTS.fullmatch(p.name)) + [KERNELS / isa.products]
-            + sorted(KERNELS.glob(f"products_*_{isa.files}.c")))
+    """The shared files, then the ISA's product files."""
+    return (sorted(p for p in KERNELS.glob("*.c") if not _PRODUCTS.fullmatch(p.name))
+            + [KERNELS / name for name in isa.products])
 
 
 def choose_isa() -> Isa:

@@ -1,9 +1,9 @@
-/* The weight-format trait table (see formats.h): fp32 and bf16 here, f16 and the GGUF block
- * formats from quant_formats.c (layouts in quant.h), one row each. */
+/* The weight-format trait table (see formats.h), one row a row of LP_FORMAT_LIST: fp32's and
+ * bf16's functions here, f16's and the GGUF block formats' in quant_formats.c (layouts in quant.h). */
 #include "quant.h"
 
 /* fp32: a panel stores, for each input i, its 16 rows' weights in order. */
-static void pack_f32(const void *w, long n, long k, void *out) {
+void lp_pack_f32(const void *w, long n, long k, void *out) {
     long panels = (n + LP_PANEL - 1) / LP_PANEL;
     #pragma omp parallel for schedule(static)
     for (long p = 0; p < panels; p++)
@@ -14,12 +14,12 @@ static void pack_f32(const void *w, long n, long k, void *out) {
             }
 }
 
-static void f32_from_f32(const float *src, void *dst, long count) { memcpy(dst, src, sizeof(float) * (size_t)count); }
+void lp_f32_from_f32(const float *src, void *dst, long count) { memcpy(dst, src, sizeof(float) * (size_t)count); }
 
 /* bf16: as fp32, but the 16 weights of an input in the order rows 0, 8, 1, 9, ... 7, 15: the eight
  * 32-bit words then hold rows 0-7 in their low and 8-15 in their high halves, which a shift and a
  * mask widen to fp32 (see widen_bf16 in products_avx2.c). */
-static void pack_bf16(const void *w, long n, long k, void *out) {
+void lp_pack_bf16(const void *w, long n, long k, void *out) {
     static const int lane[LP_PANEL] = {0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15};
     long panels = (n + LP_PANEL - 1) / LP_PANEL;
     #pragma omp parallel for schedule(static)
@@ -31,25 +31,15 @@ static void pack_bf16(const void *w, long n, long k, void *out) {
             }
 }
 
-static void bf16_from_f32(const float *src, void *dst, long count) {
+void lp_bf16_from_f32(const float *src, void *dst, long count) {
     for (long i = 0; i < count; i++) ((uint16_t *)dst)[i] = f32_to_bf16(src[i]);
 }
 
-static const lp_format_traits formats[LP_FORMATS] = {
-    [LP_FORMAT_F32] = {"f32", 1, 4, pack_f32, f32_from_f32, &lp_tiles_f32},
-    [LP_FORMAT_BF16] = {"bf16", 1, 2, pack_bf16, bf16_from_f32, &lp_tiles_bf16},
-    [LP_FORMAT_F16] = {"f16", 1, 2, lp_pack_f16, lp_f16_from_f32, &lp_tiles_f16},
-    [LP_FORMAT_Q8_0] = {"q8_0", 32, 34, lp_pack_q8_0, lp_q8_0_from_f32, &lp_tiles_q8_0},
-    [LP_FORMAT_Q4_0] = {"q4_0", 32, 18, lp_pack_q4_0, lp_q4_0_from_f32, &lp_tiles_q4_0},
-    [LP_FORMAT_Q4_1] = {"q4_1", 32, 20, lp_pack_q4_1, lp_q4_1_from_f32, &lp_tiles_q4_1},
-    [LP_FORMAT_Q5_0] = {"q5_0", 32, 22, lp_pack_q5_0, lp_q5_0_from_f32, &lp_tiles_q5_0},
-    [LP_FORMAT_Q5_1] = {"q5_1", 32, 24, lp_pack_q5_1, lp_q5_1_from_f32, &lp_tiles_q5_1},
-    [LP_FORMAT_Q2_K] = {"q2_k", 256, 84, lp_pack_q2_k, lp_q2_k_from_f32, &lp_tiles_q2_k},
-    [LP_FORMAT_Q3_K] = {"q3_k", 256, 110, lp_pack_q3_k, lp_q3_k_from_f32, &lp_tiles_q3_k},
-    [LP_FORMAT_Q4_K] = {"q4_k", 256, 144, lp_pack_q4_k, lp_q4_k_from_f32, &lp_tiles_q4_k},
-    [LP_FORMAT_Q5_K] = {"q5_k", 256, 176, lp_pack_q5_k, lp_q5_k_from_f32, &lp_tiles_q5_k},
-    [LP_FORMAT_Q6_K] = {"q6_k", 256, 210, lp_pack_q6_k, lp_q6_k_from_f32, &lp_tiles_q6_k},
-};
+#define LP_FORMAT_ROW(ID, name, block, bytes, sub)                                                 \
+    [LP_FORMAT_##ID] = {#name, block, bytes, lp_pack_##name, lp_##name##_from_f32, &lp_tiles_##name, &lp_int_tiles_##name},
+static const lp_format_traits formats[LP_FORMATS] = {LP_FORMAT_LIST(LP_FORMAT_ROW)};
+#define LP_COUNT(...) +1
+_Static_assert(0 LP_FORMAT_LIST(LP_COUNT) == LP_FORMATS, "kernels.h's LP_FORMATS is LP_FORMAT_LIST's rows");
 
 const lp_format_traits *lp_format(int format) {
     return format >= 0 && format < LP_FORMATS ? &formats[format] : NULL;

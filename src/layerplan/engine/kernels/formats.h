@@ -1,6 +1,6 @@
 /* The weight-format trait table: one row per weight format (lp_matrix.format), with what the rest
- * of the engine needs to know of it. Adding a format is a row here (formats.c) plus its tiles in
- * each ISA's product file; nothing else in the engine names a format.
+ * of the engine needs to know of it. Adding a format is a row of LP_FORMAT_LIST (below; its number
+ * in kernels.h) plus its functions and tiles; nothing else in the engine names a format.
  *
  * Packed layout, common to every format: panels of LP_PANEL output rows (zero-padded to whole
  * panels), each panel input-major: for each block of `block` inputs, the LP_PANEL rows' blocks
@@ -40,17 +40,6 @@ typedef struct {
                       long ys);
 } lp_tiles;
 
-typedef struct {
-    const char *name;
-    long block;       /* inputs per block (1 for the plain formats) */
-    long block_bytes; /* bytes of one row's block */
-    /* w (n, k) as the format's rows are stored unpacked -> out, the packed panels */
-    void (*pack)(const void *w, long n, long k, void *out);
-    /* count fp32 values (a whole number of blocks) -> the format's unpacked row */
-    void (*from_f32)(const float *src, void *dst, long count);
-    const lp_tiles *tiles; /* this library's ISA's tiles for the format */
-} lp_format_traits;
-
 /* ----- integer products (LP_ARITH_INT8) -----
  * The activations of a product are quantized row by row, per block of 32 inputs, as llama.cpp's
  * Q8_0 quantizes them: d = max|x| / 127, q = x * (127 / max|x|) rounded to the nearest (ties to
@@ -80,10 +69,22 @@ typedef struct {
     long most;                         /* the most rows a pass gives one tile (<= LP_INT_ROWS) */
 } lp_int_tiles;
 
+typedef struct {
+    const char *name;
+    long block;       /* inputs per block (1 for the plain formats) */
+    long block_bytes; /* bytes of one row's block */
+    /* w (n, k) as the format's rows are stored unpacked -> out, the packed panels */
+    void (*pack)(const void *w, long n, long k, void *out);
+    /* count fp32 values (a whole number of blocks) -> the format's unpacked row */
+    void (*from_f32)(const float *src, void *dst, long count);
+    const lp_tiles *tiles; /* this library's ISA's tiles for the format */
+    /* this library's ISA's integer tiles for the format (LP_ARITH_INT8); NULL where the format or
+     * the build has none (the products then run exact) */
+    const lp_int_tiles *int_tiles;
+} lp_format_traits;
+
 /* x (m, k fp32; k a multiple of 32) -> q, d, s of an lp_q8 */
 void lp_q8_quantize(const float *x, long m, long k, int8_t *q, float *d, float *s);
-/* this library's ISA's integer tiles for `format`; NULL where it has none (the products run exact) */
-const lp_int_tiles *lp_int_tiles_of(int format);
 
 /* the row of `format`, NULL for an unknown one */
 const lp_format_traits *lp_format(int format);
@@ -93,11 +94,45 @@ static inline long lp_panel_bytes(const lp_format_traits *f, long k) {
     return k % f->block ? -1 : LP_PANEL * (k / f->block) * f->block_bytes;
 }
 
-/* the tiles of each format, defined by the ISA's product files (products_<isa>.c; the block
- * formats' in products_quant_<isa>.c) */
-extern const lp_tiles lp_tiles_f32, lp_tiles_bf16;
-extern const lp_tiles lp_tiles_f16, lp_tiles_q8_0, lp_tiles_q4_0, lp_tiles_q4_1, lp_tiles_q5_0, lp_tiles_q5_1,
-    lp_tiles_q2_k, lp_tiles_q3_k, lp_tiles_q4_k, lp_tiles_q5_k, lp_tiles_q6_k;
+/* ----- the formats, one row each: X(ID, name, block, bytes, sub) -----
+ *   ID     LP_FORMAT_<ID> in kernels.h (the number native.py reads) and the prefix of the row's
+ *          constants: <ID>_BLOCK, <ID>_BYTES, <ID>_PB (a panel block's bytes) and <ID>_SUB
+ *   name   the trait row's name, and its functions': lp_pack_<name>, lp_<name>_from_f32 (quant.h's
+ *          layouts: quant_formats.c; f32 and bf16: formats.c), its tiles lp_tiles_<name> and, where
+ *          a build has them, its integer tiles lp_int_tiles_<name>
+ *   block  inputs of a stored block (1: one value a block), bytes: a row's block's bytes
+ *   sub    inputs that share one scale (a sub-block; 1 for the formats without scales)
+ * The plain formats' tiles are products_<isa>.c's, the others' products_quant_<isa>.c's (those
+ * files expand their tiles from these lists). */
+#define LP_PLAIN_FORMATS(X)                                                                        \
+    X(F32, f32, 1, 4, 1)                                                                           \
+    X(BF16, bf16, 1, 2, 1)
+#define LP_QUANT_FORMATS(X)                                                                        \
+    X(F16, f16, 1, 2, 1)                                                                           \
+    X(Q8_0, q8_0, 32, 34, 32)                                                                      \
+    X(Q4_0, q4_0, 32, 18, 32)                                                                      \
+    X(Q4_1, q4_1, 32, 20, 32)                                                                      \
+    X(Q5_0, q5_0, 32, 22, 32)                                                                      \
+    X(Q5_1, q5_1, 32, 24, 32)                                                                      \
+    X(Q2_K, q2_k, 256, 84, 16)                                                                     \
+    X(Q3_K, q3_k, 256, 110, 16)                                                                    \
+    X(Q4_K, q4_k, 256, 144, 32)                                                                    \
+    X(Q5_K, q5_k, 256, 176, 32)                                                                    \
+    X(Q6_K, q6_k, 256, 210, 16)
+#define LP_FORMAT_LIST(X) LP_PLAIN_FORMATS(X) LP_QUANT_FORMATS(X)
+
+/* each row's constants and declarations. The integer tiles are declared weak: where no file of a
+ * build defines a format's (the formats without: f32, bf16, f16; the generic build: none), the
+ * linker makes its address NULL, so the format's row says the build has none. */
+#define LP_MAYBE __attribute__((weak, visibility("hidden")))
+#define LP_FORMAT_DECLARE(ID, name, block, bytes, sub)                                             \
+    enum { ID##_BLOCK = block, ID##_BYTES = bytes, ID##_PB = LP_PANEL * bytes, ID##_SUB = sub };    \
+    void lp_pack_##name(const void *w, long n, long k, void *out);                                 \
+    void lp_##name##_from_f32(const float *src, void *dst, long count);                            \
+    extern const lp_tiles lp_tiles_##name;                                                         \
+    extern const lp_int_tiles lp_int_tiles_##name LP_MAYBE;
+LP_FORMAT_LIST(LP_FORMAT_DECLARE)
+
 extern const char lp_products_isa[];
 
 #endif

@@ -124,7 +124,7 @@ int lp_gemm(const lp_matrix *mat, const float *x, long m, float *y, int threads)
     if (panels < 2L * threads) threads = 1; /* too little work to share */
     if (panels >= (1L << 32)) return LP_E_SHAPE; /* a run's span holds panel numbers in 32 bits */
     lp_product pr = {f->tiles, NULL, NULL, (const char *)mat->w, panel_bytes, k, m, x};
-    if (mat->arithmetic == LP_ARITH_INT8 && k % 32 == 0) pr.int_tiles = lp_int_tiles_of(mat->format);
+    if (mat->arithmetic == LP_ARITH_INT8 && k % 32 == 0) pr.int_tiles = f->int_tiles;
     /* the panels the tiles for few rows take at once (four_panels; two_panels and the pairs) */
     long grain = pr.int_tiles ? 2 : m == 1 ? 4 : 2;
     lp_run *runs = (lp_run *)aligned_alloc(64, sizeof(lp_run) * (size_t)threads);

@@ -18,12 +18,6 @@
 #error "products_avx2.c is built with -mavx2 -mfma"
 #endif
 
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-const char lp_products_isa[] = "avx512vnni";
-#else
-const char lp_products_isa[] = "avx2";
-#endif
-
 static inline void widen_bf16(const uint16_t *p, __m256 *lo, __m256 *hi) {
     __m256i v = _mm256_loadu_si256((const __m256i *)p);
     *lo = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));

@@ -209,14 +209,40 @@ static void rows_on_buffer(void (*widen)(const uint8_t *, long, long, float *, l
         .many_rows = f##_many,                                                                     \
     };
 
-QTILES(F16, f16)
-QTILES(Q8_0, q8_0)
-QTILES(Q4_0, q4_0)
-QTILES(Q4_1, q4_1)
-QTILES(Q5_0, q5_0)
-QTILES(Q5_1, q5_1)
-QTILES(Q2_K, q2_k)
-QTILES(Q3_K, q3_k)
-QTILES(Q4_K, q4_k)
-QTILES(Q5_K, q5_k)
-QTILES(Q6_K, q6_k)
+#define QTILES_OF(ID, name, ...) QTILES(ID, name)
+LP_QUANT_FORMATS(QTILES_OF)
+
+/* ----- the activations of the integer products (LP_ARITH_INT8), for both integer builds ----- */
+
+/* formats.h's quantization, eight lanes at a time: the same max, product and rounding as the
+ * scalar rule (_mm256_cvtps_epi32 rounds to nearest even, as nearbyintf does by default) */
+void lp_q8_quantize(const float *x, long m, long k, int8_t *q, float *d, float *s) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    for (long r = 0; r < m; r++)
+        for (long b = 0; b < k / 32; b++) {
+            const float *xb = x + r * k + 32 * b;
+            __m256 v[4], amax = _mm256_setzero_ps();
+            for (int i = 0; i < 4; i++) {
+                v[i] = _mm256_loadu_ps(xb + 8 * i);
+                amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[i]));
+            }
+            __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+            m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+            m4 = _mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1));
+            float most = _mm_cvtss_f32(m4);
+            float inv = most > 0.0f ? 127.0f / most : 0.0f;
+            d[r * (k / 32) + b] = most / 127.0f;
+            __m256i qi[4];
+            for (int i = 0; i < 4; i++) qi[i] = _mm256_cvtps_epi32(mul(v[i], _mm256_set1_ps(inv)));
+            /* int32 -> int8 in input order (packs interleave 128-bit lanes; the permute restores it) */
+            __m256i q16a = _mm256_packs_epi32(qi[0], qi[1]), q16b = _mm256_packs_epi32(qi[2], qi[3]);
+            __m256i q8 = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(q16a, q16b),
+                                                     _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+            _mm256_storeu_si256((__m256i *)(q + r * k + 32 * b), q8);
+            for (int h = 0; h < 2; h++) {
+                int sum = 0;
+                for (int i = 0; i < 16; i++) sum += q[r * k + 32 * b + 16 * h + i];
+                s[r * (k / 16) + 2 * b + h] = d[r * (k / 32) + b] * (float)sum;
+            }
+        }
+}

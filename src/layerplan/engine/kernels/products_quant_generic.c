@@ -8,16 +8,12 @@
 
 static void widen(int format, const void *panel, long i, float out[LP_PANEL]) {
     if (format == LP_FORMAT_F16) {
-        for (int j = 0; j < LP_PANEL; j++) out[j] = lp_f16_to_f32(((const uint16_t *)panel)[i * LP_PANEL + j]);
+        for (int j = 0; j < LP_PANEL; j++) out[j] = f16_to_f32(((const uint16_t *)panel)[i * LP_PANEL + j]);
         return;
     }
-    static const long block[] = {[LP_FORMAT_Q8_0] = 32, [LP_FORMAT_Q4_0] = 32, [LP_FORMAT_Q4_1] = 32,
-                                 [LP_FORMAT_Q5_0] = 32, [LP_FORMAT_Q5_1] = 32, [LP_FORMAT_Q2_K] = 256,
-                                 [LP_FORMAT_Q3_K] = 256, [LP_FORMAT_Q4_K] = 256, [LP_FORMAT_Q5_K] = 256,
-                                 [LP_FORMAT_Q6_K] = 256};
     const lp_format_traits *f = lp_format(format);
-    const uint8_t *pb = (const uint8_t *)panel + i / block[format] * LP_PANEL * f->block_bytes;
-    lp_quant_panel_values(format, pb, i % block[format], out);
+    const uint8_t *pb = (const uint8_t *)panel + i / f->block * LP_PANEL * f->block_bytes;
+    lp_quant_panel_values(format, pb, i % f->block, out);
 }
 
 static void tile(int format, int rows, int panels, const float *x, long k, long from, long to, const void *w,
@@ -64,23 +60,11 @@ static void tile(int format, int rows, int panels, const float *x, long k, long 
         .four_panels = f##_1x4,                                                                    \
     };
 
-DEFINE_TILES(f16, LP_FORMAT_F16)
-DEFINE_TILES(q8_0, LP_FORMAT_Q8_0)
-DEFINE_TILES(q4_0, LP_FORMAT_Q4_0)
-DEFINE_TILES(q4_1, LP_FORMAT_Q4_1)
-DEFINE_TILES(q5_0, LP_FORMAT_Q5_0)
-DEFINE_TILES(q5_1, LP_FORMAT_Q5_1)
-DEFINE_TILES(q2_k, LP_FORMAT_Q2_K)
-DEFINE_TILES(q3_k, LP_FORMAT_Q3_K)
-DEFINE_TILES(q4_k, LP_FORMAT_Q4_K)
-DEFINE_TILES(q5_k, LP_FORMAT_Q5_K)
-DEFINE_TILES(q6_k, LP_FORMAT_Q6_K)
+#define TILES_OF(ID, name, ...) DEFINE_TILES(name, LP_FORMAT_##ID)
+LP_QUANT_FORMATS(TILES_OF)
 
-/* Integer products: none in the portable build; LP_ARITH_INT8 matrices run the exact products. */
-const lp_int_tiles *lp_int_tiles_of(int format) {
-    (void)format;
-    return NULL;
-}
+/* Integer products: none in the portable build (no lp_int_tiles_<format>: the trait rows' int_tiles
+ * are NULL); LP_ARITH_INT8 matrices run the exact products. */
 
 /* formats.h's quantization in scalar C: its rule written plainly (lp_gemm links to it; without
  * integer tiles this build never calls it) */

@@ -54,53 +54,13 @@
 
 #define LPQ_QK 256 /* inputs of a K-quant super-block */
 
-/* An f16 (IEEE binary16) as the fp32 of the same value: exact for every f16, subnormals included,
- * as F16C's conversion (NaNs keep their payload). */
-static inline float lp_f16_to_f32(uint16_t h) {
-    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu, u;
-    if (exp == 0x1f) u = sign | 0x7f800000u | man << 13;
-    else if (exp) u = sign | (exp + 112) << 23 | man << 13;
-    else if (!man) u = sign;
-    else { /* subnormal: man * 2^-24, normalised */
-        uint32_t e = 113;
-        while (!(man & 0x400u)) { man <<= 1; e--; }
-        u = sign | e << 23 | (man & 0x3ffu) << 13;
-    }
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-/* v rounded to the nearest f16, ties to even (as numpy's astype(float16) and F16C round) */
-uint16_t lp_f32_to_f16(float v);
-
-/* ----- quant_formats.c ----- */
-/* the file's rows (n rows of k / block stored blocks) -> the packed panels (lp_packed_bytes) */
-void lp_pack_f16(const void *w, long n, long k, void *out);
-void lp_pack_q8_0(const void *w, long n, long k, void *out);
-void lp_pack_q4_0(const void *w, long n, long k, void *out);
-void lp_pack_q4_1(const void *w, long n, long k, void *out);
-void lp_pack_q5_0(const void *w, long n, long k, void *out);
-void lp_pack_q5_1(const void *w, long n, long k, void *out);
-void lp_pack_q2_k(const void *w, long n, long k, void *out);
-void lp_pack_q3_k(const void *w, long n, long k, void *out);
-void lp_pack_q4_k(const void *w, long n, long k, void *out);
-void lp_pack_q5_k(const void *w, long n, long k, void *out);
-void lp_pack_q6_k(const void *w, long n, long k, void *out);
-/* count fp32 values (whole blocks) -> stored blocks. The legacy formats (Q8_0, Q4_0, Q4_1, Q5_0,
- * Q5_1) quantize as gguf-py's quantize does, bit for bit; the K-quants by plain per-sub-block
- * min / max (valid blocks, not llama.cpp's searched scales). */
-void lp_f16_from_f32(const float *src, void *dst, long count);
-void lp_q8_0_from_f32(const float *src, void *dst, long count);
-void lp_q4_0_from_f32(const float *src, void *dst, long count);
-void lp_q4_1_from_f32(const float *src, void *dst, long count);
-void lp_q5_0_from_f32(const float *src, void *dst, long count);
-void lp_q5_1_from_f32(const float *src, void *dst, long count);
-void lp_q2_k_from_f32(const float *src, void *dst, long count);
-void lp_q3_k_from_f32(const float *src, void *dst, long count);
-void lp_q4_k_from_f32(const float *src, void *dst, long count);
-void lp_q5_k_from_f32(const float *src, void *dst, long count);
-void lp_q6_k_from_f32(const float *src, void *dst, long count);
+/* f16 scales convert with simd.h's f16_to_f32 and f32_to_f16 */
+/* ----- quant_formats.c -----
+ * Each format's lp_pack_<name> (the file's rows: n rows of k / block stored blocks -> the packed
+ * panels) and lp_<name>_from_f32 (count fp32 values, whole blocks -> stored blocks), declared by
+ * formats.h's table. The legacy formats (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1) quantize as gguf-py's
+ * quantize does, bit for bit; the K-quants by plain per-sub-block min / max (valid blocks, not
+ * llama.cpp's searched scales). */
 
 /* The 16 rows' weights of input i (0 <= i < block) of a panel block, as fp32 (the portable
  * decoding of the layouts above, for the generic tiles). */

@@ -70,14 +70,11 @@ ALWAYS void pair_scales(qstate *s, __m256 lo, __m256 hi) {
 ALWAYS __m256i nib_lo(__m256i v, const int t) { return and_(v, 0xFu << 8 * t); }
 ALWAYS __m256i nib_hi(__m256i v, const int t) { return t < 3 ? and_(v, 0xF0u << 8 * t) : _mm256_srli_epi32(v, 28); }
 
-/* ----- per format: SUB inputs share scales, CHUNK inputs share a word; setup(state, panel block,
- * sub-block), load(state, chunk, raw), widen(state, raw, t) ----- */
+/* ----- per format (with its BLOCK, PB and SUB from formats.h's table): CHUNK inputs share a word;
+ * setup(state, panel block, sub-block), load(state, chunk, raw), widen(state, raw, t) ----- */
 
 /* f16: 32 bytes an input, rows in order */
-#define F16_BLOCK 1
-#define F16_SUB 1
 #define F16_CHUNK 1
-#define F16_PB 32
 ALWAYS void f16_setup(qstate *s, const uint8_t *pb, int sub) { (void)sub; s->q = pb; }
 ALWAYS void f16_load(const qstate *s, int c, qraw *r) { r->p = s->q + 32 * c; }
 ALWAYS v16 f16_widen(const qstate *s, const qraw *r, const int t) {
@@ -86,10 +83,7 @@ ALWAYS v16 f16_widen(const qstate *s, const qraw *r, const int t) {
 }
 
 /* Q8_0: w = q d */
-#define Q8_0_BLOCK 32
-#define Q8_0_SUB 32
 #define Q8_0_CHUNK 4
-#define Q8_0_PB 544
 ALWAYS void q8_0_setup(qstate *s, const uint8_t *pb, int sub) {
     (void)sub;
     s->ml[0] = half8(pb);
@@ -102,10 +96,7 @@ ALWAYS v16 q8_0_widen(const qstate *s, const qraw *r, const int t) {
 }
 
 /* Q4_0: w = d (q - 8) = d q + (-8 d), exact (no rounding) */
-#define Q4_0_BLOCK 32
-#define Q4_0_SUB 32
 #define Q4_0_CHUNK 4
-#define Q4_0_PB 288
 ALWAYS void q4_0_setup(qstate *s, const uint8_t *pb, int sub) {
     (void)sub;
     __m256 lo = half8(pb), hi = half8(pb + 16);
@@ -121,10 +112,7 @@ ALWAYS v16 q4_0_widen(const qstate *s, const qraw *r, const int t) {
 }
 
 /* Q4_1: w = (d q) + m */
-#define Q4_1_BLOCK 32
-#define Q4_1_SUB 32
 #define Q4_1_CHUNK 4
-#define Q4_1_PB 320
 ALWAYS void q4_1_setup(qstate *s, const uint8_t *pb, int sub) {
     (void)sub;
     nibble_scales(s, half8(pb), half8(pb + 16));
@@ -149,10 +137,7 @@ ALWAYS __m256i fifth_hi(__m256i h, const int t) {
 }
 
 /* Q5_0: w = d (q - 16), the fifth bits stored inverted: q - 16 = nibble - 16 (NOT bit) */
-#define Q5_0_BLOCK 32
-#define Q5_0_SUB 32
 #define Q5_0_CHUNK 4
-#define Q5_0_PB 352
 ALWAYS void q5_0_setup(qstate *s, const uint8_t *pb, int sub) {
     (void)sub;
     nibble_scales(s, half8(pb), half8(pb + 16));
@@ -167,10 +152,7 @@ ALWAYS v16 q5_0_widen(const qstate *s, const qraw *r, const int t) {
 }
 
 /* Q5_1: w = (d q) + m */
-#define Q5_1_BLOCK 32
-#define Q5_1_SUB 32
 #define Q5_1_CHUNK 4
-#define Q5_1_PB 384
 ALWAYS void q5_1_setup(qstate *s, const uint8_t *pb, int sub) {
     (void)sub;
     nibble_scales(s, half8(pb), half8(pb + 16));
@@ -212,10 +194,7 @@ ALWAYS void k4_scales(qstate *s, const uint8_t *pb, int sub) {
 }
 
 /* Q4_K: w = (d sc) q - (dmin m), sub-blocks of 32 */
-#define Q4_K_BLOCK 256
-#define Q4_K_SUB 32
 #define Q4_K_CHUNK 4
-#define Q4_K_PB 2304
 ALWAYS void q4_k_setup(qstate *s, const uint8_t *pb, int sub) {
     k4_scales(s, pb, sub);
     s->q = pb + 256 + 256 * sub;
@@ -226,10 +205,7 @@ ALWAYS v16 q4_k_widen(const qstate *s, const qraw *r, const int t) {
 }
 
 /* Q5_K: as Q4_K with fifth bits */
-#define Q5_K_BLOCK 256
-#define Q5_K_SUB 32
 #define Q5_K_CHUNK 4
-#define Q5_K_PB 2816
 ALWAYS void q5_k_setup(qstate *s, const uint8_t *pb, int sub) {
     k4_scales(s, pb, sub);
     s->h = pb + 256 + 64 * sub;
@@ -245,10 +221,7 @@ ALWAYS v16 q5_k_widen(const qstate *s, const qraw *r, const int t) {
 /* Q6_K: w = (d sc) (q - 32) = (d sc) q + (-32 d sc), exact; sub-blocks of 16; high bits in 16-bit
  * lanes, row j's of input t at P[t] = {0, 2, 8, 10}, row j+8's at P[t] + 4, shifted by 8t + 4 - P[t]
  * to their places */
-#define Q6_K_BLOCK 256
-#define Q6_K_SUB 16
 #define Q6_K_CHUNK 4
-#define Q6_K_PB 3360
 ALWAYS void q6_k_setup(qstate *s, const uint8_t *pb, int sub) {
     const uint8_t *sc = pb + 32 + 16 * sub;
     __m256 lo = mul(half8(pb), cvt(sbytes8(sc))), hi = mul(half8(pb + 16), cvt(sbytes8(sc + 8)));
@@ -278,10 +251,7 @@ ALWAYS __m256i pair_hi(__m256i v, const int t) { return t < 7 ? and_(v, 0xCu << 
 /* Q3_K: w = (d (sc - 32)) q, q = low - 4 (NOT third bit); sub-blocks of 16; third bits in 16-bit
  * lanes, row j's of input t at P[t] = {0,1,4,5,8,9,12,13}, row j+8's at P[t] + 2, shifted by
  * 4t + 2 - P[t] to the weight 4 of their places */
-#define Q3_K_BLOCK 256
-#define Q3_K_SUB 16
 #define Q3_K_CHUNK 8
-#define Q3_K_PB 1760
 /* Q3_K sub-block s's scales of the 16 rows, d (sc - 32) (sc: 4 low bits, 2 high bits); no offset */
 ALWAYS kscales q3_k_fields(const uint8_t *pb, int sub) {
     const uint8_t *s12 = pb + 32 + 12 * sub;
@@ -315,10 +285,7 @@ ALWAYS v16 q3_k_widen(const qstate *s, const qraw *r, const int t) {
 }
 
 /* Q2_K: w = (d sc) q - (dmin m), sub-blocks of 16 */
-#define Q2_K_BLOCK 256
-#define Q2_K_SUB 16
 #define Q2_K_CHUNK 8
-#define Q2_K_PB 1344
 /* Q2_K sub-block s's d sc and -(dmin m) of the 16 rows (sc, m: a byte's nibbles) */
 ALWAYS kscales q2_k_fields(const uint8_t *pb, int sub) {
     const uint8_t *sm = pb + 64 + 16 * sub;

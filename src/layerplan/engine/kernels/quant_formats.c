@@ -10,28 +10,6 @@
 
 #include "quant.h"
 
-uint16_t lp_f32_to_f16(float v) {
-    uint32_t u;
-    memcpy(&u, &v, 4);
-    uint32_t sign = (u >> 16) & 0x8000u, a = u & 0x7fffffffu;
-    if (a > 0x7f800000u) { /* NaN: numpy keeps the payload's top bits, and one bit of it at least */
-        uint32_t h = 0x7c00u + ((a & 0x7fffffu) >> 13);
-        return (uint16_t)(sign | (h == 0x7c00u ? h + 1 : h));
-    }
-    if (a >= 0x477ff000u) return (uint16_t)(sign | 0x7c00u);                     /* rounds past 65504: inf */
-    if (a < 0x38800000u) { /* below 2^-14: an f16 subnormal (or zero), man * 2^-24 */
-        if (a < 0x33000000u) return (uint16_t)sign; /* below half the least subnormal, 2^-25 */
-        uint32_t man = (a & 0x7fffffu) | 0x800000u, shift = 126 - (a >> 23); /* value = man * 2^(e-150) */
-        uint32_t q = man >> shift, rest = man & ((1u << shift) - 1), half = 1u << (shift - 1);
-        q += rest > half || (rest == half && (q & 1u));
-        return (uint16_t)(sign | q);
-    }
-    uint32_t q = a - 0x38000000u; /* rebias the exponent: 127 - 15 = 112 */
-    uint32_t rest = q & 0x1fffu, h = q >> 13;
-    h += rest > 0x1000u || (rest == 0x1000u && (h & 1u)); /* a carry into the exponent is right */
-    return (uint16_t)(sign | h);
-}
-
 /* ----- a stored block's fields ----- */
 
 /* The fields of one stored block: its f16 scales' bits, its sub-blocks' scales and mins (as
@@ -152,7 +130,7 @@ static void fields_q6_k(const uint8_t *b, lpq_fields *f) {
 /* ----- dequantization: gguf's values ----- */
 
 static void values(int format, const lpq_fields *f, float *out) {
-    float d = lp_f16_to_f32(f->d), m = lp_f16_to_f32(f->m);
+    float d = f16_to_f32(f->d), m = f16_to_f32(f->m);
     switch (format) {
     case LP_FORMAT_Q8_0:
         for (int e = 0; e < 32; e++) out[e] = (float)(int8_t)f->q[e] * d;
@@ -212,7 +190,7 @@ LP_API int lp_dequantize_rows(int format, const void *rows, long count, long k, 
         const uint16_t *h = (const uint16_t *)rows;
         if (format == LP_FORMAT_F32) memcpy(out, rows, sizeof(float) * (size_t)(count * k));
         else if (format == LP_FORMAT_BF16) for (long i = 0; i < count * k; i++) out[i] = bf16_to_f32(h[i]);
-        else for (long i = 0; i < count * k; i++) out[i] = lp_f16_to_f32(h[i]);
+        else for (long i = 0; i < count * k; i++) out[i] = f16_to_f32(h[i]);
         return LP_OK;
     }
     const lpq_format *q = lpq(format);
@@ -392,16 +370,16 @@ static void put_panel_q6_k(const lpq_fields *f, uint8_t *pb) {
 }
 
 static const lpq_format formats_q[] = {
-    [LP_FORMAT_Q8_0] = {32, 34, 544, fields_q8_0, put_q8_0},
-    [LP_FORMAT_Q4_0] = {32, 18, 288, fields_q4_0, NULL, put_panel_q4_0},
-    [LP_FORMAT_Q4_1] = {32, 20, 320, fields_q4_1, NULL, put_panel_q4_1},
-    [LP_FORMAT_Q5_0] = {32, 22, 352, fields_q5_0, put_q5_0},
-    [LP_FORMAT_Q5_1] = {32, 24, 384, fields_q5_1, put_q5_1},
-    [LP_FORMAT_Q2_K] = {256, 84, 1344, fields_q2_k, put_q2_k},
-    [LP_FORMAT_Q3_K] = {256, 110, 1760, fields_q3_k, put_q3_k},
-    [LP_FORMAT_Q4_K] = {256, 144, 2304, fields_q4_k, NULL, put_panel_q4_k},
-    [LP_FORMAT_Q5_K] = {256, 176, 2816, fields_q5_k, put_q5_k},
-    [LP_FORMAT_Q6_K] = {256, 210, 3360, fields_q6_k, NULL, put_panel_q6_k},
+    [LP_FORMAT_Q8_0] = {Q8_0_BLOCK, Q8_0_BYTES, Q8_0_PB, fields_q8_0, put_q8_0},
+    [LP_FORMAT_Q4_0] = {Q4_0_BLOCK, Q4_0_BYTES, Q4_0_PB, fields_q4_0, NULL, put_panel_q4_0},
+    [LP_FORMAT_Q4_1] = {Q4_1_BLOCK, Q4_1_BYTES, Q4_1_PB, fields_q4_1, NULL, put_panel_q4_1},
+    [LP_FORMAT_Q5_0] = {Q5_0_BLOCK, Q5_0_BYTES, Q5_0_PB, fields_q5_0, put_q5_0},
+    [LP_FORMAT_Q5_1] = {Q5_1_BLOCK, Q5_1_BYTES, Q5_1_PB, fields_q5_1, put_q5_1},
+    [LP_FORMAT_Q2_K] = {Q2_K_BLOCK, Q2_K_BYTES, Q2_K_PB, fields_q2_k, put_q2_k},
+    [LP_FORMAT_Q3_K] = {Q3_K_BLOCK, Q3_K_BYTES, Q3_K_PB, fields_q3_k, put_q3_k},
+    [LP_FORMAT_Q4_K] = {Q4_K_BLOCK, Q4_K_BYTES, Q4_K_PB, fields_q4_k, NULL, put_panel_q4_k},
+    [LP_FORMAT_Q5_K] = {Q5_K_BLOCK, Q5_K_BYTES, Q5_K_PB, fields_q5_k, put_q5_k},
+    [LP_FORMAT_Q6_K] = {Q6_K_BLOCK, Q6_K_BYTES, Q6_K_PB, fields_q6_k, NULL, put_panel_q6_k},
 };
 
 static const lpq_format *lpq(int format) {
@@ -468,7 +446,7 @@ static inline unsigned lane16_at(const uint8_t *p, int j, long i, int per, const
     int bit = at[i % per] + (j < 8 ? 0 : hi);
     return p[16 * (i / per) + 2 * (j % 8) + bit / 8] >> (bit % 8) & mask;
 }
-static inline float half_at(const uint8_t *p, int j) { return lp_f16_to_f32(le16(p + 2 * j)); }
+static inline float half_at(const uint8_t *p, int j) { return f16_to_f32(le16(p + 2 * j)); }
 
 /* row j's scale (sc) and min (mn) of K-quant sub-block s, from their packed bytes */
 static void scale_k4_at(const uint8_t *pb, int j, int s, unsigned *sc, unsigned *mn) {
@@ -530,7 +508,7 @@ void lp_quant_panel_values(int format, const uint8_t *pb, long i, float out[LP_P
 /* ----- quantizing fp32 into stored blocks ----- */
 
 void lp_f16_from_f32(const float *src, void *dst, long count) {
-    for (long i = 0; i < count; i++) ((uint16_t *)dst)[i] = lp_f32_to_f16(src[i]);
+    for (long i = 0; i < count; i++) ((uint16_t *)dst)[i] = f32_to_f16(src[i]);
 }
 
 /* numpy's np_roundf in gguf-py: half away from zero, as floor(a) + floor(2 (a - floor(a))) */
@@ -546,7 +524,7 @@ void lp_q8_0_from_f32(const float *src, void *dst, long count) {
         float amax = 0.0f;
         for (int e = 0; e < 32; e++) amax = fabsf(x[e]) > amax ? fabsf(x[e]) : amax;
         float d = amax / 127.0f, id = d == 0.0f ? 0.0f : 1.0f / d;
-        put16(out, lp_f32_to_f16(d));
+        put16(out, f32_to_f16(d));
         for (int e = 0; e < 32; e++) out[2 + e] = (uint8_t)(int8_t)round_away(x[e] * id);
     }
 }
@@ -572,7 +550,7 @@ static void symmetric_from_f32(const float *src, void *dst, long count, int bits
         uint8_t *out = (uint8_t *)dst + bytes * b, q[32];
         float d = signed_max(x, 32) / (float)-half, id = d == 0.0f ? 0.0f : 1.0f / d;
         for (int e = 0; e < 32; e++) q[e] = (uint8_t)clip(x[e] * id + ((float)half + 0.5f), top);
-        put16(out, lp_f32_to_f16(d));
+        put16(out, f32_to_f16(d));
         uint8_t *qs = out + (bits == 4 ? 2 : 6);
         for (int e = 0; e < 16; e++) qs[e] = (uint8_t)((q[e] & 0xF) | q[e + 16] << 4);
         if (bits == 5) {
@@ -594,8 +572,8 @@ static void affine_from_f32(const float *src, void *dst, long count, int bits) {
         for (int e = 1; e < 32; e++) { lo = x[e] < lo ? x[e] : lo; hi = x[e] > hi ? x[e] : hi; }
         float d = (hi - lo) / (float)top, id = d == 0.0f ? 0.0f : 1.0f / d;
         for (int e = 0; e < 32; e++) q[e] = (uint8_t)clip((x[e] - lo) * id + 0.5f, top);
-        put16(out, lp_f32_to_f16(d));
-        put16(out + 2, lp_f32_to_f16(lo));
+        put16(out, f32_to_f16(d));
+        put16(out + 2, f32_to_f16(lo));
         uint8_t *qs = out + (bits == 4 ? 4 : 8);
         for (int e = 0; e < 16; e++) qs[e] = (uint8_t)((q[e] & 0xF) | q[e + 16] << 4);
         if (bits == 5) {
@@ -630,9 +608,9 @@ static void k_affine(const float *x, int subs, int scale_top, int q_top, lpq_fie
         smax = scale[s] > smax ? scale[s] : smax;
         mmax = mins[s] > mmax ? mins[s] : mmax;
     }
-    f->d = lp_f32_to_f16(smax / (float)scale_top);
-    f->m = lp_f32_to_f16(mmax / (float)scale_top);
-    float d = lp_f16_to_f32(f->d), dmin = lp_f16_to_f32(f->m);
+    f->d = f32_to_f16(smax / (float)scale_top);
+    f->m = f32_to_f16(mmax / (float)scale_top);
+    float d = f16_to_f32(f->d), dmin = f16_to_f32(f->m);
     for (int s = 0; s < subs; s++) {
         f->sc[s] = (uint8_t)(d > 0.0f ? nearest(scale[s] / d, 0, scale_top) : 0);
         f->mn[s] = (uint8_t)(dmin > 0.0f ? nearest(mins[s] / dmin, 0, scale_top) : 0);
@@ -652,8 +630,8 @@ static void k_symmetric(const float *x, int scale_half, int q_half, lpq_fields *
         scale[s] = amax / (float)q_half;
         smax = scale[s] > smax ? scale[s] : smax;
     }
-    f->d = lp_f32_to_f16(smax / (float)(scale_half - 1));
-    float d = lp_f16_to_f32(f->d);
+    f->d = f32_to_f16(smax / (float)(scale_half - 1));
+    float d = f16_to_f32(f->d);
     for (int s = 0; s < 16; s++) {
         int sc = d > 0.0f ? nearest(scale[s] / d, 0, scale_half - 1) : 0;
         f->sc[s] = (uint8_t)(sc + (scale_half == 32 ? 32 : 0)); /* Q3_K stores sc + 32; Q6_K the int8 */

@@ -40,11 +40,14 @@ static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch
 /* v rounded to bf16 and back (the value a bf16 tensor would hold) */
 static inline float round_bf16(float v) { return bf16_to_f32(f32_to_bf16(v)); }
 
-/* IEEE half precision, as F16C's vcvtph2ps / vcvtps2ph (round to nearest even) and torch convert */
+/* IEEE half precision, as F16C's vcvtph2ps / vcvtps2ph (round to nearest even) and torch convert:
+ * the kernels' one f16 pair (the activations' and the block formats' f16 scales). A NaN stays a NaN
+ * of its sign, made quiet, with its payload (narrowed: its high bits), as F16C makes it (numpy's
+ * astype keeps a signalling NaN signalling); subnormals exact, or rounded to even, as F16C's. */
 static inline float f16_to_f32(uint16_t h) {
     uint32_t sign = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 0x1fu, m = h & 0x3ffu, x;
-    if (e == 0x1f) {
-        x = sign | 0x7f800000u | (m << 13);
+    if (e == 0x1f) { /* inf; a NaN quiet, its payload kept */
+        x = sign | 0x7f800000u | (m << 13) | (m ? 0x400000u : 0u);
     } else if (e) {
         x = sign | ((e + 112) << 23) | (m << 13);
     } else if (m) { /* a subnormal half is a normal float */
