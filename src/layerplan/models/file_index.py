@@ -323,8 +323,7 @@ def sentencepiece_tokenizer(header: GGUFHeader):
         tokenizer.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(),
                                                decoders.Fuse(), decoders.Strip(content=" ", left=1)])
     # (user-defined tokens are looked up as the file spells them: a Gemma token of spaces is not)
-    return _with_special_tokens(tokenizer, header, set(tokenizer.get_vocab()), control=lambda token: True,
-                                named=True)
+    return _with_special_tokens(tokenizer, header, vocab, control=lambda token: True, named=True)
 
 
 def sentencepiece_merges(vocab: dict[str, int], ranks: dict[str, float]) -> list[tuple[str, str]]:
@@ -364,7 +363,6 @@ def _with_special_tokens(tokenizer, header: GGUFHeader, vocab, control: Callable
              if kind == _USER_DEFINED and token in vocab]
     if plain:
         tokenizer.add_tokens(plain)
-    ids = tokenizer.get_vocab()
     bos, eos = _token_of(header, "bos_token_id"), _token_of(header, "eos_token_id")
     bos_default = metadata.get("tokenizer.ggml.model") == "llama"
     add_bos = bool(metadata.get("tokenizer.ggml.add_bos_token", bos_default)) and bos is not None
@@ -373,7 +371,8 @@ def _with_special_tokens(tokenizer, header: GGUFHeader, vocab, control: Callable
     pair = f"{single}{' ' + bos + ':1' if add_bos else ''} $B:1{' ' + eos + ':1' if add_eos else ''}"
     tokenizer.post_processor = processors.TemplateProcessing(
         single=single, pair=pair,
-        special_tokens=[*([(bos, ids[bos])] if add_bos else []), *([(eos, ids[eos])] if add_eos else [])])
+        special_tokens=[*([(bos, tokenizer.token_to_id(bos))] if add_bos else []),
+                        *([(eos, tokenizer.token_to_id(eos))] if add_eos else [])])
     return tokenizer
 
 
