@@ -42,11 +42,36 @@ def _facts(index: Path) -> dict:
 
 
 def _same_rotary(ours: dict, theirs: dict) -> None:
-    """Within one float32 step: transformers' come from torch's vectorised pow."""
-    mine, reference = (np.asarray(f["rotary"]["inv_freq"], np.float32) for f in (ours, theirs))
+    """Two rotary tables ({"inv_freq", "attention_scaling"}), within one float32 step: transformers'
+    come from torch's vectorised pow."""
+    mine, reference = (np.asarray(table["inv_freq"], np.float32) for table in (ours, theirs))
     steps = np.abs(mine.view(np.int32) - reference.view(np.int32))
     assert mine.shape == reference.shape and steps.max() <= 1
-    assert ours["rotary"]["attention_scaling"] == theirs["rotary"]["attention_scaling"]
+    assert ours["attention_scaling"] == theirs["attention_scaling"]
+
+
+def _same_rotary_by_layer_type(ours: Path, theirs: Path) -> None:
+    """Two indexes' rotary tables of each layer type (Gemma 3's), within one float32 step each."""
+    mine, reference = (_facts(index)["rotary"]["by_layer_type"] for index in (ours, theirs))
+    assert set(mine) == set(reference) and "sliding_attention" in mine
+    for kind in mine:
+        _same_rotary(mine[kind], reference[kind])
+
+
+def _same_config(ours: Path, theirs: Path) -> None:
+    """Our config.json is the one transformers writes, but for the version it stamps."""
+    mine, reference = (json.loads((index / "config.json").read_text()) for index in (ours, theirs))
+    reference.pop("transformers_version")
+    assert mine == reference
+
+
+def _real_file(name: str) -> Path:
+    """A real GGUF of the folder LAYERPLAN_REAL_MODELS names (real_models.sh fills it, `make
+    bench-real` sets it); the test skips where it is not there."""
+    path = Path(os.environ.get("LAYERPLAN_REAL_MODELS") or "/nonexistent") / name
+    if not path.exists():
+        pytest.skip(f"LAYERPLAN_REAL_MODELS does not name a folder with the real {name}")
+    return path
 
 
 @pytest.mark.parametrize("arch", sorted({"llama", "qwen2", "qwen3"} & set(ARCHITECTURES)))  # (tiny "mistral" is a llama file)
@@ -60,7 +85,7 @@ def test_a_tiny_files_index_is_the_one_transformers_makes(arch, tmp_path):
     if arch == "qwen3":  # transformers reads no key length for Qwen3 (its config's 128); ours, the file's 16
         assert len(_facts(ours)["rotary"]["inv_freq"]) == 8
     else:
-        _same_rotary(_facts(ours), _facts(theirs))
+        _same_rotary(_facts(ours)["rotary"], _facts(theirs)["rotary"])
     expected = load_gguf_checkpoint(str(path), return_tensors=False)["config"]
     assert json.loads((ours / "config.json").read_text()) == expected
     assert not (ours / "tokenizer.json").exists()  # a file without a vocabulary: a model of token ids
@@ -73,13 +98,8 @@ def test_a_tiny_gemma3_files_index_is_the_one_transformers_makes(tmp_path):
     ours, theirs = _both(path, tmp_path)
     assert _facts(ours)["tensors"] == _facts(theirs)["tensors"]
     assert {e["shift"] for e in _facts(ours)["tensors"] if not e["matrix"]} == {-1.0}
-    by_type = (_facts(ours)["rotary"]["by_layer_type"], _facts(theirs)["rotary"]["by_layer_type"])
-    assert set(by_type[0]) == set(by_type[1]) and "sliding_attention" in by_type[0]
-    for kind in by_type[0]:
-        _same_rotary({"rotary": by_type[0][kind]}, {"rotary": by_type[1][kind]})
-    mine, reference = (json.loads((index / "config.json").read_text()) for index in (ours, theirs))
-    reference.pop("transformers_version")
-    assert mine == reference
+    _same_rotary_by_layer_type(ours, theirs)
+    _same_config(ours, theirs)
 
 
 def _tokenizer_json(index: Path) -> dict:
@@ -110,7 +130,7 @@ def test_the_packaged_models_index_is_the_one_transformers_makes(tmp_path):
     ours, theirs = _both(path, tmp_path)
     assert _facts(ours)["tensors"] == _facts(theirs)["tensors"]
     assert _facts(ours)["chat"] == _facts(theirs)["chat"] and "prefix" in _facts(ours)["chat"]
-    _same_rotary(_facts(ours), _facts(theirs))
+    _same_rotary(_facts(ours)["rotary"], _facts(theirs)["rotary"])
     assert _tokenizer_json(ours) == _tokenizer_json(theirs)
     _same_tokenizer(ours, path)
 
@@ -323,10 +343,7 @@ def test_a_first_start_makes_the_index_without_torch_or_transformers(tmp_path):
 def test_the_real_qwen_vocabulary_tokenizes_as_transformers_does(tmp_path):
     """Qwen2.5-Coder-1.5B's 151,936-token vocabulary: in `make bench-real` (LAYERPLAN_REAL_MODELS
     names the folder real_models.sh fills), never in the default suite (a download, and 40 s)."""
-    folder = os.environ.get("LAYERPLAN_REAL_MODELS")
-    path = Path(folder or "/nonexistent") / "qwen2.5-coder-1.5b-instruct-Q4_K_M.gguf"
-    if not path.exists():
-        pytest.skip("LAYERPLAN_REAL_MODELS does not name a folder with the real Qwen2.5-Coder-1.5B file")
+    path = _real_file("qwen2.5-coder-1.5b-instruct-Q4_K_M.gguf")
     ours, theirs = _both(path, tmp_path)
     assert _facts(ours)["tensors"] == _facts(theirs)["tensors"]
     assert _facts(ours)["chat"] == _facts(theirs)["chat"]
@@ -340,17 +357,11 @@ def test_the_real_gemma_files_index_is_the_one_transformers_makes(tmp_path):
     order; sliding and full layers), in `make bench-real` only: the same tensors, config.json,
     tokenizer.json and chat frame as transformers' index, the rotary tables within a float32 step,
     and the same ids and text over the corpus."""
-    folder = os.environ.get("LAYERPLAN_REAL_MODELS")
-    path = Path(folder or "/nonexistent") / "gemma-3-270m-Q4_K_M.gguf"
-    if not path.exists():
-        pytest.skip("LAYERPLAN_REAL_MODELS does not name a folder with the real Gemma 3 270M file")
+    path = _real_file("gemma-3-270m-Q4_K_M.gguf")
     ours, theirs = _both(path, tmp_path)
     assert _facts(ours)["tensors"] == _facts(theirs)["tensors"]
     assert _facts(ours)["chat"] == _facts(theirs)["chat"]
-    for kind, facts in _facts(theirs)["rotary"]["by_layer_type"].items():
-        _same_rotary({"rotary": _facts(ours)["rotary"]["by_layer_type"][kind]}, {"rotary": facts})
-    mine, reference = (json.loads((index / "config.json").read_text()) for index in (ours, theirs))
-    reference.pop("transformers_version")
-    assert mine == reference
+    _same_rotary_by_layer_type(ours, theirs)
+    _same_config(ours, theirs)
     assert _tokenizer_json(ours) == _tokenizer_json(theirs)
     _same_tokenizer(ours, path)
