@@ -68,12 +68,16 @@ ALWAYS void q4_1_iset(istate *s, const uint8_t *pb, int sub) {
 }
 #define q4_1_iload nibble_words
 
-ALWAYS void q4_k_iset(istate *s, const uint8_t *pb, int sub) {
-    kscales k = k4_fields(pb, sub);
+/* a K-quant sub-block's scales and offsets (quant_avx2.h's decoders) as the tile's state */
+ALWAYS void take_kscales(istate *s, kscales k) {
     s->dl = k.dl;
     s->dh = k.dh;
     s->ol = k.ol;
     s->oh = k.oh;
+}
+
+ALWAYS void q4_k_iset(istate *s, const uint8_t *pb, int sub) {
+    take_kscales(s, k4_fields(pb, sub));
     s->q = pb + 256 + 256 * sub;
 }
 #define q4_k_iload nibble_words
@@ -240,11 +244,7 @@ ALWAYS void oct_words(const istate *s, int c, __m256i *wl, __m256i *wh) {
 
 /* Q2_K: w = (d sc) q - (dmin m), q 0..3, sub-blocks of 16 */
 ALWAYS void q2_k_iset(istate *s, const uint8_t *pb, int sub) {
-    kscales k = q2_k_fields(pb, sub);
-    s->dl = k.dl;
-    s->dh = k.dh;
-    s->ol = k.ol;
-    s->oh = k.oh;
+    take_kscales(s, q2_k_fields(pb, sub));
     s->q = pb + 320 + 64 * sub;
 }
 #define q2_k_iload oct_words
