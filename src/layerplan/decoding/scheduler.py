@@ -106,16 +106,18 @@ class Scheduler:
         # probe says (a busy machine), cleared by one that keeps pace
         self.slow_note: str | None = None
         self.plan = plan if plan is not None else model.plan()
-        # built once: a model drafter keeps its own cache between jobs (it re-syncs by prefix)
-        self.drafter = make_drafter(draft, model, self.plan) if draft else None  # checks it, fails at startup
-        self.draft_text = draft if isinstance(draft, str) else None  # made again for a job's own plan
-        self.draft_length = draft_length
         # a lookup drafter is made anew for each job, its drafts verified in the batch's passes; a
         # drafter that runs a model keeps one job at a time, unless drafter_per_job (generate_batch:
         # each job makes its own from the spec, and its chains are verified in the batch's passes)
         self.drafter_per_job = drafter_per_job and isinstance(draft, str)
-        self.draft_spec = draft if isinstance(draft, str) and self.drafter is not None \
-            and (self.drafter_per_job or drafts_by_lookup(self.drafter)) else None
+        # built once (it checks the spec: a bad one fails here): a model drafter keeps its own cache
+        # between jobs (it re-syncs by prefix). Not where each job makes its own, which checks it
+        # then: a self-draft at other bits would be a second copy of the model, built for nothing
+        self.drafter = make_drafter(draft, model, self.plan) if draft and not self.drafter_per_job else None
+        self.draft_text = draft if isinstance(draft, str) else None  # made again for a job's own plan
+        self.draft_length = draft_length
+        self.draft_spec = draft if self.drafter_per_job or (
+            isinstance(draft, str) and self.drafter is not None and drafts_by_lookup(self.drafter)) else None
         self.max_batch = max_batch if self.drafter is None or self.draft_spec is not None else 1
         self.batch = 0  # decodes in flight now
         # (monotonic time, decodes in the pass) of the latest passes, for batch_recent
@@ -142,10 +144,10 @@ class Scheduler:
         costs = dict(self.probe_row.relative) if self.probe_row is not None else {}
         if chosen:
             return make_drafter(spec, self.model, plan, pass_costs=costs, remote=True) if spec is not None else None
+        if self.draft_spec is not None:  # a lookup, or drafter_per_job: each job its own
+            return make_drafter(self.draft_spec, self.model, plan, pass_costs=costs)
         if self.drafter is None:
             return None
-        if self.draft_spec is not None:  # a lookup: each job its own
-            return make_drafter(self.draft_spec, self.model, plan, pass_costs=costs)
         # one at a time (max_batch 1): the scheduler's drafter, which keeps its cache between jobs;
         # a drafter with a model of its own drafts for any plan, a self-draft only for its target's
         if plan == self.plan or isinstance(self.drafter, ModelDrafter):
