@@ -4,10 +4,13 @@ k tokens costs against a one-token step there (what a speculative round's verify
 
     python benchmarks/gpu_decode.py [--shapes smollm2-135m,qwen2-1.5b,llama3-8b] [--new-tokens 128]
                                     [--repeats 3] [--draft suffix --draft exit:8] [--out FILE]
+    python benchmarks/gpu_decode.py --model FILE.gguf [--prompts chat,code] ...
 
-The models are random-weight bfloat16 models of real architectures' shapes (no weights are
-downloaded: the GPU machine reaches nothing), so the tokens are a random model's: the timings
-are what they are for a trained model of the shape; acceptance rates are not. Greedy, no EOS
+The --shapes models are random-weight bfloat16 models of real architectures' shapes (no weights
+are downloaded: the GPU machine reaches nothing), so the tokens are a random model's: the timings
+are what they are for a trained model of the shape; acceptance rates are not. --model runs a real
+file (a GGUF dequantized to bfloat16 on the GPU, or a checkpoint folder) on the bench's built-in
+prompts instead: its acceptance rates are a trained model's. Greedy, no EOS
 (every run decodes --new-tokens tokens); the prompt is 96 token ids with a repeated stretch.
 Prints a table and one JSON object (also written to --out).
 """
@@ -23,8 +26,9 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
+from layerplan.app.prompts import CHAT_PROMPTS, PROMPTS
 from layerplan.decoding.generate import generate
-from layerplan.engine.load import wrap_model
+from layerplan.engine.load import load_model, wrap_model
 from layerplan.engine.runner import forward, new_cache
 
 SHAPES = {  # published configs' shapes; vocabularies as the models have them
@@ -145,6 +149,9 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--draft", action="append", default=None, help="layerplan drafter(s); default: suffix and exit:8")
+    parser.add_argument("--model", action="append", default=[], help="a real GGUF file or checkpoint folder (repeatable); "
+                        "runs the built-in prompts instead of --shapes")
+    parser.add_argument("--prompts", default="chat,code", help=f"built-in prompts for --model ({', '.join(PROMPTS)})")
     parser.add_argument("--device", default="cuda", help="cuda, cuda:N (cpu: to check the script itself)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
@@ -156,9 +163,20 @@ def main() -> None:
     report["transformers"] = transformers.__version__
     print(f"{report['gpu']}, torch {report['torch']}, transformers {report['transformers']}; bfloat16, greedy, "
           f"{args.new_tokens} new tokens, median of {args.repeats}")
-    for shape in args.shapes.split(","):
-        model = random_model(shape, device)
-        ids = prompt_ids(model.hf.config.vocab_size)
+    cases = ([(source, name) for source in args.model for name in args.prompts.split(",")] if args.model
+             else [(shape, None) for shape in args.shapes.split(",")])
+    loaded = {}
+    for source, prompt in cases:
+        if prompt is None:
+            model, shape = random_model(source, device), source
+            ids, weights = prompt_ids(model.hf.config.vocab_size), "random weights"
+        else:
+            if loaded.get("source") != source:  # one load per file, whatever its prompts
+                loaded.clear()
+                loaded.update(source=source, model=load_model(source, dtype="bfloat16", device=device, engine="eager"))
+            model = loaded["model"]
+            ids, weights = model.encode(PROMPTS[prompt], chat=prompt in CHAT_PROMPTS)[0].tolist(), "real weights"
+            shape = f"{Path(source).name} / {prompt}"
         rows = decode_rows(model, ids, args.new_tokens, args.repeats, drafts, device)
         costs = pass_costs(model, ids, device)
         busy = None
@@ -167,9 +185,9 @@ def main() -> None:
                 busy = gpu_busy(model, ids, device)
             except Exception as error:  # the profiler is a bonus: the rows stand without it
                 print(f"  (no kernel profile: {error})")
-        report["models"].append({"shape": shape, "rows": rows, "pass_ms": costs,
+        report["models"].append({"shape": shape, "weights": weights, "prompt_tokens": len(ids), "rows": rows, "pass_ms": costs,
                                  "pass_steps": {k: v / costs[1] for k, v in costs.items()}, "gpu_busy": busy})
-        print(f"\n{shape} (random weights, bfloat16)")
+        print(f"\n{shape} ({weights}, bfloat16, {len(ids)}-token prompt)")
         for row in rows:
             accept = (f"  accept {row['acceptance_rate']:.2f}, {row['rounds']} rounds: drafting {row['draft_seconds']:.2f} s, "
                       f"verifying {row['verify_seconds']:.2f} s") if row["rounds"] is not None else ""
