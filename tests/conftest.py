@@ -81,13 +81,15 @@ FAST_ARCHITECTURES = {"llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3_text
 # bound, restart a database under a deadline, or drive a browser, which a second worker beside them
 # would slow past their bounds.
 SERIAL_MODULES = {"test_chaos.py", "test_storage_outage.py", "test_playground.py"}
-SERIAL_TESTS = {
-    "test_rate_sampler_measures_this_machine",
-    "test_the_default_recheck_times_the_model_itself",
-    "test_tokenizing_a_long_prompt_does_not_hold_up_health",
-    "test_a_person_at_a_terminal",
-    "test_sigint_mid_reply_stops_the_reply_not_the_piped_session",
+SERIAL_TESTS = {  # module: its tests that run alone
+    "test_probe.py": {"test_rate_sampler_measures_this_machine", "test_the_default_recheck_times_the_model_itself"},
+    "test_serve_bad_input.py": {"test_tokenizing_a_long_prompt_does_not_hold_up_health"},
+    "test_chat.py": {"test_a_person_at_a_terminal", "test_sigint_mid_reply_stops_the_reply_not_the_piped_session"},
 }
+
+
+def _serial(item) -> bool:
+    return item.path.name in SERIAL_MODULES or item.originalname in SERIAL_TESTS.get(item.path.name, ())
 
 
 def _slow(item) -> bool:
@@ -106,8 +108,16 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if _slow(item):
             item.add_marker(pytest.mark.slow)
-        if item.path.name in SERIAL_MODULES or item.originalname in SERIAL_TESTS:
+        if _serial(item):
             item.add_marker(pytest.mark.serial)
+
+
+def pytest_ignore_collect(collection_path, config):
+    """`-m serial` alone (make test's second part) collects only the modules that hold serial tests:
+    importing the other ~80 would take longer than some of the tests it runs."""
+    if config.getoption("markexpr") == "serial" and collection_path.suffix == ".py":
+        return collection_path.name.startswith("test_") and collection_path.name not in SERIAL_MODULES | set(SERIAL_TESTS)
+    return None
 
 
 # ----- the memory guard ---------------------------------------------------------------------------
