@@ -745,3 +745,25 @@ def test_merge_study_takes_repeated_layers_from_a_second_model(tmp_path):
     assert result.trials[0].plan == "a:0-2,b:1-2,a:3" and first.models == ("b",)
     alone = perplexity(model, ids, first, window=24, stride=24).perplexity
     assert result.trials[0].values[0] == pytest.approx(alone, rel=1e-6)
+
+
+def test_a_misspelt_task_is_refused_without_indexing_the_built_in_tasks(tmp_path, monkeypatch):
+    """A name no built-in task file spells out is refused from the include path's index and a byte
+    scan; the built-in index (~15 s of YAML) is read only for a name that could be in it."""
+    pytest.importorskip("lm_eval")
+    import yaml
+
+    from layerplan.search import probes
+
+    task = {"task": "lp_here", "dataset_path": "json", "dataset_kwargs": {"data_files": {"test": "x.jsonl"}},
+            "test_split": "test", "output_type": "loglikelihood", "doc_to_text": "{{prompt}}", "doc_to_target": "{{answer}}"}
+    (tmp_path / "lp_here.yaml").write_text(yaml.safe_dump(task))
+    indexed = []
+    monkeypatch.setattr(probes, "_all_tasks", lambda include_path: indexed.append(include_path) or pytest.fail("indexed"))
+    assert probes._spelled_in_built_in_tasks("arc_easy") and not probes._spelled_in_built_in_tasks("lp_no_such_task")
+    with pytest.raises(ValueError, match=rf"^no lm-evaluation-harness task 'lp_no_such_task' \(in {re.escape(str(tmp_path))} "
+                                         r"or built in\); `lm_eval ls tasks` lists them$"):
+        probes.task_manager(["lp_here", "lp_no_such_task"], str(tmp_path))
+    with pytest.raises(ValueError, match=r"^no lm-evaluation-harness task 'lp_no_such_task'; "):
+        probes.task_manager(["lp_no_such_task"])
+    assert probes.task_manager(["lp_here"], str(tmp_path)).all_tasks == ["lp_here"] and indexed == []
