@@ -1,6 +1,7 @@
 """What layerplan writes (files.py): atomically, never over what it does not own, with the user's
 umask, leaving no staging debris that a later run of the same kind does not clean."""
 
+import json
 import os
 import stat
 import time
@@ -159,3 +160,34 @@ def test_gguf_conversion_debris_in_the_cache_is_cleaned(tmp_path, monkeypatch):
     _age(debris)
     assert loading.convert_gguf(gguf) == target
     assert not debris.exists()
+
+
+def test_a_conversion_whose_gguf_is_gone_or_changed_is_removed_by_the_next(tmp_path, monkeypatch):
+    """Each conversion is the model's dense floats, kept by the file's path, size and time: one whose
+    file was deleted, moved or rewritten can never be asked for again, and a venv made afresh per
+    clone left one such copy of the packaged model per clone (13 GB seen). The next conversion
+    removes them; one with no source record (an older layerplan's) stays."""
+    import transformers
+
+    from layerplan.models import loading
+    from tiny import tiny_hf
+
+    class Tokenizer:
+        def save_pretrained(self, folder):
+            (Path(folder) / "tokenizer.json").write_text("{}")
+
+    monkeypatch.setenv("LAYERPLAN_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", lambda *a, **k: tiny_hf("llama", 1))
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda *a, **k: Tokenizer())
+    files = {name: tmp_path / f"{name}.gguf" for name in ("gone", "rewritten", "kept", "new")}
+    for path in files.values():
+        path.write_bytes(b"GGUF")
+    made = {name: loading.convert_gguf(path) for name, path in files.items() if name != "new"}
+    assert json.loads((made["kept"] / loading.CONVERTED_FROM).read_text())["path"] == str(files["kept"].resolve())
+    older = made["kept"].parent / "older-0123456789ab"
+    older.mkdir()
+    (older / "config.json").write_text("{}")
+    files["gone"].unlink()
+    files["rewritten"].write_bytes(b"GGUF, again")
+    new = loading.convert_gguf(files["new"])
+    assert sorted(p.name for p in new.parent.iterdir()) == sorted([made["kept"].name, new.name, older.name])

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from collections.abc import Callable
 from dataclasses import InitVar, dataclass, field
 from pathlib import Path
@@ -200,6 +201,35 @@ def _converted_dir(gguf: Path) -> Path:
     return cache_dir() / "models" / f"{gguf.stem}-{file_key(gguf)}"
 
 
+CONVERTED_FROM = "layerplan-source.json"  # in a conversion: the file it was made from (path, size, mtime)
+
+
+def _source_record(gguf: Path) -> dict:
+    stat = gguf.stat()
+    return {"path": str(gguf.resolve()), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+
+
+def sweep_stale_conversions(root: Path, keep: Path) -> list[Path]:
+    """Remove the conversions in `root` whose source file is gone or changed: their key (the file's
+    path, size and time) can never be asked for again, and each is the model's dense floats (4-8x
+    its GGUF). A conversion with no source record (an older layerplan's) is left. Returns what was
+    removed."""
+    removed = []
+    for folder in root.iterdir():
+        try:
+            record = json.loads((folder / CONVERTED_FROM).read_text())
+        except (OSError, ValueError):
+            continue
+        try:
+            current = _source_record(Path(record["path"]))
+        except OSError:
+            current = None
+        if folder != keep and current != record:
+            shutil.rmtree(folder, ignore_errors=True)
+            removed.append(folder)
+    return removed
+
+
 def convert_gguf(gguf: Path, progress: bool = False) -> Path:
     """Dequantise a GGUF file once into a safetensors folder in the cache; return that folder."""
     target = _converted_dir(gguf)
@@ -229,12 +259,14 @@ def convert_gguf(gguf: Path, progress: bool = False) -> Path:
     with writing(target), staging(target, folder=True) as staged:
         model.save_pretrained(staged)
         tokenizer.save_pretrained(staged)
+        (staged / CONVERTED_FROM).write_text(json.dumps(_source_record(gguf)))
         apply_umask(staged)
         try:
             os.replace(staged, target)
         except OSError:
             if not (target / "config.json").exists():  # another process may have won the race
                 raise
+    sweep_stale_conversions(target.parent, keep=target)
     return target
 
 
