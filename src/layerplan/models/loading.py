@@ -201,12 +201,11 @@ def _converted_dir(gguf: Path) -> Path:
     return cache_dir() / "models" / f"{gguf.stem}-{file_key(gguf)}"
 
 
-CONVERTED_FROM = "layerplan-source.json"  # in a conversion: the file it was made from (path, size, mtime)
+CONVERTED_FROM = "layerplan-source.json"  # in a conversion: the file it was made from and its file_key
 
 
 def _source_record(gguf: Path) -> dict:
-    stat = gguf.stat()
-    return {"path": str(gguf.resolve()), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+    return {"path": str(gguf.resolve()), "key": file_key(gguf)}
 
 
 def sweep_stale_conversions(root: Path, keep: Path) -> list[Path]:
