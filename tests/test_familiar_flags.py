@@ -1,15 +1,19 @@
 """llama.cpp's and transformers' names for the settings they share with layerplan (app/options.py
 FAMILIAR_NAMES): every command the table names takes every flag it lists, the docs show the table,
-the old `-t` (temperature) is refused in one line, and the new names mean what they say."""
+the old `-t` (temperature) is refused in one line, and the new names mean what they say. And the
+command list `layerplan -h` shows without importing a command (app/cli/__init__.py COMMAND_INDEX)."""
 
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 from click.testing import CliRunner
+from click.utils import make_default_short_help
 
-from layerplan.app.cli import main
+from layerplan.app.cli import COMMAND_INDEX, main
 from layerplan.app.options import FAMILIAR_NAMES, familiar_table
 from layerplan.decoding.sampling import SamplingError, SamplingParams, process_logits
 
@@ -21,7 +25,7 @@ def _flags(text: str) -> list[str]:
 
 
 def _command_flags(name: str) -> set[str]:
-    command = main.commands[name]
+    command = main.get_command(None, name)
     return {flag for param in command.params for flag in (*param.opts, *param.secondary_opts)}
 
 
@@ -91,3 +95,54 @@ def test_min_p_is_transformers_min_p():
     theirs = MinPLogitsWarper(0.05)(None, TemperatureLogitsWarper(0.8)(None, logits[None].clone()))[0]
     ours = process_logits(logits, SamplingParams(temperature=0.8, min_p=0.05))
     assert torch.equal(torch.isfinite(ours), torch.isfinite(theirs)) and 1 < torch.isfinite(ours).sum() < 257
+
+
+def test_the_command_index_lists_what_each_command_says_of_itself():
+    """`layerplan -h` lists COMMAND_INDEX's sentences: each is its command's short help, at any width."""
+    for name, (module, sentence) in COMMAND_INDEX.items():
+        command = main.get_command(None, name)
+        assert command.callback.__module__ == f"layerplan.app.cli.{module}", name
+        for limit in (45, 63, 1000):
+            assert make_default_short_help(sentence, limit) == command.get_short_help_str(limit), (name, limit)
+    assert sorted(main.all_commands()) == sorted(COMMAND_INDEX)
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["--version"]])
+def test_the_top_level_help_and_version_import_no_command(argv):
+    """The listing and the version come from data: no command module, torch or transformers imported."""
+    probe = ("import sys\n"
+             "from layerplan.app.cli import main\n"
+             f"main({argv!r}, prog_name='layerplan', standalone_mode=False)\n"
+             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers', 'numpy')\n"
+             "             or m.startswith('layerplan.app.cli.')))\n")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    *shown, imported = done.stdout.strip().splitlines()
+    assert imported == "[]"
+    if argv == ["--help"]:
+        listed = [line.split()[0] for line in shown[shown.index("Commands:") + 1:]]
+        assert listed == sorted(COMMAND_INDEX)
+    else:
+        assert "version" in shown[-1]
+
+
+def test_a_bare_layerplan_prints_its_help_whole():
+    """No command: the help as `layerplan -h` prints it (exit 2, click's status), not one folded line."""
+    result = CliRunner().invoke(main, [], prog_name="layerplan")
+    assert result.exit_code == 2 and "\nCommands:\n" in result.stderr, result.output
+    assert result.stderr == CliRunner().invoke(main, ["-h"], prog_name="layerplan").stdout
+
+
+def test_threads_hold_for_their_command_only(tmp_path):
+    """-t sets torch's thread count for the command; a command run in a process that goes on
+    leaves the next one the count it found."""
+    from tiny_text import save_tiny_with_tokenizer
+
+    save_tiny_with_tokenizer(tmp_path / "tiny", num_layers=1)
+    before = torch.get_num_threads()
+    threads = 1 if before > 1 else 2
+    result = CliRunner().invoke(main, ["generate", "--model", str(tmp_path / "tiny"), "-p", "hi", "-n", "2",
+                                       "-t", str(threads), "--dtype", "float32", "--stats"])
+    assert result.exit_code == 0, result.output
+    assert f"· {threads} threads ·" in result.stderr  # the command ran on them
+    assert torch.get_num_threads() == before

@@ -1,27 +1,93 @@
 """The `layerplan` command line: options, printing, progress bars and files; the work lives in the
 modules the commands call. common.py holds what the commands share (options, loading a model as
-asked, one-line errors); running.py, research.py and measuring.py the commands, by kind."""
+asked, one-line errors); running.py, research.py and measuring.py the commands, by kind.
+
+A command's module is imported when the command runs (or its own help is asked for): they import
+torch, and `layerplan -h` or `--version` need none of it. COMMAND_INDEX says where each command
+lives and what `layerplan -h` lists for it."""
 
 from __future__ import annotations
 
+import importlib
 import sys
 
 import click
+from click.utils import make_default_short_help
 
-from layerplan.app.cli import common, measuring, research, running
 from layerplan.messages import one_line
+
+# name -> (its module in this package, the first sentence of its help: what `layerplan -h` lists,
+# cut to the terminal's width as click cuts a command's own; tests/test_familiar_flags.py checks
+# each against the command's docstring)
+COMMAND_INDEX = {
+    "bench": ("measuring", "Time decoding against transformers' generate in the same run (ratios, CPU)."),
+    "chat": ("running", "A multi-turn conversation in the model's chat template, streamed; /help lists the commands."),
+    "eval": ("running", "Evaluate the model under a plan with lm-evaluation-harness (pip install 'layerplan[eval]')."),
+    "explore": ("research", "Explore in-situ frankenmerges."),
+    "export": ("running", "Write PLAN as a real Hugging Face checkpoint, or as mergekit passthrough YAML."),
+    "frontier": ("measuring", "Each draft's measured acceptance against its measured cost on this machine, beside "
+                              "the break-even curve of the probe's verify costs: whether any self-draft can pay here, "
+                              "and by how much."),
+    "generate": ("running", "Generate a continuation of PROMPT (or -p TEXT, -f FILE), or of every prompt of "
+                            "--prompt-file."),
+    "models": ("measuring", "List the models available locally (the packaged default and converted ones)."),
+    "peers": ("measuring", "llama.cpp's own C++ tools, which `layerplan bench` times beside layerplan."),
+    "plan": ("running", "Validate PLAN (string or file) and print it in another format."),
+    "ppl": ("research", "Perplexity of the model (under a plan) on a text: sliding windows, or llama-perplexity's "
+                        "chunks."),
+    "probe": ("measuring", "Time a pass over k = 1..16 new tokens per dtype and engine on this machine: the cost of "
+                           "verifying k drafted tokens relative to one decoding step."),
+    "scan": ("research", "Skip each layer, attention and MLP in turn; report perplexity, KL and top-1 agreement."),
+    "search": ("research", "Find a good plan: greedy skipping and/or a Bayesian (Optuna) study; resumable, "
+                           "shareable."),
+    "serve": ("running", "OpenAI-compatible HTTP server: /v1/completions, /v1/chat/completions (SSE streaming), "
+                         "/v1/models, /health, and a web playground at /."),
+    "train-exit": ("research", "Train light exit heads by self-distillation; use them with --draft exit:E+head."),
+    "tune": ("research", "The whole job: scan, search a draft, benchmark against plain decoding and transformers, "
+                         "check exactness, save the plan, write report.html and report.json."),
+}
 
 
 class _Commands(click.Group):
-    """click's standalone mode, except that a usage error is one line, 'Error: WHAT (see
-    'layerplan CMD -h')', instead of click's usage block, hint and blank line before it; every
-    error is one line (one_line)."""
+    """The commands of COMMAND_INDEX, each imported when first asked for; and click's standalone
+    mode, except that a usage error is one line, 'Error: WHAT (see 'layerplan CMD -h')', instead of
+    click's usage block, hint and blank line before it; every error is one line (one_line)."""
+
+    process_is_the_command = False  # set by run_as_process, passed on to common.py (see its freeze)
+
+    def list_commands(self, ctx) -> list[str]:
+        return sorted({*COMMAND_INDEX, *self.commands})
+
+    def get_command(self, ctx, name: str) -> click.Command | None:
+        if name not in self.commands and name in COMMAND_INDEX:
+            module = importlib.import_module(f"{__name__}.{COMMAND_INDEX[name][0]}")
+            for command in module.COMMANDS:
+                self.add_command(command)
+            if self.process_is_the_command:
+                importlib.import_module(f"{__name__}.common").PROCESS_IS_THE_COMMAND = True
+        return self.commands.get(name)
+
+    def all_commands(self) -> dict[str, click.Command]:
+        """Every command, each module imported (for the tests and tools that walk the tree)."""
+        return {name: self.get_command(None, name) for name in self.list_commands(None)}
+
+    def format_commands(self, ctx, formatter) -> None:
+        """The listing of `layerplan -h` from COMMAND_INDEX: no command's module imported for it."""
+        names = self.list_commands(ctx)
+        limit = formatter.width - 6 - max(map(len, names))
+        rows = [(name, self.commands[name].get_short_help_str(limit) if name in self.commands
+                 else make_default_short_help(COMMAND_INDEX[name][1], limit)) for name in names]
+        with formatter.section("Commands"):
+            formatter.write_dl(rows)
 
     def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
         if not standalone_mode:
             return super().main(args, prog_name, complete_var, False, **extra)
         try:
             code = super().main(args, prog_name, complete_var, False, **extra)
+        except click.exceptions.NoArgsIsHelpError as error:  # bare `layerplan`: the help, whole
+            click.echo(error.format_message(), err=True)
+            sys.exit(error.exit_code)
         except click.UsageError as error:
             where = f" (see '{error.ctx.command_path} -h')" if error.ctx is not None else ""
             click.echo(f"Error: {one_line(error.format_message())}{where}", err=True)
@@ -52,11 +118,7 @@ def main() -> None:
         transformers_logging.disable_progress_bar()
 
 
-for command in (*running.COMMANDS, *research.COMMANDS, *measuring.COMMANDS):
-    main.add_command(command)
-
-
 def run_as_process() -> None:
     """The console entry: this process runs one command and ends with it."""
-    common.PROCESS_IS_THE_COMMAND = True
+    main.process_is_the_command = True
     main()
