@@ -209,8 +209,15 @@ def note(line: str) -> None:
 
 
 def set_threads(threads: int | None) -> None:
+    """--threads for the running command: torch's thread count, given back when the command ends,
+    so that a command run in a process that goes on (CliRunner, a notebook, one process running
+    several command lines) leaves the next one the count it found."""
     if threads:
+        previous = torch.get_num_threads()
         torch.set_num_threads(threads)
+        context = click.get_current_context(silent=True)
+        if context is not None:
+            context.call_on_close(lambda: torch.set_num_threads(previous))
 
 
 model_option = click.option("--model", "-m", default=DEFAULT_MODEL, show_default=True, help=MODEL_HELP)
