@@ -13,6 +13,7 @@ from click.testing import CliRunner
 from layerplan.app.cli import main
 from layerplan.files import (WriteError, check_output, clean_debris, replace_folder, staging, write_bytes_atomic,
                              write_text_atomic)
+from layerplan.models.gguf_index import SOURCE_RECORD
 
 
 @pytest.fixture
@@ -183,7 +184,7 @@ def test_a_conversion_whose_gguf_is_gone_or_changed_is_removed_by_the_next(tmp_p
     for path in files.values():
         path.write_bytes(b"GGUF")
     made = {name: loading.convert_gguf(path) for name, path in files.items() if name != "new"}
-    assert json.loads((made["kept"] / loading.CONVERTED_FROM).read_text())["path"] == str(files["kept"].resolve())
+    assert json.loads((made["kept"] / SOURCE_RECORD).read_text())["path"] == str(files["kept"].resolve())
     older = made["kept"].parent / "older-0123456789ab"
     older.mkdir()
     (older / "config.json").write_text("{}")

@@ -488,7 +488,8 @@ def test_kept_panels_load_bit_for_bit_and_are_packed_again_when_cut_short(tmp_pa
 
     os.utime(path, ns=(path.stat().st_atime_ns, path.stat().st_mtime_ns + 10**9))
     assert torch.equal(forward(load_model(path, dtype="stored", engine="native"), ids), want)
-    assert len(list((tmp_path / "cache" / "panels").iterdir())) == 2 and len(packed) == 1 + 9
+    # the changed file's new panels; its old ones swept, as no load can ask for them again
+    assert len(list((tmp_path / "cache" / "panels").iterdir())) == 1 and len(packed) == 1 + 9
     monkeypatch.setenv("LAYERPLAN_PANEL_CACHE", "0")
     assert torch.equal(forward(load_model(path, dtype="stored", engine="native"), ids), want)
     assert len(packed) == 1 + 9 + 9
@@ -511,6 +512,31 @@ def test_kept_panels_beyond_the_budget_go_least_recently_loaded_first(tmp_path, 
     PanelCache.for_file(files[1], "kernels")  # b loaded again: now the most recent
     kept = sorted(p.name[0] for p in (tmp_path / "cache" / "panels").iterdir())
     assert kept == ["b", "d"]  # b, then d: 2000 bytes; c would make 3000
+
+
+def test_kept_panels_of_files_gone_go_first_and_small_files_count_against_a_large_one_never(tmp_path, monkeypatch):
+    """Beyond KEPT_FOLDERS, only small files' panels go (a test suite's hundred tiny files leave a
+    developer's 1B file's panels alone); a gone or rewritten file's panels go at the next load."""
+    import os
+    import time
+
+    from layerplan.engine import panel_cache
+    from layerplan.engine.panel_cache import PanelCache
+
+    monkeypatch.setenv("LAYERPLAN_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(panel_cache, "KEPT_FOLDERS", 2)
+    monkeypatch.setattr(panel_cache, "SMALL_FOLDER_BYTES", 500)
+    files = {name: tmp_path / f"{name}.gguf" for name in ("large", "s1", "s2", "gone", "rewritten", "s3")}
+    for age, (name, file) in enumerate(files.items()):
+        file.write_bytes(b"x")
+        cache = PanelCache.for_file(file, "kernels")
+        (cache.folder / "e.panels").write_bytes(bytes(1000 if name == "large" else 10))
+        os.utime(cache.folder, (time.time() - 3600 * (10 - age),) * 2)  # large loaded first, s3 last
+    files["gone"].unlink()
+    files["rewritten"].write_bytes(b"xy")
+    PanelCache.for_file(files["s1"], "kernels")  # s1 loaded again: the most recent
+    kept = sorted(p.name.split("-")[0] for p in (tmp_path / "cache" / "panels").iterdir())
+    assert kept == ["large", "s1", "s3"]  # s1 and s3: two small ones; the large one, oldest, stays
 
 
 def test_kept_panels_are_read_in_parts_and_a_short_part_is_named(tmp_path, monkeypatch):

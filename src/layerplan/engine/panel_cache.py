@@ -9,8 +9,11 @@ later loads (a copy out of the page cache, at memory speed; the arena keeps its 
 Invariants: an entry is a whole matrix's packed bytes or absent (written to a temporary file and
 renamed into place); its name covers the rows it packs (file, offset, type, shape, row order),
 and its folder the file's identity (path, size, modification time, inode) and kernels_key, so a
-changed file or changed kernels never read old panels. The least recently loaded files' panels
-go first, beyond KEPT_BYTES ($LAYERPLAN_PANEL_CACHE_BYTES) or KEPT_FOLDERS files.
+changed file or changed kernels never read old panels. A folder records its file
+(models/gguf_index.py SOURCE_RECORD): the panels of a file gone or changed go first, then the least
+recently loaded files' beyond KEPT_BYTES ($LAYERPLAN_PANEL_CACHE_BYTES), then the least recently
+loaded small files' beyond KEPT_FOLDERS files (a small file's panels are packed again in a moment; a
+large file's cost seconds, and go only for the bytes).
 LAYERPLAN_PANEL_CACHE=0 turns the cache off.
 """
 
@@ -28,10 +31,11 @@ from pathlib import Path
 import numpy as np
 
 from layerplan.files import cache_dir, staging
-from layerplan.models.gguf_index import StoredTensor
+from layerplan.models.gguf_index import SOURCE_RECORD, StoredTensor, sweep_stale, write_source_record
 
 KEPT_BYTES = 16 << 30  # the most kept panels take on disk (a 7B Q4_K_M file's are ~4.4 GB)
-KEPT_FOLDERS = 32  # the most files whose panels are kept
+KEPT_FOLDERS = 32  # the most files whose panels are kept, counting only small ones
+SMALL_FOLDER_BYTES = 16 << 20  # panels packed again in well under a second
 
 
 # which matrices are stacked into one packed matrix, and how they are packed, is decided in
@@ -96,6 +100,8 @@ class PanelCache:
             identity = _digest(source, status.st_size, status.st_mtime_ns, status.st_ino, kernels, _STACKING)
             folder = root / f"{source.stem[:60]}-{identity}"
             folder.mkdir(parents=True, exist_ok=True)
+            if not (folder / SOURCE_RECORD).exists():
+                write_source_record(folder, source)
             os.utime(folder)  # recently used: kept over the others
             _evict(root, keep=folder)
         except OSError:
@@ -165,14 +171,25 @@ def _bytes(buffer) -> memoryview:
 
 
 def _evict(root: Path, keep: Path) -> None:
-    """Drop the least recently loaded files' panels beyond KEPT_BYTES or KEPT_FOLDERS (never
-    `keep`, nor a folder used in the last minute: another process may be writing it)."""
-    folders = sorted((p for p in root.iterdir() if p.is_dir()), key=lambda p: p.stat().st_mtime, reverse=True)
+    """Drop the panels of files gone or changed, then the least recently loaded files' beyond
+    KEPT_BYTES, then the least recently loaded small files' beyond KEPT_FOLDERS (never `keep`, nor
+    for the budgets a folder used in the last minute: another process may be writing it)."""
+    sweep_stale(root, keep)
+    folders = []
+    for folder in root.iterdir():
+        try:
+            if folder.is_dir() and not folder.name.startswith("."):
+                folders.append((folder.stat().st_mtime, folder))
+        except OSError:  # removed meanwhile by another process's eviction
+            pass
     budget = int(os.environ.get("LAYERPLAN_PANEL_CACHE_BYTES", KEPT_BYTES))
-    used = 0
-    for count, folder in enumerate(folders):
-        used += _size(folder)
-        if (used > budget or count >= KEPT_FOLDERS) and folder != keep and time.time() - folder.stat().st_mtime > 60:
+    used, small = 0, 0
+    for mtime, folder in sorted(folders, reverse=True):
+        size = _size(folder)
+        used += size
+        small += size < SMALL_FOLDER_BYTES
+        over = used > budget or (size < SMALL_FOLDER_BYTES and small > KEPT_FOLDERS)
+        if over and folder != keep and time.time() - mtime > 60:
             shutil.rmtree(folder, ignore_errors=True)
 
 

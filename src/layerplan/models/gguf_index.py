@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import json
 import os
+import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -72,6 +74,46 @@ def file_key(gguf: Path) -> str:
     return hashlib.sha256(f"{gguf.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:12]
 
 
+# in each folder of the cache made from a GGUF (its index, its dense conversion, its panels): the
+# file's path and file_key, so that a later sweep finds the folders no load can ask for again
+SOURCE_RECORD = "layerplan-source.json"
+
+
+def write_source_record(folder: Path, gguf: Path) -> None:
+    """Record `gguf` as the source of `folder` (a torn record reads as none: never swept)."""
+    (folder / SOURCE_RECORD).write_text(json.dumps(_source_record(gguf)))
+
+
+def _source_record(gguf: Path) -> dict:
+    return {"path": str(gguf.resolve()), "key": file_key(gguf)}
+
+
+def stale_source(folder: Path) -> bool:
+    """Whether the folder's recorded source file is gone or changed since (its key, the file's path,
+    size and time, can never be asked for again); False for a folder with no record."""
+    try:
+        record = json.loads((folder / SOURCE_RECORD).read_text())
+    except (OSError, ValueError):
+        return False
+    try:
+        return _source_record(Path(record["path"])) != record
+    except OSError:
+        return True
+    except (TypeError, KeyError):
+        return False
+
+
+def sweep_stale(root: Path, keep: Path) -> list[Path]:
+    """Remove the folders in `root` (but `keep`, and staging folders) whose source is stale; return
+    them. A folder with no record (an older layerplan's) is left."""
+    removed = []
+    for folder in root.iterdir():
+        if folder != keep and not folder.name.startswith(".") and folder.is_dir() and stale_source(folder):
+            shutil.rmtree(folder, ignore_errors=True)
+            removed.append(folder)
+    return removed
+
+
 def index_folder(gguf: Path) -> Path:
     """Where the GGUF's index is kept (made or not)."""
     return cache_dir() / "stored" / f"{gguf.stem}-{file_key(gguf)}-v{INDEX_VERSION}"
@@ -86,7 +128,14 @@ def file_index(gguf: Path) -> Path | None:
     header = read_header(gguf)  # one line where the file is not a GGUF
     if file_index_refusal(header) is not None:
         return None
-    return write_file_index(header, target, INDEX_VERSION, TENSORS_FILE)
+    return kept_index(write_file_index(header, target, INDEX_VERSION, TENSORS_FILE), gguf)
+
+
+def kept_index(target: Path, gguf: Path) -> Path:
+    """A new index of `gguf`, recorded as its, with the indexes of files gone or changed swept."""
+    write_source_record(target, gguf)
+    sweep_stale(target.parent, keep=target)
+    return target
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from collections.abc import Callable
 from dataclasses import InitVar, dataclass, field
 from pathlib import Path
@@ -25,7 +24,8 @@ from layerplan.models.architectures import (SHAPE_KEYS, TEXT_MODEL_TYPES, LayerP
 from layerplan.models.discovery import parts_of, require_checked, spec_of
 from layerplan.models.gguf_file import read_header
 from layerplan.models.gguf_index import (DEFAULT_DISPLAY_NAME, DEFAULT_GGUF_NAME, DEFAULT_GGUF_PACKAGE, DEFAULT_MODEL,
-                                         default_gguf_path, file_index, file_key, gguf_of, index_folder)
+                                         default_gguf_path, file_index, file_key, gguf_of, index_folder,
+                                         kept_index, sweep_stale, write_source_record)
 from layerplan.models.stored import StoredWeights, meta_skeleton, index_gguf, load_dense, load_stored
 from layerplan.models.placement import Placement, accelerate_map, adopt, offload_folder, place, read_device_map
 from layerplan.plan.formats import load_plan
@@ -201,34 +201,6 @@ def _converted_dir(gguf: Path) -> Path:
     return cache_dir() / "models" / f"{gguf.stem}-{file_key(gguf)}"
 
 
-CONVERTED_FROM = "layerplan-source.json"  # in a conversion: the file it was made from and its file_key
-
-
-def _source_record(gguf: Path) -> dict:
-    return {"path": str(gguf.resolve()), "key": file_key(gguf)}
-
-
-def sweep_stale_conversions(root: Path, keep: Path) -> list[Path]:
-    """Remove the conversions in `root` whose source file is gone or changed: their key (the file's
-    path, size and time) can never be asked for again, and each is the model's dense floats (4-8x
-    its GGUF). A conversion with no source record (an older layerplan's) is left. Returns what was
-    removed."""
-    removed = []
-    for folder in root.iterdir():
-        try:
-            record = json.loads((folder / CONVERTED_FROM).read_text())
-        except (OSError, ValueError):
-            continue
-        try:
-            current = _source_record(Path(record["path"]))
-        except OSError:
-            current = None
-        if folder != keep and current != record:
-            shutil.rmtree(folder, ignore_errors=True)
-            removed.append(folder)
-    return removed
-
-
 def convert_gguf(gguf: Path, progress: bool = False) -> Path:
     """Dequantise a GGUF file once into a safetensors folder in the cache; return that folder."""
     target = _converted_dir(gguf)
@@ -258,21 +230,21 @@ def convert_gguf(gguf: Path, progress: bool = False) -> Path:
     with writing(target), staging(target, folder=True) as staged:
         model.save_pretrained(staged)
         tokenizer.save_pretrained(staged)
-        (staged / CONVERTED_FROM).write_text(json.dumps(_source_record(gguf)))
+        write_source_record(staged, gguf)
         apply_umask(staged)
         try:
             os.replace(staged, target)
         except OSError:
             if not (target / "config.json").exists():  # another process may have won the race
                 raise
-    sweep_stale_conversions(target.parent, keep=target)
+    sweep_stale(target.parent, keep=target)  # conversions of files gone or changed: dense floats, 4-8x the file
     return target
 
 
 def _stored_index(gguf: Path) -> Path:
     """The GGUF's metadata index in the cache, made once: from the file alone where
     models/file_index.py's tables cover it, else by transformers (models/stored.py index_gguf)."""
-    return file_index(gguf) or index_gguf(gguf, index_folder(gguf))
+    return file_index(gguf) or kept_index(index_gguf(gguf, index_folder(gguf)), gguf)
 
 
 def load_stored_model(source: str | os.PathLike | None = None, arithmetic: str = "exact") -> LoadedModel:
