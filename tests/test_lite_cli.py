@@ -1,7 +1,13 @@
 """`layerplan generate` on the light front end (layerplan/lite/, what the command starts on for a
 GGUF's plain greedy continuation) against the same command line on the torch front end
 (LAYERPLAN_FRONT_END=torch): the same text, streamed or not, the same messages; and a start
-that imports neither torch nor transformers. The packaged SmolLM2, a process per command."""
+that imports neither torch nor transformers. The packaged SmolLM2.
+
+The light front end runs a process per command line, as a user starts it. The torch front end's
+answers to the same command lines (TORCH_LINES) come from one process that runs them in turn, each
+as `python -m layerplan.app.cli` runs it (app/cli run_as_process; its file descriptors 1 and 2
+pointed at files of its own): a torch process starts in ~8 s on the 2-core machine, and a dozen of
+them were the suite's largest module. The cache fixture's first run is a torch process of its own."""
 
 from __future__ import annotations
 
@@ -39,7 +45,7 @@ def _run(argv: list[str], cache, front_end: str = "") -> subprocess.CompletedPro
                           env=env, timeout=300)
 
 
-@pytest.mark.parametrize("argv", [
+SAME_OUTPUT = [
     ["generate", "The capital of France is", "-n", "16"],
     ["generate", "Once upon a time", "-n", "12", "--dtype", "stored-fast", "--no-stream", "--threads", "1"],
     ["generate", "List three colors:", "-n", "24", "--stop", "\n\n", "--plan", "0-25,20-29"],
@@ -47,9 +53,68 @@ def _run(argv: list[str], cache, front_end: str = "") -> subprocess.CompletedPro
     ["generate", "Hello", "-n", "0"],
     ["generate", "What is the capital of France?", "--chat", "-n", "24"],
     ["generate", "Name two planets.", "--chat", "-n", "16", "--dtype", "stored-fast", "--no-stream"],
-])
-def test_the_light_front_end_prints_what_the_torch_one_prints(argv, cache, monkeypatch):
-    torch_run = _run(argv, cache, "torch")
+]
+STATISTICS = ["generate", "The capital of France is", "-n", "8", "--stats", "--json", "--no-stream"]
+BAD_REQUESTS = [
+    (["generate", "Hello", "-n", "100000"], "Error: --max-new-tokens=100000 does not fit"),
+    (["generate", "Hello", "--plan", "0-40"], "Error: "),
+]
+SECOND_MODEL = ["generate", "Hello", "--plan", "0-10,b:11-20"]
+TORCH_LINES = [*SAME_OUTPUT, STATISTICS, *(argv for argv, _ in BAD_REQUESTS), SECOND_MODEL]
+
+# runs each command line of argv[1] (a JSON list) as the torch front end's process would, its
+# descriptors 1 and 2 on files of its own, and writes [status, stdout, stderr] per line to argv[2]
+_TORCH_DRIVER = """
+import json, os, sys, tempfile
+from layerplan.app import cli
+
+cli.main.process_is_the_command = True  # (what run_as_process sets)
+answers = []
+for argv in json.loads(sys.argv[1]):
+    kept = [os.dup(1), os.dup(2)]
+    files = [tempfile.TemporaryFile(), tempfile.TemporaryFile()]
+    sys.stdout.flush(); sys.stderr.flush()
+    os.dup2(files[0].fileno(), 1); os.dup2(files[1].fileno(), 2)
+    try:
+        cli.main(argv, prog_name="layerplan")
+        status = 0
+    except SystemExit as end:
+        status = end.code if isinstance(end.code, int) else 0 if end.code is None else 1
+    sys.stdout.flush(); sys.stderr.flush()
+    os.dup2(kept[0], 1); os.dup2(kept[1], 2)
+    texts = []
+    for file in files:
+        file.seek(0)
+        texts.append(file.read().decode())
+    answers.append([status, *texts])
+with open(sys.argv[2], "w") as out:
+    json.dump(answers, out)
+"""
+
+
+@pytest.fixture(scope="module")
+def torch_runs(cache, tmp_path_factory) -> dict[tuple, subprocess.CompletedProcess]:
+    """The torch front end's answer to each of TORCH_LINES, from one process (see the module)."""
+    answers = tmp_path_factory.mktemp("torch") / "answers.json"
+    env = {**os.environ, "LAYERPLAN_CACHE": str(cache), "LAYERPLAN_FRONT_END": "torch"}
+    done = subprocess.run([sys.executable, "-c", _TORCH_DRIVER, json.dumps(TORCH_LINES), str(answers)],
+                          capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0, done.stderr
+    return {tuple(argv): subprocess.CompletedProcess(argv, status, stdout, stderr)
+            for argv, (status, stdout, stderr) in zip(TORCH_LINES, json.loads(answers.read_text()))}
+
+
+def test_the_torch_lines_in_one_process_answer_as_a_process_of_their_own(cache, torch_runs):
+    """The shared process is a faithful stand-in: a line answers there as in a process of its own
+    (a line after others that set threads, plans, stops and the chat frame)."""
+    argv = SAME_OUTPUT[-1]
+    alone, shared = _run(argv, cache, "torch"), torch_runs[tuple(argv)]
+    assert (alone.returncode, alone.stdout, alone.stderr) == (shared.returncode, shared.stdout, shared.stderr)
+
+
+@pytest.mark.parametrize("argv", SAME_OUTPUT)
+def test_the_light_front_end_prints_what_the_torch_one_prints(argv, cache, torch_runs, monkeypatch):
+    torch_run = torch_runs[tuple(argv)]
     assert torch_run.returncode == 0, torch_run.stderr
     monkeypatch.setenv("LAYERPLAN_CACHE", str(cache))
     monkeypatch.delenv("LAYERPLAN_FRONT_END", raising=False)
@@ -58,9 +123,9 @@ def test_the_light_front_end_prints_what_the_torch_one_prints(argv, cache, monke
     assert (lite_run.returncode, lite_run.stdout, lite_run.stderr) == (0, torch_run.stdout, torch_run.stderr)
 
 
-def test_the_statistics_are_the_torch_front_ends_but_the_timings(cache):
-    argv = ["generate", "The capital of France is", "-n", "8", "--stats", "--json", "--no-stream"]
-    torch_run, lite_run = _run(argv, cache, "torch"), _run(argv, cache)
+def test_the_statistics_are_the_torch_front_ends_but_the_timings(cache, torch_runs):
+    argv = STATISTICS
+    torch_run, lite_run = torch_runs[tuple(argv)], _run(argv, cache)
     assert lite_run.returncode == torch_run.returncode == 0 and lite_run.stdout == torch_run.stdout
     stats = [json.loads(run.stderr[run.stderr.index("{"):]) for run in (torch_run, lite_run)]
     assert list(stats[0]) == list(stats[1])
@@ -94,22 +159,19 @@ def test_the_chat_frame_tokenizes_as_transformers_chat_template(cache, monkeypat
         assert lite.encode(text) == torch_model.encode(text)[0].tolist(), text
 
 
-@pytest.mark.parametrize("argv,error", [
-    (["generate", "Hello", "-n", "100000"], "Error: --max-new-tokens=100000 does not fit"),
-    (["generate", "Hello", "--plan", "0-40"], "Error: "),
-])
-def test_a_bad_request_gets_the_torch_front_ends_message(argv, error, cache):
-    torch_run, lite_run = _run(argv, cache, "torch"), _run(argv, cache)
+@pytest.mark.parametrize("argv,error", BAD_REQUESTS)
+def test_a_bad_request_gets_the_torch_front_ends_message(argv, error, cache, torch_runs):
+    torch_run, lite_run = torch_runs[tuple(argv)], _run(argv, cache)
     assert torch_run.returncode == lite_run.returncode == 1
     assert lite_run.stderr == torch_run.stderr and error in lite_run.stderr
     assert lite_run.stderr.count("\n") == 2  # the loading line, then the error's one line
 
 
-def test_what_the_light_front_end_leaves_runs_on_the_torch_one(cache):
+def test_what_the_light_front_end_leaves_runs_on_the_torch_one(cache, torch_runs):
     """A plan of a second model: found once the light front end started, so the command starts
     again on the torch front end, whose message it gives."""
-    argv = ["generate", "Hello", "--plan", "0-10,b:11-20"]
-    torch_run, lite_run = _run(argv, cache, "torch"), _run(argv, cache)
+    argv = SECOND_MODEL
+    torch_run, lite_run = torch_runs[tuple(argv)], _run(argv, cache)
     assert lite_run.returncode == torch_run.returncode == 1
     assert lite_run.stderr.endswith(torch_run.stderr.splitlines()[-1] + "\n")
     assert "only a is loaded" in lite_run.stderr
