@@ -275,42 +275,40 @@ ALWAYS void q3_k_iload(const istate *s, int c, __m256i *wl, __m256i *wh) {
     *wh = _mm256_or_si256(*wh, third_fours(lanes, 4u << odd));
 }
 
-/* a sub-block's words into the rows' int32 sums AL / AH (expressions in r) the LP_INT16_SUMS way:
- * each row's vpmaddubsw pair sums of F##_STEPS16 words in int16, then one vpmaddwd into the sums */
-#define INT16_WORDS(F, f, R, AL, AH)                                                               \
-    const __m256i ones16 = _mm256_set1_epi16(1);                                                   \
-    _Pragma("GCC unroll 8") for (int c0 = 0; c0 < F##_SUB / 4; c0 += (F##_STEPS16 > 0 ? F##_STEPS16 : 1)) { \
-        __m256i pl[R], ph[R];                                                                      \
-        _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) pl[r] = ph[r] = _mm256_setzero_si256(); \
-        _Pragma("GCC unroll 8") for (int c = c0; c < c0 + F##_STEPS16 && c < F##_SUB / 4; c++) {   \
-            __m256i wl, wh;                                                                        \
-            f##_iload(&st, c, &wl, &wh);                                                           \
+/* the rows' int32 sums AL / AH (expressions in r and c: row r's for word c) over a sub-block's
+ * WORDS words of R rows (XR: row r's int8 inputs), WORD(f, c, wl, wh) giving word c (unpacked from
+ * the panel, or read from a buffer of them): int16 pair sums of F##_STEPS16 words first where
+ * LP_INT16_SUMS takes the format, else f##_dot a word; then, for a format whose words hold q
+ * rather than q + 128 on AVX2, 128 times the activations' sum. The sums are integers, exact in any
+ * order: whichever tile runs them, the same. */
+#define WORD_SUMS(F, f, R, WORDS, WORD, XR, AL, AH)                                                \
+    if (LP_INT16_SUMS && F##_STEPS16 > 0) {                                                        \
+        const __m256i ones16 = _mm256_set1_epi16(1);                                               \
+        _Pragma("GCC unroll 8") for (int c0 = 0; c0 < (WORDS); c0 += (F##_STEPS16 > 0 ? F##_STEPS16 : 1)) { \
+            __m256i pl[R], ph[R];                                                                  \
+            _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) pl[r] = ph[r] = _mm256_setzero_si256(); \
+            _Pragma("GCC unroll 8") for (int c = c0; c < c0 + F##_STEPS16 && c < (WORDS); c++) {   \
+                __m256i wl, wh;                                                                    \
+                WORD(f, c, wl, wh);                                                                \
+                _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                              \
+                    __m256i xb = XFOUR(F, (XR) + s0, c);                                           \
+                    pl[r] = _mm256_add_epi16(pl[r], _mm256_maddubs_epi16(wl, xb));                 \
+                    ph[r] = _mm256_add_epi16(ph[r], _mm256_maddubs_epi16(wh, xb));                 \
+                }                                                                                  \
+            }                                                                                      \
             _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                                  \
-                __m256i xb = XFOUR(F, xr[r] + s0, c);                                       \
-                pl[r] = _mm256_add_epi16(pl[r], _mm256_maddubs_epi16(wl, xb));                     \
-                ph[r] = _mm256_add_epi16(ph[r], _mm256_maddubs_epi16(wh, xb));                     \
+                const int c = c0; /* (AL and AH may name a word's chain) */                        \
+                (void)c;                                                                           \
+                AL = _mm256_add_epi32(AL, _mm256_madd_epi16(pl[r], ones16));                       \
+                AH = _mm256_add_epi32(AH, _mm256_madd_epi16(ph[r], ones16));                       \
             }                                                                                      \
         }                                                                                          \
-        _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                                      \
-            const int c = c0; /* (AL and AH may name a word's chain) */                            \
-            (void)c;                                                                               \
-            AL = _mm256_add_epi32(AL, _mm256_madd_epi16(pl[r], ones16));                           \
-            AH = _mm256_add_epi32(AH, _mm256_madd_epi16(ph[r], ones16));                           \
-        }                                                                                          \
-    }
-
-/* a sub-block's words into the rows' int32 sums AL / AH (row r's for word c: expressions in r and
- * c): int16 pair sums first where LP_INT16_SUMS takes the format, else f##_dot a word; then, for a
- * format whose words hold q rather than q + 128 on AVX2, 128 times the activations' sum */
-#define SUB_BLOCK_WORDS(F, f, R, AL, AH)                                                           \
-    if (LP_INT16_SUMS && F##_STEPS16 > 0) {                                                        \
-        INT16_WORDS(F, f, R, AL, AH)                                                               \
     } else {                                                                                       \
-        _Pragma("GCC unroll 8") for (int c = 0; c < F##_SUB / 4; c++) {                           \
+        _Pragma("GCC unroll 8") for (int c = 0; c < (WORDS); c++) {                                \
             __m256i wl, wh;                                                                        \
-            f##_iload(&st, c, &wl, &wh);                                                           \
+            WORD(f, c, wl, wh);                                                                    \
             _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                                  \
-                __m256i xb = XFOUR(F, xr[r] + s0, c);                                       \
+                __m256i xb = XFOUR(F, (XR) + s0, c);                                               \
                 AL = f##_dot(AL, wl, xb);                                                          \
                 AH = f##_dot(AH, wh, xb);                                                          \
             }                                                                                      \
@@ -320,10 +318,18 @@ ALWAYS void q3_k_iload(const istate *s, int c, __m256i *wl, __m256i *wh) {
         _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                                      \
             const int c = 0;                                                                       \
             (void)c;                                                                               \
-            const __m256i more = _mm256_set1_epi32(128 * sum32_i8(xr[r] + s0));                    \
+            const __m256i more = _mm256_set1_epi32(128 * sum32_i8((XR) + s0));                     \
             AL = _mm256_add_epi32(AL, more);                                                       \
             AH = _mm256_add_epi32(AH, more);                                                       \
         }
+
+/* WORD_SUMS's words: unpacked from the panel by the sub-block's state st, or read from the
+ * buffers wls / whs they were unpacked into */
+#define UNPACKED_WORD(f, c, wl, wh) f##_iload(&st, (c), &(wl), &(wh))
+#define BUFFERED_WORD(f, c, wl, wh) ((wl) = wls[c], (wh) = whs[c])
+
+/* a sub-block's words into the rows' int32 sums AL / AH (WORD_SUMS) */
+#define SUB_BLOCK_WORDS(F, f, R, AL, AH) WORD_SUMS(F, f, R, F##_SUB / 4, UNPACKED_WORD, xr[r], AL, AH)
 
 /* RR rows on one panel of format F over all k inputs (formats.h: the sum rule) */
 #define ITILE(NAME, F, f, RR)                                                                      \
@@ -428,42 +434,13 @@ ALWAYS void q3_k_iload(const istate *s, int c, __m256i *wl, __m256i *wh) {
         for (long s0 = 0; s0 < k; s0 += F##_SUB) {                                                \
             ISUB_STATE(F, f)                                                                       \
             _Pragma("GCC unroll 8") for (int c = 0; c < WORDS; c++) f##_iload(&st, c, &wls[c], &whs[c]); \
-            for (int r = 0; r < R; r++) {                                                          \
-                const int8_t *xr = x->q + (r0 + r) * k;                                            \
+            for (int row = 0; row < R; row++) {                                                    \
+                const int8_t *xr = x->q + (r0 + row) * k;                                          \
                 __m256i al = _mm256_setzero_si256(), ah = _mm256_setzero_si256();                  \
-                BUFFERED_WORDS(F, f)                                                               \
-                ADD_INTO_Y(F, r, al, ah)                                                           \
+                WORD_SUMS(F, f, 1, WORDS, BUFFERED_WORD, xr, al, ah)                               \
+                ADD_INTO_Y(F, row, al, ah)                                                         \
             }                                                                                      \
         }                                                                                          \
-    }
-
-/* one row's integer sums al / ah over the sub-block's unpacked words, as SUB_BLOCK_WORDS sums them
- * (int16 pair sums of F##_STEPS16 words where LP_INT16_SUMS takes the format; then, for a format
- * whose words hold q rather than q + 128 on AVX2, 128 times the activations' sum) */
-#define BUFFERED_WORDS(F, f)                                                                       \
-    if (LP_INT16_SUMS && F##_STEPS16 > 0) {                                                        \
-        const __m256i ones16 = _mm256_set1_epi16(1);                                               \
-        _Pragma("GCC unroll 8") for (int c0 = 0; c0 < WORDS; c0 += (F##_STEPS16 > 0 ? F##_STEPS16 : 1)) { \
-            __m256i pl = _mm256_setzero_si256(), ph = _mm256_setzero_si256();                      \
-            _Pragma("GCC unroll 8") for (int c = c0; c < c0 + F##_STEPS16 && c < WORDS; c++) {     \
-                __m256i xb = XFOUR(F, xr + s0, c);                                          \
-                pl = _mm256_add_epi16(pl, _mm256_maddubs_epi16(wls[c], xb));                       \
-                ph = _mm256_add_epi16(ph, _mm256_maddubs_epi16(whs[c], xb));                       \
-            }                                                                                      \
-            al = _mm256_add_epi32(al, _mm256_madd_epi16(pl, ones16));                              \
-            ah = _mm256_add_epi32(ah, _mm256_madd_epi16(ph, ones16));                              \
-        }                                                                                          \
-    } else {                                                                                       \
-        _Pragma("GCC unroll 8") for (int c = 0; c < WORDS; c++) {                                  \
-            __m256i xb = XFOUR(F, xr + s0, c);                                              \
-            al = f##_dot(al, wls[c], xb);                                                          \
-            ah = f##_dot(ah, whs[c], xb);                                                          \
-        }                                                                                          \
-    }                                                                                              \
-    if (LP_INT16_SUMS && F##_PLUS128) {                                                            \
-        const __m256i more = _mm256_set1_epi32(128 * sum32_i8(xr + s0));                           \
-        al = _mm256_add_epi32(al, more);                                                           \
-        ah = _mm256_add_epi32(ah, more);                                                           \
     }
 
 /* the one-panel tiles by rows: sums in registers for up to 4 rows, in y for 5 and 6 */

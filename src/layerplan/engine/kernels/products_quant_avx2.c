@@ -27,39 +27,16 @@
 
 /* ----- tiles ----- */
 
-#define FMA_ROW(r, XR, I)                                                                          \
-    if (R > r) {                                                                                   \
-        __m256 b = _mm256_broadcast_ss((XR) + (I));                                                \
-        if (P > 0) { a##r##0l = _mm256_fmadd_ps(b, w0.lo, a##r##0l); a##r##0h = _mm256_fmadd_ps(b, w0.hi, a##r##0h); } \
-        if (P > 1) { a##r##1l = _mm256_fmadd_ps(b, w1.lo, a##r##1l); a##r##1h = _mm256_fmadd_ps(b, w1.hi, a##r##1h); } \
-        if (P > 2) { a##r##2l = _mm256_fmadd_ps(b, w2.lo, a##r##2l); a##r##2h = _mm256_fmadd_ps(b, w2.hi, a##r##2h); } \
-        if (P > 3) { a##r##3l = _mm256_fmadd_ps(b, w3.lo, a##r##3l); a##r##3h = _mm256_fmadd_ps(b, w3.hi, a##r##3h); } \
-    }
-
-#define STORE_ONE(r, p)                                                                            \
-    if (R > r && P > p) {                                                                          \
-        float *o = y + r * ys + 16 * p;                                                            \
-        _mm256_storeu_ps(o, i0 ? _mm256_add_ps(_mm256_loadu_ps(o), a##r##p##l) : a##r##p##l);     \
-        _mm256_storeu_ps(o + 8, i0 ? _mm256_add_ps(_mm256_loadu_ps(o + 8), a##r##p##h) : a##r##p##h); \
-    }
-#define STORE_ROW(r) STORE_ONE(r, 0) STORE_ONE(r, 1) STORE_ONE(r, 2) STORE_ONE(r, 3)
-
-#define ZERO_ROW(r) __m256 a##r##0l = z, a##r##0h = z, a##r##1l = z, a##r##1h = z, a##r##2l = z, a##r##2h = z, a##r##3l = z, a##r##3h = z;
-
-/* RR rows x PP panels of format F (literal constants). The sums are named variables, not an
- * array, so GCC keeps them in registers. */
+/* RR rows x PP panels of format F (literal constants): a register tile of tiles_avx2.h */
 #define QTILE(NAME, F, f, RR, PP)                                                                  \
     static void NAME(const float *x, long k, long from, long to, const void *wv, long panel_bytes, float *y, long ys, \
                      int fetch) {                                                                  \
         enum { R = RR, P = PP };                                                                   \
         const uint8_t *w = (const uint8_t *)wv;                                                    \
-        const float *x0 = x, *x1 = x + (R > 1 ? 1 : 0) * k, *x2 = x + (R > 2 ? 2 : 0) * k, *x3 = x + (R > 3 ? 3 : 0) * k, \
-                    *x4 = x + (R > 4 ? 4 : 0) * k, *x5 = x + (R > 5 ? 5 : 0) * k;                 \
-        (void)x1; (void)x2; (void)x3; (void)x4; (void)x5;                                          \
+        ROW_INPUTS(x, k)                                                                           \
         for (long i0 = from; i0 < to; i0 += LP_BLOCK) {                                            \
             long i1 = i0 + LP_BLOCK < k ? i0 + LP_BLOCK : k;                                       \
-            __m256 z = _mm256_setzero_ps();                                                        \
-            ZERO_ROW(0) ZERO_ROW(1) ZERO_ROW(2) ZERO_ROW(3) ZERO_ROW(4) ZERO_ROW(5)                \
+            ZERO_ROWS                                                                              \
             for (long s0 = i0; s0 < i1; s0 += F##_SUB) {                                           \
                 const uint8_t *pb = w + s0 / F##_BLOCK * F##_PB;                                   \
                 const int sub = (int)(s0 % F##_BLOCK / F##_SUB);                                   \
@@ -85,12 +62,11 @@
                         if (P > 2) w2 = f##_widen(&st2, &r2, t);                                  \
                         if (P > 3) w3 = f##_widen(&st3, &r3, t);                                  \
                         (void)w0; (void)w1; (void)w2; (void)w3;                                    \
-                        FMA_ROW(0, x0, ic + t) FMA_ROW(1, x1, ic + t) FMA_ROW(2, x2, ic + t)       \
-                        FMA_ROW(3, x3, ic + t) FMA_ROW(4, x4, ic + t) FMA_ROW(5, x5, ic + t)       \
+                        FMA_ROWS(ic + t)                                                           \
                     }                                                                              \
                 }                                                                                  \
             }                                                                                      \
-            STORE_ROW(0) STORE_ROW(1) STORE_ROW(2) STORE_ROW(3) STORE_ROW(4) STORE_ROW(5)          \
+            STORE_ROWS                                                                             \
         }                                                                                          \
     }
 
@@ -120,19 +96,16 @@
 /* R rows (1-6) on the widened block buf of inputs [i0, i1): the fp32 tile's sums */
 #define BUF_TILE(NAME, RR)                                                                         \
     static void NAME(const float *x, long k, long i0, long i1, const float *buf, float *y, long ys) { \
-        enum { R = RR, P = 1 };                                                                            \
-        const float *x0 = x, *x1 = x + (R > 1 ? 1 : 0) * k, *x2 = x + (R > 2 ? 2 : 0) * k, *x3 = x + (R > 3 ? 3 : 0) * k, \
-                    *x4 = x + (R > 4 ? 4 : 0) * k, *x5 = x + (R > 5 ? 5 : 0) * k;                 \
-        (void)x1; (void)x2; (void)x3; (void)x4; (void)x5;                                          \
-        __m256 z = _mm256_setzero_ps();                                                            \
-        ZERO_ROW(0) ZERO_ROW(1) ZERO_ROW(2) ZERO_ROW(3) ZERO_ROW(4) ZERO_ROW(5)                    \
+        enum { R = RR, P = 1 };                                                                    \
+        ROW_INPUTS(x, k)                                                                           \
+        ZERO_ROWS                                                                                  \
         for (long i = i0; i < i1; i++) {                                                           \
             const float *o = buf + (i - i0) * LP_PANEL;                                            \
             v16 w0 = {_mm256_load_ps(o), _mm256_load_ps(o + 8)}, w1 = w0, w2 = w0, w3 = w0;        \
             (void)w1; (void)w2; (void)w3;                                                          \
-            FMA_ROW(0, x0, i) FMA_ROW(1, x1, i) FMA_ROW(2, x2, i) FMA_ROW(3, x3, i) FMA_ROW(4, x4, i) FMA_ROW(5, x5, i) \
+            FMA_ROWS(i)                                                                            \
         }                                                                                          \
-        STORE_ROW(0) STORE_ROW(1) STORE_ROW(2) STORE_ROW(3) STORE_ROW(4) STORE_ROW(5)              \
+        STORE_ROWS                                                                                 \
     }
 BUF_TILE(buf1, 1)
 BUF_TILE(buf2, 2)

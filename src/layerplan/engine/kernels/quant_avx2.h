@@ -8,17 +8,13 @@
 #include <immintrin.h>
 
 #include "quant.h"
+#include "tiles_avx2.h"
 
 #if !defined(__AVX2__) || !defined(__FMA__) || !defined(__F16C__)
 #error "quant_avx2.h's users are built with -mavx2 -mfma -mf16c"
 #endif
 
 #define ALWAYS static inline __attribute__((always_inline))
-
-/* the 16 rows' fp32 weights of one input */
-typedef struct {
-    __m256 lo, hi;
-} v16;
 
 /* A sub-block's widening state on one panel: per field place t, the multipliers scale 2^-s of
  * rows 0-7 (ml) and 8-15 (mh), the offsets added (ol, oh), and where the sub-block's quants and
