@@ -509,9 +509,12 @@ def test_kept_panels_beyond_the_budget_go_least_recently_loaded_first(tmp_path, 
         (cache.folder / "e.panels").write_bytes(bytes(1000))
         os.utime(cache.folder, (time.time() - 3600 * (10 - age),) * 2)  # a loaded first, d last
     monkeypatch.setenv("LAYERPLAN_PANEL_CACHE_BYTES", "2500")
-    PanelCache.for_file(files[1], "kernels")  # b loaded again: now the most recent
+    PanelCache.for_file(files[1], "kernels")  # b loaded again: now the most recent (and nothing evicted)
+    assert len(list((tmp_path / "cache" / "panels").iterdir())) == 4
+    (tmp_path / "e.gguf").write_bytes(b"x")
+    PanelCache.for_file(tmp_path / "e.gguf", "kernels")  # a new file's first load: the budget applies
     kept = sorted(p.name[0] for p in (tmp_path / "cache" / "panels").iterdir())
-    assert kept == ["b", "d"]  # b, then d: 2000 bytes; c would make 3000
+    assert kept == ["b", "d", "e"]  # e (empty yet), b, then d: ~2200 bytes; c would make ~3300
 
 
 def test_kept_panels_of_files_gone_go_first_and_small_files_count_against_a_large_one_never(tmp_path, monkeypatch):
@@ -534,9 +537,14 @@ def test_kept_panels_of_files_gone_go_first_and_small_files_count_against_a_larg
         os.utime(cache.folder, (time.time() - 3600 * (10 - age),) * 2)  # large loaded first, s3 last
     files["gone"].unlink()
     files["rewritten"].write_bytes(b"xy")
-    PanelCache.for_file(files["s1"], "kernels")  # s1 loaded again: the most recent
+    os.utime(PanelCache.for_file(files["s1"], "kernels").folder, (time.time() - 120,) * 2)  # s1 loaded again
+    files["s4"] = tmp_path / "s4.gguf"
+    files["s4"].write_bytes(b"x")
+    PanelCache.for_file(files["s4"], "kernels")  # a new file's first load: the sweep and the limits
     kept = sorted(p.name.split("-")[0] for p in (tmp_path / "cache" / "panels").iterdir())
-    assert kept == ["large", "s1", "s3"]  # s1 and s3: two small ones; the large one, oldest, stays
+    # s4 and s1: two small ones; s3 and s2 beyond them; the gone and the rewritten file's swept; the
+    # large one, oldest, stays
+    assert kept == ["large", "s1", "s4"]
 
 
 def test_kept_panels_are_read_in_parts_and_a_short_part_is_named(tmp_path, monkeypatch):

@@ -13,7 +13,7 @@ changed file or changed kernels never read old panels. A folder records its file
 (models/gguf_index.py SOURCE_RECORD): the panels of a file gone or changed go first, then the least
 recently loaded files' beyond KEPT_BYTES ($LAYERPLAN_PANEL_CACHE_BYTES), then the least recently
 loaded small files' beyond KEPT_FOLDERS files (a small file's panels are packed again in a moment; a
-large file's cost seconds, and go only for the bytes).
+large file's cost seconds, and go only for the bytes), each time a file's panels are first kept.
 LAYERPLAN_PANEL_CACHE=0 turns the cache off.
 """
 
@@ -99,11 +99,12 @@ class PanelCache:
             root = cache_dir() / "panels"
             identity = _digest(source, status.st_size, status.st_mtime_ns, status.st_ino, kernels, _STACKING)
             folder = root / f"{source.stem[:60]}-{identity}"
-            folder.mkdir(parents=True, exist_ok=True)
-            if not (folder / SOURCE_RECORD).exists():
+            if (folder / SOURCE_RECORD).exists():
+                os.utime(folder)  # recently used: kept over the others
+            else:  # a file's first load under these kernels: what it will add may push others out
+                folder.mkdir(parents=True, exist_ok=True)
                 write_source_record(folder, source)
-            os.utime(folder)  # recently used: kept over the others
-            _evict(root, keep=folder)
+                _evict(root, keep=folder)  # (on every start, it cost a light start ~25 ms of stats)
         except OSError:
             return None
         return cls(folder, path)
