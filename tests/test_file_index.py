@@ -369,19 +369,26 @@ def test_the_real_gemma_files_index_is_the_one_transformers_makes(tmp_path):
 
 def test_a_new_index_sweeps_those_of_files_gone_or_rewritten(tmp_path, monkeypatch):
     """Each index records its file (SOURCE_RECORD); the next index made removes those whose file is
-    gone or changed (a suite's temporary files left thousands), and keeps record-less ones."""
+    gone or changed (a suite's temporary files left thousands). An index made before the records
+    is judged by the file its tensors file names and the key in its folder's name; a folder that
+    has neither stays."""
     from layerplan.models.gguf_index import SOURCE_RECORD, file_index
 
     monkeypatch.setenv("LAYERPLAN_CACHE", str(tmp_path / "cache"))
     hf = tiny_hf("llama", 1)
-    files = {name: tmp_path / f"{name}.gguf" for name in ("gone", "rewritten", "kept", "new")}
+    names = ("gone", "rewritten", "kept", "old-gone", "old-kept", "new")
+    files = {name: tmp_path / f"{name}.gguf" for name in names}
     for path in files.values():
         write_tiny_gguf(hf, path)
     made = {name: file_index(path) for name, path in files.items() if name != "new"}
     assert json.loads((made["kept"] / SOURCE_RECORD).read_text())["path"] == str(files["kept"].resolve())
-    older = made["kept"].parent / "older-0123456789ab-v3"
-    older.mkdir()
-    files["gone"].unlink()
+    for name in ("old-gone", "old-kept"):  # as an older layerplan made them
+        (made[name] / SOURCE_RECORD).unlink()
+    unknown = made["kept"].parent / "unknown-0123456789ab-v3"
+    unknown.mkdir()
+    for name in ("gone", "old-gone"):
+        files[name].unlink()
     os.utime(files["rewritten"], ns=(0, files["rewritten"].stat().st_mtime_ns + 10**9))
     new = file_index(files["new"])
-    assert sorted(p.name for p in new.parent.iterdir()) == sorted([made["kept"].name, new.name, older.name])
+    assert sorted(p.name for p in new.parent.iterdir()) == sorted(
+        [made["kept"].name, made["old-kept"].name, new.name, unknown.name])

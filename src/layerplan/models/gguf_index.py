@@ -94,18 +94,29 @@ def stale_source(folder: Path) -> bool:
     try:
         record = json.loads((folder / SOURCE_RECORD).read_text())
     except (OSError, ValueError):
-        return False
+        record = _index_source(folder)
     try:
-        return _source_record(Path(record["path"])) != record
+        return file_key(Path(record["path"])) != record["key"]
     except OSError:
         return True
     except (TypeError, KeyError):
         return False
 
 
+def _index_source(folder: Path) -> dict | None:
+    """An index made before SOURCE_RECORD: its tensors file names its GGUF, and its folder name
+    (index_folder) ends with that file's key and the index version."""
+    try:
+        path = json.loads((folder / TENSORS_FILE).read_text())["gguf"]
+    except (OSError, ValueError, TypeError, KeyError):
+        return None
+    stem, _, version = folder.name.rpartition("-v")
+    return {"path": path, "key": stem.rpartition("-")[2]} if version.isdigit() else None
+
+
 def sweep_stale(root: Path, keep: Path) -> list[Path]:
     """Remove the folders in `root` (but `keep`, and staging folders) whose source is stale; return
-    them. A folder with no record (an older layerplan's) is left."""
+    them. A folder with no record (an older layerplan's conversion or panels) is left."""
     removed = []
     for folder in root.iterdir():
         if folder != keep and not folder.name.startswith(".") and folder.is_dir() and stale_source(folder):
