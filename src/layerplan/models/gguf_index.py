@@ -81,11 +81,7 @@ SOURCE_RECORD = "layerplan-source.json"
 
 def write_source_record(folder: Path, gguf: Path) -> None:
     """Record `gguf` as the source of `folder` (a torn record reads as none: never swept)."""
-    (folder / SOURCE_RECORD).write_text(json.dumps(_source_record(gguf)))
-
-
-def _source_record(gguf: Path) -> dict:
-    return {"path": str(gguf.resolve()), "key": file_key(gguf)}
+    (folder / SOURCE_RECORD).write_text(json.dumps({"path": str(gguf.resolve()), "key": file_key(gguf)}))
 
 
 def stale_source(folder: Path) -> bool:
