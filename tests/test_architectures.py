@@ -13,9 +13,9 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 from layerplan.decoding.generate import generate
 from layerplan.engine.runner import forward
 from layerplan.export import export_checkpoint, plan_config, plan_state_dict
-from layerplan.models.architectures import (ARCHITECTURES, REFERENCE_ARCHITECTURES, MIXTURE_OF_EXPERTS, NAMED_FAMILIES,
-                                            NOT_SUPPORTED, REFUSED, TINY_CHECKED, ModelError, architecture_statuses,
-                                            refusal_of_config)
+from layerplan.models.arch_table import ARCHITECTURES, REFERENCE_ARCHITECTURES
+from layerplan.models.architectures import (MIXTURE_OF_EXPERTS, NAMED_FAMILIES, NOT_SUPPORTED, REFUSED, TINY_CHECKED,
+                                            ModelError, architecture_statuses, refusal_of_config)
 from layerplan.models.discovery import discover_spec, tiny_config, tiny_model
 from layerplan.models.loading import LoadedModel
 from layerplan.engine.verify import TOLERANCE, check_ids, check_model, incremental_logits

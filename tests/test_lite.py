@@ -4,6 +4,7 @@ front ends share."""
 
 from __future__ import annotations
 
+import json
 import os
 
 import numpy as np
@@ -19,7 +20,8 @@ from layerplan.engine.rope_tables import rope_rows
 from layerplan.engine.runner import forward, new_cache
 from layerplan.lite.cli import LiteRequest, request_of
 from layerplan.lite.model import LiteModel, TorchFrontEnd, lite_refusal
-from layerplan.models.gguf_index import index_folder
+from layerplan.models.arch_table import ARCHITECTURES
+from layerplan.models.gguf_index import INDEX_VERSION, TENSORS_FILE, index_folder
 
 PLANS = (None, "0,1,1,2", "exit:2", "skip:attn=1;mlp=0", "2,0,1")
 PROMPT = [5, 17, 3, 88, 41, 9, 60]
@@ -62,9 +64,14 @@ def _pair(tmp_path, arch: str, matrix_type: str, dtype: str, types: dict | None 
     return model, LiteModel(path, STORED_ARITHMETIC[dtype], threads=2)
 
 
-@pytest.mark.parametrize("arch,matrix_type,types", [
+PARITY_CASES = [
     ("llama", "Q4_1", None), ("qwen2", "Q4_0", None), ("llama", "Q8_0", {"attn_v": "Q4_0", "ffn_down": "Q5_1"}),
-    ("wide-llama", "Q4_K", {"attn_v": "Q6_K", "ffn_down": "Q6_K"}), ("qwen3", "Q8_0", None), ("gemma3", "Q8_0", None)])
+    ("wide-llama", "Q4_K", {"attn_v": "Q6_K", "ffn_down": "Q6_K"}), ("qwen3", "Q8_0", None), ("gemma3", "Q8_0", None)]
+# a case's model type, where its name is not one (config.json's model_type)
+_CASE_TYPES = {"wide-llama": "llama", "gemma3": "gemma3_text"}
+
+
+@pytest.mark.parametrize("arch,matrix_type,types", PARITY_CASES)
 @pytest.mark.parametrize("dtype", ["stored", "stored-fast"])
 def test_the_light_front_end_gives_the_torch_front_ends_logits(tmp_path, arch, matrix_type, types, dtype):
     """Every plan's prompt pass (every row's logits) and the decoding steps after it: the same bits."""
@@ -111,6 +118,20 @@ def test_a_kept_entry_cut_short_is_packed_again(tmp_path, monkeypatch):
     plan = model.plan()
     want = forward(model, torch.tensor([PROMPT]), plan, new_cache(plan, 64))[0].numpy()
     assert np.array_equal(lite.logits(PROMPT, lite.new_cache(lite.plan(), 64), 0, last_only=False), want)
+
+
+def test_the_architectures_it_runs_are_the_tables_light_rows_each_checked_above(tmp_path):
+    """The table's `light` mark is what lets an architecture in, and each marked one has a parity
+    case; a row with kernels but no mark (Mistral) is left to the torch front end."""
+    light = {model_type for model_type, spec in ARCHITECTURES.items() if spec.kernels is not None and spec.kernels.light}
+    assert light and light <= {_CASE_TYPES.get(arch, arch) for arch, _, _ in PARITY_CASES}
+    index = tmp_path / "mistral-index"
+    index.mkdir()
+    (index / "config.json").write_text(json.dumps({"model_type": "mistral", "hidden_act": "silu"}))
+    (index / TENSORS_FILE).write_text(json.dumps({"version": INDEX_VERSION, "rotary": {"inv_freq": [1.0]},
+                                                  "tensors": []}))
+    assert ARCHITECTURES["mistral"].kernels is not None
+    assert lite_refusal(index) == "architecture 'mistral' runs on the torch front end"
 
 
 def test_a_file_the_light_front_end_cannot_run_says_why(tmp_path):

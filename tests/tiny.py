@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from layerplan.models.architectures import REFERENCE_ARCHITECTURES
+from layerplan.models.arch_table import REFERENCE_ARCHITECTURES
 from layerplan.models.loading import LoadedModel, wrap_model
 
 VOCAB = 96

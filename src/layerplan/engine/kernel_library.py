@@ -135,6 +135,10 @@ def read_abi(text: str) -> Abi:
 
 
 ABI = read_abi(HEADER.read_text())
+# the architecture table's facts (models/arch_table.py: an activation's function, KernelLayout.norm)
+# as the kernels' ABI names them
+ACTIVATION_CODES = {"silu": ABI.LP_ACT_SILU, "gelu_tanh": ABI.LP_ACT_GELU_TANH}
+NORM_ROUNDING = {"llama": ABI.LP_NORM_ROUND_NORMALISED, "gemma": ABI.LP_NORM_ROUND_PRODUCT}
 
 
 # ----- which library: ISA, compiler, flags ---------------------------------------------------------

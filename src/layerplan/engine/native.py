@@ -25,13 +25,14 @@ import numpy as np
 import torch
 from torch import nn
 
-from layerplan.engine.kernel_library import (ABI, AbiMismatch, NativeUnavailable, check, kernels_key, library,
-                                             native_available)
+from layerplan.engine.kernel_library import (ABI, ACTIVATION_CODES, NORM_ROUNDING, AbiMismatch, NativeUnavailable,
+                                             check, kernels_key, library, native_available)
 from layerplan.engine.arena import WeightArena
 from layerplan.engine.panel_cache import PanelCache
 from layerplan.engine.stored_pack import PACK_ROWS, pack_stored, stack_format, v_apart
 from layerplan.machine import read_cpuinfo
-from layerplan.models.architectures import ACTIVATIONS, NORM_EPSILONS, KernelLayout, arch_spec
+from layerplan.models.arch_table import ACTIVATIONS, NORM_EPSILONS, KernelLayout
+from layerplan.models.architectures import arch_spec
 from layerplan.models.stored import StoredEmbedding, StoredTensor
 
 __all__ = ["AbiMismatch", "NativeUnavailable", "kernels_key", "library", "native_available"]
@@ -215,10 +216,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 # ----- decoder sub-layers ------------------------------------------------------------------------
-# What a layer's modules compute (models/architectures.py: KernelLayout, NORM_EPSILONS,
-# ACTIVATIONS) as the kernels' ABI names it; a module outside these runs eagerly.
-_ACTIVATION_CODES = {"silu": ABI.LP_ACT_SILU, "gelu_tanh": ABI.LP_ACT_GELU_TANH}
-_NORM_ROUNDING = {"llama": ABI.LP_NORM_ROUND_NORMALISED, "gemma": ABI.LP_NORM_ROUND_PRODUCT}
+# What a layer's modules compute (models/arch_table.py: KernelLayout, NORM_EPSILONS, ACTIVATIONS;
+# kernel_library.py: their ABI codes); a module outside these runs eagerly.
 
 
 class Unsupported(Exception):
@@ -273,7 +272,7 @@ def _norm(module: nn.Module | None, dtype: torch.dtype, offset: float, arithmeti
     epsilon = getattr(module, NORM_EPSILONS[arithmetic], None)
     if epsilon is None:
         raise Unsupported(f"norm {name} has no {NORM_EPSILONS[arithmetic]}, the epsilon of {arithmetic}'s RMSNorm")
-    return _holding(_Norm(weight.data_ptr(), float(epsilon), offset, _NORM_ROUNDING[arithmetic], _DTYPES[dtype]),
+    return _holding(_Norm(weight.data_ptr(), float(epsilon), offset, NORM_ROUNDING[arithmetic], _DTYPES[dtype]),
                     weight)
 
 
@@ -356,7 +355,7 @@ class NativeLayer:
         gate_up, down = (_packed(linears, arena, weight_of, arithmetic),
                          _packed([module.down_proj], arena, weight_of, arithmetic))
         descriptor = _Mlp(hidden=down.n, inner=inner, norm=norm, post_norm=post_norm, gate_up=gate_up.descriptor,
-                          down=down.descriptor, activation=_ACTIVATION_CODES[ACTIVATIONS[type(act).__name__]])
+                          down=down.descriptor, activation=ACTIVATION_CODES[ACTIVATIONS[type(act).__name__]])
         return _holding(descriptor, gate_up, down, norm, post_norm), (gate_up, down)
 
     def run_attention(self, hidden: torch.Tensor, keys: torch.Tensor | None, values: torch.Tensor | None,

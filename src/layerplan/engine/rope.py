@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from layerplan.engine.rope_tables import rope_rows
-from layerplan.models.architectures import STATIC_ROPE_TYPES
+from layerplan.models.arch_table import STATIC_ROPE_TYPES
 
 _BLOCK = 64  # positions the table grows by (at least)
 

@@ -20,7 +20,8 @@ from layerplan.engine.executors import use_modules, use_native
 from layerplan.engine.native import native_available
 from layerplan.engine.runner import forward, new_cache
 from layerplan.models import loading
-from layerplan.models.architectures import ARCHITECTURES, ModelError, refusal_of_config
+from layerplan.models.arch_table import ARCHITECTURES
+from layerplan.models.architectures import ModelError, refusal_of_config
 from layerplan.models.discovery import (TINY_VOCAB, architecture_key, read_record, spec_of, tiny_config, tiny_model,
                                         write_record)
 

@@ -10,9 +10,11 @@ packed matrices (engine/stored_pack.py), norm weights, biases, rotary tables
 torch front end's whole_pass does. So its logits are the torch front end's bit for bit
 (tests/test_lite.py), and a start costs the interpreter, numpy, the tokenizer and the panels' read.
 
-It takes the architectures whose layers the kernels run whole with nothing the torch front end
-decides from modules (LITE_ARCHITECTURES: the llama family and Gemma 3) and plans of this one
-model; `lite_refusal` says why not, and then the caller runs the torch front end.
+It reads the model as the architecture table (models/arch_table.py) describes it: its tensors by
+the names the table gives, its norms, activation and embedding by the table's facts. It takes the
+architectures whose kernel layout the table marks `light` (the llama family and Gemma 3: their
+layers run whole in the kernels, with nothing the torch front end decides from modules) and plans
+of this one model; `lite_refusal` says why not, and then the caller runs the torch front end.
 """
 
 from __future__ import annotations
@@ -29,11 +31,13 @@ from pathlib import Path
 import numpy as np
 from tokenizers import Tokenizer
 
-from layerplan.engine.kernel_library import ABI, check, huge_page_buffer, kernels_key, library
+from layerplan.engine.kernel_library import (ABI, ACTIVATION_CODES, NORM_ROUNDING, check, huge_page_buffer, kernels_key,
+                                             library)
 from layerplan.engine.panel_cache import PanelCache
 from layerplan.engine.rope_tables import rope_rows
 from layerplan.engine.stored_pack import pack_stored, stack_format, v_apart
 from layerplan.machine import physical_cores
+from layerplan.models.arch_table import ARCHITECTURES, CONFIG_ACTIVATIONS, HEAD, ArchSpec
 from layerplan.models.errors import ModelError
 from layerplan.models.gguf_index import (DEFAULT_DISPLAY_NAME, INDEX_VERSION, TENSORS_FILE, StoredTensor,
                                          default_gguf_path, index_folder)
@@ -42,33 +46,6 @@ from layerplan.plan.plan import LayerPlan
 _Norm, _Matrix, _Kv, _Attention, _Mlp, _Step = (ABI.structs[name] for name in (
     "lp_norm", "lp_matrix", "lp_kv", "lp_attention", "lp_mlp", "lp_step"))
 
-@dataclass(frozen=True)
-class LiteLayout:
-    """How the kernels run one model type's decoder layers, as the torch front end reads them from
-    its modules (models/architectures.py: the ArchSpec's norm names and norm_weight_offset, its
-    KernelLayout; engine/native.py checks the same facts on the modules). A type joins
-    LITE_ARCHITECTURES once tests/test_lite.py gives it the torch front end's bits."""
-
-    qk_norm: bool = False  # the attention normalises q and k per head (q_norm, k_norm)
-    # the norms' tensors: before attention, after it (None: none), before the MLP, after it
-    norms: tuple[str, str | None, str, str | None] = ("input_layernorm", None, "post_attention_layernorm", None)
-    norm_offset: float = 0.0  # added to a norm's weight (Gemma's 1 + w)
-    rounding: int = ABI.LP_NORM_ROUND_NORMALISED  # llama's RMSNorm rounding, or Gemma's (LP_NORM_ROUND_PRODUCT)
-    activation: int = ABI.LP_ACT_SILU
-    scaled_embedding: bool = False  # the embedding's rows times sqrt(hidden) (Gemma)
-
-
-# model types (config.json's) the light front end runs: the llama family's layers (RMSNorm, q/k/v/o
-# projections with biases where the file has them, RoPE on whole heads, a gated MLP) and Gemma 3's
-LITE_ARCHITECTURES = {
-    "llama": LiteLayout(), "qwen2": LiteLayout(), "qwen3": LiteLayout(qk_norm=True),
-    "gemma3_text": LiteLayout(qk_norm=True, norm_offset=1.0, rounding=ABI.LP_NORM_ROUND_PRODUCT,
-                              activation=ABI.LP_ACT_GELU_TANH, scaled_embedding=True,
-                              norms=("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
-                                     "post_feedforward_layernorm")),
-}
-# config.json's activation names -> the kernels' (a layout's own is the only one it takes)
-_ACTIVATIONS = {"silu": ABI.LP_ACT_SILU, "gelu_pytorch_tanh": ABI.LP_ACT_GELU_TANH}
 ARITHMETIC_CODES = {"exact": ABI.LP_ARITH_EXACT, "fast": ABI.LP_ARITH_INT8}
 # the small tensors (norms, biases) a file may store, as numpy reads them
 _SMALL_TYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16}
@@ -78,16 +55,17 @@ class TorchFrontEnd(Exception):
     """What the light front end found it cannot run (the message says what); the torch front end runs it."""
 
 
-def _layer_tensor(layer: int, name: str) -> str:
-    return f"model.layers.{layer}.{name}"
-
-
 @lru_cache(maxsize=4)
 def read_index(index: Path) -> tuple[dict, dict]:
     """(config.json, TENSORS_FILE) of an index, parsed once a process: the command line's check
     (lite/cli.py runnable) and the model read the same files on the start's path. An index is
     written whole and never changed (models/stored.py index_gguf), so a parse stays its own."""
     return json.loads((index / "config.json").read_text()), json.loads((index / TENSORS_FILE).read_text())
+
+
+def _activation(config: dict) -> str:
+    """config.json's name of the MLP's activation (Gemma's key, or the llama family's)."""
+    return config.get("hidden_activation") or config.get("hidden_act") or "silu"
 
 
 def lite_refusal(index: Path) -> str | None:
@@ -99,11 +77,10 @@ def lite_refusal(index: Path) -> str | None:
     if tensors.get("version") != INDEX_VERSION or tensors.get("rotary") is None:
         return "its index holds no fixed rotary frequencies"
     model_type = config.get("model_type")
-    if model_type not in LITE_ARCHITECTURES:
+    spec = ARCHITECTURES.get(model_type)
+    if spec is None or spec.kernels is None or not spec.kernels.light:
         return f"architecture '{model_type}' runs on the torch front end"
-    layout = LITE_ARCHITECTURES[model_type]
-    activation = config.get("hidden_activation") or config.get("hidden_act") or "silu"
-    if _ACTIVATIONS.get(activation) != layout.activation or config.get("partial_rotary_factor", 1.0) != 1.0:
+    if _activation(config) not in CONFIG_ACTIVATIONS or config.get("partial_rotary_factor", 1.0) != 1.0:
         return "an activation or rotary layout the light front end does not take"
     if config.get("final_logit_softcapping") or config.get("attn_logit_softcapping"):
         return "logit soft-capping runs on the torch front end"
@@ -262,7 +239,10 @@ class LiteModel:
         if refusal is not None:
             raise TorchFrontEnd(f"{gguf.name}: {refusal}")
         config, facts = read_index(index)
-        query = next(e for e in facts["tensors"] if e["name"] == _layer_tensor(0, "self_attn.q_proj.weight"))
+        self.spec: ArchSpec = ARCHITECTURES[config["model_type"]]
+        kernels = self.spec.kernels
+        query_name = self.spec.layer_name(0, self.spec.attention, kernels.qkv[0], "weight")
+        query = next(e for e in facts["tensors"] if e["name"] == query_name)
         self.config = LiteConfig.read(config, query["shape"][0])
         self.name = DEFAULT_DISPLAY_NAME if gguf == default_gguf_path() else gguf.stem
         self.source = str(gguf)
@@ -270,7 +250,8 @@ class LiteModel:
         self.threads = threads or physical_cores()  # (torch's default, as the torch front end runs)
         # (llama.cpp's arithmetic keeps its keys and values in f16, as engine/native.py's does)
         self.kv_dtype = np.float16 if self.arithmetic == ABI.LP_ARITH_INT8 else np.float32
-        self.layout = LITE_ARCHITECTURES[config["model_type"]]
+        self.activation = ACTIVATION_CODES[CONFIG_ACTIVATIONS[_activation(config)]]
+        self.rounding = NORM_ROUNDING[kernels.norm]
         self.index = index
         self.chat = facts.get("chat") or {"template": True}  # (models/stored.py _chat_frame)
         self.tensors: dict[str, StoredTensor] = {}
@@ -285,7 +266,7 @@ class LiteModel:
         self.rope_of_layer = tuple(order.get(t, 0) for t in self.config.layer_types)
         self._cos = [np.empty((0, 2 * len(inv_freq)), np.float32) for inv_freq, _ in self._ropes]
         self._sin = list(self._cos)
-        self.embed_scale = np.float32(self.config.hidden ** 0.5) if self.layout.scaled_embedding else None
+        self.embed_scale = np.float32(self.config.hidden ** 0.5) if self.spec.scaled_embedding else None
         self._build(gguf, on_packed)
 
     # ----- the file's tensors ------------------------------------------------------------------
@@ -322,11 +303,11 @@ class LiteModel:
 
     # ----- descriptors ---------------------------------------------------------------------------
     def _norm(self, name: str | None) -> ctypes.Structure:
-        layout = self.layout
+        """The norm whose weight is `name` (None: no norm there)."""
         if name is None:
-            return _Norm(None, 0.0, 0.0, layout.rounding, ABI.LP_DTYPE_F32)
+            return _Norm(None, 0.0, 0.0, self.rounding, ABI.LP_DTYPE_F32)
         weight = self._small(name)
-        return _Norm(weight.ctypes.data, self.config.eps, layout.norm_offset, layout.rounding, ABI.LP_DTYPE_F32)
+        return _Norm(weight.ctypes.data, self.config.eps, self.spec.norm_weight_offset, self.rounding, ABI.LP_DTYPE_F32)
 
     def _bias(self, names: Sequence[str], rows: Sequence[int]) -> np.ndarray | None:
         """The stack's biases in fp32 (zeros for a part without one), None where none has one."""
@@ -335,11 +316,12 @@ class LiteModel:
         return np.ascontiguousarray(np.concatenate([self.small.get(name, np.zeros(r, np.float32))
                                                     for name, r in zip(names, rows)]))
 
-    def _stack(self, names: Sequence[str], biases: Sequence[str] = ()) -> dict:
-        """A stack of matrices by transformers name: its place in the packed buffer, to describe once filled."""
-        weights = [self._matrix(name) for name in names]
+    def _stack(self, names: Sequence[str]) -> dict:
+        """A stack of linears by transformers name (their weights, and biases where the file has
+        them): its place in the packed buffer, to describe once filled."""
+        weights = [self._matrix(f"{name}.weight") for name in names]
         code, offset = self.packed.add(weights)
-        bias = self._bias(biases, [w.rows for w in weights]) if biases else None
+        bias = self._bias([f"{name}.bias" for name in names], [w.rows for w in weights])
         if bias is not None:
             self._held.append(bias)
         return {"code": code, "offset": offset, "n": sum(w.rows for w in weights), "k": weights[0].columns,
@@ -358,21 +340,19 @@ class LiteModel:
         self._held: list[np.ndarray] = []
         panels = PanelCache.for_file(gguf, kernels_key())
         self.packed = Packed(panels, self.threads)
+        spec, kernels = self.spec, self.spec.kernels
         stacks = []
         for i in range(c.layers):
-            attn = _layer_tensor(i, "self_attn")
-            qkv = [f"{attn}.{p}_proj" for p in ("q", "k", "v")]
+            qkv = [spec.layer_name(i, spec.attention, name) for name in kernels.qkv]
             apart = v_apart([self._matrix(f"{name}.weight").type_name for name in qkv])
-            together = qkv[:2] if apart else qkv
             stacks.append({
-                "qkv": self._stack([f"{n}.weight" for n in together], [f"{n}.bias" for n in together]),
-                "v": self._stack([f"{qkv[2]}.weight"], [f"{qkv[2]}.bias"]) if apart else None,
-                "o": self._stack([f"{attn}.o_proj.weight"], [f"{attn}.o_proj.bias"]),
-                "gate_up": self._stack([_layer_tensor(i, "mlp.gate_proj.weight"), _layer_tensor(i, "mlp.up_proj.weight")]),
-                "down": self._stack([_layer_tensor(i, "mlp.down_proj.weight")]),
+                "qkv": self._stack(qkv[:2] if apart else qkv),
+                "v": self._stack(qkv[2:]) if apart else None,
+                "o": self._stack([spec.layer_name(i, spec.attention, "o_proj")]),
+                "gate_up": self._stack([spec.layer_name(i, spec.mlp, name) for name in kernels.gate_up]),
+                "down": self._stack([spec.layer_name(i, spec.mlp, "down_proj")]),
             })
-        head_name = "lm_head.weight" if "lm_head.weight" in self.tensors else "model.embed_tokens.weight"
-        head = self._stack([head_name], ["lm_head.bias"])
+        head = self._stack([HEAD if f"{HEAD}.weight" in self.tensors else spec.name(spec.embed)])
         self.packed.start()
         # the tokenizer's JSON is parsed while the panels are read (it holds the GIL; they do not);
         # a file without one is a model of token ids (its text cannot be encoded)
@@ -381,28 +361,26 @@ class LiteModel:
         self.eos_token_ids = tuple(sorted(set(self.config.eos_token_ids) | set(eos_ids)))
         self.packed.finish(on_packed)
         self.attention, self.mlp = [], []
-        attention_norm, attention_post, mlp_norm, mlp_post = self.layout.norms
-        qk_norm = self.layout.qk_norm
 
-        def norm_of(layer: int, name: str | None) -> ctypes.Structure:
-            return self._norm(_layer_tensor(layer, f"{name}.weight") if name is not None else None)
+        def norm_of(layer: int, *path: str | None) -> ctypes.Structure:
+            """A layer's norm at `path` (None in it: the layer has none there)."""
+            return self._norm(None if None in path else spec.layer_name(layer, *path, "weight"))
 
+        qk_norms = spec.attention if kernels.qk_norms else None  # (q_norm and k_norm in the attention)
         for i, stack in enumerate(stacks):
-            attn = _layer_tensor(i, "self_attn")
             self.attention.append(_Attention(
                 hidden=c.hidden, heads=c.heads, kv_heads=c.kv_heads, head_dim=c.head_dim,
-                norm=norm_of(i, attention_norm),
-                q_norm=self._norm(f"{attn}.q_norm.weight" if qk_norm else None),
-                k_norm=self._norm(f"{attn}.k_norm.weight" if qk_norm else None),
-                post_norm=norm_of(i, attention_post), qkv=self._describe(stack["qkv"]), v=self._describe(stack["v"]),
+                norm=norm_of(i, spec.attention_norm), q_norm=norm_of(i, qk_norms, "q_norm"),
+                k_norm=norm_of(i, qk_norms, "k_norm"), post_norm=norm_of(i, spec.attention_post_norm),
+                qkv=self._describe(stack["qkv"]), v=self._describe(stack["v"]),
                 o=self._describe(stack["o"]), scaling=c.scaling, window=c.windows[i], rotary_dim=c.head_dim))
-            self.mlp.append(_Mlp(hidden=c.hidden, inner=c.inner, norm=norm_of(i, mlp_norm),
-                                 post_norm=norm_of(i, mlp_post), gate_up=self._describe(stack["gate_up"]),
-                                 down=self._describe(stack["down"]), activation=self.layout.activation))
-        self.final_norm = self._norm("model.norm.weight")
+            self.mlp.append(_Mlp(hidden=c.hidden, inner=c.inner, norm=norm_of(i, spec.mlp_norm),
+                                 post_norm=norm_of(i, spec.mlp_post_norm), gate_up=self._describe(stack["gate_up"]),
+                                 down=self._describe(stack["down"]), activation=self.activation))
+        self.final_norm = self._norm(spec.name(spec.final_norm, "weight"))
         self.head = self._describe(head)
         self.vocab = head["n"]
-        embedding = self._matrix("model.embed_tokens.weight")
+        embedding = self._matrix(spec.name(spec.embed, "weight"))
         self.embedding = embedding
         self.embedding_format = stack_format([embedding])
         self.embedding_rows = embedding.map_rows() if embedding.row_order is None else embedding.read_rows()

@@ -1,4 +1,5 @@
-"""Every per-architecture fact in one place: where modules live, and what config keys mean.
+"""Every per-architecture fact in one place: where modules live (the table, models/arch_table.py,
+resolved here into a model's modules), and what config keys mean.
 
 The table is the only place that knows module names. Everything else works on `ModelParts`: the
 embeddings, one `LayerParts` per decoder layer, the final norm and the LM head, all of them the
@@ -12,153 +13,16 @@ from __future__ import annotations
 import copy
 import inspect
 import json
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from importlib import resources
 from typing import Any
 
 import torch
 from torch import nn
 
+from layerplan.models.arch_table import ARCHITECTURES, ArchSpec
 from layerplan.models.errors import ModelError
 
-@dataclass(frozen=True)
-class KernelLayout:
-    """How the native kernels (engine/native.py) read one architecture's decoder layer: the child
-    modules of its attention and MLP, and the arithmetic of its RMSNorms. Only the table's rows
-    whose layers were checked against transformers with the kernels have one (tests/test_native.py):
-    other architectures share module names with other arithmetic (OLMo 2 normalises q and k over
-    all heads at once, Granite scales residuals)."""
-
-    qkv: tuple[str, ...] = ("q_proj", "k_proj", "v_proj")  # stacked by rows in this order (Phi-3: one qkv_proj)
-    qk_norms: bool = False  # the attention normalises q and k per head (q_norm, k_norm: Qwen3, Gemma 3)
-    gate_up: tuple[str, ...] = ("gate_proj", "up_proj")  # gate rows, then up rows (Phi-3: one gate_up_proj)
-    activation: str = "act_fn"  # the MLP's activation module (its class: ACTIVATIONS)
-    norm: str = "llama"  # how its RMSNorms round (NORM_EPSILONS)
-
-    @property
-    def attention_children(self) -> frozenset[str]:
-        return frozenset((*self.qkv, "o_proj", *(("q_norm", "k_norm") if self.qk_norms else ())))
-
-    @property
-    def mlp_children(self) -> frozenset[str]:
-        return frozenset((*self.gate_up, "down_proj", self.activation))
-
-
-# an RMSNorm's arithmetic -> the attribute holding its epsilon. "llama": weight × (the normalised
-# input rounded to the dtype); "gemma": ((offset + weight) × the normalised input) rounded
-# RoPE types (transformers' rope_parameters["rope_type"]) whose frequencies are fixed at load time:
-# a table of them is exact (engine/rope.py), and a GGUF's index keeps them (models/stored.py)
-STATIC_ROPE_TYPES = frozenset({"default", "linear", "llama3", "yarn"})
-NORM_EPSILONS = {"llama": "variance_epsilon", "gemma": "eps"}
-# activation module classes -> the function they compute (those the native kernels reproduce)
-ACTIVATIONS = {"SiLUActivation": "silu", "SiLU": "silu", "GELUTanh": "gelu_tanh", "PytorchGELUTanh": "gelu_tanh"}
-
-
-@dataclass(frozen=True)
-class ArchSpec:
-    """Where one architecture keeps its modules (attribute paths from the CausalLM object).
-
-    Written by hand in ARCHITECTURES for the exceptions; found by models/discovery.py for the rest."""
-
-    backbone: str  # the decoder stack inside the CausalLM ("model", "transformer")
-    embed: str  # token embeddings inside the backbone
-    layers: str  # the ModuleList of decoder layers inside the backbone
-    final_norm: str  # norm applied before the LM head
-    attention: str  # attention module inside a decoder layer
-    attention_norm: str | None  # norm before attention (None: the layer has none, OLMo 2)
-    mlp: str  # MLP (or mixture-of-experts block) inside a decoder layer
-    mlp_norm: str | None  # norm before the MLP
-    attention_post_norm: str | None = None  # norm on the attention output (Gemma, OLMo 2)
-    mlp_post_norm: str | None = None  # norm on the MLP output (Gemma, OLMo 2)
-    position_embed: str | None = None  # learned absolute positions (GPT-2); None means RoPE
-    rope_per_layer_type: bool = False  # rotary_emb(x, pos, layer_type) gives one RoPE per layer type
-    # for exports: the linear whose output is the attention / MLP residual update (scaling its
-    # weight and bias scales the update); unused where a post-norm follows (Gemma). None: every
-    # parameter of the sub-layer named like an output projection (OUTPUT_NAMES), experts included
-    attention_output: str | None = "self_attn.o_proj"
-    mlp_output: str | None = "mlp.down_proj"
-    norm_weight_offset: float = 0.0  # Gemma's RMSNorm multiplies by (offset + weight)
-    mlp_returns_tuple: bool = False  # the MLP returns (update, router scores) (GPT-OSS)
-    parallel: bool = False  # attention and MLP both read the layer's input (Cohere, Falcon, GPT-NeoX)
-    discovered: bool = False  # found by discovery (checked against transformers before use)
-    # a layer with no MLP module: these of its modules, called in order, are its MLP (OPT's
-    # fc1, activation_fn, fc2); `mlp` is then unused
-    mlp_sequence: tuple[str, ...] | None = None
-    kernels: KernelLayout | None = None  # how the native kernels read its layers; None: they run eagerly
-
-
-_LLAMA_LIKE = ArchSpec(
-    backbone="model",
-    embed="embed_tokens",
-    layers="layers",
-    final_norm="norm",
-    attention="self_attn",
-    attention_norm="input_layernorm",
-    mlp="mlp",
-    mlp_norm="post_attention_layernorm",
-)
-
-_OPT_LIKE = ArchSpec(
-    backbone="model.decoder",
-    embed="embed_tokens",
-    layers="layers",
-    final_norm="final_layer_norm",
-    attention="self_attn",
-    attention_norm="self_attn_layer_norm",
-    mlp="",
-    mlp_sequence=("fc1", "activation_fn", "fc2"),
-    mlp_norm="final_layer_norm",
-    position_embed="embed_positions",
-    attention_output="self_attn.out_proj",
-    mlp_output="fc2",
-)
-
-# The exceptions: architectures whose parts are written down instead of discovered (the first
-# seven were hand-checked first and stay the reference, REFERENCE_ARCHITECTURES).
-ARCHITECTURES: dict[str, ArchSpec] = {
-    "llama": replace(_LLAMA_LIKE, kernels=KernelLayout()),
-    "mistral": replace(_LLAMA_LIKE, kernels=KernelLayout()),
-    "qwen2": replace(_LLAMA_LIKE, kernels=KernelLayout()),
-    "qwen3": replace(_LLAMA_LIKE, kernels=KernelLayout(qk_norms=True)),
-    "phi3": replace(_LLAMA_LIKE, kernels=KernelLayout(qkv=("qkv_proj",), gate_up=("gate_up_proj",),
-                                                      activation="activation_fn")),
-    "gemma3_text": ArchSpec(
-        backbone="model",
-        embed="embed_tokens",
-        layers="layers",
-        final_norm="norm",
-        attention="self_attn",
-        attention_norm="input_layernorm",
-        attention_post_norm="post_attention_layernorm",
-        mlp="mlp",
-        mlp_norm="pre_feedforward_layernorm",
-        mlp_post_norm="post_feedforward_layernorm",
-        rope_per_layer_type=True,
-        norm_weight_offset=1.0,
-        kernels=KernelLayout(qk_norms=True, norm="gemma"),
-    ),
-    "gpt2": ArchSpec(
-        backbone="transformer",
-        embed="wte",
-        layers="h",
-        final_norm="ln_f",
-        attention="attn",
-        attention_norm="ln_1",
-        mlp="mlp",
-        mlp_norm="ln_2",
-        position_embed="wpe",
-        attention_output="attn.c_proj",
-        mlp_output="mlp.c_proj",
-    ),
-    # OPT and its relatives: discovery cannot find them (the MLP is three modules of the layer, the
-    # positions are offset by 2; OPT's layers sit in model.decoder)
-    "opt": _OPT_LIKE,
-    "biogpt": replace(_OPT_LIKE, backbone="biogpt", final_norm="layer_norm"),
-    "xglm": replace(_OPT_LIKE, backbone="model", final_norm="layer_norm"),
-}
-# the rows hand-checked first: the reference that discovery's own test compares against, and
-# the architectures every engine test runs (tests/tiny.py builds a tiny model of each)
-REFERENCE_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3_text", "gpt2")
 
 # ----- the conventions discovery looks for (models/discovery.py) ---------------------------------
 ATTENTION_NAMES = ("self_attn", "attn", "attention", "self_attention")

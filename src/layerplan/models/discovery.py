@@ -30,13 +30,14 @@ import torch
 from torch import nn
 
 from layerplan.files import cache_dir, write_json_atomic
-from layerplan.models.architectures import (ARCHITECTURES, ATTENTION_NAMES, CONFIG_SCALES, FINAL_NORM_NAMES,
-                                            MLP_NAMES, ArchSpec, ModelError, model_parts, refusal_of_config,
-                                            remember_discovered)
+from layerplan.models.arch_table import ARCHITECTURES, ArchSpec
+from layerplan.models.architectures import (ATTENTION_NAMES, CONFIG_SCALES, FINAL_NORM_NAMES, MLP_NAMES, ModelError,
+                                            model_parts, refusal_of_config, remember_discovered)
 
 # the code whose behaviour a cached discovery or check depends on: any change to it redoes them
-_CODE = ("models/discovery.py", "models/architectures.py", "engine/verify.py", "engine/runner.py", "engine/cache.py",
-         "engine/passes.py", "engine/executors.py", "engine/native.py", "engine/kernels.c")
+_CODE = ("models/discovery.py", "models/arch_table.py", "models/architectures.py", "engine/verify.py",
+         "engine/runner.py", "engine/cache.py", "engine/passes.py", "engine/executors.py", "engine/native.py",
+         "engine/kernels.c")
 
 # sizes of the tiny model a discovered architecture is learnt and verified on
 TINY_VOCAB = 96

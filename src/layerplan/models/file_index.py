@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 
 from layerplan.files import staging
+from layerplan.models.arch_table import ARCHITECTURES, HEAD, ArchSpec
 from layerplan.models.gguf_file import GGUFHeader
 
 # GGUF architecture -> (model_type, its config keys after "<arch>." -> the transformers config
@@ -66,31 +67,33 @@ _GENERAL_KEYS = {"general.architecture": "model_type", "general.name": "_model_n
                  "tokenizer.ggml.bos_token_id": "bos_token_id", "tokenizer.ggml.eos_token_id": "eos_token_id",
                  "tokenizer.ggml.unknown_token_id": "unk_token_id", "tokenizer.ggml.padding_token_id": "pad_token_id"}
 
-# GGUF tensor name (without ".weight"/".bias"; blk.{i} for layer i) -> transformers' parameter name
-# (gguf-py's tensor name table, as transformers maps it) for the llama family's decoder layers
-TENSOR_NAMES = {
-    "token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head",
-    "blk.{i}.attn_norm": "model.layers.{i}.input_layernorm",
-    "blk.{i}.attn_q": "model.layers.{i}.self_attn.q_proj", "blk.{i}.attn_k": "model.layers.{i}.self_attn.k_proj",
-    "blk.{i}.attn_v": "model.layers.{i}.self_attn.v_proj", "blk.{i}.attn_output": "model.layers.{i}.self_attn.o_proj",
-    "blk.{i}.attn_q_norm": "model.layers.{i}.self_attn.q_norm",
-    "blk.{i}.attn_k_norm": "model.layers.{i}.self_attn.k_norm",
-    "blk.{i}.ffn_norm": "model.layers.{i}.post_attention_layernorm",
-    "blk.{i}.ffn_gate": "model.layers.{i}.mlp.gate_proj", "blk.{i}.ffn_up": "model.layers.{i}.mlp.up_proj",
-    "blk.{i}.ffn_down": "model.layers.{i}.mlp.down_proj",
-}
-# the sub-layer tensors each model type has (template -> transformers' name; qk norms: Qwen3's and
-# Gemma 3's; Gemma 3's four norms a layer, its "ffn_norm" the one before the MLP)
-_QK_NORMS = {"blk.{i}.attn_q_norm", "blk.{i}.attn_k_norm"}
-_LLAMA_LAYERS = {k: v for k, v in TENSOR_NAMES.items() if k not in _QK_NORMS}
-MODEL_TENSORS = {"llama": _LLAMA_LAYERS, "mistral": _LLAMA_LAYERS, "qwen2": _LLAMA_LAYERS, "qwen3": TENSOR_NAMES,
-                 "gemma3_text": {**TENSOR_NAMES,
-                                 "blk.{i}.ffn_norm": "model.layers.{i}.pre_feedforward_layernorm",
-                                 "blk.{i}.post_attention_norm": "model.layers.{i}.post_attention_layernorm",
-                                 "blk.{i}.post_ffw_norm": "model.layers.{i}.post_feedforward_layernorm"}}
-# what transformers' tensor processor adds to a norm's weight, by model type (llama.cpp stores
-# Gemma's 1 + w, transformers' module holds w)
-NORM_SHIFTS = {"gemma3_text": -1.0}
+
+def tensor_names(spec: ArchSpec) -> dict[str, str]:
+    """GGUF tensor name (without ".weight"/".bias"; blk.{i} for layer i) -> transformers' name, for
+    an architecture whose layers are the llama family's (three projections, a gated MLP): gguf-py's
+    names of those tensors, each placed where the architecture table puts its part."""
+    kernels = spec.kernels
+    q, k, v = kernels.qkv
+    gate, up = kernels.gate_up
+    layer = {"attn_norm": (spec.attention_norm,), "post_attention_norm": (spec.attention_post_norm,),
+             "ffn_norm": (spec.mlp_norm,), "post_ffw_norm": (spec.mlp_post_norm,),
+             "attn_q": (spec.attention, q), "attn_k": (spec.attention, k), "attn_v": (spec.attention, v),
+             "attn_output": (spec.attention, "o_proj"),
+             "ffn_gate": (spec.mlp, gate), "ffn_up": (spec.mlp, up), "ffn_down": (spec.mlp, "down_proj")}
+    if kernels.qk_norms:
+        layer |= {"attn_q_norm": (spec.attention, "q_norm"), "attn_k_norm": (spec.attention, "k_norm")}
+    names = {"token_embd": spec.name(spec.embed), "output_norm": spec.name(spec.final_norm), "output": HEAD}
+    names |= {f"blk.{{i}}.{gguf}": spec.layer_name("{i}", *path) for gguf, path in layer.items() if None not in path}
+    return names
+
+
+# model type -> its tensors' names, for the table's architectures with the llama family's layers
+MODEL_TENSORS = {model_type: tensor_names(spec) for model_type, spec in ARCHITECTURES.items()
+                 if spec.kernels is not None and len(spec.kernels.qkv) == 3 and len(spec.kernels.gate_up) == 2}
+# what transformers' tensor processor adds to a norm's weight: llama.cpp stores Gemma's offset + w
+# (ArchSpec.norm_weight_offset), transformers' module holds w
+NORM_SHIFTS = {model_type: -spec.norm_weight_offset for model_type, spec in ARCHITECTURES.items()
+               if model_type in MODEL_TENSORS and spec.norm_weight_offset}
 # tensors a file may carry that transformers does not load (llama.cpp's own precomputed tables)
 _UNLOADED = {"rope_freqs"}
 _LAYER = re.compile(r"blk\.(\d+)\.(.+)")

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from layerplan.models.architectures import STATIC_ROPE_TYPES
+from layerplan.models.arch_table import STATIC_ROPE_TYPES
 from layerplan.models.errors import ModelError
 from layerplan.models.file_index import frame_of, merges_as_strings, staged_index
 from layerplan.models.gguf_config import load_config, load_tokenizer
