@@ -51,7 +51,7 @@ def main() -> None:
     import layerplan
     from layerplan.app.llamacpp import find_tools
     from layerplan.machine import read_cpuinfo
-    from layerplan.models.gguf_index import gguf_of
+    from layerplan.models.gguf_place import gguf_of
 
     # layerplan's modules compiled, as an installed wheel has them (an editable install compiles
     # a module at its first import; under PYTHONDONTWRITEBYTECODE, at every start's)

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from layerplan.models.gguf_index import default_gguf_path
+from layerplan.models.gguf_place import default_gguf_path
 
 sys.path.insert(0, str(Path(__file__).parent))
 # Two pytest-xdist workers share the two cores (`make test`): one thread each, or four threads (torch's

@@ -19,7 +19,7 @@ import pytest
 from layerplan.files import cache_dir
 from layerplan.models.file_index import file_index_refusal, write_file_index
 from layerplan.models.gguf_file import read_header
-from layerplan.models.gguf_index import INDEX_VERSION, TENSORS_FILE, default_gguf_path
+from layerplan.models.gguf_place import INDEX_VERSION, TENSORS_FILE, default_gguf_path
 from tiny import tiny_hf
 from tiny_gguf import ARCHITECTURES, write_tiny_gguf
 
@@ -323,7 +323,8 @@ def test_a_first_start_makes_the_index_without_torch_or_transformers(tmp_path):
     """The packaged model never seen (an empty cache): the light front end makes its index and
     packs its panels, and neither torch nor transformers is imported."""
     probe = ("import sys\n"
-             "from layerplan.lite.cli import request_of, run, runnable\n"
+             "from layerplan.lite.cli import run, runnable\n"
+             "from layerplan.lite.request import request_of\n"
              "request = request_of(['generate', 'The capital of France is', '-n', '4'])\n"
              "assert runnable(request) and request.first_use\n"
              "assert run(request) == 0\n"

@@ -14,7 +14,7 @@ import torch
 from layerplan.models.errors import ModelError
 from layerplan.models.gguf_config import config_dict, load_config, load_tokenizer
 from layerplan.models.gguf_file import read_header
-from layerplan.models.gguf_index import default_gguf_path
+from layerplan.models.gguf_place import default_gguf_path
 from tiny import tiny_hf
 from tiny_gguf import ARCHITECTURES, write_tiny_gguf
 

@@ -18,10 +18,11 @@ from tiny_gguf import write_tiny_gguf
 from layerplan.engine.load import STORED_ARITHMETIC, load_model
 from layerplan.engine.rope_tables import rope_rows
 from layerplan.engine.runner import forward, new_cache
-from layerplan.lite.cli import LiteRequest, request_of
+from layerplan.lite.request import LiteRequest, request_of
 from layerplan.lite.model import LiteModel, TorchFrontEnd, lite_refusal
 from layerplan.models.arch_table import ARCHITECTURES
-from layerplan.models.gguf_index import INDEX_VERSION, TENSORS_FILE, index_folder
+from layerplan.models.errors import ModelError
+from layerplan.models.gguf_place import INDEX_VERSION, TENSORS_FILE, index_folder
 
 PLANS = (None, "0,1,1,2", "exit:2", "skip:attn=1;mlp=0", "2,0,1")
 PROMPT = [5, 17, 3, 88, 41, 9, 60]
@@ -251,3 +252,70 @@ def test_physical_cores_count_each_core_once(tmp_path):
     expected = len({c for p, _, c in entries if p in allowed})
     assert physical_cores(tmp_path / "cpuinfo") == max(expected, 1)
     assert physical_cores(tmp_path / "absent") == len(allowed)
+
+
+def _kept_smollm2_index():
+    from layerplan.models.gguf_index import file_index
+    from layerplan.models.gguf_place import default_gguf_path
+
+    return file_index(default_gguf_path())
+
+
+TOKENIZER_TEXTS = ("The capital of France is", " leading space,  two spaces", "naïve café — ünïcode ✓ 日本語",
+                   "<|im_start|>user\nHi<|im_end|>\n", "", "tabs\tand\nnewlines\n\n", "emoji 🙂 and bytes \x00")
+
+
+def test_the_tokenizer_process_answers_as_the_tokenizer_in_this_process():
+    """encode (with and without the special tokens), decode (skipping them or not) and the EOS ids:
+    the same answers from the forked process as from LiteTokenizer; closing it reaps it."""
+    from layerplan.lite.tokenizer import LiteTokenizer
+    from layerplan.lite.tokenizer_process import TokenizerProcess
+
+    index = _kept_smollm2_index()
+    local, process = LiteTokenizer(index), TokenizerProcess.start(index)
+    try:
+        assert process.ready().eos_ids == local.eos_ids and local.eos_ids
+        for text in TOKENIZER_TEXTS:
+            for special in (True, False):
+                ids = local.encode(text, special_tokens=special)
+                assert process.encode(text, special_tokens=special) == ids, text
+                for skip in (True, False):
+                    assert process.decode(ids, skip_special_tokens=skip) == local.decode(ids, skip), text
+        with pytest.raises(ModelError):  # an id outside the vocabulary: the tokenizer's own error, one line
+            process.decode([10 ** 12])
+        assert process.decode([1, 2]) == local.decode([1, 2])  # and it answers on
+    finally:
+        process.close()
+    with pytest.raises(ChildProcessError):  # reaped
+        os.waitpid(process.pid, os.WNOHANG)
+
+
+def test_a_tokenizer_that_cannot_be_read_is_one_line_in_either_process(tmp_path):
+    from layerplan.lite.tokenizer import LiteTokenizer
+    from layerplan.lite.tokenizer_process import TokenizerProcess
+
+    index = tmp_path / "index"
+    index.mkdir()
+    (index / "tokenizer.json").write_text('{"model": ')
+    with pytest.raises(ModelError, match="tokenizer.json: ") as local:
+        LiteTokenizer(index)
+    process = TokenizerProcess.start(index)
+    try:
+        with pytest.raises(ModelError) as forked:
+            process.ready()
+    finally:
+        process.close()
+    assert str(forked.value) == str(local.value) and "\n" not in str(local.value)
+
+
+def test_only_a_kept_index_with_a_tokenizer_starts_a_process(tmp_path):
+    """A first start (no index yet) reads the tokenizer in its own process once the index is made."""
+    from layerplan.lite.tokenizer_process import TokenizerProcess
+
+    assert TokenizerProcess.for_model("smollm2") is None  # (this test's cache is empty)
+    assert TokenizerProcess.for_model(str(tmp_path / "missing.gguf")) is None
+    assert TokenizerProcess.start(tmp_path) is None  # no tokenizer.json
+    _kept_smollm2_index()
+    process = TokenizerProcess.for_model("smollm2")
+    assert process is not None
+    process.close()

@@ -21,7 +21,8 @@ import sys
 import pytest
 
 from layerplan.files import cache_dir
-from layerplan.lite.cli import request_of, runnable
+from layerplan.lite.cli import runnable
+from layerplan.lite.request import request_of
 
 pytestmark = pytest.mark.real
 
@@ -148,7 +149,7 @@ def test_the_chat_frame_tokenizes_as_transformers_chat_template(cache, monkeypat
     template's own special tokens."""
     from layerplan.engine.load import load_model
     from layerplan.lite.model import LiteModel
-    from layerplan.models.gguf_index import gguf_of
+    from layerplan.models.gguf_place import gguf_of
 
     monkeypatch.setenv("LAYERPLAN_CACHE", str(cache))
     torch_model = load_model("smollm2", dtype="stored")
@@ -179,7 +180,8 @@ def test_what_the_light_front_end_leaves_runs_on_the_torch_one(cache, torch_runs
 
 def test_a_start_on_the_light_front_end_imports_neither_torch_nor_transformers(cache):
     probe = ("import sys\n"
-             "from layerplan.lite.cli import request_of, run, runnable\n"
+             "from layerplan.lite.cli import run, runnable\n"
+             "from layerplan.lite.request import request_of\n"
              "request = request_of(['generate', 'The capital of France is', '-n', '4'])\n"
              "assert runnable(request)\n"
              "assert run(request) == 0\n"

@@ -19,11 +19,20 @@ import sys
 def main() -> None:
     argv = sys.argv[1:]
     if argv[:1] == ["generate"]:
-        from layerplan.lite.cli import FRONT_END_VARIABLE, request_of, run, runnable
+        from layerplan.lite.request import FRONT_END_VARIABLE, request_of
+        from layerplan.lite.tokenizer_process import TokenizerProcess
 
         request = request_of(argv)
-        if request is not None and runnable(request):
-            status = run(request)
+        if request is not None:
+            # the tokenizer's parse, most of a later start, begins now in a process of its own
+            # (before numpy's threads, which a fork would not copy)
+            tokenizer = TokenizerProcess.for_model(request.model)
+            from layerplan.lite.cli import run, runnable
+
+            taken = runnable(request)
+            status = run(request, tokenizer) if taken else None
+            if tokenizer is not None:
+                tokenizer.close()
             if status is not None:
                 # Nothing is left to clean up (what it wrote, it wrote whole and flushed), and
                 # the interpreter's teardown (every module, the tokenizer's tables, the kernels'
@@ -34,8 +43,9 @@ def main() -> None:
                     except OSError:  # a reader gone (`| head`): nothing more to say
                         status = status or 1
                 os._exit(status)
-            os.environ[FRONT_END_VARIABLE] = "torch"
-            os.execv(sys.executable, [sys.executable, "-m", "layerplan.app.cli", *argv])
+            if taken:  # the model turned out to need the torch front end, after the kernels' library loaded
+                os.environ[FRONT_END_VARIABLE] = "torch"
+                os.execv(sys.executable, [sys.executable, "-m", "layerplan.app.cli", *argv])
     from layerplan.app.cli import run_as_process
 
     run_as_process()

@@ -29,18 +29,19 @@ from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
-from tokenizers import Tokenizer
 
 from layerplan.engine.kernel_library import (ABI, ACTIVATION_CODES, NORM_ROUNDING, check, huge_page_buffer, kernels_key,
                                              library)
 from layerplan.engine.panel_cache import PanelCache
 from layerplan.engine.rope_tables import rope_rows
 from layerplan.engine.stored_pack import pack_stored, stack_format, v_apart
+from layerplan.lite.tokenizer import LiteTokenizer
+from layerplan.lite.tokenizer_process import TokenizerProcess
 from layerplan.machine import physical_cores
 from layerplan.models.arch_table import ARCHITECTURES, CONFIG_ACTIVATIONS, HEAD, ArchSpec
 from layerplan.models.errors import ModelError
-from layerplan.models.gguf_index import (DEFAULT_DISPLAY_NAME, INDEX_VERSION, TENSORS_FILE, StoredTensor,
-                                         default_gguf_path, index_folder)
+from layerplan.models.gguf_index import StoredTensor
+from layerplan.models.gguf_place import DEFAULT_DISPLAY_NAME, INDEX_VERSION, TENSORS_FILE, default_gguf_path, index_folder
 from layerplan.plan.plan import LayerPlan
 
 _Norm, _Matrix, _Kv, _Attention, _Mlp, _Step = (ABI.structs[name] for name in (
@@ -232,8 +233,10 @@ class LiteModel:
     """A GGUF's model as the kernels run it, from its index (see the module's docstring)."""
 
     def __init__(self, gguf: Path, arithmetic: str = "exact", threads: int | None = None,
-                 on_packed: Callable[[int, int], None] | None = None) -> None:
-        """on_packed(bytes, of bytes): the progress of packing the file's matrices (its first start)."""
+                 on_packed: Callable[[int, int], None] | None = None,
+                 tokenizer: LiteTokenizer | TokenizerProcess | None = None) -> None:
+        """on_packed(bytes, of bytes): the progress of packing the file's matrices (its first start);
+        tokenizer: the index's, already started (lite/tokenizer_process.py), else read here."""
         index = index_folder(gguf)
         refusal = lite_refusal(index)
         if refusal is not None:
@@ -267,7 +270,7 @@ class LiteModel:
         self._cos = [np.empty((0, 2 * len(inv_freq)), np.float32) for inv_freq, _ in self._ropes]
         self._sin = list(self._cos)
         self.embed_scale = np.float32(self.config.hidden ** 0.5) if self.spec.scaled_embedding else None
-        self._build(gguf, on_packed)
+        self._build(gguf, on_packed, tokenizer)
 
     # ----- the file's tensors ------------------------------------------------------------------
     def _read_entry(self, gguf: Path, entry: dict) -> None:
@@ -334,7 +337,8 @@ class LiteModel:
         return _Matrix(self.packed.address(stack["offset"]), bias.ctypes.data if bias is not None else None,
                        stack["n"], stack["k"], stack["code"], self.arithmetic)
 
-    def _build(self, gguf: Path, on_packed: Callable[[int, int], None] | None) -> None:
+    def _build(self, gguf: Path, on_packed: Callable[[int, int], None] | None,
+               tokenizer: LiteTokenizer | TokenizerProcess | None) -> None:
         """Every layer's attention and MLP descriptors, the final norm and the LM head."""
         c = self.config
         self._held: list[np.ndarray] = []
@@ -354,9 +358,12 @@ class LiteModel:
             })
         head = self._stack([HEAD if f"{HEAD}.weight" in self.tensors else spec.name(spec.embed)])
         self.packed.start()
-        # the tokenizer's JSON is parsed while the panels are read (it holds the GIL; they do not);
-        # a file without one is a model of token ids (its text cannot be encoded)
-        self.tokenizer = LiteTokenizer(self.index) if (self.index / "tokenizer.json").exists() else None
+        # the tokenizer's JSON is parsed while the panels are read (it holds the GIL; they do not),
+        # here or in its own process; a file without one is a model of token ids (its text cannot
+        # be encoded)
+        if tokenizer is None and (self.index / "tokenizer.json").exists():
+            tokenizer = LiteTokenizer(self.index)
+        self.tokenizer = tokenizer.ready() if tokenizer is not None else None
         eos_ids = self.tokenizer.eos_ids if self.tokenizer is not None else ()
         self.eos_token_ids = tuple(sorted(set(self.config.eos_token_ids) | set(eos_ids)))
         self.packed.finish(on_packed)
@@ -487,40 +494,3 @@ class LiteCache:
                 entry.mlp = ctypes.pointer(model.mlp[step.layer])
             entry.rope = model.rope_of_layer[step.layer]
             entry.scale = step.scale
-
-
-class LiteTokenizer:
-    """The index's tokenizer.json through the `tokenizers` package, as transformers' tokenizer
-    (transformers 5's TokenizersBackend) reads it: encode adds the special tokens its
-    post-processor adds; decode skips special tokens and, where tokenizer_config.json asks, cleans
-    up spaces as transformers does."""
-
-    def __init__(self, index: Path) -> None:
-        self._tokenizer = Tokenizer.from_file(str(index / "tokenizer.json"))
-        try:
-            config = json.loads((index / "tokenizer_config.json").read_text())
-        except (OSError, ValueError):
-            config = {}
-        # transformers skips the clean-up for a BPE model unless told to corrupt its output anyway
-        self.clean_up = bool(config.get("clean_up_tokenization_spaces", False)) and (
-            type(self._tokenizer.model).__name__ != "BPE"
-            or bool(config.get("clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output")))
-        eos = config.get("eos_token")
-        eos = eos.get("content") if isinstance(eos, dict) else eos
-        eos_id = self._tokenizer.token_to_id(eos) if isinstance(eos, str) else None
-        self.eos_ids = (eos_id,) if eos_id is not None else ()
-
-    def encode(self, text: str, special_tokens: bool = True) -> list[int]:
-        return self._tokenizer.encode(text, add_special_tokens=special_tokens).ids
-
-    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        text = self._tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
-        return clean_up_spaces(text) if self.clean_up else text
-
-
-def clean_up_spaces(text: str) -> str:
-    """transformers' clean_up_tokenization: a space before punctuation and English contractions dropped."""
-    for before, after in ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), (" n't", "n't"),
-                          (" 'm", "'m"), (" 's", "'s"), (" 've", "'ve"), (" 're", "'re")):
-        text = text.replace(before, after)
-    return text

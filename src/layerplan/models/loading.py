@@ -23,9 +23,9 @@ from layerplan.models.architectures import (SHAPE_KEYS, TEXT_MODEL_TYPES, LayerP
                                             config_depth, context_length)
 from layerplan.models.discovery import parts_of, require_checked, spec_of
 from layerplan.models.gguf_file import read_header
-from layerplan.models.gguf_index import (DEFAULT_DISPLAY_NAME, DEFAULT_GGUF_NAME, DEFAULT_GGUF_PACKAGE, DEFAULT_MODEL,
-                                         default_gguf_path, file_index, file_key, gguf_of, index_folder,
-                                         kept_index, sweep_stale, write_source_record)
+from layerplan.models.gguf_index import file_index, kept_index, sweep_stale, write_source_record
+from layerplan.models.gguf_place import (DEFAULT_DISPLAY_NAME, DEFAULT_GGUF_NAME, DEFAULT_GGUF_PACKAGE, DEFAULT_MODEL,
+                                         default_gguf_path, file_key, gguf_of, index_folder)
 from layerplan.models.stored import StoredWeights, meta_skeleton, index_gguf, load_dense, load_stored
 from layerplan.models.placement import Placement, accelerate_map, adopt, offload_folder, place, read_device_map
 from layerplan.plan.formats import load_plan

@@ -30,7 +30,8 @@ from layerplan.models.errors import ModelError
 from layerplan.models.file_index import frame_of, merges_as_strings, staged_index
 from layerplan.models.gguf_config import load_config, load_tokenizer
 from layerplan.models.gguf_file import read_header
-from layerplan.models.gguf_index import INDEX_VERSION, TENSORS_FILE, StoredTensor
+from layerplan.models.gguf_index import StoredTensor
+from layerplan.models.gguf_place import INDEX_VERSION, TENSORS_FILE
 
 # transformers' tensor processors whose only change to a matrix is a permutation of its rows
 # (Llama's q and k) or none at all (the others change 1-D norms only)

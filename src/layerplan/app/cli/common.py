@@ -20,7 +20,7 @@ from layerplan.engine.load import BLOCK_PRECISIONS, choose_dtype, load_model
 from layerplan.engine.native import ENGINES, NativeUnavailable
 from layerplan.engine.probe import checked_model_row, load_probe
 from layerplan.files import WriteError, check_output
-from layerplan.models.gguf_index import TENSORS_FILE, index_folder
+from layerplan.models.gguf_place import TENSORS_FILE, index_folder
 from layerplan.models.loading import (DEFAULT_MODEL, ModelError, cache_dir, dense_bytes, gguf_of, model_depth,
                                       resolve_device)
 from layerplan.plan.plan import PlanError
