@@ -319,3 +319,27 @@ def test_only_a_kept_index_with_a_tokenizer_starts_a_process(tmp_path):
     process = TokenizerProcess.for_model("smollm2")
     assert process is not None
     process.close()
+
+
+def test_each_layers_attention_is_read_from_the_config_by_one_rule(tmp_path):
+    """models/arch_table.py layer_attention, which the torch front end's layers and the light
+    front end's descriptors both take: layer types with the window on the sliding ones; GPT-Neo's
+    local layers; a window on every layer where only sliding_window is set (Mistral); else none.
+    The light front end leaves the last kind (no rotary table by layer type) to the torch one."""
+    from types import SimpleNamespace as Config
+
+    from layerplan.models.arch_table import layer_attention
+
+    assert layer_attention(Config(layer_types=["sliding_attention", "full_attention"], sliding_window=4), 2) == [
+        ("sliding_attention", 4), ("full_attention", None)]
+    assert layer_attention(Config(attention_layers=["local", "global"], window_size=8), 2) == [
+        ("sliding_attention", 8), ("full_attention", None)]
+    assert layer_attention(Config(sliding_window=5), 2) == [("sliding_attention", 5)] * 2
+    assert layer_attention(Config(sliding_window=None), 3) == [("full_attention", None)] * 3
+    index = tmp_path / "windowed"
+    index.mkdir()
+    (index / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_act": "silu", "sliding_window": 5,
+                                                   "num_hidden_layers": 2}))
+    (index / TENSORS_FILE).write_text(json.dumps({"version": INDEX_VERSION, "rotary": {"inv_freq": [1.0]},
+                                                  "tensors": []}))
+    assert lite_refusal(index) == "sliding-window attention runs on the torch front end"

@@ -27,6 +27,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 
@@ -38,7 +39,8 @@ from layerplan.engine.stored_pack import pack_stored, stack_format, v_apart
 from layerplan.lite.tokenizer import LiteTokenizer
 from layerplan.lite.tokenizer_process import TokenizerProcess
 from layerplan.machine import physical_cores
-from layerplan.models.arch_table import ARCHITECTURES, CONFIG_ACTIVATIONS, HEAD, ArchSpec
+from layerplan.models.arch_table import (ARCHITECTURES, CONFIG_ACTIVATIONS, HEAD, ArchSpec, context_length,
+                                        layer_attention)
 from layerplan.models.errors import ModelError
 from layerplan.models.gguf_index import StoredTensor
 from layerplan.models.gguf_place import DEFAULT_DISPLAY_NAME, INDEX_VERSION, TENSORS_FILE, default_gguf_path, index_folder
@@ -87,7 +89,9 @@ def lite_refusal(index: Path) -> str | None:
         return "logit soft-capping runs on the torch front end"
     types = config.get("layer_types") or ()
     by_type = tensors["rotary"].get("by_layer_type")
-    if by_type is None and (config.get("use_sliding_window") or any(t != "full_attention" for t in types)):
+    sliding = any(kind != "full_attention" for kind, _ in
+                  layer_attention(SimpleNamespace(**config), int(config.get("num_hidden_layers") or 0)))
+    if by_type is None and (config.get("use_sliding_window") or sliding):
         return "sliding-window attention runs on the torch front end"
     if by_type is not None and (not types or set(types) - set(by_type)
                                 or set(types) - {"full_attention", "sliding_attention"}):
@@ -124,18 +128,17 @@ class LiteConfig:
         eos = config.get("eos_token_id")
         eos_ids = (eos,) if isinstance(eos, int) else tuple(eos or ())
         layers = config["num_hidden_layers"]
-        types = tuple(config.get("layer_types") or ("full_attention",) * layers)
-        window = int(config.get("sliding_window") or 0)
+        attention = layer_attention(SimpleNamespace(**config), layers)
         return cls(hidden=config["hidden_size"], heads=heads,
                    kv_heads=config.get("num_key_value_heads") or heads,
                    head_dim=query_rows // heads,
-                   inner=config["intermediate_size"], layers=config["num_hidden_layers"],
+                   inner=config["intermediate_size"], layers=layers,
                    eps=float(config["rms_norm_eps"]),
-                   # models/architectures.py context_length
-                   context_length=int(config.get("max_position_embeddings") or config.get("n_positions") or 2048),
+                   context_length=context_length(SimpleNamespace(**config)),
                    eos_token_ids=tuple(int(i) for i in eos_ids),
                    scaling=float((config.get("query_pre_attn_scalar") or query_rows // heads) ** -0.5),
-                   layer_types=types, windows=tuple(window if t == "sliding_attention" else 0 for t in types))
+                   layer_types=tuple(kind for kind, _ in attention),
+                   windows=tuple(int(window or 0) for _, window in attention))
 
 
 class Packed:

@@ -7,6 +7,7 @@ native kernels read its layers. Plain data (no torch): the torch front end resol
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Any
 
 # the LM head's name in every table row's CausalLM (its parameters: lm_head.weight, lm_head.bias)
 HEAD = "lm_head"
@@ -166,3 +167,26 @@ ARCHITECTURES: dict[str, ArchSpec] = {
 # the rows hand-checked first: the reference that discovery's own test compares against, and
 # the architectures every engine test runs (tests/tiny.py builds a tiny model of each)
 REFERENCE_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3_text", "gpt2")
+
+
+# ----- what config keys mean to every reader of the table ------------------------------------------
+# (a config: transformers' config object, or config.json's dict as a SimpleNamespace: keys as attributes)
+
+def context_length(config: Any) -> int:
+    """The longest sequence the model was trained for (prompt plus generated tokens)."""
+    return int(getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None) or 2048)
+
+
+def layer_attention(config: Any, layers: int) -> list[tuple[str, int | None]]:
+    """Each decoder layer's attention as transformers' attention modules read the config: its
+    layer type ("full_attention" or "sliding_attention") and its sliding window (None: none)."""
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None:
+        window = getattr(config, "sliding_window", None)
+        return [(kind, window if kind == "sliding_attention" else None) for kind in layer_types[:layers]]
+    if getattr(config, "attention_layers", None) is not None:  # GPT-Neo: "global" / "local" layers
+        return [("sliding_attention", config.window_size) if kind == "local" else ("full_attention", None)
+                for kind in config.attention_layers[:layers]]
+    # Mistral and Phi-3 apply config.sliding_window (when set) to every layer
+    window = getattr(config, "sliding_window", None) or None
+    return [("sliding_attention" if window is not None else "full_attention", window)] * layers

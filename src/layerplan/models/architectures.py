@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from layerplan.models.arch_table import ARCHITECTURES, ArchSpec
+from layerplan.models.arch_table import ARCHITECTURES, ArchSpec, layer_attention
 from layerplan.models.errors import ModelError
 
 
@@ -229,21 +229,13 @@ def model_parts(hf_model: nn.Module, spec: ArchSpec) -> ModelParts:
     if unknown:
         raise ModelError(f"architecture '{config.model_type}': layer type '{unknown[0]}' is not one the plan runner knows")
     backbone = _get(hf_model, spec.backbone)
-    layer_types = getattr(config, "layer_types", None)
     residual = getattr(config, "residual_multiplier", None)
     residual = None if residual in (None, 1, 1.0) else float(residual)
     layers = []
-    for i, layer in enumerate(_get(backbone, spec.layers)):
-        if layer_types is not None:
-            layer_type = layer_types[i]
-            window = config.sliding_window if layer_type == "sliding_attention" else None
-        elif getattr(config, "attention_layers", None) is not None:  # GPT-Neo: "global" / "local" layers
-            local = config.attention_layers[i] == "local"
-            layer_type, window = ("sliding_attention", config.window_size) if local else ("full_attention", None)
-        else:
-            # Mistral and Phi-3 apply config.sliding_window (when set) to every layer.
-            window = getattr(config, "sliding_window", None) or None
-            layer_type = "sliding_attention" if window is not None else "full_attention"
+    decoder_layers = _get(backbone, spec.layers)
+    windows = layer_attention(config, len(decoder_layers))
+    for i, layer in enumerate(decoder_layers):
+        layer_type, window = windows[i]
         attention_post = _get(layer, spec.attention_post_norm) if spec.attention_post_norm else None
         mlp_post = _get(layer, spec.mlp_post_norm) if spec.mlp_post_norm else None
         if residual is not None:  # Granite: residual + multiplier * update
@@ -338,11 +330,6 @@ def config_depth(config: dict[str, Any]) -> int | None:
     config = config.get("text_config", config)
     depth = config.get("num_hidden_layers", config.get("n_layer"))
     return int(depth) if depth is not None else None
-
-
-def context_length(config) -> int:
-    """The longest sequence the model was trained for (prompt plus generated tokens)."""
-    return int(getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", 2048))
 
 
 _NOT_PER_LAYER = ("architectures", "eos_token_id", "bos_token_id", "pad_token_id", "mlp_only_layers")

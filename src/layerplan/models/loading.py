@@ -19,8 +19,9 @@ import torch
 from torch import nn
 
 from layerplan.files import apply_umask, cache_dir, clean_debris, staging, writing
+from layerplan.models.arch_table import context_length
 from layerplan.models.architectures import (SHAPE_KEYS, TEXT_MODEL_TYPES, LayerParts, ModelError, ModelParts,
-                                            config_depth, context_length)
+                                            config_depth)
 from layerplan.models.discovery import parts_of, require_checked, spec_of
 from layerplan.models.gguf_file import read_header
 from layerplan.models.gguf_index import file_index, kept_index, sweep_stale, write_source_record
