@@ -3,11 +3,15 @@
 command line on the torch front end (app/cli/), which reads it as it always has.
 
 Which one runs changes no output: the light front end takes only command lines whose meaning it
-carries out as the torch one does (lite/cli.py request_of), and only models whose index it can
-read (made by the torch front end's first load of the file). Where it finds, once started, that
-the model needs the torch front end, the command starts again as `python -m layerplan.app.cli`
-with LAYERPLAN_FRONT_END=torch: the kernels' library, loaded by then, links an OpenMP runtime that
-must not meet torch's in one process.
+carries out as the torch one does (lite/request.py request_of), and only models whose index it can
+read (kept, or made now from the file). Where it finds, once started, that the model needs the
+torch front end, the command starts again as `python -m layerplan.app.cli` with
+LAYERPLAN_FRONT_END=torch: the kernels' library, loaded by then, links an OpenMP runtime that must
+not meet torch's in one process.
+
+The command line is read, and a kept index's tokenizer process started (lite/tokenizer_process.py),
+before numpy or anything else that starts threads is imported: a fork copies only the thread
+that calls it.
 """
 
 from __future__ import annotations
