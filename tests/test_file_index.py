@@ -393,3 +393,30 @@ def test_a_new_index_sweeps_those_of_files_gone_or_rewritten(tmp_path, monkeypat
     new = file_index(files["new"])
     assert sorted(p.name for p in new.parent.iterdir()) == sorted(
         [made["kept"].name, made["old-kept"].name, new.name, unknown.name])
+
+
+def test_a_first_index_reports_its_slow_stages(tmp_path, monkeypatch):
+    """on_progress(stage, done, total): a SentencePiece vocabulary's merges derived a token at a
+    time (from 0 to the whole), then its tokenizer written; a byte-level vocabulary has no merges to
+    derive. The index is the same with or without a listener."""
+    from layerplan.models.file_index import DERIVING_MERGES, WRITING_TOKENIZER
+    from layerplan.models.gguf_index import file_index
+
+    monkeypatch.setenv("LAYERPLAN_CACHE", str(tmp_path / "cache"))
+    tiny = write_tiny_gguf(tiny_hf("llama"), tmp_path / "tiny.gguf", "F32")
+    (tmp_path / "vocab").mkdir()
+    path = _with_sentencepiece(tiny, tmp_path / "vocab" / "model.gguf", {})
+    heard = []
+    index = file_index(path, lambda stage, done, total: heard.append((stage, done, total)))
+    merges = [entry for entry in heard if entry[0] == DERIVING_MERGES]
+    tokens = len(_sentencepiece_vocabulary()[0])
+    assert merges[0] == (DERIVING_MERGES, 0, tokens) and merges[-1] == (DERIVING_MERGES, tokens, tokens)
+    assert heard[len(merges):] == [(WRITING_TOKENIZER, 0, 1), (WRITING_TOKENIZER, 1, 1)]
+    listened = _tokenizer_json(index)
+    shutil.rmtree(index)
+    assert _tokenizer_json(file_index(path)) == listened
+    heard.clear()
+    (tmp_path / "byte-level").mkdir()
+    byte_level = _with_vocabulary(tiny, tmp_path / "byte-level" / "model.gguf", {})
+    file_index(byte_level, lambda stage, done, total: heard.append((stage, done, total)))
+    assert heard == [(WRITING_TOKENIZER, 0, 1), (WRITING_TOKENIZER, 1, 1)]

@@ -19,6 +19,7 @@ from layerplan.machine import read_cpuinfo
 from layerplan.messages import one_line
 from layerplan.models.errors import ModelError
 from layerplan.files import cache_dir
+from layerplan.models.file_index import WRITING_TOKENIZER
 from layerplan.models.gguf_index import file_index
 from layerplan.models.gguf_place import TENSORS_FILE, gguf_of, index_folder
 from layerplan.plan.plan import PlanError
@@ -34,10 +35,18 @@ def runnable(request: LiteRequest) -> bool:
         return False
     try:
         request.first_use = not (index_folder(gguf) / TENSORS_FILE).exists()
-        index = file_index(gguf)
+        index = file_index(gguf, _indexing_bar if request.first_use and sys.stderr.isatty() else None)
     except (ModelError, OSError):
         return False
     return index is not None and lite_refusal(index) is None and (index / "tokenizer.json").exists()
+
+
+def _indexing_bar(stage: str, done: int, total: int) -> None:
+    """A first start's index, where it takes seconds (a large vocabulary), on a terminal: one line
+    redrawn, kept once the tokenizer is written."""
+    count = f": {done:,} of {total:,} tokens" if total > 1 else ""
+    end = "\n" if stage == WRITING_TOKENIZER and done >= total else ""
+    print(f"\rindexing the file: {stage}{count}\x1b[K{end}", end="", file=sys.stderr, flush=True)
 
 
 def _packing_bar(done: int, total: int) -> None:

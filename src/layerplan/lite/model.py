@@ -217,12 +217,14 @@ class Packed:
     def finish(self, on_packed: Callable[[int, int], None] | None = None) -> None:
         """Wait for the threads; on_packed(bytes packed, bytes to pack) now and then while some
         pack (a first start's progress bar)."""
+        reported = 0
         for worker in self._workers:
             while worker.is_alive():
                 worker.join(0.25)
                 if on_packed is not None and self._to_pack:
-                    on_packed(sum(self._done), self._to_pack)
-        if on_packed is not None and self._to_pack:
+                    reported = sum(self._done)
+                    on_packed(reported, self._to_pack)
+        if on_packed is not None and self._to_pack and reported < self._to_pack:  # (the whole, once)
             on_packed(self._to_pack, self._to_pack)
         if self._failures:
             raise self._failures[0]

@@ -126,6 +126,13 @@ _VOCABULARY_KINDS = {"gpt2": "byte-level BPE", "llama": "SentencePiece BPE"}
 # tokenizer.ggml.token_type values
 _CONTROL, _USER_DEFINED = 3, 4
 
+# the stages of making an index that take seconds (on_progress(stage, done, total)): a SentencePiece
+# vocabulary's merges derived (done, total: tokens), the tokenizer built and written (0 or 1 of 1)
+IndexProgress = Callable[[str, int, int], None]
+DERIVING_MERGES = "deriving the vocabulary's merges"
+WRITING_TOKENIZER = "writing its tokenizer"
+_PROGRESS_EVERY = 8192
+
 # user messages the chat frame is found with: none is in any template, and each is inserted
 # whole only where a template inserts a message's content as it is
 CHAT_PROBES = ("\u27e6layerplan\u27e7", " \u27e6two words\u27e7 \n", "\u27e6{{ x }}{% raw %}'\"\u27e7")
@@ -286,13 +293,14 @@ def byte_level_tokenizer(header: GGUFHeader):
     return _with_special_tokens(tokenizer, header, vocab, control=lambda token: set(token) <= alphabet)
 
 
-def sentencepiece_tokenizer(header: GGUFHeader):
+def sentencepiece_tokenizer(header: GGUFHeader, on_progress: IndexProgress | None = None):
     """The file's SentencePiece vocabulary (tokenizer.ggml.model "llama") as transformers' GGUF
     converter builds it: BPE with byte fallback over the vocabulary as the file spells it, with
     the file's merges or, where it has none, the merges its vocabulary implies (sentencepiece_merges);
     Gemma's files respell their tokens of spaces and rank merges by file order (GemmaTokenizer's
     pipeline), the others by score (LlamaTokenizer's: Metaspace, a space prefixed to the first word);
-    control and user-defined tokens and BOS / EOS as for byte-level vocabularies."""
+    control and user-defined tokens and BOS / EOS as for byte-level vocabularies. on_progress:
+    the merges' derivation, a token at a time (seconds for a large vocabulary)."""
     from tokenizers import Tokenizer, decoders, normalizers, pre_tokenizers
     from tokenizers.models import BPE
 
@@ -311,7 +319,8 @@ def sentencepiece_tokenizer(header: GGUFHeader):
     else:
         if ranks is None:
             ranks = dict(zip(tokens, np.asarray(metadata["tokenizer.ggml.scores"]).tolist()))
-        merges = sentencepiece_merges(vocab, ranks)
+        on_token = (lambda done, total: on_progress(DERIVING_MERGES, done, total)) if on_progress else None
+        merges = sentencepiece_merges(vocab, ranks, on_token)
     if gemma:
         tokenizer = Tokenizer(BPE(vocab=vocab, merges=merges, fuse_unk=True, unk_token="<unk>", dropout=None,
                                   byte_fallback=True))
@@ -329,16 +338,22 @@ def sentencepiece_tokenizer(header: GGUFHeader):
     return _with_special_tokens(tokenizer, header, vocab, control=lambda token: True, named=True)
 
 
-def sentencepiece_merges(vocab: dict[str, int], ranks: dict[str, float]) -> list[tuple[str, str]]:
+def sentencepiece_merges(vocab: dict[str, int], ranks: dict[str, float],
+                         on_token: Callable[[int, int], None] | None = None) -> list[tuple[str, str]]:
     """The merges a SentencePiece vocabulary implies, as transformers derives them: every split of
     a token into two tokens of the vocabulary, ranked by the token's rank (highest first), then by
-    the lengths of the two halves (longest first); a token's own splits by their halves' ids."""
+    the lengths of the two halves (longest first); a token's own splits by their halves' ids.
+    on_token(done, total) every _PROGRESS_EVERY tokens, and at the end."""
     found = []
-    for token, rank in ranks.items():
+    for done, (token, rank) in enumerate(ranks.items()):
+        if on_token is not None and done % _PROGRESS_EVERY == 0:
+            on_token(done, len(ranks))
         splits = [(token[:cut], token[cut:]) for cut in range(1, len(token))
                   if token[:cut] in vocab and token[cut:] in vocab]
         splits.sort(key=lambda pair: (vocab[pair[0]], vocab[pair[1]]))
         found.extend((left, right, rank) for left, right in splits)
+    if on_token is not None:
+        on_token(len(ranks), len(ranks))
     found.sort(key=lambda merge: (merge[2], len(merge[0]), len(merge[1])), reverse=True)
     return [(left, right) for left, right, _ in found]
 
@@ -413,10 +428,10 @@ def tokenizer_config(header: GGUFHeader) -> dict[str, Any]:
     return config
 
 
-def vocabulary_tokenizer(header: GGUFHeader):
+def vocabulary_tokenizer(header: GGUFHeader, on_progress: IndexProgress | None = None):
     """The file's tokenizer (a `tokenizers` Tokenizer) by its tokenizer.ggml.model."""
     if header.metadata.get("tokenizer.ggml.model") == "llama":
-        return sentencepiece_tokenizer(header)
+        return sentencepiece_tokenizer(header, on_progress)
     return byte_level_tokenizer(header)
 
 
@@ -486,9 +501,11 @@ def staged_index(target: Path, tensors_file: str) -> Iterator[Path]:
                 raise
 
 
-def write_file_index(header: GGUFHeader, target: Path, version: int, tensors_file: str) -> Path:
+def write_file_index(header: GGUFHeader, target: Path, version: int, tensors_file: str,
+                     on_progress: IndexProgress | None = None) -> Path:
     """Write the file's index into `target` (atomically: staged beside it, then renamed), for a
-    file file_index_refusal passes."""
+    file file_index_refusal passes. on_progress(stage, done, total): the stages that take seconds
+    on a large vocabulary (DERIVING_MERGES, WRITING_TOKENIZER)."""
     config = full_config(config_of(header))
     model_type = config["model_type"]
     names = parameter_names(header, model_type)
@@ -514,10 +531,15 @@ def write_file_index(header: GGUFHeader, target: Path, version: int, tensors_fil
     with staged_index(target, tensors_file) as staged:
         (staged / "config.json").write_text(json.dumps(config, indent=2))
         if has_vocabulary:
-            tokenizer_json = json.loads(vocabulary_tokenizer(header).to_str())
+            tokenizer = vocabulary_tokenizer(header, on_progress)
+            if on_progress is not None:
+                on_progress(WRITING_TOKENIZER, 0, 1)
+            tokenizer_json = json.loads(tokenizer.to_str())
             (staged / "tokenizer.json").write_text(json.dumps(with_string_merges(tokenizer_json), ensure_ascii=False),
                                                    encoding="utf-8")
             (staged / "tokenizer_config.json").write_text(json.dumps(special, indent=2))
+            if on_progress is not None:
+                on_progress(WRITING_TOKENIZER, 1, 1)
             if template:
                 (staged / "chat_template.jinja").write_text(template)
         (staged / tensors_file).write_text(json.dumps({

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from layerplan.models.errors import ModelError
-from layerplan.models.file_index import file_index_refusal, write_file_index
+from layerplan.models.file_index import IndexProgress, file_index_refusal, write_file_index
 from layerplan.models.gguf_file import read_header
 from layerplan.models.gguf_place import INDEX_VERSION, TENSORS_FILE, file_key, index_folder
 # (read from here by the commands of recorded figures, benchmarks/figures/)
@@ -76,16 +76,17 @@ def sweep_stale(root: Path, keep: Path) -> list[Path]:
     return removed
 
 
-def file_index(gguf: Path) -> Path | None:
+def file_index(gguf: Path, on_progress: IndexProgress | None = None) -> Path | None:
     """The GGUF's index: kept from an earlier load, or made now from the file alone; None where
-    the file index's tables do not cover the file (then transformers makes it)."""
+    the file index's tables do not cover the file (then transformers makes it). on_progress: see
+    models/file_index.py write_file_index."""
     target = index_folder(gguf)
     if (target / TENSORS_FILE).exists():
         return target
     header = read_header(gguf)  # one line where the file is not a GGUF
     if file_index_refusal(header) is not None:
         return None
-    return kept_index(write_file_index(header, target, INDEX_VERSION, TENSORS_FILE), gguf)
+    return kept_index(write_file_index(header, target, INDEX_VERSION, TENSORS_FILE, on_progress), gguf)
 
 
 def kept_index(target: Path, gguf: Path) -> Path:

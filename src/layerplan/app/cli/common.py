@@ -20,6 +20,7 @@ from layerplan.engine.load import BLOCK_PRECISIONS, choose_dtype, load_model
 from layerplan.engine.native import ENGINES, NativeUnavailable
 from layerplan.engine.probe import checked_model_row, load_probe
 from layerplan.files import WriteError, check_output
+from layerplan.models.gguf_index import file_index
 from layerplan.models.gguf_place import TENSORS_FILE, index_folder
 from layerplan.models.loading import (DEFAULT_MODEL, ModelError, cache_dir, dense_bytes, gguf_of, model_depth,
                                       resolve_device)
@@ -94,6 +95,7 @@ class Stages:
 
     def __init__(self) -> None:
         self.current: Progress | None = None
+        self.stage = ""
 
     def start(self, text: str) -> None:
         self.close()
@@ -102,6 +104,13 @@ class Stages:
     def __call__(self, done: int, total: int) -> None:
         if self.current is not None:
             self.current(done, total)
+
+    def report(self, stage: str, done: int, total: int) -> None:
+        """on_progress(stage, done, total): a new bar when the stage changes."""
+        if self.current is None or self.stage != stage:
+            self.start(stage)
+            self.stage = stage
+        self(done, total)
 
     def close(self) -> None:
         if self.current is not None:
@@ -164,6 +173,9 @@ def load(model: str, dtype: str, device: str = "cpu", engine: str = "auto", dens
     if sizes is not None:  # a GGUF dequantized whole: say what it costs before it starts
         click.echo(f"dequantizing the GGUF to {dtype}: {sizes[0] / 1e9:.1f} GB of weights in memory (the file "
                    f"stores them in {sizes[1] / 1e9:.1f} GB; --dtype auto runs them as stored)", err=True)
+    if first:  # its index made first, where the file index covers it: seconds for a large vocabulary
+        with Stages() as stages:
+            file_index(gguf, stages.report)
     # a bar where the load takes seconds: a GGUF dequantized, or packed for the kernels at its first use
     bar = Progress("dequantizing") if sizes is not None else Progress("packing for the kernels") if first else None
     try:
