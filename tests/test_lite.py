@@ -315,7 +315,16 @@ def test_only_a_kept_index_with_a_tokenizer_starts_a_process(tmp_path):
     assert TokenizerProcess.for_model("smollm2") is None  # (this test's cache is empty)
     assert TokenizerProcess.for_model(str(tmp_path / "missing.gguf")) is None
     assert TokenizerProcess.start(tmp_path) is None  # no tokenizer.json
-    _kept_smollm2_index()
+    index = _kept_smollm2_index()
+
+    def refused():
+        raise BlockingIOError(11, "Resource temporarily unavailable")
+
+    with pytest.MonkeyPatch.context() as patch:  # a fork refused: the command reads the tokenizer itself
+        patch.setattr(os, "fork", refused)
+        before = len(os.listdir("/proc/self/fd"))
+        assert TokenizerProcess.start(index) is None
+        assert len(os.listdir("/proc/self/fd")) == before  # (its pipes closed)
     process = TokenizerProcess.for_model("smollm2")
     assert process is not None
     process.close()

@@ -89,9 +89,16 @@ class TokenizerProcess:
         platform no fork). Call it before anything starts a thread."""
         if not hasattr(os, "fork") or not (index / "tokenizer.json").exists():
             return None
-        request_read, request_write = os.pipe()
-        reply_read, reply_write = os.pipe()
-        pid = os.fork()
+        pipes = []
+        try:
+            pipes += os.pipe()
+            pipes += os.pipe()
+            pid = os.fork()
+        except OSError:  # (no process or descriptor to spare: the command reads the tokenizer itself)
+            for fd in pipes:
+                os.close(fd)
+            return None
+        request_read, request_write, reply_read, reply_write = pipes
         if pid == 0:
             os.close(request_write)
             os.close(reply_read)
