@@ -135,6 +135,19 @@ def test_the_architectures_it_runs_are_the_tables_light_rows_each_checked_above(
     assert lite_refusal(index) == "architecture 'mistral' runs on the torch front end"
 
 
+def test_a_file_never_seen_is_indexed_by_the_light_model_itself(tmp_path):
+    """LiteModel on a file with no index yet (the library without torch): it makes the index from
+    the file and packs the panels, and gives the torch front end's logits, which then load from both."""
+    path = write_tiny_gguf(tiny_hf("qwen2", num_layers=3), tmp_path / "fresh.gguf", "Q8_0")
+    assert "no index" in lite_refusal(index_folder(path))
+    lite = LiteModel(path, threads=2)
+    assert lite.packed.packed_here > 0 and lite_refusal(index_folder(path)) is None
+    model = load_model(path, dtype="stored", engine="native")
+    plan = model.plan()
+    want = forward(model, torch.tensor([PROMPT]), plan, new_cache(plan, 64))[0].numpy()
+    assert np.array_equal(lite.logits(PROMPT, lite.new_cache(lite.plan(), 64), 0, last_only=False), want)
+
+
 def test_a_file_the_light_front_end_cannot_run_says_why(tmp_path):
     """No index yet, then a stack of matrices of two types (the torch front end dequantizes it)."""
     path = write_tiny_gguf(tiny_hf("llama"), tmp_path / "mixed.gguf", "Q8_0", {"ffn_up": "Q4_0"})

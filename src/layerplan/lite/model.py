@@ -42,7 +42,7 @@ from layerplan.machine import physical_cores
 from layerplan.models.arch_table import (ARCHITECTURES, CONFIG_ACTIVATIONS, HEAD, ArchSpec, context_length,
                                         layer_attention)
 from layerplan.models.errors import ModelError
-from layerplan.models.gguf_index import StoredTensor
+from layerplan.models.gguf_index import StoredTensor, file_index
 from layerplan.models.gguf_place import DEFAULT_DISPLAY_NAME, INDEX_VERSION, TENSORS_FILE, default_gguf_path, index_folder
 from layerplan.plan.plan import LayerPlan
 
@@ -241,8 +241,9 @@ class LiteModel:
                  on_packed: Callable[[int, int], None] | None = None,
                  tokenizer: LiteTokenizer | TokenizerProcess | None = None) -> None:
         """on_packed(bytes, of bytes): the progress of packing the file's matrices (its first start);
-        tokenizer: the index's, already started (lite/tokenizer_process.py), else read here."""
-        index = index_folder(gguf)
+        tokenizer: the index's, already started (lite/tokenizer_process.py), else read here. The
+        index is made from the file where the file index covers it (else transformers' must be kept)."""
+        index = file_index(gguf) or index_folder(gguf)
         refusal = lite_refusal(index)
         if refusal is not None:
             raise TorchFrontEnd(f"{gguf.name}: {refusal}")
