@@ -571,3 +571,30 @@ def test_kept_panels_are_read_in_parts_and_a_short_part_is_named(tmp_path, monke
     assert [f.result() for f in PanelCache.read_parts(entry, longer, run_now, lambda: shorts.append(1))] == \
         [True, True, False]
     assert shorts == [1]
+
+
+@pytest.mark.real
+def test_no_command_writes_a_dense_copy_of_a_gguf(tmp_path, monkeypatch):
+    """The commands' default paths on a GGUF (the packaged one, a cache never used) run it as
+    stored: the index and the packed panels are written, never a dense conversion (cache/models,
+    any .safetensors)."""
+    import shutil
+
+    from click.testing import CliRunner
+
+    from layerplan.app.cli import main
+    from layerplan.files import cache_dir
+
+    built = cache_dir() / "native"
+    cache = tmp_path / "cache"
+    if built.exists():  # (the kernels' library, built once per machine)
+        shutil.copytree(built, cache / "native", symlinks=True)
+    monkeypatch.setenv("LAYERPLAN_CACHE", str(cache))
+    commands = [["generate", "Hi", "-n", "2", "--draft", "ngram"],
+                ["ppl", "--max-tokens", "24", "--window", "16", "--stride", "8"],
+                ["scan", "--tokens", "12", "--kinds", "attention", "--out", str(tmp_path / "scan")]]
+    for argv in commands:
+        result = CliRunner().invoke(main, argv)
+        assert result.exit_code == 0, (argv, result.output)
+    assert not (cache / "models").exists() and not list(cache.rglob("*.safetensors"))
+    assert list((cache / "stored").glob("*/tensors.json")) and list((cache / "panels").glob("*/*.panels"))
