@@ -128,13 +128,14 @@ class LiteConfig:
         eos = config.get("eos_token_id")
         eos_ids = (eos,) if isinstance(eos, int) else tuple(eos or ())
         layers = config["num_hidden_layers"]
-        attention = layer_attention(SimpleNamespace(**config), layers)
+        keys = SimpleNamespace(**config)  # (the table's config rules read keys as attributes)
+        attention = layer_attention(keys, layers)
         return cls(hidden=config["hidden_size"], heads=heads,
                    kv_heads=config.get("num_key_value_heads") or heads,
                    head_dim=query_rows // heads,
                    inner=config["intermediate_size"], layers=layers,
                    eps=float(config["rms_norm_eps"]),
-                   context_length=context_length(SimpleNamespace(**config)),
+                   context_length=context_length(keys),
                    eos_token_ids=tuple(int(i) for i in eos_ids),
                    scaling=float((config.get("query_pre_attn_scalar") or query_rows // heads) ** -0.5),
                    layer_types=tuple(kind for kind, _ in attention),
