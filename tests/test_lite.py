@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from tiny import tiny_hf
 from tiny_gguf import write_tiny_gguf
 
+from layerplan.engine import load, native
 from layerplan.engine.load import STORED_ARITHMETIC, load_model
 from layerplan.engine.rope_tables import rope_rows
 from layerplan.engine.runner import forward, new_cache
@@ -54,14 +55,20 @@ def _qwen3():
     return AutoModelForCausalLM.from_config(config).eval()
 
 
-def _pair(tmp_path, arch: str, matrix_type: str, dtype: str, types: dict | None = None):
+def _pair(tmp_path, arch: str, matrix_type: str, dtype: str, types: dict | None = None, modules: bool = False):
     """(the tiny GGUF on the torch front end, which indexes it and keeps its panels; the same file
-    on the light front end)."""
+    on the light front end). modules: the torch front end describes its layers from its modules
+    (engine/native.py NativeLayer) rather than from the file (engine/file_kernels.py)."""
     hf = {"wide-llama": _wide_llama, "qwen3": _qwen3,
           # six layers: the sixth is full attention (transformers' Gemma 3 default pattern), the rest sliding
           "gemma3": lambda: tiny_hf("gemma3", num_layers=6)}.get(arch, lambda: tiny_hf(arch, num_layers=3))()
     path = write_tiny_gguf(hf, tmp_path / f"{arch}.gguf", matrix_type, types)
-    model = load_model(path, dtype=dtype, engine="native")
+    with pytest.MonkeyPatch.context() as patch:
+        if modules:
+            for module in (load, native):
+                patch.setattr(module, "file_refusal", lambda index: "described by its modules here")
+        model = load_model(path, dtype=dtype, engine="native")
+    assert (model.native.file is None) == modules
     return model, LiteModel(path, STORED_ARITHMETIC[dtype], threads=2)
 
 
@@ -75,8 +82,10 @@ _CASE_TYPES = {"wide-llama": "llama", "gemma3": "gemma3_text"}
 @pytest.mark.parametrize("arch,matrix_type,types", PARITY_CASES)
 @pytest.mark.parametrize("dtype", ["stored", "stored-fast"])
 def test_the_light_front_end_gives_the_torch_front_ends_logits(tmp_path, arch, matrix_type, types, dtype):
-    """Every plan's prompt pass (every row's logits) and the decoding steps after it: the same bits."""
-    model, lite = _pair(tmp_path, arch, matrix_type, dtype, types)
+    """Every plan's prompt pass (every row's logits) and the decoding steps after it: the same bits.
+    The torch front end's layers described from its modules here, so the file's descriptors
+    (engine/file_kernels.py, which the light front end runs) meet the modules' (native.py)."""
+    model, lite = _pair(tmp_path, arch, matrix_type, dtype, types, modules=True)
     assert model.native is not None and not model.native.eager_sub_layers()
     assert lite.packed.packed_here == 0  # it stacks as native.py does: every panel was kept by the torch load
     for text in PLANS:
@@ -89,6 +98,40 @@ def test_the_light_front_end_gives_the_torch_front_ends_logits(tmp_path, arch, m
             position = len(PROMPT) + i
             want = forward(model, torch.tensor([[token]]), plan, cache, position, last_only=True)[0].numpy()
             assert np.array_equal(lite.logits([token], lite_cache, position), want), (text, i)
+
+
+@pytest.mark.parametrize("arch,matrix_type,types", PARITY_CASES)
+def test_the_torch_front_end_runs_a_gguf_by_the_files_descriptors(tmp_path, arch, matrix_type, types):
+    """A GGUF whose model the file describes runs its layers, final norm and LM head by the file's
+    descriptors on the torch front end too (one builder): the logits of the modules' descriptors,
+    every row, through a plan that repeats and skips."""
+    by_modules, _ = _pair(tmp_path, arch, matrix_type, "stored", types, modules=True)
+    model = load_model(tmp_path / f"{arch}.gguf", dtype="stored", engine="native")
+    assert model.native.file is not None and all(layer.matrices == () for layer in model.native.layers)
+    ids = torch.tensor([PROMPT])
+    for text in (None, "0,1,1,2", "exit:2"):
+        assert torch.equal(forward(model, ids, model.plan(text)), forward(by_modules, ids, by_modules.plan(text))), text
+
+
+def test_modules_that_differ_from_the_files_facts_describe_the_model(tmp_path):
+    """Where a module computes otherwise than the file says (its attention's scaling changed after
+    load), the kernels take the modules' description and compute what the modules do."""
+    from layerplan.engine.executors import use_native
+    from layerplan.models.loading import load_stored_model
+
+    model, _ = _pair(tmp_path, "llama", "Q8_0", "stored")
+    changed = load_stored_model(tmp_path / "llama.gguf")
+    changed.parts.layers[1].attention.scaling *= 0.5
+    engine = use_native(changed)
+    assert engine.file is None and not engine.eager_sub_layers()
+    ids = torch.tensor([PROMPT])
+    eager = load_stored_model(tmp_path / "llama.gguf")
+    eager.parts.layers[1].attention.scaling *= 0.5
+    for layer in eager.parts.layers:
+        eager.stored.materialize(layer.attention)
+        eager.stored.materialize(layer.mlp)
+    got = forward(changed, ids)
+    assert torch.allclose(got, forward(eager, ids), atol=1e-4) and not torch.allclose(got, forward(model, ids), atol=1e-2)
 
 
 def test_panels_packed_from_the_files_rows_give_the_same_logits(tmp_path, monkeypatch):

@@ -453,34 +453,49 @@ def test_a_first_load_reports_its_packing(tmp_path, monkeypatch):
     assert seen[-1][1] >= 2 * 4 + 1  # each layer's qkv, o, gate_up and down, and the LM head
 
 
-def test_kept_panels_load_bit_for_bit_and_are_packed_again_when_cut_short(tmp_path, monkeypatch):
+@pytest.mark.parametrize("described_by", ["file", "modules"])
+def test_kept_panels_load_bit_for_bit_and_are_packed_again_when_cut_short(tmp_path, monkeypatch, described_by):
     """A GGUF's packed panels are written once to the cache and read back by later loads (no
     packing), with the same logits; an entry cut short is packed again; a changed file, or the
-    cache turned off, never reads them."""
+    cache turned off, never reads them. Both fillers: the file's descriptors' (engine/file_kernels.py,
+    a llama file's), and the modules' (PackedMatrix, where the file does not describe its model)."""
     import os
 
+    from layerplan.engine import file_kernels, load, native
     from layerplan.engine.load import load_model
     from layerplan.engine.native import PackedMatrix
     from layerplan.engine.panel_cache import PanelCache
     from layerplan.engine.runner import forward
 
     monkeypatch.setenv("LAYERPLAN_CACHE", str(tmp_path / "cache"))
+    if described_by == "modules":
+        for module in (load, native):
+            monkeypatch.setattr(module, "file_refusal", lambda index: "described by its modules here")
     path = write_tiny_gguf(tiny_hf("llama", num_layers=2), tmp_path / "m.gguf", "Q4_1")
     ids = torch.tensor([[5, 17, 3, 88, 41]])
-    want = forward(load_model(path, dtype="stored", engine="native"), ids)
+    model = load_model(path, dtype="stored", engine="native")
+    assert (model.native.file is not None) == (described_by == "file")
+    want = forward(model, ids)
     folders = list((tmp_path / "cache" / "panels").iterdir())
     entries = sorted(folders[0].glob("*.panels"))
     assert len(folders) == 1 and len(entries) == 2 * 4 + 1  # qkv, o, gate_up, down a layer; the head
 
     packed, taken = [], []
-    pack_rows, take = PackedMatrix._pack_rows, PanelCache.take
-    monkeypatch.setattr(PackedMatrix, "_pack_rows", lambda self, weights: packed.append(pack_rows(self, weights)))
-    monkeypatch.setattr(PanelCache, "take", lambda self, entry: taken.append(take(self, entry)) or taken[-1])
+    if described_by == "file":
+        pack = file_kernels.pack_stored
+        monkeypatch.setattr(file_kernels, "pack_stored", lambda *args: packed.append(pack(*args)))
+    else:
+        pack_rows, take = PackedMatrix._pack_rows, PanelCache.take
+        monkeypatch.setattr(PackedMatrix, "_pack_rows", lambda self, weights: packed.append(pack_rows(self, weights)))
+        monkeypatch.setattr(PanelCache, "take", lambda self, entry: taken.append(take(self, entry)) or taken[-1])
     for dtype in ("stored", "stored-fast"):  # the arithmetics share their panels
-        got = forward(load_model(path, dtype=dtype, engine="native"), ids)
+        model = load_model(path, dtype=dtype, engine="native")
+        got = forward(model, ids)
         assert packed == [] and (torch.equal(got, want) if dtype == "stored" else torch.allclose(got, want, atol=0.3))
-    # load_model read them on threads of its own while the model loaded: each matrix took its entry
-    assert len(taken) == 2 * 9 and all(t is not None for t in taken)
+        if described_by == "file":  # every stack read from its entry, none packed
+            assert model.native.file.packed.packed_here == 0 and len(model.native.file.packed._wanted) == 9
+    if described_by == "modules":  # load_model read them on threads of its own while the model loaded
+        assert len(taken) == 2 * 9 and all(t is not None for t in taken)
 
     entries[0].write_bytes(entries[0].read_bytes()[:-1])
     assert torch.equal(forward(load_model(path, dtype="stored", engine="native"), ids), want)

@@ -28,11 +28,13 @@ from torch import nn
 from layerplan.engine.kernel_library import (ABI, ACTIVATION_CODES, NORM_ROUNDING, AbiMismatch, NativeUnavailable,
                                              check, kernels_key, library, native_available)
 from layerplan.engine.arena import WeightArena
+from layerplan.engine.file_kernels import FileKernels, NotDescribed, activation_of, file_refusal
 from layerplan.engine.panel_cache import PanelCache
 from layerplan.engine.stored_pack import PACK_ROWS, pack_stored, stack_format, v_apart
 from layerplan.machine import read_cpuinfo
-from layerplan.models.arch_table import ACTIVATIONS, NORM_EPSILONS, KernelLayout
+from layerplan.models.arch_table import ACTIVATIONS, CONFIG_ACTIVATIONS, NORM_EPSILONS, KernelLayout
 from layerplan.models.architectures import arch_spec
+from layerplan.models.gguf_place import index_folder
 from layerplan.models.stored import StoredEmbedding, StoredTensor
 
 __all__ = ["AbiMismatch", "NativeUnavailable", "kernels_key", "library", "native_available"]
@@ -137,6 +139,17 @@ class PackedMatrix:
         self.packed = arena.empty(numel, dtype) if arena is not None else torch.empty(numel, dtype=dtype)
         check(library().lp_pack(stacked.data_ptr(), self.format, n, k, self.packed.data_ptr()), "packing a matrix")
         self._describe([w.shape[0] for w in weights], biases)
+
+    @classmethod
+    def described(cls, descriptor: ctypes.Structure, owner: object) -> PackedMatrix:
+        """A matrix packed and described elsewhere (engine/file_kernels.py: fp32 rows in and out);
+        `owner` holds what its descriptor points into."""
+        matrix = cls.__new__(cls)
+        matrix.arithmetic, matrix.format = descriptor.arithmetic, descriptor.format
+        matrix.n, matrix.k, matrix.dtype = descriptor.n, descriptor.k, torch.float32
+        matrix.packed = matrix.bias = None
+        matrix.descriptor = _holding(descriptor, owner)
+        return matrix
 
     def _pack_stored(self, weights: list[StoredTensor], biases: list[torch.Tensor | None],
                      arena: WeightArena | None) -> None:
@@ -299,6 +312,15 @@ class NativeLayer:
             self.matrices += matrices
         except Unsupported as error:
             self.why["mlp"] = str(error)
+
+    @classmethod
+    def described(cls, attention: _Attention, mlp: _Mlp, owner: object) -> NativeLayer:
+        """A layer of a GGUF's model described from the file (engine/file_kernels.py: fp32
+        activations); `owner` holds what its descriptors point into."""
+        layer = cls.__new__(cls)
+        layer.dtype, layer.matrices, layer.why = torch.float32, (), {}
+        layer.attention, layer.mlp = _holding(attention, owner), _holding(mlp, owner)
+        return layer
 
     @staticmethod
     def _attention(parts, dtype, offset, arena, weight_of, layout, arithmetic) -> tuple[_Attention, tuple[PackedMatrix, ...]]:
@@ -609,9 +631,12 @@ class NativeEngine:
     """The native kernels of one loaded model: a NativeLayer per decoder layer."""
 
     def __init__(self, model, panels: PanelCache | None = None,
-                 on_filled: Callable[[int, int], None] | None = None) -> None:
+                 on_filled: Callable[[int, int], None] | None = None, file_kernels: FileKernels | None = None) -> None:
         """panels: where the GGUF's packed matrices are kept (prefetched, maybe); None: found here.
-        on_filled(matrices filled, matrices to fill): the progress of reading or packing them."""
+        file_kernels: the GGUF's descriptors, their panels being filled (engine/load.py starts them
+        while the modules are built); None: made here where the file describes its model.
+        on_filled(done, to do): the progress of reading or packing the matrices (bytes where the
+        file describes them, else matrices)."""
         library()  # fail here, with the reason, rather than inside a forward pass
         model_type = model.hf.config.model_type
         spec = arch_spec(model_type)
@@ -620,11 +645,6 @@ class NativeEngine:
         self.why_eager = None
         # a model run as stored (models/stored.py): its matrices come from the GGUF's rows
         self.stored = getattr(model, "stored", None)
-        # the packed weights of the layers and LM heads; a GGUF's, as packed by an earlier load
-        if panels is None and self.stored is not None and self.stored.quantized is None:
-            panels = PanelCache.for_file(self.stored.path, kernels_key())
-        self.arena = WeightArena(panels, fillers=torch.get_num_threads())
-        self.arena.on_filled = on_filled
         if self.layout is None:
             self.why_eager = f"the kernels are not checked for {model_type} layers"
         elif model.parts.rotary is None:
@@ -637,8 +657,18 @@ class NativeEngine:
         # values in f16, as llama.cpp does. A decode step reads every cached position of every
         # slot; at fp32, a long context or a batch of requests reads as much cache as weights
         self.kv_dtype = torch.float16 if self.arithmetic == ABI.LP_ARITH_INT8 else None
+        # a GGUF's own matrices: its layers, final norm and LM head as the file describes them
+        self.file = self._described_by_file(model, file_kernels, on_filled)
+        # the packed weights of the layers and LM heads; a GGUF's, as packed by an earlier load
+        if panels is None and self.file is None and self.stored is not None and self.stored.quantized is None:
+            panels = PanelCache.for_file(self.stored.path, kernels_key())
+        self.arena = WeightArena(panels, fillers=torch.get_num_threads())
+        self.arena.on_filled = on_filled
         if self.why_eager:
             self.layers = tuple(None for _ in model.parts.layers)
+        elif self.file is not None:
+            self.layers = tuple(NativeLayer.described(attention, mlp, self.file)
+                                for attention, mlp in zip(self.file.attention, self.file.mlp))
         else:
             self.layers = tuple(NativeLayer(layer, model.dtype, offset, self.arena, self.weight_of, self.layout,
                                             self.arithmetic)
@@ -666,6 +696,51 @@ class NativeEngine:
 
     def _stored_weight(self, module: nn.Module):
         return self.stored.of(module) or module.weight
+
+    def _described_by_file(self, model, started: FileKernels | None,
+                           on_filled: Callable[[int, int], None] | None) -> FileKernels | None:
+        """The GGUF's descriptors (engine/file_kernels.py), filled, where the file describes its
+        model and its facts are the modules' (each layer's heads, widths, scaling, window and
+        activation; the children the kernels read): the kernels then run what transformers'
+        modules compute. None where the modules describe the model (a dense checkpoint, matrices
+        quantized at load, an architecture or layout the file's descriptors do not cover)."""
+        kernels = started
+        if kernels is None:
+            if self.why_eager or self.stored is None or self.stored.quantized is not None:
+                return None
+            index = index_folder(self.stored.path)
+            if file_refusal(index) is not None:
+                return None
+            try:
+                kernels = FileKernels(self.stored.path, index, self.arithmetic, torch.get_num_threads())
+            except NotDescribed:
+                return None
+        kernels.finish(on_filled)  # (a started fill is waited for, used or not: its threads write its buffer)
+        if self.why_eager or kernels.arithmetic != self.arithmetic or not self._agrees(model, kernels):
+            return None
+        return kernels
+
+    def _agrees(self, model, kernels: FileKernels) -> bool:
+        """Whether the file's facts are those of the model's modules, layer by layer."""
+        c, layout = kernels.config, self.layout
+        if len(model.parts.layers) != c.layers:
+            return False
+        for i, parts in enumerate(model.parts.layers):
+            attention, mlp = parts.attention, parts.mlp
+            try:
+                _children(attention, layout.attention_children)
+                _children(mlp, layout.mlp_children)
+            except Unsupported:
+                return False
+            config = attention.config
+            activation = ACTIVATIONS.get(type(getattr(mlp, layout.activation)).__name__)
+            if (parts.parallel or getattr(attention, "sinks", None) is not None
+                    or (config.num_attention_heads, config.num_key_value_heads, attention.head_dim)
+                    != (c.heads, c.kv_heads, c.head_dim)
+                    or float(attention.scaling) != c.scaling or (parts.sliding_window or 0) != c.windows[i]
+                    or activation != CONFIG_ACTIVATIONS[activation_of(config.to_dict())]):
+                return False
+        return True
 
     def takes(self, rows: int) -> bool:
         return self.max_rows is None or rows <= self.max_rows
@@ -722,10 +797,20 @@ class NativeEngine:
                 or (weight.device.type != "cpu" and not stored) or not self.takes(rows)):
             return None
         if id(lm_head) not in self._heads:
-            self._heads[id(lm_head)] = (lm_head, PackedMatrix([self.weight_of(lm_head)], [lm_head.bias], self.arena,
-                                                             self.arithmetic))
+            self._heads[id(lm_head)] = (lm_head, self._file_head(lm_head) or PackedMatrix(
+                [self.weight_of(lm_head)], [lm_head.bias], self.arena, self.arithmetic))
             self.arena.settle()
         return self._heads[id(lm_head)][1]
+
+    def _file_head(self, lm_head: nn.Module) -> PackedMatrix | None:
+        """The file's LM head, where `lm_head` is the module of that matrix (not a draft's head
+        over part of the vocabulary, adopted after load)."""
+        if self.file is None or lm_head.bias is not None:
+            return None
+        stored, own = self.stored.of(lm_head), self.file.head_weight()
+        if stored is None or (stored.path, stored.offset, stored.rows) != (own.path, own.offset, own.rows):
+            return None
+        return PackedMatrix.described(self.file.head, self.file)
 
     def _final_norm(self, module: nn.Module, dtype: torch.dtype) -> _Norm | None:
         """The final norm as a kernel descriptor, or None where it runs as a module: a norm the
@@ -734,7 +819,9 @@ class NativeEngine:
             return None
         if id(module) not in self._norms:
             try:
-                descriptor = _norm(module, dtype, self.norm_offset, self.layout.norm)
+                descriptor = (_holding(self.file.final_norm, self.file)
+                              if self.file is not None and module is self.model.parts.final_norm
+                              else _norm(module, dtype, self.norm_offset, self.layout.norm))
             except Unsupported:
                 descriptor = None
             self._norms[id(module)] = (module, descriptor)

@@ -39,10 +39,10 @@ SMALL_FOLDER_BYTES = 16 << 20  # panels packed again in well under a second
 
 
 # which matrices are stacked into one packed matrix, and how they are packed, is decided in
-# native.py and stored_pack.py: their sources are part of the folder's key, so that entries of
-# other stacks are never read
+# native.py, file_kernels.py and stored_pack.py: their sources are part of the folder's key, so
+# that entries of other stacks are never read
 _STACKING = hashlib.sha256(b"".join(Path(__file__).with_name(name).read_bytes()
-                                    for name in ("native.py", "stored_pack.py"))).hexdigest()[:16]
+                                    for name in ("native.py", "file_kernels.py", "stored_pack.py"))).hexdigest()[:16]
 
 
 def _digest(*parts) -> str:

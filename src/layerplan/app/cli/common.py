@@ -72,7 +72,8 @@ class Progress:
 
     def __init__(self, description: str) -> None:
         # disable=None: no bar when stderr is not a terminal (a log file would get every redraw)
-        self.bar = tqdm(desc=description, unit="it", file=sys.stderr, dynamic_ncols=True, leave=False, disable=None)
+        self.bar = tqdm(desc=description, unit="it", unit_scale=True, file=sys.stderr, dynamic_ncols=True, leave=False,
+                        disable=None)
 
     def __call__(self, done: int, total: int) -> None:
         self.bar.total = total
