@@ -22,7 +22,6 @@ import torch
 
 from layerplan.engine.cache import KVCache
 from layerplan.engine.file_kernels import FileKernels
-from layerplan.engine.panel_cache import PanelCache
 from layerplan.engine.native import NativeEngine
 from layerplan.engine.passes import Pass, positions, rope_by_table, rope_key, softcap, tree_mask
 from layerplan.engine.tree import TreeShape
@@ -363,15 +362,14 @@ def modules_executor(model) -> Executor:
     return MODULES if model.placement is None else PlacedExecutor(model.placement)
 
 
-def use_native(model, panels: PanelCache | None = None, on_filled: Callable[[int, int], None] | None = None,
+def use_native(model, on_filled: Callable[[int, int], None] | None = None,
                file_kernels: FileKernels | None = None) -> NativeEngine:
     """Run `model` (a LoadedModel on the CPU, not spread by a device map) on the native kernels
-    from now on; returns its kernels. panels: where its GGUF's packed matrices are kept;
-    on_filled(done, total): the progress of reading or packing its matrices; file_kernels: its
-    GGUF's descriptors, being filled (NativeEngine)."""
+    from now on; returns its kernels. on_filled(done, total): the progress of reading or packing
+    its matrices; file_kernels: its GGUF's descriptors, being filled (NativeEngine)."""
     if model.placement is not None:
         raise ValueError("the native engine does not run a model spread by a device map")
-    engine = NativeEngine(model, panels, on_filled, file_kernels)
+    engine = NativeEngine(model, on_filled, file_kernels)
     model.executor = NativeExecutor(engine, modules_executor(model))
     return engine
 

@@ -17,9 +17,8 @@ from layerplan.collection import collection_paused
 from layerplan.engine.cpu_pack import pack_linears, packing_supported
 from layerplan.engine.executors import modules_executor, use_native
 from layerplan.engine.file_kernels import ARITHMETIC_CODES, FileKernels, NotDescribed, file_refusal
-from layerplan.engine.kernel_library import ABI, check, kernels_key, library, native_available
+from layerplan.engine.kernel_library import ABI, check, library, native_available
 from layerplan.engine.native import resolve_engine, row_decoder
-from layerplan.engine.panel_cache import PanelCache
 from layerplan.engine.probe import ProbeResult
 from layerplan.engine.verify import ensure_checked
 from layerplan.models import loading
@@ -105,8 +104,7 @@ def load_model(
     if dtype == "auto":
         dtype = choose_dtype("auto", engine, device, source=source, dense="float32")
     with collection_paused():  # the modules' objects live as long as the model (layerplan/collection.py)
-        panels, kernels = (_fill_early(source, STORED_ARITHMETIC[dtype]) if dtype in STORED_ARITHMETIC
-                           and engine != "eager" else (None, None))
+        kernels = _fill_early(source, STORED_ARITHMETIC[dtype]) if dtype in STORED_ARITHMETIC and engine != "eager" else None
         ensure_checked(loading.model_config(source))
         if dtype in STORED_ARITHMETIC or dtype in QUANTIZED:
             if device_map is not None or torch.device(device).type != "cpu":
@@ -114,7 +112,7 @@ def load_model(
                                  "use --dtype float32 or bfloat16")
             if dtype in STORED_ARITHMETIC:
                 return prepare(loading.load_stored_model(source, STORED_ARITHMETIC[dtype]), engine, pack=False,
-                               panels=panels, on_filled=on_tensor, file_kernels=kernels)
+                               on_filled=on_tensor, file_kernels=kernels)
             block_format, arithmetic = QUANTIZED[dtype]
             if loading.gguf_of(source) is not None:  # a GGUF's matrices, each from its blocks to the format's
                 model = loading.load_stored_model(source)
@@ -128,23 +126,21 @@ def load_model(
         return prepare(loading.load_model(source, dtype, device, device_map, on_tensor), engine, pack)
 
 
-def _fill_early(source, arithmetic: str) -> tuple[PanelCache | None, FileKernels | None]:
-    """The GGUF's packed matrices, being filled on threads of their own from now on (a load spends
-    seconds importing transformers and building the modules, without the GIL's readers waiting
-    for it): where its index is kept and describes its model, the file's descriptors
-    (engine/file_kernels.py), their panels read or packed; else its kept panels
-    (engine/panel_cache.py) read. (None, None) where neither runs here."""
+def _fill_early(source, arithmetic: str) -> FileKernels | None:
+    """The GGUF's descriptors (engine/file_kernels.py), their panels being read or packed on
+    threads of their own from now on (a load spends seconds importing transformers and building
+    the modules, without the GIL's readers waiting for it); None where its index is not kept yet
+    or does not describe its model (NativeEngine then looks again, or packs from the modules)."""
     gguf = loading.gguf_of(source)
     if gguf is None or native_available() is not None:
-        return None, None
+        return None
     index = index_folder(gguf)
-    if file_refusal(index) is None:
-        try:
-            return None, FileKernels(gguf, index, ARITHMETIC_CODES[arithmetic], torch.get_num_threads())
-        except NotDescribed:
-            pass
-    panels = PanelCache.for_file(gguf, kernels_key())
-    return (panels.prefetch(torch.get_num_threads()) if panels is not None else None), None
+    if file_refusal(index) is not None:
+        return None
+    try:
+        return FileKernels(gguf, index, ARITHMETIC_CODES[arithmetic], torch.get_num_threads())
+    except NotDescribed:
+        return None
 
 
 def _quantized_rows(weight: torch.Tensor, block_format: str) -> StoredTensor | None:
@@ -270,12 +266,10 @@ def quantize_linears(model: LoadedModel, block_format: str, arithmetic: str = "e
 
 
 def prepare(model: LoadedModel, engine: str = "auto", pack: bool | None = None,
-            panels: PanelCache | None = None, on_filled: Callable[[int, int], None] | None = None,
-            file_kernels: FileKernels | None = None) -> LoadedModel:
+            on_filled: Callable[[int, int], None] | None = None, file_kernels: FileKernels | None = None) -> LoadedModel:
     """Attach the executor of `engine` to a loaded model (see load_model): the native kernels where
     they run here and the architecture passed its check with them, else the modules (bf16 linears
-    packed where `pack` says). panels: where a GGUF's packed matrices are kept; file_kernels: its
-    descriptors, being filled (NativeEngine)."""
+    packed where `pack` says). file_kernels: a GGUF's descriptors, being filled (NativeEngine)."""
     dtype, device = model.dtype, model.device
     if model.placement is not None:  # the native kernels and packed linears hold their own copies of the weights
         if engine == "native":
@@ -290,7 +284,7 @@ def prepare(model: LoadedModel, engine: str = "auto", pack: bool | None = None,
         pack_linears(model.hf)
         model.parts = parts_of(model.hf)  # the packed linears (the LM head among them) are its parts now
     if kind == "native" and native_allowed(model.hf.config):
-        use_native(model, panels, on_filled, file_kernels)
+        use_native(model, on_filled, file_kernels)
     else:
         model.executor = modules_executor(model)
     return model

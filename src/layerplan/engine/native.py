@@ -171,9 +171,7 @@ class PackedMatrix:
         else:
             panels = arena.panels if arena is not None and arena.panels is not None and arena.panels.holds(weights) else None
             entry = panels.kept(weights, self.format, nbytes) if panels is not None else None
-            self.packed = panels.take(entry) if entry is not None else None  # read while the model loaded
-            if self.packed is None:
-                self._fill(weights, nbytes, arena, panels, entry)
+            self._fill(weights, nbytes, arena, panels, entry)
         self._describe([w.rows for w in weights], biases)
 
     def _fill(self, weights: list[StoredTensor], nbytes: int, arena: WeightArena | None, panels: PanelCache | None,
@@ -630,10 +628,9 @@ def _rows_limit(dtype: torch.dtype) -> int | None:
 class NativeEngine:
     """The native kernels of one loaded model: a NativeLayer per decoder layer."""
 
-    def __init__(self, model, panels: PanelCache | None = None,
-                 on_filled: Callable[[int, int], None] | None = None, file_kernels: FileKernels | None = None) -> None:
-        """panels: where the GGUF's packed matrices are kept (prefetched, maybe); None: found here.
-        file_kernels: the GGUF's descriptors, their panels being filled (engine/load.py starts them
+    def __init__(self, model, on_filled: Callable[[int, int], None] | None = None,
+                 file_kernels: FileKernels | None = None) -> None:
+        """file_kernels: the GGUF's descriptors, their panels being filled (engine/load.py starts them
         while the modules are built); None: made here where the file describes its model.
         on_filled(done, to do): the progress of reading or packing the matrices (bytes where the
         file describes them, else matrices)."""
@@ -659,9 +656,9 @@ class NativeEngine:
         self.kv_dtype = torch.float16 if self.arithmetic == ABI.LP_ARITH_INT8 else None
         # a GGUF's own matrices: its layers, final norm and LM head as the file describes them
         self.file = self._described_by_file(model, file_kernels, on_filled)
-        # the packed weights of the layers and LM heads; a GGUF's, as packed by an earlier load
-        if panels is None and self.file is None and self.stored is not None and self.stored.quantized is None:
-            panels = PanelCache.for_file(self.stored.path, kernels_key())
+        # where the modules describe a GGUF's model: its packed matrices, as kept by an earlier load
+        panels = (PanelCache.for_file(self.stored.path, kernels_key())
+                  if self.file is None and self.stored is not None and self.stored.quantized is None else None)
         self.arena = WeightArena(panels, fillers=torch.get_num_threads())
         self.arena.on_filled = on_filled
         if self.why_eager:
@@ -690,9 +687,8 @@ class NativeEngine:
         self._last_run: tuple | None = None  # (plan, first, end, its run): the last asked for
         # pass_ends by parts and whether the kernels take the pass (the parts are held: ids stay theirs)
         self._ends: dict[tuple[int, bool], tuple[object, PassEnds | None]] = {}
-        if panels is not None:  # the LM head's kept panels are taken now, and what no matrix took goes
+        if panels is not None:  # the LM head read or packed at load too, with the layers (and their progress)
             self._packed_head(model.parts.lm_head, model.dtype, 1)
-            panels.finish()
 
     def _stored_weight(self, module: nn.Module):
         return self.stored.of(module) or module.weight

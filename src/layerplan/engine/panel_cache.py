@@ -57,31 +57,6 @@ class PanelCache:
     def __init__(self, folder: Path, source: Path) -> None:
         self.folder = folder
         self.source = source  # the GGUF file
-        self._arena = None  # the WeightArena prefetch() reads the entries into
-        self._prefetched: dict[str, tuple[object, list]] = {}  # entry name -> (bytes, its reads)
-
-    def prefetch(self, fillers: int) -> PanelCache:
-        """Start reading every kept entry into memory of its own on `fillers` threads, while the
-        caller goes on (a load imports transformers and builds the model meanwhile); take() hands
-        an entry's bytes over once read."""
-        import torch  # (the torch front end's: the light one reads its entries itself)
-
-        from layerplan.engine.arena import WeightArena
-
-        self._arena = WeightArena(fillers=max(fillers, 2))  # threads, even for one compute thread
-        for entry in sorted(self.folder.glob("*.panels")):
-            out = self._arena.empty(entry.stat().st_size, torch.uint8)
-            self._prefetched[entry.name] = (out, self.read_parts(entry, out, self._arena.fill))
-        return self
-
-    def take(self, entry: Path):
-        """The entry's bytes as prefetch() read them (waiting for its reads), or None where it was
-        not prefetched or a read came up short."""
-        found = self._prefetched.pop(entry.name, None)
-        if found is None:
-            return None
-        out, reads = found
-        return out if all(read.result() for read in reads) else None
 
     def holds(self, weights: list[StoredTensor]) -> bool:
         """Whether the stack's panels belong here: rows read from this cache's file."""
@@ -113,12 +88,6 @@ class PanelCache:
         rows = [(w.offset, w.type_name, w.rows, w.columns, w.row_bytes,
                  _digest(*w.row_order) if w.row_order else "") for w in weights]
         return self.folder / f"{_digest(format_code, nbytes, rows)}.panels"
-
-    def finish(self) -> None:
-        """Wait for prefetch()'s reads and drop the entries no matrix took."""
-        if self._arena is not None:
-            self._arena.settle()
-        self._prefetched.clear()
 
     def kept(self, weights: list[StoredTensor], format_code: int, nbytes: int) -> Path | None:
         """The entry holding the stack's `nbytes` of panels, if kept."""
