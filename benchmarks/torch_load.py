@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -27,7 +26,9 @@ start = time.perf_counter()
 model = load_model({path!r})
 loaded = time.perf_counter()
 forward(model, torch.arange(8)[None] + 100)
-print(loaded - start, getattr(model.native, "file", None) is not None)
+import resource
+print(loaded - start, getattr(model.native, "file", None) is not None,
+      resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
 """
 
 
@@ -35,16 +36,13 @@ def one_run(path: str, src: str | None) -> dict:
     env = dict(os.environ)
     if src is not None:  # (ahead of the editable install's path)
         env["PYTHONPATH"] = src + os.pathsep + env.get("PYTHONPATH", "")
-    before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
     start = time.perf_counter()
     out = subprocess.run([sys.executable, "-c", CHILD.format(path=path)], env=env, capture_output=True, text=True,
                          check=True)
     wall = time.perf_counter() - start
-    peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-    load, described = out.stdout.split()
-    # (ru_maxrss of the children is the largest so far: a run's own peak only where it rose)
+    load, described, peak_kb = out.stdout.split()
     return {"wall_s": wall, "load_s": float(load), "file_described": described == "True",
-            "peak_mb": peak / 1024 if peak > before else None}
+            "peak_mb": int(peak_kb) / 1024}
 
 
 def summary(runs: list[dict], key: str) -> str:
@@ -69,10 +67,12 @@ def main() -> None:
             there.append(one_run(path, args.against))
     result = {"file": path, "rounds": args.rounds, "this": {"wall_s": summary(here, "wall_s"),
                                                              "load_s": summary(here, "load_s"),
+                                                             "peak_mb": summary(here, "peak_mb"),
                                                              "file_described": here[0]["file_described"]}}
     if there:
         result["against"] = {"src": args.against, "wall_s": summary(there, "wall_s"),
-                             "load_s": summary(there, "load_s"), "file_described": there[0]["file_described"]}
+                             "load_s": summary(there, "load_s"), "peak_mb": summary(there, "peak_mb"),
+                             "file_described": there[0]["file_described"]}
         result["ratio_wall"] = round(statistics.median(r["wall_s"] for r in here)
                                      / statistics.median(r["wall_s"] for r in there), 3)
     print(json.dumps(result, indent=2))
