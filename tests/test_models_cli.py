@@ -160,6 +160,23 @@ def test_cli_frontier_places_the_drafts_it_is_given(tmp_path):
     assert bad.exit_code != 0 and "Traceback" not in bad.output and len(bad.output.strip().splitlines()) <= 2
 
 
+@pytest.mark.real
+def test_cli_frontier_places_the_plan_a_search_saved(tmp_path, monkeypatch):
+    """Without --draft, the frontier's families include the draft plan a search or tune saved for
+    the model (the file `auto` drafts with), read as the plan file it is."""
+    from layerplan.decoding.drafters.registry import save_draft_plan
+    from layerplan.engine.load import load_model
+
+    monkeypatch.setenv("LAYERPLAN_CACHE", str(tmp_path / "cache"))
+    model = load_model()
+    saved = save_draft_plan(model, model.plan("skip:attn=14"))
+    result = CliRunner().invoke(main, ["frontier", "--prompt", "code", "--new-tokens", "4", "--gamma", "2",
+                                       "--out", str(tmp_path / "out")])
+    assert result.exit_code == 0, result.output
+    points = [p["draft"] for p in json.loads((tmp_path / "out" / "frontier.json").read_text())["points"]]
+    assert str(saved) in points and "ngram" in points
+
+
 @pytest.mark.parametrize("args,message", [
     (["generate", "hi", "--threads", "-1"], "Invalid value for '--threads' / '-t': -1 is not in the range 1<=x<=1024"),
     (["generate", "hi", "--threads", "0"], "Invalid value for '--threads' / '-t': 0 is not in the range 1<=x<=1024"),

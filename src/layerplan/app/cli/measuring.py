@@ -112,7 +112,7 @@ def frontier(model, dtype, engine, threads, drafts, prompt_names, new_tokens, ga
         loaded = load(model, command_dtype(model, dtype, engine), engine=engine)
         token_budget(1, new_tokens, loaded.context_length, new_tokens_name="--new-tokens")
         saved = saved_draft_path(loaded)
-        chosen = list(drafts) or self_drafts(loaded, saved.read_text().strip() if saved.exists() else None)
+        chosen = list(drafts) or self_drafts(loaded, str(saved) if saved.exists() else None)
         for draft in chosen:
             make_drafter(draft, loaded)  # a bad spec fails here, in one line, before anything is timed
         encoded = [loaded.encode(p, chat=k in CHAT_PROMPTS) for k, p in prompts.items()]
