@@ -155,7 +155,7 @@ class SearchSettings:
 
     @classmethod
     def quick(cls) -> SearchSettings:
-        return cls(workers=2, trials=50, tokens=128, kill_every=1.5, polite_every=2, restarts=1,
+        return cls(workers=2, trials=120, tokens=128, kill_every=1.5, polite_every=2, restarts=1,
                    restart_after=(1.0,), down=2.0, limit=100.0, settle=6.0, max_stops=2)
 
 

@@ -66,6 +66,7 @@ SLOW_TESTS = {
     "test_the_packaged_models_header_reads_as_gguf_py_reads_it",  # the packaged file through gguf-py
     "test_a_quantized_copys_samples_keep_the_target_distribution",  # seeded samples
     "test_the_packaged_models_index_is_the_one_transformers_makes",  # transformers' GGUF tokenizer, twice
+    "test_no_command_imports_transformers_modelling_code_for_a_gguf",  # three commands, a process each
 }
 
 # per-architecture checks that `make test` runs on every architecture of the table and the fast lane

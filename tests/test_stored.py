@@ -231,6 +231,7 @@ def test_auto_runs_a_gguf_as_stored_where_the_kernels_run(tmp_path):
     if native_available() is None:
         assert choose_dtype("auto", source=path) == GGUF_DEFAULT
         assert choose_dtype("auto", source=path, dense="float32") == GGUF_DEFAULT  # a GGUF runs as stored
+        assert choose_dtype("auto", source=None) == GGUF_DEFAULT  # load_model(): the packaged GGUF, as stored
 
 
 @pytest.mark.parametrize("matrix_type", ["Q4_1", "Q4_0"])
@@ -587,6 +588,46 @@ def test_kept_panels_are_read_in_parts_and_a_short_part_is_named(tmp_path, monke
     assert [f.result() for f in PanelCache.read_parts(entry, longer, run_now, lambda: shorts.append(1))] == \
         [True, True, False]
     assert shorts == [1]
+
+
+_MODELLING_PROBE = """
+import sys
+from click.testing import CliRunner
+from layerplan.app.cli import main
+for argv in ARGVS:
+    result = CliRunner().invoke(main, argv)
+    assert result.exit_code == 0, (argv, result.output)
+# an architecture's modelling code (modeling_llama, ...) and transformers' model base class
+loaded = sorted(name for name in sys.modules if name.startswith("transformers.") and (
+    name == "transformers.modeling_utils" or (name.startswith("transformers.models.") and ".modeling_" in name
+                                              and not name.endswith(".modeling_auto"))))
+print(loaded)
+"""
+
+
+@pytest.mark.real
+def test_no_command_imports_transformers_modelling_code_for_a_gguf(tmp_path):
+    """The same commands on the packaged GGUF (a fresh process each time, a cache never used) run
+    the file's model (engine/file_model.py): transformers' modelling code is never imported, nor
+    its model base class, where the kernels describe the architecture."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    from layerplan.files import cache_dir
+
+    built, cache = cache_dir() / "native", tmp_path / "cache"
+    if built.exists():
+        shutil.copytree(built, cache / "native", symlinks=True)
+    argvs = [["generate", "Hi", "-n", "2", "--draft", "ngram"],
+             ["ppl", "--max-tokens", "24", "--window", "16", "--stride", "8"],
+             ["scan", "--tokens", "12", "--kinds", "attention", "--out", str(tmp_path / "scan")]]
+    for argv in argvs:  # the first makes the index and panels; each its own process
+        out = subprocess.run([sys.executable, "-c", _MODELLING_PROBE.replace("ARGVS", repr([argv]))],
+                             env={**os.environ, "LAYERPLAN_CACHE": str(cache)}, capture_output=True, text=True)
+        assert out.returncode == 0, (argv, out.stderr[-2000:])
+        assert out.stdout.strip().splitlines()[-1] == "[]", (argv, out.stdout[-2000:])
 
 
 @pytest.mark.real

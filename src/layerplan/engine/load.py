@@ -16,7 +16,8 @@ from torch import nn
 from layerplan.collection import collection_paused
 from layerplan.engine.cpu_pack import pack_linears, packing_supported
 from layerplan.engine.executors import modules_executor, use_native
-from layerplan.engine.file_kernels import ARITHMETIC_CODES, FileKernels, NotDescribed, file_refusal
+from layerplan.engine.file_kernels import ARITHMETIC_CODES, FileKernels, NotDescribed, file_refusal, read_index
+from layerplan.engine.file_model import file_model
 from layerplan.engine.kernel_library import ABI, check, library, native_available
 from layerplan.engine.native import resolve_engine, row_decoder
 from layerplan.engine.probe import ProbeResult
@@ -25,6 +26,7 @@ from layerplan.models import loading
 from layerplan.models.architectures import ModelError
 from layerplan.models.discovery import native_allowed, parts_of
 from layerplan.models.loading import LoadedModel
+from layerplan.models.gguf_index import file_index
 from layerplan.models.gguf_place import index_folder
 from layerplan.models.stored import StoredTensor, StoredWeights
 
@@ -64,8 +66,8 @@ def choose_dtype(dtype: str, engine: str = "auto", device: str | torch.device = 
     if dtype != "auto":
         return dtype
     on_cpu = loading.resolve_device(device).type == "cpu"
-    if (on_cpu and source is not None and loading.gguf_of(source) is not None
-            and resolve_engine(engine, torch.float32, device) == "native"):
+    # (source None: the packaged default, a GGUF too)
+    if on_cpu and loading.gguf_of(source) is not None and resolve_engine(engine, torch.float32, device) == "native":
         return GGUF_DEFAULT
     if dense is not None:
         return dense
@@ -111,8 +113,11 @@ def load_model(
                 raise ModelError(f"--dtype {dtype} runs on the CPU only, without --device-map; "
                                  "use --dtype float32 or bfloat16")
             if dtype in STORED_ARITHMETIC:
-                return prepare(loading.load_stored_model(source, STORED_ARITHMETIC[dtype]), engine, pack=False,
-                               on_filled=on_tensor, file_kernels=kernels)
+                arithmetic = STORED_ARITHMETIC[dtype]
+                # a file whose model its descriptors describe: no transformers modules until needed
+                model = (file_model(kernels.source, index_folder(kernels.source), kernels, arithmetic)
+                         if kernels is not None else loading.load_stored_model(source, arithmetic))
+                return prepare(model, engine, pack=False, on_filled=on_tensor, file_kernels=kernels)
             block_format, arithmetic = QUANTIZED[dtype]
             if loading.gguf_of(source) is not None:  # a GGUF's matrices, each from its blocks to the format's
                 model = loading.load_stored_model(source)
@@ -129,13 +134,14 @@ def load_model(
 def _fill_early(source, arithmetic: str) -> FileKernels | None:
     """The GGUF's descriptors (engine/file_kernels.py), their panels being read or packed on
     threads of their own from now on (a load spends seconds importing transformers and building
-    the modules, without the GIL's readers waiting for it); None where its index is not kept yet
-    or does not describe its model (NativeEngine then looks again, or packs from the modules)."""
+    the modules, without the GIL's readers waiting for it); None where its index is neither made
+    from the file nor kept, or does not describe its model (no kernels' format, no fixed rotary
+    frequencies): its transformers modules are built then, and NativeEngine looks again."""
     gguf = loading.gguf_of(source)
     if gguf is None or native_available() is not None:
         return None
-    index = index_folder(gguf)
-    if file_refusal(index) is not None:
+    index = file_index(gguf) or index_folder(gguf)  # (made here from the file where it covers it)
+    if file_refusal(index) is not None or read_index(index)[1].get("rotary") is None:
         return None
     try:
         return FileKernels(gguf, index, ARITHMETIC_CODES[arithmetic], torch.get_num_threads())

@@ -29,6 +29,7 @@ from layerplan.engine.kernel_library import (ABI, ACTIVATION_CODES, NORM_ROUNDIN
                                              check, kernels_key, library, native_available)
 from layerplan.engine.arena import WeightArena
 from layerplan.engine.file_kernels import FileKernels, NotDescribed, activation_of, file_refusal
+from layerplan.engine.file_model import DeferredCausalLM
 from layerplan.engine.panel_cache import PanelCache
 from layerplan.engine.stored_pack import PACK_ROWS, pack_stored, stack_format, v_apart
 from layerplan.machine import read_cpuinfo
@@ -712,9 +713,10 @@ class NativeEngine:
             except NotDescribed:
                 return None
         kernels.finish(on_filled)  # (a started fill is waited for, used or not: its threads write its buffer)
-        if self.why_eager or kernels.arithmetic != self.arithmetic or not self._agrees(model, kernels):
+        if self.why_eager or kernels.arithmetic != self.arithmetic:
             return None
-        return kernels
+        # (a model made from the file, engine/file_model.py, has no modules of its own to differ)
+        return kernels if isinstance(model.hf, DeferredCausalLM) or self._agrees(model, kernels) else None
 
     def _agrees(self, model, kernels: FileKernels) -> bool:
         """Whether the file's facts are those of the model's modules, layer by layer."""

@@ -61,9 +61,11 @@ class LoadedModel:
     # a model whose parts were discovered runs only after its architecture passed the check
     # (engine/verify.py); the check itself builds its tiny model with require_check=False
     require_check: InitVar[bool] = True
+    # its parts where they are not its modules' (engine/file_model.py: a GGUF's, from the file)
+    given_parts: InitVar[ModelParts | None] = None
 
-    def __post_init__(self, require_check: bool) -> None:
-        self.parts = parts_of(self.hf)  # discovery's own refusals first: they say more
+    def __post_init__(self, require_check: bool, given_parts: ModelParts | None) -> None:
+        self.parts = given_parts or parts_of(self.hf)  # discovery's own refusals first: they say more
         if require_check:
             require_checked(self.hf.config)
 
@@ -260,8 +262,8 @@ def load_stored_model(source: str | os.PathLike | None = None, arithmetic: str =
     hf, stored = load_stored(gguf, index)
     stored.arithmetic = arithmetic
     require_checked(hf.config)
-    name = _display_name(gguf)
-    return LoadedModel(name=name, hf=hf, tokenizer=_tokenizer(index), source=str(gguf), stored=stored)
+    name = display_name(gguf)
+    return LoadedModel(name=name, hf=hf, tokenizer=folder_tokenizer(index), source=str(gguf), stored=stored)
 
 
 def _resolve(source: str | os.PathLike | None) -> tuple[Path, str, str]:
@@ -290,7 +292,7 @@ def _resolve(source: str | os.PathLike | None) -> tuple[Path, str, str]:
     )
 
 
-def _display_name(gguf: Path) -> str:
+def display_name(gguf: Path) -> str:
     return DEFAULT_DISPLAY_NAME if gguf == default_gguf_path() else gguf.stem
 
 
@@ -306,7 +308,7 @@ def _gguf_source(source: str | os.PathLike | None) -> Path | None:
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model")
 
 
-def _tokenizer(folder: Path):
+def folder_tokenizer(folder: Path):
     """The folder's tokenizer; None when it has none (weights alone: plans, export and ids still
     work; text asks for one, see LoadedModel.encode)."""
     from transformers import AutoTokenizer
@@ -369,7 +371,7 @@ def load_model(
         placement = adopt(hf, planned, layers_path, Path(placing["offload_folder"]))
     else:
         hf.to(device)
-    tokenizer = _tokenizer(folder)
+    tokenizer = folder_tokenizer(folder)
     return LoadedModel(name=name, hf=hf, tokenizer=tokenizer, source=origin, placement=placement)
 
 
@@ -446,7 +448,7 @@ def load_by_tensor(source: str | os.PathLike | None, taker: Taker) -> LoadedMode
                     set_module_tensor_to_device(hf, key, "cpu", value=values.to(torch.float32))
                 del values
     hf.tie_weights()
-    return LoadedModel(name=name, hf=hf.eval(), tokenizer=_tokenizer(folder), source=origin)
+    return LoadedModel(name=name, hf=hf.eval(), tokenizer=folder_tokenizer(folder), source=origin)
 
 
 def _load_gguf_dense(gguf: Path, dtype: torch.dtype, device: torch.device,
@@ -454,8 +456,8 @@ def _load_gguf_dense(gguf: Path, dtype: torch.dtype, device: torch.device,
     index = _stored_index(gguf)
     require_checked(_config_of(index))  # fail before dequantizing
     hf = load_dense(gguf, index, dtype, on_tensor).to(device)
-    name = _display_name(gguf)
-    return LoadedModel(name=name, hf=hf, tokenizer=_tokenizer(index), source=str(gguf))
+    name = display_name(gguf)
+    return LoadedModel(name=name, hf=hf, tokenizer=folder_tokenizer(index), source=str(gguf))
 
 
 def dense_bytes(source: str | os.PathLike | None, dtype: str | torch.dtype) -> tuple[int, int] | None:
@@ -557,7 +559,7 @@ def model_depth(source: str | os.PathLike | None = None) -> tuple[int, str]:
         depth = read_header(gguf).get("{arch}.block_count")
         if not isinstance(depth, int) or depth < 1:
             raise ModelError(f"{gguf}: its metadata gives no block_count")
-        return depth, _display_name(gguf)
+        return depth, display_name(gguf)
     folder, name, _ = _resolve(source)
     try:
         config = json.loads((folder / "config.json").read_text())

@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from layerplan.engine.runner import run_hidden
+from layerplan.models.arch_table import ARCHITECTURES
 from layerplan.models.architectures import expert_selections, router_of
 from layerplan.models.loading import LoadedModel
 from layerplan.plan.plan import LayerPlan
@@ -45,6 +46,9 @@ def routing_shares(model: LoadedModel, ids: torch.Tensor, plan: LayerPlan | None
     """Routing share per step of `plan` on ids (B, T); empty for a model without routers."""
     plan = plan if plan is not None else model.plan()
     model_type = model.hf.config.model_type
+    spec = ARCHITECTURES.get(model_type)
+    if spec is not None and spec.kernels is not None:  # the kernels read dense gated MLPs: no router
+        return []
     counts: dict[int, torch.Tensor] = {}
     current = [0]  # the step whose MLP runs next (the runner's observer says)
 
