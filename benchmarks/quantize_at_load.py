@@ -31,7 +31,7 @@ from layerplan.engine import load
 from layerplan.models import loading
 folder, dtype, way = sys.argv[1:4]
 if way == "whole":
-    from layerplan.engine.load import QUANTIZED
+    from layerplan.engine.choices import QUANTIZED
     model = load.quantize_linears(loading.load_model(folder, "float32"), *QUANTIZED[dtype])
 else:
     model = load.load_model(folder, dtype=dtype, engine="eager")

@@ -19,7 +19,8 @@ import sys
 import torch
 
 from layerplan.decoding.generate import generate
-from layerplan.engine.load import STORED, STORED_ARITHMETIC, load_model
+from layerplan.engine.choices import STORED, STORED_ARITHMETIC
+from layerplan.engine.load import load_model
 from layerplan.engine.runner import forward, new_cache
 
 PROMPT = "The history of the printing press begins in the fifteenth century, when"

@@ -324,8 +324,8 @@ def test_a_first_start_makes_the_index_without_torch_or_transformers(tmp_path):
     packs its panels, and neither torch nor transformers is imported."""
     probe = ("import sys\n"
              "from layerplan.lite.cli import run, runnable\n"
-             "from layerplan.lite.request import request_of\n"
-             "request = request_of(['generate', 'The capital of France is', '-n', '4'])\n"
+             "from layerplan.app.cli.generating import light_request\n"
+             "request = light_request(['generate', 'The capital of France is', '-n', '4'])\n"
              "assert runnable(request) and request.first_use\n"
              "assert run(request) == 0\n"
              "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers', 'accelerate')))\n")

@@ -11,7 +11,8 @@ from tiny_gguf import write_tiny_gguf
 
 from layerplan.engine.executors import use_modules
 from layerplan.engine.file_model import DeferredCausalLM, FileRotary
-from layerplan.engine.load import STORED_ARITHMETIC, load_model, prepare
+from layerplan.engine.choices import STORED_ARITHMETIC
+from layerplan.engine.load import load_model, prepare
 from layerplan.engine.runner import forward, new_cache
 from layerplan.models.loading import load_stored_model
 

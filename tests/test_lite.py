@@ -16,10 +16,12 @@ from tiny import tiny_hf
 from tiny_gguf import write_tiny_gguf
 
 from layerplan.engine import load, native
-from layerplan.engine.load import STORED_ARITHMETIC, load_model
+from layerplan.engine.choices import STORED_ARITHMETIC
+from layerplan.engine.load import load_model
 from layerplan.engine.rope_tables import rope_rows
 from layerplan.engine.runner import forward, new_cache
-from layerplan.lite.request import LiteRequest, request_of
+from layerplan.app.cli.generating import light_request
+from layerplan.lite.request import LiteRequest
 from layerplan.lite.model import LiteModel, TorchFrontEnd, lite_refusal
 from layerplan.models.arch_table import ARCHITECTURES
 from layerplan.models.errors import ModelError
@@ -232,23 +234,27 @@ def test_a_plan_of_a_second_model_is_the_torch_front_ends(tmp_path):
     (["generate", "Hi", "--temp", "0.7"], None),  # sampling
     (["generate", "Hi", "--draft", "suffix"], None),
     (["generate", "Hi", "--stats"], LiteRequest("Hi", stats=True)),
-    (["generate", "Hi", "-n5"], None),  # a form it does not read: the torch front end reads it
+    (["generate", "Hi", "-n5"], LiteRequest("Hi", max_new_tokens=5)),  # click's forms: the command reads the line
+    (["generate", "Hi", "--top-k", "0", "--max-batch", "4"], LiteRequest("Hi")),  # greedy all the same
+    (["generate", "Hi", "--top-p", "0.9"], None),  # not the default: the torch front end checks and ignores it
+    (["generate", "Hi", "-c", "64"], None),
+    (["generate", "Hi", "--device-map", "auto"], None),
     (["generate", "Hi", "-n", "-1"], None),  # a bad value: the torch front end's message
     (["generate", "Hi", "--dtype", "float32"], None),
     (["generate", "Hi", "--device", "cuda"], None),
     (["generate", "-h"], None),
     (["generate", "Hi", "there"], None),  # two prompts: the torch front end's usage error
     (["generate", ""], None),  # an empty prompt: its message
-    (["generate", "--", "-x"], None),
+    (["generate", "--", "-x"], LiteRequest("-x")),
     (["generate", "Hi", "-n"], None),
     (["generate", "--prompt-file", "p.txt"], None),
     (["bench", "Hi"], None),
 ])
 def test_the_command_lines_it_takes(argv, taken, monkeypatch):
     monkeypatch.delenv("LAYERPLAN_FRONT_END", raising=False)
-    assert request_of(argv) == taken
+    assert light_request(argv) == taken
     monkeypatch.setenv("LAYERPLAN_FRONT_END", "torch")
-    assert request_of(argv) is None
+    assert light_request(argv) is None
 
 
 def test_rotary_rows_are_transformers_within_a_unit_in_the_last_place():
@@ -288,12 +294,12 @@ _WORDS = ["generate", "Hi", "-n", "5", "-1", "--model", "--dtype", "stored", "au
 @given(st.lists(st.sampled_from(_WORDS) | st.text(max_size=6), max_size=9))
 @settings(max_examples=300, deadline=None)
 def test_any_command_line_is_taken_whole_or_left_to_the_torch_front_end(words):
-    """request_of never raises: a line is a request whose every field is a value the torch front
+    """light_request never raises: a line is a request whose every field is a value the torch front
     end would accept too, or None."""
-    request = request_of(["generate", *words])
+    request = light_request(["generate", *words])
     if request is None:
         return
-    assert request.prompt and not request.prompt.startswith("-") and request.prompt in words
+    assert request.prompt and request.prompt in words  # (the command's own reading: "-x" after "--" too)
     assert request.dtype in ("auto", "stored", "stored-fast") and request.engine in ("auto", "native")
     assert request.max_new_tokens >= 0 and (request.threads is None or 1 <= request.threads <= 1024)
 

@@ -22,7 +22,7 @@ import pytest
 
 from layerplan.files import cache_dir
 from layerplan.lite.cli import runnable
-from layerplan.lite.request import request_of
+from layerplan.app.cli.generating import light_request
 
 pytestmark = pytest.mark.real
 
@@ -119,7 +119,7 @@ def test_the_light_front_end_prints_what_the_torch_one_prints(argv, cache, torch
     assert torch_run.returncode == 0, torch_run.stderr
     monkeypatch.setenv("LAYERPLAN_CACHE", str(cache))
     monkeypatch.delenv("LAYERPLAN_FRONT_END", raising=False)
-    assert runnable(request_of(argv))  # so launch runs it on the light front end
+    assert runnable(light_request(argv))  # so launch runs it on the light front end
     lite_run = _run(argv, cache)
     assert (lite_run.returncode, lite_run.stdout, lite_run.stderr) == (0, torch_run.stdout, torch_run.stderr)
 
@@ -181,8 +181,8 @@ def test_what_the_light_front_end_leaves_runs_on_the_torch_one(cache, torch_runs
 def test_a_start_on_the_light_front_end_imports_neither_torch_nor_transformers(cache):
     probe = ("import sys\n"
              "from layerplan.lite.cli import run, runnable\n"
-             "from layerplan.lite.request import request_of\n"
-             "request = request_of(['generate', 'The capital of France is', '-n', '4'])\n"
+             "from layerplan.app.cli.generating import light_request\n"
+             "request = light_request(['generate', 'The capital of France is', '-n', '4'])\n"
              "assert runnable(request)\n"
              "assert run(request) == 0\n"
              "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers', 'accelerate')))\n")

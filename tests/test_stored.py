@@ -81,7 +81,8 @@ def _stored_and_dense(tmp_path, arch: str, matrix_type: str, layers: int = 3, ty
     """(the tiny GGUF run as stored on the native kernels, the same file dequantized by transformers
     and run on the native kernels in float32)."""
     from layerplan.engine.executors import use_native
-    from layerplan.engine.load import STORED, load_model, wrap_model
+    from layerplan.engine.choices import STORED
+    from layerplan.engine.load import load_model, wrap_model
 
     path = write_tiny_gguf(tiny_hf(arch, num_layers=layers), tmp_path / f"{arch}.gguf", matrix_type, types)
     dense = wrap_model(_reference(path).eval())
@@ -136,7 +137,8 @@ def test_a_pass_whose_rows_are_shared_among_threads_gives_each_token_its_own_log
 
 def test_stored_modules_run_one_layer_at_a_time_and_match_transformers(tmp_path):
     """The eager reference (StoredExecutor) dequantizes a layer for its step only."""
-    from layerplan.engine.load import STORED, load_model
+    from layerplan.engine.choices import STORED
+    from layerplan.engine.load import load_model
     from layerplan.engine.runner import forward
 
     path = write_tiny_gguf(tiny_hf("llama", num_layers=3), tmp_path / "m.gguf", "Q8_0")
@@ -220,7 +222,8 @@ def test_a_v_projection_of_another_format_runs_apart_and_exactly(tmp_path):
 
 def test_auto_runs_a_gguf_as_stored_where_the_kernels_run(tmp_path):
     from layerplan.engine.kernel_library import native_available
-    from layerplan.engine.load import BLOCK_PRECISIONS, GGUF_DEFAULT, STORED_FAST, choose_dtype
+    from layerplan.engine.choices import BLOCK_PRECISIONS, GGUF_DEFAULT, STORED_FAST
+    from layerplan.engine.load import choose_dtype
 
     path = write_tiny_gguf(tiny_hf("llama", num_layers=1), tmp_path / "m.gguf", "Q8_0")
     assert choose_dtype("auto", "eager", source=path) not in BLOCK_PRECISIONS  # the modules need dense weights
@@ -293,7 +296,8 @@ def test_a_plan_exports_as_a_gguf_in_the_stored_types(tmp_path, text):
     sub-layer's output projection zero); the file run as stored gives the plan's logits."""
     from gguf import GGUFReader
 
-    from layerplan.engine.load import STORED, load_model
+    from layerplan.engine.choices import STORED
+    from layerplan.engine.load import load_model
     from layerplan.engine.runner import forward, new_cache
     from layerplan.export import export_gguf
 
@@ -399,7 +403,8 @@ def test_a_gguf_is_quantized_again_a_matrix_at_a_time(tmp_path, dtype):
     """--dtype FORMAT (and self:bits=FORMAT) on a GGUF: each matrix from the file's blocks to the
     format's, one at a time, the same rows as the whole model dequantized by transformers and
     quantized after (the path it replaces, which held the model dense in float32)."""
-    from layerplan.engine.load import QUANTIZED, load_model, prepare, quantize_linears
+    from layerplan.engine.choices import QUANTIZED
+    from layerplan.engine.load import load_model, prepare, quantize_linears
     from layerplan.engine.runner import forward, new_cache
     from layerplan.models.loading import load_model as load_dense_model
 

@@ -18,7 +18,8 @@ import torch
 from layerplan.app.prompts import CHAT_PROMPTS
 from layerplan.decoding.generate import generate
 from layerplan.engine.cpu_pack import packing_supported
-from layerplan.engine.load import BLOCK_PRECISIONS, load_model
+from layerplan.engine.choices import BLOCK_PRECISIONS
+from layerplan.engine.load import load_model
 from layerplan.engine.native import resolve_engine
 from layerplan.engine.probe import ProbeRow
 from layerplan.machine import CpuInfo, cpu_info

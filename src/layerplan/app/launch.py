@@ -3,15 +3,16 @@
 command line on the torch front end (app/cli/), which reads it as it always has.
 
 Which one runs changes no output: the light front end takes only command lines whose meaning it
-carries out as the torch one does (lite/request.py request_of), and only models whose index it can
+carries out as the torch one does (app/cli/generating.py light_request), and only models whose index it can
 read (kept, or made now from the file). Where it finds, once started, that the model needs the
 torch front end, the command starts again as `python -m layerplan.app.cli` with
 LAYERPLAN_FRONT_END=torch: the kernels' library, loaded by then, links an OpenMP runtime that must
 not meet torch's in one process.
 
-The command line is read, and a kept index's tokenizer process started (lite/tokenizer_process.py),
-before numpy or anything else that starts threads is imported: a fork copies only the thread
-that calls it.
+A kept index's tokenizer process is started (lite/tokenizer_process.py) before anything that
+starts threads is imported (a fork copies only the thread that calls it), from the model the line
+names; then the `generate` command itself reads the line (its options are defined without torch,
+app/cli/generating.py), while the tokenizer is parsed on the other core.
 """
 
 from __future__ import annotations
@@ -22,15 +23,25 @@ import sys
 
 def main() -> None:
     argv = sys.argv[1:]
-    if argv[:1] == ["generate"]:
-        from layerplan.lite.request import FRONT_END_VARIABLE, request_of
-        from layerplan.lite.tokenizer_process import TokenizerProcess
+    from layerplan.lite import FRONT_END_VARIABLE
 
-        request = request_of(argv)
+    if argv[:1] == ["generate"] and os.environ.get(FRONT_END_VARIABLE, "") != "torch":
+        from layerplan.lite.tokenizer_process import TokenizerProcess
+        from layerplan.models.gguf_place import DEFAULT_MODEL
+
+        # the tokenizer's parse, most of a later start, begins now in a process of its own (before
+        # numpy's threads, which a fork would not copy), while this one reads the command line
+        named = _model_named(argv, DEFAULT_MODEL)
+        tokenizer = TokenizerProcess.for_model(named)
+        from layerplan.app.cli.generating import light_request
+
+        request = light_request(argv)
+        if request is not None and request.model != named and tokenizer is not None:
+            tokenizer.close()  # (read ahead from another model: LiteModel reads the tokenizer itself)
+            tokenizer = None
+        if request is None and tokenizer is not None:
+            tokenizer.close()
         if request is not None:
-            # the tokenizer's parse, most of a later start, begins now in a process of its own
-            # (before numpy's threads, which a fork would not copy)
-            tokenizer = TokenizerProcess.for_model(request.model)
             from layerplan.lite.cli import run, runnable
 
             taken = runnable(request)
@@ -53,6 +64,18 @@ def main() -> None:
     from layerplan.app.cli import run_as_process
 
     run_as_process()
+
+
+def _model_named(argv: list[str], default: str) -> str:
+    """The model a `generate` line names (-m/--model), read ahead of the command's own reading
+    (app/cli/generating.py light_request) only to start its tokenizer's process early; the request's model
+    is what counts. The standard library alone: nothing else is imported yet."""
+    for i, arg in enumerate(argv):
+        if arg in ("-m", "--model") and i + 1 < len(argv):
+            return argv[i + 1]
+        if arg.startswith("--model="):
+            return arg.split("=", 1)[1]
+    return default
 
 
 if __name__ == "__main__":

@@ -53,7 +53,8 @@ from layerplan.decoding.scheduler import DEFAULT_MAX_BATCH, Job, Scheduler
 from layerplan.decoding.output import ChatTemplateError, chat_prompt_ids
 from layerplan.decoding.text import GenerationResult, TextDelta
 from layerplan.decoding.budget import ContextLengthError, token_budget
-from layerplan.decoding.sampling import SEED_RANGE, SamplingError, SamplingParams
+from layerplan.decoding.limits import SEED_RANGE
+from layerplan.decoding.sampling import SamplingError, SamplingParams
 from layerplan.engine.probe import ProbeRow
 from layerplan.models.architectures import ModelError
 from layerplan.models.loading import LoadedModel

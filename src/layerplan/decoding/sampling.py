@@ -12,12 +12,13 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from layerplan.decoding.limits import SEED_RANGE
+
 
 # Sampling settings whose arithmetic stays finite: a temperature below MIN_TEMPERATURE, or a
 # penalty outside PENALTY_RANGE, turns float32 logits into inf and the probabilities into NaN.
 MIN_TEMPERATURE = 1e-4
 PENALTY_RANGE = (0.01, 100.0)
-SEED_RANGE = (-(2 ** 63), 2 ** 64 - 1)  # what torch.Generator.manual_seed takes
 
 
 class SamplingError(ValueError):

@@ -15,6 +15,7 @@ from torch import nn
 
 from layerplan.collection import collection_paused
 from layerplan.engine.cpu_pack import pack_linears, packing_supported
+from layerplan.engine.choices import GGUF_DEFAULT, QUANTIZED, STORED_ARITHMETIC
 from layerplan.engine.executors import modules_executor, use_native
 from layerplan.engine.file_kernels import ARITHMETIC_CODES, FileKernels, NotDescribed, file_refusal, read_index
 from layerplan.engine.file_model import file_model
@@ -31,26 +32,6 @@ from layerplan.models.gguf_place import index_folder
 from layerplan.models.stored import StoredTensor, StoredWeights
 
 
-# the dtypes that keep a GGUF's matrices in their stored block formats (float32 activations), by
-# the arithmetic of their products (models/stored.py ARITHMETICS): exact by default
-STORED = "stored"
-STORED_FAST = "stored-fast"
-STORED_ARITHMETIC = {STORED: "exact", STORED_FAST: "fast"}
-# block formats any model's matrices are quantized to at load ("--dtype q4_k", "q4_k-fast"): a
-# Hugging Face checkpoint then runs as a GGUF of that type would (kernels/quant.h says how each
-# quantizes: the legacy formats as gguf-py does, the K-quants by plain min / max)
-QUANTIZE_AT_LOAD = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k")
-QUANTIZED = {**{name: (name, "exact") for name in QUANTIZE_AT_LOAD},
-             **{f"{name}-fast": (name, "fast") for name in QUANTIZE_AT_LOAD}}
-# every precision of the native kernels' block formats, for the CLI's choices
-BLOCK_PRECISIONS = (STORED, STORED_FAST, *QUANTIZED)
-# What a GGUF runs as by default ("auto"): its blocks as stored, in llama.cpp's arithmetic. A
-# GGUF's user compares against llama.cpp, which quantizes activations to 8 bits and takes integer
-# products; the exact products (transformers' numbers on the dequantized weights, --dtype stored)
-# unpack every K-quant weight to float and decode slower than llama.cpp on the AVX2 machines
-# (docs/gguf-stored.md). What is promised exactly holds in either arithmetic: speculative output
-# equals plain output, and `--dtype stored` gives transformers' numbers.
-GGUF_DEFAULT = STORED_FAST
 
 
 def choose_dtype(dtype: str, engine: str = "auto", device: str | torch.device = "cpu",

@@ -28,6 +28,7 @@ from torch import nn
 from layerplan.engine.kernel_library import (ABI, ACTIVATION_CODES, NORM_ROUNDING, AbiMismatch, NativeUnavailable,
                                              check, kernels_key, library, native_available)
 from layerplan.engine.arena import WeightArena
+from layerplan.engine.choices import ENGINES
 from layerplan.engine.file_kernels import FileKernels, NotDescribed, activation_of, file_refusal
 from layerplan.engine.file_model import DeferredCausalLM
 from layerplan.engine.panel_cache import PanelCache
@@ -876,13 +877,6 @@ class NativeEngine:
             for part, why in layer.why.items():
                 found[f"layer {i} {part}"] = why
         return found
-
-
-ENGINES = {
-    "auto": "the native kernels where they can run (CPU, AVX2 and FMA, a C compiler, fp32 or bf16), else eager",
-    "native": "layerplan's C kernels for the sub-layers they reproduce, PyTorch modules for the rest",
-    "eager": "every module as transformers runs it (the reference)",
-}
 
 
 def resolve_engine(engine: str, dtype: torch.dtype, device: torch.device | str) -> str:

@@ -1,5 +1,5 @@
 """`layerplan generate` on the light front end, where it gives what the torch front end gives:
-the command lines lite/request.py reads, on a model whose index the light front end runs. The
+the command lines lite/request.py takes, on a model whose index the light front end runs. The
 output (text, stream, the closing line and the messages on stderr) is the torch front end's for
 the same command line (tests/test_lite.py runs both).
 """

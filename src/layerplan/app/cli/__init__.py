@@ -28,7 +28,7 @@ COMMAND_INDEX = {
     "frontier": ("measuring", "Each draft's measured acceptance against its measured cost on this machine, beside "
                               "the break-even curve of the probe's verify costs: whether any self-draft can pay here, "
                               "and by how much."),
-    "generate": ("running", "Generate a continuation of PROMPT (or -p TEXT, -f FILE), or of every prompt of "
+    "generate": ("generating", "Generate a continuation of PROMPT (or -p TEXT, -f FILE), or of every prompt of "
                             "--prompt-file."),
     "models": ("measuring", "List the models available locally (the packaged default and converted ones)."),
     "peers": ("measuring", "llama.cpp's own C++ tools, which `layerplan bench` times beside layerplan."),

@@ -13,21 +13,20 @@ import torch
 from tqdm import tqdm
 
 from layerplan.app import llamacpp
+from layerplan.app.options import DEVICE_MAP_KEY
 from layerplan.app.peers import LlamaToolError
 from layerplan.corpus import read_texts
-from layerplan.decoding.draft_length import draft_length_help
-from layerplan.engine.load import BLOCK_PRECISIONS, choose_dtype, load_model
-from layerplan.engine.native import ENGINES, NativeUnavailable
+from layerplan.engine.choices import BLOCK_PRECISIONS
+from layerplan.engine.load import choose_dtype, load_model
+from layerplan.engine.native import NativeUnavailable
 from layerplan.engine.probe import checked_model_row, load_probe
 from layerplan.files import WriteError, check_output
 from layerplan.models.gguf_index import file_index
 from layerplan.models.gguf_place import TENSORS_FILE, index_folder
-from layerplan.models.loading import (DEFAULT_MODEL, ModelError, cache_dir, dense_bytes, gguf_of, model_depth,
+from layerplan.models.loading import (ModelError, cache_dir, dense_bytes, gguf_of, model_depth,
                                       resolve_device)
 from layerplan.plan.plan import PlanError
 
-DRAFT_LENGTH_HELP = "draft length policy: " + draft_length_help()
-MODEL_HELP = f"HF folder (config.json + safetensors), .gguf file, or '{DEFAULT_MODEL}' (the packaged default)"
 
 
 @contextmanager
@@ -212,8 +211,6 @@ def attach(loaded, model_b: str | None, device: str = "cpu", engine: str = "auto
     return loaded
 
 
-model_b_option = click.option("--model-b", default=None,
-                              help="a second model of the same architecture and size; plans name its layers as b:8-23")
 
 
 def note(line: str) -> None:
@@ -231,35 +228,3 @@ def set_threads(threads: int | None) -> None:
         context = click.get_current_context(silent=True)
         if context is not None:
             context.call_on_close(lambda: torch.set_num_threads(previous))
-
-
-model_option = click.option("--model", "-m", default=DEFAULT_MODEL, show_default=True, help=MODEL_HELP)
-_DTYPE_CHOICES = ["float32", "bfloat16", "float16", *BLOCK_PRECISIONS]
-_BLOCK_HELP = ("stored: a GGUF's weights in their block formats, float32 activations, exact products "
-               "(transformers' numbers); q8_0, q4_k, …: any model's matrices quantized to that block format at "
-               "load; -fast after either: integer products on int8-quantized activations, as llama.cpp computes")
-# the research commands (scan, ppl, explore, search, eval): a GGUF as stored, any other model in float32
-dtype_option = click.option("--dtype", default="auto", show_default=True, type=click.Choice(["auto", *_DTYPE_CHOICES]),
-                            help=f"auto: a GGUF as stored in llama.cpp's arithmetic (stored-fast), any other model "
-                                 f"in float32; {_BLOCK_HELP}")
-# export writes dense weights unless asked for a GGUF
-export_dtype_option = click.option("--dtype", default="float32", show_default=True, type=click.Choice(_DTYPE_CHOICES),
-                                   help=f"the checkpoint's weights; {_BLOCK_HELP}")
-DEVICE_MAP_KEY = "layerplan.device_map"
-_device_only = click.option("--device", default="cpu", show_default=True, help="cpu, cuda, cuda:1, …")
-_device_map_option = click.option(
-    "--device-map", metavar="auto|FILE", default=None, expose_value=False,
-    callback=lambda context, _, value: context.meta.__setitem__(DEVICE_MAP_KEY, value),
-    help="spread the decoder layers over GPUs, CPU memory and disk instead of --device: auto (accelerate's plan "
-         "for the free memory) or a JSON/YAML map of module -> cpu, disk, cuda:N (as accelerate writes it)")
-
-
-def device_option(command):
-    """--device, and --device-map beside it (read by load: every command that takes a device takes a map)."""
-    return _device_only(_device_map_option(command))
-engine_option = click.option("--engine", default="auto", show_default=True, type=click.Choice(list(ENGINES)),
-                             help="; ".join(f"{name}: {text}" for name, text in ENGINES.items()))
-auto_dtype_option = click.option("--dtype", default="auto", show_default=True, type=click.Choice(["auto", *_DTYPE_CHOICES]),
-                                 help="auto: a GGUF as stored in llama.cpp's arithmetic (stored-fast) where the "
-                                      "native kernels run, else the fastest here by `layerplan probe` (measured once "
-                                      f"per machine), else bfloat16 where it is fast, float32 elsewhere; {_BLOCK_HELP}")

@@ -10,9 +10,10 @@ import click
 
 from layerplan.app import llamacpp
 from layerplan.app.bench import bench_methods, load_for_timing, run_bench
-from layerplan.app.cli.common import (DRAFT_LENGTH_HELP, Output, Progress, auto_dtype_option, checked_probe_row,
-                                      command_dtype, engine_option, load, model_option, note, set_threads, user_errors)
-from layerplan.app.options import n_predict_option, threads_option
+from layerplan.app.cli.common import (Output, Progress, checked_probe_row, command_dtype, load, note, set_threads,
+                                      user_errors)
+from layerplan.app.options import (DRAFT_LENGTH_HELP, auto_dtype_option, engine_option, model_option, n_predict_option,
+                                   threads_option)
 from layerplan.app.peers import llama_cpp_peers
 from layerplan.app.prompts import CHAT_PROMPTS, PROMPTS, pick_prompts, read_prompt_file
 from layerplan.app.report import frontier_plot
@@ -20,8 +21,10 @@ from layerplan.decoding.budget import token_budget
 from layerplan.decoding.draft_length import DRAFT_LENGTHS
 from layerplan.decoding.drafters.registry import drafter_help, make_drafter, saved_draft_path
 from layerplan.decoding.frontier import measure_frontier, pass_costs_of, self_drafts
-from layerplan.engine.load import STORED, STORED_ARITHMETIC, STORED_FAST, load_model
-from layerplan.engine.native import ENGINES, native_available
+from layerplan.engine.choices import STORED, STORED_ARITHMETIC, STORED_FAST
+from layerplan.engine.load import load_model
+from layerplan.engine.choices import ENGINES
+from layerplan.engine.native import native_available
 from layerplan.engine.probe import CONTEXT, PASS_LENGTHS, load_probe, probe as run_probe, save_probe
 from layerplan.engine.verify import check_architecture, config_for
 from layerplan.files import write_json_atomic

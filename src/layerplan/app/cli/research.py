@@ -9,12 +9,12 @@ import click
 import torch
 
 from layerplan.app.bench import load_for_timing
-from layerplan.app.cli.common import (Output, Progress, Stages, attach, auto_dtype_option, checked_probe_row,
-                                      command_dtype, device_option, dtype_option, engine_option, given_text, load,
-                                      model_b_option, model_option, note, set_threads, user_errors)
+from layerplan.app.cli.common import (Output, Progress, Stages, attach, checked_probe_row, command_dtype, given_text,
+                                      load, note, set_threads, user_errors)
 from layerplan.app.cli.measuring import frontier_line
 from layerplan.app.merges import export_commands, scan_blocks, study_merges, write_scan
-from layerplan.app.options import SEED, n_predict_option, threads_option
+from layerplan.app.options import (SEED, auto_dtype_option, device_option, dtype_option, engine_option, model_b_option,
+                                   model_option, n_predict_option, threads_option)
 from layerplan.app.prompts import PROMPTS, pick_prompts
 from layerplan.app.report import (exits_plot, explore_plot, frontier_plot, pareto_plot, scan_heatmap, search_trajectory,
                                   skip_frequency_plot, tune_html)

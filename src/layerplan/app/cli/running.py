@@ -9,19 +9,17 @@ import re
 import click
 import torch
 
-from layerplan.app.cli.common import (DRAFT_LENGTH_HELP, MODEL_HELP, Output, attach, auto_dtype_option,
-                                      checked_probe_row, device_option, dtype_option, engine_option,
-                                      export_dtype_option, freeze, load, model_b_option, model_option, set_threads,
-                                      user_errors)
-from layerplan.app.options import ctx_size_option, n_predict_option, sampling_options, threads_option
+from layerplan.app.cli.common import Output, attach, checked_probe_row, freeze, load, set_threads, user_errors
+from layerplan.app.options import (DRAFT_LENGTH_HELP, MODEL_HELP, auto_dtype_option, ctx_size_option, device_option,
+                                   dtype_option, engine_option, export_dtype_option, model_b_option, model_option,
+                                   n_predict_option, sampling_options, threads_option)
 from layerplan.app.prompts import PromptUsageError, generate_prompt_file, one_prompt, read_prompt_file
 from layerplan.decoding.budget import token_budget
 from layerplan.decoding.draft_length import DRAFT_LENGTHS
-from layerplan.decoding.drafters.registry import drafter_help
 from layerplan.decoding.generate import generate as run_generate
 from layerplan.decoding.output import prompt_ids
 from layerplan.decoding.sampling import SamplingParams
-from layerplan.engine.load import STORED
+from layerplan.engine.choices import STORED
 from layerplan.export import export_checkpoint, export_gguf
 from layerplan.files import check_output, write_json_atomic, write_text_atomic
 from layerplan.machine import read_cpuinfo
@@ -31,50 +29,11 @@ from layerplan.plan.plan import MAX_STEPS
 from layerplan.search.probes import task_manager
 
 
-@click.command()
-@click.argument("prompt", required=False)
-@click.option("--prompt", "-p", "prompt_option", default=None, metavar="TEXT",
-              help="the prompt (as the first argument; llama.cpp's -p)")
-@click.option("--file", "-f", "prompt_path", type=click.Path(dir_okay=False), default=None,
-              help="read the prompt from this file (its whole text; llama.cpp's -f)")
-@model_option
-@auto_dtype_option
-@device_option
-@engine_option
-@threads_option
-@n_predict_option(128, low=0, help="at most this many new tokens (prompt and new tokens fit the context)")
-@ctx_size_option
-@sampling_options
-@click.option("--plan", default=None, help="run the model by this plan (lossy unless it is the full model)")
-@model_b_option
-@click.option("--stop", multiple=True, help="stop string (repeatable)")
-@click.option("--chat/--no-chat", default=False, help="wrap the prompt in the model's chat template")
-@click.option("--stream/--no-stream", default=True, show_default=True)
-@click.option("--draft", default=None, help="lossless speculative decoding with this drafter: " + drafter_help())
-@click.option("--draft-length", default=None, type=click.Choice(list(DRAFT_LENGTHS)), help=DRAFT_LENGTH_HELP)
-@click.option("--model-draft", "-md", "--draft-model", "draft_model", type=click.Path(), default=None,
-              help="a smaller model of the same vocabulary as the draft (llama.cpp's -md; --draft model:PATH)")
-@click.option("--draft-confidence", type=click.FloatRange(0.0, 1.0), default=0.0, show_default=True,
-              help="a drafter that runs a model (a layer plan, exit, window, dynamic exit or model:PATH) stops "
-                   "a round when its top-1 probability falls below this; n-gram lookup ignores it")
-@click.option("--exit-policy", default=None,
-              help="lossy dynamic early exit per token: confidence=P | entropy=H | cosine=C, then min=N, every=K, "
-                   "vocab=K (as a lossless draft: --draft dynamic:POLICY)")
-@click.option("--stats", is_flag=True, help="after the text, a summary on stderr: prompt and new tokens with their "
-                                            "rates, the draft's acceptance, plan, dtype, threads, CPU")
-@click.option("--verbose", "-v", is_flag=True, help="the same summary as --stats")
-@click.option("--json", "as_json", is_flag=True,
-              help="the run's statistics as one JSON object on stderr (every field, for scripts)")
-@click.option("--prompt-file", type=click.Path(dir_okay=False), default=None,
-              help="generate for every prompt of this file (.jsonl records or one prompt a line), up to "
-                   "--max-batch at once (continuous batching); one JSON line a prompt on stdout")
-@click.option("--max-batch", type=click.IntRange(1, 64), default=8, show_default=True,
-              help="with --prompt-file: prompts decoded at once")
-def generate(prompt, prompt_option, prompt_path, model, dtype, device, engine, threads, max_new_tokens, ctx_size,
+def run_generate_command(prompt, prompt_option, prompt_path, model, dtype, device, engine, threads, max_new_tokens, ctx_size,
              temperature, top_k, top_p, min_p, repetition_penalty, seed, plan, model_b, stop, chat, stream, draft,
              draft_length, draft_model, draft_confidence, exit_policy, stats, verbose, as_json, prompt_file,
              max_batch) -> None:
-    """Generate a continuation of PROMPT (or -p TEXT, -f FILE), or of every prompt of --prompt-file."""
+    """`layerplan generate` (app/cli/generating.py reads its command line), carried out."""
     set_threads(threads)
     with user_errors():
         params = SamplingParams(temperature, top_k, top_p, repetition_penalty, min_p)  # refused before the model loads
@@ -335,4 +294,4 @@ def chat(model, dtype, device, engine, threads, plan, draft, ctx_size, temperatu
     return run_chat(session, guard=user_errors)
 
 
-COMMANDS = (generate, export, plan_command, eval_command, serve, chat)  # registered on main (the package's __init__)
+COMMANDS = (export, plan_command, eval_command, serve, chat)  # registered on main (the package's __init__)

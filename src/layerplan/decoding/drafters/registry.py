@@ -21,7 +21,8 @@ from layerplan.decoding.drafters.online import OnlineSkipDrafter
 from layerplan.decoding.drafters.plan import ExitHeadDrafter, PlanDrafter, WindowedDrafter
 from layerplan.decoding.drafters.staged import StagedDrafter
 from layerplan.decoding.drafters.suffix import SuffixDrafter, read_corpus
-from layerplan.engine.load import QUANTIZE_AT_LOAD, load_model
+from layerplan.engine.choices import QUANTIZE_AT_LOAD
+from layerplan.engine.load import load_model
 from layerplan.engine.native import BoundedCache
 from layerplan.models.architectures import ModelError
 from layerplan.models.loading import LoadedModel, cache_dir

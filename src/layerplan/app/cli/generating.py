@@ -1,0 +1,111 @@
+"""`layerplan generate`'s command line: its options and what they take, defined without torch, so
+that app/launch.py reads a command line with the command itself before it chooses a front end
+(light_request: the light one where it carries the line out as this one does). Running it
+imports the rest (app/cli/running.py run_generate_command)."""
+
+from __future__ import annotations
+
+import importlib
+import os
+
+import click
+
+from layerplan.app.options import (DEVICE_MAP_KEY, DRAFT_LENGTH_HELP, auto_dtype_option, ctx_size_option,
+                                   device_option, engine_option, model_b_option, model_option, n_predict_option,
+                                   sampling_options, threads_option)
+from layerplan.decoding.draft_length import DRAFT_LENGTHS
+from layerplan.lite import FRONT_END_VARIABLE
+from layerplan.lite.request import ARITHMETICS, LiteRequest
+
+# the options the light front end carries out no differently for any value the command takes:
+# whatever else a line gives must be the option's default (greedy sampling, no draft, ...)
+_CARRIED = {"prompt", "prompt_option", "model", "dtype", "engine", "device", "threads", "max_new_tokens", "plan",
+            "stop", "chat", "stream", "stats", "verbose", "as_json", "temperature", "max_batch"}
+
+
+class DrafterOption(click.Option):
+    """--draft, whose help lists the drafter registry's kinds (decoding/drafters/registry.py
+    drafter_help): written when the help is shown, as the registry's module imports torch."""
+
+    def get_help_record(self, ctx):
+        if self.help is None:
+            registry = importlib.import_module("layerplan.decoding.drafters.registry")
+            self.help = "lossless speculative decoding with this drafter: " + registry.drafter_help()
+        return super().get_help_record(ctx)
+
+
+@click.command()
+@click.argument("prompt", required=False)
+@click.option("--prompt", "-p", "prompt_option", default=None, metavar="TEXT",
+              help="the prompt (as the first argument; llama.cpp's -p)")
+@click.option("--file", "-f", "prompt_path", type=click.Path(dir_okay=False), default=None,
+              help="read the prompt from this file (its whole text; llama.cpp's -f)")
+@model_option
+@auto_dtype_option
+@device_option
+@engine_option
+@threads_option
+@n_predict_option(128, low=0, help="at most this many new tokens (prompt and new tokens fit the context)")
+@ctx_size_option
+@sampling_options
+@click.option("--plan", default=None, help="run the model by this plan (lossy unless it is the full model)")
+@model_b_option
+@click.option("--stop", multiple=True, help="stop string (repeatable)")
+@click.option("--chat/--no-chat", default=False, help="wrap the prompt in the model's chat template")
+@click.option("--stream/--no-stream", default=True, show_default=True)
+@click.option("--draft", default=None, cls=DrafterOption)
+@click.option("--draft-length", default=None, type=click.Choice(list(DRAFT_LENGTHS)), help=DRAFT_LENGTH_HELP)
+@click.option("--model-draft", "-md", "--draft-model", "draft_model", type=click.Path(), default=None,
+              help="a smaller model of the same vocabulary as the draft (llama.cpp's -md; --draft model:PATH)")
+@click.option("--draft-confidence", type=click.FloatRange(0.0, 1.0), default=0.0, show_default=True,
+              help="a drafter that runs a model (a layer plan, exit, window, dynamic exit or model:PATH) stops "
+                   "a round when its top-1 probability falls below this; n-gram lookup ignores it")
+@click.option("--exit-policy", default=None,
+              help="lossy dynamic early exit per token: confidence=P | entropy=H | cosine=C, then min=N, every=K, "
+                   "vocab=K (as a lossless draft: --draft dynamic:POLICY)")
+@click.option("--stats", is_flag=True, help="after the text, a summary on stderr: prompt and new tokens with their "
+                                            "rates, the draft's acceptance, plan, dtype, threads, CPU")
+@click.option("--verbose", "-v", is_flag=True, help="the same summary as --stats")
+@click.option("--json", "as_json", is_flag=True,
+              help="the run's statistics as one JSON object on stderr (every field, for scripts)")
+@click.option("--prompt-file", type=click.Path(dir_okay=False), default=None,
+              help="generate for every prompt of this file (.jsonl records or one prompt a line), up to "
+                   "--max-batch at once (continuous batching); one JSON line a prompt on stdout")
+@click.option("--max-batch", type=click.IntRange(1, 64), default=8, show_default=True,
+              help="with --prompt-file: prompts decoded at once")
+def generate(**options) -> None:
+    """Generate a continuation of PROMPT (or -p TEXT, -f FILE), or of every prompt of --prompt-file."""
+    # (the work's modules import torch: imported once the command line has been read)
+    importlib.import_module("layerplan.app.cli.running").run_generate_command(**options)
+
+
+def light_request(argv: list[str]) -> LiteRequest | None:
+    """The light front end's request (lite/request.py) of `layerplan generate ...` (argv without the
+    program), read by this command as it reads any line: where the light front end carries the
+    line out as the torch one does. Any other option or value (sampling, drafts, a prompt file, a
+    second model, a device, help), and any line the command refuses, give None: the torch front
+    end reads the line then, and says what it says of it."""
+    if not argv or argv[0] != "generate" or os.environ.get(FRONT_END_VARIABLE, "") == "torch":
+        return None
+    if any(arg in ("-h", "--help") for arg in argv[1:]):
+        return None
+    try:
+        context = generate.make_context("generate", list(argv[1:]))
+    except (click.ClickException, click.exceptions.Exit, click.exceptions.Abort):
+        return None
+    given = context.params
+    defaults = {p.name: p.get_default(context) for p in generate.params}
+    if any(given[name] != defaults[name] for name in given if name not in _CARRIED):
+        return None
+    prompts = [p for p in (given["prompt"], given["prompt_option"]) if p is not None]
+    if (len(prompts) != 1 or not prompts[0] or given["dtype"] not in ARITHMETICS or given["engine"] == "eager"
+            or given["device"] != "cpu" or context.meta.get(DEVICE_MAP_KEY) is not None
+            or given["temperature"] != 0.0):
+        return None
+    return LiteRequest(prompt=prompts[0], model=given["model"], dtype=given["dtype"], engine=given["engine"],
+                       threads=given["threads"], plan=given["plan"], max_new_tokens=given["max_new_tokens"],
+                       stop=list(given["stop"]), stream=given["stream"], chat=given["chat"],
+                       stats=given["stats"] or given["verbose"], as_json=given["as_json"])
+
+
+COMMANDS = (generate,)  # registered on main (the package's __init__: COMMAND_INDEX)
