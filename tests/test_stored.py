@@ -442,21 +442,27 @@ def test_a_format_whose_blocks_fit_no_matrix_is_refused(tmp_path):
         load_model(tmp_path / "ckpt", dtype="q4_k", engine="native")
 
 
-def test_a_first_load_reports_its_packing(tmp_path, monkeypatch):
-    """on_tensor(done, total) follows the matrices packed for the kernels at a GGUF's first use
-    (the command line's progress bar), up to every matrix."""
+@pytest.mark.parametrize("described_by", ["file", "modules"])
+def test_a_first_load_reports_its_packing(tmp_path, monkeypatch, described_by):
+    """on_tensor(done, total) follows the bytes packed for the kernels at a GGUF's first use (the
+    command line's progress bar), up to every matrix's, by either filler."""
     import torch as torch_
 
+    from layerplan.engine import load, native
     from layerplan.engine.load import load_model
 
     monkeypatch.setenv("LAYERPLAN_CACHE", str(tmp_path / "cache"))
+    if described_by == "modules":
+        for module in (load, native):
+            monkeypatch.setattr(module, "file_refusal", lambda index: "described by its modules here")
     monkeypatch.setattr(torch_, "get_num_threads", lambda: 2)  # (fill threads: the bar's jobs)
     path = write_tiny_gguf(tiny_hf("llama", num_layers=2), tmp_path / "m.gguf", "Q4_1")
     seen = []
     model = load_model(path, dtype="stored", engine="native", on_tensor=lambda done, total: seen.append((done, total)))
     assert model.native is not None and seen
     assert [done for done, _ in seen] == sorted(done for done, _ in seen) and seen[-1][0] == seen[-1][1]
-    assert seen[-1][1] >= 2 * 4 + 1  # each layer's qkv, o, gate_up and down, and the LM head
+    # bytes: the panels of each layer's qkv, o, gate_up and down, and of the LM head, at least their blocks'
+    assert seen[-1][1] >= sum(t.nbytes for name, t in model.stored.tensors.items() if ".layers." in name)
 
 
 @pytest.mark.parametrize("described_by", ["file", "modules"])
@@ -579,8 +585,8 @@ def test_kept_panels_are_read_in_parts_and_a_short_part_is_named(tmp_path, monke
     entry.write_bytes(bytes(range(10)))
     jobs, shorts = [], []
 
-    def run_now(job):
-        jobs.append(job)
+    def run_now(job, nbytes):
+        jobs.append((job, nbytes))
         from concurrent.futures import Future
         done = Future()
         done.set_result(job())
@@ -588,7 +594,7 @@ def test_kept_panels_are_read_in_parts_and_a_short_part_is_named(tmp_path, monke
 
     out = torch.zeros(10, dtype=torch.uint8)
     assert [f.result() for f in PanelCache.read_parts(entry, out, run_now, lambda: shorts.append(1))] == [True] * 3
-    assert len(jobs) == 3 and out.tolist() == list(range(10)) and not shorts
+    assert [n for _, n in jobs] == [4, 4, 2] and out.tolist() == list(range(10)) and not shorts
     longer = torch.zeros(12, dtype=torch.uint8)
     assert [f.result() for f in PanelCache.read_parts(entry, longer, run_now, lambda: shorts.append(1))] == \
         [True, True, False]

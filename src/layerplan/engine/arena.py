@@ -29,13 +29,14 @@ class WeightArena:
         self.fillers = fillers
         self._pool: ThreadPoolExecutor | None = None
         self._pending: list[Future] = []
-        # on_filled(jobs done, jobs given) as settle() sees jobs finish (a first load's progress bar)
+        # on_filled(bytes done, bytes given) as settle() sees jobs finish (a first load's progress bar)
         self.on_filled: Callable[[int, int], None] | None = None
+        self._sizes: dict[Future, int] = {}  # each pending job's bytes
         self._given = self._done = 0
 
-    def fill(self, job: Callable[[], object]) -> Future:
-        """Run `job` (it writes a matrix's packed bytes into this arena) on the fill threads; its
-        matrix is ready for the kernels once settle() (or the future returned) is done."""
+    def fill(self, job: Callable[[], object], nbytes: int) -> Future:
+        """Run `job` (it writes `nbytes` of a matrix's packed bytes into this arena) on the fill
+        threads; its matrix is ready for the kernels once settle() (or the future returned) is done."""
         if self.fillers <= 1:
             done: Future = Future()
             done.set_result(job())
@@ -43,7 +44,8 @@ class WeightArena:
         if self._pool is None:
             self._pool = ThreadPoolExecutor(self.fillers, thread_name_prefix="layerplan-fill")
         self._pending.append(self._pool.submit(job))
-        self._given += 1
+        self._sizes[self._pending[-1]] = nbytes
+        self._given += nbytes
         return self._pending[-1]
 
     def settle(self) -> None:
@@ -52,7 +54,7 @@ class WeightArena:
         try:
             for job in as_completed(pending):
                 job.result()
-                self._done += 1
+                self._done += self._sizes.pop(job)
                 if self.on_filled is not None:
                     self.on_filled(self._done, self._given)
         finally:

@@ -60,7 +60,7 @@ _Segment = ABI.structs["lp_segment"]
 _REPACKING = threading.Lock()
 
 
-def _now(job: Callable[[], object]) -> None:
+def _now(job: Callable[[], object], nbytes: int) -> None:
     job()
 
 
@@ -185,9 +185,9 @@ class PackedMatrix:
         if entry is not None:
             PanelCache.read_parts(entry, self.packed, fill, short=partial(self._pack_again, weights))
         elif panels is not None:
-            fill(lambda: self._pack_and_keep(weights, panels))
+            fill(lambda: self._pack_and_keep(weights, panels), nbytes)
         else:
-            fill(lambda: self._pack_rows(weights))
+            fill(lambda: self._pack_rows(weights), nbytes)
 
     def _pack_again(self, weights: list[StoredTensor]) -> None:
         """A kept entry changed under us while read: the rows are packed again (the same bytes)."""
@@ -634,8 +634,7 @@ class NativeEngine:
                  file_kernels: FileKernels | None = None) -> None:
         """file_kernels: the GGUF's descriptors, their panels being filled (engine/load.py starts them
         while the modules are built); None: made here where the file describes its model.
-        on_filled(done, to do): the progress of reading or packing the matrices (bytes where the
-        file describes them, else matrices)."""
+        on_filled(bytes done, bytes to do): the progress of reading or packing the matrices."""
         library()  # fail here, with the reason, rather than inside a forward pass
         model_type = model.hf.config.model_type
         spec = arch_spec(model_type)

@@ -98,18 +98,19 @@ class PanelCache:
             return None
 
     @classmethod
-    def read_parts(cls, entry: Path, out, fill: Callable[[Callable[[], object]], Future],
+    def read_parts(cls, entry: Path, out, fill: Callable[[Callable[[], object], int], Future],
                    short: Callable[[], object] | None = None) -> list[Future]:
-        """Read the entry into `out` in parts of READ_BYTES, each a job for `fill` (so that a large
-        matrix's fresh pages fault in on every fill thread); a part that comes up short calls
-        `short` where given. Each future's result: whether its part was read whole."""
+        """Read the entry into `out` in parts of READ_BYTES, each a job for `fill` with its bytes
+        (so that a large matrix's fresh pages fault in on every fill thread); a part that comes up
+        short calls `short` where given. Each future's result: whether its part was read whole."""
         def part(start: int) -> bool:
             whole = cls.read(entry, out[start:start + cls.READ_BYTES], start)
             if not whole and short is not None:
                 short()
             return whole
 
-        return [fill(partial(part, start)) for start in range(0, out.nbytes, cls.READ_BYTES)]
+        return [fill(partial(part, start), min(cls.READ_BYTES, out.nbytes - start))
+                for start in range(0, out.nbytes, cls.READ_BYTES)]
 
     @staticmethod
     def read(entry: Path, out, start: int) -> bool:

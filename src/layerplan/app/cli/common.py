@@ -69,10 +69,10 @@ def given_text(text: str | None) -> str | None:
 class Progress:
     """on_progress(done, total) callback drawing a tqdm bar on stderr."""
 
-    def __init__(self, description: str) -> None:
+    def __init__(self, description: str, unit: str = "it") -> None:
         # disable=None: no bar when stderr is not a terminal (a log file would get every redraw)
-        self.bar = tqdm(desc=description, unit="it", unit_scale=True, file=sys.stderr, dynamic_ncols=True, leave=False,
-                        disable=None)
+        self.bar = tqdm(desc=description, unit=unit, unit_scale=unit == "B", file=sys.stderr, dynamic_ncols=True,
+                        leave=False, disable=None)
 
     def __call__(self, done: int, total: int) -> None:
         self.bar.total = total
@@ -177,7 +177,7 @@ def load(model: str, dtype: str, device: str = "cpu", engine: str = "auto", dens
         with Stages() as stages:
             file_index(gguf, stages.report)
     # a bar where the load takes seconds: a GGUF dequantized, or packed for the kernels at its first use
-    bar = Progress("dequantizing") if sizes is not None else Progress("packing for the kernels") if first else None
+    bar = Progress("dequantizing") if sizes is not None else Progress("packing for the kernels", unit="B") if first else None
     try:
         loaded = load_model(model, dtype=dtype, device=device, engine=engine, device_map=_device_map(), on_tensor=bar)
     finally:
