@@ -6,7 +6,9 @@ over the step's KV slot, gated MLP) from the layer's own weights, read in place:
 accumulation over fp32 or bf16 weights, each weight read once per pass whatever the number of
 tokens, and batch-invariant (a token's result does not depend on the other tokens of the pass).
 The model's modules are never changed, so transformers' own forward and generate stay the
-reference; a sub-layer the kernels do not reproduce runs its module eagerly.
+reference; a sub-layer the kernels do not reproduce runs its module eagerly. A GGUF whose file
+describes its model runs by the file's descriptors instead (engine/file_kernels.py), where its
+modules, if built, compute what the file says (NativeEngine._agrees).
 
 Descriptors (the ctypes structs of kernels.h) hold raw addresses; every Python object that builds
 one keeps a reference to each tensor it points into for as long as the descriptor lives.
