@@ -235,7 +235,7 @@ class FileKernels:
         if refusal is not None:
             raise NotDescribed(f"{gguf.name}: {refusal}")
         config, facts = read_index(index)
-        self.source = gguf
+        self.source, self.index = gguf, index
         self.spec: ArchSpec = ARCHITECTURES[config["model_type"]]
         kernels = self.spec.kernels
         query_name = self.spec.layer_name(0, self.spec.attention, kernels.qkv[0], "weight")

@@ -164,9 +164,10 @@ class DeferredCausalLM:
         return self.skeleton()(*args, **kwargs)
 
 
-def file_model(gguf: Path, index: Path, kernels: FileKernels, arithmetic: str) -> loading.LoadedModel:
-    """The GGUF's LoadedModel (models/loading.py load_stored_model's) with its parts from the file
-    (see the module's docstring); `kernels`: its descriptors, filled or being filled."""
+def file_model(kernels: FileKernels, arithmetic: str) -> loading.LoadedModel:
+    """The LoadedModel (models/loading.py load_stored_model's) of the GGUF `kernels` describes, its
+    parts from the file (see the module's docstring); `kernels`: filled or being filled."""
+    gguf, index = kernels.source, kernels.index
     config = loading.model_config(gguf)
     spec = ARCHITECTURES[config.model_type]
     facts = read_index(index)[1]

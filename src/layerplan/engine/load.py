@@ -96,8 +96,8 @@ def load_model(
             if dtype in STORED_ARITHMETIC:
                 arithmetic = STORED_ARITHMETIC[dtype]
                 # a file whose model its descriptors describe: no transformers modules until needed
-                model = (file_model(kernels.source, index_folder(kernels.source), kernels, arithmetic)
-                         if kernels is not None else loading.load_stored_model(source, arithmetic))
+                model = (file_model(kernels, arithmetic) if kernels is not None
+                         else loading.load_stored_model(source, arithmetic))
                 return prepare(model, engine, pack=False, on_filled=on_tensor, file_kernels=kernels)
             block_format, arithmetic = QUANTIZED[dtype]
             if loading.gguf_of(source) is not None:  # a GGUF's matrices, each from its blocks to the format's
