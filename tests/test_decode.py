@@ -1,8 +1,11 @@
+import numpy as np
 import pytest
 import torch
 
 from layerplan.decoding.generate import generate
+from layerplan.decoding.loop import DecodeLoop
 from layerplan.decoding.sampling import SamplingParams, next_token_probs, process_logits
+from layerplan.plan.plan import LayerPlan
 from tiny import ARCHS, VOCAB, tiny_model
 
 
@@ -125,3 +128,55 @@ def test_the_streamed_text_is_the_whole_decode_on_the_packaged_tokenizer(smollm2
     prose = tokenizer("The quick brown fox — naïve café, 日本語, 🙂 — jumps; it's done. " * 12).input_ids
     noise = [[rng.randrange(0, len(tokenizer)) for _ in range(160)] for _ in range(2)]
     _stream_texts(tokenizer, [prose, *noise])
+
+
+class _Letters:
+    """A model of letters (token i: chr(97 + i)), torch-free as decoding/loop.py asks: its next
+    token is the last one plus one, and its passes are recorded."""
+
+    eos_token_ids = (25,)  # "z"
+
+    class tokenizer:  # noqa: N801 - the protocol's attribute
+        @staticmethod
+        def decode(ids, skip_special_tokens=True):
+            return "".join(chr(97 + i) for i in ids)
+
+    class Cache:
+        def __init__(self, capacity):
+            self.capacity, self.length = capacity, 0
+
+    def __init__(self):
+        self.passes = []
+
+    def new_cache(self, plan, capacity):
+        return self.Cache(capacity)
+
+    def last_logits(self, ids, plan, cache, start):
+        assert start == cache.length and start + len(ids) <= cache.capacity
+        self.passes.append((list(ids), start))
+        cache.length = start + len(ids)
+        logits = np.zeros(26, np.float32)
+        logits[(ids[-1] + 1) % 26] = 1.0
+        return logits
+
+
+def test_the_decode_loop_runs_any_model_of_the_protocol():
+    """decoding/loop.py on a model with no torch: the prompt in one pass, then a pass a token at
+    its position; it stops at EOS, at a stop string, or at the budget; a cache that holds the
+    prompt's first tokens prefills the rest only."""
+    plan = LayerPlan.full(2)
+    model = _Letters()
+    result = DecodeLoop(model, [0, 1, 2], plan, 40).run()
+    assert (result.text, result.stop_reason, result.prompt_tokens) == ("defghijklmnopqrstuvwxy", "eos", 3)
+    assert model.passes[:3] == [([0, 1, 2], 0), ([3], 3), ([4], 4)]
+    assert DecodeLoop(_Letters(), [0], plan, 40, stop=["fg"]).run().text == "bcde"
+    short = DecodeLoop(_Letters(), [0], plan, 3).run()
+    assert (short.text, short.stop_reason) == ("bcd", "length")
+    model, cache = _Letters(), _Letters.Cache(16)
+    cache.length = 2
+    assert DecodeLoop(model, [0, 1, 2, 3], plan, 2, cache=cache).run().text == "ef"
+    assert model.passes[0] == ([2, 3], 2)
+    with pytest.raises(ValueError, match="at least its last token must be left"):
+        DecodeLoop(_Letters(), [0, 1], plan, 2, cache=cache)
+    with pytest.raises(ValueError, match="the prompt is empty"):
+        DecodeLoop(_Letters(), [], plan, 2)

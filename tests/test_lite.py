@@ -21,6 +21,8 @@ from layerplan.engine.load import load_model
 from layerplan.engine.rope_tables import rope_rows
 from layerplan.engine.runner import forward, new_cache
 from layerplan.app.cli.generating import light_request
+from layerplan.decoding.generate import generate
+from layerplan.decoding.loop import DecodeLoop
 from layerplan.lite.request import LiteRequest
 from layerplan.lite.model import LiteModel, TorchFrontEnd, lite_refusal
 from layerplan.models.arch_table import ARCHITECTURES
@@ -100,6 +102,20 @@ def test_the_light_front_end_gives_the_torch_front_ends_logits(tmp_path, arch, m
             position = len(PROMPT) + i
             want = forward(model, torch.tensor([[token]]), plan, cache, position, last_only=True)[0].numpy()
             assert np.array_equal(lite.logits([token], lite_cache, position), want), (text, i)
+
+
+@pytest.mark.parametrize("dtype", ["stored", "stored-fast"])
+def test_one_decode_loop_gives_both_front_ends_the_same_tokens(tmp_path, dtype):
+    """decoding/loop.py's loop on a LiteModel (lite/cli.py's decode) and the torch front end's
+    generate on the same file: the same greedy tokens, stop reason and prompt count, through a
+    plan that repeats a layer too."""
+    model, lite = _pair(tmp_path, "llama", "Q4_1", dtype)
+    for text in (None, "0,1,1,2"):
+        want = generate(model, PROMPT, model.plan(text), max_new_tokens=12, stop_at_eos=False)
+        got = DecodeLoop(lite, PROMPT, lite.plan(text), 12, stop_at_eos=False).run()
+        assert (got.token_ids, got.stop_reason, got.prompt_tokens, got.plan) == (
+            want.token_ids, want.stop_reason, want.prompt_tokens, want.plan), text
+        assert len(got.token_ids) == 12
 
 
 @pytest.mark.parametrize("arch,matrix_type,types", PARITY_CASES)

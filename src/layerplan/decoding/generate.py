@@ -15,7 +15,6 @@ from layerplan.decoding.sampling import SamplingParams
 from layerplan.decoding.speculative import speculative_generate
 from layerplan.engine.cache import KVCache
 from layerplan.engine.probe import ProbeRow
-from layerplan.engine.runner import forward
 from layerplan.models.loading import LoadedModel
 from layerplan.plan.plan import LayerPlan
 
@@ -61,10 +60,7 @@ def generate(
                                     probe_row)
     decoding = Decoding(model, prompt, plan if plan is not None else model.plan(), max_new_tokens, sampling, seed,
                         stop, stop_at_eos, chat, on_text, should_stop, probe_row, exit_policy)
-    decoding.prefill()
-    while not decoding.done:
-        decoding.step()
-    return decoding.result()
+    return decoding.run()
 
 
 class Decoding(DecodeRequest):
@@ -89,12 +85,11 @@ class Decoding(DecodeRequest):
 
     def step(self) -> None:
         """The next token from a step of its own (a dynamic exit's, where one is set)."""
+        if self.dynamic is None:
+            super().step()
+            return
         start, token, position = time.perf_counter(), self.context[-1], len(self.context) - 1
-        if self.dynamic is not None:
-            logits = self.dynamic(token, self.cache, position, propagate=True)
-        else:
-            logits = forward(self.model, torch.tensor([[token]], device=self.ids.device), self.plan, self.cache,
-                             position, last_only=True)[0, -1]
+        logits = self.dynamic(token, self.cache, position, propagate=True)
         self.pace.add(1, time.perf_counter() - start)
         self.take(logits)
 
@@ -108,10 +103,5 @@ class Decoding(DecodeRequest):
             self.pace.add(rows, seconds)
         self.take(logits[-1])
 
-    def result(self) -> GenerationResult:
-        text = self.out.finish()
-        return GenerationResult(text, self.out.tokens, self.ids.shape[1], self.out.reason,
-                                time.perf_counter() - self.start, self.prefill_seconds, self.plan.to_string(),
-                                stats=self.dynamic.stats() if self.dynamic is not None else {},
-                                slow_note=self.pace.note(), provenance=self.out.provenance(),
-                                pieces=self.out.stream.pieces())
+    def result_stats(self) -> dict:
+        return self.dynamic.stats() if self.dynamic is not None else {}

@@ -143,10 +143,7 @@ def speculative_generate(
     the draft length and `auto` learn verify costs from the passes they see."""
     decoding = SpeculativeDecoding(model, prompt, drafter, plan, max_new_tokens, sampling, seed, stop, stop_at_eos,
                                    chat, on_text, draft_length, draft_confidence, should_stop, probe_row)
-    decoding.prefill()
-    while not decoding.done:
-        decoding.round()
-    return decoding.result()
+    return decoding.run()
 
 
 class SpeculativeDecoding(DecodeRequest):
@@ -193,6 +190,10 @@ class SpeculativeDecoding(DecodeRequest):
         state = DraftState(self.model, self.target, self.cache, self.context, self.sampling, self.generator)
         proposal = self.drafter.propose(state, gamma) if gamma > 0 else None
         return gamma, proposal, t0, time.perf_counter()
+
+    def step(self) -> None:
+        """The loop's step (decoding/loop.py): a round."""
+        self.round()
 
     def round(self) -> None:
         """One round alone: draft, verify (a chain, or a token tree), accept, roll back."""
@@ -242,12 +243,8 @@ class SpeculativeDecoding(DecodeRequest):
             self.learner.observe(RoundOutcome(source, drafted, accepted, t1 - t0, t2 - t1))
         self.lengths.update(gamma, drafted, accepted, t1 - t0, t2 - t1)
 
-    def result(self) -> GenerationResult:
-        text = self.out.finish()
-        return GenerationResult(text, self.out.tokens, self.ids.shape[1], self.out.reason,
-                                time.perf_counter() - self.start, self.prefill_seconds, self.target.to_string(),
-                                stats=self.stats.to_dict(), slow_note=self.pace.note(),
-                                provenance=self.out.provenance(), pieces=self.out.stream.pieces())
+    def result_stats(self) -> dict:
+        return self.stats.to_dict()
 
 
 def _verify_chain(model: LoadedModel, target: LayerPlan, cache, context: list[int], draft: list[int],

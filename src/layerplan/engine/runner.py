@@ -24,7 +24,8 @@ from layerplan.engine.tree import TreeShape
 from layerplan.models.loading import LoadedModel
 from layerplan.plan.plan import LayerPlan
 
-__all__ = ["Observer", "Resume", "embed", "forward", "forward_batch", "head", "new_cache", "run_hidden", "softcap"]
+__all__ = ["ModelPasses", "Observer", "Resume", "embed", "forward", "forward_batch", "head", "new_cache", "run_hidden",
+           "softcap"]
 
 # observe(step_index, sub_layer, hidden) is called before each sub-layer ("attention" / "mlp")
 Observer = Callable[[int, str, torch.Tensor], None]
@@ -62,6 +63,20 @@ def forward(
         return logits
     hidden = run_hidden(model, input_ids, plan, cache, start_pos, tree=tree)
     return head(model, hidden[:, -1:] if last_only else hidden)
+
+
+class ModelPasses:
+    """decoding/loop.py's TokenPasses on a loaded model: the runner's cache and forward."""
+
+    def __init__(self, model: LoadedModel) -> None:
+        self.model = model
+
+    def new_cache(self, plan: LayerPlan, capacity: int) -> KVCache:
+        return new_cache(plan, capacity)
+
+    def last_logits(self, ids: Sequence[int], plan: LayerPlan, cache: KVCache, start: int) -> torch.Tensor:
+        tokens = torch.tensor([list(ids)], dtype=torch.long, device=self.model.device)
+        return forward(self.model, tokens, plan, cache, start, last_only=True)[0, -1]
 
 
 @torch.inference_mode()

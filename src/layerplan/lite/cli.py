@@ -10,8 +10,8 @@ import json
 import sys
 
 from layerplan.decoding.budget import token_budget
+from layerplan.decoding.loop import DecodeLoop
 from layerplan.decoding.text import TextDelta
-from layerplan.lite.generate import generate
 from layerplan.lite.model import LiteModel, TorchFrontEnd, lite_refusal
 from layerplan.lite.request import ARITHMETICS, LiteRequest
 from layerplan.lite.tokenizer_process import TokenizerProcess
@@ -77,8 +77,8 @@ def run(request: LiteRequest, tokenizer: TokenizerProcess | None = None) -> int 
             sys.stdout.write(piece)
             sys.stdout.flush()
 
-        result = generate(model, ids, plan, request.max_new_tokens, request.stop,
-                          on_text if request.stream else None)
+        result = DecodeLoop(model, ids, plan, request.max_new_tokens, request.stop, True,
+                            on_text if request.stream else None).run()
     except TorchFrontEnd:
         return None
     except KeyboardInterrupt:  # as click's standalone mode ends it

@@ -206,16 +206,24 @@ class LiteModel:
             table.ctypes.data, rows, order.ctypes.data, rows, hidden.ctypes.data, cache.table, len(cache.table),
             start_pos, cos, sin, 0, 0, None, ctypes.byref(self.final_norm), ctypes.byref(self.head),
             rows - 1 if last_only else 0, logits.ctypes.data, ABI.LP_DTYPE_F32, self.threads), "a native pass")
+        cache.length = start_pos + rows
         return logits
+
+    def last_logits(self, ids: Sequence[int], plan: LayerPlan, cache: LiteCache, start: int) -> np.ndarray:
+        """decoding/loop.py's TokenPasses: the last token's logits (vocab,) of a pass (the cache,
+        made for `plan`, carries its steps)."""
+        return self.logits(ids, cache, start)[-1]
 
 
 class LiteCache:
     """A plan's KV cache: a slot (keys, values: (kv_heads, capacity, head_dim)) for each of its
-    steps whose attention runs, and the step table lp_forward reads, pointing at them."""
+    steps whose attention runs, and the step table lp_forward reads, pointing at them; `length`:
+    the positions its last pass reached."""
 
     def __init__(self, model: LiteModel, plan: LayerPlan, capacity: int) -> None:
         c = model.config
         self.capacity = capacity
+        self.length = 0  # the positions written (a pass's end)
         steps = [step for step in plan.active_steps if step.active]
         self.slots: list[tuple[np.ndarray, np.ndarray]] = []
         self.table = (_Step * len(steps))()
