@@ -77,8 +77,8 @@ ALWAYS void take_kscales(istate *s, kscales k) {
 }
 
 ALWAYS void q4_k_iset(istate *s, const uint8_t *pb, int sub) {
-    take_kscales(s, k4_fields(pb, sub));
-    s->q = pb + 256 + 256 * sub;
+    take_kscales(s, k4_fields(pb, pb + Q4_K_SUB_AT(sub)));
+    s->q = pb + Q4_K_SUB_AT(sub) + 24;
 }
 #define q4_k_iload nibble_words
 /* the products of quants below 64 fit vpmaddubsw's pairs (dot4) */
@@ -182,19 +182,19 @@ ALWAYS void q5_1_iload(const istate *s, int c, __m256i *wl, __m256i *wh) { fifth
 
 /* Q5_K: as Q4_K with fifth bits */
 ALWAYS void q5_k_iset(istate *s, const uint8_t *pb, int sub) {
-    q4_k_iset(s, pb, sub);
-    s->h = pb + 256 + 64 * sub;
-    s->q = pb + 768 + 256 * sub;
+    take_kscales(s, k4_fields(pb, pb + Q5_K_SUB_AT(sub)));
+    s->h = pb + Q5_K_SUB_AT(sub) + 24;
+    s->q = pb + Q5_K_SUB_AT(sub) + 88;
 }
 ALWAYS void q5_k_iload(const istate *s, int c, __m256i *wl, __m256i *wh) { fifth_words(s, c, 0, wl, wh); }
 
 /* Q6_K: sub-blocks of 16; the high 2 bits of row j's input t at bits P[t] = {0, 2, 8, 10} of 16-bit
  * lane j (row j+8's at P[t] + 4), moved to bits 4-5 of byte t of dword lane j */
 ALWAYS void q6_k_iset(istate *s, const uint8_t *pb, int sub) {
-    const uint8_t *sc = pb + 32 + 16 * sub;
+    const uint8_t *sc = pb + Q6_K_SUB_AT(sub);
     centred_scales(s, mul(half8(pb), cvt(sbytes8(sc))), mul(half8(pb + 16), cvt(sbytes8(sc + 8))), 32.0f);
-    s->h = pb + 288 + 64 * sub;
-    s->q = pb + 1312 + 128 * sub;
+    s->h = sc + 16;
+    s->q = sc + 80;
 }
 ALWAYS void q6_k_iload(const istate *s, int c, __m256i *wl, __m256i *wh) {
     __m256i v = _mm256_loadu_si256((const __m256i *)(s->q + 32 * c));

@@ -172,8 +172,9 @@ typedef struct {
 
 /* Q4_K / Q5_K sub-block s's scale and min of the 16 rows (6 bits each: 16 bytes of low nibbles,
  * 8 bytes of high bits), as gguf: d sc and -(dmin m) in fp32 */
-ALWAYS kscales k4_fields(const uint8_t *pb, int sub) {
-    const uint8_t *s24 = pb + 64 + 24 * sub;
+/* a K-quant sub-block's scales and offsets: d and dmin from the panel block pb, the sub-block's
+ * 6-bit scales and mins from its 24 bytes s24 */
+ALWAYS kscales k4_fields(const uint8_t *pb, const uint8_t *s24) {
     __m256i a = bytes8(s24), b = bytes8(s24 + 8), c = bytes8(s24 + 16);
     __m256i sc_lo = _mm256_or_si256(and_(a, 0xF), _mm256_slli_epi32(and_(c, 0x3), 4));
     __m256i mn_lo = _mm256_or_si256(_mm256_srli_epi32(a, 4), _mm256_slli_epi32(and_(c, 0xC), 2));
@@ -182,8 +183,8 @@ ALWAYS kscales k4_fields(const uint8_t *pb, int sub) {
     return (kscales){mul(half8(pb), cvt(sc_lo)), mul(half8(pb + 16), cvt(sc_hi)), neg(mul(half8(pb + 32), cvt(mn_lo))),
                      neg(mul(half8(pb + 48), cvt(mn_hi)))};
 }
-ALWAYS void k4_scales(qstate *s, const uint8_t *pb, int sub) {
-    kscales k = k4_fields(pb, sub);
+ALWAYS void k4_scales(qstate *s, const uint8_t *pb, const uint8_t *s24) {
+    kscales k = k4_fields(pb, s24);
     nibble_scales(s, k.dl, k.dh);
     s->ol = k.ol;
     s->oh = k.oh;
@@ -192,8 +193,8 @@ ALWAYS void k4_scales(qstate *s, const uint8_t *pb, int sub) {
 /* Q4_K: w = (d sc) q - (dmin m), sub-blocks of 32 */
 #define Q4_K_CHUNK 4
 ALWAYS void q4_k_setup(qstate *s, const uint8_t *pb, int sub) {
-    k4_scales(s, pb, sub);
-    s->q = pb + 256 + 256 * sub;
+    k4_scales(s, pb, pb + Q4_K_SUB_AT(sub));
+    s->q = pb + Q4_K_SUB_AT(sub) + 24;
 }
 #define q4_k_load quad_load
 ALWAYS v16 q4_k_widen(const qstate *s, const qraw *r, const int t) {
@@ -203,9 +204,9 @@ ALWAYS v16 q4_k_widen(const qstate *s, const qraw *r, const int t) {
 /* Q5_K: as Q4_K with fifth bits */
 #define Q5_K_CHUNK 4
 ALWAYS void q5_k_setup(qstate *s, const uint8_t *pb, int sub) {
-    k4_scales(s, pb, sub);
-    s->h = pb + 256 + 64 * sub;
-    s->q = pb + 768 + 256 * sub;
+    k4_scales(s, pb, pb + Q5_K_SUB_AT(sub));
+    s->h = pb + Q5_K_SUB_AT(sub) + 24;
+    s->q = pb + Q5_K_SUB_AT(sub) + 88;
 }
 #define q5_k_load quad_fifth_load
 ALWAYS v16 q5_k_widen(const qstate *s, const qraw *r, const int t) {
@@ -219,13 +220,13 @@ ALWAYS v16 q5_k_widen(const qstate *s, const qraw *r, const int t) {
  * to their places */
 #define Q6_K_CHUNK 4
 ALWAYS void q6_k_setup(qstate *s, const uint8_t *pb, int sub) {
-    const uint8_t *sc = pb + 32 + 16 * sub;
+    const uint8_t *sc = pb + Q6_K_SUB_AT(sub);
     __m256 lo = mul(half8(pb), cvt(sbytes8(sc))), hi = mul(half8(pb + 16), cvt(sbytes8(sc + 8)));
     nibble_scales(s, lo, hi);
     s->ol = mul(lo, _mm256_set1_ps(-32.0f));
     s->oh = mul(hi, _mm256_set1_ps(-32.0f));
-    s->h = pb + 288 + 64 * sub;
-    s->q = pb + 1312 + 128 * sub;
+    s->h = sc + 16;
+    s->q = sc + 80;
 }
 ALWAYS void q6_k_load(const qstate *s, int c, qraw *r) {
     r->v = _mm256_loadu_si256((const __m256i *)(s->q + 32 * c));

@@ -291,9 +291,10 @@ static void put_q3_k(const lpq_fields *f, int j, uint8_t *pb) {
     }
 }
 
-static void put_scales_k4(const lpq_fields *f, int j, uint8_t *pb) {
+/* row j's scales and mins into each sub-block's 24 B, sub-block s's at pb + 64 + stride s */
+static void put_scales_k4(const lpq_fields *f, int j, uint8_t *pb, int stride) {
     for (int s = 0; s < 8; s++) {
-        uint8_t *s24 = pb + 64 + 24 * s;
+        uint8_t *s24 = pb + 64 + stride * s;
         s24[j] = (uint8_t)((f->sc[s] & 0xF) | (f->mn[s] & 0xF) << 4);
         s24[16 + j % 8] |= (uint8_t)(((f->sc[s] >> 4) | (f->mn[s] >> 4) << 2) << (j < 8 ? 0 : 4));
     }
@@ -302,10 +303,10 @@ static void put_scales_k4(const lpq_fields *f, int j, uint8_t *pb) {
 static void put_q5_k(const lpq_fields *f, int j, uint8_t *pb) {
     put16(pb + 2 * j, f->d);
     put16(pb + 32 + 2 * j, f->m);
-    put_scales_k4(f, j, pb);
+    put_scales_k4(f, j, pb, Q5_K_SUB_AT(1) - Q5_K_SUB_AT(0));
     for (int i = 0; i < LPQ_QK; i++) {
-        put_fifth(pb + 256, j, i, f->q[i] >> 4);
-        put_nibble(pb + 768, j, i, f->q[i]);
+        put_fifth(pb + Q5_K_SUB_AT(i / 32) + 24, j, i % 32, f->q[i] >> 4);
+        put_nibble(pb + Q5_K_SUB_AT(i / 32) + 88, j, i % 32, f->q[i]);
     }
 }
 
@@ -313,12 +314,12 @@ static void put_q5_k(const lpq_fields *f, int j, uint8_t *pb) {
 
 /* the 16 rows' nibbles of `inputs` inputs into quads at p: 32-bit lane L of quad c holds row L's
  * nibbles of inputs 4c..4c+3 in its bytes' low halves and row L+8's in their high halves */
-static void nibbles_panel(uint8_t *p, const lpq_fields *f, int inputs) {
+static void nibbles_panel(uint8_t *p, const lpq_fields *f, int from, int inputs) {
     for (int c = 0; c < inputs / 4; c++)
         for (int lane = 0; lane < 8; lane++) {
             uint32_t lo, hi, word;
-            memcpy(&lo, f[lane].q + 4 * c, 4);
-            memcpy(&hi, f[lane + 8].q + 4 * c, 4);
+            memcpy(&lo, f[lane].q + from + 4 * c, 4);
+            memcpy(&hi, f[lane + 8].q + from + 4 * c, 4);
             word = (lo & 0x0F0F0F0Fu) | (hi & 0x0F0F0F0Fu) << 4;
             memcpy(p + 32 * c + 4 * lane, &word, 4);
         }
@@ -326,7 +327,7 @@ static void nibbles_panel(uint8_t *p, const lpq_fields *f, int inputs) {
 
 static void put_panel_q4_0(const lpq_fields *f, uint8_t *pb) {
     for (int j = 0; j < LP_PANEL; j++) put16(pb + 2 * j, f[j].d);
-    nibbles_panel(pb + 32, f, 32);
+    nibbles_panel(pb + 32, f, 0, 32);
 }
 
 static void put_panel_q4_1(const lpq_fields *f, uint8_t *pb) {
@@ -334,16 +335,16 @@ static void put_panel_q4_1(const lpq_fields *f, uint8_t *pb) {
         put16(pb + 2 * j, f[j].d);
         put16(pb + 32 + 2 * j, f[j].m);
     }
-    nibbles_panel(pb + 64, f, 32);
+    nibbles_panel(pb + 64, f, 0, 32);
 }
 
 static void put_panel_q4_k(const lpq_fields *f, uint8_t *pb) {
     for (int j = 0; j < LP_PANEL; j++) {
         put16(pb + 2 * j, f[j].d);
         put16(pb + 32 + 2 * j, f[j].m);
-        put_scales_k4(&f[j], j, pb);
+        put_scales_k4(&f[j], j, pb, Q4_K_SUB_AT(1) - Q4_K_SUB_AT(0));
     }
-    nibbles_panel(pb + 256, f, LPQ_QK);
+    for (int s = 0; s < 8; s++) nibbles_panel(pb + Q4_K_SUB_AT(s) + 24, f, 32 * s, 32);
 }
 
 /* Q6_K's high 2 bits (q >> 4) of inputs 4c..4c+3: 16-bit lane L of the 16-byte group c, row L's at
@@ -357,16 +358,17 @@ static uint32_t q6_highs(const uint8_t *q) {
 }
 
 static void put_panel_q6_k(const lpq_fields *f, uint8_t *pb) {
-    for (int j = 0; j < LP_PANEL; j++) {
-        put16(pb + 2 * j, f[j].d);
-        for (int s = 0; s < 16; s++) pb[32 + 16 * s + j] = f[j].sc[s];
+    for (int j = 0; j < LP_PANEL; j++) put16(pb + 2 * j, f[j].d);
+    for (int s = 0; s < 16; s++) { /* a sub-block's bytes together: Q6_K_SUB_AT */
+        uint8_t *sub = pb + Q6_K_SUB_AT(s);
+        for (int j = 0; j < LP_PANEL; j++) sub[j] = f[j].sc[s];
+        for (int c = 4 * s; c < 4 * s + 4; c++)
+            for (int lane = 0; lane < 8; lane++) {
+                uint16_t v = (uint16_t)(q6_highs(f[lane].q + 4 * c) | q6_highs(f[lane + 8].q + 4 * c) << 4);
+                put16(sub + 16 + 16 * (c - 4 * s) + 2 * lane, v);
+            }
+        nibbles_panel(sub + 80, f, 16 * s, 16);
     }
-    for (int c = 0; c < LPQ_QK / 4; c++)
-        for (int lane = 0; lane < 8; lane++) {
-            uint16_t v = (uint16_t)(q6_highs(f[lane].q + 4 * c) | q6_highs(f[lane + 8].q + 4 * c) << 4);
-            put16(pb + 288 + 16 * c + 2 * lane, v);
-        }
-    nibbles_panel(pb + 1312, f, LPQ_QK);
 }
 
 static const lpq_format formats_q[] = {
@@ -449,8 +451,8 @@ static inline unsigned lane16_at(const uint8_t *p, int j, long i, int per, const
 static inline float half_at(const uint8_t *p, int j) { return f16_to_f32(le16(p + 2 * j)); }
 
 /* row j's scale (sc) and min (mn) of K-quant sub-block s, from their packed bytes */
-static void scale_k4_at(const uint8_t *pb, int j, int s, unsigned *sc, unsigned *mn) {
-    const uint8_t *s24 = pb + 64 + 24 * s;
+/* row j's scale (sc) and min (mn) of a K-quant sub-block, from its 24 packed bytes */
+static void scale_k4_at(const uint8_t *s24, int j, unsigned *sc, unsigned *mn) {
     unsigned high = s24[16 + j % 8] >> (j < 8 ? 0 : 4);
     *sc = (s24[j] & 0xFu) | (high & 3u) << 4;
     *mn = (unsigned)(s24[j] >> 4) | (high >> 2 & 3u) << 4;
@@ -487,16 +489,18 @@ void lp_quant_panel_values(int format, const uint8_t *pb, long i, float out[LP_P
         }
         case LP_FORMAT_Q4_K:
         case LP_FORMAT_Q5_K: {
-            scale_k4_at(pb, j, (int)(i / 32), &sc, &mn);
+            const uint8_t *sub = pb + (format == LP_FORMAT_Q4_K ? Q4_K_SUB_AT(i / 32) : Q5_K_SUB_AT(i / 32));
+            scale_k4_at(sub, j, &sc, &mn);
             float dl = d * (float)sc, ml = half_at(pb + 32, j) * (float)mn;
-            unsigned q = format == LP_FORMAT_Q4_K ? nibble_at(pb + 256, j, i)
-                                                  : nibble_at(pb + 768, j, i) | fifth_at(pb + 256, j, i) << 4;
+            unsigned q = format == LP_FORMAT_Q4_K ? nibble_at(sub + 24, j, i % 32)
+                                                  : nibble_at(sub + 88, j, i % 32) | fifth_at(sub + 24, j, i % 32) << 4;
             w = dl * (float)q - ml;
             break;
         }
         case LP_FORMAT_Q6_K: {
-            float dl = d * (float)(int8_t)pb[32 + 16 * (i / 16) + j];
-            int q = (int)(nibble_at(pb + 1312, j, i) | lane16_at(pb + 288, j, i, 4, Q6_AT, 4, 3) << 4) - 32;
+            const uint8_t *sub = pb + Q6_K_SUB_AT(i / 16);
+            float dl = d * (float)(int8_t)sub[j];
+            int q = (int)(nibble_at(sub + 80, j, i % 16) | lane16_at(sub + 16, j, i % 16, 4, Q6_AT, 4, 3) << 4) - 32;
             w = dl * (float)q;
             break;
         }
