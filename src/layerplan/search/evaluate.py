@@ -13,29 +13,7 @@ from layerplan.corpus import default_corpus
 from layerplan.engine.runner import forward
 from layerplan.models.loading import LoadedModel
 from layerplan.plan.plan import LayerPlan
-
-
-@dataclass(frozen=True)
-class PerplexityResult:
-    perplexity: float
-    mean_nll: float  # nats per predicted token
-    tokens: int  # predicted tokens scored
-    window: int
-    stride: int
-    plan: str
-    protocol: str = "sliding"  # PROTOCOLS
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-
-# how a text's tokens are cut into windows and which of them are scored
-PROTOCOLS = {
-    "sliding": "windows of --window tokens advancing by --stride; every token scored once, with up to "
-               "window-1 tokens of context (transformers' \"Perplexity of fixed-length models\")",
-    "llama.cpp": "llama-perplexity's: the text cut into chunks of --window tokens (the rest dropped), each "
-                 "begun with BOS where the model adds one, and only each chunk's second half scored",
-}
+from layerplan.search.windows import PerplexityResult, chunk_count, sliding_spans
 
 
 @dataclass(frozen=True)
@@ -75,23 +53,19 @@ def perplexity(
     """Sliding-window perplexity as in transformers' "Perplexity of fixed-length models": windows
     of `window` tokens advance by `stride`; each token is scored once, with up to window-1 tokens
     of context. Several texts are scored separately and pooled by token."""
-    if stride < 1 or stride > window:
-        raise ValueError(f"stride must be in 1..window ({window}), got {stride}")
     plan = plan if plan is not None else model.plan()
     texts = [texts] if isinstance(texts, (str, torch.Tensor)) else list(texts)
     sequences = [
         t.reshape(1, -1) if isinstance(t, torch.Tensor) else model.tokenizer(t, return_tensors="pt").input_ids
         for t in texts
     ]
-    spans = [(ids, begin) for ids in sequences for begin in _window_starts(ids.shape[1], window, stride)]
+    spans = [(ids, span) for ids in sequences for span in sliding_spans(ids.shape[1], window, stride)]
     nll_sum, count = 0.0, 0
-    for done, (ids, begin) in enumerate(spans, 1):
-        end = min(begin + window, ids.shape[1])
-        first_scored = max(begin + 1, _previous_end(begin, window, stride, ids.shape[1]))
-        chunk = ids[:, begin:end].to(model.device)
+    for done, (ids, span) in enumerate(spans, 1):
+        chunk = ids[:, span.begin:span.end].to(model.device)
         logits = forward(model, chunk, plan)
         nll = token_nll(logits, chunk)[0]  # (end-begin-1,) nll of tokens begin+1..end-1
-        scored = nll[first_scored - begin - 1 :]
+        scored = nll[span.first_scored - span.begin - 1 :]
         nll_sum += float(scored.sum())
         count += scored.numel()
         if on_progress:
@@ -115,12 +89,8 @@ def perplexity_in_chunks(
     a chunk's tokens context/2+1 .. context-1 are scored, each with every chunk token before it as
     context."""
     plan = plan if plan is not None else model.plan()
-    if context < 4:
-        raise ValueError(f"a chunk of {context} tokens has no second half to score (at least 4)")
     ids = ids.reshape(1, -1)
-    chunks = ids.shape[1] // context
-    if chunks == 0:
-        raise ValueError(f"nothing to score: the text is {ids.shape[1]} tokens, shorter than one chunk of {context}")
+    chunks = chunk_count(ids.shape[1], context)
     tokenizer = model.tokenizer
     bos = getattr(tokenizer, "bos_token_id", None) if getattr(tokenizer, "add_bos_token", False) else None
     first = context // 2
@@ -138,20 +108,6 @@ def perplexity_in_chunks(
             on_progress(index + 1, chunks)
     mean = nll_sum / count
     return PerplexityResult(math.exp(mean), mean, count, context, context, plan.to_string(), "llama.cpp")
-
-
-def _window_starts(length: int, window: int, stride: int) -> list[int]:
-    starts = []
-    for begin in range(0, max(length - 1, 1), stride):
-        starts.append(begin)
-        if begin + window >= length:
-            break
-    return starts
-
-
-def _previous_end(begin: int, window: int, stride: int, length: int) -> int:
-    """End of the window before the one starting at `begin` (0 for the first)."""
-    return 0 if begin == 0 else min(begin - stride + window, length)
 
 
 def token_nll(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:

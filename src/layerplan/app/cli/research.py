@@ -29,7 +29,7 @@ from layerplan.models.loading import model_depth
 from layerplan.plan.formats import save_plan
 from layerplan.search.bayes import SAMPLERS, check_storage
 from layerplan.search.blocks import MergeSpace, parse_range, parse_repeats, parse_scales
-from layerplan.search.evaluate import PROTOCOLS, calibration_ids, perplexity, perplexity_in_chunks
+from layerplan.search.evaluate import calibration_ids, perplexity, perplexity_in_chunks
 from layerplan.search.evaluate import compare as run_compare
 from layerplan.search.explore import explore as run_explore
 from layerplan.search.explore import recompute_rewind_grid
@@ -37,6 +37,7 @@ from layerplan.search.measures import MEASURES, MeasureInputs, check_measures
 from layerplan.search.objectives import OBJECTIVES, objectives_help
 from layerplan.search.run import METHODS, run_search
 from layerplan.search.scan import save_cached_scan, scan as run_scan
+from layerplan.search.windows import PROTOCOLS
 
 
 @click.command()
