@@ -336,6 +336,9 @@ def run_search_chaos(settings: SearchSettings, folder: Path, say=print, pg: Post
                     say(f"  restarting the database ({settings.down:g} s down) at {done} trials")
                     pg.restart(settings.down)
                     report.restarts += 1
+                    # no worker is stopped while they reconnect: a polite stop must find the storage
+                    # answering (its trial FAIL within 1 s), and one landing in the outage raced it
+                    next_stop = max(next_stop, time.monotonic() + settings.settle)
                     continue
                 if now >= next_stop and live and (settings.max_stops is None or stops < settings.max_stops):
                     stops += 1
