@@ -21,6 +21,7 @@ from layerplan.engine.load import load_model
 from layerplan.engine.rope_tables import rope_rows
 from layerplan.engine.runner import forward, new_cache
 from layerplan.app.cli.generating import light_request
+from layerplan.app.cli.scoring import light_ppl_request
 from layerplan.decoding.generate import generate
 from layerplan.decoding.loop import DecodeLoop
 from layerplan.lite.request import LiteRequest
@@ -271,6 +272,24 @@ def test_the_command_lines_it_takes(argv, taken, monkeypatch):
     assert light_request(argv) == taken
     monkeypatch.setenv("LAYERPLAN_FRONT_END", "torch")
     assert light_request(argv) is None
+
+
+@pytest.mark.parametrize("argv,taken", [
+    (["ppl"], True),
+    (["ppl", "-m", "some.gguf", "--dtype", "stored", "--window", "64", "--stride", "32", "--max-tokens", "0",
+      "--no-compare", "-t", "1", "-f", "text.txt"], True),
+    (["ppl", "--plan", "skip:attn=3"], False),  # a plan: its comparison with the full model is torch's
+    (["ppl", "--protocol", "llama.cpp"], False),
+    (["ppl", "--model-b", "other.gguf"], False),
+    (["ppl", "--device", "cuda"], False),
+    (["ppl", "--dtype", "float32"], False),
+    (["ppl", "--window", "0"], False),  # refused by the command: the torch front end says so
+    (["ppl", "-h"], False),
+    (["generate", "Hi"], False),
+])
+def test_the_perplexity_lines_it_takes(argv, taken, monkeypatch):
+    monkeypatch.delenv("LAYERPLAN_FRONT_END", raising=False)
+    assert (light_ppl_request(argv) is not None) == taken
 
 
 def test_rotary_rows_are_transformers_within_a_unit_in_the_last_place():

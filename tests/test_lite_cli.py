@@ -23,6 +23,7 @@ import pytest
 from layerplan.files import cache_dir
 from layerplan.lite.cli import runnable
 from layerplan.app.cli.generating import light_request
+from layerplan.app.cli.scoring import light_ppl_request
 
 pytestmark = pytest.mark.real
 
@@ -61,7 +62,16 @@ BAD_REQUESTS = [
     (["generate", "Hello", "--plan", "0-40"], "Error: "),
 ]
 SECOND_MODEL = ["generate", "Hello", "--plan", "0-10,b:11-20"]
-TORCH_LINES = [*SAME_OUTPUT, STATISTICS, *(argv for argv, _ in BAD_REQUESTS), SECOND_MODEL]
+# `layerplan ppl` lines the light front end takes: the same JSON (search/windows.py's sums over the
+# same logits), the same loading line
+SAME_PERPLEXITY = [
+    ["ppl", "--max-tokens", "300", "--window", "128", "--stride", "64"],
+    ["ppl", "--text", "builtin:code", "--max-tokens", "160", "--window", "64", "--stride", "64", "--dtype", "stored",
+     "--threads", "1"],
+]
+BAD_PERPLEXITY = (["ppl", "--stride", "600"], "Error: stride must be in 1..window (512), got 600")
+TORCH_LINES = [*SAME_OUTPUT, STATISTICS, *(argv for argv, _ in BAD_REQUESTS), SECOND_MODEL, *SAME_PERPLEXITY,
+               BAD_PERPLEXITY[0]]
 
 # runs each command line of argv[1] (a JSON list) as the torch front end's process would, its
 # descriptors 1 and 2 on files of its own, and writes [status, stdout, stderr] per line to argv[2]
@@ -122,6 +132,25 @@ def test_the_light_front_end_prints_what_the_torch_one_prints(argv, cache, torch
     assert runnable(light_request(argv))  # so launch runs it on the light front end
     lite_run = _run(argv, cache)
     assert (lite_run.returncode, lite_run.stdout, lite_run.stderr) == (0, torch_run.stdout, torch_run.stderr)
+
+
+@pytest.mark.parametrize("argv", SAME_PERPLEXITY)
+def test_the_light_front_ends_perplexity_is_the_torch_ones(argv, cache, torch_runs, monkeypatch):
+    torch_run = torch_runs[tuple(argv)]
+    assert torch_run.returncode == 0, torch_run.stderr
+    monkeypatch.setenv("LAYERPLAN_CACHE", str(cache))
+    monkeypatch.delenv("LAYERPLAN_FRONT_END", raising=False)
+    assert runnable(light_ppl_request(argv))  # so launch runs it on the light front end
+    lite_run = _run(argv, cache)
+    assert (lite_run.returncode, lite_run.stdout, lite_run.stderr) == (0, torch_run.stdout, torch_run.stderr)
+    assert json.loads(lite_run.stdout)["tokens"] > 0
+
+
+def test_a_bad_perplexity_line_gets_the_torch_front_ends_message(cache, torch_runs):
+    argv, error = BAD_PERPLEXITY
+    torch_run, lite_run = torch_runs[tuple(argv)], _run(argv, cache)
+    assert torch_run.returncode == lite_run.returncode == 1
+    assert lite_run.stderr == torch_run.stderr and error in lite_run.stderr
 
 
 def test_the_statistics_are_the_torch_front_ends_but_the_timings(cache, torch_runs):

@@ -1,10 +1,12 @@
-"""The `layerplan` command's entry: a GGUF's plain generation runs on the light front end
-(layerplan/lite/: numpy and the native kernels, a start of a tenth of a second), every other
-command line on the torch front end (app/cli/), which reads it as it always has.
+"""The `layerplan` command's entry: a GGUF's plain generation and its perplexity under the full
+model run on the light front end (layerplan/lite/: numpy and the native kernels, a start of a
+tenth of a second), every other command line on the torch front end (app/cli/), which reads it as
+it always has.
 
 Which one runs changes no output: the light front end takes only command lines whose meaning it
-carries out as the torch one does (app/cli/generating.py light_request), and only models whose index it can
-read (kept, or made now from the file). Where it finds, once started, that the model needs the
+carries out as the torch one does (app/cli/generating.py light_request, app/cli/scoring.py
+light_ppl_request), and only models whose index it can read (kept, or made now from the file).
+Where it finds, once started, that the model needs the
 torch front end, the command starts again as `python -m layerplan.app.cli` with
 LAYERPLAN_FRONT_END=torch: the kernels' library, loaded by then, links an OpenMP runtime that must
 not meet torch's in one process.
@@ -48,22 +50,40 @@ def main() -> None:
             status = run(request, tokenizer) if taken else None
             if tokenizer is not None:
                 tokenizer.close()
-            if status is not None:
-                # Nothing is left to clean up (what it wrote, it wrote whole and flushed), and
-                # the interpreter's teardown (every module, the tokenizer's tables, the kernels'
-                # threads) would add a tenth of the start to the command's time: leave now.
-                for stream in (sys.stdout, sys.stderr):
-                    try:
-                        stream.flush()
-                    except OSError:  # a reader gone (`| head`): nothing more to say
-                        status = status or 1
-                os._exit(status)
-            if taken:  # the model turned out to need the torch front end, after the kernels' library loaded
-                os.environ[FRONT_END_VARIABLE] = "torch"
-                os.execv(sys.executable, [sys.executable, "-m", "layerplan.app.cli", *argv])
+            _leave_or_restart(status, taken, argv)
+    if argv[:1] == ["ppl"] and os.environ.get(FRONT_END_VARIABLE, "") != "torch":
+        from layerplan.app.cli.scoring import light_ppl_request
+
+        request = light_ppl_request(argv)
+        if request is not None:
+            from layerplan.lite.cli import run_ppl, runnable
+
+            taken = runnable(request)
+            _leave_or_restart(run_ppl(request) if taken else None, taken, argv)
     from layerplan.app.cli import run_as_process
 
     run_as_process()
+
+
+def _leave_or_restart(status: int | None, taken: bool, argv: list[str]) -> None:
+    """After the light front end: leave with its status; where the model turned out to need the
+    torch front end after the kernels' library loaded, start again on it; else return (the torch
+    front end reads the line in this process)."""
+    if status is not None:
+        # Nothing is left to clean up (what it wrote, it wrote whole and flushed), and the
+        # interpreter's teardown (every module, the tokenizer's tables, the kernels' threads)
+        # would add a tenth of the start to the command's time: leave now.
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except OSError:  # a reader gone (`| head`): nothing more to say
+                status = status or 1
+        os._exit(status)
+    if taken:
+        from layerplan.lite import FRONT_END_VARIABLE
+
+        os.environ[FRONT_END_VARIABLE] = "torch"
+        os.execv(sys.executable, [sys.executable, "-m", "layerplan.app.cli", *argv])
 
 
 def _model_named(argv: list[str], default: str) -> str:

@@ -1,7 +1,7 @@
-"""`layerplan generate` on the light front end, where it gives what the torch front end gives:
-the command lines lite/request.py takes, on a model whose index the light front end runs. The
-output (text, stream, the closing line and the messages on stderr) is the torch front end's for
-the same command line (tests/test_lite.py runs both).
+"""`layerplan generate` and `layerplan ppl` on the light front end, where they give what the
+torch front end gives: the command lines lite/request.py takes, on a model whose index the light
+front end runs. The output (text, stream, the closing line and the messages on stderr; ppl's JSON)
+is the torch front end's for the same command line (tests/test_lite.py runs both).
 """
 
 from __future__ import annotations
@@ -12,8 +12,9 @@ import sys
 from layerplan.decoding.budget import token_budget
 from layerplan.decoding.loop import DecodeLoop
 from layerplan.decoding.text import TextDelta
+from layerplan.corpus import default_corpus, read_texts
 from layerplan.lite.model import LiteModel, TorchFrontEnd, lite_refusal
-from layerplan.lite.request import ARITHMETICS, LiteRequest
+from layerplan.lite.request import ARITHMETICS, LitePerplexityRequest, LiteRequest
 from layerplan.lite.tokenizer_process import TokenizerProcess
 from layerplan.machine import read_cpuinfo
 from layerplan.messages import one_line
@@ -23,9 +24,10 @@ from layerplan.models.file_index import WRITING_TOKENIZER
 from layerplan.models.gguf_index import file_index
 from layerplan.models.gguf_place import TENSORS_FILE, gguf_of, index_folder
 from layerplan.plan.plan import PlanError
+from layerplan.search.windows import sliding_perplexity
 
 
-def runnable(request: LiteRequest) -> bool:
+def runnable(request: LiteRequest | LitePerplexityRequest) -> bool:
     """Whether the light front end runs it: a GGUF whose index it reads (kept from an earlier
     load, or made now from the file where models/file_index.py's tables cover it), with a
     tokenizer (the torch front end says what a model without one cannot do). A file that cannot
@@ -103,4 +105,52 @@ def run(request: LiteRequest, tokenizer: TokenizerProcess | None = None) -> int 
     if request.as_json:  # app/cli/running.py's object: the result but its text and tokens
         summary = {k: v for k, v in result.to_dict().items() if k not in ("text", "token_ids")}
         print(json.dumps(summary, indent=2), file=sys.stderr)
+    return 0
+
+
+def _windows_bar(done: int, total: int) -> None:
+    """A perplexity's windows, on a terminal: one line redrawn, gone once done (as the torch front
+    end's bar)."""
+    line = f"\rperplexity: {done} of {total} windows\x1b[K" if done < total else "\r\x1b[K"
+    print(line, end="", file=sys.stderr, flush=True)
+
+
+def run_ppl(request: LitePerplexityRequest) -> int | None:
+    """Carry out a runnable `layerplan ppl` request as app/cli/research.py's run_ppl_command would:
+    the same JSON, from the same logits through the same windows and sums (search/windows.py); the
+    exit status, or None where the model turned out to need the torch front end."""
+    try:
+        first = (f"; its first use: indexed and packed for the kernels once, into {cache_dir()}"
+                 if request.first_use else "")
+        texts = read_texts(request.text) if request.text else [default_corpus()]
+        print(f"loading {request.model} ({request.precision}, cpu, engine {request.engine}{first})…",
+              file=sys.stderr, flush=True)
+        model = LiteModel(gguf_of(request.model), ARITHMETICS[request.dtype], request.threads,
+                          on_packed=_packing_bar if sys.stderr.isatty() else None)
+        plan = model.plan(None)
+        sequences = [model.encode(text) for text in texts]
+        if request.max_tokens:
+            sequences = [ids[:request.max_tokens] for ids in sequences]
+
+        def logits_of(tokens: list[int]):
+            return model.logits(tokens, model.new_cache(plan, len(tokens)), 0, last_only=False)
+
+        result = sliding_perplexity(sequences, logits_of, request.window, request.stride, plan.to_string(),
+                                    _windows_bar if sys.stderr.isatty() else None)
+    except TorchFrontEnd:
+        return None
+    except KeyboardInterrupt:
+        print("Aborted!", file=sys.stderr)
+        return 1
+    except (PlanError, ModelError, ValueError, FileNotFoundError) as error:
+        print(f"Error: {one_line(str(error))}", file=sys.stderr)
+        return 1
+    except OSError as error:
+        where = f"{error.filename}: " if error.filename else ""
+        print(f"Error: {one_line(where + (error.strerror or str(error)))}", file=sys.stderr)
+        return 1
+    try:
+        print(json.dumps(result.to_dict(), indent=2), flush=True)
+    except BrokenPipeError:
+        return 1
     return 0

@@ -1,8 +1,10 @@
-"""A `layerplan generate` request as the light front end carries it out (lite/cli.py): a GGUF's
-plain greedy continuation of one prompt (the model, its dtype as stored, the engine, threads, a
-plan of this model, the token budget, stop strings, streaming, the chat template where it only
-wraps the prompt, the statistics). app/cli/generating.py light_request makes one of a command
-line that the command itself has read, where the line asks for nothing else."""
+"""The requests the light front end carries out (lite/cli.py). A `layerplan generate` request: a
+GGUF's plain greedy continuation of one prompt (the model, its dtype as stored, the engine,
+threads, a plan of this model, the token budget, stop strings, streaming, the chat template where
+it only wraps the prompt, the statistics); app/cli/generating.py light_request makes one of a
+command line that the command itself has read, where the line asks for nothing else. A `layerplan
+ppl` request: a GGUF's sliding-window perplexity under the full model (app/cli/scoring.py
+light_ppl_request)."""
 
 from __future__ import annotations
 
@@ -35,4 +37,21 @@ class LiteRequest:
     @property
     def precision(self) -> str:
         """The dtype the torch front end names for it (a GGUF's auto is stored-fast)."""
+        return "stored" if ARITHMETICS[self.dtype] == "exact" else "stored-fast"
+
+
+@dataclass
+class LitePerplexityRequest:
+    model: str = DEFAULT_MODEL
+    dtype: str = "auto"
+    threads: int | None = None
+    text: str | None = None  # --text: a .txt or .jsonl file (None: the built-in corpus)
+    window: int = 512
+    stride: int = 256
+    max_tokens: int = 4096  # per text (0: all)
+    engine: str = "auto"  # (what the loading line names: the torch front end's default)
+    first_use: bool = False  # the model's index was made by this command (lite/cli.py runnable)
+
+    @property
+    def precision(self) -> str:
         return "stored" if ARITHMETICS[self.dtype] == "exact" else "stored-fast"

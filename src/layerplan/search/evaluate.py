@@ -13,7 +13,7 @@ from layerplan.corpus import default_corpus
 from layerplan.engine.runner import forward
 from layerplan.models.loading import LoadedModel
 from layerplan.plan.plan import LayerPlan
-from layerplan.search.windows import PerplexityResult, chunk_count, sliding_spans
+from layerplan.search.windows import NLL_ROWS, PerplexityResult, chunk_perplexity, sliding_perplexity
 
 
 @dataclass(frozen=True)
@@ -59,21 +59,8 @@ def perplexity(
         t.reshape(1, -1) if isinstance(t, torch.Tensor) else model.tokenizer(t, return_tensors="pt").input_ids
         for t in texts
     ]
-    spans = [(ids, span) for ids in sequences for span in sliding_spans(ids.shape[1], window, stride)]
-    nll_sum, count = 0.0, 0
-    for done, (ids, span) in enumerate(spans, 1):
-        chunk = ids[:, span.begin:span.end].to(model.device)
-        logits = forward(model, chunk, plan)
-        nll = token_nll(logits, chunk)[0]  # (end-begin-1,) nll of tokens begin+1..end-1
-        scored = nll[span.first_scored - span.begin - 1 :]
-        nll_sum += float(scored.sum())
-        count += scored.numel()
-        if on_progress:
-            on_progress(done, len(spans))
-    if count == 0:
-        raise ValueError("nothing to score: every text is shorter than two tokens")
-    mean = nll_sum / count
-    return PerplexityResult(math.exp(mean), mean, count, window, stride, plan.to_string())
+    return sliding_perplexity([ids[0].tolist() for ids in sequences], _window_logits(model, plan), window, stride,
+                              plan.to_string(), on_progress)
 
 
 def perplexity_in_chunks(
@@ -89,33 +76,35 @@ def perplexity_in_chunks(
     a chunk's tokens context/2+1 .. context-1 are scored, each with every chunk token before it as
     context."""
     plan = plan if plan is not None else model.plan()
-    ids = ids.reshape(1, -1)
-    chunks = chunk_count(ids.shape[1], context)
     tokenizer = model.tokenizer
     bos = getattr(tokenizer, "bos_token_id", None) if getattr(tokenizer, "add_bos_token", False) else None
-    first = context // 2
-    nll_sum, count = 0.0, 0
-    for index in range(chunks):
-        chunk = ids[:, index * context:(index + 1) * context].clone()
-        if bos is not None:
-            chunk[0, 0] = bos
-        chunk = chunk.to(model.device)
-        nll = token_nll(forward(model, chunk, plan), chunk)[0]  # nll of tokens 1..context-1
-        scored = nll[first:]  # tokens first+1 .. context-1, predicted at first .. context-2
-        nll_sum += float(scored.sum())
-        count += scored.numel()
-        if on_progress:
-            on_progress(index + 1, chunks)
-    mean = nll_sum / count
-    return PerplexityResult(math.exp(mean), mean, count, context, context, plan.to_string(), "llama.cpp")
+    return chunk_perplexity(ids.reshape(-1).tolist(), _window_logits(model, plan), context, bos, plan.to_string(),
+                            on_progress)
+
+
+def _window_logits(model: LoadedModel, plan: LayerPlan):
+    """search/windows.py's logits_of on the torch front end: a window's logits, float32, from an
+    empty cache."""
+    def logits_of(tokens: list[int]):
+        return forward(model, torch.tensor([tokens], device=model.device), plan)[0].float().cpu().numpy()
+
+    return logits_of
 
 
 def token_nll(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """(B, T-1) negative log-likelihood of ids[:, 1:] under logits[:, :-1]."""
+    """(B, T-1) negative log-likelihood of ids[:, 1:] under logits[:, :-1], float32 from float64
+    sums (search/windows.py token_nll's rule: float32 cross_entropy reads ~1e-5 nats low)."""
     batch, length, vocab = logits.shape
-    # Rows of (N, V): the transposed (B, V, T) layout loses ~1e-4 nats per token in float32.
     rows = logits[:, :-1].float().reshape(-1, vocab)
-    return F.cross_entropy(rows, ids[:, 1:].reshape(-1), reduction="none").view(batch, length - 1)
+    targets = ids[:, 1:].reshape(-1, 1).to(rows.device)
+    parts = []
+    for start in range(0, rows.shape[0], NLL_ROWS):
+        part = rows[start:start + NLL_ROWS]
+        top = part.amax(-1, keepdim=True)
+        sums = torch.exp(part - top).sum(-1, dtype=torch.float64)
+        picked = part.gather(-1, targets[start:start + NLL_ROWS])[:, 0]
+        parts.append((sums.log() + top[:, 0].double() - picked.double()).float())
+    return torch.cat(parts).view(batch, length - 1) if parts else rows.new_zeros(batch, length - 1)
 
 
 HEAD_ROWS = 256  # positions per LM-head product when scoring (see _logit_chunks)

@@ -33,7 +33,7 @@ COMMAND_INDEX = {
     "models": ("measuring", "List the models available locally (the packaged default and converted ones)."),
     "peers": ("measuring", "llama.cpp's own C++ tools, which `layerplan bench` times beside layerplan."),
     "plan": ("running", "Validate PLAN (string or file) and print it in another format."),
-    "ppl": ("research", "Perplexity of the model (under a plan) on a text: sliding windows, or llama-perplexity's "
+    "ppl": ("scoring", "Perplexity of the model (under a plan) on a text: sliding windows, or llama-perplexity's "
                         "chunks."),
     "probe": ("measuring", "Time a pass over k = 1..16 new tokens per dtype and engine on this machine: the cost of "
                            "verifying k drafted tokens relative to one decoding step."),

@@ -37,7 +37,6 @@ from layerplan.search.measures import MEASURES, MeasureInputs, check_measures
 from layerplan.search.objectives import OBJECTIVES, objectives_help
 from layerplan.search.run import METHODS, run_search
 from layerplan.search.scan import save_cached_scan, scan as run_scan
-from layerplan.search.windows import PROTOCOLS
 
 
 @click.command()
@@ -81,24 +80,9 @@ def scan(model, dtype, device, threads, base_plan, tokens, text, kinds, exits, n
     click.echo(f"wrote {out_dir / 'scan.json'} and {out_dir / 'scan.png'}")
 
 
-@click.command()
-@model_option
-@dtype_option
-@device_option
-@threads_option
-@click.option("--plan", default=None, help="plan to evaluate (default: full model)")
-@model_b_option
-@click.option("--text", "-f", "--file", "text", type=click.Path(dir_okay=False), default=None,
-              help=".txt or .jsonl; default: built-in corpus (llama-perplexity's -f)")
-@click.option("--window", type=click.IntRange(min=1), default=512, show_default=True)
-@click.option("--stride", type=click.IntRange(min=1), default=256, show_default=True)
-@click.option("--max-tokens", type=click.IntRange(min=0), default=4096, show_default=True, help="score at most this many tokens per text (0: all)")
-@click.option("--compare/--no-compare", default=True, show_default=True,
-              help="also report KL and top-1 agreement against the full model")
-@click.option("--protocol", type=click.Choice(list(PROTOCOLS)), default="sliding", show_default=True,
-              help="; ".join(f"{name}: {text}" for name, text in PROTOCOLS.items()))
-def ppl(model, dtype, device, threads, plan, model_b, text, window, stride, max_tokens, compare, protocol) -> None:
-    """Perplexity of the model (under a plan) on a text: sliding windows, or llama-perplexity's chunks."""
+def run_ppl_command(model, dtype, device, threads, plan, model_b, text, window, stride, max_tokens, compare,
+                    protocol) -> None:
+    """app/cli/scoring.py's `layerplan ppl` on the torch front end."""
     set_threads(threads)
     with user_errors():
         texts = read_texts(text) if text else [default_corpus()]
@@ -450,4 +434,4 @@ def tune(model, dtype, engine, threads, tokens, steps, repeats, new_tokens, prom
     click.echo(f"wrote {out_dir / 'report.html'} and {out_dir / 'report.json'}")
 
 
-COMMANDS = (scan, ppl, explore, search, train_exit, tune)  # registered on main (the package's __init__)
+COMMANDS = (scan, explore, search, train_exit, tune)  # registered on main (the package's __init__)
