@@ -339,6 +339,23 @@ def test_any_command_line_is_taken_whole_or_left_to_the_torch_front_end(words):
     assert request.max_new_tokens >= 0 and (request.threads is None or 1 <= request.threads <= 1024)
 
 
+_PPL_WORDS = ["--window", "--stride", "64", "0", "-3", "--max-tokens", "--dtype", "stored", "float32", "--plan",
+              "--protocol", "llama.cpp", "sliding", "--text", "-f", "builtin:code", "--no-compare", "--compare",
+              "--model-b", "-t", "--device", "cpu", "cuda", "--", "-h", "--bogus", ""]
+
+
+@given(st.lists(st.sampled_from(_PPL_WORDS) | st.text(max_size=6), max_size=9))
+@settings(max_examples=300, deadline=None)
+def test_any_perplexity_line_is_taken_whole_or_left_to_the_torch_front_end(words):
+    """light_ppl_request never raises: a `layerplan ppl` line is a request the torch front end
+    would carry out the same way, or None."""
+    request = light_ppl_request(["ppl", *words])
+    if request is None:
+        return
+    assert request.dtype in ("auto", "stored", "stored-fast") and request.window >= 1 and request.stride >= 1
+    assert request.max_tokens >= 0 and (request.threads is None or 1 <= request.threads <= 1024)
+
+
 def test_physical_cores_count_each_core_once(tmp_path):
     from layerplan.machine import physical_cores
 
