@@ -123,27 +123,19 @@ def test_the_torch_lines_in_one_process_answer_as_a_process_of_their_own(cache, 
     assert (alone.returncode, alone.stdout, alone.stderr) == (shared.returncode, shared.stdout, shared.stderr)
 
 
-@pytest.mark.parametrize("argv", SAME_OUTPUT)
+@pytest.mark.parametrize("argv", SAME_OUTPUT + SAME_PERPLEXITY)
 def test_the_light_front_end_prints_what_the_torch_one_prints(argv, cache, torch_runs, monkeypatch):
+    """generate's lines, and ppl's (the same JSON: search/windows.py's sums over the same logits)."""
     torch_run = torch_runs[tuple(argv)]
     assert torch_run.returncode == 0, torch_run.stderr
     monkeypatch.setenv("LAYERPLAN_CACHE", str(cache))
     monkeypatch.delenv("LAYERPLAN_FRONT_END", raising=False)
-    assert runnable(light_request(argv))  # so launch runs it on the light front end
+    request = light_ppl_request(argv) if argv[0] == "ppl" else light_request(argv)
+    assert runnable(request)  # so launch runs it on the light front end
     lite_run = _run(argv, cache)
     assert (lite_run.returncode, lite_run.stdout, lite_run.stderr) == (0, torch_run.stdout, torch_run.stderr)
-
-
-@pytest.mark.parametrize("argv", SAME_PERPLEXITY)
-def test_the_light_front_ends_perplexity_is_the_torch_ones(argv, cache, torch_runs, monkeypatch):
-    torch_run = torch_runs[tuple(argv)]
-    assert torch_run.returncode == 0, torch_run.stderr
-    monkeypatch.setenv("LAYERPLAN_CACHE", str(cache))
-    monkeypatch.delenv("LAYERPLAN_FRONT_END", raising=False)
-    assert runnable(light_ppl_request(argv))  # so launch runs it on the light front end
-    lite_run = _run(argv, cache)
-    assert (lite_run.returncode, lite_run.stdout, lite_run.stderr) == (0, torch_run.stdout, torch_run.stderr)
-    assert json.loads(lite_run.stdout)["tokens"] > 0
+    if argv[0] == "ppl":
+        assert json.loads(lite_run.stdout)["tokens"] > 0
 
 
 def test_a_bad_perplexity_line_gets_the_torch_front_ends_message(cache, torch_runs):

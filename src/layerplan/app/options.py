@@ -5,6 +5,7 @@ longer or transformers' name beside it. FAMILIAR_NAMES is the table docs/coming-
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import click
@@ -12,6 +13,7 @@ import click
 from layerplan.decoding.draft_length import draft_length_help
 from layerplan.decoding.limits import SEED_RANGE
 from layerplan.engine.choices import BLOCK_PRECISIONS, DENSE_PRECISIONS, ENGINES
+from layerplan.lite import FRONT_END_VARIABLE
 from layerplan.models.gguf_place import DEFAULT_MODEL
 
 SEED = click.IntRange(*SEED_RANGE)  # what torch's generator takes
@@ -166,3 +168,18 @@ def familiar_table() -> str:
         cells = (name.setting, name.llama_cpp, name.transformers, name.layerplan, ", ".join(name.commands))
         rows.append("| " + " | ".join(f"`{c}`" if c and i in (1, 3) else (c or "—") for i, c in enumerate(cells)) + " |")
     return "\n".join(rows)
+
+
+def light_context(command: click.Command, argv: list[str]) -> click.Context | None:
+    """`command`'s own reading of `layerplan NAME ...` (argv without the program), for the light
+    front end to weigh (app/cli/generating.py light_request, app/cli/scoring.py light_ppl_request):
+    None where the line is another command's, asks for help, runs with LAYERPLAN_FRONT_END=torch,
+    or is refused by the command (the torch front end reads it then, and says what it says)."""
+    if not argv or argv[0] != command.name or os.environ.get(FRONT_END_VARIABLE, "") == "torch":
+        return None
+    if any(arg in ("-h", "--help") for arg in argv[1:]):
+        return None
+    try:
+        return command.make_context(command.name, list(argv[1:]))
+    except (click.ClickException, click.exceptions.Exit, click.exceptions.Abort):
+        return None

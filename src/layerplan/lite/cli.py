@@ -81,20 +81,8 @@ def run(request: LiteRequest, tokenizer: TokenizerProcess | None = None) -> int 
 
         result = DecodeLoop(model, ids, plan, request.max_new_tokens, request.stop, True,
                             on_text if request.stream else None).run()
-    except TorchFrontEnd:
-        return None
-    except KeyboardInterrupt:  # as click's standalone mode ends it
-        print("Aborted!", file=sys.stderr)
-        return 1
-    except BrokenPipeError:  # `layerplan … | head` closed the pipe: nothing more to say
-        return 1
-    except (PlanError, ModelError, ValueError, FileNotFoundError) as error:
-        print(f"Error: {one_line(str(error))}", file=sys.stderr)
-        return 1
-    except OSError as error:
-        where = f"{error.filename}: " if error.filename else ""
-        print(f"Error: {one_line(where + (error.strerror or str(error)))}", file=sys.stderr)
-        return 1
+    except _ENDINGS as error:
+        return _ended_by(error)
     print("" if request.stream else result.text, flush=True)
     if not result.text.strip() and not request.chat and request.max_new_tokens > 0:
         print(f"(no text generated, stop reason: {result.stop_reason}; an instruction-tuned model may answer a bare "
@@ -137,20 +125,31 @@ def run_ppl(request: LitePerplexityRequest) -> int | None:
 
         result = sliding_perplexity(sequences, logits_of, request.window, request.stride, plan.to_string(),
                                     _windows_bar if sys.stderr.isatty() else None)
-    except TorchFrontEnd:
-        return None
-    except KeyboardInterrupt:
-        print("Aborted!", file=sys.stderr)
-        return 1
-    except (PlanError, ModelError, ValueError, FileNotFoundError) as error:
-        print(f"Error: {one_line(str(error))}", file=sys.stderr)
-        return 1
-    except OSError as error:
-        where = f"{error.filename}: " if error.filename else ""
-        print(f"Error: {one_line(where + (error.strerror or str(error)))}", file=sys.stderr)
-        return 1
+    except _ENDINGS as error:
+        return _ended_by(error)
     try:
         print(json.dumps(result.to_dict(), indent=2), flush=True)
     except BrokenPipeError:
         return 1
     return 0
+
+
+# what a request may end with, before its output (_ended_by)
+_ENDINGS = (TorchFrontEnd, KeyboardInterrupt, PlanError, ModelError, ValueError, OSError)
+
+
+def _ended_by(error: BaseException) -> int | None:
+    """The exit status of a request that raised one of _ENDINGS, its one line said as the torch
+    front end says it (app/cli/common.py user_errors); None: the torch front end is to run it."""
+    if isinstance(error, TorchFrontEnd):
+        return None
+    if isinstance(error, KeyboardInterrupt):  # as click's standalone mode ends it
+        print("Aborted!", file=sys.stderr)
+    elif isinstance(error, BrokenPipeError):  # `layerplan … | head` closed the pipe: nothing more to say
+        pass
+    elif isinstance(error, (PlanError, ModelError, ValueError, FileNotFoundError)):
+        print(f"Error: {one_line(str(error))}", file=sys.stderr)
+    else:
+        where = f"{error.filename}: " if error.filename else ""
+        print(f"Error: {one_line(where + (error.strerror or str(error)))}", file=sys.stderr)
+    return 1

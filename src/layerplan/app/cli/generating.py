@@ -6,15 +6,13 @@ imports the rest (app/cli/running.py run_generate_command)."""
 from __future__ import annotations
 
 import importlib
-import os
 
 import click
 
 from layerplan.app.options import (DEVICE_MAP_KEY, DRAFT_LENGTH_HELP, auto_dtype_option, ctx_size_option,
-                                   device_option, engine_option, model_b_option, model_option, n_predict_option,
-                                   sampling_options, threads_option)
+                                   device_option, engine_option, light_context, model_b_option, model_option,
+                                   n_predict_option, sampling_options, threads_option)
 from layerplan.decoding.draft_length import DRAFT_LENGTHS
-from layerplan.lite import FRONT_END_VARIABLE
 from layerplan.lite.request import ARITHMETICS, LiteRequest
 
 # the options the light front end carries out no differently for any value the command takes:
@@ -85,13 +83,8 @@ def light_request(argv: list[str]) -> LiteRequest | None:
     line out as the torch one does. Any other option or value (sampling, drafts, a prompt file, a
     second model, a device, help), and any line the command refuses, give None: the torch front
     end reads the line then, and says what it says of it."""
-    if not argv or argv[0] != "generate" or os.environ.get(FRONT_END_VARIABLE, "") == "torch":
-        return None
-    if any(arg in ("-h", "--help") for arg in argv[1:]):
-        return None
-    try:
-        context = generate.make_context("generate", list(argv[1:]))
-    except (click.ClickException, click.exceptions.Exit, click.exceptions.Abort):
+    context = light_context(generate, argv)
+    if context is None:
         return None
     given = context.params
     defaults = {p.name: p.get_default(context) for p in generate.params}

@@ -6,13 +6,11 @@ Running it on torch imports the rest (app/cli/research.py run_ppl_command)."""
 from __future__ import annotations
 
 import importlib
-import os
 
 import click
 
-from layerplan.app.options import (DEVICE_MAP_KEY, device_option, dtype_option, model_b_option, model_option,
-                                   threads_option)
-from layerplan.lite import FRONT_END_VARIABLE
+from layerplan.app.options import (DEVICE_MAP_KEY, device_option, dtype_option, light_context, model_b_option,
+                                   model_option, threads_option)
 from layerplan.lite.request import ARITHMETICS, LitePerplexityRequest
 from layerplan.search.windows import PROTOCOLS
 
@@ -44,13 +42,8 @@ def light_ppl_request(argv: list[str]) -> LitePerplexityRequest | None:
     command as it reads any line: a GGUF's sliding-window perplexity under the full model on CPU,
     at a dtype as stored. A plan, a second model, llama.cpp's protocol, a device, help, or a line
     the command refuses give None: the torch front end reads the line then."""
-    if not argv or argv[0] != "ppl" or os.environ.get(FRONT_END_VARIABLE, "") == "torch":
-        return None
-    if any(arg in ("-h", "--help") for arg in argv[1:]):
-        return None
-    try:
-        context = ppl.make_context("ppl", list(argv[1:]))
-    except (click.ClickException, click.exceptions.Exit, click.exceptions.Abort):
+    context = light_context(ppl, argv)
+    if context is None:
         return None
     given = context.params
     if (given["dtype"] not in ARITHMETICS or given["device"] != "cpu" or context.meta.get(DEVICE_MAP_KEY) is not None
