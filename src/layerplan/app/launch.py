@@ -6,10 +6,9 @@ it always has.
 Which one runs changes no output: the light front end takes only command lines whose meaning it
 carries out as the torch one does (app/cli/generating.py light_request, app/cli/scoring.py
 light_ppl_request), and only models whose index it can read (kept, or made now from the file).
-Where it finds, once started, that the model needs the
-torch front end, the command starts again as `python -m layerplan.app.cli` with
-LAYERPLAN_FRONT_END=torch: the kernels' library, loaded by then, links an OpenMP runtime that must
-not meet torch's in one process.
+Where it finds, once started, that the model needs the torch front end, the command starts again
+as `python -m layerplan.app.cli` with LAYERPLAN_FRONT_END=torch: the kernels' library, loaded by
+then, links an OpenMP runtime that must not meet torch's in one process.
 
 A kept index's tokenizer process is started (lite/tokenizer_process.py) before anything that
 starts threads is imported (a fork copies only the thread that calls it), from the model the line
@@ -22,11 +21,11 @@ from __future__ import annotations
 import os
 import sys
 
+from layerplan.lite import FRONT_END_VARIABLE
+
 
 def main() -> None:
     argv = sys.argv[1:]
-    from layerplan.lite import FRONT_END_VARIABLE
-
     if argv[:1] == ["generate"] and os.environ.get(FRONT_END_VARIABLE, "") != "torch":
         from layerplan.lite.tokenizer_process import TokenizerProcess
         from layerplan.models.gguf_place import DEFAULT_MODEL
@@ -80,8 +79,6 @@ def _leave_or_restart(status: int | None, taken: bool, argv: list[str]) -> None:
                 status = status or 1
         os._exit(status)
     if taken:
-        from layerplan.lite import FRONT_END_VARIABLE
-
         os.environ[FRONT_END_VARIABLE] = "torch"
         os.execv(sys.executable, [sys.executable, "-m", "layerplan.app.cli", *argv])
 

@@ -52,12 +52,12 @@ class DecodeLoop:
     """One request's decode: prefill(), then step() until done, then result() (run(): all of it).
 
     model: its tokenizer and EOS ids (the Emitter's), and its passes unless `passes` is given
-    (LiteModel is its own); ids: the prompt's token ids (at least one); spare: cache rows beyond the prompt and the new
-    tokens (a verify pass's drafts). cache: one that already holds the keys and values of the
-    prompt's first cache.length tokens, written through the same plan (a conversation's earlier
-    turns, app/chat.py): prefill() runs the rest of the prompt only. Its holder made sure those
-    tokens are the prompt's; at least the prompt's last token must be left to run (its logits give
-    the first new token)."""
+    (LiteModel is its own); ids: the prompt's token ids (at least one); spare: cache rows beyond
+    the prompt and the new tokens (a verify pass's drafts). cache: one that already holds the keys
+    and values of the prompt's first cache.length tokens, written through the same plan (a
+    conversation's earlier turns, app/chat.py): prefill() runs the rest of the prompt only. Its
+    holder made sure those tokens are the prompt's; at least the prompt's last token must be left
+    to run (its logits give the first new token)."""
 
     def __init__(self, model, ids: Sequence[int], plan: LayerPlan, max_new_tokens: int, stop: Sequence[str] = (),
                  stop_at_eos: bool | Sequence[int] = True, on_text: Callable[[str], None] | None = None,

@@ -9,10 +9,10 @@ from __future__ import annotations
 import json
 import sys
 
+from layerplan.corpus import default_corpus, read_texts
 from layerplan.decoding.budget import token_budget
 from layerplan.decoding.loop import DecodeLoop
 from layerplan.decoding.text import TextDelta
-from layerplan.corpus import default_corpus, read_texts
 from layerplan.lite.model import LiteModel, TorchFrontEnd, lite_refusal
 from layerplan.lite.request import ARITHMETICS, LitePerplexityRequest, LiteRequest
 from layerplan.lite.tokenizer_process import TokenizerProcess

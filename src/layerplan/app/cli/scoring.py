@@ -26,7 +26,8 @@ from layerplan.search.windows import PROTOCOLS
               help=".txt or .jsonl; default: built-in corpus (llama-perplexity's -f)")
 @click.option("--window", type=click.IntRange(min=1), default=512, show_default=True)
 @click.option("--stride", type=click.IntRange(min=1), default=256, show_default=True)
-@click.option("--max-tokens", type=click.IntRange(min=0), default=4096, show_default=True, help="score at most this many tokens per text (0: all)")
+@click.option("--max-tokens", type=click.IntRange(min=0), default=4096, show_default=True,
+              help="score at most this many tokens per text (0: all)")
 @click.option("--compare/--no-compare", default=True, show_default=True,
               help="also report KL and top-1 agreement against the full model")
 @click.option("--protocol", type=click.Choice(list(PROTOCOLS)), default="sliding", show_default=True,
