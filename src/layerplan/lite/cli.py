@@ -58,17 +58,23 @@ def _packing_bar(done: int, total: int) -> None:
           end="", file=sys.stderr, flush=True)
 
 
+def _load(request: LiteRequest | LitePerplexityRequest, tokenizer: TokenizerProcess | None = None) -> LiteModel:
+    """The request's model, after app/cli/common.py's loading line; its panels' packing drawn on a
+    terminal (a first use)."""
+    first = (f"; its first use: indexed and packed for the kernels once, into {cache_dir()}"
+             if request.first_use else "")
+    print(f"loading {request.model} ({request.precision}, cpu, engine {request.engine}{first})…",
+          file=sys.stderr, flush=True)
+    return LiteModel(gguf_of(request.model), ARITHMETICS[request.dtype], request.threads,
+                     on_packed=_packing_bar if sys.stderr.isatty() else None, tokenizer=tokenizer)
+
+
 def run(request: LiteRequest, tokenizer: TokenizerProcess | None = None) -> int | None:
     """Carry out a runnable request as app/cli/running.py's generate would: the exit status, or None where
     the model turned out to need the torch front end (before any output). tokenizer: the model's,
     started at the command's start (app/launch.py)."""
     try:
-        first = (f"; its first use: indexed and packed for the kernels once, into {cache_dir()}"
-                 if request.first_use else "")  # (app/cli/common.py's loading line)
-        print(f"loading {request.model} ({request.precision}, "
-              f"cpu, engine {request.engine}{first})…", file=sys.stderr, flush=True)
-        model = LiteModel(gguf_of(request.model), ARITHMETICS[request.dtype], request.threads,
-                          on_packed=_packing_bar if sys.stderr.isatty() else None, tokenizer=tokenizer)
+        model = _load(request, tokenizer)
         plan = model.plan(request.plan)
         ids = model.encode(request.prompt, request.chat)
         if not ids:
@@ -108,13 +114,8 @@ def run_ppl(request: LitePerplexityRequest) -> int | None:
     the same JSON, from the same logits through the same windows and sums (search/windows.py); the
     exit status, or None where the model turned out to need the torch front end."""
     try:
-        first = (f"; its first use: indexed and packed for the kernels once, into {cache_dir()}"
-                 if request.first_use else "")
         texts = read_texts(request.text) if request.text else [default_corpus()]
-        print(f"loading {request.model} ({request.precision}, cpu, engine {request.engine}{first})…",
-              file=sys.stderr, flush=True)
-        model = LiteModel(gguf_of(request.model), ARITHMETICS[request.dtype], request.threads,
-                          on_packed=_packing_bar if sys.stderr.isatty() else None)
+        model = _load(request)
         plan = model.plan(None)
         sequences = [model.encode(text) for text in texts]
         if request.max_tokens:

@@ -18,6 +18,11 @@ from layerplan.models.gguf_place import DEFAULT_MODEL
 ARITHMETICS = {"auto": STORED_ARITHMETIC[GGUF_DEFAULT], **STORED_ARITHMETIC}
 
 
+def precision_of(dtype: str) -> str:
+    """The dtype the torch front end names for a request's (a GGUF's auto is stored-fast)."""
+    return "stored" if ARITHMETICS[dtype] == "exact" else "stored-fast"
+
+
 @dataclass
 class LiteRequest:
     prompt: str
@@ -36,8 +41,7 @@ class LiteRequest:
 
     @property
     def precision(self) -> str:
-        """The dtype the torch front end names for it (a GGUF's auto is stored-fast)."""
-        return "stored" if ARITHMETICS[self.dtype] == "exact" else "stored-fast"
+        return precision_of(self.dtype)
 
 
 @dataclass
@@ -54,4 +58,4 @@ class LitePerplexityRequest:
 
     @property
     def precision(self) -> str:
-        return "stored" if ARITHMETICS[self.dtype] == "exact" else "stored-fast"
+        return precision_of(self.dtype)
