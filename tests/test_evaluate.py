@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from layerplan.corpus import default_corpus, read_texts
 from layerplan.engine.runner import forward
 from layerplan.search.evaluate import Reference, compare, perplexity, perplexity_in_chunks
+from layerplan.search.windows import Divergence, logits_divergence
 from tiny import VOCAB, tiny_model
 
 
@@ -30,6 +31,20 @@ def hf_sliding_perplexity(hf, ids, window, stride):
     return math.exp(nll / count), count
 
 
+class _Tokenizer:
+    """A tokenizer that puts `bos` before a text where it adds special tokens (bos None: nothing),
+    and says nothing of it in add_bos_token (as transformers' reads Gemma 3's)."""
+
+    add_bos_token = False
+
+    def __init__(self, bos):
+        self.bos = bos
+
+    def __call__(self, text, add_special_tokens=True):
+        ids = [5 + ord(c) % 7 for c in text]
+        return type("Encoding", (), {"input_ids": ([self.bos] if add_special_tokens and self.bos is not None else []) + ids})
+
+
 @pytest.mark.parametrize("window, stride, scored", [(16, 16, 34), (16, 5, 36), (40, 40, 36), (12, 1, 36)])
 def test_sliding_perplexity_matches_direct_computation(window, stride, scored):
     model = tiny_model("llama")
@@ -46,7 +61,7 @@ def test_chunked_perplexity_scores_each_chunks_second_half_as_llama_perplexity_d
     dropped; BOS in each chunk's first place where the tokenizer adds one; tokens n_ctx/2+1..n_ctx-1
     scored. Written out here from that description, on the model's own forward."""
     model = tiny_model("llama")
-    model.tokenizer = type("Tokenizer", (), {"add_bos_token": bos is not None, "bos_token_id": bos})()
+    model.tokenizer = _Tokenizer(bos)
     ids = torch.randint(3, VOCAB, (1, 37), generator=torch.Generator().manual_seed(1))
     nll, count = 0.0, 0
     for start in (0, 16):  # two chunks of 16; the last 5 tokens are dropped
@@ -77,6 +92,30 @@ def test_reference_divergence_matches_textbook_formulas():
     assert d.perplexity == pytest.approx(math.exp(float(nll)), rel=1e-5)
     same = Reference(full, ids).divergence(full)
     assert same.kl == pytest.approx(0.0, abs=1e-6) and same.top1_agreement == 1.0
+
+
+def test_the_commands_divergence_is_the_scorers_and_the_textbooks():
+    """search/windows.py logits_divergence (ppl's comparison, either front end) in float64 against
+    the textbook formulas, and against Reference (the scan's and search's float32 scorer), over two
+    rows of a batch; compare() gives it."""
+    model = tiny_model("llama")
+    ids = torch.randint(3, VOCAB, (2, 70), generator=torch.Generator().manual_seed(2))  # > NLL_ROWS positions
+    plan = model.plan("skip:attn=1;mlp=0")
+    full, skipped = forward(model, ids), forward(model, ids, plan)
+    d = logits_divergence(full.numpy(), skipped.numpy(), ids.tolist(), "p")
+    p, q = F.log_softmax(full.double(), -1), F.log_softmax(skipped.double(), -1)
+    assert d.kl == pytest.approx(float((p.exp() * (p - q)).sum(-1).mean()), rel=1e-9)
+    assert d.top1_agreement == float((full.argmax(-1) == skipped.argmax(-1)).double().mean()) < 1
+    for logits, reported in ((q, d.perplexity), (p, d.reference_perplexity)):
+        nll = -logits[:, :-1].gather(-1, ids[:, 1:, None]).mean()
+        assert reported == pytest.approx(math.exp(float(nll)), rel=1e-12)
+    assert d.tokens == 140 and d.complete
+    scorer = Reference(full, ids).divergence(skipped, "p")
+    assert d.kl == pytest.approx(scorer.kl, rel=1e-4) and d.top1_agreement == scorer.top1_agreement
+    assert d.perplexity == pytest.approx(scorer.perplexity, rel=1e-5)
+    assert compare(model, ids, plan) == Divergence(**{**d.to_dict(), "plan": plan.to_string()})
+    with pytest.raises(ValueError, match="the same"):
+        logits_divergence(full.numpy(), skipped[:, :-1].numpy(), ids.tolist(), "p")
 
 
 def test_compare_identity_is_perfect():

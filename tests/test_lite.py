@@ -278,8 +278,9 @@ def test_the_command_lines_it_takes(argv, taken, monkeypatch):
     (["ppl"], True),
     (["ppl", "-m", "some.gguf", "--dtype", "stored", "--window", "64", "--stride", "32", "--max-tokens", "0",
       "--no-compare", "-t", "1", "-f", "text.txt"], True),
-    (["ppl", "--plan", "skip:attn=3"], False),  # a plan: its comparison with the full model is torch's
-    (["ppl", "--protocol", "llama.cpp"], False),
+    (["ppl", "--plan", "skip:attn=3"], True),
+    (["ppl", "--plan", "0-10,b:11-20"], True),  # (lite/cli.py finds the second model, and leaves it to torch)
+    (["ppl", "--protocol", "llama.cpp", "--plan", "exit:20", "--no-compare"], True),
     (["ppl", "--model-b", "other.gguf"], False),
     (["ppl", "--device", "cuda"], False),
     (["ppl", "--dtype", "float32"], False),

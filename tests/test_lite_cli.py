@@ -68,6 +68,10 @@ SAME_PERPLEXITY = [
     ["ppl", "--max-tokens", "300", "--window", "128", "--stride", "64"],
     ["ppl", "--text", "builtin:code", "--max-tokens", "160", "--window", "64", "--stride", "64", "--dtype", "stored",
      "--threads", "1"],
+    # a plan, with its comparison with the full model (search/windows.py logits_divergence)
+    ["ppl", "--plan", "0-20,14-29", "--max-tokens", "200", "--window", "96", "--stride", "48"],
+    ["ppl", "--protocol", "llama.cpp", "--window", "64", "--max-tokens", "200", "--plan", "skip:mlp=3,7",
+     "--dtype", "stored-fast"],
 ]
 BAD_PERPLEXITY = (["ppl", "--stride", "600"], "Error: stride must be in 1..window (512), got 600")
 TORCH_LINES = [*SAME_OUTPUT, STATISTICS, *(argv for argv, _ in BAD_REQUESTS), SECOND_MODEL, *SAME_PERPLEXITY,

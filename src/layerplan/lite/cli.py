@@ -23,8 +23,8 @@ from layerplan.files import cache_dir
 from layerplan.models.file_index import WRITING_TOKENIZER
 from layerplan.models.gguf_index import file_index
 from layerplan.models.gguf_place import TENSORS_FILE, gguf_of, index_folder
-from layerplan.plan.plan import PlanError
-from layerplan.search.windows import sliding_perplexity
+from layerplan.plan.plan import LayerPlan, PlanError
+from layerplan.search.windows import added_bos, chunk_perplexity, logits_divergence, sliding_perplexity
 
 
 def runnable(request: LiteRequest | LitePerplexityRequest) -> bool:
@@ -116,20 +116,30 @@ def run_ppl(request: LitePerplexityRequest) -> int | None:
     try:
         texts = read_texts(request.text) if request.text else [default_corpus()]
         model = _load(request)
-        plan = model.plan(None)
+        plan = model.plan(request.plan)
         sequences = [model.encode(text) for text in texts]
         if request.max_tokens:
             sequences = [ids[:request.max_tokens] for ids in sequences]
 
-        def logits_of(tokens: list[int]):
-            return model.logits(tokens, model.new_cache(plan, len(tokens)), 0, last_only=False)
+        def logits_of(tokens: list[int], under: LayerPlan = plan):
+            return model.logits(tokens, model.new_cache(under, len(tokens)), 0, last_only=False)
 
-        result = sliding_perplexity(sequences, logits_of, request.window, request.stride, plan.to_string(),
-                                    _windows_bar if sys.stderr.isatty() else None)
+        bar = _windows_bar if sys.stderr.isatty() else None
+        if request.protocol == "llama.cpp":  # one text, as llama-perplexity reads its file whole
+            joined = [token for ids in sequences for token in ids]
+            bos = added_bos(lambda text, special: model.tokenizer.encode(text, special_tokens=special))
+            result = chunk_perplexity(joined, logits_of, request.window, bos, plan.to_string(), bar)
+        else:
+            result = sliding_perplexity(sequences, logits_of, request.window, request.stride, plan.to_string(), bar)
+        report = result.to_dict()
+        if request.compare and not plan.is_identity:  # (research.py's: the first min(window, 512) tokens)
+            ids = [token for tokens in sequences for token in tokens][:min(request.window, 512)]
+            report["vs_full_model"] = logits_divergence(logits_of(ids, model.plan(None))[None], logits_of(ids)[None],
+                                                        [ids], plan.to_string()).to_dict()
     except _ENDINGS as error:
         return _ended_by(error)
     try:
-        print(json.dumps(result.to_dict(), indent=2), flush=True)
+        print(json.dumps(report, indent=2), flush=True)
     except BrokenPipeError:
         return 1
     return 0

@@ -3,8 +3,8 @@ GGUF's plain greedy continuation of one prompt (the model, its dtype as stored, 
 threads, a plan of this model, the token budget, stop strings, streaming, the chat template where
 it only wraps the prompt, the statistics); app/cli/generating.py light_request makes one of a
 command line that the command itself has read, where the line asks for nothing else. A `layerplan
-ppl` request: a GGUF's sliding-window perplexity under the full model (app/cli/scoring.py
-light_ppl_request)."""
+ppl` request: a GGUF's perplexity under a plan of this model, in either protocol, and the plan's
+comparison with the full model (app/cli/scoring.py light_ppl_request)."""
 
 from __future__ import annotations
 
@@ -53,6 +53,9 @@ class LitePerplexityRequest:
     window: int = 512
     stride: int = 256
     max_tokens: int = 4096  # per text (0: all)
+    plan: str | None = None  # a plan of this model (None: the full model)
+    protocol: str = "sliding"  # search/windows.py PROTOCOLS
+    compare: bool = True  # --compare: a plan's KL and top-1 agreement against the full model
     engine: str = "auto"  # (what the loading line names: the torch front end's default)
     first_use: bool = False  # the model's index was made by this command (lite/cli.py runnable)
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
 
 import torch
 import torch.nn.functional as F
@@ -13,25 +12,8 @@ from layerplan.corpus import default_corpus
 from layerplan.engine.runner import forward
 from layerplan.models.loading import LoadedModel
 from layerplan.plan.plan import LayerPlan
-from layerplan.search.windows import NLL_ROWS, PerplexityResult, chunk_perplexity, sliding_perplexity
-
-
-@dataclass(frozen=True)
-class Divergence:
-    """A plan's next-token predictions against a reference plan's, on the same tokens."""
-
-    perplexity: float
-    reference_perplexity: float
-    kl: float  # mean KL(reference || plan) per position, nats
-    top1_agreement: float  # fraction of positions where both argmaxes agree
-    tokens: int
-    plan: str
-    # False: scoring stopped early (give_up); kl and perplexity are then lower bounds and
-    # top1_agreement an upper bound, from the positions scored plus the best case for the rest
-    complete: bool = True
-
-    def to_dict(self) -> dict:
-        return asdict(self)
+from layerplan.search.windows import (NLL_ROWS, Divergence, added_bos, PerplexityResult, chunk_perplexity, logits_divergence,
+                                     sliding_perplexity)
 
 
 def calibration_ids(model: LoadedModel, text: str | None = None, tokens: int = 512) -> torch.Tensor:
@@ -77,7 +59,7 @@ def perplexity_in_chunks(
     context."""
     plan = plan if plan is not None else model.plan()
     tokenizer = model.tokenizer
-    bos = getattr(tokenizer, "bos_token_id", None) if getattr(tokenizer, "add_bos_token", False) else None
+    bos = added_bos(lambda text, special: tokenizer(text, add_special_tokens=special).input_ids)
     return chunk_perplexity(ids.reshape(-1).tolist(), _window_logits(model, plan), context, bos, plan.to_string(),
                             on_progress)
 
@@ -248,6 +230,10 @@ def divergence_from_logits(reference: torch.Tensor, logits: torch.Tensor, ids: t
 
 
 def compare(model: LoadedModel, ids: torch.Tensor, plan: LayerPlan, reference: LayerPlan | None = None) -> Divergence:
-    """KL, top-1 agreement and perplexities of `plan` against `reference` (default: full model)."""
-    ref_logits = forward(model, ids, reference)
-    return divergence_from_logits(ref_logits, forward(model, ids, plan), ids, plan.to_string())
+    """KL, top-1 agreement and perplexities of `plan` against `reference` (default: full model) on
+    ids (B, T): search/windows.py's logits_divergence, the light front end's too (`layerplan ppl
+    --plan` prints the same on either)."""
+    def logits_of(chosen: LayerPlan | None):
+        return forward(model, ids, chosen).float().cpu().numpy()
+
+    return logits_divergence(logits_of(reference), logits_of(plan), ids.tolist(), plan.to_string())

@@ -1,7 +1,8 @@
 """Perplexity over windows of a text's tokens: how the text is cut, which tokens are scored, and
-each token's negative log-likelihood from its window's logits. One definition for both front
-ends' `layerplan ppl` (search/evaluate.py gives it the torch front end's logits, lite/cli.py the
-light one's), so a line prints the same numbers on either. No torch here.
+each token's negative log-likelihood from its window's logits; and a plan's predictions against
+the full model's on the same tokens (logits_divergence). One definition for both front ends'
+`layerplan ppl` (search/evaluate.py gives it the torch front end's logits, lite/cli.py the light
+one's), so a line prints the same numbers on either. No torch here.
 
 The likelihoods are summed in float64 (a row's log-sum-exp from its maximum, its exponentials'
 sum and every total in float64): torch's float32 cross_entropy, which transformers' loss uses,
@@ -38,6 +39,24 @@ PROTOCOLS = {
     "llama.cpp": "llama-perplexity's: the text cut into chunks of --window tokens (the rest dropped), each "
                  "begun with BOS where the model adds one, and only each chunk's second half scored",
 }
+
+
+@dataclass(frozen=True)
+class Divergence:
+    """A plan's next-token predictions against a reference plan's, on the same tokens."""
+
+    perplexity: float
+    reference_perplexity: float
+    kl: float  # mean KL(reference || plan) per position, nats
+    top1_agreement: float  # fraction of positions where both argmaxes agree
+    tokens: int
+    plan: str
+    # False: scoring stopped early (give_up); kl and perplexity are then lower bounds and
+    # top1_agreement an upper bound, from the positions scored plus the best case for the rest
+    complete: bool = True
+
+    def to_dict(self) -> dict:
+        return asdict(self)
 
 
 @dataclass(frozen=True)
@@ -114,10 +133,19 @@ def sliding_perplexity(sequences: Sequence[Sequence[int]], logits_of: LogitsOf, 
     return PerplexityResult(math.exp(mean), mean, count, window, stride, plan)
 
 
+def added_bos(encode: Callable[[str, bool], list[int]]) -> int | None:
+    """The BOS a tokenizer puts before a text (encode(text, special_tokens)), or None: what the
+    tokenizer does, which is what llama-perplexity follows (the file's tokenizer.ggml.add_bos_token),
+    rather than transformers' add_bos_token, which reads False for Gemma 3's tokenizer that adds one."""
+    with_special, without = encode("a", True), encode("a", False)
+    adds_before = len(with_special) > len(without) and with_special[1:1 + len(without)] == without
+    return with_special[0] if adds_before else None
+
+
 def chunk_perplexity(ids: Sequence[int], logits_of: LogitsOf, context: int, bos: int | None, plan: str,
                      on_progress: Callable[[int, int], None] | None = None) -> PerplexityResult:
     """The llama.cpp protocol over a text's token ids: each chunk's first token replaced by `bos`
-    (where the tokenizer adds one; None: kept), its second half scored."""
+    (added_bos: where the tokenizer adds one; None: kept), its second half scored."""
     chunks = chunk_count(len(ids), context)
     first = context // 2
     nll_sum, count = 0.0, 0
@@ -132,3 +160,37 @@ def chunk_perplexity(ids: Sequence[int], logits_of: LogitsOf, context: int, bos:
             on_progress(index + 1, chunks)
     mean = nll_sum / count
     return PerplexityResult(math.exp(mean), mean, count, context, context, plan, "llama.cpp")
+
+
+def logits_divergence(reference: np.ndarray, logits: np.ndarray, ids: Sequence[Sequence[int]],
+                      plan: str) -> Divergence:
+    """A plan's logits (B, T, vocab) against the reference plan's on the same ids (B, T), both
+    float32: the mean KL(reference || plan) over the B x T positions, how often both argmaxes (the
+    first maximum) agree, and both perplexities over the B x (T - 1) tokens predicted. In float64,
+    NLL_ROWS rows at a time. (search/evaluate.py's Reference scores many plans against one
+    reference faster, in float32; tests/test_evaluate.py checks that the two agree.)"""
+    targets = np.asarray(ids, np.int64)
+    if (targets.ndim != 2 or targets.shape[1] < 2 or reference.shape != logits.shape
+            or logits.shape[:2] != targets.shape):
+        raise ValueError(f"a divergence needs two (B, T, vocab) logits of the same (B, T >= 2) ids, got "
+                         f"{reference.shape} and {logits.shape} for {targets.shape} ids")
+    batch, length = targets.shape
+    kl_sum, agree, nll = 0.0, 0, [0.0, 0.0]
+    for b in range(batch):
+        for start in range(0, length, NLL_ROWS):
+            end = min(start + NLL_ROWS, length)
+            scored = min(end, length - 1) - start  # rows that predict a next token
+            log_probs = []
+            for side, part in enumerate((reference[b, start:end], logits[b, start:end])):
+                wide = part.astype(np.float64)
+                wide -= wide.max(axis=1, keepdims=True)
+                wide -= np.log(np.exp(wide).sum(axis=1, keepdims=True))  # log-softmax, in float64
+                log_probs.append(wide)
+                if scored > 0:
+                    nll[side] -= float(wide[np.arange(scored), targets[b, start + 1:start + 1 + scored]].sum())
+            reference_log, plan_log = log_probs
+            kl_sum += float((np.exp(reference_log) * (reference_log - plan_log)).sum())
+            agree += int((reference[b, start:end].argmax(axis=1) == logits[b, start:end].argmax(axis=1)).sum())
+    positions, predicted = batch * length, batch * (length - 1)
+    return Divergence(perplexity=math.exp(nll[1] / predicted), reference_perplexity=math.exp(nll[0] / predicted),
+                      kl=max(kl_sum / positions, 0.0), top1_agreement=agree / positions, tokens=positions, plan=plan)

@@ -40,19 +40,21 @@ def ppl(**options) -> None:
 
 def light_ppl_request(argv: list[str]) -> LitePerplexityRequest | None:
     """The light front end's request of `layerplan ppl ...` (argv without the program), read by this
-    command as it reads any line: a GGUF's sliding-window perplexity under the full model on CPU,
-    at a dtype as stored. A plan, a second model, llama.cpp's protocol, a device, help, or a line
-    the command refuses give None: the torch front end reads the line then."""
+    command as it reads any line: a GGUF's perplexity on CPU at a dtype as stored, under a plan or
+    the full model, in either protocol. A second model, a device, help, or a line the command
+    refuses give None: the torch front end reads the line then (and where the plan turns out to
+    take layers of a second model, lite/cli.py leaves it to the torch front end)."""
     context = light_context(ppl, argv)
     if context is None:
         return None
     given = context.params
     if (given["dtype"] not in ARITHMETICS or given["device"] != "cpu" or context.meta.get(DEVICE_MAP_KEY) is not None
-            or given["plan"] is not None or given["model_b"] is not None or given["protocol"] != "sliding"):
+            or given["model_b"] is not None):
         return None
     return LitePerplexityRequest(model=given["model"], dtype=given["dtype"], threads=given["threads"],
                                  text=given["text"], window=given["window"], stride=given["stride"],
-                                 max_tokens=given["max_tokens"])
+                                 max_tokens=given["max_tokens"], plan=given["plan"], protocol=given["protocol"],
+                                 compare=given["compare"])
 
 
 COMMANDS = (ppl,)  # registered on main (the package's __init__: COMMAND_INDEX)
