@@ -45,6 +45,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--within", type=float, default=None,
+                        help="exit 1 where the two perplexities are further apart than this fraction (0.01: 1%%)")
     args = parser.parse_args()
     from layerplan.app.llamacpp import find_tools, peer_name
     from layerplan.corpus import default_corpus
@@ -73,6 +75,7 @@ def main() -> None:
             runs["layerplan"].append(seconds)
             values["layerplan"] = json.loads(output[output.index("{"):output.rindex("}") + 1])["perplexity"]
     median = {name: statistics.median(s) for name, s in runs.items()}
+    difference = values["layerplan"] / values["llama.cpp"] - 1
     print(json.dumps({
         "model": args.model, "cpu": read_cpuinfo()[0], "dtype": args.dtype, "context": args.context,
         "chunks": CHUNKS, "threads": args.threads, "llama_cpp": peer_name(tools),
@@ -80,8 +83,10 @@ def main() -> None:
         "seconds_range": {name: [round(min(s), 2), round(max(s), 2)] for name, s in runs.items()},
         "speed_vs_llama_cpp": round(median["llama.cpp"] / median["layerplan"], 2),
         "perplexity": values,
-        "perplexity_difference": round(values["layerplan"] / values["llama.cpp"] - 1, 4),
+        "perplexity_difference": round(difference, 4),
     }, indent=2))
+    if args.within is not None and abs(difference) > args.within:
+        raise SystemExit(f"the perplexities are {difference:+.2%} apart, more than {args.within:.2%}")
 
 
 if __name__ == "__main__":

@@ -228,3 +228,21 @@ def test_a_reader_that_leaves_ends_the_command_without_a_traceback(cache):
     stderr = process.stderr.read().decode()
     assert process.wait(timeout=300) == 1
     assert "Traceback" not in stderr and stderr.count("\n") == 1, stderr
+
+
+@pytest.mark.parametrize("name", ["gemma-3-270m-Q4_K_M.gguf", "qwen2.5-coder-1.5b-instruct-Q4_K_M.gguf"])
+def test_a_real_gguf_ppl_is_the_same_on_both_front_ends(name, tmp_path):
+    """A plan's perplexity in llama.cpp's protocol, with its comparison with the full model, on a real
+    file (Gemma 3's tokenizer adds BOS, the 1.5B's 151,936-token rows span several NLL_ROWS): the
+    same JSON from both front ends. In `make bench-real` (LAYERPLAN_REAL_MODELS names the folder
+    real_models.sh fills), never in the default suite."""
+    folder = os.environ.get("LAYERPLAN_REAL_MODELS")
+    path = os.path.join(folder or "/nonexistent", name)
+    if not os.path.exists(path):
+        pytest.skip(f"LAYERPLAN_REAL_MODELS does not name a folder with the real {name}")
+    argv = ["ppl", "-m", path, "--protocol", "llama.cpp", "--window", "128", "--max-tokens", "300", "--plan",
+            "skip:mlp=5"]
+    cache = cache_dir()  # (the user's: the file's index and panels, made once)
+    light, torch_run = _run(argv, cache), _run(argv, cache, "torch")
+    assert light.returncode == torch_run.returncode == 0, light.stderr + torch_run.stderr
+    assert light.stdout == torch_run.stdout and json.loads(light.stdout)["vs_full_model"]["tokens"] == 128
