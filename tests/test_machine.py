@@ -129,3 +129,34 @@ def test_cli_bench_refuses_a_bad_prompt_file_in_one_line(tmp_path):
     result = CliRunner().invoke(cli.main, ["bench", "--prompt-file", str(path)])
     assert result.exit_code == 1 and "bad.jsonl:1: not JSON" in result.output
     assert "Traceback" not in result.output
+
+
+_FAULTS_OF_A_SECOND_BLOCK = """
+import ctypes, resource, sys
+from layerplan.heap import keep_freed_memory
+kept = keep_freed_memory() if sys.argv[1] == "keep" else None
+libc = ctypes.CDLL(None)
+libc.malloc.restype, libc.malloc.argtypes, libc.free.argtypes = ctypes.c_void_p, (ctypes.c_size_t,), (ctypes.c_void_p,)
+def touched():  # as the kernels' scratch: malloc, every page written, free
+    block = libc.malloc(64 << 20)
+    ctypes.memset(block, 1, 64 << 20)
+    libc.free(block)
+touched()
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+touched()
+print(kept, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+"""
+
+
+def test_a_freed_large_block_is_reused_without_faults_once_the_heap_keeps_them():
+    """heap.py keep_freed_memory (the command asks for it at its start): a second 64 MB block,
+    after the first was freed, is the same memory, touched already; without it, each is mapped
+    afresh and every page of it faults."""
+    import subprocess
+    import sys
+
+    runs = {how: subprocess.run([sys.executable, "-c", _FAULTS_OF_A_SECOND_BLOCK, how], capture_output=True, text=True,
+                                check=True).stdout.split() for how in ("keep", "default")}
+    if runs["keep"][0] != "True":
+        pytest.skip("the C library is not glibc: nothing to ask")
+    assert int(runs["keep"][1]) < 100 < 16384 - 100 < int(runs["default"][1])

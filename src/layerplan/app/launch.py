@@ -21,12 +21,16 @@ from __future__ import annotations
 import os
 import sys
 
+from layerplan.heap import keep_freed_memory
 from layerplan.lite import FRONT_END_VARIABLE
 
 
 def main() -> None:
     argv = sys.argv[1:]
-    if argv[:1] == ["generate"] and os.environ.get(FRONT_END_VARIABLE, "") != "torch":
+    light_generate = argv[:1] == ["generate"] and os.environ.get(FRONT_END_VARIABLE, "") != "torch"
+    if not light_generate:  # (the C heap keeps a pass's freed scratch for the next: heap.py)
+        keep_freed_memory()
+    if light_generate:
         from layerplan.lite.tokenizer_process import TokenizerProcess
         from layerplan.models.gguf_place import DEFAULT_MODEL
 
@@ -34,6 +38,7 @@ def main() -> None:
         # numpy's threads, which a fork would not copy), while this one reads the command line
         named = _model_named(argv, DEFAULT_MODEL)
         tokenizer = TokenizerProcess.for_model(named)
+        keep_freed_memory()  # (after the fork, which the tokenizer's parse waits for)
         from layerplan.app.cli.generating import light_request
 
         request = light_request(argv)

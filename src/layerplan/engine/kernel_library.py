@@ -19,6 +19,7 @@ from __future__ import annotations
 import ctypes
 import fcntl
 import hashlib
+import mmap
 import os
 import re
 import shlex
@@ -391,9 +392,14 @@ def huge_page_buffer(nbytes: int):
     """An uninitialised uint8 numpy array of nbytes (rounded up to whole 2 MB pages), 2 MB-aligned
     and advised onto 2 MB pages (lp_advise_huge_pages) before anything touches it: where a model's
     packed weights live, as a pass streams them (benchmarks/product_pages.c: 4 KB pages cost a TLB
-    miss every 64 cache lines and stop the prefetchers at every page)."""
+    miss every 64 cache lines and stop the prefetchers at every page). Mapped for it alone, not
+    taken from the heap, whose freed memory may have been touched on 4 KB pages already (and is,
+    once heap.py keep_freed_memory has asked the heap to keep large blocks)."""
     size = -(-nbytes // HUGE_PAGE) * HUGE_PAGE
-    raw = np.empty(size + HUGE_PAGE, np.uint8)  # not touched yet
+    # private and anonymous: untouched, and on 2 MB pages where asked (shared memory takes them only
+    # where the system's shmem setting allows, usually never)
+    mapping = mmap.mmap(-1, size + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    raw = np.frombuffer(mapping, np.uint8)
     start = -raw.ctypes.data % HUGE_PAGE
     out = raw[start:start + size]
     library().lp_advise_huge_pages(out.ctypes.data, size)

@@ -14,6 +14,7 @@ import sys
 import click
 from click.utils import make_default_short_help
 
+from layerplan.heap import keep_freed_memory
 from layerplan.messages import one_line
 
 # name -> (its module in this package, the first sentence of its help: what `layerplan -h` lists,
@@ -119,6 +120,8 @@ def main() -> None:
 
 
 def run_as_process() -> None:
-    """The console entry: this process runs one command and ends with it."""
+    """The console entry: this process runs one command and ends with it (and so its C heap keeps
+    freed blocks for the next pass: heap.py)."""
     main.process_is_the_command = True
+    keep_freed_memory()
     main()
