@@ -40,7 +40,9 @@ def measure_layerplan(model: str, new_tokens: int, threads: int, dtype: str, sta
 
     from layerplan.engine.load import load_model
     from layerplan.engine.runner import forward, new_cache
+    from layerplan.heap import keep_freed_memory
 
+    keep_freed_memory()  # as the `layerplan` command's process does (a long prompt's scratch is kept)
     torch.set_num_threads(threads)
     loaded = load_model(model, dtype=dtype)
     ids = torch.arange(context)[None] + 100
