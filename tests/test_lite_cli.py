@@ -62,6 +62,7 @@ BAD_REQUESTS = [
     (["generate", "Hello", "--plan", "0-40"], "Error: "),
 ]
 SECOND_MODEL = ["generate", "Hello", "--plan", "0-10,b:11-20"]
+SECOND_MODEL_PERPLEXITY = ["ppl", "--plan", "0-10,b:11-20", "--max-tokens", "64", "--window", "32"]
 # `layerplan ppl` lines the light front end takes: the same JSON (search/windows.py's sums over the
 # same logits), the same loading line
 SAME_PERPLEXITY = [
@@ -75,7 +76,7 @@ SAME_PERPLEXITY = [
 ]
 BAD_PERPLEXITY = (["ppl", "--stride", "600"], "Error: stride must be in 1..window (512), got 600")
 TORCH_LINES = [*SAME_OUTPUT, STATISTICS, *(argv for argv, _ in BAD_REQUESTS), SECOND_MODEL, *SAME_PERPLEXITY,
-               BAD_PERPLEXITY[0]]
+               BAD_PERPLEXITY[0], SECOND_MODEL_PERPLEXITY]
 
 # runs each command line of argv[1] (a JSON list) as the torch front end's process would, its
 # descriptors 1 and 2 on files of its own, and writes [status, stdout, stderr] per line to argv[2]
@@ -193,10 +194,10 @@ def test_a_bad_request_gets_the_torch_front_ends_message(argv, error, cache, tor
     assert lite_run.stderr.count("\n") == 2  # the loading line, then the error's one line
 
 
-def test_what_the_light_front_end_leaves_runs_on_the_torch_one(cache, torch_runs):
-    """A plan of a second model: found once the light front end started, so the command starts
-    again on the torch front end, whose message it gives."""
-    argv = SECOND_MODEL
+@pytest.mark.parametrize("argv", [SECOND_MODEL, SECOND_MODEL_PERPLEXITY])
+def test_what_the_light_front_end_leaves_runs_on_the_torch_one(argv, cache, torch_runs):
+    """A plan of a second model (generate's, ppl's): found once the light front end started, so the
+    command starts again on the torch front end, whose message it gives."""
     torch_run, lite_run = torch_runs[tuple(argv)], _run(argv, cache)
     assert lite_run.returncode == torch_run.returncode == 1
     assert lite_run.stderr.endswith(torch_run.stderr.splitlines()[-1] + "\n")
