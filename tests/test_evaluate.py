@@ -108,7 +108,7 @@ def test_the_commands_divergence_is_the_scorers_and_the_textbooks():
     assert d.top1_agreement == float((full.argmax(-1) == skipped.argmax(-1)).double().mean()) < 1
     for logits, reported in ((q, d.perplexity), (p, d.reference_perplexity)):
         nll = -logits[:, :-1].gather(-1, ids[:, 1:, None]).mean()
-        assert reported == pytest.approx(math.exp(float(nll)), rel=1e-12)
+        assert reported == pytest.approx(math.exp(float(nll)), rel=1e-7)  # (token_nll: float32 exponentials)
     assert d.tokens == 140 and d.complete
     scorer = Reference(full, ids).divergence(skipped, "p")
     assert d.kl == pytest.approx(scorer.kl, rel=1e-4) and d.top1_agreement == scorer.top1_agreement

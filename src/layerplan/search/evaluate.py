@@ -12,8 +12,8 @@ from layerplan.corpus import default_corpus
 from layerplan.engine.runner import forward
 from layerplan.models.loading import LoadedModel
 from layerplan.plan.plan import LayerPlan
-from layerplan.search.windows import (NLL_ROWS, Divergence, added_bos, PerplexityResult, chunk_perplexity, logits_divergence,
-                                     sliding_perplexity)
+from layerplan.search.windows import (NLL_ROWS, Divergence, PerplexityResult, added_bos, chunk_perplexity,
+                                     logits_divergence, sliding_perplexity)
 
 
 def calibration_ids(model: LoadedModel, text: str | None = None, tokens: int = 512) -> torch.Tensor:
@@ -222,11 +222,6 @@ class Reference:
             tokens=int(self.ids.numel()),
             plan=plan,
         )
-
-
-def divergence_from_logits(reference: torch.Tensor, logits: torch.Tensor, ids: torch.Tensor, plan: str = "") -> Divergence:
-    """Compare logits (B, T, V) of a plan with reference logits on the same ids."""
-    return Reference(reference, ids).divergence(logits, plan)
 
 
 def compare(model: LoadedModel, ids: torch.Tensor, plan: LayerPlan, reference: LayerPlan | None = None) -> Divergence:

@@ -165,32 +165,33 @@ def chunk_perplexity(ids: Sequence[int], logits_of: LogitsOf, context: int, bos:
 def logits_divergence(reference: np.ndarray, logits: np.ndarray, ids: Sequence[Sequence[int]],
                       plan: str) -> Divergence:
     """A plan's logits (B, T, vocab) against the reference plan's on the same ids (B, T), both
-    float32: the mean KL(reference || plan) over the B x T positions, how often both argmaxes (the
-    first maximum) agree, and both perplexities over the B x (T - 1) tokens predicted. In float64,
-    NLL_ROWS rows at a time. (search/evaluate.py's Reference scores many plans against one
-    reference faster, in float32; tests/test_evaluate.py checks that the two agree.)"""
+    float32: the mean KL(reference || plan) over the B x T positions (from log-softmaxes in float64,
+    NLL_ROWS rows at a time), how often both argmaxes (the first maximum) agree, and both
+    perplexities over the B x (T - 1) tokens predicted (token_nll). (search/evaluate.py's Reference
+    scores many plans against one reference faster, in float32; tests/test_evaluate.py checks that
+    the two agree.)"""
     targets = np.asarray(ids, np.int64)
     if (targets.ndim != 2 or targets.shape[1] < 2 or reference.shape != logits.shape
             or logits.shape[:2] != targets.shape):
         raise ValueError(f"a divergence needs two (B, T, vocab) logits of the same (B, T >= 2) ids, got "
                          f"{reference.shape} and {logits.shape} for {targets.shape} ids")
     batch, length = targets.shape
-    kl_sum, agree, nll = 0.0, 0, [0.0, 0.0]
+    kl_sum, agree = 0.0, 0
     for b in range(batch):
         for start in range(0, length, NLL_ROWS):
-            end = min(start + NLL_ROWS, length)
-            scored = min(end, length - 1) - start  # rows that predict a next token
-            log_probs = []
-            for side, part in enumerate((reference[b, start:end], logits[b, start:end])):
-                wide = part.astype(np.float64)
-                wide -= wide.max(axis=1, keepdims=True)
-                wide -= np.log(np.exp(wide).sum(axis=1, keepdims=True))  # log-softmax, in float64
-                log_probs.append(wide)
-                if scored > 0:
-                    nll[side] -= float(wide[np.arange(scored), targets[b, start + 1:start + 1 + scored]].sum())
-            reference_log, plan_log = log_probs
+            rows = slice(start, min(start + NLL_ROWS, length))
+            reference_log, plan_log = (_log_softmax(part[b, rows]) for part in (reference, logits))
             kl_sum += float((np.exp(reference_log) * (reference_log - plan_log)).sum())
-            agree += int((reference[b, start:end].argmax(axis=1) == logits[b, start:end].argmax(axis=1)).sum())
+            agree += int((reference[b, rows].argmax(axis=1) == logits[b, rows].argmax(axis=1)).sum())
+    nll = [sum(float(token_nll(part[b], targets[b]).sum()) for b in range(batch)) for part in (reference, logits)]
     positions, predicted = batch * length, batch * (length - 1)
     return Divergence(perplexity=math.exp(nll[1] / predicted), reference_perplexity=math.exp(nll[0] / predicted),
                       kl=max(kl_sum / positions, 0.0), top1_agreement=agree / positions, tokens=positions, plan=plan)
+
+
+def _log_softmax(rows: np.ndarray) -> np.ndarray:
+    """float64 log-softmax of float32 rows (rows, vocab)."""
+    wide = rows.astype(np.float64)
+    wide -= wide.max(axis=1, keepdims=True)
+    wide -= np.log(np.exp(wide).sum(axis=1, keepdims=True))
+    return wide
