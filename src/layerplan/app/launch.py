@@ -1,7 +1,7 @@
-"""The `layerplan` command's entry: a GGUF's plain generation and its perplexity under the full
-model run on the light front end (layerplan/lite/: numpy and the native kernels, a start of a
-tenth of a second), every other command line on the torch front end (app/cli/), which reads it as
-it always has.
+"""The `layerplan` command's entry: a GGUF's plain generation and its perplexity (under a plan of
+the model, in either protocol) run on the light front end (layerplan/lite/: numpy and the native
+kernels, a start of a tenth of a second), every other command line on the torch front end
+(app/cli/), which reads it as it always has.
 
 Which one runs changes no output: the light front end takes only command lines whose meaning it
 carries out as the torch one does (app/cli/generating.py light_request, app/cli/scoring.py

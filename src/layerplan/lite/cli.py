@@ -125,15 +125,15 @@ def run_ppl(request: LitePerplexityRequest) -> int | None:
             return model.logits(tokens, model.new_cache(under, len(tokens)), 0, last_only=False)
 
         bar = _windows_bar if sys.stderr.isatty() else None
+        joined = [token for ids in sequences for token in ids]  # (the texts as one, as research.py's torch.cat)
         if request.protocol == "llama.cpp":  # one text, as llama-perplexity reads its file whole
-            joined = [token for ids in sequences for token in ids]
             bos = added_bos(lambda text, special: model.tokenizer.encode(text, special_tokens=special))
             result = chunk_perplexity(joined, logits_of, request.window, bos, plan.to_string(), bar)
         else:
             result = sliding_perplexity(sequences, logits_of, request.window, request.stride, plan.to_string(), bar)
         report = result.to_dict()
         if request.compare and not plan.is_identity:  # (research.py's: the first min(window, 512) tokens)
-            ids = [token for tokens in sequences for token in tokens][:min(request.window, 512)]
+            ids = joined[:min(request.window, 512)]
             report["vs_full_model"] = logits_divergence(logits_of(ids, model.plan(None))[None], logits_of(ids)[None],
                                                         [ids], plan.to_string()).to_dict()
     except _ENDINGS as error:
