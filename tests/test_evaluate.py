@@ -160,18 +160,3 @@ def test_chunked_divergence_of_hidden_equals_whole_logits(chunk, head_rows):
     assert chunked.top1_agreement == whole.top1_agreement
 
 
-@pytest.mark.parametrize("vocab, block", [(12, 4), (10, 4), (7, 1024)])
-def test_first_argmax_is_argmax_with_its_first_index_rule(vocab, block):
-    from layerplan.search.evaluate import first_argmax_is
-
-    generator = torch.Generator().manual_seed(0)
-    # few distinct values: many rows have their maximum twice or more (ties, as in bf16 logits)
-    logits = torch.randint(0, 4, (200, vocab), generator=generator).float()
-    targets = torch.randint(0, vocab, (200,), generator=generator)
-    targets[::3] = logits[::3].argmax(-1)  # plenty of true matches
-    last_max = vocab - 1 - logits.flip(-1).argmax(-1)
-    targets[1::3] = last_max[1::3]  # a maximum, but not the first one where tied
-    got = first_argmax_is(logits, logits.amax(-1), targets, block=block)
-    assert torch.equal(got, logits.argmax(-1) == targets)
-    assert got.any() and (~got).any()
-    assert (logits == logits.amax(-1, keepdim=True)).sum(-1).gt(1).any()  # ties were really exercised

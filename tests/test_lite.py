@@ -21,7 +21,7 @@ from layerplan.engine.load import load_model
 from layerplan.engine.rope_tables import rope_rows
 from layerplan.engine.runner import forward, new_cache
 from layerplan.app.cli.generating import light_request
-from layerplan.app.cli.scoring import light_ppl_request
+from layerplan.app.cli.scoring import light_ppl_request, light_scan_request
 from layerplan.decoding.generate import generate
 from layerplan.decoding.loop import DecodeLoop
 from layerplan.lite.request import LiteRequest
@@ -291,6 +291,26 @@ def test_the_command_lines_it_takes(argv, taken, monkeypatch):
 def test_the_perplexity_lines_it_takes(argv, taken, monkeypatch):
     monkeypatch.delenv("LAYERPLAN_FRONT_END", raising=False)
     assert (light_ppl_request(argv) is not None) == taken
+
+
+@pytest.mark.parametrize("argv,taken", [
+    (["scan"], True),
+    (["scan", "-m", "some.gguf", "--dtype", "stored-fast", "--tokens", "64", "--kinds", "mlp", "--plan", "exit:20",
+      "--no-reuse", "-t", "1", "--text", "text.txt", "--out", "somewhere"], True),
+    (["scan", "--exits"], True),
+    (["scan", "--device", "cuda"], False),
+    (["scan", "--dtype", "bfloat16"], False),
+    (["scan", "--tokens", "1"], False),  # refused by the command: the torch front end says so
+    (["scan", "--help"], False),
+    (["ppl"], False),
+])
+def test_the_scan_lines_it_takes(argv, taken, monkeypatch):
+    monkeypatch.delenv("LAYERPLAN_FRONT_END", raising=False)
+    request = light_scan_request(argv)
+    assert (request is not None) == taken
+    if request is not None:  # the command's own reading of --kinds, --exits and --no-reuse
+        kinds = ["exit"] if "--exits" in argv else ["mlp"] if "--kinds" in argv else ["attention", "mlp", "layer"]
+        assert (request.kinds, request.exits, request.reuse) == (kinds, "--exits" in argv, "--no-reuse" not in argv)
 
 
 def test_rotary_rows_are_transformers_within_a_unit_in_the_last_place():

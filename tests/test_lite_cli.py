@@ -1,7 +1,8 @@
 """`layerplan generate` on the light front end (layerplan/lite/, what the command starts on for a
 GGUF's plain greedy continuation) against the same command line on the torch front end
-(LAYERPLAN_FRONT_END=torch): the same text, streamed or not, the same messages; and a start
-that imports neither torch nor transformers. The packaged SmolLM2.
+(LAYERPLAN_FRONT_END=torch): the same text, streamed or not, the same messages; ppl's JSON and
+scan's table and files likewise; and a start that imports neither torch nor transformers. The
+packaged SmolLM2.
 
 The light front end runs a process per command line, as a user starts it. The torch front end's
 answers to the same command lines (TORCH_LINES) come from one process that runs them in turn, each
@@ -17,13 +18,15 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 import pytest
 
 from layerplan.files import cache_dir
 from layerplan.lite.cli import runnable
 from layerplan.app.cli.generating import light_request
-from layerplan.app.cli.scoring import light_ppl_request
+from layerplan.app.cli.scoring import light_ppl_request, light_scan_request
 
 pytestmark = pytest.mark.real
 
@@ -75,8 +78,21 @@ SAME_PERPLEXITY = [
      "--dtype", "stored-fast"],
 ]
 BAD_PERPLEXITY = (["ppl", "--stride", "600"], "Error: stride must be in 1..window (512), got 600")
+# `layerplan scan` lines the light front end takes (each front end writing into a folder of its own:
+# SCAN_OUT / front end / line)
+SCAN_OUT = Path(tempfile.gettempdir()) / f"layerplan-test-scans-{os.getpid()}"
+SAME_SCAN = [
+    ["scan", "--tokens", "40", "--kinds", "attention,layer", "--plan", "skip:mlp=3"],
+    ["scan", "--tokens", "32", "--exits", "--dtype", "stored-fast", "--threads", "1"],
+]
+
+
+def _scan_line(i: int, front_end: str) -> list[str]:
+    return [*SAME_SCAN[i], "--out", str(SCAN_OUT / front_end / str(i))]
+
+
 TORCH_LINES = [*SAME_OUTPUT, STATISTICS, *(argv for argv, _ in BAD_REQUESTS), SECOND_MODEL, *SAME_PERPLEXITY,
-               BAD_PERPLEXITY[0], SECOND_MODEL_PERPLEXITY]
+               BAD_PERPLEXITY[0], SECOND_MODEL_PERPLEXITY, *(_scan_line(i, "torch") for i in range(len(SAME_SCAN)))]
 
 # runs each command line of argv[1] (a JSON list) as the torch front end's process would, its
 # descriptors 1 and 2 on files of its own, and writes [status, stdout, stderr] per line to argv[2]
@@ -143,6 +159,35 @@ def test_the_light_front_end_prints_what_the_torch_one_prints(argv, cache, torch
         assert json.loads(lite_run.stdout)["tokens"] > 0
 
 
+@pytest.mark.parametrize("line", range(len(SAME_SCAN)))
+def test_the_light_scan_prints_and_writes_what_the_torch_one_does(line, cache, torch_runs, monkeypatch):
+    """The same table, loading line and files but for the folder named and the seconds taken (the
+    candidates' numbers are the same bits: tests/test_lite_scan.py)."""
+    torch_argv, argv = _scan_line(line, "torch"), _scan_line(line, "light")
+    torch_run = torch_runs[tuple(torch_argv)]
+    assert torch_run.returncode == 0, torch_run.stderr
+    monkeypatch.setenv("LAYERPLAN_CACHE", str(cache))
+    monkeypatch.delenv("LAYERPLAN_FRONT_END", raising=False)
+    assert runnable(light_scan_request(argv))  # so launch runs it on the light front end
+    try:
+        lite_run = _run(argv, cache)
+        assert lite_run.returncode == 0 and lite_run.stderr == torch_run.stderr, lite_run.stderr
+
+        def untimed(text: str) -> str:
+            return re.sub(r"candidates in [0-9.]+s", "", text.replace(argv[-1], torch_argv[-1]))
+
+        assert untimed(lite_run.stdout) == untimed(torch_run.stdout) and "wrote" in lite_run.stdout
+        name = "exits" if "--exits" in argv else "scan"
+        written = [json.loads((Path(run[-1]) / f"{name}.json").read_text()) for run in (torch_argv, argv)]
+        for result in written:
+            result.pop("seconds")
+        assert written[0] == written[1] and len(written[0]["items"]) > 20
+        assert (Path(argv[-1]) / f"{name}.png").read_bytes()[:4] == b"\x89PNG"
+    finally:
+        shutil.rmtree(SCAN_OUT / "light" / str(line), ignore_errors=True)
+        shutil.rmtree(SCAN_OUT / "torch" / str(line), ignore_errors=True)
+
+
 def test_a_bad_perplexity_line_gets_the_torch_front_ends_message(cache, torch_runs):
     argv, error = BAD_PERPLEXITY
     torch_run, lite_run = torch_runs[tuple(argv)], _run(argv, cache)
@@ -204,18 +249,24 @@ def test_what_the_light_front_end_leaves_runs_on_the_torch_one(argv, cache, torc
     assert "only a is loaded" in lite_run.stderr
 
 
-def test_a_start_on_the_light_front_end_imports_neither_torch_nor_transformers(cache):
+def test_a_start_on_the_light_front_end_imports_neither_torch_nor_transformers(cache, tmp_path):
+    """generate, and then a scan with its table, JSON and picture."""
     probe = ("import sys\n"
-             "from layerplan.lite.cli import run, runnable\n"
+             "from layerplan.lite.cli import run, run_scan, runnable\n"
              "from layerplan.app.cli.generating import light_request\n"
+             "from layerplan.app.cli.scoring import light_scan_request, report_scan\n"
              "request = light_request(['generate', 'The capital of France is', '-n', '4'])\n"
              "assert runnable(request)\n"
              "assert run(request) == 0\n"
+             f"scan = light_scan_request(['scan', '--tokens', '16', '--kinds', 'mlp', '--out', {str(tmp_path)!r}])\n"
+             "assert runnable(scan)\n"
+             "assert run_scan(scan, lambda result: report_scan(result, scan.out, scan.exits)) == 0\n"
              "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers', 'accelerate')))\n")
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300,
                           env={**os.environ, "LAYERPLAN_CACHE": str(cache)})
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip().splitlines()[-1] == "[]"
+    assert (tmp_path / "scan.png").exists() and len(json.loads((tmp_path / "scan.json").read_text())["items"]) == 30
 
 
 def test_a_reader_that_leaves_ends_the_command_without_a_traceback(cache):

@@ -7,7 +7,7 @@ from click.testing import CliRunner
 
 from layerplan.app.cli import main
 from layerplan.models.loading import ModelError, load_model, model_depth
-from layerplan.search.scan import load_cached_scan
+from layerplan.search.importance import load_cached_scan
 
 
 def test_missing_model_says_what_was_looked_for(tmp_path):
@@ -51,7 +51,7 @@ def test_cli_plan_against_default_model_names_it():
 @pytest.mark.real
 def test_cli_scan_writes_json_and_png(tmp_path, monkeypatch):
     # the kept copy goes to a cache of this test's own: the models stay where the cache has them
-    monkeypatch.setattr("layerplan.search.scan.cache_dir", lambda: tmp_path / "cache")
+    monkeypatch.setattr("layerplan.search.importance.cache_dir", lambda: tmp_path / "cache")
     result = CliRunner().invoke(main, ["scan", "--tokens", "64", "--kinds", "attention", "--dtype", "bfloat16",
                                        "--out", str(tmp_path)])
     assert result.exit_code == 0, result.output

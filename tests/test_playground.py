@@ -87,7 +87,7 @@ def test_plans_are_read_and_written_by_the_servers_parser(server):
 
 
 def test_a_scan_from_the_page_runs_between_passes_and_is_kept(server, model):
-    from layerplan.search.scan import ScanItem, load_cached_scan
+    from layerplan.search.importance import ScanItem, load_cached_scan
 
     with _client(server) as client:
         started = client.post("/layerplan/scan", json={"tokens": 16}).json()

@@ -77,7 +77,7 @@ def test_the_scan_reports_routing_for_moe_models_only():
 
 
 def test_many_experts_print_their_extremes():
-    from layerplan.search.routing import ExpertRouting
+    from layerplan.search.importance import ExpertRouting
 
     shares = tuple([0.0] * 30 + [0.25, 0.75])
     line = ExpertRouting(0, 0, 8, shares).line()

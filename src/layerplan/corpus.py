@@ -88,3 +88,8 @@ def read_jsonl(path: Path) -> list[tuple[int, object]]:
         except json.JSONDecodeError as error:
             raise ValueError(f"{path}:{number}: not valid JSON ({error.msg})") from None
     return records
+
+
+def given_text(text: str | None) -> str | None:
+    """--text read before any model loads (None: the caller's default corpus)."""
+    return "\n\n".join(read_texts(text)) if text else None

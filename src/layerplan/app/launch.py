@@ -1,12 +1,12 @@
-"""The `layerplan` command's entry: a GGUF's plain generation and its perplexity (under a plan of
-the model, in either protocol) run on the light front end (layerplan/lite/: numpy and the native
-kernels, a start of a tenth of a second), every other command line on the torch front end
-(app/cli/), which reads it as it always has.
+"""The `layerplan` command's entry: a GGUF's plain generation, its perplexity (under a plan of the
+model, in either protocol) and its scan (of any plan of the model) run on the light front end
+(layerplan/lite/: numpy and the native kernels, a start of a tenth of a second), every other
+command line on the torch front end (app/cli/), which reads it as it always has.
 
 Which one runs changes no output: the light front end takes only command lines whose meaning it
 carries out as the torch one does (app/cli/generating.py light_request, app/cli/scoring.py
-light_ppl_request), and only models whose index it can read (kept, or made now from the file).
-Where it finds, once started, that the model needs the torch front end, the command starts again
+light_ppl_request and light_scan_request), and only models whose index it can read (kept, or made
+now from the file). Where it finds, once started, that the model needs the torch front end, the command starts again
 as `python -m layerplan.app.cli` with LAYERPLAN_FRONT_END=torch: the kernels' library, loaded by
 then, links an OpenMP runtime that must not meet torch's in one process.
 
@@ -64,6 +64,16 @@ def main() -> None:
 
             taken = runnable(request)
             _leave_or_restart(run_ppl(request) if taken else None, taken, argv)
+    if argv[:1] == ["scan"] and os.environ.get(FRONT_END_VARIABLE, "") != "torch":
+        from layerplan.app.cli.scoring import light_scan_request, report_scan
+
+        request = light_scan_request(argv)
+        if request is not None:
+            from layerplan.lite.cli import run_scan, runnable
+
+            taken = runnable(request)
+            status = run_scan(request, lambda result: report_scan(result, request.out, request.exits)) if taken else None
+            _leave_or_restart(status, taken, argv)
     from layerplan.app.cli import run_as_process
 
     run_as_process()

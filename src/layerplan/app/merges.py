@@ -20,7 +20,7 @@ from layerplan.plan.formats import save_plan, to_mergekit
 from layerplan.plan.plan import parse_plan
 from layerplan.search.bayes import StudyResult
 from layerplan.search.blocks import BlockRow, BlockScanResult, MergeSpace, block_candidates, block_scan, merge_study
-from layerplan.search.measures import MeasureInputs, build_scorers, point_value
+from layerplan.search.measures import MEASURES, MeasureInputs, build_scorers, point_value
 
 
 def export_commands(plan: str, model_source: str, out: str = "merged") -> list[str]:
@@ -108,7 +108,7 @@ def write_scan(result: BlockScanResult, out_dir: Path, model_source: str, report
     for measure in result.measures:
         for count in result.repeats:  # a heatmap per repeat count (named by it where there are several)
             name = f"blocks-{measure}.png" if len(result.repeats) == 1 else f"blocks-{measure}-x{count}.png"
-            path = block_heatmap(result, measure, out_dir / name, count)
+            path = block_heatmap(result, measure, MEASURES[measure].direction == "minimize", out_dir / name, count)
             images[f"Change in {measure} when block i..j is repeated {times_in_words([count])}"] = path
             written.append(path)
     best = parse_plan(result.best().plan, result.num_layers, result.model)

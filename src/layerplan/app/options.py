@@ -13,6 +13,7 @@ import click
 from layerplan.decoding.draft_length import draft_length_help
 from layerplan.decoding.limits import SEED_RANGE
 from layerplan.engine.choices import BLOCK_PRECISIONS, DENSE_PRECISIONS, ENGINES
+from layerplan.files import WriteError, check_output
 from layerplan.lite import FRONT_END_VARIABLE
 from layerplan.models.gguf_place import DEFAULT_MODEL
 
@@ -183,3 +184,20 @@ def light_context(command: click.Command, argv: list[str]) -> click.Context | No
         return command.make_context(command.name, list(argv[1:]))
     except (click.ClickException, click.exceptions.Exit, click.exceptions.Abort):
         return None
+
+
+class Output(click.Path):
+    """An output path, checked as it is parsed (files.check_output), so that a command refuses it
+    before any work: kind 'file', or 'folder' (its files are written into it)."""
+
+    def __init__(self, kind: str = "file") -> None:
+        super().__init__(dir_okay=kind != "file", file_okay=kind == "file")
+        self.kind = kind
+
+    def convert(self, value, param, ctx):
+        value = super().convert(value, param, ctx)
+        try:
+            check_output(value, self.kind)
+        except (WriteError, ValueError) as error:  # (ValueError: a NUL in the path)
+            self.fail(str(error), param, ctx)
+        return value

@@ -36,7 +36,8 @@ from layerplan.models.loading import LoadedModel
 from layerplan.plan.formats import load_plan
 from layerplan.plan.plan import LayerPlan, PlanError, parse_plan
 from layerplan.search.evaluate import calibration_ids
-from layerplan.search.scan import ScanResult, load_cached_scan, save_cached_scan, scan
+from layerplan.search.importance import ScanResult, load_cached_scan, save_cached_scan
+from layerplan.search.scan import scan
 
 STATIC = Path(__file__).parent / "playground"
 SCAN_TOKENS = (16, 2048)  # what the page may ask a scan to read: enough to rank, not a server's hour

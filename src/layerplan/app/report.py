@@ -11,8 +11,7 @@ from pathlib import Path
 import numpy as np
 
 from layerplan.files import write_bytes_atomic
-from layerplan.search.measures import MEASURES
-from layerplan.search.scan import KINDS, ScanResult
+from layerplan.search.importance import KINDS, ScanResult
 
 
 def _save(fig, path) -> Path:
@@ -200,10 +199,11 @@ def times_in_words(counts: list[int]) -> str:
     return " and ".join(words)
 
 
-def block_heatmap(result, measure: str, path: str | Path, repeats: int | None = None) -> Path:
+def block_heatmap(result, measure: str, minimise: bool, path: str | Path, repeats: int | None = None) -> Path:
     """The (start, end) grid of a block-repeat scan (its rows repeated `repeats` times; default
-    the first count scanned) coloured by the change in `measure` against the model itself; blue
-    is better whichever way the measure points, and the model itself is 0."""
+    the first count scanned) coloured by the change in `measure` (lower is better where minimise)
+    against the model itself; blue is better whichever way the measure points, and the model itself
+    is 0."""
     from matplotlib.colors import TwoSlopeNorm
 
     repeats = repeats if repeats is not None else result.repeats[0]
@@ -214,7 +214,6 @@ def block_heatmap(result, measure: str, path: str | Path, repeats: int | None = 
     grid = np.full((n, n), np.nan)
     for row in rows:
         grid[row.start - low, row.end - low] = row.score(measure).change
-    minimise = MEASURES[measure].direction == "minimize"
     fig, ax = _figure(max(5.0, 0.22 * n + 2), max(4.0, 0.2 * n + 1.5))
     finite = grid[np.isfinite(grid)]
     reach = float(np.abs(finite).max()) if finite.size and np.abs(finite).max() > 0 else 1.0

@@ -19,7 +19,8 @@ from layerplan.search.evaluate import calibration_ids
 from layerplan.search.evaluator import PlanEvaluator, measure_costs
 from layerplan.search.greedy import GreedyResult, greedy_search
 from layerplan.search.objectives import score
-from layerplan.search.scan import ScanResult, scan
+from layerplan.search.importance import ScanResult
+from layerplan.search.scan import scan
 
 
 @dataclass

@@ -1,20 +1,24 @@
-"""`layerplan generate` and `layerplan ppl` on the light front end, where they give what the
-torch front end gives: the command lines lite/request.py takes, on a model whose index the light
-front end runs. The output (text, stream, the closing line and the messages on stderr; ppl's JSON)
-is the torch front end's for the same command line (tests/test_lite.py runs both).
+"""`layerplan generate`, `layerplan ppl` and `layerplan scan` on the light front end, where they
+give what the torch front end gives: the command lines lite/request.py takes, on a model whose
+index the light front end runs. The output (text, stream, the closing line and the messages on
+stderr; ppl's JSON; the scan's numbers, which the caller's report writes) is the torch front end's
+for the same command line (tests/test_lite.py, tests/test_lite_scan.py run both).
 """
 
 from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Callable
 
-from layerplan.corpus import default_corpus, read_texts
+from layerplan.corpus import default_corpus, given_text, read_texts
 from layerplan.decoding.budget import token_budget
 from layerplan.decoding.loop import DecodeLoop
 from layerplan.decoding.text import TextDelta
+from layerplan.files import WriteError
+from layerplan.lite.evaluator import LitePlanEvaluator
 from layerplan.lite.model import LiteModel, TorchFrontEnd, lite_refusal
-from layerplan.lite.request import ARITHMETICS, LitePerplexityRequest, LiteRequest
+from layerplan.lite.request import ARITHMETICS, LitePerplexityRequest, LiteRequest, LiteScanRequest
 from layerplan.lite.tokenizer_process import TokenizerProcess
 from layerplan.machine import read_cpuinfo
 from layerplan.messages import one_line
@@ -24,10 +28,11 @@ from layerplan.models.file_index import WRITING_TOKENIZER
 from layerplan.models.gguf_index import file_index
 from layerplan.models.gguf_place import TENSORS_FILE, gguf_of, index_folder
 from layerplan.plan.plan import LayerPlan, PlanError
+from layerplan.search.importance import ScanResult, check_kinds, scan_plans
 from layerplan.search.windows import added_bos, chunk_perplexity, logits_divergence, sliding_perplexity
 
 
-def runnable(request: LiteRequest | LitePerplexityRequest) -> bool:
+def runnable(request: LiteRequest | LitePerplexityRequest | LiteScanRequest) -> bool:
     """Whether the light front end runs it: a GGUF whose index it reads (kept from an earlier
     load, or made now from the file where models/file_index.py's tables cover it), with a
     tokenizer (the torch front end says what a model without one cannot do). A file that cannot
@@ -58,7 +63,7 @@ def _packing_bar(done: int, total: int) -> None:
           end="", file=sys.stderr, flush=True)
 
 
-def _load(request: LiteRequest | LitePerplexityRequest, tokenizer: TokenizerProcess | None = None) -> LiteModel:
+def _load(request: LiteRequest | LitePerplexityRequest | LiteScanRequest, tokenizer: TokenizerProcess | None = None) -> LiteModel:
     """The request's model, after app/cli/common.py's loading line; its panels' packing drawn on a
     terminal (a first use)."""
     first = (f"; its first use: indexed and packed for the kernels once, into {cache_dir()}"
@@ -145,6 +150,34 @@ def run_ppl(request: LitePerplexityRequest) -> int | None:
     return 0
 
 
+def _scan_bar(done: int, total: int) -> None:
+    """A scan's candidates, on a terminal: one line redrawn, gone once done (as the torch front
+    end's bar)."""
+    line = f"\rscan: {done} of {total} candidates\x1b[K" if done < total else "\r\x1b[K"
+    print(line, end="", file=sys.stderr, flush=True)
+
+
+def run_scan(request: LiteScanRequest, report: Callable[[ScanResult], None]) -> int | None:
+    """Carry out a runnable `layerplan scan` request as app/cli/research.py's run_scan_command
+    would (the same calibration ids, candidates and numbers: lite/evaluator.py); report(result)
+    prints and writes it (app/cli/scoring.py report_scan). The exit status, or None where the
+    model turned out to need the torch front end."""
+    try:
+        check_kinds(request.kinds)
+        calibration = given_text(request.text)
+        model = _load(request)
+        plan = model.plan(request.plan)
+        ids = model.encode(calibration if calibration is not None else default_corpus())
+        if len(ids) < request.tokens:  # (search/evaluate.py calibration_ids' message)
+            raise ValueError(f"the calibration text has {len(ids)} tokens, fewer than the {request.tokens} asked for")
+        evaluator = LitePlanEvaluator(model, ids[:request.tokens], plan, reuse=request.reuse)
+        result = scan_plans(evaluator, request.kinds, _scan_bar if sys.stderr.isatty() else None)
+        report(result)
+    except _ENDINGS as error:
+        return _ended_by(error)
+    return 0
+
+
 # what a request may end with, before its output (_ended_by)
 _ENDINGS = (TorchFrontEnd, KeyboardInterrupt, PlanError, ModelError, ValueError, OSError)
 
@@ -158,7 +191,7 @@ def _ended_by(error: BaseException) -> int | None:
         print("Aborted!", file=sys.stderr)
     elif isinstance(error, BrokenPipeError):  # `layerplan … | head` closed the pipe: nothing more to say
         pass
-    elif isinstance(error, (PlanError, ModelError, ValueError, FileNotFoundError)):
+    elif isinstance(error, (PlanError, ModelError, ValueError, FileNotFoundError, WriteError)):
         print(f"Error: {one_line(str(error))}", file=sys.stderr)
     else:
         where = f"{error.filename}: " if error.filename else ""

@@ -4,7 +4,8 @@ threads, a plan of this model, the token budget, stop strings, streaming, the ch
 it only wraps the prompt, the statistics); app/cli/generating.py light_request makes one of a
 command line that the command itself has read, where the line asks for nothing else. A `layerplan
 ppl` request: a GGUF's perplexity under a plan of this model, in either protocol, and the plan's
-comparison with the full model (app/cli/scoring.py light_ppl_request)."""
+comparison with the full model (app/cli/scoring.py light_ppl_request). A `layerplan scan` request:
+a GGUF's sub-layer or exit scan of a plan of this model (app/cli/scoring.py light_scan_request)."""
 
 from __future__ import annotations
 
@@ -56,6 +57,26 @@ class LitePerplexityRequest:
     plan: str | None = None  # a plan of this model (None: the full model)
     protocol: str = "sliding"  # search/windows.py PROTOCOLS
     compare: bool = True  # --compare: a plan's KL and top-1 agreement against the full model
+    engine: str = "auto"  # (what the loading line names: the torch front end's default)
+    first_use: bool = False  # the model's index was made by this command (lite/cli.py runnable)
+
+    @property
+    def precision(self) -> str:
+        return precision_of(self.dtype)
+
+
+@dataclass
+class LiteScanRequest:
+    model: str = DEFAULT_MODEL
+    dtype: str = "auto"
+    threads: int | None = None
+    plan: str | None = None  # --plan: the base plan (None: the full model)
+    tokens: int = 512  # --tokens: the calibration text's first tokens
+    text: str | None = None  # --text: a .txt or .jsonl file (None: the built-in corpus)
+    kinds: list[str] = field(default_factory=lambda: ["attention", "mlp", "layer"])  # search/importance.py's
+    exits: bool = False  # --exits: an exit scan (its outputs are named exits.*)
+    reuse: bool = True  # --no-reuse: every candidate from the embeddings
+    out: str = "runs/scan"
     engine: str = "auto"  # (what the loading line names: the torch front end's default)
     first_use: bool = False  # the model's index was made by this command (lite/cli.py runnable)
 

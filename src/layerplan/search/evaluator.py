@@ -14,6 +14,7 @@ from layerplan.engine.runner import Resume, embed, forward, head, new_cache, run
 from layerplan.models.loading import LoadedModel
 from layerplan.plan.plan import LayerPlan
 from layerplan.search.evaluate import Divergence, Reference
+from layerplan.search.reference import ResumingEvaluator
 
 
 @dataclass(frozen=True)
@@ -74,62 +75,29 @@ def measure_costs(model: LoadedModel, context: int = 128, repeats: int = 12) -> 
     return CostModel(full_s, fixed, attention * share / n, mlp * share / n)
 
 
-class PlanEvaluator:
-    """Quality of many plans against one reference plan (default: the full model) on fixed ids."""
+class PlanEvaluator(ResumingEvaluator):
+    """Quality of many plans against one reference plan (default: the full model) on fixed ids
+    (B, T), on the torch front end's model (search/reference.py ResumingEvaluator)."""
 
     def __init__(self, model: LoadedModel, ids: torch.Tensor, reference: LayerPlan | None = None,
                  reuse: bool = True, probe_row: ProbeRow | None = None) -> None:
+        super().__init__(reference if reference is not None else model.plan(), reuse)
         self.model, self.ids = model, ids
+        self.name, self.tokens = model.name, int(ids.numel())
         # this machine's probe row for the model: the verify costs of timed speculative decoding
         self.probe_row = probe_row
-        self.reuse = reuse  # False: every candidate from the embeddings, no memo (the naive baseline)
-        self.reference_plan = reference if reference is not None else model.plan()
-        self.captured: dict[tuple[int, str], torch.Tensor] = {}
         with torch.inference_mode():
             hidden = run_hidden(model, ids, self.reference_plan,
                                 observe=lambda i, sub, h: self.captured.__setitem__((i, sub), h))
             self.final_hidden = hidden  # (B, T, hidden): scoring the reference plan itself reads it
             self.reference = Reference.from_hidden(lambda h: head(model, h), hidden, ids)
-        self.cache: dict[LayerPlan, Divergence] = {}
-        self.evaluations = 0  # model runs actually made (memo hits excluded)
-        self.aborted = 0  # of which stopped early because they could no longer matter
-
-    def _resume_point(self, plan: LayerPlan) -> tuple[int, str] | None:
-        """First (step, sub-layer) where `plan` differs from the reference; None if identical."""
-        ref = self.reference_plan
-        for i, step in enumerate(plan.active_steps):
-            if i >= len(ref.active_steps):
-                return 0, "attention"  # longer than the reference: nothing captured to resume from
-            other = ref.steps[i]
-            if step.layer != other.layer or step.scale != other.scale:
-                return i, "attention"
-            if step.attention != other.attention:
-                return i, "attention"
-            if step.mlp != other.mlp:
-                return i, "mlp"
-        if len(plan.active_steps) != len(ref.active_steps):
-            return len(plan.active_steps), "attention"  # an earlier exit: resume at the exit
-        return None
 
     @torch.inference_mode()
-    def divergence(self, plan: LayerPlan, give_up=None) -> Divergence:
-        """give_up: see Reference.divergence_of_hidden; an early-stopped result is not memoised."""
-        if self.reuse and plan in self.cache:
-            return self.cache[plan]
-        point = self._resume_point(plan)
-        if not self.reuse:
-            hidden = run_hidden(self.model, self.ids, plan)
-        elif point is None:  # the reference plan itself
-            hidden = self.final_hidden
-        elif point[0] >= len(plan.active_steps):  # nothing left to run: the exit point itself
-            hidden = self.captured[(point[0], "attention")]
-        else:
-            hidden = run_hidden(self.model, None, plan, resume=Resume(self.captured[point], point[0], point[1]))
-        self.evaluations += 1
-        result = self.reference.divergence_of_hidden(lambda h: head(self.model, h), hidden, plan.to_string(),
-                                                     give_up=give_up)
-        if result.complete:
-            self.cache[plan] = result
-        else:
-            self.aborted += 1
-        return result
+    def run(self, plan: LayerPlan, resume: tuple[int, str] | None) -> torch.Tensor:
+        if resume is None:
+            return run_hidden(self.model, self.ids, plan)
+        return run_hidden(self.model, None, plan, resume=Resume(self.captured[resume], *resume))
+
+    @torch.inference_mode()
+    def score(self, hidden: torch.Tensor, plan: str, give_up) -> Divergence:
+        return self.reference.divergence_of_hidden(lambda h: head(self.model, h), hidden, plan, give_up=give_up)

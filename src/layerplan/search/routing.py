@@ -8,7 +8,7 @@ where they are and what they return); the model runs by the plan runner, eagerly
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
 
@@ -17,28 +17,7 @@ from layerplan.models.arch_table import ARCHITECTURES
 from layerplan.models.architectures import expert_selections, router_of
 from layerplan.models.loading import LoadedModel
 from layerplan.plan.plan import LayerPlan
-
-
-@dataclass(frozen=True)
-class ExpertRouting:
-    """One plan step's routing: share[e] = selections of expert e / all top-k selections (sums to
-    1; a token routed to k experts counts k times)."""
-
-    step: int
-    layer: int
-    selections: int  # tokens x top-k
-    shares: tuple[float, ...]  # per expert
-
-    def line(self) -> str:
-        """The step's shares as a table row: every expert for up to 16, else the extremes."""
-        shares = self.shares
-        if len(shares) <= 16:
-            return " ".join(f"{100 * s:5.1f}" for s in shares)
-        order = sorted(range(len(shares)), key=lambda e: -shares[e])
-        top = ", ".join(f"e{e} {100 * shares[e]:.1f}%" for e in order[:4])
-        unused = sum(1 for s in shares if s == 0)
-        return (f"{len(shares)} experts; most chosen {top}; least e{order[-1]} {100 * shares[order[-1]]:.2f}%; "
-                f"never chosen {unused}")
+from layerplan.search.importance import ExpertRouting
 
 
 @torch.inference_mode()

@@ -1,114 +1,18 @@
-"""Layer-importance scan: switch off each layer, attention and MLP in turn and measure the damage.
-
-The residual stream up to the switched-off sub-layer is exactly the base plan's, so the
-evaluator captures it once and each candidate resumes from there: on average half the model is
-run per candidate (`reuse=False` recomputes from the embeddings, the naive baseline). For a
-mixture-of-experts model the scan also reports each expert's routing share (search/routing.py).
-"""
+"""The layer-importance scan on the torch front end's model (search/importance.py is the scan:
+its candidates, loop and result; here its evaluator, PlanEvaluator, and the routing shares of a
+mixture-of-experts model, which read the routers' modules)."""
 
 from __future__ import annotations
 
-import json
-import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
 import torch
 
-from layerplan.files import cache_dir, write_json_atomic
 from layerplan.models.loading import LoadedModel
-from layerplan.plan.plan import LayerPlan, PlanError
+from layerplan.plan.plan import LayerPlan
 from layerplan.search.evaluator import PlanEvaluator
-from layerplan.search.routing import ExpertRouting, routing_shares
-
-KINDS = ("attention", "mlp", "layer")
-EXIT = "exit"  # exit after `step` steps: the final norm and LM head on that residual stream
-
-
-@dataclass(frozen=True)
-class ScanItem:
-    kind: str  # "attention", "mlp", "layer" (both), or "exit"
-    step: int  # index of the plan step switched off (for "exit": steps run before the exit)
-    layer: int  # the decoder layer that step runs (for "exit": the last layer run)
-    perplexity: float
-    perplexity_delta: float  # perplexity minus the base plan's
-    kl: float  # mean KL(base || candidate) per token
-    top1_agreement: float
-
-    @property
-    def label(self) -> str:
-        """What is switched off, as a skip plan writes it (attn=3, mlp=9, layers=25) or exit:N."""
-        if self.kind == "exit":
-            return f"exit:{self.step}"
-        return f"{ {'attention': 'attn', 'mlp': 'mlp', 'layer': 'layers'}[self.kind]}={self.layer}"
-
-
-@dataclass
-class ScanResult:
-    model: str
-    base_plan: str
-    tokens: int
-    base_perplexity: float
-    items: list[ScanItem] = field(default_factory=list)
-    seconds: float = 0.0
-    reuse: bool = True
-    # per plan step with a mixture-of-experts MLP: each expert's share of the top-k selections
-    routing: list[ExpertRouting] = field(default_factory=list)
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: dict) -> ScanResult:
-        """The result to_dict wrote (a KeyError or TypeError for a file that is not one)."""
-        fields = {k: v for k, v in data.items() if k not in ("items", "routing")}
-        return cls(**fields, items=[ScanItem(**item) for item in data["items"]],
-                   routing=[ExpertRouting(**{**r, "shares": tuple(r["shares"])}) for r in data.get("routing", [])])
-
-    def item(self, kind: str, layer: int) -> ScanItem | None:
-        return next((i for i in self.items if i.kind == kind and i.layer == layer), None)
-
-    def ranked(self, kind: str | None = None, key: str = "kl") -> list[ScanItem]:
-        """Items (of one kind, or all), least harmful first by `key`."""
-        return sorted((i for i in self.items if kind is None or i.kind == kind), key=lambda i: getattr(i, key))
-
-    def table(self) -> str:
-        lines = [f"{'layer':>5} {'kind':<9} {'ppl':>10} {'Δppl':>10} {'KL':>8} {'top1':>6}"]
-        order = KINDS + (EXIT,)
-        for item in sorted(self.items, key=lambda i: (i.layer, order.index(i.kind))):
-            lines.append(
-                f"{item.layer:>5} {item.kind:<9} {item.perplexity:>10.3f} {item.perplexity_delta:>+10.3f} "
-                f"{item.kl:>8.4f} {item.top1_agreement:>6.3f}"
-            )
-        if self.routing:
-            experts = len(self.routing[0].shares)
-            lines += ["", f"expert routing share, % of top-k selections on the calibration text ({experts} experts)",
-                      f"{'step':>5} {'layer':>5}  " + (" ".join(f"{f'e{e}':>5}" for e in range(experts))
-                                                      if experts <= 16 else "")]
-            lines += [f"{r.step:>5} {r.layer:>5}  {r.line()}" for r in self.routing]
-        return "\n".join(lines)
-
-
-def cached_scan_path(model_name: str) -> Path:
-    """Where the latest sub-layer scan of a model is kept (`layerplan scan`, the server's page),
-    so that a server finds it whatever folder it was started in."""
-    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in model_name)
-    return cache_dir() / "scans" / f"{safe}.json"
-
-
-def save_cached_scan(result: ScanResult) -> Path:
-    return write_json_atomic(cached_scan_path(result.model), result.to_dict())
-
-
-def load_cached_scan(model_name: str) -> ScanResult | None:
-    """The kept scan of the model; None when there is none or the file is not one (a scan is
-    worth running again, not a reason to fail)."""
-    try:
-        result = ScanResult.from_dict(json.loads(cached_scan_path(model_name).read_text()))
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-    return result if result.model == model_name else None
+from layerplan.search.importance import KINDS, ScanResult, check_kinds, scan_plans
+from layerplan.search.routing import routing_shares
 
 
 @torch.inference_mode()
@@ -121,45 +25,7 @@ def scan(
     on_progress: Callable[[int, int], None] | None = None,
 ) -> ScanResult:
     """Switch off each active step's attention / MLP / both and compare with the base plan on ids (B, T)."""
-    unknown = set(kinds) - set(KINDS) - {EXIT}
-    if unknown:
-        raise ValueError(f"unknown scan kind(s) {sorted(unknown)}; choose from {', '.join(KINDS + (EXIT,))}")
+    check_kinds(kinds)
     plan = plan if plan is not None else model.plan()
-    start = time.perf_counter()
     evaluator = PlanEvaluator(model, ids, reference=plan, reuse=reuse)
-    base = evaluator.reference.perplexity
-    result = ScanResult(model.name, plan.to_string(), int(ids.numel()), base, reuse=reuse,
-                        routing=routing_shares(model, ids, plan))
-
-    candidates = []
-    for index, step in enumerate(plan.active_steps):
-        for kind in (k for k in kinds if k != EXIT):
-            off_attention = kind in ("attention", "layer")
-            off_mlp = kind in ("mlp", "layer")
-            if (off_attention and not step.attention) or (off_mlp and not step.mlp):
-                continue  # already off in the base plan: nothing to measure
-            candidates.append((index, step.layer, kind, off_attention, off_mlp))
-
-    if EXIT in kinds:  # the logit lens: every earlier exit point of the plan
-        candidates += [(steps, plan.active_steps[steps - 1].layer, EXIT, False, False)
-                       for steps in range(1, len(plan.active_steps))]
-
-    for done, (index, layer, kind, off_attention, off_mlp) in enumerate(candidates, 1):
-        try:
-            if kind == EXIT:
-                candidate = plan.with_exit(index)
-            else:
-                candidate = plan.with_step(
-                    index, attention=False if off_attention else None, mlp=False if off_mlp else None
-                )
-        except PlanError:
-            continue  # switching this off would leave nothing running
-        metrics = evaluator.divergence(candidate)
-        result.items.append(
-            ScanItem(kind, index, layer, metrics.perplexity, metrics.perplexity - base, metrics.kl,
-                     metrics.top1_agreement)
-        )
-        if on_progress:
-            on_progress(done, len(candidates))
-    result.seconds = time.perf_counter() - start
-    return result
+    return scan_plans(evaluator, kinds, on_progress, routing=routing_shares(model, ids, plan))

@@ -38,7 +38,7 @@ COMMAND_INDEX = {
                         "chunks."),
     "probe": ("measuring", "Time a pass over k = 1..16 new tokens per dtype and engine on this machine: the cost of "
                            "verifying k drafted tokens relative to one decoding step."),
-    "scan": ("research", "Skip each layer, attention and MLP in turn; report perplexity, KL and top-1 agreement."),
+    "scan": ("scoring", "Skip each layer, attention and MLP in turn; report perplexity, KL and top-1 agreement."),
     "search": ("research", "Find a good plan: greedy skipping and/or a Bayesian (Optuna) study; resumable, "
                            "shareable."),
     "serve": ("running", "OpenAI-compatible HTTP server: /v1/completions, /v1/chat/completions (SSE streaming), "

@@ -15,12 +15,11 @@ from tqdm import tqdm
 from layerplan.app import llamacpp
 from layerplan.app.options import DEVICE_MAP_KEY
 from layerplan.app.peers import LlamaToolError
-from layerplan.corpus import read_texts
 from layerplan.engine.choices import BLOCK_PRECISIONS
 from layerplan.engine.load import choose_dtype, load_model
 from layerplan.engine.native import NativeUnavailable
 from layerplan.engine.probe import checked_model_row, load_probe
-from layerplan.files import WriteError, check_output
+from layerplan.files import WriteError
 from layerplan.models.gguf_index import file_index
 from layerplan.models.gguf_place import TENSORS_FILE, index_folder
 from layerplan.models.loading import (ModelError, cache_dir, dense_bytes, gguf_of, model_depth,
@@ -42,28 +41,6 @@ def user_errors():
     except OSError as error:  # a file that cannot be read or written, named
         where = f"{error.filename}: " if error.filename else ""
         raise click.ClickException(f"{where}{error.strerror or error}") from None
-
-
-class Output(click.Path):
-    """An output path, checked as it is parsed (files.check_output), so that a command refuses it
-    before any work: kind 'file', or 'folder' (its files are written into it)."""
-
-    def __init__(self, kind: str = "file") -> None:
-        super().__init__(dir_okay=kind != "file", file_okay=kind == "file")
-        self.kind = kind
-
-    def convert(self, value, param, ctx):
-        value = super().convert(value, param, ctx)
-        try:
-            check_output(value, self.kind)
-        except (WriteError, ValueError) as error:  # (ValueError: a NUL in the path)
-            self.fail(str(error), param, ctx)
-        return value
-
-
-def given_text(text: str | None) -> str | None:
-    """--text read before any model loads (None: the caller's default corpus)."""
-    return "\n\n".join(read_texts(text)) if text else None
 
 
 class Progress:

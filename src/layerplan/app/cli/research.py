@@ -1,4 +1,5 @@
-"""The commands that study a model's layers: scan, ppl, explore, search, train-exit, tune."""
+"""The commands that study a model's layers: explore, search, train-exit, tune; and scan's and ppl's work on
+the torch front end (their command lines: app/cli/scoring.py)."""
 
 from __future__ import annotations
 
@@ -9,17 +10,18 @@ import click
 import torch
 
 from layerplan.app.bench import load_for_timing
-from layerplan.app.cli.common import (Output, Progress, Stages, attach, checked_probe_row, command_dtype, given_text,
-                                      load, note, set_threads, user_errors)
+from layerplan.app.cli.common import (Progress, Stages, attach, checked_probe_row, command_dtype, load, note, set_threads,
+                                     user_errors)
 from layerplan.app.cli.measuring import frontier_line
+from layerplan.app.cli.scoring import report_scan, scan_kinds
 from layerplan.app.merges import export_commands, scan_blocks, study_merges, write_scan
-from layerplan.app.options import (SEED, auto_dtype_option, device_option, dtype_option, engine_option, model_b_option,
-                                   model_option, n_predict_option, threads_option)
+from layerplan.app.options import (SEED, Output, auto_dtype_option, device_option, dtype_option, engine_option,
+                                   model_b_option, model_option, n_predict_option, threads_option)
 from layerplan.app.prompts import PROMPTS, pick_prompts
-from layerplan.app.report import (exits_plot, explore_plot, frontier_plot, pareto_plot, scan_heatmap, search_trajectory,
+from layerplan.app.report import (explore_plot, frontier_plot, pareto_plot, scan_heatmap, search_trajectory,
                                   skip_frequency_plot, tune_html)
 from layerplan.app.tune import tune as run_tune
-from layerplan.corpus import default_corpus, read_texts
+from layerplan.corpus import default_corpus, given_text, read_texts
 from layerplan.decoding.budget import token_budget
 from layerplan.decoding.drafters.heads import default_head_path, save_head, train_exit_head
 from layerplan.engine.load import load_model
@@ -36,23 +38,11 @@ from layerplan.search.explore import recompute_rewind_grid
 from layerplan.search.measures import MEASURES, MeasureInputs, check_measures
 from layerplan.search.objectives import OBJECTIVES, objectives_help
 from layerplan.search.run import METHODS, run_search
-from layerplan.search.scan import save_cached_scan, scan as run_scan
+from layerplan.search.scan import scan as run_scan
 
 
-@click.command()
-@model_option
-@dtype_option
-@device_option
-@threads_option
-@click.option("--plan", "base_plan", default=None, help="base plan to scan (default: the full model)")
-@click.option("--tokens", type=click.IntRange(min=2), default=512, show_default=True, help="calibration tokens")
-@click.option("--text", type=click.Path(dir_okay=False), default=None, help="calibration text (.txt or .jsonl); default: built-in corpus")
-@click.option("--kinds", default="attention,mlp,layer", show_default=True, help="what to switch off in turn")
-@click.option("--exits", is_flag=True, help="scan every exit point instead (logit lens): writes exits.png")
-@click.option("--no-reuse", is_flag=True, help="recompute from the embeddings for every candidate (naive baseline)")
-@click.option("--out", type=Output("folder"), default="runs/scan", show_default=True, help="folder for scan.json and scan.png")
-def scan(model, dtype, device, threads, base_plan, tokens, text, kinds, exits, no_reuse, out) -> None:
-    """Skip each layer, attention and MLP in turn; report perplexity, KL and top-1 agreement."""
+def run_scan_command(model, dtype, device, threads, base_plan, tokens, text, kinds, exits, no_reuse, out) -> None:
+    """app/cli/scoring.py's `layerplan scan` on the torch front end."""
     set_threads(threads)
     with user_errors():
         calibration = given_text(text)
@@ -60,24 +50,9 @@ def scan(model, dtype, device, threads, base_plan, tokens, text, kinds, exits, n
         plan = loaded.plan(base_plan)
         ids = calibration_ids(loaded, calibration, tokens)
         with Progress("scan") as progress:
-            result = run_scan(loaded, ids, plan, kinds=["exit"] if exits else [k.strip() for k in kinds.split(",")],
-                              reuse=not no_reuse, on_progress=progress)
-    click.echo(result.table())
-    out_dir = Path(out)
-    if exits:
-        write_json_atomic(out_dir / "exits.json", result.to_dict())
-        exits_plot(result, out_dir / "exits.png")
-        click.echo(f"wrote {out_dir / 'exits.json'} and {out_dir / 'exits.png'}")
-        return
-    write_json_atomic(out_dir / "scan.json", result.to_dict())
-    scan_heatmap(result, out_dir / "scan.png")
-    with user_errors():
-        save_cached_scan(result)  # the copy `layerplan serve`'s page draws its plan builder from
-    least = ", ".join(item.label for item in result.ranked()[:6])
-    click.echo(f"\nbase perplexity {result.base_perplexity:.3f} on {result.tokens} tokens; "
-               f"{len(result.items)} candidates in {result.seconds:.1f}s ({'reuse' if result.reuse else 'naive'})")
-    click.echo(f"least harmful to skip: {least}")
-    click.echo(f"wrote {out_dir / 'scan.json'} and {out_dir / 'scan.png'}")
+            result = run_scan(loaded, ids, plan, kinds=scan_kinds(kinds, exits), reuse=not no_reuse,
+                              on_progress=progress)
+        report_scan(result, out, exits)
 
 
 def run_ppl_command(model, dtype, device, threads, plan, model_b, text, window, stride, max_tokens, compare,
@@ -434,4 +409,4 @@ def tune(model, dtype, engine, threads, tokens, steps, repeats, new_tokens, prom
     click.echo(f"wrote {out_dir / 'report.html'} and {out_dir / 'report.json'}")
 
 
-COMMANDS = (scan, explore, search, train_exit, tune)  # registered on main (the package's __init__)
+COMMANDS = (explore, search, train_exit, tune)  # registered on main (the package's __init__)

@@ -9,9 +9,9 @@ import re
 import click
 import torch
 
-from layerplan.app.cli.common import Output, attach, checked_probe_row, freeze, load, set_threads, user_errors
-from layerplan.app.options import (DRAFT_LENGTH_HELP, MODEL_HELP, auto_dtype_option, ctx_size_option, device_option,
-                                   dtype_option, engine_option, export_dtype_option, model_b_option, model_option,
+from layerplan.app.cli.common import attach, checked_probe_row, freeze, load, set_threads, user_errors
+from layerplan.app.options import (DRAFT_LENGTH_HELP, MODEL_HELP, Output, auto_dtype_option, ctx_size_option,
+                                   device_option, dtype_option, engine_option, export_dtype_option, model_b_option, model_option,
                                    n_predict_option, sampling_options, threads_option)
 from layerplan.app.prompts import PromptUsageError, generate_prompt_file, one_prompt, read_prompt_file
 from layerplan.decoding.budget import token_budget

@@ -1,0 +1,93 @@
+"""Plans scored against a reference plan on the light front end's model (search/reference.py
+ResumingEvaluator): a scan's candidates, each resumed from the reference's residual stream at its
+first difference, run by the kernels' sub-layer blocks and LM head, and scored by numpy. No torch.
+
+Each sub-layer runs as the torch front end's native executor runs it in a pass without a KV cache
+(engine/native.py run_attention, run_mlp; its head): the same kernel calls on the same float32
+rows, the keys and values held in the arithmetic's KV dtype, so both front ends' scans print the
+same numbers (tests/test_lite_scan.py)."""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from layerplan.engine.kernel_library import ABI, check, library
+from layerplan.lite.model import LiteModel
+from layerplan.plan.plan import LayerPlan
+from layerplan.search.reference import LogitsReference, ResumingEvaluator, SubLayer
+from layerplan.search.windows import Divergence
+
+_Kv = ABI.structs["lp_kv"]
+
+
+class LitePlanEvaluator(ResumingEvaluator):
+    """Plans of a LiteModel against `reference` (default: the full model) on one sequence of ids."""
+
+    def __init__(self, model: LiteModel, ids: Sequence[int], reference: LayerPlan | None = None,
+                 reuse: bool = True) -> None:
+        super().__init__(reference if reference is not None else model.plan(), reuse)
+        self.model = model
+        self.ids = np.asarray(ids, np.int64)
+        self.name, self.tokens = model.name, len(self.ids)
+        config, length = model.config, len(self.ids)
+        model._rope(length)
+        # one KV slot for every attention sub-layer: each writes its keys and values, then reads them
+        self._keys, self._values = (np.empty((config.kv_heads, length, config.head_dim), model.kv_dtype)
+                                    for _ in range(2))
+        kv_code = ABI.LP_DTYPE_F16 if model.kv_dtype == np.float16 else ABI.LP_DTYPE_F32
+        self._slot = _Kv(self._keys.ctypes.data, self._values.ctypes.data, length, 0, kv_code)
+        self.final_hidden = self._steps(self.reference_plan, model.embed_rows(self.ids), 0, "attention",
+                                        capture=True)
+        self.reference = LogitsReference(self._logits_of(self.final_hidden), self.ids)
+
+    def _steps(self, plan: LayerPlan, hidden: np.ndarray, first_step: int, first_sub: str,
+               capture: bool = False) -> np.ndarray:
+        """The residual stream after the plan's steps from (first_step, first_sub); capture: keep
+        it before every sub-layer (each block writes a new array, so a kept one never changes)."""
+        model, lib, rows = self.model, library(), len(self.ids)
+        for index in range(first_step, len(plan.active_steps)):
+            step = plan.steps[index]
+            at_mlp = index == first_step and first_sub == "mlp"
+            if capture and not at_mlp:
+                self.captured[(index, "attention")] = hidden
+            if step.attention and not at_mlp:
+                out = np.empty_like(hidden)
+                rope = model.rope_of_layer[step.layer]
+                check(lib.lp_attention_block(
+                    ctypes.byref(model.attention[step.layer]), hidden.ctypes.data, out.ctypes.data, rows, 0,
+                    model._cos[rope].ctypes.data, model._sin[rope].ctypes.data, ctypes.byref(self._slot), 0, 0, None,
+                    step.scale, ABI.LP_DTYPE_F32, model.threads), "native attention")
+                hidden = out
+            if capture:
+                self.captured[(index, "mlp")] = hidden
+            if step.mlp:
+                out = np.empty_like(hidden)
+                check(lib.lp_mlp_block(ctypes.byref(model.mlp[step.layer]), hidden.ctypes.data, out.ctypes.data, rows,
+                                       step.scale, ABI.LP_DTYPE_F32, model.threads), "native MLP")
+                hidden = out
+        return hidden
+
+    def _logits_of(self, hidden: np.ndarray) -> Callable[[int, int, int], np.ndarray]:
+        """LogitsReference's logits_of: the final norm and LM head on rows start..end-1."""
+        model = self.model
+
+        def logits_of(_: int, start: int, end: int) -> np.ndarray:
+            rows = np.ascontiguousarray(hidden[start:end])
+            logits = np.empty((end - start, model.vocab), np.float32)
+            check(library().lp_norm_linear(ctypes.byref(model.final_norm), rows.ctypes.data,
+                                           ctypes.byref(model.head), logits.ctypes.data, end - start,
+                                           ABI.LP_DTYPE_F32, model.threads), "the native LM head")
+            return logits
+
+        return logits_of
+
+    def run(self, plan: LayerPlan, resume: SubLayer | None) -> np.ndarray:
+        if resume is None:
+            return self._steps(plan, self.model.embed_rows(self.ids), 0, "attention")
+        return self._steps(plan, self.captured[resume], *resume)
+
+    def score(self, hidden: np.ndarray, plan: str, give_up: Callable[[Divergence], bool] | None) -> Divergence:
+        return self.reference.divergence(self._logits_of(hidden), plan, give_up=give_up)
