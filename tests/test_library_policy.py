@@ -9,7 +9,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from layerplan.decoding.drafters.registry import make_drafter, save_draft_plan, saved_draft_path
+from layerplan.decoding.drafters.registry import make_drafter
+from layerplan.decoding.drafters.saved import save_draft_plan, saved_draft_path
 from layerplan.decoding.speculative import speculative_generate
 from layerplan.engine import probe
 from layerplan.engine.cpu_pack import packing_supported

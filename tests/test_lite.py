@@ -22,6 +22,7 @@ from layerplan.engine.rope_tables import rope_rows
 from layerplan.engine.runner import forward, new_cache
 from layerplan.app.cli.generating import light_request
 from layerplan.app.cli.scoring import light_ppl_request, light_scan_request
+from layerplan.app.cli.searching import light_search_request
 from layerplan.decoding.generate import generate
 from layerplan.decoding.loop import DecodeLoop
 from layerplan.lite.request import LiteRequest
@@ -311,6 +312,26 @@ def test_the_scan_lines_it_takes(argv, taken, monkeypatch):
     if request is not None:  # the command's own reading of --kinds, --exits and --no-reuse
         kinds = ["exit"] if "--exits" in argv else ["mlp"] if "--kinds" in argv else ["attention", "mlp", "layer"]
         assert (request.kinds, request.exits, request.reuse) == (kinds, "--exits" in argv, "--no-reuse" not in argv)
+
+
+@pytest.mark.parametrize("argv,taken", [
+    (["search"], True),
+    (["search", "-m", "some.gguf", "--dtype", "stored", "--method", "bayes", "--objective", "kl", "--multi",
+      "--trials", "9", "--sampler", "random", "--storage", "journal:s.log", "--study", "x", "--seed", "4",
+      "--tokens", "64", "--allow-ends", "--no-save-draft", "--out", "somewhere"], True),
+    (["search", "--objective", "tokens-per-second"], False),  # it times speculative decoding: torch's
+    (["search", "--dtype", "float32"], False),
+    (["search", "--trials", "0"], False),  # refused by the command: the torch front end says so
+    (["search", "-h"], False),
+])
+def test_the_search_lines_it_takes(argv, taken, monkeypatch):
+    monkeypatch.delenv("LAYERPLAN_FRONT_END", raising=False)
+    request = light_search_request(argv)
+    assert (request is not None) == taken
+    if len(argv) > 2 and taken:  # the command's own reading of every option
+        assert (request.method, request.objective, request.multi, request.trials, request.sampler, request.storage,
+                request.study_name, request.seed, request.tokens, request.allow_ends, request.save_draft) == (
+            "bayes", "kl", True, 9, "random", "journal:s.log", "x", 4, 64, True, False)
 
 
 def test_rotary_rows_are_transformers_within_a_unit_in_the_last_place():

@@ -27,6 +27,7 @@ from layerplan.files import cache_dir
 from layerplan.lite.cli import runnable
 from layerplan.app.cli.generating import light_request
 from layerplan.app.cli.scoring import light_ppl_request, light_scan_request
+from layerplan.app.cli.searching import light_search_request
 
 pytestmark = pytest.mark.real
 
@@ -87,12 +88,24 @@ SAME_SCAN = [
 ]
 
 
+SAME_SEARCH = [
+    ["search", "--method", "greedy", "--objective", "kl", "--budget", "2", "--tokens", "40", "--no-save-draft"],
+    ["search", "--objective", "agreement", "--budget", "1", "--trials", "4", "--seed", "2", "--tokens", "32",
+     "--no-save-draft", "--dtype", "stored-fast"],
+]
+
+
 def _scan_line(i: int, front_end: str) -> list[str]:
     return [*SAME_SCAN[i], "--out", str(SCAN_OUT / front_end / str(i))]
 
 
+def _search_line(i: int, front_end: str) -> list[str]:
+    return [*SAME_SEARCH[i], "--out", str(SCAN_OUT / front_end / f"search-{i}")]
+
+
 TORCH_LINES = [*SAME_OUTPUT, STATISTICS, *(argv for argv, _ in BAD_REQUESTS), SECOND_MODEL, *SAME_PERPLEXITY,
-               BAD_PERPLEXITY[0], SECOND_MODEL_PERPLEXITY, *(_scan_line(i, "torch") for i in range(len(SAME_SCAN)))]
+               BAD_PERPLEXITY[0], SECOND_MODEL_PERPLEXITY, *(_scan_line(i, "torch") for i in range(len(SAME_SCAN))),
+               *(_search_line(i, "torch") for i in range(len(SAME_SEARCH)))]
 
 # runs each command line of argv[1] (a JSON list) as the torch front end's process would, its
 # descriptors 1 and 2 on files of its own, and writes [status, stdout, stderr] per line to argv[2]
@@ -162,7 +175,7 @@ def test_the_light_front_end_prints_what_the_torch_one_prints(argv, cache, torch
 @pytest.mark.parametrize("line", range(len(SAME_SCAN)))
 def test_the_light_scan_prints_and_writes_what_the_torch_one_does(line, cache, torch_runs, monkeypatch):
     """The same table, loading line and files but for the folder named and the seconds taken (the
-    candidates' numbers are the same bits: tests/test_lite_scan.py)."""
+    candidates' numbers are the same bits: tests/test_lite_research.py)."""
     torch_argv, argv = _scan_line(line, "torch"), _scan_line(line, "light")
     torch_run = torch_runs[tuple(torch_argv)]
     assert torch_run.returncode == 0, torch_run.stderr
@@ -186,6 +199,30 @@ def test_the_light_scan_prints_and_writes_what_the_torch_one_does(line, cache, t
     finally:
         shutil.rmtree(SCAN_OUT / "light" / str(line), ignore_errors=True)
         shutil.rmtree(SCAN_OUT / "torch" / str(line), ignore_errors=True)
+
+
+@pytest.mark.parametrize("line", range(len(SAME_SEARCH)))
+def test_the_light_search_prints_and_writes_what_the_torch_one_does(line, cache, torch_runs, monkeypatch):
+    """The same lines, loading line and search.json (greedy's steps, a seeded study's trials) but
+    for the folder named and the trials' clocks."""
+    torch_argv, argv = _search_line(line, "torch"), _search_line(line, "light")
+    torch_run = torch_runs[tuple(torch_argv)]
+    assert torch_run.returncode == 0, torch_run.stderr
+    monkeypatch.setenv("LAYERPLAN_CACHE", str(cache))
+    monkeypatch.delenv("LAYERPLAN_FRONT_END", raising=False)
+    assert runnable(light_search_request(argv))  # so launch runs it on the light front end
+    try:
+        lite_run = _run(argv, cache)
+        assert lite_run.returncode == 0 and lite_run.stderr == torch_run.stderr, lite_run.stderr
+        assert lite_run.stdout.replace(argv[-1], torch_argv[-1]) == torch_run.stdout and "best plan" in lite_run.stdout
+        written = [json.loads((Path(run[-1]) / "search.json").read_text()) for run in (torch_argv, argv)]
+        for result in written:
+            for trial in result.get("study", {}).get("trials", []):
+                trial.pop("seconds", None)
+        assert written[0] == written[1]
+    finally:
+        shutil.rmtree(SCAN_OUT / "light" / f"search-{line}", ignore_errors=True)
+        shutil.rmtree(SCAN_OUT / "torch" / f"search-{line}", ignore_errors=True)
 
 
 def test_a_bad_perplexity_line_gets_the_torch_front_ends_message(cache, torch_runs):

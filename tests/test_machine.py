@@ -8,7 +8,8 @@ import torch
 from click.testing import CliRunner
 
 from layerplan.app import cli
-from layerplan.app.cli import common, research
+from layerplan.app import bars as progress_bars
+from layerplan.app.cli import research
 from layerplan.app.bench import run_bench
 from layerplan.machine import cpu_info, isa_level, read_cpuinfo
 from tiny import tiny_model
@@ -85,7 +86,7 @@ def test_tune_draws_one_progress_bar_per_stage(monkeypatch, tmp_path):
         raise ValueError("stop here")  # the rest of tune is not under test
 
     model = tiny_model("llama", num_layers=2)
-    monkeypatch.setattr(common, "tqdm", Bar)
+    monkeypatch.setattr(progress_bars, "tqdm", Bar)
     monkeypatch.setattr(research, "load_for_timing", lambda name, dtype, engine, on_note: (model, model))
     monkeypatch.setattr(research, "run_tune", fake_tune)
     result = CliRunner().invoke(cli.main, ["tune", "--out", str(tmp_path)])

@@ -164,7 +164,7 @@ def test_cli_frontier_places_the_drafts_it_is_given(tmp_path):
 def test_cli_frontier_places_the_plan_a_search_saved(tmp_path, monkeypatch):
     """Without --draft, the frontier's families include the draft plan a search or tune saved for
     the model (the file `auto` drafts with), read as the plan file it is."""
-    from layerplan.decoding.drafters.registry import save_draft_plan
+    from layerplan.decoding.drafters.saved import save_draft_plan
     from layerplan.engine.load import load_model
 
     monkeypatch.setenv("LAYERPLAN_CACHE", str(tmp_path / "cache"))

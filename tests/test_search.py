@@ -19,7 +19,7 @@ from layerplan.search.evaluate import Reference
 from layerplan.search.evaluator import PlanEvaluator, measure_costs
 from layerplan.search.greedy import GreedyResult, GreedyStep, greedy_search
 from layerplan.search.objectives import score
-from layerplan.search.run import run_search
+from layerplan.search.run import run_search, speed_on_prompts
 from layerplan.search.scan import scan
 from studies import assert_exact_and_distinct, fork_worker, kill_mid_trial, run_workers
 from tiny import VOCAB, tiny_model
@@ -206,7 +206,8 @@ def test_tokens_per_second_needs_prompts(setup):
     evaluator = PlanEvaluator(model, ids)
     with pytest.raises(ValueError, match="on prompts"):
         score("tokens-per-second", model.plan(), evaluator)  # was 0.0 for every plan
-    assert score("tokens-per-second", model.plan("exit:2"), evaluator, prompts=[ids[:, :8]], new_tokens=4) > 0
+    timed = speed_on_prompts(model, [ids[:, :8]], new_tokens=4)
+    assert score("tokens-per-second", model.plan("exit:2"), evaluator, timed_speed=timed) > 0
 
 
 def test_plan_from_trial_params():

@@ -1,14 +1,15 @@
 """The `layerplan` command's entry: a GGUF's plain generation, its perplexity (under a plan of the
-model, in either protocol) and its scan (of any plan of the model) run on the light front end
+model, in either protocol), its scan and its search run on the light front end
 (layerplan/lite/: numpy and the native kernels, a start of a tenth of a second), every other
 command line on the torch front end (app/cli/), which reads it as it always has.
 
 Which one runs changes no output: the light front end takes only command lines whose meaning it
 carries out as the torch one does (app/cli/generating.py light_request, app/cli/scoring.py
-light_ppl_request and light_scan_request), and only models whose index it can read (kept, or made
-now from the file). Where it finds, once started, that the model needs the torch front end, the command starts again
-as `python -m layerplan.app.cli` with LAYERPLAN_FRONT_END=torch: the kernels' library, loaded by
-then, links an OpenMP runtime that must not meet torch's in one process.
+light_ppl_request and light_scan_request, app/cli/searching.py light_search_request), and only
+models whose index it can read (kept, or made now from the file). Where it finds, once started,
+that the model needs the torch front end, the command starts again as `python -m
+layerplan.app.cli` with LAYERPLAN_FRONT_END=torch: the kernels' library, loaded by then, links an
+OpenMP runtime that must not meet torch's in one process.
 
 A kept index's tokenizer process is started (lite/tokenizer_process.py) before anything that
 starts threads is imported (a fork copies only the thread that calls it), from the model the line
@@ -73,6 +74,22 @@ def main() -> None:
 
             taken = runnable(request)
             status = run_scan(request, lambda result: report_scan(result, request.out, request.exits)) if taken else None
+            _leave_or_restart(status, taken, argv)
+    if argv[:1] == ["search"] and os.environ.get(FRONT_END_VARIABLE, "") != "torch":
+        from layerplan.app.cli.searching import light_search_request, report_search
+
+        request = light_search_request(argv)
+        if request is not None:
+            from layerplan.app.bars import Stages
+            from layerplan.lite.cli import runnable
+            from layerplan.lite.searching import run_search
+
+            taken = runnable(request)
+            status = None
+            if taken:
+                with Stages() as stages:
+                    status = run_search(request, lambda result, model: report_search(
+                        result, model, request.model, request.out, request.save_draft), stages.start, stages)
             _leave_or_restart(status, taken, argv)
     from layerplan.app.cli import run_as_process
 

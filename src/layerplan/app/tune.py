@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass, field
 
 from layerplan.app.bench import BenchResult, bench_methods, run_bench
 from layerplan.app.prompts import CHAT_PROMPTS, PROMPTS
-from layerplan.decoding.drafters.registry import save_draft_plan
+from layerplan.decoding.drafters.saved import save_draft_plan
 from layerplan.decoding.frontier import FrontierResult, measure_frontier, pass_costs_of, self_drafts
 from layerplan.decoding.generate import generate
 from layerplan.engine.probe import ProbeRow

@@ -1,8 +1,9 @@
-"""`layerplan generate`, `layerplan ppl` and `layerplan scan` on the light front end, where they
-give what the torch front end gives: the command lines lite/request.py takes, on a model whose
-index the light front end runs. The output (text, stream, the closing line and the messages on
-stderr; ppl's JSON; the scan's numbers, which the caller's report writes) is the torch front end's
-for the same command line (tests/test_lite.py, tests/test_lite_scan.py run both).
+"""`layerplan generate`, `ppl` and `scan` on the light front end (`search`: lite/searching.py,
+which imports Optuna), where they give what the torch front end gives: the command lines
+lite/request.py takes, on a model whose index the light front end runs. The output (text, stream,
+the closing line and the messages on stderr; ppl's JSON; a scan's result, which the caller's
+report writes) is the torch front end's for the same command line (tests/test_lite.py,
+tests/test_lite_cli.py, tests/test_lite_research.py run both).
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ from layerplan.decoding.text import TextDelta
 from layerplan.files import WriteError
 from layerplan.lite.evaluator import LitePlanEvaluator
 from layerplan.lite.model import LiteModel, TorchFrontEnd, lite_refusal
-from layerplan.lite.request import ARITHMETICS, LitePerplexityRequest, LiteRequest, LiteScanRequest
+from layerplan.lite.request import (ARITHMETICS, LitePerplexityRequest, LiteRequest, LiteScanRequest,
+                                    LiteSearchRequest)
 from layerplan.lite.tokenizer_process import TokenizerProcess
 from layerplan.machine import read_cpuinfo
 from layerplan.messages import one_line
@@ -32,7 +34,7 @@ from layerplan.search.importance import ScanResult, check_kinds, scan_plans
 from layerplan.search.windows import added_bos, chunk_perplexity, logits_divergence, sliding_perplexity
 
 
-def runnable(request: LiteRequest | LitePerplexityRequest | LiteScanRequest) -> bool:
+def runnable(request: LiteRequest | LitePerplexityRequest | LiteScanRequest | LiteSearchRequest) -> bool:
     """Whether the light front end runs it: a GGUF whose index it reads (kept from an earlier
     load, or made now from the file where models/file_index.py's tables cover it), with a
     tokenizer (the torch front end says what a model without one cannot do). A file that cannot
@@ -63,7 +65,8 @@ def _packing_bar(done: int, total: int) -> None:
           end="", file=sys.stderr, flush=True)
 
 
-def _load(request: LiteRequest | LitePerplexityRequest | LiteScanRequest, tokenizer: TokenizerProcess | None = None) -> LiteModel:
+def load_for(request: LiteRequest | LitePerplexityRequest | LiteScanRequest | LiteSearchRequest,
+             tokenizer: TokenizerProcess | None = None) -> LiteModel:
     """The request's model, after app/cli/common.py's loading line; its panels' packing drawn on a
     terminal (a first use)."""
     first = (f"; its first use: indexed and packed for the kernels once, into {cache_dir()}"
@@ -79,7 +82,7 @@ def run(request: LiteRequest, tokenizer: TokenizerProcess | None = None) -> int 
     the model turned out to need the torch front end (before any output). tokenizer: the model's,
     started at the command's start (app/launch.py)."""
     try:
-        model = _load(request, tokenizer)
+        model = load_for(request, tokenizer)
         plan = model.plan(request.plan)
         ids = model.encode(request.prompt, request.chat)
         if not ids:
@@ -92,8 +95,8 @@ def run(request: LiteRequest, tokenizer: TokenizerProcess | None = None) -> int 
 
         result = DecodeLoop(model, ids, plan, request.max_new_tokens, request.stop, True,
                             on_text if request.stream else None).run()
-    except _ENDINGS as error:
-        return _ended_by(error)
+    except ENDINGS as error:
+        return ended_by(error)
     print("" if request.stream else result.text, flush=True)
     if not result.text.strip() and not request.chat and request.max_new_tokens > 0:
         print(f"(no text generated, stop reason: {result.stop_reason}; an instruction-tuned model may answer a bare "
@@ -120,7 +123,7 @@ def run_ppl(request: LitePerplexityRequest) -> int | None:
     exit status, or None where the model turned out to need the torch front end."""
     try:
         texts = read_texts(request.text) if request.text else [default_corpus()]
-        model = _load(request)
+        model = load_for(request)
         plan = model.plan(request.plan)
         sequences = [model.encode(text) for text in texts]
         if request.max_tokens:
@@ -141,8 +144,8 @@ def run_ppl(request: LitePerplexityRequest) -> int | None:
             ids = joined[:min(request.window, 512)]
             report["vs_full_model"] = logits_divergence(logits_of(ids, model.plan(None))[None], logits_of(ids)[None],
                                                         [ids], plan.to_string()).to_dict()
-    except _ENDINGS as error:
-        return _ended_by(error)
+    except ENDINGS as error:
+        return ended_by(error)
     try:
         print(json.dumps(report, indent=2), flush=True)
     except BrokenPipeError:
@@ -165,7 +168,7 @@ def run_scan(request: LiteScanRequest, report: Callable[[ScanResult], None]) -> 
     try:
         check_kinds(request.kinds)
         calibration = given_text(request.text)
-        model = _load(request)
+        model = load_for(request)
         plan = model.plan(request.plan)
         ids = model.encode(calibration if calibration is not None else default_corpus())
         if len(ids) < request.tokens:  # (search/evaluate.py calibration_ids' message)
@@ -173,17 +176,17 @@ def run_scan(request: LiteScanRequest, report: Callable[[ScanResult], None]) -> 
         evaluator = LitePlanEvaluator(model, ids[:request.tokens], plan, reuse=request.reuse)
         result = scan_plans(evaluator, request.kinds, _scan_bar if sys.stderr.isatty() else None)
         report(result)
-    except _ENDINGS as error:
-        return _ended_by(error)
+    except ENDINGS as error:
+        return ended_by(error)
     return 0
 
 
-# what a request may end with, before its output (_ended_by)
-_ENDINGS = (TorchFrontEnd, KeyboardInterrupt, PlanError, ModelError, ValueError, OSError)
+# what a request may end with, before its output (ended_by)
+ENDINGS = (TorchFrontEnd, KeyboardInterrupt, PlanError, ModelError, ValueError, OSError)
 
 
-def _ended_by(error: BaseException) -> int | None:
-    """The exit status of a request that raised one of _ENDINGS, its one line said as the torch
+def ended_by(error: BaseException) -> int | None:
+    """The exit status of a request that raised one of ENDINGS, its one line said as the torch
     front end says it (app/cli/common.py user_errors); None: the torch front end is to run it."""
     if isinstance(error, TorchFrontEnd):
         return None

@@ -1,11 +1,12 @@
 """Plans scored against a reference plan on the light front end's model (search/reference.py
-ResumingEvaluator): a scan's candidates, each resumed from the reference's residual stream at its
-first difference, run by the kernels' sub-layer blocks and LM head, and scored by numpy. No torch.
+ResumingEvaluator): a scan's or a search's candidates, each resumed from the reference's residual
+stream at its first difference, run by the kernels' sub-layer blocks and LM head, and scored by
+numpy; and the model's decode costs (measure_lite_costs). No torch.
 
 Each sub-layer runs as the torch front end's native executor runs it in a pass without a KV cache
 (engine/native.py run_attention, run_mlp; its head): the same kernel calls on the same float32
 rows, the keys and values held in the arithmetic's KV dtype, so both front ends' scans print the
-same numbers (tests/test_lite_scan.py)."""
+same numbers (tests/test_lite_research.py)."""
 
 from __future__ import annotations
 
@@ -17,10 +18,35 @@ import numpy as np
 from layerplan.engine.kernel_library import ABI, check, library
 from layerplan.lite.model import LiteModel
 from layerplan.plan.plan import LayerPlan
-from layerplan.search.reference import LogitsReference, ResumingEvaluator, SubLayer
+from layerplan.search.reference import CostModel, LogitsReference, ResumingEvaluator, SubLayer, measured_costs
 from layerplan.search.windows import Divergence
 
 _Kv = ABI.structs["lp_kv"]
+
+
+def head_logits(model: LiteModel, hidden: np.ndarray) -> np.ndarray:
+    """float32 (rows, vocab): the final norm and LM head on hidden states (rows, hidden)."""
+    rows = np.ascontiguousarray(hidden, np.float32)
+    logits = np.empty((len(rows), model.vocab), np.float32)
+    check(library().lp_norm_linear(ctypes.byref(model.final_norm), rows.ctypes.data, ctypes.byref(model.head),
+                                   logits.ctypes.data, len(rows), ABI.LP_DTYPE_F32, model.threads),
+          "the native LM head")
+    return logits
+
+
+def measure_lite_costs(model: LiteModel, context: int = 128, repeats: int = 12) -> CostModel:
+    """search/reference.py measured_costs on the light front end's model: one-token decode steps
+    after a context of `context` random tokens (each plan's cache filled by that plan: a step
+    reads as many positions whatever wrote them), and embeddings + LM head alone."""
+    ids = np.random.default_rng(0).integers(0, model.vocab, context + 1)
+
+    def step(plan: LayerPlan) -> Callable[[], None]:
+        cache = model.new_cache(plan, context + 1)
+        model.logits(ids[:context], cache, 0)
+        return lambda: model.logits(ids[context:], cache, context)  # (rewrites position `context` each time)
+
+    return measured_costs(step, lambda: head_logits(model, model.embed_rows(ids[context:])), model.num_layers,
+                          repeats)
 
 
 class LitePlanEvaluator(ResumingEvaluator):
@@ -72,17 +98,7 @@ class LitePlanEvaluator(ResumingEvaluator):
 
     def _logits_of(self, hidden: np.ndarray) -> Callable[[int, int, int], np.ndarray]:
         """LogitsReference's logits_of: the final norm and LM head on rows start..end-1."""
-        model = self.model
-
-        def logits_of(_: int, start: int, end: int) -> np.ndarray:
-            rows = np.ascontiguousarray(hidden[start:end])
-            logits = np.empty((end - start, model.vocab), np.float32)
-            check(library().lp_norm_linear(ctypes.byref(model.final_norm), rows.ctypes.data,
-                                           ctypes.byref(model.head), logits.ctypes.data, end - start,
-                                           ABI.LP_DTYPE_F32, model.threads), "the native LM head")
-            return logits
-
-        return logits_of
+        return lambda _, start, end: head_logits(self.model, hidden[start:end])
 
     def run(self, plan: LayerPlan, resume: SubLayer | None) -> np.ndarray:
         if resume is None:

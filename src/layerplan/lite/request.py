@@ -5,7 +5,8 @@ it only wraps the prompt, the statistics); app/cli/generating.py light_request m
 command line that the command itself has read, where the line asks for nothing else. A `layerplan
 ppl` request: a GGUF's perplexity under a plan of this model, in either protocol, and the plan's
 comparison with the full model (app/cli/scoring.py light_ppl_request). A `layerplan scan` request:
-a GGUF's sub-layer or exit scan of a plan of this model (app/cli/scoring.py light_scan_request)."""
+a GGUF's sub-layer or exit scan of a plan of this model (app/cli/scoring.py light_scan_request). A
+`layerplan search` request: every option of the command (app/cli/searching.py light_search_request)."""
 
 from __future__ import annotations
 
@@ -77,6 +78,39 @@ class LiteScanRequest:
     exits: bool = False  # --exits: an exit scan (its outputs are named exits.*)
     reuse: bool = True  # --no-reuse: every candidate from the embeddings
     out: str = "runs/scan"
+    engine: str = "auto"  # (what the loading line names: the torch front end's default)
+    first_use: bool = False  # the model's index was made by this command (lite/cli.py runnable)
+
+    @property
+    def precision(self) -> str:
+        return precision_of(self.dtype)
+
+
+@dataclass
+class LiteSearchRequest:
+    """app/cli/searching.py's options, as the command reads them."""
+
+    model: str = DEFAULT_MODEL
+    dtype: str = "auto"
+    threads: int | None = None
+    method: str = "both"
+    objective: str = "speedup"
+    multi: bool = False
+    trials: int = 100
+    budget: int | None = None
+    max_cost_cut: float | None = None
+    granularity: str = "sublayer"
+    mode: str = "forward"
+    sampler: str = "tpe"
+    storage: str | None = None
+    study_name: str | None = None
+    storage_patience: float = 600
+    tokens: int = 512
+    text: str | None = None
+    allow_ends: bool = False
+    save_draft: bool | None = None
+    seed: int | None = None
+    out: str = "runs/search"
     engine: str = "auto"  # (what the loading line names: the torch front end's default)
     first_use: bool = False  # the model's index was made by this command (lite/cli.py runnable)
 

@@ -40,9 +40,9 @@ from optuna.trial import TrialState
 
 from layerplan.files import check_output, writing
 from layerplan.plan.plan import LayerPlan, PlanError
-from layerplan.search.evaluator import CostModel, PlanEvaluator
 from layerplan.search.greedy import candidate_items
 from layerplan.search.objectives import OBJECTIVES, score
+from layerplan.search.reference import CostModel, ResumingEvaluator
 from layerplan.search.patience import (DEFAULT_PATIENCE, StorageUnavailable, open_patiently, patient_storage,
                                        single_attempt)
 from layerplan.search.workers import Heartbeat, claiming, is_stale, stop_within, stopping_politely
@@ -272,7 +272,7 @@ def skip_space(model, items) -> StudySpace:
 
 
 def run_study(
-    evaluator: PlanEvaluator,
+    evaluator: ResumingEvaluator,
     objective: str,
     n_trials: int,
     storage: str | None = None,
@@ -282,7 +282,7 @@ def run_study(
     seeds: list[LayerPlan] = (),
     allow_ends: bool = False,
     costs: CostModel | None = None,
-    prompts=None,
+    timed_speed: Callable[[LayerPlan], float] | None = None,
     seed: int | None = None,
     on_trial: Callable[[int, int], None] | None = None,
     heartbeat: float = 10.0,
@@ -299,14 +299,14 @@ def run_study(
     directions = [OBJECTIVES[objective].direction] + (["minimize"] if multi_objective else [])
 
     def evaluate(plan: LayerPlan) -> float | tuple[float, float]:
-        value = score(objective, plan, evaluator, costs, prompts)
+        value = score(objective, plan, evaluator, costs, timed_speed)
         return (value, costs.relative_cost(plan) if costs else plan.cost) if multi_objective else value
 
     return optimise(skip_space(model, items), evaluate, objective, directions, n_trials, storage,
                     study_name or f"{model.name}-{objective}{'-cost' if multi_objective else ''}",
                     sampler if not (multi_objective and sampler == "tpe") else "nsga2",
                     [params_from_plan(plan, items) for plan in seeds], seed, on_trial, heartbeat, grace, poll,
-                    identity={"model": model.name, "tokens": int(evaluator.ids.numel())}, patience=patience)
+                    identity={"model": model.name, "tokens": evaluator.tokens}, patience=patience)
 
 
 def optimise(space: StudySpace, evaluate: Callable[[LayerPlan], float | tuple[float, ...]], objective: str,

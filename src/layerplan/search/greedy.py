@@ -20,8 +20,8 @@ from pathlib import Path
 
 from layerplan.files import write_json_atomic
 from layerplan.plan.plan import LayerPlan, PlanError
-from layerplan.search.evaluator import PlanEvaluator
 from layerplan.search.objectives import OBJECTIVES, score
+from layerplan.search.reference import ResumingEvaluator
 
 Item = tuple[str, int]  # ("attention" | "mlp" | "layer", layer index)
 
@@ -83,7 +83,7 @@ def _switch(plan: LayerPlan, item: Item, on: bool) -> LayerPlan:
 
 
 def greedy_search(
-    evaluator: PlanEvaluator,
+    evaluator: ResumingEvaluator,
     objective: str = "kl",
     budget: int | None = None,
     max_cost_cut: float | None = None,

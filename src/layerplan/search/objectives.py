@@ -1,17 +1,16 @@
 """What a search optimises: the objectives (one registry, OBJECTIVES, that the CLI's choices and
-help come from) and the value of one plan under each."""
+help come from) and the value of one plan under each. No torch: a plan's measured decoding speed
+(tokens-per-second) comes from the caller (search/run.py speed_on_prompts)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
-import torch
-
 from layerplan.decoding.draft_length import expected_speedup
-from layerplan.decoding.speculative import speculative_generate
 from layerplan.plan.plan import LayerPlan
-from layerplan.search.evaluate import Divergence
-from layerplan.search.evaluator import CostModel, PlanEvaluator
+from layerplan.search.reference import CostModel, ResumingEvaluator
+from layerplan.search.windows import Divergence
 
 
 @dataclass(frozen=True)
@@ -46,24 +45,19 @@ def objectives_help() -> str:
                      for o in OBJECTIVES.values())
 
 
-def score(objective: str, plan: LayerPlan, evaluator: PlanEvaluator, costs: CostModel | None = None,
-          prompts: list[torch.Tensor] | None = None, new_tokens: int = 32, bound: float | None = None) -> float:
-    """The objective's value for one plan (see OBJECTIVES).
+def score(objective: str, plan: LayerPlan, evaluator: ResumingEvaluator, costs: CostModel | None = None,
+          timed_speed: Callable[[LayerPlan], float] | None = None, bound: float | None = None) -> float:
+    """The objective's value for one plan (see OBJECTIVES). timed_speed(plan): tokens a second of
+    speculative decoding with the plan as its draft (the tokens-per-second objective).
 
     bound: the caller only cares whether the value beats this; scoring may stop early and return
     a bound that is worse than it (a lower bound for minimised objectives, an upper bound for
     maximised ones). Used by greedy search to drop candidates that would be pruned anyway."""
     if objective == "tokens-per-second":
-        if not prompts:
+        if timed_speed is None:
             raise ValueError("the tokens-per-second objective times speculative decoding on prompts: give some "
                              "(token ids), or choose another objective")
-        total_tokens, total_seconds = 0, 0.0
-        for ids in prompts:
-            result = speculative_generate(evaluator.model, ids, plan.to_string(), max_new_tokens=new_tokens,
-                                          draft_length="adaptive", probe_row=evaluator.probe_row)
-            total_tokens += len(result.token_ids)
-            total_seconds += result.seconds
-        return total_tokens / total_seconds if total_seconds else 0.0
+        return timed_speed(plan)
     give_up = None
     if bound is not None:
         # stop scoring once even the best case for the unscored positions cannot beat `bound`

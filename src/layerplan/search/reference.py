@@ -13,7 +13,9 @@ once."""
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy as np
@@ -151,6 +153,7 @@ class ResumingEvaluator:
     its first difference (`run`), and scores its final hidden states (`score`); results are
     memoised by plan."""
 
+    model: Any  # the front end's model: .name, .num_layers, .plan(text)
     name: str  # the model's
     tokens: int  # the ids' count
     reference: Any  # .perplexity: the reference plan's (a LogitsReference, or search/evaluate.py's Reference)
@@ -193,3 +196,47 @@ class ResumingEvaluator:
         else:
             self.aborted += 1
         return result
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Seconds of one decode step, split into a fixed part (embeddings, LM head, overheads) and
+    per-sub-layer averages, measured on the model in its dtype on this machine."""
+
+    full_step: float
+    fixed: float
+    attention: float  # one attention sub-layer
+    mlp: float  # one MLP sub-layer
+
+    def relative_cost(self, plan: LayerPlan) -> float:
+        """c: one decode step of `plan` divided by one step of the full model."""
+        attention = sum(s.attention for s in plan.active_steps)
+        mlp = sum(s.mlp for s in plan.active_steps)
+        return (self.fixed + attention * self.attention + mlp * self.mlp) / self.full_step
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def measured_costs(step: Callable[[LayerPlan], Callable[[], None]], fixed: Callable[[], Any], layers: int,
+                   repeats: int = 12) -> CostModel:
+    """Median times of one-token decode steps (step(plan): a run of one step of `plan` after a
+    context, leaving the cache as it found it): the full model, every attention off, every MLP off;
+    and of `fixed` (embeddings + LM head alone). The per-sub-layer parts are scaled so that the
+    parts add up to the full step exactly (timings on a busy machine need not)."""
+    def median(run: Callable[[], Any]) -> float:
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            run()
+            times.append(time.perf_counter() - start)
+        return sorted(times)[len(times) // 2]
+
+    full_s = median(step(LayerPlan.full(layers)))
+    no_attention = median(step(LayerPlan.from_skips(layers, attention=range(layers))))
+    no_mlp = median(step(LayerPlan.from_skips(layers, mlp=range(layers))))
+    fixed_s = min(median(fixed), full_s)
+    attention = max(full_s - no_attention, 1e-9)
+    mlp = max(full_s - no_mlp, 1e-9)
+    share = (full_s - fixed_s) / (attention + mlp)  # make fixed + all sub-layers == the full step
+    return CostModel(full_s, fixed_s, attention * share / layers, mlp * share / layers)

@@ -1,62 +1,38 @@
-"""The search policy behind `layerplan search`: greedy skipping, an Optuna study seeded with the
-full model and greedy's plan, or both; then the best plan and its metrics. Files (state, study
-storage) go where the caller says; printing and pictures are the caller's."""
+"""`layerplan search`'s work on the torch front end's model (search/plan_search.py is the search:
+greedy skipping and/or an Optuna study over an evaluator): its evaluator, its measured costs, and
+the tokens-per-second objective's timed speculative decoding on prompts."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
-from layerplan.decoding.drafters.registry import save_draft_plan
+from layerplan.decoding.speculative import speculative_generate
 from layerplan.engine.probe import ProbeRow
 from layerplan.models.loading import LoadedModel
 from layerplan.plan.plan import LayerPlan
-from layerplan.search.bayes import StudyResult, run_study
-from layerplan.search.evaluate import Divergence
-from layerplan.search.evaluator import CostModel, PlanEvaluator, measure_costs
-from layerplan.search.greedy import GreedyResult, greedy_search
-from layerplan.search.objectives import OBJECTIVES
+from layerplan.search.evaluator import PlanEvaluator, measure_costs
 from layerplan.search.patience import DEFAULT_PATIENCE
-
-METHODS = {
-    "greedy": "greedy skipping",
-    "bayes": "an Optuna study",
-    "both": "greedy first and its result seeding the study",
-}
+from layerplan.search.plan_search import SearchResult, search_plans
 
 
-@dataclass
-class SearchResult:
-    objective: str
-    multi: bool
-    best_plan: LayerPlan
-    best: Divergence  # the best plan against the full model on the calibration ids
-    costs: CostModel | None = None
-    greedy: GreedyResult | None = None
-    study: StudyResult | None = None
-    saved_draft: Path | None = None  # where the best plan was kept for the `auto` drafter
+def speed_on_prompts(model: LoadedModel, prompts: list[torch.Tensor], probe_row: ProbeRow | None = None,
+                     new_tokens: int = 32) -> Callable[[LayerPlan], float]:
+    """The tokens-per-second objective's measure: tokens a second of speculative decoding of each
+    prompt (token ids) with the plan as its draft, adaptive draft lengths (probe_row: this
+    machine's verify costs)."""
+    def timed_speed(plan: LayerPlan) -> float:
+        total_tokens, total_seconds = 0, 0.0
+        for ids in prompts:
+            result = speculative_generate(model, ids, plan.to_string(), max_new_tokens=new_tokens,
+                                          draft_length="adaptive", probe_row=probe_row)
+            total_tokens += len(result.token_ids)
+            total_seconds += result.seconds
+        return total_tokens / total_seconds if total_seconds else 0.0
 
-    @property
-    def draft_worthy(self) -> bool:
-        """The objective looks for a draft and the search found a plan that is not the model itself."""
-        return OBJECTIVES[self.objective].drafts and not self.best_plan.is_identity
-
-    def to_dict(self) -> dict:
-        report: dict = {"objective": self.objective, "multi": self.multi}
-        if self.costs is not None:
-            report["costs"] = self.costs.to_dict()
-        if self.greedy is not None:
-            report["greedy"] = self.greedy.to_dict()
-        if self.study is not None:
-            report["study"] = self.study.to_dict()
-        report["best_plan"] = self.best_plan.to_string()
-        report["best"] = asdict(self.best)
-        if self.costs is not None:
-            report["best"]["relative_cost"] = self.costs.relative_cost(self.best_plan)
-        return report
+    return timed_speed
 
 
 def run_search(
@@ -83,53 +59,11 @@ def run_search(
     save_draft: bool | None = False,
     storage_patience: float = DEFAULT_PATIENCE,
 ) -> SearchResult:
-    """Search a plan for `objective` on calibration ids (B, T).
-
-    budget: greedy items to switch (default 20 unless max_cost_cut says when to stop);
-    prompts: encoded prompts for the tokens-per-second objective; folder: greedy's state file
-    and the default study storage (folder/study.db), so that the same call resumes; seed: makes the
-    study's sampler seeds reproducible (None: fresh ones each run; see bayes.derive_seed).
-    probe_row: this machine's probe row for the model (engine/probe.py), the verify costs of the
-    tokens-per-second objective's timed decoding. save_draft: keep the best plan as the `auto`
-    drafter's layer-plan draft (decoding/drafters/registry.py save_draft_plan); None: when the
-    objective looks for a draft (SearchResult.draft_worthy). storage_patience: seconds the study
-    waits for an unreachable database server (layerplan.search.patience)."""
-    if method not in METHODS:
-        raise ValueError(f"unknown search method '{method}'; choose from {', '.join(METHODS)}")
-    chosen = OBJECTIVES.get(objective)
-    if chosen is None:
-        raise ValueError(f"unknown objective '{objective}'; choose from {', '.join(OBJECTIVES)}")
-    if method == "greedy" and chosen.greedy_as:
-        raise ValueError(f"greedy search scores many candidates per pass; use --method bayes for {objective}")
-    folder = Path(folder)
-    evaluator = PlanEvaluator(model, ids, probe_row=probe_row)
-    greedy_objective = chosen.greedy_as or objective
-    costs = measure_costs(model) if multi or OBJECTIVES[greedy_objective].needs_costs or chosen.needs_costs else None
-    seeds = [model.plan()]
-    best, greedy, study = None, None, None
-    if method in ("greedy", "both"):
-        _stage(on_stage, "greedy pass")
-        greedy = greedy_search(evaluator, greedy_objective,
-                               budget=budget if budget is not None else (None if max_cost_cut else 20),
-                               max_cost_cut=max_cost_cut, granularity=granularity, mode=mode, allow_ends=allow_ends,
-                               state_file=folder / f"greedy-{objective}-{mode}-{granularity}.json",
-                               costs=costs, on_progress=on_progress)
-        if greedy.steps:
-            best = greedy.best_plan
-            seeds.append(model.plan(best))
-    if method in ("bayes", "both"):
-        _stage(on_stage, "trials")
-        study = run_study(evaluator, objective, trials, str(storage or folder / "study.db"), study_name, sampler,
-                          multi, seeds, allow_ends, costs, prompts, seed, on_trial=on_progress,
-                          patience=storage_patience)
-        best = study.best_plan
-    best_plan = model.plan(best or "full")
-    result = SearchResult(objective, multi, best_plan, evaluator.divergence(best_plan), costs, greedy, study)
-    if save_draft or (save_draft is None and result.draft_worthy):
-        result.saved_draft = save_draft_plan(model, best_plan)
-    return result
-
-
-def _stage(on_stage: Callable[[str], None] | None, text: str) -> None:
-    if on_stage:
-        on_stage(text)
+    """Search a plan for `objective` on calibration ids (B, T): search/plan_search.py search_plans
+    on this model. prompts: encoded prompts for the tokens-per-second objective; probe_row: this
+    machine's probe row for the model (engine/probe.py), the verify costs of its timed decoding."""
+    return search_plans(PlanEvaluator(model, ids), objective, method, multi, trials, budget,
+                        max_cost_cut, granularity, mode, sampler, storage, study_name, allow_ends, seed,
+                        lambda: measure_costs(model),
+                        speed_on_prompts(model, prompts, probe_row) if prompts else None, folder, on_stage,
+                        on_progress, save_draft, storage_patience)

@@ -39,7 +39,7 @@ COMMAND_INDEX = {
     "probe": ("measuring", "Time a pass over k = 1..16 new tokens per dtype and engine on this machine: the cost of "
                            "verifying k drafted tokens relative to one decoding step."),
     "scan": ("scoring", "Skip each layer, attention and MLP in turn; report perplexity, KL and top-1 agreement."),
-    "search": ("research", "Find a good plan: greedy skipping and/or a Bayesian (Optuna) study; resumable, "
+    "search": ("searching", "Find a good plan: greedy skipping and/or a Bayesian (Optuna) study; resumable, "
                            "shareable."),
     "serve": ("running", "OpenAI-compatible HTTP server: /v1/completions, /v1/chat/completions (SSE streaming), "
                          "/v1/models, /health, and a web playground at /."),

@@ -9,8 +9,9 @@ from pathlib import Path
 import click
 
 from layerplan.app import llamacpp
+from layerplan.app.bars import Progress
 from layerplan.app.bench import bench_methods, load_for_timing, run_bench
-from layerplan.app.cli.common import Progress, checked_probe_row, command_dtype, load, note, set_threads, user_errors
+from layerplan.app.cli.common import checked_probe_row, command_dtype, load, note, set_threads, user_errors
 from layerplan.app.options import (DRAFT_LENGTH_HELP, Output, auto_dtype_option, engine_option, model_option,
                                    n_predict_option, threads_option)
 from layerplan.app.peers import llama_cpp_peers
@@ -18,7 +19,8 @@ from layerplan.app.prompts import CHAT_PROMPTS, PROMPTS, pick_prompts, read_prom
 from layerplan.app.report import frontier_plot
 from layerplan.decoding.budget import token_budget
 from layerplan.decoding.draft_length import DRAFT_LENGTHS
-from layerplan.decoding.drafters.registry import drafter_help, make_drafter, saved_draft_path
+from layerplan.decoding.drafters.registry import drafter_help, make_drafter
+from layerplan.decoding.drafters.saved import saved_draft_path
 from layerplan.decoding.frontier import measure_frontier, pass_costs_of, self_drafts
 from layerplan.engine.choices import STORED, STORED_ARITHMETIC, STORED_FAST
 from layerplan.engine.load import load_model

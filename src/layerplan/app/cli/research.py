@@ -1,5 +1,5 @@
-"""The commands that study a model's layers: explore, search, train-exit, tune; and scan's and ppl's work on
-the torch front end (their command lines: app/cli/scoring.py)."""
+"""The commands that study a model's layers: explore, train-exit, tune; and the work of scan, ppl and
+search on the torch front end (their command lines: app/cli/scoring.py, app/cli/searching.py)."""
 
 from __future__ import annotations
 
@@ -9,17 +9,18 @@ from pathlib import Path
 import click
 import torch
 
+from layerplan.app.bars import Progress, Stages
 from layerplan.app.bench import load_for_timing
-from layerplan.app.cli.common import (Progress, Stages, attach, checked_probe_row, command_dtype, load, note, set_threads,
+from layerplan.app.cli.common import (attach, checked_probe_row, command_dtype, load, note, set_threads,
                                      user_errors)
 from layerplan.app.cli.measuring import frontier_line
 from layerplan.app.cli.scoring import report_scan, scan_kinds
+from layerplan.app.cli.searching import quiet_optuna, report_search
 from layerplan.app.merges import export_commands, scan_blocks, study_merges, write_scan
 from layerplan.app.options import (SEED, Output, auto_dtype_option, device_option, dtype_option, engine_option,
                                    model_b_option, model_option, n_predict_option, threads_option)
 from layerplan.app.prompts import PROMPTS, pick_prompts
-from layerplan.app.report import (explore_plot, frontier_plot, pareto_plot, scan_heatmap, search_trajectory,
-                                  skip_frequency_plot, tune_html)
+from layerplan.app.report import explore_plot, frontier_plot, scan_heatmap, search_trajectory, tune_html
 from layerplan.app.tune import tune as run_tune
 from layerplan.corpus import default_corpus, given_text, read_texts
 from layerplan.decoding.budget import token_budget
@@ -28,7 +29,6 @@ from layerplan.engine.load import load_model
 from layerplan.files import write_json_atomic
 from layerplan.machine import cpu_info
 from layerplan.models.loading import model_depth
-from layerplan.plan.formats import save_plan
 from layerplan.search.bayes import SAMPLERS, check_storage
 from layerplan.search.blocks import MergeSpace, parse_range, parse_repeats, parse_scales
 from layerplan.search.evaluate import calibration_ids, perplexity, perplexity_in_chunks
@@ -36,8 +36,8 @@ from layerplan.search.evaluate import compare as run_compare
 from layerplan.search.explore import explore as run_explore
 from layerplan.search.explore import recompute_rewind_grid
 from layerplan.search.measures import MEASURES, MeasureInputs, check_measures
-from layerplan.search.objectives import OBJECTIVES, objectives_help
-from layerplan.search.run import METHODS, run_search
+from layerplan.search.objectives import OBJECTIVES
+from layerplan.search.run import run_search
 from layerplan.search.scan import scan as run_scan
 
 
@@ -212,9 +212,7 @@ def _explore_merges(model, dtype, device, blocks, layer_range, max_len, repeats,
             click.echo("wrote " + ", ".join(str(p) for p in written))
             best_blocks = [(r.start, r.end, r.repeats) for r in result.ranked()[:3]]
         if study:
-            import optuna  # deferred: heavy
-
-            optuna.logging.set_verbosity(optuna.logging.WARNING)  # a line per trial would hide the progress bar
+            quiet_optuna()
             space = MergeSpace(span, max_len or (span[1] - span[0] + 1), counts[-1], scale_range,
                                ("", "b") if model_b else ("",))
             seeds = [space.seed(*block) for block in best_blocks]
@@ -232,49 +230,11 @@ def _explore_merges(model, dtype, device, blocks, layer_range, max_len, repeats,
             click.echo("wrote " + ", ".join(written))
 
 
-@click.command(epilog="\b\nObjectives:\n" + objectives_help())
-@model_option
-@dtype_option
-@threads_option
-@click.option("--method", type=click.Choice(list(METHODS)), default="both", show_default=True,
-              help="; ".join(f"{name}: {text}" for name, text in METHODS.items()))
-@click.option("--objective", type=click.Choice(list(OBJECTIVES)), default="speedup", show_default=True,
-              help="what to optimise (see below)")
-@click.option("--multi", is_flag=True, help="optimise the objective and the plan's cost together (Pareto front)")
-@click.option("--trials", type=click.IntRange(min=1), default=100, show_default=True, help="finished trials in the study, all workers together")
-@click.option("--budget", type=click.IntRange(min=1), default=None, help="greedy: sub-layers (or layers) to switch; default 20")
-@click.option("--max-cost-cut", type=click.FloatRange(0.0, 1.0, min_open=True), default=None,
-              help="greedy: stop once this fraction of the model's sub-layers is switched off (e.g. 0.3)")
-@click.option("--granularity", type=click.Choice(["sublayer", "layer"]), default="sublayer", show_default=True)
-@click.option("--mode", type=click.Choice(["forward", "anti"]), default="forward", show_default=True,
-              help="greedy: skip the least harmful (forward) or start skipped and add back the most useful (anti)")
-@click.option("--sampler", type=click.Choice(list(SAMPLERS)), default="tpe", show_default=True,
-              help="; ".join(f"{name}: {sampler.help}" for name, sampler in SAMPLERS.items()))
-@click.option("--storage", default=None, help="Optuna storage: SQLite path (default OUT/study.db), any RDB URL "
-              "(postgresql://user@host/db), or journal:PATH")
-@click.option("--study", "study_name", default=None, help="study name (default: MODEL-OBJECTIVE); share it across machines")
-@click.option("--storage-patience", type=click.FloatRange(min=0), default=600, show_default=True, metavar="SECONDS",
-              help="how long a worker waits for an unreachable database server (retrying) before it gives up")
-@click.option("--tokens", type=click.IntRange(min=2), default=512, show_default=True, help="calibration tokens")
-@click.option("--text", type=click.Path(dir_okay=False), default=None, help="calibration text (.txt/.jsonl)")
-@click.option("--allow-ends", is_flag=True, help="allow skipping the first and last layers")
-@click.option("--save-draft/--no-save-draft", default=None,
-              help="save the best plan for `--draft auto` (default: for "
-                   f"{'/'.join(name for name, o in OBJECTIVES.items() if o.drafts)})")
-@click.option("--seed", "-s", type=SEED, default=None,
-              help="makes the study's sampler seeds reproducible (each worker still gets its own); default: fresh")
-@click.option("--out", type=Output("folder"), default="runs/search", show_default=True)
-def search(model, dtype, threads, method, objective, multi, trials, budget, max_cost_cut, granularity, mode, sampler,
-           storage, study_name, storage_patience, tokens, text, allow_ends, save_draft, seed, out) -> None:
-    """Find a good plan: greedy skipping and/or a Bayesian (Optuna) study; resumable, shareable.
-
-    \b
-    Interrupt it (Ctrl-C, kill) and run the same command again: it resumes from its storage.
-    Run the same command with the same --storage URL and --study name on several machines and
-    they share one study; a worker rides out a database restart (--storage-patience), and
-    SIGTERM or Ctrl-C fails its running trial so that the study asks that plan again."""
+def run_search_command(model, dtype, threads, method, objective, multi, trials, budget, max_cost_cut, granularity,
+                       mode, sampler, storage, study_name, storage_patience, tokens, text, allow_ends, save_draft, seed,
+                       out) -> None:
+    """app/cli/searching.py's `layerplan search` on the torch front end."""
     set_threads(threads)
-    out_dir = Path(out)
     with user_errors():
         if method != "greedy":
             check_storage(storage)
@@ -283,47 +243,14 @@ def search(model, dtype, threads, method, objective, multi, trials, budget, max_
         ids = calibration_ids(loaded, calibration, tokens)
         prompts = [loaded.encode(p) for p in PROMPTS.values()] if OBJECTIVES[objective].needs_prompts else None
         if method != "greedy":
-            import optuna  # deferred: heavy
-
-            optuna.logging.set_verbosity(optuna.logging.WARNING)  # a line per trial would hide the progress bar
+            quiet_optuna()
         probe_row = checked_probe_row(loaded) if prompts is not None else None  # timed decoding's verify costs
         with Stages() as stages:
             result = run_search(loaded, ids, objective, method, multi, trials, budget, max_cost_cut, granularity, mode,
-                                sampler, storage, study_name, allow_ends, seed, prompts, out_dir,
+                                sampler, storage, study_name, allow_ends, seed, prompts, out,
                                 on_stage=stages.start, on_progress=stages, probe_row=probe_row, save_draft=save_draft,
                                 storage_patience=storage_patience)
-        direction = OBJECTIVES[objective].direction
-        if result.greedy is not None:
-            greedy = result.greedy
-            if greedy.steps:
-                search_trajectory([step.value for step in greedy.steps], direction,
-                                  f"{objective} after each greedy step", out_dir / "greedy.png")
-            click.echo(f"greedy: {len(greedy.steps)} steps, {greedy.evaluations} evaluations; plan {greedy.best_plan}")
-        if result.study is not None:
-            study = result.study
-            ranked = study.ranked()
-            search_trajectory([t.values[0] for t in study.trials if t.state == "COMPLETE"], direction, objective,
-                              out_dir / "trajectory.png")
-            if multi:
-                pareto_plot([(t.values[0], t.values[1]) for t in ranked],
-                            [(t.values[0], t.values[1]) for t in study.pareto], objective, out_dir / "pareto.png")
-            top = [loaded.plan(t.plan) for t in ranked[: max(1, len(ranked) // 10)] if t.plan]
-            if top:
-                skip_frequency_plot(top, loaded.num_layers, out_dir / "skip-frequency.png")
-            if study.stale_failed:
-                click.echo(f"marked failed: trial(s) {', '.join(map(str, study.stale_failed))} of workers that died",
-                           err=True)
-            click.echo(f"study '{study.study}': {len(ranked)} finished trials; best {objective} {study.best_value} "
-                       f"with plan {study.best_plan}")
-        best_plan = result.best_plan
-        save_plan(best_plan, out_dir / "best_plan.json")
-        write_json_atomic(out_dir / "search.json", {"model": model, **result.to_dict()})
-        if result.saved_draft is not None:
-            click.echo(f"saved for --draft auto: {result.saved_draft}")
-        elif save_draft if save_draft is not None else OBJECTIVES[objective].drafts:
-            click.echo("no skip plan beats the full model here: nothing saved for --draft auto (it uses n-gram)")
-    click.echo(f"best plan: {best_plan}  (agreement {result.best.top1_agreement:.3f}, KL {result.best.kl:.4f})")
-    click.echo(f"wrote {out_dir / 'best_plan.json'}, {out_dir / 'search.json'} and plots in {out_dir}")
+        report_search(result, loaded, model, out, save_draft)
 
 
 @click.command("train-exit")
@@ -409,4 +336,4 @@ def tune(model, dtype, engine, threads, tokens, steps, repeats, new_tokens, prom
     click.echo(f"wrote {out_dir / 'report.html'} and {out_dir / 'report.json'}")
 
 
-COMMANDS = (explore, search, train_exit, tune)  # registered on main (the package's __init__)
+COMMANDS = (explore, train_exit, tune)  # registered on main (the package's __init__)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 
 from layerplan.decoding.drafters.arbiter import Arbiter
 from layerplan.decoding.drafters.base import AutoregressiveDrafter, Drafter
@@ -19,14 +18,14 @@ from layerplan.decoding.drafters.model import ModelDrafter
 from layerplan.decoding.drafters.ngram import NgramDrafter
 from layerplan.decoding.drafters.online import OnlineSkipDrafter
 from layerplan.decoding.drafters.plan import ExitHeadDrafter, PlanDrafter, WindowedDrafter
+from layerplan.decoding.drafters.saved import saved_draft_path
 from layerplan.decoding.drafters.staged import StagedDrafter
 from layerplan.decoding.drafters.suffix import SuffixDrafter, read_corpus
 from layerplan.engine.choices import QUANTIZE_AT_LOAD
 from layerplan.engine.load import load_model
 from layerplan.engine.native import BoundedCache
 from layerplan.models.architectures import ModelError
-from layerplan.models.loading import LoadedModel, cache_dir
-from layerplan.plan.formats import save_plan
+from layerplan.models.loading import LoadedModel
 from layerplan.plan.plan import LayerPlan, parse_plan
 
 
@@ -280,22 +279,6 @@ def _build(spec: str, ctx: Context) -> Drafter:
         drafter.branch_below = branch
         drafter.name += f"+branch={branch_text}"
     return drafter
-
-
-def saved_draft_path(model: LoadedModel) -> Path:
-    """Where the draft plan of a model that `auto` proposes with is kept (save_draft_plan)."""
-    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in model.name)
-    return cache_dir() / "plans" / f"{safe}.json"
-
-
-def save_draft_plan(model: LoadedModel, plan: LayerPlan) -> Path | None:
-    """Keep `plan` as the layer-plan draft that `auto` weighs for this model (a search's or tune's
-    best); its path, or None for the identity plan, which drafts nothing."""
-    if plan.is_identity:
-        return None
-    path = saved_draft_path(model)
-    save_plan(plan, path)
-    return path
 
 
 def drafts_by_lookup(drafter: Drafter) -> bool:

@@ -1,5 +1,6 @@
-"""The scan on the light front end (lite/evaluator.py): every candidate's numbers equal the torch
-front end's, bit for bit, on stored GGUF weights in both arithmetics; and the shared scorer
+"""The scan and the search on the light front end (lite/evaluator.py): every candidate's numbers,
+and so every search's steps and trials, equal the torch front end's, bit for bit, on stored GGUF
+weights in both arithmetics; the light front end's decode costs; and the shared scorer
 (search/reference.py) against the textbook formulas."""
 
 from __future__ import annotations
@@ -12,10 +13,12 @@ from tiny_gguf import write_tiny_gguf
 
 from layerplan.engine.choices import STORED_ARITHMETIC
 from layerplan.engine.load import load_model
-from layerplan.lite.evaluator import LitePlanEvaluator
+from layerplan.lite.evaluator import LitePlanEvaluator, measure_lite_costs
 from layerplan.lite.model import LiteModel
 from layerplan.search.importance import scan_plans
+from layerplan.search.plan_search import search_plans
 from layerplan.search.reference import LogitsReference
+from layerplan.search.run import run_search
 from layerplan.search.scan import scan
 from layerplan.search.windows import logits_divergence
 
@@ -32,10 +35,7 @@ def _own_cache(tmp_path, monkeypatch):
 @pytest.mark.parametrize("base", [None, "skip:attn=1"])
 @pytest.mark.parametrize("reuse", [True, False])
 def test_the_light_scan_prints_the_torch_front_ends_numbers(tmp_path, arch, matrix_type, dtype, base, reuse):
-    hf = tiny_hf(arch, num_layers=6 if arch == "gemma3" else 3)
-    path = write_tiny_gguf(hf, tmp_path / f"{arch}.gguf", matrix_type)
-    model = load_model(path, dtype=dtype, engine="native")
-    lite = LiteModel(path, STORED_ARITHMETIC[dtype], threads=2)
+    model, lite = _pair(tmp_path, arch, matrix_type, dtype)
     kinds = ("attention", "mlp", "layer", "exit")
     want = scan(model, torch.tensor([IDS]), model.plan(base), kinds=kinds, reuse=reuse)
     evaluator = LitePlanEvaluator(lite, IDS, lite.plan(base), reuse=reuse)
@@ -48,6 +48,34 @@ def test_the_light_scan_prints_the_torch_front_ends_numbers(tmp_path, arch, matr
         scored = next(iter(evaluator.cache))
         assert evaluator.divergence(scored) is evaluator.cache[scored]
         assert evaluator.evaluations == runs
+
+
+def _pair(tmp_path, arch: str, matrix_type: str, dtype: str):
+    hf = tiny_hf(arch, num_layers=6 if arch == "gemma3" else 3)
+    path = write_tiny_gguf(hf, tmp_path / f"{arch}.gguf", matrix_type)
+    return load_model(path, dtype=dtype, engine="native"), LiteModel(path, STORED_ARITHMETIC[dtype], threads=2)
+
+
+@pytest.mark.parametrize("arch,matrix_type,dtype", [("llama", "Q4_1", "stored"), ("gemma3", "Q8_0", "stored-fast")])
+def test_the_light_search_is_the_torch_front_ends(tmp_path, arch, matrix_type, dtype):
+    """Greedy steps and a seeded study's trials: the same plans and values on either front end."""
+    model, lite = _pair(tmp_path, arch, matrix_type, dtype)
+    for objective, method in (("kl", "greedy"), ("agreement", "both")):
+        options = dict(objective=objective, method=method, budget=2, trials=4, seed=3, allow_ends=True)
+        want = run_search(model, torch.tensor([IDS]), folder=tmp_path / "torch" / objective, **options)
+        got = search_plans(LitePlanEvaluator(lite, IDS), folder=tmp_path / "light" / objective, **options)
+        assert got.to_dict() == want.to_dict() and got.best_plan == want.best_plan, objective
+        assert (got.greedy.steps if got.greedy else got.study.trials) and got.saved_draft is None
+
+
+def test_the_light_front_ends_costs_add_up(tmp_path):
+    _, lite = _pair(tmp_path, "llama", "Q4_1", "stored")
+    costs = measure_lite_costs(lite, context=8, repeats=3)
+    assert 0 < costs.fixed <= costs.full_step and costs.attention > 0 and costs.mlp > 0
+    assert costs.relative_cost(lite.plan()) == pytest.approx(1.0)
+    assert costs.relative_cost(lite.plan("skip:mlp=0-2")) < 1.0
+    with pytest.raises(ValueError, match="measure_costs"):  # an objective that weighs costs needs them
+        search_plans(LitePlanEvaluator(lite, IDS), "speedup", "greedy", folder=tmp_path)
 
 
 @pytest.mark.parametrize("block_rows, chunk_rows", [(256, 32), (4, 3), (5, 1)])

@@ -1,0 +1,45 @@
+"""`layerplan search` on the light front end (lite/cli.py's runner, in a module of its own: a
+search imports Optuna, which a light `generate` must not wait for)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from layerplan.corpus import default_corpus, given_text
+from layerplan.lite.cli import ENDINGS, ended_by, load_for
+from layerplan.lite.evaluator import LitePlanEvaluator, measure_lite_costs
+from layerplan.lite.model import LiteModel
+from layerplan.lite.request import LiteSearchRequest
+from layerplan.search.bayes import check_storage
+from layerplan.search.plan_search import SearchResult, search_plans
+
+
+def run_search(request: LiteSearchRequest, report: Callable[[SearchResult, LiteModel], None],
+               on_stage: Callable[[str], None] | None = None,
+               on_progress: Callable[[int, int], None] | None = None) -> int | None:
+    """Carry out a runnable `layerplan search` request as app/cli/research.py's run_search_command
+    would (the same calibration ids, scores and study: search/plan_search.py over
+    lite/evaluator.py's evaluator, its costs measured on the kernels); report(result, model) prints
+    and writes it (app/cli/searching.py report_search); on_stage / on_progress: its stages' bars.
+    The exit status, or None where the model turned out to need the torch front end."""
+    try:
+        if request.method != "greedy":
+            check_storage(request.storage)
+        calibration = given_text(request.text)
+        model = load_for(request)
+        ids = model.encode(calibration if calibration is not None else default_corpus())
+        if len(ids) < request.tokens:  # (search/evaluate.py calibration_ids' message)
+            raise ValueError(f"the calibration text has {len(ids)} tokens, fewer than the {request.tokens} asked for")
+        if request.method != "greedy":
+            import optuna  # (search/bayes.py's, imported with it; here only its logging)
+
+            optuna.logging.set_verbosity(optuna.logging.WARNING)  # a line per trial would hide the progress bar
+        result = search_plans(LitePlanEvaluator(model, ids[:request.tokens]), request.objective, request.method,
+                              request.multi, request.trials, request.budget, request.max_cost_cut,
+                              request.granularity, request.mode, request.sampler, request.storage, request.study_name,
+                              request.allow_ends, request.seed, lambda: measure_lite_costs(model), None, request.out,
+                              on_stage, on_progress, request.save_draft, request.storage_patience)
+        report(result, model)
+    except ENDINGS as error:
+        return ended_by(error)
+    return 0
