@@ -335,3 +335,23 @@ def test_a_real_gguf_ppl_is_the_same_on_both_front_ends(name, tmp_path):
     light, torch_run = _run(argv, cache), _run(argv, cache, "torch")
     assert light.returncode == torch_run.returncode == 0, light.stderr + torch_run.stderr
     assert light.stdout == torch_run.stdout and json.loads(light.stdout)["vs_full_model"]["tokens"] == 128
+
+
+@pytest.mark.parametrize("name", ["gemma-3-270m-Q4_K_M.gguf", "qwen2.5-coder-1.5b-instruct-Q4_K_M.gguf"])
+def test_a_real_gguf_scan_is_the_same_on_both_front_ends(name, tmp_path):
+    """A scan of every MLP of a real file, under a base plan: the same scan.json from both front ends
+    but for the seconds. In `make bench-real` (LAYERPLAN_REAL_MODELS), never in the default suite."""
+    folder = os.environ.get("LAYERPLAN_REAL_MODELS")
+    path = os.path.join(folder or "/nonexistent", name)
+    if not os.path.exists(path):
+        pytest.skip(f"LAYERPLAN_REAL_MODELS does not name a folder with the real {name}")
+    cache = cache_dir()  # (the user's: the file's index and panels, made once)
+    written = []
+    for front_end in ("", "torch"):
+        out = tmp_path / (front_end or "light")
+        run = _run(["scan", "-m", path, "--tokens", "96", "--kinds", "mlp", "--plan", "skip:attn=3", "--out", str(out)],
+                   cache, front_end)
+        assert run.returncode == 0, run.stderr
+        written.append(json.loads((out / "scan.json").read_text()))
+        written[-1].pop("seconds")
+    assert written[0] == written[1] and len(written[0]["items"]) > 10
