@@ -158,5 +158,3 @@ def test_chunked_divergence_of_hidden_equals_whole_logits(chunk, head_rows):
     assert chunked.kl == pytest.approx(whole.kl, rel=1e-5, abs=1e-8)
     assert chunked.perplexity == pytest.approx(whole.perplexity, rel=1e-6)
     assert chunked.top1_agreement == whole.top1_agreement
-
-

@@ -124,4 +124,3 @@ def tune(
     return TuneResult(model.name, model.precision, scanned, greedy, predicted, bench,
                       choices, best, plan.to_string() if plan is not None else None,
                       str(saved_to) if saved_to is not None else None, frontier)
-

@@ -26,7 +26,6 @@ from layerplan.models.loading import (ModelError, cache_dir, dense_bytes, gguf_o
 from layerplan.plan.plan import PlanError
 
 
-
 @contextmanager
 def user_errors():
     """Bad input becomes a one-line message and exit status 2, not a traceback."""
@@ -127,8 +126,6 @@ def attach(loaded, model_b: str | None, device: str = "cpu", engine: str = "auto
         loaded.attach(load_model(model_b, dtype=loaded.precision, device=device, engine=engine,
                                  device_map=_device_map()), "b")
     return loaded
-
-
 
 
 def note(line: str) -> None:
