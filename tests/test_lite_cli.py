@@ -172,57 +172,63 @@ def test_the_light_front_end_prints_what_the_torch_one_prints(argv, cache, torch
         assert json.loads(lite_run.stdout)["tokens"] > 0
 
 
+@pytest.fixture
+def removed_after():
+    """Folders to remove once the test ends (its runs' output folders)."""
+    folders: list[str] = []
+    yield folders
+    for folder in folders:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _both_runs(argv: list[str], torch_argv: list[str], request, cache, torch_runs, monkeypatch, removed_after):
+    """(the light front end's run of argv, which it must take, and the torch one's of torch_argv):
+    both ended well and said the same on stderr; both output folders (the last word of each line)
+    removed once the test ends."""
+    removed_after += [argv[-1], torch_argv[-1]]
+    torch_run = torch_runs[tuple(torch_argv)]
+    assert torch_run.returncode == 0, torch_run.stderr
+    monkeypatch.setenv("LAYERPLAN_CACHE", str(cache))
+    monkeypatch.delenv("LAYERPLAN_FRONT_END", raising=False)
+    assert runnable(request)  # so launch runs it on the light front end
+    lite_run = _run(argv, cache)
+    assert lite_run.returncode == 0 and lite_run.stderr == torch_run.stderr, lite_run.stderr
+    return lite_run, torch_run
+
+
 @pytest.mark.parametrize("line", range(len(SAME_SCAN)))
-def test_the_light_scan_prints_and_writes_what_the_torch_one_does(line, cache, torch_runs, monkeypatch):
+def test_the_light_scan_prints_and_writes_what_the_torch_one_does(line, cache, torch_runs, monkeypatch, removed_after):
     """The same table, loading line and files but for the folder named and the seconds taken (the
     candidates' numbers are the same bits: tests/test_lite_research.py)."""
     torch_argv, argv = _scan_line(line, "torch"), _scan_line(line, "light")
-    torch_run = torch_runs[tuple(torch_argv)]
-    assert torch_run.returncode == 0, torch_run.stderr
-    monkeypatch.setenv("LAYERPLAN_CACHE", str(cache))
-    monkeypatch.delenv("LAYERPLAN_FRONT_END", raising=False)
-    assert runnable(light_scan_request(argv))  # so launch runs it on the light front end
-    try:
-        lite_run = _run(argv, cache)
-        assert lite_run.returncode == 0 and lite_run.stderr == torch_run.stderr, lite_run.stderr
+    lite_run, torch_run = _both_runs(argv, torch_argv, light_scan_request(argv), cache, torch_runs, monkeypatch,
+                                     removed_after)
 
-        def untimed(text: str) -> str:
-            return re.sub(r"candidates in [0-9.]+s", "", text.replace(argv[-1], torch_argv[-1]))
+    def untimed(text: str) -> str:
+        return re.sub(r"candidates in [0-9.]+s", "", text.replace(argv[-1], torch_argv[-1]))
 
-        assert untimed(lite_run.stdout) == untimed(torch_run.stdout) and "wrote" in lite_run.stdout
-        name = "exits" if "--exits" in argv else "scan"
-        written = [json.loads((Path(run[-1]) / f"{name}.json").read_text()) for run in (torch_argv, argv)]
-        for result in written:
-            result.pop("seconds")
-        assert written[0] == written[1] and len(written[0]["items"]) > 20
-        assert (Path(argv[-1]) / f"{name}.png").read_bytes()[:4] == b"\x89PNG"
-    finally:
-        shutil.rmtree(SCAN_OUT / "light" / str(line), ignore_errors=True)
-        shutil.rmtree(SCAN_OUT / "torch" / str(line), ignore_errors=True)
+    assert untimed(lite_run.stdout) == untimed(torch_run.stdout) and "wrote" in lite_run.stdout
+    name = "exits" if "--exits" in argv else "scan"
+    written = [json.loads((Path(run[-1]) / f"{name}.json").read_text()) for run in (torch_argv, argv)]
+    for result in written:
+        result.pop("seconds")
+    assert written[0] == written[1] and len(written[0]["items"]) > 20
+    assert (Path(argv[-1]) / f"{name}.png").read_bytes()[:4] == b"\x89PNG"
 
 
 @pytest.mark.parametrize("line", range(len(SAME_SEARCH)))
-def test_the_light_search_prints_and_writes_what_the_torch_one_does(line, cache, torch_runs, monkeypatch):
+def test_the_light_search_prints_and_writes_what_the_torch_one_does(line, cache, torch_runs, monkeypatch, removed_after):
     """The same lines, loading line and search.json (greedy's steps, a seeded study's trials) but
     for the folder named and the trials' clocks."""
     torch_argv, argv = _search_line(line, "torch"), _search_line(line, "light")
-    torch_run = torch_runs[tuple(torch_argv)]
-    assert torch_run.returncode == 0, torch_run.stderr
-    monkeypatch.setenv("LAYERPLAN_CACHE", str(cache))
-    monkeypatch.delenv("LAYERPLAN_FRONT_END", raising=False)
-    assert runnable(light_search_request(argv))  # so launch runs it on the light front end
-    try:
-        lite_run = _run(argv, cache)
-        assert lite_run.returncode == 0 and lite_run.stderr == torch_run.stderr, lite_run.stderr
-        assert lite_run.stdout.replace(argv[-1], torch_argv[-1]) == torch_run.stdout and "best plan" in lite_run.stdout
-        written = [json.loads((Path(run[-1]) / "search.json").read_text()) for run in (torch_argv, argv)]
-        for result in written:
-            for trial in result.get("study", {}).get("trials", []):
-                trial.pop("seconds", None)
-        assert written[0] == written[1]
-    finally:
-        shutil.rmtree(SCAN_OUT / "light" / f"search-{line}", ignore_errors=True)
-        shutil.rmtree(SCAN_OUT / "torch" / f"search-{line}", ignore_errors=True)
+    lite_run, torch_run = _both_runs(argv, torch_argv, light_search_request(argv), cache, torch_runs, monkeypatch,
+                                     removed_after)
+    assert lite_run.stdout.replace(argv[-1], torch_argv[-1]) == torch_run.stdout and "best plan" in lite_run.stdout
+    written = [json.loads((Path(run[-1]) / "search.json").read_text()) for run in (torch_argv, argv)]
+    for result in written:
+        for trial in result.get("study", {}).get("trials", []):
+            trial.pop("seconds", None)
+    assert written[0] == written[1]
 
 
 def test_a_bad_perplexity_line_gets_the_torch_front_ends_message(cache, torch_runs):

@@ -19,8 +19,7 @@ from layerplan.decoding.text import TextDelta
 from layerplan.files import WriteError
 from layerplan.lite.evaluator import LitePlanEvaluator
 from layerplan.lite.model import LiteModel, TorchFrontEnd, lite_refusal
-from layerplan.lite.request import (ARITHMETICS, LitePerplexityRequest, LiteRequest, LiteScanRequest,
-                                    LiteSearchRequest)
+from layerplan.lite.request import ARITHMETICS, FileRequest, LitePerplexityRequest, LiteRequest, LiteScanRequest
 from layerplan.lite.tokenizer_process import TokenizerProcess
 from layerplan.machine import read_cpuinfo
 from layerplan.messages import one_line
@@ -34,7 +33,7 @@ from layerplan.search.importance import ScanResult, check_kinds, scan_plans
 from layerplan.search.windows import added_bos, chunk_perplexity, logits_divergence, sliding_perplexity
 
 
-def runnable(request: LiteRequest | LitePerplexityRequest | LiteScanRequest | LiteSearchRequest) -> bool:
+def runnable(request: FileRequest) -> bool:
     """Whether the light front end runs it: a GGUF whose index it reads (kept from an earlier
     load, or made now from the file where models/file_index.py's tables cover it), with a
     tokenizer (the torch front end says what a model without one cannot do). A file that cannot
@@ -65,8 +64,7 @@ def _packing_bar(done: int, total: int) -> None:
           end="", file=sys.stderr, flush=True)
 
 
-def load_for(request: LiteRequest | LitePerplexityRequest | LiteScanRequest | LiteSearchRequest,
-             tokenizer: TokenizerProcess | None = None) -> LiteModel:
+def load_for(request: FileRequest, tokenizer: TokenizerProcess | None = None) -> LiteModel:
     """The request's model, after app/cli/common.py's loading line; its panels' packing drawn on a
     terminal (a first use)."""
     first = (f"; its first use: indexed and packed for the kernels once, into {cache_dir()}"

@@ -25,13 +25,26 @@ def precision_of(dtype: str) -> str:
     return "stored" if ARITHMETICS[dtype] == "exact" else "stored-fast"
 
 
-@dataclass
-class LiteRequest:
-    prompt: str
+@dataclass(kw_only=True)
+class FileRequest:
+    """What every request of the light front end names: a GGUF, its dtype as stored, the threads;
+    `engine` what the loading line names (the torch front end's default), `first_use` whether the
+    command made the model's index (lite/cli.py runnable)."""
+
     model: str = DEFAULT_MODEL
     dtype: str = "auto"
     engine: str = "auto"
     threads: int | None = None
+    first_use: bool = False
+
+    @property
+    def precision(self) -> str:
+        return precision_of(self.dtype)
+
+
+@dataclass
+class LiteRequest(FileRequest):
+    prompt: str
     plan: str | None = None
     max_new_tokens: int = 128
     stop: list[str] = field(default_factory=list)
@@ -39,18 +52,10 @@ class LiteRequest:
     chat: bool = False
     stats: bool = False  # --stats / --verbose: the summary lines
     as_json: bool = False  # --json: the statistics object
-    first_use: bool = False  # the model's index was made by this command (runnable)
-
-    @property
-    def precision(self) -> str:
-        return precision_of(self.dtype)
 
 
 @dataclass
-class LitePerplexityRequest:
-    model: str = DEFAULT_MODEL
-    dtype: str = "auto"
-    threads: int | None = None
+class LitePerplexityRequest(FileRequest):
     text: str | None = None  # --text: a .txt or .jsonl file (None: the built-in corpus)
     window: int = 512
     stride: int = 256
@@ -58,19 +63,10 @@ class LitePerplexityRequest:
     plan: str | None = None  # a plan of this model (None: the full model)
     protocol: str = "sliding"  # search/windows.py PROTOCOLS
     compare: bool = True  # --compare: a plan's KL and top-1 agreement against the full model
-    engine: str = "auto"  # (what the loading line names: the torch front end's default)
-    first_use: bool = False  # the model's index was made by this command (lite/cli.py runnable)
-
-    @property
-    def precision(self) -> str:
-        return precision_of(self.dtype)
 
 
 @dataclass
-class LiteScanRequest:
-    model: str = DEFAULT_MODEL
-    dtype: str = "auto"
-    threads: int | None = None
+class LiteScanRequest(FileRequest):
     plan: str | None = None  # --plan: the base plan (None: the full model)
     tokens: int = 512  # --tokens: the calibration text's first tokens
     text: str | None = None  # --text: a .txt or .jsonl file (None: the built-in corpus)
@@ -78,21 +74,12 @@ class LiteScanRequest:
     exits: bool = False  # --exits: an exit scan (its outputs are named exits.*)
     reuse: bool = True  # --no-reuse: every candidate from the embeddings
     out: str = "runs/scan"
-    engine: str = "auto"  # (what the loading line names: the torch front end's default)
-    first_use: bool = False  # the model's index was made by this command (lite/cli.py runnable)
-
-    @property
-    def precision(self) -> str:
-        return precision_of(self.dtype)
 
 
 @dataclass
-class LiteSearchRequest:
+class LiteSearchRequest(FileRequest):
     """app/cli/searching.py's options, as the command reads them."""
 
-    model: str = DEFAULT_MODEL
-    dtype: str = "auto"
-    threads: int | None = None
     method: str = "both"
     objective: str = "speedup"
     multi: bool = False
@@ -111,9 +98,3 @@ class LiteSearchRequest:
     save_draft: bool | None = None
     seed: int | None = None
     out: str = "runs/search"
-    engine: str = "auto"  # (what the loading line names: the torch front end's default)
-    first_use: bool = False  # the model's index was made by this command (lite/cli.py runnable)
-
-    @property
-    def precision(self) -> str:
-        return precision_of(self.dtype)

@@ -5,7 +5,6 @@ the tokens-per-second objective's timed speculative decoding on prompts."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 
@@ -14,7 +13,6 @@ from layerplan.engine.probe import ProbeRow
 from layerplan.models.loading import LoadedModel
 from layerplan.plan.plan import LayerPlan
 from layerplan.search.evaluator import PlanEvaluator, measure_costs
-from layerplan.search.patience import DEFAULT_PATIENCE
 from layerplan.search.plan_search import SearchResult, search_plans
 
 
@@ -35,35 +33,12 @@ def speed_on_prompts(model: LoadedModel, prompts: list[torch.Tensor], probe_row:
     return timed_speed
 
 
-def run_search(
-    model: LoadedModel,
-    ids: torch.Tensor,
-    objective: str = "speedup",
-    method: str = "both",
-    multi: bool = False,
-    trials: int = 100,
-    budget: int | None = None,
-    max_cost_cut: float | None = None,
-    granularity: str = "sublayer",
-    mode: str = "forward",
-    sampler: str = "tpe",
-    storage: str | None = None,
-    study_name: str | None = None,
-    allow_ends: bool = False,
-    seed: int | None = None,
-    prompts: list[torch.Tensor] | None = None,
-    folder: str | Path = "runs/search",
-    on_stage: Callable[[str], None] | None = None,
-    on_progress: Callable[[int, int], None] | None = None,
-    probe_row: ProbeRow | None = None,
-    save_draft: bool | None = False,
-    storage_patience: float = DEFAULT_PATIENCE,
-) -> SearchResult:
-    """Search a plan for `objective` on calibration ids (B, T): search/plan_search.py search_plans
-    on this model. prompts: encoded prompts for the tokens-per-second objective; probe_row: this
-    machine's probe row for the model (engine/probe.py), the verify costs of its timed decoding."""
-    return search_plans(PlanEvaluator(model, ids), objective, method, multi, trials, budget,
-                        max_cost_cut, granularity, mode, sampler, storage, study_name, allow_ends, seed,
-                        lambda: measure_costs(model),
-                        speed_on_prompts(model, prompts, probe_row) if prompts else None, folder, on_stage,
-                        on_progress, save_draft, storage_patience)
+def run_search(model: LoadedModel, ids: torch.Tensor, objective: str = "speedup", method: str = "both", *,
+               prompts: list[torch.Tensor] | None = None, probe_row: ProbeRow | None = None,
+               **options) -> SearchResult:
+    """Search a plan of `model` on calibration ids (B, T): search/plan_search.py search_plans (its
+    options: objective, method, trials, folder, ...) on this model's evaluator and measured costs.
+    prompts: encoded prompts for the tokens-per-second objective; probe_row: this machine's probe
+    row for the model (engine/probe.py), the verify costs of its timed decoding."""
+    return search_plans(PlanEvaluator(model, ids), objective, method, measure_costs=lambda: measure_costs(model),
+                        timed_speed=speed_on_prompts(model, prompts, probe_row) if prompts else None, **options)

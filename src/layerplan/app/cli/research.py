@@ -246,10 +246,11 @@ def run_search_command(model, dtype, threads, method, objective, multi, trials, 
             quiet_optuna()
         probe_row = checked_probe_row(loaded) if prompts is not None else None  # timed decoding's verify costs
         with Stages() as stages:
-            result = run_search(loaded, ids, objective, method, multi, trials, budget, max_cost_cut, granularity, mode,
-                                sampler, storage, study_name, allow_ends, seed, prompts, out,
-                                on_stage=stages.start, on_progress=stages, probe_row=probe_row, save_draft=save_draft,
-                                storage_patience=storage_patience)
+            result = run_search(loaded, ids, objective, method, prompts=prompts, probe_row=probe_row, multi=multi,
+                                trials=trials, budget=budget, max_cost_cut=max_cost_cut, granularity=granularity,
+                                mode=mode, sampler=sampler, storage=storage, study_name=study_name,
+                                allow_ends=allow_ends, seed=seed, folder=out, on_stage=stages.start,
+                                on_progress=stages, save_draft=save_draft, storage_patience=storage_patience)
         report_search(result, loaded, model, out, save_draft)
 
 
