@@ -172,20 +172,16 @@ def test_the_light_front_end_prints_what_the_torch_one_prints(argv, cache, torch
         assert json.loads(lite_run.stdout)["tokens"] > 0
 
 
-@pytest.fixture
-def removed_after():
-    """Folders to remove once the test ends (its runs' output folders)."""
-    folders: list[str] = []
-    yield folders
-    for folder in folders:
-        shutil.rmtree(folder, ignore_errors=True)
+@pytest.fixture(scope="module", autouse=True)
+def _scan_out_removed():
+    """The scan and search lines' output folders, removed with the module's tests."""
+    yield
+    shutil.rmtree(SCAN_OUT, ignore_errors=True)
 
 
-def _both_runs(argv: list[str], torch_argv: list[str], request, cache, torch_runs, monkeypatch, removed_after):
+def _both_runs(argv: list[str], torch_argv: list[str], request, cache, torch_runs, monkeypatch):
     """(the light front end's run of argv, which it must take, and the torch one's of torch_argv):
-    both ended well and said the same on stderr; both output folders (the last word of each line)
-    removed once the test ends."""
-    removed_after += [argv[-1], torch_argv[-1]]
+    both ended well and said the same on stderr."""
     torch_run = torch_runs[tuple(torch_argv)]
     assert torch_run.returncode == 0, torch_run.stderr
     monkeypatch.setenv("LAYERPLAN_CACHE", str(cache))
@@ -197,12 +193,12 @@ def _both_runs(argv: list[str], torch_argv: list[str], request, cache, torch_run
 
 
 @pytest.mark.parametrize("line", range(len(SAME_SCAN)))
-def test_the_light_scan_prints_and_writes_what_the_torch_one_does(line, cache, torch_runs, monkeypatch, removed_after):
+def test_the_light_scan_prints_and_writes_what_the_torch_one_does(line, cache, torch_runs, monkeypatch):
     """The same table, loading line and files but for the folder named and the seconds taken (the
     candidates' numbers are the same bits: tests/test_lite_research.py)."""
     torch_argv, argv = _scan_line(line, "torch"), _scan_line(line, "light")
-    lite_run, torch_run = _both_runs(argv, torch_argv, light_scan_request(argv), cache, torch_runs, monkeypatch,
-                                     removed_after)
+    lite_run, torch_run = _both_runs(argv, torch_argv, light_scan_request(argv), cache, torch_runs,
+                                     monkeypatch)
 
     def untimed(text: str) -> str:
         return re.sub(r"candidates in [0-9.]+s", "", text.replace(argv[-1], torch_argv[-1]))
@@ -217,12 +213,12 @@ def test_the_light_scan_prints_and_writes_what_the_torch_one_does(line, cache, t
 
 
 @pytest.mark.parametrize("line", range(len(SAME_SEARCH)))
-def test_the_light_search_prints_and_writes_what_the_torch_one_does(line, cache, torch_runs, monkeypatch, removed_after):
+def test_the_light_search_prints_and_writes_what_the_torch_one_does(line, cache, torch_runs, monkeypatch):
     """The same lines, loading line and search.json (greedy's steps, a seeded study's trials) but
     for the folder named and the trials' clocks."""
     torch_argv, argv = _search_line(line, "torch"), _search_line(line, "light")
-    lite_run, torch_run = _both_runs(argv, torch_argv, light_search_request(argv), cache, torch_runs, monkeypatch,
-                                     removed_after)
+    lite_run, torch_run = _both_runs(argv, torch_argv, light_search_request(argv), cache, torch_runs,
+                                     monkeypatch)
     assert lite_run.stdout.replace(argv[-1], torch_argv[-1]) == torch_run.stdout and "best plan" in lite_run.stdout
     written = [json.loads((Path(run[-1]) / "search.json").read_text()) for run in (torch_argv, argv)]
     for result in written:
