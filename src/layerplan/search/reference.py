@@ -1,7 +1,7 @@
 """A reference plan's next-token distributions on fixed token ids, prepared once, against which
 many candidate plans' logits are scored (a scan's, a search's), and the evaluator both front ends'
-scans and searches score plans by (ResumingEvaluator): numpy, no torch. search/evaluate.py's
-Reference gives this one torch's logits.
+scans and searches score plans by (ResumingEvaluator), and a model's decode costs (CostModel,
+measured_costs): numpy, no torch. search/evaluate.py's Reference gives the scorer torch's logits.
 
 For each position the reference keeps its probabilities p (float32), its log-sum-exp, its argmax
 and Σ p·ref (a float64 sum), so a candidate costs one max, one exp-sum and one dot product over
@@ -148,7 +148,7 @@ def first_difference(plan: LayerPlan, reference: LayerPlan) -> SubLayer | None:
 
 class ResumingEvaluator:
     """Quality of many plans against one reference plan on fixed ids: what a scan and a search ask
-    of a model (search/importance.py, search/run.py). A front end's evaluator captures the
+    of a model (search/importance.py, search/plan_search.py). A front end's evaluator captures the
     reference's residual stream before every sub-layer once (`captured`), runs each candidate from
     its first difference (`run`), and scores its final hidden states (`score`); results are
     memoised by plan."""
