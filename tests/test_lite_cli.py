@@ -94,6 +94,8 @@ SAME_SEARCH = [
      "--no-save-draft", "--dtype", "stored-fast"],
 ]
 
+BAD_SCAN = (["scan", "--kinds", "attention,heads"], "Error: unknown scan kind(s) ['heads']")
+
 
 def _scan_line(i: int, front_end: str) -> list[str]:
     return [*SAME_SCAN[i], "--out", str(SCAN_OUT / front_end / str(i))]
@@ -105,7 +107,7 @@ def _search_line(i: int, front_end: str) -> list[str]:
 
 TORCH_LINES = [*SAME_OUTPUT, STATISTICS, *(argv for argv, _ in BAD_REQUESTS), SECOND_MODEL, *SAME_PERPLEXITY,
                BAD_PERPLEXITY[0], SECOND_MODEL_PERPLEXITY, *(_scan_line(i, "torch") for i in range(len(SAME_SCAN))),
-               *(_search_line(i, "torch") for i in range(len(SAME_SEARCH)))]
+               *(_search_line(i, "torch") for i in range(len(SAME_SEARCH))), BAD_SCAN[0]]
 
 # runs each command line of argv[1] (a JSON list) as the torch front end's process would, its
 # descriptors 1 and 2 on files of its own, and writes [status, stdout, stderr] per line to argv[2]
@@ -227,8 +229,9 @@ def test_the_light_search_prints_and_writes_what_the_torch_one_does(line, cache,
     assert written[0] == written[1]
 
 
-def test_a_bad_perplexity_line_gets_the_torch_front_ends_message(cache, torch_runs):
-    argv, error = BAD_PERPLEXITY
+@pytest.mark.parametrize("bad", [BAD_PERPLEXITY, BAD_SCAN])
+def test_a_bad_line_gets_the_torch_front_ends_message(bad, cache, torch_runs):
+    argv, error = bad
     torch_run, lite_run = torch_runs[tuple(argv)], _run(argv, cache)
     assert torch_run.returncode == lite_run.returncode == 1
     assert lite_run.stderr == torch_run.stderr and error in lite_run.stderr

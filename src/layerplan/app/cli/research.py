@@ -38,6 +38,7 @@ from layerplan.search.explore import recompute_rewind_grid
 from layerplan.search.measures import MEASURES, MeasureInputs, check_measures
 from layerplan.search.objectives import OBJECTIVES
 from layerplan.search.run import run_search
+from layerplan.search.importance import check_kinds
 from layerplan.search.scan import scan as run_scan
 
 
@@ -45,6 +46,7 @@ def run_scan_command(model, dtype, device, threads, base_plan, tokens, text, kin
     """app/cli/scoring.py's `layerplan scan` on the torch front end."""
     set_threads(threads)
     with user_errors():
+        check_kinds(scan_kinds(kinds, exits))  # (bad input fails before the model loads)
         calibration = given_text(text)
         loaded = load(model, dtype, device, dense="float32")
         plan = loaded.plan(base_plan)
