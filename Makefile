@@ -104,6 +104,7 @@ bench-real: $(STAMP)
 	for f in $(REAL_FILES); do $(PY) benchmarks/first_run.py $$f --rounds 3 || exit 1; done
 	for f in smollm2 $(REAL_FILES); do $(PY) benchmarks/stored_vs_llamacpp.py $$f --rounds 3 || exit 1; done
 	for f in $(REAL_FILES); do $(PY) benchmarks/ppl_vs_llamacpp.py $$f --rounds 1 --within 0.01 || exit 1; done
+	for f in $(REAL_FILES); do PATH=$(VENV)/bin:$$PATH $(PY) benchmarks/scan_front_ends.py $$f --tokens 128 --rounds 1 || exit 1; done
 
 # BENCHMARKS.md's table of current figures, rewritten from benchmarks/figures/*.json (one record a
 # figure: its value, peer, ratio, command, CPU, date, issue); `make test` checks that it matches.

@@ -6,7 +6,8 @@ of its own), and whether both wrote the same scan.json but for the seconds.
     python benchmarks/scan_front_ends.py FILE [--tokens 512] [--kinds attention,mlp,layer] [--rounds 2]
 
 The file's index and panels are made by a warm-up run first (a later use, as a user's second scan
-finds them). Figures: medians over rounds, with the range. Prints one JSON object.
+finds them). Figures: medians over rounds, with the range. Prints one JSON object; exits 1 where the
+two scan.json files differ but for the seconds.
 """
 
 from __future__ import annotations
@@ -77,6 +78,8 @@ def main() -> None:
         "time_light_over_torch": round(median["light"] / median["torch"], 3),
         "same_scan": written[0] == written[1],
     }, indent=2))
+    if written[0] != written[1]:
+        raise SystemExit("the two front ends wrote different scans")
 
 
 if __name__ == "__main__":
