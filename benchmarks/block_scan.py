@@ -23,7 +23,8 @@ import torch
 from layerplan.machine import cpu_info
 from layerplan.engine.load import load_model
 from layerplan.search.blocks import block_candidates, block_scan, parse_repeats
-from layerplan.search.measures import MeasureInputs, build_scorers
+from layerplan.search.measure_registry import MeasureInputs
+from layerplan.search.measures import build_scorers
 
 
 def main() -> None:

@@ -16,8 +16,9 @@ from layerplan.plan.plan import PlanError
 from layerplan.search.blocks import (MergeSpace, block_candidates, block_scan, merge_study, parse_range, parse_repeats,
                                      repeat_plan)
 from layerplan.search.evaluate import perplexity
+from layerplan.search.measure_registry import MeasureInputs
 from layerplan.search.measures import (PerplexityScorer, ProbeScorer, ProbeView, Units, bootstrap, build_scorers,
-                                       MeasureInputs, point_value)
+                                       point_value)
 from layerplan.search.probes import DAYS, PROBE_SETS, Probe, ProbeItem, generate_probe, read_probe_file
 from studies import assert_exact_and_distinct, kill_mid_trial, run_workers
 from tiny import VOCAB, tiny_model

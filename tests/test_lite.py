@@ -22,6 +22,7 @@ from layerplan.engine.rope_tables import rope_rows
 from layerplan.engine.runner import forward, new_cache
 from layerplan.app.cli.generating import light_request
 from layerplan.app.cli.scoring import light_ppl_request, light_scan_request
+from layerplan.app.cli.exploring import light_explore_request
 from layerplan.app.cli.searching import light_search_request
 from layerplan.decoding.generate import generate
 from layerplan.decoding.loop import DecodeLoop
@@ -332,6 +333,26 @@ def test_the_search_lines_it_takes(argv, taken, monkeypatch):
         assert (request.method, request.objective, request.multi, request.trials, request.sampler, request.storage,
                 request.study_name, request.seed, request.tokens, request.allow_ends, request.save_draft) == (
             "bayes", "kl", True, 9, "random", "journal:s.log", "x", 4, 64, True, False)
+
+
+@pytest.mark.parametrize("argv,taken", [
+    (["explore"], True),
+    (["explore", "-m", "some.gguf", "--dtype", "stored", "--recompute", "4,6", "--rewind", "1,2", "--plan", "0-9,5-20",
+      "--plan", "exit:12", "--tokens", "64", "--text", "t.txt", "-t", "1", "--out", "somewhere"], True),
+    (["explore", "--blocks"], False),  # task probes and bootstrap: the torch front end's
+    (["explore", "--search"], False),
+    (["explore", "--model-b", "other.gguf"], False),
+    (["explore", "--device", "cuda"], False),
+    (["explore", "--dtype", "float32"], False),
+    (["explore", "--help"], False),
+])
+def test_the_explore_lines_it_takes(argv, taken, monkeypatch):
+    monkeypatch.delenv("LAYERPLAN_FRONT_END", raising=False)
+    request = light_explore_request(argv)
+    assert (request is not None) == taken
+    if len(argv) > 2 and taken:
+        assert (request.recompute, request.rewind, request.plans, request.tokens, request.text) == (
+            "4,6", "1,2", ["0-9,5-20", "exit:12"], 64, "t.txt")
 
 
 def test_rotary_rows_are_transformers_within_a_unit_in_the_last_place():

@@ -27,6 +27,7 @@ from layerplan.files import cache_dir
 from layerplan.lite.cli import runnable
 from layerplan.app.cli.generating import light_request
 from layerplan.app.cli.scoring import light_ppl_request, light_scan_request
+from layerplan.app.cli.exploring import light_explore_request
 from layerplan.app.cli.searching import light_search_request
 
 pytestmark = pytest.mark.real
@@ -94,6 +95,7 @@ SAME_SEARCH = [
      "--no-save-draft", "--dtype", "stored-fast"],
 ]
 
+SAME_EXPLORE = ["explore", "--tokens", "48", "--recompute", "8,12", "--rewind", "2,4", "--plan", "0-20,15-29"]
 BAD_SCAN = (["scan", "--kinds", "attention,heads"], "Error: unknown scan kind(s) ['heads']")
 
 
@@ -107,7 +109,8 @@ def _search_line(i: int, front_end: str) -> list[str]:
 
 TORCH_LINES = [*SAME_OUTPUT, STATISTICS, *(argv for argv, _ in BAD_REQUESTS), SECOND_MODEL, *SAME_PERPLEXITY,
                BAD_PERPLEXITY[0], SECOND_MODEL_PERPLEXITY, *(_scan_line(i, "torch") for i in range(len(SAME_SCAN))),
-               *(_search_line(i, "torch") for i in range(len(SAME_SEARCH))), BAD_SCAN[0]]
+               *(_search_line(i, "torch") for i in range(len(SAME_SEARCH))), BAD_SCAN[0],
+               [*SAME_EXPLORE, "--out", str(SCAN_OUT / "torch" / "explore")]]
 
 # runs each command line of argv[1] (a JSON list) as the torch front end's process would, its
 # descriptors 1 and 2 on files of its own, and writes [status, stdout, stderr] per line to argv[2]
@@ -227,6 +230,17 @@ def test_the_light_search_prints_and_writes_what_the_torch_one_does(line, cache,
         for trial in result.get("study", {}).get("trials", []):
             trial.pop("seconds", None)
     assert written[0] == written[1]
+
+
+def test_the_light_exploration_prints_and_writes_what_the_torch_one_does(cache, torch_runs, monkeypatch):
+    torch_argv, argv = ([*SAME_EXPLORE, "--out", str(SCAN_OUT / front_end / "explore")] for front_end in ("torch", "light"))
+    lite_run, torch_run = _both_runs(argv, torch_argv, light_explore_request(argv), cache, torch_runs,
+                                     monkeypatch)
+    assert lite_run.stdout.replace(argv[-1], torch_argv[-1]) == torch_run.stdout and "best order" in lite_run.stdout
+    written = [json.loads((Path(run[-1]) / "explore.json").read_text()) for run in (torch_argv, argv)]
+    for result in written:
+        result.pop("seconds")
+    assert written[0] == written[1] and len(written[0]["rows"]) == 5
 
 
 @pytest.mark.parametrize("bad", [BAD_PERPLEXITY, BAD_SCAN])

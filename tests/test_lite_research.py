@@ -1,5 +1,5 @@
-"""The scan and the search on the light front end (lite/evaluator.py): every candidate's numbers,
-and so every search's steps and trials, equal the torch front end's, bit for bit, on stored GGUF
+"""The scan, the search and explore's grid on the light front end (lite/evaluator.py): every
+candidate's numbers, and so every search's steps and trials, equal the torch front end's, bit for bit, on stored GGUF
 weights in both arithmetics; the light front end's decode costs; and the shared scorer
 (search/reference.py) against the textbook formulas."""
 
@@ -13,8 +13,10 @@ from tiny_gguf import write_tiny_gguf
 
 from layerplan.engine.choices import STORED_ARITHMETIC
 from layerplan.engine.load import load_model
-from layerplan.lite.evaluator import LitePlanEvaluator, measure_lite_costs
+from layerplan.lite.evaluator import LitePlanEvaluator, explore_lite, measure_lite_costs
 from layerplan.lite.model import LiteModel
+from layerplan.search.evaluator import explore
+from layerplan.search.explore import recompute_rewind_grid
 from layerplan.search.importance import scan_plans
 from layerplan.search.plan_search import search_plans
 from layerplan.search.reference import LogitsReference
@@ -76,6 +78,17 @@ def test_the_light_front_ends_costs_add_up(tmp_path):
     assert costs.relative_cost(lite.plan("skip:mlp=0-2")) < 1.0
     with pytest.raises(ValueError, match="measure_costs"):  # an objective that weighs costs needs them
         search_plans(LitePlanEvaluator(lite, IDS), "speedup", "greedy", folder=tmp_path)
+
+
+def test_the_light_exploration_is_the_torch_front_ends(tmp_path):
+    """explore's grid of layer orders and an extra plan with a repeated layer: the same rows on
+    either front end."""
+    model, lite = _pair(tmp_path, "llama", "Q8_0", "stored-fast")
+    plans = recompute_rewind_grid(model, [2, 3], [1, 2]) + [model.plan("0,1,1,2")]
+    want = explore(model, torch.tensor([IDS]), plans)
+    got = explore_lite(lite, IDS, [lite.plan(p.to_string()) for p in plans])
+    assert got.rows == want.rows and (got.base_perplexity, got.tokens) == (want.base_perplexity, want.tokens)
+    assert len(got.rows) == 3 and got.rows[-1].added_compute > 0
 
 
 @pytest.mark.parametrize("block_rows, chunk_rows", [(256, 32), (4, 3), (5, 1)])

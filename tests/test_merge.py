@@ -8,7 +8,8 @@ from layerplan.engine.runner import forward, new_cache
 from layerplan.export import export_checkpoint
 from layerplan.plan.formats import from_mergekit, to_mergekit
 from layerplan.plan.plan import PlanError, parse_plan, recompute_rewind_layers
-from layerplan.search.explore import explore, recompute_rewind_grid
+from layerplan.search.evaluator import explore
+from layerplan.search.explore import recompute_rewind_grid
 from tiny import VOCAB, tiny_model
 
 

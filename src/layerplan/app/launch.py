@@ -1,11 +1,12 @@
 """The `layerplan` command's entry: a GGUF's plain generation, its perplexity (under a plan of the
-model, in either protocol), its scan and its search run on the light front end
+model, in either protocol), its scan, its search and explore's grid run on the light front end
 (layerplan/lite/: numpy and the native kernels, a start of a tenth of a second), every other
 command line on the torch front end (app/cli/), which reads it as it always has.
 
 Which one runs changes no output: the light front end takes only command lines whose meaning it
 carries out as the torch one does (app/cli/generating.py light_request, app/cli/scoring.py
-light_ppl_request and light_scan_request, app/cli/searching.py light_search_request), and only
+light_ppl_request and light_scan_request, app/cli/searching.py light_search_request,
+app/cli/exploring.py light_explore_request), and only
 models whose index it can read (kept, or made now from the file). Where it finds, once started,
 that the model needs the torch front end, the command starts again as `python -m
 layerplan.app.cli` with LAYERPLAN_FRONT_END=torch: the kernels' library, loaded by then, links an
@@ -74,6 +75,16 @@ def main() -> None:
 
             taken = runnable(request)
             status = run_scan(request, lambda result: report_scan(result, request.out, request.exits)) if taken else None
+            _leave_or_restart(status, taken, argv)
+    if argv[:1] == ["explore"] and os.environ.get(FRONT_END_VARIABLE, "") != "torch":
+        from layerplan.app.cli.exploring import light_explore_request, report_explore
+
+        request = light_explore_request(argv)
+        if request is not None:
+            from layerplan.lite.cli import run_explore, runnable
+
+            taken = runnable(request)
+            status = run_explore(request, lambda result: report_explore(result, request.out)) if taken else None
             _leave_or_restart(status, taken, argv)
     if argv[:1] == ["search"] and os.environ.get(FRONT_END_VARIABLE, "") != "torch":
         from layerplan.app.cli.searching import light_search_request, report_search

@@ -20,7 +20,8 @@ from layerplan.plan.formats import save_plan, to_mergekit
 from layerplan.plan.plan import parse_plan
 from layerplan.search.bayes import StudyResult
 from layerplan.search.blocks import BlockRow, BlockScanResult, MergeSpace, block_candidates, block_scan, merge_study
-from layerplan.search.measures import MEASURES, MeasureInputs, build_scorers, point_value
+from layerplan.search.measure_registry import MEASURES, MeasureInputs
+from layerplan.search.measures import build_scorers, point_value
 
 
 def export_commands(plan: str, model_source: str, out: str = "merged") -> list[str]:

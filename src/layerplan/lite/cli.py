@@ -1,4 +1,4 @@
-"""`layerplan generate`, `ppl` and `scan` on the light front end (`search`: lite/searching.py,
+"""`layerplan generate`, `ppl`, `scan` and `explore` on the light front end (`search`: lite/searching.py,
 which imports Optuna), where they give what the torch front end gives: the command lines
 lite/request.py takes, on a model whose index the light front end runs. The output (text, stream,
 the closing line and the messages on stderr; ppl's JSON; a scan's result, which the caller's
@@ -17,9 +17,10 @@ from layerplan.decoding.budget import token_budget
 from layerplan.decoding.loop import DecodeLoop
 from layerplan.decoding.text import TextDelta
 from layerplan.files import WriteError
-from layerplan.lite.evaluator import LitePlanEvaluator
+from layerplan.lite.evaluator import LitePlanEvaluator, explore_lite
 from layerplan.lite.model import LiteModel, TorchFrontEnd, lite_refusal
-from layerplan.lite.request import ARITHMETICS, FileRequest, LitePerplexityRequest, LiteRequest, LiteScanRequest
+from layerplan.lite.request import (ARITHMETICS, FileRequest, LiteExploreRequest, LitePerplexityRequest, LiteRequest,
+                                    LiteScanRequest)
 from layerplan.lite.tokenizer_process import TokenizerProcess
 from layerplan.machine import read_cpuinfo
 from layerplan.messages import one_line
@@ -29,6 +30,7 @@ from layerplan.models.file_index import WRITING_TOKENIZER
 from layerplan.models.gguf_index import file_index
 from layerplan.models.gguf_place import TENSORS_FILE, gguf_of, index_folder
 from layerplan.plan.plan import LayerPlan, PlanError
+from layerplan.search.explore import ExploreResult, grid_numbers, recompute_rewind_grid
 from layerplan.search.importance import ScanResult, check_kinds, scan_plans
 from layerplan.search.windows import added_bos, chunk_perplexity, logits_divergence, sliding_perplexity
 
@@ -177,6 +179,34 @@ def run_scan(request: LiteScanRequest, report: Callable[[ScanResult], None]) -> 
     except ENDINGS as error:
         return ended_by(error)
     return 0
+
+
+def run_explore(request: LiteExploreRequest, report: Callable[[ExploreResult], None]) -> int | None:
+    """Carry out a runnable `layerplan explore` request (its grid of layer orders) as
+    app/cli/research.py's run_explore_command would: the same ids, plans and numbers
+    (search/explore.py over the same logits); report(result) prints and writes it
+    (app/cli/exploring.py report_explore). The exit status, or None where the model turned out to
+    need the torch front end."""
+    try:
+        numbers = [grid_numbers(name, value) for name, value in (("recompute", request.recompute),
+                                                                  ("rewind", request.rewind))]
+        calibration = given_text(request.text)
+        model = load_for(request)
+        candidates = recompute_rewind_grid(model, *numbers) + [model.plan(p) for p in request.plans]
+        ids = model.encode(calibration if calibration is not None else default_corpus())
+        if len(ids) < request.tokens:  # (search/evaluate.py calibration_ids' message)
+            raise ValueError(f"the calibration text has {len(ids)} tokens, fewer than the {request.tokens} asked for")
+        result = explore_lite(model, ids[:request.tokens], candidates, _explore_bar if sys.stderr.isatty() else None)
+        report(result)
+    except ENDINGS as error:
+        return ended_by(error)
+    return 0
+
+
+def _explore_bar(done: int, total: int) -> None:
+    """An exploration's plans, on a terminal: one line redrawn, gone once done."""
+    line = f"\rexplore: {done} of {total} plans\x1b[K" if done < total else "\r\x1b[K"
+    print(line, end="", file=sys.stderr, flush=True)
 
 
 # what a request may end with, before its output (ended_by)

@@ -1,7 +1,8 @@
 """Plans scored against a reference plan on the light front end's model (search/reference.py
 ResumingEvaluator): a scan's or a search's candidates, each resumed from the reference's residual
 stream at its first difference, run by the kernels' sub-layer blocks and LM head, and scored by
-numpy; and the model's decode costs (measure_lite_costs). No torch.
+numpy; the model's decode costs (measure_lite_costs); explore's grid of layer orders
+(explore_lite). No torch.
 
 Each sub-layer runs as the torch front end's native executor runs it in a pass without a KV cache
 (engine/native.py run_attention, run_mlp; its head): the same kernel calls on the same float32
@@ -18,6 +19,7 @@ import numpy as np
 from layerplan.engine.kernel_library import ABI, check, library
 from layerplan.lite.model import LiteModel
 from layerplan.plan.plan import LayerPlan
+from layerplan.search.explore import ExploreResult, explore_plans
 from layerplan.search.reference import CostModel, LogitsReference, ResumingEvaluator, SubLayer, measured_costs
 from layerplan.search.windows import Divergence
 
@@ -47,6 +49,18 @@ def measure_lite_costs(model: LiteModel, context: int = 128, repeats: int = 12) 
 
     return measured_costs(step, lambda: head_logits(model, model.embed_rows(ids[context:])), model.num_layers,
                           repeats)
+
+
+def explore_lite(model: LiteModel, ids: Sequence[int], plans: Sequence[LayerPlan],
+                 on_progress: Callable[[int, int], None] | None = None) -> ExploreResult:
+    """search/explore.py explore_plans on the light front end's model: each plan's logits on ids
+    from the embeddings (one lp_forward pass), as search/evaluator.py explore on torch's."""
+    def logits_of_plan(plan: LayerPlan | None):
+        logits = model.logits(ids, model.new_cache(plan or model.plan(), len(ids)), 0, last_only=False)
+        return lambda _, start, end: logits[start:end]
+
+    reference = LogitsReference(logits_of_plan(None), np.asarray(ids, np.int64))
+    return explore_plans(reference, logits_of_plan, plans, model.name, model.num_layers, on_progress)
 
 
 class LitePlanEvaluator(ResumingEvaluator):

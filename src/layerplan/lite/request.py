@@ -98,3 +98,15 @@ class LiteSearchRequest(FileRequest):
     save_draft: bool | None = None
     seed: int | None = None
     out: str = "runs/search"
+
+
+@dataclass
+class LiteExploreRequest(FileRequest):
+    """app/cli/exploring.py's grid of layer orders (no --blocks, --search or second model)."""
+
+    recompute: str = "6,8,10,12"  # search/explore.py grid_numbers reads them
+    rewind: str = "1,2,4,6"
+    plans: list[str] = field(default_factory=list)  # --plan: extra plans of this model
+    tokens: int = 512
+    text: str | None = None
+    out: str = "runs/explore"

@@ -24,7 +24,8 @@ import torch
 from layerplan.models.loading import LoadedModel
 from layerplan.plan.plan import LayerPlan, PlanError, Step
 from layerplan.search.bayes import StudyResult, StudySpace, optimise
-from layerplan.search.measures import MEASURES, Score, bootstrap, is_better, point_value
+from layerplan.search.measure_registry import MEASURES
+from layerplan.search.measures import Score, bootstrap, is_better, point_value
 
 
 def repeat_plan(model: LoadedModel, start: int, end: int, repeats: int = 1, scale: float = 1.0,

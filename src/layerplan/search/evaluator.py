@@ -4,7 +4,7 @@ decode costs (a cost model measured once). What a score means is in objectives.p
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -12,7 +12,8 @@ from layerplan.engine.runner import Resume, embed, forward, head, new_cache, run
 from layerplan.models.loading import LoadedModel
 from layerplan.plan.plan import LayerPlan
 from layerplan.search.evaluate import Divergence, Reference
-from layerplan.search.reference import CostModel, ResumingEvaluator, measured_costs
+from layerplan.search.explore import ExploreResult, explore_plans
+from layerplan.search.reference import CostModel, LogitsReference, ResumingEvaluator, measured_costs
 
 
 @torch.inference_mode()
@@ -61,3 +62,16 @@ class PlanEvaluator(ResumingEvaluator):
     @torch.inference_mode()
     def score(self, hidden: torch.Tensor, plan: str, give_up) -> Divergence:
         return self.reference.divergence_of_hidden(lambda h: head(self.model, h), hidden, plan, give_up=give_up)
+
+
+@torch.inference_mode()
+def explore(model: LoadedModel, ids: torch.Tensor, plans: Sequence[LayerPlan],
+            on_progress: Callable[[int, int], None] | None = None) -> ExploreResult:
+    """search/explore.py explore_plans on the torch front end's model: each plan's logits on ids
+    (B, T) from the embeddings."""
+    def logits_of_plan(plan: LayerPlan | None):
+        logits = forward(model, ids, plan)
+        return lambda b, start, end: logits[b, start:end].float().cpu().numpy().copy()
+
+    reference = LogitsReference(logits_of_plan(None), ids.cpu().numpy())
+    return explore_plans(reference, logits_of_plan, plans, model.name, model.num_layers, on_progress)

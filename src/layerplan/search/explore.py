@@ -1,4 +1,5 @@
-"""Explore in-situ frankenmerges: perplexity of many layer orders against the compute they add."""
+"""Explore in-situ frankenmerges: perplexity of many layer orders against the compute they add. No
+torch: a front end gives each plan's logits (search/evaluator.py explore, lite/cli.py run_explore)."""
 
 from __future__ import annotations
 
@@ -6,12 +7,8 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 
-import torch
-
-from layerplan.engine.runner import forward
-from layerplan.models.loading import LoadedModel
 from layerplan.plan.plan import LayerPlan, PlanError, Step, recompute_rewind_layers
-from layerplan.search.evaluate import Reference
+from layerplan.search.reference import LogitsOfRows, LogitsReference
 
 
 @dataclass(frozen=True)
@@ -46,8 +43,17 @@ class ExploreResult:
         return "\n".join(lines)
 
 
-def recompute_rewind_grid(model: LoadedModel, recompute: Sequence[int], rewind: Sequence[int]) -> list[LayerPlan]:
-    """Every (recompute, rewind) pair with 0 < rewind < recompute, as plans (duplicates dropped)."""
+def grid_numbers(name: str, value: str) -> list[int]:
+    """--recompute / --rewind (`name`): integers separated by commas."""
+    try:
+        return [int(v) for v in value.split(",") if v.strip()]
+    except ValueError:
+        raise ValueError(f"--{name} takes integers separated by commas, got '{value}'") from None
+
+
+def recompute_rewind_grid(model, recompute: Sequence[int], rewind: Sequence[int]) -> list[LayerPlan]:
+    """Every (recompute, rewind) pair with 0 < rewind < recompute, as plans of `model` (its
+    num_layers and name; duplicates dropped)."""
     plans: dict[tuple[int, ...], LayerPlan] = {}
     for n in recompute:
         for m in rewind:
@@ -60,16 +66,17 @@ def recompute_rewind_grid(model: LoadedModel, recompute: Sequence[int], rewind: 
     return list(plans.values())
 
 
-@torch.inference_mode()
-def explore(model: LoadedModel, ids: torch.Tensor, plans: Sequence[LayerPlan],
-            on_progress: Callable[[int, int], None] | None = None) -> ExploreResult:
+def explore_plans(reference: LogitsReference, logits_of_plan: Callable[[LayerPlan], LogitsOfRows],
+                  plans: Sequence[LayerPlan], model_name: str, num_layers: int,
+                  on_progress: Callable[[int, int], None] | None = None) -> ExploreResult:
+    """Each plan's perplexity, KL and top-1 agreement against the reference (the full model's
+    distributions on the ids), its logits from logits_of_plan(plan), and the compute it adds."""
     start = time.perf_counter()
-    reference = Reference(forward(model, ids), ids)
-    result = ExploreResult(model.name, int(ids.numel()), reference.perplexity)
+    result = ExploreResult(model_name, int(reference.ids.size), reference.perplexity)
     for done, plan in enumerate(plans, 1):
-        metrics = reference.divergence(forward(model, ids, plan))
+        metrics = reference.divergence(logits_of_plan(plan))
         result.rows.append(ExploreRow(plan.to_string(), len(plan.active_steps),
-                                      len(plan.active_steps) / model.num_layers - 1.0,
+                                      len(plan.active_steps) / num_layers - 1.0,
                                       metrics.perplexity, metrics.kl, metrics.top1_agreement))
         if on_progress:
             on_progress(done, len(plans))

@@ -24,7 +24,7 @@ COMMAND_INDEX = {
     "bench": ("measuring", "Time decoding against transformers' generate in the same run (ratios, CPU)."),
     "chat": ("running", "A multi-turn conversation in the model's chat template, streamed; /help lists the commands."),
     "eval": ("running", "Evaluate the model under a plan with lm-evaluation-harness (pip install 'layerplan[eval]')."),
-    "explore": ("research", "Explore in-situ frankenmerges."),
+    "explore": ("exploring", "Explore in-situ frankenmerges."),
     "export": ("running", "Write PLAN as a real Hugging Face checkpoint, or as mergekit passthrough YAML."),
     "frontier": ("measuring", "Each draft's measured acceptance against its measured cost on this machine, beside "
                               "the break-even curve of the probe's verify costs: whether any self-draft can pay here, "

@@ -13,14 +13,15 @@ from layerplan.app.bars import Progress, Stages
 from layerplan.app.bench import load_for_timing
 from layerplan.app.cli.common import (attach, checked_probe_row, command_dtype, load, note, set_threads,
                                      user_errors)
+from layerplan.app.cli.exploring import report_explore
 from layerplan.app.cli.measuring import frontier_line
 from layerplan.app.cli.scoring import report_scan, scan_kinds
 from layerplan.app.cli.searching import quiet_optuna, report_search
 from layerplan.app.merges import export_commands, scan_blocks, study_merges, write_scan
-from layerplan.app.options import (SEED, Output, auto_dtype_option, device_option, dtype_option, engine_option,
-                                   model_b_option, model_option, n_predict_option, threads_option)
+from layerplan.app.options import (Output, auto_dtype_option, engine_option, model_option, n_predict_option,
+                                   threads_option)
 from layerplan.app.prompts import PROMPTS, pick_prompts
-from layerplan.app.report import explore_plot, frontier_plot, scan_heatmap, search_trajectory, tune_html
+from layerplan.app.report import frontier_plot, scan_heatmap, search_trajectory, tune_html
 from layerplan.app.tune import tune as run_tune
 from layerplan.corpus import default_corpus, given_text, read_texts
 from layerplan.decoding.budget import token_budget
@@ -29,13 +30,13 @@ from layerplan.engine.load import load_model
 from layerplan.files import write_json_atomic
 from layerplan.machine import cpu_info
 from layerplan.models.loading import model_depth
-from layerplan.search.bayes import SAMPLERS, check_storage
+from layerplan.search.bayes import check_storage
 from layerplan.search.blocks import MergeSpace, parse_range, parse_repeats, parse_scales
 from layerplan.search.evaluate import calibration_ids, perplexity, perplexity_in_chunks
 from layerplan.search.evaluate import compare as run_compare
-from layerplan.search.explore import explore as run_explore
-from layerplan.search.explore import recompute_rewind_grid
-from layerplan.search.measures import MEASURES, MeasureInputs, check_measures
+from layerplan.search.evaluator import explore as run_explore
+from layerplan.search.explore import grid_numbers, recompute_rewind_grid
+from layerplan.search.measure_registry import MeasureInputs, check_measures
 from layerplan.search.objectives import OBJECTIVES
 from layerplan.search.run import run_search
 from layerplan.search.importance import check_kinds
@@ -81,66 +82,11 @@ def run_ppl_command(model, dtype, device, threads, plan, model_b, text, window, 
     click.echo(json.dumps(report, indent=2))
 
 
-@click.command(epilog="\b\nMeasures (--measure, --rank):\n" + "\n".join(f"  {m.name:<11} {m.help}"
-                                                                       for m in MEASURES.values()))
-@model_option
-@dtype_option
-@device_option
-@threads_option
-@click.option("--recompute", default="6,8,10,12", show_default=True, help="layers run before each rewind (list)")
-@click.option("--rewind", default="1,2,4,6", show_default=True, help="layers stepped back each time (list)")
-@click.option("--plan", "plans", multiple=True, help="extra plan(s) to evaluate alongside the grid")
-@click.option("--tokens", type=click.IntRange(min=2), default=None,
-              help="evaluation tokens of the corpus / --text (default: 512; 256 with --blocks or --search)")
-@click.option("--text", type=click.Path(dir_okay=False), default=None,
-              help=".txt or .jsonl: the grid's evaluation text; with --blocks / --search a perplexity measure on it")
-@click.option("--blocks", is_flag=True, help="scan every block i..j repeated after itself (0..j, i..j, j+1..N-1) "
-              "against the model, on --measure; writes blocks.json and a heatmap per measure")
-@click.option("--range", "layer_range", default=None, help="blocks inside these layers only, e.g. 4-25 (inclusive)")
-@click.option("--max-len", type=click.IntRange(min=1), default=None, help="blocks of at most this many layers")
-@click.option("--repeats", default="1", show_default=True,
-              help="extra passes of the block: 1, 2, or 1,2 for both (a heatmap each; --search: the most it may choose)")
-@click.option("--measure", "measures", multiple=True, type=click.Choice(list(MEASURES)),
-              help="repeatable; default: ppl and arithmetic (plus text with --text, file with --probe-file, task with --task)")
-@click.option("--rank", type=click.Choice(list(MEASURES)), default=None,
-              help="the measure that ranks blocks and that --search optimises (default: the first)")
-@click.option("--probe-file", type=click.Path(dir_okay=False), default=None,
-              help='your probe: JSONL records {"prompt": ..., "answer": ...}')
-@click.option("--probe-items", type=click.IntRange(min=1), default=24, show_default=True,
-              help="items per built-in probe (documents of --task)")
-@click.option("--task", default=None, help="a local lm-evaluation-harness task as a probe (loglikelihood, "
-              "generate_until or multiple_choice; pip install 'layerplan[eval]')")
-@click.option("--include-path", type=click.Path(exists=True, file_okay=False), default=None,
-              help="folder of your own lm-evaluation-harness task YAML files")
-@click.option("--seed", "-s", type=SEED, default=0, show_default=True,
-              help="built-in probe items, bootstrap and the study's sampler")
-@click.option("--limit", type=click.IntRange(min=1), default=None, help="scan only the first N blocks (a quick look)")
-@click.option("--no-reuse", is_flag=True, help="run every block from the embeddings (the naive baseline)")
-@click.option("--workers", type=click.IntRange(min=1), default=None,
-              help="--blocks: candidates scored at once, each on one thread, instead of every thread on one "
-              "candidate (default: torch's thread count; the scores are the same)")
-@click.option("--report", is_flag=True, help="also write report.html (heatmaps, top blocks, export commands)")
-@click.option("--search", "study", is_flag=True, help="an Optuna study over merge plans (block, repeats, residual "
-              "scale, --model-b) optimising --rank; resumes from its storage; exports the best")
-@click.option("--trials", type=click.IntRange(min=1), default=60, show_default=True, help="--search: finished trials in the study")
-@click.option("--scales", default="0.5-1.0", show_default=True,
-              help="--search: residual scale range of the repeated passes (one number fixes it)")
-@click.option("--sampler", type=click.Choice(list(SAMPLERS)), default="tpe", show_default=True)
-@click.option("--storage", default=None, help="--search: Optuna storage (default OUT/study.db; RDB URL or journal:PATH)")
-@click.option("--study", "study_name", default=None, help="--search: study name (default MODEL-merge-MEASURE)")
-@click.option("--export/--no-export", default=True, show_default=True,
-              help="--search: write the best plan as a checkpoint (OUT/best-merge/) besides mergekit YAML")
-@model_b_option
-@click.option("--out", type=Output("folder"), default="runs/explore", show_default=True)
-def explore(model, dtype, device, threads, recompute, rewind, plans, tokens, text, blocks, layer_range, max_len,
-            repeats, measures, rank, probe_file, probe_items, task, include_path, seed, limit, no_reuse, workers, report,
-            study, trials, scales, sampler, storage, study_name, export, model_b, out) -> None:
-    """Explore in-situ frankenmerges.
-
-    \b
-    Default: a grid of recompute/rewind layer orders, perplexity against added compute.
-    --blocks: every block i..j repeated after itself, scored on measures that say "better"
-    (perplexity, task probes) with bootstrap intervals; --search: an Optuna study over merges."""
+def run_explore_command(model, dtype, device, threads, recompute, rewind, plans, tokens, text, blocks, layer_range,
+                        max_len, repeats, measures, rank, probe_file, probe_items, task, include_path, seed, limit,
+                        no_reuse, workers, report, study, trials, scales, sampler, storage, study_name, export, model_b,
+                        out) -> None:
+    """app/cli/exploring.py's `layerplan explore` on the torch front end."""
     set_threads(threads)
     if blocks or study:
         _explore_merges(model, dtype, device, blocks, layer_range, max_len, repeats, measures,
@@ -149,12 +95,7 @@ def explore(model, dtype, device, threads, recompute, rewind, plans, tokens, tex
                         model_b, Path(out))
         return
     with user_errors():
-        numbers = {}
-        for name, value in (("recompute", recompute), ("rewind", rewind)):
-            try:
-                numbers[name] = [int(v) for v in value.split(",") if v.strip()]
-            except ValueError:
-                raise ValueError(f"--{name} takes integers separated by commas, got '{value}'") from None
+        numbers = {name: grid_numbers(name, value) for name, value in (("recompute", recompute), ("rewind", rewind))}
         calibration = given_text(text)
         loaded = load(model, dtype, device, dense="float32")
         candidates = recompute_rewind_grid(loaded, numbers["recompute"], numbers["rewind"])
@@ -162,14 +103,7 @@ def explore(model, dtype, device, threads, recompute, rewind, plans, tokens, tex
         ids = calibration_ids(loaded, calibration, tokens or 512)
         with Progress("explore") as progress:
             result = run_explore(loaded, ids, candidates, on_progress=progress)
-    click.echo(result.table())
-    out_dir = Path(out)
-    write_json_atomic(out_dir / "explore.json", result.to_dict())
-    explore_plot(result, out_dir / "explore.png")
-    best = result.best()
-    click.echo(f"\nfull model perplexity {result.base_perplexity:.3f}; best order {best.plan} "
-               f"({best.perplexity:.3f}, {best.added_compute:+.0%} compute)")
-    click.echo(f"wrote {out_dir / 'explore.json'} and {out_dir / 'explore.png'}")
+        report_explore(result, out)
 
 
 def _explore_merges(model, dtype, device, blocks, layer_range, max_len, repeats, measures, rank,
@@ -339,4 +273,4 @@ def tune(model, dtype, engine, threads, tokens, steps, repeats, new_tokens, prom
     click.echo(f"wrote {out_dir / 'report.html'} and {out_dir / 'report.json'}")
 
 
-COMMANDS = (explore, train_exit, tune)  # registered on main (the package's __init__)
+COMMANDS = (train_exit, tune)  # registered on main (the package's __init__)
