@@ -355,6 +355,15 @@ def test_the_explore_lines_it_takes(argv, taken, monkeypatch):
             "4,6", "1,2", ["0-9,5-20", "exit:12"], 64, "t.txt")
 
 
+@pytest.mark.parametrize("reader, command", [(light_ppl_request, "ppl"), (light_scan_request, "scan"),
+                                             (light_search_request, "search"), (light_explore_request, "explore")])
+def test_a_path_with_a_nul_is_left_to_the_torch_front_end(reader, command, monkeypatch):
+    """click.Path's os.stat raises ValueError on a NUL (hypothesis found it: `ppl --text '\\x00'`);
+    the reader gives None rather than raise."""
+    monkeypatch.delenv("LAYERPLAN_FRONT_END", raising=False)
+    assert reader([command, "--text", "\x00"]) is None and reader([command]) is not None
+
+
 def test_rotary_rows_are_transformers_within_a_unit_in_the_last_place():
     """rope_tables.py's rows against transformers' own rotary module (float32 cos and sin, which
     are themselves a unit in the last place off in about one entry in twenty)."""

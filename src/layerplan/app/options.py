@@ -184,6 +184,8 @@ def light_context(command: click.Command, argv: list[str]) -> click.Context | No
         return command.make_context(command.name, list(argv[1:]))
     except (click.ClickException, click.exceptions.Exit, click.exceptions.Abort):
         return None
+    except ValueError:  # (click.Path's os.stat of a path with a NUL in it: only a caller's argv, never a shell's)
+        return None
 
 
 class Output(click.Path):
