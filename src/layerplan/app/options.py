@@ -15,6 +15,7 @@ from layerplan.decoding.limits import SEED_RANGE
 from layerplan.engine.choices import BLOCK_PRECISIONS, DENSE_PRECISIONS, ENGINES
 from layerplan.files import WriteError, check_output
 from layerplan.lite import FRONT_END_VARIABLE
+from layerplan.lite.request import ARITHMETICS
 from layerplan.models.gguf_place import DEFAULT_MODEL
 
 SEED = click.IntRange(*SEED_RANGE)  # what torch's generator takes
@@ -173,19 +174,26 @@ def familiar_table() -> str:
 
 def light_context(command: click.Command, argv: list[str]) -> click.Context | None:
     """`command`'s own reading of `layerplan NAME ...` (argv without the program), for the light
-    front end to weigh (app/cli/generating.py light_request, app/cli/scoring.py light_ppl_request):
-    None where the line is another command's, asks for help, runs with LAYERPLAN_FRONT_END=torch,
-    or is refused by the command (the torch front end reads it then, and says what it says)."""
+    front end to weigh (the light_*_request readers of app/cli/generating.py, scoring.py,
+    searching.py, exploring.py): None where the line is another command's, asks for help, runs
+    with LAYERPLAN_FRONT_END=torch, is refused by the command (the torch front end reads it then,
+    and says what it says), or asks what only the torch front end runs: a dtype other than the
+    GGUF's as stored, a device other than the CPU, a device map."""
     if not argv or argv[0] != command.name or os.environ.get(FRONT_END_VARIABLE, "") == "torch":
         return None
     if any(arg in ("-h", "--help") for arg in argv[1:]):
         return None
     try:
-        return command.make_context(command.name, list(argv[1:]))
+        context = command.make_context(command.name, list(argv[1:]))
     except (click.ClickException, click.exceptions.Exit, click.exceptions.Abort):
         return None
     except ValueError:  # (click.Path's os.stat of a path with a NUL in it: only a caller's argv, never a shell's)
         return None
+    given = context.params
+    if (given.get("dtype") not in ARITHMETICS or given.get("device", "cpu") != "cpu"
+            or context.meta.get(DEVICE_MAP_KEY) is not None):
+        return None
+    return context
 
 
 class Output(click.Path):

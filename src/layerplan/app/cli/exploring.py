@@ -12,11 +12,11 @@ from pathlib import Path
 
 import click
 
-from layerplan.app.options import (DEVICE_MAP_KEY, SEED, Output, device_option, dtype_option, light_context,
-                                   model_b_option, model_option, threads_option)
+from layerplan.app.options import (SEED, Output, device_option, dtype_option, light_context, model_b_option,
+                                   model_option, threads_option)
 from layerplan.app.report import explore_plot
 from layerplan.files import write_json_atomic
-from layerplan.lite.request import ARITHMETICS, LiteExploreRequest
+from layerplan.lite.request import LiteExploreRequest
 from layerplan.search.bayes import SAMPLERS
 from layerplan.search.explore import ExploreResult
 from layerplan.search.measure_registry import MEASURES
@@ -92,8 +92,7 @@ def light_explore_request(argv: list[str]) -> LiteExploreRequest | None:
     if context is None:
         return None
     given = context.params
-    if (given["dtype"] not in ARITHMETICS or given["device"] != "cpu" or context.meta.get(DEVICE_MAP_KEY) is not None
-            or given["model_b"] is not None or given["blocks"] or given["study"]):
+    if given["model_b"] is not None or given["blocks"] or given["study"]:
         return None
     return LiteExploreRequest(model=given["model"], dtype=given["dtype"], threads=given["threads"],
                               recompute=given["recompute"], rewind=given["rewind"], plans=list(given["plans"]),

@@ -9,11 +9,11 @@ import importlib
 
 import click
 
-from layerplan.app.options import (DEVICE_MAP_KEY, DRAFT_LENGTH_HELP, auto_dtype_option, ctx_size_option,
-                                   device_option, engine_option, light_context, model_b_option, model_option,
-                                   n_predict_option, sampling_options, threads_option)
+from layerplan.app.options import (DRAFT_LENGTH_HELP, auto_dtype_option, ctx_size_option, device_option,
+                                   engine_option, light_context, model_b_option, model_option, n_predict_option,
+                                   sampling_options, threads_option)
 from layerplan.decoding.draft_length import DRAFT_LENGTHS
-from layerplan.lite.request import ARITHMETICS, LiteRequest
+from layerplan.lite.request import LiteRequest
 
 # the options the light front end carries out no differently for any value the command takes:
 # whatever else a line gives must be the option's default (greedy sampling, no draft, ...)
@@ -91,9 +91,7 @@ def light_request(argv: list[str]) -> LiteRequest | None:
     if any(given[name] != defaults[name] for name in given if name not in _CARRIED):
         return None
     prompts = [p for p in (given["prompt"], given["prompt_option"]) if p is not None]
-    if (len(prompts) != 1 or not prompts[0] or given["dtype"] not in ARITHMETICS or given["engine"] == "eager"
-            or given["device"] != "cpu" or context.meta.get(DEVICE_MAP_KEY) is not None
-            or given["temperature"] != 0.0):
+    if len(prompts) != 1 or not prompts[0] or given["engine"] == "eager" or given["temperature"] != 0.0:
         return None
     return LiteRequest(prompt=prompts[0], model=given["model"], dtype=given["dtype"], engine=given["engine"],
                        threads=given["threads"], plan=given["plan"], max_new_tokens=given["max_new_tokens"],

@@ -12,11 +12,11 @@ from pathlib import Path
 
 import click
 
-from layerplan.app.options import (DEVICE_MAP_KEY, Output, device_option, dtype_option, light_context, model_b_option,
-                                   model_option, threads_option)
+from layerplan.app.options import (Output, device_option, dtype_option, light_context, model_b_option, model_option,
+                                   threads_option)
 from layerplan.app.report import exits_plot, scan_heatmap
 from layerplan.files import write_json_atomic
-from layerplan.lite.request import ARITHMETICS, LitePerplexityRequest, LiteScanRequest
+from layerplan.lite.request import LitePerplexityRequest, LiteScanRequest
 from layerplan.search.importance import EXIT, ScanResult, save_cached_scan
 from layerplan.search.windows import PROTOCOLS
 
@@ -54,8 +54,7 @@ def light_ppl_request(argv: list[str]) -> LitePerplexityRequest | None:
     if context is None:
         return None
     given = context.params
-    if (given["dtype"] not in ARITHMETICS or given["device"] != "cpu" or context.meta.get(DEVICE_MAP_KEY) is not None
-            or given["model_b"] is not None):
+    if given["model_b"] is not None:
         return None
     return LitePerplexityRequest(model=given["model"], dtype=given["dtype"], threads=given["threads"],
                                  text=given["text"], window=given["window"], stride=given["stride"],
@@ -96,8 +95,6 @@ def light_scan_request(argv: list[str]) -> LiteScanRequest | None:
     if context is None:
         return None
     given = context.params
-    if given["dtype"] not in ARITHMETICS or given["device"] != "cpu" or context.meta.get(DEVICE_MAP_KEY) is not None:
-        return None
     return LiteScanRequest(model=given["model"], dtype=given["dtype"], threads=given["threads"],
                            plan=given["base_plan"], tokens=given["tokens"], text=given["text"],
                            kinds=scan_kinds(given["kinds"], given["exits"]), exits=given["exits"],

@@ -14,7 +14,7 @@ import click
 from layerplan.app.options import SEED, Output, dtype_option, light_context, model_option, threads_option
 from layerplan.app.report import pareto_plot, search_trajectory, skip_frequency_plot
 from layerplan.files import write_json_atomic
-from layerplan.lite.request import ARITHMETICS, LiteSearchRequest
+from layerplan.lite.request import LiteSearchRequest
 from layerplan.plan.formats import save_plan
 from layerplan.search.bayes import SAMPLERS
 from layerplan.search.objectives import OBJECTIVES, objectives_help
@@ -74,7 +74,7 @@ def light_search_request(argv: list[str]) -> LiteSearchRequest | None:
     if context is None:
         return None
     given = context.params
-    if given["dtype"] not in ARITHMETICS or OBJECTIVES[given["objective"]].needs_prompts:
+    if OBJECTIVES[given["objective"]].needs_prompts:
         return None
     return LiteSearchRequest(**given)
 
