@@ -93,3 +93,10 @@ def read_jsonl(path: Path) -> list[tuple[int, object]]:
 def given_text(text: str | None) -> str | None:
     """--text read before any model loads (None: the caller's default corpus)."""
     return "\n\n".join(read_texts(text)) if text else None
+
+
+def first_tokens(ids, tokens: int):
+    """The first `tokens` of a calibration text's ids (a sequence); ValueError where it has fewer."""
+    if len(ids) < tokens:
+        raise ValueError(f"the calibration text has {len(ids)} tokens, fewer than the {tokens} asked for")
+    return ids[:tokens]

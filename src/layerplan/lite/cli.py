@@ -12,7 +12,7 @@ import json
 import sys
 from collections.abc import Callable
 
-from layerplan.corpus import default_corpus, given_text, read_texts
+from layerplan.corpus import default_corpus, first_tokens, given_text, read_texts
 from layerplan.decoding.budget import token_budget
 from layerplan.decoding.loop import DecodeLoop
 from layerplan.decoding.text import TextDelta
@@ -110,11 +110,17 @@ def run(request: LiteRequest, tokenizer: TokenizerProcess | None = None) -> int 
     return 0
 
 
-def _windows_bar(done: int, total: int) -> None:
-    """A perplexity's windows, on a terminal: one line redrawn, gone once done (as the torch front
-    end's bar)."""
-    line = f"\rperplexity: {done} of {total} windows\x1b[K" if done < total else "\r\x1b[K"
-    print(line, end="", file=sys.stderr, flush=True)
+def _bar(stage: str, unit: str) -> Callable[[int, int], None] | None:
+    """On a terminal, a work's progress (stage: done of total unit) as one line on stderr, redrawn
+    and gone once done (as the torch front end's bars); None elsewhere."""
+    if not sys.stderr.isatty():
+        return None
+
+    def draw(done: int, total: int) -> None:
+        line = f"\r{stage}: {done} of {total} {unit}\x1b[K" if done < total else "\r\x1b[K"
+        print(line, end="", file=sys.stderr, flush=True)
+
+    return draw
 
 
 def run_ppl(request: LitePerplexityRequest) -> int | None:
@@ -132,7 +138,7 @@ def run_ppl(request: LitePerplexityRequest) -> int | None:
         def logits_of(tokens: list[int], under: LayerPlan = plan):
             return model.logits(tokens, model.new_cache(under, len(tokens)), 0, last_only=False)
 
-        bar = _windows_bar if sys.stderr.isatty() else None
+        bar = _bar("perplexity", "windows")
         joined = [token for ids in sequences for token in ids]  # (the texts as one, as research.py's torch.cat)
         if request.protocol == "llama.cpp":  # one text, as llama-perplexity reads its file whole
             bos = added_bos(lambda text, special: model.tokenizer.encode(text, special_tokens=special))
@@ -153,13 +159,6 @@ def run_ppl(request: LitePerplexityRequest) -> int | None:
     return 0
 
 
-def _scan_bar(done: int, total: int) -> None:
-    """A scan's candidates, on a terminal: one line redrawn, gone once done (as the torch front
-    end's bar)."""
-    line = f"\rscan: {done} of {total} candidates\x1b[K" if done < total else "\r\x1b[K"
-    print(line, end="", file=sys.stderr, flush=True)
-
-
 def run_scan(request: LiteScanRequest, report: Callable[[ScanResult], None]) -> int | None:
     """Carry out a runnable `layerplan scan` request as app/cli/research.py's run_scan_command
     would (the same calibration ids, candidates and numbers: lite/evaluator.py); report(result)
@@ -170,11 +169,9 @@ def run_scan(request: LiteScanRequest, report: Callable[[ScanResult], None]) -> 
         calibration = given_text(request.text)
         model = load_for(request)
         plan = model.plan(request.plan)
-        ids = model.encode(calibration if calibration is not None else default_corpus())
-        if len(ids) < request.tokens:  # (search/evaluate.py calibration_ids' message)
-            raise ValueError(f"the calibration text has {len(ids)} tokens, fewer than the {request.tokens} asked for")
-        evaluator = LitePlanEvaluator(model, ids[:request.tokens], plan, reuse=request.reuse)
-        result = scan_plans(evaluator, request.kinds, _scan_bar if sys.stderr.isatty() else None)
+        evaluator = LitePlanEvaluator(model, calibration_ids(model, calibration, request.tokens), plan,
+                                      reuse=request.reuse)
+        result = scan_plans(evaluator, request.kinds, _bar("scan", "candidates"))
         report(result)
     except ENDINGS as error:
         return ended_by(error)
@@ -193,20 +190,18 @@ def run_explore(request: LiteExploreRequest, report: Callable[[ExploreResult], N
         calibration = given_text(request.text)
         model = load_for(request)
         candidates = recompute_rewind_grid(model, *numbers) + [model.plan(p) for p in request.plans]
-        ids = model.encode(calibration if calibration is not None else default_corpus())
-        if len(ids) < request.tokens:  # (search/evaluate.py calibration_ids' message)
-            raise ValueError(f"the calibration text has {len(ids)} tokens, fewer than the {request.tokens} asked for")
-        result = explore_lite(model, ids[:request.tokens], candidates, _explore_bar if sys.stderr.isatty() else None)
+        result = explore_lite(model, calibration_ids(model, calibration, request.tokens), candidates,
+                              _bar("explore", "plans"))
         report(result)
     except ENDINGS as error:
         return ended_by(error)
     return 0
 
 
-def _explore_bar(done: int, total: int) -> None:
-    """An exploration's plans, on a terminal: one line redrawn, gone once done."""
-    line = f"\rexplore: {done} of {total} plans\x1b[K" if done < total else "\r\x1b[K"
-    print(line, end="", file=sys.stderr, flush=True)
+def calibration_ids(model: LiteModel, text: str | None, tokens: int) -> list[int]:
+    """The first `tokens` ids of `text` (None: the built-in corpus), as search/evaluate.py's
+    calibration_ids gives them on the torch front end."""
+    return first_tokens(model.encode(text if text is not None else default_corpus()), tokens)
 
 
 # what a request may end with, before its output (ended_by)

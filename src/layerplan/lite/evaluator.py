@@ -73,7 +73,7 @@ class LitePlanEvaluator(ResumingEvaluator):
         self.ids = np.asarray(ids, np.int64)
         self.name, self.tokens = model.name, len(self.ids)
         config, length = model.config, len(self.ids)
-        model._rope(length)
+        self._cos, self._sin = model.rope_tables(length)
         # one KV slot for every attention sub-layer: each writes its keys and values, then reads them
         self._keys, self._values = (np.empty((config.kv_heads, length, config.head_dim), model.kv_dtype)
                                     for _ in range(2))
@@ -98,7 +98,7 @@ class LitePlanEvaluator(ResumingEvaluator):
                 rope = model.rope_of_layer[step.layer]
                 check(lib.lp_attention_block(
                     ctypes.byref(model.attention[step.layer]), hidden.ctypes.data, out.ctypes.data, rows, 0,
-                    model._cos[rope].ctypes.data, model._sin[rope].ctypes.data, ctypes.byref(self._slot), 0, 0, None,
+                    self._cos[rope].ctypes.data, self._sin[rope].ctypes.data, ctypes.byref(self._slot), 0, 0, None,
                     step.scale, ABI.LP_DTYPE_F32, model.threads), "native attention")
                 hidden = out
             if capture:

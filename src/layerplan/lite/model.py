@@ -165,6 +165,12 @@ class LiteModel:
     def new_cache(self, plan: LayerPlan, capacity: int) -> LiteCache:
         return LiteCache(self, plan, capacity)
 
+    def rope_tables(self, end: int) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        """(cos, sin): each rotary table's rows (position, rotary dims) over positions 0..end-1 at
+        least, made as far as needed; table i is the one of layers whose rope_of_layer is i."""
+        self._rope(end)
+        return self._cos, self._sin
+
     def _rope(self, end: int) -> None:
         """Every rotary table over positions 0..end-1 at least."""
         for i, (inv_freq, scaling) in enumerate(self._ropes):

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from layerplan.corpus import default_corpus, given_text
-from layerplan.lite.cli import ENDINGS, ended_by, load_for
+from layerplan.corpus import given_text
+from layerplan.lite.cli import ENDINGS, calibration_ids, ended_by, load_for
 from layerplan.lite.evaluator import LitePlanEvaluator, measure_lite_costs
 from layerplan.lite.model import LiteModel
 from layerplan.lite.request import LiteSearchRequest
-from layerplan.search.bayes import check_storage
+from layerplan.search.bayes import check_storage, quiet_optuna
 from layerplan.search.plan_search import SearchResult, search_plans
 
 
@@ -27,14 +27,10 @@ def run_search(request: LiteSearchRequest, report: Callable[[SearchResult, LiteM
             check_storage(request.storage)
         calibration = given_text(request.text)
         model = load_for(request)
-        ids = model.encode(calibration if calibration is not None else default_corpus())
-        if len(ids) < request.tokens:  # (search/evaluate.py calibration_ids' message)
-            raise ValueError(f"the calibration text has {len(ids)} tokens, fewer than the {request.tokens} asked for")
+        ids = calibration_ids(model, calibration, request.tokens)
         if request.method != "greedy":
-            import optuna  # (search/bayes.py's, imported with it; here only its logging)
-
-            optuna.logging.set_verbosity(optuna.logging.WARNING)  # a line per trial would hide the progress bar
-        result = search_plans(LitePlanEvaluator(model, ids[:request.tokens]), request.objective, request.method,
+            quiet_optuna()
+        result = search_plans(LitePlanEvaluator(model, ids), request.objective, request.method,
                               request.multi, request.trials, request.budget, request.max_cost_cut,
                               request.granularity, request.mode, request.sampler, request.storage, request.study_name,
                               request.allow_ends, request.seed, lambda: measure_lite_costs(model), None, request.out,

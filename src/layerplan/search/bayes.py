@@ -68,6 +68,11 @@ SAMPLERS = {
 STORAGE_FORMS = "a SQLite path, sqlite:///PATH, postgresql://…, mysql://… (with its driver installed) or journal:PATH"
 
 
+def quiet_optuna() -> None:
+    """Optuna's log at warnings only: a line per trial would hide a command's progress bar."""
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+
+
 def check_storage(url: str | None) -> None:
     """ValueError naming the problem when `url` cannot be a study storage: an unknown database
     kind, a database whose Python driver is not installed, a file that cannot be written. Opens

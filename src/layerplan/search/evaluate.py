@@ -7,7 +7,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
-from layerplan.corpus import default_corpus
+from layerplan.corpus import default_corpus, first_tokens
 from layerplan.engine.runner import forward
 from layerplan.models.loading import LoadedModel
 from layerplan.plan.plan import LayerPlan
@@ -19,9 +19,7 @@ from layerplan.search.windows import (NLL_ROWS, Divergence, PerplexityResult, ad
 def calibration_ids(model: LoadedModel, text: str | None = None, tokens: int = 512) -> torch.Tensor:
     """(1, tokens) ids from `text` (default: the built-in corpus)."""
     ids = model.tokenizer(text if text is not None else default_corpus(), return_tensors="pt").input_ids
-    if ids.shape[1] < tokens:
-        raise ValueError(f"the calibration text has {ids.shape[1]} tokens, fewer than the {tokens} asked for")
-    return ids[:, :tokens].to(model.device)
+    return first_tokens(ids[0], tokens)[None].to(model.device)
 
 
 def perplexity(

@@ -18,7 +18,7 @@ from layerplan.search.reference import CostModel, LogitsReference, ResumingEvalu
 
 @torch.inference_mode()
 def measure_costs(model: LoadedModel, context: int = 128, repeats: int = 12) -> CostModel:
-    """search/reference.py measure_costs on the torch front end's model: decode steps after a
+    """search/reference.py measured_costs on the torch front end's model: decode steps after a
     context of `context` random tokens, and embeddings + LM head alone."""
     ids = torch.randint(0, model.hf.config.vocab_size, (1, context + 1), generator=torch.Generator().manual_seed(0))
     ids = ids.to(model.device)

@@ -16,7 +16,7 @@ from layerplan.app.cli.common import (attach, checked_probe_row, command_dtype, 
 from layerplan.app.cli.exploring import report_explore
 from layerplan.app.cli.measuring import frontier_line
 from layerplan.app.cli.scoring import report_scan, scan_kinds
-from layerplan.app.cli.searching import quiet_optuna, report_search
+from layerplan.app.cli.searching import report_search
 from layerplan.app.merges import export_commands, scan_blocks, study_merges, write_scan
 from layerplan.app.options import (Output, auto_dtype_option, engine_option, model_option, n_predict_option,
                                    threads_option)
@@ -30,7 +30,7 @@ from layerplan.engine.load import load_model
 from layerplan.files import write_json_atomic
 from layerplan.machine import cpu_info
 from layerplan.models.loading import model_depth
-from layerplan.search.bayes import check_storage
+from layerplan.search.bayes import check_storage, quiet_optuna
 from layerplan.search.blocks import MergeSpace, parse_range, parse_repeats, parse_scales
 from layerplan.search.evaluate import calibration_ids, perplexity, perplexity_in_chunks
 from layerplan.search.evaluate import compare as run_compare

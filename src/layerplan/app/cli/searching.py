@@ -79,13 +79,6 @@ def light_search_request(argv: list[str]) -> LiteSearchRequest | None:
     return LiteSearchRequest(**given)
 
 
-def quiet_optuna() -> None:
-    """A line per trial would hide the progress bar."""
-    import optuna  # (search/bayes.py imports it with this module's command; here only its logging)
-
-    optuna.logging.set_verbosity(optuna.logging.WARNING)
-
-
 def report_search(result: SearchResult, model, model_source: str, out: str, save_draft: bool | None) -> None:
     """A search's plots, best_plan.json and search.json in `out`, and its lines: what either front
     end prints and writes. model: the searched model (its plans, its layers)."""
