@@ -57,54 +57,63 @@ def main() -> None:
             if tokenizer is not None:
                 tokenizer.close()
             _leave_or_restart(status, taken, argv)
-    if argv[:1] == ["ppl"] and os.environ.get(FRONT_END_VARIABLE, "") != "torch":
-        from layerplan.app.cli.scoring import light_ppl_request
-
-        request = light_ppl_request(argv)
-        if request is not None:
-            from layerplan.lite.cli import run_ppl, runnable
-
-            taken = runnable(request)
-            _leave_or_restart(run_ppl(request) if taken else None, taken, argv)
-    if argv[:1] == ["scan"] and os.environ.get(FRONT_END_VARIABLE, "") != "torch":
-        from layerplan.app.cli.scoring import light_scan_request, report_scan
-
-        request = light_scan_request(argv)
-        if request is not None:
-            from layerplan.lite.cli import run_scan, runnable
-
-            taken = runnable(request)
-            status = run_scan(request, lambda result: report_scan(result, request.out, request.exits)) if taken else None
-            _leave_or_restart(status, taken, argv)
-    if argv[:1] == ["explore"] and os.environ.get(FRONT_END_VARIABLE, "") != "torch":
-        from layerplan.app.cli.exploring import light_explore_request, report_explore
-
-        request = light_explore_request(argv)
-        if request is not None:
-            from layerplan.lite.cli import run_explore, runnable
-
-            taken = runnable(request)
-            status = run_explore(request, lambda result: report_explore(result, request.out)) if taken else None
-            _leave_or_restart(status, taken, argv)
-    if argv[:1] == ["search"] and os.environ.get(FRONT_END_VARIABLE, "") != "torch":
-        from layerplan.app.cli.searching import light_search_request, report_search
-
-        request = light_search_request(argv)
-        if request is not None:
-            from layerplan.app.bars import Stages
-            from layerplan.lite.cli import runnable
-            from layerplan.lite.searching import run_search
-
-            taken = runnable(request)
-            status = None
-            if taken:
-                with Stages() as stages:
-                    status = run_search(request, lambda result, model: report_search(
-                        result, model, request.model, request.out, request.save_draft), stages.start, stages)
-            _leave_or_restart(status, taken, argv)
+    if argv[:1] in (["ppl"], ["scan"], ["explore"], ["search"]):
+        _research_on_the_light_front_end(argv)
     from layerplan.app.cli import run_as_process
 
     run_as_process()
+
+
+def _research_on_the_light_front_end(argv: list[str]) -> None:
+    """A `ppl`, `scan`, `explore` or `search` line: carried out on the light front end where its
+    reader takes it (and the process leaves), else nothing (the torch front end reads it). The
+    readers say None under LAYERPLAN_FRONT_END=torch (app/options.py light_context)."""
+    command = argv[0]
+    if command == "ppl":
+        from layerplan.app.cli.scoring import light_ppl_request
+
+        request = light_ppl_request(argv)
+
+        def run() -> int | None:
+            from layerplan.lite.cli import run_ppl
+
+            return run_ppl(request)
+    elif command == "scan":
+        from layerplan.app.cli.scoring import light_scan_request, report_scan
+
+        request = light_scan_request(argv)
+
+        def run() -> int | None:
+            from layerplan.lite.cli import run_scan
+
+            return run_scan(request, lambda result: report_scan(result, request.out, request.exits))
+    elif command == "explore":
+        from layerplan.app.cli.exploring import light_explore_request, report_explore
+
+        request = light_explore_request(argv)
+
+        def run() -> int | None:
+            from layerplan.lite.cli import run_explore
+
+            return run_explore(request, lambda result: report_explore(result, request.out))
+    else:
+        from layerplan.app.cli.searching import light_search_request, report_search
+
+        request = light_search_request(argv)
+
+        def run() -> int | None:
+            from layerplan.app.bars import Stages
+            from layerplan.lite.searching import run_search
+
+            with Stages() as stages:
+                return run_search(request, lambda result, model: report_search(
+                    result, model, request.model, request.out, request.save_draft), stages.start, stages)
+    if request is None:
+        return
+    from layerplan.lite.cli import runnable
+
+    taken = runnable(request)
+    _leave_or_restart(run() if taken else None, taken, argv)
 
 
 def _leave_or_restart(status: int | None, taken: bool, argv: list[str]) -> None:
