@@ -14,6 +14,11 @@ from layerplan.search.bayes import check_storage, quiet_optuna
 from layerplan.search.plan_search import SearchResult, search_plans
 
 
+# the request's fields that are search_plans' options of the same name
+_SEARCH_OPTIONS = ("objective", "method", "multi", "trials", "budget", "max_cost_cut", "granularity", "mode", "sampler",
+                   "storage", "study_name", "allow_ends", "seed", "save_draft", "storage_patience")
+
+
 def run_search(request: LiteSearchRequest, report: Callable[[SearchResult, LiteModel], None],
                on_stage: Callable[[str], None] | None = None,
                on_progress: Callable[[int, int], None] | None = None) -> int | None:
@@ -30,11 +35,9 @@ def run_search(request: LiteSearchRequest, report: Callable[[SearchResult, LiteM
         ids = calibration_ids(model, calibration, request.tokens)
         if request.method != "greedy":
             quiet_optuna()
-        result = search_plans(LitePlanEvaluator(model, ids), request.objective, request.method,
-                              request.multi, request.trials, request.budget, request.max_cost_cut,
-                              request.granularity, request.mode, request.sampler, request.storage, request.study_name,
-                              request.allow_ends, request.seed, lambda: measure_lite_costs(model), None, request.out,
-                              on_stage, on_progress, request.save_draft, request.storage_patience)
+        options = {name: getattr(request, name) for name in _SEARCH_OPTIONS}
+        result = search_plans(LitePlanEvaluator(model, ids), measure_costs=lambda: measure_lite_costs(model),
+                              folder=request.out, on_stage=on_stage, on_progress=on_progress, **options)
         report(result, model)
     except ENDINGS as error:
         return ended_by(error)
