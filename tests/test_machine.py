@@ -10,7 +10,7 @@ from click.testing import CliRunner
 from layerplan.app import cli
 from layerplan.app import bars as progress_bars
 from layerplan.app.cli import research
-from layerplan.app.bench import run_bench
+from layerplan.app.bench import bench_methods, run_bench, wants_transformers
 from layerplan.machine import cpu_info, isa_level, read_cpuinfo
 from tiny import tiny_model
 
@@ -61,6 +61,30 @@ def test_bench_results_say_which_cpu_they_came_from():
     assert json.loads(json.dumps(result.to_dict()))["cpu"]["isa"] == cpu_info().isa
 
 
+def test_bench_without_transformers_is_against_plain_decoding(tmp_path):
+    """A GGUF run as stored is not timed in transformers unless asked (it would run the file
+    dequantized whole: 28 GB for a 7B): the speedups are then against layerplan's plain decoding."""
+    from layerplan.models.gguf_place import DEFAULT_MODEL
+
+    assert not wants_transformers(DEFAULT_MODEL, "stored-fast") and not wants_transformers(DEFAULT_MODEL, "stored")
+    assert wants_transformers(DEFAULT_MODEL, "float32")  # dense by the user's word
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    assert wants_transformers(str(folder), "q4_k")  # a checkpoint's own weights, quantized at load
+    model = tiny_model("llama", num_layers=2)
+    assert list(bench_methods(None, model)) == ["layerplan plain"]
+    with pytest.raises(ValueError, match="--transformers"):
+        bench_methods(None, model, hf_early_exits=[1])
+    fake = SimpleNamespace(name="tiny", dtype=torch.float32, precision="float32",
+                           encode=lambda text, chat=False: torch.tensor([[1, 2]]))
+    result = run_bench(fake, {"layerplan plain": lambda ids, n: (0.02, [1, 2], None),
+                              "layerplan draft=ngram": lambda ids, n: (0.01, [1, 2], None)},
+                       {"code": "def f():"}, new_tokens=2, repeats=1)
+    assert result.reference == "layerplan plain" and result.versus == "vs plain"
+    assert [round(r.speedup, 6) for r in result.rows] == [1.0, 2.0]
+    assert "vs plain" in result.table().splitlines()[0]
+
+
 def test_tune_draws_one_progress_bar_per_stage(monkeypatch, tmp_path):
     """Each stage gets a bar of its own: a shared one restarted its count but not its clock, so
     later stages showed ETAs of hours."""
@@ -87,7 +111,7 @@ def test_tune_draws_one_progress_bar_per_stage(monkeypatch, tmp_path):
 
     model = tiny_model("llama", num_layers=2)
     monkeypatch.setattr(progress_bars, "tqdm", Bar)
-    monkeypatch.setattr(research, "load_for_timing", lambda name, dtype, engine, on_note: (model, model))
+    monkeypatch.setattr(research, "load_for_timing", lambda name, dtype, engine, on_note, transformers: (model, model))
     monkeypatch.setattr(research, "run_tune", fake_tune)
     result = CliRunner().invoke(cli.main, ["tune", "--out", str(tmp_path)])
     assert "stop here" in result.output

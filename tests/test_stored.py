@@ -633,7 +633,10 @@ def test_no_command_imports_transformers_modelling_code_for_a_gguf(tmp_path):
         shutil.copytree(built, cache / "native", symlinks=True)
     argvs = [["generate", "Hi", "-n", "2", "--draft", "ngram"],
              ["ppl", "--max-tokens", "24", "--window", "16", "--stride", "8"],
-             ["scan", "--tokens", "12", "--kinds", "attention", "--out", str(tmp_path / "scan")]]
+             ["scan", "--tokens", "12", "--kinds", "attention", "--out", str(tmp_path / "scan")],
+             # (bench times transformers only when told: it would run the file dequantized)
+             ["bench", "-n", "2", "--repeats", "1", "--prompt", "code", "--no-llama-cpp",
+              "--out", str(tmp_path / "bench.json")]]
     for argv in argvs:  # the first makes the index and panels; each its own process
         out = subprocess.run([sys.executable, "-c", _MODELLING_PROBE.replace("ARGVS", repr([argv]))],
                              env={**os.environ, "LAYERPLAN_CACHE": str(cache)}, capture_output=True, text=True)
@@ -660,7 +663,9 @@ def test_no_command_writes_a_dense_copy_of_a_gguf(tmp_path, monkeypatch):
     monkeypatch.setenv("LAYERPLAN_CACHE", str(cache))
     commands = [["generate", "Hi", "-n", "2", "--draft", "ngram"],
                 ["ppl", "--max-tokens", "24", "--window", "16", "--stride", "8"],
-                ["scan", "--tokens", "12", "--kinds", "attention", "--out", str(tmp_path / "scan")]]
+                ["scan", "--tokens", "12", "--kinds", "attention", "--out", str(tmp_path / "scan")],
+                ["bench", "-n", "2", "--repeats", "1", "--prompt", "code", "--no-llama-cpp",
+                 "--out", str(tmp_path / "bench.json")]]
     for argv in commands:
         result = CliRunner().invoke(main, argv)
         assert result.exit_code == 0, (argv, result.output)

@@ -23,12 +23,14 @@ from layerplan.engine.load import load_model
 from layerplan.engine.native import resolve_engine
 from layerplan.engine.probe import ProbeRow
 from layerplan.machine import CpuInfo, cpu_info
-from layerplan.models.loading import LoadedModel, resolve_dtype
+from layerplan.models.loading import LoadedModel, dense_bytes, resolve_dtype
 
 # run(ids, new_tokens) -> (seconds, tokens, stats or None). A peer that does not hand its tokens back
 # (llama.cpp's tools) gives their count instead. Stats: speculative figures, and
 # "decode_tokens_per_second" (prefill left out), "pass_steps" ({k: a k-token pass in steps}).
 Runner = Callable[[torch.Tensor, int], tuple[float, list[int] | int, dict | None]]
+TRANSFORMERS = "transformers generate"  # the row of transformers' own generate, the reference where it runs
+PLAIN = "layerplan plain"  # layerplan's plain decoding on the chosen engine, the reference elsewhere
 
 
 @dataclass
@@ -37,7 +39,7 @@ class BenchRow:
     prompt: str
     ms_per_token: float  # median over repeats
     tokens_per_second: float
-    speedup: float  # transformers' plain ms/token divided by this row's (>1 is faster)
+    speedup: float  # the reference row's ms/token divided by this row's (>1 is faster; BenchResult.reference)
     same_as_plain: bool | None  # same tokens as layerplan's plain greedy decoding (None: a peer that does not say)
     tokens: int
     acceptance_rate: float | None = None
@@ -57,6 +59,9 @@ class BenchResult:
     repeats: int
     cpu: CpuInfo  # timings are this machine's: say which one
     rows: list[BenchRow] = field(default_factory=list)
+    # the row every speedup is against: transformers' own generate, or layerplan's plain decoding
+    # where transformers is not timed (a GGUF run as stored: wants_transformers)
+    reference: str = TRANSFORMERS
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -80,9 +85,19 @@ class BenchResult:
                     lines.append(line)
         return lines
 
+    @property
+    def versus(self) -> str:
+        """The speedup column's name: 'vs HF' (transformers' generate) or 'vs plain'."""
+        return "vs HF" if self.reference == TRANSFORMERS else "vs plain"
+
+    @property
+    def reference_words(self) -> str:
+        """The reference row in words, for a sentence ("1.3x <this>")."""
+        return "transformers' plain greedy generate" if self.reference == TRANSFORMERS else "layerplan's plain decoding"
+
     def table(self) -> str:
         width = max([34, *(len(r.method) for r in self.rows)])
-        lines = [f"{'prompt':<13} {'method':<{width}} {'ms/tok':>7} {'tok/s':>6} {'dec/s':>6} {'vs HF':>6} {'=plain':>6} "
+        lines = [f"{'prompt':<13} {'method':<{width}} {'ms/tok':>7} {'tok/s':>6} {'dec/s':>6} {self.versus:>8} {'=plain':>6} "
                  f"{'accept':>6} {'tok/pass':>8}"]
         for row in self.rows:
             acc = f"{row.acceptance_rate:.2f}" if row.acceptance_rate is not None and row.acceptance_rate == row.acceptance_rate else "-"
@@ -91,7 +106,7 @@ class BenchResult:
             decode = f"{row.decode_tokens_per_second:.1f}" if row.decode_tokens_per_second else "-"
             lines.append(
                 f"{row.prompt:<13} {row.method:<{width}} {row.ms_per_token:>7.1f} {row.tokens_per_second:>6.1f} "
-                f"{decode:>6} {row.speedup:>5.2f}x {same:>6} {acc:>6} {mal:>8}"
+                f"{decode:>6} {row.speedup:>7.2f}x {same:>6} {acc:>6} {mal:>8}"
             )
             if row.pass_steps:
                 lines.append(" " * 14 + "; ".join(f"a pass over {k} tokens costs {steps:.2f} steps"
@@ -138,21 +153,24 @@ def run_bench(
     prompts: dict[str, str],
     new_tokens: int = 64,
     repeats: int = 3,
-    reference: str = "transformers generate",
-    plain: str = "layerplan plain",
+    reference: str | None = None,
+    plain: str = PLAIN,
     on_progress: Callable[[int, int], None] | None = None,
     chat: Collection[str] = CHAT_PROMPTS,
     precision: str | None = None,
 ) -> BenchResult:
-    """chat: the prompt names that go through the tokenizer's chat template. precision: layerplan's
-    (default: model's), where it differs from the reference model's (a GGUF as stored against
-    transformers' float32 of it)."""
+    """model: the one whose tokenizer encodes the prompts (transformers' where it runs). reference:
+    the row every speedup is against (None: transformers' generate where it is among the methods,
+    else `plain`). chat: the prompt names that go through the tokenizer's chat template.
+    precision: layerplan's (default: model's), where it differs from the model's (a GGUF as stored
+    against transformers' float32 of it)."""
+    reference = reference or (TRANSFORMERS if TRANSFORMERS in methods else plain)
     if reference not in methods:
         raise ValueError(f"the methods must include the reference '{reference}'")
     if precision is not None and precision != model.precision:
         precision = f"{precision} (transformers: {model.precision})"
     result = BenchResult(model.name, precision or model.precision, torch.get_num_threads(),
-                         new_tokens, repeats, cpu_info())
+                         new_tokens, repeats, cpu_info(), reference=reference)
     total, done = len(prompts) * repeats * len(methods), 0
     for label, prompt in prompts.items():
         ids = model.encode(prompt, chat=label in chat)
@@ -193,23 +211,43 @@ def run_bench(
     return result
 
 
-def load_for_timing(model: str, dtype: str, engine: str,
-                    on_note: Callable[[str], None] = lambda _: None) -> tuple[LoadedModel, LoadedModel]:
+def wants_transformers(model: str, dtype: str) -> bool:
+    """Whether timing `model` at `dtype` times transformers' own generate unless told: not for a GGUF
+    run at a block precision, which transformers would run dequantized whole (4-8 times the file in
+    memory: 28 GB for a 7B); there layerplan's plain decoding is the reference, and llama.cpp's own
+    tools the peer."""
+    return not (dtype in BLOCK_PRECISIONS and dense_bytes(model, "float32") is not None)
+
+
+def load_for_timing(model: str, dtype: str, engine: str, on_note: Callable[[str], None] = lambda _: None,
+                    transformers: bool = True) -> tuple[LoadedModel | None, LoadedModel]:
     """(stock, fast) at `dtype` (chosen already: no 'auto'): transformers' generate runs stock's own
-    modules, layerplan runs fast. The native engine leaves the modules as they are, so one load
-    serves both; the eager engine packs bf16 linears where oneDNN supports it, into a second copy.
-    on_note: the line that says what loads."""
+    modules (None: transformers is not timed), layerplan runs fast. The native engine leaves the
+    modules as they are, so one load serves both; the eager engine packs bf16 linears where oneDNN
+    supports it, into a second copy. on_note: the lines that say what loads, and what a GGUF
+    dequantized for transformers costs."""
     if dtype in BLOCK_PRECISIONS:  # transformers runs the model dense: in float32 (a GGUF by its own loader)
+        if not transformers:
+            on_note(f"loading {model} ({dtype}, engine native)…")
+            return None, load_model(model, dtype=dtype, engine="native")
         on_note(f"loading {model} ({dtype}, engine native; transformers: float32)…")
+        sizes = dense_bytes(model, "float32")
+        if sizes is not None:
+            on_note(f"dequantizing the GGUF to float32 for transformers: {sizes[0] / 1e9:.1f} GB of weights in "
+                    f"memory beside the {sizes[1] / 1e9:.1f} GB it runs as stored (--no-transformers leaves it out)")
         return load_model(model, dtype="float32", engine="eager"), load_model(model, dtype=dtype, engine="native")
     kind = resolve_engine(engine, resolve_dtype(dtype), "cpu")
     on_note(f"loading {model} ({dtype}, engine {kind})…")
     if kind == "native":
         loaded = load_model(model, dtype=dtype, engine="native")
-        return loaded, loaded
+        return (loaded if transformers else None), loaded
     stock = load_model(model, dtype=dtype, pack=False, engine="eager")
-    packed = load_model(model, dtype=dtype, pack=True, engine="eager") if packing_supported(stock.dtype, "cpu") else None
-    return stock, packed or stock
+    if not packing_supported(stock.dtype, "cpu"):
+        return (stock if transformers else None), stock
+    if not transformers:  # (the packed copy alone)
+        del stock
+        return None, load_model(model, dtype=dtype, pack=True, engine="eager")
+    return stock, load_model(model, dtype=dtype, pack=True, engine="eager")
 
 
 def eager_view(model: LoadedModel) -> LoadedModel:
@@ -218,7 +256,7 @@ def eager_view(model: LoadedModel) -> LoadedModel:
 
 
 def bench_methods(
-    stock: LoadedModel,
+    stock: LoadedModel | None,
     fast: LoadedModel | None = None,
     drafts: list[str] = (),
     hf_early_exits: list[int] = (),
@@ -230,17 +268,20 @@ def bench_methods(
     """transformers on the stock model's own modules; layerplan plain on the eager engine over
     the same modules, and on `fast` (the native engine, or packed linears) with each draft (its
     verify costs from probe_row, this machine's probe row for `fast`); then any peers (llama.cpp's
-    tools)."""
+    tools). stock None: neither transformers nor the eager engine is timed (load_for_timing)."""
     fast = fast if fast is not None else stock
-    methods: dict[str, Runner] = {"transformers generate": transformers_runner(stock)}
+    if stock is None and (hf_early_exits or hf_prompt_lookup):
+        raise ValueError("transformers' early exit and prompt lookup run on transformers' own model: time it too "
+                         "(--transformers)")
+    methods: dict[str, Runner] = {TRANSFORMERS: transformers_runner(stock)} if stock is not None else {}
     for exit_layer in hf_early_exits:
         methods[f"transformers early_exit={exit_layer}"] = transformers_runner(stock, assistant_early_exit=exit_layer)
     if hf_prompt_lookup:
         methods[f"transformers prompt_lookup={hf_prompt_lookup}"] = transformers_runner(
             stock, prompt_lookup_num_tokens=hf_prompt_lookup)
-    if fast is not stock or fast.native is not None:
+    if stock is not None and (fast is not stock or fast.native is not None):
         methods["layerplan plain, eager"] = layerplan_runner(eager_view(stock))
-    methods["layerplan plain"] = layerplan_runner(fast)
+    methods[PLAIN] = layerplan_runner(fast)
     for draft in drafts:
         methods[f"layerplan draft={draft}"] = layerplan_runner(fast, draft, draft_length, probe_row)
     methods.update(peers or {})

@@ -97,6 +97,12 @@ dtype_option = click.option("--dtype", default="auto", show_default=True, type=c
 # export writes dense weights unless asked for a GGUF
 export_dtype_option = click.option("--dtype", default="float32", show_default=True, type=click.Choice(_DTYPE_CHOICES),
                                    help=f"the checkpoint's weights; {_BLOCK_HELP}")
+# bench's and tune's: whether transformers' own generate is timed (None: app/bench.py wants_transformers)
+transformers_option = click.option(
+    "--transformers/--no-transformers", default=None,
+    help="also time transformers' own generate (the speedups' reference) and layerplan on the eager engine; "
+         "default: yes, but not for a GGUF run as stored, which transformers runs dequantized whole (the GB said "
+         "before it loads): there the reference is layerplan's plain decoding, and llama.cpp's tools the peer")
 DEVICE_MAP_KEY = "layerplan.device_map"
 _device_only = click.option("--device", default="cpu", show_default=True, help="cpu, cuda, cuda:1, …")
 _device_map_option = click.option(

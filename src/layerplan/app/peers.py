@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from layerplan.app import llamacpp
+from layerplan.app.bench import PLAIN
 from layerplan.files import atomic_file, cache_dir
 
 # layerplan dtype -> (GGUF tensor type name, general.file_type value of llama.cpp's LLAMA_FTYPE)
@@ -275,7 +276,7 @@ def llama_cpp_peers(loaded, drafts, draft_max: int,
     runners, pairs = {}, {}
     for label, path in files.items():
         name = f"llama.cpp llama-bench ({label})"
-        runners[name], pairs[name] = llama_bench_runner(bin_dir / "llama-bench", path, threads), ["layerplan plain"]
+        runners[name], pairs[name] = llama_bench_runner(bin_dir / "llama-bench", path, threads), [PLAIN]
     counterparts = [f"layerplan draft={d}" for d in drafts if d.split(":")[0].split("+")[0] in LOOKUP_COUNTERPARTS]
     if counterparts:
         def prompt_text(ids):  # the text whose tokens are ids: chat template and special tokens kept

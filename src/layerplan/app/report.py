@@ -162,14 +162,14 @@ def tune_html(result, images: dict[str, Path], path: str | Path) -> Path:
         [[c.draft, f"{c.speedup_median:.2f}x", f"{c.speedup_min:.2f}–{c.speedup_max:.2f}x", f"±{c.spread_ms / 2:.1f} ms",
           "yes" if c.same_as_plain_fp32 else "NO", "yes" if c.same_as_plain_bf16 else "no (near-ties)"]
          for c in result.choices],
-        ["draft", "speedup vs transformers (median)", "range over prompts", "timing spread",
-         "= plain greedy (float32)", f"= plain greedy ({result.dtype})"],
+        ["draft", f"speedup vs {result.bench.reference} (median)", "range over prompts", "timing spread",
+         f"= plain greedy (float32: {result.exact_precision})", f"= plain greedy ({result.dtype})"],
     )
     bench = _html_table(
         [[r.prompt, r.method, f"{r.ms_per_token:.1f}", f"{r.speedup:.2f}x",
           "-" if r.acceptance_rate is None else f"{r.acceptance_rate:.2f}",
           "-" if r.mean_accepted_length is None else f"{r.mean_accepted_length:.2f}"] for r in result.bench.rows],
-        ["prompt", "method", "ms/token", "vs transformers", "acceptance", "tokens/pass"],
+        ["prompt", "method", "ms/token", f"vs {result.bench.reference}", "acceptance", "tokens/pass"],
     )
     least = result.scan.ranked()[:8]
     scan_rows = _html_table([[f"{i.kind} {i.layer}", f"{i.kl:.4f}", f"{i.top1_agreement:.3f}"] for i in least],
@@ -180,9 +180,9 @@ def tune_html(result, images: dict[str, Path], path: str | Path) -> Path:
 <h1>layerplan tune — {html.escape(result.model)} ({html.escape(result.dtype)})</h1>
 <p><b>Machine:</b> {html.escape(result.bench.cpu.line())}. Every timing on this page is from it: a CPU
 with another instruction set (AVX2 only, AVX-512, AVX-512 BF16, AMX) can rank the drafts differently.</p>
-<p><b>Best draft:</b> <code>{html.escape(best.draft if best else "none")}</code>, {best.speedup_median if best else 1:.2f}× transformers'
-plain greedy <code>generate</code> (median over prompts, range {best.speedup_min if best else 1:.2f}–{best.speedup_max if best else 1:.2f}×),
-greedy output identical to plain decoding in float32: <b>{"yes" if best and best.same_as_plain_fp32 else "NO"}</b>.</p>
+<p><b>Best draft:</b> <code>{html.escape(best.draft if best else "none")}</code>, {best.speedup_median if best else 1:.2f}×
+{html.escape(result.bench.reference_words)} (median over prompts, range {best.speedup_min if best else 1:.2f}–{best.speedup_max if best else 1:.2f}×),
+greedy output identical to plain decoding in float32 ({html.escape(result.exact_precision)}): <b>{"yes" if best and best.same_as_plain_fp32 else "NO"}</b>.</p>
 <p><b>Use it:</b> <code>{html.escape(result.command())}</code></p>
 <p><b>Searched skip plan:</b> <code>{html.escape(plan_text)}</code> (predicted speedup {result.predicted_speedup:.2f}×)</p>
 <h2>Drafts</h2>{choices}

@@ -1,5 +1,5 @@
 """The whole job in one call: scan, search a draft, benchmark it against plain decoding and
-transformers, check exactness, keep the plan for the `auto` drafter, and draw the draft frontier. Printing and the report's
+transformers (plain decoding alone on a GGUF run as stored: app/bench.py wants_transformers), check exactness, keep the plan for the `auto` drafter, and draw the draft frontier. Printing and the report's
 files live in the CLI and report."""
 
 from __future__ import annotations
@@ -26,12 +26,14 @@ from layerplan.search.scan import scan
 @dataclass
 class DraftChoice:
     draft: str
-    speedup_median: float  # vs transformers' plain generate, median over prompts
+    speedup_median: float  # vs the bench's reference row (BenchResult.reference), median over prompts
     speedup_min: float
     speedup_max: float
     spread_ms: float  # largest spread (max − min ms/token) over the repeated timings of one prompt
     same_as_plain_bf16: bool  # every prompt's tokens equal layerplan's plain greedy in the bench dtype
-    same_as_plain_fp32: bool  # greedy equality checked in float32 (the exactness guarantee)
+    # greedy equality checked in float32 arithmetic (the exactness guarantee): transformers' float32
+    # model, or a GGUF's blocks as stored with exact products (TuneResult.exact_precision)
+    same_as_plain_fp32: bool
 
 
 @dataclass
@@ -48,6 +50,7 @@ class TuneResult:
     saved_to: str | None = None  # where it was kept (decoding/drafters/registry.py save_draft_plan)
     # every family's acceptance against its draft cost, beside the break-even curve (frontier.py)
     frontier: FrontierResult | None = None
+    exact_precision: str = "float32"  # the model the exactness check decoded with
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -76,8 +79,9 @@ def tune(
     probe_row: ProbeRow | None = None,
 ) -> TuneResult:
     """model: the model to decode with (the native engine, or packed bf16 linears); stock: the
-    same weights as transformers runs them, for its generate; fp32_model: loads the float32 model
-    for the exactness check; probe_row: this machine's probe row for `model` (engine/probe.py),
+    same weights as transformers runs them, for its generate (None: transformers is not timed, and
+    the bench's reference is plain decoding); fp32_model: loads the model of the exactness check
+    (float32 arithmetic: transformers' float32 model, or a GGUF's blocks with exact products); probe_row: this machine's probe row for `model` (engine/probe.py),
     the verify costs of its timed speculative decoding. A searched skip plan that pays is kept
     for the `auto` drafter (save_draft_plan)."""
     prompts = prompts or {k: PROMPTS[k] for k in ("code", "summary")}
@@ -93,13 +97,13 @@ def tune(
     predicted = score("speedup", plan, evaluator, costs) if plan is not None else 1.0
 
     drafts = ["ngram", "suffix"] + ([plan.to_string(), f"ngram|{plan.to_string()}"] if plan is not None else [])
-    _stage(on_stage, f"bench: {', '.join(drafts)} against plain decoding and transformers")
-    stock = stock or model
+    against = " and transformers" if stock is not None else ""
+    _stage(on_stage, f"bench: {', '.join(drafts)} against plain decoding{against}")
     methods = bench_methods(stock, model, drafts, probe_row=probe_row)
-    bench = run_bench(stock, methods, prompts, new_tokens, repeats, on_progress=on_progress)
+    bench = run_bench(stock or model, methods, prompts, new_tokens, repeats, on_progress=on_progress)
 
-    _stage(on_stage, "exactness: greedy speculative == plain greedy in float32")
     exact = fp32_model()
+    _stage(on_stage, f"exactness: greedy speculative == plain greedy in float32 ({exact.precision})")
     encoded = [exact.encode(p, chat=k in CHAT_PROMPTS) for k, p in prompts.items()]
     plain = [generate(exact, ids, max_new_tokens=new_tokens).token_ids for ids in encoded]
     choices = []
@@ -123,4 +127,4 @@ def tune(
                                 on_progress=on_progress)
     return TuneResult(model.name, model.precision, scanned, greedy, predicted, bench,
                       choices, best, plan.to_string() if plan is not None else None,
-                      str(saved_to) if saved_to is not None else None, frontier)
+                      str(saved_to) if saved_to is not None else None, frontier, exact.precision)

@@ -10,9 +10,9 @@ import click
 
 from layerplan.app import llamacpp
 from layerplan.app.bars import Progress
-from layerplan.app.bench import bench_methods, load_for_timing, run_bench
+from layerplan.app.bench import bench_methods, load_for_timing, run_bench, wants_transformers
 from layerplan.app.cli.common import checked_probe_row, command_dtype, load, note, set_threads, user_errors
-from layerplan.app.options import (DRAFT_LENGTH_HELP, Output, auto_dtype_option, engine_option, model_option,
+from layerplan.app.options import (DRAFT_LENGTH_HELP, Output, transformers_option, auto_dtype_option, engine_option, model_option,
                                    n_predict_option, threads_option)
 from layerplan.app.peers import llama_cpp_peers
 from layerplan.app.prompts import CHAT_PROMPTS, PROMPTS, pick_prompts, read_prompt_file
@@ -146,6 +146,7 @@ def frontier(model, dtype, engine, threads, drafts, prompt_names, new_tokens, ga
                    "or a text file, one prompt a line")
 @click.option("--draft", "drafts", multiple=True, help="layerplan drafter(s) to time (repeatable): " + drafter_help())
 @click.option("--draft-length", default=None, type=click.Choice(list(DRAFT_LENGTHS)), help=DRAFT_LENGTH_HELP)
+@transformers_option
 @click.option("--hf-early-exit", "hf_exits", multiple=True, type=int,
               help="also time transformers' assistant_early_exit=E (repeatable)")
 @click.option("--hf-prompt-lookup", type=click.IntRange(min=1), default=None, help="also time transformers' prompt_lookup_num_tokens=N")
@@ -155,12 +156,13 @@ def frontier(model, dtype, engine, threads, drafts, prompt_names, new_tokens, ga
 @click.option("--llama-draft-max", type=click.IntRange(min=1), default=8, show_default=True,
               help="llama-lookup's --spec-draft-n-max (llama.cpp's own default is 3)")
 @click.option("--out", type=Output("file"), default="runs/bench.json", show_default=True)
-def bench(model, dtype, engine, threads, new_tokens, repeats, prompt_names, prompt_file, drafts, draft_length, hf_exits,
-          hf_prompt_lookup, llama_cpp, llama_draft_max, out) -> None:
+def bench(model, dtype, engine, threads, new_tokens, repeats, prompt_names, prompt_file, drafts, draft_length,
+          transformers, hf_exits, hf_prompt_lookup, llama_cpp, llama_draft_max, out) -> None:
     """Time decoding against transformers' generate in the same run (ratios, CPU).
 
-    Rows: transformers plain (and its early-exit / prompt-lookup assistants when asked),
-    layerplan plain on the eager engine and on the chosen one, each layerplan drafter, and
+    Rows: transformers plain (and its early-exit / prompt-lookup assistants when asked; not on a
+    GGUF run as stored unless --transformers), layerplan plain on the eager engine and on the
+    chosen one, each layerplan drafter, and
     llama.cpp's own C++ tools when built (`layerplan peers build`, once): llama-bench on the GGUF
     file as stored (the packaged default is Q4_1) and on the same weights at --dtype, and
     llama-lookup (llama.cpp's n-gram drafting) beside ngram, suffix and auto drafts. Without the
@@ -180,17 +182,24 @@ def bench(model, dtype, engine, threads, new_tokens, repeats, prompt_names, prom
             prompts, chat = read_prompt_file(prompt_file)
         else:
             prompts, chat = pick_prompts(prompt_names, PROMPTS), CHAT_PROMPTS
-        stock, fast = load_for_timing(model, command_dtype(model, dtype, engine), engine, on_note=note)
+        dtype = command_dtype(model, dtype, engine)
+        if transformers is None:
+            transformers = wants_transformers(model, dtype) or bool(hf_exits or hf_prompt_lookup)
+        if not transformers and (hf_exits or hf_prompt_lookup):
+            raise ValueError("--hf-early-exit and --hf-prompt-lookup time transformers' generate: not with "
+                             "--no-transformers")
+        stock, fast = load_for_timing(model, dtype, engine, on_note=note, transformers=transformers)
         token_budget(1, new_tokens, fast.context_length, new_tokens_name="--new-tokens")  # before any decoding
         peers, pairs = llama_cpp_peers(fast, drafts, llama_draft_max, on_note=note) if llama_cpp else ({}, {})
         methods = bench_methods(stock, fast, list(drafts), list(hf_exits), hf_prompt_lookup, draft_length, peers,
                                 probe_row=checked_probe_row(fast))
         with Progress("bench") as progress:
-            result = run_bench(stock, methods, prompts, new_tokens, repeats, on_progress=progress, chat=chat,
+            result = run_bench(stock or fast, methods, prompts, new_tokens, repeats, on_progress=progress, chat=chat,
                                precision=fast.precision)
     click.echo(result.cpu.line())
     click.echo(f"{result.model}, {result.dtype}, {result.threads} threads, up to {new_tokens} new tokens, "
-               f"median of {repeats}; 'vs HF' = transformers plain ms/token ÷ this row's; dec/s: decoding alone")
+               f"median of {repeats}; '{result.versus}' = {result.reference} ms/token ÷ this row's; "
+               "dec/s: decoding alone")
     click.echo(result.table())
     if pairs:
         bin_dir = llamacpp.find_tools()

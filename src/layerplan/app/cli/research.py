@@ -10,7 +10,7 @@ import click
 import torch
 
 from layerplan.app.bars import Progress, Stages
-from layerplan.app.bench import load_for_timing
+from layerplan.app.bench import load_for_timing, wants_transformers
 from layerplan.app.cli.common import (attach, checked_probe_row, command_dtype, load, note, set_threads,
                                      user_errors)
 from layerplan.app.cli.exploring import report_explore
@@ -19,13 +19,14 @@ from layerplan.app.cli.scoring import report_scan, scan_kinds
 from layerplan.app.cli.searching import report_search
 from layerplan.app.merges import export_commands, scan_blocks, study_merges, write_scan
 from layerplan.app.options import (Output, auto_dtype_option, engine_option, model_option, n_predict_option,
-                                   threads_option)
+                                   threads_option, transformers_option)
 from layerplan.app.prompts import PROMPTS, pick_prompts
 from layerplan.app.report import frontier_plot, scan_heatmap, search_trajectory, tune_html
 from layerplan.app.tune import tune as run_tune
 from layerplan.corpus import default_corpus, given_text, read_texts
 from layerplan.decoding.budget import token_budget
 from layerplan.decoding.drafters.heads import default_head_path, save_head, train_exit_head
+from layerplan.engine.choices import STORED
 from layerplan.engine.load import load_model
 from layerplan.files import write_json_atomic
 from layerplan.machine import cpu_info
@@ -228,15 +229,21 @@ def train_exit(exits, model, threads, tokens, text, steps, out) -> None:
 @click.option("--repeats", type=click.IntRange(min=1), default=3, show_default=True, help="timings per method and prompt")
 @n_predict_option(48, help="new tokens a prompt", dest="new_tokens")
 @click.option("--prompt", "prompt_names", multiple=True, help="built-in prompts to tune on (default: code, summary)")
+@transformers_option
 @click.option("--out", type=Output("folder"), default="runs/tune", show_default=True)
-def tune(model, dtype, engine, threads, tokens, steps, repeats, new_tokens, prompt_names, out) -> None:
+def tune(model, dtype, engine, threads, tokens, steps, repeats, new_tokens, prompt_names, transformers, out) -> None:
     """The whole job: scan, search a draft, benchmark against plain decoding and transformers,
-    check exactness, save the plan, write report.html and report.json."""
+    check exactness, save the plan, write report.html and report.json.
+
+    On a GGUF run as stored transformers is timed only with --transformers (it runs the file
+    dequantized whole), and the exactness check decodes the file's blocks with exact products."""
     set_threads(threads)
     out_dir = Path(out)
     with user_errors():
         prompts = pick_prompts(prompt_names)
-        stock, fast = load_for_timing(model, command_dtype(model, dtype, engine), engine, on_note=note)
+        dtype = command_dtype(model, dtype, engine)
+        transformers = wants_transformers(model, dtype) if transformers is None else transformers
+        stock, fast = load_for_timing(model, dtype, engine, on_note=note, transformers=transformers)
         token_budget(1, new_tokens, fast.context_length, new_tokens_name="--new-tokens")  # before any decoding
         click.echo(cpu_info().line(), err=True)
 
@@ -244,8 +251,15 @@ def tune(model, dtype, engine, threads, tokens, steps, repeats, new_tokens, prom
             click.echo(f"· {text}", err=True)
             stages.start(text.partition(":")[0])
 
-        def exact_model():  # transformers' float32 copy serves the float32 check: no second copy beside it
-            return stock if stock.dtype == torch.float32 else load_model(model, dtype="float32", engine=engine)
+        def exact_model():
+            """The float32 check's model: transformers' float32 copy where it is loaded (no second copy
+            beside it); for a GGUF as stored, its blocks with exact products (float32 arithmetic,
+            transformers' numbers, in the file's memory), else float32 whole."""
+            if stock is not None and stock.dtype == torch.float32:
+                return stock
+            if not wants_transformers(model, dtype):  # a GGUF at a block precision
+                return fast if fast.precision == STORED else load_model(model, dtype=STORED, engine="native")
+            return load_model(model, dtype="float32", engine=engine)
 
         with Stages() as stages:
             result = run_tune(fast, exact_model, prompts, tokens, steps, repeats,
@@ -263,9 +277,9 @@ def tune(model, dtype, engine, threads, tokens, steps, repeats, new_tokens, prom
                        "The draft frontier: acceptance against cost, and where a draft pays": out_dir / "frontier.png"},
               out_dir / "report.html")
     best = result.best
-    click.echo(f"\nbest draft: {best.draft}: {best.speedup_median:.2f}x transformers' plain greedy "
-               f"(range {best.speedup_min:.2f}-{best.speedup_max:.2f}x over prompts); "
-               f"identical to plain greedy in float32: {'yes' if best.same_as_plain_fp32 else 'NO'}")
+    click.echo(f"\nbest draft: {best.draft}: {best.speedup_median:.2f}x {result.bench.reference_words} "
+               f"(range {best.speedup_min:.2f}-{best.speedup_max:.2f}x over prompts); identical to plain greedy "
+               f"in float32 ({result.exact_precision}): {'yes' if best.same_as_plain_fp32 else 'NO'}")
     click.echo(f"searched skip plan: {result.saved_plan or 'none pays on this model (lookup drafting does)'}")
     if result.frontier is not None:
         click.echo(frontier_line(result.frontier))
