@@ -105,7 +105,7 @@ class _GenerationRequest(BaseModel):
     # the ones whose meaning we would silently change
     model_config = ConfigDict(extra="ignore")
 
-    model: str
+    model: str | None = None  # None: the model served (llama-server and vLLM take a request without one)
     max_tokens: int | None = Field(None, ge=0)
     temperature: float = Field(1.0, ge=0, le=2)  # OpenAI's default; 0 = greedy
     top_p: float = Field(1.0, gt=0, le=1)
@@ -471,8 +471,8 @@ def create_app(model: LoadedModel, plan: LayerPlan | None = None, draft=None, dr
     async def list_models():
         return {"object": "list", "data": [{"id": name, "object": "model", "created": created, "owned_by": "layerplan"}]}
 
-    def _check_model(requested: str) -> None:
-        if requested != name:
+    def _check_model(requested: str | None) -> None:
+        if requested is not None and requested != name:
             raise APIError(404, f"model '{requested}' is not served here; this server serves '{name}'",
                            "model", code="model_not_found")
 
