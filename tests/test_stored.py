@@ -329,6 +329,33 @@ def test_what_a_gguf_cannot_hold_is_refused_in_one_line(tmp_path):
     assert not list(tmp_path.glob("*.gguf*"))[1:]  # only the source file: nothing half-written
 
 
+def test_export_takes_the_format_from_the_output_name(tmp_path):
+    """`export P --out NAME.gguf` writes a GGUF in the stored types (no dense copy), NAME.yaml
+    mergekit YAML; the commands explore suggests for a GGUF's plan name a .gguf, a plan a GGUF
+    cannot hold a checkpoint folder."""
+    from click.testing import CliRunner
+    from gguf import GGUFReader
+
+    from layerplan.app.cli import main
+    from layerplan.app.merges import export_commands
+    from layerplan.export import export_format_of
+
+    assert [export_format_of(n) for n in ("m.gguf", "m.GGUF", "m.yaml", "m.yml", "m", "m/")] == \
+        ["gguf", "gguf", "mergekit", "mergekit", "checkpoint", "checkpoint"]
+    stored, _ = _stored_and_dense(tmp_path, "llama", "Q4_1", layers=3)
+    result = CliRunner().invoke(main, ["export", "0,1,1,2", "--model", stored.source, "--out",
+                                       str(tmp_path / "merged.gguf")])
+    assert result.exit_code == 0, result.output
+    assert "stored types" in result.output and "dequantizing" not in result.output
+    assert GGUFReader(tmp_path / "merged.gguf").fields["llama.block_count"].contents() == 4
+    result = CliRunner().invoke(main, ["export", "0,1,1,2", "--model", stored.source, "--out",
+                                       str(tmp_path / "merge.yaml")])
+    assert result.exit_code == 0 and "passthrough" in (tmp_path / "merge.yaml").read_text()
+    assert export_commands("0,1,1,2", stored, "m.gguf") == [
+        "layerplan export 0,1,1,2 --model m.gguf --out merged.gguf", "layerplan export 0,1,1,2 --model m.gguf --out merged.yaml"]
+    assert export_commands("0,1@0.5,2", stored, "m.gguf")[0].endswith("--out merged/")
+
+
 @pytest.mark.parametrize("dtype", ["q8_0", "q5_0", "q4_1-fast"])
 def test_a_checkpoint_quantized_at_load_runs_on_the_block_kernels(tmp_path, dtype):
     """--dtype q4_k etc.: a Hugging Face checkpoint's matrices quantized at load, run as a GGUF of

@@ -99,44 +99,60 @@ def export_checkpoint(model: LoadedModel, plan: LayerPlan, folder: str | os.Path
     return folder
 
 
+EXPORT_FORMATS = ("checkpoint", "gguf", "mergekit")  # `layerplan export --to`
+
+
+def export_format_of(out: str | os.PathLike) -> str:
+    """The format an output path names where --to does not: NAME.gguf a GGUF file, NAME.yaml (.yml)
+    mergekit YAML, anything else a checkpoint folder."""
+    suffix = Path(out).suffix.lower()
+    return "gguf" if suffix == ".gguf" else "mergekit" if suffix in (".yaml", ".yml") else "checkpoint"
+
+
 # A GGUF layer's tensors that make each sub-layer's update (llama.cpp's names, the same in every
 # architecture): a switched-off sub-layer exports with them zero, which adds exactly nothing to the
 # residual stream (a post-norm of zero is zero), in any stored type (all-zero bytes are zero weights).
 GGUF_UPDATE_TENSORS = {"attention": ("attn_output.",), "mlp": ("ffn_down.", "ffn_down_exps.", "ffn_down_shexp.")}
 
 
+def gguf_refusal(model: LoadedModel, plan: LayerPlan) -> str | None:
+    """Why export_gguf cannot write the plan (one line), or None: a model not loaded from a GGUF, a
+    plan over two models, a residual scale other than 0 or 1 (it would need the weights quantized
+    again), layers of several kinds (a GGUF names their pattern, not each layer)."""
+    if (gguf_of(model.source) if model.source else None) is None:
+        return f"--to gguf writes a model loaded from a GGUF file, not {model.source}; use --to checkpoint"
+    if plan.models:
+        return "--to gguf writes one model's layers; a plan over two models exports --to checkpoint"
+    layer_types = getattr(model.hf.config, "layer_types", None) or []
+    if len(set(layer_types)) > 1:
+        return (f"{model.hf.config.model_type} has layers of several kinds ({', '.join(sorted(set(layer_types)))}), "
+                "which a GGUF gives as a pattern, not layer by layer; use --to checkpoint")
+    for j, step in enumerate(plan.active_steps):
+        for sub_layer, on in (("attention", step.attention), ("mlp", step.mlp)):
+            if on and step.scale not in (0.0, 1.0):
+                return (f"step {j} scales its {sub_layer} by {step.scale:g}: a GGUF keeps the stored weights as they "
+                        "are, so only 0 (off) and 1 export; use --to checkpoint")
+    return None
+
+
 def export_gguf(model: LoadedModel, plan: LayerPlan, path: str | os.PathLike) -> Path:
     """Write the plan as a GGUF file: layer j is a byte-for-byte copy of the tensors of the layer
     step j runs, in the source file's stored types, with the source's metadata (its block count,
-    and every per-layer array, following the plan). Atomic. Refused, with the reason: a model not
-    loaded from a GGUF, a plan over two models, a residual scale other than 0 or 1 (it would need
-    the weights quantized again), layers of several kinds (a GGUF names their pattern, not each
-    layer)."""
+    and every per-layer array, following the plan). Atomic. Refused, with the reason, where
+    gguf_refusal says why."""
     import gguf
     import numpy as np
 
-    source = gguf_of(model.source) if model.source else None
-    if source is None:
-        raise ValueError(f"--to gguf writes a model loaded from a GGUF file, not {model.source}; use --to checkpoint")
     model.check_plan(plan)
-    if plan.models:
-        raise ValueError("--to gguf writes one model's layers; a plan over two models exports --to checkpoint")
+    refusal = gguf_refusal(model, plan)
+    if refusal is not None:
+        raise ValueError(refusal)
+    source = gguf_of(model.source)
     steps = plan.active_steps
-    layer_types = getattr(model.hf.config, "layer_types", None) or []
-    if len(set(layer_types)) > 1:
-        raise ValueError(f"{model.hf.config.model_type} has layers of several kinds ({', '.join(sorted(set(layer_types)))}), "
-                         "which a GGUF gives as a pattern, not layer by layer; use --to checkpoint")
-    zeroed: dict[int, tuple[str, ...]] = {}
-    for j, step in enumerate(steps):
-        kinds = []
-        for sub_layer, on in (("attention", step.attention), ("mlp", step.mlp)):
-            scale = step.scale if on else 0.0
-            if scale not in (0.0, 1.0):
-                raise ValueError(f"step {j} scales its {sub_layer} by {scale:g}: a GGUF keeps the stored weights as they "
-                                 "are, so only 0 (off) and 1 export; use --to checkpoint")
-            if scale == 0.0:
-                kinds.extend(GGUF_UPDATE_TENSORS[sub_layer])
-        zeroed[j] = tuple(kinds)
+    # a switched-off sub-layer's update tensors are written zero
+    zeroed = {j: tuple(name for sub_layer, on in (("attention", step.attention), ("mlp", step.mlp))
+                       if not on or step.scale == 0.0 for name in GGUF_UPDATE_TENSORS[sub_layer])
+              for j, step in enumerate(steps)}
 
     reader = gguf.GGUFReader(source)
     arch = reader.fields[gguf.Keys.General.ARCHITECTURE].contents()

@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from layerplan.app.report import block_heatmap, blocks_html, times_in_words
-from layerplan.export import export_checkpoint
+from layerplan.export import export_checkpoint, export_gguf, gguf_refusal
 from layerplan.files import write_json_atomic, write_text_atomic
 from layerplan.models.architectures import arch_spec
 from layerplan.models.loading import DEFAULT_MODEL, LoadedModel
@@ -24,11 +24,14 @@ from layerplan.search.measure_registry import MEASURES, MeasureInputs
 from layerplan.search.measures import build_scorers, point_value
 
 
-def export_commands(plan: str, model_source: str, out: str = "merged") -> list[str]:
-    """The commands that write `plan` as a checkpoint and as mergekit YAML."""
-    model = "" if model_source == DEFAULT_MODEL else f" --model {shlex.quote(model_source)}"
-    return [f"layerplan export {shlex.quote(plan)}{model} --out {out}/",
-            f"layerplan export {shlex.quote(plan)}{model} --to mergekit --out {out}.yaml"]
+def export_commands(plan: str, model: LoadedModel, model_source: str, out: str = "merged") -> list[str]:
+    """The commands that write `plan` of `model` (loaded from model_source) as a file of the model:
+    a GGUF's as a GGUF in its stored types where export_gguf can write it (no dense copy), else as
+    a checkpoint; and as mergekit YAML."""
+    named = "" if model_source == DEFAULT_MODEL else f" --model {shlex.quote(model_source)}"
+    whole = f"{out}.gguf" if gguf_refusal(model, model.plan(plan)) is None else f"{out}/"
+    return [f"layerplan export {shlex.quote(plan)}{named} --out {whole}",
+            f"layerplan export {shlex.quote(plan)}{named} --out {out}.yaml"]
 
 
 PARTIAL_FORMAT = "layerplan-block-scan-partial"
@@ -102,8 +105,10 @@ def scan_blocks(model: LoadedModel, measures: list[str], inputs: MeasureInputs, 
     return result
 
 
-def write_scan(result: BlockScanResult, out_dir: Path, model_source: str, report: bool = False) -> list[Path]:
-    """blocks.json, a heatmap per measure, the best plan, and with `report` report.html."""
+def write_scan(result: BlockScanResult, out_dir: Path, model: LoadedModel, model_source: str,
+               report: bool = False) -> list[Path]:
+    """blocks.json, a heatmap per measure, the best plan, and with `report` report.html (with the
+    commands that export the best: export_commands)."""
     written = [write_json_atomic(out_dir / "blocks.json", result.to_dict())]
     images = {}
     for measure in result.measures:
@@ -115,7 +120,7 @@ def write_scan(result: BlockScanResult, out_dir: Path, model_source: str, report
     best = parse_plan(result.best().plan, result.num_layers, result.model)
     written.append(save_plan(best, out_dir / "best_block.json"))
     if report:
-        written.append(blocks_html(result, images, export_commands(result.best().plan, model_source),
+        written.append(blocks_html(result, images, export_commands(result.best().plan, model, model_source),
                                    out_dir / "report.html"))
     return written
 
@@ -146,7 +151,8 @@ def study_merges(model: LoadedModel, measure: str, inputs: MeasureInputs, space:
                  sampler: str = "tpe", seed: int = 0, seeds: list[dict] = (), export: bool = True,
                  model_b: str | None = None, on_trial: Callable[[int, int], None] | None = None) -> MergeStudyOutcome:
     """The study (storage default out/study.db, so that the same command resumes), then its best
-    plan as a checkpoint (out/best-merge/) and mergekit YAML (out/best-merge.yaml)."""
+    plan as a file of the model (out/best-merge.gguf for a GGUF's that export_gguf writes, else a
+    checkpoint, out/best-merge/) and mergekit YAML (out/best-merge.yaml)."""
     scorer = build_scorers(model, [measure], inputs)[measure]
     study = merge_study(model, scorer, measure, space, trials, str(storage or out_dir / "study.db"), study_name,
                         sampler, seed, seeds, on_trial)
@@ -157,7 +163,10 @@ def study_merges(model: LoadedModel, measure: str, inputs: MeasureInputs, space:
         yaml_path = str(write_text_atomic(out_dir / "best-merge.yaml",
                                           to_mergekit(best, model_source, str(model.dtype).replace("torch.", ""),
                                                       {"b": model_b} if model_b else None)))
-    folder = str(export_checkpoint(model, best, out_dir / "best-merge")) if export else None
+    folder = None
+    if export:  # a GGUF's plan as a GGUF in its stored types where it can be (no dense copy), else a checkpoint
+        folder = str(export_gguf(model, best, out_dir / "best-merge.gguf") if gguf_refusal(model, best) is None
+                     else export_checkpoint(model, best, out_dir / "best-merge"))
     outcome = MergeStudyOutcome(study, measure, point_value(scorer, model.plan()), study.best_plan, folder, yaml_path)
     write_json_atomic(out_dir / "merge-study.json", outcome.to_dict())
     return outcome

@@ -70,7 +70,8 @@ from layerplan.search.measure_registry import MEASURES
 @click.option("--storage", default=None, help="--search: Optuna storage (default OUT/study.db; RDB URL or journal:PATH)")
 @click.option("--study", "study_name", default=None, help="--search: study name (default MODEL-merge-MEASURE)")
 @click.option("--export/--no-export", default=True, show_default=True,
-              help="--search: write the best plan as a checkpoint (OUT/best-merge/) besides mergekit YAML")
+              help="--search: write the best plan as a file of the model (OUT/best-merge.gguf for a GGUF's plan that a GGUF "
+                   "holds, else a checkpoint, OUT/best-merge/) besides mergekit YAML")
 @model_b_option
 @click.option("--out", type=Output("folder"), default="runs/explore", show_default=True)
 def explore(**options) -> None:

@@ -135,7 +135,7 @@ def _explore_merges(model, dtype, device, blocks, layer_range, max_len, repeats,
                                      workers or torch.get_num_threads(), checkpoint=out_dir / "blocks.partial.json",
                                      on_stage=stage, on_progress=stages)
             click.echo(result.table(top=20))
-            written = write_scan(result, out_dir, model, report)
+            written = write_scan(result, out_dir, loaded, model, report)
             best = result.best()
             sure = len(result.better())
             resumed = f", {result.resumed} of them resumed" if result.resumed else ""
@@ -144,7 +144,7 @@ def _explore_merges(model, dtype, device, blocks, layer_range, max_len, repeats,
                        f" best by {names[0]}: {best.plan} (change {best.score(names[0]).change:+.4g} "
                        f"[{best.score(names[0]).change_low:+.4g}, {best.score(names[0]).change_high:+.4g}]); "
                        f"{sure} block(s) better beyond the 95% interval")
-            for command in export_commands(best.plan, model):
+            for command in export_commands(best.plan, loaded, model):
                 click.echo(f"export it: {command}")
             click.echo("wrote " + ", ".join(str(p) for p in written))
             best_blocks = [(r.start, r.end, r.repeats) for r in result.ranked()[:3]]

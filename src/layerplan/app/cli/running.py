@@ -20,7 +20,7 @@ from layerplan.decoding.generate import generate as run_generate
 from layerplan.decoding.output import prompt_ids
 from layerplan.decoding.sampling import SamplingParams
 from layerplan.engine.choices import STORED
-from layerplan.export import export_checkpoint, export_gguf
+from layerplan.export import EXPORT_FORMATS, export_checkpoint, export_format_of, export_gguf
 from layerplan.files import check_output, write_json_atomic, write_text_atomic
 from layerplan.machine import read_cpuinfo
 from layerplan.models.loading import DEFAULT_MODEL, gguf_of, model_depth
@@ -85,10 +85,12 @@ def run_generate_command(prompt, prompt_option, prompt_path, model, dtype, devic
 @click.argument("plan")
 @model_option
 @export_dtype_option
-@click.option("--out", type=click.Path(), required=True, help="folder (checkpoint) or .yaml file (mergekit)")
-@click.option("--to", "fmt", type=click.Choice(["checkpoint", "gguf", "mergekit"]), default="checkpoint", show_default=True,
+@click.option("--out", type=click.Path(), required=True,
+              help="folder (checkpoint), .gguf file (gguf) or .yaml file (mergekit)")
+@click.option("--to", "fmt", type=click.Choice(EXPORT_FORMATS), default=None,
               help="checkpoint: a Hugging Face folder; gguf: a GGUF file whose tensors keep the source GGUF's stored "
-                   "types (no quantizing again); mergekit: passthrough YAML")
+                   "types (no quantizing again, no dense copy); mergekit: passthrough YAML  [default: by --out: "
+                   "NAME.gguf gguf, NAME.yaml mergekit, else checkpoint]")
 @click.option("--source", default=None, help="model name written into mergekit YAML (default: --model)")
 @model_b_option
 def export(plan, model, dtype, out, fmt, source, model_b) -> None:
@@ -98,6 +100,7 @@ def export(plan, model, dtype, out, fmt, source, model_b) -> None:
     The checkpoint loads in transformers (and converts for llama.cpp / vLLM) like any model;
     a plan with fewer layers is a pruned model usable as a standalone draft model."""
     with user_errors():
+        fmt = fmt or export_format_of(out)
         check_output(out, "checkpoint" if fmt == "checkpoint" else "file")  # before any work
         if fmt == "gguf":
             loaded = load(model, STORED if gguf_of(model) is not None else dtype)
