@@ -461,3 +461,12 @@ def test_a_servers_default_batch_is_the_fewest_rows_near_the_best_rate():
     # rates 1, 1.85, 2.99, 3.86, 3.64, 3.81: 90% of 3.86 is 3.48, first reached at 8 rows
     assert bound.fullest_pass() == 8 and bound.fullest_pass(share=0.75) == 4
     assert probe.ProbeRow("native", "stored", 3.0, {1: 1.0, 2: 2.1}).fullest_pass() == 1
+
+
+def test_the_table_keeps_its_columns_for_long_dtype_names():
+    """`stored-fast` is wider than the dtype heading: the numbers stay under their headings."""
+    rows = [probe.ProbeRow("native", "stored", 32.6, {1: 1.0, 4: 2.92}),
+            probe.ProbeRow("native", "stored-fast", 21.8, {1: 1.0, 4: 1.46})]
+    lines = probe.ProbeResult("key", "cpu", "m", rows).table().splitlines()
+    ends = {line.index("ms/step") + len("ms/step") if "ms/step" in line else line.index(".") + 2 for line in lines}
+    assert len(ends) == 1 and len({len(line) for line in lines}) == 1, lines  # every column under its heading

@@ -281,13 +281,14 @@ class ProbeResult:
 
     def table(self) -> str:
         ks = sorted({k for r in self.rows for k in r.relative})
-        head = f"{'engine':<7} {'dtype':<9} {'ms/step':>7}  " + " ".join(f"{'k=' + str(k):>5}" for k in ks)
+        w = max([9, *(len(r.dtype) for r in self.rows)])  # (stored-fast, q4_k-fast: wider than the heading)
+        head = f"{'engine':<7} {'dtype':<{w}} {'ms/step':>7}  " + " ".join(f"{'k=' + str(k):>5}" for k in ks)
         lines = [head]
         notes = []
         for r in self.rows:
-            lines.append(f"{r.engine:<7} {r.dtype:<9} {r.step_ms:>7.1f}  " + " ".join(f"{r.relative.get(k, float('nan')):>5.2f}" for k in ks))
+            lines.append(f"{r.engine:<7} {r.dtype:<{w}} {r.step_ms:>7.1f}  " + " ".join(f"{r.relative.get(k, float('nan')):>5.2f}" for k in ks))
             if r.floor(1) is not None:
-                lines.append(f"{'':<7} {'floor':<9} {r.step_floor_ms():>7.1f}  " + " ".join(f"{r.floor(k):>5.2f}" for k in ks))
+                lines.append(f"{'':<7} {'floor':<{w}} {r.step_floor_ms():>7.1f}  " + " ".join(f"{r.floor(k):>5.2f}" for k in ks))
                 notes.append(f"{r.engine} {r.dtype}: products {r.product_gflops:.0f} GFLOP/s, reads {r.read_gbs:.1f} GB/s")
                 flops = r.flops_per_token
         if notes:
