@@ -356,6 +356,21 @@ def test_export_takes_the_format_from_the_output_name(tmp_path):
     assert export_commands("0,1@0.5,2", stored, "m.gguf")[0].endswith("--out merged/")
 
 
+@pytest.mark.parametrize("dtype", ["stored", "stored-fast"])
+def test_exit_heads_train_on_a_gguf_as_stored(tmp_path, dtype):
+    """train-exit on a GGUF runs it as stored: the training's final norm and LM head are the
+    dense model's (the LM head alone dequantized, to the same floats), and the head learns."""
+    from layerplan.decoding.drafters.heads import FrozenHead, train_exit_head
+    from tiny import VOCAB
+
+    stored, dense = _stored_and_dense(tmp_path, "llama", "Q4_1", layers=4, dtype=dtype)
+    hidden = torch.randn(5, stored.hf.config.hidden_size, generator=torch.Generator().manual_seed(3))
+    assert torch.equal(FrozenHead.of(stored)(hidden), FrozenHead.of(dense)(hidden))
+    ids = torch.randint(3, VOCAB, (2, 64), generator=torch.Generator().manual_seed(4))
+    head, report = train_exit_head(stored, ids, exit=2, steps=40, batch=64, lr=3e-3)
+    assert report.kl_after < report.kl_before
+
+
 @pytest.mark.parametrize("dtype", ["q8_0", "q5_0", "q4_1-fast"])
 def test_a_checkpoint_quantized_at_load_runs_on_the_block_kernels(tmp_path, dtype):
     """--dtype q4_k etc.: a Hugging Face checkpoint's matrices quantized at load, run as a GGUF of
@@ -675,7 +690,7 @@ def test_no_command_imports_transformers_modelling_code_for_a_gguf(tmp_path):
 def test_no_command_writes_a_dense_copy_of_a_gguf(tmp_path, monkeypatch):
     """The commands' default paths on a GGUF (the packaged one, a cache never used) run it as
     stored: the index and the packed panels are written, never a dense conversion (cache/models,
-    any .safetensors)."""
+    any .safetensors but the exit head asked for), nor is the model dequantized whole in memory."""
     import shutil
 
     from click.testing import CliRunner
@@ -692,9 +707,11 @@ def test_no_command_writes_a_dense_copy_of_a_gguf(tmp_path, monkeypatch):
                 ["ppl", "--max-tokens", "24", "--window", "16", "--stride", "8"],
                 ["scan", "--tokens", "12", "--kinds", "attention", "--out", str(tmp_path / "scan")],
                 ["bench", "-n", "2", "--repeats", "1", "--prompt", "code", "--no-llama-cpp",
-                 "--out", str(tmp_path / "bench.json")]]
+                 "--out", str(tmp_path / "bench.json")],
+                ["train-exit", "--exit", "2", "--steps", "2", "--tokens", "64", "--out", str(tmp_path / "h.safetensors")]]
     for argv in commands:
         result = CliRunner().invoke(main, argv)
         assert result.exit_code == 0, (argv, result.output)
-    assert not (cache / "models").exists() and not list(cache.rglob("*.safetensors"))
+        assert "dequantizing" not in result.output, argv  # nor a whole dense copy in memory
+    assert not (cache / "models").exists() and not list(cache.rglob("*.safetensors"))  # (h.safetensors: not in the cache)
     assert list((cache / "stored").glob("*/tensors.json")) and list((cache / "panels").glob("*/*.panels"))

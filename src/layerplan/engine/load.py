@@ -197,7 +197,7 @@ def requantized_linears(model: LoadedModel, block_format: str) -> dict[str, tupl
         stored = model.stored.of(module)
         if stored is None:
             continue
-        values = _dequantized(stored)
+        values = dequantized_matrix(stored)
         rows = _quantized_rows(values, block_format)
         if rows is None:
             module.weight = nn.Parameter(values, requires_grad=False)
@@ -208,7 +208,7 @@ def requantized_linears(model: LoadedModel, block_format: str) -> dict[str, tupl
     return taken
 
 
-def _dequantized(stored: StoredTensor) -> torch.Tensor:
+def dequantized_matrix(stored: StoredTensor) -> torch.Tensor:
     """float32 (rows, columns) of a stored matrix: the kernels' decoding where they hold its type
     (gguf's values bit for bit), else gguf-py's."""
     decode = row_decoder(stored)

@@ -194,20 +194,23 @@ def run_search_command(model, dtype, threads, method, objective, multi, trials, 
 @click.command("train-exit")
 @click.option("--exit", "exits", multiple=True, type=int, required=True, help="exit after this many steps (repeatable)")
 @model_option
+@auto_dtype_option
 @threads_option
 @click.option("--tokens", type=click.IntRange(min=2), default=2560, show_default=True, help="training + held-out tokens (built-in corpus unless --text)")
 @click.option("--text", default=None, help=".txt or .jsonl, or builtin:code (standard-library Python source)")
 @click.option("--steps", type=click.IntRange(min=1), default=150, show_default=True, help="optimiser steps (batches of 256 positions)")
 @click.option("--out", type=Output("file"), default=None,
               help="where to save (default: the cache, where --draft exit:E+head finds it)")
-def train_exit(exits, model, threads, tokens, text, steps, out) -> None:
+def train_exit(exits, model, dtype, threads, tokens, text, steps, out) -> None:
     """Train light exit heads by self-distillation; use them with --draft exit:E+head."""
     set_threads(threads)
     with user_errors():
         if out and len(exits) > 1:
             raise ValueError("--out names one file: give one --exit with it")
         calibration = given_text(text)
-        loaded = load(model, "float32")
+        # a GGUF as stored (its LM head alone dequantized for the training: heads.py FrozenHead), any
+        # other model in float32
+        loaded = load(model, dtype, dense="float32")
         ids = calibration_ids(loaded, calibration, tokens)
         rows = tokens // 512 if tokens % 512 == 0 else 1
         ids = ids.reshape(rows, -1)
