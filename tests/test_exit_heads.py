@@ -40,3 +40,20 @@ def test_exit_head_drafter_is_lossless(tmp_path):
         make_drafter(f"exit:3+head={path}", model)
     with pytest.raises(FileNotFoundError, match="exit head not found"):
         make_drafter(f"exit:2+head={tmp_path / 'none.safetensors'}", model)
+
+
+def test_a_head_trains_where_the_final_norm_was_built_in_inference_mode():
+    """A GGUF's file model builds its modules where a pass first needs them, which may be inside
+    inference mode: autograd cannot save such parameters (the real 1.5B's default train-exit
+    failed with a traceback), so the training takes copies of them."""
+    from torch import nn
+
+    model = tiny_model("llama", num_layers=4)
+    norm = model.parts.final_norm
+    with torch.inference_mode():
+        made_there = norm.weight.detach().clone()
+    assert made_there.is_inference()
+    norm.weight = nn.Parameter(made_there, requires_grad=False)
+    ids = torch.randint(3, VOCAB, (2, 32), generator=torch.Generator().manual_seed(2))
+    head, report = train_exit_head(model, ids, exit=2, steps=5, batch=16)
+    assert report.steps == 5 and report.kl_after == report.kl_after  # trained, no NaN

@@ -82,6 +82,13 @@ class TrainReport:
         return asdict(self)
 
 
+def _trainable(tensor: torch.Tensor) -> torch.Tensor:
+    """A detached float32 tensor that autograd may save: a copy of one made under inference mode
+    (a module the file model built during a pass has such parameters), else the tensor itself."""
+    tensor = tensor.detach().float()
+    return tensor.clone() if tensor.is_inference() else tensor
+
+
 @dataclass(frozen=True)
 class FrozenHead:
     """The model's final norm and LM head as float32 tensors that gradients pass through to the
@@ -103,8 +110,8 @@ class FrozenHead:
         stored = model.stored.of(lm_head) if model.stored is not None else None
         weight = dequantized_matrix(stored) if stored is not None else lm_head.weight.detach()
         bias = getattr(lm_head, "bias", None)
-        return cls(parts, norm, {k: v.detach().float() for k, v in norm.named_parameters()}, weight.float(),
-                   bias.detach().float() if bias is not None else None)
+        return cls(parts, norm, {k: _trainable(v) for k, v in norm.named_parameters()}, _trainable(weight),
+                   _trainable(bias) if bias is not None else None)
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         normed = functional_call(self.norm, self.norm_parameters, (hidden,))
