@@ -83,6 +83,8 @@ CASES = [
     (["plan", "0-29", "--layers", "30", "--to", "bogus"], 2, "Invalid value for '--to'"),
     (["search", "--trials", "0"], 2, "Invalid value for '--trials': 0 is not in the range x>=1"),
     (["search", "--max-cost-cut", "2"], 2, "Invalid value for '--max-cost-cut': 2.0 is not in the range 0.0<x<=1.0"),
+    (["search", "--objective", "tokens-per-second", "--method", "greedy", "--model", "FILES/tok"], 1,
+     "use --method bayes for tokens-per-second"),
     (["scan", "--tokens", "0"], 2, "Invalid value for '--tokens': 0 is not in the range x>=2"),
     (["train-exit", "--exit", "4", "--steps", "0"], 2, "Invalid value for '--steps': 0 is not in the range x>=1"),
     (["tune", "--repeats", "0"], 2, "Invalid value for '--repeats': 0 is not in the range x>=1"),

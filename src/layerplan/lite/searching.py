@@ -11,7 +11,7 @@ from layerplan.lite.evaluator import LitePlanEvaluator, measure_lite_costs
 from layerplan.lite.model import LiteModel
 from layerplan.lite.request import LiteSearchRequest
 from layerplan.search.bayes import check_storage, quiet_optuna
-from layerplan.search.plan_search import SearchResult, search_plans
+from layerplan.search.plan_search import SearchResult, check_method, search_plans
 
 
 # the request's fields that are search_plans' options of the same name
@@ -28,6 +28,7 @@ def run_search(request: LiteSearchRequest, report: Callable[[SearchResult, LiteM
     and writes it (app/cli/searching.py report_search); on_stage / on_progress: its stages' bars.
     The exit status, or None where the model turned out to need the torch front end."""
     try:
+        check_method(request.method, request.objective)
         if request.method != "greedy":
             check_storage(request.storage)
         calibration = given_text(request.text)

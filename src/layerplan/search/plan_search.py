@@ -56,6 +56,19 @@ class SearchResult:
         return report
 
 
+def check_method(method: str, objective: str):
+    """The objective's registry row, where the method can search for it (ValueError in one line
+    else): the commands ask before they load a model."""
+    if method not in METHODS:
+        raise ValueError(f"unknown search method '{method}'; choose from {', '.join(METHODS)}")
+    chosen = OBJECTIVES.get(objective)
+    if chosen is None:
+        raise ValueError(f"unknown objective '{objective}'; choose from {', '.join(OBJECTIVES)}")
+    if method == "greedy" and chosen.greedy_as:
+        raise ValueError(f"greedy search scores many candidates per pass; use --method bayes for {objective}")
+    return chosen
+
+
 def search_plans(
     evaluator: ResumingEvaluator,
     objective: str = "speedup",
@@ -90,13 +103,7 @@ def search_plans(
     (decoding/drafters/saved.py); None: when the objective looks for a draft
     (SearchResult.draft_worthy). storage_patience: seconds the study waits for an unreachable
     database server (layerplan.search.patience)."""
-    if method not in METHODS:
-        raise ValueError(f"unknown search method '{method}'; choose from {', '.join(METHODS)}")
-    chosen = OBJECTIVES.get(objective)
-    if chosen is None:
-        raise ValueError(f"unknown objective '{objective}'; choose from {', '.join(OBJECTIVES)}")
-    if method == "greedy" and chosen.greedy_as:
-        raise ValueError(f"greedy search scores many candidates per pass; use --method bayes for {objective}")
+    chosen = check_method(method, objective)
     model, folder = evaluator.model, Path(folder)
     greedy_objective = chosen.greedy_as or objective
     costs = None

@@ -39,6 +39,7 @@ from layerplan.search.evaluator import explore as run_explore
 from layerplan.search.explore import grid_numbers, recompute_rewind_grid
 from layerplan.search.measure_registry import MeasureInputs, check_measures
 from layerplan.search.objectives import OBJECTIVES
+from layerplan.search.plan_search import check_method
 from layerplan.search.run import run_search
 from layerplan.search.importance import check_kinds
 from layerplan.search.scan import scan as run_scan
@@ -173,6 +174,7 @@ def run_search_command(model, dtype, threads, method, objective, multi, trials, 
     """app/cli/searching.py's `layerplan search` on the torch front end."""
     set_threads(threads)
     with user_errors():
+        check_method(method, objective)  # (before the model loads)
         if method != "greedy":
             check_storage(storage)
         calibration = given_text(text)
