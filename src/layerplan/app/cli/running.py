@@ -103,7 +103,8 @@ def export(plan, model, dtype, out, fmt, source, model_b) -> None:
         fmt = fmt or export_format_of(out)
         check_output(out, "checkpoint" if fmt == "checkpoint" else "file")  # before any work
         if fmt == "gguf":
-            loaded = load(model, STORED if gguf_of(model) is not None else dtype)
+            # (the file's blocks are copied, never run: its panels are not packed for the kernels)
+            loaded = load(model, STORED if gguf_of(model) is not None else dtype, engine="eager")
             if model_b:
                 raise click.UsageError("--to gguf writes one model's layers; a plan over two models exports --to checkpoint")
             path = export_gguf(loaded, loaded.plan(plan), out)
