@@ -1,6 +1,7 @@
 """The whole job in one call: scan, search a draft, benchmark it against plain decoding and
-transformers (plain decoding alone on a GGUF run as stored: app/bench.py wants_transformers), check exactness, keep the plan for the `auto` drafter, and draw the draft frontier. Printing and the report's
-files live in the CLI and report."""
+transformers (plain decoding alone on a GGUF run as stored: app/bench.py wants_transformers), check
+exactness, keep the plan for the `auto` drafter, and draw the draft frontier. Printing and the
+report's files live in the CLI and report."""
 
 from __future__ import annotations
 
@@ -81,8 +82,9 @@ def tune(
     """model: the model to decode with (the native engine, or packed bf16 linears); stock: the
     same weights as transformers runs them, for its generate (None: transformers is not timed, and
     the bench's reference is plain decoding); fp32_model: loads the model of the exactness check
-    (float32 arithmetic: transformers' float32 model, or a GGUF's blocks with exact products); probe_row: this machine's probe row for `model` (engine/probe.py),
-    the verify costs of its timed speculative decoding. A searched skip plan that pays is kept
+    (float32 arithmetic: transformers' float32 model, or a GGUF's blocks with exact products);
+    probe_row: this machine's probe row for `model` (engine/probe.py), the verify costs of its
+    timed speculative decoding. A searched skip plan that pays is kept
     for the `auto` drafter (save_draft_plan)."""
     prompts = prompts or {k: PROMPTS[k] for k in ("code", "summary")}
     ids = calibration_ids(model, tokens=tokens)

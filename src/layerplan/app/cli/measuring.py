@@ -12,8 +12,8 @@ from layerplan.app import llamacpp
 from layerplan.app.bars import Progress
 from layerplan.app.bench import bench_methods, load_for_timing, run_bench, wants_transformers
 from layerplan.app.cli.common import checked_probe_row, command_dtype, load, note, set_threads, user_errors
-from layerplan.app.options import (DRAFT_LENGTH_HELP, Output, transformers_option, auto_dtype_option, engine_option, model_option,
-                                   n_predict_option, threads_option)
+from layerplan.app.options import (DRAFT_LENGTH_HELP, Output, auto_dtype_option, engine_option, model_option,
+                                   n_predict_option, threads_option, transformers_option)
 from layerplan.app.peers import llama_cpp_peers
 from layerplan.app.prompts import CHAT_PROMPTS, PROMPTS, pick_prompts, read_prompt_file
 from layerplan.app.report import frontier_plot
