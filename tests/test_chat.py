@@ -427,3 +427,22 @@ def test_smollm2_dialogue_with_a_plan_switch_equals_fresh_runs(smollm2):
     session.set_draft("suffix")
     fourth = session.reply("Thanks.")
     assert fourth.token_ids == _fresh(smollm2, session, "skip:attn=20-24", n=16).token_ids
+
+
+def test_a_model_without_a_chat_template_says_how_its_prompts_go(folder, tmp_path):
+    """A base model's file carries no chat template: chat sends 'role: content' lines and
+    generate --chat the bare prompt, and both say so (the reply is a continuation, not an answer)."""
+    bare = tmp_path / "bare"
+    shutil.copytree(folder, bare)
+    config = json.loads((bare / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (bare / "tokenizer_config.json").write_text(json.dumps(config))
+    (bare / "chat_template.jinja").unlink(missing_ok=True)
+    result = _chat(bare, ["hello"])
+    assert result.exit_code == 0 and "no chat template" in result.stderr, result.output
+    assert "no chat template" not in _chat(folder, ["hello"]).stderr
+    for model, said in ((bare, True), (folder, False)):
+        generated = CliRunner().invoke(main, ["generate", "hi", "-m", str(model), "--dtype", "float32", "-n", "2",
+                                              "--chat"])
+        assert generated.exit_code == 0, generated.output
+        assert ("--chat: this model has no chat template" in generated.stderr) == said

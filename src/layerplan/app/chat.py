@@ -482,6 +482,9 @@ class ChatLoop:
                 pass
             self.status(f"chatting with {self.session.model.name} (plan {self.session.settings.plan}, draft "
                         f"{self.session.settings.draft or 'none'}); /help lists the commands, Ctrl-D leaves")
+        if not getattr(self.session.model.tokenizer, "chat_template", None):  # (decoding/output.py chat_prompt_ids)
+            self.status("(this model has no chat template: the conversation goes to it as 'role: content' lines, "
+                        "which a base model continues rather than answers)")
         while not self.leave:
             try:
                 line = self.read()

@@ -238,3 +238,17 @@ class GenerationResult:
             lines.append(f"      draft: {self.stats['drafter']}: nothing drafted")
         lines.append(f"    stopped: {self.stop_reason} · plan {self.plan} · {precision} · {threads} threads · {cpu}")
         return lines
+
+
+def prompt_notes(result: GenerationResult, chat: bool, chat_template: bool, max_new_tokens: int) -> list[str]:
+    """What `generate` says on stderr after its output about how the prompt was read (both front
+    ends): --chat on a model whose file carries no chat template (the prompt went as it is), and an
+    empty answer to a bare prompt (an instruction-tuned model may answer only in its template)."""
+    notes = []
+    if chat and not chat_template:
+        notes.append("(--chat: this model has no chat template, so the prompt went to it as it is; a base model "
+                     "continues text rather than answering it)")
+    if not result.text.strip() and not chat and max_new_tokens > 0:
+        notes.append(f"(no text generated, stop reason: {result.stop_reason}; an instruction-tuned model may answer "
+                     "a bare prompt only when it is wrapped in its chat template: add --chat)")
+    return notes

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from layerplan.corpus import default_corpus, first_tokens, given_text, read_texts
 from layerplan.decoding.budget import token_budget
 from layerplan.decoding.loop import DecodeLoop
-from layerplan.decoding.text import TextDelta
+from layerplan.decoding.text import TextDelta, prompt_notes
 from layerplan.files import WriteError
 from layerplan.lite.evaluator import LitePlanEvaluator, explore_lite
 from layerplan.lite.model import LiteModel, TorchFrontEnd, lite_refusal
@@ -98,9 +98,8 @@ def run(request: LiteRequest, tokenizer: TokenizerProcess | None = None) -> int 
     except ENDINGS as error:
         return ended_by(error)
     print("" if request.stream else result.text, flush=True)
-    if not result.text.strip() and not request.chat and request.max_new_tokens > 0:
-        print(f"(no text generated, stop reason: {result.stop_reason}; an instruction-tuned model may answer a bare "
-              "prompt only when it is wrapped in its chat template: add --chat)", file=sys.stderr)
+    for line in prompt_notes(result, request.chat, bool(model.chat.get("template")), request.max_new_tokens):
+        print(line, file=sys.stderr)
     if request.stats:  # app/cli/running.py's summary lines
         for line in result.summary_lines(request.precision, model.threads, read_cpuinfo()[0] or "unknown CPU"):
             print(line, file=sys.stderr)

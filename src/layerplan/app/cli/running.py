@@ -19,6 +19,7 @@ from layerplan.decoding.draft_length import DRAFT_LENGTHS
 from layerplan.decoding.generate import generate as run_generate
 from layerplan.decoding.output import prompt_ids
 from layerplan.decoding.sampling import SamplingParams
+from layerplan.decoding.text import prompt_notes
 from layerplan.engine.choices import STORED
 from layerplan.export import EXPORT_FORMATS, export_checkpoint, export_format_of, export_gguf
 from layerplan.files import check_output, write_json_atomic, write_text_atomic
@@ -69,9 +70,8 @@ def run_generate_command(prompt, prompt_option, prompt_path, model, dtype, devic
                               draft_confidence=draft_confidence, exit_policy=exit_policy,
                               probe_row=checked_probe_row(loaded))
     click.echo("" if stream else result.text)
-    if not result.text.strip() and not chat and max_new_tokens > 0:
-        click.echo(f"(no text generated, stop reason: {result.stop_reason}; an instruction-tuned model may answer "
-                   "a bare prompt only when it is wrapped in its chat template: add --chat)", err=True)
+    for line in prompt_notes(result, chat, bool(getattr(loaded.tokenizer, "chat_template", None)), max_new_tokens):
+        click.echo(line, err=True)
     if stats or verbose:
         cpu = read_cpuinfo()[0] or "unknown CPU"
         for line in result.summary_lines(loaded.precision, torch.get_num_threads(), cpu):
