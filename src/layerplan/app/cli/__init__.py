@@ -9,6 +9,7 @@ lives and what `layerplan -h` lists for it."""
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 
 import click
@@ -114,9 +115,22 @@ def main() -> None:
     or a file (.json layerplan / Draft&Verify / run_layers, .yaml mergekit slices).
     """
     if not sys.stderr.isatty():  # transformers' weight-loading bars would print every redraw to a log
-        from transformers.utils import logging as transformers_logging
+        _quiet_progress_bars()
 
-        transformers_logging.disable_progress_bar()
+
+def _quiet_progress_bars() -> None:
+    """transformers' and the hub's progress bars off, without importing transformers where it is
+    not imported yet (half a second of a GGUF command's start that never runs it): both read the
+    hub's variable when they are first imported; a user's explicit HF_HUB_DISABLE_PROGRESS_BARS
+    is theirs."""
+    if "transformers.utils.logging" in sys.modules:
+        sys.modules["transformers.utils.logging"].disable_progress_bar()
+    elif "huggingface_hub" in sys.modules:
+        from huggingface_hub.utils import disable_progress_bars
+
+        disable_progress_bars()
+    else:
+        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
 
 def run_as_process() -> None:
