@@ -10,7 +10,7 @@ Endpoints: GET /health, GET /v1/models, POST /v1/completions, POST /v1/chat/comp
 with `"stream": true` for server-sent events, and `stream_options.include_usage`; a chat stream's
 role chunk is sent when decoding starts, not while the request waits in the queue). What the
 server cannot honour is refused with a 400 rather than ignored: n > 1, best_of > 1, suffix,
-logprobs, echo, penalties other than repetition_penalty, tools / tool_choice / functions,
+echo, penalties other than repetition_penalty, tools / tool_choice / functions,
 response_format other than text, content parts other than text, a text part without text, a
 message without content. Every client mistake is a 4xx: a sampling setting whose arithmetic would
 not stay finite (temperature 1e-300), a seed torch cannot take, a conversation the chat template
@@ -23,6 +23,12 @@ them; a 400 naming the field when one cannot be used), with provenance each stre
 `layerplan.tokens` (a whole answer's, for one not streamed) says which tokens were plain,
 accepted drafts, corrections or bonuses (usage.provenance counts them), and stream_interval
 gathers a stream's text into fewer chunks.
+
+Log-probabilities: a chat request's `logprobs: true` (with `top_logprobs` up to 20) and a
+completion's `logprobs: N` (0-20) answer in OpenAI's two shapes, a stream's chunks carrying their
+own tokens'. They are the model's own distribution at each token (decoding/logprobs.py: before
+penalties, temperature and truncation, as vLLM reports them), the same for a drafted token the
+target accepted as for one decoded plainly.
 """
 
 from __future__ import annotations
@@ -44,7 +50,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from layerplan.app.playground import add_playground
@@ -54,6 +60,7 @@ from layerplan.decoding.output import ChatTemplateError, chat_prompt_ids
 from layerplan.decoding.text import GenerationResult, TextDelta
 from layerplan.decoding.budget import ContextLengthError, token_budget
 from layerplan.decoding.limits import SEED_RANGE
+from layerplan.decoding.logprobs import MAX_TOP_LOGPROBS, CompletionLogprobs, TokenSpeller, chat_logprobs
 from layerplan.decoding.sampling import SamplingError, SamplingParams
 from layerplan.engine.probe import ProbeRow
 from layerplan.models.architectures import ModelError
@@ -117,14 +124,15 @@ class _GenerationRequest(BaseModel):
     n: int = Field(1, ge=1, le=1)  # one decode per request
     stream: bool = False
     stream_options: dict[str, Any] | None = None
-    logprobs: Any = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     layerplan: LayerplanOptions | None = None  # extension: this request's plan, draft, provenance
 
+    def kept_logprobs(self) -> int | None:
+        """How many alternatives each token's logprob comes with; None: no logprobs."""
+        return None
+
     def check_supported(self) -> None:
-        if self.logprobs not in (None, False, 0):
-            raise APIError(400, "logprobs are not supported by this server", "logprobs")
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(self, name):
                 raise APIError(400, f"{name} is not supported (use repetition_penalty)", name)
@@ -145,6 +153,16 @@ class CompletionRequest(_GenerationRequest):
     echo: bool = False
     best_of: int | None = None
     suffix: str | None = None
+    # each token's logprob and the N most likely tokens' at its place (OpenAI's legacy form)
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS, strict=True)
+
+    @field_validator("logprobs", mode="before")
+    @classmethod
+    def _no_logprobs(cls, value):
+        return None if value is False else value  # (a client's "logprobs": false asks for none)
+
+    def kept_logprobs(self) -> int | None:
+        return self.logprobs
 
     def check_supported(self) -> None:
         super().check_supported()
@@ -192,9 +210,16 @@ class ChatRequest(_GenerationRequest):
     functions: list[dict[str, Any]] | None = None  # the older names of tools and tool_choice
     function_call: Any = None
     response_format: dict[str, Any] | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS, strict=True)
+
+    def kept_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def check_supported(self) -> None:
         super().check_supported()
+        if self.top_logprobs is not None and not self.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
         for name in ("tools", "functions"):
             if getattr(self, name):
                 raise APIError(400, f"{name} (function calling) is not supported by this server", name)
@@ -342,7 +367,8 @@ async def _reply(scheduler: Scheduler, request: Request, body: _GenerationReques
         loop.call_soon_threadsafe(events.put_nowait, event)
 
     job = Job(prompt_ids, max_tokens, body.sampling(), body.seed, body.stops(),
-              on_text=put if stream else None, on_start=(lambda: put(STARTED)) if stream else None, **chosen)
+              on_text=put if stream else None, on_start=(lambda: put(STARTED)) if stream else None,
+              logprobs=body.kept_logprobs(), **chosen)
     future = scheduler.submit(job)
     done = asyncio.wrap_future(future)
     if not stream:
@@ -356,7 +382,8 @@ async def _reply(scheduler: Scheduler, request: Request, body: _GenerationReques
             raise APIError(500, f"generation failed: {error}", kind="server_error") from error
         if result is None:
             raise APIError(499, "client closed the request")
-        answer = {**shape(result.text, FINISH_REASONS[result.stop_reason]), "usage": _usage(result, provenance)}
+        answer = {**shape(result.text, FINISH_REASONS[result.stop_reason], logprobs=result.logprobs),
+                  "usage": _usage(result, provenance)}
         if provenance:  # the whole text by token, as a stream's chunks carry it
             answer["layerplan"] = {"tokens": [asdict(piece) for piece in result.pieces]}
         return answer
@@ -382,7 +409,7 @@ async def _reply(scheduler: Scheduler, request: Request, body: _GenerationReques
                 continue
             if not isinstance(event, str):
                 return piece, event
-            piece = TextDelta(piece + event, piece.pieces + event.pieces)
+            piece = TextDelta(piece + event, piece.pieces + event.pieces, piece.logprobs + event.logprobs)
         return piece, ""
 
     async def event_stream():
@@ -404,7 +431,7 @@ async def _reply(scheduler: Scheduler, request: Request, body: _GenerationReques
                     if await request.is_disconnected():
                         return
                 if piece:
-                    chunk = shape(piece, None)
+                    chunk = shape(piece, None, logprobs=piece.logprobs if job.logprobs is not None else None)
                     if provenance:  # an extension field, which OpenAI clients ignore
                         chunk["layerplan"] = {"tokens": [asdict(part) for part in piece.pieces]}
                     yield _sse(chunk)
@@ -440,6 +467,13 @@ def create_app(model: LoadedModel, plan: LayerPlan | None = None, draft=None, dr
     created = int(time.time())
     # one thread: a fast tokenizer used from two threads at once may fail ("Already borrowed")
     tokenizing = ThreadPoolExecutor(1, thread_name_prefix="layerplan-tokenize")
+    spellers: list[TokenSpeller] = []
+
+    def speller() -> TokenSpeller:
+        """The vocabulary's spelling of tokens, made for the first request that asks for logprobs."""
+        if not spellers:
+            spellers.append(TokenSpeller(model.tokenizer))
+        return spellers[0]
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -501,11 +535,14 @@ def create_app(model: LoadedModel, plan: LayerPlan | None = None, draft=None, dr
         max_tokens = _budget(model, prompt_ids, body.max_tokens, default=16)  # OpenAI's default for completions
         ident, stamp = f"cmpl-{uuid.uuid4().hex[:24]}", int(time.time())
 
-        def shape(text: str, finish: str | None, first: bool = False) -> dict | None:
+        shaped_logprobs = CompletionLogprobs(speller()) if body.logprobs is not None else None
+
+        def shape(text: str, finish: str | None, first: bool = False, logprobs=None) -> dict | None:
             if first:
                 return None  # completions streams start with text
+            kept = shaped_logprobs(logprobs) if logprobs is not None and shaped_logprobs is not None else None
             return {"id": ident, "object": "text_completion", "created": stamp, "model": name,
-                    "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]}
+                    "choices": [{"index": 0, "text": text, "logprobs": kept, "finish_reason": finish}]}
 
         return await _reply(scheduler, request, body, prompt_ids, max_tokens, shape, chosen)
 
@@ -522,13 +559,16 @@ def create_app(model: LoadedModel, plan: LayerPlan | None = None, draft=None, dr
         max_tokens = _budget(model, prompt_ids, asked, default=None)
         ident, stamp = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time())
 
-        def shape(text: str, finish: str | None, first: bool = False) -> dict:
+        spelled = speller() if body.logprobs else None
+
+        def shape(text: str, finish: str | None, first: bool = False, logprobs=None) -> dict:
+            kept = chat_logprobs(logprobs, spelled) if logprobs is not None and spelled is not None else None
             if body.stream:  # the first chunk names the role, later ones carry text, the last one the reason
                 delta: dict = {"role": "assistant", "content": ""} if first else ({"content": text} if text else {})
-                choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+                choice = {"index": 0, "delta": delta, "logprobs": kept, "finish_reason": finish}
                 kind = "chat.completion.chunk"
             else:
-                choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": kept,
                           "finish_reason": finish}
                 kind = "chat.completion"
             return {"id": ident, "object": kind, "created": stamp, "model": name, "choices": [choice]}

@@ -119,7 +119,7 @@ class DecodeLoop:
         """The next token from the logits (vocab,) of the last one."""
         token = self.choose(logits)
         self.context.append(token)
-        self.out.emit([token])
+        self.out.emit([token], rows=(logits,))
 
     def result_stats(self) -> dict:
         """What the result's stats carry (a drafter's, a dynamic exit's); none here."""
@@ -130,4 +130,9 @@ class DecodeLoop:
         return GenerationResult(text, self.out.tokens, len(self.prompt), self.out.reason,
                                 time.perf_counter() - self.start, self.prefill_seconds, self.plan.to_string(),
                                 stats=self.result_stats(), slow_note=self.pace.note(), provenance=self.out.provenance(),
-                                pieces=self.out.stream.pieces())
+                                pieces=self.out.stream.pieces(), logprobs=self.logprobs())
+
+    def logprobs(self) -> list | None:
+        """The logprobs of the tokens the text comes from, where kept (Emitter.keep_logprobs)."""
+        kept = self.out.logprobs
+        return kept[:self.out.stream.text_tokens()] if kept is not None else None

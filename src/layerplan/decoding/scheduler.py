@@ -76,6 +76,8 @@ class Job:
     # earlier turns), for the plan the job runs; the decode writes on into it
     cache: KVCache | None = None
     should_stop: Callable[[], bool] | None = None  # the caller's own stop, asked beside `cancelled`
+    # keep each new token's logprob and this many alternatives' (decoding/logprobs.py); None: none
+    logprobs: int | None = None
 
     def stopped(self) -> bool:
         return self.cancelled.is_set() or (self.should_stop is not None and self.should_stop())
@@ -270,6 +272,8 @@ class Scheduler:
                 decoding = Decoding(self.model, job.prompt_ids, job.plan, job.max_tokens, job.sampling, job.seed,
                                     job.stop, job.stop_at_eos, job.chat, on_text=job.on_text,
                                     should_stop=job.stopped, probe_row=self.probe_row, cache=job.cache)
+            if job.logprobs is not None:
+                decoding.out.keep_logprobs(job.logprobs)
         except Exception as error:  # noqa: BLE001 - the caller's future carries it
             self._count(running=-1, failed=1)
             future.set_exception(error)

@@ -203,14 +203,14 @@ class SpeculativeDecoding(DecodeRequest):
             proposal, tree = proposal.first_chain(), False
         if tree:
             drafted = len(proposal.tokens)
-            emitted, accepted, bonus = _verify_tree(self.model, self.target, self.cache, self.context, proposal,
-                                                    self.sampling, self.generator)
+            emitted, accepted, bonus, rows = _verify_tree(self.model, self.target, self.cache, self.context,
+                                                          proposal, self.sampling, self.generator)
         else:
             draft = proposal.tokens[:gamma] if proposal else []
             drafted = len(draft)
-            emitted, accepted, bonus = _verify_chain(self.model, self.target, self.cache, self.context, draft,
-                                                     proposal, self.sampling, self.generator)
-        self._record(gamma, drafted, accepted, emitted, bonus, proposal, t0, t1, time.perf_counter())
+            emitted, accepted, bonus, rows = _verify_chain(self.model, self.target, self.cache, self.context, draft,
+                                                           proposal, self.sampling, self.generator)
+        self._record(gamma, drafted, accepted, emitted, bonus, rows, proposal, t0, t1, time.perf_counter())
 
     def next_pass(self, cap: int | None = None, others: int = 0) -> tuple[torch.Tensor, object, int]:
         """This request's part of a batch's pass: the pending token and a chain of at most `cap`
@@ -227,15 +227,16 @@ class SpeculativeDecoding(DecodeRequest):
     def take_pass(self, logits: torch.Tensor) -> None:
         """The round's verify logits (1 + drafted, vocab) from the batch's pass: accept, roll back."""
         gamma, draft, proposal, t0, t1 = self._round
-        emitted, accepted, bonus = _accept_chain(self.cache, self.context, draft, proposal, logits, self.sampling,
-                                                 self.generator)
-        self._record(gamma, len(draft), accepted, emitted, bonus, proposal, t0, t1, time.perf_counter())
+        emitted, accepted, bonus, rows = _accept_chain(self.cache, self.context, draft, proposal, logits,
+                                                       self.sampling, self.generator)
+        self._record(gamma, len(draft), accepted, emitted, bonus, rows, proposal, t0, t1, time.perf_counter())
 
-    def _record(self, gamma: int, drafted: int, accepted: int, emitted: list[int], bonus: bool,
+    def _record(self, gamma: int, drafted: int, accepted: int, emitted: list[int], bonus: bool, rows,
                 proposal: Proposal | None, t0: float, t1: float, t2: float) -> None:
+        """rows: the target's logits each emitted token was chosen at (emit's)."""
         self.context.extend(emitted)  # the last one is the new pending token
         last: TokenKind = ("bonus" if bonus else "correction") if drafted else "plain"
-        self.out.emit(emitted, ["accepted"] * accepted + [last])
+        self.out.emit(emitted, ["accepted"] * accepted + [last], rows)
         source = (proposal.source or self.drafter.name) if drafted else None
         self.stats.record(gamma, drafted, accepted, len(emitted), t1 - t0, t2 - t1, source)
         self.pace.add(drafted + 1, t2 - t1)  # the verify pass: the pending token and the drafts
@@ -249,9 +250,10 @@ class SpeculativeDecoding(DecodeRequest):
 
 def _verify_chain(model: LoadedModel, target: LayerPlan, cache, context: list[int], draft: list[int],
                   proposal: Proposal | None, sampling: SamplingParams,
-                  generator: torch.Generator | None) -> tuple[list[int], int, bool]:
+                  generator: torch.Generator | None) -> tuple[list[int], int, bool, torch.Tensor]:
     """Check a chain of drafted tokens in one target pass (accept / recover / bonus). Returns the
-    emitted tokens, how many drafted tokens were accepted, and whether the last one is a bonus."""
+    emitted tokens, how many drafted tokens were accepted, whether the last one is a bonus, and the
+    logits each emitted token was chosen at (_accept_chain)."""
     position = len(context) - 1  # of the pending token
     verify_ids = torch.tensor([context[-1:] + draft], device=model.device)
     target_logits = forward(model, verify_ids, target, cache, position)[0]  # (γ+1, V)
@@ -259,8 +261,11 @@ def _verify_chain(model: LoadedModel, target: LayerPlan, cache, context: list[in
 
 
 def _accept_chain(cache, context: list[int], draft: list[int], proposal: Proposal | None, target_logits: torch.Tensor,
-                  sampling: SamplingParams, generator: torch.Generator | None) -> tuple[list[int], int, bool]:
-    """A chain's verdict from its verify logits (γ+1, V), and the cache cropped to what stays."""
+                  sampling: SamplingParams,
+                  generator: torch.Generator | None) -> tuple[list[int], int, bool, torch.Tensor]:
+    """A chain's verdict from its verify logits (γ+1, V), and the cache cropped to what stays:
+    (emitted tokens, accepted drafts, bonus, the logits rows of the emitted tokens: row i is where
+    the i-th was chosen)."""
     position = len(context) - 1
     seen = [penalty_context(context + draft[:i], sampling, target_logits.device) for i in range(len(draft) + 1)]
     if sampling.greedy:  # the picks alone decide (accept_greedy)
@@ -270,14 +275,16 @@ def _accept_chain(cache, context: list[int], draft: list[int], proposal: Proposa
         draft_probs = proposal.probs[: len(draft)] if proposal is not None and proposal.probs is not None else None
         verdict = accept_draft(draft, target_probs, draft_probs, generator)
     cache.crop(position + 1 + verdict.accepted)  # keep the pending token and the accepted drafts
-    return verdict.emitted(draft), verdict.accepted, verdict.bonus
+    emitted = verdict.emitted(draft)
+    return emitted, verdict.accepted, verdict.bonus, target_logits[:len(emitted)]
 
 
 def _verify_tree(model: LoadedModel, target: LayerPlan, cache, context: list[int], proposal: Proposal,
-                 sampling: SamplingParams, generator: torch.Generator | None) -> tuple[list[int], int, bool]:
+                 sampling: SamplingParams, generator: torch.Generator | None) -> tuple[list[int], int, bool, list]:
     """Check a token tree of deterministic proposals in one target pass. Returns the emitted tokens
     (the accepted path, then a recovered or bonus token), how many drafted tokens were accepted,
-    and whether the last one is a bonus."""
+    whether the last one is a bonus, and the logits each emitted token was chosen at (the pending
+    token's node, then the accepted path's)."""
     # the pass: the pending token as node 0, the drafted nodes after it
     shape = TreeShape((-1,) + tuple(parent + 1 for parent in proposal.tree.parents))
     tokens = context[-1:] + list(proposal.tokens)
@@ -293,5 +300,6 @@ def _verify_tree(model: LoadedModel, target: LayerPlan, cache, context: list[int
         verdict = accept_tree(shape, tokens, lambda node: next_token_probs(logits[node], sampling, seen(node)),
                               generator)
     cache.keep_path(position, [0] + verdict.path)
-    return [tokens[i] for i in verdict.path] + [verdict.next_token], len(verdict.path), verdict.bonus
+    rows = [logits[node] for node in [0] + verdict.path]
+    return [tokens[i] for i in verdict.path] + [verdict.next_token], len(verdict.path), verdict.bonus, rows
 

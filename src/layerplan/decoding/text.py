@@ -10,6 +10,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Literal
 
+from layerplan.decoding.logprobs import TokenLogprob, token_logprob
+
 
 # where an emitted token came from: a plain decoding step; a drafted token the target accepted; the
 # target's own token where it rejected a draft (the recovered token); the extra token after a
@@ -28,14 +30,20 @@ class TokenText:
 
 class TextDelta(str):
     """A streamed piece of text that also says which tokens it came from: `pieces`, one per token
-    in order, whose texts concatenate to the delta. A callback that wants only text uses it as the
-    str it is, so every on_text keeps its one-argument form."""
+    in order, whose texts concatenate to the delta; and, where the decode keeps them
+    (Emitter.keep_logprobs), `logprobs`: those of the tokens whose text this delta completes (a
+    token whose text is empty, or held back, goes with the delta that carries the text after it).
+    A callback that wants only text uses it as the str it is, so every on_text keeps its
+    one-argument form."""
 
     pieces: tuple[TokenText, ...]
+    logprobs: tuple[TokenLogprob, ...]
 
-    def __new__(cls, text: str, pieces: Sequence[TokenText] = ()) -> TextDelta:
+    def __new__(cls, text: str, pieces: Sequence[TokenText] = (),
+                logprobs: Sequence[TokenLogprob] = ()) -> TextDelta:
         delta = super().__new__(cls, text)
         delta.pieces = tuple(pieces)
+        delta.logprobs = tuple(logprobs)
         return delta
 
 
@@ -60,6 +68,9 @@ class TextStream:
         self.text = ""
         self.owner: list[int] = []  # per character of text: the index of the token that produced it
         self.kinds: Sequence[str] = ()
+        # the emitter's logprobs by token (None: not kept), and how many of them deltas carried
+        self.logprobs: list[TokenLogprob] | None = None
+        self.released = 0
         self._anchor_ids: list[int] = []  # tokens decoded whole: their text, and their last OVERLAP's
         self._anchor_text = self._anchor_overlap = ""
 
@@ -121,11 +132,19 @@ class TextStream:
                 start = at
         return pieces
 
+    def text_tokens(self, end: int | None = None) -> int:
+        """How many tokens the text up to `end` (None: all of it) comes from: up to the one that
+        made its last character."""
+        end = len(self.text) if end is None else end
+        return self.owner[end - 1] + 1 if end > 0 else 0
+
     def _send(self, end: int) -> None:
-        """text[emitted:end] to on_text, with its parts by token."""
+        """text[emitted:end] to on_text, with its parts by token (and their logprobs, kept)."""
+        released = max(self.released, self.text_tokens(end))
         if self.on_text:
-            self.on_text(TextDelta(self.text[self.emitted:end], self.pieces(self.emitted, end)))
-        self.emitted = end
+            logprobs = self.logprobs[self.released:released] if self.logprobs is not None else ()
+            self.on_text(TextDelta(self.text[self.emitted:end], self.pieces(self.emitted, end), logprobs))
+        self.emitted, self.released = end, released
 
 
 def common_prefix(a: Sequence, b: Sequence) -> int:
@@ -151,20 +170,32 @@ class Emitter:
         self.stream = TextStream(model.tokenizer, stop, on_text)
         self.tokens: list[int] = []
         self.kinds: list[TokenKind] = []  # each token's provenance
+        self.logprobs: list[TokenLogprob] | None = None  # each token's, where kept (keep_logprobs)
+        self.top_logprobs = 0
         self.reason: str | None = None if max_new_tokens > 0 else "length"
 
     @property
     def done(self) -> bool:
         return self.reason is not None
 
-    def emit(self, tokens: Sequence[int], kinds: Sequence[TokenKind] | None = None) -> None:
+    def keep_logprobs(self, top: int) -> None:
+        """Keep each new token's logprob and its `top` most likely alternatives (decoding/logprobs.py)
+        from the logits each emit is given; before the first token."""
+        self.logprobs, self.top_logprobs = [], top
+        self.stream.logprobs = self.logprobs
+
+    def emit(self, tokens: Sequence[int], kinds: Sequence[TokenKind] | None = None,
+             rows: Sequence | None = None) -> None:
         """Append tokens in order until one of them ends the generation; kinds: each one's
-        provenance (None: plain decoding)."""
+        provenance (None: plain decoding); rows: the logits (vocab,) each one was chosen from (the
+        target's, at its place), which logprobs are read from where kept."""
         for i, token in enumerate(tokens):
             if self.done:
                 return
             self.tokens.append(token)
             self.kinds.append(kinds[i] if kinds is not None else "plain")
+            if self.logprobs is not None:
+                self.logprobs.append(token_logprob(rows[i], token, self.top_logprobs))
             if token in self.eos:
                 self.reason = "eos"
             elif self.stream.update(self.tokens, self.kinds):
@@ -209,6 +240,9 @@ class GenerationResult:
     provenance: dict[str, int] = field(default_factory=dict)
     # the text by the token that produced each part, with its kind (what a stream's deltas carry)
     pieces: list[TokenText] = field(default_factory=list)
+    # where asked (Emitter.keep_logprobs): the logprobs of the tokens the text comes from, in order
+    # (an EOS after it, or the tokens of a stop string cut from it, are not among them)
+    logprobs: list[TokenLogprob] | None = None
 
     @property
     def tokens_per_second(self) -> float:
