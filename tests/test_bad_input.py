@@ -96,6 +96,9 @@ CASES = [
     (["export", "0,1,1,2", "--model", "FILES/tiny", "--out", "FILES/empty.json/merged"], 1,
      "cannot write FILES/empty.json/merged: FILES/empty.json is a file, not a folder"),
     (["generate", "hi", "--model", "FILES/tiny"], 1, "has no tokenizer"),
+    (["generate", "-f", "/dev/zero"], 1, "/dev/zero: not a text file (a device or socket)"),
+    (["generate", "-f", "FILES/absent.txt"], 1, "FILES/absent.txt: cannot read it (No such file or directory)"),
+    (["generate", "-f", "FILES/binary.txt"], 1, "binary.txt: not UTF-8 text (byte 2: invalid start byte)"),
     # refused before the model loads (a model that is not there is never looked for)
     (["export", "0,b:1", "--model", "FILES/absent.gguf", "--model-b", "FILES/tiny", "--out", "FILES/m.gguf"], 2,
      "--to gguf writes one model's layers"),

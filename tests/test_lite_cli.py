@@ -52,8 +52,12 @@ def _run(argv: list[str], cache, front_end: str = "") -> subprocess.CompletedPro
                           env=env, timeout=300)
 
 
+# a prompt read from a file (-f), as llama-cli reads one (written at import: the lines name it)
+PROMPT_FILE = Path(tempfile.gettempdir()) / f"layerplan-test-prompt-{os.getpid()}.txt"
+PROMPT_FILE.write_text("def fibonacci(n):\n", encoding="utf-8")
 SAME_OUTPUT = [
     ["generate", "The capital of France is", "-n", "16"],
+    ["generate", "-f", str(PROMPT_FILE), "-n", "12"],
     ["generate", "Once upon a time", "-n", "12", "--dtype", "stored-fast", "--no-stream", "--threads", "1"],
     ["generate", "List three colors:", "-n", "24", "--stop", "\n\n", "--plan", "0-25,20-29"],
     ["generate", "Write a haiku about rain.", "-n", "20", "--plan", "exit:24", "--stop", "rain"],
@@ -182,6 +186,7 @@ def _scan_out_removed():
     """The scan and search lines' output folders, removed with the module's tests."""
     yield
     shutil.rmtree(SCAN_OUT, ignore_errors=True)
+    PROMPT_FILE.unlink(missing_ok=True)
 
 
 def _both_runs(argv: list[str], torch_argv: list[str], request, cache, torch_runs, monkeypatch):

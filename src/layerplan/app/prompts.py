@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from layerplan.corpus import read_text_file
 from layerplan.decoding.scheduler import generate_batch
 from layerplan.decoding.budget import token_budget
 from layerplan.decoding.drafters.registry import drafts_by_lookup, make_drafter
@@ -90,8 +91,8 @@ def one_prompt(argument: str | None, option: str | None, path: str | None) -> st
              if value is not None]
     if len(given) > 1:
         raise PromptUsageError(f"give the prompt once: {' and '.join(given)} both name one")
-    if path is not None:
-        return Path(path).read_text(encoding="utf-8")
+    if path is not None:  # (one line for a file that is not there, not text, or a device: /dev/zero never ends)
+        return read_text_file(Path(path))
     return argument if argument is not None else option
 
 

@@ -19,13 +19,17 @@ def token_budget(prompt_tokens: int, asked: int | None, context_length: int, def
     left), never more than the context leaves after the prompt. ContextLengthError when the prompt
     fills the context or `asked` does not fit; new_tokens_name names `asked` in the message."""
     if prompt_tokens >= context_length:
-        raise ContextLengthError(f"the prompt is {prompt_tokens} tokens; the model's context is {context_length} "
-                                 "tokens", "prompt")
+        raise ContextLengthError(f"the prompt is {_tokens(prompt_tokens)}; the model's context is "
+                                 f"{_tokens(context_length)}", "prompt")
     room = context_length - prompt_tokens
     if asked is None:
         return room if default is None else min(default, room)
     if asked > room:
-        raise ContextLengthError(f"{new_tokens_name}={asked} does not fit: the prompt is {prompt_tokens} tokens and "
-                                 f"the model's context is {context_length} tokens (at most {room} new tokens)",
-                                 "max_tokens")
+        raise ContextLengthError(f"{new_tokens_name}={asked} does not fit: the prompt is {_tokens(prompt_tokens)} and "
+                                 f"the model's context is {_tokens(context_length)} (at most {room} new "
+                                 f"token{'s' if room != 1 else ''})", "max_tokens")
     return asked
+
+
+def _tokens(count: int) -> str:
+    return f"{count} token{'s' if count != 1 else ''}"

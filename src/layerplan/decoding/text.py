@@ -250,7 +250,9 @@ class GenerationResult:
         return len(self.token_ids) / decode if decode > 0 else float("nan")
 
     def to_dict(self) -> dict:
-        return {**asdict(self), "tokens_per_second": self.tokens_per_second}
+        """The result's fields and its rate; logprobs only where they were kept."""
+        fields_ = {k: v for k, v in asdict(self).items() if k != "logprobs" or v is not None}
+        return {**fields_, "tokens_per_second": self.tokens_per_second}
 
     def summary_lines(self, precision: str, threads: int, cpu: str) -> list[str]:
         """What llama.cpp prints after a run, for a person: the prompt's and the new tokens' counts,

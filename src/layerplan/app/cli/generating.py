@@ -6,18 +6,20 @@ imports the rest (app/cli/running.py run_generate_command)."""
 from __future__ import annotations
 
 import importlib
+from pathlib import Path
 
 import click
 
 from layerplan.app.options import (DRAFT_LENGTH_HELP, auto_dtype_option, ctx_size_option, device_option,
                                    engine_option, light_context, model_b_option, model_option, n_predict_option,
                                    sampling_options, threads_option)
+from layerplan.corpus import read_text_file
 from layerplan.decoding.draft_length import DRAFT_LENGTHS
 from layerplan.lite.request import LiteRequest
 
 # the options the light front end carries out no differently for any value the command takes:
 # whatever else a line gives must be the option's default (greedy sampling, no draft, ...)
-_CARRIED = {"prompt", "prompt_option", "model", "dtype", "engine", "device", "threads", "max_new_tokens", "plan",
+_CARRIED = {"prompt", "prompt_option", "prompt_path", "model", "dtype", "engine", "device", "threads", "max_new_tokens", "plan",
             "stop", "chat", "stream", "stats", "verbose", "as_json", "temperature", "max_batch"}
 
 
@@ -80,7 +82,7 @@ def generate(**options) -> None:
 def light_request(argv: list[str]) -> LiteRequest | None:
     """The light front end's request (lite/request.py) of `layerplan generate ...` (argv without the
     program), read by this command as it reads any line: where the light front end carries the
-    line out as the torch one does. Any other option or value (sampling, drafts, a prompt file, a
+    line out as the torch one does. Any other option or value (sampling, drafts, a file of prompts, a
     second model, a device, help), and any line the command refuses, give None: the torch front
     end reads the line then, and says what it says of it."""
     context = light_context(generate, argv)
@@ -91,6 +93,11 @@ def light_request(argv: list[str]) -> LiteRequest | None:
     if any(given[name] != defaults[name] for name in given if name not in _CARRIED):
         return None
     prompts = [p for p in (given["prompt"], given["prompt_option"]) if p is not None]
+    if given["prompt_path"] is not None:  # -f: read as the torch front end reads it (app/prompts.py one_prompt)
+        try:
+            prompts.append(read_text_file(Path(given["prompt_path"])))
+        except ValueError:  # (said by the torch front end, in its words)
+            return None
     if len(prompts) != 1 or not prompts[0] or given["engine"] == "eager" or given["temperature"] != 0.0:
         return None
     return LiteRequest(prompt=prompts[0], model=given["model"], dtype=given["dtype"], engine=given["engine"],
