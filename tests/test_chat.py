@@ -16,6 +16,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
+from layerplan.app import serve as serving
 from layerplan.app.chat import ChatSession, ChatSettings, first_changed_step, read_saved
 from layerplan.app.cli import main
 from layerplan.decoding.generate import generate
@@ -429,9 +430,10 @@ def test_smollm2_dialogue_with_a_plan_switch_equals_fresh_runs(smollm2):
     assert fourth.token_ids == _fresh(smollm2, session, "skip:attn=20-24", n=16).token_ids
 
 
-def test_a_model_without_a_chat_template_says_how_its_prompts_go(folder, tmp_path):
+def test_a_model_without_a_chat_template_says_how_its_prompts_go(folder, tmp_path, monkeypatch):
     """A base model's file carries no chat template: chat sends 'role: content' lines and
-    generate --chat the bare prompt, and both say so (the reply is a continuation, not an answer)."""
+    generate --chat the bare prompt, and both say so (the reply is a continuation, not an answer);
+    serve says so as it starts."""
     bare = tmp_path / "bare"
     shutil.copytree(folder, bare)
     config = json.loads((bare / "tokenizer_config.json").read_text())
@@ -446,3 +448,12 @@ def test_a_model_without_a_chat_template_says_how_its_prompts_go(folder, tmp_pat
                                               "--chat"])
         assert generated.exit_code == 0, generated.output
         assert ("--chat: this model has no chat template" in generated.stderr) == said
+
+    def listening_only(loaded, host, port, on_listening, **_):  # (the server's start, not its serving)
+        on_listening(host, port, 1)
+
+    monkeypatch.setattr(serving, "serve", listening_only)
+    for model, said in ((bare, True), (folder, False)):
+        served = CliRunner().invoke(main, ["serve", "-m", str(model), "--dtype", "float32"])
+        assert served.exit_code == 0 and f"serving '{model.name}'" in served.stderr, served.output
+        assert ("no chat template: /v1/chat/completions sends" in served.stderr) == said

@@ -247,6 +247,10 @@ def serve(model, dtype, device, engine, threads, plan, draft, draft_length, host
             click.echo(f"serving '{served_name or loaded.name}' on http://{bound_host}:{bound_port}/v1 "
                        f"(draft: {draft or 'none'}; {batch}), the playground on http://{bound_host}:{bound_port}/; "
                        "Ctrl-C stops", err=True)
+            if not getattr(loaded.tokenizer, "chat_template", None):  # (decoding/output.py chat_prompt_ids)
+                click.echo("(this model has no chat template: /v1/chat/completions sends a conversation as 'role: "
+                           "content' lines, which a base model continues rather than answers; /v1/completions "
+                           "takes text as it is)", err=True)
 
         try:
             run_server(loaded, host, port, on_listening=listening, plan=loaded.plan(plan) if plan else None,
