@@ -18,7 +18,7 @@ from click.testing import CliRunner
 
 from layerplan.app import serve as serving
 from layerplan.app.chat import ChatSession, ChatSettings, first_changed_step, read_saved
-from layerplan.app.cli import main
+from layerplan.app.cli import main, running
 from layerplan.decoding.generate import generate
 from layerplan.decoding.sampling import SamplingParams
 from layerplan.engine.load import load_model
@@ -453,6 +453,7 @@ def test_a_model_without_a_chat_template_says_how_its_prompts_go(folder, tmp_pat
         on_listening(host, port, 1)
 
     monkeypatch.setattr(serving, "serve", listening_only)
+    monkeypatch.setattr(running, "freeze", lambda: None)  # (a frozen object of this process is never freed)
     for model, said in ((bare, True), (folder, False)):
         served = CliRunner().invoke(main, ["serve", "-m", str(model), "--dtype", "float32"])
         assert served.exit_code == 0 and f"serving '{model.name}'" in served.stderr, served.output
