@@ -45,11 +45,12 @@ def _completion(client, n: int = 24, options: dict | None = None, prompt: str = 
     return {**answer.json()["choices"][0], "layerplan": answer.json().get("layerplan")}
 
 
-def _model_logprobs(model, prompt_ids: list[int], new_ids: list[int]) -> torch.Tensor:
-    """The full model's log-softmax at each new token's place, from one pass of prompt + reply."""
+def _model_logprobs(model, prompt_ids: list[int], new_ids: list[int], plan: str | None = None) -> torch.Tensor:
+    """The model's log-softmax (under the plan, or whole) at each new token's place, from one pass
+    of prompt + reply."""
     ids = torch.tensor([prompt_ids + new_ids])
     with torch.inference_mode():
-        logits = forward(model, ids, model.plan())[0].float()
+        logits = forward(model, ids, model.plan(plan))[0].float()
     return logits.log_softmax(-1)[len(prompt_ids) - 1: len(prompt_ids) - 1 + len(new_ids)]
 
 
@@ -217,3 +218,94 @@ def test_numpy_logits_give_the_light_front_ends_numbers():
     row = np.linspace(-3, 3, 50, dtype=np.float32)
     got = token_logprob(row, 49, 3)
     assert got.top[0][0] == 49 and got.logprob == pytest.approx(float(torch.from_numpy(row).log_softmax(-1)[49]))
+
+
+# ----- echo: the prompt scored ---------------------------------------------------------------------
+def test_an_echoed_prompts_tokens_are_scored_by_the_model(client, tiny):
+    """echo + logprobs: the prompt's tokens, each given those before it (the first: null), then the
+    completion's; the text is the prompt's and the completion's."""
+    choice = _completion(client, 6, echo=True, logprobs=2)
+    plain = _completion(client, 6, logprobs=2)
+    prompt_ids = tiny.tokenizer(PROMPT).input_ids
+    kept = choice["logprobs"]
+    assert choice["text"] == PROMPT + plain["text"]
+    assert kept["token_logprobs"][0] is None and kept["top_logprobs"][0] is None
+    scored = _model_logprobs(tiny, prompt_ids[:1], prompt_ids[1:])  # each prompt token after the first
+    assert kept["token_logprobs"][1:len(prompt_ids)] == pytest.approx(
+        scored.gather(1, torch.tensor(prompt_ids[1:])[:, None])[:, 0].tolist(), abs=1e-4)
+    assert kept["token_logprobs"][len(prompt_ids):] == pytest.approx(plain["logprobs"]["token_logprobs"], abs=1e-6)
+    assert kept["tokens"][len(prompt_ids):] == plain["logprobs"]["tokens"]
+    assert kept["text_offset"] == [sum(len(t) for t in kept["tokens"][:i]) for i in range(len(kept["tokens"]))]
+
+
+def test_an_echo_streams_the_prompt_first_and_scores_it_under_the_requests_plan(client, tiny):
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 4, "temperature": 0, "echo": True, "logprobs": 1,
+            "layerplan": {"plan": "skip:mlp=1"}}
+    whole = client.post("/v1/completions", json=body).json()["choices"][0]
+    texts, parts = [], {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as answer:
+        for line in answer.iter_lines():
+            if line.startswith("data: {"):
+                choice = json.loads(line[len("data: "):])["choices"][0]
+                texts.append(choice["text"])
+                for key in parts if choice["logprobs"] else ():
+                    parts[key] += choice["logprobs"][key]
+    assert texts[0].startswith(PROMPT) and "".join(texts) == whole["text"] and parts == whole["logprobs"]
+    prompt_ids = tiny.tokenizer(PROMPT).input_ids
+    under_plan = _model_logprobs(tiny, prompt_ids[:1], prompt_ids[1:], plan="skip:mlp=1")
+    assert whole["logprobs"]["token_logprobs"][1:len(prompt_ids)] == pytest.approx(
+        under_plan.gather(1, torch.tensor(prompt_ids[1:])[:, None])[:, 0].tolist(), abs=1e-4)
+
+
+def test_an_echo_of_token_ids_with_no_new_tokens_is_the_prompt_alone(client, tiny):
+    ids = tiny.tokenizer("hello there").input_ids
+    for prompt in (ids, [ids]):  # (a batch of one, as lm-evaluation-harness sends it)
+        choice = _completion(client, 0, prompt=prompt, echo=True, logprobs=0)
+        assert choice["text"] == tiny.tokenizer.decode(ids) and choice["finish_reason"] == "length"
+        assert len(choice["logprobs"]["tokens"]) == len(ids)
+    answer = client.post("/v1/completions", json={"model": "tiny", "prompt": [ids, ids], "max_tokens": 1})
+    assert answer.status_code == 400 and "one prompt per request" in answer.json()["error"]["message"]
+    assert _completion(client, 2, echo=True)["text"].startswith(PROMPT)  # echo without logprobs
+
+
+def test_a_reply_ended_by_eos_keeps_the_eos_logprob_out_of_its_text(tiny):
+    """Every new token has its logprob, an EOS that ended the reply too (lm-evaluation-harness
+    counts them); a stop string's tokens, cut from the text, have none."""
+    from layerplan.decoding.generate import Decoding
+
+    prompt_ids = tiny.tokenizer(REPETITIVE).input_ids
+    first = generate(tiny, prompt_ids, max_new_tokens=1, sampling=SamplingParams()).token_ids[0]
+    ended = Decoding(tiny, prompt_ids, tiny.plan(), 5, stop_at_eos=[first])
+    ended.out.keep_logprobs(0)
+    result = ended.run()
+    assert result.stop_reason == "eos" and result.text == "" and [k.token for k in result.logprobs] == [first]
+    full = generate(tiny, prompt_ids, max_new_tokens=8, sampling=SamplingParams()).text
+    stopped = Decoding(tiny, prompt_ids, tiny.plan(), 8, stop=[full[3:5]])
+    stopped.out.keep_logprobs(0)
+    result = stopped.run()
+    assert result.stop_reason == "stop" and len(result.logprobs) == stopped.out.stream.text_tokens() < 8
+
+
+# ----- the tokenizer routes --------------------------------------------------------------------------
+def test_the_tokenizer_routes_answer_in_vllms_and_llama_servers_words(client, tiny):
+    ids = tiny.tokenizer("the cat").input_ids
+    assert client.post("/tokenize", json={"prompt": "the cat"}).json() == {"tokens": ids, "count": len(ids),
+                                                                           "max_model_len": 128}
+    assert client.post("/tokenize", json={"content": "the cat"}).json()["tokens"] == \
+        tiny.tokenizer("the cat", add_special_tokens=False).input_ids
+    assert client.post("/detokenize", json={"tokens": ids}).json() == {"prompt": tiny.tokenizer.decode(ids),
+                                                                       "content": tiny.tokenizer.decode(ids)}
+    info = client.get("/tokenizer_info").json()
+    assert info["eos_token"] == "</s>" and info["chat_template"] == tiny.tokenizer.chat_template
+    bad = client.post("/detokenize", json={"tokens": [10 ** 6]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
+    assert client.post("/tokenize", json={}).status_code == 400
+
+
+def test_the_tokenizer_routes_need_the_key_where_the_server_has_one(tiny):
+    with TestClient(create_app(tiny, served_name="tiny", api_key="k")) as guarded:
+        for method, path, body in (("post", "/tokenize", {"prompt": "a"}), ("post", "/detokenize", {"tokens": [5]}),
+                                   ("get", "/tokenizer_info", None)):
+            assert getattr(guarded, method)(path, **({"json": body} if body else {})).status_code == 401
+            assert getattr(guarded, method)(path, headers={"Authorization": "Bearer k"},
+                                            **({"json": body} if body else {})).status_code == 200

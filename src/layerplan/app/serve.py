@@ -8,9 +8,10 @@ block.
 
 Endpoints: GET /health, GET /v1/models, POST /v1/completions, POST /v1/chat/completions (both
 with `"stream": true` for server-sent events, and `stream_options.include_usage`; a chat stream's
-role chunk is sent when decoding starts, not while the request waits in the queue). What the
+role chunk is sent when decoding starts, not while the request waits in the queue); POST
+/tokenize, POST /detokenize and GET /tokenizer_info, in vLLM's and llama-server's forms. What the
 server cannot honour is refused with a 400 rather than ignored: n > 1, best_of > 1, suffix,
-echo, penalties other than repetition_penalty, tools / tool_choice / functions,
+penalties other than repetition_penalty, tools / tool_choice / functions,
 response_format other than text, content parts other than text, a text part without text, a
 message without content. Every client mistake is a 4xx: a sampling setting whose arithmetic would
 not stay finite (temperature 1e-300), a seed torch cannot take, a conversation the chat template
@@ -26,7 +27,8 @@ gathers a stream's text into fewer chunks.
 
 Log-probabilities: a chat request's `logprobs: true` (with `top_logprobs` up to 20) and a
 completion's `logprobs: N` (0-20) answer in OpenAI's two shapes, a stream's chunks carrying their
-own tokens'. They are the model's own distribution at each token (decoding/logprobs.py: before
+own tokens'; a completion's `echo` puts the prompt before the completion, its tokens scored too
+(decoding/prompt_logprobs.py). They are the model's own distribution at each token (decoding/logprobs.py: before
 penalties, temperature and truncation, as vLLM reports them), the same for a drafted token the
 target accepted as for one decoded plainly.
 """
@@ -61,6 +63,7 @@ from layerplan.decoding.text import GenerationResult, TextDelta
 from layerplan.decoding.budget import ContextLengthError, token_budget
 from layerplan.decoding.limits import SEED_RANGE
 from layerplan.decoding.logprobs import MAX_TOP_LOGPROBS, CompletionLogprobs, TokenSpeller, chat_logprobs
+from layerplan.decoding.prompt_logprobs import prompt_logprobs
 from layerplan.decoding.sampling import SamplingError, SamplingParams
 from layerplan.engine.probe import ProbeRow
 from layerplan.models.architectures import ModelError
@@ -149,8 +152,8 @@ class _GenerationRequest(BaseModel):
 
 
 class CompletionRequest(_GenerationRequest):
-    prompt: str | list[int] | list[str]
-    echo: bool = False
+    prompt: str | list[int] | list[str] | list[list[int]]  # (a batch of one: lm-evaluation-harness's)
+    echo: bool = False  # the prompt before the completion, its tokens scored where logprobs are asked
     best_of: int | None = None
     suffix: str | None = None
     # each token's logprob and the N most likely tokens' at its place (OpenAI's legacy form)
@@ -166,8 +169,6 @@ class CompletionRequest(_GenerationRequest):
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.echo:
-            raise APIError(400, "echo is not supported by this server", "echo")
         if self.best_of not in (None, 1):
             raise APIError(400, "best_of is not supported by this server (one completion per request)", "best_of")
         if self.suffix:
@@ -231,13 +232,43 @@ class ChatRequest(_GenerationRequest):
                                 "by this server (plain text only)", "response_format")
 
 
+class TokenizeRequest(BaseModel):
+    """POST /tokenize in vLLM's words (prompt, add_special_tokens: default true) or llama-server's
+    (content, add_special: default false)."""
+
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+    prompt: str | None = None
+    content: str | None = None
+    add_special_tokens: bool | None = None
+    add_special: bool | None = None
+
+    def text(self) -> str:
+        text = self.prompt if self.prompt is not None else self.content
+        if text is None:
+            raise APIError(400, "give the text to tokenize as 'prompt' (or 'content')", "prompt")
+        return text
+
+    def special(self) -> bool:
+        """Whether the tokenizer adds its special tokens (a BOS), by the name the request used."""
+        if self.add_special_tokens is not None:
+            return self.add_special_tokens
+        return self.add_special if self.add_special is not None else self.prompt is not None
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+    tokens: list[int]
+
+
 class RequireKey:
     """ASGI middleware: /v1/* and the page's /layerplan/* need 'Authorization: Bearer KEY'; /health
     stays open for probes, and so do the page's own files (/, /playground/*), which hold no data:
     the page asks for the key and sends it with each request (playground.py).
     (A plain ASGI wrapper: starlette's BaseHTTPMiddleware would hide client disconnects from streams.)"""
 
-    GUARDED = ("/v1/", "/layerplan/")
+    GUARDED = ("/v1/", "/layerplan/", "/tokenize", "/detokenize", "/tokenizer_info")
 
     def __init__(self, app, key: str) -> None:
         self.app, self.expected = app, f"Bearer {key}".encode()
@@ -415,6 +446,7 @@ async def _reply(scheduler: Scheduler, request: Request, body: _GenerationReques
     async def event_stream():
         try:
             checked, sent = time.monotonic(), float("-inf")  # the first text goes at once
+            scored = 0  # the tokens whose logprobs chunks carried
             held = ""  # an event taken while gathering text, for the next round
             while True:
                 piece, held = (held, "") if held != "" else (await next_event(0.2), "")
@@ -432,6 +464,7 @@ async def _reply(scheduler: Scheduler, request: Request, body: _GenerationReques
                         return
                 if piece:
                     chunk = shape(piece, None, logprobs=piece.logprobs if job.logprobs is not None else None)
+                    scored += len(piece.logprobs)
                     if provenance:  # an extension field, which OpenAI clients ignore
                         chunk["layerplan"] = {"tokens": [asdict(part) for part in piece.pieces]}
                     yield _sse(chunk)
@@ -442,7 +475,10 @@ async def _reply(scheduler: Scheduler, request: Request, body: _GenerationReques
                 yield _sse({"error": {"message": f"generation failed: {error}", "type": "server_error"}})
                 yield _sse("[DONE]")
                 return
-            yield _sse(shape("", FINISH_REASONS[result.stop_reason]))
+            # (the tokens no text carried, an EOS among them, go with the reason)
+            rest = result.logprobs[scored:] if job.logprobs is not None and result.logprobs is not None else None
+            rest = rest or None
+            yield _sse(shape("", FINISH_REASONS[result.stop_reason], logprobs=rest))
             if include_usage:
                 yield _sse({**shape("", None), "choices": [], "usage": _usage(result, provenance)})
             yield _sse("[DONE]")
@@ -501,6 +537,35 @@ def create_app(model: LoadedModel, plan: LayerPlan | None = None, draft=None, dr
 
     add_playground(app, model, scheduler, name)  # the web page at /, and the JSON it reads under /layerplan/
 
+    def _checked_ids(ids: list[int], param: str) -> list[int]:
+        vocab = model.hf.config.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise APIError(400, f"token id {bad[0]} is out of range: the vocabulary has ids 0–{vocab - 1}", param)
+        return ids
+
+    # vLLM's and llama-server's tokenizer routes (lm-evaluation-harness's `local-completions` finds a
+    # server's tokenizer by them: it then scores and generates with no tokenizer of its own)
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest):
+        _check_model(body.model)
+        text, special = body.text(), body.special()
+        ids = (await off_loop(lambda: model.tokenizer(text, add_special_tokens=special))).input_ids
+        return {"tokens": ids, "count": len(ids), "max_model_len": model.context_length}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest):
+        _check_model(body.model)
+        text = await off_loop(model.tokenizer.decode, _checked_ids(body.tokens, "tokens"))
+        return {"prompt": text, "content": text}  # (vLLM's name, llama-server's)
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info():
+        tokenizer = model.tokenizer
+        return {"tokenizer_class": type(tokenizer).__name__, "model_max_length": model.context_length,
+                **{name: getattr(tokenizer, name, None)
+                   for name in ("eos_token", "bos_token", "pad_token", "unk_token", "chat_template")}}
+
     @app.get("/v1/models")
     async def list_models():
         return {"object": "list", "data": [{"id": name, "object": "model", "created": created, "owned_by": "layerplan"}]}
@@ -518,29 +583,41 @@ def create_app(model: LoadedModel, plan: LayerPlan | None = None, draft=None, dr
         # off the loop: a drafter may read (the corpus of suffix:corpus=F)
         chosen = await off_loop(_chosen, model, scheduler, body.layerplan)
         prompt = body.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
             if len(prompt) != 1:
                 raise APIError(400, f"one prompt per request, got {len(prompt)}", "prompt")
             prompt = prompt[0]
         if isinstance(prompt, str):
             prompt_ids = (await off_loop(model.tokenizer, prompt)).input_ids
         else:
-            vocab = model.hf.config.vocab_size
-            bad = [t for t in prompt if not 0 <= t < vocab]
-            if bad:
-                raise APIError(400, f"token id {bad[0]} is out of range: the vocabulary has ids 0–{vocab - 1}", "prompt")
-            prompt_ids = list(prompt)
+            prompt_ids = _checked_ids(list(prompt), "prompt")
         if not prompt_ids:
             raise APIError(400, "the prompt is empty", "prompt")
         max_tokens = _budget(model, prompt_ids, body.max_tokens, default=16)  # OpenAI's default for completions
         ident, stamp = f"cmpl-{uuid.uuid4().hex[:24]}", int(time.time())
 
         shaped_logprobs = CompletionLogprobs(speller()) if body.logprobs is not None else None
+        echoed: list = []  # (the prompt's text, its first token, its other tokens' logprobs), until sent
+        if body.echo:
+            scores = None
+            if body.logprobs is not None:  # on the decode thread, between passes (it runs the model)
+                plan = chosen.get("plan") or scheduler.plan
+                scores = await asyncio.wrap_future(scheduler.call(
+                    lambda: prompt_logprobs(model, prompt_ids, plan, body.logprobs)))
+            text = prompt if isinstance(prompt, str) else await off_loop(model.tokenizer.decode, prompt_ids)
+            echoed.append((text, prompt_ids[0], scores))
 
         def shape(text: str, finish: str | None, first: bool = False, logprobs=None) -> dict | None:
             if first:
                 return None  # completions streams start with text
+            said = None
+            if echoed and (text or finish is not None):  # the first chunk with text, or the last
+                prompt_text, first_token, scores = echoed.pop()
+                if shaped_logprobs is not None:
+                    said = shaped_logprobs(scores, first_token=first_token)
+                text = prompt_text + text
             kept = shaped_logprobs(logprobs) if logprobs is not None and shaped_logprobs is not None else None
+            kept = _joined(said, kept) if said is not None else kept
             return {"id": ident, "object": "text_completion", "created": stamp, "model": name,
                     "choices": [{"index": 0, "text": text, "logprobs": kept, "finish_reason": finish}]}
 
@@ -560,9 +637,11 @@ def create_app(model: LoadedModel, plan: LayerPlan | None = None, draft=None, dr
         ident, stamp = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time())
 
         spelled = speller() if body.logprobs else None
+        ending = frozenset(model.eos_token_ids)
 
         def shape(text: str, finish: str | None, first: bool = False, logprobs=None) -> dict:
-            kept = chat_logprobs(logprobs, spelled) if logprobs is not None and spelled is not None else None
+            kept = (chat_logprobs(logprobs, spelled, ending) if logprobs is not None and spelled is not None
+                    else None)
             if body.stream:  # the first chunk names the role, later ones carry text, the last one the reason
                 delta: dict = {"role": "assistant", "content": ""} if first else ({"content": text} if text else {})
                 choice = {"index": 0, "delta": delta, "logprobs": kept, "finish_reason": finish}
@@ -576,6 +655,11 @@ def create_app(model: LoadedModel, plan: LayerPlan | None = None, draft=None, dr
         return await _reply(scheduler, request, body, prompt_ids, max_tokens, shape, chosen)
 
     return app
+
+
+def _joined(first: dict, then: dict | None) -> dict:
+    """Two stretches of a completion's logprobs (CompletionLogprobs), one after the other."""
+    return first if then is None else {key: first[key] + then[key] for key in first}
 
 
 def _chat_ids(model: LoadedModel, messages: list[dict[str, str]]) -> list[int]:

@@ -109,32 +109,38 @@ class TokenSpeller:
         return piece.replace("▁", " ").encode("utf-8")
 
 
-def chat_logprobs(logprobs: Sequence[TokenLogprob], speller: TokenSpeller) -> dict:
-    """OpenAI's chat form: {"content": [{token, logprob, bytes, top_logprobs: [...]}, ...]}."""
+def chat_logprobs(logprobs: Sequence[TokenLogprob], speller: TokenSpeller,
+                  leave: frozenset[int] = frozenset()) -> dict:
+    """OpenAI's chat form: {"content": [{token, logprob, bytes, top_logprobs: [...]}, ...]}, but the
+    tokens in `leave` (the EOS that ends a message: its entries spell the message's content)."""
     def entry(token: int, logprob: float) -> dict:
         return {"token": speller.text(token), "logprob": logprob, "bytes": list(speller.bytes(token))}
 
     return {"content": [{**entry(kept.token, kept.logprob), "top_logprobs": [entry(*other) for other in kept.top]}
-                        for kept in logprobs], "refusal": None}
+                        for kept in logprobs if kept.token not in leave], "refusal": None}
 
 
 class CompletionLogprobs:
     """OpenAI's legacy completions form, {tokens, token_logprobs, top_logprobs, text_offset}, for
     one reply's text or its stream's chunks in order (the offsets run on across them). A token's
-    top_logprobs hold its N alternatives and itself, by text."""
+    top_logprobs hold its N alternatives and itself, by text. An echoed prompt's first token has
+    no context: null for its logprob and its alternatives."""
 
     def __init__(self, speller: TokenSpeller) -> None:
         self.speller = speller
         self.offset = 0
 
-    def __call__(self, logprobs: Sequence[TokenLogprob]) -> dict:
+    def __call__(self, logprobs: Sequence[TokenLogprob], first_token: int | None = None) -> dict:
+        """The form of these tokens' logprobs, after first_token's (an echoed prompt's first)."""
         text = self.speller.text
-        tokens = [text(kept.token) for kept in logprobs]
+        firsts = [first_token] if first_token is not None else []
+        tokens = [text(token) for token in firsts] + [text(kept.token) for kept in logprobs]
         offsets = []
         for token in tokens:
             offsets.append(self.offset)
             self.offset += len(token)
-        return {"tokens": tokens, "token_logprobs": [kept.logprob for kept in logprobs],
-                "top_logprobs": [{**{text(other): value for other, value in kept.top}, text(kept.token): kept.logprob}
-                                 for kept in logprobs],
+        return {"tokens": tokens, "token_logprobs": [None] * len(firsts) + [kept.logprob for kept in logprobs],
+                "top_logprobs": [None] * len(firsts) + [
+                    {**{text(other): value for other, value in kept.top}, text(kept.token): kept.logprob}
+                    for kept in logprobs],
                 "text_offset": offsets}

@@ -133,6 +133,9 @@ class DecodeLoop:
                                 pieces=self.out.stream.pieces(), logprobs=self.logprobs())
 
     def logprobs(self) -> list | None:
-        """The logprobs of the tokens the text comes from, where kept (Emitter.keep_logprobs)."""
+        """The logprobs of the new tokens, where kept (Emitter.keep_logprobs): every one, an EOS
+        that ended the reply too, but those of a stop string cut from the text."""
         kept = self.out.logprobs
-        return kept[:self.out.stream.text_tokens()] if kept is not None else None
+        if kept is None:
+            return None
+        return kept[:self.out.stream.text_tokens()] if self.out.reason == "stop" else list(kept)

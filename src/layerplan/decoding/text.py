@@ -240,8 +240,8 @@ class GenerationResult:
     provenance: dict[str, int] = field(default_factory=dict)
     # the text by the token that produced each part, with its kind (what a stream's deltas carry)
     pieces: list[TokenText] = field(default_factory=list)
-    # where asked (Emitter.keep_logprobs): the logprobs of the tokens the text comes from, in order
-    # (an EOS after it, or the tokens of a stop string cut from it, are not among them)
+    # where asked (Emitter.keep_logprobs): the new tokens' logprobs, in order (an EOS that ended the
+    # reply among them; the tokens of a stop string cut from the text not)
     logprobs: list[TokenLogprob] | None = None
 
     @property
