@@ -64,6 +64,7 @@ from layerplan.decoding.budget import ContextLengthError, token_budget
 from layerplan.decoding.limits import SEED_RANGE
 from layerplan.decoding.logprobs import MAX_TOP_LOGPROBS, CompletionLogprobs, TokenSpeller, chat_logprobs
 from layerplan.decoding.prompt_logprobs import prompt_logprobs
+from layerplan.engine.runner import new_cache
 from layerplan.decoding.sampling import SamplingError, SamplingParams
 from layerplan.engine.probe import ProbeRow
 from layerplan.models.architectures import ModelError
@@ -602,8 +603,11 @@ def create_app(model: LoadedModel, plan: LayerPlan | None = None, draft=None, dr
             scores = None
             if body.logprobs is not None:  # on the decode thread, between passes (it runs the model)
                 plan = chosen.get("plan") or scheduler.plan
+                # (its cache goes to the job: the decode prefills the prompt's last token only)
+                cache = new_cache(plan, capacity=len(prompt_ids) + max_tokens + 16)
                 scores = await asyncio.wrap_future(scheduler.call(
-                    lambda: prompt_logprobs(model, prompt_ids, plan, body.logprobs)))
+                    lambda: prompt_logprobs(model, prompt_ids, plan, body.logprobs, cache=cache)))
+                chosen = {**chosen, "cache": cache}
             text = prompt if isinstance(prompt, str) else await off_loop(model.tokenizer.decode, prompt_ids)
             echoed.append((text, prompt_ids[0], scores))
 
