@@ -6,6 +6,7 @@ longer or transformers' name beside it. FAMILIAR_NAMES is the table docs/coming-
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 
 import click
@@ -61,6 +62,27 @@ ctx_size_option = click.option("--ctx-size", "-c", type=click.IntRange(min=0), d
 seed_option = click.option("--seed", "-s", type=SEED, default=None, help="sampling seed (default: a fresh one)")
 temp_option = click.option("--temp", "--temperature", "temperature", type=float, default=0.0, show_default=True,
                            help="sampling temperature; 0 = greedy")
+
+
+class LogitBias(click.ParamType):
+    """-l/--logit-bias TOKEN+BIAS, TOKEN-BIAS or TOKEN-inf (llama.cpp's form): (token id, bias)."""
+
+    name = "TOKEN(+|-)BIAS"
+    _FORM = re.compile(r"(\d+)([+-])(inf|\d+(?:\.\d*)?(?:[eE][+-]?\d+)?)")
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, tuple):
+            return value
+        match = self._FORM.fullmatch(str(value).strip())
+        if match is None or (match.group(3) == "inf" and match.group(2) == "+"):
+            self.fail(f"{value!r} is not TOKEN+BIAS, TOKEN-BIAS or TOKEN-inf (e.g. 15043+1, 15043-inf)", param, ctx)
+        bias = float(match.group(3)) * (-1 if match.group(2) == "-" else 1)
+        return int(match.group(1)), bias
+
+
+logit_bias_option = click.option("--logit-bias", "-l", "logit_bias", type=LogitBias(), multiple=True,
+                                 help="add BIAS to the token's logit before sampling or greedy choice (repeatable; "
+                                      "TOKEN-inf bans it; llama.cpp's -l)")
 
 
 def sampling_options(command):
@@ -151,6 +173,7 @@ FAMILIAR_NAMES = (
     FamiliarName("min-p", "--min-p", "min_p", "--min-p", ("generate", "chat")),
     FamiliarName("repetition penalty", "--repeat-penalty", "repetition_penalty",
                  "--repeat-penalty (--repetition-penalty)", ("generate", "chat")),
+    FamiliarName("logit bias", "-l, --logit-bias", "sequence_bias", "-l, --logit-bias", ("generate",)),
     FamiliarName("sampling seed", "-s, --seed", "torch.manual_seed / set_seed", "-s, --seed", ("generate", "chat")),
     FamiliarName("system message", "-sys, --system-prompt", "a {'role': 'system'} message",
                  "-sys, --system (--system-prompt)", ("chat",)),

@@ -112,8 +112,8 @@ class LayerplanOptions(BaseModel):
 
 
 class _GenerationRequest(BaseModel):
-    # clients send fields we have no use for (user, logit_bias, ...): ignore them, reject only
-    # the ones whose meaning we would silently change
+    # clients send fields we have no use for (user, ...): ignore them, reject only the ones whose
+    # meaning we would silently change
     model_config = ConfigDict(extra="ignore")
 
     model: str | None = None  # None: the model served (llama-server and vLLM take a request without one)
@@ -130,6 +130,7 @@ class _GenerationRequest(BaseModel):
     stream_options: dict[str, Any] | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias, OpenAI's -100..100
     layerplan: LayerplanOptions | None = None  # extension: this request's plan, draft, provenance
 
     def kept_logprobs(self) -> int | None:
@@ -141,10 +142,21 @@ class _GenerationRequest(BaseModel):
             if getattr(self, name):
                 raise APIError(400, f"{name} is not supported (use repetition_penalty)", name)
 
-    def sampling(self) -> SamplingParams:
-        """The sampling settings; a 400 naming the setting whose arithmetic would not stay finite."""
+    def sampling(self, vocabulary: int | None = None) -> SamplingParams:
+        """The sampling settings; a 400 naming the setting whose arithmetic would not stay finite, or
+        a logit_bias key that is no token id (of a vocabulary of that many ids, where given)."""
+        bias = []
+        for key, value in (self.logit_bias or {}).items():
+            if not key.strip().isdigit():
+                raise APIError(400, f"logit_bias key {key!r} is not a token id (a whole number as a string)",
+                               "logit_bias")
+            bias.append((int(key), value))
         try:
-            return SamplingParams(self.temperature, self.top_k, self.top_p, self.repetition_penalty, self.min_p)
+            params = SamplingParams(self.temperature, self.top_k, self.top_p, self.repetition_penalty, self.min_p,
+                                    tuple(bias))
+            if vocabulary is not None:
+                params.check_vocabulary(vocabulary)
+            return params
         except SamplingError as error:
             raise APIError(400, str(error), str(error).split(" ", 1)[0]) from None
 
@@ -580,7 +592,7 @@ def create_app(model: LoadedModel, plan: LayerPlan | None = None, draft=None, dr
     async def completions(body: CompletionRequest, request: Request):
         _check_model(body.model)
         body.check_supported()
-        body.sampling()  # a 400 now, not a failed generation later
+        body.sampling(model.hf.config.vocab_size)  # a 400 now, not a failed generation later
         # off the loop: a drafter may read (the corpus of suffix:corpus=F)
         chosen = await off_loop(_chosen, model, scheduler, body.layerplan)
         prompt = body.prompt
@@ -631,7 +643,7 @@ def create_app(model: LoadedModel, plan: LayerPlan | None = None, draft=None, dr
     async def chat_completions(body: ChatRequest, request: Request):
         _check_model(body.model)
         body.check_supported()
-        body.sampling()  # a 400 now, not a failed generation later
+        body.sampling(model.hf.config.vocab_size)  # a 400 now, not a failed generation later
         # off the loop: a drafter may read (the corpus of suffix:corpus=F)
         chosen = await off_loop(_chosen, model, scheduler, body.layerplan)
         messages = [{"role": m.role, "content": m.text(i)} for i, m in enumerate(body.messages)]

@@ -19,6 +19,8 @@ from layerplan.decoding.limits import SEED_RANGE
 # penalty outside PENALTY_RANGE, turns float32 logits into inf and the probabilities into NaN.
 MIN_TEMPERATURE = 1e-4
 PENALTY_RANGE = (0.01, 100.0)
+# a logit bias's finite range (OpenAI's); -inf bans the token (llama.cpp's TOKEN-inf)
+BIAS_RANGE = (-100.0, 100.0)
 
 
 class SamplingError(ValueError):
@@ -34,6 +36,9 @@ class SamplingParams:
     # keep the tokens whose probability (after temperature) is at least min_p times the most likely
     # one's; 0 keeps all (transformers' MinPLogitsWarper; llama.cpp's --min-p)
     min_p: float = 0.0
+    # (token id, bias) added to the logits before everything else (OpenAI's logit_bias, llama.cpp's
+    # --logit-bias, first in its sampler chain); greedy decoding takes it too
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.temperature) and (self.temperature == 0 or self.temperature >= MIN_TEMPERATURE)):
@@ -49,6 +54,19 @@ class SamplingParams:
         if not low <= self.repetition_penalty <= high:
             raise SamplingError(f"repetition_penalty {self.repetition_penalty} is out of range: a number in "
                                 f"[{low:g}, {high:g}] (1 is no penalty)")
+        low, high = BIAS_RANGE
+        for token, bias in self.logit_bias:
+            if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+                raise SamplingError(f"logit_bias token {token!r} is out of range: a token id >= 0")
+            if not (low <= bias <= high or bias == -math.inf):
+                raise SamplingError(f"logit_bias {bias} for token {token} is out of range: a number in "
+                                    f"[{low:g}, {high:g}], or -inf to ban the token")
+
+    def check_vocabulary(self, size: int) -> None:
+        """SamplingError where logit_bias names a token outside a vocabulary of `size` ids."""
+        outside = [token for token, _ in self.logit_bias if token >= size]
+        if outside:
+            raise SamplingError(f"logit_bias token {outside[0]} is out of range: the vocabulary has ids 0-{size - 1}")
 
     @property
     def greedy(self) -> bool:
@@ -84,9 +102,19 @@ def argmax_token(logits: torch.Tensor) -> int:
     return int(logits.argmax())
 
 
+def apply_logit_bias(logits: torch.Tensor, bias: tuple[tuple[int, float], ...]) -> torch.Tensor:
+    """logits (V,) float32 with each (token, bias) added (a copy where there is any)."""
+    if not bias:
+        return logits
+    tokens = torch.tensor([token for token, _ in bias], device=logits.device)
+    return logits.index_add(0, tokens, torch.tensor([value for _, value in bias], device=logits.device))
+
+
 def process_logits(logits: torch.Tensor, params: SamplingParams, seen: torch.Tensor | None = None) -> torch.Tensor:
-    """Processed logits (V,) in float32: penalty, temperature, then top-k / top-p / min-p masking (-inf)."""
-    logits = apply_repetition_penalty(logits.float(), seen, params.repetition_penalty)
+    """Processed logits (V,) in float32: logit bias, penalty, temperature, then top-k / top-p / min-p
+    masking (-inf)."""
+    logits = apply_logit_bias(logits.float(), params.logit_bias)
+    logits = apply_repetition_penalty(logits, seen, params.repetition_penalty)
     if params.greedy:
         return logits
     logits = logits / params.temperature

@@ -11,15 +11,15 @@ from pathlib import Path
 import click
 
 from layerplan.app.options import (DRAFT_LENGTH_HELP, auto_dtype_option, ctx_size_option, device_option,
-                                   engine_option, light_context, model_b_option, model_option, n_predict_option,
-                                   sampling_options, threads_option)
+                                   engine_option, light_context, logit_bias_option, model_b_option, model_option,
+                                   n_predict_option, sampling_options, threads_option)
 from layerplan.corpus import read_text_file
 from layerplan.decoding.draft_length import DRAFT_LENGTHS
 from layerplan.lite.request import LiteRequest
 
 # the options the light front end carries out no differently for any value the command takes:
 # whatever else a line gives must be the option's default (greedy sampling, no draft, ...)
-_CARRIED = {"prompt", "prompt_option", "prompt_path", "model", "dtype", "engine", "device", "threads", "max_new_tokens", "plan",
+_CARRIED = {"prompt", "prompt_option", "prompt_path", "logit_bias", "model", "dtype", "engine", "device", "threads", "max_new_tokens", "plan",
             "stop", "chat", "stream", "stats", "verbose", "as_json", "temperature", "max_batch"}
 
 
@@ -48,6 +48,7 @@ class DrafterOption(click.Option):
 @n_predict_option(128, low=0, help="at most this many new tokens (prompt and new tokens fit the context)")
 @ctx_size_option
 @sampling_options
+@logit_bias_option
 @click.option("--plan", default=None, help="run the model by this plan (lossy unless it is the full model)")
 @model_b_option
 @click.option("--stop", multiple=True, help="stop string (repeatable)")
@@ -98,7 +99,8 @@ def light_request(argv: list[str]) -> LiteRequest | None:
             prompts.append(read_text_file(Path(given["prompt_path"])))
         except ValueError:  # (said by the torch front end, in its words)
             return None
-    if len(prompts) != 1 or not prompts[0] or given["engine"] == "eager" or given["temperature"] != 0.0:
+    if len(prompts) != 1 or not prompts[0] or given["engine"] == "eager" or given["temperature"] != 0.0 \
+            or given["logit_bias"]:  # (a bias: the torch front end's sampling takes it)
         return None
     return LiteRequest(prompt=prompts[0], model=given["model"], dtype=given["dtype"], engine=given["engine"],
                        threads=given["threads"], plan=given["plan"], max_new_tokens=given["max_new_tokens"],

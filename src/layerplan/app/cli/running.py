@@ -30,14 +30,15 @@ from layerplan.plan.plan import MAX_STEPS
 from layerplan.search.probes import task_manager
 
 
-def run_generate_command(prompt, prompt_option, prompt_path, model, dtype, device, engine, threads, max_new_tokens, ctx_size,
-             temperature, top_k, top_p, min_p, repetition_penalty, seed, plan, model_b, stop, chat, stream, draft,
-             draft_length, draft_model, draft_confidence, exit_policy, stats, verbose, as_json, prompt_file,
-             max_batch) -> None:
+def run_generate_command(prompt, prompt_option, prompt_path, model, dtype, device, engine, threads, max_new_tokens,
+                         ctx_size, temperature, top_k, top_p, min_p, repetition_penalty, seed, logit_bias, plan,
+                         model_b, stop, chat, stream, draft, draft_length, draft_model, draft_confidence, exit_policy,
+                         stats, verbose, as_json, prompt_file, max_batch) -> None:
     """`layerplan generate` (app/cli/generating.py reads its command line), carried out."""
     set_threads(threads)
     with user_errors():
-        params = SamplingParams(temperature, top_k, top_p, repetition_penalty, min_p)  # refused before the model loads
+        # refused before the model loads
+        params = SamplingParams(temperature, top_k, top_p, repetition_penalty, min_p, tuple(logit_bias))
         try:
             prompt = one_prompt(prompt, prompt_option, prompt_path)
         except PromptUsageError as error:
@@ -54,6 +55,7 @@ def run_generate_command(prompt, prompt_option, prompt_path, model, dtype, devic
                                  "--model-b run one prompt at a time")
             prompts, chat_names = read_prompt_file(prompt_file)
             loaded = load(model, dtype, device, engine, ctx_size=ctx_size)
+            params.check_vocabulary(loaded.hf.config.vocab_size)
             for record in generate_prompt_file(loaded, loaded.plan(plan), prompts,
                                                chat_names | (set(prompts) if chat else set()), max_new_tokens,
                                                params, seed, stop, draft, draft_length, max_batch):
@@ -61,6 +63,7 @@ def run_generate_command(prompt, prompt_option, prompt_path, model, dtype, devic
             return
         loaded = load(model, dtype, device, engine, ctx_size=ctx_size)
         loaded = attach(loaded, model_b, device, engine)
+        params.check_vocabulary(loaded.hf.config.vocab_size)
         layer_plan = loaded.plan(plan)
         ids = prompt_ids(loaded, prompt, chat)  # the server's context check, before any decoding
         token_budget(ids.shape[1], max_new_tokens, loaded.context_length, new_tokens_name="--max-new-tokens")
