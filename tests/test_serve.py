@@ -137,7 +137,7 @@ SERVED = object()  # stands for the served model's name
     ("{not json", 400, "malformed JSON"),
     ({"model": "gpt-4", "prompt": "hi"}, 404, "not served here"),
     ({"model": SERVED, "prompt": "hi", "max_tokens": -1}, 400, "max_tokens"),
-    ({"model": SERVED, "prompt": "hi", "n": 2}, 400, "n"),
+    ({"model": SERVED, "prompt": "hi", "n": 17}, 400, "n"),
     ({"model": SERVED, "prompt": "hi", "max_tokens": 10**6}, 400, "context"),
     ({"model": SERVED, "prompt": "word " * 9000}, 400, "context"),
     ({"model": SERVED, "prompt": [10**9]}, 400, "out of range"),

@@ -10,7 +10,8 @@ Endpoints: GET /health, GET /v1/models, POST /v1/completions, POST /v1/chat/comp
 with `"stream": true` for server-sent events, and `stream_options.include_usage`; a chat stream's
 role chunk is sent when decoding starts, not while the request waits in the queue); POST
 /tokenize, POST /detokenize and GET /tokenizer_info, in vLLM's and llama-server's forms. What the
-server cannot honour is refused with a 400 rather than ignored: n > 1, best_of > 1, suffix,
+server cannot honour is refused with a 400 rather than ignored: several choices streamed (n > 1,
+or a list of prompts; not streamed, they decode together), best_of > 1, suffix,
 penalties other than repetition_penalty, tools / tool_choice / functions,
 response_format other than text, content parts other than text, a text part without text, a
 message without content. Every client mistake is a 4xx: a sampling setting whose arithmetic would
@@ -78,6 +79,12 @@ from layerplan.plan.plan import LayerPlan, PlanError, parse_plan
 REQUEST_STEPS_PER_LAYER = 4
 
 
+# a request's choices (n of each prompt): decoded together, their passes shared (the scheduler's
+# batch); bounded, as a request's KV caches and queue places are
+MAX_N = 16
+MAX_CHOICES = 64
+
+
 # ----- errors ------------------------------------------------------------------------------------
 class APIError(Exception):
     """An error the client caused (or may retry), answered in OpenAI's error shape."""
@@ -125,7 +132,7 @@ class _GenerationRequest(BaseModel):
     min_p: float = Field(0.0, ge=0, le=1)  # extension (as in vLLM and llama-server); 0 keeps all tokens
     stop: str | list[str] | None = None
     seed: int | None = Field(None, ge=SEED_RANGE[0], le=SEED_RANGE[1])  # what torch's generator takes
-    n: int = Field(1, ge=1, le=1)  # one decode per request
+    n: int = Field(1, ge=1, le=MAX_N)  # choices of each prompt, decoded together
     stream: bool = False
     stream_options: dict[str, Any] | None = None
     presence_penalty: float = 0.0
@@ -179,6 +186,13 @@ class CompletionRequest(_GenerationRequest):
 
     def kept_logprobs(self) -> int | None:
         return self.logprobs
+
+    def prompts(self) -> list[str | list[int]]:
+        """The request's prompts: a text or token ids, or a list of either (a batch)."""
+        prompt = self.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            return list(prompt)
+        return [prompt]
 
     def check_supported(self) -> None:
         super().check_supported()
@@ -595,49 +609,39 @@ def create_app(model: LoadedModel, plan: LayerPlan | None = None, draft=None, dr
         body.sampling(model.hf.config.vocab_size)  # a 400 now, not a failed generation later
         # off the loop: a drafter may read (the corpus of suffix:corpus=F)
         chosen = await off_loop(_chosen, model, scheduler, body.layerplan)
-        prompt = body.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-            if len(prompt) != 1:
-                raise APIError(400, f"one prompt per request, got {len(prompt)}", "prompt")
-            prompt = prompt[0]
-        if isinstance(prompt, str):
-            prompt_ids = (await off_loop(model.tokenizer, prompt)).input_ids
-        else:
-            prompt_ids = _checked_ids(list(prompt), "prompt")
-        if not prompt_ids:
-            raise APIError(400, "the prompt is empty", "prompt")
-        max_tokens = _budget(model, prompt_ids, body.max_tokens, default=16)  # OpenAI's default for completions
+        prompts = body.prompts()
+        _check_choices(body, len(prompts))
         ident, stamp = f"cmpl-{uuid.uuid4().hex[:24]}", int(time.time())
-
-        shaped_logprobs = CompletionLogprobs(speller()) if body.logprobs is not None else None
-        echoed: list = []  # (the prompt's text, its first token, its other tokens' logprobs), until sent
-        if body.echo:
-            scores = None
-            if body.logprobs is not None:  # on the decode thread, between passes (it runs the model)
-                plan = chosen.get("plan") or scheduler.plan
-                # (its cache goes to the job: the decode prefills the prompt's last token only)
-                cache = new_cache(plan, capacity=len(prompt_ids) + max_tokens + 16)
-                scores = await asyncio.wrap_future(scheduler.call(
-                    lambda: prompt_logprobs(model, prompt_ids, plan, body.logprobs, cache=cache)))
-                chosen = {**chosen, "cache": cache}
-            text = prompt if isinstance(prompt, str) else await off_loop(model.tokenizer.decode, prompt_ids)
-            echoed.append((text, prompt_ids[0], scores))
-
-        def shape(text: str, finish: str | None, first: bool = False, logprobs=None) -> dict | None:
-            if first:
-                return None  # completions streams start with text
-            said = None
-            if echoed and (text or finish is not None):  # the first chunk with text, or the last
-                prompt_text, first_token, scores = echoed.pop()
-                if shaped_logprobs is not None:
-                    said = shaped_logprobs(scores, first_token=first_token)
-                text = prompt_text + text
-            kept = shaped_logprobs(logprobs) if logprobs is not None and shaped_logprobs is not None else None
-            kept = _joined(said, kept) if said is not None else kept
-            return {"id": ident, "object": "text_completion", "created": stamp, "model": name,
-                    "choices": [{"index": 0, "text": text, "logprobs": kept, "finish_reason": finish}]}
-
-        return await _reply(scheduler, request, body, prompt_ids, max_tokens, shape, chosen)
+        choices = []  # (prompt ids, max tokens, shape, job fields) of each choice, in index order
+        for prompt in prompts:
+            if isinstance(prompt, str):
+                prompt_ids = (await off_loop(model.tokenizer, prompt)).input_ids
+            else:
+                prompt_ids = _checked_ids(list(prompt), "prompt")
+            if not prompt_ids:
+                raise APIError(400, "the prompt is empty", "prompt")
+            max_tokens = _budget(model, prompt_ids, body.max_tokens, default=16)  # OpenAI's default for completions
+            echo = cache = None
+            if body.echo:
+                scores = None
+                if body.logprobs is not None:  # on the decode thread, between passes (it runs the model)
+                    plan = chosen.get("plan") or scheduler.plan
+                    # (its cache goes to the prompt's first choice: its decode prefills the last token only)
+                    cache = new_cache(plan, capacity=len(prompt_ids) + max_tokens + 16)
+                    scores = await asyncio.wrap_future(scheduler.call(
+                        lambda ids=prompt_ids, kept=cache: prompt_logprobs(model, ids, plan, body.logprobs,
+                                                                           cache=kept)))
+                text = prompt if isinstance(prompt, str) else await off_loop(model.tokenizer.decode, prompt_ids)
+                echo = (text, prompt_ids[0], scores)
+            for k in range(body.n):
+                fields = {**chosen, "cache": cache} if cache is not None and k == 0 else chosen
+                shape = _completion_shape(ident, stamp, name, len(choices), echo,
+                                          CompletionLogprobs(speller()) if body.logprobs is not None else None)
+                choices.append((prompt_ids, max_tokens, shape, fields))
+        if len(choices) == 1:
+            prompt_ids, max_tokens, shape, fields = choices[0]
+            return await _reply(scheduler, request, body, prompt_ids, max_tokens, shape, fields)
+        return await _replies(scheduler, request, body, choices)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatRequest, request: Request):
@@ -652,25 +656,107 @@ def create_app(model: LoadedModel, plan: LayerPlan | None = None, draft=None, dr
         max_tokens = _budget(model, prompt_ids, asked, default=None)
         ident, stamp = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time())
 
+        _check_choices(body, 1)
         spelled = speller() if body.logprobs else None
         ending = frozenset(model.eos_token_ids)
 
-        def shape(text: str, finish: str | None, first: bool = False, logprobs=None) -> dict:
-            kept = (chat_logprobs(logprobs, spelled, ending) if logprobs is not None and spelled is not None
-                    else None)
-            if body.stream:  # the first chunk names the role, later ones carry text, the last one the reason
-                delta: dict = {"role": "assistant", "content": ""} if first else ({"content": text} if text else {})
-                choice = {"index": 0, "delta": delta, "logprobs": kept, "finish_reason": finish}
-                kind = "chat.completion.chunk"
-            else:
-                choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": kept,
-                          "finish_reason": finish}
-                kind = "chat.completion"
-            return {"id": ident, "object": kind, "created": stamp, "model": name, "choices": [choice]}
+        def shape_of(index: int) -> Callable[..., dict]:
+            def shape(text: str, finish: str | None, first: bool = False, logprobs=None) -> dict:
+                kept = (chat_logprobs(logprobs, spelled, ending) if logprobs is not None and spelled is not None
+                        else None)
+                if body.stream:  # the first chunk names the role, later ones carry text, the last one the reason
+                    delta: dict = ({"role": "assistant", "content": ""} if first
+                                   else ({"content": text} if text else {}))
+                    choice = {"index": index, "delta": delta, "logprobs": kept, "finish_reason": finish}
+                    kind = "chat.completion.chunk"
+                else:
+                    choice = {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": kept,
+                              "finish_reason": finish}
+                    kind = "chat.completion"
+                return {"id": ident, "object": kind, "created": stamp, "model": name, "choices": [choice]}
 
-        return await _reply(scheduler, request, body, prompt_ids, max_tokens, shape, chosen)
+            return shape
+
+        if body.n == 1:
+            return await _reply(scheduler, request, body, prompt_ids, max_tokens, shape_of(0), chosen)
+        return await _replies(scheduler, request, body,
+                              [(prompt_ids, max_tokens, shape_of(k), chosen) for k in range(body.n)])
 
     return app
+
+
+def _completion_shape(ident: str, stamp: int, name: str, index: int, echo: tuple | None,
+                      logprobs_form: CompletionLogprobs | None) -> Callable[..., dict | None]:
+    """A completion choice's chunks (or its whole answer): its text, the prompt before the first
+    one where echoed (echo: the prompt's text, its first token, its other tokens' logprobs), and
+    its tokens' logprobs in the legacy form where asked."""
+    echoed = [echo] if echo is not None else []  # until sent
+
+    def shape(text: str, finish: str | None, first: bool = False, logprobs=None) -> dict | None:
+        if first:
+            return None  # completions streams start with text
+        said = None
+        if echoed and (text or finish is not None):  # the first chunk with text, or the last
+            prompt_text, first_token, scores = echoed.pop()
+            if logprobs_form is not None:
+                said = logprobs_form(scores, first_token=first_token)
+            text = prompt_text + text
+        kept = logprobs_form(logprobs) if logprobs is not None and logprobs_form is not None else None
+        kept = _joined(said, kept) if said is not None else kept
+        return {"id": ident, "object": "text_completion", "created": stamp, "model": name,
+                "choices": [{"index": index, "text": text, "logprobs": kept, "finish_reason": finish}]}
+
+    return shape
+
+
+def _check_choices(body: _GenerationRequest, prompts: int) -> None:
+    """A 400 for choices the server will not decode: more than MAX_CHOICES, or several streamed."""
+    choices = prompts * body.n
+    if choices > MAX_CHOICES:
+        raise APIError(400, f"{prompts} prompt(s) x n={body.n} is {choices} choices; at most {MAX_CHOICES} a request",
+                       "n" if prompts == 1 else "prompt")
+    if choices > 1 and body.stream:
+        raise APIError(400, f"a stream carries one choice; {choices} were asked (n > 1 or several prompts): "
+                            "ask for them without stream, or one at a time", "n" if prompts == 1 else "stream")
+
+
+async def _replies(scheduler: Scheduler, request: Request, body: _GenerationRequest, choices: list) -> dict:
+    """Several choices, not streamed: every job queued at once (decoded together, their passes
+    shared), choice k sampled with seed + k where a seed is given; each answered by its own shape.
+    choices: (prompt ids, max tokens, shape, job fields) in index order."""
+    jobs = []
+    for k, (prompt_ids, max_tokens, _, fields) in enumerate(choices):
+        seed = None
+        if body.seed is not None:
+            seed = body.seed + k if body.seed + k <= SEED_RANGE[1] else body.seed - k
+        jobs.append(Job(prompt_ids, max_tokens, body.sampling(), seed, body.stops(), logprobs=body.kept_logprobs(),
+                        **fields))
+    futures = [asyncio.wrap_future(scheduler.submit(job)) for job in jobs]
+    pending = set(futures)
+    while pending:  # poll for a vanished client while queued or decoding
+        _, pending = await asyncio.wait(pending, timeout=0.2)
+        if pending and await request.is_disconnected():
+            for job in jobs:
+                job.cancelled.set()
+    try:
+        results = [future.result() for future in futures]
+    except Exception as error:  # noqa: BLE001 - the server stays up; the client learns why
+        raise APIError(500, f"generation failed: {error}", kind="server_error") from error
+    if any(result is None for result in results):
+        raise APIError(499, "client closed the request")
+    answer, provenance = None, body.layerplan is not None and body.layerplan.provenance
+    for result, (_, _, shape, _) in zip(results, choices):
+        shaped = shape(result.text, FINISH_REASONS[result.stop_reason], logprobs=result.logprobs)
+        if provenance:
+            shaped["choices"][0]["layerplan"] = {"tokens": [asdict(piece) for piece in result.pieces]}
+        answer = shaped if answer is None else {**answer, "choices": answer["choices"] + shaped["choices"]}
+    prompts = {id(prompt_ids): len(prompt_ids) for prompt_ids, *_ in choices}  # (each prompt counted once)
+    completion = sum(len(result.token_ids) for result in results)
+    seconds = max(result.seconds for result in results)
+    usage = {"prompt_tokens": sum(prompts.values()), "completion_tokens": completion,
+             "total_tokens": sum(prompts.values()) + completion, "decode_seconds": round(seconds, 4),
+             "tokens_per_second": round(completion / seconds, 2) if seconds > 0 else None}
+    return {**answer, "usage": usage}
 
 
 def _joined(first: dict, then: dict | None) -> dict:

@@ -1,0 +1,93 @@
+"""Several choices in one request (OpenAI's `n`, and a completion's list of prompts): decoded
+together, each choice what its request alone gives (choice k sampled with seed + k), in index
+order, with usage summed; refused in one line where a stream would have to carry several, or
+there are too many. A tiny model with a byte tokenizer keeps it fast."""
+
+import pytest
+from fastapi.testclient import TestClient
+
+from layerplan.app.serve import MAX_CHOICES, create_app
+
+PROMPTS = ["the cat the cat", "0101010101", "hello hello", "xxxxxxxx"]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from tiny_text import save_tiny_with_tokenizer
+
+    from layerplan.engine.load import load_model
+
+    return load_model(str(save_tiny_with_tokenizer(tmp_path_factory.mktemp("choices") / "tok")), dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def client(tiny):
+    with TestClient(create_app(tiny, served_name="tiny", max_batch=8)) as test_client:
+        yield test_client
+
+
+def _post(client, path: str, **body) -> dict:
+    answer = client.post(path, json={"model": "tiny", "max_tokens": 12, **body})
+    assert answer.status_code == 200, answer.text
+    return answer.json()
+
+
+def test_a_list_of_prompts_answers_each_as_alone(client):
+    many = _post(client, "/v1/completions", prompt=PROMPTS, temperature=0, logprobs=1, echo=True)
+    alone = [_post(client, "/v1/completions", prompt=p, temperature=0, logprobs=1, echo=True) for p in PROMPTS]
+    assert [c["index"] for c in many["choices"]] == list(range(len(PROMPTS)))
+    for choice, single in zip(many["choices"], alone):
+        assert choice["text"] == single["choices"][0]["text"]
+        assert choice["logprobs"]["tokens"] == single["choices"][0]["logprobs"]["tokens"]
+        assert choice["logprobs"]["token_logprobs"][1:] == pytest.approx(
+            single["choices"][0]["logprobs"]["token_logprobs"][1:], abs=1e-5)
+    assert many["usage"]["prompt_tokens"] == sum(a["usage"]["prompt_tokens"] for a in alone)
+    assert many["usage"]["completion_tokens"] == sum(a["usage"]["completion_tokens"] for a in alone)
+    ids = [[5, 6, 7], [8, 9]]  # token ids, several
+    by_ids = _post(client, "/v1/completions", prompt=ids, temperature=0)
+    assert [c["text"] for c in by_ids["choices"]] == [
+        _post(client, "/v1/completions", prompt=one, temperature=0)["choices"][0]["text"] for one in ids]
+
+
+@pytest.mark.parametrize("path, prompt", [("/v1/completions", {"prompt": PROMPTS[0]}),
+                                          ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})])
+def test_n_choices_are_sampled_with_seed_plus_their_index(client, path, prompt):
+    many = _post(client, path, **prompt, n=3, temperature=1.0, seed=11)
+    texts = [c["text"] if "text" in c else c["message"]["content"] for c in many["choices"]]
+    alone = []
+    for k in range(3):
+        one = _post(client, path, **prompt, temperature=1.0, seed=11 + k)["choices"][0]
+        alone.append(one["text"] if "text" in one else one["message"]["content"])
+    assert texts == alone and len(set(texts)) > 1
+    assert [c["index"] for c in many["choices"]] == [0, 1, 2]
+    greedy = _post(client, path, **prompt, n=2, temperature=0)
+    assert len({str(c.get("text", c.get("message"))) for c in greedy["choices"]}) == 1
+
+
+@pytest.mark.parametrize("body, param, says", [
+    ({"prompt": PROMPTS[0], "n": 2, "stream": True}, "n", "a stream carries one choice"),
+    ({"prompt": PROMPTS[:2], "stream": True}, "stream", "a stream carries one choice"),
+    ({"prompt": ["a"] * 17, "n": 4}, "prompt", f"at most {MAX_CHOICES} a request"),
+    ({"prompt": "a", "n": 17}, "n", "less than or equal to 16"),
+])
+def test_choices_the_server_will_not_decode_are_a_400_naming_them(client, body, param, says):
+    answer = client.post("/v1/completions", json={"model": "tiny", "max_tokens": 2, **body})
+    assert answer.status_code == 400 and answer.json()["error"]["param"] == param, answer.text
+    assert says in answer.json()["error"]["message"]
+
+
+def test_lm_evals_batches_score_as_its_single_requests(tiny):
+    from lm_eval.api.instance import Instance
+    from lm_eval.models.openai_completions import LocalCompletionsAPI
+
+    from servers import serving
+
+    pairs = [("the cat sat on", " the mat"), ("hello", " world"), ("0101010", "1010"), ("abc", "def"), ("x", "y")]
+    with serving(create_app(tiny, served_name="tiny", max_batch=8)) as base:
+        scored = {}
+        for batch in (1, 4):
+            lm = LocalCompletionsAPI(base_url=f"{base}/v1/completions", model="tiny", tokenizer_backend="auto",
+                                     max_length=128, batch_size=batch)
+            scored[batch] = lm.loglikelihood([Instance("loglikelihood", {}, pair, i) for i, pair in enumerate(pairs)])
+    assert [greedy for _, greedy in scored[4]] == [greedy for _, greedy in scored[1]]
+    assert [value for value, _ in scored[4]] == pytest.approx([value for value, _ in scored[1]], abs=1e-5)
