@@ -17,6 +17,28 @@ sys.path.insert(0, str(Path(__file__).parent))
 torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else 2)
 
 
+@pytest.fixture(scope="module")
+def tiny_text_model(tmp_path_factory):
+    """A tiny random llama with a byte tokenizer (tiny_text.py), loaded in float32: one a test
+    module (the servers' tests)."""
+    from tiny_text import save_tiny_with_tokenizer
+
+    from layerplan.engine.load import load_model
+
+    return load_model(str(save_tiny_with_tokenizer(tmp_path_factory.mktemp("tiny_text") / "tok")), dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def tiny_text_client(tiny_text_model):
+    """tiny_text_model served as "tiny" (up to 4 requests a pass), through FastAPI's test client."""
+    from fastapi.testclient import TestClient
+
+    from layerplan.app.serve import create_app
+
+    with TestClient(create_app(tiny_text_model, served_name="tiny", max_batch=4)) as client:
+        yield client
+
+
 @pytest.fixture(scope="session")
 def smollm2():
     """The packaged SmolLM2-135M-Instruct in float32 (converted from GGUF once, then cached)."""

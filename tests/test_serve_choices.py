@@ -4,7 +4,6 @@ order, with usage summed; refused in one line where a stream would have to carry
 there are too many. A tiny model with a byte tokenizer keeps it fast."""
 
 import pytest
-from fastapi.testclient import TestClient
 
 from layerplan.app.serve import MAX_CHOICES, create_app
 
@@ -12,18 +11,8 @@ PROMPTS = ["the cat the cat", "0101010101", "hello hello", "xxxxxxxx"]
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    from tiny_text import save_tiny_with_tokenizer
-
-    from layerplan.engine.load import load_model
-
-    return load_model(str(save_tiny_with_tokenizer(tmp_path_factory.mktemp("choices") / "tok")), dtype="float32")
-
-
-@pytest.fixture(scope="module")
-def client(tiny):
-    with TestClient(create_app(tiny, served_name="tiny", max_batch=8)) as test_client:
-        yield test_client
+def client(tiny_text_client):  # (conftest.py's: tiny_text_model served as "tiny")
+    return tiny_text_client
 
 
 def _post(client, path: str, **body) -> dict:
@@ -76,14 +65,14 @@ def test_choices_the_server_will_not_decode_are_a_400_naming_them(client, body, 
     assert says in answer.json()["error"]["message"]
 
 
-def test_lm_evals_batches_score_as_its_single_requests(tiny):
+def test_lm_evals_batches_score_as_its_single_requests(tiny_text_model):
     from lm_eval.api.instance import Instance
     from lm_eval.models.openai_completions import LocalCompletionsAPI
 
     from servers import serving
 
     pairs = [("the cat sat on", " the mat"), ("hello", " world"), ("0101010", "1010"), ("abc", "def"), ("x", "y")]
-    with serving(create_app(tiny, served_name="tiny", max_batch=8)) as base:
+    with serving(create_app(tiny_text_model, served_name="tiny", max_batch=8)) as base:
         scored = {}
         for batch in (1, 4):
             lm = LocalCompletionsAPI(base_url=f"{base}/v1/completions", model="tiny", tokenizer_backend="auto",

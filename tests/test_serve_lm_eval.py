@@ -18,12 +18,8 @@ PAIRS = [("the cat sat on", " the mat"), ("hello", " world"), ("0101010", "1010"
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    from tiny_text import save_tiny_with_tokenizer
-
-    from layerplan.engine.load import load_model
-
-    return load_model(str(save_tiny_with_tokenizer(tmp_path_factory.mktemp("lm_eval") / "tok")), dtype="float32")
+def tiny(tiny_text_model):
+    return tiny_text_model
 
 
 def _scored(model, context: str, continuation: str, plan: str | None) -> tuple[float, bool]:

@@ -24,18 +24,13 @@ REPETITIVE = "xxxxxxxxxxxxxxx"  # the tiny model continues it with one byte over
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    from tiny_text import save_tiny_with_tokenizer
-
-    from layerplan.engine.load import load_model
-
-    return load_model(str(save_tiny_with_tokenizer(tmp_path_factory.mktemp("logprobs") / "tok")), dtype="float32")
+def tiny(tiny_text_model):  # (conftest.py's, as `client` is tiny_text_client: served as "tiny")
+    return tiny_text_model
 
 
 @pytest.fixture(scope="module")
-def client(tiny):
-    with TestClient(create_app(tiny, served_name="tiny", max_batch=4)) as test_client:
-        yield test_client
+def client(tiny_text_client):
+    return tiny_text_client
 
 
 def _completion(client, n: int = 24, options: dict | None = None, prompt: str = PROMPT, **extra) -> dict:

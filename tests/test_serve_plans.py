@@ -24,12 +24,8 @@ PROMPTS = ["hello hello hello hello", "the cat the cat the cat", "0101010101", "
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    from tiny_text import save_tiny_with_tokenizer
-
-    from layerplan.engine.load import load_model
-
-    return load_model(str(save_tiny_with_tokenizer(tmp_path_factory.mktemp("plans") / "tok")), dtype="float32")
+def tiny(tiny_text_model):
+    return tiny_text_model
 
 
 @pytest.fixture(scope="module")
