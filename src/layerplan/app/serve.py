@@ -46,7 +46,7 @@ import time
 import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -612,7 +612,7 @@ def create_app(model: LoadedModel, plan: LayerPlan | None = None, draft=None, dr
         prompts = body.prompts()
         _check_choices(body, len(prompts))
         ident, stamp = f"cmpl-{uuid.uuid4().hex[:24]}", int(time.time())
-        choices = []  # (prompt ids, max tokens, shape, job fields) of each choice, in index order
+        choices: list[Choice] = []  # in index order
         for prompt in prompts:
             if isinstance(prompt, str):
                 prompt_ids = (await off_loop(model.tokenizer, prompt)).input_ids
@@ -637,10 +637,10 @@ def create_app(model: LoadedModel, plan: LayerPlan | None = None, draft=None, dr
                 fields = {**chosen, "cache": cache} if cache is not None and k == 0 else chosen
                 shape = _completion_shape(ident, stamp, name, len(choices), echo,
                                           CompletionLogprobs(speller()) if body.logprobs is not None else None)
-                choices.append((prompt_ids, max_tokens, shape, fields))
+                choices.append(Choice(prompt_ids, max_tokens, shape, fields))
         if len(choices) == 1:
-            prompt_ids, max_tokens, shape, fields = choices[0]
-            return await _reply(scheduler, request, body, prompt_ids, max_tokens, shape, fields)
+            only = choices[0]
+            return await _reply(scheduler, request, body, only.prompt_ids, only.max_tokens, only.shape, only.fields)
         return await _replies(scheduler, request, body, choices)
 
     @app.post("/v1/chat/completions")
@@ -680,7 +680,7 @@ def create_app(model: LoadedModel, plan: LayerPlan | None = None, draft=None, dr
         if body.n == 1:
             return await _reply(scheduler, request, body, prompt_ids, max_tokens, shape_of(0), chosen)
         return await _replies(scheduler, request, body,
-                              [(prompt_ids, max_tokens, shape_of(k), chosen) for k in range(body.n)])
+                              [Choice(prompt_ids, max_tokens, shape_of(k), chosen) for k in range(body.n)])
 
     return app
 
@@ -709,6 +709,17 @@ def _completion_shape(ident: str, stamp: int, name: str, index: int, echo: tuple
     return shape
 
 
+@dataclass(frozen=True)
+class Choice:
+    """One choice of a request: its prompt, budget, the shape of its answer (or chunks), and the
+    Job fields it runs with (its plan and draft; a cache its prompt was scored into)."""
+
+    prompt_ids: list[int]
+    max_tokens: int
+    shape: Callable[..., dict | None]
+    fields: dict
+
+
 def _check_choices(body: _GenerationRequest, prompts: int) -> None:
     """A 400 for choices the server will not decode: more than MAX_CHOICES, or several streamed."""
     choices = prompts * body.n
@@ -720,17 +731,17 @@ def _check_choices(body: _GenerationRequest, prompts: int) -> None:
                             "ask for them without stream, or one at a time", "n" if prompts == 1 else "stream")
 
 
-async def _replies(scheduler: Scheduler, request: Request, body: _GenerationRequest, choices: list) -> dict:
-    """Several choices, not streamed: every job queued at once (decoded together, their passes
-    shared), choice k sampled with seed + k where a seed is given; each answered by its own shape.
-    choices: (prompt ids, max tokens, shape, job fields) in index order."""
+async def _replies(scheduler: Scheduler, request: Request, body: _GenerationRequest, choices: list[Choice]) -> dict:
+    """Several choices (in index order), not streamed: every job queued at once (decoded together,
+    their passes shared), choice k sampled with seed + k where a seed is given; each answered by its
+    own shape."""
     jobs = []
-    for k, (prompt_ids, max_tokens, _, fields) in enumerate(choices):
+    for k, choice in enumerate(choices):
         seed = None
         if body.seed is not None:
             seed = body.seed + k if body.seed + k <= SEED_RANGE[1] else body.seed - k
-        jobs.append(Job(prompt_ids, max_tokens, body.sampling(), seed, body.stops(), logprobs=body.kept_logprobs(),
-                        **fields))
+        jobs.append(Job(choice.prompt_ids, choice.max_tokens, body.sampling(), seed, body.stops(),
+                        logprobs=body.kept_logprobs(), **choice.fields))
     futures = [asyncio.wrap_future(scheduler.submit(job)) for job in jobs]
     pending = set(futures)
     while pending:  # poll for a vanished client while queued or decoding
@@ -745,12 +756,12 @@ async def _replies(scheduler: Scheduler, request: Request, body: _GenerationRequ
     if any(result is None for result in results):
         raise APIError(499, "client closed the request")
     answer, provenance = None, body.layerplan is not None and body.layerplan.provenance
-    for result, (_, _, shape, _) in zip(results, choices):
-        shaped = shape(result.text, FINISH_REASONS[result.stop_reason], logprobs=result.logprobs)
+    for result, choice in zip(results, choices):
+        shaped = choice.shape(result.text, FINISH_REASONS[result.stop_reason], logprobs=result.logprobs)
         if provenance:
             shaped["choices"][0]["layerplan"] = {"tokens": [asdict(piece) for piece in result.pieces]}
         answer = shaped if answer is None else {**answer, "choices": answer["choices"] + shaped["choices"]}
-    prompts = {id(prompt_ids): len(prompt_ids) for prompt_ids, *_ in choices}  # (each prompt counted once)
+    prompts = {id(choice.prompt_ids): len(choice.prompt_ids) for choice in choices}  # (each prompt counted once)
     completion = sum(len(result.token_ids) for result in results)
     seconds = max(result.seconds for result in results)
     usage = {"prompt_tokens": sum(prompts.values()), "completion_tokens": completion,
