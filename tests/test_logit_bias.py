@@ -13,7 +13,7 @@ from fastapi.testclient import TestClient
 from layerplan.app.cli import main
 from layerplan.app.serve import create_app
 from layerplan.decoding.generate import generate
-from layerplan.decoding.sampling import SamplingError, SamplingParams, pick, process_logits
+from layerplan.decoding.sampling import SamplingError, SamplingParams, penalty_context, pick, process_logits
 
 REPETITIVE = "xxxxxxxxxxxxxxx"  # the tiny model continues it with one byte over and over: drafts get accepted
 
@@ -38,8 +38,8 @@ def test_the_bias_comes_before_the_penalty_and_greedy_takes_it():
     assert pick(logits, SamplingParams(logit_bias=((1, -math.inf),)), None, None) == 2
     assert pick(logits, SamplingParams(logit_bias=((3, 6.0),)), None, None) == 3
     # -0.5 + 1 = 0.5 > 0, so the penalty divides it: bias first, then the penalty
-    processed = process_logits(logits, SamplingParams(repetition_penalty=2.0, logit_bias=((3, 1.0),)),
-                               torch.tensor([3]))
+    params = SamplingParams(repetition_penalty=2.0, logit_bias=((3, 1.0),))
+    processed = process_logits(logits, params, penalty_context([3], params, "cpu"))
     assert processed[3].item() == pytest.approx(0.25) and processed[0].item() == 1.0
     assert torch.equal(logits, torch.tensor([1.0, 5.0, 2.0, -0.5]))  # the caller's logits untouched
 

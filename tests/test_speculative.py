@@ -16,7 +16,7 @@ from layerplan.decoding.drafters.plan import PlanDrafter
 from layerplan.decoding.drafters.staged import StagedDrafter
 from layerplan.decoding.drafters.registry import make_drafter
 from layerplan.decoding.generate import generate
-from layerplan.decoding.sampling import SamplingParams, next_token_probs
+from layerplan.decoding.sampling import SamplingParams, next_token_probs, penalty_context
 from layerplan.decoding.speculative import speculative_generate
 from layerplan.engine.executors import use_native
 from layerplan.engine.runner import forward, new_cache
@@ -231,7 +231,7 @@ def exact_joint(model, prompt, params, length):
         for prefix, mass in table.items():
             context = prompt + list(prefix)
             logits = forward(model, torch.tensor([context], device=model.device))[0, -1]
-            probs = next_token_probs(logits, params, torch.tensor(context, device=model.device)).cpu()
+            probs = next_token_probs(logits, params, penalty_context(context, params, model.device, len(prompt))).cpu()
             for token in torch.nonzero(probs).flatten().tolist():
                 grown[prefix + (token,)] = mass * float(probs[token])
         table = grown
@@ -279,7 +279,9 @@ def test_speculative_sampling_preserves_the_target_distribution(draft):
 
 
 DISTRIBUTION_PROMPT = [5, 6, 7, 5, 6]
-DISTRIBUTION_PARAMS = SamplingParams(temperature=1.0, top_k=3, repetition_penalty=1.3)
+# (every penalty: the repetition penalty over the context, presence and frequency over what was generated)
+DISTRIBUTION_PARAMS = SamplingParams(temperature=1.0, top_k=3, repetition_penalty=1.3, presence_penalty=0.4,
+                                     frequency_penalty=0.3)
 
 
 def assert_draws_keep_the_target_distribution(model, draft, runs: int, most_apart: float) -> dict:
@@ -302,7 +304,8 @@ def exact_joint_draft(model, prompt, params, length):
         grown = {}
         for prefix, mass in table.items():
             context = prompt + list(prefix)
-            probs = next_token_probs(forward(model, torch.tensor([context]), plan)[0, -1], params, torch.tensor(context))
+            probs = next_token_probs(forward(model, torch.tensor([context]), plan)[0, -1], params,
+                                     penalty_context(context, params, "cpu", len(prompt)))
             for token in torch.nonzero(probs).flatten().tolist():
                 grown[prefix + (token,)] = mass * float(probs[token])
         table = grown

@@ -80,6 +80,15 @@ class LogitBias(click.ParamType):
         return int(match.group(1)), bias
 
 
+def output_penalty_options(command):
+    """--presence-penalty, --frequency-penalty: OpenAI's penalties on the tokens generated so far."""
+    for flag, what in (("--presence-penalty", "where a token was generated already"),
+                       ("--frequency-penalty", "times the times a token was generated already")):
+        command = click.option(flag, type=float, default=0.0, show_default=True,
+                               help=f"subtract this from a token's logit {what} (-2..2; 0 = none)")(command)
+    return command
+
+
 logit_bias_option = click.option("--logit-bias", "-l", "logit_bias", type=LogitBias(), multiple=True,
                                  help="add BIAS to the token's logit before sampling or greedy choice (repeatable; "
                                       "TOKEN-inf bans it; llama.cpp's -l)")
@@ -174,6 +183,8 @@ FAMILIAR_NAMES = (
     FamiliarName("repetition penalty", "--repeat-penalty", "repetition_penalty",
                  "--repeat-penalty (--repetition-penalty)", ("generate", "chat")),
     FamiliarName("logit bias", "-l, --logit-bias", "sequence_bias", "-l, --logit-bias", ("generate",)),
+    FamiliarName("presence and frequency penalties", "--presence-penalty, --frequency-penalty", "",
+                 "--presence-penalty, --frequency-penalty", ("generate",)),
     FamiliarName("sampling seed", "-s, --seed", "torch.manual_seed / set_seed", "-s, --seed", ("generate", "chat")),
     FamiliarName("system message", "-sys, --system-prompt", "a {'role': 'system'} message",
                  "-sys, --system (--system-prompt)", ("chat",)),

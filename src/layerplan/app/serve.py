@@ -12,7 +12,7 @@ role chunk is sent when decoding starts, not while the request waits in the queu
 /tokenize, POST /detokenize and GET /tokenizer_info, in vLLM's and llama-server's forms. What the
 server cannot honour is refused with a 400 rather than ignored: several choices streamed (n > 1,
 or a list of prompts; not streamed, they decode together), best_of > 1, suffix,
-penalties other than repetition_penalty, tools / tool_choice / functions,
+tools / tool_choice / functions,
 response_format other than text, content parts other than text, a text part without text, a
 message without content. Every client mistake is a 4xx: a sampling setting whose arithmetic would
 not stay finite (temperature 1e-300), a seed torch cannot take, a conversation the chat template
@@ -135,7 +135,7 @@ class _GenerationRequest(BaseModel):
     n: int = Field(1, ge=1, le=MAX_N)  # choices of each prompt, decoded together
     stream: bool = False
     stream_options: dict[str, Any] | None = None
-    presence_penalty: float = 0.0
+    presence_penalty: float = 0.0  # OpenAI's -2..2, on the tokens generated so far
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias, OpenAI's -100..100
     layerplan: LayerplanOptions | None = None  # extension: this request's plan, draft, provenance
@@ -145,9 +145,8 @@ class _GenerationRequest(BaseModel):
         return None
 
     def check_supported(self) -> None:
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name):
-                raise APIError(400, f"{name} is not supported (use repetition_penalty)", name)
+        """A 400 for what the request asks that the server would otherwise change silently (each
+        route's request adds its own)."""
 
     def sampling(self, vocabulary: int | None = None) -> SamplingParams:
         """The sampling settings; a 400 naming the setting whose arithmetic would not stay finite, or
@@ -160,7 +159,7 @@ class _GenerationRequest(BaseModel):
             bias.append((int(key), value))
         try:
             params = SamplingParams(self.temperature, self.top_k, self.top_p, self.repetition_penalty, self.min_p,
-                                    tuple(bias))
+                                    tuple(bias), self.presence_penalty, self.frequency_penalty)
             if vocabulary is not None:
                 params.check_vocabulary(vocabulary)
             return params

@@ -38,4 +38,5 @@ class DecodeRequest(DecodeLoop):
                          PaceCheck(probe_row), spare, cache, ModelPasses(model))
 
     def choose(self, logits: torch.Tensor) -> int:
-        return pick(logits, self.sampling, penalty_context(self.context, self.sampling, logits.device), self.generator)
+        seen = penalty_context(self.context, self.sampling, logits.device, output_from=len(self.prompt))
+        return pick(logits, self.sampling, seen, self.generator)

@@ -8,6 +8,7 @@ same way (the point transformers got wrong).
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
 import torch
@@ -21,6 +22,8 @@ MIN_TEMPERATURE = 1e-4
 PENALTY_RANGE = (0.01, 100.0)
 # a logit bias's finite range (OpenAI's); -inf bans the token (llama.cpp's TOKEN-inf)
 BIAS_RANGE = (-100.0, 100.0)
+# OpenAI's range of presence_penalty and frequency_penalty
+OUTPUT_PENALTY_RANGE = (-2.0, 2.0)
 
 
 class SamplingError(ValueError):
@@ -39,6 +42,10 @@ class SamplingParams:
     # (token id, bias) added to the logits before everything else (OpenAI's logit_bias, llama.cpp's
     # --logit-bias, first in its sampler chain); greedy decoding takes it too
     logit_bias: tuple[tuple[int, float], ...] = ()
+    # OpenAI's (and vLLM's) penalties on the tokens generated so far (not the prompt's): each logit
+    # less presence_penalty where its token came at all, and frequency_penalty times its count
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.temperature) and (self.temperature == 0 or self.temperature >= MIN_TEMPERATURE)):
@@ -54,6 +61,11 @@ class SamplingParams:
         if not low <= self.repetition_penalty <= high:
             raise SamplingError(f"repetition_penalty {self.repetition_penalty} is out of range: a number in "
                                 f"[{low:g}, {high:g}] (1 is no penalty)")
+        low, high = OUTPUT_PENALTY_RANGE
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not low <= getattr(self, name) <= high:  # (NaN fails this too)
+                raise SamplingError(f"{name} {getattr(self, name)} is out of range: a number in [{low:g}, {high:g}] "
+                                    "(0 is no penalty)")
         low, high = BIAS_RANGE
         for token, bias in self.logit_bias:
             if isinstance(token, bool) or not isinstance(token, int) or token < 0:
@@ -76,9 +88,32 @@ class SamplingParams:
         return asdict(self)
 
 
-def penalty_context(context: list[int], params: SamplingParams, device) -> torch.Tensor | None:
-    """The tokens a repetition penalty looks at (None where there is none)."""
-    return torch.tensor(context, device=device) if params.repetition_penalty != 1.0 else None
+@dataclass(frozen=True)
+class Seen:
+    """The tokens the penalties look at: the whole context (the repetition penalty's, prompt
+    included, as transformers counts it) and the tokens generated so far (presence and frequency,
+    as OpenAI and vLLM count them)."""
+
+    context: torch.Tensor  # 1-D token ids
+    output: torch.Tensor  # 1-D token ids: context[output_from:]
+
+
+def penalty_context(context: Sequence[int], params: SamplingParams, device, output_from: int = 0) -> Seen | None:
+    """What the penalties look at in `context`, whose tokens from `output_from` on were generated
+    (None where no penalty is set)."""
+    if params.repetition_penalty == 1.0 and not params.presence_penalty and not params.frequency_penalty:
+        return None
+    tokens = torch.tensor(list(context), dtype=torch.long, device=device)
+    return Seen(tokens, tokens[output_from:])
+
+
+def apply_output_penalties(logits: torch.Tensor, output: torch.Tensor, presence: float,
+                           frequency: float) -> torch.Tensor:
+    """logits (V,) less presence where a token was generated and frequency times its count."""
+    if (not presence and not frequency) or output.numel() == 0:
+        return logits
+    counts = torch.bincount(output, minlength=logits.shape[-1])[: logits.shape[-1]].to(logits.dtype)
+    return logits - frequency * counts - presence * (counts > 0).to(logits.dtype)
 
 
 def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor | None, penalty: float) -> torch.Tensor:
@@ -110,11 +145,13 @@ def apply_logit_bias(logits: torch.Tensor, bias: tuple[tuple[int, float], ...]) 
     return logits.index_add(0, tokens, torch.tensor([value for _, value in bias], device=logits.device))
 
 
-def process_logits(logits: torch.Tensor, params: SamplingParams, seen: torch.Tensor | None = None) -> torch.Tensor:
-    """Processed logits (V,) in float32: logit bias, penalty, temperature, then top-k / top-p / min-p
-    masking (-inf)."""
+def process_logits(logits: torch.Tensor, params: SamplingParams, seen: Seen | None = None) -> torch.Tensor:
+    """Processed logits (V,) in float32: logit bias, the penalties (repetition, then presence and
+    frequency), temperature, then top-k / top-p / min-p masking (-inf)."""
     logits = apply_logit_bias(logits.float(), params.logit_bias)
-    logits = apply_repetition_penalty(logits, seen, params.repetition_penalty)
+    if seen is not None:
+        logits = apply_repetition_penalty(logits, seen.context, params.repetition_penalty)
+        logits = apply_output_penalties(logits, seen.output, params.presence_penalty, params.frequency_penalty)
     if params.greedy:
         return logits
     logits = logits / params.temperature
@@ -133,7 +170,7 @@ def process_logits(logits: torch.Tensor, params: SamplingParams, seen: torch.Ten
     return logits
 
 
-def next_token_probs(logits: torch.Tensor, params: SamplingParams, seen: torch.Tensor | None = None) -> torch.Tensor:
+def next_token_probs(logits: torch.Tensor, params: SamplingParams, seen: Seen | None = None) -> torch.Tensor:
     """The distribution (V,) the decoder draws from; one-hot at the argmax when greedy."""
     processed = process_logits(logits, params, seen)
     if params.greedy:
@@ -154,7 +191,7 @@ def draw_token(probs: torch.Tensor, generator: torch.Generator | None) -> int:
     return int(torch.multinomial(probs.cpu(), 1, generator=generator))
 
 
-def pick(logits: torch.Tensor, params: SamplingParams, seen: torch.Tensor | None, generator: torch.Generator | None) -> int:
+def pick(logits: torch.Tensor, params: SamplingParams, seen: Seen | None, generator: torch.Generator | None) -> int:
     """One next token from logits (V,)."""
     processed = process_logits(logits, params, seen)
     if params.greedy:

@@ -31,7 +31,7 @@ from layerplan.decoding.drafters.base import DraftState, Drafter, LearnsFromRoun
 from layerplan.decoding.drafters.registry import make_drafter
 from layerplan.decoding.text import GenerationResult, TokenKind
 from layerplan.decoding.request import DecodeRequest
-from layerplan.decoding.sampling import SamplingParams, next_token_probs, penalty_context, pick
+from layerplan.decoding.sampling import Seen, SamplingParams, next_token_probs, penalty_context, pick
 from layerplan.engine.cache import KVCache
 from layerplan.engine.probe import ProbeRow
 from layerplan.engine.runner import forward
@@ -187,7 +187,8 @@ class SpeculativeDecoding(DecodeRequest):
             gamma = cap
             self.stats.capped_rounds += 1
         t0 = time.perf_counter()
-        state = DraftState(self.model, self.target, self.cache, self.context, self.sampling, self.generator)
+        state = DraftState(self.model, self.target, self.cache, self.context, self.sampling, self.generator,
+                           output_from=len(self.prompt))
         proposal = self.drafter.propose(state, gamma) if gamma > 0 else None
         return gamma, proposal, t0, time.perf_counter()
 
@@ -204,12 +205,12 @@ class SpeculativeDecoding(DecodeRequest):
         if tree:
             drafted = len(proposal.tokens)
             emitted, accepted, bonus, rows = _verify_tree(self.model, self.target, self.cache, self.context,
-                                                          proposal, self.sampling, self.generator)
+                                                          proposal, self.sampling, self.generator, len(self.prompt))
         else:
             draft = proposal.tokens[:gamma] if proposal else []
             drafted = len(draft)
             emitted, accepted, bonus, rows = _verify_chain(self.model, self.target, self.cache, self.context, draft,
-                                                           proposal, self.sampling, self.generator)
+                                                           proposal, self.sampling, self.generator, len(self.prompt))
         self._record(gamma, drafted, accepted, emitted, bonus, rows, proposal, t0, t1, time.perf_counter())
 
     def next_pass(self, cap: int | None = None, others: int = 0) -> tuple[torch.Tensor, object, int]:
@@ -228,7 +229,7 @@ class SpeculativeDecoding(DecodeRequest):
         """The round's verify logits (1 + drafted, vocab) from the batch's pass: accept, roll back."""
         gamma, draft, proposal, t0, t1 = self._round
         emitted, accepted, bonus, rows = _accept_chain(self.cache, self.context, draft, proposal, logits,
-                                                       self.sampling, self.generator)
+                                                       self.sampling, self.generator, len(self.prompt))
         self._record(gamma, len(draft), accepted, emitted, bonus, rows, proposal, t0, t1, time.perf_counter())
 
     def _record(self, gamma: int, drafted: int, accepted: int, emitted: list[int], bonus: bool, rows,
@@ -249,25 +250,26 @@ class SpeculativeDecoding(DecodeRequest):
 
 
 def _verify_chain(model: LoadedModel, target: LayerPlan, cache, context: list[int], draft: list[int],
-                  proposal: Proposal | None, sampling: SamplingParams,
-                  generator: torch.Generator | None) -> tuple[list[int], int, bool, torch.Tensor]:
+                  proposal: Proposal | None, sampling: SamplingParams, generator: torch.Generator | None,
+                  output_from: int = 0) -> tuple[list[int], int, bool, torch.Tensor]:
     """Check a chain of drafted tokens in one target pass (accept / recover / bonus). Returns the
     emitted tokens, how many drafted tokens were accepted, whether the last one is a bonus, and the
-    logits each emitted token was chosen at (_accept_chain)."""
+    logits each emitted token was chosen at (_accept_chain). context[output_from:] was generated."""
     position = len(context) - 1  # of the pending token
     verify_ids = torch.tensor([context[-1:] + draft], device=model.device)
     target_logits = forward(model, verify_ids, target, cache, position)[0]  # (γ+1, V)
-    return _accept_chain(cache, context, draft, proposal, target_logits, sampling, generator)
+    return _accept_chain(cache, context, draft, proposal, target_logits, sampling, generator, output_from)
 
 
 def _accept_chain(cache, context: list[int], draft: list[int], proposal: Proposal | None, target_logits: torch.Tensor,
-                  sampling: SamplingParams,
-                  generator: torch.Generator | None) -> tuple[list[int], int, bool, torch.Tensor]:
+                  sampling: SamplingParams, generator: torch.Generator | None,
+                  output_from: int = 0) -> tuple[list[int], int, bool, torch.Tensor]:
     """A chain's verdict from its verify logits (γ+1, V), and the cache cropped to what stays:
     (emitted tokens, accepted drafts, bonus, the logits rows of the emitted tokens: row i is where
-    the i-th was chosen)."""
+    the i-th was chosen). context[output_from:] was generated (the penalties')."""
     position = len(context) - 1
-    seen = [penalty_context(context + draft[:i], sampling, target_logits.device) for i in range(len(draft) + 1)]
+    seen = [penalty_context(context + draft[:i], sampling, target_logits.device, output_from)
+            for i in range(len(draft) + 1)]
     if sampling.greedy:  # the picks alone decide (accept_greedy)
         verdict = accept_greedy(draft, [pick(target_logits[i], sampling, seen[i], None) for i in range(len(draft) + 1)])
     else:
@@ -280,7 +282,8 @@ def _accept_chain(cache, context: list[int], draft: list[int], proposal: Proposa
 
 
 def _verify_tree(model: LoadedModel, target: LayerPlan, cache, context: list[int], proposal: Proposal,
-                 sampling: SamplingParams, generator: torch.Generator | None) -> tuple[list[int], int, bool, list]:
+                 sampling: SamplingParams, generator: torch.Generator | None,
+                 output_from: int = 0) -> tuple[list[int], int, bool, list]:
     """Check a token tree of deterministic proposals in one target pass. Returns the emitted tokens
     (the accepted path, then a recovered or bonus token), how many drafted tokens were accepted,
     whether the last one is a bonus, and the logits each emitted token was chosen at (the pending
@@ -291,8 +294,9 @@ def _verify_tree(model: LoadedModel, target: LayerPlan, cache, context: list[int
     position = len(context) - 1
     logits = forward(model, torch.tensor([tokens], device=model.device), target, cache, position, tree=shape)[0]
 
-    def seen(node: int) -> torch.Tensor | None:  # the context and the node's path, for penalties
-        return penalty_context(context + [tokens[i] for i in shape.path(node)[1:]], sampling, logits.device)
+    def seen(node: int) -> Seen | None:  # the context and the node's path, for penalties
+        return penalty_context(context + [tokens[i] for i in shape.path(node)[1:]], sampling, logits.device,
+                               output_from)
 
     if sampling.greedy:  # the picks alone decide (accept_tree_greedy)
         verdict = accept_tree_greedy(shape, tokens, lambda node: pick(logits[node], sampling, seen(node), None))

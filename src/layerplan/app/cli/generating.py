@@ -12,7 +12,7 @@ import click
 
 from layerplan.app.options import (DRAFT_LENGTH_HELP, auto_dtype_option, ctx_size_option, device_option,
                                    engine_option, light_context, logit_bias_option, model_b_option, model_option,
-                                   n_predict_option, sampling_options, threads_option)
+                                   n_predict_option, output_penalty_options, sampling_options, threads_option)
 from layerplan.corpus import read_text_file
 from layerplan.decoding.draft_length import DRAFT_LENGTHS
 from layerplan.lite.request import LiteRequest
@@ -48,6 +48,7 @@ class DrafterOption(click.Option):
 @n_predict_option(128, low=0, help="at most this many new tokens (prompt and new tokens fit the context)")
 @ctx_size_option
 @sampling_options
+@output_penalty_options
 @logit_bias_option
 @click.option("--plan", default=None, help="run the model by this plan (lossy unless it is the full model)")
 @model_b_option

@@ -31,14 +31,16 @@ from layerplan.search.probes import task_manager
 
 
 def run_generate_command(prompt, prompt_option, prompt_path, model, dtype, device, engine, threads, max_new_tokens,
-                         ctx_size, temperature, top_k, top_p, min_p, repetition_penalty, seed, logit_bias, plan,
-                         model_b, stop, chat, stream, draft, draft_length, draft_model, draft_confidence, exit_policy,
-                         stats, verbose, as_json, prompt_file, max_batch) -> None:
+                         ctx_size, temperature, top_k, top_p, min_p, repetition_penalty, presence_penalty,
+                         frequency_penalty, seed, logit_bias, plan, model_b, stop, chat, stream, draft, draft_length,
+                         draft_model, draft_confidence, exit_policy, stats, verbose, as_json, prompt_file,
+                         max_batch) -> None:
     """`layerplan generate` (app/cli/generating.py reads its command line), carried out."""
     set_threads(threads)
     with user_errors():
         # refused before the model loads
-        params = SamplingParams(temperature, top_k, top_p, repetition_penalty, min_p, tuple(logit_bias))
+        params = SamplingParams(temperature, top_k, top_p, repetition_penalty, min_p, tuple(logit_bias),
+                                presence_penalty, frequency_penalty)
         try:
             prompt = one_prompt(prompt, prompt_option, prompt_path)
         except PromptUsageError as error:

@@ -15,7 +15,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from layerplan.decoding.sampling import SamplingParams, argmax_token, draw_token, process_logits
+from layerplan.decoding.sampling import SamplingParams, argmax_token, draw_token, penalty_context, process_logits
 from layerplan.engine.cache import KVCache
 from layerplan.engine.tree import TreeShape
 from layerplan.models.loading import LoadedModel
@@ -30,6 +30,7 @@ class DraftState:
     tokens: list[int]  # the context; tokens[-1] is pending (its KV is not in the cache yet)
     sampling: SamplingParams
     generator: torch.Generator | None = None
+    output_from: int = 0  # tokens[output_from:] were generated (the presence and frequency penalties')
 
 
 @dataclass
@@ -87,8 +88,7 @@ class LearnsFromRounds(Protocol):
 def draft_token(logits: torch.Tensor, state: DraftState, seen: list[int]) -> tuple[int, torch.Tensor, float]:
     """(token, q, top-1 probability) from one position's draft logits (V,)."""
     params = state.sampling
-    penalty_context = torch.tensor(seen, device=logits.device) if params.repetition_penalty != 1.0 else None
-    processed = process_logits(logits, params, penalty_context)
+    processed = process_logits(logits, params, penalty_context(seen, params, logits.device, state.output_from))
     if params.greedy:
         token = argmax_token(processed)
         confidence = float(torch.softmax(processed, -1)[token])
