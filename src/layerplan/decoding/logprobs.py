@@ -18,6 +18,8 @@ from functools import lru_cache
 
 import numpy as np
 
+from layerplan.models.file_index import byte_spelling
+
 MAX_TOP_LOGPROBS = 20  # OpenAI's bound on top_logprobs (and vLLM's default)
 # the floor OpenAI reports for a token the model gives no probability (JSON has no -inf)
 LOGPROB_FLOOR = -9999.0
@@ -56,21 +58,8 @@ def token_logprob(logits, token: int, top: int) -> TokenLogprob:
     return TokenLogprob(int(token), _finite(chosen), tuple((int(i), _finite(v)) for i, v in best))
 
 
-# GPT-2's byte-level alphabet: each byte as the printable character its vocabularies spell it with
-def _byte_level_alphabet() -> dict[str, int]:
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) \
-        + list(range(ord("®"), ord("ÿ") + 1))
-    chars, extra = {}, 0
-    for byte in range(256):
-        if byte in printable:
-            chars[chr(byte)] = byte
-        else:
-            chars[chr(256 + extra)] = byte
-            extra += 1
-    return chars
-
-
-_BYTE_LEVEL = _byte_level_alphabet()
+# GPT-2's byte-level alphabet: the printable character its vocabularies spell each byte with
+_BYTE_LEVEL = {char: byte for byte, char in byte_spelling().items()}
 _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's byte fallback pieces
 
 

@@ -251,7 +251,7 @@ def full_config(config: dict[str, Any]) -> dict[str, Any]:
     return full
 
 
-def _byte_spelling() -> dict[int, str]:
+def byte_spelling() -> dict[int, str]:
     """GPT-2's byte -> printable character table (bytes_to_unicode)."""
     printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1), *range(ord("\xae"), 256)]
     spelled, extra = dict(zip(printable, map(chr, printable))), 0
@@ -277,7 +277,7 @@ def byte_level_tokenizer(header: GGUFHeader):
 
     metadata = header.metadata
     tokens: list[str] = metadata["tokenizer.ggml.tokens"]
-    spelling = _byte_spelling()
+    spelling = byte_spelling()
     alphabet = set(spelling.values())
     vocab = {token if set(token) <= alphabet else "".join(spelling[b] for b in token.encode("utf-8")): index
              for index, token in enumerate(tokens)}
