@@ -79,7 +79,8 @@ def test_the_server_takes_openais_logit_bias_and_refuses_what_it_cannot_use(tiny
         text = answer(logit_bias={str(first): -100}).json()["choices"][0]["text"]
         alone = generate(tiny, ids, max_new_tokens=20, sampling=SamplingParams(logit_bias=((first, -100.0),)))
         assert text == alone.text != answer().json()["choices"][0]["text"] and first not in alone.token_ids
-        for bias, says in (({"x": 1}, "is not a token id"), ({"9999": 1}, "vocabulary has ids 0-258"),
+        for bias, says in (({"x": 1}, "is not a token id"), ({"\u00b2": 1}, "is not a token id"),
+                           ({"9999": 1}, "vocabulary has ids 0-258"),
                            ({"5": 101}, "out of range")):
             refused = answer(logit_bias=bias)
             assert refused.status_code == 400 and refused.json()["error"]["param"] == "logit_bias", refused.text

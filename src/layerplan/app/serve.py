@@ -153,7 +153,7 @@ class _GenerationRequest(BaseModel):
         a logit_bias key that is no token id (of a vocabulary of that many ids, where given)."""
         bias = []
         for key, value in (self.logit_bias or {}).items():
-            if not key.strip().isdigit():
+            if not key.strip().isdecimal():  # (isdigit takes '²', which int() does not)
                 raise APIError(400, f"logit_bias key {key!r} is not a token id (a whole number as a string)",
                                "logit_bias")
             bias.append((int(key), value))
