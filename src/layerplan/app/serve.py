@@ -29,9 +29,9 @@ gathers a stream's text into fewer chunks.
 Log-probabilities: a chat request's `logprobs: true` (with `top_logprobs` up to 20) and a
 completion's `logprobs: N` (0-20) answer in OpenAI's two shapes, a stream's chunks carrying their
 own tokens'; a completion's `echo` puts the prompt before the completion, its tokens scored too
-(decoding/prompt_logprobs.py). They are the model's own distribution at each token (decoding/logprobs.py: before
-penalties, temperature and truncation, as vLLM reports them), the same for a drafted token the
-target accepted as for one decoded plainly.
+(decoding/prompt_logprobs.py). They are the model's own distribution at each token
+(decoding/logprobs.py: before penalties, temperature and truncation, as vLLM reports them), the
+same for a drafted token the target accepted as for one decoded plainly.
 """
 
 from __future__ import annotations
@@ -65,9 +65,9 @@ from layerplan.decoding.budget import ContextLengthError, token_budget
 from layerplan.decoding.limits import SEED_RANGE
 from layerplan.decoding.logprobs import MAX_TOP_LOGPROBS, CompletionLogprobs, TokenSpeller, chat_logprobs
 from layerplan.decoding.prompt_logprobs import prompt_logprobs
-from layerplan.engine.runner import new_cache
 from layerplan.decoding.sampling import SamplingError, SamplingParams
 from layerplan.engine.probe import ProbeRow
+from layerplan.engine.runner import new_cache
 from layerplan.models.architectures import ModelError
 from layerplan.models.loading import LoadedModel
 from layerplan.plan.plan import LayerPlan, PlanError, parse_plan
@@ -426,19 +426,9 @@ async def _reply(scheduler: Scheduler, request: Request, body: _GenerationReques
     job = Job(prompt_ids, max_tokens, body.sampling(), body.seed, body.stops(),
               on_text=put if stream else None, on_start=(lambda: put(STARTED)) if stream else None,
               logprobs=body.kept_logprobs(), **chosen)
-    future = scheduler.submit(job)
-    done = asyncio.wrap_future(future)
+    done = asyncio.wrap_future(scheduler.submit(job))
     if not stream:
-        try:
-            while not done.done():  # poll for a vanished client while queued or decoding
-                await asyncio.wait({done}, timeout=0.2)
-                if not done.done() and await request.is_disconnected():
-                    job.cancelled.set()
-            result = await done
-        except Exception as error:  # noqa: BLE001 - the server stays up; the client learns why
-            raise APIError(500, f"generation failed: {error}", kind="server_error") from error
-        if result is None:
-            raise APIError(499, "client closed the request")
+        (result,) = await _finished(request, [job], [done])
         answer = {**shape(result.text, FINISH_REASONS[result.stop_reason], logprobs=result.logprobs),
                   "usage": _usage(result, provenance)}
         if provenance:  # the whole text by token, as a stream's chunks carry it
@@ -730,6 +720,24 @@ def _check_choices(body: _GenerationRequest, prompts: int) -> None:
                             "ask for them without stream, or one at a time", "n" if prompts == 1 else "stream")
 
 
+async def _finished(request: Request, jobs: list[Job], futures: list[asyncio.Future]) -> list[GenerationResult]:
+    """The jobs' results (not streamed), polling for a vanished client while they wait or decode
+    (it cancels them all): a 500 where one failed, a 499 where the client left."""
+    pending = set(futures)
+    while pending:
+        _, pending = await asyncio.wait(pending, timeout=0.2)
+        if pending and await request.is_disconnected():
+            for job in jobs:
+                job.cancelled.set()
+    try:
+        results = [future.result() for future in futures]
+    except Exception as error:  # noqa: BLE001 - the server stays up; the client learns why
+        raise APIError(500, f"generation failed: {error}", kind="server_error") from error
+    if any(result is None for result in results):
+        raise APIError(499, "client closed the request")
+    return results
+
+
 async def _replies(scheduler: Scheduler, request: Request, body: _GenerationRequest, choices: list[Choice]) -> dict:
     """Several choices (in index order), not streamed: every job queued at once (decoded together,
     their passes shared), choice k sampled with seed + k where a seed is given; each answered by its
@@ -741,19 +749,7 @@ async def _replies(scheduler: Scheduler, request: Request, body: _GenerationRequ
             seed = body.seed + k if body.seed + k <= SEED_RANGE[1] else body.seed - k
         jobs.append(Job(choice.prompt_ids, choice.max_tokens, body.sampling(), seed, body.stops(),
                         logprobs=body.kept_logprobs(), **choice.fields))
-    futures = [asyncio.wrap_future(scheduler.submit(job)) for job in jobs]
-    pending = set(futures)
-    while pending:  # poll for a vanished client while queued or decoding
-        _, pending = await asyncio.wait(pending, timeout=0.2)
-        if pending and await request.is_disconnected():
-            for job in jobs:
-                job.cancelled.set()
-    try:
-        results = [future.result() for future in futures]
-    except Exception as error:  # noqa: BLE001 - the server stays up; the client learns why
-        raise APIError(500, f"generation failed: {error}", kind="server_error") from error
-    if any(result is None for result in results):
-        raise APIError(499, "client closed the request")
+    results = await _finished(request, jobs, [asyncio.wrap_future(scheduler.submit(job)) for job in jobs])
     answer, provenance = None, body.layerplan is not None and body.layerplan.provenance
     for result, choice in zip(results, choices):
         shaped = choice.shape(result.text, FINISH_REASONS[result.stop_reason], logprobs=result.logprobs)
