@@ -89,7 +89,7 @@ def output_penalty_options(command):
     return command
 
 
-logit_bias_option = click.option("--logit-bias", "-l", "logit_bias", type=LogitBias(), multiple=True,
+logit_bias_option = click.option("--logit-bias", "-l", "logit_bias", type=LogitBias(), multiple=True, default=(),
                                  help="add BIAS to the token's logit before sampling or greedy choice (repeatable; "
                                       "TOKEN-inf bans it; llama.cpp's -l)")
 

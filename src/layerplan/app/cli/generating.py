@@ -19,8 +19,9 @@ from layerplan.lite.request import LiteRequest
 
 # the options the light front end carries out no differently for any value the command takes:
 # whatever else a line gives must be the option's default (greedy sampling, no draft, ...)
-_CARRIED = {"prompt", "prompt_option", "prompt_path", "logit_bias", "model", "dtype", "engine", "device", "threads", "max_new_tokens", "plan",
-            "stop", "chat", "stream", "stats", "verbose", "as_json", "temperature", "max_batch"}
+_CARRIED = {"prompt", "prompt_option", "prompt_path", "model", "dtype", "engine", "device", "threads",
+            "max_new_tokens", "plan", "stop", "chat", "stream", "stats", "verbose", "as_json", "temperature",
+            "max_batch"}
 
 
 class DrafterOption(click.Option):
@@ -100,8 +101,7 @@ def light_request(argv: list[str]) -> LiteRequest | None:
             prompts.append(read_text_file(Path(given["prompt_path"])))
         except ValueError:  # (said by the torch front end, in its words)
             return None
-    if len(prompts) != 1 or not prompts[0] or given["engine"] == "eager" or given["temperature"] != 0.0 \
-            or given["logit_bias"]:  # (a bias: the torch front end's sampling takes it)
+    if len(prompts) != 1 or not prompts[0] or given["engine"] == "eager" or given["temperature"] != 0.0:
         return None
     return LiteRequest(prompt=prompts[0], model=given["model"], dtype=given["dtype"], engine=given["engine"],
                        threads=given["threads"], plan=given["plan"], max_new_tokens=given["max_new_tokens"],

@@ -109,7 +109,8 @@ def export(plan, model, dtype, out, fmt, source, model_b) -> None:
         check_output(out, "checkpoint" if fmt == "checkpoint" else "file")  # before any work
         if fmt == "gguf":
             if model_b:  # (before the load: seconds for a 7B, to say no)
-                raise click.UsageError("--to gguf writes one model's layers; a plan over two models exports --to checkpoint")
+                raise click.UsageError("--to gguf writes one model's layers; a plan over two models exports "
+                                       "--to checkpoint")
             # (the file's blocks are copied, never run: its panels are not packed for the kernels)
             loaded = load(model, STORED if gguf_of(model) is not None else dtype, engine="eager")
             path = export_gguf(loaded, loaded.plan(plan), out)
