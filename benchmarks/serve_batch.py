@@ -34,7 +34,7 @@ import httpx
 import torch
 
 from layerplan.decoding.generate import generate
-from layerplan.decoding.sampling import SamplingParams
+from layerplan.decoding.sampling_params import SamplingParams
 from layerplan.engine.load import load_model
 from layerplan.machine import read_cpuinfo
 from layerplan.models.loading import gguf_of

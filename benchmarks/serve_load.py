@@ -23,7 +23,7 @@ import uvicorn
 from layerplan.app.prompts import PROMPTS
 from layerplan.app.serve import create_app
 from layerplan.decoding.generate import generate
-from layerplan.decoding.sampling import SamplingParams
+from layerplan.decoding.sampling_params import SamplingParams
 from layerplan.engine.load import load_model
 
 

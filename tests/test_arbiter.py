@@ -15,7 +15,7 @@ from layerplan.decoding.drafters.registry import make_drafter
 from layerplan.decoding.drafters.saved import saved_draft_path
 from layerplan.decoding.drafters.suffix import SuffixDrafter
 from layerplan.decoding.generate import generate
-from layerplan.decoding.sampling import SamplingParams
+from layerplan.decoding.sampling_params import SamplingParams
 from layerplan.engine import native
 from layerplan.engine.executors import use_native
 from layerplan.plan.formats import save_plan

@@ -8,7 +8,7 @@ import torch
 from layerplan.decoding import batch as batching
 from layerplan.decoding.scheduler import generate_batch
 from layerplan.decoding.generate import generate
-from layerplan.decoding.sampling import SamplingParams
+from layerplan.decoding.sampling_params import SamplingParams
 from layerplan.engine.executors import use_native
 from layerplan.engine.kernel_library import native_available
 from layerplan.engine.runner import forward, forward_batch, new_cache

@@ -20,7 +20,7 @@ from layerplan.app import serve as serving
 from layerplan.app.chat import ChatSession, ChatSettings, first_changed_step, read_saved
 from layerplan.app.cli import main, running
 from layerplan.decoding.generate import generate
-from layerplan.decoding.sampling import SamplingParams
+from layerplan.decoding.sampling_params import SamplingParams
 from layerplan.engine.load import load_model
 
 LAYERPLAN = str(Path(sys.executable).parent / "layerplan")

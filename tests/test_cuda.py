@@ -21,7 +21,7 @@ from click.testing import CliRunner
 from layerplan.app.cli import main
 from layerplan.decoding.scheduler import generate_batch
 from layerplan.decoding.generate import generate
-from layerplan.decoding.sampling import SamplingParams
+from layerplan.decoding.sampling_params import SamplingParams
 from layerplan.engine.load import load_model, wrap_model
 from layerplan.engine.runner import forward, new_cache
 from layerplan.engine.verify import incremental_logits

@@ -4,7 +4,8 @@ import torch
 
 from layerplan.decoding.generate import generate
 from layerplan.decoding.loop import DecodeLoop
-from layerplan.decoding.sampling import SamplingParams, next_token_probs, penalty_context, process_logits
+from layerplan.decoding.sampling import next_token_probs, penalty_context, process_logits
+from layerplan.decoding.sampling_params import SamplingParams
 from layerplan.plan.plan import LayerPlan
 from tiny import ARCHS, VOCAB, tiny_model
 
@@ -63,7 +64,7 @@ def test_settings_whose_arithmetic_is_not_finite_are_refused(settings, message):
 
 
 def test_every_setting_in_range_gives_finite_probabilities():
-    from layerplan.decoding.sampling import MIN_TEMPERATURE, PENALTY_RANGE
+    from layerplan.decoding.sampling_params import MIN_TEMPERATURE, PENALTY_RANGE
 
     logits = torch.tensor([80.0, -80.0, 3.0, 0.0])
     for temperature in (MIN_TEMPERATURE, 2.0):

@@ -123,7 +123,7 @@ def test_sampling_with_a_reduced_draft_keeps_draft_probabilities_on_the_subset()
     subset = torch.arange(0, 96, 2)
     drafter = PlanDrafter(model.plan("exit:2"), head=ReducedHead(model, subset))
     from layerplan.decoding.drafters.base import DraftState
-    from layerplan.decoding.sampling import SamplingParams
+    from layerplan.decoding.sampling_params import SamplingParams
 
     cache = new_cache(model.plan(), 64)
     run_hidden(model, torch.tensor([PROMPT[:-1]]), model.plan(), cache, 0)

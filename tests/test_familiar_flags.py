@@ -15,7 +15,8 @@ from click.utils import make_default_short_help
 
 from layerplan.app.cli import COMMAND_INDEX, main
 from layerplan.app.options import FAMILIAR_NAMES, familiar_table
-from layerplan.decoding.sampling import SamplingError, SamplingParams, process_logits
+from layerplan.decoding.sampling import process_logits
+from layerplan.decoding.sampling_params import SamplingError, SamplingParams
 
 DOCS = Path(__file__).parent.parent / "docs" / "coming-from.md"
 

@@ -73,7 +73,7 @@ def test_generate_until_decodes_requests_together_as_each_decodes_alone(smollm2,
     """Requests sharing their options decode in one batch (continuous batching); each text is its
     generate() run's, stop strings and max_gen_toks per group."""
     from layerplan.decoding.generate import generate
-    from layerplan.decoding.sampling import SamplingParams
+    from layerplan.decoding.sampling_params import SamplingParams
 
     contexts = ["The capital of France is", "def add(a, b):", "Three colours:", "Once upon a time"]
     options = [{"until": ["\n"], "max_gen_toks": 12}, {"until": ["\n\n"], "max_gen_toks": 16},

@@ -13,7 +13,8 @@ from fastapi.testclient import TestClient
 from layerplan.app.cli import main
 from layerplan.app.serve import create_app
 from layerplan.decoding.generate import generate
-from layerplan.decoding.sampling import SamplingError, SamplingParams, penalty_context, pick, process_logits
+from layerplan.decoding.sampling import penalty_context, pick, process_logits
+from layerplan.decoding.sampling_params import SamplingError, SamplingParams
 
 REPETITIVE = "xxxxxxxxxxxxxxx"  # the tiny model continues it with one byte over and over: drafts get accepted
 

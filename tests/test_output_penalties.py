@@ -9,7 +9,8 @@ from click.testing import CliRunner
 
 from layerplan.app.cli import main
 from layerplan.decoding.generate import generate
-from layerplan.decoding.sampling import SamplingError, SamplingParams, penalty_context, process_logits
+from layerplan.decoding.sampling import penalty_context, process_logits
+from layerplan.decoding.sampling_params import SamplingError, SamplingParams
 
 REPETITIVE = "xxxxxxxxxxxxxxx"  # the tiny model continues it with one byte over and over: drafts get accepted
 PENALISED = SamplingParams(presence_penalty=1.5, frequency_penalty=0.5)

@@ -12,7 +12,7 @@ import pytest
 
 from layerplan.app.serve import chat_prompt_ids, create_app
 from layerplan.decoding.generate import generate
-from layerplan.decoding.sampling import SamplingParams
+from layerplan.decoding.sampling_params import SamplingParams
 from servers import serving
 
 KEY = "playground-key"

@@ -439,7 +439,7 @@ def test_health_says_when_decodes_run_slower_than_the_probe():
 
     from layerplan.app.serve import create_app
     from layerplan.decoding.scheduler import Job
-    from layerplan.decoding.sampling import SamplingParams
+    from layerplan.decoding.sampling_params import SamplingParams
 
     impossible = probe.ProbeRow("eager", "float32", 1e-6, {1: 1.0})
     app = create_app(tiny_model("llama"), probe_row=impossible)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from layerplan.decoding.generate import generate
-from layerplan.decoding.sampling import SamplingParams
+from layerplan.decoding.sampling_params import SamplingParams
 from layerplan.decoding.scheduler import Job, Scheduler
 from layerplan.engine.executors import use_native
 from layerplan.engine.kernel_library import native_available

@@ -12,7 +12,7 @@ import pytest
 
 from layerplan.app.serve import ListenError, chat_prompt_ids, create_app, listen_socket
 from layerplan.decoding.generate import generate
-from layerplan.decoding.sampling import SamplingParams
+from layerplan.decoding.sampling_params import SamplingParams
 from servers import serving
 
 pytestmark = pytest.mark.real

@@ -10,7 +10,7 @@ import pytest
 
 from layerplan.app.serve import create_app
 from layerplan.decoding.generate import generate
-from layerplan.decoding.sampling import SamplingParams
+from layerplan.decoding.sampling_params import SamplingParams
 from servers import serving
 
 pytestmark = pytest.mark.real

@@ -10,7 +10,7 @@ import torch
 from layerplan.app.serve import create_app
 from layerplan.decoding.generate import generate
 from layerplan.decoding.prompt_logprobs import prompt_logprobs
-from layerplan.decoding.sampling import SamplingParams
+from layerplan.decoding.sampling_params import SamplingParams
 from layerplan.engine.runner import forward
 from servers import serving
 

@@ -16,7 +16,7 @@ from fastapi.testclient import TestClient
 from layerplan.app.serve import create_app
 from layerplan.decoding.generate import generate
 from layerplan.decoding.logprobs import LOGPROB_FLOOR, TokenSpeller, token_logprob
-from layerplan.decoding.sampling import SamplingParams
+from layerplan.decoding.sampling_params import SamplingParams
 from layerplan.engine.runner import forward
 
 PROMPT = "the cat the cat the cat"

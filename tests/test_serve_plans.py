@@ -16,7 +16,7 @@ from layerplan.app.serve import create_app
 from layerplan.decoding.scheduler import Job
 from layerplan.decoding.generate import generate
 from layerplan.decoding.text import TOKEN_KINDS, TextStream
-from layerplan.decoding.sampling import SamplingParams
+from layerplan.decoding.sampling_params import SamplingParams
 from servers import serving
 
 REPETITIVE = "xxxxxxxxxxxxxxx"  # the tiny model continues it with one byte over and over: drafts get accepted

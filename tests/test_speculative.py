@@ -16,7 +16,8 @@ from layerplan.decoding.drafters.plan import PlanDrafter
 from layerplan.decoding.drafters.staged import StagedDrafter
 from layerplan.decoding.drafters.registry import make_drafter
 from layerplan.decoding.generate import generate
-from layerplan.decoding.sampling import SamplingParams, next_token_probs, penalty_context
+from layerplan.decoding.sampling import next_token_probs, penalty_context
+from layerplan.decoding.sampling_params import SamplingParams
 from layerplan.decoding.speculative import speculative_generate
 from layerplan.engine.executors import use_native
 from layerplan.engine.runner import forward, new_cache

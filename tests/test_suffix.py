@@ -11,7 +11,7 @@ from layerplan.decoding.drafters.base import DraftState
 from layerplan.decoding.drafters.registry import make_drafter
 from layerplan.decoding.drafters.suffix import SuffixDrafter
 from layerplan.decoding.generate import generate
-from layerplan.decoding.sampling import SamplingParams
+from layerplan.decoding.sampling_params import SamplingParams
 from layerplan.decoding.suffix_automaton import SuffixAutomaton
 from tiny import ARCHS, tiny_model
 

@@ -274,7 +274,7 @@ def test_greedy_tree_verdict_from_picks_is_accept_trees():
 def test_sampled_tree_speculation_runs_and_is_seeded(arch):
     model = _model(arch, "native")
     prompt = [5, 9, 14, 3, 22, 7, 5, 9, 14, 8, 22, 7, 5, 9]
-    from layerplan.decoding.sampling import SamplingParams
+    from layerplan.decoding.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0.8, top_k=20)
     # a fixed draft length: the adaptive one follows measured times, and with it the random draws
@@ -300,7 +300,7 @@ def test_a_branching_draft_proposes_its_runner_up_beside_unsure_tokens():
     model = tiny_model("llama")
     from layerplan.decoding.drafters.base import DraftState
     from layerplan.decoding.drafters.registry import make_drafter
-    from layerplan.decoding.sampling import SamplingParams
+    from layerplan.decoding.sampling_params import SamplingParams
 
     plan = model.plan()
     cache = new_cache(plan)
@@ -342,7 +342,7 @@ def test_online_layer_selection_equals_plain(arch, engine):
 def test_online_ranking_puts_a_sub_layer_that_does_nothing_first():
     from layerplan.decoding.drafters.base import DraftState
     from layerplan.decoding.drafters.online import OnlineSkipDrafter
-    from layerplan.decoding.sampling import SamplingParams
+    from layerplan.decoding.sampling_params import SamplingParams
 
     model = tiny_model("llama", num_layers=3)
     with torch.no_grad():  # layer 1's MLP adds nothing: its down projection is zero

@@ -32,7 +32,7 @@ from layerplan.decoding.drafters.registry import make_drafter
 from layerplan.decoding.output import chat_prompt_ids
 from layerplan.decoding.scheduler import Job, Scheduler
 from layerplan.decoding.text import GenerationResult, common_prefix
-from layerplan.decoding.sampling import SamplingParams, check_seed
+from layerplan.decoding.sampling_params import SamplingParams, check_seed
 from layerplan.engine.cache import KVCache
 from layerplan.engine.probe import ProbeRow
 from layerplan.engine.runner import Resume, new_cache, run_hidden

@@ -65,7 +65,7 @@ from layerplan.decoding.budget import ContextLengthError, token_budget
 from layerplan.decoding.limits import SEED_RANGE
 from layerplan.decoding.logprobs import MAX_TOP_LOGPROBS, CompletionLogprobs, TokenSpeller, chat_logprobs
 from layerplan.decoding.prompt_logprobs import prompt_logprobs
-from layerplan.decoding.sampling import SamplingError, SamplingParams
+from layerplan.decoding.sampling_params import SamplingError, SamplingParams
 from layerplan.engine.probe import ProbeRow
 from layerplan.engine.runner import new_cache
 from layerplan.models.architectures import ModelError

@@ -11,7 +11,7 @@ import torch
 from layerplan.decoding.drafters.dynamic_exit import DynamicExit, ExitPolicy
 from layerplan.decoding.text import GenerationResult
 from layerplan.decoding.request import DecodeRequest
-from layerplan.decoding.sampling import SamplingParams
+from layerplan.decoding.sampling_params import SamplingParams
 from layerplan.decoding.speculative import speculative_generate
 from layerplan.engine.cache import KVCache
 from layerplan.engine.probe import ProbeRow

@@ -12,7 +12,8 @@ import torch
 
 from layerplan.decoding.loop import DecodeLoop
 from layerplan.decoding.output import prompt_ids
-from layerplan.decoding.sampling import SamplingParams, penalty_context, pick
+from layerplan.decoding.sampling import penalty_context, pick
+from layerplan.decoding.sampling_params import SamplingParams
 from layerplan.engine.cache import KVCache
 from layerplan.engine.probe import PaceCheck, ProbeRow
 from layerplan.engine.runner import ModelPasses

@@ -35,7 +35,7 @@ from layerplan.decoding.drafters.base import Drafter
 from layerplan.decoding.drafters.model import ModelDrafter
 from layerplan.decoding.drafters.registry import drafts_by_lookup, make_drafter
 from layerplan.decoding.generate import Decoding
-from layerplan.decoding.sampling import SamplingParams
+from layerplan.decoding.sampling_params import SamplingParams
 from layerplan.decoding.speculative import SpeculativeDecoding
 from layerplan.decoding.text import GenerationResult
 from layerplan.engine.cache import KVCache

@@ -31,7 +31,8 @@ from layerplan.decoding.drafters.base import DraftState, Drafter, LearnsFromRoun
 from layerplan.decoding.drafters.registry import make_drafter
 from layerplan.decoding.text import GenerationResult, TokenKind
 from layerplan.decoding.request import DecodeRequest
-from layerplan.decoding.sampling import Seen, SamplingParams, next_token_probs, penalty_context, pick
+from layerplan.decoding.sampling import Seen, next_token_probs, penalty_context, pick
+from layerplan.decoding.sampling_params import SamplingParams
 from layerplan.engine.cache import KVCache
 from layerplan.engine.probe import ProbeRow
 from layerplan.engine.runner import forward

@@ -24,7 +24,7 @@ from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
 
 from layerplan.decoding.scheduler import generate_batch
-from layerplan.decoding.sampling import SamplingParams
+from layerplan.decoding.sampling_params import SamplingParams
 from layerplan.engine.runner import forward, new_cache
 from layerplan.models.loading import LoadedModel
 from layerplan.engine.load import load_model

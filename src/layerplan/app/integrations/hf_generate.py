@@ -16,7 +16,7 @@ import weakref
 import torch
 
 from layerplan.decoding.generate import generate
-from layerplan.decoding.sampling import SamplingParams
+from layerplan.decoding.sampling_params import SamplingParams
 from layerplan.models.loading import LoadedModel
 from layerplan.engine.load import wrap_model
 

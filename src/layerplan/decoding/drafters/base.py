@@ -15,7 +15,8 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from layerplan.decoding.sampling import SamplingParams, argmax_token, draw_token, penalty_context, process_logits
+from layerplan.decoding.sampling import argmax_token, draw_token, penalty_context, process_logits
+from layerplan.decoding.sampling_params import SamplingParams
 from layerplan.engine.cache import KVCache
 from layerplan.engine.tree import TreeShape
 from layerplan.models.loading import LoadedModel
