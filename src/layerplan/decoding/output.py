@@ -8,6 +8,7 @@ from collections.abc import Sequence
 
 import torch
 
+from layerplan.models.chat_template import ChatTemplateError, plain_chat_text
 from layerplan.models.loading import LoadedModel
 
 
@@ -21,11 +22,6 @@ def prompt_ids(model: LoadedModel, prompt: str | torch.Tensor | Sequence[int], c
     if ids.shape[1] == 0:
         raise ValueError("the prompt is empty (no tokens): give some text to continue")
     return ids
-
-
-class ChatTemplateError(ValueError):
-    """The model's chat template refuses a conversation (its own raise_exception: roles out of
-    order, a system message it does not take, ...); the message says what it said."""
 
 
 def chat_prompt_ids(model: LoadedModel, messages: Sequence[dict[str, str]]) -> list[int]:
@@ -43,5 +39,4 @@ def chat_prompt_ids(model: LoadedModel, messages: Sequence[dict[str, str]]) -> l
         except TemplateError as error:
             raise ChatTemplateError(f"the model's chat template refuses these messages: {error}") from None
         return list(encoded["input_ids"])
-    text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
-    return tokenizer(text).input_ids
+    return tokenizer(plain_chat_text(messages)).input_ids

@@ -459,32 +459,18 @@ def frame_of(template: str | None, render: Callable[[str], str]) -> dict:
 
 
 def chat_frame(template: str | None, special_tokens: dict[str, str | None]) -> dict:
-    """frame_of the template rendered as transformers renders a chat template: a sandboxed jinja2
-    environment, trimmed blocks, its raise_exception and tojson, the special tokens by name (one
-    that cannot be compiled here has no frame)."""
+    """frame_of the template rendered as transformers renders a chat template (models/chat_template.py;
+    one that cannot be compiled has no frame)."""
     if not template:
         return {"template": False}
-    import jinja2
-    from jinja2.ext import loopcontrols
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
+    # (here: jinja2 is imported only where an index is made, not at every start that reads one)
+    from layerplan.models.chat_template import ChatTemplate, ChatTemplateError
 
-    def raise_exception(message):
-        raise jinja2.exceptions.TemplateError(message)
-
-    def tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-        return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-    environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
-    environment.filters["tojson"] = tojson
-    environment.globals["raise_exception"] = raise_exception
     try:
-        compiled = environment.from_string(template)
-    except jinja2.exceptions.TemplateError:  # (an extension of transformers', such as {% generation %})
+        compiled = ChatTemplate(template, special_tokens)
+    except ChatTemplateError:
         return {"template": True}
-    tokens = {name: value for name, value in special_tokens.items() if value is not None}
-    return frame_of(template, lambda text: compiled.render(
-        messages=[{"role": "user", "content": text}], add_generation_prompt=True, tools=None, documents=None,
-        **tokens))
+    return frame_of(template, lambda text: compiled.render([{"role": "user", "content": text}]))
 
 
 @contextmanager
