@@ -17,8 +17,9 @@ import torch
 from click.testing import CliRunner
 
 from layerplan.app import serve as serving
-from layerplan.app.chat import ChatSession, ChatSettings, first_changed_step, read_saved
+from layerplan.app.chat import ChatSession
 from layerplan.app.cli import main, running
+from layerplan.decoding.chat_state import ChatSettings, first_changed_step, read_saved
 from layerplan.decoding.generate import generate
 from layerplan.decoding.sampling_params import SamplingParams
 from layerplan.engine.load import load_model

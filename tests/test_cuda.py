@@ -217,7 +217,8 @@ def test_the_command_line_generates_on_the_gpu_what_it_generates_on_the_cpu(tmp_
 def test_a_chat_on_the_gpu_switches_plans_and_answers_as_fresh_runs(tmp_path):
     """A conversation's cache on the GPU, its kept residual streams too: after /plan the reply
     equals a fresh run of the new plan over the whole history, as on the CPU."""
-    from layerplan.app.chat import ChatSession, ChatSettings
+    from layerplan.app.chat import ChatSession
+    from layerplan.decoding.chat_state import ChatSettings
 
     model = load_model(str(save_tiny_with_tokenizer(tmp_path / "tiny", context=8192)), dtype="float32",
                        device=GPU.type)

@@ -27,7 +27,8 @@ from layerplan.app.cli.searching import light_search_request
 from layerplan.decoding.generate import generate
 from layerplan.decoding.loop import DecodeLoop
 from layerplan.lite.request import LiteRequest
-from layerplan.lite.model import LiteModel, TorchFrontEnd, lite_refusal
+from layerplan.lite import TorchFrontEnd
+from layerplan.lite.model import LiteModel, lite_refusal
 from layerplan.models.arch_table import ARCHITECTURES
 from layerplan.models.errors import ModelError
 from layerplan.models.gguf_place import INDEX_VERSION, TENSORS_FILE, index_folder

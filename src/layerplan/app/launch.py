@@ -1,21 +1,24 @@
-"""The `layerplan` command's entry: a GGUF's plain generation, its perplexity (under a plan of the
-model, in either protocol), its scan, its search and explore's grid run on the light front end
-(layerplan/lite/: numpy and the native kernels, a start of a tenth of a second), every other
-command line on the torch front end (app/cli/), which reads it as it always has.
+"""The `layerplan` command's entry: a GGUF's plain generation, a greedy conversation with it, its
+perplexity (under a plan of the model, in either protocol), its scan, its search and explore's
+grid run on the light front end (layerplan/lite/: numpy and the native kernels, a start of a
+tenth of a second), every other command line on the torch front end (app/cli/), which reads it
+as it always has.
 
 Which one runs changes no output: the light front end takes only command lines whose meaning it
-carries out as the torch one does (app/cli/generating.py light_request, app/cli/scoring.py
-light_ppl_request and light_scan_request, app/cli/searching.py light_search_request,
-app/cli/exploring.py light_explore_request), and only
+carries out as the torch one does (app/cli/generating.py light_request, app/cli/chatting.py
+light_chat_request, app/cli/scoring.py light_ppl_request and light_scan_request,
+app/cli/searching.py light_search_request, app/cli/exploring.py light_explore_request), and only
 models whose index it can read (kept, or made now from the file). Where it finds, once started,
 that the model needs the torch front end, the command starts again as `python -m
 layerplan.app.cli` with LAYERPLAN_FRONT_END=torch: the kernels' library, loaded by then, links an
-OpenMP runtime that must not meet torch's in one process.
+OpenMP runtime that must not meet torch's in one process. (A conversation that asks for the
+torch front end halfway is handed on so too, with its transcript: app/cli/chatting.py.)
 
 A kept index's tokenizer process is started (lite/tokenizer_process.py) before anything that
 starts threads is imported (a fork copies only the thread that calls it), from the model the line
-names; then the `generate` command itself reads the line (its options are defined without torch,
-app/cli/generating.py), while the tokenizer is parsed on the other core.
+names; then the `generate` or `chat` command itself reads the line (its options are defined
+without torch, app/cli/generating.py and chatting.py), while the tokenizer is parsed on the other
+core.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from layerplan.lite import FRONT_END_VARIABLE
 
 def main() -> None:
     argv = sys.argv[1:]
-    light_generate = argv[:1] == ["generate"] and os.environ.get(FRONT_END_VARIABLE, "") != "torch"
+    light_generate = argv[:1] in (["generate"], ["chat"]) and os.environ.get(FRONT_END_VARIABLE, "") != "torch"
     if not light_generate:  # (the C heap keeps a pass's freed scratch for the next: heap.py)
         keep_freed_memory()
     if light_generate:
@@ -41,19 +44,25 @@ def main() -> None:
         named = _model_named(argv, DEFAULT_MODEL)
         tokenizer = TokenizerProcess.for_model(named)
         keep_freed_memory()  # (after the fork, which the tokenizer's parse waits for)
-        from layerplan.app.cli.generating import light_request
+        if argv[0] == "chat":
+            from layerplan.app.cli.chatting import light_chat_request, run_light_chat
 
-        request = light_request(argv)
+            request, carry_out = light_chat_request(argv), run_light_chat
+        else:
+            from layerplan.app.cli.generating import light_request
+            from layerplan.lite.cli import run as carry_out
+
+            request = light_request(argv)
         if request is not None and request.model != named and tokenizer is not None:
             tokenizer.close()  # (read ahead from another model: LiteModel reads the tokenizer itself)
             tokenizer = None
         if request is None and tokenizer is not None:
             tokenizer.close()
         if request is not None:
-            from layerplan.lite.cli import run, runnable
+            from layerplan.lite.cli import runnable
 
             taken = runnable(request)
-            status = run(request, tokenizer) if taken else None
+            status = carry_out(request, tokenizer) if taken else None
             if tokenizer is not None:
                 tokenizer.close()
             _leave_or_restart(status, taken, argv)

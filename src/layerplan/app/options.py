@@ -251,3 +251,11 @@ class Output(click.Path):
         except (WriteError, ValueError) as error:  # (ValueError: a NUL in the path)
             self.fail(str(error), param, ctx)
         return value
+
+
+def decoding_model_options(command):
+    """The model a decoding command runs and how (generate, chat, serve): --model, --dtype (auto),
+    --device, --engine, --threads."""
+    for option in reversed((model_option, auto_dtype_option, device_option, engine_option, threads_option)):
+        command = option(command)
+    return command

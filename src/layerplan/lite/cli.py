@@ -18,7 +18,8 @@ from layerplan.decoding.loop import DecodeLoop
 from layerplan.decoding.text import TextDelta, prompt_notes
 from layerplan.files import WriteError
 from layerplan.lite.evaluator import LitePlanEvaluator, explore_lite
-from layerplan.lite.model import LiteModel, TorchFrontEnd, lite_refusal
+from layerplan.lite import TorchFrontEnd
+from layerplan.lite.model import LiteModel, lite_refusal
 from layerplan.lite.request import (ARITHMETICS, FileRequest, LiteExploreRequest, LitePerplexityRequest, LiteRequest,
                                     LiteScanRequest)
 from layerplan.lite.tokenizer_process import TokenizerProcess

@@ -30,6 +30,7 @@ from layerplan.engine.file_kernels import (ARITHMETIC_CODES, FileKernels, NotDes
 from layerplan.engine.kernel_library import ABI, check, library
 from layerplan.engine.rope_tables import rope_rows
 from layerplan.engine.stored_pack import stack_format
+from layerplan.lite import TorchFrontEnd
 from layerplan.lite.tokenizer import LiteTokenizer
 from layerplan.lite.tokenizer_process import TokenizerProcess
 from layerplan.machine import physical_cores
@@ -40,10 +41,6 @@ from layerplan.models.gguf_place import DEFAULT_DISPLAY_NAME, INDEX_VERSION, def
 from layerplan.plan.plan import LayerPlan
 
 _Kv, _Step = (ABI.structs[name] for name in ("lp_kv", "lp_step"))
-
-
-class TorchFrontEnd(Exception):
-    """What the light front end found it cannot run (the message says what); the torch front end runs it."""
 
 
 def lite_refusal(index: Path) -> str | None:
@@ -159,7 +156,7 @@ class LiteModel:
 
         plan = load_plan(text, self.num_layers, self.name)
         if plan.models:
-            raise TorchFrontEnd("a plan that takes layers from a second model")
+            raise TorchFrontEnd("a plan that takes layers from a second model runs on the torch front end")
         return plan
 
     def new_cache(self, plan: LayerPlan, capacity: int) -> LiteCache:
@@ -228,6 +225,7 @@ class LiteCache:
 
     def __init__(self, model: LiteModel, plan: LayerPlan, capacity: int) -> None:
         c = model.config
+        self.model, self.plan = model, plan
         self.capacity = capacity
         self.length = 0  # the positions written (a pass's end)
         steps = [step for step in plan.active_steps if step.active]
@@ -244,3 +242,16 @@ class LiteCache:
                 entry.mlp = ctypes.pointer(model.mlp[step.layer])
             entry.rope = model.rope_of_layer[step.layer]
             entry.scale = step.scale
+
+    def crop(self, length: int) -> None:
+        """Keep the first `length` positions (a later pass writes over the rest)."""
+        self.length = min(self.length, length)
+
+    def grown(self, capacity: int) -> LiteCache:
+        """A cache of `capacity` positions for the same plan, holding this one's."""
+        bigger = LiteCache(self.model, self.plan, capacity)
+        for (keys, values), (new_keys, new_values) in zip(self.slots, bigger.slots):
+            new_keys[:, :self.length] = keys[:, :self.length]
+            new_values[:, :self.length] = values[:, :self.length]
+        bigger.length = self.length
+        return bigger

@@ -3,8 +3,9 @@ GGUF's plain greedy continuation of one prompt (the model, its dtype as stored, 
 threads, a plan of this model, the token budget, stop strings, streaming, the chat template where
 it only wraps the prompt, the statistics); app/cli/generating.py light_request makes one of a
 command line that the command itself has read, where the line asks for nothing else. A `layerplan
-ppl` request: a GGUF's perplexity under a plan of this model, in either protocol, and the plan's
-comparison with the full model (app/cli/scoring.py light_ppl_request). A `layerplan scan` request:
+chat` request: a conversation's model and settings (app/cli/chatting.py light_chat_request). A
+`layerplan ppl` request: a GGUF's perplexity under a plan of this model, in either protocol, and
+the plan's comparison with the full model (app/cli/scoring.py light_ppl_request). A `layerplan scan` request:
 a GGUF's sub-layer or exit scan of a plan of this model (app/cli/scoring.py light_scan_request). A
 `layerplan search` request: every option of the command (app/cli/searching.py light_search_request)."""
 
@@ -52,6 +53,16 @@ class LiteRequest(FileRequest):
     chat: bool = False
     stats: bool = False  # --stats / --verbose: the summary lines
     as_json: bool = False  # --json: the statistics object
+
+
+@dataclass
+class LiteChatRequest(FileRequest):
+    """app/cli/chatting.py's options: the settings (decoding/chat_state.py ChatSettings's fields) as
+    the command line gives them, those it names (they override a --load file's), the file."""
+
+    settings: dict = field(default_factory=dict)
+    named: list[str] = field(default_factory=list)
+    load_file: str | None = None
 
 
 @dataclass

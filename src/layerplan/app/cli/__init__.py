@@ -23,7 +23,7 @@ from layerplan.messages import one_line
 # each against the command's docstring)
 COMMAND_INDEX = {
     "bench": ("measuring", "Time decoding against transformers' generate in the same run (ratios, CPU)."),
-    "chat": ("running", "A multi-turn conversation in the model's chat template, streamed; /help lists the commands."),
+    "chat": ("chatting", "A multi-turn conversation in the model's chat template, streamed; /help lists the commands."),
     "eval": ("running", "Evaluate the model under a plan with lm-evaluation-harness (pip install 'layerplan[eval]')."),
     "explore": ("exploring", "Explore in-situ frankenmerges."),
     "export": ("running", "Write PLAN as a real Hugging Face checkpoint, or as mergekit passthrough YAML."),

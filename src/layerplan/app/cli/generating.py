@@ -10,9 +10,9 @@ from pathlib import Path
 
 import click
 
-from layerplan.app.options import (DRAFT_LENGTH_HELP, auto_dtype_option, ctx_size_option, device_option,
-                                   engine_option, light_context, logit_bias_option, model_b_option, model_option,
-                                   n_predict_option, output_penalty_options, sampling_options, threads_option)
+from layerplan.app.options import (DRAFT_LENGTH_HELP, ctx_size_option, decoding_model_options, light_context,
+                                   logit_bias_option, model_b_option, n_predict_option, output_penalty_options,
+                                   sampling_options)
 from layerplan.corpus import read_text_file
 from layerplan.decoding.draft_length import DRAFT_LENGTHS
 from layerplan.lite.request import LiteRequest
@@ -41,11 +41,7 @@ class DrafterOption(click.Option):
               help="the prompt (as the first argument; llama.cpp's -p)")
 @click.option("--file", "-f", "prompt_path", type=click.Path(dir_okay=False), default=None,
               help="read the prompt from this file (its whole text; llama.cpp's -f)")
-@model_option
-@auto_dtype_option
-@device_option
-@engine_option
-@threads_option
+@decoding_model_options
 @n_predict_option(128, low=0, help="at most this many new tokens (prompt and new tokens fit the context)")
 @ctx_size_option
 @sampling_options

@@ -5,20 +5,23 @@ from __future__ import annotations
 import ipaddress
 import json
 import re
+import shutil
+import sys
+from pathlib import Path
 
 import click
 import torch
 
 from layerplan.app.cli.common import attach, checked_probe_row, freeze, load, set_threads, user_errors
-from layerplan.app.options import (DRAFT_LENGTH_HELP, MODEL_HELP, Output, auto_dtype_option, ctx_size_option,
-                                   device_option, dtype_option, engine_option, export_dtype_option, model_b_option, model_option,
-                                   n_predict_option, sampling_options, threads_option)
+from layerplan.app.options import (DRAFT_LENGTH_HELP, MODEL_HELP, Output, ctx_size_option, decoding_model_options,
+                                   device_option, dtype_option, engine_option, export_dtype_option, model_b_option,
+                                   model_option, threads_option)
 from layerplan.app.prompts import PromptUsageError, generate_prompt_file, one_prompt, read_prompt_file
 from layerplan.decoding.budget import token_budget
 from layerplan.decoding.draft_length import DRAFT_LENGTHS
 from layerplan.decoding.generate import generate as run_generate
 from layerplan.decoding.output import prompt_ids
-from layerplan.decoding.sampling import SamplingParams
+from layerplan.decoding.sampling_params import SamplingParams
 from layerplan.decoding.text import prompt_notes
 from layerplan.engine.choices import STORED
 from layerplan.export import EXPORT_FORMATS, export_checkpoint, export_format_of, export_gguf
@@ -204,11 +207,7 @@ def _check_host(host: str) -> None:
 
 
 @click.command()
-@model_option
-@auto_dtype_option
-@device_option
-@engine_option
-@threads_option
+@decoding_model_options
 @click.option("--plan", default=None, help="serve the model run by this plan (lossy unless it is the full model)")
 @click.option("--draft", default=None, help="lossless speculative decoding with this drafter (as in generate)")
 @click.option("--draft-length", default=None, type=click.Choice(list(DRAFT_LENGTHS)), help=DRAFT_LENGTH_HELP)
@@ -266,46 +265,53 @@ def serve(model, dtype, device, engine, threads, plan, draft, draft_length, host
             raise click.ClickException(str(error)) from None
 
 
-@click.command()
-@model_option
-@auto_dtype_option
-@device_option
-@engine_option
-@threads_option
-@click.option("--plan", default=None, help="run the model by this plan (default: the full model; /plan switches)")
-@click.option("--draft", default=None, help="lossless speculative decoding with this drafter, as in generate "
-                                           "(/draft switches)")
-@ctx_size_option
-@sampling_options
-@n_predict_option(256, help="at most this many tokens a reply (within the context)")
-@click.option("--system", "-sys", "--system-prompt", "system", default=None,
-              help="a system message before the conversation (/system)")
-@click.option("--load", "load_file", type=click.Path(dir_okay=False), default=None,
-              help="resume a conversation /save wrote (options given here override its settings)")
-def chat(model, dtype, device, engine, threads, plan, draft, ctx_size, temperature, top_k, top_p, min_p,
-         repetition_penalty, seed, max_new_tokens, system, load_file) -> None:
-    """A multi-turn conversation in the model's chat template, streamed; /help lists the commands.
-    From a pipe: a line a message or command, replies on stdout, the rest on stderr."""
-    from layerplan.app.chat import ChatSession, ChatSettings, read_saved, run_chat
+def run_chat_command(model, dtype, device, engine, threads, plan, draft, ctx_size, temperature, top_k, top_p, min_p,
+                     repetition_penalty, seed, max_new_tokens, system, load_file) -> None:
+    """`layerplan chat` on the torch front end (app/cli/chatting.py reads its command line), carried
+    out; or the light front end's conversation, handed on (chatting.py hand_off) with its line."""
+    from layerplan.app.chat import ChatSession
+    from layerplan.app.chat_loop import run_chat
+    from layerplan.app.cli.chatting import handed_off
+    from layerplan.decoding.chat_state import ChatSettings, Totals, read_saved
 
     set_threads(threads)
     options = dict(plan=plan, draft=draft, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                    repetition_penalty=repetition_penalty, seed=seed, max_new_tokens=max_new_tokens, system=system)
     context = click.get_current_context()
+    handoff = handed_off(load_file)
     with user_errors():
         if load_file:  # the file's settings, but for the options named on the command line
             given = {k: v for k, v in options.items()
                      if context.get_parameter_source(k) is click.core.ParameterSource.COMMANDLINE}
-            saved = read_saved(load_file, given)
+            try:
+                saved = read_saved(load_file, given)
+            finally:
+                if handoff is not None:
+                    _take_handed_off(handoff)
             settings, messages = saved.settings, saved.messages
         else:
             settings, messages = ChatSettings(**{**options, "plan": plan or "full"}), []
         loaded = load(model, dtype, device, engine, ctx_size=ctx_size)
-        if load_file and saved.model != loaded.name:
+        if load_file and saved.model != loaded.name and handoff is None:
             click.echo(f"{load_file} was saved with {saved.model or 'an unnamed model'}; resuming with {loaded.name}",
                        err=True)
         session = ChatSession(loaded, settings, messages, probe_row=checked_probe_row(loaded))
-    return run_chat(session, guard=user_errors)
+    if handoff is not None:  # (the light front end's counts go on)
+        session.session = Totals(**handoff["totals"])
+    return run_chat(session, guard=user_errors, first_lines=[handoff["line"]] if handoff is not None else ())
 
 
-COMMANDS = (export, plan_command, eval_command, serve, chat)  # registered on main (the package's __init__)
+def _take_handed_off(handoff: dict) -> None:
+    """A hand-off's line history into this process's (at a terminal), and its private folder removed."""
+    history = handoff.get("history")
+    if history and sys.stdin.isatty():
+        try:
+            import readline
+
+            readline.read_history_file(history)
+        except (ImportError, OSError):
+            pass
+    shutil.rmtree(Path(handoff["file"]).parent, ignore_errors=True)
+
+
+COMMANDS = (export, plan_command, eval_command, serve)  # registered on main (the package's __init__)

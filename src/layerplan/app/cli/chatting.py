@@ -1,0 +1,170 @@
+"""`layerplan chat`'s command line: its options, defined without torch, so that app/launch.py reads a
+line with the command itself before it chooses a front end (light_chat_request), and the light
+front end's conversation (run_light_chat: lite/chat.py's session in app/chat_loop.py's loop).
+The torch front end's run is app/cli/running.py run_chat_command.
+
+A light conversation that meets a line only the torch front end runs (a draft, sampling, a plan
+of two models) is handed on (hand_off): its transcript and settings saved as /save writes them,
+into a private folder, and the process replaced by the torch front end's `chat --load` of it,
+which runs that line first, keeps the session's counts and the line history, and removes the
+folder. Standard input is read a byte at a time on the light front end (UnbufferedLines), so no
+line the user sent is left in this process's buffer when it is replaced.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import sys
+import tempfile
+from contextlib import contextmanager
+from dataclasses import asdict
+from pathlib import Path
+
+import click
+
+from layerplan.app.options import (ctx_size_option, decoding_model_options, light_context, n_predict_option,
+                                   sampling_options)
+from layerplan.lite import FRONT_END_VARIABLE
+from layerplan.lite.request import LiteChatRequest
+from layerplan.messages import one_line
+
+# a light conversation handed on to the torch front end: JSON {"file", "line", "totals", "history"}
+HANDOFF_VARIABLE = "LAYERPLAN_CHAT_HANDOFF"
+# the settings a light conversation starts with: the command line's, or a --load file's
+_SETTINGS = ("plan", "draft", "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "seed",
+             "max_new_tokens", "system")
+
+
+@click.command()
+@decoding_model_options
+@click.option("--plan", default=None, help="run the model by this plan (default: the full model; /plan switches)")
+@click.option("--draft", default=None, help="lossless speculative decoding with this drafter, as in generate "
+                                           "(/draft switches)")
+@ctx_size_option
+@sampling_options
+@n_predict_option(256, help="at most this many tokens a reply (within the context)")
+@click.option("--system", "-sys", "--system-prompt", "system", default=None,
+              help="a system message before the conversation (/system)")
+@click.option("--load", "load_file", type=click.Path(dir_okay=False), default=None,
+              help="resume a conversation /save wrote (options given here override its settings)")
+def chat(**options) -> None:
+    """A multi-turn conversation in the model's chat template, streamed; /help lists the commands.
+    From a pipe: a line a message or command, replies on stdout, the rest on stderr."""
+    # (the work's modules import torch: imported once the command line has been read)
+    importlib.import_module("layerplan.app.cli.running").run_chat_command(**options)
+
+
+def light_chat_request(argv: list[str]) -> LiteChatRequest | None:
+    """The light front end's request of `layerplan chat ...` (argv without the program), read by
+    this command: None where the line asks for what only the torch front end runs (a device, a
+    context size, an eager engine; a draft or sampling, given or in a --load file, are weighed
+    once the file is read: run_light_chat)."""
+    context = light_context(chat, argv)
+    if context is None:
+        return None
+    given = context.params
+    if given["ctx_size"] or given["engine"] == "eager":
+        return None
+    named = {name for name in _SETTINGS if context.get_parameter_source(name) is click.core.ParameterSource.COMMANDLINE}
+    return LiteChatRequest(model=given["model"], dtype=given["dtype"], engine=given["engine"],
+                           threads=given["threads"], settings={name: given[name] for name in _SETTINGS},
+                           named=sorted(named), load_file=given["load_file"])
+
+
+def run_light_chat(request: LiteChatRequest, tokenizer=None) -> int | None:
+    """The conversation on the light front end: its exit status, or None where its settings or
+    model need the torch front end (before any output but the loading line)."""
+    from layerplan.app.chat_loop import run_chat
+    from layerplan.decoding.chat_state import ChatSettings, read_saved
+    from layerplan.lite.chat import LightChatSession, light_refusal
+    from layerplan.lite.cli import ENDINGS, ended_by, load_for
+
+    try:
+        saved = None
+        if request.load_file:  # the file's settings, but for the options named on the command line
+            saved = read_saved(request.load_file, {k: request.settings[k] for k in request.named})
+            settings, messages = saved.settings, saved.messages
+        else:
+            settings, messages = ChatSettings(**{**request.settings, "plan": request.settings["plan"] or "full"}), []
+        if light_refusal(settings) is not None:
+            return None
+        model = load_for(request, tokenizer)
+        if saved is not None and saved.model != model.name:
+            print(f"{request.load_file} was saved with {saved.model or 'an unnamed model'}; resuming with "
+                  f"{model.name}", file=sys.stderr)
+        session = LightChatSession(model, settings, messages)
+    except ENDINGS as error:
+        return ended_by(error)
+    interactive = sys.stdin.isatty()
+    return run_chat(session, guard=_light_errors, stdin=None if interactive else UnbufferedLines(sys.stdin.fileno()),
+                    interactive=interactive, hand_off=_hand_off(request, interactive))
+
+
+@contextmanager
+def _light_errors():
+    """Bad input as app/cli/common.py user_errors says it (one line), without torch."""
+    from layerplan.files import WriteError
+    from layerplan.models.errors import ModelError
+    from layerplan.plan.plan import PlanError
+
+    try:
+        yield
+    except (PlanError, ModelError, FileNotFoundError, WriteError, ValueError) as error:
+        raise click.ClickException(one_line(str(error))) from None
+    except OSError as error:
+        where = f"{error.filename}: " if error.filename else ""
+        raise click.ClickException(f"{where}{error.strerror or error}") from None
+
+
+class UnbufferedLines:
+    """A file descriptor's lines, read a byte at a time (nothing read past the line returned)."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def readline(self) -> str:
+        data = bytearray()
+        while not data.endswith(b"\n"):
+            byte = os.read(self.fd, 1)
+            if not byte:
+                break
+            data += byte
+        return data.decode("utf-8", errors="replace")
+
+
+def _hand_off(request: LiteChatRequest, interactive: bool):
+    def hand_off(session, line: str) -> None:
+        folder = Path(tempfile.mkdtemp(prefix="layerplan-chat-"))
+        saved = session.save(folder / "conversation.json")
+        state = {"file": str(saved), "line": line, "totals": asdict(session.session), "history": None}
+        readline = sys.modules.get("readline")
+        if interactive and readline is not None:
+            state["history"] = str(folder / "history")
+            readline.write_history_file(state["history"])
+        os.environ[HANDOFF_VARIABLE] = json.dumps(state)
+        os.environ[FRONT_END_VARIABLE] = "torch"
+        argv = ["chat", "--model", request.model, "--dtype", request.dtype, "--engine", request.engine,
+                *(["--threads", str(request.threads)] if request.threads else []), "--load", str(saved)]
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()
+        os.execv(sys.executable, [sys.executable, "-m", "layerplan.app.cli", *argv])
+
+    return hand_off
+
+
+def handed_off(load_file: str | None) -> dict | None:
+    """The hand-off that started this process (its state, HANDOFF_VARIABLE's), where --load names
+    its file; None for any other start. The variable is taken out of the environment."""
+    state = os.environ.pop(HANDOFF_VARIABLE, None)
+    if state is None or load_file is None:
+        return None
+    try:
+        state = json.loads(state)
+    except ValueError:
+        return None
+    return state if isinstance(state, dict) and state.get("file") == load_file else None
+
+
+COMMANDS = (chat,)  # registered on main (the package's __init__: COMMAND_INDEX)

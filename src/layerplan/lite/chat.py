@@ -1,0 +1,123 @@
+"""`layerplan chat` on the light front end: LightChatSession, a conversation with a GGUF run as
+stored by the kernels alone (lite/model.py), greedy, by a plan of the model. app/chat_loop.py runs
+it as it runs the torch front end's session (app/chat.py), and the replies are that session's:
+the conversation rendered whole through the chat template as transformers renders it
+(models/chat_template.py), tokenized without added special tokens, the cache kept up to the
+longest prefix it shares with the new turn's tokens, each token the first maximum of the same
+logits (tests/test_lite_chat.py runs both).
+
+What it does not run it raises TorchFrontEnd for, before changing anything: sampling (a
+temperature above 0, a repetition penalty), drafts, a plan that takes layers from a second model.
+The loop then hands the conversation and that line on to the torch front end.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+
+from layerplan.decoding.chat_state import NO_DRAFT, ChatHistory, ChatSettings, Reply, first_changed_step, replaced
+from layerplan.decoding.loop import DecodeLoop
+from layerplan.lite import TorchFrontEnd
+from layerplan.lite.model import LiteCache, LiteModel
+from layerplan.models.chat_template import ChatTemplate, ChatTemplateError, plain_chat_text, special_tokens_of
+
+DRAFTS_NEED_TORCH = "drafting runs on the torch front end"
+SAMPLING_NEEDS_TORCH = "sampling (a temperature above 0, a repetition penalty) runs on the torch front end"
+
+
+def light_refusal(settings: ChatSettings) -> str | None:
+    """Why these settings need the torch front end (one line), or None."""
+    if settings.draft is not None:
+        return DRAFTS_NEED_TORCH
+    if settings.temperature != 0.0 or settings.repetition_penalty != 1.0:
+        return SAMPLING_NEEDS_TORCH
+    return None
+
+
+class LightChatSession(ChatHistory):
+    """A conversation with a LiteModel (see the module's docstring); TorchFrontEnd at the start
+    where its settings, template or plan need the torch front end."""
+
+    def __init__(self, model: LiteModel, settings: ChatSettings | None = None,
+                 messages: Sequence[dict[str, str]] = ()) -> None:
+        if model.tokenizer is None:
+            model.encode("")  # ModelError in the model's own words: text cannot be turned into tokens
+        refusal = light_refusal(settings) if settings is not None else None
+        if refusal is not None:
+            raise TorchFrontEnd(refusal)
+        self.template = _template(model)
+        super().__init__(model, settings, messages)
+        self.cache: LiteCache | None
+
+    @property
+    def has_chat_template(self) -> bool:
+        return self.template is not None
+
+    # ----- settings ---------------------------------------------------------------------------
+    def set_plan(self, text: str) -> str:
+        """Run the model by this plan from the next reply on; what was kept of the cache (all of
+        it where the steps are the same, else nothing: the conversation prefills again)."""
+        plan = self.model.plan(text)
+        first = first_changed_step(self.plan, plan)
+        self.plan, self.settings.plan = plan, plan.to_string()
+        if first is None:
+            self.replan = "the same steps as before: the cache is kept whole"
+        else:
+            held = len(self.cached)
+            self.cache, self.cached = None, []
+            self.replan = (f"step {first} is the first to change: the {held}-token conversation prefills again "
+                           f"through {plan.to_string()} at the next reply")
+        return self.replan
+
+    def set_draft(self, spec: str | None) -> None:
+        if spec is not None and spec.strip().lower() not in ("", *NO_DRAFT):
+            raise TorchFrontEnd(DRAFTS_NEED_TORCH)
+        self.settings.draft = None
+
+    def set_temperature(self, temperature: float) -> None:
+        checked = replaced(self.settings, temperature=temperature)  # (a bad value: its own error first)
+        if light_refusal(checked) is not None:
+            raise TorchFrontEnd(SAMPLING_NEEDS_TORCH)
+        self.settings = checked
+
+    # ----- replies ------------------------------------------------------------------------------
+    def prompt_ids(self, messages: Sequence[dict[str, str]] | None = None) -> list[int]:
+        """The conversation's token ids, ready for the assistant's turn (decoding/output.py
+        chat_prompt_ids's on the torch front end)."""
+        conversation = self.conversation(messages)
+        if self.template is None:
+            return self.model.tokenizer.encode(plain_chat_text(conversation))
+        return self.model.tokenizer.encode(self.template.render(conversation), special_tokens=False)
+
+    def reply(self, text: str, on_text: Callable[[str], None] | None = None,
+              should_stop: Callable[[], bool] | None = None) -> Reply:
+        """Answer a user message. on_text gets the reply's text as it comes; should_stop() True
+        stops it (the partial reply stays in the conversation)."""
+        messages = [*self.messages, {"role": "user", "content": text}]
+        ids = self.prompt_ids(messages)
+        budget = min(self.settings.max_new_tokens, self.room(ids))
+        kept = self.keep(ids)
+        cache, self.cache, self.cached = self.cache, None, []  # a reply that fails leaves no half-written cache
+        need = len(ids) + budget + 1
+        if cache is None:
+            cache = self.model.new_cache(self.plan, need)
+        elif cache.capacity < need:
+            cache = cache.grown(need)
+        result = DecodeLoop(self.model, ids, self.plan, budget, (), True, on_text, should_stop, cache=cache).run()
+        return self.replied(messages, ids, result, cache, kept, {})
+
+
+def _template(model: LiteModel) -> ChatTemplate | None:
+    """The index's chat template, compiled (None: the model has none); TorchFrontEnd where the
+    index names one it does not hold, or one that does not compile here (the torch front end
+    says what transformers says of it)."""
+    if not model.chat.get("template"):
+        return None
+    try:
+        text = (model.index / "chat_template.jinja").read_text(encoding="utf-8")
+        config = json.loads((model.index / "tokenizer_config.json").read_text(encoding="utf-8"))
+        return ChatTemplate(text, special_tokens_of(config))
+    except (OSError, ValueError) as error:  # (ChatTemplateError among them)
+        what = "does not compile here" if isinstance(error, ChatTemplateError) else "is not in its index"
+        raise TorchFrontEnd(f"the model's chat template {what}") from None

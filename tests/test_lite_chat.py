@@ -1,0 +1,186 @@
+"""`layerplan chat` on the light front end (lite/chat.py), against the torch front end's session
+(app/chat.py) on the packaged SmolLM2: the same replies turn by turn, the same cache kept between
+turns, across a plan switch, a system message and a reset; the command from a pipe gives the torch
+front end's output, and a line only the torch front end runs (a draft, sampling) hands the
+conversation on to it, the lines after it answered there, nothing left behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from layerplan.app.cli.chatting import UnbufferedLines, light_chat_request
+from layerplan.decoding.chat_state import ChatSettings
+from layerplan.lite import TorchFrontEnd
+
+pytestmark = pytest.mark.real
+
+
+@pytest.fixture(scope="module")
+def both():
+    """SmolLM2 on the light front end and on the torch one, in the same arithmetic."""
+    from layerplan.engine.load import load_model
+    from layerplan.lite.model import LiteModel
+    from layerplan.lite.request import ARITHMETICS
+    from layerplan.models.gguf_place import gguf_of
+
+    return LiteModel(gguf_of("smollm2"), ARITHMETICS["stored-fast"]), load_model("smollm2", dtype="stored-fast")
+
+
+def _sessions(both, **settings):
+    from layerplan.app.chat import ChatSession
+    from layerplan.lite.chat import LightChatSession
+
+    light, torch_model = both
+    return (LightChatSession(light, ChatSettings(**settings)), ChatSession(torch_model, ChatSettings(**settings)))
+
+
+def test_a_light_conversation_is_the_torch_front_ends(both):
+    """Turn by turn: the same ids, the same reply tokens, the same cache reuse; then a plan switch
+    (the light cache prefills again, the replies still equal), a system message, a reset."""
+    light, torch_session = _sessions(both, max_new_tokens=12, system="You are terse.")
+    steps = [("reply", "What is the capital of France?"), ("reply", "And of Italy? {braces} é"),
+             ("plan", "0-25,20-29"), ("reply", "Name a river there."), ("plan", "full"),
+             ("system", None), ("reply", "Thanks."), ("reset", None), ("reply", "Hello again")]
+    switched = False  # a plan switch since the last reply (the light cache prefills again, the torch one may not)
+    for kind, argument in steps:
+        if kind == "reply":
+            assert light.prompt_ids([*light.messages, {"role": "user", "content": argument}]) == \
+                torch_session.prompt_ids([*torch_session.messages, {"role": "user", "content": argument}])
+            ours, theirs = light.reply(argument), torch_session.reply(argument)
+            assert ours.token_ids == theirs.token_ids and ours.text == theirs.text, argument
+            assert ours.stop_reason == theirs.stop_reason
+            if not switched:
+                assert (ours.totals.reused, ours.totals.prefilled) == (theirs.totals.reused, theirs.totals.prefilled)
+            else:
+                assert ours.totals.reused == 0
+            switched = False
+        elif kind == "plan":
+            switched = True
+            light.set_plan(argument)
+            torch_session.set_plan(argument)
+        elif kind == "system":
+            light.set_system(argument)
+            torch_session.set_system(argument)
+        else:
+            light.reset()
+            torch_session.reset()
+    assert light.messages == torch_session.messages
+    assert light.stats().turns == torch_session.stats().turns and light.session.replies == 5
+
+
+def test_what_the_light_session_does_not_run_it_refuses_before_changing_anything(both):
+    light, _ = _sessions(both, max_new_tokens=4)
+    before = dict(vars(light.settings))
+    for change in (lambda: light.set_draft("suffix"), lambda: light.set_temperature(0.7),
+                   lambda: light.set_plan("0-10,b:11-20")):
+        with pytest.raises(TorchFrontEnd, match="torch front end"):
+            change()
+    assert dict(vars(light.settings)) == before
+    with pytest.raises(ValueError, match="temperature"):  # a bad value: its own error, as on the torch front end
+        light.set_temperature(-1.0)
+    light.set_draft("none")
+    from layerplan.lite.chat import LightChatSession
+
+    for settings in (ChatSettings(draft="suffix"), ChatSettings(temperature=0.5), ChatSettings(repetition_penalty=1.2)):
+        with pytest.raises(TorchFrontEnd):
+            LightChatSession(both[0], settings)
+
+
+def test_lines_are_read_without_reading_past_them():
+    read, write = os.pipe()
+    os.write(write, "first line é\nsecond\n".encode())
+    os.close(write)
+    lines = UnbufferedLines(read)
+    assert lines.readline() == "first line é\n"
+    assert os.read(read, 100) == b"second\n"  # (still in the pipe, for whoever reads it next)
+    assert lines.readline() == ""
+    os.close(read)
+
+
+def test_a_chat_line_the_light_front_end_runs():
+    assert light_chat_request(["chat", "-n", "8", "--plan", "0-20"]) is not None
+    assert light_chat_request(["chat", "--temp", "0.5"]) is not None  # (weighed once its settings are read)
+    for argv in (["chat", "--ctx-size", "512"], ["chat", "--engine", "eager"], ["chat", "--device", "cuda"],
+                 ["chat", "--dtype", "float32"], ["chat", "-h"]):
+        assert light_chat_request(argv) is None, argv
+
+
+def _chat(lines: str, tmp_path, *options: str, front_end: str = "") -> subprocess.CompletedProcess:
+    env = {**os.environ, "LAYERPLAN_FRONT_END": front_end, "TMPDIR": str(tmp_path)}
+    return subprocess.run([sys.executable, "-m", "layerplan.app.launch", "chat", *options], input=lines,
+                          capture_output=True, text=True, env=env, timeout=300)
+
+
+DIALOGUE = ("/system Answer in one sentence.\nWhat is the capital of France?\n/plan 0-25,20-29\n"
+            "What river runs through it?\n/plan full\n/reset\nHello\n")
+HANDED_ON = ("What is the capital of France?\n/temp 0.8\n/seed 7\nTell me about it.\n/draft suffix\n"
+             "And its river?\n/stats\n")
+
+
+def test_a_piped_light_chat_prints_what_the_torch_front_end_prints(tmp_path):
+    light, torch_run = (_chat(DIALOGUE, tmp_path, "-n", "16", front_end=fe) for fe in ("", "torch"))
+    assert light.returncode == torch_run.returncode == 0, light.stderr
+    assert light.stdout == torch_run.stdout and light.stdout.count("\n") == 3
+    assert light.stderr.count("loading ") == 1 and "Traceback" not in light.stderr
+
+
+def test_a_line_only_torch_runs_hands_the_conversation_on(tmp_path):
+    """/temp 0.8 mid-conversation: the light front end hands on the transcript and the line; the
+    sampled replies (seeded), the draft and the counts are then the torch front end's own run's."""
+    light, torch_run = (_chat(HANDED_ON, tmp_path, "-n", "12", front_end=fe) for fe in ("", "torch"))
+    assert light.returncode == torch_run.returncode == 0, light.stderr
+    assert light.stdout == torch_run.stdout and light.stdout.count("\n") == 3
+    assert "(sampling (a temperature above 0, a repetition penalty) runs on the torch front end: starting it, " \
+           "the conversation kept)" in light.stderr
+    assert light.stderr.count("loading ") == 2 and "Traceback" not in light.stderr
+    assert "was saved with" not in light.stderr
+    stats = [line for line in light.stderr.splitlines() if line.startswith("session: ")]
+    assert stats and stats[0].startswith("session: 36 tokens")  # (the light reply's 12 counted on)
+    assert not list(tmp_path.glob("layerplan-chat-*"))  # the hand-off's folder: removed
+
+
+def test_a_saved_chat_that_samples_resumes_on_the_torch_front_end(tmp_path):
+    saved = tmp_path / "saved.json"
+    saved.write_text(json.dumps({"format": "layerplan-chat", "version": 1, "model": "smollm2",
+                                 "settings": {"temperature": 0.9, "seed": 3, "max_new_tokens": 10},
+                                 "messages": [{"role": "user", "content": "Hi"},
+                                              {"role": "assistant", "content": "Hello!"}]}))
+    light, torch_run = (_chat("Who are you?\n", tmp_path, "--load", str(saved), front_end=fe) for fe in ("", "torch"))
+    assert light.returncode == torch_run.returncode == 0, light.stderr
+    assert light.stdout == torch_run.stdout and light.stdout.strip()
+
+
+def test_a_light_chat_imports_neither_torch_nor_transformers(tmp_path):
+    probe = ("import sys\n"
+             "from layerplan.app.cli.chatting import light_chat_request, run_light_chat\n"
+             "from layerplan.lite.cli import runnable\n"
+             "request = light_chat_request(['chat', '-n', '4'])\n"
+             "assert runnable(request)\n"
+             "assert run_light_chat(request) == 0\n"
+             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers', 'accelerate')))\n")
+    done = subprocess.run([sys.executable, "-c", probe], input="Hello\n/plan 0-20\nAgain\n", capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().splitlines()[-1] == "[]" and len(done.stdout.strip().splitlines()) == 3
+
+
+@pytest.mark.parametrize("name", ["gemma-3-270m-Q4_K_M.gguf", "qwen2.5-coder-1.5b-instruct-Q4_K_M.gguf"])
+def test_a_real_gguf_chat_is_the_same_on_both_front_ends(name, tmp_path):
+    """Three turns with a system message and a plan switch on a real file (the Gemma 3 270M base
+    file has no chat template: 'role: content' lines; Qwen's template, its 151,936-token
+    vocabulary): the same replies from both front ends. In `make bench-real`
+    (LAYERPLAN_REAL_MODELS names the folder real_models.sh fills), never in the default suite."""
+    folder = os.environ.get("LAYERPLAN_REAL_MODELS")
+    path = os.path.join(folder or "/nonexistent", name)
+    if not os.path.exists(path):
+        pytest.skip(f"LAYERPLAN_REAL_MODELS does not name a folder with the real {name}")
+    lines = "/system Answer briefly.\nWhat is a prime number?\n/plan skip:mlp=5\nName two.\n/plan full\nThanks!\n"
+    light, torch_run = (_chat(lines, tmp_path, "-m", path, "-n", "16", front_end=fe) for fe in ("", "torch"))
+    assert light.returncode == torch_run.returncode == 0, light.stderr + torch_run.stderr
+    assert light.stdout == torch_run.stdout and light.stdout.strip()
+    assert light.stderr.count("loading ") == 1 and "torch front end" not in light.stderr
