@@ -110,8 +110,9 @@ def test_a_chat_line_the_light_front_end_runs():
         assert light_chat_request(argv) is None, argv
 
 
-def _chat(lines: str, tmp_path, *options: str, front_end: str = "") -> subprocess.CompletedProcess:
-    env = {**os.environ, "LAYERPLAN_FRONT_END": front_end, "TMPDIR": str(tmp_path)}
+def _chat(lines: str, tmp_path, *options: str, front_end: str = "", cache=None) -> subprocess.CompletedProcess:
+    env = {**os.environ, "LAYERPLAN_FRONT_END": front_end, "TMPDIR": str(tmp_path),
+           **({"LAYERPLAN_CACHE": str(cache)} if cache is not None else {})}
     return subprocess.run([sys.executable, "-m", "layerplan.app.launch", "chat", *options], input=lines,
                           capture_output=True, text=True, env=env, timeout=300)
 
@@ -184,3 +185,60 @@ def test_a_real_gguf_chat_is_the_same_on_both_front_ends(name, tmp_path):
     assert light.returncode == torch_run.returncode == 0, light.stderr + torch_run.stderr
     assert light.stdout == torch_run.stdout and light.stdout.strip()
     assert light.stderr.count("loading ") == 1 and "torch front end" not in light.stderr
+
+
+def _with_template(target, template: str):
+    """The packaged SmolLM2 file written again with another chat template (every other key and
+    tensor as it is)."""
+    import gguf
+    import numpy as np
+
+    from layerplan.models.gguf_place import default_gguf_path
+
+    source = gguf.GGUFReader(default_gguf_path())
+    writer = gguf.GGUFWriter(str(target), "llama")
+    for key, field in source.fields.items():
+        if key.startswith("GGUF.") or key in ("general.architecture", "tokenizer.chat_template"):
+            continue
+        kind = field.types[0]
+        if kind == gguf.GGUFValueType.ARRAY:
+            writer.add_array(key, field.contents())
+        else:
+            writer.add_key_value(key, field.contents(), kind)
+    writer.add_chat_template(template)
+    for tensor in source.tensors:
+        writer.add_tensor(tensor.name, np.asarray(tensor.data), raw_dtype=tensor.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return target
+
+
+# a template that does more than wrap a message: a dated system message of its own (Llama 3.x's kind)
+DATED = ("<|im_start|>system\nToday is {{ strftime_now('%Y') }}. Be helpful.<|im_end|>\n"
+         "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+         "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def test_a_template_that_does_more_than_wrap_runs_on_the_light_front_end(tmp_path):
+    """generate --chat and chat with a template the index keeps no frame of (it writes the date):
+    rendered on the light front end, the torch front end's text."""
+    import shutil
+
+    from layerplan.files import cache_dir
+
+    path = str(_with_template(tmp_path / "dated.gguf", DATED))
+    cache = tmp_path / "cache"  # (the file's index and panels: this test's own, not the user's cache)
+    if (cache_dir() / "native").exists():  # the kernels' library, built once per machine
+        shutil.copytree(cache_dir() / "native", cache / "native", symlinks=True)
+    env = {**os.environ, "TMPDIR": str(tmp_path), "LAYERPLAN_CACHE": str(cache)}
+    runs = [subprocess.run([sys.executable, "-m", "layerplan.app.launch", "generate", "Name a color.", "--chat", "-n",
+                            "12", "-m", path], capture_output=True, text=True, timeout=300,
+                           env={**env, "LAYERPLAN_FRONT_END": fe}) for fe in ("torch", "")]
+    assert runs[0].returncode == runs[1].returncode == 0, runs[1].stderr
+    assert runs[0].stdout == runs[1].stdout and runs[1].stdout.strip()
+    assert runs[1].stderr.count("loading ") == 1
+    light, torch_run = (_chat("Name a color.\nAnother?\n", tmp_path, "-m", path, "-n", "12", front_end=fe,
+                              cache=cache) for fe in ("", "torch"))
+    assert light.stdout == torch_run.stdout and light.stderr.count("loading ") == 1

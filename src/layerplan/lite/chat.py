@@ -13,14 +13,13 @@ The loop then hands the conversation and that line on to the torch front end.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Sequence
 
 from layerplan.decoding.chat_state import NO_DRAFT, ChatHistory, ChatSettings, Reply, first_changed_step, replaced
 from layerplan.decoding.loop import DecodeLoop
 from layerplan.lite import TorchFrontEnd
 from layerplan.lite.model import LiteCache, LiteModel
-from layerplan.models.chat_template import ChatTemplate, ChatTemplateError, plain_chat_text, special_tokens_of
+from layerplan.models.chat_template import plain_chat_text
 
 DRAFTS_NEED_TORCH = "drafting runs on the torch front end"
 SAMPLING_NEEDS_TORCH = "sampling (a temperature above 0, a repetition penalty) runs on the torch front end"
@@ -46,7 +45,7 @@ class LightChatSession(ChatHistory):
         refusal = light_refusal(settings) if settings is not None else None
         if refusal is not None:
             raise TorchFrontEnd(refusal)
-        self.template = _template(model)
+        self.template = model.chat_template()
         super().__init__(model, settings, messages)
         self.cache: LiteCache | None
 
@@ -107,17 +106,3 @@ class LightChatSession(ChatHistory):
         result = DecodeLoop(self.model, ids, self.plan, budget, (), True, on_text, should_stop, cache=cache).run()
         return self.replied(messages, ids, result, cache, kept, {})
 
-
-def _template(model: LiteModel) -> ChatTemplate | None:
-    """The index's chat template, compiled (None: the model has none); TorchFrontEnd where the
-    index names one it does not hold, or one that does not compile here (the torch front end
-    says what transformers says of it)."""
-    if not model.chat.get("template"):
-        return None
-    try:
-        text = (model.index / "chat_template.jinja").read_text(encoding="utf-8")
-        config = json.loads((model.index / "tokenizer_config.json").read_text(encoding="utf-8"))
-        return ChatTemplate(text, special_tokens_of(config))
-    except (OSError, ValueError) as error:  # (ChatTemplateError among them)
-        what = "does not compile here" if isinstance(error, ChatTemplateError) else "is not in its index"
-        raise TorchFrontEnd(f"the model's chat template {what}") from None

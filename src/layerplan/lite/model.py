@@ -5,7 +5,7 @@ The model is the file's own descriptors (engine/file_kernels.py FileKernels: the
 torch front end runs a GGUF's layers by too), run as one lp_forward call a pass, as the torch
 front end's whole_pass does; what this module adds is what the torch front end takes from its
 modules: the embedding's rows, the rotary tables (from the index's frequencies,
-engine/rope_tables.py), the KV slots by plan step, the tokenizer and the chat frame. So its
+engine/rope_tables.py), the KV slots by plan step, the tokenizer and the chat template. So its
 logits are the torch front end's bit for bit (tests/test_lite.py), and a start costs the
 interpreter, numpy, the tokenizer and the panels' read.
 
@@ -18,6 +18,7 @@ torch front end.
 from __future__ import annotations
 
 import ctypes
+import json
 import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -99,6 +100,7 @@ class LiteModel:
         self.index = index
         _, facts = read_index(index)
         self.chat = facts.get("chat") or {"template": True}  # (models/stored.py _chat_frame)
+        self._chat_template = None  # chat_template(), compiled at its first use
         # one rotary table a layer type (Gemma 3's sliding and full attention), or one for all
         rotary = facts["rotary"]
         by_type = rotary.get("by_layer_type") or {"": rotary}
@@ -133,10 +135,30 @@ class LiteModel:
         if self.tokenizer is None:
             raise ModelError(f"{self.name} has no tokenizer: text cannot be turned into tokens")
         if chat and self.chat.get("template"):
-            if "prefix" not in self.chat:
-                raise TorchFrontEnd("a chat template that does more than wrap the prompt")
-            return self.tokenizer.encode(self.chat["prefix"] + text + self.chat["suffix"], special_tokens=False)
+            if "prefix" in self.chat:  # (no template to compile: the index keeps its frame)
+                return self.tokenizer.encode(self.chat["prefix"] + text + self.chat["suffix"], special_tokens=False)
+            rendered = self.chat_template().render([{"role": "user", "content": text}])
+            return self.tokenizer.encode(rendered, special_tokens=False)
         return self.tokenizer.encode(text)
+
+    def chat_template(self):
+        """The index's chat template, compiled once (models/chat_template.py ChatTemplate; None: the
+        model has none); TorchFrontEnd where the index names one it does not hold, or one that does
+        not compile here (the torch front end says what transformers says of it)."""
+        if not self.chat.get("template"):
+            return None
+        if self._chat_template is None:
+            # (here: jinja2 is imported only where a template is rendered, not at every start)
+            from layerplan.models.chat_template import ChatTemplate, ChatTemplateError, special_tokens_of
+
+            try:
+                text = (self.index / "chat_template.jinja").read_text(encoding="utf-8")
+                config = json.loads((self.index / "tokenizer_config.json").read_text(encoding="utf-8"))
+                self._chat_template = ChatTemplate(text, special_tokens_of(config))
+            except (OSError, ValueError) as error:  # (ChatTemplateError among them)
+                what = "does not compile here" if isinstance(error, ChatTemplateError) else "is not in its index"
+                raise TorchFrontEnd(f"the model's chat template {what}") from None
+        return self._chat_template
 
     # ----- plans and passes ----------------------------------------------------------------------
     @property
