@@ -184,6 +184,27 @@ def test_sampled_replies_follow_from_the_seed(model):
     assert reply.token_ids == _fresh(model, session, temperature=0.9, seed=5).token_ids
 
 
+def test_a_logit_bias_and_the_output_penalties_shape_replies_as_generates(model, tmp_path):
+    """generate's -l and --presence/--frequency-penalty, in a conversation: a reply equals a fresh
+    generate with the same settings (the penalties count the reply's own tokens, not the history's);
+    a banned token never comes; /save keeps them, -inf too."""
+    plain = ChatSession(model, ChatSettings(max_new_tokens=16))
+    plain.reply("hello there")
+    plain_reply = plain.reply("tell me more")
+    banned = plain_reply.token_ids[0]  # (the plain reply's first token)
+    settings = ChatSettings(max_new_tokens=16, presence_penalty=1.5, frequency_penalty=0.5,
+                            logit_bias=((banned, -float("inf")), (7, 4.0)))
+    session = ChatSession(model, settings)
+    session.reply("hello there")
+    reply = session.reply("tell me more")
+    ids = session.prompt_ids(session.messages[:-1])
+    fresh = generate(model, ids, max_new_tokens=16, sampling=settings.sampling())
+    assert reply.token_ids == fresh.token_ids and banned not in reply.token_ids
+    assert reply.token_ids != plain_reply.token_ids
+    saved = read_saved(session.save(tmp_path / "biased.json"))
+    assert saved.settings == session.settings and saved.settings.logit_bias[0] == (banned, -float("inf"))
+
+
 def test_the_system_message_and_reset(model):
     session = ChatSession(model, ChatSettings(max_new_tokens=8))
     session.reply("hello")
@@ -216,6 +237,8 @@ def test_save_and_load_resume_the_conversation(model, tmp_path):
     ('{"format": "layerplan-chat", "settings": {"colour": 1}, "messages": []}', "settings"),
     ('{"format": "layerplan-chat", "settings": {}, "messages": [{"role": "robot", "content": "x"}]}', "messages"),
     ('{"format": "layerplan-chat", "settings": {"temperature": -1}, "messages": []}', "temperature"),
+    ('{"format": "layerplan-chat", "settings": {"logit_bias": 5}, "messages": []}', "pairs"),
+    ('{"format": "layerplan-chat", "settings": {"logit_bias": [[1, 500]]}, "messages": []}', "logit_bias"),
 ])
 def test_a_file_that_is_not_a_saved_chat_is_one_line(tmp_path, content, needle):
     path = tmp_path / "bad.json"

@@ -38,8 +38,15 @@ class ChatSettings:
     top_p: float = 1.0
     min_p: float = 0.0
     repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs; a /save file's [id, bias] lists
 
     def __post_init__(self) -> None:
+        try:
+            self.logit_bias = tuple((token, bias) for token, bias in self.logit_bias)
+        except (TypeError, ValueError):
+            raise ValueError(f"logit_bias {self.logit_bias!r} is not a list of [token id, bias] pairs") from None
         self.sampling()  # SamplingError: out of range
         check_seed(self.seed)
         if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) \
@@ -47,7 +54,9 @@ class ChatSettings:
             raise ValueError(f"max_new_tokens {self.max_new_tokens!r} is out of range: a whole number >= 1")
 
     def sampling(self) -> SamplingParams:
-        return SamplingParams(self.temperature, self.top_k, self.top_p, self.repetition_penalty, self.min_p)
+        return SamplingParams(self.temperature, self.top_k, self.top_p, self.repetition_penalty, self.min_p,
+                              logit_bias=self.logit_bias, presence_penalty=self.presence_penalty,
+                              frequency_penalty=self.frequency_penalty)
 
 
 @dataclass

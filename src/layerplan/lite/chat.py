@@ -7,7 +7,8 @@ longest prefix it shares with the new turn's tokens, each token the first maximu
 logits (tests/test_lite_chat.py runs both).
 
 What it does not run it raises TorchFrontEnd for, before changing anything: sampling (a
-temperature above 0, a repetition penalty), drafts, a plan that takes layers from a second model.
+temperature above 0, penalties, a logit bias), drafts, a plan that takes layers from a second
+model.
 The loop then hands the conversation and that line on to the torch front end.
 """
 
@@ -22,14 +23,16 @@ from layerplan.lite.model import LiteCache, LiteModel
 from layerplan.models.chat_template import plain_chat_text
 
 DRAFTS_NEED_TORCH = "drafting runs on the torch front end"
-SAMPLING_NEEDS_TORCH = "sampling (a temperature above 0, a repetition penalty) runs on the torch front end"
+SAMPLING_NEEDS_TORCH = "sampling (a temperature above 0, a penalty, a logit bias) runs on the torch front end"
 
 
 def light_refusal(settings: ChatSettings) -> str | None:
-    """Why these settings need the torch front end (one line), or None."""
+    """Why these settings need the torch front end (one line), or None: anything that changes the
+    choice of a token from the first maximum of the logits (top-k, top-p and min-p do not)."""
     if settings.draft is not None:
         return DRAFTS_NEED_TORCH
-    if settings.temperature != 0.0 or settings.repetition_penalty != 1.0:
+    if (settings.temperature != 0.0 or settings.repetition_penalty != 1.0 or settings.presence_penalty != 0.0
+            or settings.frequency_penalty != 0.0 or settings.logit_bias):
         return SAMPLING_NEEDS_TORCH
     return None
 

@@ -24,8 +24,8 @@ from pathlib import Path
 
 import click
 
-from layerplan.app.options import (ctx_size_option, decoding_model_options, light_context, n_predict_option,
-                                   sampling_options)
+from layerplan.app.options import (ctx_size_option, decoding_model_options, light_context, logit_bias_option,
+                                   n_predict_option, output_penalty_options, sampling_options)
 from layerplan.lite import FRONT_END_VARIABLE
 from layerplan.lite.request import LiteChatRequest
 from layerplan.messages import one_line
@@ -33,8 +33,8 @@ from layerplan.messages import one_line
 # a light conversation handed on to the torch front end: JSON {"file", "line", "totals", "history"}
 HANDOFF_VARIABLE = "LAYERPLAN_CHAT_HANDOFF"
 # the settings a light conversation starts with: the command line's, or a --load file's
-_SETTINGS = ("plan", "draft", "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "seed",
-             "max_new_tokens", "system")
+_SETTINGS = ("plan", "draft", "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+             "frequency_penalty", "logit_bias", "seed", "max_new_tokens", "system")
 
 
 @click.command()
@@ -44,6 +44,8 @@ _SETTINGS = ("plan", "draft", "temperature", "top_k", "top_p", "min_p", "repetit
                                            "(/draft switches)")
 @ctx_size_option
 @sampling_options
+@output_penalty_options
+@logit_bias_option
 @n_predict_option(256, help="at most this many tokens a reply (within the context)")
 @click.option("--system", "-sys", "--system-prompt", "system", default=None,
               help="a system message before the conversation (/system)")

@@ -266,7 +266,8 @@ def serve(model, dtype, device, engine, threads, plan, draft, draft_length, host
 
 
 def run_chat_command(model, dtype, device, engine, threads, plan, draft, ctx_size, temperature, top_k, top_p, min_p,
-                     repetition_penalty, seed, max_new_tokens, system, load_file) -> None:
+                     repetition_penalty, seed, presence_penalty, frequency_penalty, logit_bias, max_new_tokens, system,
+                     load_file) -> None:
     """`layerplan chat` on the torch front end (app/cli/chatting.py reads its command line), carried
     out; or the light front end's conversation, handed on (chatting.py hand_off) with its line."""
     from layerplan.app.chat import ChatSession
@@ -276,7 +277,9 @@ def run_chat_command(model, dtype, device, engine, threads, plan, draft, ctx_siz
 
     set_threads(threads)
     options = dict(plan=plan, draft=draft, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
-                   repetition_penalty=repetition_penalty, seed=seed, max_new_tokens=max_new_tokens, system=system)
+                   repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
+                   frequency_penalty=frequency_penalty, logit_bias=logit_bias, seed=seed,
+                   max_new_tokens=max_new_tokens, system=system)
     context = click.get_current_context()
     handoff = handed_off(load_file)
     with user_errors():
@@ -295,6 +298,7 @@ def run_chat_command(model, dtype, device, engine, threads, plan, draft, ctx_siz
         if load_file and saved.model != loaded.name and handoff is None:
             click.echo(f"{load_file} was saved with {saved.model or 'an unnamed model'}; resuming with {loaded.name}",
                        err=True)
+        settings.sampling().check_vocabulary(loaded.hf.config.vocab_size)
         session = ChatSession(loaded, settings, messages, probe_row=checked_probe_row(loaded))
     if handoff is not None:  # (the light front end's counts go on)
         session.session = Totals(**handoff["totals"])
