@@ -1,7 +1,9 @@
 """Several choices in one request (OpenAI's `n`, and a completion's list of prompts): decoded
 together, each choice what its request alone gives (choice k sampled with seed + k), in index
-order, with usage summed; refused in one line where a stream would have to carry several, or
-there are too many. A tiny model with a byte tokenizer keeps it fast."""
+order, with usage summed; streamed too, each chunk under its choice's index; refused in one line
+where there are too many. A tiny model with a byte tokenizer keeps it fast."""
+
+import json
 
 import pytest
 
@@ -54,8 +56,6 @@ def test_n_choices_are_sampled_with_seed_plus_their_index(client, path, prompt):
 
 
 @pytest.mark.parametrize("body, param, says", [
-    ({"prompt": PROMPTS[0], "n": 2, "stream": True}, "n", "a stream carries one choice"),
-    ({"prompt": PROMPTS[:2], "stream": True}, "stream", "a stream carries one choice"),
     ({"prompt": ["a"] * 17, "n": 4}, "prompt", f"at most {MAX_CHOICES} a request"),
     ({"prompt": "a", "n": 17}, "n", "less than or equal to 16"),
 ])
@@ -63,6 +63,50 @@ def test_choices_the_server_will_not_decode_are_a_400_naming_them(client, body, 
     answer = client.post("/v1/completions", json={"model": "tiny", "max_tokens": 2, **body})
     assert answer.status_code == 400 and answer.json()["error"]["param"] == param, answer.text
     assert says in answer.json()["error"]["message"]
+
+
+def _streamed(client, path: str, **body) -> list[dict]:
+    chunks = []
+    with client.stream("POST", path, json={"model": "tiny", "max_tokens": 12, "stream": True, **body}) as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            if line.startswith("data: "):
+                chunks.append(line[len("data: "):])
+    assert chunks[-1] == "[DONE]"
+    return [json.loads(chunk) for chunk in chunks[:-1]]
+
+
+@pytest.mark.parametrize("path, prompt", [
+    ("/v1/completions", {"prompt": PROMPTS[:3], "echo": True, "logprobs": 2}),
+    ("/v1/completions", {"prompt": PROMPTS[0], "n": 3}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 3, "logprobs": True,
+                              "top_logprobs": 1}),
+])
+@pytest.mark.parametrize("interval", [0.0, 0.05])
+def test_several_choices_stream_each_under_its_index_as_answered_whole(client, path, prompt, interval):
+    """Each choice's chunks, joined, are its text in the answer not streamed (the same seeds); one
+    reason a choice, last among its chunks; a chat choice's role first; the usage the answer's."""
+    body = {**prompt, "temperature": 1.0, "seed": 5}
+    whole = _post(client, path, **body)
+    chunks = _streamed(client, path, **body, stream_options={"include_usage": True},
+                       layerplan={"stream_interval": interval})
+    usage = chunks.pop()
+    assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == whole["usage"]["completion_tokens"]
+    assert usage["usage"]["prompt_tokens"] == whole["usage"]["prompt_tokens"]
+    for choice in whole["choices"]:
+        mine = [c["choices"][0] for c in chunks if c["choices"][0]["index"] == choice["index"]]
+        if "message" in choice:
+            assert mine[0]["delta"] == {"role": "assistant", "content": ""}
+            assert "".join(c["delta"].get("content", "") for c in mine) == choice["message"]["content"]
+            tokens = [t["token"] for c in mine if c["logprobs"] for t in c["logprobs"]["content"]]
+            assert tokens == [t["token"] for t in choice["logprobs"]["content"]]
+        else:
+            assert "".join(c["text"] for c in mine) == choice["text"]
+            if "logprobs" in prompt:
+                assert [t for c in mine if c["logprobs"] for t in c["logprobs"]["tokens"]] == \
+                    choice["logprobs"]["tokens"]
+        reasons = [c["finish_reason"] for c in mine if c["finish_reason"] is not None]
+        assert reasons == [choice["finish_reason"]] and mine[-1]["finish_reason"] is not None
 
 
 def test_lm_evals_batches_score_as_its_single_requests(tiny_text_model):

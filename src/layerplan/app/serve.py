@@ -9,10 +9,10 @@ block.
 Endpoints: GET /health, GET /v1/models, POST /v1/completions, POST /v1/chat/completions (both
 with `"stream": true` for server-sent events, and `stream_options.include_usage`; a chat stream's
 role chunk is sent when decoding starts, not while the request waits in the queue); POST
-/tokenize, POST /detokenize and GET /tokenizer_info, in vLLM's and llama-server's forms. What the
-server cannot honour is refused with a 400 rather than ignored: several choices streamed (n > 1,
-or a list of prompts; not streamed, they decode together), best_of > 1, suffix,
-tools / tool_choice / functions,
+/tokenize, POST /detokenize and GET /tokenizer_info, in vLLM's and llama-server's forms. Several
+choices (n > 1, or a completion's list of prompts) decode together, streamed or not (a stream's
+chunks carry each choice's index). What the server cannot honour is refused with a 400 rather
+than ignored: best_of > 1, suffix, tools / tool_choice / functions,
 response_format other than text, content parts other than text, a text part without text, a
 message without content. Every client mistake is a 4xx: a sampling setting whose arithmetic would
 not stay finite (temperature 1e-300), a seed torch cannot take, a conversation the chat template
@@ -413,93 +413,122 @@ def _add_error_handlers(app: FastAPI) -> None:
         return APIError(error.status_code, str(error.detail), kind=kind).response()
 
 
-async def _reply(scheduler: Scheduler, request: Request, body: _GenerationRequest, prompt_ids: list[int],
-                 max_tokens: int, shape: Callable[..., dict], chosen: dict):
-    """Queue the job; answer with one JSON object or with server-sent events."""
-    loop = asyncio.get_running_loop()
-    events: asyncio.Queue = asyncio.Queue()
-    stream = body.stream
+async def _reply(scheduler: Scheduler, request: Request, body: _GenerationRequest, choice: Choice):
+    """One choice, not streamed: its job queued, answered with one JSON object."""
     provenance = body.layerplan is not None and body.layerplan.provenance
-    def put(event) -> None:  # from the decode thread
-        loop.call_soon_threadsafe(events.put_nowait, event)
+    job = _job(body, choice, 0)
+    (result,) = await _finished(request, [job], [asyncio.wrap_future(scheduler.submit(job))])
+    answer = {**choice.shape(result.text, FINISH_REASONS[result.stop_reason], logprobs=result.logprobs),
+              "usage": _usage(result, provenance)}
+    if provenance:  # the whole text by token, as a stream's chunks carry it
+        answer["layerplan"] = {"tokens": [asdict(piece) for piece in result.pieces]}
+    return answer
 
-    job = Job(prompt_ids, max_tokens, body.sampling(), body.seed, body.stops(),
-              on_text=put if stream else None, on_start=(lambda: put(STARTED)) if stream else None,
-              logprobs=body.kept_logprobs(), **chosen)
-    done = asyncio.wrap_future(scheduler.submit(job))
-    if not stream:
-        (result,) = await _finished(request, [job], [done])
-        answer = {**shape(result.text, FINISH_REASONS[result.stop_reason], logprobs=result.logprobs),
-                  "usage": _usage(result, provenance)}
-        if provenance:  # the whole text by token, as a stream's chunks carry it
-            answer["layerplan"] = {"tokens": [asdict(piece) for piece in result.pieces]}
-        return answer
 
+def _job(body: _GenerationRequest, choice: Choice, k: int, **events) -> Job:
+    """Choice k's job: sampled with seed + k where a seed is given (seed - k past the range's top)."""
+    seed = None
+    if body.seed is not None:
+        seed = body.seed + k if body.seed + k <= SEED_RANGE[1] else body.seed - k
+    return Job(choice.prompt_ids, choice.max_tokens, body.sampling(), seed, body.stops(),
+               logprobs=body.kept_logprobs(), **events, **choice.fields)
+
+
+def _stream(scheduler: Scheduler, request: Request, body: _GenerationRequest,
+            choices: list[Choice]) -> StreamingResponse:
+    """Choices (one or several, in index order) as server-sent events: every job queued at once,
+    each chunk carrying one choice's text under its index as it comes (a choice's text gathered
+    for `stream_interval` where asked), each choice's last chunk its reason, then the usage of
+    them all where asked, then [DONE]."""
+    loop = asyncio.get_running_loop()
+    events: asyncio.Queue = asyncio.Queue()  # (choice index, event): text, STARTED, or None (its job ended)
+    provenance = body.layerplan is not None and body.layerplan.provenance
     include_usage = bool((body.stream_options or {}).get("include_usage"))
-    done.add_done_callback(lambda _: events.put_nowait(None))
-
     interval = body.layerplan.stream_interval if body.layerplan is not None else 0.0
 
-    async def next_event(timeout: float):
-        """The next event, "" when none came within `timeout` seconds."""
-        try:
-            return await asyncio.wait_for(events.get(), timeout=timeout)
-        except TimeoutError:
-            return ""
+    def put_for(k: int) -> Callable:
+        def put(event) -> None:  # from the decode thread
+            loop.call_soon_threadsafe(events.put_nowait, (k, event))
 
-    async def gathered(piece: TextDelta, due: float) -> tuple[TextDelta, object]:
-        """piece and the text pieces that come until `due` (monotonic), as one; and the event
-        after them that is not text (None, the end), if one came before `due`."""
-        while (left := due - time.monotonic()) > 0:
-            event = await next_event(left)
-            if event == "":
-                continue
-            if not isinstance(event, str):
-                return piece, event
-            piece = TextDelta(piece + event, piece.pieces + event.pieces, piece.logprobs + event.logprobs)
-        return piece, ""
+        return put
+
+    jobs = [_job(body, choice, k, on_text=put_for(k), on_start=lambda put=put_for(k): put(STARTED))
+            for k, choice in enumerate(choices)]
+    futures = [asyncio.wrap_future(scheduler.submit(job)) for job in jobs]
+    for k, future in enumerate(futures):
+        future.add_done_callback(lambda _, k=k: events.put_nowait((k, None)))
+
+    async def next_event(timeout: float):
+        """The next (index, event), or None when none came within `timeout` seconds."""
+        try:
+            return await asyncio.wait_for(events.get(), timeout=max(timeout, 0.0))
+        except TimeoutError:
+            return None
 
     async def event_stream():
         try:
-            checked, sent = time.monotonic(), float("-inf")  # the first text goes at once
-            scored = 0  # the tokens whose logprobs chunks carried
-            held = ""  # an event taken while gathering text, for the next round
-            while True:
-                piece, held = (held, "") if held != "" else (await next_event(0.2), "")
-                if interval and isinstance(piece, TextDelta):
-                    piece, held = await gathered(piece, sent + interval)
-                if piece is None:
-                    break
-                if piece is STARTED:  # not while queued: clients time their first token from it
-                    if (opening := shape("", None, first=True)) is not None:
-                        yield _sse(opening)
-                    continue
+            checked = time.monotonic()
+            sent = [float("-inf")] * len(choices)  # when each choice's text last went (its first goes at once)
+            held: list[TextDelta | None] = [None] * len(choices)  # text gathered for the interval
+            scored = [0] * len(choices)  # the tokens whose logprobs each choice's chunks carried
+            results: list[GenerationResult | None] = [None] * len(choices)
+            open_choices = set(range(len(choices)))
+
+            def text_chunk(k: int) -> str:
+                piece, held[k], sent[k] = held[k], None, time.monotonic()
+                chunk = choices[k].shape(piece, None, logprobs=piece.logprobs if jobs[k].logprobs is not None
+                                         else None)
+                scored[k] += len(piece.logprobs)
+                if provenance:  # an extension field, which OpenAI clients ignore
+                    chunk["layerplan"] = {"tokens": [asdict(part) for part in piece.pieces]}
+                return _sse(chunk)
+
+            while open_choices:
+                due = min((sent[k] + interval for k in open_choices if held[k]), default=time.monotonic() + 0.2)
+                event = await next_event(min(due - time.monotonic(), 0.2))
+                for k in open_choices:  # text whose interval is over
+                    if held[k] and time.monotonic() >= sent[k] + interval:
+                        yield text_chunk(k)
                 if time.monotonic() - checked > 0.2:  # notice a vanished client even while nothing is sent
                     checked = time.monotonic()
                     if await request.is_disconnected():
                         return
-                if piece:
-                    chunk = shape(piece, None, logprobs=piece.logprobs if job.logprobs is not None else None)
-                    scored += len(piece.logprobs)
-                    if provenance:  # an extension field, which OpenAI clients ignore
-                        chunk["layerplan"] = {"tokens": [asdict(part) for part in piece.pieces]}
-                    yield _sse(chunk)
-                    sent = time.monotonic()
-            try:
-                result = await done
-            except Exception as error:  # noqa: BLE001
-                yield _sse({"error": {"message": f"generation failed: {error}", "type": "server_error"}})
-                yield _sse("[DONE]")
-                return
-            # (the tokens no text carried, an EOS among them, go with the reason)
-            rest = result.logprobs[scored:] if job.logprobs is not None and result.logprobs is not None else None
-            rest = rest or None
-            yield _sse(shape("", FINISH_REASONS[result.stop_reason], logprobs=rest))
+                if event is None:
+                    continue
+                k, piece = event
+                if piece is STARTED:  # not while queued: clients time their first token from it
+                    if (opening := choices[k].shape("", None, first=True)) is not None:
+                        yield _sse(opening)
+                elif piece is not None:
+                    if piece:
+                        held[k] = piece if not held[k] else TextDelta(held[k] + piece, held[k].pieces + piece.pieces,
+                                                                      held[k].logprobs + piece.logprobs)
+                        if time.monotonic() >= sent[k] + interval:
+                            yield text_chunk(k)
+                else:  # its job ended: what it held, then its reason
+                    if held[k]:
+                        yield text_chunk(k)
+                    try:
+                        results[k] = result = await futures[k]
+                    except Exception as error:  # noqa: BLE001
+                        yield _sse({"error": {"message": f"generation failed: {error}", "type": "server_error"}})
+                        yield _sse("[DONE]")
+                        return
+                    open_choices.discard(k)
+                    if result is None:  # (cancelled before it began: the client left)
+                        return
+                    # (the tokens no text carried, an EOS among them, go with the reason)
+                    kept = result.logprobs if jobs[k].logprobs is not None and result.logprobs is not None else None
+                    rest = kept[scored[k]:] if kept is not None else None
+                    yield _sse(choices[k].shape("", FINISH_REASONS[result.stop_reason], logprobs=rest or None))
             if include_usage:
-                yield _sse({**shape("", None), "choices": [], "usage": _usage(result, provenance)})
+                usage = (_usage(results[0], provenance) if len(results) == 1
+                         else _summed_usage(choices, results))
+                yield _sse({**choices[0].shape("", None), "choices": [], "usage": usage})
             yield _sse("[DONE]")
         finally:
-            job.cancelled.set()  # a disconnect lands here: stop decoding at the next token
+            for job in jobs:  # a disconnect lands here: stop decoding at the next token
+                job.cancelled.set()
 
     return StreamingResponse(event_stream(), media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
@@ -627,10 +656,7 @@ def create_app(model: LoadedModel, plan: LayerPlan | None = None, draft=None, dr
                 shape = _completion_shape(ident, stamp, name, len(choices), echo,
                                           CompletionLogprobs(speller()) if body.logprobs is not None else None)
                 choices.append(Choice(prompt_ids, max_tokens, shape, fields))
-        if len(choices) == 1:
-            only = choices[0]
-            return await _reply(scheduler, request, body, only.prompt_ids, only.max_tokens, only.shape, only.fields)
-        return await _replies(scheduler, request, body, choices)
+        return await _answer(scheduler, request, body, choices)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatRequest, request: Request):
@@ -666,10 +692,8 @@ def create_app(model: LoadedModel, plan: LayerPlan | None = None, draft=None, dr
 
             return shape
 
-        if body.n == 1:
-            return await _reply(scheduler, request, body, prompt_ids, max_tokens, shape_of(0), chosen)
-        return await _replies(scheduler, request, body,
-                              [Choice(prompt_ids, max_tokens, shape_of(k), chosen) for k in range(body.n)])
+        return await _answer(scheduler, request, body,
+                             [Choice(prompt_ids, max_tokens, shape_of(k), chosen) for k in range(body.n)])
 
     return app
 
@@ -710,14 +734,20 @@ class Choice:
 
 
 def _check_choices(body: _GenerationRequest, prompts: int) -> None:
-    """A 400 for choices the server will not decode: more than MAX_CHOICES, or several streamed."""
+    """A 400 for more choices than the server decodes for one request (MAX_CHOICES)."""
     choices = prompts * body.n
     if choices > MAX_CHOICES:
         raise APIError(400, f"{prompts} prompt(s) x n={body.n} is {choices} choices; at most {MAX_CHOICES} a request",
                        "n" if prompts == 1 else "prompt")
-    if choices > 1 and body.stream:
-        raise APIError(400, f"a stream carries one choice; {choices} were asked (n > 1 or several prompts): "
-                            "ask for them without stream, or one at a time", "n" if prompts == 1 else "stream")
+
+
+async def _answer(scheduler: Scheduler, request: Request, body: _GenerationRequest, choices: list[Choice]):
+    """A request's choices answered: streamed, one JSON object, or several choices' in one."""
+    if body.stream:
+        return _stream(scheduler, request, body, choices)
+    if len(choices) == 1:
+        return await _reply(scheduler, request, body, choices[0])
+    return await _replies(scheduler, request, body, choices)
 
 
 async def _finished(request: Request, jobs: list[Job], futures: list[asyncio.Future]) -> list[GenerationResult]:
@@ -742,13 +772,7 @@ async def _replies(scheduler: Scheduler, request: Request, body: _GenerationRequ
     """Several choices (in index order), not streamed: every job queued at once (decoded together,
     their passes shared), choice k sampled with seed + k where a seed is given; each answered by its
     own shape."""
-    jobs = []
-    for k, choice in enumerate(choices):
-        seed = None
-        if body.seed is not None:
-            seed = body.seed + k if body.seed + k <= SEED_RANGE[1] else body.seed - k
-        jobs.append(Job(choice.prompt_ids, choice.max_tokens, body.sampling(), seed, body.stops(),
-                        logprobs=body.kept_logprobs(), **choice.fields))
+    jobs = [_job(body, choice, k) for k, choice in enumerate(choices)]
     results = await _finished(request, jobs, [asyncio.wrap_future(scheduler.submit(job)) for job in jobs])
     answer, provenance = None, body.layerplan is not None and body.layerplan.provenance
     for result, choice in zip(results, choices):
@@ -756,13 +780,17 @@ async def _replies(scheduler: Scheduler, request: Request, body: _GenerationRequ
         if provenance:
             shaped["choices"][0]["layerplan"] = {"tokens": [asdict(piece) for piece in result.pieces]}
         answer = shaped if answer is None else {**answer, "choices": answer["choices"] + shaped["choices"]}
-    prompts = {id(choice.prompt_ids): len(choice.prompt_ids) for choice in choices}  # (each prompt counted once)
+    return {**answer, "usage": _summed_usage(choices, results)}
+
+
+def _summed_usage(choices: list[Choice], results: list[GenerationResult]) -> dict:
+    """Several choices' usage: each prompt counted once, the completions summed, the slowest's time."""
+    prompts = {id(choice.prompt_ids): len(choice.prompt_ids) for choice in choices}
     completion = sum(len(result.token_ids) for result in results)
     seconds = max(result.seconds for result in results)
-    usage = {"prompt_tokens": sum(prompts.values()), "completion_tokens": completion,
-             "total_tokens": sum(prompts.values()) + completion, "decode_seconds": round(seconds, 4),
-             "tokens_per_second": round(completion / seconds, 2) if seconds > 0 else None}
-    return {**answer, "usage": usage}
+    return {"prompt_tokens": sum(prompts.values()), "completion_tokens": completion,
+            "total_tokens": sum(prompts.values()) + completion, "decode_seconds": round(seconds, 4),
+            "tokens_per_second": round(completion / seconds, 2) if seconds > 0 else None}
 
 
 def _joined(first: dict, then: dict | None) -> dict:
