@@ -7,8 +7,7 @@ longest prefix it shares with the new turn's tokens, each token the first maximu
 logits (tests/test_lite_chat.py runs both).
 
 What it does not run it raises TorchFrontEnd for, before changing anything: sampling (a
-temperature above 0, penalties, a logit bias), drafts, a plan that takes layers from a second
-model.
+temperature above 0, penalties, a logit bias) and drafts.
 The loop then hands the conversation and that line on to the torch front end.
 """
 
@@ -21,6 +20,7 @@ from layerplan.decoding.loop import DecodeLoop
 from layerplan.lite import TorchFrontEnd
 from layerplan.lite.model import LiteCache, LiteModel
 from layerplan.models.chat_template import plain_chat_text
+from layerplan.plan.plan import check_attached
 
 DRAFTS_NEED_TORCH = "drafting runs on the torch front end"
 SAMPLING_NEEDS_TORCH = "sampling (a temperature above 0, a penalty, a logit bias) runs on the torch front end"
@@ -60,7 +60,8 @@ class LightChatSession(ChatHistory):
     def set_plan(self, text: str) -> str:
         """Run the model by this plan from the next reply on; what was kept of the cache (all of
         it where the steps are the same, else nothing: the conversation prefills again)."""
-        plan = self.model.plan(text)
+        plan = self.model.parse_plan(text)
+        check_attached(plan)  # (the torch front end's chat attaches no second model either: its words)
         first = first_changed_step(self.plan, plan)
         self.plan, self.settings.plan = plan, plan.to_string()
         if first is None:

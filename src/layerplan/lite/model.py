@@ -173,13 +173,17 @@ class LiteModel:
         """A plan (string or file) parsed against this model; None: the full model."""
         if text is None:
             return LayerPlan.full(self.num_layers, self.name)
-        # (here: plan files' readers import yaml, and a start without a plan counts every import)
-        from layerplan.plan.formats import load_plan
-
-        plan = load_plan(text, self.num_layers, self.name)
+        plan = self.parse_plan(text)
         if plan.models:
             raise TorchFrontEnd("a plan that takes layers from a second model runs on the torch front end")
         return plan
+
+    def parse_plan(self, text: str | os.PathLike) -> LayerPlan:
+        """A plan (string or file) parsed against this model, whatever models it names."""
+        # (here: plan files' readers import yaml, and a start without a plan counts every import)
+        from layerplan.plan.formats import load_plan
+
+        return load_plan(text, self.num_layers, self.name)
 
     def new_cache(self, plan: LayerPlan, capacity: int) -> LiteCache:
         return LiteCache(self, plan, capacity)

@@ -30,7 +30,7 @@ from layerplan.models.gguf_place import (DEFAULT_DISPLAY_NAME, DEFAULT_GGUF_NAME
 from layerplan.models.stored import StoredWeights, meta_skeleton, index_gguf, load_dense, load_stored
 from layerplan.models.placement import Placement, accelerate_map, adopt, offload_folder, place, read_device_map
 from layerplan.plan.formats import load_plan
-from layerplan.plan.plan import LayerPlan, PlanError
+from layerplan.plan.plan import LayerPlan, PlanError, check_attached
 
 WEIGHT_FILES = ("*.safetensors", "pytorch_model*.bin")  # what from_pretrained loads from a folder
 
@@ -153,11 +153,7 @@ class LoadedModel:
 
     def check_plan(self, plan: LayerPlan) -> None:
         """Every model the plan names is attached (checked before any computation)."""
-        missing = [label for label in plan.models if label not in self.others]
-        if missing:
-            loaded = ", ".join(["a"] + sorted(self.others))
-            raise PlanError(f"the plan takes layers from model(s) {', '.join(missing)}, but only {loaded} "
-                            f"{'is' if not self.others else 'are'} loaded (attach them, e.g. --model-b PATH)")
+        check_attached(plan, tuple(self.others))
 
     def encode(self, text: str, chat: bool = False) -> torch.Tensor:
         """Token ids, shape (1, T); with chat=True the tokenizer's chat template wraps the text."""

@@ -212,6 +212,16 @@ _KEYWORDS = ("exit", "layers", "order", "skip", "frac", "pattern")
 _SKIP_KINDS = {"attn": "attention", "attention": "attention", "mlp": "mlp", "ffn": "mlp", "layers": "layers", "layer": "layers"}
 
 
+def check_attached(plan: LayerPlan, others: Sequence[str] = ()) -> None:
+    """PlanError where the plan takes layers from a model not attached: `others`, the labels of the
+    models beside the first ("a")."""
+    missing = [label for label in plan.models if label not in others]
+    if missing:
+        loaded = ", ".join(["a"] + sorted(others))
+        raise PlanError(f"the plan takes layers from model(s) {', '.join(missing)}, but only {loaded} "
+                        f"{'is' if not others else 'are'} loaded (attach them, e.g. --model-b PATH)")
+
+
 def parse_plan(text: str, num_layers: int, model_name: str = "the model") -> LayerPlan:
     """Parse the human plan string (see the module docstring) against a model depth."""
     if num_layers > MAX_STEPS:  # (a full plan of it would be a list of that many steps)
