@@ -64,7 +64,7 @@ def test_settings_whose_arithmetic_fails_are_a_400_naming_them(client, path, bod
 
 
 @pytest.mark.parametrize("path, extra, param", [
-    ("/v1/completions", {"best_of": 3}, "best_of"),
+    ("/v1/completions", {"best_of": 3, "stream": True}, "best_of"),
     ("/v1/completions", {"suffix": "the end"}, "suffix"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text"}]}]},
      "messages.0.content.0"),
@@ -81,6 +81,7 @@ def test_what_the_server_cannot_honour_is_refused_not_ignored(client, path, extr
 
 def test_what_it_can_honour_still_answers(client):
     assert client.post("/v1/completions", json={**COMPLETION, "best_of": 1, "suffix": "", "seed": 2 ** 63}).status_code == 200
+    assert client.post("/v1/completions", json={**COMPLETION, "best_of": 2}).status_code == 200
     parts = {"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": ""}]}]}
     assert client.post("/v1/chat/completions", json={**CHAT, **parts}).status_code == 200
 

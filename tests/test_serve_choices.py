@@ -1,7 +1,8 @@
 """Several choices in one request (OpenAI's `n`, and a completion's list of prompts): decoded
 together, each choice what its request alone gives (choice k sampled with seed + k), in index
-order, with usage summed; streamed too, each chunk under its choice's index; refused in one line
-where there are too many. A tiny model with a byte tokenizer keeps it fast."""
+order, with usage summed; streamed too, each chunk under its choice's index; best_of's candidates,
+the best n answered; refused in one line where there are too many. A tiny model with a byte
+tokenizer keeps it fast."""
 
 import json
 
@@ -58,11 +59,47 @@ def test_n_choices_are_sampled_with_seed_plus_their_index(client, path, prompt):
 @pytest.mark.parametrize("body, param, says", [
     ({"prompt": ["a"] * 17, "n": 4}, "prompt", f"at most {MAX_CHOICES} a request"),
     ({"prompt": "a", "n": 17}, "n", "less than or equal to 16"),
+    ({"prompt": "a", "n": 3, "best_of": 2}, "best_of", "must be at least n"),
+    ({"prompt": "a", "best_of": 2, "stream": True}, "best_of", "cannot be streamed"),
+    ({"prompt": ["a"] * 5, "best_of": 16}, "prompt", "best_of=16 is 80 completions"),
+    ({"prompt": "a", "best_of": 17}, "best_of", "less than or equal to 16"),
 ])
 def test_choices_the_server_will_not_decode_are_a_400_naming_them(client, body, param, says):
     answer = client.post("/v1/completions", json={"model": "tiny", "max_tokens": 2, **body})
     assert answer.status_code == 400 and answer.json()["error"]["param"] == param, answer.text
     assert says in answer.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("logprobs", [None, 1])
+def test_best_of_answers_the_n_candidates_of_highest_mean_logprob(client, logprobs):
+    """best_of 4, n 2: each prompt's four candidates (candidate k sampled with seed + k, as choices
+    are), the two with the highest mean token logprob answered, best first; usage counts all four."""
+    asked = {"logprobs": logprobs} if logprobs is not None else {}
+    answer = _post(client, "/v1/completions", prompt=PROMPTS[:2], best_of=4, n=2, temperature=1.0, seed=3, **asked)
+    assert [c["index"] for c in answer["choices"]] == [0, 1, 2, 3]
+    completion_tokens = 0
+    for p, prompt in enumerate(PROMPTS[:2]):
+        alone = [_post(client, "/v1/completions", prompt=prompt, temperature=1.0, seed=3 + k, logprobs=0)
+                 for k in range(4)]
+        completion_tokens += sum(a["usage"]["completion_tokens"] for a in alone)
+        means = [sum(a["choices"][0]["logprobs"]["token_logprobs"]) / len(a["choices"][0]["logprobs"]["token_logprobs"])
+                 for a in alone]
+        best = sorted(range(4), key=lambda k: means[k], reverse=True)[:2]
+        assert len({a["choices"][0]["text"] for a in alone}) > 1
+        for rank, k in enumerate(best):
+            mine = answer["choices"][p * 2 + rank]
+            assert mine["text"] == alone[k]["choices"][0]["text"]
+            if logprobs is None:
+                assert mine["logprobs"] is None
+            else:
+                assert mine["logprobs"]["tokens"] == alone[k]["choices"][0]["logprobs"]["tokens"]
+    assert answer["usage"]["completion_tokens"] == completion_tokens
+
+
+def test_best_of_equal_to_n_is_n(client):
+    one = _post(client, "/v1/completions", prompt=PROMPTS[0], best_of=3, n=3, temperature=1.0, seed=9)
+    other = _post(client, "/v1/completions", prompt=PROMPTS[0], n=3, temperature=1.0, seed=9)
+    assert [c["text"] for c in one["choices"]] == [c["text"] for c in other["choices"]]
 
 
 def _streamed(client, path: str, **body) -> list[dict]:

@@ -12,7 +12,7 @@ role chunk is sent when decoding starts, not while the request waits in the queu
 /tokenize, POST /detokenize and GET /tokenizer_info, in vLLM's and llama-server's forms. Several
 choices (n > 1, or a completion's list of prompts) decode together, streamed or not (a stream's
 chunks carry each choice's index). What the server cannot honour is refused with a 400 rather
-than ignored: best_of > 1, suffix, tools / tool_choice / functions,
+than ignored: best_of > n streamed, suffix, tools / tool_choice / functions,
 response_format other than text, content parts other than text, a text part without text, a
 message without content. Every client mistake is a 4xx: a sampling setting whose arithmetic would
 not stay finite (temperature 1e-300), a seed torch cannot take, a conversation the chat template
@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import os
 import secrets
 import socket
@@ -173,7 +174,8 @@ class _GenerationRequest(BaseModel):
 class CompletionRequest(_GenerationRequest):
     prompt: str | list[int] | list[str] | list[list[int]]  # (a batch of one: lm-evaluation-harness's)
     echo: bool = False  # the prompt before the completion, its tokens scored where logprobs are asked
-    best_of: int | None = None
+    # candidates a prompt decodes, of which the n with the highest mean token logprob are answered
+    best_of: int | None = Field(None, ge=1, le=MAX_N)
     suffix: str | None = None
     # each token's logprob and the N most likely tokens' at its place (OpenAI's legacy form)
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS, strict=True)
@@ -193,10 +195,17 @@ class CompletionRequest(_GenerationRequest):
             return list(prompt)
         return [prompt]
 
+    @property
+    def candidates(self) -> int:
+        """Completions decoded for each prompt: best_of where given, else n."""
+        return self.best_of if self.best_of is not None else self.n
+
     def check_supported(self) -> None:
         super().check_supported()
-        if self.best_of not in (None, 1):
-            raise APIError(400, "best_of is not supported by this server (one completion per request)", "best_of")
+        if self.candidates < self.n:
+            raise APIError(400, f"best_of ({self.best_of}) must be at least n ({self.n})", "best_of")
+        if self.stream and self.candidates > self.n:
+            raise APIError(400, "best_of > n cannot be streamed: the best are known once all are done", "best_of")
         if self.suffix:
             raise APIError(400, "suffix (insertion) is not supported by this server", "suffix")
 
@@ -416,7 +425,7 @@ def _add_error_handlers(app: FastAPI) -> None:
 async def _reply(scheduler: Scheduler, request: Request, body: _GenerationRequest, choice: Choice):
     """One choice, not streamed: its job queued, answered with one JSON object."""
     provenance = body.layerplan is not None and body.layerplan.provenance
-    job = _job(body, choice, 0)
+    job = _job(body, choice, 0, body.kept_logprobs())
     (result,) = await _finished(request, [job], [asyncio.wrap_future(scheduler.submit(job))])
     answer = {**choice.shape(result.text, FINISH_REASONS[result.stop_reason], logprobs=result.logprobs),
               "usage": _usage(result, provenance)}
@@ -425,13 +434,14 @@ async def _reply(scheduler: Scheduler, request: Request, body: _GenerationReques
     return answer
 
 
-def _job(body: _GenerationRequest, choice: Choice, k: int, **events) -> Job:
-    """Choice k's job: sampled with seed + k where a seed is given (seed - k past the range's top)."""
+def _job(body: _GenerationRequest, choice: Choice, k: int, logprobs: int | None, **events) -> Job:
+    """Choice k's job: sampled with seed + k where a seed is given (seed - k past the range's top);
+    its tokens' logprobs kept with `logprobs` alternatives each (None: none kept)."""
     seed = None
     if body.seed is not None:
         seed = body.seed + k if body.seed + k <= SEED_RANGE[1] else body.seed - k
-    return Job(choice.prompt_ids, choice.max_tokens, body.sampling(), seed, body.stops(),
-               logprobs=body.kept_logprobs(), **events, **choice.fields)
+    return Job(choice.prompt_ids, choice.max_tokens, body.sampling(), seed, body.stops(), logprobs=logprobs,
+               **events, **choice.fields)
 
 
 def _stream(scheduler: Scheduler, request: Request, body: _GenerationRequest,
@@ -452,7 +462,8 @@ def _stream(scheduler: Scheduler, request: Request, body: _GenerationRequest,
 
         return put
 
-    jobs = [_job(body, choice, k, on_text=put_for(k), on_start=lambda put=put_for(k): put(STARTED))
+    jobs = [_job(body, choice, k, body.kept_logprobs(), on_text=put_for(k),
+                 on_start=lambda put=put_for(k): put(STARTED))
             for k, choice in enumerate(choices)]
     futures = [asyncio.wrap_future(scheduler.submit(job)) for job in jobs]
     for k, future in enumerate(futures):
@@ -628,7 +639,7 @@ def create_app(model: LoadedModel, plan: LayerPlan | None = None, draft=None, dr
         # off the loop: a drafter may read (the corpus of suffix:corpus=F)
         chosen = await off_loop(_chosen, model, scheduler, body.layerplan)
         prompts = body.prompts()
-        _check_choices(body, len(prompts))
+        _check_choices(body, len(prompts), body.candidates)
         ident, stamp = f"cmpl-{uuid.uuid4().hex[:24]}", int(time.time())
         choices: list[Choice] = []  # in index order
         for prompt in prompts:
@@ -651,11 +662,16 @@ def create_app(model: LoadedModel, plan: LayerPlan | None = None, draft=None, dr
                                                                            cache=kept)))
                 text = prompt if isinstance(prompt, str) else await off_loop(model.tokenizer.decode, prompt_ids)
                 echo = (text, prompt_ids[0], scores)
-            for k in range(body.n):
+
+            def shape_for(index: int, echo=echo) -> Callable[..., dict | None]:
+                return _completion_shape(ident, stamp, name, index, echo,
+                                         CompletionLogprobs(speller()) if body.logprobs is not None else None)
+
+            for k in range(body.candidates):
                 fields = {**chosen, "cache": cache} if cache is not None and k == 0 else chosen
-                shape = _completion_shape(ident, stamp, name, len(choices), echo,
-                                          CompletionLogprobs(speller()) if body.logprobs is not None else None)
-                choices.append(Choice(prompt_ids, max_tokens, shape, fields))
+                choices.append(Choice(prompt_ids, max_tokens, shape_for(len(choices)), fields, shape_for))
+        if body.candidates > body.n:
+            return await _best_of(scheduler, request, body, choices)
         return await _answer(scheduler, request, body, choices)
 
     @app.post("/v1/chat/completions")
@@ -731,14 +747,18 @@ class Choice:
     max_tokens: int
     shape: Callable[..., dict | None]
     fields: dict
+    shape_for: Callable[[int], Callable[..., dict | None]] | None = None  # its shape under another index
 
 
-def _check_choices(body: _GenerationRequest, prompts: int) -> None:
-    """A 400 for more choices than the server decodes for one request (MAX_CHOICES)."""
-    choices = prompts * body.n
+def _check_choices(body: _GenerationRequest, prompts: int, candidates: int | None = None) -> None:
+    """A 400 for more completions than the server decodes for one request (MAX_CHOICES):
+    `candidates` a prompt (best_of's, else n)."""
+    each = candidates if candidates is not None else body.n
+    choices = prompts * each
     if choices > MAX_CHOICES:
-        raise APIError(400, f"{prompts} prompt(s) x n={body.n} is {choices} choices; at most {MAX_CHOICES} a request",
-                       "n" if prompts == 1 else "prompt")
+        name = "n" if each == body.n else "best_of"
+        raise APIError(400, f"{prompts} prompt(s) x {name}={each} is {choices} completions; at most {MAX_CHOICES} "
+                            "a request", name if prompts == 1 else "prompt")
 
 
 async def _answer(scheduler: Scheduler, request: Request, body: _GenerationRequest, choices: list[Choice]):
@@ -772,7 +792,7 @@ async def _replies(scheduler: Scheduler, request: Request, body: _GenerationRequ
     """Several choices (in index order), not streamed: every job queued at once (decoded together,
     their passes shared), choice k sampled with seed + k where a seed is given; each answered by its
     own shape."""
-    jobs = [_job(body, choice, k) for k, choice in enumerate(choices)]
+    jobs = [_job(body, choice, k, body.kept_logprobs()) for k, choice in enumerate(choices)]
     results = await _finished(request, jobs, [asyncio.wrap_future(scheduler.submit(job)) for job in jobs])
     answer, provenance = None, body.layerplan is not None and body.layerplan.provenance
     for result, choice in zip(results, choices):
@@ -781,6 +801,32 @@ async def _replies(scheduler: Scheduler, request: Request, body: _GenerationRequ
             shaped["choices"][0]["layerplan"] = {"tokens": [asdict(piece) for piece in result.pieces]}
         answer = shaped if answer is None else {**answer, "choices": answer["choices"] + shaped["choices"]}
     return {**answer, "usage": _summed_usage(choices, results)}
+
+
+async def _best_of(scheduler: Scheduler, request: Request, body: CompletionRequest, candidates: list[Choice]) -> dict:
+    """best_of candidates a prompt (in prompt order), decoded together as n choices are; each
+    prompt's n with the highest mean log-probability a token (the model's own distribution, OpenAI's
+    rule; ties in candidate order) answered, best first; usage counts every candidate's tokens."""
+    each, n = body.candidates, body.n
+    kept = body.kept_logprobs()
+    jobs = [_job(body, candidate, k % each, kept if kept is not None else 0)
+            for k, candidate in enumerate(candidates)]
+    results = await _finished(request, jobs, [asyncio.wrap_future(scheduler.submit(job)) for job in jobs])
+
+    def mean_logprob(index: int) -> float:
+        scores = [entry.logprob for entry in results[index].logprobs or ()]
+        return sum(scores) / len(scores) if scores else -math.inf
+
+    answered = []
+    for start in range(0, len(candidates), each):
+        ranked = sorted(range(start, start + each), key=mean_logprob, reverse=True)[:n]
+        for rank, index in enumerate(ranked):
+            result, shape = results[index], candidates[index].shape_for(start // each * n + rank)
+            shaped = shape(result.text, FINISH_REASONS[result.stop_reason],
+                           logprobs=result.logprobs if kept is not None else None)
+            answered.extend(shaped["choices"])
+            answer = shaped
+    return {**answer, "choices": answered, "usage": _summed_usage(candidates, results)}
 
 
 def _summed_usage(choices: list[Choice], results: list[GenerationResult]) -> dict:
