@@ -229,10 +229,38 @@ def test_a_token_outside_the_vocabulary_is_named(tmp_path):
         lite.logits([3, 4096], lite.new_cache(lite.plan(), 8), 0)
 
 
-def test_a_plan_of_a_second_model_is_the_torch_front_ends(tmp_path):
+@pytest.mark.parametrize("dtype", ["stored", "stored-fast"])
+def test_a_plan_of_two_models_gives_the_torch_front_ends_logits(tmp_path, dtype):
+    """--model-b on the light front end: a plan that interleaves two files' layers (random weights
+    of their own) gives the torch front end's logits bit for bit, prompt and steps."""
+    paths = [write_tiny_gguf(tiny_hf("llama", num_layers=3, seed=seed), tmp_path / f"{name}.gguf", "Q8_0")
+             for name, seed in (("a", 0), ("b", 7))]
+    model = load_model(paths[0], dtype=dtype, engine="native")
+    model.attach(load_model(paths[1], dtype=dtype, engine="native"), "b")
+    lite = LiteModel(paths[0], STORED_ARITHMETIC[dtype], threads=2)
+    lite.attach(LiteModel(paths[1], STORED_ARITHMETIC[dtype], threads=2, with_tokenizer=False), "b")
+    for text in ("0,b:1,2", "b:0-2", "0,b:1,b:1,2"):
+        plan = model.plan(text)
+        assert lite.plan(text) == plan
+        cache, lite_cache = new_cache(plan, 64), lite.new_cache(plan, 64)
+        want = forward(model, torch.tensor([PROMPT]), plan, cache)[0].numpy()
+        assert np.array_equal(lite.logits(PROMPT, lite_cache, 0, last_only=False), want), text
+        want = forward(model, torch.tensor([[7]]), plan, cache, len(PROMPT), last_only=True)[0].numpy()
+        assert np.array_equal(lite.logits([7], lite_cache, len(PROMPT)), want), text
+    full = lite.logits(PROMPT, lite.new_cache(lite.plan(), 64), 0)
+    assert not np.array_equal(lite.logits(PROMPT, lite.new_cache(lite.plan("b:0-2"), 64), 0), full)
+
+
+def test_a_second_model_is_refused_in_the_torch_front_ends_words(tmp_path):
+    """A plan naming a model not attached, and a model of other sizes: the torch front end's lines."""
+    from layerplan.plan.plan import PlanError
+
     _, lite = _pair(tmp_path, "llama", "Q8_0", "stored")
-    with pytest.raises(TorchFrontEnd, match="second model"):
+    with pytest.raises(PlanError, match="only a is loaded"):
         lite.plan("0,b:1")
+    other = LiteModel(write_tiny_gguf(_wide_llama(), tmp_path / "wide.gguf", "Q8_0"), "exact", with_tokenizer=False)
+    with pytest.raises(PlanError, match="does not match .*: hidden_size is 256, not"):
+        lite.attach(other, "b")
 
 
 @pytest.mark.parametrize("argv,taken", [
@@ -254,6 +282,7 @@ def test_a_plan_of_a_second_model_is_the_torch_front_ends(tmp_path):
     (["generate", "Hi", "--temp", "0.7"], None),  # sampling
     (["generate", "Hi", "--draft", "suffix"], None),
     (["generate", "Hi", "--stats"], LiteRequest("Hi", stats=True)),
+    (["generate", "Hi", "--model-b", "b.gguf", "--plan", "0,b:1"], LiteRequest("Hi", model_b="b.gguf", plan="0,b:1")),
     (["generate", "Hi", "-n5"], LiteRequest("Hi", max_new_tokens=5)),  # click's forms: the command reads the line
     (["generate", "Hi", "--top-k", "0", "--max-batch", "4"], LiteRequest("Hi")),  # greedy all the same
     (["generate", "Hi", "--top-p", "0.9"], None),  # not the default: the torch front end checks and ignores it
@@ -282,9 +311,9 @@ def test_the_command_lines_it_takes(argv, taken, monkeypatch):
     (["ppl", "-m", "some.gguf", "--dtype", "stored", "--window", "64", "--stride", "32", "--max-tokens", "0",
       "--no-compare", "-t", "1", "-f", "text.txt"], True),
     (["ppl", "--plan", "skip:attn=3"], True),
-    (["ppl", "--plan", "0-10,b:11-20"], True),  # (lite/cli.py finds the second model, and leaves it to torch)
+    (["ppl", "--plan", "0-10,b:11-20"], True),  # (its message: only a is loaded)
     (["ppl", "--protocol", "llama.cpp", "--plan", "exit:20", "--no-compare"], True),
-    (["ppl", "--model-b", "other.gguf"], False),
+    (["ppl", "--model-b", "other.gguf"], True),
     (["ppl", "--device", "cuda"], False),
     (["ppl", "--dtype", "float32"], False),
     (["ppl", "--window", "0"], False),  # refused by the command: the torch front end says so

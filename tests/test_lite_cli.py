@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 
 from layerplan.files import cache_dir
+from layerplan.models.gguf_place import default_gguf_path
 from layerplan.lite.cli import runnable
 from layerplan.app.cli.generating import light_request
 from layerplan.app.cli.scoring import light_ppl_request, light_scan_request
@@ -64,6 +65,9 @@ SAME_OUTPUT = [
     ["generate", "Hello", "-n", "0"],
     ["generate", "What is the capital of France?", "--chat", "-n", "24"],
     ["generate", "Name two planets.", "--chat", "-n", "16", "--dtype", "stored-fast", "--no-stream"],
+    # a plan of two models (the packaged file as model b too: the one real file the suite holds)
+    ["generate", "The capital of France is", "-n", "12", "--model-b", str(default_gguf_path()), "--plan",
+     "0-14,b:15-29"],
 ]
 STATISTICS = ["generate", "The capital of France is", "-n", "8", "--stats", "--json", "--no-stream"]
 BAD_REQUESTS = [
@@ -82,6 +86,8 @@ SAME_PERPLEXITY = [
     ["ppl", "--plan", "0-20,14-29", "--max-tokens", "200", "--window", "96", "--stride", "48"],
     ["ppl", "--protocol", "llama.cpp", "--window", "64", "--max-tokens", "200", "--plan", "skip:mlp=3,7",
      "--dtype", "stored-fast"],
+    ["ppl", "--model-b", str(default_gguf_path()), "--plan", "0-14,b:10-29", "--max-tokens", "160", "--window", "64",
+     "--stride", "32"],
 ]
 BAD_PERPLEXITY = (["ppl", "--stride", "600"], "Error: stride must be in 1..window (512), got 600")
 # `layerplan scan` lines the light front end takes (each front end writing into a folder of its own:
@@ -301,12 +307,12 @@ def test_a_bad_request_gets_the_torch_front_ends_message(argv, error, cache, tor
 
 
 @pytest.mark.parametrize("argv", [SECOND_MODEL, SECOND_MODEL_PERPLEXITY])
-def test_what_the_light_front_end_leaves_runs_on_the_torch_one(argv, cache, torch_runs):
-    """A plan of a second model (generate's, ppl's): found once the light front end started, so the
-    command starts again on the torch front end, whose message it gives."""
+def test_a_plan_of_a_second_model_not_given_is_the_torch_front_ends_one_line(argv, cache, torch_runs):
+    """A plan naming model b without --model-b (generate's, ppl's): the torch front end's message,
+    said by the light front end itself (no second start)."""
     torch_run, lite_run = torch_runs[tuple(argv)], _run(argv, cache)
     assert lite_run.returncode == torch_run.returncode == 1
-    assert lite_run.stderr.endswith(torch_run.stderr.splitlines()[-1] + "\n")
+    assert lite_run.stderr == torch_run.stderr and lite_run.stderr.count("\n") == 2
     assert "only a is loaded" in lite_run.stderr
 
 

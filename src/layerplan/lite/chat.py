@@ -20,7 +20,6 @@ from layerplan.decoding.loop import DecodeLoop
 from layerplan.lite import TorchFrontEnd
 from layerplan.lite.model import LiteCache, LiteModel
 from layerplan.models.chat_template import plain_chat_text
-from layerplan.plan.plan import check_attached
 
 DRAFTS_NEED_TORCH = "drafting runs on the torch front end"
 SAMPLING_NEEDS_TORCH = "sampling (a temperature above 0, a penalty, a logit bias) runs on the torch front end"
@@ -60,8 +59,7 @@ class LightChatSession(ChatHistory):
     def set_plan(self, text: str) -> str:
         """Run the model by this plan from the next reply on; what was kept of the cache (all of
         it where the steps are the same, else nothing: the conversation prefills again)."""
-        plan = self.model.parse_plan(text)
-        check_attached(plan)  # (the torch front end's chat attaches no second model either: its words)
+        plan = self.model.plan(text)
         first = first_changed_step(self.plan, plan)
         self.plan, self.settings.plan = plan, plan.to_string()
         if first is None:

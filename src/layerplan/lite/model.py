@@ -11,8 +11,8 @@ interpreter, numpy, the tokenizer and the panels' read.
 
 It takes the architectures whose kernel layout the table marks `light` (the llama family and
 Gemma 3: their layers run whole in the kernels, with nothing the torch front end decides from
-modules) and plans of this one model; `lite_refusal` says why not, and then the caller runs the
-torch front end.
+modules) and plans of this model and of GGUFs of its architecture and sizes attached to it
+(attach: --model-b); `lite_refusal` says why not, and then the caller runs the torch front end.
 """
 
 from __future__ import annotations
@@ -35,11 +35,11 @@ from layerplan.lite import TorchFrontEnd
 from layerplan.lite.tokenizer import LiteTokenizer
 from layerplan.lite.tokenizer_process import TokenizerProcess
 from layerplan.machine import physical_cores
-from layerplan.models.arch_table import ARCHITECTURES, layer_attention
+from layerplan.models.arch_table import ARCHITECTURES, attach_refusal, layer_attention
 from layerplan.models.errors import ModelError
 from layerplan.models.gguf_index import file_index
 from layerplan.models.gguf_place import DEFAULT_DISPLAY_NAME, INDEX_VERSION, default_gguf_path, index_folder
-from layerplan.plan.plan import LayerPlan
+from layerplan.plan.plan import LayerPlan, PlanError, check_attached
 
 _Kv, _Step = (ABI.structs[name] for name in ("lp_kv", "lp_step"))
 
@@ -78,9 +78,10 @@ class LiteModel:
 
     def __init__(self, gguf: Path, arithmetic: str = "exact", threads: int | None = None,
                  on_packed: Callable[[int, int], None] | None = None,
-                 tokenizer: LiteTokenizer | TokenizerProcess | None = None) -> None:
+                 tokenizer: LiteTokenizer | TokenizerProcess | None = None, with_tokenizer: bool = True) -> None:
         """on_packed(bytes, of bytes): the progress of packing the file's matrices (its first start);
-        tokenizer: the index's, already started (lite/tokenizer_process.py), else read here. The
+        tokenizer: the index's, already started (lite/tokenizer_process.py), else read here
+        (with_tokenizer False: none read, for a model whose layers another's plans take). The
         index is made from the file where the file index covers it (else transformers' must be kept)."""
         index = file_index(gguf) or index_folder(gguf)
         refusal = lite_refusal(index)
@@ -98,7 +99,8 @@ class LiteModel:
         # (llama.cpp's arithmetic keeps its keys and values in f16, as engine/native.py's does)
         self.kv_dtype = np.float16 if kernels.arithmetic == ABI.LP_ARITH_INT8 else np.float32
         self.index = index
-        _, facts = read_index(index)
+        self.hf_config, facts = read_index(index)  # (config.json's keys, and the index's facts)
+        self.others: dict[str, LiteModel] = {}  # models whose layers plans take ("b": attach)
         self.chat = facts.get("chat") or {"template": True}  # (models/stored.py _chat_frame)
         self._chat_template = None  # chat_template(), compiled at its first use
         # one rotary table a layer type (Gemma 3's sliding and full attention), or one for all
@@ -113,7 +115,7 @@ class LiteModel:
         # the tokenizer's JSON is parsed while the panels are read (it holds the GIL; they do not),
         # here or in its own process; a file without one is a model of token ids (its text cannot
         # be encoded)
-        if tokenizer is None and (index / "tokenizer.json").exists():
+        if tokenizer is None and with_tokenizer and (index / "tokenizer.json").exists():
             tokenizer = LiteTokenizer(index)
         self.tokenizer = tokenizer.ready() if tokenizer is not None else None
         eos_ids = self.tokenizer.eos_ids if self.tokenizer is not None else ()
@@ -173,17 +175,27 @@ class LiteModel:
         """A plan (string or file) parsed against this model; None: the full model."""
         if text is None:
             return LayerPlan.full(self.num_layers, self.name)
-        plan = self.parse_plan(text)
-        if plan.models:
-            raise TorchFrontEnd("a plan that takes layers from a second model runs on the torch front end")
-        return plan
-
-    def parse_plan(self, text: str | os.PathLike) -> LayerPlan:
-        """A plan (string or file) parsed against this model, whatever models it names."""
         # (here: plan files' readers import yaml, and a start without a plan counts every import)
         from layerplan.plan.formats import load_plan
 
-        return load_plan(text, self.num_layers, self.name)
+        plan = load_plan(text, self.num_layers, self.name)
+        check_attached(plan, tuple(self.others))  # (PlanError in the torch front end's words)
+        return plan
+
+    def attach(self, other: LiteModel, label: str = "b") -> None:
+        """Let plans take layers from `other` ("b:8-23"), as models/loading.py's LoadedModel.attach:
+        its architecture and sizes this model's, its arithmetic too; its embedding, final norm and
+        head are not used."""
+        refusal = attach_refusal(label, self.hf_config.get, other.hf_config.get, self.name, other.name)
+        if refusal is None and other.kernels.arithmetic != self.kernels.arithmetic:
+            refusal = f"model '{label}' ({other.name}) runs in another arithmetic than {self.name}"
+        if refusal is not None:
+            raise PlanError(refusal)
+        self.others[label] = other
+
+    def model_of(self, label: str) -> LiteModel:
+        """The model whose layers a step labelled so runs ("": this one)."""
+        return self.others[label] if label else self
 
     def new_cache(self, plan: LayerPlan, capacity: int) -> LiteCache:
         return LiteCache(self, plan, capacity)
@@ -259,14 +271,15 @@ class LiteCache:
         self.table = (_Step * len(steps))()
         kv_code = ABI.LP_DTYPE_F16 if model.kv_dtype == np.float16 else ABI.LP_DTYPE_F32
         for entry, step in zip(self.table, steps):
+            source = model.model_of(step.model)  # (attach checked that its shapes are this model's)
             if step.attention:
                 keys, values = (np.zeros((c.kv_heads, capacity, c.head_dim), model.kv_dtype) for _ in range(2))
                 self.slots.append((keys, values))
-                entry.attention = ctypes.pointer(model.attention[step.layer])
+                entry.attention = ctypes.pointer(source.attention[step.layer])
                 entry.kv = _Kv(keys.ctypes.data, values.ctypes.data, capacity, 0, kv_code)
             if step.mlp:
-                entry.mlp = ctypes.pointer(model.mlp[step.layer])
-            entry.rope = model.rope_of_layer[step.layer]
+                entry.mlp = ctypes.pointer(source.mlp[step.layer])
+            entry.rope = source.rope_of_layer[step.layer]
             entry.scale = step.scale
 
     def crop(self, length: int) -> None:

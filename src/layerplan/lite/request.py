@@ -30,9 +30,11 @@ def precision_of(dtype: str) -> str:
 class FileRequest:
     """What every request of the light front end names: a GGUF, its dtype as stored, the threads;
     `engine` what the loading line names (the torch front end's default), `first_use` whether the
-    command made the model's index (lite/cli.py runnable)."""
+    command made the model's index (lite/cli.py runnable); `model_b` a second GGUF whose layers
+    plans take (--model-b, where the command has it)."""
 
     model: str = DEFAULT_MODEL
+    model_b: str | None = None
     dtype: str = "auto"
     engine: str = "auto"
     threads: int | None = None

@@ -6,6 +6,7 @@ native kernels read its layers. Plain data (no torch): the torch front end resol
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -190,3 +191,20 @@ def layer_attention(config: Any, layers: int) -> list[tuple[str, int | None]]:
     # Mistral and Phi-3 apply config.sliding_window (when set) to every layer
     window = getattr(config, "sliding_window", None) or None
     return [("sliding_attention" if window is not None else "full_attention", window)] * layers
+
+
+# config keys two models must share for a plan to take layers from both (LoadedModel.attach, LiteModel.attach)
+SHAPE_KEYS = ("model_type", "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+              "num_hidden_layers", "n_embd", "n_head", "n_layer")
+
+
+def attach_refusal(label: str, mine: Callable[[str], Any], theirs: Callable[[str], Any], name: str,
+                   other_name: str) -> str | None:
+    """Why a model cannot be attached under `label` to plans of the model `name` (one line), or
+    None; mine(key), theirs(key): each model's config value of a SHAPE_KEYS key (None: none)."""
+    if not label or label == "a" or not label.isidentifier():
+        return f"model label '{label}' is taken or not a name: 'a' is this model; use b, c, …"
+    for key in SHAPE_KEYS:
+        if mine(key) != theirs(key):
+            return f"model '{label}' ({other_name}) does not match {name}: {key} is {theirs(key)}, not {mine(key)}"
+    return None

@@ -313,8 +313,6 @@ def update_parameters(spec: ArchSpec, sub_layer: str, layer_state: dict[str, Any
 
 # ----- config keys ------------------------------------------------------------------------------
 # config fields that must match for one model's layers to run inside another's plan
-SHAPE_KEYS = ("model_type", "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
-              "num_hidden_layers", "n_embd", "n_head", "n_layer")
 # config.json model_type of a multimodal wrapper -> the text model transformers' CausalLM loads
 TEXT_MODEL_TYPES = {"gemma3": "gemma3_text"}
 

@@ -19,9 +19,8 @@ import torch
 from torch import nn
 
 from layerplan.files import apply_umask, cache_dir, clean_debris, staging, writing
-from layerplan.models.arch_table import context_length
-from layerplan.models.architectures import (SHAPE_KEYS, TEXT_MODEL_TYPES, LayerParts, ModelError, ModelParts,
-                                            config_depth)
+from layerplan.models.arch_table import attach_refusal, context_length
+from layerplan.models.architectures import TEXT_MODEL_TYPES, LayerParts, ModelError, ModelParts, config_depth
 from layerplan.models.discovery import parts_of, require_checked, spec_of
 from layerplan.models.gguf_file import read_header
 from layerplan.models.gguf_index import file_index, kept_index, sweep_stale, write_source_record
@@ -83,12 +82,10 @@ class LoadedModel:
     def attach(self, other: LoadedModel, label: str = "b") -> None:
         """Let plans take layers from `other` ("b:8-23"); it must have this model's architecture
         and sizes, and its embeddings, final norm and head are not used."""
-        if not label or label == "a" or not label.isidentifier():
-            raise PlanError(f"model label '{label}' is taken or not a name: 'a' is this model; use b, c, …")
-        for name in SHAPE_KEYS:
-            mine, theirs = getattr(self.hf.config, name, None), getattr(other.hf.config, name, None)
-            if mine != theirs:
-                raise PlanError(f"model '{label}' ({other.name}) does not match {self.name}: {name} is {theirs}, not {mine}")
+        refusal = attach_refusal(label, lambda key: getattr(self.hf.config, key, None),
+                                 lambda key: getattr(other.hf.config, key, None), self.name, other.name)
+        if refusal is not None:
+            raise PlanError(refusal)
         if other.dtype != self.dtype or other.device != self.device:
             raise PlanError(f"model '{label}' is {other.dtype} on {other.device}, not {self.dtype} on {self.device}")
         self.others[label] = other

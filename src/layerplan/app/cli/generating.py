@@ -19,7 +19,7 @@ from layerplan.lite.request import LiteRequest
 
 # the options the light front end carries out no differently for any value the command takes:
 # whatever else a line gives must be the option's default (greedy sampling, no draft, ...)
-_CARRIED = {"prompt", "prompt_option", "prompt_path", "model", "dtype", "engine", "device", "threads",
+_CARRIED = {"prompt", "prompt_option", "prompt_path", "model", "model_b", "dtype", "engine", "device", "threads",
             "max_new_tokens", "plan", "stop", "chat", "stream", "stats", "verbose", "as_json", "temperature",
             "max_batch"}
 
@@ -99,7 +99,8 @@ def light_request(argv: list[str]) -> LiteRequest | None:
             return None
     if len(prompts) != 1 or not prompts[0] or given["engine"] == "eager" or given["temperature"] != 0.0:
         return None
-    return LiteRequest(prompt=prompts[0], model=given["model"], dtype=given["dtype"], engine=given["engine"],
+    return LiteRequest(prompt=prompts[0], model=given["model"], model_b=given["model_b"], dtype=given["dtype"],
+                       engine=given["engine"],
                        threads=given["threads"], plan=given["plan"], max_new_tokens=given["max_new_tokens"],
                        stop=list(given["stop"]), stream=given["stream"], chat=given["chat"],
                        stats=given["stats"] or given["verbose"], as_json=given["as_json"])

@@ -47,16 +47,14 @@ def ppl(**options) -> None:
 def light_ppl_request(argv: list[str]) -> LitePerplexityRequest | None:
     """The light front end's request of `layerplan ppl ...` (argv without the program), read by this
     command as it reads any line: a GGUF's perplexity on CPU at a dtype as stored, under a plan or
-    the full model, in either protocol. A second model, a device, help, or a line the command
-    refuses give None: the torch front end reads the line then (and where the plan turns out to
-    take layers of a second model, lite/cli.py leaves it to the torch front end)."""
+    the full model or one that takes layers from --model-b too, in either protocol. A device, help,
+    or a line the command refuses give None: the torch front end reads the line then."""
     context = light_context(ppl, argv)
     if context is None:
         return None
     given = context.params
-    if given["model_b"] is not None:
-        return None
-    return LitePerplexityRequest(model=given["model"], dtype=given["dtype"], threads=given["threads"],
+    return LitePerplexityRequest(model=given["model"], model_b=given["model_b"], dtype=given["dtype"],
+                                 threads=given["threads"],
                                  text=given["text"], window=given["window"], stride=given["stride"],
                                  max_tokens=given["max_tokens"], plan=given["plan"], protocol=given["protocol"],
                                  compare=given["compare"])
