@@ -127,6 +127,24 @@ def test_the_top_level_help_and_version_import_no_command(argv):
         assert "version" in shown[-1]
 
 
+@pytest.mark.parametrize("argv", [
+    ["plan", "0-20,15-29", "--to", "mergekit"], ["plan", "0-40"], ["plan", "skip:attn=3", "--layers", "12"],
+    ["peers", "show"], ["chat", "-h"], ["ppl", "-h"], ["plan", "-h"]])
+def test_commands_that_run_no_model_import_no_torch(argv):
+    """`layerplan plan` (a plan checked against the GGUF header's depth), `peers`, and the help of
+    the commands whose options are read without torch (generate's --draft help lists the drafters,
+    whose registry imports torch): neither torch nor transformers imported."""
+    probe = ("import sys\n"
+             "from layerplan.app.cli import main\n"
+             "try:\n"
+             f"    main({argv!r}, prog_name='layerplan')\n"
+             "except SystemExit:\n"
+             "    pass\n"
+             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers')), file=sys.stderr)\n")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert done.stderr.strip().splitlines()[-1] == "[]", done.stderr
+
+
 def test_a_bare_layerplan_prints_its_help_whole():
     """No command: the help as `layerplan -h` prints it (exit 2, click's status), not one folded line."""
     result = CliRunner().invoke(main, [], prog_name="layerplan")

@@ -119,7 +119,7 @@ def test_the_dense_load_is_transformers_gguf_load_bit_for_bit(tiny_ggufs, arch, 
 
 
 def test_model_depth_reads_the_header_and_converts_nothing(tiny_ggufs, tmp_path, monkeypatch):
-    from layerplan.models.loading import model_depth
+    from layerplan.models.depth import model_depth
 
     monkeypatch.setenv("LAYERPLAN_CACHE", str(tmp_path / "cache"))
     assert model_depth(str(tiny_ggufs["qwen2"])) == (3, "qwen2")

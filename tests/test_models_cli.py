@@ -6,7 +6,8 @@ import torch
 from click.testing import CliRunner
 
 from layerplan.app.cli import main
-from layerplan.models.loading import ModelError, load_model, model_depth
+from layerplan.models.depth import model_depth
+from layerplan.models.loading import ModelError, load_model
 from layerplan.search.importance import load_cached_scan
 
 

@@ -31,6 +31,7 @@ from layerplan.engine.file_kernels import FileKernels, read_index
 from layerplan.models import loading
 from layerplan.models.arch_table import ARCHITECTURES
 from layerplan.models.architectures import LayerParts, ModelParts
+from layerplan.models.depth import display_name
 from layerplan.models.discovery import parts_of
 from layerplan.models.stored import StoredEmbedding, StoredWeights, load_stored
 
@@ -193,5 +194,5 @@ def file_model(kernels: FileKernels, arithmetic: str) -> loading.LoadedModel:
         rotary=FileRotary(facts["rotary"]), rope_per_layer_type=spec.rope_per_layer_type,
         final_logit_softcapping=getattr(config, "final_logit_softcapping", None),
         layer_types=tuple(sorted(set(shape.layer_types))))
-    return loading.LoadedModel(name=loading.display_name(gguf), hf=hf, tokenizer=loading.folder_tokenizer(index),
+    return loading.LoadedModel(name=display_name(gguf), hf=hf, tokenizer=loading.folder_tokenizer(index),
                                source=str(gguf), stored=stored, given_parts=parts)

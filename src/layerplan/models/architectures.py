@@ -323,13 +323,6 @@ def text_model_type(config: dict[str, Any]) -> str:
     return TEXT_MODEL_TYPES.get(model_type, model_type)
 
 
-def config_depth(config: dict[str, Any]) -> int | None:
-    """Number of decoder layers from a config.json dict (None if it does not say)."""
-    config = config.get("text_config", config)
-    depth = config.get("num_hidden_layers", config.get("n_layer"))
-    return int(depth) if depth is not None else None
-
-
 _NOT_PER_LAYER = ("architectures", "eos_token_id", "bos_token_id", "pad_token_id", "mlp_only_layers")
 
 

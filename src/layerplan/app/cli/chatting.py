@@ -18,17 +18,16 @@ import json
 import os
 import sys
 import tempfile
-from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
 
 import click
 
+from layerplan.app.cli.errors import plain_user_errors
 from layerplan.app.options import (ctx_size_option, decoding_model_options, light_context, logit_bias_option,
                                    n_predict_option, output_penalty_options, sampling_options)
 from layerplan.lite import FRONT_END_VARIABLE
 from layerplan.lite.request import LiteChatRequest
-from layerplan.messages import one_line
 
 # a light conversation handed on to the torch front end: JSON {"file", "line", "totals", "history"}
 HANDOFF_VARIABLE = "LAYERPLAN_CHAT_HANDOFF"
@@ -100,24 +99,8 @@ def run_light_chat(request: LiteChatRequest, tokenizer=None) -> int | None:
     except ENDINGS as error:
         return ended_by(error)
     interactive = sys.stdin.isatty()
-    return run_chat(session, guard=_light_errors, stdin=None if interactive else UnbufferedLines(sys.stdin.fileno()),
+    return run_chat(session, guard=plain_user_errors, stdin=None if interactive else UnbufferedLines(sys.stdin.fileno()),
                     interactive=interactive, hand_off=_hand_off(request, interactive))
-
-
-@contextmanager
-def _light_errors():
-    """Bad input as app/cli/common.py user_errors says it (one line), without torch."""
-    from layerplan.files import WriteError
-    from layerplan.models.errors import ModelError
-    from layerplan.plan.plan import PlanError
-
-    try:
-        yield
-    except (PlanError, ModelError, FileNotFoundError, WriteError, ValueError) as error:
-        raise click.ClickException(one_line(str(error))) from None
-    except OSError as error:
-        where = f"{error.filename}: " if error.filename else ""
-        raise click.ClickException(f"{where}{error.strerror or error}") from None
 
 
 class UnbufferedLines:

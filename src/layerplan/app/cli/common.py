@@ -11,6 +11,7 @@ import click
 import torch
 
 from layerplan.app import llamacpp
+from layerplan.app.cli.errors import plain_user_errors
 from layerplan.app.bars import Progress, Stages
 from layerplan.app.options import DEVICE_MAP_KEY
 from layerplan.app.peers import LlamaToolError
@@ -18,27 +19,18 @@ from layerplan.engine.choices import BLOCK_PRECISIONS
 from layerplan.engine.load import choose_dtype, load_model
 from layerplan.engine.native import NativeUnavailable
 from layerplan.engine.probe import checked_model_row, load_probe
-from layerplan.files import WriteError
+from layerplan.models.depth import model_depth
 from layerplan.models.gguf_index import file_index
 from layerplan.models.gguf_place import TENSORS_FILE, index_folder
-from layerplan.models.loading import (ModelError, cache_dir, dense_bytes, gguf_of, model_depth,
-                                      resolve_device)
-from layerplan.plan.plan import PlanError
+from layerplan.models.loading import cache_dir, dense_bytes, gguf_of, resolve_device
 
 
 @contextmanager
 def user_errors():
-    """Bad input becomes a one-line message and exit status 2, not a traceback."""
-    try:
+    """Bad input becomes a one-line message and exit status 1, not a traceback (errors.py's, and
+    the native kernels' and llama.cpp's tools' own)."""
+    with plain_user_errors(NativeUnavailable, LlamaToolError, llamacpp.LlamaCppBuildError):
         yield
-    except (PlanError, ModelError, NativeUnavailable, FileNotFoundError, WriteError, ValueError, LlamaToolError,
-            llamacpp.LlamaCppBuildError) as error:
-        raise click.ClickException(str(error)) from None
-    except ConnectionError as error:  # lm-eval task data (or anything else) neither on disk nor reachable
-        raise click.ClickException(f"{error}: not on disk and not downloadable from here") from None
-    except OSError as error:  # a file that cannot be read or written, named
-        where = f"{error.filename}: " if error.filename else ""
-        raise click.ClickException(f"{where}{error.strerror or error}") from None
 
 
 def _gguf_path(model: str) -> Path | None:
@@ -101,13 +93,16 @@ def load(model: str, dtype: str, device: str = "cpu", engine: str = "auto", dens
         if bar is not None:
             bar.close()
     loaded.limit_context(ctx_size)
-    if PROCESS_IS_THE_COMMAND:
+    if _process_is_the_command():
         freeze()
     return loaded
 
 
-# set by run_as_process: this process runs one command and ends with it (see freeze)
-PROCESS_IS_THE_COMMAND = False
+def _process_is_the_command() -> bool:
+    """Whether this process runs one command and ends with it: the command group's flag, which
+    run_as_process (the console entry) sets (see freeze)."""
+    context = click.get_current_context(silent=True)
+    return context is not None and bool(getattr(context.find_root().command, "process_is_the_command", False))
 
 
 def freeze() -> None:

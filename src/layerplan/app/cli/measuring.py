@@ -31,7 +31,8 @@ from layerplan.engine.verify import check_architecture, config_for
 from layerplan.files import write_json_atomic
 from layerplan.machine import cpu_info
 from layerplan.models.architectures import STATUSES, architecture_statuses
-from layerplan.models.loading import available_models, cache_dir, gguf_of, model_depth
+from layerplan.models.depth import model_depth
+from layerplan.models.loading import available_models, cache_dir, gguf_of
 
 
 def _print_architectures(markdown: bool) -> None:
@@ -211,40 +212,6 @@ def bench(model, dtype, engine, threads, new_tokens, repeats, prompt_names, prom
     click.echo(f"wrote {out}")
 
 
-@click.group()
-def peers() -> None:
-    """llama.cpp's own C++ tools, which `layerplan bench` times beside layerplan."""
-
-
-@peers.command("build", help=(
-    f"Build llama.cpp's tools once from source into the cache ({', '.join(llamacpp.TOOLS)}).\n\n"
-    f"The source is a pinned sdist from PyPI (default: {llamacpp.SOURCES[llamacpp.PINNED].describe()}); cmake "
-    "and a C++ compiler build it (Release, CPU only, GGML_NATIVE=ON: tuned to this machine; ~10-20 min on 2 "
-    "cores). The build runs in a staging folder that is renamed into <cache>/llama.cpp/<source> when done; a "
-    "finished build is found and kept (--force builds again)."))
-@click.option("--source", type=click.Choice(list(llamacpp.SOURCES)), default=llamacpp.PINNED, show_default=True,
-              help="; ".join(f"{name}: {source.describe()}" for name, source in llamacpp.SOURCES.items()))
-@click.option("--jobs", "-j", type=click.IntRange(min=1), default=2, show_default=True, help="parallel compile jobs")
-@click.option("--force", is_flag=True, help="build again even when a finished build is there")
-def peers_build(source, jobs, force) -> None:
-    with user_errors():
-        bin_dir = llamacpp.build(source, jobs=jobs, force=force, log=lambda line: click.echo(line, err=True))
-    click.echo(bin_dir)
-
-
-@peers.command("show")
-def peers_show() -> None:
-    """Where llama.cpp's tools are and how they were built; exit status 1 when not built."""
-    bin_dir = llamacpp.find_tools()
-    if bin_dir is None:
-        raise click.ClickException(llamacpp.missing_message("llama.cpp rows of `layerplan bench`"))
-    info = llamacpp.build_info(bin_dir)
-    click.echo(bin_dir)
-    for key in ("llama_cpp", "sdist", "built", "seconds", "jobs", "tools"):
-        if key in info:
-            click.echo(f"  {key}: {', '.join(info[key]) if isinstance(info[key], list) else info[key]}")
-
-
 @click.command()
 @model_option
 @click.option("--dtype", "dtypes", multiple=True, type=click.Choice(["float32", "bfloat16", STORED, STORED_FAST]),
@@ -301,4 +268,4 @@ def probe(model, dtypes, engines, threads, max_length, repeats, refresh, as_json
     click.echo(cached.table())
 
 
-COMMANDS = (models, frontier, bench, peers, probe)  # registered on main (the package's __init__)
+COMMANDS = (models, frontier, bench, probe)  # registered on main (the package's __init__)

@@ -30,7 +30,7 @@ from layerplan.engine.choices import STORED
 from layerplan.engine.load import load_model
 from layerplan.files import write_json_atomic
 from layerplan.machine import cpu_info
-from layerplan.models.loading import model_depth
+from layerplan.models.depth import model_depth
 from layerplan.search.bayes import check_storage, quiet_optuna
 from layerplan.search.blocks import MergeSpace, parse_range, parse_repeats, parse_scales
 from layerplan.search.evaluate import calibration_ids, perplexity, perplexity_in_chunks

@@ -13,7 +13,7 @@ import click
 import torch
 
 from layerplan.app.cli.common import attach, checked_probe_row, freeze, load, set_threads, user_errors
-from layerplan.app.options import (DRAFT_LENGTH_HELP, MODEL_HELP, Output, ctx_size_option, decoding_model_options,
+from layerplan.app.options import (DRAFT_LENGTH_HELP, Output, ctx_size_option, decoding_model_options,
                                    device_option, dtype_option, engine_option, export_dtype_option, model_b_option,
                                    model_option, threads_option)
 from layerplan.app.prompts import PromptUsageError, generate_prompt_file, one_prompt, read_prompt_file
@@ -27,9 +27,9 @@ from layerplan.engine.choices import STORED
 from layerplan.export import EXPORT_FORMATS, export_checkpoint, export_format_of, export_gguf
 from layerplan.files import check_output, write_json_atomic, write_text_atomic
 from layerplan.machine import read_cpuinfo
-from layerplan.models.loading import DEFAULT_MODEL, gguf_of, model_depth
-from layerplan.plan.formats import FORMATS, load_plan, to_mergekit
-from layerplan.plan.plan import MAX_STEPS
+from layerplan.models.depth import model_depth
+from layerplan.models.loading import gguf_of
+from layerplan.plan.formats import load_plan, to_mergekit
 from layerplan.search.probes import task_manager
 
 
@@ -130,25 +130,6 @@ def export(plan, model, dtype, out, fmt, source, model_b) -> None:
             click.echo(f"wrote {folder} ({len(loaded.plan(plan).active_steps)} layers)")
             return
     click.echo(f"wrote {out}")
-
-
-@click.command("plan")
-@click.argument("plan")
-@click.option("--model", "-m", default=DEFAULT_MODEL, show_default=True, help=MODEL_HELP)
-@click.option("--layers", type=click.IntRange(1, MAX_STEPS), default=None, help="model depth instead of reading --model")
-@click.option("--to", "fmt", type=click.Choice(list(FORMATS)), default="string", show_default=True,
-              help="; ".join(f"{f.name}: {f.help}" for f in FORMATS.values()))
-@click.option("--out", type=Output("file"), default=None, help="write to this file (atomically)")
-def plan_command(plan, model, layers, fmt, out) -> None:
-    """Validate PLAN (string or file) and print it in another format."""
-    with user_errors():
-        depth, name = (layers, "the model") if layers is not None else model_depth(model)
-        text = FORMATS[fmt].dump(load_plan(plan, depth, name), model)
-    if out:
-        write_text_atomic(out, text + "\n")
-        click.echo(f"wrote {out}", err=True)
-    else:
-        click.echo(text)
 
 
 @click.command("eval")
@@ -318,4 +299,4 @@ def _take_handed_off(handoff: dict) -> None:
     shutil.rmtree(Path(handoff["file"]).parent, ignore_errors=True)
 
 
-COMMANDS = (export, plan_command, eval_command, serve)  # registered on main (the package's __init__)
+COMMANDS = (export, eval_command, serve)  # registered on main (the package's __init__)
