@@ -129,7 +129,7 @@ def test_the_top_level_help_and_version_import_no_command(argv):
 
 @pytest.mark.parametrize("argv", [
     ["plan", "0-20,15-29", "--to", "mergekit"], ["plan", "0-40"], ["plan", "skip:attn=3", "--layers", "12"],
-    ["peers", "show"], ["chat", "-h"], ["ppl", "-h"], ["plan", "-h"]])
+    ["peers", "show"], ["models"], ["chat", "-h"], ["ppl", "-h"], ["plan", "-h"]])
 def test_commands_that_run_no_model_import_no_torch(argv):
     """`layerplan plan` (a plan checked against the GGUF header's depth), `peers`, and the help of
     the commands whose options are read without torch (generate's --draft help lists the drafters,

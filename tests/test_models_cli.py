@@ -205,3 +205,50 @@ def test_missing_gpu_and_empty_prompt_are_named(smollm2):
         generate(smollm2, "", max_new_tokens=2)
     with pytest.raises(ValueError, match="the prompt is empty"):
         generate(smollm2, [], max_new_tokens=2)
+
+
+def test_models_lists_what_the_cache_holds_by_file_and_prunes_the_stale(tmp_path, monkeypatch):
+    """A cache with a file's index, panels and dense copy, a file since changed and a file gone:
+    each present file with its folders and sizes (the packaged default first), the stale ones
+    summed; --prune removes only theirs; --json says the same."""
+    from layerplan.models.gguf_index import write_source_record
+
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("LAYERPLAN_CACHE", str(cache))
+    kept, changed, gone = (tmp_path / f"{name}.gguf" for name in ("kept", "changed", "gone"))
+    for path in (kept, changed, gone):
+        path.write_bytes(b"GGUF" + bytes(1000))
+    folders = {}
+    for source in (kept, changed, gone):
+        for sub in ("stored", "panels", "models"):
+            folder = folders[source.stem, sub] = cache / sub / f"{source.stem}-x"
+            folder.mkdir(parents=True)
+            write_source_record(folder, source)
+            (folder / "data").write_bytes(bytes(4096 if sub == "panels" else 100))
+    changed.write_bytes(b"GGUF" + bytes(2000))  # (another file now: its folders can never be used again)
+    gone.unlink()
+    (cache / "llama.cpp").mkdir()
+    (cache / "llama.cpp" / "tool").write_bytes(bytes(300))
+
+    listing = json.loads(CliRunner().invoke(main, ["models", "--json"]).output)
+    by_source = {m["source"]: m for m in listing["models"]}
+    assert listing["models"][0]["default"]  # the packaged default, first
+    assert by_source[str(kept.resolve())]["state"] == "present"
+    assert by_source[str(kept.resolve())]["file_bytes"] == 1004
+    assert sorted((f["kind"], f["bytes"]) for f in by_source[str(kept.resolve())]["folders"]) == [
+        ("dense copy", 100 + len((folders["kept", "models"] / "layerplan-source.json").read_bytes())),
+        ("index", 100 + len((folders["kept", "stored"] / "layerplan-source.json").read_bytes())),
+        ("panels", 4096 + len((folders["kept", "panels"] / "layerplan-source.json").read_bytes()))]
+    assert (by_source[str(changed.resolve())]["state"], by_source[str(gone.resolve())]["state"]) == ("changed", "gone")
+    assert listing["others"] == {"llama.cpp's tools": 300}
+
+    shown = CliRunner().invoke(main, ["models"])
+    assert shown.exit_code == 0
+    assert str(kept.resolve()) in shown.output and str(gone.resolve()) not in shown.output
+    assert "2 model files gone or changed since their folders were made: 6 folders" in shown.output
+    assert "free to delete" in shown.output
+
+    pruned = CliRunner().invoke(main, ["models", "--prune"])
+    assert pruned.exit_code == 0 and "removed the folders of 2 model files gone or changed" in pruned.output
+    assert all(folders["kept", sub].exists() for sub in ("stored", "panels", "models"))
+    assert not any(folders[name, sub].exists() for name in ("changed", "gone") for sub in ("stored", "panels", "models"))

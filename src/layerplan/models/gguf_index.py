@@ -42,16 +42,23 @@ def write_source_record(folder: Path, gguf: Path) -> None:
 def stale_source(folder: Path) -> bool:
     """Whether the folder's recorded source file is gone or changed since (its key, the file's path,
     size and time, can never be asked for again); False for a folder with no record."""
-    try:
-        record = json.loads((folder / SOURCE_RECORD).read_text())
-    except (OSError, ValueError):
-        record = _index_source(folder)
+    record = recorded_source(folder)
     try:
         return file_key(Path(record["path"])) != record["key"]
     except OSError:
         return True
     except (TypeError, KeyError):
         return False
+
+
+def recorded_source(folder: Path) -> dict | None:
+    """The source a cache folder records ({"path", "key"}), or None: the folder's SOURCE_RECORD,
+    or an older index's tensors file."""
+    try:
+        record = json.loads((folder / SOURCE_RECORD).read_text())
+    except (OSError, ValueError):
+        return _index_source(folder)
+    return record if isinstance(record, dict) else None
 
 
 def _index_source(folder: Path) -> dict | None:

@@ -32,7 +32,8 @@ COMMAND_INDEX = {
                               "and by how much."),
     "generate": ("generating", "Generate a continuation of PROMPT (or -p TEXT, -f FILE), or of every prompt of "
                             "--prompt-file."),
-    "models": ("measuring", "List the models available locally (the packaged default and converted ones)."),
+    "models": ("listing", "List the model files the cache holds folders for, and what each weighs; the packaged "
+                          "default first."),
     "peers": ("peering", "llama.cpp's own C++ tools, which `layerplan bench` times beside layerplan."),
     "plan": ("planning", "Validate PLAN (string or file) and print it in another format."),
     "ppl": ("scoring", "Perplexity of the model (under a plan) on a text: sliding windows, or llama-perplexity's "

