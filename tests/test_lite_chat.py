@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from layerplan.app.cli.chatting import UnbufferedLines, light_chat_request
@@ -40,13 +41,13 @@ def _sessions(both, **settings):
 
 
 def test_a_light_conversation_is_the_torch_front_ends(both):
-    """Turn by turn: the same ids, the same reply tokens, the same cache reuse; then a plan switch
-    (the light cache prefills again, the replies still equal), a system message, a reset."""
+    """Turn by turn: the same ids, the same reply tokens, the same cache reuse, across plan switches
+    (both run the conversation again from the kept stream before the first step changed, and say
+    so alike), a system message and a reset."""
     light, torch_session = _sessions(both, max_new_tokens=12, system="You are terse.")
     steps = [("reply", "What is the capital of France?"), ("reply", "And of Italy? {braces} é"),
              ("plan", "0-25,20-29"), ("reply", "Name a river there."), ("plan", "full"),
              ("system", None), ("reply", "Thanks."), ("reset", None), ("reply", "Hello again")]
-    switched = False  # a plan switch since the last reply (the light cache prefills again, the torch one may not)
     for kind, argument in steps:
         if kind == "reply":
             assert light.prompt_ids([*light.messages, {"role": "user", "content": argument}]) == \
@@ -54,15 +55,9 @@ def test_a_light_conversation_is_the_torch_front_ends(both):
             ours, theirs = light.reply(argument), torch_session.reply(argument)
             assert ours.token_ids == theirs.token_ids and ours.text == theirs.text, argument
             assert ours.stop_reason == theirs.stop_reason
-            if not switched:
-                assert (ours.totals.reused, ours.totals.prefilled) == (theirs.totals.reused, theirs.totals.prefilled)
-            else:
-                assert ours.totals.reused == 0
-            switched = False
+            assert (ours.totals.reused, ours.totals.prefilled) == (theirs.totals.reused, theirs.totals.prefilled)
         elif kind == "plan":
-            switched = True
-            light.set_plan(argument)
-            torch_session.set_plan(argument)
+            assert light.set_plan(argument) == torch_session.set_plan(argument)
         elif kind == "system":
             light.set_system(argument)
             torch_session.set_system(argument)
@@ -71,6 +66,27 @@ def test_a_light_conversation_is_the_torch_front_ends(both):
             torch_session.reset()
     assert light.messages == torch_session.messages
     assert light.stats().turns == torch_session.stats().turns and light.session.replies == 5
+
+
+@pytest.mark.parametrize("plan", ["skip:mlp=21", "0-25,20-29", "skip:attn=9", "exit:17"])
+def test_a_cache_run_again_from_a_kept_stream_holds_what_a_fresh_prefill_writes(both, plan):
+    """After /plan, the light cache's slots and kept streams equal a fresh prefill of the new plan
+    over the same tokens, bit for bit (the slots before the restart taken over, the rest written
+    from the kept stream)."""
+    light, _ = _sessions(both, max_new_tokens=8)
+    light.reply("Tell me about the moon.")
+    light.reply("And the sun?")
+    held = list(light.cached)
+    note = light.set_plan(plan)
+    assert "ran again from step" in note and light.cache.length == len(held)
+    fresh = both[0].new_cache(light.plan, light.cache.capacity, light.stream_steps(light.plan))
+    both[0].logits(held, fresh, 0)
+    for index, (keys, values) in fresh.slot_of.items():
+        mine = light.cache.slot_of[index]
+        assert np.array_equal(mine[0][:, :len(held)], keys[:, :len(held)]), index
+        assert np.array_equal(mine[1][:, :len(held)], values[:, :len(held)]), index
+    for index, stream in fresh.streams.items():
+        assert np.array_equal(light.cache.streams[index][:len(held)], stream[:len(held)]), index
 
 
 def test_what_the_light_session_does_not_run_it_refuses_before_changing_anything(both):

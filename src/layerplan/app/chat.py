@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from layerplan.decoding.chat_state import NO_DRAFT, ChatHistory, ChatSettings, Reply, first_changed_step
+from layerplan.decoding.chat_state import NO_DRAFT, STREAM_EVERY, ChatHistory, ChatSettings, Reply
 from layerplan.decoding.drafters.registry import make_drafter
 from layerplan.decoding.output import chat_prompt_ids
 from layerplan.decoding.scheduler import Job, Scheduler
@@ -25,12 +25,6 @@ from layerplan.engine.probe import ProbeRow
 from layerplan.engine.runner import Resume, new_cache, run_hidden
 from layerplan.models.loading import LoadedModel
 from layerplan.plan.plan import LayerPlan
-
-# the cache keeps the residual stream entering every STREAM_EVERY-th step, so that /plan reruns
-# the conversation from the last such step at or before the first one it changes, not from the
-# start (each kept stream costs a hidden-wide row a token: at 4, SmolLM2's are 0.7x its cache)
-STREAM_EVERY = 4
-
 
 class ChatSession(ChatHistory):
     """A conversation with `model`: reply() answers a user message; the set_* methods change the
@@ -42,8 +36,7 @@ class ChatSession(ChatHistory):
         if model.tokenizer is None:
             model.encode("")  # ModelError in the model's own words: text cannot be turned into tokens
         self.probe_row, self.draft_length = probe_row, draft_length
-        self.stream_every = stream_every  # the cache keeps the stream entering every such step (STREAM_EVERY)
-        super().__init__(model, settings, messages)
+        super().__init__(model, settings, messages, stream_every)
         self.cache: KVCache | None
         self.drafter = self._drafter(self.settings.draft, self.plan)
 
@@ -60,57 +53,19 @@ class ChatSession(ChatHistory):
         costs = dict(self.probe_row.relative) if self.probe_row is not None else {}
         return make_drafter(spec, self.model, plan, pass_costs=costs) if spec else None
 
-    def set_plan(self, text: str) -> str:
-        """Run the model by this plan from the next reply on; what was kept of the cache."""
-        plan = self.model.plan(text)
-        drafter = self._drafter(self.settings.draft, plan)  # a draft that cannot draft for it: refused here
-        first = first_changed_step(self.plan, plan)
-        self.plan, self.drafter, self.settings.plan = plan, drafter, plan.to_string()
-        if first is None:
-            self.replan = "the same steps as before: the cache is kept whole"
-            return self.replan
-        held = len(self.cached)
-        # Steps before `first` hold the same keys and values under both plans: the conversation
-        # runs again from the last step at or before `first` whose entering stream the cache
-        # kept, that step's stream being where it starts, the steps before it kept as they are
-        restart = self._restart_step(first, held)
-        if restart is None:
-            self.cache, self.cached = None, []
-            self.replan = (f"step {first} is the first to change and no stream is kept before it: the "
-                           f"{held}-token conversation prefills again through {plan.to_string()} at the next "
-                           "reply (nothing of the cache reused)")
-            return self.replan
-        try:
-            self._run_again_from(restart, held)
-        except BaseException:  # (Ctrl-C among them) half rewritten: the next reply prefills it all again
-            self.cache, self.cached = None, []
-            raise
-        self.replan = (f"step {first} is the first to change: steps 0-{restart - 1} kept, the {held}-token "
-                       f"conversation ran again from step {restart} (its kept stream) through the new plan")
-        return self.replan
+    def plan_taken(self, plan: LayerPlan) -> None:
+        self.drafter = self._drafter(self.settings.draft, plan)  # a draft that cannot draft for it: refused here
 
-    def _stream_steps(self, plan: LayerPlan) -> range:
-        """The steps whose entering stream the cache keeps."""
-        return range(self.stream_every, len(plan.active_steps), self.stream_every)
+    def kept_streams(self) -> dict[int, int]:
+        return dict(self.cache.stream_lengths) if self.cache is not None else {}
 
-    def _restart_step(self, first: int, held: int) -> int | None:
-        """The last step at or before `first` whose entering stream the cache holds for every one
-        of its `held` tokens (None: none, or nothing held)."""
-        cache = self.cache
-        if cache is None or held == 0:
-            return None
-        kept = [step for step, length in cache.stream_lengths.items() if 0 < step <= first and length >= held]
-        return max(kept, default=None)
-
-    def _run_again_from(self, restart: int, held: int) -> None:
-        """The cache made the new plan's (self.plan's): its slots from `restart` on written again
-        over the `held` positions from the stream entering that step, its streams kept anew."""
+    def run_again_from(self, restart: int, held: int) -> None:
         cache, plan = self.cache, self.plan
         cache.crop(held)
         hidden = cache.streams[restart][:held][None].clone()
         cache.resize(len(plan.steps))
         cache.drop_slots(restart)
-        cache.keep_streams(plan, self._stream_steps(plan))
+        cache.keep_streams(plan, self.stream_steps(plan))
         run_hidden(self.model, None, plan, cache, 0, resume=Resume(hidden, restart))
 
     def set_draft(self, spec: str | None) -> None:
@@ -136,7 +91,7 @@ class ChatSession(ChatHistory):
         budget = min(settings.max_new_tokens, room)
         if cache is None:
             cache = new_cache(self.plan, capacity=len(ids) + budget + 16)
-            cache.keep_streams(self.plan, self._stream_steps(self.plan))
+            cache.keep_streams(self.plan, self.stream_steps(self.plan))
         scheduler = Scheduler(self.model, self.plan, probe_row=self.probe_row, max_batch=1)
         reply = scheduler.submit(Job(ids, budget, sampling, settings.seed, (), on_text=on_text, plan=self.plan,
                                      draft=self.drafter, draft_chosen=True, draft_length=self.draft_length,

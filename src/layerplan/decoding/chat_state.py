@@ -22,6 +22,10 @@ SAVE_FORMAT = "layerplan-chat"  # the "format" of a /save file, which `chat --lo
 ROLES = ("user", "assistant")
 NO_DRAFT = ("none", "off")  # /draft none: plain decoding again
 MAX_SAVED_BYTES = 256 * 2 ** 20  # a transcript longer than any model's context, many times over
+# the cache keeps the residual stream entering every STREAM_EVERY-th step, so that /plan reruns
+# the conversation from the last such step at or before the first one it changes, not from the
+# start (each kept stream costs a hidden-wide row a token: at 4, SmolLM2's are 0.7x its cache)
+STREAM_EVERY = 4
 
 
 @dataclass
@@ -221,8 +225,10 @@ class ChatHistory:
     settings, the plan, the messages, the KV cache of the tokens in `cached`, the counts. A
     subclass answers (reply) and changes the plan and the draft (set_plan, set_draft)."""
 
-    def __init__(self, model, settings: ChatSettings | None, messages: Sequence[dict[str, str]]) -> None:
+    def __init__(self, model, settings: ChatSettings | None, messages: Sequence[dict[str, str]],
+                 stream_every: int = STREAM_EVERY) -> None:
         self.model = model
+        self.stream_every = stream_every  # the cache keeps the stream entering every such step (STREAM_EVERY)
         self.settings = settings if settings is not None else ChatSettings()
         self.plan: LayerPlan = model.plan(self.settings.plan)
         self.settings.plan = self.plan.to_string()
@@ -243,6 +249,54 @@ class ChatHistory:
         """Whether the model has a chat template (without one, 'role: content' lines)."""
         raise NotImplementedError
 
+    # ----- the plan -----------------------------------------------------------------------------
+    def set_plan(self, text: str) -> str:
+        """Run the model by this plan from the next reply on; what was kept of the cache."""
+        plan = self.model.plan(text)
+        self.plan_taken(plan)
+        first = first_changed_step(self.plan, plan)
+        self.plan, self.settings.plan = plan, plan.to_string()
+        if first is None:
+            self.replan = "the same steps as before: the cache is kept whole"
+            return self.replan
+        held = len(self.cached)
+        # Steps before `first` hold the same keys and values under both plans: the conversation
+        # runs again from the last step at or before `first` whose entering stream the cache
+        # kept, that step's stream being where it starts, the steps before it kept as they are
+        kept = [step for step, length in self.kept_streams().items() if 0 < step <= first and length >= held]
+        restart = max(kept, default=None) if held else None
+        if restart is None:
+            self.cache, self.cached = None, []
+            self.replan = (f"step {first} is the first to change and no stream is kept before it: the "
+                           f"{held}-token conversation prefills again through {plan.to_string()} at the next "
+                           "reply (nothing of the cache reused)")
+            return self.replan
+        try:
+            self.run_again_from(restart, held)
+        except BaseException:  # (Ctrl-C among them) half rewritten: the next reply prefills it all again
+            self.cache, self.cached = None, []
+            raise
+        self.replan = (f"step {first} is the first to change: steps 0-{restart - 1} kept, the {held}-token "
+                       f"conversation ran again from step {restart} (its kept stream) through the new plan")
+        return self.replan
+
+    def stream_steps(self, plan: LayerPlan) -> range:
+        """The steps (indices into plan.active_steps) whose entering stream the cache keeps."""
+        return range(self.stream_every, len(plan.active_steps), self.stream_every)
+
+    def plan_taken(self, plan: LayerPlan) -> None:
+        """Ready what the new plan needs (a draft for it), or raise before anything changes."""
+
+    def kept_streams(self) -> dict[int, int]:
+        """Step -> the positions of its entering stream the cache holds."""
+        raise NotImplementedError
+
+    def run_again_from(self, restart: int, held: int) -> None:
+        """The cache made the new plan's (self.plan's): its slots from `restart` on written again
+        over the `held` positions from the stream entering that step, its streams kept anew."""
+        raise NotImplementedError
+
+    # ----- the other settings -------------------------------------------------------------------
     def set_temperature(self, temperature: float) -> None:
         self.settings = replaced(self.settings, temperature=temperature)
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from layerplan.decoding.chat_state import NO_DRAFT, ChatHistory, ChatSettings, Reply, first_changed_step, replaced
+from layerplan.decoding.chat_state import NO_DRAFT, ChatHistory, ChatSettings, Reply, replaced
 from layerplan.decoding.loop import DecodeLoop
 from layerplan.lite import TorchFrontEnd
 from layerplan.lite.model import LiteCache, LiteModel
@@ -56,20 +56,15 @@ class LightChatSession(ChatHistory):
         return self.template is not None
 
     # ----- settings ---------------------------------------------------------------------------
-    def set_plan(self, text: str) -> str:
-        """Run the model by this plan from the next reply on; what was kept of the cache (all of
-        it where the steps are the same, else nothing: the conversation prefills again)."""
-        plan = self.model.plan(text)
-        first = first_changed_step(self.plan, plan)
-        self.plan, self.settings.plan = plan, plan.to_string()
-        if first is None:
-            self.replan = "the same steps as before: the cache is kept whole"
-        else:
-            held = len(self.cached)
-            self.cache, self.cached = None, []
-            self.replan = (f"step {first} is the first to change: the {held}-token conversation prefills again "
-                           f"through {plan.to_string()} at the next reply")
-        return self.replan
+    def kept_streams(self) -> dict[int, int]:
+        return {step: self.cache.length for step in self.cache.streams} if self.cache is not None else {}
+
+    def run_again_from(self, restart: int, held: int) -> None:
+        old = self.cache
+        cache = self.model.new_cache(self.plan, old.capacity, self.stream_steps(self.plan))
+        cache.take(old, restart, held)
+        self.model.run_from(cache, restart, held)
+        self.cache = cache
 
     def set_draft(self, spec: str | None) -> None:
         if spec is not None and spec.strip().lower() not in ("", *NO_DRAFT):
@@ -102,7 +97,7 @@ class LightChatSession(ChatHistory):
         cache, self.cache, self.cached = self.cache, None, []  # a reply that fails leaves no half-written cache
         need = len(ids) + budget + 1
         if cache is None:
-            cache = self.model.new_cache(self.plan, need)
+            cache = self.model.new_cache(self.plan, need, self.stream_steps(self.plan))
         elif cache.capacity < need:
             cache = cache.grown(need)
         result = DecodeLoop(self.model, ids, self.plan, budget, (), True, on_text, should_stop, cache=cache).run()

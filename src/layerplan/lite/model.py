@@ -197,8 +197,8 @@ class LiteModel:
         """The model whose layers a step labelled so runs ("": this one)."""
         return self.others[label] if label else self
 
-    def new_cache(self, plan: LayerPlan, capacity: int) -> LiteCache:
-        return LiteCache(self, plan, capacity)
+    def new_cache(self, plan: LayerPlan, capacity: int, stream_steps=()) -> LiteCache:
+        return LiteCache(self, plan, capacity, stream_steps)
 
     def rope_tables(self, end: int) -> tuple[list[np.ndarray], list[np.ndarray]]:
         """(cos, sin): each rotary table's rows (position, rotary dims) over positions 0..end-1 at
@@ -250,6 +250,27 @@ class LiteModel:
         cache.length = start_pos + rows
         return logits
 
+    def run_from(self, cache: LiteCache, step: int, length: int) -> None:
+        """Write the cache's slots (and kept streams) of its plan's active steps from `step` on, over
+        positions [0, length), from the kept stream entering `step`: what a pass of the whole
+        prompt writes there, without the steps before it (their slots the caller took over)."""
+        rows = np.ascontiguousarray(cache.streams[step][:length])
+        entry = cache.entry_of[step]
+        order = np.arange(length, dtype=np.int64)
+        hidden = np.empty((length, self.config.hidden), np.float32)
+        logits = np.empty((1, self.vocab), np.float32)
+        self._rope(length)
+        tables = len(self._ropes)
+        cos = (ctypes.c_void_p * tables)(*(table.ctypes.data for table in self._cos))
+        sin = (ctypes.c_void_p * tables)(*(table.ctypes.data for table in self._sin))
+        check(library().lp_forward(
+            rows.ctypes.data, length, order.ctypes.data, length, hidden.ctypes.data,
+            ctypes.cast(ctypes.addressof(cache.table) + entry * ctypes.sizeof(_Step), ctypes.POINTER(_Step)),
+            len(cache.table) - entry, 0, cos, sin, 0, 0,
+            None, ctypes.byref(self.final_norm), ctypes.byref(self.head), length - 1, logits.ctypes.data,
+            ABI.LP_DTYPE_F32, self.threads), "a native pass from a kept stream")
+        cache.length = length
+
     def last_logits(self, ids: Sequence[int], plan: LayerPlan, cache: LiteCache, start: int) -> np.ndarray:
         """decoding/loop.py's TokenPasses: the last token's logits (vocab,) of a pass (the cache,
         made for `plan`, carries its steps)."""
@@ -259,38 +280,59 @@ class LiteModel:
 class LiteCache:
     """A plan's KV cache: a slot (keys, values: (kv_heads, capacity, head_dim)) for each of its
     steps whose attention runs, and the step table lp_forward reads, pointing at them; `length`:
-    the positions its last pass reached."""
+    the positions its last pass reached. stream_steps: the steps (indices into the plan's
+    active_steps) whose entering residual stream each pass keeps, by position (float32 (capacity,
+    hidden)): where a conversation runs again from when a new plan first differs there
+    (LiteModel.run_from)."""
 
-    def __init__(self, model: LiteModel, plan: LayerPlan, capacity: int) -> None:
+    def __init__(self, model: LiteModel, plan: LayerPlan, capacity: int, stream_steps=()) -> None:
         c = model.config
         self.model, self.plan = model, plan
         self.capacity = capacity
         self.length = 0  # the positions written (a pass's end)
-        steps = [step for step in plan.active_steps if step.active]
+        indices = [i for i, step in enumerate(plan.active_steps) if step.active]
+        self.entry_of = {index: t for t, index in enumerate(indices)}  # active step -> step table entry
         self.slots: list[tuple[np.ndarray, np.ndarray]] = []
-        self.table = (_Step * len(steps))()
+        self.slot_of: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # active step -> its slot
+        self.streams: dict[int, np.ndarray] = {}  # active step -> the stream entering it
+        self.table = (_Step * len(indices))()
         kv_code = ABI.LP_DTYPE_F16 if model.kv_dtype == np.float16 else ABI.LP_DTYPE_F32
-        for entry, step in zip(self.table, steps):
+        kept = set(stream_steps)
+        for entry, index in zip(self.table, indices):
+            step = plan.active_steps[index]
             source = model.model_of(step.model)  # (attach checked that its shapes are this model's)
             if step.attention:
                 keys, values = (np.zeros((c.kv_heads, capacity, c.head_dim), model.kv_dtype) for _ in range(2))
                 self.slots.append((keys, values))
+                self.slot_of[index] = (keys, values)
                 entry.attention = ctypes.pointer(source.attention[step.layer])
                 entry.kv = _Kv(keys.ctypes.data, values.ctypes.data, capacity, 0, kv_code)
             if step.mlp:
                 entry.mlp = ctypes.pointer(source.mlp[step.layer])
             entry.rope = source.rope_of_layer[step.layer]
             entry.scale = step.scale
+            if index in kept:
+                stream = self.streams[index] = np.zeros((capacity, c.hidden), np.float32)
+                entry.stream, entry.stream_capacity = stream.ctypes.data, capacity
 
     def crop(self, length: int) -> None:
         """Keep the first `length` positions (a later pass writes over the rest)."""
         self.length = min(self.length, length)
 
     def grown(self, capacity: int) -> LiteCache:
-        """A cache of `capacity` positions for the same plan, holding this one's."""
-        bigger = LiteCache(self.model, self.plan, capacity)
-        for (keys, values), (new_keys, new_values) in zip(self.slots, bigger.slots):
-            new_keys[:, :self.length] = keys[:, :self.length]
-            new_values[:, :self.length] = values[:, :self.length]
-        bigger.length = self.length
+        """A cache of `capacity` positions for the same plan and kept streams, holding this one's."""
+        bigger = LiteCache(self.model, self.plan, capacity, self.streams)
+        bigger.take(self, len(self.plan.active_steps), self.length)
         return bigger
+
+    def take(self, other: LiteCache, before: int, length: int) -> None:
+        """The other cache's slots and kept streams of the active steps before `before` (the same
+        steps in both plans), over positions [0, length)."""
+        for index, (keys, values) in other.slot_of.items():
+            if index < before and index in self.slot_of:
+                self.slot_of[index][0][:, :length] = keys[:, :length]
+                self.slot_of[index][1][:, :length] = values[:, :length]
+        for index, stream in other.streams.items():
+            if index <= before and index in self.streams:
+                self.streams[index][:length] = stream[:length]
+        self.length = length
