@@ -261,3 +261,25 @@ def test_a_template_that_does_more_than_wrap_runs_on_the_light_front_end(tmp_pat
     light, torch_run = (_chat("Name a color.\nAnother?\n", tmp_path, "-m", path, "-n", "12", front_end=fe,
                               cache=cache) for fe in ("", "torch"))
     assert light.stdout == torch_run.stdout and light.stderr.count("loading ") == 1
+
+
+def test_a_hand_off_that_cannot_start_says_so_and_the_conversation_goes_on(both, tmp_path, monkeypatch):
+    """No interpreter to start (or no room for the transcript): one line, the folder removed, the
+    light conversation as it was; the loop goes on to the next line."""
+    import io
+
+    from layerplan.app.chat_loop import ChatLoop
+    from layerplan.app.cli.chatting import hand_off_to_torch
+    from layerplan.lite.request import LiteChatRequest
+
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.setattr(sys, "executable", str(tmp_path / "no-python"))
+    light, _ = _sessions(both, max_new_tokens=4)
+    out, err = io.StringIO(), io.StringIO()
+    loop = ChatLoop(light, io.StringIO("Hi\n/temp 0.5\nAgain\n"), out, err, interactive=False,
+                    hand_off=hand_off_to_torch(LiteChatRequest(), interactive=False))
+    assert loop.run() == 0
+    assert "Error: the torch front end could not be started" in err.getvalue() and "'/temp 0.5' was not run" in \
+        err.getvalue()
+    assert out.getvalue().count("\n") == 2 and light.settings.temperature == 0.0 and light.session.replies == 2
+    assert not list(tmp_path.glob("layerplan-chat-*"))

@@ -131,7 +131,10 @@ class ChatLoop:
                     self.status(f"Error: {error}")
                     continue
                 self.status(f"({error}: starting it, the conversation kept)")
-                self.hand_off(self.session, line)
+                try:
+                    self.hand_off(self.session, line)
+                except click.ClickException as failed:
+                    self.status(f"Error: {failed.format_message()}")
             except KeyboardInterrupt:  # a command that takes long (a draft model loading): that command
                 self.status("(interrupted)")
         return 0

@@ -16,6 +16,7 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import shutil
 import sys
 import tempfile
 from dataclasses import asdict
@@ -100,7 +101,7 @@ def run_light_chat(request: LiteChatRequest, tokenizer=None) -> int | None:
         return ended_by(error)
     interactive = sys.stdin.isatty()
     return run_chat(session, guard=plain_user_errors, stdin=None if interactive else UnbufferedLines(sys.stdin.fileno()),
-                    interactive=interactive, hand_off=_hand_off(request, interactive))
+                    interactive=interactive, hand_off=hand_off_to_torch(request, interactive))
 
 
 class UnbufferedLines:
@@ -119,22 +120,31 @@ class UnbufferedLines:
         return data.decode("utf-8", errors="replace")
 
 
-def _hand_off(request: LiteChatRequest, interactive: bool):
+def hand_off_to_torch(request: LiteChatRequest, interactive: bool):
+    """ChatLoop's hand_off: the conversation and `line` to the torch front end's `chat --load` (this
+    process replaced); where it cannot be (no room for the transcript, no interpreter to start), a
+    ClickException saying why, and the light conversation goes on."""
     def hand_off(session, line: str) -> None:
-        folder = Path(tempfile.mkdtemp(prefix="layerplan-chat-"))
-        saved = session.save(folder / "conversation.json")
-        state = {"file": str(saved), "line": line, "totals": asdict(session.session), "history": None}
-        readline = sys.modules.get("readline")
-        if interactive and readline is not None:
-            state["history"] = str(folder / "history")
-            readline.write_history_file(state["history"])
-        os.environ[HANDOFF_VARIABLE] = json.dumps(state)
-        os.environ[FRONT_END_VARIABLE] = "torch"
-        argv = ["chat", "--model", request.model, "--dtype", request.dtype, "--engine", request.engine,
-                *(["--threads", str(request.threads)] if request.threads else []), "--load", str(saved)]
-        for stream in (sys.stdout, sys.stderr):
-            stream.flush()
-        os.execv(sys.executable, [sys.executable, "-m", "layerplan.app.cli", *argv])
+        folder = None
+        try:
+            folder = Path(tempfile.mkdtemp(prefix="layerplan-chat-"))
+            saved = session.save(folder / "conversation.json")
+            state = {"file": str(saved), "line": line, "totals": asdict(session.session), "history": None}
+            readline = sys.modules.get("readline")
+            if interactive and readline is not None:
+                state["history"] = str(folder / "history")
+                readline.write_history_file(state["history"])
+            argv = ["chat", "--model", request.model, "--dtype", request.dtype, "--engine", request.engine,
+                    *(["--threads", str(request.threads)] if request.threads else []), "--load", str(saved)]
+            for stream in (sys.stdout, sys.stderr):
+                stream.flush()
+            os.execve(sys.executable, [sys.executable, "-m", "layerplan.app.cli", *argv],
+                      {**os.environ, HANDOFF_VARIABLE: json.dumps(state), FRONT_END_VARIABLE: "torch"})
+        except OSError as error:
+            if folder is not None:
+                shutil.rmtree(folder, ignore_errors=True)
+            raise click.ClickException(f"the torch front end could not be started ({error.strerror or error}): "
+                                       f"'{line}' was not run; the conversation goes on here") from None
 
     return hand_off
 
