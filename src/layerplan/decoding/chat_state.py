@@ -38,7 +38,7 @@ class ChatSettings:
     seed: int | None = None  # every reply samples with it, so a reply follows from its transcript
     max_new_tokens: int = 256  # per reply, within the model's context
     system: str | None = None  # a system message before the conversation
-    top_k: int = 0  # the rest of the sampling settings (decoding/sampling.py SamplingParams)
+    top_k: int = 0  # the rest of the sampling settings (decoding/sampling_params.py SamplingParams)
     top_p: float = 1.0
     min_p: float = 0.0
     repetition_penalty: float = 1.0
