@@ -282,6 +282,9 @@ def test_a_second_model_is_refused_in_the_torch_front_ends_words(tmp_path):
     (["generate", "Hi", "--temp", "0.7"], None),  # sampling
     (["generate", "Hi", "--draft", "suffix"], None),
     (["generate", "Hi", "--stats"], LiteRequest("Hi", stats=True)),
+    (["generate", "Hi", "--repeat-penalty", "1.1", "--frequency-penalty", "0.5", "-l", "5-inf", "-l", "7+2"],
+     LiteRequest("Hi", repetition_penalty=1.1, frequency_penalty=0.5, logit_bias=((5, -float("inf")), (7, 2.0)))),
+    (["generate", "Hi", "--presence-penalty", "3"], None),  # out of range: the torch front end's message
     (["generate", "Hi", "--model-b", "b.gguf", "--plan", "0,b:1"], LiteRequest("Hi", model_b="b.gguf", plan="0,b:1")),
     (["generate", "Hi", "-n5"], LiteRequest("Hi", max_new_tokens=5)),  # click's forms: the command reads the line
     (["generate", "Hi", "--top-k", "0", "--max-batch", "4"], LiteRequest("Hi")),  # greedy all the same

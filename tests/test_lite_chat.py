@@ -105,9 +105,10 @@ def test_what_the_light_session_does_not_run_it_refuses_before_changing_anything
     light.set_draft("none")
     from layerplan.lite.chat import LightChatSession
 
-    for settings in (ChatSettings(draft="suffix"), ChatSettings(temperature=0.5), ChatSettings(repetition_penalty=1.2)):
+    for settings in (ChatSettings(draft="suffix"), ChatSettings(temperature=0.5)):
         with pytest.raises(TorchFrontEnd):
             LightChatSession(both[0], settings)
+    LightChatSession(both[0], ChatSettings(repetition_penalty=1.2, logit_bias=((5, -1.0),)))  # (greedy: here)
 
 
 def test_lines_are_read_without_reading_past_them():
@@ -142,8 +143,11 @@ HANDED_ON = ("What is the capital of France?\n/temp 0.8\n/seed 7\nTell me about 
              "And its river?\n/stats\n")
 
 
-def test_a_piped_light_chat_prints_what_the_torch_front_end_prints(tmp_path):
-    light, torch_run = (_chat(DIALOGUE, tmp_path, "-n", "16", front_end=fe) for fe in ("", "torch"))
+@pytest.mark.parametrize("options", [(), ("--repeat-penalty", "1.3", "--presence-penalty", "0.5", "-l", "28-inf")])
+def test_a_piped_light_chat_prints_what_the_torch_front_end_prints(tmp_path, options):
+    """A dialogue with a system message, a plan switch and a reset; greedy, and greedy with the
+    penalties and a banned token, which the light front end takes too."""
+    light, torch_run = (_chat(DIALOGUE, tmp_path, "-n", "16", *options, front_end=fe) for fe in ("", "torch"))
     assert light.returncode == torch_run.returncode == 0, light.stderr
     assert light.stdout == torch_run.stdout and light.stdout.count("\n") == 3
     assert light.stderr.count("loading ") == 1 and "Traceback" not in light.stderr
@@ -155,7 +159,7 @@ def test_a_line_only_torch_runs_hands_the_conversation_on(tmp_path):
     light, torch_run = (_chat(HANDED_ON, tmp_path, "-n", "12", front_end=fe) for fe in ("", "torch"))
     assert light.returncode == torch_run.returncode == 0, light.stderr
     assert light.stdout == torch_run.stdout and light.stdout.count("\n") == 3
-    assert "(sampling (a temperature above 0, a penalty, a logit bias) runs on the torch front end: starting it, " \
+    assert "(sampling (a temperature above 0) runs on the torch front end: starting it, " \
            "the conversation kept)" in light.stderr
     assert light.stderr.count("loading ") == 2 and "Traceback" not in light.stderr
     assert "was saved with" not in light.stderr

@@ -65,6 +65,9 @@ SAME_OUTPUT = [
     ["generate", "Hello", "-n", "0"],
     ["generate", "What is the capital of France?", "--chat", "-n", "24"],
     ["generate", "Name two planets.", "--chat", "-n", "16", "--dtype", "stored-fast", "--no-stream"],
+    # greedy with the penalties and a logit bias (decoding/greedy.py)
+    ["generate", "Once upon a time", "-n", "24", "--repeat-penalty", "1.3", "--frequency-penalty", "0.7", "-l",
+     "28-inf", "-l", "253+3"],
     # a plan of two models (the packaged file as model b too: the one real file the suite holds)
     ["generate", "The capital of France is", "-n", "12", "--model-b", str(default_gguf_path()), "--plan",
      "0-14,b:15-29"],

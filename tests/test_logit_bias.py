@@ -101,9 +101,10 @@ def test_generate_takes_llama_cpps_logit_bias_flag(folder, tiny):
         assert refused.exit_code != 0 and says in refused.stderr and "Traceback" not in refused.stderr
 
 
-def test_a_biased_generate_runs_on_the_torch_front_end():
-    """The light front end decodes greedily without a bias; a line with one goes to the torch one."""
+def test_a_biased_greedy_generate_runs_on_the_light_front_end_a_sampled_one_on_torch():
+    """The light front end takes a greedy line's bias (decoding/greedy.py, the torch front end's
+    choice: tests/test_greedy.py); with a temperature the line goes to the torch one."""
     from layerplan.app.cli.generating import light_request
 
-    assert light_request(["generate", "hi"]) is not None
-    assert light_request(["generate", "hi", "-l", "5+1"]) is None
+    assert light_request(["generate", "hi", "-l", "5+1"]).logit_bias == ((5, 1.0),)
+    assert light_request(["generate", "hi", "-l", "5+1", "--temp", "0.7"]) is None

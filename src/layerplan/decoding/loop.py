@@ -6,7 +6,8 @@ rounds on the same prefill) and the light front end's (lite/cli.py, on a LiteMod
 
 What it asks of a model (TokenPasses): a KV cache for a plan, and the logits of a pass of new
 tokens written into that cache at their positions; of its caller: the prompt's token ids. How a
-token is chosen from logits is `choose` (greedy here; DecodeRequest samples)."""
+token is chosen from logits is `choose` (greedy here, with a logit bias and penalties where given:
+decoding/greedy.py; DecodeRequest samples)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
+from layerplan.decoding.greedy import greedy_token
+from layerplan.decoding.sampling_params import SamplingParams
 from layerplan.decoding.text import Emitter, GenerationResult
 from layerplan.plan.plan import LayerPlan
 
@@ -62,12 +65,13 @@ class DecodeLoop:
     def __init__(self, model, ids: Sequence[int], plan: LayerPlan, max_new_tokens: int, stop: Sequence[str] = (),
                  stop_at_eos: bool | Sequence[int] = True, on_text: Callable[[str], None] | None = None,
                  should_stop: Callable[[], bool] | None = None, pace: Pace | None = None, spare: int = 1,
-                 cache=None, passes: TokenPasses | None = None) -> None:
+                 cache=None, passes: TokenPasses | None = None, greedy: SamplingParams | None = None) -> None:
         if max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
         if not ids:
             raise ValueError("the prompt is empty (no tokens): give some text to continue")
         self.model, self.plan = model, plan
+        self.greedy = greedy  # a logit bias and penalties the greedy choice takes (None: none)
         self.passes = passes = passes if passes is not None else model
         self.prompt = list(ids)
         self.out = Emitter(model, max_new_tokens, stop, stop_at_eos, on_text, should_stop)
@@ -112,7 +116,10 @@ class DecodeLoop:
         self.take(logits)
 
     def choose(self, logits) -> int:
-        """The token the logits (vocab,) pick: the first maximum (numpy's argmax and torch's)."""
+        """The token the logits (vocab,) pick: the first maximum (numpy's argmax and torch's), after
+        the greedy settings' logit bias and penalties where given (numpy logits)."""
+        if self.greedy is not None:
+            return greedy_token(logits, self.greedy, self.context, len(self.prompt))
         return int(logits.argmax())
 
     def take(self, logits) -> None:

@@ -7,7 +7,8 @@ longest prefix it shares with the new turn's tokens, each token the first maximu
 logits (tests/test_lite_chat.py runs both).
 
 What it does not run it raises TorchFrontEnd for, before changing anything: sampling (a
-temperature above 0, penalties, a logit bias) and drafts.
+temperature above 0) and drafts; a greedy choice's logit bias and penalties it takes
+(decoding/greedy.py).
 The loop then hands the conversation and that line on to the torch front end.
 """
 
@@ -17,21 +18,21 @@ from collections.abc import Callable, Sequence
 
 from layerplan.decoding.chat_state import NO_DRAFT, ChatHistory, ChatSettings, Reply, replaced
 from layerplan.decoding.loop import DecodeLoop
+from layerplan.decoding.sampling_params import SamplingParams
 from layerplan.lite import TorchFrontEnd
 from layerplan.lite.model import LiteCache, LiteModel
 from layerplan.models.chat_template import plain_chat_text
 
 DRAFTS_NEED_TORCH = "drafting runs on the torch front end"
-SAMPLING_NEEDS_TORCH = "sampling (a temperature above 0, a penalty, a logit bias) runs on the torch front end"
+SAMPLING_NEEDS_TORCH = "sampling (a temperature above 0) runs on the torch front end"
 
 
 def light_refusal(settings: ChatSettings) -> str | None:
-    """Why these settings need the torch front end (one line), or None: anything that changes the
-    choice of a token from the first maximum of the logits (top-k, top-p and min-p do not)."""
+    """Why these settings need the torch front end (one line), or None: a draft, or sampling (a
+    greedy choice's logit bias and penalties run here: decoding/greedy.py)."""
     if settings.draft is not None:
         return DRAFTS_NEED_TORCH
-    if (settings.temperature != 0.0 or settings.repetition_penalty != 1.0 or settings.presence_penalty != 0.0
-            or settings.frequency_penalty != 0.0 or settings.logit_bias):
+    if settings.temperature != 0.0:
         return SAMPLING_NEEDS_TORCH
     return None
 
@@ -100,6 +101,8 @@ class LightChatSession(ChatHistory):
             cache = self.model.new_cache(self.plan, need, self.stream_steps(self.plan))
         elif cache.capacity < need:
             cache = cache.grown(need)
-        result = DecodeLoop(self.model, ids, self.plan, budget, (), True, on_text, should_stop, cache=cache).run()
+        greedy = self.settings.sampling()
+        result = DecodeLoop(self.model, ids, self.plan, budget, (), True, on_text, should_stop, cache=cache,
+                            greedy=greedy if greedy != SamplingParams() else None).run()
         return self.replied(messages, ids, result, cache, kept, {})
 

@@ -92,6 +92,9 @@ def run(request: LiteRequest, tokenizer: TokenizerProcess | None = None) -> int 
     started at the command's start (app/launch.py)."""
     try:
         model = load_for(request, tokenizer)
+        greedy = request.greedy()
+        if greedy is not None:  # (app/cli/running.py's check, after the load as there)
+            greedy.check_vocabulary(model.hf_config.get("vocab_size", model.vocab))
         plan = model.plan(request.plan)
         ids = model.encode(request.prompt, request.chat)
         if not ids:
@@ -103,7 +106,7 @@ def run(request: LiteRequest, tokenizer: TokenizerProcess | None = None) -> int 
             sys.stdout.flush()
 
         result = DecodeLoop(model, ids, plan, request.max_new_tokens, request.stop, True,
-                            on_text if request.stream else None).run()
+                            on_text if request.stream else None, greedy=greedy).run()
     except ENDINGS as error:
         return ended_by(error)
     print("" if request.stream else result.text, flush=True)

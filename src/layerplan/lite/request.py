@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from layerplan.decoding.sampling_params import SamplingParams
 from layerplan.engine.choices import GGUF_DEFAULT, STORED_ARITHMETIC
 from layerplan.models.gguf_place import DEFAULT_MODEL
 
@@ -55,6 +56,18 @@ class LiteRequest(FileRequest):
     chat: bool = False
     stats: bool = False  # --stats / --verbose: the summary lines
     as_json: bool = False  # --json: the statistics object
+    # what the greedy choice takes beside the logits (decoding/greedy.py)
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+
+    def greedy(self) -> SamplingParams | None:
+        """The greedy settings' logit bias and penalties (None: none set); SamplingError where one
+        is out of range."""
+        params = SamplingParams(0.0, repetition_penalty=self.repetition_penalty, logit_bias=tuple(self.logit_bias),
+                                presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty)
+        return None if params == SamplingParams() else params
 
 
 @dataclass

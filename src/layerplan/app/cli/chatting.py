@@ -96,6 +96,7 @@ def run_light_chat(request: LiteChatRequest, tokenizer=None) -> int | None:
         if saved is not None and saved.model != model.name:
             print(f"{request.load_file} was saved with {saved.model or 'an unnamed model'}; resuming with "
                   f"{model.name}", file=sys.stderr)
+        settings.sampling().check_vocabulary(model.hf_config.get("vocab_size", model.vocab))  # (as running.py's)
         session = LightChatSession(model, settings, messages)
     except ENDINGS as error:
         return ended_by(error)

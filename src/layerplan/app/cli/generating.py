@@ -15,13 +15,14 @@ from layerplan.app.options import (DRAFT_LENGTH_HELP, ctx_size_option, decoding_
                                    sampling_options)
 from layerplan.corpus import read_text_file
 from layerplan.decoding.draft_length import DRAFT_LENGTHS
+from layerplan.decoding.sampling_params import SamplingError
 from layerplan.lite.request import LiteRequest
 
 # the options the light front end carries out no differently for any value the command takes:
 # whatever else a line gives must be the option's default (greedy sampling, no draft, ...)
 _CARRIED = {"prompt", "prompt_option", "prompt_path", "model", "model_b", "dtype", "engine", "device", "threads",
             "max_new_tokens", "plan", "stop", "chat", "stream", "stats", "verbose", "as_json", "temperature",
-            "max_batch"}
+            "max_batch", "repetition_penalty", "presence_penalty", "frequency_penalty", "logit_bias"}
 
 
 class DrafterOption(click.Option):
@@ -99,11 +100,17 @@ def light_request(argv: list[str]) -> LiteRequest | None:
             return None
     if len(prompts) != 1 or not prompts[0] or given["engine"] == "eager" or given["temperature"] != 0.0:
         return None
-    return LiteRequest(prompt=prompts[0], model=given["model"], model_b=given["model_b"], dtype=given["dtype"],
-                       engine=given["engine"],
-                       threads=given["threads"], plan=given["plan"], max_new_tokens=given["max_new_tokens"],
-                       stop=list(given["stop"]), stream=given["stream"], chat=given["chat"],
-                       stats=given["stats"] or given["verbose"], as_json=given["as_json"])
+    request = LiteRequest(prompt=prompts[0], model=given["model"], model_b=given["model_b"], dtype=given["dtype"],
+                          engine=given["engine"], threads=given["threads"], plan=given["plan"],
+                          max_new_tokens=given["max_new_tokens"], stop=list(given["stop"]), stream=given["stream"],
+                          chat=given["chat"], stats=given["stats"] or given["verbose"], as_json=given["as_json"],
+                          repetition_penalty=given["repetition_penalty"], presence_penalty=given["presence_penalty"],
+                          frequency_penalty=given["frequency_penalty"], logit_bias=tuple(given["logit_bias"]))
+    try:
+        request.greedy()
+    except SamplingError:  # (said by the torch front end, in its words)
+        return None
+    return request
 
 
 COMMANDS = (generate,)  # registered on main (the package's __init__: COMMAND_INDEX)
