@@ -287,3 +287,16 @@ def test_a_hand_off_that_cannot_start_says_so_and_the_conversation_goes_on(both,
         err.getvalue()
     assert out.getvalue().count("\n") == 2 and light.settings.temperature == 0.0 and light.session.replies == 2
     assert not list(tmp_path.glob("layerplan-chat-*"))
+
+
+def test_a_chat_with_a_second_model_prints_what_the_torch_front_end_prints(tmp_path):
+    """--model-b, and /plan switching to a plan that takes layers from it mid-conversation (the
+    packaged file as model b too: the one real file the suite holds); then a hand-off keeps it."""
+    from layerplan.models.gguf_place import default_gguf_path
+
+    lines = "Hi\n/plan 0-14,b:15-29\nAgain\n/temp 0.5\n/seed 3\nOnce more\n"
+    light, torch_run = (_chat(lines, tmp_path, "-n", "8", "--model-b", str(default_gguf_path()), front_end=fe)
+                        for fe in ("", "torch"))
+    assert light.returncode == torch_run.returncode == 0, light.stderr
+    assert light.stdout == torch_run.stdout and light.stdout.count("\n") == 3
+    assert "ran again from step 12" in light.stderr and light.stderr.count("as model b") == 2

@@ -26,7 +26,7 @@ import click
 
 from layerplan.app.cli.errors import plain_user_errors
 from layerplan.app.options import (ctx_size_option, decoding_model_options, light_context, logit_bias_option,
-                                   n_predict_option, output_penalty_options, sampling_options)
+                                   model_b_option, n_predict_option, output_penalty_options, sampling_options)
 from layerplan.lite import FRONT_END_VARIABLE
 from layerplan.lite.request import LiteChatRequest
 
@@ -40,6 +40,7 @@ _SETTINGS = ("plan", "draft", "temperature", "top_k", "top_p", "min_p", "repetit
 @click.command()
 @decoding_model_options
 @click.option("--plan", default=None, help="run the model by this plan (default: the full model; /plan switches)")
+@model_b_option
 @click.option("--draft", default=None, help="lossless speculative decoding with this drafter, as in generate "
                                            "(/draft switches)")
 @ctx_size_option
@@ -70,7 +71,7 @@ def light_chat_request(argv: list[str]) -> LiteChatRequest | None:
     if given["ctx_size"] or given["engine"] == "eager":
         return None
     named = {name for name in _SETTINGS if context.get_parameter_source(name) is click.core.ParameterSource.COMMANDLINE}
-    return LiteChatRequest(model=given["model"], dtype=given["dtype"], engine=given["engine"],
+    return LiteChatRequest(model=given["model"], model_b=given["model_b"], dtype=given["dtype"], engine=given["engine"],
                            threads=given["threads"], settings={name: given[name] for name in _SETTINGS},
                            named=sorted(named), load_file=given["load_file"])
 
@@ -136,7 +137,8 @@ def hand_off_to_torch(request: LiteChatRequest, interactive: bool):
                 state["history"] = str(folder / "history")
                 readline.write_history_file(state["history"])
             argv = ["chat", "--model", request.model, "--dtype", request.dtype, "--engine", request.engine,
-                    *(["--threads", str(request.threads)] if request.threads else []), "--load", str(saved)]
+                    *(["--threads", str(request.threads)] if request.threads else []),
+                    *(["--model-b", request.model_b] if request.model_b else []), "--load", str(saved)]
             for stream in (sys.stdout, sys.stderr):
                 stream.flush()
             os.execve(sys.executable, [sys.executable, "-m", "layerplan.app.cli", *argv],

@@ -246,9 +246,9 @@ def serve(model, dtype, device, engine, threads, plan, draft, draft_length, host
             raise click.ClickException(str(error)) from None
 
 
-def run_chat_command(model, dtype, device, engine, threads, plan, draft, ctx_size, temperature, top_k, top_p, min_p,
-                     repetition_penalty, seed, presence_penalty, frequency_penalty, logit_bias, max_new_tokens, system,
-                     load_file) -> None:
+def run_chat_command(model, dtype, device, engine, threads, plan, model_b, draft, ctx_size, temperature, top_k, top_p,
+                     min_p, repetition_penalty, seed, presence_penalty, frequency_penalty, logit_bias, max_new_tokens,
+                     system, load_file) -> None:
     """`layerplan chat` on the torch front end (app/cli/chatting.py reads its command line), carried
     out; or the light front end's conversation, handed on (chatting.py hand_off) with its line."""
     from layerplan.app.chat import ChatSession
@@ -275,7 +275,7 @@ def run_chat_command(model, dtype, device, engine, threads, plan, draft, ctx_siz
             settings, messages = saved.settings, saved.messages
         else:
             settings, messages = ChatSettings(**{**options, "plan": plan or "full"}), []
-        loaded = load(model, dtype, device, engine, ctx_size=ctx_size)
+        loaded = attach(load(model, dtype, device, engine, ctx_size=ctx_size), model_b, device, engine)
         if load_file and saved.model != loaded.name and handoff is None:
             click.echo(f"{load_file} was saved with {saved.model or 'an unnamed model'}; resuming with {loaded.name}",
                        err=True)
