@@ -291,3 +291,31 @@ def test_provenance_on_the_packaged_model(smollm2):
     assert all("".join(p["text"] for p in c["tokens"]) == c["text"] for c in chunks)
     assert "".join(c["text"] for c in chunks) == plain
     assert usage["provenance"]["accepted"] > 0 and sum(usage["provenance"].values()) == usage["completion_tokens"]
+
+
+def test_a_server_with_a_second_model_runs_plans_that_take_its_layers(tiny, tmp_path):
+    """`serve --model-b`: a request's plan may take layers from model b, alone or batched with others
+    (a list of prompts), each reply the one generate gives under that plan; a plan naming b where
+    none is attached is a 400."""
+    import torch
+
+    from layerplan.engine.load import load_model
+    from tiny_text import save_tiny_with_tokenizer
+
+    model = load_model(str(save_tiny_with_tokenizer(tmp_path / "a", context=256)), dtype="float32")
+    other = load_model(str(save_tiny_with_tokenizer(tmp_path / "b", context=256)), dtype="float32")
+    with torch.no_grad():  # (the same seed made it: weights of its own)
+        for weight in other.hf.model.layers.parameters():
+            weight.add_(torch.randn_like(weight, generator=torch.Generator().manual_seed(1)) * 0.5)
+    model.attach(other, "b")
+    with TestClient(create_app(model, served_name="tiny", max_batch=4)) as client:
+        texts = {}
+        for plan in ("0,b:1,2", "b:0-2", "full"):
+            answer = client.post("/v1/completions", json=_body(PROMPTS[:2], 12, {"plan": plan}))
+            assert answer.status_code == 200, answer.text
+            texts[plan] = [c["text"] for c in answer.json()["choices"]]
+            assert texts[plan] == [_alone(model, prompt, 12, plan).text for prompt in PROMPTS[:2]], plan
+        assert len({tuple(t) for t in texts.values()}) == 3  # (model b's layers change the replies)
+    answer = TestClient(create_app(tiny, served_name="tiny")).post(
+        "/v1/completions", json=_body(PROMPTS[0], 4, {"plan": "0,b:1,2"}))
+    assert answer.status_code == 400 and "only a is loaded" in answer.json()["error"]["message"]

@@ -190,6 +190,7 @@ def _check_host(host: str) -> None:
 @click.command()
 @decoding_model_options
 @click.option("--plan", default=None, help="serve the model run by this plan (lossy unless it is the full model)")
+@model_b_option
 @click.option("--draft", default=None, help="lossless speculative decoding with this drafter (as in generate)")
 @click.option("--draft-length", default=None, type=click.Choice(list(DRAFT_LENGTHS)), help=DRAFT_LENGTH_HELP)
 @click.option("--host", default="127.0.0.1", show_default=True)
@@ -204,7 +205,7 @@ def _check_host(host: str) -> None:
                    "with a --draft that runs a model, one request at a time); default: the fewest whose pass "
                    "reaches 90% of the best tokens/s in this machine's probe of the model (`layerplan probe`), "
                    "8 without one")
-def serve(model, dtype, device, engine, threads, plan, draft, draft_length, host, port, api_key, served_name,
+def serve(model, dtype, device, engine, threads, plan, model_b, draft, draft_length, host, port, api_key, served_name,
           ctx_size, max_batch) -> None:
     """OpenAI-compatible HTTP server: /v1/completions, /v1/chat/completions (SSE streaming),
     /v1/models, /health, and a web playground at /. Up to --parallel requests decode at once, in
@@ -219,7 +220,7 @@ def serve(model, dtype, device, engine, threads, plan, draft, draft_length, host
                                  "and LAYERPLAN_API_KEY out to serve without one", param_hint="'--api-key'")
     _check_host(host)
     with user_errors():  # a bad plan or draft fails here, before the server starts
-        loaded = load(model, dtype, device, engine, ctx_size=ctx_size)
+        loaded = attach(load(model, dtype, device, engine, ctx_size=ctx_size), model_b, device, engine)
         probe_row = checked_probe_row(loaded)
         batch_source = "--parallel"
         if max_batch is None:  # the fewest requests a pass carries near its best rate here
