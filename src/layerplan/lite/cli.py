@@ -72,12 +72,12 @@ def load_for(request: FileRequest, tokenizer: TokenizerProcess | None = None) ->
     terminal (a first use)."""
     first = (f"; its first use: indexed and packed for the kernels once, into {cache_dir()}"
              if request.first_use else "")
-    print(f"loading {request.model} ({request.precision}, cpu, engine {request.engine}{first})…",
+    print(one_line(f"loading {request.model} ({request.precision}, cpu, engine {request.engine}{first})…"),
           file=sys.stderr, flush=True)
     model = LiteModel(gguf_of(request.model), ARITHMETICS[request.dtype], request.threads,
                       on_packed=_packing_bar if sys.stderr.isatty() else None, tokenizer=tokenizer)
     if request.model_b:  # (app/cli/common.py attach's line)
-        print(f"loading {request.model_b} as model b ({request.precision})…", file=sys.stderr, flush=True)
+        print(one_line(f"loading {request.model_b} as model b ({request.precision})…"), file=sys.stderr, flush=True)
         gguf_b = gguf_of(request.model_b)
         if gguf_b is None:
             raise TorchFrontEnd(f"{request.model_b}: not a GGUF file")  # (the torch front end names what it is)

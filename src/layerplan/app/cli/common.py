@@ -19,6 +19,7 @@ from layerplan.engine.choices import BLOCK_PRECISIONS
 from layerplan.engine.load import choose_dtype, load_model
 from layerplan.engine.native import NativeUnavailable
 from layerplan.engine.probe import checked_model_row, load_probe
+from layerplan.messages import one_line
 from layerplan.models.depth import model_depth
 from layerplan.models.gguf_index import file_index
 from layerplan.models.gguf_place import TENSORS_FILE, index_folder
@@ -75,7 +76,7 @@ def load(model: str, dtype: str, device: str = "cpu", engine: str = "auto", dens
     gguf = _gguf_path(model) if dtype in BLOCK_PRECISIONS else None
     first = (f"; its first use: indexed and packed for the kernels once, into {cache_dir()}"
              if gguf is not None and not (index_folder(gguf) / TENSORS_FILE).exists() else "")
-    click.echo(f"loading {model} ({dtype}, {where}, engine {engine}{first})…", err=True)
+    click.echo(one_line(f"loading {model} ({dtype}, {where}, engine {engine}{first})…"), err=True)
     resolve_device(device)  # a bad --device is the one line, before anything else is said
     # (a device map spreads the weights over devices and disk: not all of them in memory)
     sizes = dense_bytes(model, dtype) if dtype not in BLOCK_PRECISIONS and _device_map() is None else None
@@ -117,7 +118,7 @@ def freeze() -> None:
 def attach(loaded, model_b: str | None, device: str = "cpu", engine: str = "auto"):
     """Load --model-b at the first model's precision and make its layers available to plans as 'b:…'."""
     if model_b:
-        click.echo(f"loading {model_b} as model b ({loaded.precision})…", err=True)
+        click.echo(one_line(f"loading {model_b} as model b ({loaded.precision})…"), err=True)
         loaded.attach(load_model(model_b, dtype=loaded.precision, device=device, engine=engine,
                                  device_map=_device_map()), "b")
     return loaded
