@@ -78,6 +78,13 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    @property
+    def changes_greedy_choice(self) -> bool:
+        """Whether a greedy choice is other than the logits' first maximum: a logit bias or a penalty
+        (top-k, top-p and min-p keep the most likely token)."""
+        return bool(self.logit_bias) or self.repetition_penalty != 1.0 or bool(self.presence_penalty) \
+            or bool(self.frequency_penalty)
+
     def to_dict(self) -> dict:
         return asdict(self)
 

@@ -18,7 +18,6 @@ from collections.abc import Callable, Sequence
 
 from layerplan.decoding.chat_state import NO_DRAFT, ChatHistory, ChatSettings, Reply, replaced
 from layerplan.decoding.loop import DecodeLoop
-from layerplan.decoding.sampling_params import SamplingParams
 from layerplan.lite import TorchFrontEnd
 from layerplan.lite.model import LiteCache, LiteModel
 from layerplan.models.chat_template import plain_chat_text
@@ -103,6 +102,6 @@ class LightChatSession(ChatHistory):
             cache = cache.grown(need)
         greedy = self.settings.sampling()
         result = DecodeLoop(self.model, ids, self.plan, budget, (), True, on_text, should_stop, cache=cache,
-                            greedy=greedy if greedy != SamplingParams() else None).run()
+                            greedy=greedy if greedy.changes_greedy_choice else None).run()
         return self.replied(messages, ids, result, cache, kept, {})
 

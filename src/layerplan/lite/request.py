@@ -67,7 +67,7 @@ class LiteRequest(FileRequest):
         is out of range."""
         params = SamplingParams(0.0, repetition_penalty=self.repetition_penalty, logit_bias=tuple(self.logit_bias),
                                 presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty)
-        return None if params == SamplingParams() else params
+        return params if params.changes_greedy_choice else None
 
 
 @dataclass
