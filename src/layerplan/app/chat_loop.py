@@ -71,8 +71,9 @@ class ChatLoop:
         """guard(): a context in which bad input becomes click.ClickException (the CLI's
         _user_errors), so a bad command gets the CLI's one line and the session goes on.
         hand_off(session, line): where the session raises TorchFrontEnd for a line, carries the
-        conversation and the line on to the torch front end (it does not return). first_lines: run
-        before any line is read (the line a hand-off carried)."""
+        conversation and the line on to the torch front end (it does not return; a ClickException
+        where it could not, and the session goes on). first_lines: run before any line is read (the
+        line a hand-off carried)."""
         self.session, self.stdin, self.stdout, self.stderr = session, stdin, stdout, stderr
         self.interactive, self.guard, self.hand_off = interactive, guard, hand_off
         self.pending = list(first_lines)

@@ -232,44 +232,37 @@ class LiteModel:
         """float32 (1 or len(ids), vocab): the logits of a pass of `ids` at positions start_pos..,
         their keys and values written into the cache (lp_forward, as engine/native.py's whole pass)."""
         ids = np.asarray(ids, np.int64)
-        rows = len(ids)
-        if start_pos + rows > cache.capacity:
-            raise ValueError(f"positions up to {start_pos + rows} do not fit a cache of {cache.capacity}")
-        table = self.embed_rows(ids)
-        order = np.arange(rows, dtype=np.int64)
-        hidden = np.empty((rows, self.config.hidden), np.float32)
-        logits = np.empty((1 if last_only else rows, self.vocab), np.float32)
-        self._rope(start_pos + rows)
-        tables = len(self._ropes)
-        cos = (ctypes.c_void_p * tables)(*(table[start_pos:].ctypes.data for table in self._cos))
-        sin = (ctypes.c_void_p * tables)(*(table[start_pos:].ctypes.data for table in self._sin))
-        check(library().lp_forward(
-            table.ctypes.data, rows, order.ctypes.data, rows, hidden.ctypes.data, cache.table, len(cache.table),
-            start_pos, cos, sin, 0, 0, None, ctypes.byref(self.final_norm), ctypes.byref(self.head),
-            rows - 1 if last_only else 0, logits.ctypes.data, ABI.LP_DTYPE_F32, self.threads), "a native pass")
-        cache.length = start_pos + rows
-        return logits
+        if start_pos + len(ids) > cache.capacity:
+            raise ValueError(f"positions up to {start_pos + len(ids)} do not fit a cache of {cache.capacity}")
+        return self._pass(self.embed_rows(ids), cache, 0, start_pos, last_only, "a native pass")
 
     def run_from(self, cache: LiteCache, step: int, length: int) -> None:
         """Write the cache's slots (and kept streams) of its plan's active steps from `step` on, over
         positions [0, length), from the kept stream entering `step`: what a pass of the whole
         prompt writes there, without the steps before it (their slots the caller took over)."""
-        rows = np.ascontiguousarray(cache.streams[step][:length])
-        entry = cache.entry_of[step]
-        order = np.arange(length, dtype=np.int64)
-        hidden = np.empty((length, self.config.hidden), np.float32)
-        logits = np.empty((1, self.vocab), np.float32)
-        self._rope(length)
+        self._pass(np.ascontiguousarray(cache.streams[step][:length]), cache, cache.entry_of[step], 0, True,
+                   "a native pass from a kept stream")
+
+    def _pass(self, rows: np.ndarray, cache: LiteCache, entry: int, start_pos: int, last_only: bool,
+              what: str) -> np.ndarray:
+        """One lp_forward call: `rows` (float32 (n, hidden), the stream entering step table entry
+        `entry`) at positions start_pos.. through the cache's steps from that entry on; the logits
+        of the last row (or of every row), the cache's length its end."""
+        count = len(rows)
+        order = np.arange(count, dtype=np.int64)
+        hidden = np.empty((count, self.config.hidden), np.float32)
+        logits = np.empty((1 if last_only else count, self.vocab), np.float32)
+        self._rope(start_pos + count)
         tables = len(self._ropes)
-        cos = (ctypes.c_void_p * tables)(*(table.ctypes.data for table in self._cos))
-        sin = (ctypes.c_void_p * tables)(*(table.ctypes.data for table in self._sin))
+        cos = (ctypes.c_void_p * tables)(*(table[start_pos:].ctypes.data for table in self._cos))
+        sin = (ctypes.c_void_p * tables)(*(table[start_pos:].ctypes.data for table in self._sin))
+        steps = ctypes.cast(ctypes.addressof(cache.table) + entry * ctypes.sizeof(_Step), ctypes.POINTER(_Step))
         check(library().lp_forward(
-            rows.ctypes.data, length, order.ctypes.data, length, hidden.ctypes.data,
-            ctypes.cast(ctypes.addressof(cache.table) + entry * ctypes.sizeof(_Step), ctypes.POINTER(_Step)),
-            len(cache.table) - entry, 0, cos, sin, 0, 0,
-            None, ctypes.byref(self.final_norm), ctypes.byref(self.head), length - 1, logits.ctypes.data,
-            ABI.LP_DTYPE_F32, self.threads), "a native pass from a kept stream")
-        cache.length = length
+            rows.ctypes.data, count, order.ctypes.data, count, hidden.ctypes.data, steps, len(cache.table) - entry,
+            start_pos, cos, sin, 0, 0, None, ctypes.byref(self.final_norm), ctypes.byref(self.head),
+            count - 1 if last_only else 0, logits.ctypes.data, ABI.LP_DTYPE_F32, self.threads), what)
+        cache.length = start_pos + count
+        return logits
 
     def last_logits(self, ids: Sequence[int], plan: LayerPlan, cache: LiteCache, start: int) -> np.ndarray:
         """decoding/loop.py's TokenPasses: the last token's logits (vocab,) of a pass (the cache,
