@@ -119,4 +119,4 @@ llama-cpp: $(STAMP)
 	$(VENV)/bin/layerplan peers build
 
 clean:
-	rm -rf $(VENV) $(LATEST) runs
+	rm -rf $(VENV) $(LATEST) runs build

@@ -9,9 +9,40 @@ import pytest
 import torch
 
 from layerplan.engine.kernel_library import sanitizing
+from layerplan.files import cache_dir
+from layerplan.models.cache_listing import cache_listing, prune_stale
 from layerplan.models.gguf_place import default_gguf_path
 
 sys.path.insert(0, str(Path(__file__).parent))
+
+# The suite's own cache: build/test-cache in the checkout (git ignores build/), unless
+# LAYERPLAN_CACHE names one. The tests index, pack and convert files made in their temporary
+# folders (a new path each run) and save plans, probes and scans of the packaged model; in the
+# user's cache those were left behind run after run (600 MB of stale folders, a dense float32 copy
+# of SmolLM2 per clone) and a saved draft plan or probe row would change what the user's own
+# commands choose. What is built from the sources alone, the kernels' library and llama.cpp's
+# tools, is shared with the user's cache (a link each), so nothing is compiled again. Set here, at
+# import, so pytest-xdist's workers and every subprocess a test starts inherit it.
+TEST_CACHE = Path(__file__).resolve().parent.parent / "build" / "test-cache"
+SHARED_WITH_USER_CACHE = ("native", "llama.cpp")
+if not os.environ.get("LAYERPLAN_CACHE"):
+    _user_cache = cache_dir()
+    TEST_CACHE.mkdir(parents=True, exist_ok=True)
+    for _part in SHARED_WITH_USER_CACHE:
+        if not (TEST_CACHE / _part).is_symlink():
+            (_user_cache / _part).mkdir(parents=True, exist_ok=True)
+            try:
+                (TEST_CACHE / _part).symlink_to(_user_cache / _part, target_is_directory=True)
+            except FileExistsError:  # (another process made it)
+                pass
+    os.environ["LAYERPLAN_CACHE"] = str(TEST_CACHE)
+
+
+def pytest_sessionstart(session):
+    """The controller (or a run without workers) first removes its cache's folders of files gone
+    since: the temporary model files of earlier runs."""
+    if not hasattr(session.config, "workerinput") and Path(os.environ["LAYERPLAN_CACHE"]) == TEST_CACHE:
+        prune_stale(cache_listing(TEST_CACHE))
 # Two pytest-xdist workers share the two cores (`make test`): one thread each, or four threads (torch's
 # and the kernels' OpenMP teams, which follow torch.get_num_threads()) would spin against each other.
 torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else 2)

@@ -192,3 +192,23 @@ def test_a_conversion_whose_gguf_is_gone_or_changed_is_removed_by_the_next(tmp_p
     files["rewritten"].write_bytes(b"GGUF, again")
     new = loading.convert_gguf(files["new"])
     assert sorted(p.name for p in new.parent.iterdir()) == sorted([made["kept"].name, new.name, older.name])
+
+
+def test_the_suite_runs_in_a_cache_of_its_own_and_its_subprocesses_too():
+    """conftest.py points LAYERPLAN_CACHE at build/test-cache (where no one else named a cache), so
+    the files the tests index, pack and convert stay out of the user's cache; the kernels' library
+    is the user's, linked."""
+    import subprocess
+    import sys
+
+    from conftest import SHARED_WITH_USER_CACHE, TEST_CACHE
+
+    from layerplan.files import cache_dir
+
+    if cache_dir() != TEST_CACHE:
+        pytest.skip(f"LAYERPLAN_CACHE was named before the run: {cache_dir()}")
+    child = subprocess.run([sys.executable, "-c", "from layerplan.files import cache_dir; print(cache_dir())"],
+                           capture_output=True, text=True, check=True)
+    assert child.stdout.strip() == str(TEST_CACHE)
+    for part in SHARED_WITH_USER_CACHE:
+        assert (TEST_CACHE / part).is_symlink()

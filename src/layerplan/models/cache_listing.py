@@ -7,12 +7,14 @@ or changed are swept when the next folder of their kind is made. Without torch."
 from __future__ import annotations
 
 import os
+import shutil
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from layerplan.models.gguf_index import recorded_source
 from layerplan.models.gguf_place import default_gguf_path, file_key
 
+STALE = ("gone", "changed")  # a model file's states whose folders can never be used again
 # cache sub-folder -> what its folders hold, for each model file
 KINDS = {"stored": "index", "panels": "panels", "models": "dense copy"}
 # the cache's other sub-folders, by what they hold
@@ -107,3 +109,21 @@ def cache_listing(cache: Path) -> CacheListing:
     models = sorted(by_source.values(), key=lambda m: (not m.default, m.source is None, m.source or ""))
     others = {label: folder_bytes(cache / sub) for sub, label in OTHERS.items() if (cache / sub).is_dir()}
     return CacheListing(str(cache), models, {label: size for label, size in others.items() if size})
+
+
+@dataclass
+class Pruned:
+    listing: CacheListing  # what is left
+    files: int  # model files whose folders were removed
+    freed_bytes: int
+
+
+def prune_stale(listing: CacheListing) -> Pruned:
+    """Remove the folders of the model files gone or changed (`layerplan models --prune`; the test
+    suite's own cache at each run's start)."""
+    stale = [m for m in listing.models if m.state in STALE]
+    for model in stale:
+        for folder in model.folders:
+            shutil.rmtree(folder.path, ignore_errors=True)
+    kept = [m for m in listing.models if m.state not in STALE]
+    return Pruned(CacheListing(listing.cache, kept, listing.others), len(stale), sum(m.cache_bytes for m in stale))

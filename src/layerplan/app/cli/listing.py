@@ -6,14 +6,11 @@ from __future__ import annotations
 
 import importlib
 import json
-import shutil
 
 import click
 
 from layerplan.files import cache_dir
-from layerplan.models.cache_listing import CachedModel, CacheListing, cache_listing
-
-STALE = ("gone", "changed")  # a model file's states whose folders can never be used again
+from layerplan.models.cache_listing import STALE, CachedModel, CacheListing, cache_listing, prune_stale
 
 
 def _size(count: int | None) -> str:
@@ -46,16 +43,10 @@ def models(architectures, markdown, check, prune, as_json) -> None:
         return
     listing = cache_listing(cache_dir())
     if prune:
-        freed = 0
-        for model in listing.models:
-            if model.state in STALE:
-                for folder in model.folders:
-                    shutil.rmtree(folder.path, ignore_errors=True)
-                freed += model.cache_bytes
-        kept = [m for m in listing.models if m.state not in STALE]
-        click.echo(f"removed the folders of {len(listing.models) - len(kept)} model files gone or changed: "
-                   f"{_size(freed)} freed", err=True)
-        listing = CacheListing(listing.cache, kept, listing.others)
+        pruned = prune_stale(listing)
+        click.echo(f"removed the folders of {pruned.files} model files gone or changed: "
+                   f"{_size(pruned.freed_bytes)} freed", err=True)
+        listing = pruned.listing
     if as_json:
         click.echo(json.dumps(listing.to_dict(), indent=2))
         return
