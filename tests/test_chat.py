@@ -19,7 +19,7 @@ from click.testing import CliRunner
 from layerplan.app import serve as serving
 from layerplan.app.chat import ChatSession
 from layerplan.app.cli import main, running
-from layerplan.decoding.chat_state import ChatSettings, first_changed_step, read_saved
+from layerplan.decoding.chat_state import COMMAND_LINE_SETTINGS, ChatSettings, first_changed_step, open_chat, read_saved
 from layerplan.decoding.generate import generate
 from layerplan.decoding.sampling_params import SamplingParams
 from layerplan.engine.load import load_model
@@ -482,3 +482,22 @@ def test_a_model_without_a_chat_template_says_how_its_prompts_go(folder, tmp_pat
         served = CliRunner().invoke(main, ["serve", "-m", str(model), "--dtype", "float32"])
         assert served.exit_code == 0 and f"serving '{model.name}'" in served.stderr, served.output
         assert ("no chat template: /v1/chat/completions sends" in served.stderr) == said
+
+
+def test_a_conversation_opens_with_the_command_lines_settings_over_its_files(tmp_path):
+    """open_chat (both front ends'): without a file the command line's settings, the full model for
+    no plan; with one the file's, but for the settings the command line named; a note where the
+    file was saved with another model."""
+    given = {name: getattr(ChatSettings(), name) for name in COMMAND_LINE_SETTINGS}
+    fresh = open_chat({**given, "plan": None, "temperature": 0.5}, [])
+    assert fresh.settings.plan == "full" and fresh.settings.temperature == 0.5 and fresh.messages == []
+    assert fresh.model_note("any") is None
+    path = tmp_path / "saved.json"
+    path.write_text(json.dumps({"format": "layerplan-chat", "model": "tiny",
+                                "settings": {"plan": "skip:mlp=1", "temperature": 0.7, "seed": 3},
+                                "messages": [{"role": "user", "content": "hi"}]}))
+    opened = open_chat({**given, "temperature": 0.2, "seed": 9}, ["temperature"], path)
+    assert (opened.settings.plan, opened.settings.temperature, opened.settings.seed) == ("skip:mlp=1", 0.2, 3)
+    assert opened.messages == [{"role": "user", "content": "hi"}]
+    assert opened.model_note("tiny") is None
+    assert opened.model_note("other") == f"{path} was saved with tiny; resuming with other"

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
@@ -218,6 +218,37 @@ def read_saved(path: str | Path, given: dict | None = None) -> SavedChat:
     except (TypeError, ValueError) as error:
         raise ValueError(f"{path}: its settings cannot be used: {error}") from None
     return SavedChat(str(data.get("model", "")), chosen, messages)
+
+
+# the settings a conversation's command line may give: ChatSettings' fields, each an option of `chat`
+COMMAND_LINE_SETTINGS = tuple(item.name for item in fields(ChatSettings))
+
+
+@dataclass
+class ChatOpening:
+    """How a conversation starts: its settings and messages, from the command line, or from a /save
+    file (`load_file`) with the settings the command line named over the file's."""
+
+    settings: ChatSettings
+    messages: list[dict[str, str]] = field(default_factory=list)
+    load_file: str | None = None
+    saved_model: str = ""  # the model the file was saved with
+
+    def model_note(self, model_name: str) -> str | None:
+        """The line for a file saved with another model than the one that resumes it."""
+        if self.load_file is None or self.saved_model == model_name:
+            return None
+        return f"{self.load_file} was saved with {self.saved_model or 'an unnamed model'}; resuming with {model_name}"
+
+
+def open_chat(settings: dict, named: Iterable[str], load_file: str | Path | None = None) -> ChatOpening:
+    """The opening of a conversation whose command line gave `settings` (ChatSettings' fields; plan
+    None: the full model) and named those in `named`; with `load_file`, the file's (read_saved's
+    ValueError where it is not one)."""
+    if load_file:
+        saved = read_saved(load_file, {name: settings[name] for name in named})
+        return ChatOpening(saved.settings, saved.messages, str(load_file), saved.model)
+    return ChatOpening(ChatSettings(**{**settings, "plan": settings["plan"] or "full"}))
 
 
 class ChatHistory:

@@ -27,14 +27,12 @@ import click
 from layerplan.app.cli.errors import plain_user_errors
 from layerplan.app.options import (ctx_size_option, decoding_model_options, light_context, logit_bias_option,
                                    model_b_option, n_predict_option, output_penalty_options, sampling_options)
+from layerplan.decoding.chat_state import COMMAND_LINE_SETTINGS, open_chat
 from layerplan.lite import FRONT_END_VARIABLE
 from layerplan.lite.request import LiteChatRequest
 
 # a light conversation handed on to the torch front end: JSON {"file", "line", "totals", "history"}
 HANDOFF_VARIABLE = "LAYERPLAN_CHAT_HANDOFF"
-# the settings a light conversation starts with: the command line's, or a --load file's
-_SETTINGS = ("plan", "draft", "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
-             "frequency_penalty", "logit_bias", "seed", "max_new_tokens", "system")
 
 
 @click.command()
@@ -70,35 +68,37 @@ def light_chat_request(argv: list[str]) -> LiteChatRequest | None:
     given = context.params
     if given["ctx_size"] or given["engine"] == "eager":
         return None
-    named = {name for name in _SETTINGS if context.get_parameter_source(name) is click.core.ParameterSource.COMMANDLINE}
+    settings, named = command_line_settings(context)
     return LiteChatRequest(model=given["model"], model_b=given["model_b"], dtype=given["dtype"], engine=given["engine"],
-                           threads=given["threads"], settings={name: given[name] for name in _SETTINGS},
-                           named=sorted(named), load_file=given["load_file"])
+                           threads=given["threads"], settings=settings, named=named, load_file=given["load_file"])
+
+
+def command_line_settings(context: click.Context) -> tuple[dict, list[str]]:
+    """The conversation's settings as `chat`'s command line (read into `context`) gives them, and
+    the names of those it gave itself (which override a --load file's)."""
+    named = [name for name in COMMAND_LINE_SETTINGS
+             if context.get_parameter_source(name) is click.core.ParameterSource.COMMANDLINE]
+    return {name: context.params[name] for name in COMMAND_LINE_SETTINGS}, sorted(named)
 
 
 def run_light_chat(request: LiteChatRequest, tokenizer=None) -> int | None:
     """The conversation on the light front end: its exit status, or None where its settings or
     model need the torch front end (before any output but the loading line)."""
     from layerplan.app.chat_loop import run_chat
-    from layerplan.decoding.chat_state import ChatSettings, read_saved
     from layerplan.lite.chat import LightChatSession, light_refusal
     from layerplan.lite.cli import ENDINGS, ended_by, load_for
 
     try:
-        saved = None
-        if request.load_file:  # the file's settings, but for the options named on the command line
-            saved = read_saved(request.load_file, {k: request.settings[k] for k in request.named})
-            settings, messages = saved.settings, saved.messages
-        else:
-            settings, messages = ChatSettings(**{**request.settings, "plan": request.settings["plan"] or "full"}), []
+        opening = open_chat(request.settings, request.named, request.load_file)
+        settings = opening.settings
         if light_refusal(settings) is not None:
             return None
         model = load_for(request, tokenizer)
-        if saved is not None and saved.model != model.name:
-            print(f"{request.load_file} was saved with {saved.model or 'an unnamed model'}; resuming with "
-                  f"{model.name}", file=sys.stderr)
+        note = opening.model_note(model.name)
+        if note:
+            print(note, file=sys.stderr)
         settings.sampling().check_vocabulary(model.hf_config.get("vocab_size", model.vocab))  # (as running.py's)
-        session = LightChatSession(model, settings, messages)
+        session = LightChatSession(model, settings, opening.messages)
     except ENDINGS as error:
         return ended_by(error)
     interactive = sys.stdin.isatty()

@@ -247,41 +247,30 @@ def serve(model, dtype, device, engine, threads, plan, model_b, draft, draft_len
             raise click.ClickException(str(error)) from None
 
 
-def run_chat_command(model, dtype, device, engine, threads, plan, model_b, draft, ctx_size, temperature, top_k, top_p,
-                     min_p, repetition_penalty, seed, presence_penalty, frequency_penalty, logit_bias, max_new_tokens,
-                     system, load_file) -> None:
-    """`layerplan chat` on the torch front end (app/cli/chatting.py reads its command line), carried
-    out; or the light front end's conversation, handed on (chatting.py hand_off) with its line."""
+def run_chat_command(model, dtype, device, engine, threads, model_b, ctx_size, load_file, **settings) -> None:
+    """`layerplan chat` on the torch front end (app/cli/chatting.py reads its command line; `settings`:
+    the conversation's options), carried out; or the light front end's conversation, handed on
+    (chatting.py hand_off) with its line."""
     from layerplan.app.chat import ChatSession
     from layerplan.app.chat_loop import run_chat
-    from layerplan.app.cli.chatting import handed_off
-    from layerplan.decoding.chat_state import ChatSettings, Totals, read_saved
+    from layerplan.app.cli.chatting import command_line_settings, handed_off
+    from layerplan.decoding.chat_state import Totals, open_chat
 
     set_threads(threads)
-    options = dict(plan=plan, draft=draft, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
-                   repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
-                   frequency_penalty=frequency_penalty, logit_bias=logit_bias, seed=seed,
-                   max_new_tokens=max_new_tokens, system=system)
-    context = click.get_current_context()
+    given, named = command_line_settings(click.get_current_context())
     handoff = handed_off(load_file)
     with user_errors():
-        if load_file:  # the file's settings, but for the options named on the command line
-            given = {k: v for k, v in options.items()
-                     if context.get_parameter_source(k) is click.core.ParameterSource.COMMANDLINE}
-            try:
-                saved = read_saved(load_file, given)
-            finally:
-                if handoff is not None:
-                    _take_handed_off(handoff)
-            settings, messages = saved.settings, saved.messages
-        else:
-            settings, messages = ChatSettings(**{**options, "plan": plan or "full"}), []
+        try:
+            opening = open_chat(given, named, load_file)
+        finally:
+            if handoff is not None:
+                _take_handed_off(handoff)
         loaded = attach(load(model, dtype, device, engine, ctx_size=ctx_size), model_b, device, engine)
-        if load_file and saved.model != loaded.name and handoff is None:
-            click.echo(f"{load_file} was saved with {saved.model or 'an unnamed model'}; resuming with {loaded.name}",
-                       err=True)
-        settings.sampling().check_vocabulary(loaded.hf.config.vocab_size)
-        session = ChatSession(loaded, settings, messages, probe_row=checked_probe_row(loaded))
+        note = opening.model_note(loaded.name) if handoff is None else None
+        if note:
+            click.echo(note, err=True)
+        opening.settings.sampling().check_vocabulary(loaded.hf.config.vocab_size)
+        session = ChatSession(loaded, opening.settings, opening.messages, probe_row=checked_probe_row(loaded))
     if handoff is not None:  # (the light front end's counts go on)
         session.session = Totals(**handoff["totals"])
     return run_chat(session, guard=user_errors, first_lines=[handoff["line"]] if handoff is not None else ())
