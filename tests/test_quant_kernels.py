@@ -243,10 +243,26 @@ def test_f16_rounding_is_torchs_for_every_kind_of_float(native):
 INTEGER = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 
 
-def int8_activations(x: np.ndarray) -> np.ndarray:
-    """x as the integer products quantize it (formats.h: per 32 inputs, d = max|x| / 127, q = x 127 /
-    max|x| rounded to even), dequantized, in float64."""
+# the formats whose integer products take Q8_K activations (formats.h); the others take Q8_0's
+KQUANTS = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+
+
+def int8_activations(x: np.ndarray, name: str = "Q8_0") -> np.ndarray:
+    """x as the integer products of format `name` quantize it, dequantized, in float64 (formats.h):
+    Q8_0's per 32 inputs, d = max|x| / 127, q = x 127 / max|x| rounded to even; a K-quant's Q8_K per
+    256 inputs, iscale = -127 / x_m (x_m the largest input, or the smallest where its magnitude is
+    larger), q = min(127, x iscale rounded to even), d = 1 / iscale."""
     m, k = x.shape
+    if name in KQUANTS:
+        blocks = x.reshape(m, k // 256, 256)
+        most, least = blocks.max(axis=2), blocks.min(axis=2)
+        x_m = np.where(most >= -least, most, least).astype(np.float32)
+        with np.errstate(divide="ignore"):
+            iscale = np.where(x_m != 0, np.float32(-127) / x_m, 0).astype(np.float32)
+        q = np.minimum(np.rint(blocks * iscale[:, :, None]), 127)
+        assert np.abs(q).max() <= 127
+        d = np.where(x_m != 0, np.float32(1) / np.where(x_m != 0, iscale, 1), 0).astype(np.float32)
+        return (q * d[:, :, None].astype(np.float64)).reshape(m, k)
     blocks = x.reshape(m, k // 32, 32)
     most = np.abs(blocks).max(axis=2)
     inverse = np.where(most > 0, np.float32(127) / np.where(most > 0, most, 1), 0).astype(np.float32)
@@ -264,13 +280,13 @@ def test_integer_products_are_the_product_with_int8_activations(native, name):
         values = gguf_values(name, rows).astype(np.float64)
         packed = pack(native, _fmt(abi, name), rows, n, k)
         x = rng.standard_normal((16, k)).astype(np.float32)
-        x[3, :32] = 0.0  # an all-zero block
+        x[3, :256] = 0.0  # an all-zero block (and K-quant super-block)
         x[5, 32:64] = np.linspace(-1.0, 1.0, 32, dtype=np.float32)  # ties of the rounding
         # every activation at +-127 against the edge blocks' largest quants: the int16 sums of the
         # AVX2 tiles at their bound (LP_INT16_SUMS)
         x[6], x[7] = 1.0, -1.0
         alone = linear(native, _fmt(abi, name), packed, n, k, x, 1, abi.LP_ARITH_INT8)
-        xq = int8_activations(x)
+        xq = int8_activations(x, name)
         reference, bound = xq @ values.T, np.abs(xq) @ np.abs(values).T
         # Q8_0 runs q + 128 and takes 128 d times the activations' sum off in fp32: a cancellation
         # that costs a few more roundings than the unsigned formats' offsets

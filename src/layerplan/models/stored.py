@@ -73,8 +73,10 @@ class StoredEmbedding(nn.Module):
 ARITHMETICS = {
     # fp32 on the weights' exact values: transformers' numbers on the dequantized model
     "exact": "fp32 products of the dequantized weights (transformers' numbers)",
-    # llama.cpp's arithmetic: activations quantized to int8 per 32 inputs, integer dot products
-    "fast": "integer products on activations quantized to int8 per 32 inputs, as llama.cpp computes",
+    # llama.cpp's arithmetic: activations quantized to int8 as llama.cpp does for the weight type
+    # (Q8_0's per 32 inputs; Q8_K's per 256 for the K-quants), integer dot products
+    "fast": "integer products on activations quantized to int8 (per 32 inputs; per 256 for the K-quants), "
+            "as llama.cpp computes",
 }
 
 

@@ -41,19 +41,32 @@ typedef struct {
 } lp_tiles;
 
 /* ----- integer products (LP_ARITH_INT8) -----
- * The activations of a product are quantized row by row, per block of 32 inputs, as llama.cpp's
- * Q8_0 quantizes them: d = max|x| / 127, q = x * (127 / max|x|) rounded to the nearest (ties to
- * even), so |q| <= 127 (lp_q8_quantize). A weight sub-block (the inputs that share one scale and
- * offset: w = scale q + offset, q an unsigned integer, with the scale of 16 rows as an f32 vector
- * computed as the exact tiles compute it) meets them as one exact integer dot product a row, and
- * each output sums, sub-block by sub-block in input order,
- *     sum = fma(float(dot), scale * d, sum);  sum = fma(offset, s, sum)
- * where s is d times the sum of the sub-block's q. So a row's result depends on its own inputs only
- * (not on the other rows, the tile or the thread), as the exact products' do. */
+ * The activations of a product are quantized row by row as llama.cpp quantizes them for the
+ * weight type (lp_q8_quantize, lp_q8k_quantize), and each weight sub-block (the inputs that share
+ * one scale and offset) meets them as one exact integer dot product a row:
+ * - Q8_0, Q4_0, Q4_1, Q5_0, Q5_1: Q8_0 activations, per block of 32 inputs: d = max|x| / 127,
+ *   q = x * (127 / max|x|) rounded to the nearest (ties to even), so |q| <= 127. With w = scale q +
+ *   offset (q an unsigned integer, the scale of 16 rows an f32 vector computed as the exact tiles
+ *   compute it), each output sums, sub-block by sub-block in input order,
+ *       sum = fma(float(dot), scale * d, sum);  sum = fma(offset, s, sum)
+ *   where s is d times the sum of the sub-block's q.
+ * - the K-quants (Q2_K .. Q6_K): Q8_K activations, per super-block of 256 inputs: iscale = -127 /
+ *   x_m (x_m the input of largest magnitude, its sign kept), q = min(127, iscale x rounded to the
+ *   nearest, ties to even), d = 1 / iscale (0 and all q 0 where every input is 0), and the sum of
+ *   q over each weight sub-block (bsum). With w = D sc q - DMIN mn (D, DMIN the super-block's f16
+ *   scales, sc and mn each sub-block's integers; Q3_K's and Q6_K's centred quants as mn = the
+ *   centre times sc and DMIN = D), each output sums, super-block by super-block in input order,
+ *       S1 = sum over sub-blocks of sc dot,  S2 = sum over sub-blocks of mn bsum  (int32, exact)
+ *       sum = fma(float(S1), D * d, sum);  sum = fma(float(S2), -(DMIN * d), sum)
+ *   which is llama.cpp's ggml_vec_dot_q<N>_K_q8_K with the float adds in input order, and one
+ *   float epilogue a super-block rather than a sub-block.
+ * So a row's result depends on its own inputs only (not on the other rows, the tile or the
+ * thread), as the exact products' do. */
 typedef struct {
-    const int8_t *q; /* (rows, k) */
-    const float *d;  /* (rows, k / 32): each block's scale */
-    const float *s;  /* (rows, k / 16): d times the sum of each 16 inputs' q */
+    const int8_t *q;      /* (rows, k) */
+    const float *d;       /* (rows, k / 32) each block's scale; Q8_K: (rows, k / 256) */
+    const float *s;       /* Q8_0: (rows, k / 16): d times the sum of each 16 inputs' q */
+    const int16_t *bsum;  /* Q8_K: (rows, k / sub): the sum of each weight sub-block's q */
     long k;
 } lp_q8;
 
@@ -67,6 +80,7 @@ typedef struct {
     lp_int_tile rows[LP_INT_ROWS + 1];           /* [r]: r rows */
     lp_int_pair_tile pair_rows[LP_INT_ROWS + 1]; /* [r]: r rows on two panels (NULL: one at a time) */
     long most;                         /* the most rows a pass gives one tile (<= LP_INT_ROWS) */
+    long kquant_sub;                   /* Q8_K activations, summed per this many inputs; 0: Q8_0's */
 } lp_int_tiles;
 
 typedef struct {
@@ -83,8 +97,11 @@ typedef struct {
     const lp_int_tiles *int_tiles;
 } lp_format_traits;
 
-/* x (m, k fp32; k a multiple of 32) -> q, d, s of an lp_q8 */
+/* x (m, k fp32; k a multiple of 32) -> q, d, s of an lp_q8 (Q8_0 activations) */
 void lp_q8_quantize(const float *x, long m, long k, int8_t *q, float *d, float *s);
+/* x (m, k fp32; k a multiple of 256) -> q, d, bsum of an lp_q8 (Q8_K activations, their sums per
+ * `sub` inputs) */
+void lp_q8k_quantize(const float *x, long m, long k, long sub, int8_t *q, float *d, int16_t *bsum);
 
 /* the row of `format`, NULL for an unknown one */
 const lp_format_traits *lp_format(int format);

@@ -131,19 +131,22 @@ int lp_gemm(const lp_matrix *mat, const float *x, long m, float *y, int threads)
     /* the last, partial panel's outputs go to scratch of whole panels, then its valid columns to y */
     float *tail = whole < panels ? lp_floats(m * LP_PANEL) : NULL;
     int8_t *q = pr.int_tiles ? (int8_t *)malloc((size_t)(m * k)) : NULL;
-    float *ds = pr.int_tiles ? lp_floats(m * (k / 32 + k / 16)) : NULL;
-    if (!runs || (whole < panels && !tail) || (pr.int_tiles && (!q || !ds))) {
+    /* the activations: Q8_0's scales and sums, or Q8_K's scales and integer sums (formats.h) */
+    long ksub = pr.int_tiles ? pr.int_tiles->kquant_sub : 0;
+    float *ds = pr.int_tiles ? lp_floats(ksub ? m * (k / 256) : m * (k / 32 + k / 16)) : NULL;
+    int16_t *bsum = ksub ? (int16_t *)malloc(sizeof(int16_t) * (size_t)(m * (k / ksub))) : NULL;
+    if (!runs || (whole < panels && !tail) || (pr.int_tiles && (!q || !ds)) || (ksub && !bsum)) {
         free(runs);
         free(tail);
         free(q);
         free(ds);
+        free(bsum);
         return LP_E_MEMORY;
     }
-    lp_q8 xq = {q, ds, ds + m * (k / 32), k};
-    if (pr.int_tiles) {
-        lp_q8_quantize(x, m, k, q, ds, ds + m * (k / 32));
-        pr.xq = &xq;
-    }
+    lp_q8 xq = {q, ds, ksub ? NULL : ds + m * (k / 32), bsum, k};
+    if (ksub) lp_q8k_quantize(x, m, k, ksub, q, ds, bsum);
+    else if (pr.int_tiles) lp_q8_quantize(x, m, k, q, ds, ds + m * (k / 32));
+    if (pr.int_tiles) pr.xq = &xq;
     for (int t = 0; t < threads; t++) {
         long first = whole * t / threads / grain * grain,
              end = t == threads - 1 ? whole : whole * (t + 1) / threads / grain * grain;
@@ -179,6 +182,7 @@ int lp_gemm(const lp_matrix *mat, const float *x, long m, float *y, int threads)
     free(tail);
     free(q);
     free(ds);
+    free(bsum);
     if (mat->bias)
         for (long r = 0; r < m; r++)
             for (long j = 0; j < n; j++) y[r * n + j] += mat->bias[j];

@@ -28,11 +28,90 @@ ALWAYS __m256 combine8(__m256 sum, __m256i dot, __m256 scale, __m256 offset, __m
     return fma_(offset, s, fma_(cvt(dot), mul(scale, d), sum));
 }
 
-/* a sub-block's scales (dl: rows 0-7, dh: rows 8-15) and offsets, and where its words start */
+/* a sub-block's scales (dl: rows 0-7, dh: rows 8-15) and offsets (Q8_0 activations), or its
+ * integer scales (il, ih: int_scale's form; the K-quants, Q8_K activations), and where its words
+ * start */
 typedef struct {
     __m256 dl, dh, ol, oh;
+    __m256i il, ih;
     const uint8_t *q, *h;
 } istate;
+
+/* ----- the K-quants on Q8_K activations (formats.h) -----
+ * A sub-block's integer dot products are multiplied by its integer scales sc and summed over the
+ * super-block (S1, exact in int32: at most 16 x 16 x 63 x 127 x 128 in magnitude); its mins meet
+ * the activations' sums at the super-block's end (S2 = sum of mn bsum: one vpmaddwd for two
+ * sub-blocks); then one float epilogue a super-block (kcombine8). */
+
+/* sc in the form the build multiplies by: with LP_INT16_SUMS (AVX2) in both int16 halves of each
+ * dword lane, so vpmaddwd of a lane's two int16 pair sums by it gives sc times their sum (in place
+ * of vpmaddwd by ones: no instruction more); else the int32 (vpmulld on the sub-block's sum) */
+ALWAYS __m256i int_scale(__m256i sc) {
+    return LP_INT16_SUMS ? _mm256_or_si256(and_(sc, 0xFFFF), _mm256_slli_epi32(sc, 16)) : sc;
+}
+/* the int16 pair (a, b) in each dword lane: a in the low half (a and b fit int16) */
+ALWAYS __m256i int16_pair(__m256i a, __m256i b) { return _mm256_or_si256(and_(a, 0xFFFF), _mm256_slli_epi32(b, 16)); }
+
+#define LP_KSUBS 16 /* the most sub-blocks of a super-block (Q2_K, Q3_K, Q6_K: 16 of 16 inputs) */
+/* a K-quant super-block of a panel: D and DMIN of rows 0-7 / 8-15 (f32), and its sub-blocks' mins
+ * as int16 pairs, sub-blocks 2p (low) and 2p + 1 (high), filled as the sub-blocks are met (el, eh:
+ * an even sub-block's, waiting for the next). Each sub-block's scales and mins are decoded when its
+ * words are read, so the panel's bytes are read in order: decoding a super-block's at its start
+ * read ahead of the hardware's prefetchers, and a one-row product took 1.5x the time. */
+typedef struct {
+    __m256 dl, dh, ml, mh;
+    __m256i el, eh, pl[LP_KSUBS / 2], ph[LP_KSUBS / 2];
+} ksuper;
+/* the super-block of panel block pb: its f16 D (at pb) and DMIN (at dmin) */
+ALWAYS void ksuper_start(ksuper *ks, const uint8_t *pb, const uint8_t *dmin) {
+    ks->dl = half8(pb);
+    ks->dh = half8(pb + 16);
+    ks->ml = half8(dmin);
+    ks->mh = half8(dmin + 16);
+}
+ALWAYS void q4_k_ksuper(ksuper *ks, const uint8_t *pb) { ksuper_start(ks, pb, pb + 32); }
+ALWAYS void q5_k_ksuper(ksuper *ks, const uint8_t *pb) { ksuper_start(ks, pb, pb + 32); }
+ALWAYS void q2_k_ksuper(ksuper *ks, const uint8_t *pb) { ksuper_start(ks, pb, pb + 32); }
+ALWAYS void q3_k_ksuper(ksuper *ks, const uint8_t *pb) { ksuper_start(ks, pb, pb); }
+ALWAYS void q6_k_ksuper(ksuper *ks, const uint8_t *pb) { ksuper_start(ks, pb, pb); }
+/* (the formats on Q8_0 activations have none) */
+ALWAYS void no_ksuper(ksuper *ks, const uint8_t *pb) {
+    (void)ks;
+    (void)pb;
+}
+#define q4_0_ksuper no_ksuper
+#define q4_1_ksuper no_ksuper
+#define q5_0_ksuper no_ksuper
+#define q5_1_ksuper no_ksuper
+#define q8_0_ksuper no_ksuper
+
+/* sum + float(s1) D d - float(s2) DMIN d on eight lanes (formats.h's K-quant rule; d: the
+ * activations' super-block scale in every lane) */
+ALWAYS __m256 kcombine8(__m256 sum, __m256i s1, __m256i s2, __m256 D, __m256 DMIN, __m256 d) {
+    return fma_(cvt(s2), neg(mul(DMIN, d)), fma_(cvt(s1), mul(D, d), sum));
+}
+/* S2 of rows 0-7 (*s2l) and 8-15 (*s2h) for one activation row: its sums bs of the super-block's
+ * sub-blocks (int16, in order: two of them one dword) against the mins' pairs */
+ALWAYS void kmins8(const ksuper *ks, const int16_t *bs, int pairs, __m256i *s2l, __m256i *s2h) {
+    __m256i l = _mm256_setzero_si256(), h = _mm256_setzero_si256();
+    for (int p = 0; p < pairs; p++) {
+        int32_t two;
+        memcpy(&two, bs + 2 * p, 4);
+        const __m256i b = _mm256_set1_epi32(two);
+        l = _mm256_add_epi32(l, _mm256_madd_epi16(ks->pl[p], b));
+        h = _mm256_add_epi32(h, _mm256_madd_epi16(ks->ph[p], b));
+    }
+    *s2l = l;
+    *s2h = h;
+}
+/* (tiles) row's activation scale and sums of the super-block holding input s0, format F */
+#define KDX(F, row) x->d[(row) * (k / 256) + s0 / 256]
+#define KBSUMS(F, row) (x->bsum + (row) * (k / F##_SUB) + s0 / 256 * (256 / F##_SUB))
+/* (tiles) a sub-block's integer sums v times its scales s, where the words' route has not (the
+ * int16 route multiplies in vpmaddwd: WORD_SUMS) */
+#define KSCALED(F, v, s) (F##_KQ && !LP_INT16_SUMS ? _mm256_mullo_epi32((v), (s)) : (v))
+/* (tiles) whether sub-block s0 is its super-block's last */
+#define KLAST(F) (s0 % 256 == 256 - F##_SUB)
 
 ALWAYS __m256i low_nibbles(__m256i v) { return _mm256_and_si256(v, _mm256_set1_epi8(0x0F)); }
 ALWAYS __m256i high_nibbles(__m256i v) { return _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(0x0F)); }
@@ -51,15 +130,17 @@ ALWAYS void centred_scales(istate *s, __m256 dl, __m256 dh, float zero) {
     s->oh = mul(dh, _mm256_set1_ps(-zero));
 }
 
-ALWAYS void q4_0_iset(istate *s, const uint8_t *pb, int sub) {
+ALWAYS void q4_0_iset(istate *s, const uint8_t *pb, int sub, ksuper *ks) {
     (void)sub;
+    (void)ks;
     centred_scales(s, half8(pb), half8(pb + 16), 8.0f);
     s->q = pb + 32;
 }
 #define q4_0_iload nibble_words
 
-ALWAYS void q4_1_iset(istate *s, const uint8_t *pb, int sub) {
+ALWAYS void q4_1_iset(istate *s, const uint8_t *pb, int sub, ksuper *ks) {
     (void)sub;
+    (void)ks;
     s->dl = half8(pb);
     s->dh = half8(pb + 16);
     s->ol = half8(pb + 32);
@@ -68,16 +149,21 @@ ALWAYS void q4_1_iset(istate *s, const uint8_t *pb, int sub) {
 }
 #define q4_1_iload nibble_words
 
-/* a K-quant sub-block's scales and offsets (quant_avx2.h's decoders) as the tile's state */
-ALWAYS void take_kscales(istate *s, kscales k) {
-    s->dl = k.dl;
-    s->dh = k.dh;
-    s->ol = k.ol;
-    s->oh = k.oh;
+/* a K-quant sub-block's integer scales into the tile's state, and its mins into its super-block's */
+ALWAYS void take_kints(istate *s, ksuper *ks, int sub, kints k) {
+    s->il = int_scale(k.sl);
+    s->ih = int_scale(k.sh);
+    if (sub & 1) {
+        ks->pl[sub / 2] = int16_pair(ks->el, k.ml);
+        ks->ph[sub / 2] = int16_pair(ks->eh, k.mh);
+    } else {
+        ks->el = k.ml;
+        ks->eh = k.mh;
+    }
 }
 
-ALWAYS void q4_k_iset(istate *s, const uint8_t *pb, int sub) {
-    take_kscales(s, k4_fields(pb, pb + Q4_K_SUB_AT(sub)));
+ALWAYS void q4_k_iset(istate *s, const uint8_t *pb, int sub, ksuper *ks) {
+    take_kints(s, ks, sub, k4_ints(pb + Q4_K_SUB_AT(sub)));
     s->q = pb + Q4_K_SUB_AT(sub) + 24;
 }
 #define q4_k_iload nibble_words
@@ -106,8 +192,9 @@ ALWAYS void q4_k_iset(istate *s, const uint8_t *pb, int sub) {
  * not fit a vpmaddubsw pair, so q + 128 goes as (q + 128) & 0x7F plus (q + 128) & 0x80: the same
  * integer as vpdpbusd's. The input-major panel (16 rows' bytes of each input) is transposed to four
  * inputs a lane. */
-ALWAYS void q8_0_iset(istate *s, const uint8_t *pb, int sub) {
+ALWAYS void q8_0_iset(istate *s, const uint8_t *pb, int sub, ksuper *ks) {
     (void)sub;
+    (void)ks;
     centred_scales(s, half8(pb), half8(pb + 16), 128.0f);
     s->q = pb + 32;
 }
@@ -164,8 +251,9 @@ ALWAYS void fifth_words(const istate *s, int c, int flip, __m256i *wl, __m256i *
 }
 
 /* Q5_0: w = d (q - 16), q = nibble + 16 fifth (stored inverted) */
-ALWAYS void q5_0_iset(istate *s, const uint8_t *pb, int sub) {
+ALWAYS void q5_0_iset(istate *s, const uint8_t *pb, int sub, ksuper *ks) {
     (void)sub;
+    (void)ks;
     centred_scales(s, half8(pb), half8(pb + 16), 16.0f);
     s->h = pb + 32;
     s->q = pb + 96;
@@ -173,16 +261,16 @@ ALWAYS void q5_0_iset(istate *s, const uint8_t *pb, int sub) {
 ALWAYS void q5_0_iload(const istate *s, int c, __m256i *wl, __m256i *wh) { fifth_words(s, c, 1, wl, wh); }
 
 /* Q5_1: w = d q + m */
-ALWAYS void q5_1_iset(istate *s, const uint8_t *pb, int sub) {
-    q4_1_iset(s, pb, sub);
+ALWAYS void q5_1_iset(istate *s, const uint8_t *pb, int sub, ksuper *ks) {
+    q4_1_iset(s, pb, sub, ks);
     s->h = pb + 64;
     s->q = pb + 128;
 }
 ALWAYS void q5_1_iload(const istate *s, int c, __m256i *wl, __m256i *wh) { fifth_words(s, c, 0, wl, wh); }
 
 /* Q5_K: as Q4_K with fifth bits */
-ALWAYS void q5_k_iset(istate *s, const uint8_t *pb, int sub) {
-    take_kscales(s, k4_fields(pb, pb + Q5_K_SUB_AT(sub)));
+ALWAYS void q5_k_iset(istate *s, const uint8_t *pb, int sub, ksuper *ks) {
+    take_kints(s, ks, sub, k4_ints(pb + Q5_K_SUB_AT(sub)));
     s->h = pb + Q5_K_SUB_AT(sub) + 24;
     s->q = pb + Q5_K_SUB_AT(sub) + 88;
 }
@@ -190,9 +278,9 @@ ALWAYS void q5_k_iload(const istate *s, int c, __m256i *wl, __m256i *wh) { fifth
 
 /* Q6_K: sub-blocks of 16; the high 2 bits of row j's input t at bits P[t] = {0, 2, 8, 10} of 16-bit
  * lane j (row j+8's at P[t] + 4), moved to bits 4-5 of byte t of dword lane j */
-ALWAYS void q6_k_iset(istate *s, const uint8_t *pb, int sub) {
+ALWAYS void q6_k_iset(istate *s, const uint8_t *pb, int sub, ksuper *ks) {
     const uint8_t *sc = pb + Q6_K_SUB_AT(sub);
-    centred_scales(s, mul(half8(pb), cvt(sbytes8(sc))), mul(half8(pb + 16), cvt(sbytes8(sc + 8))), 32.0f);
+    take_kints(s, ks, sub, q6_k_ints(pb, sub));
     s->h = sc + 16;
     s->q = sc + 80;
 }
@@ -243,8 +331,8 @@ ALWAYS void oct_words(const istate *s, int c, __m256i *wl, __m256i *wh) {
 }
 
 /* Q2_K: w = (d sc) q - (dmin m), q 0..3, sub-blocks of 16 */
-ALWAYS void q2_k_iset(istate *s, const uint8_t *pb, int sub) {
-    take_kscales(s, q2_k_fields(pb, sub));
+ALWAYS void q2_k_iset(istate *s, const uint8_t *pb, int sub, ksuper *ks) {
+    take_kints(s, ks, sub, q2_k_ints(pb, sub));
     s->q = pb + 320 + 64 * sub;
 }
 #define q2_k_iload oct_words
@@ -254,9 +342,8 @@ ALWAYS void q2_k_iset(istate *s, const uint8_t *pb, int sub) {
  * n of lane j holds, from bit 0, inputs 2n and 2n + 1 of the oct for row j, then for row j+8. The
  * lane's two bytes are copied to (b0, b0, b1, b1), so byte n holds nibble n at bit 0 (n even) or 4
  * (n odd): a compare with the field's bit in every byte's place, and 4 where it is clear. */
-ALWAYS void q3_k_iset(istate *s, const uint8_t *pb, int sub) {
-    kscales k = q3_k_fields(pb, sub);
-    centred_scales(s, k.dl, k.dh, 4.0f);
+ALWAYS void q3_k_iset(istate *s, const uint8_t *pb, int sub, ksuper *ks) {
+    take_kints(s, ks, sub, q3_k_ints(pb, sub));
     s->q = pb + 224 + 64 * sub;
     s->h = pb + 1248 + 32 * sub;
 }
@@ -278,9 +365,10 @@ ALWAYS void q3_k_iload(const istate *s, int c, __m256i *wl, __m256i *wh) {
 /* the rows' int32 sums AL / AH (expressions in r and c: row r's for word c) over a sub-block's
  * WORDS words of R rows (XR: row r's int8 inputs), WORD(f, c, wl, wh) giving word c (unpacked from
  * the panel, or read from a buffer of them): int16 pair sums of F##_STEPS16 words first where
- * LP_INT16_SUMS takes the format, else f##_dot a word; then, for a format whose words hold q
- * rather than q + 128 on AVX2, 128 times the activations' sum. The sums are integers, exact in any
- * order: whichever tile runs them, the same. */
+ * LP_INT16_SUMS takes the format (a K-quant's times its integer scales st.il / st.ih in the same
+ * vpmaddwd), else f##_dot a word; then, for a format whose words hold q rather than q + 128 on
+ * AVX2, 128 times the activations' sum. The sums are integers, exact in any order: whichever tile
+ * runs them, the same. */
 #define WORD_SUMS(F, f, R, WORDS, WORD, XR, AL, AH)                                                \
     if (LP_INT16_SUMS && F##_STEPS16 > 0) {                                                        \
         const __m256i ones16 = _mm256_set1_epi16(1);                                               \
@@ -299,8 +387,8 @@ ALWAYS void q3_k_iload(const istate *s, int c, __m256i *wl, __m256i *wh) {
             _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                                  \
                 const int c = c0; /* (AL and AH may name a word's chain) */                        \
                 (void)c;                                                                           \
-                AL = _mm256_add_epi32(AL, _mm256_madd_epi16(pl[r], ones16));                       \
-                AH = _mm256_add_epi32(AH, _mm256_madd_epi16(ph[r], ones16));                       \
+                AL = _mm256_add_epi32(AL, _mm256_madd_epi16(pl[r], F##_KQ ? st.il : ones16));      \
+                AH = _mm256_add_epi32(AH, _mm256_madd_epi16(ph[r], F##_KQ ? st.ih : ones16));      \
             }                                                                                      \
         }                                                                                          \
     } else {                                                                                       \
@@ -339,13 +427,18 @@ ALWAYS void q3_k_iload(const istate *s, int c, __m256i *wl, __m256i *wh) {
         const long k = x->k;                                                                       \
         const int8_t *xr[R];                                                                       \
         __m256 sl[R], sh[R];                                                                       \
+        __m256i kl[R], kh[R]; /* a K-quant super-block's S1 so far */                            \
+        ksuper ks;                                                                                 \
         _Pragma("GCC unroll 4") for (int r = 0; r < R; r++) {                                      \
             xr[r] = x->q + (r0 + r) * k;                                                           \
             sl[r] = sh[r] = _mm256_setzero_ps();                                                   \
+            kl[r] = kh[r] = _mm256_setzero_si256();                                                \
         }                                                                                          \
         for (long s0 = 0; s0 < k; s0 += F##_SUB) {                                                \
             istate st;                                                                             \
-            f##_iset(&st, w + s0 / F##_BLOCK * F##_PB, (int)(s0 % F##_BLOCK / F##_SUB));          \
+            const uint8_t *pb = w + s0 / F##_BLOCK * F##_PB;                                       \
+            if (F##_KQ && s0 % 256 == 0) f##_ksuper(&ks, pb);                                      \
+            f##_iset(&st, pb, (int)(s0 % F##_BLOCK / F##_SUB), &ks);                               \
             if (r0 == 0)                                                                           \
                 PREFETCH_SUB(F, F##_SUB, w, LP_AHEAD_PANELS * (k / F##_BLOCK * F##_PB), s0);       \
             __m256i al[R][S], ah[R][S];                                                            \
@@ -358,11 +451,24 @@ ALWAYS void q3_k_iload(const istate *s, int c, __m256i *wl, __m256i *wh) {
                     il = _mm256_add_epi32(il, al[r][S - 1]);                                       \
                     ih = _mm256_add_epi32(ih, ah[r][S - 1]);                                       \
                 }                                                                                  \
-                const float *ss = x->s + (r0 + r) * (k / 16) + s0 / 16;                            \
-                __m256 d = _mm256_set1_ps(x->d[(r0 + r) * (k / 32) + s0 / 32]);                    \
-                __m256 s = _mm256_set1_ps(F##_SUB == 32 ? ss[0] + ss[1] : ss[0]);                 \
-                sl[r] = combine8(sl[r], il, st.dl, st.ol, d, s);                                   \
-                sh[r] = combine8(sh[r], ih, st.dh, st.oh, d, s);                                   \
+                if (F##_KQ) {                                                                      \
+                    kl[r] = _mm256_add_epi32(kl[r], KSCALED(F, il, st.il));                        \
+                    kh[r] = _mm256_add_epi32(kh[r], KSCALED(F, ih, st.ih));                        \
+                    if (KLAST(F)) {                                                                \
+                        __m256i ml, mh;                                                            \
+                        kmins8(&ks, KBSUMS(F, r0 + r), 128 / F##_SUB, &ml, &mh);                   \
+                        __m256 dx = _mm256_set1_ps(KDX(F, r0 + r));                                \
+                        sl[r] = kcombine8(sl[r], kl[r], ml, ks.dl, ks.ml, dx);                     \
+                        sh[r] = kcombine8(sh[r], kh[r], mh, ks.dh, ks.mh, dx);                     \
+                        kl[r] = kh[r] = _mm256_setzero_si256();                                    \
+                    }                                                                              \
+                } else {                                                                           \
+                    const float *ss = x->s + (r0 + r) * (k / 16) + s0 / 16;                        \
+                    __m256 d = _mm256_set1_ps(x->d[(r0 + r) * (k / 32) + s0 / 32]);                \
+                    __m256 s = _mm256_set1_ps(F##_SUB == 32 ? ss[0] + ss[1] : ss[0]);             \
+                    sl[r] = combine8(sl[r], il, st.dl, st.ol, d, s);                               \
+                    sh[r] = combine8(sh[r], ih, st.dh, st.oh, d, s);                               \
+                }                                                                                  \
             }                                                                                      \
         }                                                                                          \
         _Pragma("GCC unroll 4") for (int r = 0; r < R; r++) {                                      \
@@ -391,24 +497,43 @@ ALWAYS void q3_k_iload(const istate *s, int c, __m256i *wl, __m256i *wh) {
         }                                                                                          \
     }
 
-/* (ITILE_Y, ITILE_W) the float sums of R rows in y, zeroed */
+/* (ITILE_Y, ITILE_W) the float sums of R rows in y, zeroed, and their K-quant super-block's
+ * integer sums S1 (ky, in L1) */
 #define ZERO_Y_ROWS(R)                                                                             \
+    __m256i ky[R][2];                                                                              \
+    ksuper ks;                                                                                     \
     _Pragma("GCC unroll 8") for (int r = 0; r < (R); r++) {                                        \
         _mm256_storeu_ps(y + r * ys, _mm256_setzero_ps());                                         \
         _mm256_storeu_ps(y + r * ys + 8, _mm256_setzero_ps());                                     \
+        ky[r][0] = ky[r][1] = _mm256_setzero_si256();                                              \
     }
 
-/* (ITILE_Y, ITILE_W) sub-block s0's scales and offsets in st; the first row group prefetches */
+/* (ITILE_Y, ITILE_W) sub-block s0's scales and offsets in st (a K-quant's super-block in ks at
+ * its first); the first row group prefetches */
 #define ISUB_STATE(F, f)                                                                           \
     istate st;                                                                                     \
-    f##_iset(&st, w + s0 / F##_BLOCK * F##_PB, (int)(s0 % F##_BLOCK / F##_SUB));                  \
+    const uint8_t *pb = w + s0 / F##_BLOCK * F##_PB;                                               \
+    if (F##_KQ && s0 % 256 == 0) f##_ksuper(&ks, pb);                                              \
+    f##_iset(&st, pb, (int)(s0 % F##_BLOCK / F##_SUB), &ks);                                       \
     if (r0 == 0)                                                                                   \
         PREFETCH_SUB(F, F##_SUB, w, LP_AHEAD_PANELS * (k / F##_BLOCK * F##_PB), s0);
 
 /* (ITILE_Y, ITILE_W) row r's integer sums AL / AH of sub-block s0 into its float sums in y, as
  * ITILE adds them into its registers */
 #define ADD_INTO_Y(F, r, AL, AH)                                                                   \
-    {                                                                                              \
+    if (F##_KQ) {                                                                                  \
+        ky[r][0] = _mm256_add_epi32(ky[r][0], KSCALED(F, AL, st.il));                              \
+        ky[r][1] = _mm256_add_epi32(ky[r][1], KSCALED(F, AH, st.ih));                              \
+        if (KLAST(F)) {                                                                            \
+            __m256i ml, mh;                                                                        \
+            kmins8(&ks, KBSUMS(F, r0 + (r)), 128 / F##_SUB, &ml, &mh);                             \
+            __m256 dx = _mm256_set1_ps(KDX(F, r0 + (r)));                                          \
+            float *o = y + (r) * ys;                                                               \
+            _mm256_storeu_ps(o, kcombine8(_mm256_loadu_ps(o), ky[r][0], ml, ks.dl, ks.ml, dx));    \
+            _mm256_storeu_ps(o + 8, kcombine8(_mm256_loadu_ps(o + 8), ky[r][1], mh, ks.dh, ks.mh, dx)); \
+            ky[r][0] = ky[r][1] = _mm256_setzero_si256();                                          \
+        }                                                                                          \
+    } else {                                                                                       \
         const float *ss = x->s + (r0 + (r)) * (k / 16) + s0 / 16;                                  \
         __m256 d = _mm256_set1_ps(x->d[(r0 + (r)) * (k / 32) + s0 / 32]);                          \
         __m256 s = _mm256_set1_ps(F##_SUB == 32 ? ss[0] + ss[1] : ss[0]);                         \
@@ -454,31 +579,33 @@ ALWAYS void q3_k_iload(const istate *s, int c, __m256i *wl, __m256i *wh) {
 
 /* the format's row of integer tiles (formats.h), from its tiles f##_i1 .. f##_i8 and PAIRS: NULL,
  * or the two-panel tiles f##_p1 .. f##_p8 */
-#define INT_TILES_ROW(f, PAIRS)                                                                    \
+#define INT_TILES_ROW(F, f, PAIRS)                                                                 \
     const lp_int_tiles lp_int_tiles_##f = {{NULL, f##_i1, f##_i2, f##_i3, f##_i4, f##_i5, f##_i6, f##_i7, f##_i8}, \
-                                           {PAIRS}, 8};
+                                           {PAIRS}, 8, F##_KQ ? F##_SUB : 0};
 #define INT_PAIRS(f) NULL, f##_p1, f##_p2, f##_p3, f##_p4, f##_p5, f##_p6, f##_p7, f##_p8
 
-/* The formats with integer tiles, one row each: X(F, f, octs, steps16, plus128)
+/* The formats with integer tiles, one row each: X(F, f, octs, steps16, plus128, kq)
  *   F, f     the format's ID and name (formats.h's LP_FORMAT_LIST): its f##_iset, f##_iload, f##_dot
  *            above, and the tiles' names
  *   octs     1: its words take every other input of an oct (Q2_K, Q3_K: oct_four, oct_words)
  *   steps16  words whose pair sums add up in int16 (LP_INT16_SUMS; 0: none)
  *   plus128  1: its words hold q + 128 (Q8_0), so AVX2's int16 route adds 128 times the activations'
  *            sum
+ *   kq       1: a K-quant, on Q8_K activations (f##_ksuper; formats.h), else on Q8_0's
  * Each build expands its tiles over it (LP_INT_FORMATS(ITILES_OF)). */
 #define LP_INT_FORMATS(X)                                                                          \
-    X(Q4_0, q4_0, 0, 8, 0)                                                                         \
-    X(Q4_1, q4_1, 0, 8, 0)                                                                         \
-    X(Q4_K, q4_k, 0, 8, 0)                                                                         \
-    X(Q6_K, q6_k, 0, 2, 0)                                                                         \
-    X(Q5_0, q5_0, 0, 4, 0)                                                                         \
-    X(Q5_1, q5_1, 0, 4, 0)                                                                         \
-    X(Q5_K, q5_k, 0, 4, 0)                                                                         \
-    X(Q8_0, q8_0, 0, 0, 1)                                                                         \
-    X(Q2_K, q2_k, 1, 4, 0)                                                                         \
-    X(Q3_K, q3_k, 1, 4, 0)
-#define INT_FACTS(F, f, octs, steps16, plus128) enum { F##_OCTS = octs, F##_STEPS16 = steps16, F##_PLUS128 = plus128 };
+    X(Q4_0, q4_0, 0, 8, 0, 0)                                                                      \
+    X(Q4_1, q4_1, 0, 8, 0, 0)                                                                      \
+    X(Q4_K, q4_k, 0, 8, 0, 1)                                                                      \
+    X(Q6_K, q6_k, 0, 2, 0, 1)                                                                      \
+    X(Q5_0, q5_0, 0, 4, 0, 0)                                                                      \
+    X(Q5_1, q5_1, 0, 4, 0, 0)                                                                      \
+    X(Q5_K, q5_k, 0, 4, 0, 1)                                                                      \
+    X(Q8_0, q8_0, 0, 0, 1, 0)                                                                      \
+    X(Q2_K, q2_k, 1, 4, 0, 1)                                                                      \
+    X(Q3_K, q3_k, 1, 4, 0, 1)
+#define INT_FACTS(F, f, octs, steps16, plus128, kq)                                                \
+    enum { F##_OCTS = octs, F##_STEPS16 = steps16, F##_PLUS128 = plus128, F##_KQ = kq };
 LP_INT_FORMATS(INT_FACTS)
 
 #endif

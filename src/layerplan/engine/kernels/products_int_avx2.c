@@ -17,7 +17,7 @@ ALWAYS __m256i dot4(__m256i acc, __m256i w, __m256i x) {
     PANEL_TILES(F, f)                                                                              \
     ITILE_W(f##_i7, F, f, 7)                                                                       \
     ITILE_W(f##_i8, F, f, 8)                                                                       \
-    INT_TILES_ROW(f, NULL)
+    INT_TILES_ROW(F, f, NULL)
 
 #define ITILES_OF(F, f, ...) ITILES(F, f)
 LP_INT_FORMATS(ITILES_OF)

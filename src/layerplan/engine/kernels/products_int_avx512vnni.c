@@ -32,7 +32,6 @@ ALWAYS __m256i dot4(__m256i acc, __m256i w, __m256i x) { return _mm256_dpbusd_ep
 ALWAYS __m512 combine16(__m512 sum, __m512i dot, __m512 scale, __m512 offset, __m512 d, __m512 s) {
     return _mm512_fmadd_ps(offset, s, _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(scale, d), sum));
 }
-
 /* fifths as the 32-byte tiles take them, for 16 bytes of bits (panel A's and B's quads) */
 ALWAYS void fifths2(__m128i bits, int flip, __m512i *fl, __m512i *fh) {
     const __m512i spread = _mm512_set1_epi32(0x00204081), ones = _mm512_set1_epi32(0x01010101);
@@ -71,6 +70,42 @@ ALWAYS __m512i pair256(const uint8_t *a, const uint8_t *b) {
 ALWAYS __m512 pair_ps(__m256 a, __m256 b) {
     return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(a)), _mm256_castps_pd(b), 1));
 }
+/* int_tiles_avx2.h's kcombine8 (a K-quant super-block's) on sixteen lanes */
+ALWAYS __m512 kcombine16(__m512 sum, __m512i s1, __m512i s2, __m512 D, __m512 DMIN, __m512 d) {
+    __m512 dmin = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(_mm512_mul_ps(DMIN, d)),
+                                                       _mm512_set1_epi32((int)0x80000000u))); /* (neg's) */
+    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(s2), dmin, _mm512_fmadd_ps(_mm512_cvtepi32_ps(s1), _mm512_mul_ps(D, d), sum));
+}
+ALWAYS __m512i pair_si(__m256i a, __m256i b) { return _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1); }
+/* a pair of panels' K-quant super-blocks (panel A's lanes 0-7 of each half, B's 8-15) */
+typedef struct {
+    __m512 dl, dh, ml, mh;
+    __m512i pl[LP_KSUBS / 2], ph[LP_KSUBS / 2];
+} ksuper2;
+ALWAYS void ksuper_pair(ksuper2 *k2, const ksuper *a, const ksuper *b, int pairs) {
+    k2->dl = pair_ps(a->dl, b->dl);
+    k2->dh = pair_ps(a->dh, b->dh);
+    k2->ml = pair_ps(a->ml, b->ml);
+    k2->mh = pair_ps(a->mh, b->mh);
+    for (int p = 0; p < pairs; p++) {
+        k2->pl[p] = pair_si(a->pl[p], b->pl[p]);
+        k2->ph[p] = pair_si(a->ph[p], b->ph[p]);
+    }
+}
+/* kmins8 on a pair of panels */
+ALWAYS void kmins16(const ksuper2 *k2, const int16_t *bs, int pairs, __m512i *s2l, __m512i *s2h) {
+    __m512i l = _mm512_setzero_si512(), h = _mm512_setzero_si512();
+    for (int p = 0; p < pairs; p++) {
+        int32_t two;
+        memcpy(&two, bs + 2 * p, 4);
+        const __m512i b = _mm512_set1_epi32(two);
+        l = _mm512_add_epi32(l, _mm512_madd_epi16(k2->pl[p], b));
+        h = _mm512_add_epi32(h, _mm512_madd_epi16(k2->ph[p], b));
+    }
+    *s2l = l;
+    *s2h = h;
+}
+
 ALWAYS void nibble_pair(const istate *a, const istate *b, int c, __m512i *wl, __m512i *wh) {
     __m512i v = pair256(a->q + 32 * c, b->q + 32 * c);
     *wl = _mm512_and_si512(v, _mm512_set1_epi8(0x0F));
@@ -109,7 +144,8 @@ ALWAYS void q6_k_ipair(const istate *a, const istate *b, int c, __m512i *wl, __m
 }
 
 /* RR rows on panels A and B (panel_bytes apart): y[r][0..15] panel A's, y[r][16..31] panel B's;
- * the float sums in registers (YSUMS 0) or in y */
+ * the float sums in registers (YSUMS 0) or in y; a K-quant super-block's integer sums S1 (kl, kh)
+ * in registers */
 #define ZPAIR(NAME, F, f, RR, YSUMS)                                                               \
     static void NAME(const lp_q8 *x, long r0, const void *wv, long panel_bytes, float *y, long ys) { \
         enum { R = RR, S = RR <= 1 ? 2 : 1 };                                                      \
@@ -117,8 +153,11 @@ ALWAYS void q6_k_ipair(const istate *a, const istate *b, int c, __m512i *wl, __m
         const long k = x->k;                                                                       \
         const int8_t *xr[R];                                                                       \
         __m512 sl[YSUMS ? 1 : R], sh[YSUMS ? 1 : R];                                               \
+        __m512i kl[R], kh[R];                                                                      \
+        ksuper ksa, ksb;                                                                           \
         _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                                      \
             xr[r] = x->q + (r0 + r) * k;                                                           \
+            kl[r] = kh[r] = _mm512_setzero_si512();                                                \
             if (YSUMS) {                                                                           \
                 _mm512_storeu_ps(y + r * ys, _mm512_setzero_ps());                                 \
                 _mm512_storeu_ps(y + r * ys + 16, _mm512_setzero_ps());                            \
@@ -130,16 +169,27 @@ ALWAYS void q6_k_ipair(const istate *a, const istate *b, int c, __m512i *wl, __m
             istate sa, sb;                                                                         \
             const long at = s0 / F##_BLOCK * F##_PB;                                               \
             const int sub = (int)(s0 % F##_BLOCK / F##_SUB);                                      \
-            f##_iset(&sa, wa + at, sub);                                                           \
-            f##_iset(&sb, wb + at, sub);                                                           \
+            if (F##_KQ && s0 % 256 == 0) {                                                         \
+                f##_ksuper(&ksa, wa + at);                                                         \
+                f##_ksuper(&ksb, wb + at);                                                         \
+            }                                                                                      \
+            f##_iset(&sa, wa + at, sub, &ksa);                                                     \
+            f##_iset(&sb, wb + at, sub, &ksb);                                                     \
             if (R > 1 && r0 == 0) { /* (the next pair's both panels) */                            \
                 PREFETCH_SUB(F, F##_SUB, wa, LP_AHEAD_PANELS * panel_bytes, s0);                   \
                 PREFETCH_SUB(F, F##_SUB, wa, (LP_AHEAD_PANELS + 1) * panel_bytes, s0);             \
             } else if (R == 1 && panel_bytes <= LP_PREFETCH_PANEL_MAX) {                           \
                 PREFETCH_SUB(F, F##_SUB, wa, 2 * panel_bytes, s0);                                 \
             }                                                                                      \
-            const __m512 dl = pair_ps(sa.dl, sb.dl), dh = pair_ps(sa.dh, sb.dh), ol = pair_ps(sa.ol, sb.ol), \
-                         oh = pair_ps(sa.oh, sb.oh);                                               \
+            __m512 dl, dh, ol, oh;                                                                 \
+            __m512i il, ih;                                                                        \
+            if (F##_KQ) {                                                                          \
+                il = pair_si(sa.il, sb.il);                                                        \
+                ih = pair_si(sa.ih, sb.ih);                                                        \
+            } else {                                                                               \
+                dl = pair_ps(sa.dl, sb.dl), dh = pair_ps(sa.dh, sb.dh), ol = pair_ps(sa.ol, sb.ol); \
+                oh = pair_ps(sa.oh, sb.oh);                                                        \
+            }                                                                                      \
             __m512i al[R][S], ah[R][S];                                                            \
             _Pragma("GCC unroll 8") for (int r = 0; r < R; r++)                                    \
                 _Pragma("GCC unroll 2") for (int c = 0; c < S; c++) al[r][c] = ah[r][c] = _mm512_setzero_si512(); \
@@ -154,23 +204,43 @@ ALWAYS void q6_k_ipair(const istate *a, const istate *b, int c, __m512i *wl, __m
                     ah[r][c % S] = _mm512_dpbusd_epi32(ah[r][c % S], wh, xb);                      \
                 }                                                                                  \
             }                                                                                      \
+            ksuper2 k2;                                                                            \
+            if (F##_KQ && KLAST(F)) ksuper_pair(&k2, &ksa, &ksb, 128 / F##_SUB);                   \
             _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                                  \
                 __m512i zl = al[r][0], zh = ah[r][0];                                              \
                 if (S > 1) {                                                                       \
                     zl = _mm512_add_epi32(zl, al[r][S - 1]);                                       \
                     zh = _mm512_add_epi32(zh, ah[r][S - 1]);                                       \
                 }                                                                                  \
-                const float *ss = x->s + (r0 + r) * (k / 16) + s0 / 16;                            \
-                __m512 d = _mm512_set1_ps(x->d[(r0 + r) * (k / 32) + s0 / 32]);                    \
-                __m512 s = _mm512_set1_ps(F##_SUB == 32 ? ss[0] + ss[1] : ss[0]);                 \
-                if (YSUMS) {                                                                       \
-                    float *o = y + r * ys;                                                         \
-                    store_ab(o, 0, combine16(lanes_ab(o, 0), zl, dl, ol, d, s));                   \
-                    store_ab(o, 8, combine16(lanes_ab(o, 8), zh, dh, oh, d, s));                   \
+                float *o = y + r * ys;                                                             \
+                const int i = YSUMS ? 0 : r;                                                       \
+                if (F##_KQ) {                                                                      \
+                    kl[r] = _mm512_add_epi32(kl[r], _mm512_mullo_epi32(zl, il));                   \
+                    kh[r] = _mm512_add_epi32(kh[r], _mm512_mullo_epi32(zh, ih));                   \
+                    if (KLAST(F)) {                                                                \
+                        __m512i ml, mh;                                                            \
+                        kmins16(&k2, KBSUMS(F, r0 + r), 128 / F##_SUB, &ml, &mh);                  \
+                        const __m512 dx = _mm512_set1_ps(KDX(F, r0 + r));                          \
+                        if (YSUMS) {                                                               \
+                            store_ab(o, 0, kcombine16(lanes_ab(o, 0), kl[r], ml, k2.dl, k2.ml, dx)); \
+                            store_ab(o, 8, kcombine16(lanes_ab(o, 8), kh[r], mh, k2.dh, k2.mh, dx)); \
+                        } else {                                                                   \
+                            sl[i] = kcombine16(sl[i], kl[r], ml, k2.dl, k2.ml, dx);                \
+                            sh[i] = kcombine16(sh[i], kh[r], mh, k2.dh, k2.mh, dx);                \
+                        }                                                                          \
+                        kl[r] = kh[r] = _mm512_setzero_si512();                                    \
+                    }                                                                              \
                 } else {                                                                           \
-                    const int i = YSUMS ? 0 : r;                                                   \
-                    sl[i] = combine16(sl[i], zl, dl, ol, d, s);                                    \
-                    sh[i] = combine16(sh[i], zh, dh, oh, d, s);                                    \
+                    const float *ss = x->s + (r0 + r) * (k / 16) + s0 / 16;                        \
+                    __m512 d = _mm512_set1_ps(x->d[(r0 + r) * (k / 32) + s0 / 32]);                \
+                    __m512 s = _mm512_set1_ps(F##_SUB == 32 ? ss[0] + ss[1] : ss[0]);             \
+                    if (YSUMS) {                                                                   \
+                        store_ab(o, 0, combine16(lanes_ab(o, 0), zl, dl, ol, d, s));               \
+                        store_ab(o, 8, combine16(lanes_ab(o, 8), zh, dh, oh, d, s));               \
+                    } else {                                                                       \
+                        sl[i] = combine16(sl[i], zl, dl, ol, d, s);                                \
+                        sh[i] = combine16(sh[i], zh, dh, oh, d, s);                                \
+                    }                                                                              \
                 }                                                                                  \
             }                                                                                      \
         }                                                                                          \
@@ -202,13 +272,13 @@ ALWAYS void store_ab(float *o, int at, __m512 v) {
     ZPAIR(f##_p6, F, f, 6, 1)                                                                      \
     ZPAIR(f##_p7, F, f, 7, 1)                                                                      \
     ZPAIR(f##_p8, F, f, 8, 1)                                                                      \
-    INT_TILES_ROW(f, INT_PAIRS(f))
+    INT_TILES_ROW(F, f, INT_PAIRS(f))
 /* the oct formats (Q2_K, Q3_K) one panel at a time, on the 32-byte tiles */
 #define ITILES_ONE_PANEL(F, f)                                                                     \
     PANEL_TILES(F, f)                                                                              \
     ITILE_Y(f##_i7, F, f, 7)                                                                       \
     ITILE_Y(f##_i8, F, f, 8)                                                                       \
-    INT_TILES_ROW(f, NULL)
+    INT_TILES_ROW(F, f, NULL)
 
 /* the oct formats (octs 1) one panel at a time, the others on pairs of panels too */
 #define ITILES_OF(F, f, octs, ...) ITILES_OCTS##octs(F, f)

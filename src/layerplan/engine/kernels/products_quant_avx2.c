@@ -187,6 +187,13 @@ LP_QUANT_FORMATS(QTILES_OF)
 
 /* ----- the activations of the integer products (LP_ARITH_INT8), for both integer builds ----- */
 
+/* the largest of eight lanes */
+static float hmax8(__m256 v) {
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    return _mm_cvtss_f32(_mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1)));
+}
+
 /* formats.h's quantization, eight lanes at a time: the same max, product and rounding as the
  * scalar rule (_mm256_cvtps_epi32 rounds to nearest even, as nearbyintf does by default) */
 void lp_q8_quantize(const float *x, long m, long k, int8_t *q, float *d, float *s) {
@@ -199,10 +206,7 @@ void lp_q8_quantize(const float *x, long m, long k, int8_t *q, float *d, float *
                 v[i] = _mm256_loadu_ps(xb + 8 * i);
                 amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[i]));
             }
-            __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
-            m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-            m4 = _mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1));
-            float most = _mm_cvtss_f32(m4);
+            float most = hmax8(amax);
             float inv = most > 0.0f ? 127.0f / most : 0.0f;
             d[r * (k / 32) + b] = most / 127.0f;
             __m256i qi[4];
@@ -216,6 +220,49 @@ void lp_q8_quantize(const float *x, long m, long k, int8_t *q, float *d, float *
                 int sum = 0;
                 for (int i = 0; i < 16; i++) sum += q[r * k + 32 * b + 16 * h + i];
                 s[r * (k / 16) + 2 * b + h] = d[r * (k / 32) + b] * (float)sum;
+            }
+        }
+}
+
+/* formats.h's Q8_K rule (the K-quants' activations) on 256 inputs a super-block: x_m is the
+ * largest input where its magnitude is at least the smallest's, else the smallest (llama.cpp takes
+ * the first input of largest magnitude: the same magnitude, and x_m's sign changes no result, as
+ * every q, d and sum then changes sign); the product and the rounding as the scalar rule's */
+void lp_q8k_quantize(const float *x, long m, long k, long sub, int8_t *q, float *d, int16_t *bsum) {
+    for (long r = 0; r < m; r++)
+        for (long b = 0; b < k / 256; b++) {
+            const float *xb = x + r * k + 256 * b;
+            int8_t *qb = q + r * k + 256 * b;
+            __m256 hi = _mm256_loadu_ps(xb), lo = hi;
+            for (int i = 8; i < 256; i += 8) {
+                __m256 v = _mm256_loadu_ps(xb + i);
+                hi = _mm256_max_ps(hi, v);
+                lo = _mm256_min_ps(lo, v);
+            }
+            float most = hmax8(hi), least = -hmax8(neg(lo));
+            float x_m = most >= -least ? most : least;
+            if (x_m == 0.0f) {
+                d[r * (k / 256) + b] = 0.0f;
+                memset(qb, 0, 256);
+            } else {
+                const float iscale = -127.0f / x_m;
+                const __m256 scale = _mm256_set1_ps(iscale);
+                const __m256i top = _mm256_set1_epi32(127);
+                for (int i = 0; i < 256; i += 32) {
+                    __m256i qi[4];
+                    for (int j = 0; j < 4; j++)
+                        qi[j] = _mm256_min_epi32(_mm256_cvtps_epi32(mul(_mm256_loadu_ps(xb + i + 8 * j), scale)), top);
+                    __m256i q16a = _mm256_packs_epi32(qi[0], qi[1]), q16b = _mm256_packs_epi32(qi[2], qi[3]);
+                    _mm256_storeu_si256((__m256i *)(qb + i),
+                                        _mm256_permutevar8x32_epi32(_mm256_packs_epi16(q16a, q16b),
+                                                                    _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+                }
+                d[r * (k / 256) + b] = 1.0f / iscale;
+            }
+            for (long j = 0; j < 256 / sub; j++) {
+                int sum = 0;
+                for (long i = 0; i < sub; i++) sum += qb[sub * j + i];
+                bsum[r * (k / sub) + b * (256 / sub) + j] = (int16_t)sum;
             }
         }
 }

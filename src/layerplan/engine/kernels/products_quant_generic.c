@@ -3,6 +3,7 @@
  * over each block of LP_BLOCK inputs in order, the blocks' sums added in order: the reduction of
  * the SIMD tiles, so these give their numbers bit for bit. */
 #include <math.h>
+#include <string.h>
 
 #include "quant.h"
 
@@ -83,6 +84,37 @@ void lp_q8_quantize(const float *x, long m, long k, int8_t *q, float *d, float *
                     sum += q[r * k + 32 * b + i];
                 }
                 s[r * (k / 16) + 2 * b + h] = d[r * (k / 32) + b] * (float)sum;
+            }
+        }
+}
+
+/* formats.h's Q8_K rule in scalar C (x_m chosen as products_quant_avx2.c chooses it) */
+void lp_q8k_quantize(const float *x, long m, long k, long sub, int8_t *q, float *d, int16_t *bsum) {
+    for (long r = 0; r < m; r++)
+        for (long b = 0; b < k / 256; b++) {
+            const float *xb = x + r * k + 256 * b;
+            int8_t *qb = q + r * k + 256 * b;
+            float most = xb[0], least = xb[0];
+            for (int i = 1; i < 256; i++) {
+                most = xb[i] > most ? xb[i] : most;
+                least = xb[i] < least ? xb[i] : least;
+            }
+            float x_m = most >= -least ? most : least;
+            if (x_m == 0.0f) {
+                d[r * (k / 256) + b] = 0.0f;
+                memset(qb, 0, 256);
+            } else {
+                const float iscale = -127.0f / x_m;
+                for (int i = 0; i < 256; i++) {
+                    int v = (int)nearbyintf(iscale * xb[i]);
+                    qb[i] = (int8_t)(v > 127 ? 127 : v);
+                }
+                d[r * (k / 256) + b] = 1.0f / iscale;
+            }
+            for (long j = 0; j < 256 / sub; j++) {
+                int sum = 0;
+                for (long i = 0; i < sub; i++) sum += qb[sub * j + i];
+                bsum[r * (k / sub) + b * (256 / sub) + j] = (int16_t)sum;
             }
         }
 }

@@ -165,23 +165,58 @@ ALWAYS v16 q5_1_widen(const qstate *s, const qraw *r, const int t) {
 }
 
 /* A K-quant sub-block's fp32 scales of rows 0-7 (dl) and 8-15 (dh) and the offsets added (ol, oh),
- * as gguf computes them: what the exact tiles' setup and the integer tiles' iset both start from */
+ * as gguf computes them: what the exact tiles' setup and the legacy integer tiles start from */
 typedef struct {
     __m256 dl, dh, ol, oh;
 } kscales;
 
-/* Q4_K / Q5_K sub-block s's scale and min of the 16 rows (6 bits each: 16 bytes of low nibbles,
- * 8 bytes of high bits), as gguf: d sc and -(dmin m) in fp32 */
-/* a K-quant sub-block's scales and offsets: d and dmin from the panel block pb, the sub-block's
- * 6-bit scales and mins from its 24 bytes s24 */
-ALWAYS kscales k4_fields(const uint8_t *pb, const uint8_t *s24) {
+/* A K-quant sub-block's integer scales (sl: rows 0-7, sh: rows 8-15) and mins (ml, mh) as int32
+ * lanes, w = D sc q - DMIN mn: what kscales and the K-quants' integer tiles (formats.h) start from */
+typedef struct {
+    __m256i sl, sh, ml, mh;
+} kints;
+
+/* Q4_K / Q5_K: the 6-bit scales and mins of the 16 rows from the sub-block's 24 bytes s24 (16
+ * bytes of low nibbles, 8 of high bits) */
+ALWAYS kints k4_ints(const uint8_t *s24) {
     __m256i a = bytes8(s24), b = bytes8(s24 + 8), c = bytes8(s24 + 16);
-    __m256i sc_lo = _mm256_or_si256(and_(a, 0xF), _mm256_slli_epi32(and_(c, 0x3), 4));
-    __m256i mn_lo = _mm256_or_si256(_mm256_srli_epi32(a, 4), _mm256_slli_epi32(and_(c, 0xC), 2));
-    __m256i sc_hi = _mm256_or_si256(and_(b, 0xF), and_(c, 0x30));
-    __m256i mn_hi = _mm256_or_si256(_mm256_srli_epi32(b, 4), and_(_mm256_srli_epi32(c, 2), 0x30));
-    return (kscales){mul(half8(pb), cvt(sc_lo)), mul(half8(pb + 16), cvt(sc_hi)), neg(mul(half8(pb + 32), cvt(mn_lo))),
-                     neg(mul(half8(pb + 48), cvt(mn_hi)))};
+    return (kints){_mm256_or_si256(and_(a, 0xF), _mm256_slli_epi32(and_(c, 0x3), 4)),
+                   _mm256_or_si256(and_(b, 0xF), and_(c, 0x30)),
+                   _mm256_or_si256(_mm256_srli_epi32(a, 4), _mm256_slli_epi32(and_(c, 0xC), 2)),
+                   _mm256_or_si256(_mm256_srli_epi32(b, 4), and_(_mm256_srli_epi32(c, 2), 0x30))};
+}
+/* Q3_K sub-block s's scales sc - 32 (4 low bits, 2 high bits; signed) and, for its quants centred
+ * on 4 (the integer tiles'), mins 4 (sc - 32) */
+ALWAYS kints q3_k_ints(const uint8_t *pb, int sub) {
+    const uint8_t *s12 = pb + 32 + 12 * sub;
+    uint32_t high;
+    memcpy(&high, s12 + 8, 4);
+    __m256i n = bytes8(s12);
+    __m256i hh = _mm256_srlv_epi32(_mm256_set1_epi32((int)high), _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28));
+    const __m256i off = _mm256_set1_epi32(32);
+    __m256i lo = _mm256_sub_epi32(_mm256_or_si256(and_(n, 0xF), _mm256_slli_epi32(and_(hh, 0x3), 4)), off);
+    __m256i hi = _mm256_sub_epi32(_mm256_or_si256(_mm256_srli_epi32(n, 4), _mm256_slli_epi32(and_(hh, 0xC), 2)), off);
+    return (kints){lo, hi, _mm256_slli_epi32(lo, 2), _mm256_slli_epi32(hi, 2)};
+}
+/* Q2_K sub-block s's scales and mins (a byte's nibbles) */
+ALWAYS kints q2_k_ints(const uint8_t *pb, int sub) {
+    const uint8_t *sm = pb + 64 + 16 * sub;
+    __m256i a = bytes8(sm), b = bytes8(sm + 8);
+    return (kints){and_(a, 0xF), and_(b, 0xF), _mm256_srli_epi32(a, 4), _mm256_srli_epi32(b, 4)};
+}
+/* Q6_K sub-block s's int8 scales and, for its quants centred on 32, mins 32 sc */
+ALWAYS kints q6_k_ints(const uint8_t *pb, int sub) {
+    const uint8_t *sc = pb + Q6_K_SUB_AT(sub);
+    __m256i lo = sbytes8(sc), hi = sbytes8(sc + 8);
+    return (kints){lo, hi, _mm256_slli_epi32(lo, 5), _mm256_slli_epi32(hi, 5)};
+}
+
+/* Q4_K / Q5_K sub-block s's d sc and -(dmin m) in fp32, as gguf: d and dmin from the panel block
+ * pb, the sub-block's 6-bit scales and mins from its 24 bytes s24 */
+ALWAYS kscales k4_fields(const uint8_t *pb, const uint8_t *s24) {
+    kints k = k4_ints(s24);
+    return (kscales){mul(half8(pb), cvt(k.sl)), mul(half8(pb + 16), cvt(k.sh)), neg(mul(half8(pb + 32), cvt(k.ml))),
+                     neg(mul(half8(pb + 48), cvt(k.mh)))};
 }
 ALWAYS void k4_scales(qstate *s, const uint8_t *pb, const uint8_t *s24) {
     kscales k = k4_fields(pb, s24);
@@ -249,18 +284,10 @@ ALWAYS __m256i pair_hi(__m256i v, const int t) { return t < 7 ? and_(v, 0xCu << 
  * lanes, row j's of input t at P[t] = {0,1,4,5,8,9,12,13}, row j+8's at P[t] + 2, shifted by
  * 4t + 2 - P[t] to the weight 4 of their places */
 #define Q3_K_CHUNK 8
-/* Q3_K sub-block s's scales of the 16 rows, d (sc - 32) (sc: 4 low bits, 2 high bits); no offset */
+/* Q3_K sub-block s's scales of the 16 rows, d (sc - 32); no offset */
 ALWAYS kscales q3_k_fields(const uint8_t *pb, int sub) {
-    const uint8_t *s12 = pb + 32 + 12 * sub;
-    uint32_t high;
-    memcpy(&high, s12 + 8, 4);
-    __m256i n = bytes8(s12);
-    __m256i hh = _mm256_srlv_epi32(_mm256_set1_epi32((int)high), _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28));
-    __m256i sc_lo = _mm256_or_si256(and_(n, 0xF), _mm256_slli_epi32(and_(hh, 0x3), 4));
-    __m256i sc_hi = _mm256_or_si256(_mm256_srli_epi32(n, 4), _mm256_slli_epi32(and_(hh, 0xC), 2));
-    __m256i off = _mm256_set1_epi32(32);
-    return (kscales){mul(half8(pb), cvt(_mm256_sub_epi32(sc_lo, off))),
-                     mul(half8(pb + 16), cvt(_mm256_sub_epi32(sc_hi, off))), _mm256_setzero_ps(), _mm256_setzero_ps()};
+    kints k = q3_k_ints(pb, sub);
+    return (kscales){mul(half8(pb), cvt(k.sl)), mul(half8(pb + 16), cvt(k.sh)), _mm256_setzero_ps(), _mm256_setzero_ps()};
 }
 ALWAYS void q3_k_setup(qstate *s, const uint8_t *pb, int sub) {
     kscales k = q3_k_fields(pb, sub);
@@ -285,11 +312,9 @@ ALWAYS v16 q3_k_widen(const qstate *s, const qraw *r, const int t) {
 #define Q2_K_CHUNK 8
 /* Q2_K sub-block s's d sc and -(dmin m) of the 16 rows (sc, m: a byte's nibbles) */
 ALWAYS kscales q2_k_fields(const uint8_t *pb, int sub) {
-    const uint8_t *sm = pb + 64 + 16 * sub;
-    __m256i a = bytes8(sm), b = bytes8(sm + 8);
-    return (kscales){mul(half8(pb), cvt(and_(a, 0xF))), mul(half8(pb + 16), cvt(and_(b, 0xF))),
-                     neg(mul(half8(pb + 32), cvt(_mm256_srli_epi32(a, 4)))),
-                     neg(mul(half8(pb + 48), cvt(_mm256_srli_epi32(b, 4))))};
+    kints k = q2_k_ints(pb, sub);
+    return (kscales){mul(half8(pb), cvt(k.sl)), mul(half8(pb + 16), cvt(k.sh)), neg(mul(half8(pb + 32), cvt(k.ml))),
+                     neg(mul(half8(pb + 48), cvt(k.mh)))};
 }
 ALWAYS void q2_k_setup(qstate *s, const uint8_t *pb, int sub) {
     kscales k = q2_k_fields(pb, sub);
