@@ -42,7 +42,8 @@ class ModelDrafter(AutoregressiveDrafter):
         device = self.model.device
         if common < len(context) - 1:  # catch up on tokens the target accepted since last time
             ids = torch.tensor([context[common:-1]], device=device)
-            forward(self.model, ids, self.plan, self.cache, common)
+            # (only their keys and values are wanted: one row of the LM head, not one a token)
+            forward(self.model, ids, self.plan, self.cache, common, last_only=True)
             self.fed = list(context[:-1])
 
         def step(token: int, position: int) -> torch.Tensor:
