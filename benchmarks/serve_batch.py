@@ -22,17 +22,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import httpx
 import torch
 
+from layerplan.app.peers import free_port, llama_server
 from layerplan.decoding.generate import generate
 from layerplan.decoding.sampling_params import SamplingParams
 from layerplan.engine.load import load_model
@@ -42,12 +41,6 @@ from layerplan.models.loading import gguf_of
 PROMPTS = ["Write a short poem about the sea.", "def quicksort(items):", "The three laws of motion are",
            "Explain what a compiler does.", "List five European capitals:", "Once upon a time, in a small village,",
            "The recipe for pancakes needs", "In 1969, the first person to walk on the moon"]
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _wait(url: str, seconds: float = 120) -> None:
@@ -154,7 +147,7 @@ def main() -> None:
     solo = {p: generate(model, model.tokenizer(p).input_ids, max_new_tokens=args.tokens,
                         sampling=SamplingParams()).text for p in set(every)}
     # `layerplan serve` as a user runs it: a process of its own, decoding on its main thread
-    port = _free_port()
+    port = free_port()
     process = subprocess.Popen(["layerplan", "serve", "--model", args.model, "--dtype", args.dtype, "--threads",
                                 str(threads), "--port", str(port), "--max-batch", str(max(counts)),
                                 *(["--draft", args.draft] if args.draft else [])],
@@ -188,21 +181,12 @@ def main() -> None:
 
         tools = find_tools(("llama-server",))
         if tools is not None:
-            port = _free_port()
             parallel = max(counts)
-            process = subprocess.Popen([str(tools / "llama-server"), "-m", str(gguf), "-t", str(threads), "--host",
-                                        "127.0.0.1", "--port", str(port), "--parallel", str(parallel), "-c",
-                                        str(parallel * 1024)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-            try:
-                base = f"http://127.0.0.1:{port}"
-                _wait(f"{base}/health")
+            with llama_server(tools, gguf, threads, context=parallel * 1024, parallel=parallel) as base:
                 _round(base, "x", 1, 8, {}, PROMPTS[:1])
                 theirs = [_round(base, "x", c, args.tokens, {}, every) for c in counts]
                 for row in theirs:
                     row.pop("texts")
-            finally:
-                process.terminate()
-                process.wait(timeout=30)
     for ours_row, theirs_row in zip(ours, theirs):
         ours_row["vs_llama_server"] = ours_row["tokens_per_second"] / theirs_row["tokens_per_second"]
     print(json.dumps({"model": args.model, "dtype": args.dtype, "draft": args.draft, "cpu": read_cpuinfo()[0], "threads": threads,

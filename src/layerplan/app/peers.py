@@ -10,6 +10,8 @@ llama.cpp is timed by its own programs, built once from source with `layerplan p
   samples interleave with the other methods' like everyone else's.
 - `llama-lookup` is llama.cpp's n-gram drafting (prompt lookup plus its n-gram caches), the
   counterpart of layerplan's ngram / suffix / auto drafters: its own reported speed on the same prompt.
+- `llama-server` (llama_server) answers what llama.cpp itself computes: its greedy tokens for token
+  ids (the fidelity benchmark and the real-file tests), its continuous batching (serve_batch.py).
 
 Each runs on two files: the GGUF as the user has it (the packaged default is a Q4_1 file), and the
 same weights at layerplan's precision: `gguf_at_precision` writes the dequantised weights back as an
@@ -21,9 +23,14 @@ from __future__ import annotations
 import json
 import os
 import re
+import socket
 import subprocess
 import tempfile
-from collections.abc import Callable
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -287,3 +294,57 @@ def llama_cpp_peers(loaded, drafts, draft_max: int,
             runners[name] = llama_lookup_runner(bin_dir / "llama-lookup", path, threads, prompt_text, draft_max)
             pairs[name] = counterparts
     return runners, pairs
+
+
+def free_port() -> int:
+    """A TCP port of 127.0.0.1 free now."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def llama_server_call(base: str, route: str, body: dict | None = None, timeout: float = 300) -> dict:
+    """A JSON request to a llama-server (GET without a body, POST with one), its JSON answer."""
+    data = json.dumps(body).encode() if body is not None else None
+    request = urllib.request.Request(base + route, data=data, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=timeout) as reply:
+        return json.loads(reply.read())
+
+
+@contextmanager
+def llama_server(tools: Path, gguf: Path | str, threads: int, context: int = 1024, parallel: int = 1,
+                 wait_s: float = 300) -> Iterator[str]:
+    """llama.cpp's own server on `gguf` at 127.0.0.1 (tools: the folder with llama-server; a free
+    port), once it answers /health: its base URL. Stopped on leaving; a server that exits or does
+    not answer within wait_s is a LlamaToolError."""
+    port = free_port()
+    process = subprocess.Popen([str(tools / "llama-server"), "-m", str(gguf), "-t", str(threads), "--host", "127.0.0.1",
+                                "--port", str(port), "--parallel", str(parallel), "-c", str(context)],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                llama_server_call(base, "/health", timeout=5)
+                break
+            except (urllib.error.URLError, OSError, ValueError):
+                if process.poll() is not None or time.monotonic() > deadline:
+                    raise LlamaToolError(f"llama-server on {gguf} did not come up "
+                                         f"({'exited ' + str(process.returncode) if process.poll() is not None else f'no answer in {wait_s:.0f} s'})")
+                time.sleep(0.3)
+        yield base
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def llama_server_greedy(base: str, ids: Sequence[int], count: int) -> list[int]:
+    """llama.cpp's greedy continuation of the token ids `ids`: `count` tokens, EOS or not."""
+    return llama_server_call(base, "/completion", {
+        "prompt": list(ids), "n_predict": count, "temperature": 0, "top_k": 1, "cache_prompt": True,
+        "return_tokens": True, "ignore_eos": True, "samplers": ["top_k"]})["tokens"]
