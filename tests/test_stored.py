@@ -617,6 +617,45 @@ def test_kept_panels_of_files_gone_go_first_and_small_files_count_against_a_larg
     assert kept == ["large", "s1", "s4"]
 
 
+def test_a_files_panels_of_older_kernels_go_beyond_two_builds_of_an_isa(tmp_path, monkeypatch):
+    """Each kernels build packs a file's panels into a folder of its own: at a new build's first
+    load, the same file's folders of older builds of the same ISA beyond KEPT_BUILDS (the two most
+    recently used) go, and one made before builds were recorded counts as such; another ISA's, and
+    other files', stay."""
+    import os
+    import time
+
+    from layerplan.engine import panel_cache
+    from layerplan.engine.kernel_library import Isa
+    from layerplan.engine.panel_cache import BUILD_RECORD, PanelCache
+
+    monkeypatch.setenv("LAYERPLAN_CACHE", str(tmp_path / "cache"))
+    model, other = tmp_path / "model.gguf", tmp_path / "other.gguf"
+    model.write_bytes(b"x")
+    other.write_bytes(b"y")
+    isa = {"name": "avx2"}
+    monkeypatch.setattr(panel_cache, "choose_isa", lambda: Isa(isa["name"], frozenset(), (), ()))
+
+    def load(file, kernels, hours_ago):
+        folder = PanelCache.for_file(file, kernels).folder
+        os.utime(folder, (time.time() - 3600 * hours_ago,) * 2)
+        return folder
+
+    old = load(model, "v1", 9)
+    (old / BUILD_RECORD).unlink()  # made before builds were recorded
+    os.utime(old, (time.time() - 3600 * 9,) * 2)
+    v2, others = load(model, "v2", 8), load(other, "v1", 7)
+    isa["name"] = "avx512vnni"
+    wide = load(model, "v2-avx512vnni", 6)  # (a kernels key names its ISA)
+    isa["name"] = "avx2"
+    v3 = load(model, "v3", 5)  # kept: v3 and v2 of avx2; old (no record) goes
+    assert sorted(p.name for p in (tmp_path / "cache" / "panels").iterdir()) == sorted(
+        p.name for p in (v2, others, wide, v3))
+    v4 = PanelCache.for_file(model, "v4").folder  # v2 goes, v3 stays: two avx2 builds
+    assert sorted(p.name for p in (tmp_path / "cache" / "panels").iterdir()) == sorted(
+        p.name for p in (others, wide, v3, v4))
+
+
 def test_kept_panels_are_read_in_parts_and_a_short_part_is_named(tmp_path, monkeypatch):
     """read_parts: every part a job of its own, into its place; one that comes up short (the
     entry cut while read) calls `short` and reports False."""

@@ -10,16 +10,19 @@ Invariants: an entry is a whole matrix's packed bytes or absent (written to a te
 renamed into place); its name covers the rows it packs (file, offset, type, shape, row order),
 and its folder the file's identity (path, size, modification time, inode) and kernels_key, so a
 changed file or changed kernels never read old panels. A folder records its file
-(models/gguf_index.py SOURCE_RECORD): the panels of a file gone or changed go first, then the least
-recently loaded files' beyond KEPT_BYTES ($LAYERPLAN_PANEL_CACHE_BYTES), then the least recently
-loaded small files' beyond KEPT_FOLDERS files (a small file's panels are packed again in a moment; a
-large file's cost seconds, and go only for the bytes), each time a file's panels are first kept.
-LAYERPLAN_PANEL_CACHE=0 turns the cache off.
+(models/gguf_index.py SOURCE_RECORD) and the ISA of the kernels that packed it (BUILD_RECORD). Each
+time a file's panels are first kept: the file's panels packed by older kernels of the same ISA
+beyond KEPT_BUILDS go (an upgrade's kernels would otherwise leave a 7B's 4 GB behind each time),
+then the panels of files gone or changed, then the least recently loaded files' beyond KEPT_BYTES
+($LAYERPLAN_PANEL_CACHE_BYTES), then the least recently loaded small files' beyond KEPT_FOLDERS
+files (a small file's panels are packed again in a moment; a large file's cost seconds, and go only
+for the bytes). LAYERPLAN_PANEL_CACHE=0 turns the cache off.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 import time
@@ -30,12 +33,17 @@ from pathlib import Path
 
 import numpy as np
 
+from layerplan.engine.kernel_library import NativeUnavailable, choose_isa
 from layerplan.files import cache_dir, staging
-from layerplan.models.gguf_index import SOURCE_RECORD, StoredTensor, sweep_stale, write_source_record
+from layerplan.models.gguf_index import SOURCE_RECORD, StoredTensor, recorded_source, sweep_stale, write_source_record
 
 KEPT_BYTES = 16 << 30  # the most kept panels take on disk (a 7B Q4_K_M file's are ~4.4 GB)
 KEPT_FOLDERS = 32  # the most files whose panels are kept, counting only small ones
 SMALL_FOLDER_BYTES = 16 << 20  # panels packed again in well under a second
+# a file's panels kept per ISA: this build's and the one before (two checkouts timed in turns keep
+# theirs); a folder records its build's ISA here
+KEPT_BUILDS = 2
+BUILD_RECORD = "kernels.json"
 
 
 # which matrices are stacked into one packed matrix, and how they are packed, is decided in
@@ -78,7 +86,9 @@ class PanelCache:
                 os.utime(folder)  # recently used: kept over the others
             else:  # a file's first load under these kernels: what it will add may push others out
                 folder.mkdir(parents=True, exist_ok=True)
+                (folder / BUILD_RECORD).write_text(json.dumps({"isa": _isa()}))
                 write_source_record(folder, source)
+                _sweep_builds(root, folder)
                 _evict(root, keep=folder)  # (on every start, it cost a light start ~25 ms of stats)
         except OSError:
             return None
@@ -139,6 +149,39 @@ class PanelCache:
 def _bytes(buffer) -> memoryview:
     """A uint8 numpy array's or CPU tensor's bytes, writable where it is."""
     return memoryview(buffer if isinstance(buffer, np.ndarray) else buffer.numpy()).cast("B")
+
+
+def _isa() -> str:
+    try:
+        return choose_isa().name
+    except NativeUnavailable:
+        return ""
+
+
+def _build_isa(folder: Path) -> str | None:
+    """The ISA a folder's panels were packed by (None: a folder made before BUILD_RECORD)."""
+    try:
+        return json.loads((folder / BUILD_RECORD).read_text())["isa"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _sweep_builds(root: Path, new: Path) -> None:
+    """Of the folders holding `new`'s file's panels (the same file, unchanged) packed by kernels of
+    `new`'s ISA, or recording none, keep the KEPT_BUILDS most recently used (`new` among them) and
+    remove the rest, but any used in the last minute (another process may be reading it)."""
+    source, isa = recorded_source(new), _build_isa(new)
+    builds = []
+    for folder in root.iterdir():
+        try:
+            if (folder != new and folder.is_dir() and not folder.name.startswith(".")
+                    and recorded_source(folder) == source and _build_isa(folder) in (isa, None)):
+                builds.append((folder.stat().st_mtime, folder))
+        except OSError:  # removed meanwhile by another process
+            pass
+    for mtime, folder in sorted(builds, reverse=True)[KEPT_BUILDS - 1:]:
+        if time.time() - mtime > 60:
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 def _evict(root: Path, keep: Path) -> None:
