@@ -58,3 +58,11 @@ LP_API int lp_pack(const void *w, int format, long n, long k, void *out) {
     f->pack(w, n, k, out);
     return LP_OK;
 }
+
+void lp_q8k_sums(const int8_t *q, long sub, int16_t *out) {
+    for (long j = 0; j < 256 / sub; j++) {
+        int sum = 0;
+        for (long i = 0; i < sub; i++) sum += q[sub * j + i];
+        out[j] = (int16_t)sum;
+    }
+}

@@ -102,6 +102,8 @@ void lp_q8_quantize(const float *x, long m, long k, int8_t *q, float *d, float *
 /* x (m, k fp32; k a multiple of 256) -> q, d, bsum of an lp_q8 (Q8_K activations, their sums per
  * `sub` inputs) */
 void lp_q8k_quantize(const float *x, long m, long k, long sub, int8_t *q, float *d, int16_t *bsum);
+/* (both builds' lp_q8k_quantize) the sums of a super-block's 256 q per `sub` inputs, into out */
+void lp_q8k_sums(const int8_t *q, long sub, int16_t *out);
 
 /* the row of `format`, NULL for an unknown one */
 const lp_format_traits *lp_format(int format);

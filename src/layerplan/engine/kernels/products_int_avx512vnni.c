@@ -77,35 +77,6 @@ ALWAYS __m512 kcombine16(__m512 sum, __m512i s1, __m512i s2, __m512 D, __m512 DM
     return _mm512_fmadd_ps(_mm512_cvtepi32_ps(s2), dmin, _mm512_fmadd_ps(_mm512_cvtepi32_ps(s1), _mm512_mul_ps(D, d), sum));
 }
 ALWAYS __m512i pair_si(__m256i a, __m256i b) { return _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1); }
-/* a pair of panels' K-quant super-blocks (panel A's lanes 0-7 of each half, B's 8-15) */
-typedef struct {
-    __m512 dl, dh, ml, mh;
-    __m512i pl[LP_KSUBS / 2], ph[LP_KSUBS / 2];
-} ksuper2;
-ALWAYS void ksuper_pair(ksuper2 *k2, const ksuper *a, const ksuper *b, int pairs) {
-    k2->dl = pair_ps(a->dl, b->dl);
-    k2->dh = pair_ps(a->dh, b->dh);
-    k2->ml = pair_ps(a->ml, b->ml);
-    k2->mh = pair_ps(a->mh, b->mh);
-    for (int p = 0; p < pairs; p++) {
-        k2->pl[p] = pair_si(a->pl[p], b->pl[p]);
-        k2->ph[p] = pair_si(a->ph[p], b->ph[p]);
-    }
-}
-/* kmins8 on a pair of panels */
-ALWAYS void kmins16(const ksuper2 *k2, const int16_t *bs, int pairs, __m512i *s2l, __m512i *s2h) {
-    __m512i l = _mm512_setzero_si512(), h = _mm512_setzero_si512();
-    for (int p = 0; p < pairs; p++) {
-        int32_t two;
-        memcpy(&two, bs + 2 * p, 4);
-        const __m512i b = _mm512_set1_epi32(two);
-        l = _mm512_add_epi32(l, _mm512_madd_epi16(k2->pl[p], b));
-        h = _mm512_add_epi32(h, _mm512_madd_epi16(k2->ph[p], b));
-    }
-    *s2l = l;
-    *s2h = h;
-}
-
 ALWAYS void nibble_pair(const istate *a, const istate *b, int c, __m512i *wl, __m512i *wh) {
     __m512i v = pair256(a->q + 32 * c, b->q + 32 * c);
     *wl = _mm512_and_si512(v, _mm512_set1_epi8(0x0F));
@@ -204,8 +175,11 @@ ALWAYS void q6_k_ipair(const istate *a, const istate *b, int c, __m512i *wl, __m
                     ah[r][c % S] = _mm512_dpbusd_epi32(ah[r][c % S], wh, xb);                      \
                 }                                                                                  \
             }                                                                                      \
-            ksuper2 k2;                                                                            \
-            if (F##_KQ && KLAST(F)) ksuper_pair(&k2, &ksa, &ksb, 128 / F##_SUB);                   \
+            __m512 kdl, kdh, kml, kmh; /* (a K-quant's last sub-block) both panels' D and DMIN */ \
+            if (F##_KQ && KLAST(F)) {                                                              \
+                kdl = pair_ps(ksa.dl, ksb.dl), kdh = pair_ps(ksa.dh, ksb.dh);                      \
+                kml = pair_ps(ksa.ml, ksb.ml), kmh = pair_ps(ksa.mh, ksb.mh);                      \
+            }                                                                                      \
             _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                                  \
                 __m512i zl = al[r][0], zh = ah[r][0];                                              \
                 if (S > 1) {                                                                       \
@@ -218,15 +192,17 @@ ALWAYS void q6_k_ipair(const istate *a, const istate *b, int c, __m512i *wl, __m
                     kl[r] = _mm512_add_epi32(kl[r], _mm512_mullo_epi32(zl, il));                   \
                     kh[r] = _mm512_add_epi32(kh[r], _mm512_mullo_epi32(zh, ih));                   \
                     if (KLAST(F)) {                                                                \
-                        __m512i ml, mh;                                                            \
-                        kmins16(&k2, KBSUMS(F, r0 + r), 128 / F##_SUB, &ml, &mh);                  \
+                        __m256i mla, mha, mlb, mhb;                                                \
+                        kmins8(&ksa, KBSUMS(F, r0 + r), 128 / F##_SUB, &mla, &mha);                \
+                        kmins8(&ksb, KBSUMS(F, r0 + r), 128 / F##_SUB, &mlb, &mhb);                \
+                        const __m512i ml = pair_si(mla, mlb), mh = pair_si(mha, mhb);              \
                         const __m512 dx = _mm512_set1_ps(KDX(F, r0 + r));                          \
                         if (YSUMS) {                                                               \
-                            store_ab(o, 0, kcombine16(lanes_ab(o, 0), kl[r], ml, k2.dl, k2.ml, dx)); \
-                            store_ab(o, 8, kcombine16(lanes_ab(o, 8), kh[r], mh, k2.dh, k2.mh, dx)); \
+                            store_ab(o, 0, kcombine16(lanes_ab(o, 0), kl[r], ml, kdl, kml, dx));   \
+                            store_ab(o, 8, kcombine16(lanes_ab(o, 8), kh[r], mh, kdh, kmh, dx));   \
                         } else {                                                                   \
-                            sl[i] = kcombine16(sl[i], kl[r], ml, k2.dl, k2.ml, dx);                \
-                            sh[i] = kcombine16(sh[i], kh[r], mh, k2.dh, k2.mh, dx);                \
+                            sl[i] = kcombine16(sl[i], kl[r], ml, kdl, kml, dx);                    \
+                            sh[i] = kcombine16(sh[i], kh[r], mh, kdh, kmh, dx);                    \
                         }                                                                          \
                         kl[r] = kh[r] = _mm512_setzero_si512();                                    \
                     }                                                                              \

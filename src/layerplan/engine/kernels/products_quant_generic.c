@@ -111,10 +111,6 @@ void lp_q8k_quantize(const float *x, long m, long k, long sub, int8_t *q, float 
                 }
                 d[r * (k / 256) + b] = 1.0f / iscale;
             }
-            for (long j = 0; j < 256 / sub; j++) {
-                int sum = 0;
-                for (long i = 0; i < sub; i++) sum += qb[sub * j + i];
-                bsum[r * (k / sub) + b * (256 / sub) + j] = (int16_t)sum;
-            }
+            lp_q8k_sums(qb, sub, bsum + r * (k / sub) + b * (256 / sub));
         }
 }
