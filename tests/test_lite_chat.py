@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -210,9 +211,9 @@ def test_a_real_gguf_chat_is_the_same_on_both_front_ends(name, tmp_path):
     assert light.stderr.count("loading ") == 1 and "torch front end" not in light.stderr
 
 
-def _with_template(target, template: str):
-    """The packaged SmolLM2 file written again with another chat template (every other key and
-    tensor as it is)."""
+def _with_template(target, template: str | None):
+    """The packaged SmolLM2 file written again with another chat template, or none (every other
+    key and tensor as it is)."""
     import gguf
     import numpy as np
 
@@ -228,7 +229,8 @@ def _with_template(target, template: str):
             writer.add_array(key, field.contents())
         else:
             writer.add_key_value(key, field.contents(), kind)
-    writer.add_chat_template(template)
+    if template is not None:
+        writer.add_chat_template(template)
     for tensor in source.tensors:
         writer.add_tensor(tensor.name, np.asarray(tensor.data), raw_dtype=tensor.tensor_type)
     writer.write_header_to_file()
@@ -265,6 +267,38 @@ def test_a_template_that_does_more_than_wrap_runs_on_the_light_front_end(tmp_pat
     light, torch_run = (_chat("Name a color.\nAnother?\n", tmp_path, "-m", path, "-n", "12", front_end=fe,
                               cache=cache) for fe in ("", "torch"))
     assert light.stdout == torch_run.stdout and light.stderr.count("loading ") == 1
+
+
+def test_a_reply_in_role_lines_ends_where_the_model_writes_the_users_turn(tmp_path):
+    """A model without a chat template is sent 'role: content' lines, and a base model goes on to
+    write the user's next line itself: the reply ends before it (the packaged SmolLM2 without its
+    template, greedy, continues " OK\nuser: Say OK." here), on both front ends and the server's
+    /v1/chat/completions, and the conversation keeps the reply without it."""
+    import httpx
+
+    from layerplan.app.chat import ChatSession
+    from layerplan.app.serve import create_app
+    from layerplan.engine.load import load_model
+    from layerplan.lite.chat import LightChatSession
+    from layerplan.lite.model import LiteModel
+    from layerplan.lite.request import ARITHMETICS
+    from servers import serving
+
+    path = str(_with_template(tmp_path / "bare.gguf", None))
+    light, torch_model = LiteModel(Path(path), ARITHMETICS["stored-fast"]), load_model(path, dtype="stored-fast")
+    said = [{"role": "user", "content": "Say OK."}, {"role": "assistant", "content": "OK"}] * 2
+    for session in (LightChatSession(light, ChatSettings(max_new_tokens=24)),
+                    ChatSession(torch_model, ChatSettings(max_new_tokens=24))):
+        assert not session.has_chat_template
+        session.messages = list(said)
+        reply = session.reply("Say OK.")
+        assert (reply.text, reply.stop_reason) == (" OK", "stop")
+        assert session.messages[-1] == {"role": "assistant", "content": " OK"}
+    with serving(create_app(torch_model)) as base:
+        answer = httpx.post(f"{base}/v1/chat/completions", timeout=120, json={
+            "messages": [*said, {"role": "user", "content": "Say OK."}], "max_tokens": 24, "temperature": 0}).json()
+    assert answer["choices"][0]["message"]["content"] == " OK"
+    assert answer["choices"][0]["finish_reason"] == "stop"
 
 
 def test_a_hand_off_that_cannot_start_says_so_and_the_conversation_goes_on(both, tmp_path, monkeypatch):

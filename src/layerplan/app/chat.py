@@ -93,7 +93,7 @@ class ChatSession(ChatHistory):
             cache = new_cache(self.plan, capacity=len(ids) + budget + 16)
             cache.keep_streams(self.plan, self.stream_steps(self.plan))
         scheduler = Scheduler(self.model, self.plan, probe_row=self.probe_row, max_batch=1)
-        reply = scheduler.submit(Job(ids, budget, sampling, settings.seed, (), on_text=on_text, plan=self.plan,
+        reply = scheduler.submit(Job(ids, budget, sampling, settings.seed, self.reply_stops, on_text=on_text, plan=self.plan,
                                      draft=self.drafter, draft_chosen=True, draft_length=self.draft_length,
                                      cache=cache, should_stop=should_stop))
         scheduler.run(until_idle=True)

@@ -106,7 +106,8 @@ class ChatLoop:
                         f"{self.session.settings.draft or 'none'}); /help lists the commands, Ctrl-D leaves")
         if not self.session.has_chat_template:
             self.status("(this model has no chat template: the conversation goes to it as 'role: content' lines, "
-                        "which a base model continues rather than answers)")
+                        "which a base model continues rather than answers; a reply ends where it starts a "
+                        "'user:' line)")
         while not self.leave:
             try:
                 line = self.read()

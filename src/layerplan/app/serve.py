@@ -70,6 +70,7 @@ from layerplan.decoding.sampling_params import SamplingError, SamplingParams
 from layerplan.engine.probe import ProbeRow
 from layerplan.engine.runner import new_cache
 from layerplan.models.architectures import ModelError
+from layerplan.models.chat_template import PLAIN_CHAT_STOPS
 from layerplan.models.loading import LoadedModel
 from layerplan.plan.plan import LayerPlan, PlanError, parse_plan
 
@@ -683,6 +684,8 @@ def create_app(model: LoadedModel, plan: LayerPlan | None = None, draft=None, dr
         chosen = await off_loop(_chosen, model, scheduler, body.layerplan)
         messages = [{"role": m.role, "content": m.text(i)} for i, m in enumerate(body.messages)]
         prompt_ids = await off_loop(_chat_ids, model, messages)
+        if not getattr(model.tokenizer, "chat_template", None):  # 'role: content' lines: end at the user's turn
+            body = body.model_copy(update={"stop": [*body.stops(), *PLAIN_CHAT_STOPS]})
         asked = body.max_completion_tokens if body.max_tokens is None else body.max_tokens
         max_tokens = _budget(model, prompt_ids, asked, default=None)
         ident, stamp = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time())

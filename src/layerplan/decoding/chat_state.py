@@ -16,6 +16,7 @@ from pathlib import Path
 from layerplan.decoding.sampling_params import SamplingParams, check_seed
 from layerplan.decoding.text import GenerationResult, common_prefix
 from layerplan.files import write_json_atomic
+from layerplan.models.chat_template import PLAIN_CHAT_STOPS
 from layerplan.plan.plan import LayerPlan
 
 SAVE_FORMAT = "layerplan-chat"  # the "format" of a /save file, which `chat --load` checks
@@ -279,6 +280,11 @@ class ChatHistory:
     def has_chat_template(self) -> bool:
         """Whether the model has a chat template (without one, 'role: content' lines)."""
         raise NotImplementedError
+
+    @property
+    def reply_stops(self) -> tuple[str, ...]:
+        """The stop strings of every reply: without a chat template, the next 'user:' line."""
+        return () if self.has_chat_template else PLAIN_CHAT_STOPS
 
     # ----- the plan -----------------------------------------------------------------------------
     def set_plan(self, text: str) -> str:

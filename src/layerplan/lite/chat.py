@@ -101,7 +101,7 @@ class LightChatSession(ChatHistory):
         elif cache.capacity < need:
             cache = cache.grown(need)
         greedy = self.settings.sampling()
-        result = DecodeLoop(self.model, ids, self.plan, budget, (), True, on_text, should_stop, cache=cache,
+        result = DecodeLoop(self.model, ids, self.plan, budget, self.reply_stops, True, on_text, should_stop, cache=cache,
                             greedy=greedy if greedy.changes_greedy_choice else None).run()
         return self.replied(messages, ids, result, cache, kept, {})
 

@@ -123,6 +123,11 @@ def special_tokens_of(tokenizer_config: Mapping) -> dict[str, str]:
     return found
 
 
+# where a reply in 'role: content' lines ends: a base model given them goes on to write the user's
+# next turn itself, which is no part of its reply
+PLAIN_CHAT_STOPS = ("\nuser:",)
+
+
 def plain_chat_text(messages: Sequence[Mapping[str, str]]) -> str:
     """A conversation for a model without a chat template: 'role: content' lines, then the
     assistant's turn opened (its ids: the text with the tokenizer's added special tokens)."""

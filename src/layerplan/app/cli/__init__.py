@@ -26,7 +26,8 @@ COMMAND_INDEX = {
     "chat": ("chatting", "A multi-turn conversation in the model's chat template, streamed; /help lists the commands."),
     "eval": ("running", "Evaluate the model under a plan with lm-evaluation-harness (pip install 'layerplan[eval]')."),
     "explore": ("exploring", "Explore in-situ frankenmerges."),
-    "export": ("running", "Write PLAN as a real Hugging Face checkpoint, or as mergekit passthrough YAML."),
+    "export": ("running", "Write PLAN as a real Hugging Face checkpoint, a GGUF file of the source's stored "
+                          "blocks, or mergekit passthrough YAML."),
     "frontier": ("measuring", "Each draft's measured acceptance against its measured cost on this machine, beside "
                               "the break-even curve of the probe's verify costs: whether any self-draft can pay here, "
                               "and by how much."),

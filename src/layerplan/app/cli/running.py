@@ -102,11 +102,12 @@ def run_generate_command(prompt, prompt_option, prompt_path, model, dtype, devic
 @click.option("--source", default=None, help="model name written into mergekit YAML (default: --model)")
 @model_b_option
 def export(plan, model, dtype, out, fmt, source, model_b) -> None:
-    """Write PLAN as a real Hugging Face checkpoint, or as mergekit passthrough YAML.
+    """Write PLAN as a real Hugging Face checkpoint, a GGUF file of the source's stored blocks, or mergekit passthrough YAML.
 
     \b
     The checkpoint loads in transformers (and converts for llama.cpp / vLLM) like any model;
-    a plan with fewer layers is a pruned model usable as a standalone draft model."""
+    the GGUF file (a GGUF source) runs in llama.cpp as it is; a plan with fewer layers is a
+    pruned model usable as a standalone draft model."""
     with user_errors():
         fmt = fmt or export_format_of(out)
         check_output(out, "checkpoint" if fmt == "checkpoint" else "file")  # before any work
@@ -236,8 +237,8 @@ def serve(model, dtype, device, engine, threads, plan, model_b, draft, draft_len
                        "Ctrl-C stops", err=True)
             if not getattr(loaded.tokenizer, "chat_template", None):  # (decoding/output.py chat_prompt_ids)
                 click.echo("(this model has no chat template: /v1/chat/completions sends a conversation as 'role: "
-                           "content' lines, which a base model continues rather than answers; /v1/completions "
-                           "takes text as it is)", err=True)
+                           "content' lines, which a base model continues rather than answers, each answer ending "
+                           "where it starts a 'user:' line; /v1/completions takes text as it is)", err=True)
 
         try:
             run_server(loaded, host, port, on_listening=listening, plan=loaded.plan(plan) if plan else None,
