@@ -129,11 +129,13 @@ def test_the_top_level_help_and_version_import_no_command(argv):
 
 @pytest.mark.parametrize("argv", [
     ["plan", "0-20,15-29", "--to", "mergekit"], ["plan", "0-40"], ["plan", "skip:attn=3", "--layers", "12"],
-    ["peers", "show"], ["models"], ["chat", "-h"], ["ppl", "-h"], ["plan", "-h"]])
+    ["peers", "show"], ["models"], *([name, "-h"] for name in sorted(COMMAND_INDEX)),
+    ["serve", "--nonsense"], ["serve", "--host", "999.1.1.1"], ["bench", "--repeats", "0"]])
 def test_commands_that_run_no_model_import_no_torch(argv):
-    """`layerplan plan` (a plan checked against the GGUF header's depth), `peers`, and the help of
-    the commands whose options are read without torch (generate's --draft help lists the drafters,
-    whose registry imports torch): neither torch nor transformers imported."""
+    """`layerplan plan` (a plan checked against the GGUF header's depth), `peers`, and every
+    command's help and usage errors (its options are defined without torch; generate's and
+    bench's --draft help lists the drafter kinds from their torch-free table): neither torch nor
+    transformers imported."""
     probe = ("import sys\n"
              "from layerplan.app.cli import main\n"
              "try:\n"

@@ -338,7 +338,7 @@ def test_export_takes_the_format_from_the_output_name(tmp_path):
 
     from layerplan.app.cli import main
     from layerplan.app.merges import export_commands
-    from layerplan.export import export_format_of
+    from layerplan.export_formats import export_format_of
 
     assert [export_format_of(n) for n in ("m.gguf", "m.GGUF", "m.yaml", "m.yml", "m", "m/")] == \
         ["gguf", "gguf", "mergekit", "mergekit", "checkpoint", "checkpoint"]

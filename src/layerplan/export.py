@@ -99,16 +99,6 @@ def export_checkpoint(model: LoadedModel, plan: LayerPlan, folder: str | os.Path
     return folder
 
 
-EXPORT_FORMATS = ("checkpoint", "gguf", "mergekit")  # `layerplan export --to`
-
-
-def export_format_of(out: str | os.PathLike) -> str:
-    """The format an output path names where --to does not: NAME.gguf a GGUF file, NAME.yaml (.yml)
-    mergekit YAML, anything else a checkpoint folder."""
-    suffix = Path(out).suffix.lower()
-    return "gguf" if suffix == ".gguf" else "mergekit" if suffix in (".yaml", ".yml") else "checkpoint"
-
-
 # A GGUF layer's tensors that make each sub-layer's update (llama.cpp's names, the same in every
 # architecture): a switched-off sub-layer exports with them zero, which adds exactly nothing to the
 # residual stream (a post-norm of zero is zero), in any stored type (all-zero bytes are zero weights).

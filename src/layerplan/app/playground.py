@@ -31,7 +31,7 @@ from fastapi.staticfiles import StaticFiles
 from pydantic import BaseModel, ConfigDict, Field
 
 import layerplan.plan.plan as plan_module
-from layerplan.decoding.drafters.registry import DRAFTERS, PLAN
+from layerplan.decoding.drafters.kinds import DRAFTERS, PLAN
 from layerplan.decoding.drafters.saved import saved_draft_path
 from layerplan.models.loading import LoadedModel
 from layerplan.plan.formats import load_plan

@@ -8,10 +8,6 @@ import json
 from pathlib import Path
 
 from layerplan.corpus import read_text_file
-from layerplan.decoding.scheduler import generate_batch
-from layerplan.decoding.budget import token_budget
-from layerplan.decoding.drafters.registry import drafts_by_lookup, make_drafter
-from layerplan.decoding.output import prompt_ids
 
 # Small prompts of different kinds; the continuation is what gets timed.
 PROMPTS = {
@@ -94,20 +90,3 @@ def one_prompt(argument: str | None, option: str | None, path: str | None) -> st
     if path is not None:  # (one line for a file that is not there, not text, or a device: /dev/zero never ends)
         return read_text_file(Path(path))
     return argument if argument is not None else option
-
-
-def generate_prompt_file(loaded, plan, prompts: dict[str, str], chat: set[str], max_new_tokens: int, params, seed,
-                         stop, draft, draft_length, max_batch: int) -> list[dict]:
-    """generate --prompt-file: every prompt through generate_batch, a record each (its name, text,
-    tokens, stop reason, rate) in the file's order; prompt i samples with seed + i."""
-    if draft is not None and not drafts_by_lookup(make_drafter(draft, loaded, plan)):
-        raise ValueError(f"--prompt-file drafts with a lookup drafter (ngram, suffix), each prompt its own; "
-                         f"'{draft}' runs a model: give the prompts one at a time")
-    ids = {name: prompt_ids(loaded, text, name in chat)[0].tolist() for name, text in prompts.items()}
-    for name, tokens in ids.items():  # every prompt's context check before any decoding
-        token_budget(len(tokens), max_new_tokens, loaded.context_length, new_tokens_name="--max-new-tokens")
-    seeds = [seed + i if seed is not None else None for i in range(len(ids))]
-    results = generate_batch(loaded, list(ids.values()), plan, max_new_tokens, params, seeds, stop,
-                             max_batch=max_batch, draft=draft, draft_length=draft_length)
-    return [{"name": name, "text": result.text, "tokens": len(result.token_ids), "stop_reason": result.stop_reason,
-             "tokens_per_second": round(result.tokens_per_second, 2)} for name, result in zip(ids, results)]

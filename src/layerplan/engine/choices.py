@@ -1,5 +1,5 @@
-"""What a model's load can be asked for, as plain data (no torch): the precisions (`--dtype`) and
-the engines (`--engine`). The command line's choices and help come from here, so a command's
+"""What a model's load can be asked for, as plain data (no torch): the precisions (`--dtype`),
+the engines (`--engine`), and the pass lengths the probe times (`layerplan probe --max-length`). The command line's choices and help come from here, so a command's
 options can be defined, and a command line read, before torch is imported (app/launch.py);
 engine/load.py and engine/native.py carry them out."""
 
@@ -31,3 +31,6 @@ ENGINES = {
     "native": "layerplan's C kernels for the sub-layers they reproduce, PyTorch modules for the rest",
     "eager": "every module as transformers runs it (the reference)",
 }
+
+# the new tokens of the passes the probe times (engine/probe.py): a verify pass of up to 16 tokens
+PASS_LENGTHS = tuple(range(1, 17))

@@ -38,12 +38,12 @@ from pathlib import Path
 
 import torch
 
+from layerplan.engine.choices import PASS_LENGTHS
 from layerplan.engine.native import kernels_key, native_available, product_rate, read_rate
 from layerplan.engine.runner import forward, new_cache
 from layerplan.files import cache_dir, write_json_atomic
 from layerplan.machine import cpu_info, read_cpuinfo
 
-PASS_LENGTHS = tuple(range(1, 17))
 # k = 1 is timed as plain decoding runs it, one-token passes back to back: STEP_RUN of them, the
 # first STEP_WARM left out. A step right after a longer pass (or a pause) runs slower, ~40% after
 # a 16-token pass on a Xeon with AVX-512, recovering over ~10 steps: divided by such a step, every

@@ -22,13 +22,13 @@ from layerplan.messages import one_line
 # cut to the terminal's width as click cuts a command's own; tests/test_familiar_flags.py checks
 # each against the command's docstring)
 COMMAND_INDEX = {
-    "bench": ("measuring", "Time decoding against transformers' generate in the same run (ratios, CPU)."),
+    "bench": ("timing", "Time decoding against transformers' generate in the same run (ratios, CPU)."),
     "chat": ("chatting", "A multi-turn conversation in the model's chat template, streamed; /help lists the commands."),
-    "eval": ("running", "Evaluate the model under a plan with lm-evaluation-harness (pip install 'layerplan[eval]')."),
+    "eval": ("serving", "Evaluate the model under a plan with lm-evaluation-harness (pip install 'layerplan[eval]')."),
     "explore": ("exploring", "Explore in-situ frankenmerges."),
-    "export": ("running", "Write PLAN as a real Hugging Face checkpoint, a GGUF file of the source's stored "
+    "export": ("exporting", "Write PLAN as a real Hugging Face checkpoint, a GGUF file of the source's stored "
                           "blocks, or mergekit passthrough YAML."),
-    "frontier": ("measuring", "Each draft's measured acceptance against its measured cost on this machine, beside "
+    "frontier": ("timing", "Each draft's measured acceptance against its measured cost on this machine, beside "
                               "the break-even curve of the probe's verify costs: whether any self-draft can pay here, "
                               "and by how much."),
     "generate": ("generating", "Generate a continuation of PROMPT (or -p TEXT, -f FILE), or of every prompt of "
@@ -39,15 +39,15 @@ COMMAND_INDEX = {
     "plan": ("planning", "Validate PLAN (string or file) and print it in another format."),
     "ppl": ("scoring", "Perplexity of the model (under a plan) on a text: sliding windows, or llama-perplexity's "
                         "chunks."),
-    "probe": ("measuring", "Time a pass over k = 1..16 new tokens per dtype and engine on this machine: the cost of "
+    "probe": ("timing", "Time a pass over k = 1..16 new tokens per dtype and engine on this machine: the cost of "
                            "verifying k drafted tokens relative to one decoding step."),
     "scan": ("scoring", "Skip each layer, attention and MLP in turn; report perplexity, KL and top-1 agreement."),
     "search": ("searching", "Find a good plan: greedy skipping and/or a Bayesian (Optuna) study; resumable, "
                            "shareable."),
-    "serve": ("running", "OpenAI-compatible HTTP server: /v1/completions, /v1/chat/completions (SSE streaming), "
+    "serve": ("serving", "OpenAI-compatible HTTP server: /v1/completions, /v1/chat/completions (SSE streaming), "
                          "/v1/models, /health, and a web playground at /."),
-    "train-exit": ("research", "Train light exit heads by self-distillation; use them with --draft exit:E+head."),
-    "tune": ("research", "The whole job: scan, search a draft, benchmark against plain decoding and transformers, "
+    "train-exit": ("tuning", "Train light exit heads by self-distillation; use them with --draft exit:E+head."),
+    "tune": ("tuning", "The whole job: scan, search a draft, benchmark against plain decoding and transformers, "
                          "check exactness, save the plan, write report.html and report.json."),
 }
 

@@ -15,6 +15,7 @@ from layerplan.app.options import (DRAFT_LENGTH_HELP, ctx_size_option, decoding_
                                    sampling_options)
 from layerplan.corpus import read_text_file
 from layerplan.decoding.draft_length import DRAFT_LENGTHS
+from layerplan.decoding.drafters.kinds import drafter_help
 from layerplan.decoding.sampling_params import SamplingError
 from layerplan.lite.request import LiteRequest
 
@@ -23,17 +24,6 @@ from layerplan.lite.request import LiteRequest
 _CARRIED = {"prompt", "prompt_option", "prompt_path", "model", "model_b", "dtype", "engine", "device", "threads",
             "max_new_tokens", "plan", "stop", "chat", "stream", "stats", "verbose", "as_json", "temperature",
             "max_batch", "repetition_penalty", "presence_penalty", "frequency_penalty", "logit_bias"}
-
-
-class DrafterOption(click.Option):
-    """--draft, whose help lists the drafter registry's kinds (decoding/drafters/registry.py
-    drafter_help): written when the help is shown, as the registry's module imports torch."""
-
-    def get_help_record(self, ctx):
-        if self.help is None:
-            registry = importlib.import_module("layerplan.decoding.drafters.registry")
-            self.help = "lossless speculative decoding with this drafter: " + registry.drafter_help()
-        return super().get_help_record(ctx)
 
 
 @click.command()
@@ -53,7 +43,7 @@ class DrafterOption(click.Option):
 @click.option("--stop", multiple=True, help="stop string (repeatable)")
 @click.option("--chat/--no-chat", default=False, help="wrap the prompt in the model's chat template")
 @click.option("--stream/--no-stream", default=True, show_default=True)
-@click.option("--draft", default=None, cls=DrafterOption)
+@click.option("--draft", default=None, help="lossless speculative decoding with this drafter: " + drafter_help())
 @click.option("--draft-length", default=None, type=click.Choice(list(DRAFT_LENGTHS)), help=DRAFT_LENGTH_HELP)
 @click.option("--model-draft", "-md", "--draft-model", "draft_model", type=click.Path(), default=None,
               help="a smaller model of the same vocabulary as the draft (llama.cpp's -md; --draft model:PATH)")

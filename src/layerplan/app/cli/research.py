@@ -1,5 +1,6 @@
-"""The commands that study a model's layers: explore, train-exit, tune; and the work of scan, ppl and
-search on the torch front end (their command lines: app/cli/scoring.py, app/cli/searching.py)."""
+"""The work of the commands that study a model's layers on the torch front end: scan, ppl, search,
+explore, train-exit, tune (their command lines: app/cli/scoring.py, searching.py, exploring.py,
+tuning.py)."""
 
 from __future__ import annotations
 
@@ -18,8 +19,6 @@ from layerplan.app.cli.measuring import frontier_line
 from layerplan.app.cli.scoring import report_scan, scan_kinds
 from layerplan.app.cli.searching import report_search
 from layerplan.app.merges import export_commands, scan_blocks, study_merges, write_scan
-from layerplan.app.options import (Output, auto_dtype_option, engine_option, model_option, n_predict_option,
-                                   threads_option, transformers_option)
 from layerplan.app.prompts import PROMPTS, pick_prompts
 from layerplan.app.report import frontier_plot, scan_heatmap, search_trajectory, tune_html
 from layerplan.app.tune import tune as run_tune
@@ -193,18 +192,8 @@ def run_search_command(model, dtype, threads, method, objective, multi, trials, 
         report_search(result, loaded, model, out, save_draft)
 
 
-@click.command("train-exit")
-@click.option("--exit", "exits", multiple=True, type=int, required=True, help="exit after this many steps (repeatable)")
-@model_option
-@auto_dtype_option
-@threads_option
-@click.option("--tokens", type=click.IntRange(min=2), default=2560, show_default=True, help="training + held-out tokens (built-in corpus unless --text)")
-@click.option("--text", default=None, help=".txt or .jsonl, or builtin:code (standard-library Python source)")
-@click.option("--steps", type=click.IntRange(min=1), default=150, show_default=True, help="optimiser steps (batches of 256 positions)")
-@click.option("--out", type=Output("file"), default=None,
-              help="where to save (default: the cache, where --draft exit:E+head finds it)")
-def train_exit(exits, model, dtype, threads, tokens, text, steps, out) -> None:
-    """Train light exit heads by self-distillation; use them with --draft exit:E+head."""
+def run_train_exit_command(exits, model, dtype, threads, tokens, text, steps, out) -> None:
+    """`layerplan train-exit`'s work (its command line: tuning.py)."""
     set_threads(threads)
     with user_errors():
         if out and len(exits) > 1:
@@ -224,24 +213,9 @@ def train_exit(exits, model, dtype, threads, tokens, text, steps, out) -> None:
                        f"KL {report.kl_before:.3f} -> {report.kl_after:.3f} ({report.seconds:.0f}s); saved {path}")
 
 
-@click.command()
-@model_option
-@auto_dtype_option
-@engine_option
-@threads_option
-@click.option("--tokens", type=click.IntRange(min=2), default=256, show_default=True, help="calibration tokens for the scan and search")
-@click.option("--steps", type=click.IntRange(min=1), default=8, show_default=True, help="greedy search steps")
-@click.option("--repeats", type=click.IntRange(min=1), default=3, show_default=True, help="timings per method and prompt")
-@n_predict_option(48, help="new tokens a prompt", dest="new_tokens")
-@click.option("--prompt", "prompt_names", multiple=True, help="built-in prompts to tune on (default: code, summary)")
-@transformers_option
-@click.option("--out", type=Output("folder"), default="runs/tune", show_default=True)
-def tune(model, dtype, engine, threads, tokens, steps, repeats, new_tokens, prompt_names, transformers, out) -> None:
-    """The whole job: scan, search a draft, benchmark against plain decoding and transformers,
-    check exactness, save the plan, write report.html and report.json.
-
-    On a GGUF run as stored transformers is timed only with --transformers (it runs the file
-    dequantized whole), and the exactness check decodes the file's blocks with exact products."""
+def run_tune_command(model, dtype, engine, threads, tokens, steps, repeats, new_tokens, prompt_names, transformers,
+                     out) -> None:
+    """`layerplan tune`'s work (its command line: tuning.py)."""
     set_threads(threads)
     out_dir = Path(out)
     with user_errors():
@@ -291,5 +265,3 @@ def tune(model, dtype, engine, threads, tokens, steps, repeats, new_tokens, prom
     click.echo(f"use it: {result.command()}")
     click.echo(f"wrote {out_dir / 'report.html'} and {out_dir / 'report.json'}")
 
-
-COMMANDS = (train_exit, tune)  # registered on main (the package's __init__)

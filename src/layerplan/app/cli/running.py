@@ -1,10 +1,9 @@
-"""The commands that run a model: generate, chat, serve, eval, export, plan."""
+"""The work of the commands that run a model: generate, chat, serve, eval, export (their command
+lines: app/cli/generating.py, chatting.py, serving.py, exporting.py)."""
 
 from __future__ import annotations
 
-import ipaddress
 import json
-import re
 import shutil
 import sys
 from pathlib import Path
@@ -13,18 +12,17 @@ import click
 import torch
 
 from layerplan.app.cli.common import attach, checked_probe_row, freeze, load, set_threads, user_errors
-from layerplan.app.options import (DRAFT_LENGTH_HELP, Output, ctx_size_option, decoding_model_options,
-                                   device_option, dtype_option, engine_option, export_dtype_option, model_b_option,
-                                   model_option, threads_option)
-from layerplan.app.prompts import PromptUsageError, generate_prompt_file, one_prompt, read_prompt_file
+from layerplan.app.prompts import PromptUsageError, one_prompt, read_prompt_file
 from layerplan.decoding.budget import token_budget
-from layerplan.decoding.draft_length import DRAFT_LENGTHS
+from layerplan.decoding.drafters.registry import drafts_by_lookup, make_drafter
 from layerplan.decoding.generate import generate as run_generate
 from layerplan.decoding.output import prompt_ids
 from layerplan.decoding.sampling_params import SamplingParams
+from layerplan.decoding.scheduler import generate_batch
 from layerplan.decoding.text import prompt_notes
 from layerplan.engine.choices import STORED
-from layerplan.export import EXPORT_FORMATS, export_checkpoint, export_format_of, export_gguf
+from layerplan.export import export_checkpoint, export_gguf
+from layerplan.export_formats import export_format_of
 from layerplan.files import check_output, write_json_atomic, write_text_atomic
 from layerplan.machine import read_cpuinfo
 from layerplan.models.depth import model_depth
@@ -89,25 +87,25 @@ def run_generate_command(prompt, prompt_option, prompt_path, model, dtype, devic
         click.echo(json.dumps(summary, indent=2), err=True)
 
 
-@click.command()
-@click.argument("plan")
-@model_option
-@export_dtype_option
-@click.option("--out", type=click.Path(), required=True,
-              help="folder (checkpoint), .gguf file (gguf) or .yaml file (mergekit)")
-@click.option("--to", "fmt", type=click.Choice(EXPORT_FORMATS), default=None,
-              help="checkpoint: a Hugging Face folder; gguf: a GGUF file whose tensors keep the source GGUF's stored "
-                   "types (no quantizing again, no dense copy); mergekit: passthrough YAML  [default: by --out: "
-                   "NAME.gguf gguf, NAME.yaml mergekit, else checkpoint]")
-@click.option("--source", default=None, help="model name written into mergekit YAML (default: --model)")
-@model_b_option
-def export(plan, model, dtype, out, fmt, source, model_b) -> None:
-    """Write PLAN as a real Hugging Face checkpoint, a GGUF file of the source's stored blocks, or mergekit passthrough YAML.
+def generate_prompt_file(loaded, plan, prompts: dict[str, str], chat: set[str], max_new_tokens: int, params, seed,
+                         stop, draft, draft_length, max_batch: int) -> list[dict]:
+    """generate --prompt-file: every prompt through generate_batch, a record each (its name, text,
+    tokens, stop reason, rate) in the file's order; prompt i samples with seed + i."""
+    if draft is not None and not drafts_by_lookup(make_drafter(draft, loaded, plan)):
+        raise ValueError(f"--prompt-file drafts with a lookup drafter (ngram, suffix), each prompt its own; "
+                         f"'{draft}' runs a model: give the prompts one at a time")
+    ids = {name: prompt_ids(loaded, text, name in chat)[0].tolist() for name, text in prompts.items()}
+    for name, tokens in ids.items():  # every prompt's context check before any decoding
+        token_budget(len(tokens), max_new_tokens, loaded.context_length, new_tokens_name="--max-new-tokens")
+    seeds = [seed + i if seed is not None else None for i in range(len(ids))]
+    results = generate_batch(loaded, list(ids.values()), plan, max_new_tokens, params, seeds, stop,
+                             max_batch=max_batch, draft=draft, draft_length=draft_length)
+    return [{"name": name, "text": result.text, "tokens": len(result.token_ids), "stop_reason": result.stop_reason,
+             "tokens_per_second": round(result.tokens_per_second, 2)} for name, result in zip(ids, results)]
 
-    \b
-    The checkpoint loads in transformers (and converts for llama.cpp / vLLM) like any model;
-    the GGUF file (a GGUF source) runs in llama.cpp as it is; a plan with fewer layers is a
-    pruned model usable as a standalone draft model."""
+
+def run_export_command(plan, model, dtype, out, fmt, source, model_b) -> None:
+    """`layerplan export`'s work (its command line: exporting.py)."""
     with user_errors():
         fmt = fmt or export_format_of(out)
         check_output(out, "checkpoint" if fmt == "checkpoint" else "file")  # before any work
@@ -133,23 +131,9 @@ def export(plan, model, dtype, out, fmt, source, model_b) -> None:
     click.echo(f"wrote {out}")
 
 
-@click.command("eval")
-@click.option("--tasks", required=True, help="lm-evaluation-harness task names, comma-separated")
-@model_option
-@dtype_option
-@device_option
-@engine_option
-@threads_option
-@click.option("--plan", default=None, help="evaluate the model run by this plan")
-@click.option("--draft", default=None, help="drafter for generate_until tasks (same output, faster)")
-@click.option("--include-path", type=click.Path(exists=True, file_okay=False), default=None,
-              help="folder of your own task YAML files")
-@click.option("--limit", type=click.FloatRange(0.0, min_open=True), default=None, help="documents per task (or a fraction)")
-@click.option("--num-fewshot", type=click.IntRange(min=0), default=None)
-@click.option("--out", type=Output("file"), default="runs/eval.json", show_default=True)
-def eval_command(tasks, model, dtype, device, engine, threads, plan, draft, include_path, limit, num_fewshot, out) -> None:
-    """Evaluate the model under a plan with lm-evaluation-harness (pip install 'layerplan[eval]').
-    Tasks whose data is not on disk are downloaded by lm_eval itself."""
+def run_eval_command(tasks, model, dtype, device, engine, threads, plan, draft, include_path, limit, num_fewshot,
+                     out) -> None:
+    """`layerplan eval`'s work (its command line: serving.py)."""
     set_threads(threads)
     with user_errors():
         try:
@@ -171,55 +155,13 @@ def eval_command(tasks, model, dtype, device, engine, threads, plan, draft, incl
     click.echo(f"wrote {out}")
 
 
-def _check_host(host: str) -> None:
-    """A usage error for a --host that is no IP address and no host name (999.1.1.1, a space);
-    whether a name is this machine's is known when the server binds it."""
-    try:
-        ipaddress.ip_address(host)
-        return
-    except ValueError:
-        pass
-    if re.fullmatch(r"[0-9.]+", host) or ":" in host:
-        raise click.BadParameter(f"{host} is not an IP address (e.g. 127.0.0.1, 0.0.0.0 or ::1)",
-                                 param_hint="'--host'")
-    label = r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
-    if len(host) > 253 or not re.fullmatch(rf"{label}(\.{label})*\.?", host):
-        raise click.BadParameter(f"{host!r} is not a host name or IP address (e.g. localhost, 127.0.0.1)",
-                                 param_hint="'--host'")
-
-
-@click.command()
-@decoding_model_options
-@click.option("--plan", default=None, help="serve the model run by this plan (lossy unless it is the full model)")
-@model_b_option
-@click.option("--draft", default=None, help="lossless speculative decoding with this drafter (as in generate)")
-@click.option("--draft-length", default=None, type=click.Choice(list(DRAFT_LENGTHS)), help=DRAFT_LENGTH_HELP)
-@click.option("--host", default="127.0.0.1", show_default=True)
-@click.option("--port", type=click.IntRange(0, 65535), default=8080, show_default=True, help="as llama-server's")
-@click.option("--api-key", envvar="LAYERPLAN_API_KEY", default=None,
-              help="require 'Authorization: Bearer KEY' on /v1/* (or set LAYERPLAN_API_KEY); not empty")
-@click.option("--alias", "-a", "--served-name", "served_name", default=None,
-              help="the model id clients send (default: the model's name)")
-@ctx_size_option
-@click.option("--parallel", "-np", "--max-batch", "max_batch", type=click.IntRange(1, 64), default=None,
-              help="requests decoded at once, each pass carrying a token of each (continuous batching; "
-                   "with a --draft that runs a model, one request at a time); default: the fewest whose pass "
-                   "reaches 90% of the best tokens/s in this machine's probe of the model (`layerplan probe`), "
-                   "8 without one")
-def serve(model, dtype, device, engine, threads, plan, model_b, draft, draft_length, host, port, api_key, served_name,
-          ctx_size, max_batch) -> None:
-    """OpenAI-compatible HTTP server: /v1/completions, /v1/chat/completions (SSE streaming),
-    /v1/models, /health, and a web playground at /. Up to --parallel requests decode at once, in
-    arrival order (continuous batching: each pass carries the next token of every one; a request's
-    tokens are those of its solo run); /health shows the batch."""
+def run_serve_command(model, dtype, device, engine, threads, plan, model_b, draft, draft_length, host, port, api_key,
+                      served_name, ctx_size, max_batch) -> None:
+    """`layerplan serve`'s work (its command line: serving.py)."""
     # deferred: the web stack is heavy
     from layerplan.app.serve import DEFAULT_MAX_BATCH, ListenError, serve as run_server
 
     set_threads(threads)
-    if api_key is not None and not api_key.strip():
-        raise click.BadParameter("an empty key would switch authentication off: give a key, or leave --api-key "
-                                 "and LAYERPLAN_API_KEY out to serve without one", param_hint="'--api-key'")
-    _check_host(host)
     with user_errors():  # a bad plan or draft fails here, before the server starts
         loaded = attach(load(model, dtype, device, engine, ctx_size=ctx_size), model_b, device, engine)
         probe_row = checked_probe_row(loaded)
@@ -289,5 +231,3 @@ def _take_handed_off(handoff: dict) -> None:
             pass
     shutil.rmtree(Path(handoff["file"]).parent, ignore_errors=True)
 
-
-COMMANDS = (export, eval_command, serve)  # registered on main (the package's __init__)

@@ -2,7 +2,8 @@
 
 "ngram", "exit:8", "skip:attn=3,5", "window:4,64", "exit:20+head", "exit:20+head+vocab=8192",
 "dynamic:confidence=0.8,min=12", "model:PATH", "ngram|exit:8" (the first that proposes), "suffix:corpus=FILE", "auto".
-Adding a drafter is one entry in DRAFTERS; the CLI's --draft help is generated from it.
+A drafter kind is one row of kinds.py's DRAFTERS (its syntax and help: the CLI's --draft help
+is generated from them, without torch) and its builder here, registered under the same keyword.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from layerplan.decoding.drafters.arbiter import Arbiter
 from layerplan.decoding.drafters.base import AutoregressiveDrafter, Drafter
 from layerplan.decoding.drafters.dynamic_exit import DynamicExitDrafter, ExitPolicy
 from layerplan.decoding.drafters.heads import Head, default_head_path, load_head, reduced_head
+from layerplan.decoding.drafters.kinds import DRAFTERS, PLAN, PLAN_KEYWORD
 from layerplan.decoding.drafters.model import ModelDrafter
 from layerplan.decoding.drafters.ngram import NgramDrafter
 from layerplan.decoding.drafters.online import OnlineSkipDrafter
@@ -58,14 +60,20 @@ class Context:
                              f"with --draft {text} instead")
 
 
-@dataclass(frozen=True)
-class DrafterKind:
-    syntax: str  # how a spec names it, for help texts
-    help: str
-    build: Callable[[str | None, str, Context], Drafter]  # (text after "keyword:" or None, whole spec, context)
-    takes_head: bool = False  # accepts +vocab=K (a layer-plan draft)
+Builder = Callable[[str | None, str, Context], Drafter]  # (text after "keyword:" or None, whole spec, context)
+# a kind's keyword (kinds.py DRAFTERS; PLAN_KEYWORD for a plan) -> what builds its drafters
+BUILDERS: dict[str, Builder] = {}
 
 
+def builds(keyword: str) -> Callable[[Builder], Builder]:
+    """Register the decorated function as the builder of the drafter kind `keyword`."""
+    def register(build: Builder) -> Builder:
+        BUILDERS[keyword] = build
+        return build
+    return register
+
+
+@builds("ngram")
 def _ngram(arg: str | None, text: str, ctx: Context) -> Drafter:
     if arg is None:
         return NgramDrafter()
@@ -74,6 +82,7 @@ def _ngram(arg: str | None, text: str, ctx: Context) -> Drafter:
     return NgramDrafter(max_n=int(arg))
 
 
+@builds("suffix")
 def _suffix(arg: str | None, text: str, ctx: Context) -> Drafter:
     options: dict = {}
     corpus: list[list[int]] = []
@@ -100,10 +109,12 @@ def _is_number(text: str, integer: bool) -> bool:
     return True
 
 
+@builds(PLAN_KEYWORD)
 def _plan(arg: str | None, text: str, ctx: Context) -> Drafter:
     return PlanDrafter(ctx.plan(text), ctx.min_confidence, ctx.head)
 
 
+@builds("exit")
 def _exit(arg: str | None, text: str, ctx: Context) -> Drafter:
     exit_text, with_head, path = (arg or "").partition("+head")
     if with_head:
@@ -121,6 +132,7 @@ def _exit(arg: str | None, text: str, ctx: Context) -> Drafter:
     return _plan(arg, text, ctx)  # a plan string that starts with its exit ("exit:8;skip:attn=3")
 
 
+@builds("window")
 def _window(arg: str | None, text: str, ctx: Context) -> Drafter:
     window, _, rest = (arg or "").partition("/")
     sizes = window.split(",")
@@ -131,10 +143,12 @@ def _window(arg: str | None, text: str, ctx: Context) -> Drafter:
     return WindowedDrafter(plan, int(sizes[0]), int(sizes[1]), ctx.min_confidence, ctx.head)
 
 
+@builds("dynamic")
 def _dynamic(arg: str | None, text: str, ctx: Context) -> Drafter:
     return DynamicExitDrafter(ctx.model, ctx.target, ExitPolicy.parse(arg or ""), ctx.min_confidence)
 
 
+@builds("model")
 def _model(arg: str | None, text: str, ctx: Context) -> Drafter:
     if not arg:
         raise ValueError(f"cannot read '{text}': expected model:PATH")
@@ -156,6 +170,7 @@ def _quantized_copy(model: LoadedModel, precision: str) -> LoadedModel:
     return copy
 
 
+@builds("self")
 def _self(arg: str | None, text: str, ctx: Context) -> Drafter:
     spec, _, rest = (arg or "").partition("/")
     key, _, bits = spec.partition("=")
@@ -175,6 +190,7 @@ def _self(arg: str | None, text: str, ctx: Context) -> Drafter:
     return ModelDrafter(copy, ctx.min_confidence, plan=copy.plan(rest) if rest else None, name=text)
 
 
+@builds("online")
 def _online(arg: str | None, text: str, ctx: Context) -> Drafter:
     options: dict = {}
     for item in arg.split(",") if arg else []:
@@ -189,6 +205,7 @@ def _online(arg: str | None, text: str, ctx: Context) -> Drafter:
     return OnlineSkipDrafter(ctx.target, ctx.min_confidence, **options)
 
 
+@builds("auto")
 def _auto(arg: str | None, text: str, ctx: Context) -> Drafter:
     if arg is not None:
         raise ValueError(f"cannot read '{text}': auto takes no argument")
@@ -197,41 +214,9 @@ def _auto(arg: str | None, text: str, ctx: Context) -> Drafter:
     return Arbiter([SuffixDrafter(), NgramDrafter()], models, ctx.pass_costs)
 
 
-# keyword (the spec up to its first ':') -> kind; a spec with no known keyword is a plan (PLAN)
-DRAFTERS: dict[str, DrafterKind] = {
-    "ngram": DrafterKind("ngram, ngram:N", "prompt lookup: what followed the latest earlier n-gram (free)", _ngram),
-    "suffix": DrafterKind("suffix[:corpus=FILE,max=N,share=P,learn,tree]", "the most frequent continuation of the "
-                          "context's longest suffix match in the prompt, the generated text and a corpus file "
-                          "(learn: and past outputs; tree: every continuation keeping share P, as a token tree "
-                          "checked in one pass; free)", _suffix),
-    "exit": DrafterKind("exit:E, exit:E+head[=PATH]", "exit after E steps of the target plan (+head: through "
-                        "an exit head from `layerplan train-exit`)", _exit, takes_head=True),
-    "window": DrafterKind("window:SINK,RECENT[/PLAN]", "attend to the first SINK and the RECENT latest tokens "
-                          "only", _window, takes_head=True),
-    "dynamic": DrafterKind("dynamic:POLICY", "per-token early exit: confidence=P | entropy=H | cosine=C, then "
-                           "min=N, every=K, vocab=K, kv=propagate|verify", _dynamic),
-    "model": DrafterKind("model:PATH", "a separate small model with the same tokenizer", _model),
-    "self": DrafterKind("self:bits=FORMAT[/PLAN]", "the same model quantized again at load to a block format of "
-                        "fewer bits (q4_0, q3_k, q2_k, ...; integer products), run by PLAN if given (exit:E, "
-                        "skip:...), with a KV cache of its own", _self),
-    "online": DrafterKind("online[:every=R,calibration=T,start=F]", "the target skipping the sub-layers that turn "
-                          "the residual stream least on the last T verified tokens, re-chosen every R rounds, how "
-                          "many by measured speed (no search needed)", _online),
-    "auto": DrafterKind("auto", "per round, whichever of suffix, n-gram and the plan a search or tune saved for "
-                        "this model is expected to give the most tokens per second (from measured acceptance "
-                        "and the probe's verify costs), or a plain step when none pays", _auto),
-}
-PLAN = DrafterKind("PLAN", "any plan string or file that only switches the target's sub-layers off "
-                   "(skip:attn=3,5;mlp=9)", _plan, takes_head=True)
-
-
-def drafter_help() -> str:
-    """One line per kind of spec, for the CLI."""
-    kinds = [*DRAFTERS.values(), PLAN]
-    return "; ".join(f"{k.syntax}: {k.help}" for k in kinds) + (
-        "; A|B: the first of several that proposes; add +vocab=K to a layer-plan draft for an LM head over "
-        "the K most frequent tokens; add +branch=P to a draft that runs a model for a token tree where its "
-        "top-1 probability is below P (greedy)")
+if BUILDERS.keys() != {*DRAFTERS, PLAN_KEYWORD}:  # (kinds.py's rows and the builders here go together)
+    raise ImportError(f"drafter kinds without a builder or builders of no kind: "
+                      f"{sorted(BUILDERS.keys() ^ {*DRAFTERS, PLAN_KEYWORD})}")
 
 
 def make_drafter(spec: str | Drafter, model: LoadedModel, target: LayerPlan | None = None,
@@ -266,12 +251,14 @@ def _build(spec: str, ctx: Context) -> Drafter:
             raise ValueError(f"cannot read '{spec}': expected DRAFT+vocab=K with K a token count, "
                              "e.g. exit:24+head+vocab=8192")
     keyword, sep, arg = text.partition(":")
+    if keyword not in DRAFTERS:  # a plan string or file ("skip:attn=3,5", "0-20")
+        keyword = PLAN_KEYWORD
     kind = DRAFTERS.get(keyword, PLAN)
     if size is not None:
         if not kind.takes_head:
             raise ValueError(f"+vocab=K applies to layer-plan drafts (exit:E, exit:E+head, skip:...), not '{text}'")
         ctx = replace(ctx, head=reduced_head(ctx.model, int(size)))
-    drafter = kind.build(arg if sep else None, text, ctx)
+    drafter = BUILDERS[keyword](arg if sep else None, text, ctx)
     if branch is not None:
         if not isinstance(drafter, AutoregressiveDrafter):
             raise ValueError(f"+branch=P applies to drafts that run a model token by token (exit:E, skip:..., "

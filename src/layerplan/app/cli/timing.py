@@ -1,0 +1,104 @@
+"""`layerplan bench`, `frontier` and `probe`: their command lines, defined without torch (a command's
+help and a mistyped option answer at once); running one imports its work (app/cli/measuring.py)."""
+
+from __future__ import annotations
+
+import importlib
+
+import click
+
+from layerplan.app import llamacpp
+from layerplan.app.options import (DRAFT_LENGTH_HELP, Output, auto_dtype_option, engine_option, model_option,
+                                   n_predict_option, threads_option, transformers_option)
+from layerplan.decoding.draft_length import DRAFT_LENGTHS
+from layerplan.decoding.drafters.kinds import drafter_help
+from layerplan.engine.choices import ENGINES, PASS_LENGTHS, STORED, STORED_FAST
+
+
+@click.command()
+@model_option
+@auto_dtype_option
+@engine_option
+@threads_option
+@click.option("--draft", "drafts", multiple=True, help="a draft to place (repeatable; default: exits at 1/2 and "
+              "3/4 of the layers, online skips, the plan a search or tune saved, n-gram and suffix lookup)")
+@click.option("--prompt", "prompt_names", multiple=True, help="built-in prompts (default: code, summary)")
+@n_predict_option(48, help="new tokens a prompt", dest="new_tokens")
+@click.option("--gamma", type=click.IntRange(min=1, max=16), default=4, show_default=True,
+              help="the draft length every draft is measured at")
+@click.option("--out", type=Output("folder"), default="runs/frontier", show_default=True,
+              help="folder for frontier.json and frontier.png")
+def frontier(**options) -> None:
+    """Each draft's measured acceptance against its measured cost on this machine, beside the
+    break-even curve of the probe's verify costs: whether any self-draft can pay here, and by how
+    much."""
+    importlib.import_module("layerplan.app.cli.measuring").run_frontier_command(**options)
+
+
+@click.command()
+@model_option
+@auto_dtype_option
+@engine_option
+@threads_option
+@n_predict_option(64, help="new tokens a prompt", dest="new_tokens")
+@click.option("--repeats", type=click.IntRange(min=1), default=3, show_default=True)
+@click.option("--prompt", "prompt_names", multiple=True, help="built-in prompt(s): code, chat, summary, continuation")
+@click.option("--prompt-file", type=click.Path(dir_okay=False), default=None,
+              help="time your own prompts instead: .jsonl records ({\"prompt\": ..., \"name\": ..., \"chat\": true}) "
+                   "or a text file, one prompt a line")
+@click.option("--draft", "drafts", multiple=True, help="layerplan drafter(s) to time (repeatable): " + drafter_help())
+@click.option("--draft-length", default=None, type=click.Choice(list(DRAFT_LENGTHS)), help=DRAFT_LENGTH_HELP)
+@transformers_option
+@click.option("--hf-early-exit", "hf_exits", multiple=True, type=int,
+              help="also time transformers' assistant_early_exit=E (repeatable)")
+@click.option("--hf-prompt-lookup", type=click.IntRange(min=1), default=None, help="also time transformers' prompt_lookup_num_tokens=N")
+@click.option("--llama-cpp/--no-llama-cpp", default=True, show_default=True,
+              help="also time llama.cpp's own tools (llama-bench; llama-lookup beside ngram/suffix/auto drafts) on "
+                   f"the GGUF file as stored and on its weights at --dtype; needs `{llamacpp.BUILD_COMMAND}` once")
+@click.option("--llama-draft-max", type=click.IntRange(min=1), default=8, show_default=True,
+              help="llama-lookup's --spec-draft-n-max (llama.cpp's own default is 3)")
+@click.option("--out", type=Output("file"), default="runs/bench.json", show_default=True)
+def bench(**options) -> None:
+    """Time decoding against transformers' generate in the same run (ratios, CPU).
+
+    Rows: transformers plain (and its early-exit / prompt-lookup assistants when asked; not on a
+    GGUF run as stored unless --transformers), layerplan plain on the eager engine and on the
+    chosen one, each layerplan drafter, and
+    llama.cpp's own C++ tools when built (`layerplan peers build`, once): llama-bench on the GGUF
+    file as stored (the packaged default is Q4_1) and on the same weights at --dtype, and
+    llama-lookup (llama.cpp's n-gram drafting) beside ngram, suffix and auto drafts. Without the
+    build those rows are left out and the command that builds them is printed.
+
+    \b
+    ms/tok, tok/s: whole calls, prefill included, per token (llama-bench: its pg test, the
+      prompt's length in one pass then the new tokens; llama-lookup: its own timings).
+    dec/s: decoding alone (llama-bench: its tg rate; llama-lookup: its 'decoded' speed).
+    =plain: the tokens equal layerplan's plain greedy output ('-': the tool does not say).
+    Ratios of layerplan to each llama.cpp row, same run, are printed under the table."""
+    importlib.import_module("layerplan.app.cli.measuring").run_bench_command(**options)
+
+
+@click.command()
+@model_option
+@click.option("--dtype", "dtypes", multiple=True, type=click.Choice(["float32", "bfloat16", STORED, STORED_FAST]),
+              help="dtype(s) to time (repeatable; default: a GGUF's stored and stored-fast where the native "
+                   "kernels run, else float32 and bfloat16)")
+@click.option("--engine", "engines", multiple=True, type=click.Choice([e for e in ENGINES if e != "auto"]),
+              help="engine(s) to time (repeatable; default: every one that can run here)")
+@threads_option
+@click.option("--max-length", type=click.IntRange(1, 256), default=max(PASS_LENGTHS), show_default=True,
+              help="time passes over 1..N new tokens")
+@click.option("--repeats", type=click.IntRange(min=1), default=5, show_default=True, help="timings per pass length (median)")
+@click.option("--refresh", is_flag=True, help="measure again even when this machine's probe is cached")
+@click.option("--json", "as_json", is_flag=True, help="print the result as JSON")
+def probe(**options) -> None:
+    """Time a pass over k = 1..16 new tokens per dtype and engine on this machine: the cost of
+    verifying k drafted tokens relative to one decoding step. Cached per machine (CPU, flags,
+    torch, threads) and model; bench, tune, serve and generate take their default dtype from it,
+    and the adaptive draft length its verify costs. Beside each row, the floor: the least cost
+    that this machine's product and memory-read rates, measured between the rounds, allow."""
+    importlib.import_module("layerplan.app.cli.measuring").run_probe_command(**options)
+
+
+
+COMMANDS = (frontier, bench, probe)  # registered on main (the package's __init__: COMMAND_INDEX)
