@@ -8,6 +8,10 @@ drift), spawn to exit:
         the first `layerplan ppl -m FILE --max-tokens 64 --window 64 --stride 32` of a file never
         seen (a fresh cache holding only the kernels' library): time, peak RSS, dense files written
 
+    python benchmarks/ab_checkouts.py help OTHER_SRC [--rounds 5]
+        `layerplan CMD -h` of every command that runs torch (what a user waits for to read its
+        options, or to be told an option is mistyped), each command's seconds apart
+
 OTHER_SRC is the other checkout's src/ folder (put ahead of this one's on PYTHONPATH).
 """
 
@@ -43,6 +47,19 @@ def start(src: str | None) -> dict:
     return {"wall_s": time.perf_counter() - began}
 
 
+# the commands whose work runs torch (the others never imported it for their help)
+TORCH_COMMANDS = ("generate", "serve", "bench", "probe", "frontier", "export", "eval", "train-exit", "tune")
+
+
+def help_times(src: str | None) -> dict:
+    times = {}
+    for command in TORCH_COMMANDS:
+        began = time.perf_counter()
+        subprocess.run([sys.executable, "-c", LAUNCH, command, "-h"], env=_env(src), capture_output=True, check=True)
+        times[f"{command}_s"] = time.perf_counter() - began
+    return times
+
+
 def first_ppl(src: str | None, gguf: str) -> dict:
     from layerplan.files import cache_dir
 
@@ -69,23 +86,25 @@ def _summary(runs: list[dict]) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("what", choices=("start", "first-ppl"))
+    parser.add_argument("what", choices=("start", "first-ppl", "help"))
     parser.add_argument("other_src")
     parser.add_argument("file", nargs="?")
     parser.add_argument("--rounds", type=int, default=None)
     args = parser.parse_args()
     if args.what == "first-ppl" and not args.file:
         parser.error("first-ppl needs the GGUF FILE")
-    run = start if args.what == "start" else (lambda src: first_ppl(src, str(Path(args.file).expanduser())))
-    rounds = args.rounds or (9 if args.what == "start" else 3)
+    run = {"start": start, "help": help_times}.get(args.what) or (
+        lambda src: first_ppl(src, str(Path(args.file).expanduser())))
+    rounds = args.rounds or {"start": 9, "help": 5}.get(args.what, 3)
     if args.what == "start":  # (the later start: the file's index, panels and the page cache made first)
         run(None), run(args.other_src)
     here, there = [], []
     for _ in range(rounds):
         here.append(run(None))
         there.append(run(args.other_src))
-    ratio = statistics.median(r["wall_s"] for r in here) / statistics.median(r["wall_s"] for r in there)
-    print({"this": _summary(here), "other": _summary(there), "ratio_wall": round(ratio, 3)})
+    ratios = {key: round(statistics.median(r[key] for r in here) / statistics.median(r[key] for r in there), 3)
+              for key in here[0] if key.endswith("_s")}
+    print({"this": _summary(here), "other": _summary(there), "ratios": ratios})
 
 
 if __name__ == "__main__":
