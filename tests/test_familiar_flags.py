@@ -14,7 +14,7 @@ from click.testing import CliRunner
 from click.utils import make_default_short_help
 
 from layerplan.app.cli import COMMAND_INDEX, main
-from layerplan.app.options import FAMILIAR_NAMES, familiar_table
+from layerplan.app.options import FAMILIAR_NAMES, familiar_table, gpu_layers_device
 from layerplan.decoding.sampling import process_logits
 from layerplan.decoding.sampling_params import SamplingError, SamplingParams
 
@@ -78,6 +78,32 @@ def test_a_context_longer_than_the_models_is_refused(tmp_path):
     tiny_hf("llama", num_layers=2).save_pretrained(tmp_path / "tiny")
     result = CliRunner().invoke(main, ["generate", "--model", str(tmp_path / "tiny"), "-p", "hi", "-c", "999999"])
     assert result.exit_code == 1 and "-c/--ctx-size 999999 is more than" in result.output, result.output
+
+
+def test_gpu_layers_choose_the_gpu_where_one_is_seen_and_the_device_given_wins():
+    assert gpu_layers_device(None, "cpu", True) == ("cpu", None)
+    assert gpu_layers_device(0, "cpu", True) == ("cpu", None)
+    assert gpu_layers_device(99, "cpu", True) == ("cuda", None)
+    assert gpu_layers_device(99, "cuda:1", True) == ("cuda:1", None)  # --device names the GPU
+    device, note = gpu_layers_device(99, "cpu", False)
+    assert device == "cpu" and "no GPU here" in note
+
+
+@pytest.mark.parametrize("value", ["99", "all", "auto", "-1"])
+def test_a_llama_cpp_gpu_layers_flag_runs_where_it_can(tmp_path, value):
+    """-ngl as llama.cpp's users type it: on a machine torch sees no GPU on, a note and the CPU (as
+    llama.cpp's CPU build ignores it); with one, the model on the GPU."""
+    from tiny_text import save_tiny_with_tokenizer
+
+    folder = save_tiny_with_tokenizer(tmp_path / "tiny")
+    result = CliRunner().invoke(main, ["generate", "-m", str(folder), "-p", "hi", "-n", "2", "--dtype", "float32",
+                                       "-ngl", value])
+    assert result.exit_code == 0, result.output
+    where = "cuda" if torch.cuda.is_available() else "cpu"
+    assert f"(float32, {where}, engine auto)" in result.stderr
+    assert ("torch sees no GPU here" in result.stderr) == (where == "cpu")
+    refused = CliRunner().invoke(main, ["generate", "-m", str(folder), "-p", "hi", "-ngl", "1.5"])
+    assert refused.exit_code == 2 and "'1.5' is no layer count" in refused.output, refused.output
 
 
 def test_min_p_keeps_the_tokens_within_its_fraction_of_the_most_likely():

@@ -143,9 +143,41 @@ _device_map_option = click.option(
          "for the free memory) or a JSON/YAML map of module -> cpu, disk, cuda:N (as accelerate writes it)")
 
 
+GPU_LAYERS_KEY = "layerplan.gpu_layers"
+ALL_GPU_LAYERS = ("-1", "auto", "all")  # llama.cpp's words for as many layers as fit
+
+
+def _gpu_layers(context: click.Context, param: click.Parameter, value: str | None) -> None:
+    """-ngl N (N >= 0, or -1, auto, all: every layer) into the context (GPU_LAYERS_KEY: layers, None)."""
+    if value is not None and value.strip().lower() not in ALL_GPU_LAYERS and not value.strip().isdecimal():
+        raise click.BadParameter(f"{value!r} is no layer count: N (0 or more), or -1, auto or all for every layer",
+                                 context, param)
+    layers = None if value is None else (1 << 30 if value.strip().lower() in ALL_GPU_LAYERS else int(value))
+    context.meta[GPU_LAYERS_KEY] = layers
+
+
+_gpu_layers_option = click.option(
+    "--n-gpu-layers", "-ngl", "--gpu-layers", default=None, metavar="N", expose_value=False, callback=_gpu_layers,
+    help="llama.cpp's layers on the GPU: here a model runs on one device, so N > 0 (or all) runs the whole "
+         "model on the GPU (--device cuda) where torch sees one, and is ignored where it sees none, as "
+         "llama.cpp's CPU build ignores it")
+
+
 def device_option(command):
-    """--device, and --device-map beside it (read by load: every command that takes a device takes a map)."""
-    return _device_only(_device_map_option(command))
+    """--device, with --device-map and -ngl beside it (read by load: every command that takes a device
+    takes a map and llama.cpp's GPU layers)."""
+    return _device_only(_device_map_option(_gpu_layers_option(command)))
+
+
+def gpu_layers_device(layers: int | None, device: str, gpu_seen: bool) -> tuple[str, str | None]:
+    """The device a command runs on given -ngl (None: not given) beside --device, and a note where
+    -ngl changes nothing: --device (or a device map) names the device where given, N > 0 the GPU
+    where one is seen, the CPU where none is."""
+    if not layers or device != "cpu":
+        return device, None
+    if gpu_seen:
+        return "cuda", None
+    return device, "(-ngl: torch sees no GPU here, so the model runs on the CPU; llama.cpp's CPU build ignores -ngl too)"
 engine_option = click.option("--engine", default="auto", show_default=True, type=click.Choice(list(ENGINES)),
                              help="; ".join(f"{name}: {text}" for name, text in ENGINES.items()))
 auto_dtype_option = click.option("--dtype", default="auto", show_default=True, type=click.Choice(["auto", *_DTYPE_CHOICES]),
@@ -174,6 +206,8 @@ FAMILIAR_NAMES = (
                  ("generate", "chat", "bench", "tune", "frontier")),
     FamiliarName("CPU threads", "-t, --threads", "torch.set_num_threads", "-t, --threads",
                  ("generate", "chat", "serve", "bench", "ppl", "scan", "search", "explore", "tune")),
+    FamiliarName("layers on the GPU", "-ngl, --n-gpu-layers", "device_map", "-ngl, --n-gpu-layers (all or none)",
+                 ("generate", "chat", "serve", "ppl", "scan", "explore", "eval")),
     FamiliarName("context length", "-c, --ctx-size", "max_position_embeddings", "-c, --ctx-size",
                  ("generate", "chat", "serve")),
     FamiliarName("temperature", "--temp", "temperature", "--temp (--temperature)", ("generate", "chat")),
@@ -218,7 +252,8 @@ def light_context(command: click.Command, argv: list[str]) -> click.Context | No
     searching.py, exploring.py): None where the line is another command's, asks for help, runs
     with LAYERPLAN_FRONT_END=torch, is refused by the command (the torch front end reads it then,
     and says what it says), or asks what only the torch front end runs: a dtype other than the
-    GGUF's as stored, a device other than the CPU, a device map."""
+    GGUF's as stored, a device other than the CPU, a device map, GPU layers (-ngl: torch says
+    whether a GPU is there)."""
     if not argv or argv[0] != command.name or os.environ.get(FRONT_END_VARIABLE, "") == "torch":
         return None
     if any(arg in ("-h", "--help") for arg in argv[1:]):
@@ -231,7 +266,7 @@ def light_context(command: click.Command, argv: list[str]) -> click.Context | No
         return None
     given = context.params
     if (given.get("dtype") not in ARITHMETICS or given.get("device", "cpu") != "cpu"
-            or context.meta.get(DEVICE_MAP_KEY) is not None):
+            or context.meta.get(DEVICE_MAP_KEY) is not None or context.meta.get(GPU_LAYERS_KEY)):
         return None
     return context
 
