@@ -318,6 +318,32 @@ def test_a_plan_exports_as_a_gguf_in_the_stored_types(tmp_path, text):
     assert torch.equal(got, want)
 
 
+def test_a_gemma3_plan_that_keeps_the_pattern_exports_as_a_gguf(tmp_path):
+    """Gemma 3's layers are of two kinds, which a GGUF gives by position (llama.cpp: every sixth
+    layer full): a plan whose layer j runs a layer of the kind position j has (a skip, a repeat of
+    whole periods) exports and runs as the plan does; one that breaks the pattern is refused,
+    naming the first layer out of it."""
+    from layerplan.engine.choices import STORED
+    from layerplan.engine.load import load_model
+    from layerplan.engine.runner import forward, new_cache
+    from layerplan.export import export_gguf
+
+    stored = load_model(write_tiny_gguf(tiny_hf("gemma3_text", num_layers=12), tmp_path / "gemma3.gguf", "Q8_0"),
+                        dtype=STORED, engine="native")
+    kinds = stored.hf.config.layer_types
+    assert kinds[5] == kinds[11] == "full_attention" and kinds.count("full_attention") == 2
+    ids = torch.tensor([[5, 17, 3, 88, 41, 9, 60, 7, 30, 12]])
+    for text in ("skip:attn=4;mlp=7", "0-11,6-11", "0-5,0-11"):
+        plan = stored.plan(text)
+        merged = load_model(export_gguf(stored, plan, tmp_path / "merged.gguf"), dtype=STORED, engine="native")
+        assert merged.num_layers == len(plan.active_steps)
+        want = forward(stored, ids, plan, cache=new_cache(plan, 16))
+        assert torch.equal(forward(merged, ids, cache=new_cache(merged.plan(), 16)), want), text
+    with pytest.raises(ValueError, match="the plan's layer 5 runs layer 6 .sliding_attention. where a GGUF of 11 "
+                                         "layers has full_attention"):
+        export_gguf(stored, stored.plan("0-4,6-11"), tmp_path / "broken.gguf")
+
+
 def test_what_a_gguf_cannot_hold_is_refused_in_one_line(tmp_path):
     from layerplan.export import export_gguf
 

@@ -105,18 +105,36 @@ def export_checkpoint(model: LoadedModel, plan: LayerPlan, folder: str | os.Path
 GGUF_UPDATE_TENSORS = {"attention": ("attn_output.",), "mlp": ("ffn_down.", "ffn_down_exps.", "ffn_down_shexp.")}
 
 
+def gguf_layer_types(config, depth: int) -> list[str]:
+    """The kind of each layer a GGUF of this architecture with `depth` layers is read with: the
+    architecture's pattern, as transformers' config computes it where no list is given (llama.cpp
+    keeps the same pattern: Gemma 3's every sixth layer full, Gemma 2's every second)."""
+    settings = {**config.to_dict(), "num_hidden_layers": depth}
+    settings.pop("layer_types", None)
+    return list(getattr(type(config)(**settings), "layer_types", None) or [])
+
+
 def gguf_refusal(model: LoadedModel, plan: LayerPlan) -> str | None:
     """Why export_gguf cannot write the plan (one line), or None: a model not loaded from a GGUF, a
     plan over two models, a residual scale other than 0 or 1 (it would need the weights quantized
-    again), layers of several kinds (a GGUF names their pattern, not each layer)."""
+    again), layers of several kinds out of their pattern (a GGUF names the pattern, not each layer's
+    kind)."""
     if (gguf_of(model.source) if model.source else None) is None:
         return f"--to gguf writes a model loaded from a GGUF file, not {model.source}; use --to checkpoint"
     if plan.models:
         return "--to gguf writes one model's layers; a plan over two models exports --to checkpoint"
     layer_types = getattr(model.hf.config, "layer_types", None) or []
     if len(set(layer_types)) > 1:
-        return (f"{model.hf.config.model_type} has layers of several kinds ({', '.join(sorted(set(layer_types)))}), "
-                "which a GGUF gives as a pattern, not layer by layer; use --to checkpoint")
+        # a GGUF names no layer's kind: its reader gives layer j the architecture's pattern's kind at j
+        # (llama.cpp's Gemma 3: every sixth layer full), so layer j must run a layer of that kind
+        pattern = gguf_layer_types(model.hf.config, len(plan.active_steps))
+        for j, step in enumerate(plan.active_steps):
+            if j >= len(pattern) or layer_types[step.layer] != pattern[j]:
+                wanted = pattern[j] if j < len(pattern) else "none"
+                return (f"{model.hf.config.model_type} has layers of several kinds, which a GGUF gives as a pattern, "
+                        f"not layer by layer: the plan's layer {j} runs layer {step.layer} ({layer_types[step.layer]}) "
+                        f"where a GGUF of {len(pattern)} layers has {wanted}; use --to checkpoint, or a plan that "
+                        f"keeps the pattern")
     for j, step in enumerate(plan.active_steps):
         for sub_layer, on in (("attention", step.attention), ("mlp", step.mlp)):
             if on and step.scale not in (0.0, 1.0):
