@@ -71,3 +71,41 @@ def test_plots_leave_matplotlib_global_state_alone(tmp_path):
         assert matplotlib.get_backend() == "pdf"
     finally:
         matplotlib.use(chosen)
+
+
+def test_an_interrupted_scan_runs_only_the_rest_when_started_again(tmp_path, monkeypatch):
+    """A scan's journal keeps each finished candidate: the same scan started again after an
+    interruption runs only the candidates not in it and gives the uninterrupted scan's items; a
+    journal of another scan (other ids, another base plan) is started afresh; a line cut short
+    is ignored."""
+    from layerplan.search.evaluator import PlanEvaluator
+    from layerplan.search.importance import ScanJournal, journal_path
+
+    model = tiny_model("llama", num_layers=4)
+    ids = torch.randint(3, VOCAB, (1, 16), generator=torch.Generator().manual_seed(3))
+    whole = scan(model, ids)
+    path = journal_path(tmp_path / "out", exits=False)
+
+    def interrupted(done, total):
+        if done == 5:
+            raise KeyboardInterrupt
+    with pytest.raises(KeyboardInterrupt):
+        scan(model, ids, on_progress=interrupted, journal=ScanJournal(path, ids.flatten().tolist()))
+    assert len(path.read_text().splitlines()) == 1 + 5
+    with path.open("a") as journal:
+        journal.write('{"kind": "mlp", "st')  # (the process killed mid-line)
+
+    runs = []
+    divergence = PlanEvaluator.divergence
+    monkeypatch.setattr(PlanEvaluator, "divergence", lambda self, plan, *a: runs.append(plan) or divergence(self, plan, *a))
+    again = scan(model, ids, journal=ScanJournal(path, ids.flatten().tolist()))
+    assert again.items == whole.items and again.resumed == 5 and len(runs) == len(whole.items) - 5
+    ScanJournal(path, []).remove()
+    assert not path.exists()
+
+    other = torch.randint(3, VOCAB, (1, 16), generator=torch.Generator().manual_seed(4))
+    with pytest.raises(KeyboardInterrupt):
+        scan(model, ids, on_progress=interrupted, journal=ScanJournal(path, ids.flatten().tolist()))
+    for other_ids, plan in ((other, None), (ids, model.plan("skip:attn=0"))):
+        fresh = scan(model, other_ids, plan, journal=ScanJournal(path, other_ids.flatten().tolist()))
+        assert fresh.resumed == 0

@@ -32,7 +32,7 @@ from layerplan.models.gguf_index import file_index
 from layerplan.models.gguf_place import TENSORS_FILE, gguf_of, index_folder
 from layerplan.plan.plan import LayerPlan, PlanError
 from layerplan.search.explore import ExploreResult, grid_numbers, recompute_rewind_grid
-from layerplan.search.importance import ScanResult, check_kinds, scan_plans
+from layerplan.search.importance import ScanJournal, ScanResult, check_kinds, journal_path, scan_plans
 from layerplan.search.windows import added_bos, chunk_perplexity, logits_divergence, sliding_perplexity
 
 
@@ -180,10 +180,12 @@ def run_scan(request: LiteScanRequest, report: Callable[[ScanResult], None]) -> 
         calibration = given_text(request.text)
         model = load_for(request)
         plan = model.plan(request.plan)
-        evaluator = LitePlanEvaluator(model, calibration_ids(model, calibration, request.tokens), plan,
-                                      reuse=request.reuse)
-        result = scan_plans(evaluator, request.kinds, _bar("scan", "candidates"))
+        ids = calibration_ids(model, calibration, request.tokens)
+        evaluator = LitePlanEvaluator(model, ids, plan, reuse=request.reuse)
+        journal = ScanJournal(journal_path(request.out, request.exits), ids)
+        result = scan_plans(evaluator, request.kinds, _bar("scan", "candidates"), journal=journal)
         report(result)
+        journal.remove()
     except ENDINGS as error:
         return ended_by(error)
     return 0

@@ -5,11 +5,14 @@ model, lite/evaluator.py's on the light one), and each candidate resumes from th
 residual stream at its first switched-off sub-layer (identical up to there), so on average half
 the model runs per candidate (`reuse=False` recomputes from the embeddings, the naive baseline).
 For a mixture-of-experts model the result also holds each expert's routing share
-(search/routing.py)."""
+(search/routing.py). A scan given a journal (ScanJournal, beside its outputs) keeps each finished
+candidate there, so that the same scan started again after an interruption runs only the rest."""
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -52,6 +55,7 @@ class ScanResult:
     reuse: bool = True
     # per plan step with a mixture-of-experts MLP: each expert's share of the top-k selections
     routing: list[ExpertRouting] = field(default_factory=list)
+    resumed: int = 0  # candidates taken from an interrupted run's journal (ScanJournal), not run again
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -130,6 +134,66 @@ class ExpertRouting:
                 f"never chosen {unused}")
 
 
+class ScanJournal:
+    """A scan's finished candidates as JSON lines in `path` (beside the scan's outputs), each
+    appended as it finishes. Its first line names the scan: the model, base plan, a digest of the
+    calibration ids, reuse, and the base plan's perplexity (which another arithmetic or text
+    changes); a scan started again with the same name takes the candidates found there (a line an
+    interruption cut short is ignored), any other starts the journal afresh. `remove` once the
+    scan's outputs are written."""
+
+    def __init__(self, path: str | os.PathLike, ids: Sequence[int]) -> None:
+        self.path = Path(path)
+        self.ids_digest = hashlib.sha256(",".join(map(str, ids)).encode()).hexdigest()[:16]
+        self._file = None
+
+    def open(self, result: ScanResult) -> dict[tuple[str, int], ScanItem]:
+        """Start the journal for the scan `result` begins; the finished candidates of an earlier
+        run of the same scan, by (kind, step)."""
+        header = {"model": result.model, "base_plan": result.base_plan, "tokens": result.tokens,
+                  "ids": self.ids_digest, "reuse": result.reuse, "base_perplexity": repr(result.base_perplexity)}
+        found: dict[tuple[str, int], ScanItem] = {}
+        try:
+            lines = self.path.read_text().splitlines()
+        except OSError:
+            lines = []
+        if lines and _json_line(lines[0]) == header:
+            for line in lines[1:]:
+                try:
+                    item = ScanItem(**json.loads(line))
+                except (ValueError, TypeError):
+                    continue
+                found[(item.kind, item.step)] = item
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = open(self.path, "w", encoding="utf-8")
+        for line in (header, *(asdict(item) for item in found.values())):
+            self._file.write(json.dumps(line) + "\n")
+        self._file.flush()
+        return found
+
+    def record(self, item: ScanItem) -> None:
+        self._file.write(json.dumps(asdict(item)) + "\n")
+        self._file.flush()
+
+    def remove(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        self.path.unlink(missing_ok=True)
+
+
+def journal_path(out: str | os.PathLike, exits: bool) -> Path:
+    """Where `layerplan scan --out OUT` keeps its journal: beside scan.json (exits.json)."""
+    return Path(out) / f"{'exits' if exits else 'scan'}.partial.jsonl"
+
+
+def _json_line(line: str):
+    try:
+        return json.loads(line)
+    except ValueError:
+        return None
+
+
 def check_kinds(kinds: Sequence[str]) -> None:
     unknown = set(kinds) - set(KINDS) - {EXIT}
     if unknown:
@@ -138,9 +202,10 @@ def check_kinds(kinds: Sequence[str]) -> None:
 
 def scan_plans(evaluator: ResumingEvaluator, kinds: Sequence[str] = KINDS,
                on_progress: Callable[[int, int], None] | None = None,
-               routing: Sequence[ExpertRouting] = ()) -> ScanResult:
+               routing: Sequence[ExpertRouting] = (), journal: ScanJournal | None = None) -> ScanResult:
     """Switch off each active step's attention / MLP / both (and/or exit after each step) of the
-    evaluator's reference plan, and score each candidate against it."""
+    evaluator's reference plan, and score each candidate against it; journal: where finished
+    candidates are kept, and taken from where an interrupted run of this scan left them."""
     check_kinds(kinds)
     plan = evaluator.reference_plan
     start = time.perf_counter()
@@ -161,7 +226,14 @@ def scan_plans(evaluator: ResumingEvaluator, kinds: Sequence[str] = KINDS,
         candidates += [(steps, plan.active_steps[steps - 1].layer, EXIT, False, False)
                        for steps in range(1, len(plan.active_steps))]
 
+    finished = journal.open(result) if journal is not None else {}
     for done, (index, layer, kind, off_attention, off_mlp) in enumerate(candidates, 1):
+        if (kind, index) in finished:
+            result.items.append(finished[(kind, index)])
+            result.resumed += 1
+            if on_progress:
+                on_progress(done, len(candidates))
+            continue
         try:
             if kind == EXIT:
                 candidate = plan.with_exit(index)
@@ -176,6 +248,8 @@ def scan_plans(evaluator: ResumingEvaluator, kinds: Sequence[str] = KINDS,
             ScanItem(kind, index, layer, metrics.perplexity, metrics.perplexity - base, metrics.kl,
                      metrics.top1_agreement)
         )
+        if journal is not None:
+            journal.record(result.items[-1])
         if on_progress:
             on_progress(done, len(candidates))
     result.seconds = time.perf_counter() - start

@@ -40,7 +40,7 @@ from layerplan.search.measure_registry import MeasureInputs, check_measures
 from layerplan.search.objectives import OBJECTIVES
 from layerplan.search.plan_search import check_method
 from layerplan.search.run import run_search
-from layerplan.search.importance import check_kinds
+from layerplan.search.importance import ScanJournal, check_kinds, journal_path
 from layerplan.search.scan import scan as run_scan
 
 
@@ -53,10 +53,12 @@ def run_scan_command(model, dtype, device, threads, base_plan, tokens, text, kin
         loaded = load(model, dtype, device, dense="float32")
         plan = loaded.plan(base_plan)
         ids = calibration_ids(loaded, calibration, tokens)
+        journal = ScanJournal(journal_path(out, exits), ids.flatten().tolist())
         with Progress("scan") as progress:
             result = run_scan(loaded, ids, plan, kinds=scan_kinds(kinds, exits), reuse=not no_reuse,
-                              on_progress=progress)
+                              on_progress=progress, journal=journal)
         report_scan(result, out, exits)
+        journal.remove()
 
 
 def run_ppl_command(model, dtype, device, threads, plan, model_b, text, window, stride, max_tokens, compare,

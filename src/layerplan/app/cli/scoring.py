@@ -75,7 +75,10 @@ def light_ppl_request(argv: list[str]) -> LitePerplexityRequest | None:
 @click.option("--out", type=Output("folder"), default="runs/scan", show_default=True,
               help="folder for scan.json and scan.png")
 def scan(**options) -> None:
-    """Skip each layer, attention and MLP in turn; report perplexity, KL and top-1 agreement."""
+    """Skip each layer, attention and MLP in turn; report perplexity, KL and top-1 agreement.
+
+    Interrupt it and run the same command again: it runs only the candidates left (each finished
+    one is kept in OUT/scan.partial.jsonl until scan.json is written)."""
     # (the work's modules import torch: imported once the command line has been read)
     importlib.import_module("layerplan.app.cli.research").run_scan_command(**options)
 
@@ -115,7 +118,8 @@ def report_scan(result: ScanResult, out: str, exits: bool) -> None:
     save_cached_scan(result)
     least = ", ".join(item.label for item in result.ranked()[:6])
     click.echo(f"\nbase perplexity {result.base_perplexity:.3f} on {result.tokens} tokens; "
-               f"{len(result.items)} candidates in {result.seconds:.1f}s ({'reuse' if result.reuse else 'naive'})")
+               f"{len(result.items)} candidates in {result.seconds:.1f}s ({'reuse' if result.reuse else 'naive'}"
+               + (f"; {result.resumed} kept from the interrupted run before" if result.resumed else "") + ")")
     click.echo(f"least harmful to skip: {least}")
     click.echo(f"wrote {out_dir / 'scan.json'} and {out_dir / 'scan.png'}")
 
