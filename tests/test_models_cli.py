@@ -151,6 +151,7 @@ def test_cli_tune_writes_report_and_checks_exactness(tmp_path):
     assert points["ngram"]["draft_cost"] < 0.1 < min(p["draft_cost"] for d, p in points.items() if d.startswith("exit:"))
     assert (tmp_path / "frontier.png").exists() and "The draft frontier" in html_text
     assert "frontier: best self-draft" in result.output
+    assert not (tmp_path / "scan.partial.jsonl").exists()  # the scan's journal goes with the report written
 
 
 @pytest.mark.real

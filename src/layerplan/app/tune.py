@@ -8,6 +8,7 @@ from __future__ import annotations
 import statistics
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 from layerplan.app.bench import BenchResult, bench_methods, run_bench
 from layerplan.app.prompts import CHAT_PROMPTS, PROMPTS
@@ -20,7 +21,7 @@ from layerplan.search.evaluate import calibration_ids
 from layerplan.search.evaluator import PlanEvaluator, measure_costs
 from layerplan.search.greedy import GreedyResult, greedy_search
 from layerplan.search.objectives import score
-from layerplan.search.importance import ScanResult
+from layerplan.search.importance import ScanJournal, ScanResult
 from layerplan.search.scan import scan
 
 
@@ -78,18 +79,22 @@ def tune(
     on_stage: Callable[[str], None] | None = None,
     on_progress: Callable[[int, int], None] | None = None,
     probe_row: ProbeRow | None = None,
+    scan_journal: Path | None = None,
 ) -> TuneResult:
     """model: the model to decode with (the native engine, or packed bf16 linears); stock: the
     same weights as transformers runs them, for its generate (None: transformers is not timed, and
     the bench's reference is plain decoding); fp32_model: loads the model of the exactness check
     (float32 arithmetic: transformers' float32 model, or a GGUF's blocks with exact products);
     probe_row: this machine's probe row for `model` (engine/probe.py), the verify costs of its
-    timed speculative decoding. A searched skip plan that pays is kept
+    timed speculative decoding; scan_journal: where the scan keeps its finished candidates
+    (search/importance.py ScanJournal: a tune started again after an interruption takes them; the
+    caller removes it once the report is written). A searched skip plan that pays is kept
     for the `auto` drafter (save_draft_plan)."""
     prompts = prompts or {k: PROMPTS[k] for k in ("code", "summary")}
     ids = calibration_ids(model, tokens=tokens)
     _stage(on_stage, "scan: every attention and MLP switched off in turn")
-    scanned = scan(model, ids, kinds=["attention", "mlp"], on_progress=on_progress)
+    journal = ScanJournal(scan_journal, ids.flatten().tolist()) if scan_journal is not None else None
+    scanned = scan(model, ids, kinds=["attention", "mlp"], on_progress=on_progress, journal=journal)
     _stage(on_stage, "search: greedy skip plan for predicted speculative speedup")
     costs = measure_costs(model)
     evaluator = PlanEvaluator(model, ids)

@@ -245,7 +245,7 @@ def run_tune_command(model, dtype, engine, threads, tokens, steps, repeats, new_
         with Stages() as stages:
             result = run_tune(fast, exact_model, prompts, tokens, steps, repeats,
                               new_tokens, stock=stock, on_stage=stage, on_progress=stages,
-                              probe_row=checked_probe_row(fast))
+                              probe_row=checked_probe_row(fast), scan_journal=journal_path(out_dir, exits=False))
     scan_heatmap(result.scan, out_dir / "scan.png")
     if result.greedy.steps:
         search_trajectory([s.value for s in result.greedy.steps], "maximize", "predicted speedup",
@@ -265,5 +265,6 @@ def run_tune_command(model, dtype, engine, threads, tokens, steps, repeats, new_
     if result.frontier is not None:
         click.echo(frontier_line(result.frontier))
     click.echo(f"use it: {result.command()}")
+    journal_path(out_dir, exits=False).unlink(missing_ok=True)  # (the report holds the scan now)
     click.echo(f"wrote {out_dir / 'report.html'} and {out_dir / 'report.json'}")
 

@@ -44,7 +44,8 @@ def tune(**options) -> None:
     check exactness, save the plan, write report.html and report.json.
 
     On a GGUF run as stored transformers is timed only with --transformers (it runs the file
-    dequantized whole), and the exactness check decodes the file's blocks with exact products."""
+    dequantized whole), and the exactness check decodes the file's blocks with exact products.
+    Interrupted, the same command keeps its scan's finished candidates (OUT/scan.partial.jsonl)."""
     importlib.import_module("layerplan.app.cli.research").run_tune_command(**options)
 
 
