@@ -152,7 +152,9 @@ def _gpu_layers(context: click.Context, param: click.Parameter, value: str | Non
     if value is not None and value.strip().lower() not in ALL_GPU_LAYERS and not value.strip().isdecimal():
         raise click.BadParameter(f"{value!r} is no layer count: N (0 or more), or -1, auto or all for every layer",
                                  context, param)
-    layers = None if value is None else (1 << 30 if value.strip().lower() in ALL_GPU_LAYERS else int(value))
+    text = None if value is None else value.strip().lower()
+    # (any count above a model's depth means every layer: a count of many digits is not read as a number)
+    layers = None if text is None else 1 << 30 if text in ALL_GPU_LAYERS or len(text.lstrip('0')) > 9 else int(text)
     context.meta[GPU_LAYERS_KEY] = layers
 
 

@@ -67,24 +67,21 @@ def _device_map() -> str | None:
     return context.meta.get(DEVICE_MAP_KEY) if context is not None else None
 
 
-def _gpu_layers_device(device: str, say: bool = True) -> str:
-    """The command's device given its -ngl (device_option keeps it in the click context); say: the
-    note where -ngl changes nothing, on stderr. A device map places the model itself."""
+def _gpu_layers_device(device: str) -> tuple[str, str | None]:
+    """The command's device given its -ngl (device_option keeps it in the click context), and the
+    note where -ngl changes nothing. A device map places the model itself."""
     context = click.get_current_context(silent=True)
     layers = context.meta.get(GPU_LAYERS_KEY) if context is not None else None
     if _device_map() is not None:
-        return device
-    device, note = gpu_layers_device(layers, device, torch.cuda.is_available())
-    if note is not None and say:
-        click.echo(note, err=True)
-    return device
+        return device, None
+    return gpu_layers_device(layers, device, torch.cuda.is_available())
 
 
 def load(model: str, dtype: str, device: str = "cpu", engine: str = "auto", dense: str | None = None,
           ctx_size: int = 0):
     """The model at `dtype` ('auto': see command_dtype; `dense`: what 'auto' means for a model that is not
     a GGUF run as stored); ctx_size: -c, a context shorter than the model's (0: its own)."""
-    device = _gpu_layers_device(device)
+    device, gpu_note = _gpu_layers_device(device)
     dtype = command_dtype(model, dtype, engine, device, dense)
     where = f"device map {_device_map()}" if _device_map() else device
     gguf = _gguf_path(model) if dtype in BLOCK_PRECISIONS else None
@@ -108,6 +105,8 @@ def load(model: str, dtype: str, device: str = "cpu", engine: str = "auto", dens
         if bar is not None:
             bar.close()
     loaded.limit_context(ctx_size)
+    if gpu_note is not None:  # (once the model loads: a load that fails says its one line alone)
+        click.echo(gpu_note, err=True)
     if _process_is_the_command():
         freeze()
     return loaded
@@ -133,7 +132,7 @@ def attach(loaded, model_b: str | None, device: str = "cpu", engine: str = "auto
     """Load --model-b at the first model's precision and make its layers available to plans as 'b:…'."""
     if model_b:
         click.echo(one_line(f"loading {model_b} as model b ({loaded.precision})…"), err=True)
-        loaded.attach(load_model(model_b, dtype=loaded.precision, device=_gpu_layers_device(device, say=False),
+        loaded.attach(load_model(model_b, dtype=loaded.precision, device=_gpu_layers_device(device)[0],
                                  engine=engine,
                                  device_map=_device_map()), "b")
     return loaded
