@@ -24,6 +24,33 @@ def test_exit_head_training_beats_the_plain_exit_and_round_trips(tmp_path):
         train_exit_head(model, ids, exit=4)
 
 
+def test_an_interrupted_training_goes_on_from_its_checkpoint_to_the_same_head(tmp_path):
+    """A training kept in a checkpoint (here at every step) and interrupted at step 7 goes on from
+    there when started again, to the head an uninterrupted training gives bit for bit; a
+    checkpoint of another training (another exit) is not taken."""
+    model = tiny_model("llama", num_layers=4)
+    ids = torch.randint(3, VOCAB, (2, 64), generator=torch.Generator().manual_seed(2))
+    whole, _ = train_exit_head(model, ids, exit=2, steps=12, batch=32)
+    checkpoint = tmp_path / "head.safetensors.partial"
+
+    def interrupted(done, total):
+        if done == 7:
+            raise KeyboardInterrupt
+    with pytest.raises(KeyboardInterrupt):
+        train_exit_head(model, ids, exit=2, steps=12, batch=32, on_progress=interrupted, checkpoint=checkpoint,
+                        checkpoint_every_s=0.0)
+    assert checkpoint.exists()
+    steps = []
+    again, _ = train_exit_head(model, ids, exit=2, steps=12, batch=32, checkpoint=checkpoint,
+                               on_progress=lambda done, total: steps.append(done))
+    assert steps == list(range(7, 13))  # the step the interruption cut short, and the rest
+    assert all(torch.equal(a, b) for a, b in zip(again.state_dict().values(), whole.state_dict().values()))
+    steps.clear()
+    train_exit_head(model, ids, exit=1, steps=12, batch=32, checkpoint=checkpoint,
+                    on_progress=lambda done, total: steps.append(done))
+    assert steps[0] == 1
+
+
 def test_exit_head_drafter_is_lossless(tmp_path):
     model = tiny_model("qwen3", num_layers=4)
     ids = torch.randint(3, VOCAB, (2, 48), generator=torch.Generator().manual_seed(1))

@@ -208,9 +208,13 @@ def run_train_exit_command(exits, model, dtype, threads, tokens, text, steps, ou
         rows = tokens // 512 if tokens % 512 == 0 else 1
         ids = ids.reshape(rows, -1)
         for exit in exits:
+            target = Path(out or default_head_path(loaded, exit))
+            checkpoint = target.with_name(target.name + ".partial")  # (an interrupted run goes on from it)
             with Progress(f"exit {exit}") as progress:
-                head, report = train_exit_head(loaded, ids, exit, steps=steps, on_progress=progress)
-            path = save_head(head, out or default_head_path(loaded, exit), loaded, report)
+                head, report = train_exit_head(loaded, ids, exit, steps=steps, on_progress=progress,
+                                               checkpoint=checkpoint)
+            path = save_head(head, target, loaded, report)
+            checkpoint.unlink(missing_ok=True)
             click.echo(f"exit {exit}: held-out top-1 agreement {report.agreement_before:.3f} -> {report.agreement_after:.3f}, "
                        f"KL {report.kl_before:.3f} -> {report.kl_after:.3f} ({report.seconds:.0f}s); saved {path}")
 

@@ -23,7 +23,10 @@ from layerplan.app.options import (Output, auto_dtype_option, engine_option, mod
 @click.option("--out", type=Output("file"), default=None,
               help="where to save (default: the cache, where --draft exit:E+head finds it)")
 def train_exit(**options) -> None:
-    """Train light exit heads by self-distillation; use them with --draft exit:E+head."""
+    """Train light exit heads by self-distillation; use them with --draft exit:E+head.
+
+    Interrupted, the same command goes on from the training's last checkpoint (kept every 30 s
+    in the head's file name + .partial), to the head an uninterrupted run gives."""
     importlib.import_module("layerplan.app.cli.research").run_train_exit_command(**options)
 
 

@@ -16,7 +16,10 @@ target's: a token the draft cannot propose only lowers acceptance.
 
 from __future__ import annotations
 
+import hashlib
+import io
 import json
+import pickle
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -154,8 +157,15 @@ def train_exit_head(
     eval_fraction: float = 0.2,
     seed: int = 0,
     on_progress: Callable[[int, int], None] | None = None,
+    checkpoint: Path | None = None,
+    checkpoint_every_s: float = 30.0,
 ) -> tuple[ExitHead, TrainReport]:
-    """Train a head for an exit after `exit` steps on ids (B, T) of the model's own text."""
+    """Train a head for an exit after `exit` steps on ids (B, T) of the model's own text.
+    checkpoint: a file where the training's state (the head, the optimiser's moments, the batch
+    sampler's state, the step) is kept every `checkpoint_every_s` seconds, so that the same
+    training started again after an interruption goes on from there, to the same head an
+    uninterrupted run gives; a checkpoint of another training (model, exit, text, settings) is
+    not taken. The caller removes it once the head is saved."""
     if not 1 <= exit < model.num_layers:
         raise ValueError(f"exit must be 1–{model.num_layers - 1} for {model.name}, got {exit}")
     if model.stored is None and model.dtype != torch.float32:
@@ -169,8 +179,14 @@ def train_exit_head(
     head = ExitHead(exit_hidden.shape[-1], exit)
     optimizer = torch.optim.Adam(head.parameters(), lr=lr)
     generator = torch.Generator().manual_seed(seed)
-    start = time.perf_counter()
-    for step in range(steps):
+    training = {"model": model.name, "exit": exit, "ids": _digest(ids), "steps": steps, "batch": batch, "lr": lr,
+                "eval_fraction": eval_fraction, "seed": seed}
+    first = _resume(checkpoint, training, head, optimizer, generator) if checkpoint is not None else 0
+    start = kept = time.perf_counter()
+    for step in range(first, steps):
+        if checkpoint is not None and time.perf_counter() - kept >= checkpoint_every_s:
+            _keep(checkpoint, training, step, head, optimizer, generator)
+            kept = time.perf_counter()
         rows = torch.randint(0, train_h.shape[0], (min(batch, train_h.shape[0]),), generator=generator)
         with torch.no_grad():
             target = F.log_softmax(frozen(train_f[rows]).float(), -1)
@@ -185,6 +201,32 @@ def train_exit_head(
     kl_plain, kl_head, agree_plain, agree_head = _evaluate(frozen, head, eval_h, eval_f)
     report = TrainReport(exit, steps, seconds, train_h.shape[0], n_eval, kl_plain, kl_head, agree_plain, agree_head)
     return head.eval(), report
+
+
+def _digest(ids: torch.Tensor) -> str:
+    return hashlib.sha256(ids.flatten().to(torch.int64).numpy().tobytes()).hexdigest()[:16]
+
+
+def _keep(path: Path, training: dict, step: int, head: ExitHead, optimizer, generator: torch.Generator) -> None:
+    """The training's state before `step`, atomically (train_exit_head's checkpoint)."""
+    buffer = io.BytesIO()
+    torch.save({"training": training, "step": step, "head": head.state_dict(), "optimizer": optimizer.state_dict(),
+                "generator": generator.get_state()}, buffer)
+    write_bytes_atomic(path, buffer.getvalue())
+
+
+def _resume(path: Path, training: dict, head: ExitHead, optimizer, generator: torch.Generator) -> int:
+    """The step a checkpoint of this training leaves off at, its state loaded (0: none, or another's)."""
+    try:
+        kept = torch.load(path, weights_only=True)
+    except (OSError, RuntimeError, ValueError, EOFError, pickle.UnpicklingError):
+        return 0
+    if not isinstance(kept, dict) or kept.get("training") != training:
+        return 0
+    head.load_state_dict(kept["head"])
+    optimizer.load_state_dict(kept["optimizer"])
+    generator.set_state(kept["generator"])
+    return int(kept["step"])
 
 
 def default_head_path(model: LoadedModel, exit: int) -> Path:
