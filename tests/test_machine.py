@@ -102,7 +102,7 @@ def test_tune_draws_one_progress_bar_per_stage(monkeypatch, tmp_path):
             self.closed = True
 
     def fake_tune(model, fp32_model, prompts, tokens, steps, repeats, new_tokens, stock, on_stage, on_progress,
-                  probe_row):
+                  probe_row, scan_journal):
         for stage, total in (("scan: every sub-layer", 4), ("search: greedy", 3), ("bench: drafts", 2)):
             on_stage(stage)
             for done in range(1, total + 1):
