@@ -149,12 +149,12 @@ ALL_GPU_LAYERS = ("-1", "auto", "all")  # llama.cpp's words for as many layers a
 
 def _gpu_layers(context: click.Context, param: click.Parameter, value: str | None) -> None:
     """-ngl N (N >= 0, or -1, auto, all: every layer) into the context (GPU_LAYERS_KEY: layers, None)."""
-    if value is not None and value.strip().lower() not in ALL_GPU_LAYERS and not value.strip().isdecimal():
+    text = None if value is None else value.strip().lower()
+    if text is not None and text not in ALL_GPU_LAYERS and not text.isdecimal():
         raise click.BadParameter(f"{value!r} is no layer count: N (0 or more), or -1, auto or all for every layer",
                                  context, param)
-    text = None if value is None else value.strip().lower()
     # (any count above a model's depth means every layer: a count of many digits is not read as a number)
-    layers = None if text is None else 1 << 30 if text in ALL_GPU_LAYERS or len(text.lstrip('0')) > 9 else int(text)
+    layers = None if text is None else 1 << 30 if text in ALL_GPU_LAYERS or len(text.lstrip("0")) > 9 else int(text)
     context.meta[GPU_LAYERS_KEY] = layers
 
 

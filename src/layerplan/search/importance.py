@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from layerplan.files import cache_dir, write_json_atomic
+from layerplan.files import cache_dir, write_json_atomic, write_text_atomic
 from layerplan.plan.plan import PlanError
 from layerplan.search.reference import ResumingEvaluator
 
@@ -164,11 +164,10 @@ class ScanJournal:
                 except (ValueError, TypeError):
                     continue
                 found[(item.kind, item.step)] = item
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = open(self.path, "w", encoding="utf-8")
-        for line in (header, *(asdict(item) for item in found.values())):
-            self._file.write(json.dumps(line) + "\n")
-        self._file.flush()
+        # (written whole and atomically: an interruption now leaves the earlier journal as it was)
+        write_text_atomic(self.path, "".join(json.dumps(line) + "\n"
+                                             for line in (header, *(asdict(item) for item in found.values()))))
+        self._file = open(self.path, "a", encoding="utf-8")
         return found
 
     def record(self, item: ScanItem) -> None:
