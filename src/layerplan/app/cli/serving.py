@@ -66,7 +66,6 @@ def eval_command(**options) -> None:
     importlib.import_module("layerplan.app.cli.running").run_eval_command(**options)
 
 
-
 def _check_host(host: str) -> None:
     """A usage error for a --host that is no IP address and no host name (999.1.1.1, a space);
     whether a name is this machine's is known when the server binds it."""

@@ -251,9 +251,9 @@ def _build(spec: str, ctx: Context) -> Drafter:
             raise ValueError(f"cannot read '{spec}': expected DRAFT+vocab=K with K a token count, "
                              "e.g. exit:24+head+vocab=8192")
     keyword, sep, arg = text.partition(":")
-    if keyword not in DRAFTERS:  # a plan string or file ("skip:attn=3,5", "0-20")
-        keyword = PLAN_KEYWORD
-    kind = DRAFTERS.get(keyword, PLAN)
+    kind = DRAFTERS.get(keyword)
+    if kind is None:  # a plan string or file ("skip:attn=3,5", "0-20")
+        keyword, kind = PLAN_KEYWORD, PLAN
     if size is not None:
         if not kind.takes_head:
             raise ValueError(f"+vocab=K applies to layer-plan drafts (exit:E, exit:E+head, skip:...), not '{text}'")
