@@ -124,6 +124,39 @@ def _same_tokenizer(ours: Path, path: Path) -> None:
                                                                 reference.pad_token)
 
 
+def _same_in_part(index: Path) -> None:
+    """The index's tokenizer read in the part each text needs (lite/tokenizer_table.py) answers as
+    the whole tokenizer.json does: the corpus's lines one by one (the part grown as characters come),
+    then the corpus whole and random strings of its characters and the added tokens from a part
+    read back from the kept table; random ids decoded, special tokens skipped or not, ids past the
+    vocabulary among them; each added token's id."""
+    import random
+
+    from tokenizers import Tokenizer
+
+    from layerplan.lite.tokenizer_table import PartialTokenizer
+
+    whole = Tokenizer.from_file(str(index / "tokenizer.json"))
+    added = [token.content for token in whole.get_added_tokens_decoder().values()]
+    rng = random.Random(0)
+    alphabet = sorted(set(CORPUS)) + ["\u00e9", "\U0001f642", "\x00"] + added[:20]
+    texts = [*CORPUS.splitlines()[:60], CORPUS] + ["".join(rng.choices(alphabet, k=rng.randrange(1, 30)))
+                                                   for _ in range(100)]
+    for fresh in (True, False):  # (a part grown text by text, then one read back from the kept table)
+        part = PartialTokenizer.of_index(index)
+        assert part is not None
+        for text in (texts if fresh else texts[::-1]):
+            for special in (True, False):
+                assert part.encode(text, special) == whole.encode(text, add_special_tokens=special).ids, text
+    size = whole.get_vocab_size()
+    for _ in range(200):
+        ids = [rng.randrange(size + 3) for _ in range(rng.randrange(12))]
+        for skip in (True, False):
+            assert part.decode(ids, skip) == whole.decode(ids, skip_special_tokens=skip), ids
+    for token in added + ["the", "\u0120the", "\u2581the"]:
+        assert part.token_to_id(token) == whole.token_to_id(token), token
+
+
 def test_the_packaged_models_index_is_the_one_transformers_makes(tmp_path):
     """SmolLM2: a byte-level BPE vocabulary of 49,152 tokens, its merges, control tokens and chat template."""
     path = default_gguf_path()
@@ -133,6 +166,7 @@ def test_the_packaged_models_index_is_the_one_transformers_makes(tmp_path):
     _same_rotary(_facts(ours)["rotary"], _facts(theirs)["rotary"])
     assert _tokenizer_json(ours) == _tokenizer_json(theirs)
     _same_tokenizer(ours, path)
+    _same_in_part(ours)
 
 
 def _rewritten(path: Path, target: Path, add_vocabulary, rows: int | None = None) -> Path:
@@ -210,6 +244,7 @@ def test_byte_level_vocabularies_tokenize_as_transformers_converter_does(changes
     assert _tokenizer_json(ours) == _tokenizer_json(theirs)
     assert _facts(ours)["chat"] == _facts(theirs)["chat"]
     _same_tokenizer(ours, path)
+    _same_in_part(ours)
 
 
 def _sentencepiece_vocabulary() -> tuple[list[str], list[float], list[int]]:
@@ -267,6 +302,7 @@ def test_sentencepiece_vocabularies_tokenize_as_transformers_converter_does(chan
     assert _tokenizer_json(ours) == _tokenizer_json(theirs)
     assert len(_tokenizer_json(ours)["model"]["merges"]) > 300
     _same_tokenizer(ours, path)
+    _same_in_part(ours)
 
 
 def test_gemma_vocabularies_build_as_transformers_converter_builds_them(tmp_path, monkeypatch):
@@ -298,6 +334,9 @@ def test_gemma_vocabularies_build_as_transformers_converter_builds_them(tmp_path
     assert mine["model"]["vocab"]["\u2581\u2581"] == 301
     for text in (CORPUS, "  two  spaces ", "x\n\n  y"):
         assert sentencepiece_tokenizer(header).encode(text).ids[1:] == theirs.encode(text).ids
+    (tmp_path / "gemma").mkdir()
+    sentencepiece_tokenizer(header).save(str(tmp_path / "gemma" / "tokenizer.json"))
+    _same_in_part(tmp_path / "gemma")
 
 
 def test_a_file_outside_the_tables_is_left_to_transformers(tmp_path, monkeypatch):
@@ -350,6 +389,7 @@ def test_the_real_qwen_vocabulary_tokenizes_as_transformers_does(tmp_path):
     assert _facts(ours)["chat"] == _facts(theirs)["chat"]
     assert _tokenizer_json(ours) == _tokenizer_json(theirs)
     _same_tokenizer(ours, path)
+    _same_in_part(ours)
 
 
 @pytest.mark.real
@@ -366,6 +406,7 @@ def test_the_real_gemma_files_index_is_the_one_transformers_makes(tmp_path):
     _same_config(ours, theirs)
     assert _tokenizer_json(ours) == _tokenizer_json(theirs)
     _same_tokenizer(ours, path)
+    _same_in_part(ours)
 
 
 def test_a_new_index_sweeps_those_of_files_gone_or_rewritten(tmp_path, monkeypatch):

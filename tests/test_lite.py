@@ -484,19 +484,29 @@ TOKENIZER_TEXTS = ("The capital of France is", " leading space,  two spaces", "n
                    "<|im_start|>user\nHi<|im_end|>\n", "", "tabs\tand\nnewlines\n\n", "emoji 🙂 and bytes \x00")
 
 
-def test_the_tokenizer_process_answers_as_the_tokenizer_in_this_process():
+@pytest.mark.parametrize("partial", [False, True], ids=["whole", "in-part"])
+def test_the_tokenizer_process_answers_as_the_tokenizer_in_this_process(partial, monkeypatch):
     """encode (with and without the special tokens), decode (skipping them or not) and the EOS ids:
-    the same answers from the forked process as from LiteTokenizer; closing it reaps it."""
+    the same answers from the forked process as from LiteTokenizer, and from the tokenizer read
+    whole as read in part (lite/tokenizer_table.py, as a large tokenizer.json is); closing it reaps it."""
+    from tokenizers import Tokenizer
+
+    from layerplan.lite import tokenizer as lite_tokenizer
     from layerplan.lite.tokenizer import LiteTokenizer
     from layerplan.lite.tokenizer_process import TokenizerProcess
 
     index = _kept_smollm2_index()
+    if partial:
+        monkeypatch.setattr(lite_tokenizer, "SMALLEST_PARTIAL_BYTES", 0)
+    whole = Tokenizer.from_file(str(index / "tokenizer.json"))
+    assert (LiteTokenizer(index)._partial is not None) == partial
     local, process = LiteTokenizer(index), TokenizerProcess.start(index)
     try:
         assert process.ready().eos_ids == local.eos_ids and local.eos_ids
         for text in TOKENIZER_TEXTS:
             for special in (True, False):
                 ids = local.encode(text, special_tokens=special)
+                assert ids == whole.encode(text, add_special_tokens=special).ids
                 assert process.encode(text, special_tokens=special) == ids, text
                 for skip in (True, False):
                     assert process.decode(ids, skip_special_tokens=skip) == local.decode(ids, skip), text

@@ -13,17 +13,29 @@ from tokenizers import Tokenizer
 
 from layerplan.models.errors import ModelError
 
+# a tokenizer.json under this is parsed whole: its parse (SmolLM2's 1.5 MB: 0.1 s) takes what
+# numpy's import and the part's take (lite/tokenizer_table.py)
+SMALLEST_PARTIAL_BYTES = 4 << 20
+
 
 class LiteTokenizer:
     """The index's tokenizer.json through the `tokenizers` package, as transformers' tokenizer
     (transformers 5's TokenizersBackend) reads it: encode adds the special tokens its
     post-processor adds; decode skips special tokens and, where tokenizer_config.json asks, cleans
-    up spaces as transformers does."""
+    up spaces as transformers does. A tokenizer.json of SMALLEST_PARTIAL_BYTES or more is read
+    from its table in the part each text needs (lite/tokenizer_table.py), where the table covers it."""
 
     def __init__(self, index: Path) -> None:
         path = index / "tokenizer.json"
+        self._partial = None
         try:
-            self._tokenizer = Tokenizer.from_file(str(path))
+            if path.stat().st_size >= SMALLEST_PARTIAL_BYTES:
+                # a large BPE tokenizer from its table, in the part each text needs (imported here:
+                # it needs numpy, whose import a small tokenizer's process would only wait for)
+                from layerplan.lite.tokenizer_table import PartialTokenizer
+
+                self._partial = PartialTokenizer.of_index(index)
+            self._tokenizer = self._partial or Tokenizer.from_file(str(path))
         except Exception as error:  # (tokenizers raises its parse errors as Exception)
             raise ModelError(f"{path}: {error}") from None
         try:
@@ -31,8 +43,9 @@ class LiteTokenizer:
         except (OSError, ValueError):
             config = {}
         # transformers skips the clean-up for a BPE model unless told to corrupt its output anyway
+        bpe = self._partial is not None or type(self._tokenizer.model).__name__ == "BPE"
         self.clean_up = bool(config.get("clean_up_tokenization_spaces", False)) and (
-            type(self._tokenizer.model).__name__ != "BPE"
+            not bpe
             or bool(config.get("clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output")))
         eos = config.get("eos_token")
         eos = eos.get("content") if isinstance(eos, dict) else eos
@@ -44,6 +57,8 @@ class LiteTokenizer:
         return self
 
     def encode(self, text: str, special_tokens: bool = True) -> list[int]:
+        if self._partial is not None:
+            return self._partial.encode(text, add_special_tokens=special_tokens)
         return self._tokenizer.encode(text, add_special_tokens=special_tokens).ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:

@@ -1,9 +1,9 @@
 """A kept index's tokenizer in a process of its own, started first thing by `layerplan generate`.
 
-`tokenizers` parses tokenizer.json holding the interpreter's lock, and the parse is most of a
-later start: ~0.15 s for SmolLM2's 49,152 tokens, 1.4-2 s for Gemma 3's 262,144 tokens and
-514,906 merges. In the command's own process nothing else runs meanwhile (the imports, the index
-and the embedding need the lock too). Forked before those imports, a process of its own parses on
+`tokenizers` parses tokenizer.json holding the interpreter's lock, and the parse is a large part of
+a later start: ~0.1 s for SmolLM2's 49,152 tokens (a large tokenizer is read in the part its texts
+need instead: lite/tokenizer_table.py, 0.13 s for Gemma 3's 262,144 tokens). In the command's own
+process nothing else runs meanwhile (the imports, the index and the embedding need the lock too). Forked before those imports, a process of its own parses on
 the second core while this one imports numpy and reads the panels, and answers encode and decode
 over two pipes: the same answers as LiteTokenizer, which it runs.
 
