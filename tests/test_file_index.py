@@ -125,7 +125,7 @@ def _same_tokenizer(ours: Path, path: Path) -> None:
 
 
 def _same_in_part(index: Path) -> None:
-    """The index's tokenizer read in the part each text needs (lite/tokenizer_table.py) answers as
+    """The index's tokenizer read in the part each text needs (models/tokenizer_table.py) answers as
     the whole tokenizer.json does: the corpus's lines one by one (the part grown as characters come),
     then the corpus whole and random strings of its characters and the added tokens from a part
     read back from the kept table; random ids decoded, special tokens skipped or not, ids past the
@@ -134,7 +134,7 @@ def _same_in_part(index: Path) -> None:
 
     from tokenizers import Tokenizer
 
-    from layerplan.lite.tokenizer_table import PartialTokenizer
+    from layerplan.models.tokenizer_table import PartialTokenizer
 
     whole = Tokenizer.from_file(str(index / "tokenizer.json"))
     added = [token.content for token in whole.get_added_tokens_decoder().values()]
@@ -303,6 +303,31 @@ def test_sentencepiece_vocabularies_tokenize_as_transformers_converter_does(chan
     assert len(_tokenizer_json(ours)["model"]["merges"]) > 300
     _same_tokenizer(ours, path)
     _same_in_part(ours)
+
+
+def test_a_large_tokenizers_table_is_kept_with_its_index(tmp_path, monkeypatch):
+    """The index writer keeps the table of a tokenizer.json of PARTIAL_TOKENIZER_BYTES or more (a
+    later start reads it, not tokenizer.json), and none for a smaller one."""
+    from tokenizers import Tokenizer
+
+    from layerplan.models import file_index as index_writer
+    from layerplan.models import tokenizer_table
+    from layerplan.models.gguf_place import TOKENIZER_TABLE_FILE
+
+    tiny = write_tiny_gguf(tiny_hf("llama"), tmp_path / "tiny.gguf", "F32")
+    header = read_header(_with_sentencepiece(tiny, tmp_path / "model.gguf", {}))
+    small = write_file_index(header, tmp_path / "small", INDEX_VERSION, TENSORS_FILE)
+    assert not (small / TOKENIZER_TABLE_FILE).exists()
+    monkeypatch.setattr(index_writer, "PARTIAL_TOKENIZER_BYTES", 0)
+    large = write_file_index(header, tmp_path / "large", INDEX_VERSION, TENSORS_FILE)
+    assert (large / TOKENIZER_TABLE_FILE).exists()
+
+    def not_again(tokenizer_json):
+        raise AssertionError("the kept table was made again")
+
+    monkeypatch.setattr(tokenizer_table, "_build", not_again)
+    whole = Tokenizer.from_file(str(large / "tokenizer.json"))
+    assert tokenizer_table.PartialTokenizer.of_index(large).encode(CORPUS) == whole.encode(CORPUS).ids
 
 
 def test_gemma_vocabularies_build_as_transformers_converter_builds_them(tmp_path, monkeypatch):

@@ -488,7 +488,7 @@ TOKENIZER_TEXTS = ("The capital of France is", " leading space,  two spaces", "n
 def test_the_tokenizer_process_answers_as_the_tokenizer_in_this_process(partial, monkeypatch):
     """encode (with and without the special tokens), decode (skipping them or not) and the EOS ids:
     the same answers from the forked process as from LiteTokenizer, and from the tokenizer read
-    whole as read in part (lite/tokenizer_table.py, as a large tokenizer.json is); closing it reaps it."""
+    whole as read in part (models/tokenizer_table.py, as a large tokenizer.json is); closing it reaps it."""
     from tokenizers import Tokenizer
 
     from layerplan.lite import tokenizer as lite_tokenizer
@@ -497,7 +497,7 @@ def test_the_tokenizer_process_answers_as_the_tokenizer_in_this_process(partial,
 
     index = _kept_smollm2_index()
     if partial:
-        monkeypatch.setattr(lite_tokenizer, "SMALLEST_PARTIAL_BYTES", 0)
+        monkeypatch.setattr(lite_tokenizer, "PARTIAL_TOKENIZER_BYTES", 0)
     whole = Tokenizer.from_file(str(index / "tokenizer.json"))
     assert (LiteTokenizer(index)._partial is not None) == partial
     local, process = LiteTokenizer(index), TokenizerProcess.start(index)

@@ -1,4 +1,4 @@
-"""A BPE tokenizer read in the part each text needs (lite/tokenizer_table.py): the cases the
+"""A BPE tokenizer read in the part each text needs (models/tokenizer_table.py): the cases the
 index's own tokenizers do not reach (tests/test_file_index.py _same_in_part checks those): merges
 of byte-fallback tokens, a table kept from another tokenizer.json, tokenizers it leaves whole."""
 
@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers
 
-from layerplan.lite.tokenizer_table import TABLE_FILE, PartialTokenizer
+from layerplan.models.gguf_place import TOKENIZER_TABLE_FILE as TABLE_FILE
+from layerplan.models.tokenizer_table import PartialTokenizer
 
 
 def _saved(tokenizer: Tokenizer, folder: Path) -> Path:
@@ -53,7 +54,7 @@ def test_a_table_of_another_tokenizer_json_is_made_again(tmp_path):
 
 
 def test_an_index_the_table_cannot_be_written_to_is_read_without_it(tmp_path, monkeypatch):
-    from layerplan.lite import tokenizer_table
+    from layerplan.models import tokenizer_table
 
     def refuse(path, data):
         raise PermissionError(13, "Permission denied", str(path))

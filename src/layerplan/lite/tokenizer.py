@@ -12,27 +12,24 @@ from pathlib import Path
 from tokenizers import Tokenizer
 
 from layerplan.models.errors import ModelError
-
-# a tokenizer.json under this is parsed whole: its parse (SmolLM2's 1.5 MB: 0.1 s) takes what
-# numpy's import and the part's take (lite/tokenizer_table.py)
-SMALLEST_PARTIAL_BYTES = 4 << 20
+from layerplan.models.gguf_place import PARTIAL_TOKENIZER_BYTES
 
 
 class LiteTokenizer:
     """The index's tokenizer.json through the `tokenizers` package, as transformers' tokenizer
     (transformers 5's TokenizersBackend) reads it: encode adds the special tokens its
     post-processor adds; decode skips special tokens and, where tokenizer_config.json asks, cleans
-    up spaces as transformers does. A tokenizer.json of SMALLEST_PARTIAL_BYTES or more is read
-    from its table in the part each text needs (lite/tokenizer_table.py), where the table covers it."""
+    up spaces as transformers does. A tokenizer.json of PARTIAL_TOKENIZER_BYTES or more is read
+    from its table in the part each text needs (models/tokenizer_table.py), where the table covers it."""
 
     def __init__(self, index: Path) -> None:
         path = index / "tokenizer.json"
         self._partial = None
         try:
-            if path.stat().st_size >= SMALLEST_PARTIAL_BYTES:
+            if path.stat().st_size >= PARTIAL_TOKENIZER_BYTES:
                 # a large BPE tokenizer from its table, in the part each text needs (imported here:
                 # it needs numpy, whose import a small tokenizer's process would only wait for)
-                from layerplan.lite.tokenizer_table import PartialTokenizer
+                from layerplan.models.tokenizer_table import PartialTokenizer
 
                 self._partial = PartialTokenizer.of_index(index)
             self._tokenizer = self._partial or Tokenizer.from_file(str(path))

@@ -34,6 +34,8 @@ import numpy as np
 from layerplan.files import staging
 from layerplan.models.arch_table import ARCHITECTURES, HEAD, ArchSpec
 from layerplan.models.gguf_file import GGUFHeader
+from layerplan.models.gguf_place import PARTIAL_TOKENIZER_BYTES
+from layerplan.models.tokenizer_table import write_table
 
 # GGUF architecture -> (model_type, its config keys after "<arch>." -> the transformers config
 # attribute; None: read by transformers but kept nowhere). transformers' GGUF_CONFIG_MAPPING rows
@@ -345,17 +347,23 @@ def sentencepiece_merges(vocab: dict[str, int], ranks: dict[str, float],
     the lengths of the two halves (longest first); a token's own splits by their halves' ids.
     on_token(done, total) every _PROGRESS_EVERY tokens, and at the end."""
     found = []
+    add = found.append
     for done, (token, rank) in enumerate(ranks.items()):
         if on_token is not None and done % _PROGRESS_EVERY == 0:
             on_token(done, len(ranks))
-        splits = [(token[:cut], token[cut:]) for cut in range(1, len(token))
-                  if token[:cut] in vocab and token[cut:] in vocab]
-        splits.sort(key=lambda pair: (vocab[pair[0]], vocab[pair[1]]))
-        found.extend((left, right, rank) for left, right in splits)
+        size = len(token)
+        for cut in range(1, size):
+            left = token[:cut]
+            if left in vocab:
+                right = token[cut:]
+                if right in vocab:
+                    add((rank, cut, size - cut, left, right))
     if on_token is not None:
         on_token(len(ranks), len(ranks))
-    found.sort(key=lambda merge: (merge[2], len(merge[0]), len(merge[1])), reverse=True)
-    return [(left, right) for left, right, _ in found]
+    # (a stable sort: equal keys keep the tokens' order; a token's own splits never tie, their
+    # halves' lengths differ, so transformers' order of them by id needs no sort of its own)
+    found.sort(key=lambda merge: merge[:3], reverse=True)
+    return [(left, right) for _, _, _, left, right in found]
 
 
 def _with_special_tokens(tokenizer, header: GGUFHeader, vocab, control: Callable[[str], bool], named: bool = False):
@@ -520,9 +528,11 @@ def write_file_index(header: GGUFHeader, target: Path, version: int, tensors_fil
             tokenizer = vocabulary_tokenizer(header, on_progress)
             if on_progress is not None:
                 on_progress(WRITING_TOKENIZER, 0, 1)
-            tokenizer_json = json.loads(tokenizer.to_str())
-            (staged / "tokenizer.json").write_text(json.dumps(with_string_merges(tokenizer_json), ensure_ascii=False),
-                                                   encoding="utf-8")
+            tokenizer_json = with_string_merges(json.loads(tokenizer.to_str()))
+            written = (staged / "tokenizer.json").write_text(json.dumps(tokenizer_json, ensure_ascii=False),
+                                                             encoding="utf-8")
+            if written >= PARTIAL_TOKENIZER_BYTES:  # (what a later start reads instead of it)
+                write_table(staged, tokenizer_json)
             (staged / "tokenizer_config.json").write_text(json.dumps(special, indent=2))
             if on_progress is not None:
                 on_progress(WRITING_TOKENIZER, 1, 1)

@@ -12,6 +12,11 @@ from pathlib import Path
 from layerplan.files import cache_dir
 
 TENSORS_FILE = "tensors.json"
+# a large BPE tokenizer's table beside its tokenizer.json (models/tokenizer_table.py), kept for a
+# tokenizer.json of PARTIAL_TOKENIZER_BYTES or more: a smaller one (SmolLM2's 1.5 MB: 0.1 s) parses
+# whole in the time numpy's import and the part take
+TOKENIZER_TABLE_FILE = "tokenizer.table.npz"
+PARTIAL_TOKENIZER_BYTES = 4 << 20
 # what an index holds; an index of an older version is made again (in a folder of its own)
 INDEX_VERSION = 4  # 4: Gemma 3's rotary tables by layer type (a v3 index made before them holds none)
 

@@ -18,12 +18,13 @@ text, its normalization, its pre-tokenization and those of each of its character
 Decoding needs no model: each id's token (the added vocabulary's first), special tokens left out
 where asked, then the tokenizer's own decoder, as tokenizers' TokenizerImpl::decode does.
 
-The table (TABLE_FILE, beside tokenizer.json in the index) holds the vocabulary as UTF-8 with
-offsets, each token's distinct characters (postings by character), the merges as id triples and
-the tokenizer.json without its vocabulary and merges (the "frame"). It is made once from
-tokenizer.json (atomically) and made again when that file changes. Tokenizers it does not cover
-(not BPE, dropout, subword prefixes or suffixes, an added token outside the vocabulary) have none:
-their tokenizer.json is parsed whole.
+The table (TOKENIZER_TABLE_FILE, beside tokenizer.json in the index) holds the vocabulary as
+UTF-8 with offsets, each token's distinct characters (postings by character), the merges as id
+triples and the tokenizer.json without its vocabulary and merges (the "frame"). The index writer
+keeps it with a large tokenizer.json (models/file_index.py); a reader makes it where it is absent or
+of another tokenizer.json. Tokenizers it does not cover (not BPE, dropout, subword prefixes or
+suffixes, a normalizer or pre-tokenizer that does not map each character alone, an added token
+outside the vocabulary) have an empty one: their tokenizer.json is parsed whole.
 """
 
 from __future__ import annotations
@@ -39,8 +40,8 @@ import numpy as np
 from tokenizers import Tokenizer, models
 
 from layerplan.files import write_bytes_atomic
+from layerplan.models.gguf_place import TOKENIZER_TABLE_FILE
 
-TABLE_FILE = "tokenizer.table.npz"
 TABLE_VERSION = 1
 _BPE_OPTIONS = ("unk_token", "fuse_unk", "byte_fallback", "ignore_merges")
 
@@ -143,6 +144,26 @@ def _read(path: Path, stamp: np.ndarray) -> dict[str, np.ndarray] | None:
     return arrays
 
 
+def write_table(index: Path, tokenizer_json: dict) -> dict[str, np.ndarray]:
+    """Keep the table of the index's tokenizer.json, whose contents are `tokenizer_json` (an empty
+    one where it does not cover the tokenizer: not looked at again), atomically; its arrays. An
+    index it cannot be written to is left without (it is made again at the next read)."""
+    collecting = gc.isenabled()
+    gc.disable()  # (millions of new strings and lists: the collector's passes would be a third of it)
+    try:
+        arrays = _build(tokenizer_json) or {}
+    finally:
+        if collecting:
+            gc.enable()
+    buffer = io.BytesIO()
+    np.savez(buffer, stamp=_source_stamp(index / "tokenizer.json"), **arrays)
+    try:
+        write_bytes_atomic(index / TOKENIZER_TABLE_FILE, buffer.getvalue())
+    except OSError:  # (a read-only index)
+        pass
+    return arrays
+
+
 class PartialTokenizer:
     """tokenizers.Tokenizer's encode, decode and token_to_id for a BPE tokenizer, from the table:
     encode by the part of the model the texts so far need (made again when a text brings a character
@@ -169,23 +190,10 @@ class PartialTokenizer:
     def of_index(cls, index: Path) -> PartialTokenizer | None:
         """The index's tokenizer from its table (made now where absent or stale); None where the
         table does not cover it (then tokenizer.json is parsed whole)."""
-        source, path = index / "tokenizer.json", index / TABLE_FILE
-        stamp = _source_stamp(source)
-        arrays = _read(path, stamp)
+        source = index / "tokenizer.json"
+        arrays = _read(index / TOKENIZER_TABLE_FILE, _source_stamp(source))
         if arrays is None:
-            collecting = gc.isenabled()
-            gc.disable()  # (millions of new strings and lists: the collector's passes would be a third of it)
-            try:
-                arrays = _build(json.loads(source.read_text())) or {}
-            finally:
-                if collecting:
-                    gc.enable()
-            buffer = io.BytesIO()
-            np.savez(buffer, stamp=stamp, **arrays)
-            try:
-                write_bytes_atomic(path, buffer.getvalue())
-            except OSError:  # (a read-only index: made again next time)
-                pass
+            arrays = write_table(index, json.loads(source.read_text()))
         return cls(arrays) if arrays else None
 
     def _word(self, token_id: int) -> str:
