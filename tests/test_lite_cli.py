@@ -255,6 +255,8 @@ def test_the_light_exploration_prints_and_writes_what_the_torch_one_does(cache, 
     for result in written:
         result.pop("seconds")
     assert written[0] == written[1] and len(written[0]["rows"]) == 5
+    for run in (torch_argv, argv):  # (the journal of finished rows goes once explore.json is written)
+        assert not (Path(run[-1]) / "explore.partial.jsonl").exists()
 
 
 @pytest.mark.parametrize("bad", [BAD_PERPLEXITY, BAD_SCAN])

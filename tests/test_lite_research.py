@@ -16,7 +16,7 @@ from layerplan.engine.load import load_model
 from layerplan.lite.evaluator import LitePlanEvaluator, explore_lite, measure_lite_costs
 from layerplan.lite.model import LiteModel
 from layerplan.search.evaluator import explore
-from layerplan.search.explore import recompute_rewind_grid
+from layerplan.search.explore import explore_journal, recompute_rewind_grid
 from layerplan.search.importance import scan_plans
 from layerplan.search.plan_search import search_plans
 from layerplan.search.reference import LogitsReference
@@ -89,6 +89,30 @@ def test_the_light_exploration_is_the_torch_front_ends(tmp_path):
     got = explore_lite(lite, IDS, [lite.plan(p.to_string()) for p in plans])
     assert got.rows == want.rows and (got.base_perplexity, got.tokens) == (want.base_perplexity, want.tokens)
     assert len(got.rows) == 3 and got.rows[-1].added_compute > 0
+
+
+def test_an_interrupted_exploration_runs_only_the_rest_on_either_front_end(tmp_path):
+    """explore's journal keeps each finished row: a grid interrupted on the light front end and
+    started again on the torch one (the same numbers) runs only the plans not in it and gives the
+    uninterrupted grid's rows; a line cut short is ignored; other ids start the journal afresh."""
+    model, lite = _pair(tmp_path, "llama", "Q8_0", "stored-fast")
+    plans = recompute_rewind_grid(model, [2, 3], [1, 2]) + [model.plan("0,0,1,2")]
+    whole = explore(model, torch.tensor([IDS]), plans)
+    journal = explore_journal(tmp_path / "out")
+
+    def interrupted(done, total):
+        if done == 2:
+            raise KeyboardInterrupt
+    with pytest.raises(KeyboardInterrupt):
+        explore_lite(lite, IDS, [lite.plan(p.to_string()) for p in plans], interrupted, journal)
+    with journal.path.open("a") as kept:
+        kept.write('{"plan": "0-2,1')  # (the process killed mid-line)
+    again = explore(model, torch.tensor([IDS]), plans, journal=explore_journal(tmp_path / "out"))
+    assert again.rows == whole.rows and again.resumed == 2
+    fresh = explore(model, torch.tensor([IDS[:-1]]), plans, journal=explore_journal(tmp_path / "out"))
+    assert fresh.resumed == 0 and fresh.tokens == len(IDS) - 1
+    explore_journal(tmp_path / "out").remove()
+    assert not journal.path.exists()
 
 
 @pytest.mark.parametrize("block_rows, chunk_rows", [(256, 32), (4, 3), (5, 1)])

@@ -31,7 +31,7 @@ from layerplan.models.file_index import WRITING_TOKENIZER
 from layerplan.models.gguf_index import file_index
 from layerplan.models.gguf_place import TENSORS_FILE, gguf_of, index_folder
 from layerplan.plan.plan import LayerPlan, PlanError
-from layerplan.search.explore import ExploreResult, grid_numbers, recompute_rewind_grid
+from layerplan.search.explore import ExploreResult, explore_journal, grid_numbers, recompute_rewind_grid
 from layerplan.search.importance import ScanJournal, ScanResult, check_kinds, journal_path, scan_plans
 from layerplan.search.windows import added_bos, chunk_perplexity, logits_divergence, sliding_perplexity
 
@@ -203,9 +203,11 @@ def run_explore(request: LiteExploreRequest, report: Callable[[ExploreResult], N
         calibration = given_text(request.text)
         model = load_for(request)
         candidates = recompute_rewind_grid(model, *numbers) + [model.plan(p) for p in request.plans]
+        journal = explore_journal(request.out)
         result = explore_lite(model, calibration_ids(model, calibration, request.tokens), candidates,
-                              _bar("explore", "plans"))
+                              _bar("explore", "plans"), journal)
         report(result)
+        journal.remove()
     except ENDINGS as error:
         return ended_by(error)
     return 0

@@ -20,6 +20,7 @@ from layerplan.engine.kernel_library import ABI, check, library
 from layerplan.lite.model import LiteModel
 from layerplan.plan.plan import LayerPlan
 from layerplan.search.explore import ExploreResult, explore_plans
+from layerplan.search.journal import RowJournal
 from layerplan.search.reference import CostModel, LogitsReference, ResumingEvaluator, SubLayer, measured_costs
 from layerplan.search.windows import Divergence
 
@@ -52,15 +53,17 @@ def measure_lite_costs(model: LiteModel, context: int = 128, repeats: int = 12) 
 
 
 def explore_lite(model: LiteModel, ids: Sequence[int], plans: Sequence[LayerPlan],
-                 on_progress: Callable[[int, int], None] | None = None) -> ExploreResult:
+                 on_progress: Callable[[int, int], None] | None = None,
+                 journal: RowJournal | None = None) -> ExploreResult:
     """search/explore.py explore_plans on the light front end's model: each plan's logits on ids
-    from the embeddings (one lp_forward pass), as search/evaluator.py explore on torch's."""
+    from the embeddings (one lp_forward pass), as search/evaluator.py explore on torch's
+    (journal: see explore_plans)."""
     def logits_of_plan(plan: LayerPlan | None):
         logits = model.logits(ids, model.new_cache(plan or model.plan(), len(ids)), 0, last_only=False)
         return lambda _, start, end: logits[start:end]
 
     reference = LogitsReference(logits_of_plan(None), np.asarray(ids, np.int64))
-    return explore_plans(reference, logits_of_plan, plans, model.name, model.num_layers, on_progress)
+    return explore_plans(reference, logits_of_plan, plans, model.name, model.num_layers, on_progress, journal)
 
 
 class LitePlanEvaluator(ResumingEvaluator):

@@ -13,6 +13,7 @@ from layerplan.models.loading import LoadedModel
 from layerplan.plan.plan import LayerPlan
 from layerplan.search.evaluate import Divergence, Reference
 from layerplan.search.explore import ExploreResult, explore_plans
+from layerplan.search.journal import RowJournal
 from layerplan.search.reference import CostModel, LogitsReference, ResumingEvaluator, measured_costs
 
 
@@ -66,12 +67,12 @@ class PlanEvaluator(ResumingEvaluator):
 
 @torch.inference_mode()
 def explore(model: LoadedModel, ids: torch.Tensor, plans: Sequence[LayerPlan],
-            on_progress: Callable[[int, int], None] | None = None) -> ExploreResult:
+            on_progress: Callable[[int, int], None] | None = None, journal: RowJournal | None = None) -> ExploreResult:
     """search/explore.py explore_plans on the torch front end's model: each plan's logits on ids
-    (B, T) from the embeddings."""
+    (B, T) from the embeddings (journal: see explore_plans)."""
     def logits_of_plan(plan: LayerPlan | None):
         logits = forward(model, ids, plan)
         return lambda b, start, end: logits[b, start:end].float().cpu().numpy().copy()
 
     reference = LogitsReference(logits_of_plan(None), ids.cpu().numpy())
-    return explore_plans(reference, logits_of_plan, plans, model.name, model.num_layers, on_progress)
+    return explore_plans(reference, logits_of_plan, plans, model.name, model.num_layers, on_progress, journal)

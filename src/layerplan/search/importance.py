@@ -10,7 +10,6 @@ candidate there, so that the same scan started again after an interruption runs 
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import time
@@ -18,8 +17,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from layerplan.files import cache_dir, write_json_atomic, write_text_atomic
+from layerplan.files import cache_dir, write_json_atomic
 from layerplan.plan.plan import PlanError
+from layerplan.search.journal import RowJournal, ids_digest
 from layerplan.search.reference import ResumingEvaluator
 
 KINDS = ("attention", "mlp", "layer")
@@ -135,17 +135,15 @@ class ExpertRouting:
 
 
 class ScanJournal:
-    """A scan's finished candidates as JSON lines in `path` (beside the scan's outputs), each
-    appended as it finishes. Its first line names the scan: the model, base plan, a digest of the
-    calibration ids, reuse, and the base plan's perplexity (which another arithmetic or text
-    changes); a scan started again with the same name takes the candidates found there (a line an
-    interruption cut short is ignored), any other starts the journal afresh. `remove` once the
-    scan's outputs are written."""
+    """A scan's finished candidates in a RowJournal (search/journal.py) at `path`, beside the
+    scan's outputs. Its header names the scan: the model, base plan, a digest of the calibration
+    ids, reuse, and the base plan's perplexity (which another arithmetic or text changes).
+    `remove` once the scan's outputs are written."""
 
     def __init__(self, path: str | os.PathLike, ids: Sequence[int]) -> None:
         self.path = Path(path)
-        self.ids_digest = hashlib.sha256(",".join(map(str, ids)).encode()).hexdigest()[:16]
-        self._file = None
+        self.ids_digest = ids_digest(ids)
+        self._journal = RowJournal(self.path)
 
     def open(self, result: ScanResult) -> dict[tuple[str, int], ScanItem]:
         """Start the journal for the scan `result` begins; the finished candidates of an earlier
@@ -153,44 +151,24 @@ class ScanJournal:
         header = {"model": result.model, "base_plan": result.base_plan, "tokens": result.tokens,
                   "ids": self.ids_digest, "reuse": result.reuse, "base_perplexity": repr(result.base_perplexity)}
         found: dict[tuple[str, int], ScanItem] = {}
-        try:
-            lines = self.path.read_text().splitlines()
-        except OSError:
-            lines = []
-        if lines and _json_line(lines[0]) == header:
-            for line in lines[1:]:
-                try:
-                    item = ScanItem(**json.loads(line))
-                except (ValueError, TypeError):
-                    continue
-                found[(item.kind, item.step)] = item
-        # (written whole and atomically: an interruption now leaves the earlier journal as it was)
-        write_text_atomic(self.path, "".join(json.dumps(line) + "\n"
-                                             for line in (header, *(asdict(item) for item in found.values()))))
-        self._file = open(self.path, "a", encoding="utf-8")
+        for row in self._journal.open(header):
+            try:
+                item = ScanItem(**row)
+            except TypeError:
+                continue
+            found[(item.kind, item.step)] = item
         return found
 
     def record(self, item: ScanItem) -> None:
-        self._file.write(json.dumps(asdict(item)) + "\n")
-        self._file.flush()
+        self._journal.record(asdict(item))
 
     def remove(self) -> None:
-        if self._file is not None:
-            self._file.close()
-            self._file = None
-        self.path.unlink(missing_ok=True)
+        self._journal.remove()
 
 
 def journal_path(out: str | os.PathLike, exits: bool) -> Path:
     """Where `layerplan scan --out OUT` keeps its journal: beside scan.json (exits.json)."""
     return Path(out) / f"{'exits' if exits else 'scan'}.partial.jsonl"
-
-
-def _json_line(line: str):
-    try:
-        return json.loads(line)
-    except ValueError:
-        return None
 
 
 def check_kinds(kinds: Sequence[str]) -> None:

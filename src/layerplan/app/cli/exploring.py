@@ -109,7 +109,9 @@ def report_explore(result: ExploreResult, out: str) -> None:
     explore_plot(result, out_dir / "explore.png")
     best = result.best()
     click.echo(f"\nfull model perplexity {result.base_perplexity:.3f}; best order {best.plan} "
-               f"({best.perplexity:.3f}, {best.added_compute:+.0%} compute)")
+               f"({best.perplexity:.3f}, {best.added_compute:+.0%} compute)"
+               + (f"; {result.resumed} of {len(result.rows)} rows kept from the interrupted run before"
+                  if result.resumed else ""))
     click.echo(f"wrote {out_dir / 'explore.json'} and {out_dir / 'explore.png'}")
 
 

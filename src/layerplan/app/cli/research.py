@@ -35,7 +35,7 @@ from layerplan.search.blocks import MergeSpace, parse_range, parse_repeats, pars
 from layerplan.search.evaluate import calibration_ids, perplexity, perplexity_in_chunks
 from layerplan.search.evaluate import compare as run_compare
 from layerplan.search.evaluator import explore as run_explore
-from layerplan.search.explore import grid_numbers, recompute_rewind_grid
+from layerplan.search.explore import explore_journal, grid_numbers, recompute_rewind_grid
 from layerplan.search.measure_registry import MeasureInputs, check_measures
 from layerplan.search.objectives import OBJECTIVES
 from layerplan.search.plan_search import check_method
@@ -104,9 +104,11 @@ def run_explore_command(model, dtype, device, threads, recompute, rewind, plans,
         candidates = recompute_rewind_grid(loaded, numbers["recompute"], numbers["rewind"])
         candidates += [loaded.plan(p) for p in plans]
         ids = calibration_ids(loaded, calibration, tokens or 512)
+        journal = explore_journal(out)
         with Progress("explore") as progress:
-            result = run_explore(loaded, ids, candidates, on_progress=progress)
+            result = run_explore(loaded, ids, candidates, on_progress=progress, journal=journal)
         report_explore(result, out)
+        journal.remove()
 
 
 def _explore_merges(model, dtype, device, blocks, layer_range, max_len, repeats, measures, rank,
