@@ -34,7 +34,8 @@ CLI = ("import resource, sys\nsys.argv = ['layerplan', *sys.argv[1:]]\nfrom laye
 
 
 def _env(src: str | None, **extra: str) -> dict:
-    env = {**os.environ, **extra}
+    # (each checkout's kernels keep their panels: the two builds alternate, neither packs again)
+    env = {**os.environ, "LAYERPLAN_PANEL_BUILDS": "2", **extra}
     if src is not None:
         env["PYTHONPATH"] = src + os.pathsep + env.get("PYTHONPATH", "")
     return env

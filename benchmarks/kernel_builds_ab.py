@@ -41,7 +41,7 @@ SHAPES = [("qkv", "Q4_K", 1792, 1536, 28), ("o", "Q4_K", 1536, 1536, 28), ("gate
 def library_built(src: str | None, flags: str | None) -> Path:
     """The path of the kernels built from `src` (another checkout's src; None: this one) with
     `flags` (LAYERPLAN_KERNEL_FLAGS; None: as set here)."""
-    env = dict(os.environ)
+    env = dict(os.environ, LAYERPLAN_PANEL_BUILDS="2")  # (both builds keep their panels as they alternate)
     if src is not None:
         env["PYTHONPATH"] = src
     if flags is not None:

@@ -643,11 +643,12 @@ def test_kept_panels_of_files_gone_go_first_and_small_files_count_against_a_larg
     assert kept == ["large", "s1", "s4"]
 
 
-def test_a_files_panels_of_older_kernels_go_beyond_two_builds_of_an_isa(tmp_path, monkeypatch):
+def test_a_files_panels_of_older_kernels_go_beyond_the_kept_builds_of_an_isa(tmp_path, monkeypatch):
     """Each kernels build packs a file's panels into a folder of its own: at a new build's first
-    load, the same file's folders of older builds of the same ISA beyond KEPT_BUILDS (the two most
-    recently used) go, and one made before builds were recorded counts as such; another ISA's, and
-    other files', stay."""
+    load, the same file's folders of older builds of the same ISA go (KEPT_BUILDS: the most
+    recently used alone; $LAYERPLAN_PANEL_BUILDS=2 the two most recently used), and one made before
+    builds were recorded counts as such; another ISA's, other files', and any used in the last
+    minute stay."""
     import os
     import time
 
@@ -656,6 +657,7 @@ def test_a_files_panels_of_older_kernels_go_beyond_two_builds_of_an_isa(tmp_path
     from layerplan.engine.panel_cache import BUILD_RECORD, PanelCache
 
     monkeypatch.setenv("LAYERPLAN_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("LAYERPLAN_PANEL_BUILDS", "2")
     model, other = tmp_path / "model.gguf", tmp_path / "other.gguf"
     model.write_bytes(b"x")
     other.write_bytes(b"y")
@@ -667,6 +669,9 @@ def test_a_files_panels_of_older_kernels_go_beyond_two_builds_of_an_isa(tmp_path
         os.utime(folder, (time.time() - 3600 * hours_ago,) * 2)
         return folder
 
+    def kept():
+        return sorted(p.name for p in (tmp_path / "cache" / "panels").iterdir())
+
     old = load(model, "v1", 9)
     (old / BUILD_RECORD).unlink()  # made before builds were recorded
     os.utime(old, (time.time() - 3600 * 9,) * 2)
@@ -674,12 +679,15 @@ def test_a_files_panels_of_older_kernels_go_beyond_two_builds_of_an_isa(tmp_path
     isa["name"] = "avx512vnni"
     wide = load(model, "v2-avx512vnni", 6)  # (a kernels key names its ISA)
     isa["name"] = "avx2"
-    v3 = load(model, "v3", 5)  # kept: v3 and v2 of avx2; old (no record) goes
-    assert sorted(p.name for p in (tmp_path / "cache" / "panels").iterdir()) == sorted(
-        p.name for p in (v2, others, wide, v3))
-    v4 = PanelCache.for_file(model, "v4").folder  # v2 goes, v3 stays: two avx2 builds
-    assert sorted(p.name for p in (tmp_path / "cache" / "panels").iterdir()) == sorted(
-        p.name for p in (others, wide, v3, v4))
+    v3 = load(model, "v3", 5)  # two kept: v3 and v2 of avx2; old (no record) goes
+    assert kept() == sorted(p.name for p in (v2, others, wide, v3))
+    v4 = load(model, "v4", 4)  # v2 goes, v3 stays: two avx2 builds
+    assert kept() == sorted(p.name for p in (others, wide, v3, v4))
+    monkeypatch.delenv("LAYERPLAN_PANEL_BUILDS")
+    v5 = load(model, "v5", 0)  # the default: v5 alone of avx2
+    assert kept() == sorted(p.name for p in (others, wide, v5))
+    v6 = PanelCache.for_file(model, "v6").folder  # v5, used in the last minute, stays
+    assert kept() == sorted(p.name for p in (others, wide, v5, v6))
 
 
 def test_kept_panels_are_read_in_parts_and_a_short_part_is_named(tmp_path, monkeypatch):

@@ -12,7 +12,8 @@ and its folder the file's identity (path, size, modification time, inode) and ke
 changed file or changed kernels never read old panels. A folder records its file
 (models/gguf_index.py SOURCE_RECORD) and the ISA of the kernels that packed it (BUILD_RECORD). Each
 time a file's panels are first kept: the file's panels packed by older kernels of the same ISA
-beyond KEPT_BUILDS go (an upgrade's kernels would otherwise leave a 7B's 4 GB behind each time),
+beyond KEPT_BUILDS ($LAYERPLAN_PANEL_BUILDS) go (an upgrade's kernels would otherwise leave a 7B's
+4 GB behind each time),
 then the panels of files gone or changed, then the least recently loaded files' beyond KEPT_BYTES
 ($LAYERPLAN_PANEL_CACHE_BYTES), then the least recently loaded small files' beyond KEPT_FOLDERS
 files (a small file's panels are packed again in a moment; a large file's cost seconds, and go only
@@ -40,9 +41,10 @@ from layerplan.models.gguf_index import SOURCE_RECORD, StoredTensor, recorded_so
 KEPT_BYTES = 16 << 30  # the most kept panels take on disk (a 7B Q4_K_M file's are ~4.4 GB)
 KEPT_FOLDERS = 32  # the most files whose panels are kept, counting only small ones
 SMALL_FOLDER_BYTES = 16 << 20  # panels packed again in well under a second
-# a file's panels kept per ISA: this build's and the one before (two checkouts timed in turns keep
-# theirs); a folder records its build's ISA here
-KEPT_BUILDS = 2
+# a file's panels kept per ISA: this build's alone (an upgrade's kernels pack the file again, and the
+# older build's panels, the file's size again on disk, go); $LAYERPLAN_PANEL_BUILDS keeps more (two
+# checkouts timed in turns: benchmarks/ab_checkouts.py); a folder records its build's ISA here
+KEPT_BUILDS = 1
 BUILD_RECORD = "kernels.json"
 
 
@@ -179,7 +181,11 @@ def _sweep_builds(root: Path, new: Path) -> None:
                 builds.append((folder.stat().st_mtime, folder))
         except OSError:  # removed meanwhile by another process
             pass
-    for mtime, folder in sorted(builds, reverse=True)[KEPT_BUILDS - 1:]:
+    try:
+        kept = max(1, int(os.environ.get("LAYERPLAN_PANEL_BUILDS", KEPT_BUILDS)))
+    except ValueError:
+        kept = KEPT_BUILDS
+    for mtime, folder in sorted(builds, reverse=True)[kept - 1:]:
         if time.time() - mtime > 60:
             shutil.rmtree(folder, ignore_errors=True)
 
