@@ -33,7 +33,7 @@ print(loaded - start, getattr(model.native, "file", None) is not None,
 
 
 def one_run(path: str, src: str | None) -> dict:
-    env = dict(os.environ)
+    env = dict(os.environ, LAYERPLAN_PANEL_BUILDS="2")  # (both checkouts keep their panels as they alternate)
     if src is not None:  # (ahead of the editable install's path)
         env["PYTHONPATH"] = src + os.pathsep + env.get("PYTHONPATH", "")
     start = time.perf_counter()
