@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 
 from layerplan.files import staging
+from layerplan.heap import collector_paused
 from layerplan.models.arch_table import ARCHITECTURES, HEAD, ArchSpec
 from layerplan.models.gguf_file import GGUFHeader
 from layerplan.models.gguf_place import PARTIAL_TOKENIZER_BYTES
@@ -525,14 +526,15 @@ def write_file_index(header: GGUFHeader, target: Path, version: int, tensors_fil
     with staged_index(target, tensors_file) as staged:
         (staged / "config.json").write_text(json.dumps(config, indent=2))
         if has_vocabulary:
-            tokenizer = vocabulary_tokenizer(header, on_progress)
-            if on_progress is not None:
-                on_progress(WRITING_TOKENIZER, 0, 1)
-            tokenizer_json = with_string_merges(json.loads(tokenizer.to_str()))
-            written = (staged / "tokenizer.json").write_text(json.dumps(tokenizer_json, ensure_ascii=False),
-                                                             encoding="utf-8")
-            if written >= PARTIAL_TOKENIZER_BYTES:  # (what a later start reads instead of it)
-                write_table(staged, tokenizer_json)
+            with collector_paused():  # (a large vocabulary: millions of strings, lists and tuples)
+                tokenizer = vocabulary_tokenizer(header, on_progress)
+                if on_progress is not None:
+                    on_progress(WRITING_TOKENIZER, 0, 1)
+                tokenizer_json = with_string_merges(json.loads(tokenizer.to_str()))
+                source = staged / "tokenizer.json"
+                source.write_text(json.dumps(tokenizer_json, ensure_ascii=False), encoding="utf-8")
+                if source.stat().st_size >= PARTIAL_TOKENIZER_BYTES:  # (what a later start reads instead)
+                    write_table(staged, tokenizer_json)
             (staged / "tokenizer_config.json").write_text(json.dumps(special, indent=2))
             if on_progress is not None:
                 on_progress(WRITING_TOKENIZER, 1, 1)

@@ -29,7 +29,6 @@ outside the vocabulary) have an empty one: their tokenizer.json is parsed whole.
 
 from __future__ import annotations
 
-import gc
 import io
 import json
 import zipfile
@@ -40,6 +39,7 @@ import numpy as np
 from tokenizers import Tokenizer, models
 
 from layerplan.files import write_bytes_atomic
+from layerplan.heap import collector_paused
 from layerplan.models.gguf_place import TOKENIZER_TABLE_FILE
 
 TABLE_VERSION = 1
@@ -148,13 +148,8 @@ def write_table(index: Path, tokenizer_json: dict) -> dict[str, np.ndarray]:
     """Keep the table of the index's tokenizer.json, whose contents are `tokenizer_json` (an empty
     one where it does not cover the tokenizer: not looked at again), atomically; its arrays. An
     index it cannot be written to is left without (it is made again at the next read)."""
-    collecting = gc.isenabled()
-    gc.disable()  # (millions of new strings and lists: the collector's passes would be a third of it)
-    try:
+    with collector_paused():  # (millions of new strings and lists)
         arrays = _build(tokenizer_json) or {}
-    finally:
-        if collecting:
-            gc.enable()
     buffer = io.BytesIO()
     np.savez(buffer, stamp=_source_stamp(index / "tokenizer.json"), **arrays)
     try:
