@@ -305,6 +305,26 @@ def test_sentencepiece_vocabularies_tokenize_as_transformers_converter_does(chan
     _same_in_part(ours)
 
 
+def test_merges_are_written_as_the_tokenizers_package_writes_them():
+    """merge_entries (a BPE model's merges written without building it into the model): what
+    Tokenizer.to_str writes for the same merges, a repeated pair where it last occurs, "a b" or
+    [a, b] by whether a part holds a space; a merge outside the vocabulary refused."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import BPE
+
+    from layerplan.models.file_index import merge_entries, with_string_merges
+
+    vocab = {w: i for i, w in enumerate(["a", "b", "c", "ab", "bc", "abc", "a b", " ", "a ", "a a "])}
+    for merges in ([("a", "b"), ("b", "c"), ("ab", "c")],
+                   [("a", "b"), ("b", "c"), ("a", "b"), ("ab", "c")],  # a repeat: the later place
+                   [("a", "b"), ("a", " "), ("a ", "a ")]):  # parts with spaces: written as lists
+        written = json.loads(Tokenizer(BPE(vocab=vocab, merges=merges)).to_str())["model"]["merges"]
+        assert merge_entries(vocab, merges) == with_string_merges({"model": {"merges": written}})["model"]["merges"]
+    for bad in ([("a", "c")], [("a", "x")], [("a", "b", "c")]):
+        with pytest.raises(ValueError, match="merge"):
+            merge_entries(vocab, bad)
+
+
 def test_a_large_tokenizers_table_is_kept_with_its_index(tmp_path, monkeypatch):
     """The index writer keeps the table of a tokenizer.json of PARTIAL_TOKENIZER_BYTES or more (a
     later start reads it, not tokenizer.json), and none for a smaller one."""

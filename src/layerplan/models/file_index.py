@@ -24,8 +24,9 @@ from __future__ import annotations
 import json
 import os
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -270,11 +271,26 @@ def _token_of(header: GGUFHeader, key: str) -> str | None:
     return header.metadata["tokenizer.ggml.tokens"][int(token_id)] if token_id is not None else None
 
 
+@dataclass(frozen=True)
+class VocabularyParts:
+    """A file's tokenizer as built (a `tokenizers` Tokenizer, its BPE model without merges where
+    they are kept apart), the vocabulary it maps and the merges."""
+
+    tokenizer: Any
+    vocab: dict[str, int]
+    merges: list[tuple[str, ...]]
+    derived: bool = False  # the merges derived from the vocabulary (sentencepiece_merges), not the file's
+
+
 def byte_level_tokenizer(header: GGUFHeader):
     """The file's byte-level BPE vocabulary as transformers' GGUF converter builds it (GPT2Tokenizer
     over the vocabulary respelled in GPT-2's byte alphabet and the file's merges; control tokens
     added as special, user-defined ones as plain added tokens; the pre-tokenizer's split by
     tokenizer.ggml.pre; a post-processor adding BOS / EOS where the file asks)."""
+    return _byte_level_parts(header, merges_in_model=True).tokenizer
+
+
+def _byte_level_parts(header: GGUFHeader, merges_in_model: bool) -> VocabularyParts:
     from tokenizers import Regex, Tokenizer, decoders, pre_tokenizers
     from tokenizers.models import BPE
 
@@ -285,15 +301,16 @@ def byte_level_tokenizer(header: GGUFHeader):
     vocab = {token if set(token) <= alphabet else "".join(spelling[b] for b in token.encode("utf-8")): index
              for index, token in enumerate(tokens)}
     merges = [tuple(merge.split(" ")) for merge in metadata.get("tokenizer.ggml.merges", ())]
-    tokenizer = Tokenizer(BPE(vocab=vocab, merges=merges, dropout=None, continuing_subword_prefix="",
-                              end_of_word_suffix="", fuse_unk=False))
+    tokenizer = Tokenizer(BPE(vocab=vocab, merges=merges if merges_in_model else [], dropout=None,
+                              continuing_subword_prefix="", end_of_word_suffix="", fuse_unk=False))
     split = PRE_TOKENIZER_SPLITS.get(metadata.get("tokenizer.ggml.pre"))
     tokenizer.pre_tokenizer = (pre_tokenizers.ByteLevel(add_prefix_space=False) if split is None else
                                pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(split), behavior="isolated"),
                                                         pre_tokenizers.ByteLevel(add_prefix_space=False,
                                                                                  use_regex=False)]))
     tokenizer.decoder = decoders.ByteLevel()
-    return _with_special_tokens(tokenizer, header, vocab, control=lambda token: set(token) <= alphabet)
+    return VocabularyParts(_with_special_tokens(tokenizer, header, vocab, control=lambda token: set(token) <= alphabet),
+                           vocab, merges)
 
 
 def sentencepiece_tokenizer(header: GGUFHeader, on_progress: IndexProgress | None = None):
@@ -304,6 +321,11 @@ def sentencepiece_tokenizer(header: GGUFHeader, on_progress: IndexProgress | Non
     pipeline), the others by score (LlamaTokenizer's: Metaspace, a space prefixed to the first word);
     control and user-defined tokens and BOS / EOS as for byte-level vocabularies. on_progress:
     the merges' derivation, a token at a time (seconds for a large vocabulary)."""
+    return _sentencepiece_parts(header, on_progress, merges_in_model=True).tokenizer
+
+
+def _sentencepiece_parts(header: GGUFHeader, on_progress: IndexProgress | None,
+                         merges_in_model: bool) -> VocabularyParts:
     from tokenizers import Tokenizer, decoders, normalizers, pre_tokenizers
     from tokenizers.models import BPE
 
@@ -324,21 +346,23 @@ def sentencepiece_tokenizer(header: GGUFHeader, on_progress: IndexProgress | Non
             ranks = dict(zip(tokens, np.asarray(metadata["tokenizer.ggml.scores"]).tolist()))
         on_token = (lambda done, total: on_progress(DERIVING_MERGES, done, total)) if on_progress else None
         merges = sentencepiece_merges(vocab, ranks, on_token)
+    in_model = merges if merges_in_model else []
     if gemma:
-        tokenizer = Tokenizer(BPE(vocab=vocab, merges=merges, fuse_unk=True, unk_token="<unk>", dropout=None,
+        tokenizer = Tokenizer(BPE(vocab=vocab, merges=in_model, fuse_unk=True, unk_token="<unk>", dropout=None,
                                   byte_fallback=True))
         tokenizer.pre_tokenizer = pre_tokenizers.Split(pattern=" ", behavior="merged_with_previous", invert=False)
         tokenizer.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(),
                                                decoders.Fuse()])
         tokenizer.normalizer = normalizers.Replace(" ", "\u2581")
     else:
-        tokenizer = Tokenizer(BPE(vocab=vocab, merges=merges, fuse_unk=True, byte_fallback=True, dropout=None))
+        tokenizer = Tokenizer(BPE(vocab=vocab, merges=in_model, fuse_unk=True, byte_fallback=True, dropout=None))
         tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first",
                                                            split=False)
         tokenizer.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(),
                                                decoders.Fuse(), decoders.Strip(content=" ", left=1)])
     # (user-defined tokens are looked up as the file spells them: a Gemma token of spaces is not)
-    return _with_special_tokens(tokenizer, header, vocab, control=lambda token: True, named=True)
+    return VocabularyParts(_with_special_tokens(tokenizer, header, vocab, control=lambda token: True, named=True),
+                           vocab, merges, derived="tokenizer.ggml.merges" not in metadata)
 
 
 def sentencepiece_merges(vocab: dict[str, int], ranks: dict[str, float],
@@ -437,11 +461,38 @@ def tokenizer_config(header: GGUFHeader) -> dict[str, Any]:
     return config
 
 
-def vocabulary_tokenizer(header: GGUFHeader, on_progress: IndexProgress | None = None):
-    """The file's tokenizer (a `tokenizers` Tokenizer) by its tokenizer.ggml.model."""
+def vocabulary_json(header: GGUFHeader, on_progress: IndexProgress | None = None) -> dict:
+    """The file's tokenizer (by its tokenizer.ggml.model) as tokenizer.json holds it, its merges
+    written "a b" (with_string_merges). The BPE model is built without its merges and they are
+    written beside it (merge_entries): building a large vocabulary's merges into the model, writing
+    them out and parsing them back took a quarter of a Gemma 3 file's first run."""
     if header.metadata.get("tokenizer.ggml.model") == "llama":
-        return sentencepiece_tokenizer(header, on_progress)
-    return byte_level_tokenizer(header)
+        parts = _sentencepiece_parts(header, on_progress, merges_in_model=False)
+    else:
+        parts = _byte_level_parts(header, merges_in_model=False)
+    data = json.loads(parts.tokenizer.to_str())
+    data["model"]["merges"] = merge_entries(parts.vocab, parts.merges, derived=parts.derived)
+    return data
+
+
+def merge_entries(vocab: dict[str, int], merges: Sequence[tuple[str, ...]], derived: bool = False) -> list:
+    """`merges` as the `tokenizers` package writes a BPE model built of them (Tokenizer.to_str),
+    without building it: each pair once, where it last occurs (a later one replaces an earlier in
+    the model's map, and the model writes its pairs by rank), "a b" where no part holds a space
+    (with_string_merges), else [a, b]. A merge that is not two tokens whose join is a token too
+    raises ValueError, where building the model would refuse it. derived: merges
+    sentencepiece_merges derived from `vocab` (two of its tokens joined into a third, each once, by
+    construction: not checked)."""
+    if not derived:
+        for pair in merges:
+            if len(pair) != 2 or pair[0] not in vocab or pair[1] not in vocab or pair[0] + pair[1] not in vocab:
+                raise ValueError(f"the vocabulary's merge {' '.join(pair)!r} is not two of its tokens joined into a third")
+        last = {pair: rank for rank, pair in enumerate(merges)}
+        if len(last) < len(merges):
+            merges = sorted(last, key=last.__getitem__)
+    if any(" " in a or " " in b for a, b in merges):
+        return [[a, b] for a, b in merges]
+    return [f"{a} {b}" for a, b in merges]
 
 
 def frame_of(template: str | None, render: Callable[[str], str]) -> dict:
@@ -527,10 +578,9 @@ def write_file_index(header: GGUFHeader, target: Path, version: int, tensors_fil
         (staged / "config.json").write_text(json.dumps(config, indent=2))
         if has_vocabulary:
             with collector_paused():  # (a large vocabulary: millions of strings, lists and tuples)
-                tokenizer = vocabulary_tokenizer(header, on_progress)
+                tokenizer_json = vocabulary_json(header, on_progress)
                 if on_progress is not None:
                     on_progress(WRITING_TOKENIZER, 0, 1)
-                tokenizer_json = with_string_merges(json.loads(tokenizer.to_str()))
                 source = staged / "tokenizer.json"
                 source.write_text(json.dumps(tokenizer_json, ensure_ascii=False), encoding="utf-8")
                 if source.stat().st_size >= PARTIAL_TOKENIZER_BYTES:  # (what a later start reads instead)
