@@ -2,8 +2,9 @@
 
 `tokenizers` parses tokenizer.json holding the interpreter's lock, and the parse is a large part of
 a later start: ~0.1 s for SmolLM2's 49,152 tokens (a large tokenizer is read in the part its texts
-need instead: models/tokenizer_table.py, 0.13 s for Gemma 3's 262,144 tokens). In the command's own
-process nothing else runs meanwhile (the imports, the index and the embedding need the lock too). Forked before those imports, a process of its own parses on
+need instead: models/tokenizer_table.py, 0.13 s for Gemma 3's 262,144 tokens). In the command's
+own process nothing else runs meanwhile (the imports, the index and the embedding need the lock
+too). Forked before those imports, a process of its own parses on
 the second core while this one imports numpy and reads the panels, and answers encode and decode
 over two pipes: the same answers as LiteTokenizer, which it runs.
 

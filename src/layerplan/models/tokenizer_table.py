@@ -11,9 +11,10 @@ or the unknown token, or a merge's result of two such symbols; so a model holdin
         closed under "both parts in S -> the merge's result in S",
 
 and the merges among S in their order (rank order kept, so every choice between two merges is the
-whole model's), encodes the text exactly as the whole model does. The characters are taken from the
-text, its normalization, its pre-tokenization and those of each of its characters alone, and of
-" a" (what a pre-tokenizer prepends: ByteLevel's "Ġ", Metaspace's "▁").
+whole model's), encodes the text exactly as the whole model does. The characters are those each of
+the text's characters becomes alone through the normalizer and pre-tokenizer (which map each
+character alone: _character_local), and those of "a" and " a" (what a pre-tokenizer prepends:
+ByteLevel's "Ġ", Metaspace's "▁").
 
 Decoding needs no model: each id's token (the added vocabulary's first), special tokens left out
 where asked, then the tokenizer's own decoder, as tokenizers' TokenizerImpl::decode does.
@@ -65,9 +66,9 @@ def _character_local(step: dict | None, kinds: dict) -> bool:
 
 _LOCAL_NORMALIZERS = {"Replace": lambda step: len(step.get("pattern", {}).get("String", "")) == 1,
                       "Prepend": lambda step: True}
-_LOCAL_PRE_TOKENIZERS = {kind: (lambda step: True) for kind in ("ByteLevel", "Metaspace", "Whitespace",
+# (Split and the others cut the text; ByteLevel and Metaspace respell each character alone)
+_LOCAL_PRE_TOKENIZERS = {kind: (lambda step: True) for kind in ("ByteLevel", "Metaspace", "Split", "Whitespace",
                                                                   "WhitespaceSplit", "Digits", "Punctuation")}
-_LOCAL_PRE_TOKENIZERS["Split"] = lambda step: True  # (it cuts the text; it changes no character)
 
 
 def _build(tokenizer_json: dict) -> dict[str, np.ndarray] | None:
@@ -132,8 +133,8 @@ def _build(tokenizer_json: dict) -> dict[str, np.ndarray] | None:
 
 
 def _read(path: Path, stamp: np.ndarray) -> dict[str, np.ndarray] | None:
-    """The kept table's arrays; None where it is absent, unreadable, of another tokenizer.json or
-    records none (a tokenizer it does not cover: an empty table)."""
+    """The kept table's arrays (none, {}, for a tokenizer it does not cover); None where it is
+    absent, unreadable or of another tokenizer.json."""
     try:
         with np.load(path) as kept:
             arrays = {name: kept[name] for name in kept.files}
