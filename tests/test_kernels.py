@@ -76,6 +76,31 @@ def test_each_build_variant_has_its_own_key(monkeypatch):
     assert kl.kernels_key() == plain
 
 
+def test_a_compiler_is_asked_its_version_once_until_its_file_changes(monkeypatch, tmp_path):
+    """A start finds the compiler's --version line kept by the compiler file's identity (no
+    process spawned); a compiler file that changed is asked again, and another version makes
+    another key."""
+    monkeypatch.setenv("LAYERPLAN_CACHE", str(tmp_path / "cache"))
+    asked = tmp_path / "asked"
+    compiler = tmp_path / "fakecc"
+    compiler.write_text(f"#!/bin/sh\necho x >> {asked}\necho 'fakecc 1.0'\n")
+    compiler.chmod(0o755)
+
+    def identity() -> str:
+        kl._compiler_identity.cache_clear()
+        return kl._compiler_identity(str(compiler))
+
+    try:
+        first = identity()
+        assert first == f"{compiler} fakecc 1.0"
+        assert identity() == first and asked.read_text().count("x") == 1
+        compiler.write_text(f"#!/bin/sh\necho x >> {asked}\necho 'fakecc 2.0 (a longer line)'\n")
+        assert identity() == f"{compiler} fakecc 2.0 (a longer line)" and asked.read_text().count("x") == 2
+        assert kl.kernels_key(str(compiler), kl.PORTABLE) != kl.kernels_key("cc", kl.PORTABLE)
+    finally:
+        kl._compiler_identity.cache_clear()
+
+
 def test_a_sanitized_library_is_not_loaded_into_a_process_without_the_sanitizer(monkeypatch, tmp_path):
     if kl.mapped_libraries(re.compile(r"libasan")):
         pytest.skip("this process runs under the sanitizer")

@@ -322,14 +322,19 @@ def test_a_plan_of_a_second_model_not_given_is_the_torch_front_ends_one_line(arg
 
 
 def test_a_start_on_the_light_front_end_imports_neither_torch_nor_transformers(cache, tmp_path):
-    """generate, and then a scan with its table, JSON and picture."""
+    """generate, and then a scan with its table, JSON and picture; the generate imports none of the
+    research modules (lite/research.py's), which its start would wait for."""
     probe = ("import sys\n"
-             "from layerplan.lite.cli import run, run_scan, runnable\n"
+             "from layerplan.lite.cli import run, runnable\n"
              "from layerplan.app.cli.generating import light_request\n"
-             "from layerplan.app.cli.scoring import light_scan_request, report_scan\n"
              "request = light_request(['generate', 'The capital of France is', '-n', '4'])\n"
              "assert runnable(request)\n"
              "assert run(request) == 0\n"
+             "research = ('layerplan.lite.research', 'layerplan.lite.evaluator', 'layerplan.search.importance',\n"
+             "            'layerplan.search.explore', 'layerplan.search.windows')\n"
+             "assert not [m for m in research if m in sys.modules], [m for m in research if m in sys.modules]\n"
+             "from layerplan.lite.research import run_scan\n"
+             "from layerplan.app.cli.scoring import light_scan_request, report_scan\n"
              f"scan = light_scan_request(['scan', '--tokens', '16', '--kinds', 'mlp', '--out', {str(tmp_path)!r}])\n"
              "assert runnable(scan)\n"
              "assert run_scan(scan, lambda result: report_scan(result, scan.out, scan.exits)) == 0\n"

@@ -84,7 +84,7 @@ def _research_on_the_light_front_end(argv: list[str]) -> None:
         request = light_ppl_request(argv)
 
         def run() -> int | None:
-            from layerplan.lite.cli import run_ppl
+            from layerplan.lite.research import run_ppl
 
             return run_ppl(request)
     elif command == "scan":
@@ -93,7 +93,7 @@ def _research_on_the_light_front_end(argv: list[str]) -> None:
         request = light_scan_request(argv)
 
         def run() -> int | None:
-            from layerplan.lite.cli import run_scan
+            from layerplan.lite.research import run_scan
 
             return run_scan(request, lambda result: report_scan(result, request.out, request.exits))
     elif command == "explore":
@@ -102,7 +102,7 @@ def _research_on_the_light_front_end(argv: list[str]) -> None:
         request = light_explore_request(argv)
 
         def run() -> int | None:
-            from layerplan.lite.cli import run_explore
+            from layerplan.lite.research import run_explore
 
             return run_explore(request, lambda result: report_explore(result, request.out))
     else:

@@ -19,22 +19,21 @@ from __future__ import annotations
 import ctypes
 import fcntl
 import hashlib
+import json
 import mmap
 import os
 import re
 import shlex
 import shutil
-import subprocess
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
 
-from layerplan.files import cache_dir
+from layerplan.files import cache_dir, write_json_atomic
 from layerplan.machine import read_cpuinfo
 
 KERNELS = Path(__file__).with_name("kernels")
@@ -176,6 +175,7 @@ FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=c11", "-fvisibility=hidden
 ALIGN_FLAGS = ("-falign-functions=64", "-falign-loops=64")
 SANITIZE_FLAGS = ("-fsanitize=address,undefined", "-fno-sanitize-recover=all", "-fno-omit-frame-pointer", "-g")
 LIBS = ("-lm", "-ldl")
+COMPILERS_FILE = "compilers.json"  # each compiler file's --version line, by its identity (_compiler_identity)
 _PRODUCTS = re.compile(r"products_\w+\.c")  # the product files, which go to the libraries their ISAS rows name
 
 
@@ -225,13 +225,34 @@ def _compiler() -> str:
 @lru_cache(maxsize=8)
 def _compiler_identity(compiler: str) -> str:
     """The compiler's path and the first line of its --version: another compiler behind the same
-    name builds another library."""
+    name builds another library. Kept in the cache folder by the compiler file's identity (real
+    path, size, modification time, inode), so a start asks the compiler only once it changed."""
     path = shutil.which(compiler) or compiler
+    try:
+        real = os.path.realpath(path)
+        status = os.stat(real)
+        stamp = f"{real} {status.st_size} {status.st_mtime_ns} {status.st_ino}"
+    except OSError:
+        stamp = None
+    kept_file = _cache_folder() / COMPILERS_FILE
+    try:
+        kept = json.loads(kept_file.read_text())
+    except (OSError, ValueError):
+        kept = {}
+    if stamp is not None and isinstance(kept, dict) and isinstance(kept.get(stamp), str):
+        return f"{path} {kept[stamp]}"
+    import subprocess  # (here: only a compiler not seen before is asked; a start imports it for nothing else)
+
     try:
         done = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30)
         version = (done.stdout.strip().splitlines() or [""])[0]
     except (OSError, subprocess.SubprocessError):
-        version = ""
+        return f"{path} "
+    if stamp is not None and done.returncode == 0:
+        try:
+            write_json_atomic(kept_file, {**(kept if isinstance(kept, dict) else {}), stamp: version})
+        except OSError:  # (a read-only cache: asked again next time)
+            pass
     return f"{path} {version}"
 
 
@@ -293,6 +314,10 @@ def build(isa: Isa, compiler: str, folder: Path | None = None) -> Path:
 def _compile_and_link(compiler: str, flags: tuple[str, ...], files: list[Path], work: Path, out: Path) -> str | None:
     """Each of `files` compiled to an object in `work`, as many at once as there are cores (the
     largest first), then all linked into `out`; None, or the compiler's last line of error."""
+    # (here: a start that finds its library built imports neither)
+    import subprocess
+    from concurrent.futures import ThreadPoolExecutor
+
     def compile_one(item: tuple[int, Path]) -> tuple[Path, subprocess.CompletedProcess]:
         index, path = item
         obj = work / f"{index:03d}-{path.stem}.o"

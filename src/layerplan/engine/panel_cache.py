@@ -28,15 +28,18 @@ import os
 import shutil
 import time
 from collections.abc import Callable
-from concurrent.futures import Future
 from functools import partial
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from layerplan.engine.kernel_library import NativeUnavailable, choose_isa
 from layerplan.files import cache_dir, staging
 from layerplan.models.gguf_index import SOURCE_RECORD, StoredTensor, recorded_source, sweep_stale, write_source_record
+
+if TYPE_CHECKING:  # (a start that reads kept panels has no use for the module)
+    from concurrent.futures import Future
 
 KEPT_BYTES = 16 << 30  # the most kept panels take on disk (a 7B Q4_K_M file's are ~4.4 GB)
 KEPT_FOLDERS = 32  # the most files whose panels are kept, counting only small ones
@@ -56,7 +59,7 @@ _STACKING = hashlib.sha256(b"".join(Path(__file__).with_name(name).read_bytes()
 
 
 def _digest(*parts) -> str:
-    return hashlib.sha256("\0".join(str(p) for p in parts).encode()).hexdigest()[:20]
+    return hashlib.sha256("\0".join(map(str, parts)).encode()).hexdigest()[:20]
 
 
 class PanelCache:

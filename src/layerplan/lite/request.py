@@ -1,13 +1,14 @@
-"""The requests the light front end carries out (lite/cli.py). A `layerplan generate` request: a
-GGUF's plain greedy continuation of one prompt (the model, its dtype as stored, the engine,
-threads, a plan of this model, the token budget, stop strings, streaming, the chat template where
-it only wraps the prompt, the statistics); app/cli/generating.py light_request makes one of a
-command line that the command itself has read, where the line asks for nothing else. A `layerplan
-chat` request: a conversation's model and settings (app/cli/chatting.py light_chat_request). A
-`layerplan ppl` request: a GGUF's perplexity under a plan of this model, in either protocol, and
-the plan's comparison with the full model (app/cli/scoring.py light_ppl_request). A `layerplan scan` request:
-a GGUF's sub-layer or exit scan of a plan of this model (app/cli/scoring.py light_scan_request). A
-`layerplan search` request: every option of the command (app/cli/searching.py light_search_request)."""
+"""The requests the light front end carries out (lite/cli.py, research.py, searching.py). A `layerplan
+generate` request: a GGUF's plain greedy continuation of one prompt (the model, its dtype as stored,
+the engine, threads, a plan of this model, the token budget, stop strings, streaming, the chat
+template where it only wraps the prompt, the statistics); app/cli/generating.py light_request makes
+one of a command line that the command itself has read, where the line asks for nothing else. A
+`layerplan chat` request: a conversation's model and settings (app/cli/chatting.py
+light_chat_request). A `layerplan ppl` request: a GGUF's perplexity under a plan of this model, in
+either protocol, and the plan's comparison with the full model (app/cli/scoring.py
+light_ppl_request). A `layerplan scan` request: a GGUF's sub-layer or exit scan of a plan of this
+model (app/cli/scoring.py light_scan_request). A `layerplan search` request: every option of the
+command (app/cli/searching.py light_search_request)."""
 
 from __future__ import annotations
 

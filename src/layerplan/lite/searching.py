@@ -1,15 +1,16 @@
-"""`layerplan search` on the light front end (lite/cli.py's runner, in a module of its own: a
-search imports Optuna, which a light `generate` must not wait for)."""
+"""`layerplan search` on the light front end (a runner of lite/cli.py's kind, in a module of its
+own: a search imports Optuna, which the other light commands must not wait for)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
 from layerplan.corpus import given_text
-from layerplan.lite.cli import ENDINGS, calibration_ids, ended_by, load_for
+from layerplan.lite.cli import ENDINGS, ended_by, load_for
 from layerplan.lite.evaluator import LitePlanEvaluator, measure_lite_costs
 from layerplan.lite.model import LiteModel
 from layerplan.lite.request import LiteSearchRequest
+from layerplan.lite.research import calibration_ids
 from layerplan.search.bayes import check_storage, quiet_optuna
 from layerplan.search.plan_search import SearchResult, check_method, search_plans
 

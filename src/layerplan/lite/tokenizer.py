@@ -9,8 +9,6 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 
-from tokenizers import Tokenizer
-
 from layerplan.models.errors import ModelError
 from layerplan.models.gguf_place import PARTIAL_TOKENIZER_BYTES
 
@@ -32,7 +30,14 @@ class LiteTokenizer:
                 from layerplan.models.tokenizer_table import PartialTokenizer
 
                 self._partial = PartialTokenizer.of_index(index)
-            self._tokenizer = self._partial or Tokenizer.from_file(str(path))
+            if self._partial is None:
+                # (here: a command whose tokenizer runs in a process of its own, lite/tokenizer_process.py,
+                # imports this module for the class and never parses one itself)
+                from tokenizers import Tokenizer
+
+                self._tokenizer = Tokenizer.from_file(str(path))
+            else:
+                self._tokenizer = self._partial
         except Exception as error:  # (tokenizers raises its parse errors as Exception)
             raise ModelError(f"{path}: {error}") from None
         try:

@@ -37,7 +37,6 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
-from tokenizers import Tokenizer, models
 
 from layerplan.files import write_bytes_atomic
 from layerplan.heap import collector_paused
@@ -169,6 +168,11 @@ class PartialTokenizer:
         self._arrays = arrays
         self._words, self._word_offsets = arrays["words"].tobytes(), arrays["word_offsets"]
         self._present = arrays["present"]
+        # (here: models/file_index.py, which writes the table, is imported by every start of the light
+        # front end, and those whose tokenizer runs in a process of its own never build one)
+        from tokenizers import Tokenizer, models
+
+        self._bpe = models.BPE
         frame = json.loads(arrays["frame"].tobytes())
         self._options = {name: frame["model"][name] for name in _BPE_OPTIONS if frame["model"].get(name) is not None}
         self._tokenizer = Tokenizer.from_str(json.dumps(frame))
@@ -232,7 +236,7 @@ class PartialTokenizer:
         merges = np.flatnonzero(usable)
         vocab = {self._word(i): i for i in np.flatnonzero(part).tolist()}
         merge_pairs = [(self._word(a), self._word(b)) for a, b in zip(left[merges].tolist(), right[merges].tolist())]
-        self._tokenizer.model = models.BPE(vocab=vocab, merges=merge_pairs, **self._options)
+        self._tokenizer.model = self._bpe(vocab=vocab, merges=merge_pairs, **self._options)
         self._characters, self._made = characters, True
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:

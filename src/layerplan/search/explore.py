@@ -1,5 +1,5 @@
 """Explore in-situ frankenmerges: perplexity of many layer orders against the compute they add. No
-torch: a front end gives each plan's logits (search/evaluator.py explore, lite/cli.py run_explore).
+torch: a front end gives each plan's logits (search/evaluator.py explore, lite/research.py run_explore).
 Given a journal (explore_journal: beside explore.json), each finished plan's row is kept there, so
 that the same grid started again after an interruption runs only the rest."""
 

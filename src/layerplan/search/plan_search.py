@@ -1,7 +1,7 @@
 """The search policy without torch: greedy skipping and/or an Optuna study over a front end's
 evaluator (search/reference.py ResumingEvaluator), the costs and the timed speed it is given, and
 the best plan kept for the `auto` drafter. search/run.py gives it the torch front end's model,
-lite/cli.py the light one's."""
+lite/searching.py the light one's."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Perplexity over windows of a text's tokens: how the text is cut, which tokens are scored, and
 each token's negative log-likelihood from its window's logits; and a plan's predictions against
 the full model's on the same tokens (logits_divergence). One definition for both front ends'
-`layerplan ppl` (search/evaluate.py gives it the torch front end's logits, lite/cli.py the light
+`layerplan ppl` (search/evaluate.py gives it the torch front end's logits, lite/research.py the light
 one's), so a line prints the same numbers on either. No torch here.
 
 The likelihoods are summed in float64 (a row's log-sum-exp from its maximum, its exponentials'
