@@ -1,14 +1,10 @@
-"""The requests the light front end carries out (lite/cli.py, research.py, searching.py). A `layerplan
-generate` request: a GGUF's plain greedy continuation of one prompt (the model, its dtype as stored,
-the engine, threads, a plan of this model, the token budget, stop strings, streaming, the chat
-template where it only wraps the prompt, the statistics); app/cli/generating.py light_request makes
-one of a command line that the command itself has read, where the line asks for nothing else. A
-`layerplan chat` request: a conversation's model and settings (app/cli/chatting.py
-light_chat_request). A `layerplan ppl` request: a GGUF's perplexity under a plan of this model, in
-either protocol, and the plan's comparison with the full model (app/cli/scoring.py
-light_ppl_request). A `layerplan scan` request: a GGUF's sub-layer or exit scan of a plan of this
-model (app/cli/scoring.py light_scan_request). A `layerplan search` request: every option of the
-command (app/cli/searching.py light_search_request)."""
+"""The requests the light front end carries out (lite/cli.py; the research commands' are
+lite/research_request.py's). A `layerplan generate` request: a GGUF's plain greedy continuation of
+one prompt (the model, its dtype as stored, the engine, threads, a plan of this model, the token
+budget, stop strings, streaming, the chat template where it only wraps the prompt, the
+statistics); app/cli/generating.py light_request makes one of a command line that the command
+itself has read, where the line asks for nothing else. A `layerplan chat` request: a
+conversation's model and settings (app/cli/chatting.py light_chat_request)."""
 
 from __future__ import annotations
 
@@ -79,61 +75,3 @@ class LiteChatRequest(FileRequest):
     settings: dict = field(default_factory=dict)
     named: list[str] = field(default_factory=list)
     load_file: str | None = None
-
-
-@dataclass
-class LitePerplexityRequest(FileRequest):
-    text: str | None = None  # --text: a .txt or .jsonl file (None: the built-in corpus)
-    window: int = 512
-    stride: int = 256
-    max_tokens: int = 4096  # per text (0: all)
-    plan: str | None = None  # a plan of this model (None: the full model)
-    protocol: str = "sliding"  # search/windows.py PROTOCOLS
-    compare: bool = True  # --compare: a plan's KL and top-1 agreement against the full model
-
-
-@dataclass
-class LiteScanRequest(FileRequest):
-    plan: str | None = None  # --plan: the base plan (None: the full model)
-    tokens: int = 512  # --tokens: the calibration text's first tokens
-    text: str | None = None  # --text: a .txt or .jsonl file (None: the built-in corpus)
-    kinds: list[str] = field(default_factory=lambda: ["attention", "mlp", "layer"])  # search/importance.py's
-    exits: bool = False  # --exits: an exit scan (its outputs are named exits.*)
-    reuse: bool = True  # --no-reuse: every candidate from the embeddings
-    out: str = "runs/scan"
-
-
-@dataclass
-class LiteSearchRequest(FileRequest):
-    """app/cli/searching.py's options, as the command reads them."""
-
-    method: str = "both"
-    objective: str = "speedup"
-    multi: bool = False
-    trials: int = 100
-    budget: int | None = None
-    max_cost_cut: float | None = None
-    granularity: str = "sublayer"
-    mode: str = "forward"
-    sampler: str = "tpe"
-    storage: str | None = None
-    study_name: str | None = None
-    storage_patience: float = 600
-    tokens: int = 512
-    text: str | None = None
-    allow_ends: bool = False
-    save_draft: bool | None = None
-    seed: int | None = None
-    out: str = "runs/search"
-
-
-@dataclass
-class LiteExploreRequest(FileRequest):
-    """app/cli/exploring.py's grid of layer orders (no --blocks, --search or second model)."""
-
-    recompute: str = "6,8,10,12"  # search/explore.py grid_numbers reads them
-    rewind: str = "1,2,4,6"
-    plans: list[str] = field(default_factory=list)  # --plan: extra plans of this model
-    tokens: int = 512
-    text: str | None = None
-    out: str = "runs/explore"

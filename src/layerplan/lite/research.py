@@ -14,7 +14,7 @@ from layerplan.corpus import default_corpus, first_tokens, given_text, read_text
 from layerplan.lite.cli import ENDINGS, ended_by, load_for
 from layerplan.lite.evaluator import LitePlanEvaluator, explore_lite
 from layerplan.lite.model import LiteModel
-from layerplan.lite.request import LiteExploreRequest, LitePerplexityRequest, LiteScanRequest
+from layerplan.lite.research_request import LiteExploreRequest, LitePerplexityRequest, LiteScanRequest
 from layerplan.plan.plan import LayerPlan
 from layerplan.search.explore import ExploreResult, explore_journal, grid_numbers, recompute_rewind_grid
 from layerplan.search.importance import ScanJournal, ScanResult, check_kinds, journal_path, scan_plans

@@ -9,7 +9,7 @@ from layerplan.corpus import given_text
 from layerplan.lite.cli import ENDINGS, ended_by, load_for
 from layerplan.lite.evaluator import LitePlanEvaluator, measure_lite_costs
 from layerplan.lite.model import LiteModel
-from layerplan.lite.request import LiteSearchRequest
+from layerplan.lite.research_request import LiteSearchRequest
 from layerplan.lite.research import calibration_ids
 from layerplan.search.bayes import check_storage, quiet_optuna
 from layerplan.search.plan_search import SearchResult, check_method, search_plans

@@ -16,7 +16,7 @@ from layerplan.app.options import (SEED, Output, device_option, dtype_option, li
                                    model_option, threads_option)
 from layerplan.app.report import explore_plot
 from layerplan.files import write_json_atomic
-from layerplan.lite.request import LiteExploreRequest
+from layerplan.lite.research_request import LiteExploreRequest
 from layerplan.search.bayes import SAMPLERS
 from layerplan.search.explore import ExploreResult
 from layerplan.search.measure_registry import MEASURES

@@ -16,7 +16,7 @@ from layerplan.app.options import (Output, device_option, dtype_option, light_co
                                    threads_option)
 from layerplan.app.report import exits_plot, scan_heatmap
 from layerplan.files import write_json_atomic
-from layerplan.lite.request import LitePerplexityRequest, LiteScanRequest
+from layerplan.lite.research_request import LitePerplexityRequest, LiteScanRequest
 from layerplan.search.importance import EXIT, ScanResult, save_cached_scan
 from layerplan.search.windows import PROTOCOLS
 

@@ -14,7 +14,7 @@ import click
 from layerplan.app.options import SEED, Output, dtype_option, light_context, model_option, threads_option
 from layerplan.app.report import pareto_plot, search_trajectory, skip_frequency_plot
 from layerplan.files import write_json_atomic
-from layerplan.lite.request import LiteSearchRequest
+from layerplan.lite.research_request import LiteSearchRequest
 from layerplan.plan.formats import save_plan
 from layerplan.search.bayes import SAMPLERS
 from layerplan.search.objectives import OBJECTIVES, objectives_help
