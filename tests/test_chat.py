@@ -22,6 +22,7 @@ from layerplan.app.cli import main, running
 from layerplan.decoding.chat_state import COMMAND_LINE_SETTINGS, ChatSettings, first_changed_step, open_chat, read_saved
 from layerplan.decoding.generate import generate
 from layerplan.decoding.sampling_params import SamplingParams
+from layerplan.decoding.scheduler import Scheduler
 from layerplan.engine.load import load_model
 
 LAYERPLAN = str(Path(sys.executable).parent / "layerplan")
@@ -184,6 +185,22 @@ def test_sampled_replies_follow_from_the_seed(model):
     assert reply.token_ids == _fresh(model, session, temperature=0.9, seed=5).token_ids
 
 
+def test_a_draft_length_policy_reaches_every_drafted_reply_and_is_saved(model, tmp_path, monkeypatch):
+    """chat's --draft-length (ChatSettings.draft_length): each reply with a draft runs under it,
+    /save keeps it, and a seeded sampled conversation with a draft under `fixed` repeats itself
+    (the adaptive policy's lengths follow the run's timings)."""
+    policies = []
+    submit = Scheduler.submit
+    monkeypatch.setattr(Scheduler, "submit", lambda self, job: (policies.append(job.draft_length), submit(self, job))[1])
+    settings = ChatSettings(max_new_tokens=12, temperature=0.9, seed=5, draft="suffix", draft_length="fixed")
+    replies = []
+    for _ in range(2):
+        session = ChatSession(model, settings)
+        replies.append([session.reply(line).token_ids for line in ("hello", "hello again")])
+    assert replies[0] == replies[1] and policies == ["fixed"] * 4
+    assert read_saved(session.save(tmp_path / "chat.json")).settings.draft_length == "fixed"
+
+
 def test_a_logit_bias_and_the_output_penalties_shape_replies_as_generates(model, tmp_path):
     """generate's -l and --presence/--frequency-penalty, in a conversation: a reply equals a fresh
     generate with the same settings (the penalties count the reply's own tokens, not the history's);
@@ -239,6 +256,7 @@ def test_save_and_load_resume_the_conversation(model, tmp_path):
     ('{"format": "layerplan-chat", "settings": {"temperature": -1}, "messages": []}', "temperature"),
     ('{"format": "layerplan-chat", "settings": {"logit_bias": 5}, "messages": []}', "pairs"),
     ('{"format": "layerplan-chat", "settings": {"logit_bias": [[1, 500]]}, "messages": []}', "logit_bias"),
+    ('{"format": "layerplan-chat", "settings": {"draft_length": "often"}, "messages": []}', "not a draft length policy"),
 ])
 def test_a_file_that_is_not_a_saved_chat_is_one_line(tmp_path, content, needle):
     path = tmp_path / "bad.json"
@@ -312,6 +330,7 @@ def test_load_resumes_and_command_line_options_override(folder, tmp_path):
 
 @pytest.mark.parametrize("options, status, needle", [
     (["--temp", "-1"], 1, "temperature -1.0 is out of range"),
+    (["--draft-length", "often"], 2, "'often' is not one of"),
     (["--load", "/dev/zero"], 1, "/dev/zero: not a file"),
     (["--load", "/proc"], 2, "'/proc' is a directory"),
     (["--load", "missing.json"], 1, "missing.json: no such file"),

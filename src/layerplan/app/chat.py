@@ -32,10 +32,10 @@ class ChatSession(ChatHistory):
 
     def __init__(self, model: LoadedModel, settings: ChatSettings | None = None,
                  messages: Sequence[dict[str, str]] = (), probe_row: ProbeRow | None = None,
-                 draft_length: str | None = None, stream_every: int = STREAM_EVERY) -> None:
+                 stream_every: int = STREAM_EVERY) -> None:
         if model.tokenizer is None:
             model.encode("")  # ModelError in the model's own words: text cannot be turned into tokens
-        self.probe_row, self.draft_length = probe_row, draft_length
+        self.probe_row = probe_row
         super().__init__(model, settings, messages, stream_every)
         self.cache: KVCache | None
         self.drafter = self._drafter(self.settings.draft, self.plan)
@@ -94,7 +94,7 @@ class ChatSession(ChatHistory):
             cache.keep_streams(self.plan, self.stream_steps(self.plan))
         scheduler = Scheduler(self.model, self.plan, probe_row=self.probe_row, max_batch=1)
         reply = scheduler.submit(Job(ids, budget, sampling, settings.seed, self.reply_stops, on_text=on_text, plan=self.plan,
-                                     draft=self.drafter, draft_chosen=True, draft_length=self.draft_length,
+                                     draft=self.drafter, draft_chosen=True, draft_length=self.settings.draft_length,
                                      cache=cache, should_stop=should_stop))
         scheduler.run(until_idle=True)
         result = reply.result()

@@ -13,6 +13,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
+from layerplan.decoding.draft_length import DRAFT_LENGTHS
 from layerplan.decoding.sampling_params import SamplingParams, check_seed
 from layerplan.decoding.text import GenerationResult, common_prefix
 from layerplan.files import write_json_atomic
@@ -35,6 +36,7 @@ class ChatSettings:
 
     plan: str = "full"
     draft: str | None = None  # a drafter spec (decoding/drafters/registry.py); None: plain decoding
+    draft_length: str | None = None  # a draft's length policy (draft_length.py DRAFT_LENGTHS); None: adaptive
     temperature: float = 0.0  # 0: greedy
     seed: int | None = None  # every reply samples with it, so a reply follows from its transcript
     max_new_tokens: int = 256  # per reply, within the model's context
@@ -54,6 +56,9 @@ class ChatSettings:
             raise ValueError(f"logit_bias {self.logit_bias!r} is not a list of [token id, bias] pairs") from None
         self.sampling()  # SamplingError: out of range
         check_seed(self.seed)
+        if self.draft_length is not None and self.draft_length not in DRAFT_LENGTHS:
+            raise ValueError(f"draft_length {self.draft_length!r} is not a draft length policy: "
+                             f"{', '.join(DRAFT_LENGTHS)}")
         if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) \
                 or self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens {self.max_new_tokens!r} is out of range: a whole number >= 1")

@@ -25,9 +25,11 @@ from pathlib import Path
 import click
 
 from layerplan.app.cli.errors import plain_user_errors
-from layerplan.app.options import (ctx_size_option, decoding_model_options, light_context, logit_bias_option,
-                                   model_b_option, n_predict_option, output_penalty_options, sampling_options)
+from layerplan.app.options import (DRAFT_LENGTH_HELP, ctx_size_option, decoding_model_options, light_context,
+                                   logit_bias_option, model_b_option, n_predict_option, output_penalty_options,
+                                   sampling_options)
 from layerplan.decoding.chat_state import COMMAND_LINE_SETTINGS, open_chat
+from layerplan.decoding.draft_length import DRAFT_LENGTHS
 from layerplan.lite import FRONT_END_VARIABLE
 from layerplan.lite.request import LiteChatRequest
 
@@ -41,6 +43,7 @@ HANDOFF_VARIABLE = "LAYERPLAN_CHAT_HANDOFF"
 @model_b_option
 @click.option("--draft", default=None, help="lossless speculative decoding with this drafter, as in generate "
                                            "(/draft switches)")
+@click.option("--draft-length", default=None, type=click.Choice(list(DRAFT_LENGTHS)), help=DRAFT_LENGTH_HELP)
 @ctx_size_option
 @sampling_options
 @output_penalty_options
