@@ -279,7 +279,10 @@ def test_a_second_model_is_refused_in_the_torch_front_ends_words(tmp_path):
     (["generate", "Hi", "--chat"], LiteRequest("Hi", chat=True)),
     (["generate", "Hi", "--chat", "--no-chat"], LiteRequest("Hi")),
     (["generate", "Hi", "-t", "0.7"], None),  # not a thread count: the torch front end's message
-    (["generate", "Hi", "--temp", "0.7"], None),  # sampling
+    (["generate", "Hi", "--temp", "0.7"], LiteRequest("Hi", temperature=0.7)),
+    (["generate", "Hi", "--temp", "0.8", "-s", "3", "--top-k", "40", "--min-p", "0.05"],
+     LiteRequest("Hi", temperature=0.8, seed=3, top_k=40, min_p=0.05)),
+    (["generate", "Hi", "--top-p", "1.5"], None),  # out of range: the torch front end's message
     (["generate", "Hi", "--draft", "suffix"], None),
     (["generate", "Hi", "--stats"], LiteRequest("Hi", stats=True)),
     (["generate", "Hi", "--repeat-penalty", "1.1", "--frequency-penalty", "0.5", "-l", "5-inf", "-l", "7+2"],
@@ -288,7 +291,7 @@ def test_a_second_model_is_refused_in_the_torch_front_ends_words(tmp_path):
     (["generate", "Hi", "--model-b", "b.gguf", "--plan", "0,b:1"], LiteRequest("Hi", model_b="b.gguf", plan="0,b:1")),
     (["generate", "Hi", "-n5"], LiteRequest("Hi", max_new_tokens=5)),  # click's forms: the command reads the line
     (["generate", "Hi", "--top-k", "0", "--max-batch", "4"], LiteRequest("Hi")),  # greedy all the same
-    (["generate", "Hi", "--top-p", "0.9"], None),  # not the default: the torch front end checks and ignores it
+    (["generate", "Hi", "--top-p", "0.9"], LiteRequest("Hi", top_p=0.9)),  # (greedy: kept, and no token changes)
     (["generate", "Hi", "-c", "64"], None),
     (["generate", "Hi", "--device-map", "auto"], None),
     (["generate", "Hi", "-n", "-1"], None),  # a bad value: the torch front end's message

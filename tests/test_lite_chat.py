@@ -93,9 +93,8 @@ def test_a_cache_run_again_from_a_kept_stream_holds_what_a_fresh_prefill_writes(
 def test_what_the_light_session_does_not_run_it_refuses_before_changing_anything(both):
     light, _ = _sessions(both, max_new_tokens=4)
     before = dict(vars(light.settings))
-    for change in (lambda: light.set_draft("suffix"), lambda: light.set_temperature(0.7)):
-        with pytest.raises(TorchFrontEnd, match="torch front end"):
-            change()
+    with pytest.raises(TorchFrontEnd, match="torch front end"):
+        light.set_draft("suffix")
     from layerplan.plan.plan import PlanError
 
     with pytest.raises(PlanError, match="only a is loaded"):  # (the torch front end's chat says so too)
@@ -106,10 +105,9 @@ def test_what_the_light_session_does_not_run_it_refuses_before_changing_anything
     light.set_draft("none")
     from layerplan.lite.chat import LightChatSession
 
-    for settings in (ChatSettings(draft="suffix"), ChatSettings(temperature=0.5)):
-        with pytest.raises(TorchFrontEnd):
-            LightChatSession(both[0], settings)
-    LightChatSession(both[0], ChatSettings(repetition_penalty=1.2, logit_bias=((5, -1.0),)))  # (greedy: here)
+    with pytest.raises(TorchFrontEnd):
+        LightChatSession(both[0], ChatSettings(draft="suffix"))
+    LightChatSession(both[0], ChatSettings(temperature=0.5, seed=1, repetition_penalty=1.2, logit_bias=((5, -1.0),)))
 
 
 def test_lines_are_read_without_reading_past_them():
@@ -157,21 +155,21 @@ def test_a_piped_light_chat_prints_what_the_torch_front_end_prints(tmp_path, opt
 
 
 def test_a_line_only_torch_runs_hands_the_conversation_on(tmp_path):
-    """/temp 0.8 mid-conversation: the light front end hands on the transcript and the line; the
-    sampled reply (seeded), the drafted one and the counts are then the torch front end's own run's."""
+    """/draft mid-conversation: the light front end hands on the transcript and the line; the
+    sampled reply before (seeded, on the light front end), the drafted one after and the counts
+    are the torch front end's own run's."""
     light, torch_run = (_chat(HANDED_ON, tmp_path, "-n", "12", front_end=fe) for fe in ("", "torch"))
     assert light.returncode == torch_run.returncode == 0, light.stderr
     assert light.stdout == torch_run.stdout and light.stdout.count("\n") == 3
-    assert "(sampling (a temperature above 0) runs on the torch front end: starting it, " \
-           "the conversation kept)" in light.stderr
+    assert "(drafting runs on the torch front end: starting it, the conversation kept)" in light.stderr
     assert light.stderr.count("loading ") == 2 and "Traceback" not in light.stderr
     assert "was saved with" not in light.stderr
     stats = [line for line in light.stderr.splitlines() if line.startswith("session: ")]
-    assert stats and stats[0].startswith("session: 36 tokens")  # (the light reply's 12 counted on)
+    assert stats and stats[0].startswith("session: 36 tokens")  # (the light replies' 24 counted on)
     assert not list(tmp_path.glob("layerplan-chat-*"))  # the hand-off's folder: removed
 
 
-def test_a_saved_chat_that_samples_resumes_on_the_torch_front_end(tmp_path):
+def test_a_saved_chat_that_samples_resumes_as_on_the_torch_front_end(tmp_path):
     saved = tmp_path / "saved.json"
     saved.write_text(json.dumps({"format": "layerplan-chat", "version": 1, "model": "smollm2",
                                  "settings": {"temperature": 0.9, "seed": 3, "max_new_tokens": 10},
@@ -316,23 +314,24 @@ def test_a_hand_off_that_cannot_start_says_so_and_the_conversation_goes_on(both,
     monkeypatch.setattr(sys, "executable", str(tmp_path / "no-python"))
     light, _ = _sessions(both, max_new_tokens=4)
     out, err = io.StringIO(), io.StringIO()
-    loop = ChatLoop(light, io.StringIO("Hi\n/temp 0.5\nAgain\n"), out, err, interactive=False,
+    loop = ChatLoop(light, io.StringIO("Hi\n/draft suffix\nAgain\n"), out, err, interactive=False,
                     hand_off=hand_off_to_torch(LiteChatRequest(), interactive=False))
     assert loop.run() == 0
-    assert "Error: the torch front end could not be started" in err.getvalue() and "'/temp 0.5' was not run" in \
-        err.getvalue()
-    assert out.getvalue().count("\n") == 2 and light.settings.temperature == 0.0 and light.session.replies == 2
+    assert "Error: the torch front end could not be started" in err.getvalue() and "'/draft suffix' was not run" \
+        in err.getvalue()
+    assert out.getvalue().count("\n") == 2 and light.settings.draft is None and light.session.replies == 2
     assert not list(tmp_path.glob("layerplan-chat-*"))
 
 
 def test_a_chat_with_a_second_model_prints_what_the_torch_front_end_prints(tmp_path):
     """--model-b, and /plan switching to a plan that takes layers from it mid-conversation (the
-    packaged file as model b too: the one real file the suite holds); then a hand-off keeps it."""
+    packaged file as model b too: the one real file the suite holds), a sampled reply; then a
+    hand-off keeps it."""
     from layerplan.models.gguf_place import default_gguf_path
 
-    lines = "Hi\n/plan 0-14,b:15-29\nAgain\n/temp 0.5\n/seed 3\nOnce more\n"
+    lines = "Hi\n/plan 0-14,b:15-29\nAgain\n/temp 0.5\n/seed 3\nOnce more\n/draft suffix\nAnd again\n"
     light, torch_run = (_chat(lines, tmp_path, "-n", "8", "--model-b", str(default_gguf_path()), front_end=fe)
                         for fe in ("", "torch"))
     assert light.returncode == torch_run.returncode == 0, light.stderr
-    assert light.stdout == torch_run.stdout and light.stdout.count("\n") == 3
+    assert light.stdout == torch_run.stdout and light.stdout.count("\n") == 4
     assert "ran again from step 12" in light.stderr and light.stderr.count("as model b") == 2

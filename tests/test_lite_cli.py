@@ -65,9 +65,13 @@ SAME_OUTPUT = [
     ["generate", "Hello", "-n", "0"],
     ["generate", "What is the capital of France?", "--chat", "-n", "24"],
     ["generate", "Name two planets.", "--chat", "-n", "16", "--dtype", "stored-fast", "--no-stream"],
-    # greedy with the penalties and a logit bias (decoding/greedy.py)
+    # greedy with the penalties and a logit bias (decoding/choice.py)
     ["generate", "Once upon a time", "-n", "24", "--repeat-penalty", "1.3", "--frequency-penalty", "0.7", "-l",
      "28-inf", "-l", "253+3"],
+    # sampled, seeded: the same draws (decoding/choice.py, numpy's generator on both)
+    ["generate", "Once upon a time", "-n", "32", "--temp", "0.9", "-s", "7"],
+    ["generate", "Tell me a story.", "--chat", "-n", "24", "--temp", "1.1", "-s", "-3", "--top-k", "40", "--top-p",
+     "0.92", "--min-p", "0.02", "--repeat-penalty", "1.1", "--presence-penalty", "0.4", "-l", "28-inf"],
     # a plan of two models (the packaged file as model b too: the one real file the suite holds)
     ["generate", "The capital of France is", "-n", "12", "--model-b", str(default_gguf_path()), "--plan",
      "0-14,b:15-29"],

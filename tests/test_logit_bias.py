@@ -101,10 +101,11 @@ def test_generate_takes_llama_cpps_logit_bias_flag(folder, tiny):
         assert refused.exit_code != 0 and says in refused.stderr and "Traceback" not in refused.stderr
 
 
-def test_a_biased_greedy_generate_runs_on_the_light_front_end_a_sampled_one_on_torch():
-    """The light front end takes a greedy line's bias (decoding/greedy.py, the torch front end's
-    choice: tests/test_greedy.py); with a temperature the line goes to the torch one."""
+def test_a_biased_generate_runs_on_the_light_front_end_greedy_or_sampled():
+    """The light front end takes a line's bias, greedy or sampled (decoding/choice.py, the torch
+    front end's plain choice too: tests/test_choice.py)."""
     from layerplan.app.cli.generating import light_request
 
     assert light_request(["generate", "hi", "-l", "5+1"]).logit_bias == ((5, 1.0),)
-    assert light_request(["generate", "hi", "-l", "5+1", "--temp", "0.7"]) is None
+    sampled = light_request(["generate", "hi", "-l", "5+1", "--temp", "0.7"])
+    assert sampled.logit_bias == ((5, 1.0),) and sampled.temperature == 0.7

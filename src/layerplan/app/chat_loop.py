@@ -1,7 +1,7 @@
 """`layerplan chat`'s loop, at a terminal or behind a pipe, over either front end's session (app/chat.py
 ChatSession, lite/chat.py LightChatSession): a line is a message or a /command; replies go to
 stdout, everything else to stderr; Ctrl-C stops a reply, Ctrl-D (end of input) leaves. Where the
-light front end's session meets a line only the torch front end runs (a draft, sampling), the loop
+light front end's session meets a line only the torch front end runs (a draft), the loop
 hands the conversation and that line on (hand_off). Without torch.
 """
 

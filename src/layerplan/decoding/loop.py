@@ -6,8 +6,8 @@ rounds on the same prefill) and the light front end's (lite/cli.py, on a LiteMod
 
 What it asks of a model (TokenPasses): a KV cache for a plan, and the logits of a pass of new
 tokens written into that cache at their positions; of its caller: the prompt's token ids. How a
-token is chosen from logits is `choose` (greedy here, with a logit bias and penalties where given:
-decoding/greedy.py; DecodeRequest samples)."""
+token is chosen from logits is `choose`: greedy, or sampled by the request's settings and seed
+(decoding/choice.py, numpy logits; DecodeRequest hands its torch rows to it)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
-from layerplan.decoding.greedy import greedy_token
+from layerplan.decoding.choice import choose_token, seeded_generator
 from layerplan.decoding.sampling_params import SamplingParams
 from layerplan.decoding.text import Emitter, GenerationResult
 from layerplan.plan.plan import LayerPlan
@@ -65,13 +65,17 @@ class DecodeLoop:
     def __init__(self, model, ids: Sequence[int], plan: LayerPlan, max_new_tokens: int, stop: Sequence[str] = (),
                  stop_at_eos: bool | Sequence[int] = True, on_text: Callable[[str], None] | None = None,
                  should_stop: Callable[[], bool] | None = None, pace: Pace | None = None, spare: int = 1,
-                 cache=None, passes: TokenPasses | None = None, greedy: SamplingParams | None = None) -> None:
+                 cache=None, passes: TokenPasses | None = None, sampling: SamplingParams | None = None,
+                 seed: int | None = None) -> None:
         if max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
         if not ids:
             raise ValueError("the prompt is empty (no tokens): give some text to continue")
         self.model, self.plan = model, plan
-        self.greedy = greedy  # a logit bias and penalties the greedy choice takes (None: none)
+        self.sampling = sampling or SamplingParams()
+        # (the first maximum of the logits as they come, unless a setting changes the choice)
+        self.plain_greedy = self.sampling.greedy and not self.sampling.changes_greedy_choice
+        self.draws = seeded_generator(seed) if not self.sampling.greedy else None  # a sample's (choice.py)
         self.passes = passes = passes if passes is not None else model
         self.prompt = list(ids)
         self.out = Emitter(model, max_new_tokens, stop, stop_at_eos, on_text, should_stop)
@@ -116,11 +120,11 @@ class DecodeLoop:
         self.take(logits)
 
     def choose(self, logits) -> int:
-        """The token the logits (vocab,) pick: the first maximum (numpy's argmax and torch's), after
-        the greedy settings' logit bias and penalties where given (numpy logits)."""
-        if self.greedy is not None:
-            return greedy_token(logits, self.greedy, self.context, len(self.prompt))
-        return int(logits.argmax())
+        """The token the logits (vocab,) pick: the first maximum (numpy's argmax and torch's) where
+        plainly greedy, else decoding/choice.py's under the sampling settings (numpy logits)."""
+        if self.plain_greedy:
+            return int(logits.argmax())
+        return choose_token(logits, self.sampling, self.context, len(self.prompt), self.draws)
 
     def take(self, logits) -> None:
         """The next token from the logits (vocab,) of the last one."""

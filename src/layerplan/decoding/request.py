@@ -12,7 +12,7 @@ import torch
 
 from layerplan.decoding.loop import DecodeLoop
 from layerplan.decoding.output import prompt_ids
-from layerplan.decoding.sampling import penalty_context, pick
+from layerplan.decoding.sampling import argmax_token
 from layerplan.decoding.sampling_params import SamplingParams
 from layerplan.engine.cache import KVCache
 from layerplan.engine.probe import PaceCheck, ProbeRow
@@ -32,12 +32,14 @@ class DecodeRequest(DecodeLoop):
                  stop_at_eos: bool | Sequence[int], chat: bool, on_text: Callable[[str], None] | None,
                  should_stop: Callable[[], bool] | None, probe_row: ProbeRow | None, spare: int = 1,
                  cache: KVCache | None = None) -> None:
-        self.sampling = sampling or SamplingParams()
+        # (the plain steps draw from the loop's numpy generator, as on the light front end; a
+        # speculative round's accept tests and draws from this one: acceptance.py)
         self.generator = torch.Generator(device="cpu").manual_seed(seed) if seed is not None else None
         self.ids = prompt_ids(model, prompt, chat)  # (1, prompt): what a batch's passes take
         super().__init__(model, self.ids[0].tolist(), plan, max_new_tokens, stop, stop_at_eos, on_text, should_stop,
-                         PaceCheck(probe_row), spare, cache, ModelPasses(model))
+                         PaceCheck(probe_row), spare, cache, ModelPasses(model), sampling, seed)
 
     def choose(self, logits: torch.Tensor) -> int:
-        seen = penalty_context(self.context, self.sampling, logits.device, output_from=len(self.prompt))
-        return pick(logits, self.sampling, seen, self.generator)
+        if self.plain_greedy:
+            return argmax_token(logits)
+        return super().choose(logits.detach().float().cpu().numpy())

@@ -1,38 +1,33 @@
 """`layerplan chat` on the light front end: LightChatSession, a conversation with a GGUF run as
-stored by the kernels alone (lite/model.py), greedy, by a plan of the model. app/chat_loop.py runs
+stored by the kernels alone (lite/model.py), by a plan of the model. app/chat_loop.py runs
 it as it runs the torch front end's session (app/chat.py), and the replies are that session's:
 the conversation rendered whole through the chat template as transformers renders it
 (models/chat_template.py), tokenized without added special tokens, the cache kept up to the
-longest prefix it shares with the new turn's tokens, each token the first maximum of the same
-logits (tests/test_lite_chat.py runs both).
+longest prefix it shares with the new turn's tokens, each token chosen from the same logits by
+the same settings and seed (decoding/choice.py; tests/test_lite_chat.py runs both).
 
-What it does not run it raises TorchFrontEnd for, before changing anything: sampling (a
-temperature above 0) and drafts; a greedy choice's logit bias and penalties it takes
-(decoding/greedy.py).
-The loop then hands the conversation and that line on to the torch front end.
+What it does not run it raises TorchFrontEnd for, before changing anything: drafts. The loop then
+hands the conversation and that line on to the torch front end.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from layerplan.decoding.chat_state import NO_DRAFT, ChatHistory, ChatSettings, Reply, replaced
+from layerplan.decoding.chat_state import NO_DRAFT, ChatHistory, ChatSettings, Reply
 from layerplan.decoding.loop import DecodeLoop
 from layerplan.lite import TorchFrontEnd
 from layerplan.lite.model import LiteCache, LiteModel
 from layerplan.models.chat_template import plain_chat_text
 
 DRAFTS_NEED_TORCH = "drafting runs on the torch front end"
-SAMPLING_NEEDS_TORCH = "sampling (a temperature above 0) runs on the torch front end"
 
 
 def light_refusal(settings: ChatSettings) -> str | None:
-    """Why these settings need the torch front end (one line), or None: a draft, or sampling (a
-    greedy choice's logit bias and penalties run here: decoding/greedy.py)."""
+    """Why these settings need the torch front end (one line), or None: a draft (sampling, the
+    logit bias and the penalties run here: decoding/choice.py)."""
     if settings.draft is not None:
         return DRAFTS_NEED_TORCH
-    if settings.temperature != 0.0:
-        return SAMPLING_NEEDS_TORCH
     return None
 
 
@@ -71,12 +66,6 @@ class LightChatSession(ChatHistory):
             raise TorchFrontEnd(DRAFTS_NEED_TORCH)
         self.settings.draft = None
 
-    def set_temperature(self, temperature: float) -> None:
-        checked = replaced(self.settings, temperature=temperature)  # (a bad value: its own error first)
-        if light_refusal(checked) is not None:
-            raise TorchFrontEnd(SAMPLING_NEEDS_TORCH)
-        self.settings = checked
-
     # ----- replies ------------------------------------------------------------------------------
     def prompt_ids(self, messages: Sequence[dict[str, str]] | None = None) -> list[int]:
         """The conversation's token ids, ready for the assistant's turn (decoding/output.py
@@ -100,8 +89,7 @@ class LightChatSession(ChatHistory):
             cache = self.model.new_cache(self.plan, need, self.stream_steps(self.plan))
         elif cache.capacity < need:
             cache = cache.grown(need)
-        greedy = self.settings.sampling()
         result = DecodeLoop(self.model, ids, self.plan, budget, self.reply_stops, True, on_text, should_stop, cache=cache,
-                            greedy=greedy if greedy.changes_greedy_choice else None).run()
+                            sampling=self.settings.sampling(), seed=self.settings.seed).run()
         return self.replied(messages, ids, result, cache, kept, {})
 

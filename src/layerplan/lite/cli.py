@@ -85,9 +85,8 @@ def run(request: LiteRequest, tokenizer: TokenizerProcess | None = None) -> int 
     started at the command's start (app/launch.py)."""
     try:
         model = load_for(request, tokenizer)
-        greedy = request.greedy()
-        if greedy is not None:  # (app/cli/running.py's check, after the load as there)
-            greedy.check_vocabulary(model.hf_config.get("vocab_size", model.vocab))
+        sampling = request.sampling()
+        sampling.check_vocabulary(model.hf_config.get("vocab_size", model.vocab))  # (app/cli/running.py's, after the load)
         plan = model.plan(request.plan)
         ids = model.encode(request.prompt, request.chat)
         if not ids:
@@ -99,7 +98,7 @@ def run(request: LiteRequest, tokenizer: TokenizerProcess | None = None) -> int 
             sys.stdout.flush()
 
         result = DecodeLoop(model, ids, plan, request.max_new_tokens, request.stop, True,
-                            on_text if request.stream else None, greedy=greedy).run()
+                            on_text if request.stream else None, sampling=sampling, seed=request.seed).run()
     except ENDINGS as error:
         return ended_by(error)
     print("" if request.stream else result.text, flush=True)

@@ -1,8 +1,8 @@
 """The requests the light front end carries out (lite/cli.py; the research commands' are
-lite/research_request.py's). A `layerplan generate` request: a GGUF's plain greedy continuation of
-one prompt (the model, its dtype as stored, the engine, threads, a plan of this model, the token
+lite/research_request.py's). A `layerplan generate` request: a GGUF's plain continuation of one
+prompt (the model, its dtype as stored, the engine, threads, a plan of this model, the token
 budget, stop strings, streaming, the chat template where it only wraps the prompt, the
-statistics); app/cli/generating.py light_request makes one of a command line that the command
+sampling settings and seed, the statistics); app/cli/generating.py light_request makes one of a command line that the command
 itself has read, where the line asks for nothing else. A `layerplan chat` request: a
 conversation's model and settings (app/cli/chatting.py light_chat_request)."""
 
@@ -53,18 +53,22 @@ class LiteRequest(FileRequest):
     chat: bool = False
     stats: bool = False  # --stats / --verbose: the summary lines
     as_json: bool = False  # --json: the statistics object
-    # what the greedy choice takes beside the logits (decoding/greedy.py)
+    # the sampling settings (decoding/choice.py chooses each token by them)
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()
 
-    def greedy(self) -> SamplingParams | None:
-        """The greedy settings' logit bias and penalties (None: none set); SamplingError where one
-        is out of range."""
-        params = SamplingParams(0.0, repetition_penalty=self.repetition_penalty, logit_bias=tuple(self.logit_bias),
-                                presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty)
-        return params if params.changes_greedy_choice else None
+    def sampling(self) -> SamplingParams:
+        """The settings, checked: SamplingError where one is out of range."""
+        return SamplingParams(self.temperature, self.top_k, self.top_p, self.repetition_penalty, self.min_p,
+                              logit_bias=tuple(self.logit_bias), presence_penalty=self.presence_penalty,
+                              frequency_penalty=self.frequency_penalty)
 
 
 @dataclass

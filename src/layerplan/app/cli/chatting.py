@@ -3,8 +3,8 @@ line with the command itself before it chooses a front end (light_chat_request),
 front end's conversation (run_light_chat: lite/chat.py's session in app/chat_loop.py's loop).
 The torch front end's run is app/cli/running.py run_chat_command.
 
-A light conversation that meets a line only the torch front end runs (a draft, sampling, a plan
-of two models) is handed on (hand_off): its transcript and settings saved as /save writes them,
+A light conversation that meets a line only the torch front end runs (a draft, a plan of two
+models) is handed on (hand_off): its transcript and settings saved as /save writes them,
 into a private folder, and the process replaced by the torch front end's `chat --load` of it,
 which runs that line first, keeps the session's counts and the line history, and removes the
 folder. Standard input is read a byte at a time on the light front end (UnbufferedLines), so no
@@ -63,8 +63,8 @@ def chat(**options) -> None:
 def light_chat_request(argv: list[str]) -> LiteChatRequest | None:
     """The light front end's request of `layerplan chat ...` (argv without the program), read by
     this command: None where the line asks for what only the torch front end runs (a device, a
-    context size, an eager engine; a draft or sampling, given or in a --load file, are weighed
-    once the file is read: run_light_chat)."""
+    context size, an eager engine; a draft, given or in a --load file, is weighed once the file
+    is read: run_light_chat)."""
     context = light_context(chat, argv)
     if context is None:
         return None

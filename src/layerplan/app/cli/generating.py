@@ -23,7 +23,8 @@ from layerplan.lite.request import LiteRequest
 # whatever else a line gives must be the option's default (greedy sampling, no draft, ...)
 _CARRIED = {"prompt", "prompt_option", "prompt_path", "model", "model_b", "dtype", "engine", "device", "threads",
             "max_new_tokens", "plan", "stop", "chat", "stream", "stats", "verbose", "as_json", "temperature",
-            "max_batch", "repetition_penalty", "presence_penalty", "frequency_penalty", "logit_bias"}
+            "top_k", "top_p", "min_p", "seed", "max_batch", "repetition_penalty", "presence_penalty",
+            "frequency_penalty", "logit_bias"}
 
 
 @click.command()
@@ -72,8 +73,8 @@ def generate(**options) -> None:
 def light_request(argv: list[str]) -> LiteRequest | None:
     """The light front end's request (lite/request.py) of `layerplan generate ...` (argv without the
     program), read by this command as it reads any line: where the light front end carries the
-    line out as the torch one does. Any other option or value (sampling, drafts, a file of prompts, a
-    second model, a device, help), and any line the command refuses, give None: the torch front
+    line out as the torch one does. Any other option or value (drafts, a file of prompts, a second
+    model, a device, help), and any line the command refuses, give None: the torch front
     end reads the line then, and says what it says of it."""
     context = light_context(generate, argv)
     if context is None:
@@ -88,16 +89,18 @@ def light_request(argv: list[str]) -> LiteRequest | None:
             prompts.append(read_text_file(Path(given["prompt_path"])))
         except ValueError:  # (said by the torch front end, in its words)
             return None
-    if len(prompts) != 1 or not prompts[0] or given["engine"] == "eager" or given["temperature"] != 0.0:
+    if len(prompts) != 1 or not prompts[0] or given["engine"] == "eager":
         return None
     request = LiteRequest(prompt=prompts[0], model=given["model"], model_b=given["model_b"], dtype=given["dtype"],
                           engine=given["engine"], threads=given["threads"], plan=given["plan"],
                           max_new_tokens=given["max_new_tokens"], stop=list(given["stop"]), stream=given["stream"],
                           chat=given["chat"], stats=given["stats"] or given["verbose"], as_json=given["as_json"],
                           repetition_penalty=given["repetition_penalty"], presence_penalty=given["presence_penalty"],
-                          frequency_penalty=given["frequency_penalty"], logit_bias=tuple(given["logit_bias"]))
+                          frequency_penalty=given["frequency_penalty"], logit_bias=tuple(given["logit_bias"]),
+                          temperature=given["temperature"], top_k=given["top_k"], top_p=given["top_p"],
+                          min_p=given["min_p"], seed=given["seed"])
     try:
-        request.greedy()
+        request.sampling()
     except SamplingError:  # (said by the torch front end, in its words)
         return None
     return request
