@@ -2,14 +2,14 @@
 against llama.cpp's own cold start on the same file (issue 28's targets: at most 2x llama.cpp's
 time; a peak resident memory of at most 1.3x the file + the KV cache + 300 MB).
 
-    python benchmarks/cold_start.py [MODEL] [--rounds 3] [--dtype stored-fast] [--command chat]
+    python benchmarks/cold_start.py [MODEL] [--rounds 3] [--dtype stored-fast] [--command chat] [--temp 0.8]
 
 Each round times three new processes, in turn (so a change in the machine's load falls on all):
 `layerplan generate PROMPT -n 1` as a user runs it (the light front end, layerplan/lite/: numpy
 and the kernels), the same command on the torch front end (LAYERPLAN_FRONT_END=torch: torch and
 transformers), and `llama-bench -n 1 -p 0` (load, then one token). With --command chat, the
 layerplan command is `layerplan chat -n 1` with PROMPT as its one line of stdin (its reply in the
-chat template, then end of input). Each figure is the median of the rounds, with their range. Each is timed from its spawn
+chat template, then end of input); with --temp T, the command samples (`--temp T --seed 1`). Each figure is the median of the rounds, with their range. Each is timed from its spawn
 to its exit (the interpreter, imports, the tokenizer, the prompt's pass and the token included
 for layerplan), with its peak RSS (ru_maxrss of a child of a probe process of its own). One
 warm-up run of each front end first: the first load of a file indexes it and packs its panels
@@ -53,6 +53,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--dtype", default="stored-fast", choices=["stored", "stored-fast"])
     parser.add_argument("--command", default="generate", choices=["generate", "chat"])
+    parser.add_argument("--temp", type=float, default=0.0,
+                        help="the layerplan command samples at this temperature, seeded (0: greedy)")
     args = parser.parse_args()
     import compileall
 
@@ -80,6 +82,8 @@ def main() -> None:
     else:
         layerplan_command = [layerplan, "generate", PROMPT, "-n", "1"]
     layerplan_command += ["--model", str(gguf), "--dtype", args.dtype, "--threads", str(args.threads)]
+    if args.temp:
+        layerplan_command += ["--temp", str(args.temp), "--seed", "1"]
     torch_env = {**os.environ, "LAYERPLAN_FRONT_END": "torch"}
     llama = [str(tools / "llama-bench"), "-m", str(gguf), "-t", str(args.threads), "-n", "1", "-p", "0", "-r", "1"]
     # (a first run of each: indexes the file and packs its panels)
@@ -94,7 +98,8 @@ def main() -> None:
               for name, rows in runs.items()}
     file_mb = gguf.stat().st_size / 2**20
     print(json.dumps({
-        "model": str(gguf), "command": args.command, "dtype": args.dtype, "cpu": read_cpuinfo()[0],
+        "model": str(gguf), "command": args.command, "dtype": args.dtype, "temperature": args.temp,
+        "cpu": read_cpuinfo()[0],
         "rounds": args.rounds,
         "seconds": {name: round(m[0], 3) for name, m in median.items()},
         "seconds_range": {name: [round(min(s for s, _ in rows), 3), round(max(s for s, _ in rows), 3)]
