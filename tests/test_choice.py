@@ -12,7 +12,7 @@ import pytest
 import torch
 from scipy import stats
 
-from layerplan.decoding.choice import choose_token, draw, processed_logits, seeded_generator
+from layerplan.decoding.choice import choose_token, draw, processed_logits, seeded_generator, top_p_kept
 from layerplan.decoding.sampling import penalty_context, pick, process_logits
 from layerplan.decoding.sampling_params import SamplingParams
 
@@ -93,3 +93,19 @@ def test_a_sampled_choice_keeps_to_the_tokens_its_settings_keep():
                               ({"logit_bias": ((0, -math.inf),), "top_k": 1}, {1})):
         params = SamplingParams(temperature=1.0, **settings)
         assert {choose_token(logits, params, [], 0, generator) for _ in range(200)} <= allowed, settings
+
+
+def test_top_p_sorts_only_its_candidates_and_keeps_what_the_whole_sort_keeps():
+    """top_p_kept's candidates (probability >= (1 - top_p) / V) give the whole sort's answer on
+    flat, peaky, tied and partly banned rows, for top_p near 0, in between and near 1."""
+    generator = np.random.default_rng(5)
+    for trial in range(300):
+        vocab = int(generator.integers(2, 3000))
+        logits = generator.normal(0, float(generator.choice([0.1, 1.0, 4.0, 12.0])), vocab).astype(np.float32)
+        if trial % 3 == 0:  # ties
+            logits[generator.integers(0, vocab, vocab // 3 + 1)] = np.float32(generator.choice(logits))
+        if trial % 4 == 0:  # banned tokens (a top-k before it)
+            logits[generator.random(vocab) < 0.7] = -np.inf
+            logits[int(generator.integers(0, vocab))] = 1.0
+        for top_p in (1e-6, float(generator.random()), 0.95, 0.999999):
+            assert np.array_equal(top_p_kept(logits, top_p), top_p_kept(logits, top_p, whole=True)), (trial, top_p)

@@ -53,20 +53,36 @@ def processed_logits(logits: np.ndarray, params: SamplingParams, context: Sequen
         kth = np.partition(processed, vocab - params.top_k)[vocab - params.top_k]  # the k-th largest
         processed[processed < kth] = -np.inf
     if params.top_p < 1.0:
-        order = np.argsort(-processed, kind="stable")
-        weights = _softmax(processed[order])
-        # drop a token when the tokens before it already reach top_p (the first always stays)
-        drop = np.empty(vocab, dtype=bool)
-        drop[order] = (np.cumsum(weights) - weights) >= params.top_p
-        processed[drop] = -np.inf
+        processed[~top_p_kept(processed, params.top_p)] = -np.inf
     if params.min_p > 0.0:  # p_i >= min_p * p_max  <=>  logit_i >= logit_max + log(min_p)
         processed[processed < processed.max() + np.float32(math.log(params.min_p))] = -np.inf
     return processed
 
 
-def _softmax(logits: np.ndarray) -> np.ndarray:
+def top_p_kept(logits: np.ndarray, top_p: float, whole: bool = False) -> np.ndarray:
+    """Which tokens top-p keeps (bool, V): in the order of the logits (highest first, ties by id), a
+    token goes once the probabilities before it reach top_p (the first always stays).
+
+    Only the candidates are sorted (whole: every token), those of probability at least
+    (1 - top_p) / V: the others sum to less than 1 - top_p and come after them in that order, so
+    they are dropped once the candidates' running sum reaches top_p, as it then must (checked: where
+    rounding leaves it short, every token is sorted). A whole vocabulary's sort costs a decode
+    step's time over again at 152k tokens."""
+    vocab = logits.shape[-1]
     weights = np.exp(logits - logits.max())
-    return weights / weights.sum()
+    weights /= weights.sum()
+    order = None
+    if not whole:
+        candidates = np.flatnonzero(weights >= (1.0 - top_p) / vocab)
+        order = candidates[np.argsort(-logits[candidates], kind="stable")]  # (by id first: ties stay by id)
+        if np.cumsum(weights[order])[-1] < top_p:
+            order = None
+    if order is None:
+        order = np.argsort(-logits, kind="stable")
+    ranked = weights[order]
+    kept = np.zeros(vocab, dtype=bool)
+    kept[order[(np.cumsum(ranked) - ranked) < top_p]] = True
+    return kept
 
 
 def choose_token(logits: np.ndarray, params: SamplingParams, context: Sequence[int], output_from: int,
