@@ -1,7 +1,8 @@
-"""decoding/choice.py: a plain decode's next token from numpy logits. Greedy under a logit bias and
-the penalties it is the torch front end's speculative rounds' token (decoding/sampling.py pick),
-for every setting and many random rows, ties and -inf bans included; its processed logits for a
-sample are sampling.py process_logits's; a draw follows the distribution and its seed."""
+"""decoding/choice.py: a plain decode's next token from numpy logits, and the processing a
+speculative round's torch rows take too (sampling.py process_logits, pick). Greedy under a logit
+bias and the penalties, the round's pick is the plain step's token; a sample's processed logits
+keep what a plain reference of temperature, top-k, top-p and min-p keeps; top-p's candidates
+give the whole sort's answer; a draw follows the distribution and its seed."""
 
 from __future__ import annotations
 
@@ -47,29 +48,70 @@ def _rows(seed: int, count: int):
 
 
 @pytest.mark.parametrize("settings", SETTINGS, ids=lambda s: ",".join(s) or "none")
-def test_the_greedy_token_is_the_torch_front_ends(settings):
+def test_a_rounds_greedy_pick_is_the_plain_steps_token(settings):
+    """The first maximum (ties: the first) after the bias and the penalties, on the torch rows a
+    speculative round verifies as on a plain step's numpy row."""
     params = SamplingParams(**settings)
     for trial, logits, context, output_from in _rows(0, 300):
         seen = penalty_context(context, params, "cpu", output_from=output_from)
         want = pick(torch.from_numpy(logits.copy()), params, seen, None)
         assert choose_token(logits, params, context, output_from, seeded_generator(0)) == want, (trial, settings)
+        reference = _penalised(logits, params, context, output_from)
+        assert want == reference.index(max(reference)), (trial, settings)
 
 
-@pytest.mark.parametrize("settings", SAMPLED, ids=lambda s: ",".join(s))
-def test_a_samples_processed_logits_are_the_torch_front_ends(settings):
-    """The same tokens kept (the same -inf), the same values within float32's rounding: the plain
-    steps' distribution is the one speculative rounds verify against. (Rows without ties: where
-    tied logits straddle top-p's boundary, which of them stays is each sort's own order.)"""
+def _penalised(logits, params: SamplingParams, context, output_from) -> list[float]:
+    """The bias and the penalties in plain float64 Python (OpenAI's and transformers' rules)."""
+    values = [float(v) for v in logits]
+    for token, bias in params.logit_bias:
+        values[token] += bias
+    for token in set(context):
+        if params.repetition_penalty != 1.0:
+            values[token] = values[token] / params.repetition_penalty if values[token] > 0 \
+                else values[token] * params.repetition_penalty
+    output = context[output_from:]
+    for token in set(output):
+        values[token] -= params.frequency_penalty * output.count(token) + params.presence_penalty
+    return values
+
+
+def _kept(logits, params: SamplingParams) -> set[int]:
+    """The tokens temperature, top-k, top-p and min-p keep, in plain float64 Python."""
+    values = [float(v) / params.temperature for v in logits]
+    if params.top_k and params.top_k < len(values):
+        kth = sorted(values, reverse=True)[params.top_k - 1]
+        values = [v if v >= kth else -math.inf for v in values]
+    if params.top_p < 1.0:
+        top = max(values)
+        weights = [math.exp(v - top) for v in values]
+        total = sum(weights)
+        running, kept = 0.0, set()
+        for i in sorted(range(len(values)), key=lambda i: (-values[i], i)):
+            if running >= params.top_p:
+                break
+            kept.add(i)
+            running += weights[i] / total
+        values = [v if i in kept else -math.inf for i, v in enumerate(values)]
+    if params.min_p > 0.0:
+        floor = max(values) + math.log(params.min_p)
+        values = [v if v >= floor else -math.inf for v in values]
+    return {i for i, v in enumerate(values) if v > -math.inf}
+
+
+@pytest.mark.parametrize("settings", SAMPLED[:-1], ids=lambda s: ",".join(s))
+def test_a_samples_processed_logits_keep_what_the_plain_rules_keep(settings):
+    """The same tokens kept as the rules written out plainly (rows without ties: where tied logits
+    straddle a boundary, which stays is the order's), the kept ones' values the logits over the
+    temperature; the torch rows of a round processed the same."""
     params = SamplingParams(**settings)
-    for trial, logits, context, output_from in _rows(1, 200):
+    for trial, logits, _, _ in _rows(1, 200):
         if trial % 5 == 0:
             continue
-        seen = penalty_context(context, params, "cpu", output_from=output_from)
-        want = process_logits(torch.from_numpy(logits.copy()), params, seen).numpy()
-        ours = processed_logits(logits, params, context, output_from)
-        assert np.array_equal(np.isinf(ours), np.isinf(want)), (trial, settings)
-        kept = np.isfinite(want)
-        np.testing.assert_allclose(ours[kept], want[kept], rtol=1e-6, atol=1e-6, err_msg=str((trial, settings)))
+        ours = processed_logits(logits, params, [], 0)
+        assert {int(i) for i in np.flatnonzero(np.isfinite(ours))} == _kept(logits, params), (trial, settings)
+        kept = np.isfinite(ours)
+        np.testing.assert_allclose(ours[kept], logits[kept] / np.float32(params.temperature), rtol=1e-6)
+        assert np.array_equal(process_logits(torch.from_numpy(logits.copy()), params).numpy(), ours)
 
 
 def test_draws_follow_the_distribution_and_the_seed():
