@@ -8,6 +8,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from layerplan.decoding.acceptance import accept_draft, accept_greedy
+from layerplan.decoding.choice import seeded_generator
 from layerplan.decoding.draft_length import AdaptiveLength, HeuristicLength, SharedRounds, expected_speedup
 from layerplan.decoding.drafters.base import DraftState
 from layerplan.decoding.drafters.model import ModelDrafter
@@ -55,7 +56,7 @@ def test_sampled_rule_residual_excludes_overproposed_mass():
     p = torch.tensor([[0.5, 0.5, 0.0], [1.0, 0.0, 0.0]])
     q = torch.tensor([[0.0, 1.0, 0.0]])  # the draft always proposes token 1; p(1)/q(1) = 0.5
     counts = {"accepted": 0, "recovered": 0}
-    g = torch.Generator().manual_seed(0)
+    g = seeded_generator(0)
     for _ in range(4000):
         verdict = accept_draft([1], p, q, g)
         if verdict.accepted:
@@ -472,7 +473,7 @@ def test_greedy_verdict_from_picks_is_accept_drafts(picks, draft_q):
         q = torch.full((len(draft), vocab), 0.1)
         for i, token in enumerate(draft):
             q[i, token] = 0.5
-    want = accept_draft(draft, target, q, torch.Generator().manual_seed(0))
+    want = accept_draft(draft, target, q, seeded_generator(0))
     assert accept_greedy(draft, picks) == want
 
 

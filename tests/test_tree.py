@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from layerplan.decoding.choice import seeded_generator
 from layerplan.decoding.drafters.base import Proposal
 from layerplan.decoding.drafters.suffix import SuffixDrafter
 from layerplan.decoding.generate import generate
@@ -197,7 +198,7 @@ P = {0: [0.1, 0.2, 0.4, 0.2, 0.1], 1: [0.3, 0.3, 0.1, 0.2, 0.1], 2: [0.05, 0.05,
 
 
 def _emitted_distributions(rule, draws=40_000):
-    generator = torch.Generator().manual_seed(1234)
+    generator = seeded_generator(1234)
     probs = {node: torch.tensor(p) for node, p in P.items()}
     first = torch.zeros(5)
     second = {2: torch.zeros(5), 0: torch.zeros(5)}
@@ -234,7 +235,7 @@ def test_tree_acceptance_negative_control():
         while True:
             p = target_probs(node)
             child = next((c for c in tree.children(node)
-                          if float(torch.rand((), generator=generator)) < float(p[tokens[c]])), None)
+                          if generator.random() < float(p[tokens[c]])), None)
             if child is None:
                 return TreeVerdict(path, _draw(p, generator), bonus=not tree.children(node))
             path.append(child)
@@ -248,12 +249,12 @@ def test_greedy_tree_acceptance_follows_the_argmax_and_draws_nothing():
     from layerplan.decoding.acceptance import accept_tree
 
     one_hot = {0: 2, 1: 1, 2: 4, 3: 4, 4: 3}
-    generator = torch.Generator().manual_seed(5)
-    state = generator.get_state()
+    generator = seeded_generator(5)
+    state = generator.bit_generator.state
     verdict = accept_tree(PASS, PASS_TOKENS, lambda n: torch.nn.functional.one_hot(torch.tensor(one_hot[n]), 5).float(),
                           generator)
     assert verdict.path == [1, 4] and verdict.next_token == 3 and verdict.bonus
-    assert torch.equal(generator.get_state(), state)
+    assert generator.bit_generator.state == state
 
 
 def test_greedy_tree_verdict_from_picks_is_accept_trees():

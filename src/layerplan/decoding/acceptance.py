@@ -16,8 +16,10 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
+from layerplan.decoding.choice import seeded_generator
 from layerplan.decoding.sampling import argmax_token, draw_token
 from layerplan.engine.tree import TreeShape
 
@@ -36,11 +38,13 @@ def accept_draft(
     draft: list[int],
     target_probs: torch.Tensor,
     draft_probs: torch.Tensor | None,
-    generator: torch.Generator | None = None,
+    generator: np.random.Generator | None = None,
 ) -> Verdict:
     """draft: γ proposed tokens. target_probs: (γ+1, V), p_i = the target's distribution for the
     position of draft[i] (the last row is for the bonus). draft_probs: (γ, V) q_i the proposals
-    were drawn from, after the same logits processing as p; None means deterministic proposals."""
+    were drawn from, after the same logits processing as p; None means deterministic proposals.
+    generator: the request's (decoding/choice.py seeded_generator; None: a fresh one where a draw
+    is needed)."""
     gamma = len(draft)
     if target_probs.shape[0] != gamma + 1:
         raise ValueError(f"need {gamma + 1} target distributions for {gamma} drafted tokens, got {target_probs.shape[0]}")
@@ -50,8 +54,8 @@ def accept_draft(
         p_token = float(p[token])
         if q_token > 0 and p_token >= q_token:
             continue  # min(1, p/q) = 1: accepted without drawing
-        u = float(torch.rand((), generator=generator))
-        if q_token > 0 and u * q_token < p_token:
+        generator = generator if generator is not None else seeded_generator(None)
+        if q_token > 0 and generator.random() * q_token < p_token:
             continue  # accepted with probability p/q
         if draft_probs is None:
             residual = p.clone()
@@ -76,7 +80,7 @@ def accept_greedy(draft: list[int], picks: list[int]) -> Verdict:
     return Verdict(len(draft), picks[-1], bonus=True)
 
 
-def _draw(weights: torch.Tensor, generator: torch.Generator | None) -> int:
+def _draw(weights: torch.Tensor, generator: np.random.Generator | None) -> int:
     """A token from unnormalised weights; argmax when they are one-hot (greedy: no randomness used)."""
     total = float(weights.sum())
     if total <= 0:
@@ -84,7 +88,7 @@ def _draw(weights: torch.Tensor, generator: torch.Generator | None) -> int:
     top = argmax_token(weights)
     if float(weights[top]) == total:
         return top
-    return draw_token(weights.cpu() / total, generator)
+    return draw_token(weights, generator)
 
 
 @dataclass(frozen=True)
@@ -98,7 +102,7 @@ def accept_tree(
     tree: TreeShape,
     tokens: Sequence[int],
     target_probs: Callable[[int], torch.Tensor],
-    generator: torch.Generator | None = None,
+    generator: np.random.Generator | None = None,
 ) -> TreeVerdict:
     """The acceptance rule on a tree of deterministic proposals (SpecInfer's multi-draft rule with
     one-hot drafts). tree: the pass, node 0 the pending token; tokens[i]: node i's token;
@@ -118,7 +122,9 @@ def accept_tree(
         for child in tree.children(node):
             token = tokens[child]
             total, weight = float(residual.sum()), float(residual[token])
-            if weight > 0 and (weight >= total or float(torch.rand((), generator=generator)) * total < weight):
+            if weight > 0 and weight < total and generator is None:
+                generator = seeded_generator(None)
+            if weight > 0 and (weight >= total or generator.random() * total < weight):
                 accepted = child
                 break
             residual[token] = 0.0

@@ -1,6 +1,6 @@
 """The next token from numpy logits, without torch: greedy or sampled, as every plain decode
-chooses it (decoding/loop.py's loop, on both front ends; speculative rounds keep their own draws:
-acceptance.py).
+chooses it (decoding/loop.py's loop, on both front ends), and the draws of speculative rounds
+(sampling.py draw_token, acceptance.py) from the same generator by the same rule.
 
 The logits are processed in float32 (the logit bias, then the repetition penalty on the
 context's tokens, then presence and frequency on the generated ones; for a sample then the

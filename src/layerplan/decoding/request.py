@@ -1,8 +1,8 @@
-"""One request's decode state on the torch front end's model, as every way of decoding it holds
-it: decoding/loop.py's loop (the emitter of its tokens, its KV cache and context, its timing) with
-its prompt ids, sampler and seed. generate.Decoding (a token a pass) and
-speculative.SpeculativeDecoding (drafted rounds) build on it; decoding/batch.py runs either
-through shared passes."""
+"""One request's decode state on the torch front end's model, as every way of decoding it holds it:
+decoding/loop.py's loop (the emitter of its tokens, its KV cache and context, its timing) with its
+prompt ids (its sampling settings and seed: the loop's draws, decoding/choice.py). generate.Decoding
+(a token a pass) and speculative.SpeculativeDecoding (drafted rounds) build on it; decoding/batch.py
+runs either through shared passes."""
 
 from __future__ import annotations
 
@@ -32,9 +32,6 @@ class DecodeRequest(DecodeLoop):
                  stop_at_eos: bool | Sequence[int], chat: bool, on_text: Callable[[str], None] | None,
                  should_stop: Callable[[], bool] | None, probe_row: ProbeRow | None, spare: int = 1,
                  cache: KVCache | None = None) -> None:
-        # (the plain steps draw from the loop's numpy generator, as on the light front end; a
-        # speculative round's accept tests and draws from this one: acceptance.py)
-        self.generator = torch.Generator(device="cpu").manual_seed(seed) if seed is not None else None
         self.ids = prompt_ids(model, prompt, chat)  # (1, prompt): what a batch's passes take
         super().__init__(model, self.ids[0].tolist(), plan, max_new_tokens, stop, stop_at_eos, on_text, should_stop,
                          PaceCheck(probe_row), spare, cache, ModelPasses(model), sampling, seed)

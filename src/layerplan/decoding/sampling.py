@@ -10,9 +10,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-from layerplan.decoding.choice import processed_logits
+from layerplan.decoding.choice import draw, processed_logits, seeded_generator
 from layerplan.decoding.sampling_params import SamplingParams
 
 
@@ -61,14 +62,14 @@ def next_token_probs(logits: torch.Tensor, params: SamplingParams, seen: Seen | 
     return torch.softmax(processed, -1)
 
 
-def draw_token(probs: torch.Tensor, generator: torch.Generator | None) -> int:
-    """One token drawn from probs (V,) on the CPU, where a request's generator is: a seed gives the
-    same tokens whatever device the logits came from. Every random token of a speculative round
-    (a draft's, a recovered or bonus one: acceptance.py) is drawn here or there."""
-    return int(torch.multinomial(probs.cpu(), 1, generator=generator))
+def draw_token(weights: torch.Tensor, generator: np.random.Generator | None) -> int:
+    """One token drawn in proportion to weights (V,) by decoding/choice.py's draw, from the
+    request's generator (None: a fresh one): a seed gives the same tokens whatever device the
+    logits came from. Every random token is drawn by that one rule (a plain step's in choice.py)."""
+    return draw(weights.detach().double().cpu().numpy(), generator if generator is not None else seeded_generator(None))
 
 
-def pick(logits: torch.Tensor, params: SamplingParams, seen: Seen | None, generator: torch.Generator | None) -> int:
+def pick(logits: torch.Tensor, params: SamplingParams, seen: Seen | None, generator: np.random.Generator | None) -> int:
     """One next token from logits (V,)."""
     processed = process_logits(logits, params, seen)
     if params.greedy:

@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 
+import numpy as np
 import torch
 
 from layerplan.decoding.acceptance import accept_draft, accept_greedy, accept_tree, accept_tree_greedy
@@ -188,7 +189,7 @@ class SpeculativeDecoding(DecodeRequest):
             gamma = cap
             self.stats.capped_rounds += 1
         t0 = time.perf_counter()
-        state = DraftState(self.model, self.target, self.cache, self.context, self.sampling, self.generator,
+        state = DraftState(self.model, self.target, self.cache, self.context, self.sampling, self.draws,
                            output_from=len(self.prompt))
         proposal = self.drafter.propose(state, gamma) if gamma > 0 else None
         return gamma, proposal, t0, time.perf_counter()
@@ -206,12 +207,12 @@ class SpeculativeDecoding(DecodeRequest):
         if tree:
             drafted = len(proposal.tokens)
             emitted, accepted, bonus, rows = _verify_tree(self.model, self.target, self.cache, self.context,
-                                                          proposal, self.sampling, self.generator, len(self.prompt))
+                                                          proposal, self.sampling, self.draws, len(self.prompt))
         else:
             draft = proposal.tokens[:gamma] if proposal else []
             drafted = len(draft)
             emitted, accepted, bonus, rows = _verify_chain(self.model, self.target, self.cache, self.context, draft,
-                                                           proposal, self.sampling, self.generator, len(self.prompt))
+                                                           proposal, self.sampling, self.draws, len(self.prompt))
         self._record(gamma, drafted, accepted, emitted, bonus, rows, proposal, t0, t1, time.perf_counter())
 
     def next_pass(self, cap: int | None = None, others: int = 0) -> tuple[torch.Tensor, object, int]:
@@ -230,7 +231,7 @@ class SpeculativeDecoding(DecodeRequest):
         """The round's verify logits (1 + drafted, vocab) from the batch's pass: accept, roll back."""
         gamma, draft, proposal, t0, t1 = self._round
         emitted, accepted, bonus, rows = _accept_chain(self.cache, self.context, draft, proposal, logits,
-                                                       self.sampling, self.generator, len(self.prompt))
+                                                       self.sampling, self.draws, len(self.prompt))
         self._record(gamma, len(draft), accepted, emitted, bonus, rows, proposal, t0, t1, time.perf_counter())
 
     def _record(self, gamma: int, drafted: int, accepted: int, emitted: list[int], bonus: bool, rows,
@@ -251,7 +252,7 @@ class SpeculativeDecoding(DecodeRequest):
 
 
 def _verify_chain(model: LoadedModel, target: LayerPlan, cache, context: list[int], draft: list[int],
-                  proposal: Proposal | None, sampling: SamplingParams, generator: torch.Generator | None,
+                  proposal: Proposal | None, sampling: SamplingParams, generator: np.random.Generator | None,
                   output_from: int = 0) -> tuple[list[int], int, bool, torch.Tensor]:
     """Check a chain of drafted tokens in one target pass (accept / recover / bonus). Returns the
     emitted tokens, how many drafted tokens were accepted, whether the last one is a bonus, and the
@@ -263,7 +264,7 @@ def _verify_chain(model: LoadedModel, target: LayerPlan, cache, context: list[in
 
 
 def _accept_chain(cache, context: list[int], draft: list[int], proposal: Proposal | None, target_logits: torch.Tensor,
-                  sampling: SamplingParams, generator: torch.Generator | None,
+                  sampling: SamplingParams, generator: np.random.Generator | None,
                   output_from: int = 0) -> tuple[list[int], int, bool, torch.Tensor]:
     """A chain's verdict from its verify logits (γ+1, V), and the cache cropped to what stays:
     (emitted tokens, accepted drafts, bonus, the logits rows of the emitted tokens: row i is where
@@ -283,7 +284,7 @@ def _accept_chain(cache, context: list[int], draft: list[int], proposal: Proposa
 
 
 def _verify_tree(model: LoadedModel, target: LayerPlan, cache, context: list[int], proposal: Proposal,
-                 sampling: SamplingParams, generator: torch.Generator | None,
+                 sampling: SamplingParams, generator: np.random.Generator | None,
                  output_from: int = 0) -> tuple[list[int], int, bool, list]:
     """Check a token tree of deterministic proposals in one target pass. Returns the emitted tokens
     (the accepted path, then a recovered or bonus token), how many drafted tokens were accepted,

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
+import numpy as np
 import torch
 
 from layerplan.decoding.sampling import argmax_token, draw_token, penalty_context, process_logits
@@ -30,7 +31,7 @@ class DraftState:
     cache: KVCache  # the target's cache; self-drafts write the slots of the steps they run
     tokens: list[int]  # the context; tokens[-1] is pending (its KV is not in the cache yet)
     sampling: SamplingParams
-    generator: torch.Generator | None = None
+    generator: np.random.Generator | None = None  # the request's draws (decoding/choice.py)
     output_from: int = 0  # tokens[output_from:] were generated (the presence and frequency penalties')
 
 
