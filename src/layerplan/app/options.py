@@ -19,7 +19,7 @@ from layerplan.lite import FRONT_END_VARIABLE
 from layerplan.lite.request import ARITHMETICS
 from layerplan.models.gguf_place import DEFAULT_MODEL
 
-SEED = click.IntRange(*SEED_RANGE)  # what torch's generator takes
+SEED = click.IntRange(*SEED_RANGE)  # (decoding/limits.py)
 MAX_THREADS = 1024
 
 

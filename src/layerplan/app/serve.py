@@ -133,7 +133,7 @@ class _GenerationRequest(BaseModel):
     repetition_penalty: float = Field(1.0, gt=0)  # extension
     min_p: float = Field(0.0, ge=0, le=1)  # extension (as in vLLM and llama-server); 0 keeps all tokens
     stop: str | list[str] | None = None
-    seed: int | None = Field(None, ge=SEED_RANGE[0], le=SEED_RANGE[1])  # what torch's generator takes
+    seed: int | None = Field(None, ge=SEED_RANGE[0], le=SEED_RANGE[1])  # (decoding/limits.py)
     n: int = Field(1, ge=1, le=MAX_N)  # choices of each prompt, decoded together
     stream: bool = False
     stream_options: dict[str, Any] | None = None
