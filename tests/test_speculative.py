@@ -398,6 +398,35 @@ def test_requests_that_share_their_rounds_start_from_what_the_others_measured():
     assert shared.accepted_count > before * busy.decay
 
 
+def test_a_seeded_sample_drafts_by_its_own_rounds_and_repeats_itself(monkeypatch):
+    """With a seed and a temperature the draft length defaults to the heuristic schedule, which
+    follows the rounds' outcomes alone: the same tokens whatever a server's other requests measured
+    and however the clock runs. A policy named is kept; greedy and unseeded runs keep adaptive."""
+    from layerplan.decoding import speculative
+    from layerplan.decoding.speculative import SpeculativeDecoding
+
+    model = tiny_model("llama", 3)
+    params = SamplingParams(temperature=1.3)
+
+    def run(shared: SharedRounds) -> list[int]:
+        return SpeculativeDecoding(model, PROMPT, "ngram", max_new_tokens=24, sampling=params, seed=11,
+                                   stop_at_eos=False, shared_rounds=shared).run().token_ids
+
+    first = run(SharedRounds())
+    measured = SharedRounds()  # what a server's other requests learned: drafts never pay
+    drafted = AdaptiveLength(max_gamma=8, shared=measured)
+    drafted.update(0, 0, 0, 0.0, 1.0)
+    for _ in range(6):
+        drafted.update(4, 4, 0, 3.6, 1.1)
+    ticks = iter(range(10 ** 6))
+    monkeypatch.setattr(speculative.time, "perf_counter", lambda: next(ticks) * 0.37)  # another clock
+    assert run(measured) == first
+    assert isinstance(SpeculativeDecoding(model, PROMPT, "ngram", sampling=params, seed=11).lengths, HeuristicLength)
+    for kept in ({"sampling": params, "seed": 11, "draft_length": "adaptive"}, {"sampling": params},
+                 {"seed": 11}):
+        assert isinstance(SpeculativeDecoding(model, PROMPT, "ngram", **kept).lengths, AdaptiveLength), kept
+
+
 def test_heuristic_schedule():
     policy = HeuristicLength(4)
     policy.update(4, 4, 4, 0, 0)

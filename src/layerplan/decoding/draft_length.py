@@ -200,6 +200,8 @@ DRAFT_LENGTHS = {
                                                                         shared=shared)),
 }
 DEFAULT_DRAFT_LENGTH = "adaptive"
+# a seeded sampled request's default: its lengths follow its own rounds, so the seed repeats the sample
+SEEDED_DRAFT_LENGTH = "heuristic"
 
 
 def make_draft_length(spec: str | object | None, gamma: int = 4, pass_costs: dict[int, float] | None = None,
@@ -217,5 +219,5 @@ def make_draft_length(spec: str | object | None, gamma: int = 4, pass_costs: dic
 
 def draft_length_help() -> str:
     """One clause per policy, for the CLI."""
-    return "; ".join(f"{name}{' (default)' if name == DEFAULT_DRAFT_LENGTH else ''}: {kind.help}"
-                     for name, kind in DRAFT_LENGTHS.items())
+    marks = {DEFAULT_DRAFT_LENGTH: " (default)", SEEDED_DRAFT_LENGTH: " (a seeded sample's default)"}
+    return "; ".join(f"{name}{marks.get(name, '')}: {kind.help}" for name, kind in DRAFT_LENGTHS.items())

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from layerplan.decoding.acceptance import accept_draft, accept_greedy, accept_tree, accept_tree_greedy
-from layerplan.decoding.draft_length import FixedLength, SharedRounds, make_draft_length
+from layerplan.decoding.draft_length import SEEDED_DRAFT_LENGTH, FixedLength, SharedRounds, make_draft_length
 from layerplan.decoding.drafters.base import DraftState, Drafter, LearnsFromRounds, Proposal, RoundOutcome
 from layerplan.decoding.drafters.registry import make_drafter
 from layerplan.decoding.text import GenerationResult, TokenKind
@@ -168,6 +168,10 @@ class SpeculativeDecoding(DecodeRequest):
         self.learner = self.drafter if isinstance(self.drafter, LearnsFromRounds) else None
         if draft_length is None and self.learner is not None:
             draft_length = FixedLength(self.learner.max_draft)  # it picks its own length per round
+        elif draft_length is None and seed is not None and sampling is not None and not sampling.greedy:
+            # a seeded sample repeats itself: its draft lengths follow its own rounds alone (the
+            # adaptive policy's follow this machine's timings and a server's other requests)
+            draft_length = SEEDED_DRAFT_LENGTH
         self.lengths = make_draft_length(draft_length, pass_costs=costs, shared=shared_rounds)
         max_gamma = getattr(self.lengths, "max_gamma", getattr(self.lengths, "gamma", 8))
         super().__init__(model, prompt, target, max_new_tokens, sampling, seed, stop, stop_at_eos, chat, on_text,
