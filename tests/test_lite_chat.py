@@ -138,9 +138,8 @@ def _chat(lines: str, tmp_path, *options: str, front_end: str = "", cache=None) 
 
 DIALOGUE = ("/system Answer in one sentence.\nWhat is the capital of France?\n/plan 0-25,20-29\n"
             "What river runs through it?\n/plan full\n/reset\nHello\n")
-# (the drafted reply is greedy: a sampled one with a draft depends on the adaptive draft length,
-# which this run's timings set, so two runs on a loaded machine may sample differently)
-HANDED_ON = ("What is the capital of France?\n/temp 0.8\n/seed 7\nTell me about it.\n/temp 0\n/draft suffix\n"
+# (the drafted reply samples too: with a seed it drafts by its own rounds, whatever the timings)
+HANDED_ON = ("What is the capital of France?\n/temp 0.8\n/seed 7\nTell me about it.\n/draft suffix\n"
              "And its river?\n/stats\n")
 
 
