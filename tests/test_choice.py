@@ -53,7 +53,7 @@ def test_a_rounds_greedy_pick_is_the_plain_steps_token(settings):
     speculative round verifies as on a plain step's numpy row."""
     params = SamplingParams(**settings)
     for trial, logits, context, output_from in _rows(0, 300):
-        seen = penalty_context(context, params, "cpu", output_from=output_from)
+        seen = penalty_context(context, params, output_from=output_from)
         want = pick(torch.from_numpy(logits.copy()), params, seen, None)
         assert choose_token(logits, params, context, output_from, seeded_generator(0)) == want, (trial, settings)
         reference = _penalised(logits, params, context, output_from)

@@ -31,11 +31,11 @@ def test_sampling_is_seeded_and_respects_max_tokens():
 def test_processing_matches_definitions():
     logits = torch.tensor([2.0, 1.0, 0.5, -1.0, -3.0])
     params = SamplingParams(repetition_penalty=2.0)
-    penalised = process_logits(logits, params, penalty_context([0, 3], params, "cpu"))
+    penalised = process_logits(logits, params, penalty_context([0, 3], params))
     assert penalised.tolist() == [1.0, 1.0, 0.5, -2.0, -3.0]
     # presence and frequency: the generated tokens alone (the context from output_from), by count
     params = SamplingParams(presence_penalty=0.5, frequency_penalty=0.25)
-    penalised = process_logits(logits, params, penalty_context([0, 1, 1, 2, 2, 2], params, "cpu", output_from=1))
+    penalised = process_logits(logits, params, penalty_context([0, 1, 1, 2, 2, 2], params, output_from=1))
     assert penalised.tolist() == [2.0, 1.0 - 0.5 - 0.5, 0.5 - 0.5 - 0.75, -1.0, -3.0]
     top_k = next_token_probs(logits, SamplingParams(temperature=1.0, top_k=2))
     assert (top_k[2:] == 0).all() and top_k[:2].sum() == pytest.approx(1.0)
@@ -70,7 +70,7 @@ def test_every_setting_in_range_gives_finite_probabilities():
     for temperature in (MIN_TEMPERATURE, 2.0):
         for penalty in PENALTY_RANGE:
             params = SamplingParams(temperature=temperature, repetition_penalty=penalty, top_p=0.9)
-            probs = next_token_probs(logits, params, penalty_context([0, 1], params, "cpu"))
+            probs = next_token_probs(logits, params, penalty_context([0, 1], params))
             assert torch.isfinite(probs).all() and abs(float(probs.sum()) - 1) < 1e-5
 
 

@@ -40,7 +40,7 @@ def test_the_bias_comes_before_the_penalty_and_greedy_takes_it():
     assert pick(logits, SamplingParams(logit_bias=((3, 6.0),)), None, None) == 3
     # -0.5 + 1 = 0.5 > 0, so the penalty divides it: bias first, then the penalty
     params = SamplingParams(repetition_penalty=2.0, logit_bias=((3, 1.0),))
-    processed = process_logits(logits, params, penalty_context([3], params, "cpu"))
+    processed = process_logits(logits, params, penalty_context([3], params))
     assert processed[3].item() == pytest.approx(0.25) and processed[0].item() == 1.0
     assert torch.equal(logits, torch.tensor([1.0, 5.0, 2.0, -0.5]))  # the caller's logits untouched
 

@@ -18,9 +18,9 @@ PENALISED = SamplingParams(presence_penalty=1.5, frequency_penalty=0.5)
 
 def test_the_prompts_tokens_are_not_penalised():
     logits = torch.tensor([3.0, 2.0, 1.0])
-    seen = penalty_context([0, 0, 1], PENALISED, "cpu", output_from=2)  # the prompt: 0, 0; generated: 1
+    seen = penalty_context([0, 0, 1], PENALISED, output_from=2)  # the prompt: 0, 0; generated: 1
     assert process_logits(logits, PENALISED, seen).tolist() == [3.0, 2.0 - 1.5 - 0.5, 1.0]
-    assert penalty_context([0, 1], SamplingParams(), "cpu") is None  # no penalty, nothing to count
+    assert penalty_context([0, 1], SamplingParams()) is None  # no penalty, nothing to count
     for name in ("presence_penalty", "frequency_penalty"):
         with pytest.raises(SamplingError, match=f"{name} 2.5 is out of range"):
             SamplingParams(**{name: 2.5})

@@ -233,7 +233,7 @@ def exact_joint(model, prompt, params, length):
         for prefix, mass in table.items():
             context = prompt + list(prefix)
             logits = forward(model, torch.tensor([context], device=model.device))[0, -1]
-            probs = next_token_probs(logits, params, penalty_context(context, params, model.device, len(prompt))).cpu()
+            probs = next_token_probs(logits, params, penalty_context(context, params, len(prompt))).cpu()
             for token in torch.nonzero(probs).flatten().tolist():
                 grown[prefix + (token,)] = mass * float(probs[token])
         table = grown
@@ -307,7 +307,7 @@ def exact_joint_draft(model, prompt, params, length):
         for prefix, mass in table.items():
             context = prompt + list(prefix)
             probs = next_token_probs(forward(model, torch.tensor([context]), plan)[0, -1], params,
-                                     penalty_context(context, params, "cpu", len(prompt)))
+                                     penalty_context(context, params, len(prompt)))
             for token in torch.nonzero(probs).flatten().tolist():
                 grown[prefix + (token,)] = mass * float(probs[token])
         table = grown

@@ -6,9 +6,9 @@ The logits are processed in float32 (the logit bias, then the repetition penalty
 context's tokens, then presence and frequency on the generated ones; for a sample then the
 temperature, top-k, top-p and min-p): the one definition, which a speculative round's torch rows
 take too (sampling.py process_logits), so that its p is the distribution a plain step samples
-from and its greedy picks are plain greedy's tokens. A sample is one uniform draw of the request's numpy Generator against the processed
-distribution's cumulative weights in float64 (`draw`): a seed gives the same tokens on either
-front end, on any device the logits came from.
+from and its greedy picks are plain greedy's tokens. A sample is one uniform draw of the
+request's numpy Generator against the processed distribution's cumulative weights in float64
+(`draw`): a seed gives the same tokens on either front end, on any device the logits came from.
 """
 
 from __future__ import annotations

@@ -27,9 +27,9 @@ class Seen:
     output_from: int = 0
 
 
-def penalty_context(context: Sequence[int], params: SamplingParams, device=None, output_from: int = 0) -> Seen | None:
+def penalty_context(context: Sequence[int], params: SamplingParams, output_from: int = 0) -> Seen | None:
     """What the penalties look at in `context`, whose tokens from `output_from` on were generated
-    (None where no penalty is set). (device: unused; the processing runs on the CPU.)"""
+    (None where no penalty is set)."""
     if params.repetition_penalty == 1.0 and not params.presence_penalty and not params.frequency_penalty:
         return None
     return Seen(list(context), output_from)

@@ -274,7 +274,7 @@ def _accept_chain(cache, context: list[int], draft: list[int], proposal: Proposa
     (emitted tokens, accepted drafts, bonus, the logits rows of the emitted tokens: row i is where
     the i-th was chosen). context[output_from:] was generated (the penalties')."""
     position = len(context) - 1
-    seen = [penalty_context(context + draft[:i], sampling, target_logits.device, output_from)
+    seen = [penalty_context(context + draft[:i], sampling, output_from)
             for i in range(len(draft) + 1)]
     if sampling.greedy:  # the picks alone decide (accept_greedy)
         verdict = accept_greedy(draft, [pick(target_logits[i], sampling, seen[i], None) for i in range(len(draft) + 1)])
@@ -301,7 +301,7 @@ def _verify_tree(model: LoadedModel, target: LayerPlan, cache, context: list[int
     logits = forward(model, torch.tensor([tokens], device=model.device), target, cache, position, tree=shape)[0]
 
     def seen(node: int) -> Seen | None:  # the context and the node's path, for penalties
-        return penalty_context(context + [tokens[i] for i in shape.path(node)[1:]], sampling, logits.device,
+        return penalty_context(context + [tokens[i] for i in shape.path(node)[1:]], sampling,
                                output_from)
 
     if sampling.greedy:  # the picks alone decide (accept_tree_greedy)

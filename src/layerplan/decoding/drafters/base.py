@@ -90,7 +90,7 @@ class LearnsFromRounds(Protocol):
 def draft_token(logits: torch.Tensor, state: DraftState, seen: list[int]) -> tuple[int, torch.Tensor, float]:
     """(token, q, top-1 probability) from one position's draft logits (V,)."""
     params = state.sampling
-    processed = process_logits(logits, params, penalty_context(seen, params, logits.device, state.output_from))
+    processed = process_logits(logits, params, penalty_context(seen, params, state.output_from))
     if params.greedy:
         token = argmax_token(processed)
         confidence = float(torch.softmax(processed, -1)[token])
