@@ -9,7 +9,8 @@ Each round times three new processes, in turn (so a change in the machine's load
 and the kernels), the same command on the torch front end (LAYERPLAN_FRONT_END=torch: torch and
 transformers), and `llama-bench -n 1 -p 0` (load, then one token). With --command chat, the
 layerplan command is `layerplan chat -n 1` with PROMPT as its one line of stdin (its reply in the
-chat template, then end of input); with --temp T, the command samples (`--temp T --seed 1`). Each figure is the median of the rounds, with their range. Each is timed from its spawn
+chat template, then end of input); with --temp T, the command samples (`--temp T --seed 1`). Each
+figure is the median of the rounds, with their range. Each is timed from its spawn
 to its exit (the interpreter, imports, the tokenizer, the prompt's pass and the token included
 for layerplan), with its peak RSS (ru_maxrss of a child of a probe process of its own). One
 warm-up run of each front end first: the first load of a file indexes it and packs its panels

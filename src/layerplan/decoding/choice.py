@@ -27,7 +27,8 @@ def seeded_generator(seed: int | None) -> np.random.Generator:
     return np.random.default_rng(seed % 2 ** 64 if seed is not None else None)
 
 
-def processed_logits(logits: np.ndarray, params: SamplingParams, context: Sequence[int], output_from: int) -> np.ndarray:
+def processed_logits(logits: np.ndarray, params: SamplingParams, context: Sequence[int],
+                     output_from: int) -> np.ndarray:
     """The logits (V,) as params process them, in float32 (a copy: the caller's row stays as it
     is); a token dropped by top-k, top-p or min-p is -inf. context: the tokens so far, those from
     output_from on generated (the presence and frequency penalties' count)."""

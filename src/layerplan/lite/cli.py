@@ -86,7 +86,8 @@ def run(request: LiteRequest, tokenizer: TokenizerProcess | None = None) -> int 
     try:
         model = load_for(request, tokenizer)
         sampling = request.sampling()
-        sampling.check_vocabulary(model.hf_config.get("vocab_size", model.vocab))  # (app/cli/running.py's, after the load)
+        # (app/cli/running.py's check, after the load as there)
+        sampling.check_vocabulary(model.hf_config.get("vocab_size", model.vocab))
         plan = model.plan(request.plan)
         ids = model.encode(request.prompt, request.chat)
         if not ids:
