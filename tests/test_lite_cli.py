@@ -399,3 +399,22 @@ def test_a_real_gguf_scan_is_the_same_on_both_front_ends(name, tmp_path):
         written.append(json.loads((out / "scan.json").read_text()))
         written[-1].pop("seconds")
     assert written[0] == written[1] and len(written[0]["items"]) > 10
+
+
+@pytest.mark.parametrize("name", ["gemma-3-270m-Q4_K_M.gguf", "qwen2.5-coder-1.5b-instruct-Q4_K_M.gguf"])
+def test_a_real_gguf_sampled_generate_is_the_same_on_both_front_ends(name):
+    """A seeded sample with llama.cpp's default settings (top-k 40, top-p 0.95, min-p 0.05) over a
+    real vocabulary (262,144 and 151,936 tokens: top-p sorts its candidates alone): the same text
+    and lines from both front ends. In `make bench-real` (LAYERPLAN_REAL_MODELS), never in the
+    default suite."""
+    folder = os.environ.get("LAYERPLAN_REAL_MODELS")
+    path = os.path.join(folder or "/nonexistent", name)
+    if not os.path.exists(path):
+        pytest.skip(f"LAYERPLAN_REAL_MODELS does not name a folder with the real {name}")
+    argv = ["generate", "-m", path, "Write a short poem about the sea.", "--chat", "-n", "32", "--temp", "0.8",
+            "--top-k", "40", "--top-p", "0.95", "--min-p", "0.05", "-s", "5"]
+    cache = cache_dir()  # (the user's: the file's index and panels, made once)
+    light, torch_run = _run(argv, cache), _run(argv, cache, "torch")
+    assert light.returncode == torch_run.returncode == 0, light.stderr + torch_run.stderr
+    assert light.stdout == torch_run.stdout and len(light.stdout) > 20
+    assert light.stderr == torch_run.stderr
