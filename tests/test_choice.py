@@ -1,5 +1,5 @@
 """decoding/choice.py: a plain decode's next token from numpy logits, and the processing a
-speculative round's torch rows take too (sampling.py process_logits, pick). Greedy under a logit
+speculative round's torch rows take too (sampling.py process_logits, greedy_pick). Greedy under a logit
 bias and the penalties, the round's pick is the plain step's token; a sample's processed logits
 keep what a plain reference of temperature, top-k, top-p and min-p keeps; top-p's candidates
 give the whole sort's answer; a draw follows the distribution and its seed."""
@@ -14,7 +14,7 @@ import torch
 from scipy import stats
 
 from layerplan.decoding.choice import choose_token, draw, processed_logits, seeded_generator, top_p_kept
-from layerplan.decoding.sampling import penalty_context, pick, process_logits
+from layerplan.decoding.sampling import greedy_pick, penalty_context, process_logits
 from layerplan.decoding.sampling_params import SamplingParams
 
 SETTINGS = [
@@ -54,7 +54,7 @@ def test_a_rounds_greedy_pick_is_the_plain_steps_token(settings):
     params = SamplingParams(**settings)
     for trial, logits, context, output_from in _rows(0, 300):
         seen = penalty_context(context, params, output_from=output_from)
-        want = pick(torch.from_numpy(logits.copy()), params, seen, None)
+        want = greedy_pick(torch.from_numpy(logits.copy()), params, seen)
         assert choose_token(logits, params, context, output_from, seeded_generator(0)) == want, (trial, settings)
         reference = _penalised(logits, params, context, output_from)
         assert want == reference.index(max(reference)), (trial, settings)

@@ -13,7 +13,7 @@ from fastapi.testclient import TestClient
 from layerplan.app.cli import main
 from layerplan.app.serve import create_app
 from layerplan.decoding.generate import generate
-from layerplan.decoding.sampling import penalty_context, pick, process_logits
+from layerplan.decoding.sampling import greedy_pick, penalty_context, process_logits
 from layerplan.decoding.sampling_params import SamplingError, SamplingParams
 
 REPETITIVE = "xxxxxxxxxxxxxxx"  # the tiny model continues it with one byte over and over: drafts get accepted
@@ -35,9 +35,9 @@ def tiny(folder):
 
 def test_the_bias_comes_before_the_penalty_and_greedy_takes_it():
     logits = torch.tensor([1.0, 5.0, 2.0, -0.5])
-    assert pick(logits, SamplingParams(), None, None) == 1
-    assert pick(logits, SamplingParams(logit_bias=((1, -math.inf),)), None, None) == 2
-    assert pick(logits, SamplingParams(logit_bias=((3, 6.0),)), None, None) == 3
+    assert greedy_pick(logits, SamplingParams(), None) == 1
+    assert greedy_pick(logits, SamplingParams(logit_bias=((1, -math.inf),)), None) == 2
+    assert greedy_pick(logits, SamplingParams(logit_bias=((3, 6.0),)), None) == 3
     # -0.5 + 1 = 0.5 > 0, so the penalty divides it: bias first, then the penalty
     params = SamplingParams(repetition_penalty=2.0, logit_bias=((3, 1.0),))
     processed = process_logits(logits, params, penalty_context([3], params))

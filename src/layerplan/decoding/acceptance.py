@@ -43,8 +43,8 @@ def accept_draft(
     """draft: γ proposed tokens. target_probs: (γ+1, V), p_i = the target's distribution for the
     position of draft[i] (the last row is for the bonus). draft_probs: (γ, V) q_i the proposals
     were drawn from, after the same logits processing as p; None means deterministic proposals.
-    generator: the request's (decoding/choice.py seeded_generator; None: a fresh one where a draw
-    is needed)."""
+    generator: the request's (decoding/choice.py seeded_generator; None: a fresh one)."""
+    generator = generator if generator is not None else seeded_generator(None)
     gamma = len(draft)
     if target_probs.shape[0] != gamma + 1:
         raise ValueError(f"need {gamma + 1} target distributions for {gamma} drafted tokens, got {target_probs.shape[0]}")
@@ -54,7 +54,6 @@ def accept_draft(
         p_token = float(p[token])
         if q_token > 0 and p_token >= q_token:
             continue  # min(1, p/q) = 1: accepted without drawing
-        generator = generator if generator is not None else seeded_generator(None)
         if q_token > 0 and generator.random() * q_token < p_token:
             continue  # accepted with probability p/q
         if draft_probs is None:
@@ -114,6 +113,7 @@ def accept_tree(
     distribution one candidate at a time, so every emitted token has exactly the target's
     distribution; when every child is rejected the recovered token comes from what is left. Greedy
     (one-hot distributions) draws nothing: a child is accepted iff it is the argmax."""
+    generator = generator if generator is not None else seeded_generator(None)
     path: list[int] = []
     node = 0
     while True:
@@ -122,8 +122,6 @@ def accept_tree(
         for child in tree.children(node):
             token = tokens[child]
             total, weight = float(residual.sum()), float(residual[token])
-            if weight > 0 and weight < total and generator is None:
-                generator = seeded_generator(None)
             if weight > 0 and (weight >= total or generator.random() * total < weight):
                 accepted = child
                 break

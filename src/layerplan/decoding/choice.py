@@ -96,9 +96,11 @@ def choose_token(logits: np.ndarray, params: SamplingParams, context: Sequence[i
     return draw(np.exp(processed.astype(np.float64) - float(processed.max())), generator)
 
 
-def draw(weights: np.ndarray, generator: np.random.Generator) -> int:
+def draw(weights: np.ndarray, generator: np.random.Generator | None) -> int:
     """One index drawn in proportion to `weights` (V,), not all zero: the first whose cumulative
-    weight exceeds a uniform draw of their total (a zero weight is never drawn)."""
+    weight exceeds a uniform draw of their total (a zero weight is never drawn); generator: the
+    request's (None: a fresh one)."""
+    generator = generator if generator is not None else seeded_generator(None)
     cumulative = np.cumsum(weights, dtype=np.float64)
     index = int(np.searchsorted(cumulative, generator.random() * cumulative[-1], side="right"))
     # (a draw that rounds up to the total itself: the last token of any weight)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from layerplan.decoding.choice import draw, processed_logits, seeded_generator
+from layerplan.decoding.choice import draw, processed_logits
 from layerplan.decoding.sampling_params import SamplingParams
 
 
@@ -66,12 +66,10 @@ def draw_token(weights: torch.Tensor, generator: np.random.Generator | None) -> 
     """One token drawn in proportion to weights (V,) by decoding/choice.py's draw, from the
     request's generator (None: a fresh one): a seed gives the same tokens whatever device the
     logits came from. Every random token is drawn by that one rule (a plain step's in choice.py)."""
-    return draw(weights.detach().double().cpu().numpy(), generator if generator is not None else seeded_generator(None))
+    return draw(weights.detach().double().cpu().numpy(), generator)
 
 
-def pick(logits: torch.Tensor, params: SamplingParams, seen: Seen | None, generator: np.random.Generator | None) -> int:
-    """One next token from logits (V,)."""
-    processed = process_logits(logits, params, seen)
-    if params.greedy:
-        return argmax_token(processed)
-    return draw_token(torch.softmax(processed, -1), generator)
+def greedy_pick(logits: torch.Tensor, params: SamplingParams, seen: Seen | None) -> int:
+    """A greedy target's token from logits (V,): the first maximum once params' logit bias and
+    penalties are applied (a speculative round's picks; plain steps: decoding/choice.py)."""
+    return argmax_token(process_logits(logits, params, seen))

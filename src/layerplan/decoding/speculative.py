@@ -32,7 +32,7 @@ from layerplan.decoding.drafters.base import DraftState, Drafter, LearnsFromRoun
 from layerplan.decoding.drafters.registry import make_drafter
 from layerplan.decoding.text import GenerationResult, TokenKind
 from layerplan.decoding.request import DecodeRequest
-from layerplan.decoding.sampling import Seen, next_token_probs, penalty_context, pick
+from layerplan.decoding.sampling import Seen, greedy_pick, next_token_probs, penalty_context
 from layerplan.decoding.sampling_params import SamplingParams
 from layerplan.engine.cache import KVCache
 from layerplan.engine.probe import ProbeRow
@@ -277,7 +277,7 @@ def _accept_chain(cache, context: list[int], draft: list[int], proposal: Proposa
     seen = [penalty_context(context + draft[:i], sampling, output_from)
             for i in range(len(draft) + 1)]
     if sampling.greedy:  # the picks alone decide (accept_greedy)
-        verdict = accept_greedy(draft, [pick(target_logits[i], sampling, seen[i], None) for i in range(len(draft) + 1)])
+        verdict = accept_greedy(draft, [greedy_pick(target_logits[i], sampling, seen[i]) for i in range(len(draft) + 1)])
     else:
         target_probs = torch.stack([next_token_probs(target_logits[i], sampling, seen[i]) for i in range(len(draft) + 1)])
         draft_probs = proposal.probs[: len(draft)] if proposal is not None and proposal.probs is not None else None
@@ -305,7 +305,7 @@ def _verify_tree(model: LoadedModel, target: LayerPlan, cache, context: list[int
                                output_from)
 
     if sampling.greedy:  # the picks alone decide (accept_tree_greedy)
-        verdict = accept_tree_greedy(shape, tokens, lambda node: pick(logits[node], sampling, seen(node), None))
+        verdict = accept_tree_greedy(shape, tokens, lambda node: greedy_pick(logits[node], sampling, seen(node)))
     else:
         verdict = accept_tree(shape, tokens, lambda node: next_token_probs(logits[node], sampling, seen(node)),
                               generator)
