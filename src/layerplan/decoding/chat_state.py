@@ -64,9 +64,7 @@ class ChatSettings:
             raise ValueError(f"max_new_tokens {self.max_new_tokens!r} is out of range: a whole number >= 1")
 
     def sampling(self) -> SamplingParams:
-        return SamplingParams(self.temperature, self.top_k, self.top_p, self.repetition_penalty, self.min_p,
-                              logit_bias=self.logit_bias, presence_penalty=self.presence_penalty,
-                              frequency_penalty=self.frequency_penalty)
+        return SamplingParams.of(self)
 
 
 @dataclass

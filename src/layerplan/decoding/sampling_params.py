@@ -5,7 +5,7 @@ decoding/sampling.py turns logits into tokens by them."""
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 
 from layerplan.decoding.limits import SEED_RANGE
 
@@ -87,6 +87,13 @@ class SamplingParams:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    @classmethod
+    def of(cls, settings: object) -> SamplingParams:
+        """The sampling settings an object holds under these fields' names (a chat's settings, a
+        light request), checked: SamplingError where one is out of range."""
+        given = {field.name: getattr(settings, field.name) for field in fields(cls)}
+        return cls(**{**given, "logit_bias": tuple(given["logit_bias"])})
 
 
 def check_seed(seed: int | None) -> int | None:

@@ -66,9 +66,7 @@ class LiteRequest(FileRequest):
 
     def sampling(self) -> SamplingParams:
         """The settings, checked: SamplingError where one is out of range."""
-        return SamplingParams(self.temperature, self.top_k, self.top_p, self.repetition_penalty, self.min_p,
-                              logit_bias=tuple(self.logit_bias), presence_penalty=self.presence_penalty,
-                              frequency_penalty=self.frequency_penalty)
+        return SamplingParams.of(self)
 
 
 @dataclass
