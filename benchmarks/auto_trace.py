@@ -45,7 +45,7 @@ def record(model_path: str, prompt_name: str, new_tokens: int = 64, repeats: int
 
     from layerplan.app.cli.common import checked_probe_row
     from layerplan.app.prompts import CHAT_PROMPTS, PROMPTS
-    from layerplan.decoding.drafters.base import DraftState
+    from layerplan.decoding.drafters.proposal import DraftState
     from layerplan.decoding.drafters.registry import make_drafter
     from layerplan.decoding.generate import generate
     from layerplan.engine.probe import time_passes
@@ -100,7 +100,7 @@ def replay(trace: dict, arbiter_options: dict | None = None, max_draft: int = 8)
     """The arbiter (drafters/arbiter.py) over the trace: each round's proposals are the recorded
     ones, its verify pass the recorded cost, and each lookup ask its recorded seconds."""
     from layerplan.decoding.drafters.arbiter import Arbiter
-    from layerplan.decoding.drafters.base import Proposal, RoundOutcome
+    from layerplan.decoding.drafters.proposal import Proposal, RoundOutcome
 
     output, step = trace["output"], trace["plain_step_seconds"]
     verify = {int(k): v for k, v in trace["verify_steps"].items()}
@@ -122,7 +122,7 @@ def replay(trace: dict, arbiter_options: dict | None = None, max_draft: int = 8)
     rounds = drafted_rounds = 0
     while position[0] < len(output) - 1:
         i = position[0]
-        left = len(output) - 1 - i - 1  # as SpeculativeDecoding._propose: the last token is never drafted
+        left = len(output) - 1 - i - 1  # as SpeculativeRounds.propose: the last token is never drafted
         gamma = min(max_draft, left)
         start = clock[0]
         proposal = arbiter.propose(None, gamma) if gamma > 0 else Proposal()

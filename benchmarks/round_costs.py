@@ -20,10 +20,10 @@ import torch
 
 from layerplan.app.cli.common import load
 from layerplan.app.prompts import CHAT_PROMPTS, PROMPTS
-from layerplan.decoding import generate as plain_module
-from layerplan.decoding import request, speculative, text
+from layerplan.decoding import rounds, speculative, text
 from layerplan.decoding.drafters import arbiter
 from layerplan.decoding.generate import generate
+from layerplan.engine import runner
 
 seconds: collections.Counter = collections.Counter()
 calls: collections.Counter = collections.Counter()
@@ -58,12 +58,12 @@ def main() -> None:
     ids = model.encode(PROMPTS[args.prompt], chat=args.prompt in CHAT_PROMPTS)[0].tolist()
 
     Round = speculative.SpeculativeDecoding
-    for owner, name, label in [(Round, "round", "round"), (Round, "_propose", "propose"), (Round, "_record", "record"),
-                               (speculative, "_accept_chain", "accept chain"), (speculative, "pick", "pick"),
+    for owner, name, label in [(Round, "round", "round"), (Round, "propose", "propose"), (Round, "record", "record"),
+                               (Round, "accept_chain", "accept chain"), (rounds, "chain_verdict", "verdict"),
                                (arbiter.Arbiter, "choices", "arbiter choices"), (text.Emitter, "emit", "emit"),
                                (text.TextStream, "update", "text stream update")]:
         wrap(owner, name, label)
-    for module in (speculative, plain_module, request):  # each module's own `forward` name: the passes apart
+    for module in (speculative, runner):  # each module's own `forward` name: tree passes, the others
         wrap(module, "forward", f"forward ({module.__name__.rsplit('.', 1)[-1]})")
 
     for draft in (None, args.draft):

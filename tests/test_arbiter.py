@@ -8,9 +8,9 @@ import torch
 
 from layerplan.app.bench import run_bench
 from layerplan.decoding.drafters.arbiter import Arbiter
-from layerplan.decoding.drafters.base import DraftState, Proposal, RoundOutcome
 from layerplan.decoding.drafters.ngram import NgramDrafter
 from layerplan.decoding.drafters.plan import PlanDrafter
+from layerplan.decoding.drafters.proposal import DraftState, Proposal, RoundOutcome
 from layerplan.decoding.drafters.registry import make_drafter
 from layerplan.decoding.drafters.saved import saved_draft_path
 from layerplan.decoding.drafters.suffix import SuffixDrafter

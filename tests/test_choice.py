@@ -1,6 +1,6 @@
 """decoding/choice.py: a plain decode's next token from numpy logits, and the processing a
-speculative round's torch rows take too (sampling.py process_logits, greedy_pick). Greedy under a logit
-bias and the penalties, the round's pick is the plain step's token; a sample's processed logits
+speculative round's rows take too (rounds.py target_pick). Greedy under a logit bias and the
+penalties, the round's pick is the plain step's token; a sample's processed logits
 keep what a plain reference of temperature, top-k, top-p and min-p keeps; top-p's candidates
 give the whole sort's answer; a draw follows the distribution and its seed."""
 
@@ -10,11 +10,10 @@ import math
 
 import numpy as np
 import pytest
-import torch
 from scipy import stats
 
 from layerplan.decoding.choice import choose_token, draw, processed_logits, seeded_generator, top_p_kept
-from layerplan.decoding.sampling import greedy_pick, penalty_context, process_logits
+from layerplan.decoding.rounds import target_pick
 from layerplan.decoding.sampling_params import SamplingParams
 
 SETTINGS = [
@@ -49,12 +48,11 @@ def _rows(seed: int, count: int):
 
 @pytest.mark.parametrize("settings", SETTINGS, ids=lambda s: ",".join(s) or "none")
 def test_a_rounds_greedy_pick_is_the_plain_steps_token(settings):
-    """The first maximum (ties: the first) after the bias and the penalties, on the torch rows a
-    speculative round verifies as on a plain step's numpy row."""
+    """The first maximum (ties: the first) after the bias and the penalties, on the rows a
+    speculative round verifies as on a plain step's row."""
     params = SamplingParams(**settings)
     for trial, logits, context, output_from in _rows(0, 300):
-        seen = penalty_context(context, params, output_from=output_from)
-        want = greedy_pick(torch.from_numpy(logits.copy()), params, seen)
+        want = target_pick(logits, params, context, output_from)
         assert choose_token(logits, params, context, output_from, seeded_generator(0)) == want, (trial, settings)
         reference = _penalised(logits, params, context, output_from)
         assert want == reference.index(max(reference)), (trial, settings)
@@ -102,7 +100,7 @@ def _kept(logits, params: SamplingParams) -> set[int]:
 def test_a_samples_processed_logits_keep_what_the_plain_rules_keep(settings):
     """The same tokens kept as the rules written out plainly (rows without ties: where tied logits
     straddle a boundary, which stays is the order's), the kept ones' values the logits over the
-    temperature; the torch rows of a round processed the same."""
+    temperature."""
     params = SamplingParams(**settings)
     for trial, logits, _, _ in _rows(1, 200):
         if trial % 5 == 0:
@@ -111,7 +109,6 @@ def test_a_samples_processed_logits_keep_what_the_plain_rules_keep(settings):
         assert {int(i) for i in np.flatnonzero(np.isfinite(ours))} == _kept(logits, params), (trial, settings)
         kept = np.isfinite(ours)
         np.testing.assert_allclose(ours[kept], logits[kept] / np.float32(params.temperature), rtol=1e-6)
-        assert np.array_equal(process_logits(torch.from_numpy(logits.copy()), params).numpy(), ours)
 
 
 def test_draws_follow_the_distribution_and_the_seed():

@@ -3,8 +3,9 @@ import pytest
 import torch
 
 from layerplan.decoding.generate import generate
+from layerplan.decoding.choice import processed_logits
 from layerplan.decoding.loop import DecodeLoop
-from layerplan.decoding.sampling import next_token_probs, penalty_context, process_logits
+from layerplan.decoding.rounds import target_pick, target_probs
 from layerplan.decoding.sampling_params import SamplingParams
 from layerplan.plan.plan import LayerPlan
 from tiny import ARCHS, VOCAB, tiny_model
@@ -29,22 +30,21 @@ def test_sampling_is_seeded_and_respects_max_tokens():
 
 
 def test_processing_matches_definitions():
-    logits = torch.tensor([2.0, 1.0, 0.5, -1.0, -3.0])
+    logits = np.array([2.0, 1.0, 0.5, -1.0, -3.0], np.float32)
     params = SamplingParams(repetition_penalty=2.0)
-    penalised = process_logits(logits, params, penalty_context([0, 3], params))
+    penalised = processed_logits(logits, params, [0, 3], 0)
     assert penalised.tolist() == [1.0, 1.0, 0.5, -2.0, -3.0]
     # presence and frequency: the generated tokens alone (the context from output_from), by count
     params = SamplingParams(presence_penalty=0.5, frequency_penalty=0.25)
-    penalised = process_logits(logits, params, penalty_context([0, 1, 1, 2, 2, 2], params, output_from=1))
+    penalised = processed_logits(logits, params, [0, 1, 1, 2, 2, 2], 1)
     assert penalised.tolist() == [2.0, 1.0 - 0.5 - 0.5, 0.5 - 0.5 - 0.75, -1.0, -3.0]
-    top_k = next_token_probs(logits, SamplingParams(temperature=1.0, top_k=2))
+    top_k = target_probs(logits, SamplingParams(temperature=1.0, top_k=2), [], 0)
     assert (top_k[2:] == 0).all() and top_k[:2].sum() == pytest.approx(1.0)
-    probs = torch.softmax(logits, -1)  # [0.61, 0.22, 0.14, 0.03, 0.004]
-    top_p = next_token_probs(logits, SamplingParams(temperature=1.0, top_p=0.7))
+    probs = np.exp(logits) / np.exp(logits).sum()  # [0.61, 0.22, 0.14, 0.03, 0.004]
+    top_p = target_probs(logits, SamplingParams(temperature=1.0, top_p=0.7), [], 0)
     assert (top_p > 0).tolist() == [True, True, False, False, False]
     assert probs[0] < 0.7 <= probs[0] + probs[1]
-    greedy = next_token_probs(logits, SamplingParams())
-    assert greedy.tolist() == [1.0, 0, 0, 0, 0]
+    assert target_pick(logits, SamplingParams(), [], 0) == 0
     with pytest.raises(ValueError, match=r"top_p 0.0 is out of range: a number in \(0, 1\]"):
         SamplingParams(top_p=0.0)
 
@@ -66,12 +66,12 @@ def test_settings_whose_arithmetic_is_not_finite_are_refused(settings, message):
 def test_every_setting_in_range_gives_finite_probabilities():
     from layerplan.decoding.sampling_params import MIN_TEMPERATURE, PENALTY_RANGE
 
-    logits = torch.tensor([80.0, -80.0, 3.0, 0.0])
+    logits = np.array([80.0, -80.0, 3.0, 0.0], np.float32)
     for temperature in (MIN_TEMPERATURE, 2.0):
         for penalty in PENALTY_RANGE:
             params = SamplingParams(temperature=temperature, repetition_penalty=penalty, top_p=0.9)
-            probs = next_token_probs(logits, params, penalty_context([0, 1], params))
-            assert torch.isfinite(probs).all() and abs(float(probs.sum()) - 1) < 1e-5
+            probs = target_probs(logits, params, [0, 1], 0)
+            assert np.isfinite(probs).all() and abs(float(probs.sum()) - 1) < 1e-5
 
 
 @pytest.mark.real

@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from click.testing import CliRunner
@@ -15,7 +16,7 @@ from click.utils import make_default_short_help
 
 from layerplan.app.cli import COMMAND_INDEX, main
 from layerplan.app.options import FAMILIAR_NAMES, familiar_table, gpu_layers_device
-from layerplan.decoding.sampling import process_logits
+from layerplan.decoding.choice import processed_logits
 from layerplan.decoding.sampling_params import SamplingError, SamplingParams
 
 DOCS = Path(__file__).parent.parent / "docs" / "coming-from.md"
@@ -107,10 +108,10 @@ def test_a_llama_cpp_gpu_layers_flag_runs_where_it_can(tmp_path, value):
 
 
 def test_min_p_keeps_the_tokens_within_its_fraction_of_the_most_likely():
-    logits = torch.log(torch.tensor([0.5, 0.3, 0.1, 0.06, 0.04]))
-    kept = torch.isfinite(process_logits(logits, SamplingParams(temperature=1.0, min_p=0.2)))
+    logits = np.log(np.array([0.5, 0.3, 0.1, 0.06, 0.04], np.float32))
+    kept = np.isfinite(processed_logits(logits, SamplingParams(temperature=1.0, min_p=0.2), [], 0))
     assert kept.tolist() == [True, True, True, False, False]  # 0.1 >= 0.2 * 0.5 > 0.06
-    assert torch.isfinite(process_logits(logits, SamplingParams(temperature=1.0))).all()
+    assert np.isfinite(processed_logits(logits, SamplingParams(temperature=1.0), [], 0)).all()
     with pytest.raises(SamplingError, match="min_p 1.5 is out of range"):
         SamplingParams(temperature=1.0, min_p=1.5)
 
@@ -120,7 +121,7 @@ def test_min_p_is_transformers_min_p():
 
     logits = torch.randn(257, generator=torch.Generator().manual_seed(0))
     theirs = MinPLogitsWarper(0.05)(None, TemperatureLogitsWarper(0.8)(None, logits[None].clone()))[0]
-    ours = process_logits(logits, SamplingParams(temperature=0.8, min_p=0.05))
+    ours = torch.from_numpy(processed_logits(logits.numpy(), SamplingParams(temperature=0.8, min_p=0.05), [], 0))
     assert torch.equal(torch.isfinite(ours), torch.isfinite(theirs)) and 1 < torch.isfinite(ours).sum() < 257
 
 

@@ -122,6 +122,34 @@ def test_one_decode_loop_gives_both_front_ends_the_same_tokens(tmp_path, dtype):
         assert len(got.token_ids) == 12
 
 
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+@pytest.mark.parametrize("dtype", ["stored", "stored-fast"])
+def test_lookup_drafts_on_the_light_model_give_the_torch_front_ends_rounds(tmp_path, arch, dtype):
+    """decoding/rounds.py's loop on a LiteModel (lite/cli.py's drafted decode): greedy, the plain
+    decode's tokens; greedy and seeded sampled, the torch front end's rounds on the same file (the
+    same tokens, drafts and acceptances: its logits are the same bits), through a plan too."""
+    from layerplan.decoding.drafters.ngram import NgramDrafter
+    from layerplan.decoding.drafters.suffix import SuffixDrafter
+    from layerplan.decoding.rounds import SpeculativeLoop
+    from layerplan.decoding.sampling_params import SamplingParams
+
+    model, lite = _pair(tmp_path, arch, "Q8_0", dtype)
+    prompt = PROMPT * 3  # (repeats: the lookups find something to propose)
+    sampled = SamplingParams(temperature=0.3, top_k=20)
+    for text, make, sampling, seed in [(None, NgramDrafter, None, None), ("0,1,1,2", SuffixDrafter, None, None),
+                                       (None, SuffixDrafter, sampled, 4), ("exit:2", NgramDrafter, sampled, 9)]:
+        plain = DecodeLoop(lite, prompt, lite.plan(text), 24, stop_at_eos=False, sampling=sampling, seed=seed).run()
+        got = SpeculativeLoop(lite, prompt, lite.plan(text), make(), 24, stop_at_eos=False, sampling=sampling,
+                              seed=seed, draft_length="fixed").run()
+        want = generate(model, prompt, model.plan(text), max_new_tokens=24, stop_at_eos=False, sampling=sampling,
+                        seed=seed, draft=make(), draft_length="fixed")
+        assert got.token_ids == want.token_ids, (text, make)
+        assert sampling is not None or got.token_ids == plain.token_ids, text
+        rounds = ("rounds", "drafted", "accepted", "emitted", "drafted_at", "accepted_at")
+        assert [got.stats[k] for k in rounds] == [want.stats[k] for k in rounds], (text, make)
+        assert got.stats["drafted"] > 0 and len(got.token_ids) == 24
+
+
 @pytest.mark.parametrize("arch,matrix_type,types", PARITY_CASES)
 def test_the_torch_front_end_runs_a_gguf_by_the_files_descriptors(tmp_path, arch, matrix_type, types):
     """A GGUF whose model the file describes runs its layers, final norm and LM head by the file's
@@ -283,7 +311,16 @@ def test_a_second_model_is_refused_in_the_torch_front_ends_words(tmp_path):
     (["generate", "Hi", "--temp", "0.8", "-s", "3", "--top-k", "40", "--min-p", "0.05"],
      LiteRequest("Hi", temperature=0.8, seed=3, top_k=40, min_p=0.05)),
     (["generate", "Hi", "--top-p", "1.5"], None),  # out of range: the torch front end's message
-    (["generate", "Hi", "--draft", "suffix"], None),
+    (["generate", "Hi", "--draft", "suffix"], LiteRequest("Hi", draft="suffix")),  # lookup drafts: rounds.py
+    (["generate", "Hi", "--draft", "ngram:3", "--draft-length", "fixed", "--draft-confidence", "0.5"],
+     LiteRequest("Hi", draft="ngram:3", draft_length="fixed")),
+    (["generate", "Hi", "--draft", "suffix:max=8,learn"], LiteRequest("Hi", draft="suffix:max=8,learn")),
+    (["generate", "Hi", "--draft", "suffix:tree"], None),  # a token tree's pass: the torch front end's
+    (["generate", "Hi", "--draft", "suffix|ngram"], None),
+    (["generate", "Hi", "--draft", "exit:8"], None),  # a draft that runs a model
+    (["generate", "Hi", "--draft", "auto"], None),
+    (["generate", "Hi", "-md", "small.gguf"], None),
+    (["generate", "Hi", "--draft", "ngram", "--draft-length", "often"], None),  # its message
     (["generate", "Hi", "--stats"], LiteRequest("Hi", stats=True)),
     (["generate", "Hi", "--repeat-penalty", "1.1", "--frequency-penalty", "0.5", "-l", "5-inf", "-l", "7+2"],
      LiteRequest("Hi", repetition_penalty=1.1, frequency_penalty=0.5, logit_bias=((5, -float("inf")), (7, 2.0)))),

@@ -75,11 +75,24 @@ SAME_OUTPUT = [
     # a plan of two models (the packaged file as model b too: the one real file the suite holds)
     ["generate", "The capital of France is", "-n", "12", "--model-b", str(default_gguf_path()), "--plan",
      "0-14,b:15-29"],
+    # lookup drafts (decoding/rounds.py): greedy, seeded sampled (a seeded sample's draft lengths
+    # follow its own rounds on both), with a corpus file, a chat frame, penalties and a stop
+    ["generate", "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef mul(a, b):", "-n",
+     "40", "--draft", "suffix"],
+    ["generate", "One two three. One two three. One two", "-n", "24", "--draft", "ngram:3", "--temp", "0.8", "-s",
+     "11", "--top-k", "30"],
+    ["generate", "List the days of the week.", "--chat", "-n", "40", "--draft", "suffix:max=6,share=0.3",
+     "--draft-length", "fixed", "--repeat-penalty", "1.2", "--stop", "Friday"],
+    ["generate", "def fibonacci(n):", "-n", "24", "--draft", f"suffix:corpus={PROMPT_FILE}", "--plan", "0-25",
+     "--temp", "1.2", "-s", "5", "--draft-length", "adaptive"],
 ]
 STATISTICS = ["generate", "The capital of France is", "-n", "8", "--stats", "--json", "--no-stream"]
 BAD_REQUESTS = [
     (["generate", "Hello", "-n", "100000"], "Error: --max-new-tokens=100000 does not fit"),
     (["generate", "Hello", "--plan", "0-40"], "Error: "),
+    (["generate", "Hello", "--draft", "suffix:often"], "Error: cannot read 'often' in 'suffix:often'"),
+    (["generate", "Hello", "--draft", "suffix:corpus=/no/such/corpus.txt"],
+     "Error: suffix corpus '/no/such/corpus.txt': no such file"),
 ]
 SECOND_MODEL = ["generate", "Hello", "--plan", "0-10,b:11-20"]
 SECOND_MODEL_PERPLEXITY = ["ppl", "--plan", "0-10,b:11-20", "--max-tokens", "64", "--window", "32"]
@@ -326,7 +339,8 @@ def test_a_plan_of_a_second_model_not_given_is_the_torch_front_ends_one_line(arg
 
 
 def test_a_start_on_the_light_front_end_imports_neither_torch_nor_transformers(cache, tmp_path):
-    """generate, and then a scan with its table, JSON and picture; the generate imports none of the
+    """generate (plain, and with a lookup draft), and then a scan with its table, JSON and picture;
+    the generate imports none of the
     research modules (lite/research.py's), which its start would wait for."""
     probe = ("import sys\n"
              "from layerplan.lite.cli import run, runnable\n"
@@ -334,6 +348,8 @@ def test_a_start_on_the_light_front_end_imports_neither_torch_nor_transformers(c
              "request = light_request(['generate', 'The capital of France is', '-n', '4'])\n"
              "assert runnable(request)\n"
              "assert run(request) == 0\n"
+             "drafted = light_request(['generate', 'a b a b a b', '-n', '8', '--draft', 'ngram'])\n"
+             "assert runnable(drafted) and run(drafted) == 0\n"
              "research = ('layerplan.lite.research', 'layerplan.lite.research_request', 'layerplan.lite.evaluator',\n"
              "            'layerplan.search.importance', 'layerplan.search.explore', 'layerplan.search.windows')\n"
              "assert not [m for m in research if m in sys.modules], [m for m in research if m in sys.modules]\n"
@@ -418,3 +434,20 @@ def test_a_real_gguf_sampled_generate_is_the_same_on_both_front_ends(name):
     assert light.returncode == torch_run.returncode == 0, light.stderr + torch_run.stderr
     assert light.stdout == torch_run.stdout and len(light.stdout) > 20
     assert light.stderr == torch_run.stderr
+
+
+@pytest.mark.parametrize("name", ["gemma-3-270m-Q4_K_M.gguf", "qwen2.5-coder-1.5b-instruct-Q4_K_M.gguf"])
+def test_a_real_gguf_drafted_generate_is_the_same_on_both_front_ends(name):
+    """A suffix draft on code, greedy and seeded sampled (decoding/rounds.py on the light front
+    end, speculative.py on the torch one): the same text. In `make bench-real`."""
+    folder = os.environ.get("LAYERPLAN_REAL_MODELS")
+    path = os.path.join(folder or "/nonexistent", name)
+    if not os.path.exists(path):
+        pytest.skip(f"LAYERPLAN_REAL_MODELS does not name a folder with the real {name}")
+    code = "Write a Python function that returns the squares of a list, then one that returns the cubes."
+    cache = cache_dir()
+    for sampling in ([], ["--temp", "0.7", "--top-p", "0.95", "-s", "3"]):
+        argv = ["generate", "-m", path, code, "--chat", "-n", "64", "--draft", "suffix", *sampling]
+        light, torch_run = _run(argv, cache), _run(argv, cache, "torch")
+        assert light.returncode == torch_run.returncode == 0, light.stderr + torch_run.stderr
+        assert light.stdout == torch_run.stdout and len(light.stdout) > 40, sampling

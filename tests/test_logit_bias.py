@@ -5,15 +5,16 @@ the vocabulary, is one line naming it. A tiny model with a byte tokenizer keeps 
 
 import math
 
+import numpy as np
 import pytest
-import torch
 from click.testing import CliRunner
 from fastapi.testclient import TestClient
 
 from layerplan.app.cli import main
 from layerplan.app.serve import create_app
+from layerplan.decoding.choice import processed_logits
 from layerplan.decoding.generate import generate
-from layerplan.decoding.sampling import greedy_pick, penalty_context, process_logits
+from layerplan.decoding.rounds import target_pick
 from layerplan.decoding.sampling_params import SamplingError, SamplingParams
 
 REPETITIVE = "xxxxxxxxxxxxxxx"  # the tiny model continues it with one byte over and over: drafts get accepted
@@ -34,15 +35,15 @@ def tiny(folder):
 
 
 def test_the_bias_comes_before_the_penalty_and_greedy_takes_it():
-    logits = torch.tensor([1.0, 5.0, 2.0, -0.5])
-    assert greedy_pick(logits, SamplingParams(), None) == 1
-    assert greedy_pick(logits, SamplingParams(logit_bias=((1, -math.inf),)), None) == 2
-    assert greedy_pick(logits, SamplingParams(logit_bias=((3, 6.0),)), None) == 3
+    logits = np.array([1.0, 5.0, 2.0, -0.5], np.float32)
+    assert target_pick(logits, SamplingParams(), [], 0) == 1
+    assert target_pick(logits, SamplingParams(logit_bias=((1, -math.inf),)), [], 0) == 2
+    assert target_pick(logits, SamplingParams(logit_bias=((3, 6.0),)), [], 0) == 3
     # -0.5 + 1 = 0.5 > 0, so the penalty divides it: bias first, then the penalty
     params = SamplingParams(repetition_penalty=2.0, logit_bias=((3, 1.0),))
-    processed = process_logits(logits, params, penalty_context([3], params))
-    assert processed[3].item() == pytest.approx(0.25) and processed[0].item() == 1.0
-    assert torch.equal(logits, torch.tensor([1.0, 5.0, 2.0, -0.5]))  # the caller's logits untouched
+    processed = processed_logits(logits, params, [3], 0)
+    assert processed[3] == pytest.approx(0.25) and processed[0] == 1.0
+    assert logits.tolist() == [1.0, 5.0, 2.0, -0.5]  # the caller's logits untouched
 
 
 @pytest.mark.parametrize("bias, says", [

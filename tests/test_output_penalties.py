@@ -3,13 +3,13 @@ on the tokens generated so far, not the prompt's; a speculative decode with them
 decode's tokens with them (the sampled distribution: tests/test_speculative.py's statistical tests
 run with them); the server takes them, a value outside -2..2 is a 400 naming it."""
 
+import numpy as np
 import pytest
-import torch
 from click.testing import CliRunner
 
 from layerplan.app.cli import main
+from layerplan.decoding.choice import processed_logits
 from layerplan.decoding.generate import generate
-from layerplan.decoding.sampling import penalty_context, process_logits
 from layerplan.decoding.sampling_params import SamplingError, SamplingParams
 
 REPETITIVE = "xxxxxxxxxxxxxxx"  # the tiny model continues it with one byte over and over: drafts get accepted
@@ -17,10 +17,9 @@ PENALISED = SamplingParams(presence_penalty=1.5, frequency_penalty=0.5)
 
 
 def test_the_prompts_tokens_are_not_penalised():
-    logits = torch.tensor([3.0, 2.0, 1.0])
-    seen = penalty_context([0, 0, 1], PENALISED, output_from=2)  # the prompt: 0, 0; generated: 1
-    assert process_logits(logits, PENALISED, seen).tolist() == [3.0, 2.0 - 1.5 - 0.5, 1.0]
-    assert penalty_context([0, 1], SamplingParams()) is None  # no penalty, nothing to count
+    logits = np.array([3.0, 2.0, 1.0], np.float32)
+    # the prompt: 0, 0; generated: 1
+    assert processed_logits(logits, PENALISED, [0, 0, 1], 2).tolist() == [3.0, 2.0 - 1.5 - 0.5, 1.0]
     for name in ("presence_penalty", "frequency_penalty"):
         with pytest.raises(SamplingError, match=f"{name} 2.5 is out of range"):
             SamplingParams(**{name: 2.5})

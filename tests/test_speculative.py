@@ -3,6 +3,7 @@
 import random
 import re
 
+import numpy as np
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -10,14 +11,14 @@ from transformers import AutoModelForCausalLM
 from layerplan.decoding.acceptance import accept_draft, accept_greedy
 from layerplan.decoding.choice import seeded_generator
 from layerplan.decoding.draft_length import AdaptiveLength, HeuristicLength, SharedRounds, expected_speedup
-from layerplan.decoding.drafters.base import DraftState
 from layerplan.decoding.drafters.model import ModelDrafter
 from layerplan.decoding.drafters.ngram import NgramDrafter
 from layerplan.decoding.drafters.plan import PlanDrafter
-from layerplan.decoding.drafters.staged import StagedDrafter
+from layerplan.decoding.drafters.proposal import DraftState
 from layerplan.decoding.drafters.registry import make_drafter
+from layerplan.decoding.drafters.staged import StagedDrafter
 from layerplan.decoding.generate import generate
-from layerplan.decoding.sampling import next_token_probs, penalty_context
+from layerplan.decoding.rounds import target_pick, target_probs
 from layerplan.decoding.sampling_params import SamplingParams
 from layerplan.decoding.speculative import speculative_generate
 from layerplan.engine.executors import use_native
@@ -159,8 +160,8 @@ def test_cache_after_a_round_holds_exactly_the_verified_prefix():
     proposal = make_drafter("exit:1", model).propose(state, 3)
     assert len(proposal.tokens) == 3
     verify = forward(model, torch.tensor([PROMPT[-1:] + proposal.tokens]), plan, cache, len(PROMPT) - 1)[0]
-    verdict = accept_draft(proposal.tokens, torch.stack([next_token_probs(v, SamplingParams()) for v in verify]),
-                           proposal.probs)
+    picks = [target_pick(row, SamplingParams(), [], 0) for row in verify.numpy()]  # greedy: one-hot p
+    verdict = accept_draft(proposal.tokens, np.eye(verify.shape[-1])[picks], proposal.probs)
     cache.crop(len(PROMPT) + verdict.accepted)
     kept = PROMPT + proposal.tokens[: verdict.accepted]
     step = forward(model, torch.tensor([[verdict.next_token]]), plan, cache, len(kept))[0, -1]
@@ -233,8 +234,8 @@ def exact_joint(model, prompt, params, length):
         for prefix, mass in table.items():
             context = prompt + list(prefix)
             logits = forward(model, torch.tensor([context], device=model.device))[0, -1]
-            probs = next_token_probs(logits, params, penalty_context(context, params, len(prompt))).cpu()
-            for token in torch.nonzero(probs).flatten().tolist():
+            probs = target_probs(logits.float().cpu().numpy(), params, context, len(prompt))
+            for token in np.flatnonzero(probs).tolist():
                 grown[prefix + (token,)] = mass * float(probs[token])
         table = grown
     return table
@@ -306,9 +307,9 @@ def exact_joint_draft(model, prompt, params, length):
         grown = {}
         for prefix, mass in table.items():
             context = prompt + list(prefix)
-            probs = next_token_probs(forward(model, torch.tensor([context]), plan)[0, -1], params,
-                                     penalty_context(context, params, len(prompt)))
-            for token in torch.nonzero(probs).flatten().tolist():
+            probs = target_probs(forward(model, torch.tensor([context]), plan)[0, -1].numpy(), params, context,
+                                 len(prompt))
+            for token in np.flatnonzero(probs).tolist():
                 grown[prefix + (token,)] = mass * float(probs[token])
         table = grown
     return table

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from layerplan.decoding.drafters.base import DraftState
+from layerplan.decoding.drafters.proposal import DraftState
 from layerplan.decoding.drafters.registry import make_drafter
 from layerplan.decoding.drafters.suffix import SuffixDrafter
 from layerplan.decoding.generate import generate

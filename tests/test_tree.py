@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from layerplan.decoding.choice import seeded_generator
-from layerplan.decoding.drafters.base import Proposal
+from layerplan.decoding.drafters.proposal import Proposal
 from layerplan.decoding.drafters.suffix import SuffixDrafter
 from layerplan.decoding.generate import generate
 from layerplan.engine import native
@@ -299,7 +299,7 @@ def test_branching_self_drafts_equal_plain(arch, engine):
 
 def test_a_branching_draft_proposes_its_runner_up_beside_unsure_tokens():
     model = tiny_model("llama")
-    from layerplan.decoding.drafters.base import DraftState
+    from layerplan.decoding.drafters.proposal import DraftState
     from layerplan.decoding.drafters.registry import make_drafter
     from layerplan.decoding.sampling_params import SamplingParams
 
@@ -341,7 +341,7 @@ def test_online_layer_selection_equals_plain(arch, engine):
 
 
 def test_online_ranking_puts_a_sub_layer_that_does_nothing_first():
-    from layerplan.decoding.drafters.base import DraftState
+    from layerplan.decoding.drafters.proposal import DraftState
     from layerplan.decoding.drafters.online import OnlineSkipDrafter
     from layerplan.decoding.sampling_params import SamplingParams
 
@@ -359,7 +359,7 @@ def test_online_ranking_puts_a_sub_layer_that_does_nothing_first():
 
 
 def test_online_skip_count_climbs_while_it_gets_faster_and_turns_back():
-    from layerplan.decoding.drafters.base import RoundOutcome
+    from layerplan.decoding.drafters.proposal import RoundOutcome
     from layerplan.decoding.drafters.online import OnlineSkipDrafter
 
     drafter = OnlineSkipDrafter(tiny_model("llama", num_layers=4).plan(), every=2, start=0.25)

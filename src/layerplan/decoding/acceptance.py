@@ -17,10 +17,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 
-from layerplan.decoding.choice import seeded_generator
-from layerplan.decoding.sampling import argmax_token, draw_token
+from layerplan.decoding.choice import draw, seeded_generator
 from layerplan.engine.tree import TreeShape
 
 
@@ -36,15 +34,18 @@ class Verdict:
 
 def accept_draft(
     draft: list[int],
-    target_probs: torch.Tensor,
-    draft_probs: torch.Tensor | None,
+    target_probs: np.ndarray,
+    draft_probs: np.ndarray | None,
     generator: np.random.Generator | None = None,
 ) -> Verdict:
     """draft: γ proposed tokens. target_probs: (γ+1, V), p_i = the target's distribution for the
     position of draft[i] (the last row is for the bonus). draft_probs: (γ, V) q_i the proposals
     were drawn from, after the same logits processing as p; None means deterministic proposals.
-    generator: the request's (decoding/choice.py seeded_generator; None: a fresh one)."""
+    Both are taken as float64 arrays (anything numpy reads: a CPU tensor too). generator: the
+    request's (decoding/choice.py seeded_generator; None: a fresh one)."""
     generator = generator if generator is not None else seeded_generator(None)
+    target_probs = np.asarray(target_probs, dtype=np.float64)
+    draft_probs = np.asarray(draft_probs, dtype=np.float64) if draft_probs is not None else None
     gamma = len(draft)
     if target_probs.shape[0] != gamma + 1:
         raise ValueError(f"need {gamma + 1} target distributions for {gamma} drafted tokens, got {target_probs.shape[0]}")
@@ -57,10 +58,10 @@ def accept_draft(
         if q_token > 0 and generator.random() * q_token < p_token:
             continue  # accepted with probability p/q
         if draft_probs is None:
-            residual = p.clone()
+            residual = p.copy()
             residual[token] = 0.0
         else:
-            residual = (p - draft_probs[i]).clamp_min(0.0)
+            residual = np.maximum(p - draft_probs[i], 0.0)
         return Verdict(i, _draw(residual, generator), bonus=False)
     return Verdict(gamma, _draw(target_probs[gamma], generator), bonus=True)
 
@@ -79,15 +80,15 @@ def accept_greedy(draft: list[int], picks: list[int]) -> Verdict:
     return Verdict(len(draft), picks[-1], bonus=True)
 
 
-def _draw(weights: torch.Tensor, generator: np.random.Generator | None) -> int:
-    """A token from unnormalised weights; argmax when they are one-hot (greedy: no randomness used)."""
+def _draw(weights: np.ndarray, generator: np.random.Generator | None) -> int:
+    """A token from unnormalised weights (V,); argmax when they are one-hot (greedy: no randomness used)."""
     total = float(weights.sum())
     if total <= 0:
         raise ValueError("the residual distribution is empty: target and draft distributions are inconsistent")
-    top = argmax_token(weights)
+    top = int(weights.argmax())
     if float(weights[top]) == total:
         return top
-    return draw_token(weights, generator)
+    return draw(weights, generator)
 
 
 @dataclass(frozen=True)
@@ -100,7 +101,7 @@ class TreeVerdict:
 def accept_tree(
     tree: TreeShape,
     tokens: Sequence[int],
-    target_probs: Callable[[int], torch.Tensor],
+    target_probs: Callable[[int], np.ndarray],
     generator: np.random.Generator | None = None,
 ) -> TreeVerdict:
     """The acceptance rule on a tree of deterministic proposals (SpecInfer's multi-draft rule with
@@ -117,7 +118,7 @@ def accept_tree(
     path: list[int] = []
     node = 0
     while True:
-        residual = target_probs(node).clone()
+        residual = np.array(target_probs(node), dtype=np.float64)
         accepted = None
         for child in tree.children(node):
             token = tokens[child]

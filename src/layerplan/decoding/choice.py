@@ -1,11 +1,11 @@
 """The next token from numpy logits, without torch: greedy or sampled, as every plain decode
 chooses it (decoding/loop.py's loop, on both front ends), and the draws of speculative rounds
-(sampling.py draw_token, acceptance.py) from the same generator by the same rule.
+(acceptance.py, drafters/base.py) from the same generator by the same rule.
 
 The logits are processed in float32 (the logit bias, then the repetition penalty on the
 context's tokens, then presence and frequency on the generated ones; for a sample then the
-temperature, top-k, top-p and min-p): the one definition, which a speculative round's torch rows
-take too (sampling.py process_logits), so that its p is the distribution a plain step samples
+temperature, top-k, top-p and min-p): the one definition, which a speculative round's rows take
+too (rounds.py target_pick, target_probs), so that its p is the distribution a plain step samples
 from and its greedy picks are plain greedy's tokens. A sample is one uniform draw of the
 request's numpy Generator against the processed distribution's cumulative weights in float64
 (`draw`): a seed gives the same tokens on either front end, on any device the logits came from.

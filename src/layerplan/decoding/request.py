@@ -12,7 +12,6 @@ import torch
 
 from layerplan.decoding.loop import DecodeLoop
 from layerplan.decoding.output import prompt_ids
-from layerplan.decoding.sampling import argmax_token
 from layerplan.decoding.sampling_params import SamplingParams
 from layerplan.engine.cache import KVCache
 from layerplan.engine.probe import PaceCheck, ProbeRow
@@ -38,5 +37,15 @@ class DecodeRequest(DecodeLoop):
 
     def choose(self, logits: torch.Tensor) -> int:
         if self.plain_greedy:
-            return argmax_token(logits)
+            return _argmax_token(logits)
         return super().choose(logits.detach().float().cpu().numpy())
+
+
+def _argmax_token(logits: torch.Tensor) -> int:
+    """The index of the first maximum of logits (V,), a NaN counting as the maximum: torch's rule,
+    which numpy's argmax follows too. On a CPU float32 row numpy's skips the dispatch of torch's
+    parallel reduction, which costs far more than the scan itself at a vocabulary's length (and
+    is paid for every token of every request)."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 1:
+        return int(logits.numpy().argmax())
+    return int(logits.argmax())

@@ -1,6 +1,6 @@
 """A request's sampling settings, checked once: temperature, top-k, top-p, min-p, the penalties,
 logit bias, and the seed's range. Without torch (the light front end's chat keeps them too);
-decoding/sampling.py turns logits into tokens by them."""
+decoding/choice.py turns logits into tokens by them."""
 
 from __future__ import annotations
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import numpy as np
 import torch
 
 from layerplan.engine.cache import KVCache
@@ -100,7 +101,7 @@ def tree_mask(model, plan, tree: TreeShape | None, length: int, first: int, end:
     if tree is None:
         return None
     _check_tree(model, plan, tree, length, first, end)
-    return tree.ancestors.to(torch.uint8).contiguous()
+    return torch.from_numpy(tree.ancestors.astype(np.uint8))
 
 
 def _check_tree(model, plan, tree: TreeShape, length: int, first: int, end: int) -> None:
@@ -119,7 +120,7 @@ def tree_attention_mask(tree: TreeShape, start_pos: int, kv_start: int, kv_lengt
     """(1, 1, nodes, kv_length): every cached position, and among the pass's own its ancestors."""
     allowed = torch.ones(len(tree), kv_length, dtype=torch.bool, device=device)
     offset = start_pos - kv_start
-    allowed[:, offset: offset + len(tree)] = tree.ancestors.to(device)
+    allowed[:, offset: offset + len(tree)] = torch.from_numpy(tree.ancestors).to(device)
     return _as_mask(allowed[None, None], eager, dtype, device)
 
 

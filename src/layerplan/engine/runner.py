@@ -66,7 +66,8 @@ def forward(
 
 
 class ModelPasses:
-    """decoding/loop.py's TokenPasses on a loaded model: the runner's cache and forward."""
+    """decoding/loop.py's TokenPasses on a loaded model, and rounds.py's VerifyPasses: the
+    runner's cache and forward."""
 
     def __init__(self, model: LoadedModel) -> None:
         self.model = model
@@ -75,8 +76,13 @@ class ModelPasses:
         return new_cache(plan, capacity)
 
     def last_logits(self, ids: Sequence[int], plan: LayerPlan, cache: KVCache, start: int) -> torch.Tensor:
-        tokens = torch.tensor([list(ids)], dtype=torch.long, device=self.model.device)
-        return forward(self.model, tokens, plan, cache, start, last_only=True)[0, -1]
+        return forward(self.model, self._tokens(ids), plan, cache, start, last_only=True)[0, -1]
+
+    def pass_logits(self, ids: Sequence[int], plan: LayerPlan, cache: KVCache, start: int) -> torch.Tensor:
+        return forward(self.model, self._tokens(ids), plan, cache, start)[0]
+
+    def _tokens(self, ids: Sequence[int]) -> torch.Tensor:
+        return torch.tensor([list(ids)], dtype=torch.long, device=self.model.device)
 
 
 @torch.inference_mode()

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cached_property
 
-import torch
+import numpy as np
 
 
 @dataclass(frozen=True)
@@ -45,10 +45,10 @@ class TreeShape:
         return tuple(depths)
 
     @cached_property
-    def ancestors(self) -> torch.Tensor:
+    def ancestors(self) -> np.ndarray:
         """(n, n) bool: [i, j] where node j is node i or one of its ancestors."""
         n = len(self.parents)
-        mask = torch.zeros(n, n, dtype=torch.bool)
+        mask = np.zeros((n, n), dtype=bool)
         for i, parent in enumerate(self.parents):
             mask[i, i] = True
             if parent >= 0:

@@ -13,7 +13,9 @@ import json
 import sys
 
 from layerplan.decoding.budget import token_budget
+from layerplan.decoding.drafters.lookup import lookup_drafter
 from layerplan.decoding.loop import DecodeLoop
+from layerplan.decoding.rounds import SpeculativeLoop
 from layerplan.decoding.text import TextDelta, prompt_notes
 from layerplan.files import WriteError, cache_dir
 from layerplan.lite import TorchFrontEnd
@@ -98,8 +100,15 @@ def run(request: LiteRequest, tokenizer: TokenizerProcess | None = None) -> int 
             sys.stdout.write(piece)
             sys.stdout.flush()
 
-        result = DecodeLoop(model, ids, plan, request.max_new_tokens, request.stop, True,
-                            on_text if request.stream else None, sampling=sampling, seed=request.seed).run()
+        streamed = on_text if request.stream else None
+        if request.draft is None:
+            loop = DecodeLoop(model, ids, plan, request.max_new_tokens, request.stop, True, streamed,
+                              sampling=sampling, seed=request.seed)
+        else:  # (speculative rounds of a lookup draft: decoding/rounds.py)
+            loop = SpeculativeLoop(model, ids, plan, lookup_drafter(request.draft, model.corpus_tokens),
+                                   request.max_new_tokens, request.stop, True, streamed, sampling=sampling,
+                                   seed=request.seed, draft_length=request.draft_length)
+        result = loop.run()
     except ENDINGS as error:
         return ended_by(error)
     print("" if request.stream else result.text, flush=True)

@@ -26,6 +26,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
+from layerplan.decoding.drafters.suffix import read_corpus
 from layerplan.engine.file_kernels import (ARITHMETIC_CODES, FileKernels, NotDescribed, file_refusal,
                                            read_index)
 from layerplan.engine.kernel_library import ABI, check, library
@@ -142,6 +143,12 @@ class LiteModel:
             rendered = self.chat_template().render([{"role": "user", "content": text}])
             return self.tokenizer.encode(rendered, special_tokens=False)
         return self.tokenizer.encode(text)
+
+    def corpus_tokens(self, path: str) -> list[int]:
+        """A corpus file's tokens, for a suffix draft (drafters/suffix.py read_corpus: without
+        special tokens; ValueError where it cannot be read)."""
+        encode = (lambda text: self.tokenizer.encode(text, special_tokens=False)) if self.tokenizer else None
+        return read_corpus(path, encode, self.name)
 
     def chat_template(self):
         """The index's chat template, compiled once (models/chat_template.py ChatTemplate; None: the
@@ -268,6 +275,10 @@ class LiteModel:
         """decoding/loop.py's TokenPasses: the last token's logits (vocab,) of a pass (the cache,
         made for `plan`, carries its steps)."""
         return self.logits(ids, cache, start)[-1]
+
+    def pass_logits(self, ids: Sequence[int], plan: LayerPlan, cache: LiteCache, start: int) -> np.ndarray:
+        """decoding/rounds.py's VerifyPasses: the logits (len(ids), vocab) of a pass."""
+        return self.logits(ids, cache, start, last_only=False)
 
 
 class LiteCache:

@@ -2,7 +2,7 @@
 lite/research_request.py's). A `layerplan generate` request: a GGUF's plain continuation of one
 prompt (the model, its dtype as stored, the engine, threads, a plan of this model, the token budget,
 stop strings, streaming, the chat template where it only wraps the prompt, the sampling settings and
-seed, the statistics); app/cli/generating.py light_request makes one of a command line that the
+seed, a lookup draft, the statistics); app/cli/generating.py light_request makes one of a command line that the
 command itself has read, where the line asks for nothing else. A `layerplan chat` request: a
 conversation's model and settings (app/cli/chatting.py light_chat_request)."""
 
@@ -63,6 +63,9 @@ class LiteRequest(FileRequest):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()
+    # a lookup draft (drafters/lookup.py: ngram or suffix, chains) and its draft-length policy
+    draft: str | None = None
+    draft_length: str | None = None
 
     def sampling(self) -> SamplingParams:
         """The settings, checked: SamplingError where one is out of range."""

@@ -15,6 +15,7 @@ from layerplan.app.options import (DRAFT_LENGTH_HELP, ctx_size_option, decoding_
                                    sampling_options)
 from layerplan.corpus import read_text_file
 from layerplan.decoding.draft_length import DRAFT_LENGTHS
+from layerplan.decoding.drafters.lookup import drafts_a_lookup_chain
 from layerplan.decoding.drafters.kinds import drafter_help
 from layerplan.decoding.sampling_params import SamplingError
 from layerplan.lite.request import LiteRequest
@@ -24,7 +25,7 @@ from layerplan.lite.request import LiteRequest
 _CARRIED = {"prompt", "prompt_option", "prompt_path", "model", "model_b", "dtype", "engine", "device", "threads",
             "max_new_tokens", "plan", "stop", "chat", "stream", "stats", "verbose", "as_json", "temperature",
             "top_k", "top_p", "min_p", "seed", "max_batch", "repetition_penalty", "presence_penalty",
-            "frequency_penalty", "logit_bias"}
+            "frequency_penalty", "logit_bias", "draft", "draft_length", "draft_confidence"}
 
 
 @click.command()
@@ -73,8 +74,8 @@ def generate(**options) -> None:
 def light_request(argv: list[str]) -> LiteRequest | None:
     """The light front end's request (lite/request.py) of `layerplan generate ...` (argv without the
     program), read by this command as it reads any line: where the light front end carries the
-    line out as the torch one does. Any other option or value (drafts, a file of prompts, a second
-    model, a device, help), and any line the command refuses, give None: the torch front
+    line out as the torch one does. Any other option or value (a draft that runs a model, a file of
+    prompts, a device, help), and any line the command refuses, give None: the torch front
     end reads the line then, and says what it says of it."""
     context = light_context(generate, argv)
     if context is None:
@@ -91,6 +92,8 @@ def light_request(argv: list[str]) -> LiteRequest | None:
             return None
     if len(prompts) != 1 or not prompts[0] or given["engine"] == "eager":
         return None
+    if given["draft"] is not None and not drafts_a_lookup_chain(given["draft"]):
+        return None  # (a draft that runs a model, or a token tree: the torch front end's)
     request = LiteRequest(prompt=prompts[0], model=given["model"], model_b=given["model_b"], dtype=given["dtype"],
                           engine=given["engine"], threads=given["threads"], plan=given["plan"],
                           max_new_tokens=given["max_new_tokens"], stop=list(given["stop"]), stream=given["stream"],
@@ -98,7 +101,8 @@ def light_request(argv: list[str]) -> LiteRequest | None:
                           repetition_penalty=given["repetition_penalty"], presence_penalty=given["presence_penalty"],
                           frequency_penalty=given["frequency_penalty"], logit_bias=tuple(given["logit_bias"]),
                           temperature=given["temperature"], top_k=given["top_k"], top_p=given["top_p"],
-                          min_p=given["min_p"], seed=given["seed"])
+                          min_p=given["min_p"], seed=given["seed"], draft=given["draft"],
+                          draft_length=given["draft_length"])
     try:
         request.sampling()
     except SamplingError:  # (said by the torch front end, in its words)

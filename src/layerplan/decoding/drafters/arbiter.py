@@ -44,7 +44,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from layerplan.decoding.draft_length import expected_speedup, expected_tokens, probe_interval
-from layerplan.decoding.drafters.base import DraftState, Drafter, Proposal, RoundOutcome
+from layerplan.decoding.drafters.proposal import DraftState, Drafter, Proposal, RoundOutcome
 from layerplan.models.loading import LoadedModel
 from layerplan.plan.plan import LayerPlan
 

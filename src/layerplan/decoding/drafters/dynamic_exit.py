@@ -30,8 +30,9 @@ from dataclasses import dataclass, field, replace
 import torch
 import torch.nn.functional as F
 
-from layerplan.decoding.drafters.base import AutoregressiveDrafter, DraftState, Proposal
+from layerplan.decoding.drafters.base import AutoregressiveDrafter
 from layerplan.decoding.drafters.heads import Head, final_head, reduced_head
+from layerplan.decoding.drafters.proposal import DraftState, Proposal
 from layerplan.engine.runner import Resume, embed, run_hidden
 from layerplan.models.loading import LoadedModel
 from layerplan.plan.plan import LayerPlan, PlanError

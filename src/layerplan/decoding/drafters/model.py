@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from layerplan.decoding.drafters.base import AutoregressiveDrafter, DraftState, Proposal
+from layerplan.decoding.drafters.base import AutoregressiveDrafter
+from layerplan.decoding.drafters.proposal import DraftState, Proposal
 from layerplan.decoding.text import common_prefix
 from layerplan.engine.cache import KVCache
 from layerplan.engine.runner import forward, new_cache

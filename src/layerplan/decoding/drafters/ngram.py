@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from layerplan.decoding.drafters.base import DraftState, Proposal
-from layerplan.models.loading import LoadedModel
+from layerplan.decoding.drafters.proposal import DraftState, Proposal
 from layerplan.plan.plan import LayerPlan
 
 
@@ -24,7 +23,7 @@ class NgramDrafter:
         self.fed: list[int] = []  # the context indexed so far
         self.latest: list[dict[tuple[int, ...], int]] = [{} for _ in range(self.max_n + 1)]
 
-    def check(self, model: LoadedModel, target: LayerPlan) -> None:
+    def check(self, model, target: LayerPlan) -> None:
         pass  # text lookup fits any model and plan
 
     def _sync(self, tokens: list[int]) -> None:

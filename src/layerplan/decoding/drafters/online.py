@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import torch
 
-from layerplan.decoding.drafters.base import DraftState, Proposal, RoundOutcome
 from layerplan.decoding.drafters.plan import PlanDrafter
+from layerplan.decoding.drafters.proposal import DraftState, Proposal, RoundOutcome
 from layerplan.engine.runner import run_hidden
 from layerplan.models.loading import LoadedModel
 from layerplan.plan.plan import LayerPlan, PlanError

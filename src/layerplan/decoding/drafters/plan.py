@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import torch
 
-from layerplan.decoding.drafters.base import AutoregressiveDrafter, DraftState, Proposal
+from layerplan.decoding.drafters.base import AutoregressiveDrafter
 from layerplan.decoding.drafters.heads import ExitHead, Head, named
+from layerplan.decoding.drafters.proposal import DraftState, Proposal
 from layerplan.engine.runner import head as final_head
 from layerplan.engine.runner import run_hidden
 from layerplan.models.loading import LoadedModel

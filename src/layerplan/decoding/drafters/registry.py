@@ -12,14 +12,16 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from layerplan.decoding.drafters.arbiter import Arbiter
-from layerplan.decoding.drafters.base import AutoregressiveDrafter, Drafter
+from layerplan.decoding.drafters.base import AutoregressiveDrafter
 from layerplan.decoding.drafters.dynamic_exit import DynamicExitDrafter, ExitPolicy
 from layerplan.decoding.drafters.heads import Head, default_head_path, load_head, reduced_head
 from layerplan.decoding.drafters.kinds import DRAFTERS, PLAN, PLAN_KEYWORD
+from layerplan.decoding.drafters.lookup import is_number, ngram_drafter, suffix_drafter
 from layerplan.decoding.drafters.model import ModelDrafter
 from layerplan.decoding.drafters.ngram import NgramDrafter
 from layerplan.decoding.drafters.online import OnlineSkipDrafter
 from layerplan.decoding.drafters.plan import ExitHeadDrafter, PlanDrafter, WindowedDrafter
+from layerplan.decoding.drafters.proposal import Drafter
 from layerplan.decoding.drafters.saved import saved_draft_path
 from layerplan.decoding.drafters.staged import StagedDrafter
 from layerplan.decoding.drafters.suffix import SuffixDrafter, read_corpus
@@ -75,38 +77,18 @@ def builds(keyword: str) -> Callable[[Builder], Builder]:
 
 @builds("ngram")
 def _ngram(arg: str | None, text: str, ctx: Context) -> Drafter:
-    if arg is None:
-        return NgramDrafter()
-    if not arg.isdigit():
-        raise ValueError(f"cannot read '{text}': expected ngram or ngram:N with N the longest n-gram")
-    return NgramDrafter(max_n=int(arg))
+    return ngram_drafter(arg, text)
 
 
 @builds("suffix")
 def _suffix(arg: str | None, text: str, ctx: Context) -> Drafter:
-    options: dict = {}
-    corpus: list[list[int]] = []
-    for item in arg.split(",") if arg else []:
-        key, eq, value = (part.strip() for part in item.partition("="))
-        if key == "corpus" and value:
-            ctx.local_only(text, "read a corpus file")
-            corpus.append(read_corpus(value, ctx.model))
-        elif key in ("max", "share") and _is_number(value, integer=key == "max"):
-            options["max_tokens" if key == "max" else "min_share"] = int(value) if key == "max" else float(value)
-        elif key in ("learn", "tree") and not eq:
-            options[key] = True
-        else:
-            raise ValueError(f"cannot read '{item}' in '{text}': expected suffix or "
-                             "suffix:corpus=FILE,max=N,share=P,learn,tree")
-    return SuffixDrafter(corpus, name=text, **options)
+    def corpus_tokens(path: str) -> list[int]:
+        ctx.local_only(text, "read a corpus file")
+        tokenizer = ctx.model.tokenizer
+        encode = (lambda corpus: tokenizer(corpus, add_special_tokens=False).input_ids) if tokenizer else None
+        return read_corpus(path, encode, ctx.model.name)
 
-
-def _is_number(text: str, integer: bool) -> bool:
-    try:
-        int(text) if integer else float(text)
-    except ValueError:
-        return False
-    return True
+    return suffix_drafter(arg, text, corpus_tokens)
 
 
 @builds(PLAN_KEYWORD)
@@ -197,7 +179,7 @@ def _online(arg: str | None, text: str, ctx: Context) -> Drafter:
         key, _, value = (part.strip() for part in item.partition("="))
         if key in ("every", "calibration") and value.isdigit():
             options[key] = int(value)
-        elif key == "start" and _is_number(value, integer=False):
+        elif key == "start" and is_number(value, integer=False):
             options[key] = float(value)
         else:
             raise ValueError(f"cannot read '{item}' in '{text}': expected online or "
@@ -241,7 +223,7 @@ def _build(spec: str, ctx: Context) -> Drafter:
     text, size, branch = parts[0], None, None
     if "+branch=" in text:  # greedy self-drafts: the runner-up joins the round where the draft is unsure
         text, _, branch_text = text.rpartition("+branch=")
-        if not _is_number(branch_text, integer=False) or not 0 < float(branch_text) < 1:
+        if not is_number(branch_text, integer=False) or not 0 < float(branch_text) < 1:
             raise ValueError(f"cannot read '{spec}': expected DRAFT+branch=P with P a probability in (0, 1), "
                              "e.g. skip:attn=5-8+branch=0.6")
         branch = float(branch_text)
@@ -266,9 +248,3 @@ def _build(spec: str, ctx: Context) -> Drafter:
         drafter.branch_below = branch
         drafter.name += f"+branch={branch_text}"
     return drafter
-
-
-def drafts_by_lookup(drafter: Drafter) -> bool:
-    """A drafter that looks its drafts up and runs no model (n-gram, suffix): cheap to make for each
-    request, so a server gives every request of a batch its own (decoding/batch.py)."""
-    return isinstance(drafter, (NgramDrafter, SuffixDrafter))

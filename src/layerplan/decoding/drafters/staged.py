@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from layerplan.decoding.drafters.base import DraftState, Drafter, Proposal
+from layerplan.decoding.drafters.proposal import DraftState, Drafter, Proposal
 from layerplan.models.loading import LoadedModel
 from layerplan.plan.plan import LayerPlan
 

@@ -11,13 +11,12 @@ request (a context that does not extend the previous one) starts a fresh request
 from __future__ import annotations
 
 import heapq
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from layerplan.decoding.drafters.base import DraftState, Proposal
+from layerplan.decoding.drafters.proposal import DraftState, Proposal
 from layerplan.decoding.suffix_automaton import SuffixAutomaton
 from layerplan.engine.tree import TreeShape
-from layerplan.models.loading import LoadedModel
 from layerplan.plan.plan import LayerPlan
 
 
@@ -47,7 +46,7 @@ class SuffixDrafter:
             self.corpus.extend_all(int(t) for t in tokens)
             self.corpus.end_document()
 
-    def check(self, model: LoadedModel, target: LayerPlan) -> None:
+    def check(self, model, target: LayerPlan) -> None:
         pass  # text lookup fits any model and plan
 
     def _sync(self, context: list[int]) -> None:
@@ -120,9 +119,10 @@ class SuffixDrafter:
         return tokens
 
 
-def read_corpus(path: str | Path, model: LoadedModel) -> list[int]:
-    """A corpus file's text as the model's tokens (no special tokens); one clear error line for a
-    file that cannot be read, is not UTF-8 text or holds no text."""
+def read_corpus(path: str | Path, encode: Callable[[str], list[int]] | None, model_name: str) -> list[int]:
+    """A corpus file's text as the model's tokens (encode: its tokenizer's, without special
+    tokens; None: the model has none); one clear error line for a file that cannot be read, is not
+    UTF-8 text or holds no text."""
     path = Path(path)
     try:
         text = path.read_text(encoding="utf-8")
@@ -136,6 +136,6 @@ def read_corpus(path: str | Path, model: LoadedModel) -> list[int]:
         raise ValueError(f"cannot read suffix corpus '{path}': {error.strerror}") from None
     if not text.strip():
         raise ValueError(f"suffix corpus '{path}' holds no text")
-    if model.tokenizer is None:
-        raise ValueError(f"suffix corpus '{path}': the model {model.name} has no tokenizer to read it with")
-    return list(model.tokenizer(text, add_special_tokens=False).input_ids)
+    if encode is None:
+        raise ValueError(f"suffix corpus '{path}': the model {model_name} has no tokenizer to read it with")
+    return list(encode(text))

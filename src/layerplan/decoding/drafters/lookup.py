@@ -1,0 +1,69 @@
+"""The drafters that look their drafts up and run no model (n-gram, suffix): their specs read
+without torch, so that registry.py builds them from here and the light front end (lite/) too."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from layerplan.decoding.drafters.ngram import NgramDrafter
+from layerplan.decoding.drafters.proposal import Drafter
+from layerplan.decoding.drafters.suffix import SuffixDrafter
+
+
+def is_number(text: str, integer: bool) -> bool:
+    try:
+        int(text) if integer else float(text)
+    except ValueError:
+        return False
+    return True
+
+
+def ngram_drafter(arg: str | None, text: str) -> NgramDrafter:
+    """`ngram` or `ngram:N` (arg: what follows the colon; text: the whole spec, for errors)."""
+    if arg is None:
+        return NgramDrafter()
+    if not arg.isdigit():
+        raise ValueError(f"cannot read '{text}': expected ngram or ngram:N with N the longest n-gram")
+    return NgramDrafter(max_n=int(arg))
+
+
+def suffix_drafter(arg: str | None, text: str, corpus_tokens: Callable[[str], list[int]]) -> SuffixDrafter:
+    """`suffix[:corpus=FILE,max=N,share=P,learn,tree]`; corpus_tokens(FILE): the file's tokens
+    (ValueError where it may not or cannot be read)."""
+    options: dict = {}
+    corpus: list[list[int]] = []
+    for item in arg.split(",") if arg else []:
+        key, eq, value = (part.strip() for part in item.partition("="))
+        if key == "corpus" and value:
+            corpus.append(corpus_tokens(value))
+        elif key in ("max", "share") and is_number(value, integer=key == "max"):
+            options["max_tokens" if key == "max" else "min_share"] = int(value) if key == "max" else float(value)
+        elif key in ("learn", "tree") and not eq:
+            options[key] = True
+        else:
+            raise ValueError(f"cannot read '{item}' in '{text}': expected suffix or "
+                             "suffix:corpus=FILE,max=N,share=P,learn,tree")
+    return SuffixDrafter(corpus, name=text, **options)
+
+
+def drafts_a_lookup_chain(spec: str) -> bool:
+    """Whether a spec names one lookup drafter alone, proposing chains: ngram or suffix (not
+    `A|B`, `+...`, nor a suffix `tree`, whose pass needs the torch front end's tree masks)."""
+    keyword, _, arg = spec.strip().partition(":")
+    options = {item.partition("=")[0].strip() for item in arg.split(",")}
+    return keyword in ("ngram", "suffix") and "|" not in spec and "+" not in spec and "tree" not in options
+
+
+def lookup_drafter(spec: str, corpus_tokens: Callable[[str], list[int]]) -> Drafter:
+    """The drafter of a spec that drafts_a_lookup_chain; ValueError where the spec is malformed
+    (as registry.py's make_drafter says it)."""
+    keyword, sep, arg = spec.strip().partition(":")
+    if keyword == "ngram":
+        return ngram_drafter(arg if sep else None, spec.strip())
+    return suffix_drafter(arg if sep else None, spec.strip(), corpus_tokens)
+
+
+def drafts_by_lookup(drafter: Drafter) -> bool:
+    """A drafter that looks its drafts up and runs no model (n-gram, suffix): cheap to make for each
+    request, so a server gives every request of a batch its own (decoding/batch.py)."""
+    return isinstance(drafter, (NgramDrafter, SuffixDrafter))
