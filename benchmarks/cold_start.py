@@ -2,14 +2,15 @@
 against llama.cpp's own cold start on the same file (issue 28's targets: at most 2x llama.cpp's
 time; a peak resident memory of at most 1.3x the file + the KV cache + 300 MB).
 
-    python benchmarks/cold_start.py [MODEL] [--rounds 3] [--dtype stored-fast] [--command chat] [--temp 0.8]
+    python benchmarks/cold_start.py [MODEL] [--rounds 3] [--dtype stored-fast] [--command chat] [--temp 0.8] [--draft suffix]
 
 Each round times three new processes, in turn (so a change in the machine's load falls on all):
 `layerplan generate PROMPT -n 1` as a user runs it (the light front end, layerplan/lite/: numpy
 and the kernels), the same command on the torch front end (LAYERPLAN_FRONT_END=torch: torch and
 transformers), and `llama-bench -n 1 -p 0` (load, then one token). With --command chat, the
 layerplan command is `layerplan chat -n 1` with PROMPT as its one line of stdin (its reply in the
-chat template, then end of input); with --temp T, the command samples (`--temp T --seed 1`). Each
+chat template, then end of input); with --temp T, the command samples (`--temp T --seed 1`); with
+--draft SPEC, it drafts (`--draft SPEC`: a lookup draft starts on the light front end too). Each
 figure is the median of the rounds, with their range. Each is timed from its spawn
 to its exit (the interpreter, imports, the tokenizer, the prompt's pass and the token included
 for layerplan), with its peak RSS (ru_maxrss of a child of a probe process of its own). One
@@ -56,6 +57,7 @@ def main() -> None:
     parser.add_argument("--command", default="generate", choices=["generate", "chat"])
     parser.add_argument("--temp", type=float, default=0.0,
                         help="the layerplan command samples at this temperature, seeded (0: greedy)")
+    parser.add_argument("--draft", default=None, help="the layerplan generate drafts with this drafter")
     args = parser.parse_args()
     import compileall
 
@@ -85,6 +87,8 @@ def main() -> None:
     layerplan_command += ["--model", str(gguf), "--dtype", args.dtype, "--threads", str(args.threads)]
     if args.temp:
         layerplan_command += ["--temp", str(args.temp), "--seed", "1"]
+    if args.draft:
+        layerplan_command += ["--draft", args.draft]
     torch_env = {**os.environ, "LAYERPLAN_FRONT_END": "torch"}
     llama = [str(tools / "llama-bench"), "-m", str(gguf), "-t", str(args.threads), "-n", "1", "-p", "0", "-r", "1"]
     # (a first run of each: indexes the file and packs its panels)
@@ -100,6 +104,7 @@ def main() -> None:
     file_mb = gguf.stat().st_size / 2**20
     print(json.dumps({
         "model": str(gguf), "command": args.command, "dtype": args.dtype, "temperature": args.temp,
+        "draft": args.draft,
         "cpu": read_cpuinfo()[0],
         "rounds": args.rounds,
         "seconds": {name: round(m[0], 3) for name, m in median.items()},

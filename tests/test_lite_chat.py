@@ -1,8 +1,8 @@
 """`layerplan chat` on the light front end (lite/chat.py), against the torch front end's session
 (app/chat.py) on the packaged SmolLM2: the same replies turn by turn, the same cache kept between
 turns, across a plan switch, a system message and a reset; the command from a pipe gives the torch
-front end's output, and a line only the torch front end runs (a draft, sampling) hands the
-conversation on to it, the lines after it answered there, nothing left behind."""
+front end's output, a lookup draft's too, and a line only the torch front end runs (a draft that
+runs a model) hands the conversation on to it, the lines after it answered there, nothing left behind."""
 
 from __future__ import annotations
 
@@ -94,7 +94,9 @@ def test_what_the_light_session_does_not_run_it_refuses_before_changing_anything
     light, _ = _sessions(both, max_new_tokens=4)
     before = dict(vars(light.settings))
     with pytest.raises(TorchFrontEnd, match="torch front end"):
-        light.set_draft("suffix")
+        light.set_draft("exit:8")
+    with pytest.raises(TorchFrontEnd, match="torch front end"):
+        light.set_draft("suffix:tree")
     from layerplan.plan.plan import PlanError
 
     with pytest.raises(PlanError, match="only a is loaded"):  # (the torch front end's chat says so too)
@@ -106,7 +108,7 @@ def test_what_the_light_session_does_not_run_it_refuses_before_changing_anything
     from layerplan.lite.chat import LightChatSession
 
     with pytest.raises(TorchFrontEnd):
-        LightChatSession(both[0], ChatSettings(draft="suffix"))
+        LightChatSession(both[0], ChatSettings(draft="exit:8"))
     LightChatSession(both[0], ChatSettings(temperature=0.5, seed=1, repetition_penalty=1.2, logit_bias=((5, -1.0),)))
 
 
@@ -139,7 +141,7 @@ def _chat(lines: str, tmp_path, *options: str, front_end: str = "", cache=None) 
 DIALOGUE = ("/system Answer in one sentence.\nWhat is the capital of France?\n/plan 0-25,20-29\n"
             "What river runs through it?\n/plan full\n/reset\nHello\n")
 # (the drafted reply samples too: with a seed it drafts by its own rounds, whatever the timings)
-HANDED_ON = ("What is the capital of France?\n/temp 0.8\n/seed 7\nTell me about it.\n/draft suffix\n"
+HANDED_ON = ("What is the capital of France?\n/temp 0.8\n/seed 7\nTell me about it.\n/draft exit:20\n"
              "And its river?\n/stats\n")
 
 
@@ -153,6 +155,20 @@ def test_a_piped_light_chat_prints_what_the_torch_front_end_prints(tmp_path, opt
     assert light.stderr.count("loading ") == 1 and "Traceback" not in light.stderr
 
 
+# lookup drafts run on the light front end (decoding/rounds.py): greedy, then seeded sampled (its
+# draft lengths follow its own rounds), then plain again
+DRAFTED = ("/draft suffix\nWrite a Python function that adds two numbers.\nNow one that subtracts them.\n"
+           "/temp 0.7\n/seed 2\nAnd one that multiplies them.\n/draft none\nThanks.\n")
+
+
+def test_a_light_chat_with_a_lookup_draft_prints_what_the_torch_front_end_prints(tmp_path):
+    """/draft suffix stays on the light front end: the replies are the torch front end's."""
+    light, torch_run = (_chat(DRAFTED, tmp_path, "-n", "24", front_end=fe) for fe in ("", "torch"))
+    assert light.returncode == torch_run.returncode == 0, light.stderr
+    assert light.stdout == torch_run.stdout and light.stdout.count("def ") == 4
+    assert light.stderr.count("loading ") == 1 and "torch front end" not in light.stderr, light.stderr
+
+
 def test_a_line_only_torch_runs_hands_the_conversation_on(tmp_path):
     """/draft mid-conversation: the light front end hands on the transcript and the line; the
     sampled reply before (seeded, on the light front end), the drafted one after and the counts
@@ -160,7 +176,8 @@ def test_a_line_only_torch_runs_hands_the_conversation_on(tmp_path):
     light, torch_run = (_chat(HANDED_ON, tmp_path, "-n", "12", front_end=fe) for fe in ("", "torch"))
     assert light.returncode == torch_run.returncode == 0, light.stderr
     assert light.stdout == torch_run.stdout and light.stdout.count("\n") == 3
-    assert "(drafting runs on the torch front end: starting it, the conversation kept)" in light.stderr
+    assert ("(a draft that runs a model, or a token tree, runs on the torch front end: starting it, the "
+            "conversation kept)") in light.stderr
     assert light.stderr.count("loading ") == 2 and "Traceback" not in light.stderr
     assert "was saved with" not in light.stderr
     stats = [line for line in light.stderr.splitlines() if line.startswith("session: ")]
@@ -313,10 +330,10 @@ def test_a_hand_off_that_cannot_start_says_so_and_the_conversation_goes_on(both,
     monkeypatch.setattr(sys, "executable", str(tmp_path / "no-python"))
     light, _ = _sessions(both, max_new_tokens=4)
     out, err = io.StringIO(), io.StringIO()
-    loop = ChatLoop(light, io.StringIO("Hi\n/draft suffix\nAgain\n"), out, err, interactive=False,
+    loop = ChatLoop(light, io.StringIO("Hi\n/draft exit:8\nAgain\n"), out, err, interactive=False,
                     hand_off=hand_off_to_torch(LiteChatRequest(), interactive=False))
     assert loop.run() == 0
-    assert "Error: the torch front end could not be started" in err.getvalue() and "'/draft suffix' was not run" \
+    assert "Error: the torch front end could not be started" in err.getvalue() and "'/draft exit:8' was not run" \
         in err.getvalue()
     assert out.getvalue().count("\n") == 2 and light.settings.draft is None and light.session.replies == 2
     assert not list(tmp_path.glob("layerplan-chat-*"))
@@ -328,7 +345,7 @@ def test_a_chat_with_a_second_model_prints_what_the_torch_front_end_prints(tmp_p
     hand-off keeps it."""
     from layerplan.models.gguf_place import default_gguf_path
 
-    lines = "Hi\n/plan 0-14,b:15-29\nAgain\n/temp 0.5\n/seed 3\nOnce more\n/draft suffix\nAnd again\n"
+    lines = "Hi\n/plan 0-14,b:15-29\nAgain\n/temp 0.5\n/seed 3\nOnce more\n/draft exit:8\nAnd again\n"
     light, torch_run = (_chat(lines, tmp_path, "-n", "8", "--model-b", str(default_gguf_path()), front_end=fe)
                         for fe in ("", "torch"))
     assert light.returncode == torch_run.returncode == 0, light.stderr

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from layerplan.decoding.chat_state import NO_DRAFT, STREAM_EVERY, ChatHistory, ChatSettings, Reply
+from layerplan.decoding.chat_state import STREAM_EVERY, ChatHistory, ChatSettings, Reply, draft_named
 from layerplan.decoding.drafters.registry import make_drafter
 from layerplan.decoding.output import chat_prompt_ids
 from layerplan.decoding.scheduler import Job, Scheduler
@@ -69,7 +69,7 @@ class ChatSession(ChatHistory):
         run_hidden(self.model, None, plan, cache, 0, resume=Resume(hidden, restart))
 
     def set_draft(self, spec: str | None) -> None:
-        spec = None if spec is None or spec.strip().lower() in ("", *NO_DRAFT) else spec.strip()
+        spec = draft_named(spec)
         self.drafter = self._drafter(spec, self.plan)
         self.settings.draft = spec
 

@@ -4,29 +4,33 @@ it as it runs the torch front end's session (app/chat.py), and the replies are t
 the conversation rendered whole through the chat template as transformers renders it
 (models/chat_template.py), tokenized without added special tokens, the cache kept up to the
 longest prefix it shares with the new turn's tokens, each token chosen from the same logits by
-the same settings and seed (decoding/choice.py; tests/test_lite_chat.py runs both).
+the same settings and seed (decoding/choice.py; tests/test_lite_chat.py runs both); a lookup
+draft's replies by decoding/rounds.py's speculative rounds.
 
-What it does not run it raises TorchFrontEnd for, before changing anything: drafts. The loop then
-hands the conversation and that line on to the torch front end.
+What it does not run it raises TorchFrontEnd for, before changing anything: a draft that runs a
+model (or a token tree). The loop then hands the conversation and that line on to the torch
+front end.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from layerplan.decoding.chat_state import NO_DRAFT, ChatHistory, ChatSettings, Reply
+from layerplan.decoding.chat_state import ChatHistory, ChatSettings, Reply, draft_named
+from layerplan.decoding.drafters.lookup import drafts_a_lookup_chain, lookup_drafter
 from layerplan.decoding.loop import DecodeLoop
+from layerplan.decoding.rounds import SpeculativeLoop
 from layerplan.lite import TorchFrontEnd
 from layerplan.lite.model import LiteCache, LiteModel
 from layerplan.models.chat_template import plain_chat_text
 
-DRAFTS_NEED_TORCH = "drafting runs on the torch front end"
+DRAFTS_NEED_TORCH = "a draft that runs a model, or a token tree, runs on the torch front end"
 
 
 def light_refusal(settings: ChatSettings) -> str | None:
-    """Why these settings need the torch front end (one line), or None: a draft (sampling, the
-    logit bias and the penalties run here: decoding/choice.py)."""
-    if settings.draft is not None:
+    """Why these settings need the torch front end (one line), or None: a draft other than a
+    lookup's chains (sampling, the logit bias and the penalties run here: decoding/choice.py)."""
+    if settings.draft is not None and not drafts_a_lookup_chain(settings.draft):
         return DRAFTS_NEED_TORCH
     return None
 
@@ -45,6 +49,7 @@ class LightChatSession(ChatHistory):
         self.template = model.chat_template()
         super().__init__(model, settings, messages)
         self.cache: LiteCache | None
+        self.drafter = self._drafter(self.settings.draft)
 
     @property
     def has_chat_template(self) -> bool:
@@ -61,10 +66,16 @@ class LightChatSession(ChatHistory):
         self.model.run_from(cache, restart, held)
         self.cache = cache
 
+    def _drafter(self, spec: str | None):
+        """A lookup draft's drafter, kept across replies (what it learned); None: plain decoding."""
+        return lookup_drafter(spec, self.model.corpus_tokens) if spec is not None else None
+
     def set_draft(self, spec: str | None) -> None:
-        if spec is not None and spec.strip().lower() not in ("", *NO_DRAFT):
+        spec = draft_named(spec)
+        if spec is not None and not drafts_a_lookup_chain(spec):
             raise TorchFrontEnd(DRAFTS_NEED_TORCH)
-        self.settings.draft = None
+        self.drafter = self._drafter(spec)
+        self.settings.draft = spec
 
     # ----- replies ------------------------------------------------------------------------------
     def prompt_ids(self, messages: Sequence[dict[str, str]] | None = None) -> list[int]:
@@ -89,7 +100,14 @@ class LightChatSession(ChatHistory):
             cache = self.model.new_cache(self.plan, need, self.stream_steps(self.plan))
         elif cache.capacity < need:
             cache = cache.grown(need)
-        result = DecodeLoop(self.model, ids, self.plan, budget, self.reply_stops, True, on_text, should_stop, cache=cache,
-                            sampling=self.settings.sampling(), seed=self.settings.seed).run()
-        return self.replied(messages, ids, result, cache, kept, {})
+        settings = self.settings
+        if self.drafter is None:
+            loop = DecodeLoop(self.model, ids, self.plan, budget, self.reply_stops, True, on_text, should_stop,
+                              cache=cache, sampling=settings.sampling(), seed=settings.seed)
+        else:
+            loop = SpeculativeLoop(self.model, ids, self.plan, self.drafter, budget, self.reply_stops, True, on_text,
+                                   should_stop, cache=cache, sampling=settings.sampling(), seed=settings.seed,
+                                   draft_length=settings.draft_length)
+        result = loop.run()
+        return self.replied(messages, ids, result, cache, kept, result.stats if self.drafter is not None else {})
 
