@@ -17,7 +17,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from layerplan.decoding.chat_state import ChatHistory, ChatSettings, Reply, draft_named
-from layerplan.decoding.drafters.lookup import drafts_a_lookup_chain, lookup_drafter
+from layerplan.decoding.drafters.kinds import drafts_a_lookup_chain
+from layerplan.decoding.drafters.lookup import lookup_drafter
 from layerplan.decoding.loop import DecodeLoop
 from layerplan.decoding.rounds import SpeculativeLoop
 from layerplan.lite import TorchFrontEnd

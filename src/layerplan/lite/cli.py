@@ -13,9 +13,7 @@ import json
 import sys
 
 from layerplan.decoding.budget import token_budget
-from layerplan.decoding.drafters.lookup import lookup_drafter
 from layerplan.decoding.loop import DecodeLoop
-from layerplan.decoding.rounds import SpeculativeLoop
 from layerplan.decoding.text import TextDelta, prompt_notes
 from layerplan.files import WriteError, cache_dir
 from layerplan.lite import TorchFrontEnd
@@ -104,7 +102,10 @@ def run(request: LiteRequest, tokenizer: TokenizerProcess | None = None) -> int 
         if request.draft is None:
             loop = DecodeLoop(model, ids, plan, request.max_new_tokens, request.stop, True, streamed,
                               sampling=sampling, seed=request.seed)
-        else:  # (speculative rounds of a lookup draft: decoding/rounds.py)
+        else:  # speculative rounds of a lookup draft (imported here: a plain start does not wait for them)
+            from layerplan.decoding.drafters.lookup import lookup_drafter
+            from layerplan.decoding.rounds import SpeculativeLoop
+
             loop = SpeculativeLoop(model, ids, plan, lookup_drafter(request.draft, model.corpus_tokens),
                                    request.max_new_tokens, request.stop, True, streamed, sampling=sampling,
                                    seed=request.seed, draft_length=request.draft_length)

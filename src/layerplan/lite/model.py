@@ -26,7 +26,6 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from layerplan.decoding.drafters.suffix import read_corpus
 from layerplan.engine.file_kernels import (ARITHMETIC_CODES, FileKernels, NotDescribed, file_refusal,
                                            read_index)
 from layerplan.engine.kernel_library import ABI, check, library
@@ -147,6 +146,9 @@ class LiteModel:
     def corpus_tokens(self, path: str) -> list[int]:
         """A corpus file's tokens, for a suffix draft (drafters/suffix.py read_corpus: without
         special tokens; ValueError where it cannot be read)."""
+        # (here: a start without a suffix draft does not wait for the drafters' modules)
+        from layerplan.decoding.drafters.suffix import read_corpus
+
         encode = (lambda text: self.tokenizer.encode(text, special_tokens=False)) if self.tokenizer else None
         return read_corpus(path, encode, self.name)
 

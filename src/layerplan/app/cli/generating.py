@@ -15,8 +15,7 @@ from layerplan.app.options import (DRAFT_LENGTH_HELP, ctx_size_option, decoding_
                                    sampling_options)
 from layerplan.corpus import read_text_file
 from layerplan.decoding.draft_length import DRAFT_LENGTHS
-from layerplan.decoding.drafters.lookup import drafts_a_lookup_chain
-from layerplan.decoding.drafters.kinds import drafter_help
+from layerplan.decoding.drafters.kinds import drafter_help, drafts_a_lookup_chain
 from layerplan.decoding.sampling_params import SamplingError
 from layerplan.lite.request import LiteRequest
 

@@ -1,5 +1,6 @@
 """The kinds of drafter a --draft spec names, as data: each kind's keyword (the spec up to its
-first ':'), how a spec writes it, what it drafts, and whether it takes +vocab=K. Nothing here
+first ':'), how a spec writes it, what it drafts, and whether it takes +vocab=K; which specs the
+light front end drafts by (drafts_a_lookup_chain). Nothing here
 imports torch, so that a command's help lists the drafters without it; registry.py builds each
 kind (its builder registered under the same keyword, checked there at import)."""
 
@@ -51,3 +52,12 @@ def drafter_help() -> str:
         "; A|B: the first of several that proposes; add +vocab=K to a layer-plan draft for an LM head over "
         "the K most frequent tokens; add +branch=P to a draft that runs a model for a token tree where its "
         "top-1 probability is below P (greedy)")
+
+
+def drafts_a_lookup_chain(spec: str) -> bool:
+    """Whether a spec names one lookup drafter alone, proposing chains: ngram or suffix (not
+    `A|B`, `+...`, nor a suffix `tree`, whose pass needs the torch front end's tree masks), which
+    the light front end runs (drafters/lookup.py builds them)."""
+    keyword, _, arg = spec.strip().partition(":")
+    options = {item.partition("=")[0].strip() for item in arg.split(",")}
+    return keyword in ("ngram", "suffix") and "|" not in spec and "+" not in spec and "tree" not in options

@@ -46,17 +46,9 @@ def suffix_drafter(arg: str | None, text: str, corpus_tokens: Callable[[str], li
     return SuffixDrafter(corpus, name=text, **options)
 
 
-def drafts_a_lookup_chain(spec: str) -> bool:
-    """Whether a spec names one lookup drafter alone, proposing chains: ngram or suffix (not
-    `A|B`, `+...`, nor a suffix `tree`, whose pass needs the torch front end's tree masks)."""
-    keyword, _, arg = spec.strip().partition(":")
-    options = {item.partition("=")[0].strip() for item in arg.split(",")}
-    return keyword in ("ngram", "suffix") and "|" not in spec and "+" not in spec and "tree" not in options
-
-
 def lookup_drafter(spec: str, corpus_tokens: Callable[[str], list[int]]) -> Drafter:
-    """The drafter of a spec that drafts_a_lookup_chain; ValueError where the spec is malformed
-    (as registry.py's make_drafter says it)."""
+    """The drafter of a spec that kinds.py's drafts_a_lookup_chain takes; ValueError where the
+    spec is malformed (as registry.py's make_drafter says it)."""
     keyword, sep, arg = spec.strip().partition(":")
     if keyword == "ngram":
         return ngram_drafter(arg if sep else None, spec.strip())
