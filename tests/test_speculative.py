@@ -14,7 +14,7 @@ from layerplan.decoding.draft_length import AdaptiveLength, HeuristicLength, Sha
 from layerplan.decoding.drafters.model import ModelDrafter
 from layerplan.decoding.drafters.ngram import NgramDrafter
 from layerplan.decoding.drafters.plan import PlanDrafter
-from layerplan.decoding.drafters.proposal import DraftState
+from layerplan.decoding.drafters.proposal import DraftState, Proposal
 from layerplan.decoding.drafters.registry import make_drafter
 from layerplan.decoding.drafters.staged import StagedDrafter
 from layerplan.decoding.generate import generate
@@ -23,6 +23,7 @@ from layerplan.decoding.sampling_params import SamplingParams
 from layerplan.decoding.speculative import speculative_generate
 from layerplan.engine.executors import use_native
 from layerplan.engine.runner import forward, new_cache
+from layerplan.engine.tree import TreeShape
 from layerplan.models.loading import wrap_model
 from layerplan.plan.plan import PlanError
 from tiny import ARCHS, VOCAB, tiny_config, tiny_hf, tiny_model
@@ -147,6 +148,47 @@ def test_draft_confidence_stops_every_drafter_that_runs_a_model():
     for spec in ("exit:1", "window:2,3", "dynamic:confidence=0.5"):
         result = generate(model, PROMPT, max_new_tokens=8, draft=spec, draft_length="fixed", draft_confidence=1.01)
         assert len(result.stats["drafted_at"]) == 1, spec
+
+
+class _TreeWithDraftProbs:
+    """Proposes a two-root token tree with draft distributions: node 1 is a sibling of node 0,
+    node 2 node 0's child, so the first chain is nodes 0 and 2."""
+
+    name = "tree-with-q"
+
+    def check(self, model, target) -> None:
+        pass
+
+    def propose(self, state, max_tokens):
+        q = np.full((3, VOCAB), 0.5 / (VOCAB - 1))
+        for node, token in enumerate((11, 12, 13)):
+            q[node, token] = 0.5
+        return Proposal([11, 12, 13], q, tree=TreeShape((-1, -1, 0)))
+
+
+def test_a_tree_with_draft_distributions_is_accepted_as_its_first_chain_with_its_q_rows(monkeypatch):
+    """A round checks such a tree as its first chain, whose q rows are its nodes' (0 and 2), alone
+    and in a batch's pass."""
+    from layerplan.decoding import rounds
+    from layerplan.decoding.speculative import SpeculativeDecoding
+
+    seen = []
+    verdict = rounds.chain_verdict
+    monkeypatch.setattr(rounds, "chain_verdict", lambda context, draft, draft_probs, *rest: (
+        seen.append((draft, draft_probs)), verdict(context, draft, draft_probs, *rest))[1])
+    model = tiny_model("llama", num_layers=2)
+    tree = _TreeWithDraftProbs().propose(None, 3)
+    for batched in (False, True):
+        decoding = SpeculativeDecoding(model, PROMPT, _TreeWithDraftProbs(), max_new_tokens=6,
+                                       sampling=SamplingParams(temperature=1.0), seed=1, draft_length="fixed")
+        decoding.prefill()
+        if batched:
+            ids, cache, position = decoding.next_pass()
+            decoding.take_pass(forward(model, ids, decoding.plan, cache, position)[0])
+        else:
+            decoding.round()
+        draft, draft_probs = seen[-1]
+        assert draft == [11, 13] and np.array_equal(draft_probs, tree.probs[[0, 2]]), batched
 
 
 def test_cache_after_a_round_holds_exactly_the_verified_prefix():

@@ -96,6 +96,13 @@ def choose_token(logits: np.ndarray, params: SamplingParams, context: Sequence[i
     return draw(np.exp(processed.astype(np.float64) - float(processed.max())), generator)
 
 
+def probabilities(processed: np.ndarray) -> np.ndarray:
+    """The distribution (V,) of processed logits, in float64: their softmax (a speculative
+    round's p and a draft's q)."""
+    weights = np.exp(processed.astype(np.float64) - float(processed.max()))
+    return weights / weights.sum()
+
+
 def draw(weights: np.ndarray, generator: np.random.Generator | None) -> int:
     """One index drawn in proportion to `weights` (V,), not all zero: the first whose cumulative
     weight exceeds a uniform draw of their total (a zero weight is never drawn); generator: the

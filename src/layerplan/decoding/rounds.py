@@ -20,11 +20,12 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
+from typing import Protocol
 
 import numpy as np
 
 from layerplan.decoding.acceptance import Verdict, accept_draft, accept_greedy
-from layerplan.decoding.choice import processed_logits
+from layerplan.decoding.choice import probabilities, processed_logits
 from layerplan.decoding.draft_length import SEEDED_DRAFT_LENGTH, FixedLength, SharedRounds, make_draft_length
 from layerplan.decoding.drafters.proposal import DraftState, Drafter, LearnsFromRounds, Proposal, RoundOutcome
 from layerplan.decoding.loop import DecodeLoop, Pace, TokenPasses
@@ -129,9 +130,7 @@ def target_pick(row: np.ndarray, sampling: SamplingParams, context: Sequence[int
 def target_probs(row: np.ndarray, sampling: SamplingParams, context: Sequence[int], output_from: int) -> np.ndarray:
     """The distribution (V,) float64 a sampled target draws from after `context`: the softmax of
     the logits processed by decoding/choice.py (as a plain step's)."""
-    processed = processed_logits(row, sampling, context, output_from)
-    weights = np.exp(processed.astype(np.float64) - float(processed.max()))
-    return weights / weights.sum()
+    return probabilities(processed_logits(row, sampling, context, output_from))
 
 
 def chain_verdict(context: list[int], draft: list[int], draft_probs: np.ndarray | None, rows: np.ndarray,
@@ -146,7 +145,7 @@ def chain_verdict(context: list[int], draft: list[int], draft_probs: np.ndarray 
     return accept_draft(draft, probs, draft_probs, generator)
 
 
-class VerifyPasses(TokenPasses):
+class VerifyPasses(TokenPasses, Protocol):
     """The passes a speculative loop asks of a model besides TokenPasses'."""
 
     def pass_logits(self, ids: Sequence[int], plan: LayerPlan, cache, start: int):
@@ -189,7 +188,8 @@ class SpeculativeRounds:
     def verify(self, gamma: int, proposal: Proposal | None) -> tuple[int, list[int], int, bool, Sequence]:
         """The round's pass over the pending token and the proposal's first chain (up to γ
         tokens): (drafted, emitted, accepted, bonus, the logits rows of the emitted tokens)."""
-        draft = proposal.first_chain().tokens[:gamma] if proposal else []
+        proposal = proposal.first_chain() if proposal is not None else None  # (its q rows the chain's)
+        draft = proposal.tokens[:gamma] if proposal is not None else []
         position = len(self.context) - 1  # of the pending token
         logits = self.passes.pass_logits(self.context[-1:] + draft, self.plan, self.cache, position)
         emitted, accepted, bonus, rows = self.accept_chain(draft, proposal, logits)
@@ -212,8 +212,10 @@ class SpeculativeRounds:
         proposal = self.drafter.propose(state, gamma) if gamma > 0 else None
         return gamma, proposal, t0, time.perf_counter()
 
-    def accept_chain(self, draft: list[int], proposal: Proposal | None, logits) -> tuple[list[int], int, bool, Sequence]:
-        """A chain's verdict from its verify logits (γ+1, V), and the cache cropped to what stays:
+    def accept_chain(self, draft: list[int], proposal: Proposal | None,
+                     logits) -> tuple[list[int], int, bool, Sequence]:
+        """A chain's verdict from its verify logits (γ+1, V) (proposal: a chain, its q rows the
+        draft's), and the cache cropped to what stays:
         (emitted tokens, accepted drafts, bonus, the logits rows of the emitted tokens: row i is
         where the i-th was chosen, as the pass gave them)."""
         position = len(self.context) - 1

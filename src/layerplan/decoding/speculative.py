@@ -104,7 +104,8 @@ class SpeculativeDecoding(SpeculativeRounds, DecodeRequest):
         pass that carries `others` rows for other requests; its cache, the pending token's
         position."""
         gamma, proposal, t0, t1 = self.propose(cap, others)
-        draft = proposal.first_chain().tokens[:gamma] if proposal else []
+        proposal = proposal.first_chain() if proposal is not None else None  # (its q rows the chain's)
+        draft = proposal.tokens[:gamma] if proposal is not None else []
         self._round = (gamma, draft, proposal, t0, t1)
         return torch.tensor([self.context[-1:] + draft], device=self.ids.device), self.cache, len(self.context) - 1
 

@@ -9,7 +9,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from layerplan.decoding.choice import draw, processed_logits
+from layerplan.decoding.choice import draw, probabilities, processed_logits
 from layerplan.decoding.drafters.proposal import DraftState, Proposal
 from layerplan.engine.tree import TreeShape
 
@@ -19,8 +19,7 @@ def draft_token(row: np.ndarray, state: DraftState, seen: list[int]) -> tuple[in
     logits' softmax in float64 (one-hot at the pick where greedy)."""
     params = state.sampling
     processed = processed_logits(row, params, seen, state.output_from)
-    weights = np.exp(processed.astype(np.float64) - float(processed.max()))
-    probs = weights / weights.sum()
+    probs = probabilities(processed)
     if params.greedy:
         token = int(processed.argmax())
         q = np.zeros_like(probs)
