@@ -23,16 +23,16 @@ from layerplan.plan.plan import LayerPlan
 SAVE_FORMAT = "layerplan-chat"  # the "format" of a /save file, which `chat --load` checks
 ROLES = ("user", "assistant")
 NO_DRAFT = ("none", "off")  # /draft none: plain decoding again
-
-
-def draft_named(spec: str | None) -> str | None:
-    """The drafter spec a /draft line names; None for plain decoding (none, off, nothing)."""
-    return None if spec is None or spec.strip().lower() in ("", *NO_DRAFT) else spec.strip()
 MAX_SAVED_BYTES = 256 * 2 ** 20  # a transcript longer than any model's context, many times over
 # the cache keeps the residual stream entering every STREAM_EVERY-th step, so that /plan reruns
 # the conversation from the last such step at or before the first one it changes, not from the
 # start (each kept stream costs a hidden-wide row a token: at 4, SmolLM2's are 0.7x its cache)
 STREAM_EVERY = 4
+
+
+def draft_named(spec: str | None) -> str | None:
+    """The drafter spec a /draft line names; None for plain decoding (none, off, nothing)."""
+    return None if spec is None or spec.strip().lower() in ("", *NO_DRAFT) else spec.strip()
 
 
 @dataclass

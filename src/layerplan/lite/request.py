@@ -1,10 +1,10 @@
 """The requests the light front end carries out (lite/cli.py; the research commands' are
-lite/research_request.py's). A `layerplan generate` request: a GGUF's plain continuation of one
-prompt (the model, its dtype as stored, the engine, threads, a plan of this model, the token budget,
-stop strings, streaming, the chat template where it only wraps the prompt, the sampling settings and
-seed, a lookup draft, the statistics); app/cli/generating.py light_request makes one of a command line that the
-command itself has read, where the line asks for nothing else. A `layerplan chat` request: a
-conversation's model and settings (app/cli/chatting.py light_chat_request)."""
+lite/research_request.py's). A `layerplan generate` request: a GGUF's continuation of one prompt
+(the model, its dtype as stored, the engine, threads, a plan of this model, the token budget, stop
+strings, streaming, the chat template where it only wraps the prompt, the sampling settings and
+seed, a lookup draft, the statistics); app/cli/generating.py light_request makes one of a command
+line that the command itself has read, where the line asks for nothing else. A `layerplan chat`
+request: a conversation's model and settings (app/cli/chatting.py light_chat_request)."""
 
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
 """The kinds of drafter a --draft spec names, as data: each kind's keyword (the spec up to its
 first ':'), how a spec writes it, what it drafts, and whether it takes +vocab=K; which specs the
-light front end drafts by (drafts_a_lookup_chain). Nothing here
-imports torch, so that a command's help lists the drafters without it; registry.py builds each
-kind (its builder registered under the same keyword, checked there at import)."""
+light front end drafts by (drafts_a_lookup_chain). Nothing here imports torch, so that a
+command's help lists the drafters without it; registry.py builds each kind (its builder
+registered under the same keyword, checked there at import)."""
 
 from __future__ import annotations
 
