@@ -76,7 +76,8 @@ SAME_OUTPUT = [
     ["generate", "The capital of France is", "-n", "12", "--model-b", str(default_gguf_path()), "--plan",
      "0-14,b:15-29"],
     # lookup drafts (decoding/rounds.py): greedy, seeded sampled (a seeded sample's draft lengths
-    # follow its own rounds on both), with a corpus file, a chat frame, penalties and a stop
+    # follow its own rounds on both: the default, or a policy named that learns no timings, never
+    # `adaptive`), with a corpus file, a chat frame, penalties and a stop
     ["generate", "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef mul(a, b):", "-n",
      "40", "--draft", "suffix"],
     ["generate", "One two three. One two three. One two", "-n", "24", "--draft", "ngram:3", "--temp", "0.8", "-s",
@@ -84,7 +85,7 @@ SAME_OUTPUT = [
     ["generate", "List the days of the week.", "--chat", "-n", "40", "--draft", "suffix:max=6,share=0.3",
      "--draft-length", "fixed", "--repeat-penalty", "1.2", "--stop", "Friday"],
     ["generate", "def fibonacci(n):", "-n", "24", "--draft", f"suffix:corpus={PROMPT_FILE}", "--plan", "0-25",
-     "--temp", "1.2", "-s", "5", "--draft-length", "adaptive"],
+     "--temp", "1.2", "-s", "5", "--draft-length", "heuristic"],
 ]
 STATISTICS = ["generate", "The capital of France is", "-n", "8", "--stats", "--json", "--no-stream"]
 BAD_REQUESTS = [
