@@ -11,7 +11,7 @@ from layerplan.decoding.drafters.heads import ReducedHead, frequent_tokens
 from layerplan.decoding.drafters.plan import PlanDrafter
 from layerplan.decoding.drafters.registry import make_drafter
 from layerplan.decoding.generate import generate
-from layerplan.engine.runner import head, new_cache, run_hidden
+from layerplan.engine.runner import ModelPasses, head, new_cache, run_hidden
 
 PROMPT = [5, 6, 7, 8, 9, 10, 5, 6, 7, 11]
 
@@ -130,7 +130,7 @@ def test_sampling_with_a_reduced_draft_keeps_draft_probabilities_on_the_subset()
     cache = new_cache(model.plan(), 64)
     run_hidden(model, torch.tensor([PROMPT[:-1]]), model.plan(), cache, 0)
     state = DraftState(model, model.plan(), cache, list(PROMPT), SamplingParams(temperature=1.0),
-                       seeded_generator(0))
+                       seeded_generator(0), passes=ModelPasses(model))
     proposal = drafter.propose(state, 4)
     np.testing.assert_allclose(proposal.probs.sum(-1), np.ones(len(proposal.tokens)))
     assert float(proposal.probs[:, 1::2].sum()) == 0.0 and all(t % 2 == 0 for t in proposal.tokens)

@@ -150,6 +150,63 @@ def test_lookup_drafts_on_the_light_model_give_the_torch_front_ends_rounds(tmp_p
         assert got.stats["drafted"] > 0 and len(got.token_ids) == 24
 
 
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+@pytest.mark.parametrize("dtype", ["stored", "stored-fast"])
+def test_self_drafts_on_the_light_model_give_the_torch_front_ends_rounds(tmp_path, arch, dtype):
+    """A sub-plan of the model as its own draft (an exit, skipped sub-layers; `|` after a lookup;
+    auto over them) on a LiteModel, its steps writing the target's slots (LiteCache.draft_view):
+    greedy, the plain decode's tokens; greedy and seeded sampled, the torch front end's rounds
+    on the same file (the same tokens, drafts, acceptances and q), through a plan too."""
+    from layerplan.decoding.drafters.registry import make_drafter
+    from layerplan.decoding.rounds import SpeculativeLoop
+    from layerplan.decoding.sampling_params import SamplingParams
+
+    model, lite = _pair(tmp_path, arch, "Q8_0", dtype)
+    prompt = PROMPT * 2
+    sampled = SamplingParams(temperature=0.8, top_k=30)
+    last = lite.num_layers - 1
+    cases = [(None, "exit:1", None, None), (None, f"skip:mlp={last}", None, None), ("0,1,1,2", "exit:3", sampled, 5),
+             (None, f"skip:attn=1;mlp={last}", sampled, 8), (None, "ngram|exit:2", None, None)]
+    for text, spec, sampling, seed in cases:
+        plain = DecodeLoop(lite, prompt, lite.plan(text), 20, stop_at_eos=False, sampling=sampling, seed=seed).run()
+        plan = lite.plan(text)
+        got = SpeculativeLoop(lite, prompt, plan, make_drafter(spec, lite, plan, 0.0), 20, stop_at_eos=False,
+                              sampling=sampling, seed=seed, draft_length="fixed").run()
+        want = generate(model, prompt, model.plan(text), max_new_tokens=20, stop_at_eos=False, sampling=sampling,
+                        seed=seed, draft=spec, draft_length="fixed")
+        assert got.token_ids == want.token_ids, (text, spec)
+        assert sampling is not None or got.token_ids == plain.token_ids, (text, spec)
+        rounds = ("rounds", "drafted", "accepted", "emitted", "drafted_at", "accepted_at")
+        assert [got.stats[k] for k in rounds] == [want.stats[k] for k in rounds], (text, spec)
+        assert got.stats["drafted"] > 0 and len(got.token_ids) == 20
+    # auto (drafters/arbiter.py) picks by measured time: its greedy tokens are plain's all the same
+    plain = DecodeLoop(lite, prompt, lite.plan(), 20, stop_at_eos=False).run()
+    got = SpeculativeLoop(lite, prompt, lite.plan(), make_drafter("auto", lite, lite.plan()), 20,
+                          stop_at_eos=False).run()
+    assert got.token_ids == plain.token_ids
+
+
+def test_a_draft_view_writes_the_targets_slots_and_no_others(tmp_path):
+    """A draft plan's pass through LiteCache.draft_view writes the target's slots of the steps it
+    runs (the verify pass writes them again), at the drafted position only, and no other step's."""
+    _, lite = _pair(tmp_path, "llama", "Q8_0", "stored")
+    plan = lite.plan()
+    cache = lite.new_cache(plan, 32)
+    lite.logits(PROMPT, cache, 0)
+    before = [(keys.copy(), values.copy()) for keys, values in cache.slots]
+    draft = lite.plan("skip:attn=1;mlp=2")
+    position = len(PROMPT)
+    lite.draft_logits(7, position, draft, cache)
+    assert cache.draft_view(draft) is cache.draft_view(draft) and cache.length == len(PROMPT)
+    for step, ((keys, values), (old_keys, old_values)) in enumerate(zip(cache.slots, before)):
+        changed = not np.array_equal(keys[:, position], old_keys[:, position])
+        assert changed == (step != 1), step  # step 1's attention is off in the draft
+        assert np.array_equal(keys[:, :position], old_keys[:, :position])
+        assert np.array_equal(values[:, position + 1:], old_values[:, position + 1:])
+    with pytest.raises(TorchFrontEnd, match="draft head"):
+        lite.draft_logits(7, position, draft, cache, draft_head=lambda hidden: hidden)
+
+
 @pytest.mark.parametrize("arch,matrix_type,types", PARITY_CASES)
 def test_the_torch_front_end_runs_a_gguf_by_the_files_descriptors(tmp_path, arch, matrix_type, types):
     """A GGUF whose model the file describes runs its layers, final norm and LM head by the file's
@@ -313,12 +370,24 @@ def test_a_second_model_is_refused_in_the_torch_front_ends_words(tmp_path):
     (["generate", "Hi", "--top-p", "1.5"], None),  # out of range: the torch front end's message
     (["generate", "Hi", "--draft", "suffix"], LiteRequest("Hi", draft="suffix")),  # lookup drafts: rounds.py
     (["generate", "Hi", "--draft", "ngram:3", "--draft-length", "fixed", "--draft-confidence", "0.5"],
-     LiteRequest("Hi", draft="ngram:3", draft_length="fixed")),
+     LiteRequest("Hi", draft="ngram:3", draft_length="fixed", draft_confidence=0.5)),
     (["generate", "Hi", "--draft", "suffix:max=8,learn"], LiteRequest("Hi", draft="suffix:max=8,learn")),
     (["generate", "Hi", "--draft", "suffix:tree"], None),  # a token tree's pass: the torch front end's
-    (["generate", "Hi", "--draft", "suffix|ngram"], None),
-    (["generate", "Hi", "--draft", "exit:8"], None),  # a draft that runs a model
-    (["generate", "Hi", "--draft", "auto"], None),
+    (["generate", "Hi", "--draft", "suffix|ngram"], LiteRequest("Hi", draft="suffix|ngram")),
+    # the model's own sub-plans (drafters/plan.py on LiteModel passes), auto over them
+    (["generate", "Hi", "--draft", "exit:8", "--draft-confidence", "0.3"],
+     LiteRequest("Hi", draft="exit:8", draft_confidence=0.3)),
+    (["generate", "Hi", "--draft", "skip:attn=3;mlp=5|ngram"], LiteRequest("Hi", draft="skip:attn=3;mlp=5|ngram")),
+    (["generate", "Hi", "--draft", "auto"], LiteRequest("Hi", draft="auto")),
+    # what runs torch modules or token trees: the torch front end's
+    (["generate", "Hi", "--draft", "exit:8+head"], None),
+    (["generate", "Hi", "--draft", "exit:8+vocab=512"], None),
+    (["generate", "Hi", "--draft", "exit:8+branch=0.5"], None),
+    (["generate", "Hi", "--draft", "ngram|suffix:tree"], None),
+    (["generate", "Hi", "--draft", "dynamic:confidence=0.8"], None),
+    (["generate", "Hi", "--draft", "self:bits=q4_0"], None),
+    (["generate", "Hi", "--draft", "online"], None),
+    (["generate", "Hi", "--draft", "window:4,64"], None),
     (["generate", "Hi", "-md", "small.gguf"], None),
     (["generate", "Hi", "--draft", "ngram", "--draft-length", "often"], None),  # its message
     (["generate", "Hi", "--stats"], LiteRequest("Hi", stats=True)),

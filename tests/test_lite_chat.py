@@ -93,10 +93,9 @@ def test_a_cache_run_again_from_a_kept_stream_holds_what_a_fresh_prefill_writes(
 def test_what_the_light_session_does_not_run_it_refuses_before_changing_anything(both):
     light, _ = _sessions(both, max_new_tokens=4)
     before = dict(vars(light.settings))
-    with pytest.raises(TorchFrontEnd, match="torch front end"):
-        light.set_draft("exit:8")
-    with pytest.raises(TorchFrontEnd, match="torch front end"):
-        light.set_draft("suffix:tree")
+    for spec in ("window:4,64", "suffix:tree", "exit:8+vocab=512", "online"):
+        with pytest.raises(TorchFrontEnd, match="torch front end"):
+            light.set_draft(spec)
     from layerplan.plan.plan import PlanError
 
     with pytest.raises(PlanError, match="only a is loaded"):  # (the torch front end's chat says so too)
@@ -108,7 +107,7 @@ def test_what_the_light_session_does_not_run_it_refuses_before_changing_anything
     from layerplan.lite.chat import LightChatSession
 
     with pytest.raises(TorchFrontEnd):
-        LightChatSession(both[0], ChatSettings(draft="exit:8"))
+        LightChatSession(both[0], ChatSettings(draft="dynamic:confidence=0.8"))
     LightChatSession(both[0], ChatSettings(temperature=0.5, seed=1, repetition_penalty=1.2, logit_bias=((5, -1.0),)))
 
 
@@ -141,7 +140,7 @@ def _chat(lines: str, tmp_path, *options: str, front_end: str = "", cache=None) 
 DIALOGUE = ("/system Answer in one sentence.\nWhat is the capital of France?\n/plan 0-25,20-29\n"
             "What river runs through it?\n/plan full\n/reset\nHello\n")
 # (the drafted reply samples too: with a seed it drafts by its own rounds, whatever the timings)
-HANDED_ON = ("What is the capital of France?\n/temp 0.8\n/seed 7\nTell me about it.\n/draft exit:20\n"
+HANDED_ON = ("What is the capital of France?\n/temp 0.8\n/seed 7\nTell me about it.\n/draft window:4,16\n"
              "And its river?\n/stats\n")
 
 
@@ -155,17 +154,19 @@ def test_a_piped_light_chat_prints_what_the_torch_front_end_prints(tmp_path, opt
     assert light.stderr.count("loading ") == 1 and "Traceback" not in light.stderr
 
 
-# lookup drafts run on the light front end (decoding/rounds.py): greedy, then seeded sampled (its
-# draft lengths follow its own rounds), then plain again
+# lookup and self-drafts run on the light front end (decoding/rounds.py): greedy, then seeded
+# sampled (its draft lengths follow its own rounds), an exit of the model, then plain again
 DRAFTED = ("/draft suffix\nWrite a Python function that adds two numbers.\nNow one that subtracts them.\n"
-           "/temp 0.7\n/seed 2\nAnd one that multiplies them.\n/draft none\nThanks.\n")
+           "/temp 0.7\n/seed 2\nAnd one that multiplies them.\n/draft exit:20\nAnd one that divides them.\n"
+           "/temp 0\n/draft skip:mlp=3,8|ngram\nAnd one that squares one.\n/draft none\nThanks.\n")
 
 
-def test_a_light_chat_with_a_lookup_draft_prints_what_the_torch_front_end_prints(tmp_path):
-    """/draft suffix stays on the light front end: the replies are the torch front end's."""
+def test_a_light_chat_with_a_draft_prints_what_the_torch_front_end_prints(tmp_path):
+    """/draft suffix, exit:20, a skip plan after an n-gram lookup: the conversation stays on the
+    light front end, and its replies are the torch front end's."""
     light, torch_run = (_chat(DRAFTED, tmp_path, "-n", "24", front_end=fe) for fe in ("", "torch"))
     assert light.returncode == torch_run.returncode == 0, light.stderr
-    assert light.stdout == torch_run.stdout and light.stdout.count("def ") == 4
+    assert light.stdout == torch_run.stdout and light.stdout.count("def ") == 6
     assert light.stderr.count("loading ") == 1 and "torch front end" not in light.stderr, light.stderr
 
 
@@ -176,8 +177,8 @@ def test_a_line_only_torch_runs_hands_the_conversation_on(tmp_path):
     light, torch_run = (_chat(HANDED_ON, tmp_path, "-n", "12", front_end=fe) for fe in ("", "torch"))
     assert light.returncode == torch_run.returncode == 0, light.stderr
     assert light.stdout == torch_run.stdout and light.stdout.count("\n") == 3
-    assert ("(a draft that runs a model, or a token tree, runs on the torch front end: starting it, the "
-            "conversation kept)") in light.stderr
+    assert ("(a draft that runs another model, a draft head or a dynamic exit, or a token tree, runs on the "
+            "torch front end: starting it, the conversation kept)") in light.stderr
     assert light.stderr.count("loading ") == 2 and "Traceback" not in light.stderr
     assert "was saved with" not in light.stderr
     stats = [line for line in light.stderr.splitlines() if line.startswith("session: ")]
@@ -330,10 +331,10 @@ def test_a_hand_off_that_cannot_start_says_so_and_the_conversation_goes_on(both,
     monkeypatch.setattr(sys, "executable", str(tmp_path / "no-python"))
     light, _ = _sessions(both, max_new_tokens=4)
     out, err = io.StringIO(), io.StringIO()
-    loop = ChatLoop(light, io.StringIO("Hi\n/draft exit:8\nAgain\n"), out, err, interactive=False,
+    loop = ChatLoop(light, io.StringIO("Hi\n/draft window:4,16\nAgain\n"), out, err, interactive=False,
                     hand_off=hand_off_to_torch(LiteChatRequest(), interactive=False))
     assert loop.run() == 0
-    assert "Error: the torch front end could not be started" in err.getvalue() and "'/draft exit:8' was not run" \
+    assert "Error: the torch front end could not be started" in err.getvalue() and "'/draft window:4,16' was not run" \
         in err.getvalue()
     assert out.getvalue().count("\n") == 2 and light.settings.draft is None and light.session.replies == 2
     assert not list(tmp_path.glob("layerplan-chat-*"))
@@ -345,7 +346,7 @@ def test_a_chat_with_a_second_model_prints_what_the_torch_front_end_prints(tmp_p
     hand-off keeps it."""
     from layerplan.models.gguf_place import default_gguf_path
 
-    lines = "Hi\n/plan 0-14,b:15-29\nAgain\n/temp 0.5\n/seed 3\nOnce more\n/draft exit:8\nAnd again\n"
+    lines = "Hi\n/plan 0-14,b:15-29\nAgain\n/temp 0.5\n/seed 3\nOnce more\n/draft window:4,16\nAnd again\n"
     light, torch_run = (_chat(lines, tmp_path, "-n", "8", "--model-b", str(default_gguf_path()), front_end=fe)
                         for fe in ("", "torch"))
     assert light.returncode == torch_run.returncode == 0, light.stderr

@@ -86,6 +86,14 @@ SAME_OUTPUT = [
      "--draft-length", "fixed", "--repeat-penalty", "1.2", "--stop", "Friday"],
     ["generate", "def fibonacci(n):", "-n", "24", "--draft", f"suffix:corpus={PROMPT_FILE}", "--plan", "0-25",
      "--temp", "1.2", "-s", "5", "--draft-length", "heuristic"],
+    # the model's own sub-plans as drafts (drafters/plan.py on the LiteModel's passes), auto over
+    # them and the lookups: greedy (plain's tokens), seeded sampled, through a plan, stopping on
+    # low confidence
+    ["generate", "The capital of France is", "-n", "24", "--draft", "exit:20", "--draft-confidence", "0.4"],
+    ["generate", "Once upon a time", "-n", "24", "--draft", "skip:attn=5-9;mlp=4-8", "--temp", "0.7", "-s", "3"],
+    ["generate", "Name the planets.", "--chat", "-n", "24", "--plan", "0-25,20-29", "--draft", "exit:24|ngram",
+     "--draft-length", "fixed"],
+    ["generate", "def add(a, b):\n    return a + b\n\ndef sub(a, b):", "-n", "32", "--draft", "auto"],
 ]
 STATISTICS = ["generate", "The capital of France is", "-n", "8", "--stats", "--json", "--no-stream"]
 BAD_REQUESTS = [
@@ -94,6 +102,9 @@ BAD_REQUESTS = [
     (["generate", "Hello", "--draft", "suffix:often"], "Error: cannot read 'often' in 'suffix:often'"),
     (["generate", "Hello", "--draft", "suffix:corpus=/no/such/corpus.txt"],
      "Error: suffix corpus '/no/such/corpus.txt': no such file"),
+    (["generate", "Hello", "--draft", "exit:40"], "Error: exit:40 is out of range"),
+    (["generate", "Hello", "--draft", "skip:mlp=3", "--plan", "0-20"], "Error: draft plan 'skip:mlp=3' is not a sub-plan"),
+    (["generate", "Hello", "--draft", "exit:30"], "Error: draft plan 'full' runs every sub-layer"),
 ]
 SECOND_MODEL = ["generate", "Hello", "--plan", "0-10,b:11-20"]
 SECOND_MODEL_PERPLEXITY = ["ppl", "--plan", "0-10,b:11-20", "--max-tokens", "64", "--window", "32"]
@@ -340,7 +351,7 @@ def test_a_plan_of_a_second_model_not_given_is_the_torch_front_ends_one_line(arg
 
 
 def test_a_start_on_the_light_front_end_imports_neither_torch_nor_transformers(cache, tmp_path):
-    """generate (plain, and with a lookup draft), and then a scan with its table, JSON and picture;
+    """generate (plain, and with a lookup draft, an exit of the model, auto), and then a scan with its table, JSON and picture;
     the generate imports none of the
     research modules (lite/research.py's), which its start would wait for."""
     probe = ("import sys\n"
@@ -349,8 +360,9 @@ def test_a_start_on_the_light_front_end_imports_neither_torch_nor_transformers(c
              "request = light_request(['generate', 'The capital of France is', '-n', '4'])\n"
              "assert runnable(request)\n"
              "assert run(request) == 0\n"
-             "drafted = light_request(['generate', 'a b a b a b', '-n', '8', '--draft', 'ngram'])\n"
-             "assert runnable(drafted) and run(drafted) == 0\n"
+             "for draft in ('ngram', 'exit:20', 'auto'):\n"
+             "    drafted = light_request(['generate', 'a b a b a b', '-n', '8', '--draft', draft])\n"
+             "    assert runnable(drafted) and run(drafted) == 0\n"
              "research = ('layerplan.lite.research', 'layerplan.lite.research_request', 'layerplan.lite.evaluator',\n"
              "            'layerplan.search.importance', 'layerplan.search.explore', 'layerplan.search.windows')\n"
              "assert not [m for m in research if m in sys.modules], [m for m in research if m in sys.modules]\n"

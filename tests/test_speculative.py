@@ -22,7 +22,7 @@ from layerplan.decoding.rounds import target_pick, target_probs
 from layerplan.decoding.sampling_params import SamplingParams
 from layerplan.decoding.speculative import speculative_generate
 from layerplan.engine.executors import use_native
-from layerplan.engine.runner import forward, new_cache
+from layerplan.engine.runner import ModelPasses, forward, new_cache
 from layerplan.engine.tree import TreeShape
 from layerplan.models.loading import wrap_model
 from layerplan.plan.plan import PlanError
@@ -198,7 +198,7 @@ def test_cache_after_a_round_holds_exactly_the_verified_prefix():
     ids = torch.tensor([PROMPT])
     cache = new_cache(plan)
     forward(model, ids[:, :-1], plan, cache, 0)
-    state = DraftState(model, plan, cache, PROMPT, SamplingParams())
+    state = DraftState(model, plan, cache, PROMPT, SamplingParams(), passes=ModelPasses(model))
     proposal = make_drafter("exit:1", model).propose(state, 3)
     assert len(proposal.tokens) == 3
     verify = forward(model, torch.tensor([PROMPT[-1:] + proposal.tokens]), plan, cache, len(PROMPT) - 1)[0]

@@ -12,7 +12,7 @@ from layerplan.decoding.drafters.suffix import SuffixDrafter
 from layerplan.decoding.generate import generate
 from layerplan.engine import native
 from layerplan.engine.executors import use_native
-from layerplan.engine.runner import forward, new_cache
+from layerplan.engine.runner import ModelPasses, forward, new_cache
 from layerplan.engine.tree import TreeShape
 from tiny import tiny_model
 
@@ -308,7 +308,7 @@ def test_a_branching_draft_proposes_its_runner_up_beside_unsure_tokens():
     prompt = [5, 9, 14, 3, 22, 7]
     forward(model, torch.tensor([prompt[:-1]]), plan, cache, 0)
     drafter = make_drafter("exit:2+branch=0.999", model, plan)  # a tiny random model is never that sure
-    proposal = drafter.propose(DraftState(model, plan, cache, prompt, SamplingParams()), 6)
+    proposal = drafter.propose(DraftState(model, plan, cache, prompt, SamplingParams(), passes=ModelPasses(model)), 6)
     assert proposal.tree is not None and len(proposal.tokens) == 6
     # chain nodes and their runner-ups share a parent; the chain goes on from the chain node
     assert proposal.tree.parents == (-1, -1, 0, 0, 2, 2)
@@ -353,7 +353,7 @@ def test_online_ranking_puts_a_sub_layer_that_does_nothing_first():
     cache = new_cache(plan)
     prompt = [5, 9, 14, 3, 22, 7, 11]
     forward(model, torch.tensor([prompt[:-1]]), plan, cache, 0)
-    proposal = drafter.propose(DraftState(model, plan, cache, prompt, SamplingParams()), 3)
+    proposal = drafter.propose(DraftState(model, plan, cache, prompt, SamplingParams(), passes=ModelPasses(model)), 3)
     assert drafter.ranking[0] == (1, "mlp")
     assert drafter.draft.plan.to_string() == "skip:mlp=1" and proposal.source == "online skip:mlp=1"
 

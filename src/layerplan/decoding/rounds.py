@@ -27,7 +27,8 @@ import numpy as np
 from layerplan.decoding.acceptance import Verdict, accept_draft, accept_greedy
 from layerplan.decoding.choice import probabilities, processed_logits
 from layerplan.decoding.draft_length import SEEDED_DRAFT_LENGTH, FixedLength, SharedRounds, make_draft_length
-from layerplan.decoding.drafters.proposal import DraftState, Drafter, LearnsFromRounds, Proposal, RoundOutcome
+from layerplan.decoding.drafters.proposal import (DraftPasses, DraftState, Drafter, LearnsFromRounds, Proposal,
+                                                  RoundOutcome)
 from layerplan.decoding.loop import DecodeLoop, Pace, TokenPasses
 from layerplan.decoding.sampling_params import SamplingParams
 from layerplan.decoding.text import TokenKind
@@ -145,8 +146,8 @@ def chain_verdict(context: list[int], draft: list[int], draft_probs: np.ndarray 
     return accept_draft(draft, probs, draft_probs, generator)
 
 
-class VerifyPasses(TokenPasses, Protocol):
-    """The passes a speculative loop asks of a model besides TokenPasses'."""
+class VerifyPasses(TokenPasses, DraftPasses, Protocol):
+    """The passes a speculative loop asks of a model besides TokenPasses' (and a self-draft's)."""
 
     def pass_logits(self, ids: Sequence[int], plan: LayerPlan, cache, start: int):
         """The logits (len(ids), vocab) of a pass of `ids` at positions start.. through `plan`,
@@ -208,7 +209,7 @@ class SpeculativeRounds:
             self.stats.capped_rounds += 1
         t0 = time.perf_counter()
         state = DraftState(self.model, self.plan, self.cache, self.context, self.sampling, self.draws,
-                           output_from=len(self.prompt))
+                           output_from=len(self.prompt), passes=self.passes)
         proposal = self.drafter.propose(state, gamma) if gamma > 0 else None
         return gamma, proposal, t0, time.perf_counter()
 

@@ -81,6 +81,15 @@ class ModelPasses:
     def pass_logits(self, ids: Sequence[int], plan: LayerPlan, cache: KVCache, start: int) -> torch.Tensor:
         return forward(self.model, self._tokens(ids), plan, cache, start)[0]
 
+    @torch.inference_mode()
+    def draft_logits(self, token: int, position: int, plan: LayerPlan, cache: KVCache,
+                     draft_head: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+        """rounds.py's DraftPasses: the logits (vocab,) of one token through a self-draft's plan
+        (a draft of the cache's plan, writing the slots of the steps it runs), read by draft_head
+        (hidden (1, 1, H) -> logits) or the model's own final norm and LM head."""
+        hidden = run_hidden(self.model, self._tokens([token]), plan, cache, position)[:, -1:]
+        return (draft_head(hidden) if draft_head is not None else head(self.model, hidden))[0, -1]
+
     def _tokens(self, ids: Sequence[int]) -> torch.Tensor:
         return torch.tensor([list(ids)], dtype=torch.long, device=self.model.device)
 

@@ -4,12 +4,12 @@ it as it runs the torch front end's session (app/chat.py), and the replies are t
 the conversation rendered whole through the chat template as transformers renders it
 (models/chat_template.py), tokenized without added special tokens, the cache kept up to the
 longest prefix it shares with the new turn's tokens, each token chosen from the same logits by
-the same settings and seed (decoding/choice.py; tests/test_lite_chat.py runs both); a lookup
-draft's replies by decoding/rounds.py's speculative rounds.
+the same settings and seed (decoding/choice.py; tests/test_lite_chat.py runs both); a drafted
+reply by decoding/rounds.py's speculative rounds (a lookup, a sub-plan of the model, auto).
 
-What it does not run it raises TorchFrontEnd for, before changing anything: a draft that runs a
-model (or a token tree). The loop then hands the conversation and that line on to the torch
-front end.
+What it does not run it raises TorchFrontEnd for, before changing anything: a draft that runs
+torch modules (or a token tree). The loop then hands the conversation and that line on to the
+torch front end.
 """
 
 from __future__ import annotations
@@ -17,21 +17,23 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from layerplan.decoding.chat_state import ChatHistory, ChatSettings, Reply, draft_named
-from layerplan.decoding.drafters.kinds import drafts_a_lookup_chain
-from layerplan.decoding.drafters.lookup import lookup_drafter
+from layerplan.decoding.drafters.kinds import drafts_on_the_light_front_end
 from layerplan.decoding.loop import DecodeLoop
 from layerplan.decoding.rounds import SpeculativeLoop
 from layerplan.lite import TorchFrontEnd
 from layerplan.lite.model import LiteCache, LiteModel
 from layerplan.models.chat_template import plain_chat_text
+from layerplan.plan.plan import LayerPlan
 
-DRAFTS_NEED_TORCH = "a draft that runs a model, or a token tree, runs on the torch front end"
+DRAFTS_NEED_TORCH = ("a draft that runs another model, a draft head or a dynamic exit, or a token tree, runs on "
+                     "the torch front end")
 
 
 def light_refusal(settings: ChatSettings) -> str | None:
     """Why these settings need the torch front end (one line), or None: a draft other than a
-    lookup's chains (sampling, the logit bias and the penalties run here: decoding/choice.py)."""
-    if settings.draft is not None and not drafts_a_lookup_chain(settings.draft):
+    light front end's (kinds.py; sampling, the logit bias and the penalties run here:
+    decoding/choice.py)."""
+    if settings.draft is not None and not drafts_on_the_light_front_end(settings.draft):
         return DRAFTS_NEED_TORCH
     return None
 
@@ -50,7 +52,7 @@ class LightChatSession(ChatHistory):
         self.template = model.chat_template()
         super().__init__(model, settings, messages)
         self.cache: LiteCache | None
-        self.drafter = self._drafter(self.settings.draft)
+        self.drafter = self._drafter(self.settings.draft, self.plan)
 
     @property
     def has_chat_template(self) -> bool:
@@ -67,15 +69,23 @@ class LightChatSession(ChatHistory):
         self.model.run_from(cache, restart, held)
         self.cache = cache
 
-    def _drafter(self, spec: str | None):
-        """A lookup draft's drafter, kept across replies (what it learned); None: plain decoding."""
-        return lookup_drafter(spec, self.model.corpus_tokens) if spec is not None else None
+    def _drafter(self, spec: str | None, plan: LayerPlan):
+        """The draft's drafter for `plan`, kept across replies (what it learned); None: plain
+        decoding (imported here: a plain conversation does not wait for the drafters)."""
+        if spec is None:
+            return None
+        from layerplan.decoding.drafters.registry import make_drafter
+
+        return make_drafter(spec, self.model, plan)
+
+    def plan_taken(self, plan: LayerPlan) -> None:
+        self.drafter = self._drafter(self.settings.draft, plan)  # a draft that cannot draft for it: refused here
 
     def set_draft(self, spec: str | None) -> None:
         spec = draft_named(spec)
-        if spec is not None and not drafts_a_lookup_chain(spec):
+        if spec is not None and not drafts_on_the_light_front_end(spec):
             raise TorchFrontEnd(DRAFTS_NEED_TORCH)
-        self.drafter = self._drafter(spec)
+        self.drafter = self._drafter(spec, self.plan)
         self.settings.draft = spec
 
     # ----- replies ------------------------------------------------------------------------------

@@ -102,11 +102,11 @@ def run(request: LiteRequest, tokenizer: TokenizerProcess | None = None) -> int 
         if request.draft is None:
             loop = DecodeLoop(model, ids, plan, request.max_new_tokens, request.stop, True, streamed,
                               sampling=sampling, seed=request.seed)
-        else:  # speculative rounds of a lookup draft (imported here: a plain start does not wait for them)
-            from layerplan.decoding.drafters.lookup import lookup_drafter
+        else:  # speculative rounds (imported here: a plain start does not wait for them)
+            from layerplan.decoding.drafters.registry import make_drafter
             from layerplan.decoding.rounds import SpeculativeLoop
 
-            loop = SpeculativeLoop(model, ids, plan, lookup_drafter(request.draft, model.corpus_tokens),
+            loop = SpeculativeLoop(model, ids, plan, make_drafter(request.draft, model, plan, request.draft_confidence),
                                    request.max_new_tokens, request.stop, True, streamed, sampling=sampling,
                                    seed=request.seed, draft_length=request.draft_length)
         result = loop.run()

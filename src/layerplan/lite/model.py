@@ -143,14 +143,10 @@ class LiteModel:
             return self.tokenizer.encode(rendered, special_tokens=False)
         return self.tokenizer.encode(text)
 
-    def corpus_tokens(self, path: str) -> list[int]:
-        """A corpus file's tokens, for a suffix draft (drafters/suffix.py read_corpus: without
-        special tokens; ValueError where it cannot be read)."""
-        # (here: a start without a suffix draft does not wait for the drafters' modules)
-        from layerplan.decoding.drafters.suffix import read_corpus
-
-        encode = (lambda text: self.tokenizer.encode(text, special_tokens=False)) if self.tokenizer else None
-        return read_corpus(path, encode, self.name)
+    def encode_text(self, text: str) -> list[int]:
+        """A text's token ids without special tokens (a suffix draft's corpus), as
+        models/loading.py's LoadedModel.encode_text gives them."""
+        return self.tokenizer.encode(text, special_tokens=False)
 
     def chat_template(self):
         """The index's chat template, compiled once (models/chat_template.py ChatTemplate; None: the
@@ -282,6 +278,16 @@ class LiteModel:
         """decoding/rounds.py's VerifyPasses: the logits (len(ids), vocab) of a pass."""
         return self.logits(ids, cache, start, last_only=False)
 
+    def draft_logits(self, token: int, position: int, plan: LayerPlan, cache: LiteCache,
+                     draft_head=None) -> np.ndarray:
+        """decoding/drafters/proposal.py's DraftPasses: the logits (vocab,) of one token through
+        `plan`, a draft of the cache's plan (LayerPlan.is_draft_of), in the slots of the cache's
+        steps it runs (LiteCache.draft_view). A draft head is a torch module: the torch front
+        end's."""
+        if draft_head is not None:
+            raise TorchFrontEnd("a draft read by a draft head runs on the torch front end")
+        return self.logits([token], cache.draft_view(plan), position)[-1]
+
 
 class LiteCache:
     """A plan's KV cache: a slot (keys, values: (kv_heads, capacity, head_dim)) for each of its
@@ -291,11 +297,14 @@ class LiteCache:
     hidden)): where a conversation runs again from when a new plan first differs there
     (LiteModel.run_from)."""
 
-    def __init__(self, model: LiteModel, plan: LayerPlan, capacity: int, stream_steps=()) -> None:
+    def __init__(self, model: LiteModel, plan: LayerPlan, capacity: int, stream_steps=(),
+                 shares: LiteCache | None = None) -> None:
+        """shares: the cache whose slots this one's steps write (a draft view: draft_view)."""
         c = model.config
         self.model, self.plan = model, plan
         self.capacity = capacity
         self.length = 0  # the positions written (a pass's end)
+        self.views: dict[LayerPlan, LiteCache] = {}  # draft plan -> its view of these slots
         indices = [i for i, step in enumerate(plan.active_steps) if step.active]
         self.entry_of = {index: t for t, index in enumerate(indices)}  # active step -> step table entry
         self.slots: list[tuple[np.ndarray, np.ndarray]] = []
@@ -308,7 +317,8 @@ class LiteCache:
             step = plan.active_steps[index]
             source = model.model_of(step.model)  # (attach checked that its shapes are this model's)
             if step.attention:
-                keys, values = (np.zeros((c.kv_heads, capacity, c.head_dim), model.kv_dtype) for _ in range(2))
+                keys, values = (shares.slot_of[index] if shares is not None else
+                                (np.zeros((c.kv_heads, capacity, c.head_dim), model.kv_dtype) for _ in range(2)))
                 self.slots.append((keys, values))
                 self.slot_of[index] = (keys, values)
                 entry.attention = ctypes.pointer(source.attention[step.layer])
@@ -320,6 +330,16 @@ class LiteCache:
             if index in kept:
                 stream = self.streams[index] = np.zeros((capacity, c.hidden), np.float32)
                 entry.stream, entry.stream_capacity = stream.ctypes.data, capacity
+
+    def draft_view(self, plan: LayerPlan) -> LiteCache:
+        """The cache a self-draft's `plan` (a draft of this cache's plan: the same steps, some
+        sub-layers off, an earlier exit) runs through: its steps write this cache's slots, which
+        the verify pass writes again over the drafted positions (as the torch front end's
+        drafts share its cache); made once per plan."""
+        view = self.views.get(plan)
+        if view is None:
+            view = self.views[plan] = LiteCache(self.model, plan, self.capacity, shares=self)
+        return view
 
     def crop(self, length: int) -> None:
         """Keep the first `length` positions (a later pass writes over the rest)."""

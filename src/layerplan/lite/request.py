@@ -2,7 +2,7 @@
 lite/research_request.py's). A `layerplan generate` request: a GGUF's continuation of one prompt
 (the model, its dtype as stored, the engine, threads, a plan of this model, the token budget, stop
 strings, streaming, the chat template where it only wraps the prompt, the sampling settings and
-seed, a lookup draft, the statistics); app/cli/generating.py light_request makes one of a command
+seed, a draft, the statistics); app/cli/generating.py light_request makes one of a command
 line that the command itself has read, where the line asks for nothing else. A `layerplan chat`
 request: a conversation's model and settings (app/cli/chatting.py light_chat_request)."""
 
@@ -63,9 +63,12 @@ class LiteRequest(FileRequest):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()
-    # a lookup draft (drafters/lookup.py: ngram or suffix, chains) and its draft-length policy
+    # a draft the light front end runs (drafters/kinds.py drafts_on_the_light_front_end: lookups,
+    # the model's own sub-plans, auto), its draft-length policy, and where a sub-plan's draft
+    # stops (its top-1 probability under this)
     draft: str | None = None
     draft_length: str | None = None
+    draft_confidence: float = 0.0
 
     def sampling(self) -> SamplingParams:
         """The settings, checked: SamplingError where one is out of range."""

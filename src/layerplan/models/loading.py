@@ -166,6 +166,10 @@ class LoadedModel:
             ids = self.tokenizer(text, return_tensors="pt").input_ids
         return ids.to(self.device)
 
+    def encode_text(self, text: str) -> list[int]:
+        """A text's token ids without special tokens (a suffix draft's corpus)."""
+        return self.tokenizer(text, add_special_tokens=False).input_ids
+
 
 # ----- finding and loading ---------------------------------------------------------------------
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,

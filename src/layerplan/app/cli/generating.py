@@ -15,7 +15,7 @@ from layerplan.app.options import (DRAFT_LENGTH_HELP, ctx_size_option, decoding_
                                    sampling_options)
 from layerplan.corpus import read_text_file
 from layerplan.decoding.draft_length import DRAFT_LENGTHS
-from layerplan.decoding.drafters.kinds import drafter_help, drafts_a_lookup_chain
+from layerplan.decoding.drafters.kinds import drafter_help, drafts_on_the_light_front_end
 from layerplan.decoding.sampling_params import SamplingError
 from layerplan.lite.request import LiteRequest
 
@@ -91,8 +91,8 @@ def light_request(argv: list[str]) -> LiteRequest | None:
             return None
     if len(prompts) != 1 or not prompts[0] or given["engine"] == "eager":
         return None
-    if given["draft"] is not None and not drafts_a_lookup_chain(given["draft"]):
-        return None  # (a draft that runs a model, or a token tree: the torch front end's)
+    if given["draft"] is not None and not drafts_on_the_light_front_end(given["draft"]):
+        return None  # (a draft that runs torch modules, or a token tree: the torch front end's)
     request = LiteRequest(prompt=prompts[0], model=given["model"], model_b=given["model_b"], dtype=given["dtype"],
                           engine=given["engine"], threads=given["threads"], plan=given["plan"],
                           max_new_tokens=given["max_new_tokens"], stop=list(given["stop"]), stream=given["stream"],
@@ -101,7 +101,8 @@ def light_request(argv: list[str]) -> LiteRequest | None:
                           frequency_penalty=given["frequency_penalty"], logit_bias=tuple(given["logit_bias"]),
                           temperature=given["temperature"], top_k=given["top_k"], top_p=given["top_p"],
                           min_p=given["min_p"], seed=given["seed"], draft=given["draft"],
-                          draft_length=given["draft_length"])
+                          draft_length=given["draft_length"],
+                          draft_confidence=given["draft_confidence"] if given["draft"] is not None else 0.0)
     try:
         request.sampling()
     except SamplingError:  # (said by the torch front end, in its words)

@@ -45,7 +45,6 @@ from dataclasses import dataclass
 
 from layerplan.decoding.draft_length import expected_speedup, expected_tokens, probe_interval
 from layerplan.decoding.drafters.proposal import DraftState, Drafter, Proposal, RoundOutcome
-from layerplan.models.loading import LoadedModel
 from layerplan.plan.plan import LayerPlan
 
 
@@ -118,7 +117,7 @@ class Arbiter:
         # the verify costs stay as they are (most rounds change neither α nor them: a plain step)
         self.pending: tuple[str, float, float] | None = None  # this round's drafter, its α and draft cost
 
-    def check(self, model: LoadedModel, target: LayerPlan) -> None:
+    def check(self, model, target: LayerPlan) -> None:
         for drafter in [*self.lookups, *self.models]:
             drafter.check(model, target)
 

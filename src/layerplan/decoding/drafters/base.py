@@ -7,10 +7,10 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import numpy as np
-import torch
 
 from layerplan.decoding.choice import draw, probabilities, processed_logits
 from layerplan.decoding.drafters.proposal import DraftState, Proposal
+from layerplan.decoding.rounds import numpy_rows
 from layerplan.engine.tree import TreeShape
 
 
@@ -37,7 +37,9 @@ class AutoregressiveDrafter:
     # (SWIFT-style width), so the round checks a token tree; 0 = a chain
     branch_below: float = 0.0
 
-    def _draft_loop(self, state: DraftState, max_tokens: int, step: Callable[[int, int], torch.Tensor]) -> Proposal:
+    def _draft_loop(self, state: DraftState, max_tokens: int, step: Callable[[int, int], object]) -> Proposal:
+        """step(token, position): the draft's logits (V,) after `token` at `position` (numpy, or a
+        torch tensor, brought to the CPU here)."""
         tokens: list[int] = []
         probs: list[np.ndarray] = []
         parents: list[int] = []  # of each node, where a branch made a tree
@@ -46,7 +48,7 @@ class AutoregressiveDrafter:
         token = state.tokens[-1]
         branching = self.branch_below > 0 and state.sampling.greedy
         while len(tokens) < max_tokens:
-            row = step(token, position).detach().float().cpu().numpy()
+            row = numpy_rows(step(token, position))
             token, q, confidence = draft_token(row, state, seen)
             if tokens and confidence < self.min_confidence:
                 break  # keep at least one token: an unsure guess still costs only one draft step

@@ -35,12 +35,14 @@ from torch import nn
 from torch.func import functional_call
 
 from layerplan.corpus import default_corpus
+from layerplan.decoding.drafters.plan import PlanDrafter, named
 from layerplan.engine.cpu_pack import PackedLinear, packing_supported
 from layerplan.engine.load import dequantized_matrix
 from layerplan.engine.runner import head as lm_head
 from layerplan.engine.runner import run_hidden, softcap
 from layerplan.files import write_bytes_atomic
 from layerplan.models.loading import LoadedModel, cache_dir
+from layerplan.plan.plan import LayerPlan
 
 Head = Callable[[torch.Tensor], torch.Tensor]  # hidden (..., H) -> logits (..., V)
 
@@ -48,12 +50,6 @@ Head = Callable[[torch.Tensor], torch.Tensor]  # hidden (..., H) -> logits (...,
 def final_head(model: LoadedModel) -> Head:
     """The model's own final norm and LM head (with logit soft-capping where it has one)."""
     return partial(lm_head, model)
-
-
-def named(base: str, head: Head | None) -> str:
-    """A drafter's name with what its head adds ("exit:8" + a vocab=K head: "exit:8+vocab=K")."""
-    label = getattr(head, "name", "")
-    return f"{base}+{label}" if label else base
 
 
 # ----- exit heads -------------------------------------------------------------------------------
@@ -90,6 +86,22 @@ def _trainable(tensor: torch.Tensor) -> torch.Tensor:
     (a module the file model built during a pass has such parameters), else the tensor itself."""
     tensor = tensor.detach().float()
     return tensor.clone() if tensor.is_inference() else tensor
+
+
+class ExitHeadDrafter(PlanDrafter):
+    """Early exit after E steps, read through a trained exit head (ExitHead) before the LM head
+    (the model's own, or `head`)."""
+
+    def __init__(self, plan: LayerPlan, exit_head: ExitHead, min_confidence: float = 0.0,
+                 head: Head | None = None) -> None:
+        super().__init__(plan, min_confidence, head)
+        self.exit_head = exit_head
+        self.name = named(f"exit:{len(plan.active_steps)}+head", head)
+
+    def draft_head(self, model: LoadedModel) -> Head:
+        last = self.head if self.head is not None else final_head(model)
+        exit_head = self.exit_head
+        return lambda hidden: last(exit_head(hidden))
 
 
 @dataclass(frozen=True)

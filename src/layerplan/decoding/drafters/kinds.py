@@ -1,6 +1,6 @@
 """The kinds of drafter a --draft spec names, as data: each kind's keyword (the spec up to its
 first ':'), how a spec writes it, what it drafts, and whether it takes +vocab=K; which specs the
-light front end drafts by (drafts_a_lookup_chain). Nothing here imports torch, so that a
+light front end drafts by (drafts_on_the_light_front_end). Nothing here imports torch, so that a
 command's help lists the drafters without it; registry.py builds each kind (its builder
 registered under the same keyword, checked there at import)."""
 
@@ -54,10 +54,22 @@ def drafter_help() -> str:
         "top-1 probability is below P (greedy)")
 
 
-def drafts_a_lookup_chain(spec: str) -> bool:
-    """Whether a spec names one lookup drafter alone, proposing chains: ngram or suffix (not
-    `A|B`, `+...`, nor a suffix `tree`, whose pass needs the torch front end's tree masks), which
-    the light front end runs (drafters/lookup.py builds them)."""
-    keyword, _, arg = spec.strip().partition(":")
-    options = {item.partition("=")[0].strip() for item in arg.split(",")}
-    return keyword in ("ngram", "suffix") and "|" not in spec and "+" not in spec and "tree" not in options
+# the kinds the light front end runs (their drafters run no torch module): lookups and the
+# target's own sub-plans (a plan spec, exit:E), and auto over them
+LIGHT_KINDS = ("ngram", "suffix", "exit", "auto", PLAN_KEYWORD)
+HEAD_TAGS = ("+head", "+vocab=", "+branch=")  # what a spec adds to a layer-plan draft (registry.py _build)
+
+
+def drafts_on_the_light_front_end(spec: str) -> bool:
+    """Whether the light front end runs a spec's drafter (registry.py builds it on a LiteModel):
+    every `|` part of it a LIGHT_KINDS kind with no `+...` (an exit head, a reduced head, a branch)
+    and no suffix `tree` (their passes need the torch front end's heads or tree masks)."""
+    for part in spec.split("|"):
+        keyword, _, arg = part.strip().partition(":")
+        if keyword not in DRAFTERS:
+            keyword = PLAN_KEYWORD
+        options = {item.partition("=")[0].strip() for item in arg.split(",")}
+        if keyword not in LIGHT_KINDS or any(tag in part for tag in HEAD_TAGS) or (keyword == "suffix"
+                                                                                and "tree" in options):
+            return False
+    return True

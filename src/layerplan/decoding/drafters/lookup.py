@@ -1,5 +1,5 @@
-"""The drafters that look their drafts up and run no model (n-gram, suffix): their specs read
-without torch, so that registry.py builds them from here and the light front end (lite/) too."""
+"""The drafters that look their drafts up and run no model (n-gram, suffix): how their specs read
+(registry.py's builders), and which drafters they are (drafts_by_lookup)."""
 
 from __future__ import annotations
 
@@ -44,15 +44,6 @@ def suffix_drafter(arg: str | None, text: str, corpus_tokens: Callable[[str], li
             raise ValueError(f"cannot read '{item}' in '{text}': expected suffix or "
                              "suffix:corpus=FILE,max=N,share=P,learn,tree")
     return SuffixDrafter(corpus, name=text, **options)
-
-
-def lookup_drafter(spec: str, corpus_tokens: Callable[[str], list[int]]) -> Drafter:
-    """The drafter of a spec that kinds.py's drafts_a_lookup_chain takes; ValueError where the
-    spec is malformed (as registry.py's make_drafter says it)."""
-    keyword, sep, arg = spec.strip().partition(":")
-    if keyword == "ngram":
-        return ngram_drafter(arg if sep else None, spec.strip())
-    return suffix_drafter(arg if sep else None, spec.strip(), corpus_tokens)
 
 
 def drafts_by_lookup(drafter: Drafter) -> bool:

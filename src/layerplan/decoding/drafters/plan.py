@@ -1,17 +1,24 @@
 """Self-speculation: the same model under a cheaper plan (skipped sub-layers, an early exit, a
-trained exit head, a windowed attention), sharing the target's KV cache step by step."""
+windowed attention), sharing the target's KV cache step by step. Its passes are the model's
+(proposal.py DraftPasses: the light front end's LiteModel, or the torch front end's ModelPasses), so
+nothing here imports torch; a trained exit head is heads.py's ExitHeadDrafter."""
 
 from __future__ import annotations
 
-import torch
+from collections.abc import Callable
+from typing import Any
 
 from layerplan.decoding.drafters.base import AutoregressiveDrafter
-from layerplan.decoding.drafters.heads import ExitHead, Head, named
 from layerplan.decoding.drafters.proposal import DraftState, Proposal
-from layerplan.engine.runner import head as final_head
-from layerplan.engine.runner import run_hidden
-from layerplan.models.loading import LoadedModel
 from layerplan.plan.plan import LayerPlan, PlanError
+
+Head = Callable[[Any], Any]  # hidden (..., H) -> logits (..., V): a torch module or function (heads.py)
+
+
+def named(base: str, head: Head | None) -> str:
+    """A drafter's name with what its head adds ("exit:8" + a vocab=K head: "exit:8+vocab=K")."""
+    label = getattr(head, "name", "")
+    return f"{base}+{label}" if label else base
 
 
 class PlanDrafter(AutoregressiveDrafter):
@@ -27,7 +34,7 @@ class PlanDrafter(AutoregressiveDrafter):
         self.name = named(plan.to_string(), head)
         self.min_confidence = min_confidence
 
-    def check(self, model: LoadedModel, target: LayerPlan) -> None:
+    def check(self, model, target: LayerPlan) -> None:
         if not self.plan.is_draft_of(target):
             raise PlanError(
                 f"draft plan '{self.plan}' is not a sub-plan of the target '{target}': a self-draft may only "
@@ -38,33 +45,18 @@ class PlanDrafter(AutoregressiveDrafter):
                             "with it costs as much as decoding and saves nothing; give a plan that skips layers "
                             "(skip:..., exit:E) or leave the draft out")
 
-    def _logits(self, model: LoadedModel, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden (1, 1, H) of the last position -> logits (V,)."""
-        return (self.head(hidden) if self.head is not None else final_head(model, hidden))[0, -1]
+    def draft_head(self, model) -> Head | None:
+        """What turns the draft's residual stream into logits: None, the model's own final norm
+        and LM head (the passes' own, fused with the pass where they can)."""
+        return self.head
 
     def propose(self, state: DraftState, max_tokens: int) -> Proposal:
-        device = state.model.device
+        passes, head = state.passes, self.draft_head(state.model)
 
-        def step(token: int, position: int) -> torch.Tensor:
-            ids = torch.tensor([[token]], device=device)
-            return self._logits(state.model, run_hidden(state.model, ids, self.plan, state.cache, position)[:, -1:])
+        def step(token: int, position: int):
+            return passes.draft_logits(token, position, self.plan, state.cache, head)
 
         return self._draft_loop(state, max_tokens, step)
-
-
-class ExitHeadDrafter(PlanDrafter):
-    """Early exit after E steps, read through a trained exit head (heads.ExitHead) before the
-    LM head (the model's own, or `head`)."""
-
-    def __init__(self, plan: LayerPlan, exit_head: ExitHead, min_confidence: float = 0.0,
-                 head: Head | None = None) -> None:
-        super().__init__(plan, min_confidence, head)
-        self.exit_head = exit_head
-        self.name = named(f"exit:{len(plan.active_steps)}+head", head)
-
-    @torch.inference_mode()
-    def _logits(self, model: LoadedModel, hidden: torch.Tensor) -> torch.Tensor:
-        return super()._logits(model, self.exit_head(hidden))
 
 
 class WindowedDrafter(PlanDrafter):

@@ -19,6 +19,17 @@ from layerplan.engine.tree import TreeShape
 from layerplan.plan.plan import LayerPlan
 
 
+class DraftPasses(Protocol):
+    """A model's passes as a self-draft runs them (drafters/plan.py): the light front end's
+    LiteModel, the torch front end's engine/runner.py ModelPasses."""
+
+    def draft_logits(self, token: int, position: int, plan: LayerPlan, cache, draft_head=None) -> Any:
+        """The logits (V,) of `token` at `position` through `plan` (a draft of the plan `cache`
+        was made for: the slots of the steps it runs are written there, as the verify pass
+        writes them again), read by draft_head (the draft's residual stream -> logits; a torch
+        function) or, None, by the model's own final norm and LM head."""
+
+
 @dataclass
 class DraftState:
     model: Any  # the target's model (models/loading.py LoadedModel, or lite/model.py LiteModel)
@@ -28,6 +39,7 @@ class DraftState:
     sampling: SamplingParams
     generator: np.random.Generator | None = None  # the request's draws (decoding/choice.py)
     output_from: int = 0  # tokens[output_from:] were generated (the presence and frequency penalties')
+    passes: DraftPasses | None = None  # the target's passes, for the drafts that run its own plans
 
 
 @dataclass

@@ -4,32 +4,32 @@
 "dynamic:confidence=0.8,min=12", "model:PATH", "ngram|exit:8" (the first that proposes), "suffix:corpus=FILE", "auto".
 A drafter kind is one row of kinds.py's DRAFTERS (its syntax and help: the CLI's --draft help
 is generated from them, without torch) and its builder here, registered under the same keyword.
+
+The table builds the drafters of both front ends: the light front end's (kinds.py
+drafts_on_the_light_front_end: lookups, the target's own sub-plans and exits, auto over them, on a
+LiteModel) and the torch front end's. So nothing torch-bound is imported at the top: a builder of
+a kind that runs torch modules (exit heads, reduced heads, dynamic exits, other or re-quantized
+models, online skips) imports them where it builds.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from layerplan.decoding.drafters.arbiter import Arbiter
 from layerplan.decoding.drafters.base import AutoregressiveDrafter
-from layerplan.decoding.drafters.dynamic_exit import DynamicExitDrafter, ExitPolicy
-from layerplan.decoding.drafters.heads import Head, default_head_path, load_head, reduced_head
 from layerplan.decoding.drafters.kinds import DRAFTERS, PLAN, PLAN_KEYWORD
 from layerplan.decoding.drafters.lookup import is_number, ngram_drafter, suffix_drafter
-from layerplan.decoding.drafters.model import ModelDrafter
 from layerplan.decoding.drafters.ngram import NgramDrafter
-from layerplan.decoding.drafters.online import OnlineSkipDrafter
-from layerplan.decoding.drafters.plan import ExitHeadDrafter, PlanDrafter, WindowedDrafter
+from layerplan.decoding.drafters.plan import Head, PlanDrafter, WindowedDrafter
 from layerplan.decoding.drafters.proposal import Drafter
 from layerplan.decoding.drafters.saved import saved_draft_path
 from layerplan.decoding.drafters.staged import StagedDrafter
 from layerplan.decoding.drafters.suffix import SuffixDrafter, read_corpus
 from layerplan.engine.choices import QUANTIZE_AT_LOAD
-from layerplan.engine.load import load_model
-from layerplan.engine.native import BoundedCache
-from layerplan.models.architectures import ModelError
-from layerplan.models.loading import LoadedModel
+from layerplan.models.errors import ModelError
 from layerplan.plan.plan import LayerPlan, parse_plan
 
 
@@ -37,7 +37,7 @@ from layerplan.plan.plan import LayerPlan, parse_plan
 class Context:
     """What a factory builds with."""
 
-    model: LoadedModel
+    model: Any  # the target's: models/loading.py LoadedModel, or lite/model.py LiteModel
     target: LayerPlan
     min_confidence: float = 0.0
     head: Head | None = None  # +vocab=K: a reduced LM head for a layer-plan draft
@@ -84,8 +84,7 @@ def _ngram(arg: str | None, text: str, ctx: Context) -> Drafter:
 def _suffix(arg: str | None, text: str, ctx: Context) -> Drafter:
     def corpus_tokens(path: str) -> list[int]:
         ctx.local_only(text, "read a corpus file")
-        tokenizer = ctx.model.tokenizer
-        encode = (lambda corpus: tokenizer(corpus, add_special_tokens=False).input_ids) if tokenizer else None
+        encode = ctx.model.encode_text if ctx.model.tokenizer is not None else None
         return read_corpus(path, encode, ctx.model.name)
 
     return suffix_drafter(arg, text, corpus_tokens)
@@ -100,6 +99,8 @@ def _plan(arg: str | None, text: str, ctx: Context) -> Drafter:
 def _exit(arg: str | None, text: str, ctx: Context) -> Drafter:
     exit_text, with_head, path = (arg or "").partition("+head")
     if with_head:
+        from layerplan.decoding.drafters.heads import ExitHeadDrafter, default_head_path, load_head
+
         if not exit_text.isdigit():
             raise ValueError(f"cannot read '{text}': expected exit:E+head or exit:E+head=PATH")
         exit = int(exit_text)
@@ -127,6 +128,8 @@ def _window(arg: str | None, text: str, ctx: Context) -> Drafter:
 
 @builds("dynamic")
 def _dynamic(arg: str | None, text: str, ctx: Context) -> Drafter:
+    from layerplan.decoding.drafters.dynamic_exit import DynamicExitDrafter, ExitPolicy
+
     return DynamicExitDrafter(ctx.model, ctx.target, ExitPolicy.parse(arg or ""), ctx.min_confidence)
 
 
@@ -135,6 +138,9 @@ def _model(arg: str | None, text: str, ctx: Context) -> Drafter:
     if not arg:
         raise ValueError(f"cannot read '{text}': expected model:PATH")
     ctx.local_only(text, "load a second model")
+    from layerplan.decoding.drafters.model import ModelDrafter
+    from layerplan.engine.load import load_model
+
     return ModelDrafter(load_model(arg, dtype=ctx.model.dtype, device=ctx.model.device), ctx.min_confidence)
 
 
@@ -144,7 +150,11 @@ def _model(arg: str | None, text: str, ctx: Context) -> Drafter:
 QUANTIZED_COPIES_KEPT = 2
 
 
-def _quantized_copy(model: LoadedModel, precision: str) -> LoadedModel:
+def _quantized_copy(model, precision: str):
+    """A LoadedModel's copy at `precision`, kept on it."""
+    from layerplan.engine.load import load_model
+    from layerplan.engine.native import BoundedCache
+
     copies = model.derived.setdefault("quantized copies", BoundedCache(QUANTIZED_COPIES_KEPT))
     copy = copies.get(precision)
     if copy is None:
@@ -169,6 +179,8 @@ def _self(arg: str | None, text: str, ctx: Context) -> Drafter:
         copy = _quantized_copy(ctx.model, bits if bits.endswith("-fast") else f"{bits}-fast")
     except ModelError as error:
         raise ValueError(f"'{text}' quantizes the model again from its file: {error}") from None
+    from layerplan.decoding.drafters.model import ModelDrafter
+
     return ModelDrafter(copy, ctx.min_confidence, plan=copy.plan(rest) if rest else None, name=text)
 
 
@@ -184,6 +196,8 @@ def _online(arg: str | None, text: str, ctx: Context) -> Drafter:
         else:
             raise ValueError(f"cannot read '{item}' in '{text}': expected online or "
                              "online:every=R,calibration=T,start=F")
+    from layerplan.decoding.drafters.online import OnlineSkipDrafter
+
     return OnlineSkipDrafter(ctx.target, ctx.min_confidence, **options)
 
 
@@ -201,7 +215,7 @@ if BUILDERS.keys() != {*DRAFTERS, PLAN_KEYWORD}:  # (kinds.py's rows and the bui
                       f"{sorted(BUILDERS.keys() ^ {*DRAFTERS, PLAN_KEYWORD})}")
 
 
-def make_drafter(spec: str | Drafter, model: LoadedModel, target: LayerPlan | None = None,
+def make_drafter(spec: str | Drafter, model, target: LayerPlan | None = None,
                  min_confidence: float = 0.0, pass_costs: dict[int, float] | None = None,
                  remote: bool = False) -> Drafter:
     """A drafter from its spec (see DRAFTERS) or a ready-made one, checked against the model and
@@ -239,6 +253,8 @@ def _build(spec: str, ctx: Context) -> Drafter:
     if size is not None:
         if not kind.takes_head:
             raise ValueError(f"+vocab=K applies to layer-plan drafts (exit:E, exit:E+head, skip:...), not '{text}'")
+        from layerplan.decoding.drafters.heads import reduced_head
+
         ctx = replace(ctx, head=reduced_head(ctx.model, int(size)))
     drafter = BUILDERS[keyword](arg if sep else None, text, ctx)
     if branch is not None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from layerplan.decoding.drafters.proposal import DraftState, Drafter, Proposal
-from layerplan.models.loading import LoadedModel
 from layerplan.plan.plan import LayerPlan
 
 
@@ -23,6 +22,6 @@ class StagedDrafter:
                 return proposal
         return Proposal()
 
-    def check(self, model: LoadedModel, target: LayerPlan) -> None:
+    def check(self, model, target: LayerPlan) -> None:
         for drafter in self.drafters:
             drafter.check(model, target)
