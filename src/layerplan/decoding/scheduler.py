@@ -31,10 +31,9 @@ import torch
 
 from layerplan.decoding.batch import Batch
 from layerplan.decoding.draft_length import SharedRounds
-from layerplan.decoding.drafters.lookup import drafts_by_lookup
 from layerplan.decoding.drafters.model import ModelDrafter
 from layerplan.decoding.drafters.proposal import Drafter
-from layerplan.decoding.drafters.registry import make_drafter
+from layerplan.decoding.drafters.registry import drafts_by_lookup, make_drafter
 from layerplan.decoding.generate import Decoding
 from layerplan.decoding.sampling_params import SamplingParams
 from layerplan.decoding.speculative import SpeculativeDecoding

@@ -14,8 +14,7 @@ import torch
 from layerplan.app.cli.common import attach, checked_probe_row, freeze, load, set_threads, user_errors
 from layerplan.app.prompts import PromptUsageError, one_prompt, read_prompt_file
 from layerplan.decoding.budget import token_budget
-from layerplan.decoding.drafters.lookup import drafts_by_lookup
-from layerplan.decoding.drafters.registry import make_drafter
+from layerplan.decoding.drafters.registry import drafts_by_lookup, make_drafter
 from layerplan.decoding.generate import generate as run_generate
 from layerplan.decoding.output import prompt_ids
 from layerplan.decoding.sampling_params import SamplingParams

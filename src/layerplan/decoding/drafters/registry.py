@@ -21,7 +21,6 @@ from typing import Any
 from layerplan.decoding.drafters.arbiter import Arbiter
 from layerplan.decoding.drafters.base import AutoregressiveDrafter
 from layerplan.decoding.drafters.kinds import DRAFTERS, PLAN, PLAN_KEYWORD
-from layerplan.decoding.drafters.lookup import is_number, ngram_drafter, suffix_drafter
 from layerplan.decoding.drafters.ngram import NgramDrafter
 from layerplan.decoding.drafters.plan import Head, PlanDrafter, WindowedDrafter
 from layerplan.decoding.drafters.proposal import Drafter
@@ -75,19 +74,47 @@ def builds(keyword: str) -> Callable[[Builder], Builder]:
     return register
 
 
+def is_number(text: str, integer: bool) -> bool:
+    try:
+        int(text) if integer else float(text)
+    except ValueError:
+        return False
+    return True
+
+
 @builds("ngram")
 def _ngram(arg: str | None, text: str, ctx: Context) -> Drafter:
-    return ngram_drafter(arg, text)
+    if arg is None:
+        return NgramDrafter()
+    if not arg.isdigit():
+        raise ValueError(f"cannot read '{text}': expected ngram or ngram:N with N the longest n-gram")
+    return NgramDrafter(max_n=int(arg))
 
 
 @builds("suffix")
 def _suffix(arg: str | None, text: str, ctx: Context) -> Drafter:
-    def corpus_tokens(path: str) -> list[int]:
-        ctx.local_only(text, "read a corpus file")
-        encode = ctx.model.encode_text if ctx.model.tokenizer is not None else None
-        return read_corpus(path, encode, ctx.model.name)
+    options: dict = {}
+    corpus: list[list[int]] = []
+    for item in arg.split(",") if arg else []:
+        key, eq, value = (part.strip() for part in item.partition("="))
+        if key == "corpus" and value:
+            ctx.local_only(text, "read a corpus file")
+            encode = ctx.model.encode_text if ctx.model.tokenizer is not None else None
+            corpus.append(read_corpus(value, encode, ctx.model.name))
+        elif key in ("max", "share") and is_number(value, integer=key == "max"):
+            options["max_tokens" if key == "max" else "min_share"] = int(value) if key == "max" else float(value)
+        elif key in ("learn", "tree") and not eq:
+            options[key] = True
+        else:
+            raise ValueError(f"cannot read '{item}' in '{text}': expected suffix or "
+                             "suffix:corpus=FILE,max=N,share=P,learn,tree")
+    return SuffixDrafter(corpus, name=text, **options)
 
-    return suffix_drafter(arg, text, corpus_tokens)
+
+def drafts_by_lookup(drafter: Drafter) -> bool:
+    """A drafter that looks its drafts up and runs no model (n-gram, suffix): cheap to make for each
+    request, so a server gives every request of a batch its own (decoding/batch.py)."""
+    return isinstance(drafter, (NgramDrafter, SuffixDrafter))
 
 
 @builds(PLAN_KEYWORD)
