@@ -11,8 +11,9 @@ ones).
 
     python benchmarks/auto_trace.py record MODEL PROMPT OUT.json [--new-tokens N]
     python benchmarks/auto_trace.py replay TRACE.json...
-    python benchmarks/auto_trace.py measure MODEL [--rounds R]   (the real thing: auto against plain
-        decoding timed alternately in one process, default settings, every built-in prompt)
+    python benchmarks/auto_trace.py measure MODEL [--rounds R] [--front-end light]   (the real thing:
+        auto against plain decoding timed alternately in one process, default settings, every
+        built-in prompt; on the torch front end with this machine's probe row, or on the light one)
 """
 
 from __future__ import annotations
@@ -173,6 +174,53 @@ def measure(model_path: str, new_tokens: int = 64, rounds: int = 5) -> list[dict
     return rows
 
 
+def measure_light(model_path: str, new_tokens: int = 64, rounds: int = 5) -> list[dict]:
+    """measure's rows on the light front end, where `layerplan generate --draft auto` runs on a
+    GGUF: decoding/rounds.py's loop on a LiteModel (default settings, 2 threads), a fresh arbiter
+    a run as each command has, with this machine's cached probe row as the command reads it
+    (LiteModel.probe_row; none cached: the arbiter learns the verify costs from its passes). No
+    torch in the process."""
+    from layerplan.app.prompts import CHAT_PROMPTS, PROMPTS
+    from layerplan.decoding.drafters.registry import make_drafter
+    from layerplan.decoding.loop import DecodeLoop
+    from layerplan.decoding.rounds import SpeculativeLoop
+    from layerplan.lite.model import LiteModel
+    from layerplan.lite.request import ARITHMETICS
+    from layerplan.models.gguf_place import gguf_of
+
+    model = LiteModel(gguf_of(model_path), ARITHMETICS["auto"], threads=2)
+    gc.freeze()
+    plan = model.plan()
+    row = model.probe_row()
+    costs = dict(row.relative) if row is not None else {}
+    print(f"probe row: {'none cached' if row is None else costs}", file=sys.stderr)
+
+    def decode(ids: list[int], tokens: int, drafted: bool):
+        if not drafted:
+            return DecodeLoop(model, ids, plan, tokens).run()
+        drafter = make_drafter("auto", model, plan, pass_costs=costs)
+        return SpeculativeLoop(model, ids, plan, drafter, tokens, pass_costs=costs).run()
+
+    rows = []
+    for name, text in PROMPTS.items():
+        ids = model.encode(text, chat=name in CHAT_PROMPTS)
+        decode(ids, 4, False)  # warm-up: first calls allocate
+        decode(ids, 4, True)
+        ratios, plain_rates, same = [], [], True
+        for _ in range(rounds):
+            plain, auto = decode(ids, new_tokens, False), decode(ids, new_tokens, True)
+            same &= plain.token_ids == auto.token_ids
+            plain_s, auto_s = plain.seconds - plain.prefill_seconds, auto.seconds - auto.prefill_seconds
+            ratios.append(plain_s / auto_s)
+            plain_rates.append((len(plain.token_ids) - 1) / plain_s)
+        rows.append({"prompt": name, "auto_over_plain": statistics.median(ratios),
+                     "range": [min(ratios), max(ratios)], "plain_tokens_per_second": statistics.median(plain_rates),
+                     "tokens": len(plain.token_ids), "same_output": same,
+                     "by_drafter": {k: [v["rounds"], v["drafted"], v["accepted"]]
+                                    for k, v in auto.stats["by_drafter"].items()}})
+    return rows
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -187,9 +235,12 @@ def main(argv: list[str] | None = None) -> None:
     mea.add_argument("model")
     mea.add_argument("--rounds", type=int, default=5)
     mea.add_argument("--new-tokens", type=int, default=64)
+    mea.add_argument("--front-end", choices=("torch", "light"), default="torch",
+                     help="light: where `layerplan generate --draft auto` runs on a GGUF (no probe row)")
     args = parser.parse_args(argv)
     if args.command == "measure":
-        for row in measure(args.model, args.new_tokens, args.rounds):
+        measured = measure_light if args.front_end == "light" else measure
+        for row in measured(args.model, args.new_tokens, args.rounds):
             low, high = row["range"]
             print(f"{args.model} {row['prompt']}: auto / plain {row['auto_over_plain']:.3f} ({low:.3f}-{high:.3f}), "
                   f"plain {row['plain_tokens_per_second']:.1f} tok/s, {row['tokens']} tokens, "

@@ -113,7 +113,7 @@ def test_speculation_inside_a_batch_keeps_each_requests_solo_output(draft):
 def test_a_busy_batch_drafts_less_and_says_so():
     """With the probe's pass costs steep past 4 rows (a pass bound by arithmetic), requests in a
     batch of four draft less than alone (usage's busy_rounds), and keep their solo greedy tokens."""
-    from layerplan.engine.probe import ProbeRow
+    from layerplan.engine.probe_rows import ProbeRow
 
     model = _native("llama")
     steep = ProbeRow("native", "float32", 1.0, {k: 1.0 + 0.05 * (k - 1) if k <= 4 else 1.15 + 0.3 * (k - 4)

@@ -154,7 +154,7 @@ def test_drafted_replies_with_the_kept_cache_equal_plain_greedy(model, draft):
 
 
 def test_stats_give_the_plans_cost_in_the_probes_full_model_steps(model):
-    from layerplan.engine.probe import ProbeRow
+    from layerplan.engine.probe_rows import ProbeRow
 
     session = ChatSession(model, ChatSettings(max_new_tokens=12, plan="skip:mlp=1", draft="suffix"),
                           probe_row=ProbeRow("native", "float32", 2.0, {1: 1.0, 2: 1.1, 4: 1.3, 8: 1.8}))

@@ -186,6 +186,25 @@ def test_self_drafts_on_the_light_model_give_the_torch_front_ends_rounds(tmp_pat
     assert got.token_ids == plain.token_ids
 
 
+def test_the_light_model_reads_this_machines_probe_row_without_torch(tmp_path):
+    """The probe a torch process cached (engine/probe_rows.py: keyed without torch) gives the light
+    front end its native row for the model's arithmetic: its verify costs for a draft, its pace;
+    eager rows (torch's products) are not its own."""
+    from layerplan.engine.probe_rows import ProbeResult, ProbeRow, machine_key_of, probe_path_of
+    from layerplan.files import cache_dir, write_json_atomic
+
+    _, lite = _pair(tmp_path, "llama", "Q8_0", "stored-fast")
+    assert lite.probe_row() is None  # none cached
+    fast = ProbeRow("native", "stored-fast", 5.0, {1: 1.0, 2: 1.2, 4: 1.5})
+    exact = ProbeRow("native", "stored", 7.0, {1: 1.0, 2: 1.6})
+    eager = ProbeRow("eager", "stored-fast", 9.0, {1: 1.0, 2: 1.9}, torch="2.x AVX512")
+    result = ProbeResult(machine_key_of(lite.threads), "cpu", lite.name, [eager, exact, fast])
+    write_json_atomic(probe_path_of(cache_dir(), lite.name, lite.threads), result.to_dict())
+    assert lite.probe_row() == fast
+    assert LiteModel(tmp_path / "llama.gguf", "exact", threads=lite.threads).probe_row() == exact
+    assert LiteModel(tmp_path / "llama.gguf", "fast", threads=lite.threads + 1).probe_row() is None  # another key
+
+
 def test_a_draft_view_writes_the_targets_slots_and_no_others(tmp_path):
     """A draft plan's pass through LiteCache.draft_view writes the target's slots of the steps it
     runs (the verify pass writes them again), at the drafted position only, and no other step's."""

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from layerplan.engine import probe
+from layerplan.engine import probe, probe_rows
 from tiny import tiny_model
 
 
@@ -63,19 +63,24 @@ def test_a_cached_probe_round_trips_with_its_load(tmp_path):
 
 
 def test_cached_probe_is_ignored_on_another_machine_or_torch(tmp_path, monkeypatch):
-    result = probe.ProbeResult(probe.machine_key(), "cpu", "m", [probe.ProbeRow("native", "bfloat16", 10.0, {1: 1.0, 8: 1.2})])
-    probe.save_probe(result, tmp_path)
-    assert probe.load_probe(tmp_path, "m") is not None
+    native = probe.ProbeRow("native", "bfloat16", 10.0, {1: 1.0, 8: 1.2})
+    eager = probe.ProbeRow("eager", "float32", 20.0, {1: 1.0, 8: 2.0}, torch=probe.torch_build())
+    probe.save_probe(probe.ProbeResult(probe.machine_key(), "cpu", "m", [native, eager]), tmp_path)
+    assert probe.load_probe(tmp_path, "m").rows == [native, eager]
     assert probe.default_dtype(tmp_path, "m", "native", native_bf16=False) == "bfloat16"  # measured beats the guess
     assert probe.pass_costs(tmp_path, "m", "native", "bfloat16") == {1: 1.0, 8: 1.2}
-    monkeypatch.setattr(probe, "read_cpuinfo", lambda: ("Other CPU", {"avx2", "avx512f"}))
+    # a reader without torch (the light front end): the native rows, at the same key
+    threads = torch.get_num_threads()
+    assert probe_rows.read_probe(tmp_path, "m", threads).rows == [native]
+    assert probe_rows.read_probe(tmp_path, "m", threads + 1) is None  # another thread count: another probe
+    monkeypatch.setattr(probe_rows, "read_cpuinfo", lambda: ("Other CPU", {"avx2", "avx512f"}))
     assert probe.load_probe(tmp_path, "m") is None  # another CPU: the probe is stale
     assert probe.default_dtype(tmp_path, "m", "native", native_bf16=False) == "float32"
     monkeypatch.undo()
     monkeypatch.setattr(probe.torch, "__version__", "9.9.9")
-    assert probe.load_probe(tmp_path, "m") is None  # another torch: stale too
+    assert probe.load_probe(tmp_path, "m").rows == [native]  # another torch: its eager rows are stale
     monkeypatch.undo()
-    monkeypatch.setattr(probe, "kernels_key", lambda: "other kernels")
+    monkeypatch.setattr(probe_rows, "kernels_key", lambda: "other kernels")
     assert probe.load_probe(tmp_path, "m") is None  # the native kernels changed: their timings too
 
 
@@ -402,19 +407,19 @@ def test_the_default_recheck_times_the_model_itself(tmp_path):
 # ----- a decode slower than the probe says ------------------------------------------------------
 def test_pace_check_says_when_the_passes_ran_three_times_slower():
     row = probe.ProbeRow("native", "float32", 20.0, {1: 1.0, 4: 1.5})
-    pace = probe.PaceCheck(row)
+    pace = probe_rows.PaceCheck(row)
     for _ in range(10):
         pace.add(1, 0.055)  # 2.75x a step
     pace.add(4, 0.080)  # 2.67x a 4-token pass (30 ms)
     assert pace.note() is None
-    slow = probe.PaceCheck(row)
+    slow = probe_rows.PaceCheck(row)
     for _ in range(3):
         slow.add(4, 0.100)
     assert slow.note() is None  # three passes say nothing
     slow.add(1, 0.080)
     assert slow.note() == ("decoding ran 3.5x slower than this machine's probe says (native float32, 27.5 ms a pass "
                            "expected, 95.0 ms taken): the machine is busy")
-    unprobed = probe.PaceCheck(None)
+    unprobed = probe_rows.PaceCheck(None)
     unprobed.add(1, 10.0)
     assert unprobed.note() is None
 

@@ -93,7 +93,7 @@ def test_a_lookup_draft_runs_inside_the_batch(smollm2):
     """serve --draft suffix batches: every request its own suffix drafter, its replies its solo
     (greedy) ones, its usage reporting the speculation. (A probe row whose rows are nearly free:
     without the probe's pass costs a shared pass drafts nothing.)"""
-    from layerplan.engine.probe import ProbeRow
+    from layerplan.engine.probe_rows import ProbeRow
 
     flat = ProbeRow("native", "stored", 1.0, {k: 1.0 + 0.03 * (k - 1) for k in range(1, 17)})
     app = create_app(smollm2, draft="suffix", max_batch=4, probe_row=flat)

@@ -21,7 +21,7 @@ from layerplan.engine.cpu_pack import packing_supported
 from layerplan.engine.choices import BLOCK_PRECISIONS
 from layerplan.engine.load import load_model
 from layerplan.engine.native import resolve_engine
-from layerplan.engine.probe import ProbeRow
+from layerplan.engine.probe_rows import ProbeRow
 from layerplan.machine import CpuInfo, cpu_info
 from layerplan.models.loading import LoadedModel, dense_bytes, resolve_dtype
 

@@ -21,7 +21,7 @@ from layerplan.decoding.output import chat_prompt_ids
 from layerplan.decoding.scheduler import Job, Scheduler
 from layerplan.decoding.text import GenerationResult
 from layerplan.engine.cache import KVCache
-from layerplan.engine.probe import ProbeRow
+from layerplan.engine.probe_rows import ProbeRow
 from layerplan.engine.runner import Resume, new_cache, run_hidden
 from layerplan.models.loading import LoadedModel
 from layerplan.plan.plan import LayerPlan

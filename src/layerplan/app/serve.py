@@ -67,7 +67,7 @@ from layerplan.decoding.limits import SEED_RANGE
 from layerplan.decoding.logprobs import MAX_TOP_LOGPROBS, CompletionLogprobs, TokenSpeller, chat_logprobs
 from layerplan.decoding.prompt_logprobs import prompt_logprobs
 from layerplan.decoding.sampling_params import SamplingError, SamplingParams
-from layerplan.engine.probe import ProbeRow
+from layerplan.engine.probe_rows import ProbeRow
 from layerplan.engine.runner import new_cache
 from layerplan.models.architectures import ModelError
 from layerplan.models.chat_template import PLAIN_CHAT_STOPS

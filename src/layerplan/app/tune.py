@@ -15,7 +15,7 @@ from layerplan.app.prompts import CHAT_PROMPTS, PROMPTS
 from layerplan.decoding.drafters.saved import save_draft_plan
 from layerplan.decoding.frontier import FrontierResult, measure_frontier, pass_costs_of, self_drafts
 from layerplan.decoding.generate import generate
-from layerplan.engine.probe import ProbeRow
+from layerplan.engine.probe_rows import ProbeRow
 from layerplan.models.loading import LoadedModel
 from layerplan.search.evaluate import calibration_ids
 from layerplan.search.evaluator import PlanEvaluator, measure_costs

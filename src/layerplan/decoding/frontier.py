@@ -23,7 +23,8 @@ from pathlib import Path
 
 from layerplan.decoding.draft_length import FixedLength, expected_speedup
 from layerplan.decoding.generate import generate
-from layerplan.engine.probe import ProbeRow, time_passes
+from layerplan.engine.probe import time_passes
+from layerplan.engine.probe_rows import ProbeRow
 
 # the pass lengths measured where no probe row gives the verify costs
 PASS_LENGTHS = tuple(range(1, 10))

@@ -14,7 +14,7 @@ from layerplan.decoding.request import DecodeRequest
 from layerplan.decoding.sampling_params import SamplingParams
 from layerplan.decoding.speculative import speculative_generate
 from layerplan.engine.cache import KVCache
-from layerplan.engine.probe import ProbeRow
+from layerplan.engine.probe_rows import ProbeRow
 from layerplan.models.loading import LoadedModel
 from layerplan.plan.plan import LayerPlan
 

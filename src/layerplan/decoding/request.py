@@ -14,7 +14,7 @@ from layerplan.decoding.loop import DecodeLoop
 from layerplan.decoding.output import prompt_ids
 from layerplan.decoding.sampling_params import SamplingParams
 from layerplan.engine.cache import KVCache
-from layerplan.engine.probe import PaceCheck, ProbeRow
+from layerplan.engine.probe_rows import PaceCheck, ProbeRow
 from layerplan.engine.runner import ModelPasses
 from layerplan.models.loading import LoadedModel
 from layerplan.plan.plan import LayerPlan

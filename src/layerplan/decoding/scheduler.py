@@ -39,7 +39,7 @@ from layerplan.decoding.sampling_params import SamplingParams
 from layerplan.decoding.speculative import SpeculativeDecoding
 from layerplan.decoding.text import GenerationResult
 from layerplan.engine.cache import KVCache
-from layerplan.engine.probe import ProbeRow
+from layerplan.engine.probe_rows import ProbeRow
 from layerplan.models.loading import LoadedModel
 from layerplan.plan.plan import LayerPlan
 

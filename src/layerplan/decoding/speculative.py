@@ -29,7 +29,7 @@ from layerplan.decoding.rounds import SpeculativeRounds, numpy_rows, target_pick
 from layerplan.decoding.sampling_params import SamplingParams
 from layerplan.decoding.text import GenerationResult
 from layerplan.engine.cache import KVCache
-from layerplan.engine.probe import ProbeRow
+from layerplan.engine.probe_rows import ProbeRow
 from layerplan.engine.runner import forward
 from layerplan.engine.tree import TreeShape
 from layerplan.models.loading import LoadedModel

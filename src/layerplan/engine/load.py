@@ -21,7 +21,7 @@ from layerplan.engine.file_kernels import ARITHMETIC_CODES, FileKernels, NotDesc
 from layerplan.engine.file_model import file_model
 from layerplan.engine.kernel_library import ABI, check, library, native_available
 from layerplan.engine.native import resolve_engine, row_decoder
-from layerplan.engine.probe import ProbeResult
+from layerplan.engine.probe_rows import ProbeResult
 from layerplan.engine.verify import ensure_checked
 from layerplan.models import loading
 from layerplan.models.architectures import ModelError

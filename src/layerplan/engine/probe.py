@@ -4,7 +4,8 @@ Speculative decoding pays only when verifying k tokens costs little more than on
 and whether it does depends on the CPU more than on anything else (a bf16 matrix product on 8 rows
 costs one row's time with native bf16 instructions, eight rows' without). The probe times a pass
 over k = 1..16 new tokens after a short cached context, per dtype and engine, and caches the
-result per machine (CPU model and flags, torch version, threads) and model. bench, tune, serve and
+result per machine (CPU model and flags, threads, the native kernels; an eager row its torch build)
+and model (engine/probe_rows.py: the rows as data, without torch). bench, tune, serve and
 generate take their default dtype from it, and the adaptive draft length starts from its costs.
 
 Between its rounds the probe also measures what the machine allows at that moment: the rate of
@@ -26,23 +27,21 @@ machine is not cached either. A cached row is checked again when it is used, by 
 
 from __future__ import annotations
 
-import hashlib
-import json
-import math
 import os
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 
 from layerplan.engine.choices import PASS_LENGTHS
-from layerplan.engine.native import kernels_key, native_available, product_rate, read_rate
+from layerplan.engine.native import native_available, product_rate, read_rate
+from layerplan.engine.probe_rows import (MachineLoad, ProbeResult, ProbeRow, machine_key_of, probe_path_of, read_probe,
+                                         row_problems, summary_of)
 from layerplan.engine.runner import forward, new_cache
 from layerplan.files import cache_dir, write_json_atomic
-from layerplan.machine import cpu_info, read_cpuinfo
+from layerplan.machine import cpu_info
 
 # k = 1 is timed as plain decoding runs it, one-token passes back to back: STEP_RUN of them, the
 # first STEP_WARM left out. A step right after a longer pass (or a pause) runs slower, ~40% after
@@ -50,154 +49,10 @@ from layerplan.machine import cpu_info, read_cpuinfo
 # k-token pass looked cheaper than a verify round is against plain decoding (c(4): 1.16 against
 # 1.45 measured in rounds), and drafts that lose were taken for drafts that pay
 STEP_RUN, STEP_WARM = 12, 8
-BATCH_RATE_SHARE = 0.9  # ProbeRow.fullest_pass: the default batch reaches 90% of the best rate
-TIMING = "k=1 as steady consecutive steps"  # in machine_key: a probe timed another way is not reused
 CONTEXT = 100  # cached positions before the timed pass (a short chat turn)
 READ_BYTES = 128 << 20  # at least this much, and 4x the last-level cache, read for the read rate
-
-# What a row must satisfy to be trusted (row_problems). A k-token pass does a step's work and more,
-# so one timed under PASS_AT_LEAST of a step was not timed right; and no more than k steps' work (k
-# steps one at a time would do it), so one over PASS_AT_MOST_STEPS x k steps was not either.
-PASS_AT_LEAST = 0.9
-PASS_AT_MOST_STEPS = 1.25
-# Costs rise with k, up to noise: quiet runs on the 2-core EPYC put a pass up to 12% under a shorter
-# one (k=16 at 3.45 after k=15 at 3.91), so a pass may come out this much under the dearest shorter one.
-SHORTER_PASS_SLACK = 0.2
-# The floor's rates are sampled between the rounds, not during the passes: drift can put a step a
-# little under it, never far.
-STEP_UNDER_FLOOR = 0.9
-# How far above its floor a step may be: quiet native steps were 1.2-1.6x it. The floor is timed
-# with the native kernels' products, so the eager engine (torch's products: bf16 ran ~5x the floor
-# on AVX2) is held to a looser bound.
-STEP_OVER_FLOOR = {"native": 3.0}
-STEP_OVER_FLOOR_OTHER = 10.0
 RETRIES = 2  # a row that fails its checks is timed again this many times before the probe gives up on it
 RECHECK_RATIO = 2.0  # a cached row whose step, timed now, is off by more than this is measured again
-SLOW_DECODE_RATIO = 3.0  # a decode this much slower than the probe says: the machine is busy
-SLOW_DECODE_MIN_PASSES = 4  # fewer passes say nothing (the first ones pay for cold caches)
-BUSY_MARGIN = 0.25  # cores: others' mean use beyond the cores this process leaves free that makes a run "busy"
-
-
-@dataclass
-class ProbeRow:
-    engine: str
-    dtype: str
-    step_ms: float  # one decoding step (k = 1), median
-    relative: dict[int, float] = field(default_factory=dict)  # k -> cost of a k-token pass / a step
-    # what the machine allowed while this row was timed (the best over its rounds; None: not measured)
-    product_gflops: float | None = None  # 8-row products on weights in cache, all threads
-    read_gbs: float | None = None  # reading memory on all threads
-    weight_bytes: int | None = None  # the matrices a step reads (every layer's and the LM head)
-    flops_per_token: float | None = None  # 2 x their elements
-
-    def _least_seconds(self, k: int) -> float | None:
-        """The least time of a k-token pass by the measured rates: its weights' reads or its
-        products, whichever is longer (None when the rates were not measured)."""
-        if not (self.product_gflops and self.read_gbs and self.weight_bytes and self.flops_per_token):
-            return None
-        return max(self.weight_bytes / (self.read_gbs * 1e9), k * self.flops_per_token / (self.product_gflops * 1e9))
-
-    def floor(self, k: int) -> float | None:
-        """The least cost of a k-token pass relative to a step that the measured rates allow (only
-        the matrix products and the weights' reads counted), or None when they were not measured."""
-        least = self._least_seconds(k)
-        return None if least is None else least / self._least_seconds(1)
-
-    def step_floor_ms(self) -> float | None:
-        """The least ms of a step that the measured rates allow (reads and products only)."""
-        least = self._least_seconds(1)
-        return None if least is None else 1000 * least
-
-    def fullest_pass(self, share: float = BATCH_RATE_SHARE) -> int:
-        """The fewest rows a pass carries at `share` of the most tokens per second this row
-        measured (k / cost(k), over its k): a server's default batch (serve --max-batch). The last
-        rows before the best add little throughput, and each costs every request in the pass
-        its share of the time per token."""
-        rates = {k: k / cost for k, cost in self.relative.items() if cost > 0}
-        best = max(rates.values())
-        return min(k for k, rate in rates.items() if rate >= share * best)
-
-    def cost(self, k: int) -> float:
-        """Relative cost of a k-token pass (interpolated past the measured lengths)."""
-        if k in self.relative:
-            return self.relative[k]
-        known = max(self.relative)
-        return self.relative[known] * k / known if k > known else 1.0
-
-
-def row_problems(row: ProbeRow) -> list[str]:
-    """What makes the row's timings impossible or implausible (empty: it can be trusted): a pass
-    under PASS_AT_LEAST of a step or over PASS_AT_MOST_STEPS x k steps, a pass more than
-    SHORTER_PASS_SLACK under a shorter one, a step under its floor or far above it (when the rates
-    were measured)."""
-    problems = []
-    if not (row.step_ms > 0 and math.isfinite(row.step_ms)):
-        return [f"step of {row.step_ms} ms"]
-    lengths = sorted(row.relative)
-    dearest_k, dearest = None, 0.0
-    for k in lengths:
-        cost = row.relative[k]
-        if not math.isfinite(cost):
-            problems.append(f"a {k}-token pass at {cost} of a step")
-        elif k != lengths[0] and cost < PASS_AT_LEAST:
-            problems.append(f"a {k}-token pass at {cost:.2f} of a step (under {PASS_AT_LEAST})")
-        elif cost > PASS_AT_MOST_STEPS * k / lengths[0]:
-            problems.append(f"a {k}-token pass at {cost:.2f} of a step (over {PASS_AT_MOST_STEPS:g} x {k} steps)")
-        elif cost < (1 - SHORTER_PASS_SLACK) * dearest:
-            problems.append(f"a {k}-token pass at {cost:.2f} of a step, "
-                            f"under the {dearest_k}-token pass's {dearest:.2f}")
-        if cost > dearest:
-            dearest_k, dearest = k, cost
-    floor = row.step_floor_ms()
-    if floor is not None:
-        over = STEP_OVER_FLOOR.get(row.engine, STEP_OVER_FLOOR_OTHER)
-        if row.step_ms < STEP_UNDER_FLOOR * floor:
-            problems.append(f"a step of {row.step_ms:.1f} ms, under its floor of {floor:.1f} ms")
-        elif row.step_ms > over * floor:
-            problems.append(f"a step of {row.step_ms:.1f} ms, {row.step_ms / floor:.0f}x its floor of {floor:.1f} ms "
-                            f"(at most {over:g}x)")
-    return problems
-
-
-def _summary(row: ProbeRow, problems: list[str]) -> str:
-    more = f" (and {len(problems) - 2} more)" if len(problems) > 2 else ""
-    return f"{row.engine} {row.dtype}: " + "; ".join(problems[:2]) + more
-
-
-@dataclass
-class MachineLoad:
-    """What else the machine ran while the probe timed its passes."""
-
-    cores: int  # the machine's (what /proc/stat counts)
-    threads: int  # this process's compute threads (torch's)
-    load_average: float | None  # the 1-minute load average at the end (it counts this process's threads too)
-    # the mean number of cores other processes kept busy (and a hypervisor took: steal) during the
-    # run; None where /proc/stat cannot be read
-    others_cores: float | None
-
-    def others(self) -> float | None:
-        """Cores used by the others: measured, else the load average less this process's threads."""
-        if self.others_cores is not None:
-            return self.others_cores
-        return None if self.load_average is None else max(self.load_average - self.threads, 0.0)
-
-    @property
-    def busy(self) -> bool:
-        """The others needed cores that this process's threads were using: its passes waited."""
-        others = self.others()
-        return others is not None and others > max(self.cores - self.threads, 0) + BUSY_MARGIN
-
-    def summary(self) -> str:
-        others = self.others()
-        used = "unknown" if others is None else f"{others:.1f} of {self.cores}"
-        return f"other processes kept {used} cores busy" + (
-            "" if self.load_average is None else f", load average {self.load_average:.2f}")
-
-    def line(self) -> str:
-        others = self.others()
-        verdict = ("busy: the timings may be slow and uneven" if self.busy
-                   else "quiet" if others is not None else "load unknown")
-        return f"machine {verdict} ({self.summary()}; this process runs {self.threads} threads)"
 
 
 def _busy_cpu_seconds(path: str = "/proc/stat") -> float | None:
@@ -245,88 +100,24 @@ class LoadMeter:
         return MachineLoad(self.cores, self.threads, self.load_average(), others)
 
 
-@dataclass
-class ProbeResult:
-    machine: str  # the key: CPU model, flags, torch, threads
-    cpu: str  # the CPU line, for people
-    model: str
-    rows: list[ProbeRow] = field(default_factory=list)
-    load: MachineLoad | None = None  # what else ran during the probe (None: not noted, an older probe)
-    # why the probe cannot be trusted, one line each: a row that still failed its checks after
-    # RETRIES (row_problems), or a busy machine; such a probe is shown but not cached
-    problems: list[str] = field(default_factory=list)
-
-    def row(self, engine: str, dtype: str) -> ProbeRow | None:
-        return next((r for r in self.rows if r.engine == engine and r.dtype == dtype), None)
-
-    def fastest_dtype(self, engine: str) -> str | None:
-        """The dtype with the cheapest step on this engine (None when none was measured)."""
-        rows = [r for r in self.rows if r.engine == engine]
-        return min(rows, key=lambda r: r.step_ms).dtype if rows else None
-
-    def to_dict(self) -> dict:
-        data = asdict(self)
-        if self.load is not None:
-            data["load"]["busy"] = self.load.busy  # derived, for readers of the JSON
-        return data
-
-    @classmethod
-    def from_dict(cls, data: dict) -> ProbeResult:
-        rows = [ProbeRow(r["engine"], r["dtype"], r["step_ms"], {int(k): v for k, v in r["relative"].items()},
-                         r.get("product_gflops"), r.get("read_gbs"), r.get("weight_bytes"), r.get("flops_per_token"))
-                for r in data["rows"]]
-        load = (MachineLoad(**{k: v for k, v in data["load"].items() if k in MachineLoad.__dataclass_fields__})
-                if data.get("load") else None)
-        return cls(data["machine"], data["cpu"], data["model"], rows, load, list(data.get("problems", [])))
-
-    def table(self) -> str:
-        ks = sorted({k for r in self.rows for k in r.relative})
-        w = max([9, *(len(r.dtype) for r in self.rows)])  # (stored-fast, q4_k-fast: wider than the heading)
-        head = f"{'engine':<7} {'dtype':<{w}} {'ms/step':>7}  " + " ".join(f"{'k=' + str(k):>5}" for k in ks)
-        lines = [head]
-        notes = []
-        for r in self.rows:
-            lines.append(f"{r.engine:<7} {r.dtype:<{w}} {r.step_ms:>7.1f}  " + " ".join(f"{r.relative.get(k, float('nan')):>5.2f}" for k in ks))
-            if r.floor(1) is not None:
-                lines.append(f"{'':<7} {'floor':<{w}} {r.step_floor_ms():>7.1f}  " + " ".join(f"{r.floor(k):>5.2f}" for k in ks))
-                notes.append(f"{r.engine} {r.dtype}: products {r.product_gflops:.0f} GFLOP/s, reads {r.read_gbs:.1f} GB/s")
-                flops = r.flops_per_token
-        if notes:
-            lines.append("floor: what the best rates of products on weights in cache and of memory reads allow, "
-                         "sampled between the rounds (not during the passes: where the host's speed drifts, a "
-                         "pass can come out under it) ("
-                         + "; ".join(notes) + f"; {flops / 1e9:.2f} GFLOP per token)")
-        return "\n".join(lines)
+def torch_build() -> str:
+    """torch's version and the CPU capability its kernels run (an eager row's ProbeRow.torch)."""
+    return f"{torch.__version__} {torch.backends.cpu.get_cpu_capability()}"
 
 
 def machine_key() -> str:
-    """Changes when the CPU, its flags, torch, the thread count, the native kernels or the way
-    passes are timed change: a stale probe is not reused."""
-    model, flags = read_cpuinfo()
-    info = cpu_info()
-    text = "|".join([str(model), " ".join(sorted(flags or ())), info.torch, info.torch_capability, str(info.threads),
-                     kernels_key(), TIMING])
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
+    """This process's probe key (probe_rows.py machine_key_of, at torch's thread count)."""
+    return machine_key_of(torch.get_num_threads())
 
 
 def probe_path(folder: Path, model_name: str) -> Path:
-    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in model_name)
-    return folder / "probe" / f"{safe}-{machine_key()}.json"
+    return probe_path_of(folder, model_name, torch.get_num_threads())
 
 
 def load_probe(folder: Path, model_name: str) -> ProbeResult | None:
-    """The cached probe for this machine and model, or None (never measured, or measured on
-    another machine, torch or thread count). Rows that fail their checks are left out: a probe
-    cached before the checks existed may hold timings taken beside busy neighbours."""
-    path = probe_path(folder, model_name)
-    try:
-        result = ProbeResult.from_dict(json.loads(path.read_text()))
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-    if result.machine != machine_key():
-        return None
-    result.rows = [row for row in result.rows if not row_problems(row)]
-    return result
+    """The cached probe for this machine, model and thread count (probe_rows.py read_probe), its
+    eager rows those of this torch build."""
+    return read_probe(folder, model_name, torch.get_num_threads(), torch_build())
 
 
 def time_passes(model, lengths: Sequence[int] = PASS_LENGTHS, repeats: int = 5, context: int = CONTEXT,
@@ -447,12 +238,12 @@ def measure_row(model, engine: str, dtype: str, lengths: Sequence[int] = PASS_LE
         step = times[min(times)]
         products, read = sampler.best() if sampler is not None else (None, None)
         row = ProbeRow(engine, dtype, step * 1000, {k: t / step for k, t in sorted(times.items())}, products, read,
-                       weight_bytes, 2.0 * elements)
+                       weight_bytes, 2.0 * elements, torch_build() if engine != "native" else None)
         problems = row_problems(row)
         if not problems:
             return row, []
         if attempt < retries and on_note:
-            on_note(f"{_summary(row, problems)}: timing it again ({retries - attempt} left)")
+            on_note(f"{summary_of(row, problems)}: timing it again ({retries - attempt} left)")
     return row, problems
 
 
@@ -483,7 +274,7 @@ def probe(load: Callable[[str, str], object], model_name: str, dtypes: Sequence[
                 on_note=on_note, time_row=time_row)
             result.rows.append(row)
             if problems:
-                result.problems.append(_summary(row, problems))
+                result.problems.append(summary_of(row, problems))
     result.load = meter.stop()
     if result.load.busy:
         result.problems.append(f"the machine was busy ({result.load.summary()}; this process runs "
@@ -591,25 +382,3 @@ def checked_model_row(model, folder: Path, time_step: Callable[[], float] | None
     return checked
 
 
-class PaceCheck:
-    """A decode's passes against what the probe row says they cost here: a decode SLOW_DECODE_RATIO
-    times slower is one that the machine's other work slowed down (no row: nothing to compare)."""
-
-    def __init__(self, row: ProbeRow | None) -> None:
-        self.row = row
-        self.passes, self.seconds, self.expected = 0, 0.0, 0.0
-
-    def add(self, tokens: int, seconds: float) -> None:
-        """One target pass over `tokens` new tokens that took `seconds`."""
-        if self.row is not None:
-            self.passes += 1
-            self.seconds += seconds
-            self.expected += self.row.step_ms / 1000 * self.row.cost(tokens)
-
-    def note(self) -> str | None:
-        """One line when the decode ran SLOW_DECODE_RATIO times slower than the probe says, else None."""
-        if self.passes < SLOW_DECODE_MIN_PASSES or self.seconds <= SLOW_DECODE_RATIO * self.expected:
-            return None
-        return (f"decoding ran {self.seconds / self.expected:.1f}x slower than this machine's probe says "
-                f"({self.row.engine} {self.row.dtype}, {1000 * self.expected / self.passes:.1f} ms a pass expected, "
-                f"{1000 * self.seconds / self.passes:.1f} ms taken): the machine is busy")

@@ -20,6 +20,7 @@ from layerplan.decoding.chat_state import ChatHistory, ChatSettings, Reply, draf
 from layerplan.decoding.drafters.kinds import drafts_on_the_light_front_end
 from layerplan.decoding.loop import DecodeLoop
 from layerplan.decoding.rounds import SpeculativeLoop
+from layerplan.engine.probe_rows import PaceCheck
 from layerplan.lite import TorchFrontEnd
 from layerplan.lite.model import LiteCache, LiteModel
 from layerplan.models.chat_template import plain_chat_text
@@ -50,6 +51,8 @@ class LightChatSession(ChatHistory):
         if refusal is not None:
             raise TorchFrontEnd(refusal)
         self.template = model.chat_template()
+        self.probe_row = model.probe_row()  # (the pace's and a draft's costs, as app/chat.py's session)
+        self.pass_costs = dict(self.probe_row.relative) if self.probe_row is not None else {}
         super().__init__(model, settings, messages)
         self.cache: LiteCache | None
         self.drafter = self._drafter(self.settings.draft, self.plan)
@@ -76,7 +79,7 @@ class LightChatSession(ChatHistory):
             return None
         from layerplan.decoding.drafters.registry import make_drafter
 
-        return make_drafter(spec, self.model, plan)
+        return make_drafter(spec, self.model, plan, pass_costs=self.pass_costs)
 
     def plan_taken(self, plan: LayerPlan) -> None:
         self.drafter = self._drafter(self.settings.draft, plan)  # a draft that cannot draft for it: refused here
@@ -114,11 +117,11 @@ class LightChatSession(ChatHistory):
         settings = self.settings
         if self.drafter is None:
             loop = DecodeLoop(self.model, ids, self.plan, budget, self.reply_stops, True, on_text, should_stop,
-                              cache=cache, sampling=settings.sampling(), seed=settings.seed)
+                              PaceCheck(self.probe_row), cache=cache, sampling=settings.sampling(), seed=settings.seed)
         else:
             loop = SpeculativeLoop(self.model, ids, self.plan, self.drafter, budget, self.reply_stops, True, on_text,
-                                   should_stop, cache=cache, sampling=settings.sampling(), seed=settings.seed,
-                                   draft_length=settings.draft_length)
+                                   should_stop, PaceCheck(self.probe_row), cache=cache, sampling=settings.sampling(),
+                                   seed=settings.seed, draft_length=settings.draft_length, pass_costs=self.pass_costs)
         result = loop.run()
         return self.replied(messages, ids, result, cache, kept, result.stats if self.drafter is not None else {})
 

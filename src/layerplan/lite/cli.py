@@ -15,6 +15,7 @@ import sys
 from layerplan.decoding.budget import token_budget
 from layerplan.decoding.loop import DecodeLoop
 from layerplan.decoding.text import TextDelta, prompt_notes
+from layerplan.engine.probe_rows import PaceCheck
 from layerplan.files import WriteError, cache_dir
 from layerplan.lite import TorchFrontEnd
 from layerplan.lite.model import LiteModel, lite_refusal
@@ -99,16 +100,19 @@ def run(request: LiteRequest, tokenizer: TokenizerProcess | None = None) -> int 
             sys.stdout.flush()
 
         streamed = on_text if request.stream else None
+        row = model.probe_row()  # (the pace's and the draft's costs, as the torch front end's generate)
         if request.draft is None:
             loop = DecodeLoop(model, ids, plan, request.max_new_tokens, request.stop, True, streamed,
-                              sampling=sampling, seed=request.seed)
+                              pace=PaceCheck(row), sampling=sampling, seed=request.seed)
         else:  # speculative rounds (imported here: a plain start does not wait for them)
             from layerplan.decoding.drafters.registry import make_drafter
             from layerplan.decoding.rounds import SpeculativeLoop
 
-            loop = SpeculativeLoop(model, ids, plan, make_drafter(request.draft, model, plan, request.draft_confidence),
-                                   request.max_new_tokens, request.stop, True, streamed, sampling=sampling,
-                                   seed=request.seed, draft_length=request.draft_length)
+            costs = dict(row.relative) if row is not None else {}
+            drafter = make_drafter(request.draft, model, plan, request.draft_confidence, pass_costs=costs)
+            loop = SpeculativeLoop(model, ids, plan, drafter, request.max_new_tokens, request.stop, True, streamed,
+                                   pace=PaceCheck(row), sampling=sampling, seed=request.seed,
+                                   draft_length=request.draft_length, pass_costs=costs)
         result = loop.run()
     except ENDINGS as error:
         return ended_by(error)

@@ -29,8 +29,10 @@ import numpy as np
 from layerplan.engine.file_kernels import (ARITHMETIC_CODES, FileKernels, NotDescribed, file_refusal,
                                            read_index)
 from layerplan.engine.kernel_library import ABI, check, library
+from layerplan.engine.probe_rows import ProbeRow, read_probe
 from layerplan.engine.rope_tables import rope_rows
 from layerplan.engine.stored_pack import stack_format
+from layerplan.files import cache_dir
 from layerplan.lite import TorchFrontEnd
 from layerplan.lite.tokenizer import LiteTokenizer
 from layerplan.lite.tokenizer_process import TokenizerProcess
@@ -166,6 +168,15 @@ class LiteModel:
                 what = "does not compile here" if isinstance(error, ChatTemplateError) else "is not in its index"
                 raise TorchFrontEnd(f"the model's chat template {what}") from None
         return self._chat_template
+
+    def probe_row(self) -> ProbeRow | None:
+        """This machine's cached probe row for the model as it runs here (the native engine, its
+        arithmetic's precision, its threads: engine/probe_rows.py read_probe), as cached: the
+        torch front end checks a row by a timed step after a 100-token prefill, which a start here
+        does not wait for. None: none cached."""
+        probe = read_probe(cache_dir(), self.name, self.threads)
+        precision = "stored" if self.kernels.arithmetic == ABI.LP_ARITH_EXACT else "stored-fast"
+        return probe.row("native", precision) if probe is not None else None
 
     # ----- plans and passes ----------------------------------------------------------------------
     @property

@@ -9,7 +9,7 @@ from collections.abc import Callable
 import torch
 
 from layerplan.decoding.speculative import speculative_generate
-from layerplan.engine.probe import ProbeRow
+from layerplan.engine.probe_rows import ProbeRow
 from layerplan.models.loading import LoadedModel
 from layerplan.plan.plan import LayerPlan
 from layerplan.search.evaluator import PlanEvaluator, measure_costs

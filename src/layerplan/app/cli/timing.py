@@ -94,7 +94,8 @@ def bench(**options) -> None:
 def probe(**options) -> None:
     """Time a pass over k = 1..16 new tokens per dtype and engine on this machine: the cost of
     verifying k drafted tokens relative to one decoding step. Cached per machine (CPU, flags,
-    torch, threads) and model; bench, tune, serve and generate take their default dtype from it,
+    threads, kernels; an eager row per torch build) and model; bench, tune, serve and generate
+    take their default dtype from it,
     and the adaptive draft length its verify costs. Beside each row, the floor: the least cost
     that this machine's product and memory-read rates, measured between the rounds, allow."""
     importlib.import_module("layerplan.app.cli.measuring").run_probe_command(**options)
