@@ -451,16 +451,18 @@ def test_a_real_gguf_sampled_generate_is_the_same_on_both_front_ends(name):
 
 @pytest.mark.parametrize("name", ["gemma-3-270m-Q4_K_M.gguf", "qwen2.5-coder-1.5b-instruct-Q4_K_M.gguf"])
 def test_a_real_gguf_drafted_generate_is_the_same_on_both_front_ends(name):
-    """A suffix draft on code, greedy and seeded sampled (decoding/rounds.py on the light front
-    end, speculative.py on the torch one): the same text. In `make bench-real`."""
+    """A suffix draft on code, greedy and seeded sampled; an exit of the model, seeded sampled;
+    auto, greedy (decoding/rounds.py on the light front end, speculative.py on the torch one): the
+    same text. In `make bench-real`."""
     folder = os.environ.get("LAYERPLAN_REAL_MODELS")
     path = os.path.join(folder or "/nonexistent", name)
     if not os.path.exists(path):
         pytest.skip(f"LAYERPLAN_REAL_MODELS does not name a folder with the real {name}")
     code = "Write a Python function that returns the squares of a list, then one that returns the cubes."
     cache = cache_dir()
-    for sampling in ([], ["--temp", "0.7", "--top-p", "0.95", "-s", "3"]):
-        argv = ["generate", "-m", path, code, "--chat", "-n", "64", "--draft", "suffix", *sampling]
+    sampled = ["--temp", "0.7", "--top-p", "0.95", "-s", "3"]
+    for draft, sampling in (("suffix", []), ("suffix", sampled), ("exit:14", sampled), ("auto", [])):
+        argv = ["generate", "-m", path, code, "--chat", "-n", "64", "--draft", draft, *sampling]
         light, torch_run = _run(argv, cache), _run(argv, cache, "torch")
         assert light.returncode == torch_run.returncode == 0, light.stderr + torch_run.stderr
-        assert light.stdout == torch_run.stdout and len(light.stdout) > 40, sampling
+        assert light.stdout == torch_run.stdout and len(light.stdout) > 40, (draft, sampling)
