@@ -35,7 +35,7 @@ from torch import nn
 from torch.func import functional_call
 
 from layerplan.corpus import default_corpus
-from layerplan.decoding.drafters.plan import PlanDrafter, named
+from layerplan.decoding.drafters.plan import Head, PlanDrafter, named
 from layerplan.engine.cpu_pack import PackedLinear, packing_supported
 from layerplan.engine.load import dequantized_matrix
 from layerplan.engine.runner import head as lm_head
@@ -43,8 +43,6 @@ from layerplan.engine.runner import run_hidden, softcap
 from layerplan.files import write_bytes_atomic
 from layerplan.models.loading import LoadedModel, cache_dir
 from layerplan.plan.plan import LayerPlan
-
-Head = Callable[[torch.Tensor], torch.Tensor]  # hidden (..., H) -> logits (..., V)
 
 
 def final_head(model: LoadedModel) -> Head:
