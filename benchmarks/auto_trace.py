@@ -148,21 +148,34 @@ def measure(model_path: str, new_tokens: int = 64, rounds: int = 5) -> list[dict
     generate` loads it, with this machine's probe row as generate gives it; medians and ranges of
     the ratio, and whether the outputs are the same."""
     from layerplan.app.cli.common import checked_probe_row
-    from layerplan.app.prompts import CHAT_PROMPTS, PROMPTS
     from layerplan.decoding.generate import generate
 
     model = _loaded(model_path)
     row = checked_probe_row(model)
+
+    def decode(ids: list[int], tokens: int, drafted: bool):
+        if not drafted:
+            return generate(model, ids, max_new_tokens=tokens)
+        return generate(model, ids, max_new_tokens=tokens, draft="auto", probe_row=row)
+
+    return _alternated(lambda text, chat: model.encode(text, chat=chat), decode, new_tokens, rounds)
+
+
+def _alternated(encode, decode, new_tokens: int, rounds: int) -> list[dict]:
+    """Per built-in prompt (encode(text, chat): its ids), plain and auto decodes (decode(ids,
+    tokens, drafted): a GenerationResult) alternated `rounds` times after a warm-up of each:
+    medians and ranges of the ratio, and whether the outputs are the same."""
+    from layerplan.app.prompts import CHAT_PROMPTS, PROMPTS
+
     rows = []
     for name, text in PROMPTS.items():
-        ids = model.encode(text, chat=name in CHAT_PROMPTS)
-        generate(model, ids, max_new_tokens=4)  # warm-up: first calls allocate
-        generate(model, ids, max_new_tokens=4, draft="auto", probe_row=row)
+        ids = encode(text, name in CHAT_PROMPTS)
+        decode(ids, 4, False)  # warm-up: first calls allocate
+        decode(ids, 4, True)
         ratios, plain_rates, same = [], [], True
         for _ in range(rounds):
-            plain = generate(model, ids, max_new_tokens=new_tokens)
-            auto = generate(model, ids, max_new_tokens=new_tokens, draft="auto", probe_row=row)
-            same &= plain.token_ids == auto.token_ids
+            plain, auto = decode(ids, new_tokens, False), decode(ids, new_tokens, True)
+            same &= list(plain.token_ids) == list(auto.token_ids)
             plain_s, auto_s = plain.seconds - plain.prefill_seconds, auto.seconds - auto.prefill_seconds
             ratios.append(plain_s / auto_s)
             plain_rates.append((len(plain.token_ids) - 1) / plain_s)
@@ -180,7 +193,6 @@ def measure_light(model_path: str, new_tokens: int = 64, rounds: int = 5) -> lis
     a run as each command has, with this machine's cached probe row as the command reads it
     (LiteModel.probe_row; none cached: the arbiter learns the verify costs from its passes). No
     torch in the process."""
-    from layerplan.app.prompts import CHAT_PROMPTS, PROMPTS
     from layerplan.decoding.drafters.registry import make_drafter
     from layerplan.decoding.loop import DecodeLoop
     from layerplan.decoding.rounds import SpeculativeLoop
@@ -201,24 +213,7 @@ def measure_light(model_path: str, new_tokens: int = 64, rounds: int = 5) -> lis
         drafter = make_drafter("auto", model, plan, pass_costs=costs)
         return SpeculativeLoop(model, ids, plan, drafter, tokens, pass_costs=costs).run()
 
-    rows = []
-    for name, text in PROMPTS.items():
-        ids = model.encode(text, chat=name in CHAT_PROMPTS)
-        decode(ids, 4, False)  # warm-up: first calls allocate
-        decode(ids, 4, True)
-        ratios, plain_rates, same = [], [], True
-        for _ in range(rounds):
-            plain, auto = decode(ids, new_tokens, False), decode(ids, new_tokens, True)
-            same &= plain.token_ids == auto.token_ids
-            plain_s, auto_s = plain.seconds - plain.prefill_seconds, auto.seconds - auto.prefill_seconds
-            ratios.append(plain_s / auto_s)
-            plain_rates.append((len(plain.token_ids) - 1) / plain_s)
-        rows.append({"prompt": name, "auto_over_plain": statistics.median(ratios),
-                     "range": [min(ratios), max(ratios)], "plain_tokens_per_second": statistics.median(plain_rates),
-                     "tokens": len(plain.token_ids), "same_output": same,
-                     "by_drafter": {k: [v["rounds"], v["drafted"], v["accepted"]]
-                                    for k, v in auto.stats["by_drafter"].items()}})
-    return rows
+    return _alternated(lambda text, chat: model.encode(text, chat), decode, new_tokens, rounds)
 
 
 def main(argv: list[str] | None = None) -> None:
