@@ -1,7 +1,7 @@
 """`layerplan chat` on the light front end (lite/chat.py), against the torch front end's session
 (app/chat.py) on the packaged SmolLM2: the same replies turn by turn, the same cache kept between
 turns, across a plan switch, a system message and a reset; the command from a pipe gives the torch
-front end's output, a lookup draft's too, and a line only the torch front end runs (a draft that
+front end's output, a drafted one's too, and a line only the torch front end runs (a draft that
 runs a model) hands the conversation on to it, the lines after it answered there, nothing left behind."""
 
 from __future__ import annotations
@@ -88,6 +88,31 @@ def test_a_cache_run_again_from_a_kept_stream_holds_what_a_fresh_prefill_writes(
         assert np.array_equal(mine[1][:, :len(held)], values[:, :len(held)]), index
     for index, stream in fresh.streams.items():
         assert np.array_equal(light.cache.streams[index][:len(held)], stream[:len(held)]), index
+
+
+def test_a_self_draft_follows_the_plan_as_on_the_torch_front_end(both):
+    """/draft exit:E then /plan: the draft is made again for the new plan (an exit of it), the
+    replies the torch session's; a plan the draft cannot draft for is refused before anything
+    changes, in the torch session's words."""
+    from layerplan.plan.plan import PlanError
+
+    light, torch_session = _sessions(both, max_new_tokens=10)
+    for session in (light, torch_session):
+        session.set_draft("exit:20")
+        session.set_plan("0-25,20-29")
+    assert light.drafter.name == torch_session.drafter.name == "0-25,20-29;exit:20"  # an exit of the new plan
+    ours, theirs = light.reply("Name three fruits."), torch_session.reply("Name three fruits.")
+    assert ours.token_ids == theirs.token_ids and ours.totals.drafted > 0
+    for session in (light, torch_session):
+        session.set_plan("full")
+        session.set_draft("skip:mlp=3,8")
+    errors = []
+    for session in (light, torch_session):
+        with pytest.raises(PlanError) as error:
+            session.set_plan("0-20")
+        errors.append(str(error.value))
+    assert errors[0] == errors[1] and "not a sub-plan" in errors[0]
+    assert light.plan.to_string() == torch_session.plan.to_string() == "full"
 
 
 def test_what_the_light_session_does_not_run_it_refuses_before_changing_anything(both):
