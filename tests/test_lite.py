@@ -153,8 +153,8 @@ def test_lookup_drafts_on_the_light_model_give_the_torch_front_ends_rounds(tmp_p
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
 @pytest.mark.parametrize("dtype", ["stored", "stored-fast"])
 def test_self_drafts_on_the_light_model_give_the_torch_front_ends_rounds(tmp_path, arch, dtype):
-    """A sub-plan of the model as its own draft (an exit, skipped sub-layers; `|` after a lookup;
-    auto over them) on a LiteModel, its steps writing the target's slots (LiteCache.draft_view):
+    """A sub-plan of the model as its own draft (an exit, skipped sub-layers, a window; `|` after
+    a lookup; auto over them) on a LiteModel, its steps writing the target's slots (LiteCache.draft_view):
     greedy, the plain decode's tokens; greedy and seeded sampled, the torch front end's rounds
     on the same file (the same tokens, drafts, acceptances and q), through a plan too."""
     from layerplan.decoding.drafters.registry import make_drafter
@@ -166,7 +166,8 @@ def test_self_drafts_on_the_light_model_give_the_torch_front_ends_rounds(tmp_pat
     sampled = SamplingParams(temperature=0.8, top_k=30)
     last = lite.num_layers - 1
     cases = [(None, "exit:1", None, None), (None, f"skip:mlp={last}", None, None), ("0,1,1,2", "exit:3", sampled, 5),
-             (None, f"skip:attn=1;mlp={last}", sampled, 8), (None, "ngram|exit:2", None, None)]
+             (None, f"skip:attn=1;mlp={last}", sampled, 8), (None, "ngram|exit:2", None, None),
+             (None, "window:2,5", None, None), (None, "window:1,4/exit:2", sampled, 3)]
     for text, spec, sampling, seed in cases:
         plain = DecodeLoop(lite, prompt, lite.plan(text), 20, stop_at_eos=False, sampling=sampling, seed=seed).run()
         plan = lite.plan(text)
@@ -406,7 +407,7 @@ def test_a_second_model_is_refused_in_the_torch_front_ends_words(tmp_path):
     (["generate", "Hi", "--draft", "dynamic:confidence=0.8"], None),
     (["generate", "Hi", "--draft", "self:bits=q4_0"], None),
     (["generate", "Hi", "--draft", "online"], None),
-    (["generate", "Hi", "--draft", "window:4,64"], None),
+    (["generate", "Hi", "--draft", "window:4,64"], LiteRequest("Hi", draft="window:4,64")),
     (["generate", "Hi", "-md", "small.gguf"], None),
     (["generate", "Hi", "--draft", "ngram", "--draft-length", "often"], None),  # its message
     (["generate", "Hi", "--stats"], LiteRequest("Hi", stats=True)),

@@ -2,7 +2,7 @@
 (app/chat.py) on the packaged SmolLM2: the same replies turn by turn, the same cache kept between
 turns, across a plan switch, a system message and a reset; the command from a pipe gives the torch
 front end's output, a drafted one's too, and a line only the torch front end runs (a draft that
-runs a model) hands the conversation on to it, the lines after it answered there, nothing left behind."""
+runs torch modules) hands the conversation on to it, the lines after it answered there, nothing left behind."""
 
 from __future__ import annotations
 
@@ -118,7 +118,7 @@ def test_a_self_draft_follows_the_plan_as_on_the_torch_front_end(both):
 def test_what_the_light_session_does_not_run_it_refuses_before_changing_anything(both):
     light, _ = _sessions(both, max_new_tokens=4)
     before = dict(vars(light.settings))
-    for spec in ("window:4,64", "suffix:tree", "exit:8+vocab=512", "online"):
+    for spec in ("dynamic:confidence=0.8", "suffix:tree", "exit:8+vocab=512", "online"):
         with pytest.raises(TorchFrontEnd, match="torch front end"):
             light.set_draft(spec)
     from layerplan.plan.plan import PlanError
@@ -165,7 +165,7 @@ def _chat(lines: str, tmp_path, *options: str, front_end: str = "", cache=None) 
 DIALOGUE = ("/system Answer in one sentence.\nWhat is the capital of France?\n/plan 0-25,20-29\n"
             "What river runs through it?\n/plan full\n/reset\nHello\n")
 # (the drafted reply samples too: with a seed it drafts by its own rounds, whatever the timings)
-HANDED_ON = ("What is the capital of France?\n/temp 0.8\n/seed 7\nTell me about it.\n/draft window:4,16\n"
+HANDED_ON = ("What is the capital of France?\n/temp 0.8\n/seed 7\nTell me about it.\n/draft exit:8+vocab=512\n"
              "And its river?\n/stats\n")
 
 
@@ -202,12 +202,12 @@ def test_a_line_only_torch_runs_hands_the_conversation_on(tmp_path):
     light, torch_run = (_chat(HANDED_ON, tmp_path, "-n", "12", front_end=fe) for fe in ("", "torch"))
     assert light.returncode == torch_run.returncode == 0, light.stderr
     assert light.stdout == torch_run.stdout and light.stdout.count("\n") == 3
-    assert ("(a draft that runs another model, a draft head or a dynamic exit, or a token tree, runs on the "
-            "torch front end: starting it, the conversation kept)") in light.stderr
+    assert ("(a draft that runs another model or a copy of it, a draft head, online skips or a dynamic exit, or a "
+            "token tree, runs on the torch front end: starting it, the conversation kept)") in light.stderr
     assert light.stderr.count("loading ") == 2 and "Traceback" not in light.stderr
     assert "was saved with" not in light.stderr
     stats = [line for line in light.stderr.splitlines() if line.startswith("session: ")]
-    assert stats and stats[0].startswith("session: 36 tokens")  # (the light replies' 24 counted on)
+    assert stats and stats[0].startswith("session: 34 tokens")  # (the light replies' 24 counted on)
     assert not list(tmp_path.glob("layerplan-chat-*"))  # the hand-off's folder: removed
 
 
@@ -356,10 +356,10 @@ def test_a_hand_off_that_cannot_start_says_so_and_the_conversation_goes_on(both,
     monkeypatch.setattr(sys, "executable", str(tmp_path / "no-python"))
     light, _ = _sessions(both, max_new_tokens=4)
     out, err = io.StringIO(), io.StringIO()
-    loop = ChatLoop(light, io.StringIO("Hi\n/draft window:4,16\nAgain\n"), out, err, interactive=False,
+    loop = ChatLoop(light, io.StringIO("Hi\n/draft exit:8+vocab=512\nAgain\n"), out, err, interactive=False,
                     hand_off=hand_off_to_torch(LiteChatRequest(), interactive=False))
     assert loop.run() == 0
-    assert "Error: the torch front end could not be started" in err.getvalue() and "'/draft window:4,16' was not run" \
+    assert "Error: the torch front end could not be started" in err.getvalue() and "'/draft exit:8+vocab=512' was not run" \
         in err.getvalue()
     assert out.getvalue().count("\n") == 2 and light.settings.draft is None and light.session.replies == 2
     assert not list(tmp_path.glob("layerplan-chat-*"))
@@ -371,7 +371,7 @@ def test_a_chat_with_a_second_model_prints_what_the_torch_front_end_prints(tmp_p
     hand-off keeps it."""
     from layerplan.models.gguf_place import default_gguf_path
 
-    lines = "Hi\n/plan 0-14,b:15-29\nAgain\n/temp 0.5\n/seed 3\nOnce more\n/draft window:4,16\nAnd again\n"
+    lines = "Hi\n/plan 0-14,b:15-29\nAgain\n/temp 0.5\n/seed 3\nOnce more\n/draft exit:8+vocab=512\nAnd again\n"
     light, torch_run = (_chat(lines, tmp_path, "-n", "8", "--model-b", str(default_gguf_path()), front_end=fe)
                         for fe in ("", "torch"))
     assert light.returncode == torch_run.returncode == 0, light.stderr

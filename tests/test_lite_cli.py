@@ -94,6 +94,8 @@ SAME_OUTPUT = [
     ["generate", "Name the planets.", "--chat", "-n", "24", "--plan", "0-25,20-29", "--draft", "exit:24|ngram",
      "--draft-length", "fixed"],
     ["generate", "def add(a, b):\n    return a + b\n\ndef sub(a, b):", "-n", "32", "--draft", "auto"],
+    ["generate", "The history of Rome in brief:", "-n", "24", "--draft", "window:4,8/exit:24", "--temp", "0.6", "-s",
+     "2"],
 ]
 STATISTICS = ["generate", "The capital of France is", "-n", "8", "--stats", "--json", "--no-stream"]
 BAD_REQUESTS = [

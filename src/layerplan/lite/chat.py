@@ -26,8 +26,8 @@ from layerplan.lite.model import LiteCache, LiteModel
 from layerplan.models.chat_template import plain_chat_text
 from layerplan.plan.plan import LayerPlan
 
-DRAFTS_NEED_TORCH = ("a draft that runs another model, a draft head or a dynamic exit, or a token tree, runs on "
-                     "the torch front end")
+DRAFTS_NEED_TORCH = ("a draft that runs another model or a copy of it, a draft head, online skips or a dynamic "
+                     "exit, or a token tree, runs on the torch front end")
 
 
 def light_refusal(settings: ChatSettings) -> str | None:

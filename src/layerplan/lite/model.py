@@ -244,13 +244,15 @@ class LiteModel:
             out *= self.embed_scale
         return out
 
-    def logits(self, ids: Sequence[int], cache: LiteCache, start_pos: int, last_only: bool = True) -> np.ndarray:
+    def logits(self, ids: Sequence[int], cache: LiteCache, start_pos: int, last_only: bool = True,
+               window: tuple[int, int] | None = None) -> np.ndarray:
         """float32 (1 or len(ids), vocab): the logits of a pass of `ids` at positions start_pos..,
-        their keys and values written into the cache (lp_forward, as engine/native.py's whole pass)."""
+        their keys and values written into the cache (lp_forward, as engine/native.py's whole
+        pass); window: see _pass."""
         ids = np.asarray(ids, np.int64)
         if start_pos + len(ids) > cache.capacity:
             raise ValueError(f"positions up to {start_pos + len(ids)} do not fit a cache of {cache.capacity}")
-        return self._pass(self.embed_rows(ids), cache, 0, start_pos, last_only, "a native pass")
+        return self._pass(self.embed_rows(ids), cache, 0, start_pos, last_only, "a native pass", window)
 
     def run_from(self, cache: LiteCache, step: int, length: int) -> None:
         """Write the cache's slots (and kept streams) of its plan's active steps from `step` on, over
@@ -260,10 +262,12 @@ class LiteModel:
                    "a native pass from a kept stream")
 
     def _pass(self, rows: np.ndarray, cache: LiteCache, entry: int, start_pos: int, last_only: bool,
-              what: str) -> np.ndarray:
+              what: str, window: tuple[int, int] | None = None) -> np.ndarray:
         """One lp_forward call: `rows` (float32 (n, hidden), the stream entering step table entry
         `entry`) at positions start_pos.. through the cache's steps from that entry on; the logits
-        of the last row (or of every row), the cache's length its end."""
+        of the last row (or of every row), the cache's length its end. window (sink, recent): a
+        one-token pass attends to the first `sink` and the `recent` latest positions only (a
+        window draft's, as engine/native.py's pass reads KVCache.read_window)."""
         count = len(rows)
         order = np.arange(count, dtype=np.int64)
         hidden = np.empty((count, self.config.hidden), np.float32)
@@ -273,9 +277,10 @@ class LiteModel:
         cos = (ctypes.c_void_p * tables)(*(table[start_pos:].ctypes.data for table in self._cos))
         sin = (ctypes.c_void_p * tables)(*(table[start_pos:].ctypes.data for table in self._sin))
         steps = ctypes.cast(ctypes.addressof(cache.table) + entry * ctypes.sizeof(_Step), ctypes.POINTER(_Step))
+        sink, recent = window if window is not None and count == 1 else (0, 0)
         check(library().lp_forward(
             rows.ctypes.data, count, order.ctypes.data, count, hidden.ctypes.data, steps, len(cache.table) - entry,
-            start_pos, cos, sin, 0, 0, None, ctypes.byref(self.final_norm), ctypes.byref(self.head),
+            start_pos, cos, sin, sink, recent, None, ctypes.byref(self.final_norm), ctypes.byref(self.head),
             count - 1 if last_only else 0, logits.ctypes.data, ABI.LP_DTYPE_F32, self.threads), what)
         cache.length = start_pos + count
         return logits
@@ -297,7 +302,7 @@ class LiteModel:
         end's."""
         if draft_head is not None:
             raise TorchFrontEnd("a draft read by a draft head runs on the torch front end")
-        return self.logits([token], cache.draft_view(plan), position)[-1]
+        return self.logits([token], cache.draft_view(plan), position, window=cache.read_window)[-1]
 
 
 class LiteCache:
@@ -316,6 +321,9 @@ class LiteCache:
         self.capacity = capacity
         self.length = 0  # the positions written (a pass's end)
         self.views: dict[LayerPlan, LiteCache] = {}  # draft plan -> its view of these slots
+        # (sink, recent): a window draft's one-token passes read only those positions (set while it
+        # drafts: drafters/plan.py WindowedDrafter)
+        self.read_window: tuple[int, int] | None = None
         indices = [i for i, step in enumerate(plan.active_steps) if step.active]
         self.entry_of = {index: t for t, index in enumerate(indices)}  # active step -> step table entry
         self.slots: list[tuple[np.ndarray, np.ndarray]] = []

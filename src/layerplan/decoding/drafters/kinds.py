@@ -55,8 +55,8 @@ def drafter_help() -> str:
 
 
 # the kinds the light front end runs (their drafters run no torch module): lookups and the
-# target's own sub-plans (a plan spec, exit:E), and auto over them
-LIGHT_KINDS = ("ngram", "suffix", "exit", "auto", PLAN_KEYWORD)
+# target's own sub-plans (a plan spec, exit:E, a window), and auto over them
+LIGHT_KINDS = ("ngram", "suffix", "exit", "window", "auto", PLAN_KEYWORD)
 HEAD_TAGS = ("+head", "+vocab=", "+branch=")  # what a spec adds to a layer-plan draft (registry.py _build)
 
 
