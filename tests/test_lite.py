@@ -187,6 +187,49 @@ def test_self_drafts_on_the_light_model_give_the_torch_front_ends_rounds(tmp_pat
     assert got.token_ids == plain.token_ids
 
 
+@pytest.mark.parametrize("dtype", ["stored", "stored-fast"])
+def test_a_draft_model_on_the_light_front_end_gives_the_torch_front_ends_rounds(tmp_path, dtype):
+    """--draft model:PATH (-md) with a GGUF of the same vocabulary: on the light front end a
+    LiteModel of it (LiteModel.load_draft), on the torch one the file as stored in the target's
+    arithmetic (never dequantized whole): the same rounds, greedy (plain's tokens) and seeded
+    sampled (the same q). Its cache grows as the context does (LiteModel.with_room)."""
+    from transformers import AutoModelForCausalLM
+    from tiny import tiny_config
+
+    from layerplan.decoding.drafters.registry import make_drafter
+    from layerplan.decoding.rounds import SpeculativeLoop
+    from layerplan.decoding.sampling_params import SamplingParams
+
+    model, lite = _pair(tmp_path, "llama", "Q8_0", dtype)
+    small = write_tiny_gguf(tiny_hf("llama", num_layers=2, seed=1), tmp_path / "small.gguf", "Q8_0")
+    spec = f"model:{small}"
+    prompt = PROMPT * 2
+    for sampling, seed in ((None, None), (SamplingParams(temperature=0.8, top_k=30), 4)):
+        plan = lite.plan()
+        drafter = make_drafter(spec, lite, plan, load_draft=lite.load_draft)
+        assert isinstance(drafter.model, LiteModel) and drafter.model.arithmetic == lite.arithmetic
+        got = SpeculativeLoop(lite, prompt, plan, drafter, 100, stop_at_eos=False, sampling=sampling, seed=seed,
+                              draft_length="fixed").run()
+        want = generate(model, prompt, model.plan(), max_new_tokens=100, stop_at_eos=False, sampling=sampling,
+                        seed=seed, draft=spec, draft_length="fixed")
+        assert got.token_ids == want.token_ids
+        rounds = ("rounds", "drafted", "accepted", "emitted", "drafted_at", "accepted_at")
+        assert [got.stats[k] for k in rounds] == [want.stats[k] for k in rounds]
+        if sampling is None:
+            assert got.token_ids == DecodeLoop(lite, prompt, plan, 100, stop_at_eos=False).run().token_ids
+    cache = lite.new_cache(lite.plan(), 16)
+    lite.logits(PROMPT, cache, 0)
+    assert lite.with_room(cache, 16) is cache
+    grown = lite.with_room(cache, 20)
+    assert grown.capacity == 32 and grown.length == len(PROMPT)
+    assert np.array_equal(grown.slots[0][0][:, :len(PROMPT)], cache.slots[0][0][:, :len(PROMPT)])
+    config = tiny_config("llama", 2)
+    config.vocab_size = 64
+    other = write_tiny_gguf(AutoModelForCausalLM.from_config(config).eval(), tmp_path / "other.gguf", "Q8_0")
+    with pytest.raises(ValueError, match="vocabulary"):  # (the torch front end's check, in its words)
+        make_drafter(f"model:{other}", lite, load_draft=lite.load_draft)
+
+
 def test_the_light_model_reads_this_machines_probe_row_without_torch(tmp_path):
     """The probe a torch process cached (engine/probe_rows.py: keyed without torch) gives the light
     front end its native row for the model's arithmetic: its verify costs for a draft, its pace;
@@ -408,7 +451,8 @@ def test_a_second_model_is_refused_in_the_torch_front_ends_words(tmp_path):
     (["generate", "Hi", "--draft", "self:bits=q4_0"], None),
     (["generate", "Hi", "--draft", "online"], None),
     (["generate", "Hi", "--draft", "window:4,64"], LiteRequest("Hi", draft="window:4,64")),
-    (["generate", "Hi", "-md", "small.gguf"], None),
+    (["generate", "Hi", "-md", "small.gguf"], LiteRequest("Hi", draft="model:small.gguf")),  # another GGUF drafts
+    (["generate", "Hi", "-md", "small.gguf", "--draft", "ngram"], None),  # both: the torch front end's message
     (["generate", "Hi", "--draft", "ngram", "--draft-length", "often"], None),  # its message
     (["generate", "Hi", "--stats"], LiteRequest("Hi", stats=True)),
     (["generate", "Hi", "--repeat-penalty", "1.1", "--frequency-penalty", "0.5", "-l", "5-inf", "-l", "7+2"],

@@ -96,6 +96,8 @@ SAME_OUTPUT = [
     ["generate", "def add(a, b):\n    return a + b\n\ndef sub(a, b):", "-n", "32", "--draft", "auto"],
     ["generate", "The history of Rome in brief:", "-n", "24", "--draft", "window:4,8/exit:24", "--temp", "0.6", "-s",
      "2"],
+    # another GGUF as the draft (-md, llama.cpp's flag; the packaged file, the one real file the suite holds)
+    ["generate", "Once upon a time", "-n", "16", "-md", str(default_gguf_path()), "--temp", "0.7", "-s", "9"],
 ]
 STATISTICS = ["generate", "The capital of France is", "-n", "8", "--stats", "--json", "--no-stream"]
 BAD_REQUESTS = [

@@ -92,7 +92,7 @@ def test_greedy_speculative_equals_plain_for_every_drafter(arch):
 def test_greedy_with_a_separate_draft_model_and_stop_at_eos():
     model = tiny_model("llama", num_layers=3, seed=0)
     draft_model = wrap_model(tiny_hf("llama", num_layers=2, seed=1))
-    drafter = ModelDrafter(draft_model)
+    drafter = ModelDrafter(draft_model, ModelPasses(draft_model))
     plain = generate(model, PROMPT, max_new_tokens=20)
     result = generate(model, PROMPT, max_new_tokens=20, draft=drafter, draft_length="fixed")
     assert result.token_ids == plain.token_ids and result.stop_reason == plain.stop_reason
@@ -131,14 +131,15 @@ def test_every_drafter_checks_model_and_target_alike():
     model = tiny_model("llama", num_layers=3)
     drafters = [make_drafter(spec, model) for spec in ("ngram", "exit:2", "window:2,3", "dynamic:confidence=0.5",
                                                         "ngram|exit:1", "skip:attn=1")]
-    drafters.append(ModelDrafter(tiny_model("llama", num_layers=2)))
+    small = tiny_model("llama", num_layers=2)
+    drafters.append(ModelDrafter(small, ModelPasses(small)))
     for drafter in drafters:
         drafter.check(model, model.plan())  # one signature: (model, target plan)
     config = tiny_config("llama", 2)
     config.vocab_size = VOCAB // 2
     small_vocab = wrap_model(AutoModelForCausalLM.from_config(config).eval())
     with pytest.raises(ValueError, match="vocabulary"):
-        ModelDrafter(small_vocab).check(model, model.plan())
+        ModelDrafter(small_vocab, ModelPasses(small_vocab)).check(model, model.plan())
 
 
 def test_draft_confidence_stops_every_drafter_that_runs_a_model():

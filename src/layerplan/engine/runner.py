@@ -81,6 +81,11 @@ class ModelPasses:
     def pass_logits(self, ids: Sequence[int], plan: LayerPlan, cache: KVCache, start: int) -> torch.Tensor:
         return forward(self.model, self._tokens(ids), plan, cache, start)[0]
 
+    def with_room(self, cache: KVCache, end: int) -> KVCache:
+        """drafters/model.py's DraftModelPasses: the cache itself (its buffers grow when a pass
+        needs more)."""
+        return cache
+
     @torch.inference_mode()
     def draft_logits(self, token: int, position: int, plan: LayerPlan, cache: KVCache,
                      draft_head: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:

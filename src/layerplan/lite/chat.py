@@ -79,7 +79,7 @@ class LightChatSession(ChatHistory):
             return None
         from layerplan.decoding.drafters.registry import make_drafter
 
-        return make_drafter(spec, self.model, plan, pass_costs=self.pass_costs)
+        return make_drafter(spec, self.model, plan, pass_costs=self.pass_costs, load_draft=self.model.load_draft)
 
     def plan_taken(self, plan: LayerPlan) -> None:
         self.drafter = self._drafter(self.settings.draft, plan)  # a draft that cannot draft for it: refused here

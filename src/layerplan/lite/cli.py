@@ -109,7 +109,8 @@ def run(request: LiteRequest, tokenizer: TokenizerProcess | None = None) -> int 
             from layerplan.decoding.rounds import SpeculativeLoop
 
             costs = dict(row.relative) if row is not None else {}
-            drafter = make_drafter(request.draft, model, plan, request.draft_confidence, pass_costs=costs)
+            drafter = make_drafter(request.draft, model, plan, request.draft_confidence, pass_costs=costs,
+                                   load_draft=model.load_draft)
             loop = SpeculativeLoop(model, ids, plan, drafter, request.max_new_tokens, request.stop, True, streamed,
                                    pace=PaceCheck(row), sampling=sampling, seed=request.seed,
                                    draft_length=request.draft_length, pass_costs=costs)

@@ -40,7 +40,7 @@ from layerplan.machine import physical_cores
 from layerplan.models.arch_table import ARCHITECTURES, attach_refusal, layer_attention
 from layerplan.models.errors import ModelError
 from layerplan.models.gguf_index import file_index
-from layerplan.models.gguf_place import DEFAULT_DISPLAY_NAME, INDEX_VERSION, default_gguf_path, index_folder
+from layerplan.models.gguf_place import DEFAULT_DISPLAY_NAME, INDEX_VERSION, default_gguf_path, gguf_of, index_folder
 from layerplan.plan.plan import LayerPlan, PlanError, check_attached
 
 _Kv, _Step = (ABI.structs[name] for name in ("lp_kv", "lp_step"))
@@ -91,6 +91,7 @@ class LiteModel:
             raise TorchFrontEnd(f"{gguf.name}: {refusal}")
         self.name = DEFAULT_DISPLAY_NAME if gguf == default_gguf_path() else gguf.stem
         self.source = str(gguf)
+        self.arithmetic = arithmetic
         self.threads = threads or physical_cores()  # (torch's default, as the torch front end runs)
         try:  # (its panels fill on threads from here on)
             self.kernels = FileKernels(gguf, index, ARITHMETIC_CODES[arithmetic], self.threads)
@@ -187,6 +188,11 @@ class LiteModel:
     def context_length(self) -> int:
         return self.config.context_length
 
+    @property
+    def vocab_size(self) -> int:
+        """The vocabulary the config names (config.json's vocab_size), else the LM head's rows."""
+        return int(self.hf_config.get("vocab_size", self.vocab))
+
     def plan(self, text: str | os.PathLike | None = None) -> LayerPlan:
         """A plan (string or file) parsed against this model; None: the full model."""
         if text is None:
@@ -197,6 +203,16 @@ class LiteModel:
         plan = load_plan(text, self.num_layers, self.name)
         check_attached(plan, tuple(self.others))  # (PlanError in the torch front end's words)
         return plan
+
+    def load_draft(self, path: str) -> tuple[LiteModel, LiteModel]:
+        """A draft model (--draft model:PATH, -md) and its passes (itself): a GGUF in this model's
+        arithmetic and threads, without a tokenizer (the target's tokenizes); TorchFrontEnd where
+        it is not a GGUF the light front end runs (the torch front end loads it, or says why not)."""
+        gguf = gguf_of(path)
+        if gguf is None:
+            raise TorchFrontEnd(f"{path}: not a GGUF file")
+        draft = LiteModel(gguf, self.arithmetic, self.threads, with_tokenizer=False)
+        return draft, draft
 
     def attach(self, other: LiteModel, label: str = "b") -> None:
         """Let plans take layers from `other` ("b:8-23"), as models/loading.py's LoadedModel.attach:
@@ -293,6 +309,11 @@ class LiteModel:
     def pass_logits(self, ids: Sequence[int], plan: LayerPlan, cache: LiteCache, start: int) -> np.ndarray:
         """decoding/rounds.py's VerifyPasses: the logits (len(ids), vocab) of a pass."""
         return self.logits(ids, cache, start, last_only=False)
+
+    def with_room(self, cache: LiteCache, end: int) -> LiteCache:
+        """decoding/drafters/model.py's DraftModelPasses (a draft model's cache, as its context
+        grows): the cache, or a copy of it twice as large where positions up to `end` do not fit."""
+        return cache if end <= cache.capacity else cache.grown(max(end, 2 * cache.capacity))
 
     def draft_logits(self, token: int, position: int, plan: LayerPlan, cache: LiteCache,
                      draft_head=None) -> np.ndarray:

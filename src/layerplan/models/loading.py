@@ -116,6 +116,11 @@ class LoadedModel:
         return self.parts.lm_head.weight.dtype
 
     @property
+    def vocab_size(self) -> int:
+        """The vocabulary the config names."""
+        return int(self.hf.config.vocab_size)
+
+    @property
     def precision(self) -> str:
         """What its weights are, for reports and commands: "stored" (a GGUF's blocks), a block format
         quantized to at load ("q4_k"), "-fast" after either with integer products; or the dtype."""

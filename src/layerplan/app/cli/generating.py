@@ -24,7 +24,7 @@ from layerplan.lite.request import LiteRequest
 _CARRIED = {"prompt", "prompt_option", "prompt_path", "model", "model_b", "dtype", "engine", "device", "threads",
             "max_new_tokens", "plan", "stop", "chat", "stream", "stats", "verbose", "as_json", "temperature",
             "top_k", "top_p", "min_p", "seed", "max_batch", "repetition_penalty", "presence_penalty",
-            "frequency_penalty", "logit_bias", "draft", "draft_length", "draft_confidence"}
+            "frequency_penalty", "logit_bias", "draft", "draft_length", "draft_confidence", "draft_model"}
 
 
 @click.command()
@@ -91,7 +91,12 @@ def light_request(argv: list[str]) -> LiteRequest | None:
             return None
     if len(prompts) != 1 or not prompts[0] or given["engine"] == "eager":
         return None
-    if given["draft"] is not None and not drafts_on_the_light_front_end(given["draft"]):
+    draft = given["draft"]
+    if given["draft_model"] is not None:  # -md FILE: --draft model:FILE (app/cli/running.py)
+        if draft is not None:
+            return None  # (both given: the torch front end's message)
+        draft = f"model:{given['draft_model']}"
+    if draft is not None and not drafts_on_the_light_front_end(draft):
         return None  # (a draft that runs torch modules, or a token tree: the torch front end's)
     request = LiteRequest(prompt=prompts[0], model=given["model"], model_b=given["model_b"], dtype=given["dtype"],
                           engine=given["engine"], threads=given["threads"], plan=given["plan"],
@@ -100,9 +105,8 @@ def light_request(argv: list[str]) -> LiteRequest | None:
                           repetition_penalty=given["repetition_penalty"], presence_penalty=given["presence_penalty"],
                           frequency_penalty=given["frequency_penalty"], logit_bias=tuple(given["logit_bias"]),
                           temperature=given["temperature"], top_k=given["top_k"], top_p=given["top_p"],
-                          min_p=given["min_p"], seed=given["seed"], draft=given["draft"],
-                          draft_length=given["draft_length"],
-                          draft_confidence=given["draft_confidence"] if given["draft"] is not None else 0.0)
+                          min_p=given["min_p"], seed=given["seed"], draft=draft, draft_length=given["draft_length"],
+                          draft_confidence=given["draft_confidence"] if draft is not None else 0.0)
     try:
         request.sampling()
     except SamplingError:  # (said by the torch front end, in its words)

@@ -54,9 +54,10 @@ def drafter_help() -> str:
         "top-1 probability is below P (greedy)")
 
 
-# the kinds the light front end runs (their drafters run no torch module): lookups and the
-# target's own sub-plans (a plan spec, exit:E, a window), and auto over them
-LIGHT_KINDS = ("ngram", "suffix", "exit", "window", "auto", PLAN_KEYWORD)
+# the kinds the light front end runs (their drafters run no torch module): lookups, the target's
+# own sub-plans (a plan spec, exit:E, a window), auto over them, and another GGUF (model:PATH: the
+# light front end hands it on where it does not run that file)
+LIGHT_KINDS = ("ngram", "suffix", "exit", "window", "auto", "model", PLAN_KEYWORD)
 HEAD_TAGS = ("+head", "+vocab=", "+branch=")  # what a spec adds to a layer-plan draft (registry.py _build)
 
 

@@ -27,7 +27,7 @@ from layerplan.decoding.drafters.proposal import Drafter
 from layerplan.decoding.drafters.saved import saved_draft_path
 from layerplan.decoding.drafters.staged import StagedDrafter
 from layerplan.decoding.drafters.suffix import SuffixDrafter, read_corpus
-from layerplan.engine.choices import QUANTIZE_AT_LOAD
+from layerplan.engine.choices import QUANTIZE_AT_LOAD, STORED_ARITHMETIC
 from layerplan.models.errors import ModelError
 from layerplan.plan.plan import LayerPlan, parse_plan
 
@@ -45,6 +45,9 @@ class Context:
     # the spec came from a client of this machine (a server's request): it may name no file here
     # (a plan, corpus or head file) and load no other model (the server keeps one model in memory)
     remote: bool = False
+    # load_draft(path): a draft model (model:PATH) and its passes, as the target's front end runs
+    # it (lite/model.py LiteModel.load_draft); None: the torch front end's (_loaded_draft)
+    load_draft: Callable[[str], tuple[Any, Any]] | None = None
 
     def plan(self, text: str) -> LayerPlan:
         """A plan for the model: a plan string, or (not remote) a plan file."""
@@ -166,9 +169,22 @@ def _model(arg: str | None, text: str, ctx: Context) -> Drafter:
         raise ValueError(f"cannot read '{text}': expected model:PATH")
     ctx.local_only(text, "load a second model")
     from layerplan.decoding.drafters.model import ModelDrafter
-    from layerplan.engine.load import load_model
 
-    return ModelDrafter(load_model(arg, dtype=ctx.model.dtype, device=ctx.model.device), ctx.min_confidence)
+    model, passes = ctx.load_draft(arg) if ctx.load_draft is not None else _loaded_draft(arg, ctx.model)
+    return ModelDrafter(model, passes, ctx.min_confidence)
+
+
+def _loaded_draft(path: str, target) -> tuple[Any, Any]:
+    """A draft model on the torch front end, and its passes: a GGUF in the target's arithmetic
+    where the target runs stored weights (its blocks as stored, never dequantized whole), else at
+    the target's dtype."""
+    from layerplan.engine.load import load_model
+    from layerplan.engine.runner import ModelPasses
+    from layerplan.models.gguf_place import gguf_of
+
+    stored = target.precision in STORED_ARITHMETIC and gguf_of(path) is not None
+    model = load_model(path, dtype=target.precision if stored else target.dtype, device=target.device)
+    return model, ModelPasses(model)
 
 
 # quantized copies of a model kept for its `self:bits=` drafts, at most this many precisions, on the
@@ -207,8 +223,10 @@ def _self(arg: str | None, text: str, ctx: Context) -> Drafter:
     except ModelError as error:
         raise ValueError(f"'{text}' quantizes the model again from its file: {error}") from None
     from layerplan.decoding.drafters.model import ModelDrafter
+    from layerplan.engine.runner import ModelPasses
 
-    return ModelDrafter(copy, ctx.min_confidence, plan=copy.plan(rest) if rest else None, name=text)
+    return ModelDrafter(copy, ModelPasses(copy), ctx.min_confidence, plan=copy.plan(rest) if rest else None,
+                        name=text)
 
 
 @builds("online")
@@ -244,14 +262,15 @@ if BUILDERS.keys() != {*DRAFTERS, PLAN_KEYWORD}:  # (kinds.py's rows and the bui
 
 def make_drafter(spec: str | Drafter, model, target: LayerPlan | None = None,
                  min_confidence: float = 0.0, pass_costs: dict[int, float] | None = None,
-                 remote: bool = False) -> Drafter:
+                 remote: bool = False, load_draft: Callable[[str], tuple[Any, Any]] | None = None) -> Drafter:
     """A drafter from its spec (see DRAFTERS) or a ready-made one, checked against the model and
     the target plan before anything runs. pass_costs: k -> a k-token verify pass in steps on this
     machine (engine/probe.py), for the drafters that weigh proposals by cost (auto). remote: the
     spec came from a server's client, and may name no file on this machine nor load another model
-    (ValueError)."""
+    (ValueError). load_draft: see Context."""
     target = target if target is not None else model.plan()
-    context = Context(model, target, min_confidence, pass_costs=dict(pass_costs or {}), remote=remote)
+    context = Context(model, target, min_confidence, pass_costs=dict(pass_costs or {}), remote=remote,
+                      load_draft=load_draft)
     drafter = _build(spec, context) if isinstance(spec, str) else spec
     drafter.check(model, target)
     return drafter
