@@ -451,7 +451,10 @@ def test_a_second_model_is_refused_in_the_torch_front_ends_words(tmp_path):
     (["generate", "Hi", "--draft", "self:bits=q4_0"], None),
     (["generate", "Hi", "--draft", "online"], None),
     (["generate", "Hi", "--draft", "window:4,64"], LiteRequest("Hi", draft="window:4,64")),
-    (["generate", "Hi", "-md", "small.gguf"], LiteRequest("Hi", draft="model:small.gguf")),  # another GGUF drafts
+    (["generate", "Hi", "-md", "smollm2"], LiteRequest("Hi", draft="model:smollm2")),  # another GGUF drafts
+    (["generate", "Hi", "-md", "small.gguf"], None),  # no such file: the torch front end says so
+    (["generate", "Hi", "-md", "some/folder"], None),  # a Hugging Face folder: the torch front end loads it
+    (["generate", "Hi", "--draft", "ngram|model:some/folder"], None),
     (["generate", "Hi", "-md", "small.gguf", "--draft", "ngram"], None),  # both: the torch front end's message
     (["generate", "Hi", "--draft", "ngram", "--draft-length", "often"], None),  # its message
     (["generate", "Hi", "--stats"], LiteRequest("Hi", stats=True)),

@@ -202,8 +202,8 @@ def test_a_line_only_torch_runs_hands_the_conversation_on(tmp_path):
     light, torch_run = (_chat(HANDED_ON, tmp_path, "-n", "12", front_end=fe) for fe in ("", "torch"))
     assert light.returncode == torch_run.returncode == 0, light.stderr
     assert light.stdout == torch_run.stdout and light.stdout.count("\n") == 3
-    assert ("(a draft that runs another model or a copy of it, a draft head, online skips or a dynamic exit, or a "
-            "token tree, runs on the torch front end: starting it, the conversation kept)") in light.stderr
+    assert ("(a draft that runs a re-quantized copy of the model, a draft head, online skips or a dynamic exit, "
+            "or a token tree, runs on the torch front end: starting it, the conversation kept)") in light.stderr
     assert light.stderr.count("loading ") == 2 and "Traceback" not in light.stderr
     assert "was saved with" not in light.stderr
     stats = [line for line in light.stderr.splitlines() if line.startswith("session: ")]

@@ -26,7 +26,7 @@ from layerplan.lite.model import LiteCache, LiteModel
 from layerplan.models.chat_template import plain_chat_text
 from layerplan.plan.plan import LayerPlan
 
-DRAFTS_NEED_TORCH = ("a draft that runs another model or a copy of it, a draft head, online skips or a dynamic "
+DRAFTS_NEED_TORCH = ("a draft that runs a re-quantized copy of the model, a draft head, online skips or a dynamic "
                      "exit, or a token tree, runs on the torch front end")
 
 

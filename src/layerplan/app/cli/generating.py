@@ -15,9 +15,10 @@ from layerplan.app.options import (DRAFT_LENGTH_HELP, ctx_size_option, decoding_
                                    sampling_options)
 from layerplan.corpus import read_text_file
 from layerplan.decoding.draft_length import DRAFT_LENGTHS
-from layerplan.decoding.drafters.kinds import drafter_help, drafts_on_the_light_front_end
+from layerplan.decoding.drafters.kinds import draft_models, drafter_help, drafts_on_the_light_front_end
 from layerplan.decoding.sampling_params import SamplingError
 from layerplan.lite.request import LiteRequest
+from layerplan.models.gguf_place import gguf_of
 
 # the options the light front end carries out no differently for any value the command takes:
 # whatever else a line gives must be the option's default (greedy sampling, no draft, ...)
@@ -98,6 +99,8 @@ def light_request(argv: list[str]) -> LiteRequest | None:
         draft = f"model:{given['draft_model']}"
     if draft is not None and not drafts_on_the_light_front_end(draft):
         return None  # (a draft that runs torch modules, or a token tree: the torch front end's)
+    if draft is not None and any(gguf_of(path) is None for path in draft_models(draft)):
+        return None  # (a draft model that is no GGUF: the torch front end loads it, or says why not)
     request = LiteRequest(prompt=prompts[0], model=given["model"], model_b=given["model_b"], dtype=given["dtype"],
                           engine=given["engine"], threads=given["threads"], plan=given["plan"],
                           max_new_tokens=given["max_new_tokens"], stop=list(given["stop"]), stream=given["stream"],

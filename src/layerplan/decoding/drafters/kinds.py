@@ -61,6 +61,11 @@ LIGHT_KINDS = ("ngram", "suffix", "exit", "window", "auto", "model", PLAN_KEYWOR
 HEAD_TAGS = ("+head", "+vocab=", "+branch=")  # what a spec adds to a layer-plan draft (registry.py _build)
 
 
+def draft_models(spec: str) -> list[str]:
+    """The files or folders a spec's `model:PATH` parts name (another model drafts)."""
+    return [part.strip()[len("model:"):] for part in spec.split("|") if part.strip().startswith("model:")]
+
+
 def drafts_on_the_light_front_end(spec: str) -> bool:
     """Whether the light front end runs a spec's drafter (registry.py builds it on a LiteModel):
     every `|` part of it a LIGHT_KINDS kind with no `+...` (an exit head, a reduced head, a branch)
