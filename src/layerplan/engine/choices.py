@@ -8,6 +8,7 @@ from __future__ import annotations
 STORED = "stored"
 STORED_FAST = "stored-fast"
 STORED_ARITHMETIC = {STORED: "exact", STORED_FAST: "fast"}
+STORED_PRECISION = {arithmetic: dtype for dtype, arithmetic in STORED_ARITHMETIC.items()}  # arithmetic -> its dtype
 # block formats any model's matrices are quantized to at load ("--dtype q4_k", "q4_k-fast"): a
 # Hugging Face checkpoint then runs as a GGUF of that type would (kernels/quant.h says how each
 # quantizes: the legacy formats as gguf-py does, the K-quants by plain min / max)

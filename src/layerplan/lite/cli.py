@@ -88,7 +88,7 @@ def run(request: LiteRequest, tokenizer: TokenizerProcess | None = None) -> int 
         model = load_for(request, tokenizer)
         sampling = request.sampling()
         # (app/cli/running.py's check, after the load as there)
-        sampling.check_vocabulary(model.hf_config.get("vocab_size", model.vocab))
+        sampling.check_vocabulary(model.vocab_size)
         plan = model.plan(request.plan)
         ids = model.encode(request.prompt, request.chat)
         if not ids:

@@ -26,6 +26,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
+from layerplan.engine.choices import STORED_PRECISION
 from layerplan.engine.file_kernels import (ARITHMETIC_CODES, FileKernels, NotDescribed, file_refusal,
                                            read_index)
 from layerplan.engine.kernel_library import ABI, check, library
@@ -176,8 +177,7 @@ class LiteModel:
         torch front end checks a row by a timed step after a 100-token prefill, which a start here
         does not wait for. None: none cached."""
         probe = read_probe(cache_dir(), self.name, self.threads)
-        precision = "stored" if self.kernels.arithmetic == ABI.LP_ARITH_EXACT else "stored-fast"
-        return probe.row("native", precision) if probe is not None else None
+        return probe.row("native", STORED_PRECISION[self.arithmetic]) if probe is not None else None
 
     # ----- plans and passes ----------------------------------------------------------------------
     @property

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from layerplan.decoding.sampling_params import SamplingParams
-from layerplan.engine.choices import GGUF_DEFAULT, STORED_ARITHMETIC
+from layerplan.engine.choices import GGUF_DEFAULT, STORED_ARITHMETIC, STORED_PRECISION
 from layerplan.models.gguf_place import DEFAULT_MODEL
 
 # dtype -> the arithmetic of the products (engine/load.py: auto is a GGUF as stored, GGUF_DEFAULT,
@@ -21,7 +21,7 @@ ARITHMETICS = {"auto": STORED_ARITHMETIC[GGUF_DEFAULT], **STORED_ARITHMETIC}
 
 def precision_of(dtype: str) -> str:
     """The dtype the torch front end names for a request's (a GGUF's auto is stored-fast)."""
-    return "stored" if ARITHMETICS[dtype] == "exact" else "stored-fast"
+    return STORED_PRECISION[ARITHMETICS[dtype]]
 
 
 @dataclass(kw_only=True)

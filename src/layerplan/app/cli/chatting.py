@@ -100,7 +100,7 @@ def run_light_chat(request: LiteChatRequest, tokenizer=None) -> int | None:
         note = opening.model_note(model.name)
         if note:
             print(note, file=sys.stderr)
-        settings.sampling().check_vocabulary(model.hf_config.get("vocab_size", model.vocab))  # (as running.py's)
+        settings.sampling().check_vocabulary(model.vocab_size)  # (as running.py's)
         session = LightChatSession(model, settings, opening.messages)
     except ENDINGS as error:
         return ended_by(error)
