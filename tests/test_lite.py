@@ -249,6 +249,31 @@ def test_the_light_model_reads_this_machines_probe_row_without_torch(tmp_path):
     assert LiteModel(tmp_path / "llama.gguf", "fast", threads=lite.threads + 1).probe_row() is None  # another key
 
 
+@pytest.mark.parametrize("arch,matrix_type", [("llama", "Q8_0"), ("gemma3", "Q4_0")])
+def test_the_light_probe_times_the_passes_and_counts_the_bytes_the_torch_front_ends_does(tmp_path, arch, matrix_type):
+    """engine/probing.py's timing over the light model's passes: a step's one-token passes back to
+    back, a verify pass's every row, the cache cut back to the context between them; the matrices
+    a step reads are the torch front end's count (a tied head counts, the embedding's lookups do
+    not)."""
+    from layerplan.engine.probe import streamed_matrix_bytes
+    from layerplan.engine.probing import STEP_RUN, ids_needed, timed_passes
+    from layerplan.lite.probing import LiteTimedPasses, streamed_bytes
+
+    model, lite = _pair(tmp_path, arch, matrix_type, "stored-fast")
+    assert streamed_bytes(lite) == streamed_matrix_bytes(model, torch.float32)
+    passes = LiteTimedPasses(lite, ids_needed((1, 2, 4), context=8))
+    calls = []
+    run = passes.run
+    passes.run = lambda position, count: (calls.append((position, count, passes.cache.length)), run(position, count))
+    times = timed_passes(passes, (1, 2, 4), repeats=1, context=8)
+    assert set(times) == {1, 2, 4} and all(t > 0 for t in times.values())
+    # each round: STEP_RUN steps on from the context, then a 2- and a 4-token pass at it
+    round_calls = [(8 + j, 1, 8 + j) for j in range(STEP_RUN)] + [(8, 2, 8), (8, 4, 8)]
+    assert calls == round_calls * 2
+    full = lite.logits(passes.ids[:12], lite.new_cache(lite.plan(), 13), 0, last_only=False)
+    assert np.array_equal(lite.logits(passes.ids[8:12], passes.cache, 8, last_only=False), full[8:])
+
+
 def test_a_draft_view_writes_the_targets_slots_and_no_others(tmp_path):
     """A draft plan's pass through LiteCache.draft_view writes the target's slots of the steps it
     runs (the verify pass writes them again), at the drafted position only, and no other step's."""
@@ -562,6 +587,32 @@ def test_the_explore_lines_it_takes(argv, taken, monkeypatch):
     if len(argv) > 2 and taken:
         assert (request.recompute, request.rewind, request.plans, request.tokens, request.text) == (
             "4,6", "1,2", ["0-9,5-20", "exit:12"], 64, "t.txt")
+
+
+@pytest.mark.parametrize("argv,taken", [
+    (["probe"], True),
+    (["probe", "-m", "some.gguf", "--dtype", "stored", "--engine", "native", "--engine", "eager", "-t", "1",
+      "--max-length", "8", "--repeats", "2", "--refresh", "--json"], True),
+    (["probe", "--dtype", "stored-fast"], True),
+    (["probe", "--dtype", "float32"], False),  # dense rows: torch's
+    (["probe", "--dtype", "stored", "--dtype", "bfloat16"], False),
+    (["probe", "--engine", "eager"], False),  # a GGUF as stored has no eager row: the torch front end answers
+    (["probe", "--max-length", "0"], False),  # refused by the command: the torch front end says so
+    (["probe", "--help"], False),
+    (["bench"], False),
+])
+def test_the_probe_lines_it_takes(argv, taken, monkeypatch):
+    from layerplan.app.cli.timing import light_probe_request
+
+    monkeypatch.delenv("LAYERPLAN_FRONT_END", raising=False)
+    request = light_probe_request(argv)
+    assert (request is not None) == taken
+    if request is not None:  # the command's own reading; no --dtype: both stored arithmetics
+        dtypes = ["stored"] if "stored" in argv else ["stored-fast"] if "stored-fast" in argv else ["stored", "stored-fast"]
+        assert request.dtypes == dtypes
+    if len(argv) > 4 and taken:
+        assert (request.threads, request.max_length, request.repeats, request.refresh, request.as_json) == (
+            1, 8, 2, True, True)
 
 
 @pytest.mark.parametrize("reader, command", [(light_ppl_request, "ppl"), (light_scan_request, "scan"),

@@ -383,6 +383,46 @@ def test_a_start_on_the_light_front_end_imports_neither_torch_nor_transformers(c
     assert (tmp_path / "scan.png").exists() and len(json.loads((tmp_path / "scan.json").read_text())["items"]) == 30
 
 
+def test_a_probe_on_the_light_front_end_times_the_rows_the_torch_one_reads(cache, tmp_path, monkeypatch):
+    """`layerplan probe` of a GGUF on the light front end: the native rows of both stored
+    arithmetics, timed without torch and kept under the key the torch front end reads; a kept
+    probe is printed alike by both, neither timing it again."""
+    from click.testing import CliRunner
+
+    from layerplan.app.cli import main
+    from layerplan.engine.probe_rows import ProbeResult, ProbeRow, machine_key_of, probe_path_of
+    from layerplan.files import write_json_atomic
+
+    folder = tmp_path / "cache"  # (this module's cache but its probes: a probe row steers auto's drafts)
+    folder.mkdir()
+    for entry in cache.iterdir():
+        if entry.name != "probe":
+            (folder / entry.name).symlink_to(entry)
+    line = ["probe", "--threads", "2", "--max-length", "3", "--repeats", "1"]
+    env = {**os.environ, "LAYERPLAN_CACHE": str(folder), "LAYERPLAN_FRONT_END": ""}
+    timed = subprocess.run([sys.executable, "-X", "importtime", "-m", "layerplan.app.launch", *line, "--refresh",
+                            "--json"], capture_output=True, text=True, env=env, timeout=300)
+    assert timed.returncode == 0, timed.stderr
+    imported = {row.split("|")[-1].strip() for row in timed.stderr.splitlines() if row.startswith("import time:")}
+    assert not [name for name in imported if name.split(".")[0] in ("torch", "transformers")]
+    result = ProbeResult.from_dict(json.loads(timed.stdout))
+    assert (result.machine, result.model) == (machine_key_of(2), "SmolLM2-135M-Instruct")
+    assert [(row.engine, row.dtype, sorted(row.relative), row.torch) for row in result.rows] == [
+        ("native", "stored", [1, 2, 3], None), ("native", "stored-fast", [1, 2, 3], None)]
+    assert all(row.step_ms > 0 and row.weight_bytes > 0 for row in result.rows)
+    assert re.search(r"^loading smollm2 \(stored, engine native\)…$", timed.stderr, re.M)
+    kept = ProbeResult(result.machine, result.cpu, result.model, [
+        ProbeRow("native", "stored", 5.0, {1: 1.0, 2: 1.2, 3: 1.5}),
+        ProbeRow("native", "stored-fast", 4.0, {1: 1.0, 2: 1.1, 3: 1.3})])
+    write_json_atomic(probe_path_of(folder, result.model, 2), kept.to_dict())
+    light = _run(line, folder)
+    monkeypatch.setenv("LAYERPLAN_CACHE", str(folder))
+    on_torch = CliRunner().invoke(main, line)
+    assert light.returncode == on_torch.exit_code == 0, (light.stderr, on_torch.stderr)
+    assert light.stdout == on_torch.stdout and light.stderr == on_torch.stderr == ""
+    assert "native  stored-fast     4.0   1.00  1.10  1.30" in light.stdout
+
+
 def test_a_reader_that_leaves_ends_the_command_without_a_traceback(cache):
     """`layerplan generate … | head -c 5`: the light front end stops at the closed pipe, as the torch
     front end does, with status 1 and nothing but its loading line on stderr."""

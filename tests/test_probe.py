@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from layerplan.engine import probe, probe_rows
+from layerplan.engine import probe, probe_rows, probing
 from tiny import tiny_model
 
 
@@ -40,22 +40,22 @@ def test_a_step_is_timed_as_plain_decoding_runs_it_among_steps_not_after_a_longe
             clock.since_long = 0
 
     monkeypatch.setattr(probe, "forward", fake_forward)
-    monkeypatch.setattr(probe, "time", SimpleNamespace(perf_counter=lambda: clock.now))
+    monkeypatch.setattr(probing, "time", SimpleNamespace(perf_counter=lambda: clock.now))
     times = probe.time_passes(tiny_model("llama"), lengths=(1, 2, 4, 8), repeats=3)
     assert times[1] == pytest.approx(0.002, rel=0.01)  # the steady step, not the 3 ms one after a longer pass
     assert times[4] / times[1] == pytest.approx(1.75, rel=0.01)
 
 
-def _sane_row(engine: str = "native", dtype: str = "float32", step_ms: float = 27.4) -> probe.ProbeRow:
+def _sane_row(engine: str = "native", dtype: str = "float32", step_ms: float = 27.4) -> probe_rows.ProbeRow:
     """A quiet run's row (docs/lab/engine-rounds.md, ninth round, run 4): its floor is 20.0 ms (540 MB read at 27 GB/s)."""
     relative = {1: 1.00, 2: 1.17, 3: 1.17, 4: 1.25, 8: 1.40, 15: 1.82, 16: 1.77}
-    return probe.ProbeRow(engine, dtype, step_ms, relative, product_gflops=125.0, read_gbs=27.0,
+    return probe_rows.ProbeRow(engine, dtype, step_ms, relative, product_gflops=125.0, read_gbs=27.0,
                           weight_bytes=540_000_000, flops_per_token=0.27e9)
 
 
 def test_a_cached_probe_round_trips_with_its_load(tmp_path):
-    load = probe.MachineLoad(cores=2, threads=2, load_average=2.3, others_cores=0.1)
-    result = probe.ProbeResult(probe.machine_key(), "cpu", "tiny", [_sane_row()], load)
+    load = probe_rows.MachineLoad(cores=2, threads=2, load_average=2.3, others_cores=0.1)
+    result = probe_rows.ProbeResult(probe.machine_key(), "cpu", "tiny", [_sane_row()], load)
     path = probe.save_probe(result, tmp_path)
     assert probe.load_probe(tmp_path, "tiny") == result
     written = json.loads(path.read_text())
@@ -63,9 +63,9 @@ def test_a_cached_probe_round_trips_with_its_load(tmp_path):
 
 
 def test_cached_probe_is_ignored_on_another_machine_or_torch(tmp_path, monkeypatch):
-    native = probe.ProbeRow("native", "bfloat16", 10.0, {1: 1.0, 8: 1.2})
-    eager = probe.ProbeRow("eager", "float32", 20.0, {1: 1.0, 8: 2.0}, torch=probe.torch_build())
-    probe.save_probe(probe.ProbeResult(probe.machine_key(), "cpu", "m", [native, eager]), tmp_path)
+    native = probe_rows.ProbeRow("native", "bfloat16", 10.0, {1: 1.0, 8: 1.2})
+    eager = probe_rows.ProbeRow("eager", "float32", 20.0, {1: 1.0, 8: 2.0}, torch=probe.torch_build())
+    probe.save_probe(probe_rows.ProbeResult(probe.machine_key(), "cpu", "m", [native, eager]), tmp_path)
     assert probe.load_probe(tmp_path, "m").rows == [native, eager]
     assert probe.default_dtype(tmp_path, "m", "native", native_bf16=False) == "bfloat16"  # measured beats the guess
     assert probe.pass_costs(tmp_path, "m", "native", "bfloat16") == {1: 1.0, 8: 1.2}
@@ -107,25 +107,25 @@ def test_adaptive_length_takes_verify_costs_from_the_probe():
 
 def test_floor_is_the_larger_of_reading_the_weights_and_the_passes_arithmetic():
     # 100 MB read at 20 GB/s: 5 ms; 0.2 GFLOP per token at 100 GFLOP/s: 2 ms per token
-    row = probe.ProbeRow("native", "bfloat16", 9.0, {1: 1.0, 2: 1.3, 4: 1.9}, product_gflops=100.0, read_gbs=20.0,
+    row = probe_rows.ProbeRow("native", "bfloat16", 9.0, {1: 1.0, 2: 1.3, 4: 1.9}, product_gflops=100.0, read_gbs=20.0,
                          weight_bytes=100_000_000, flops_per_token=0.2e9)
     assert row.step_floor_ms() == pytest.approx(5.0)
     assert row.floor(1) == 1.0 and row.floor(2) == 1.0  # 4 ms of arithmetic hides under 5 ms of reads
     assert row.floor(4) == pytest.approx(8 / 5) and row.floor(8) == pytest.approx(16 / 5)
-    compute_bound = probe.ProbeRow("native", "float32", 9.0, {1: 1.0}, product_gflops=10.0, read_gbs=20.0,
+    compute_bound = probe_rows.ProbeRow("native", "float32", 9.0, {1: 1.0}, product_gflops=10.0, read_gbs=20.0,
                                    weight_bytes=100_000_000, flops_per_token=0.2e9)
     assert compute_bound.floor(3) == pytest.approx(3.0)  # 20 ms of arithmetic per token: linear in k
-    unmeasured = probe.ProbeRow("eager", "float32", 9.0, {1: 1.0})
+    unmeasured = probe_rows.ProbeRow("eager", "float32", 9.0, {1: 1.0})
     assert unmeasured.floor(4) is None and unmeasured.step_floor_ms() is None
-    result = probe.ProbeResult("key", "cpu", "m", [row, unmeasured])
+    result = probe_rows.ProbeResult("key", "cpu", "m", [row, unmeasured])
     table = result.table()
     assert "floor" in table and "products 100 GFLOP/s, reads 20.0 GB/s" in table and "0.20 GFLOP per token" in table
-    assert probe.ProbeResult.from_dict(json.loads(json.dumps(result.to_dict()))) == result
+    assert probe_rows.ProbeResult.from_dict(json.loads(json.dumps(result.to_dict()))) == result
     older = result.to_dict()  # a probe written before the rates were measured still loads
     for r in older["rows"]:
         for key in ("product_gflops", "read_gbs", "weight_bytes", "flops_per_token"):
             del r[key]
-    assert probe.ProbeResult.from_dict(older).rows[0].floor(4) is None
+    assert probe_rows.ProbeResult.from_dict(older).rows[0].floor(4) is None
 
 
 def test_streamed_matrices_count_the_lm_head_once_and_skip_an_untied_embedding():
@@ -213,28 +213,28 @@ def test_a_model_on_a_gpu_gets_no_floor_from_the_cpus_rates():
 # ----- the checks: timings that cannot be true are not trusted ----------------------------------
 def test_a_quiet_runs_row_passes_its_checks():
     assert _sane_row().step_floor_ms() == pytest.approx(20.0)
-    assert probe.row_problems(_sane_row()) == []
+    assert probe_rows.row_problems(_sane_row()) == []
     # noise within the tolerance: a longer pass 12% under a shorter one (a quiet run's k=16 after k=15)
-    noisy = probe.ProbeRow("native", "bfloat16", 12.0, {1: 1.0, 8: 2.19, 15: 3.91, 16: 3.45})
-    assert probe.row_problems(noisy) == []
+    noisy = probe_rows.ProbeRow("native", "bfloat16", 12.0, {1: 1.0, 8: 2.19, 15: 3.91, 16: 3.45})
+    assert probe_rows.row_problems(noisy) == []
     # the eager engine's products are torch's, not the floor's: 5x the floor is no sign of trouble
-    assert probe.row_problems(_sane_row("eager", step_ms=100.0)) == []
+    assert probe_rows.row_problems(_sane_row("eager", step_ms=100.0)) == []
 
 
 def test_row_checks_name_what_cannot_be_true():
-    cheaper = probe.ProbeRow("native", "float32", 20.0, {1: 1.0, 2: 1.1, 8: 0.04})
-    assert probe.row_problems(cheaper) == ["a 8-token pass at 0.04 of a step (under 0.9)"]
+    cheaper = probe_rows.ProbeRow("native", "float32", 20.0, {1: 1.0, 2: 1.1, 8: 0.04})
+    assert probe_rows.row_problems(cheaper) == ["a 8-token pass at 0.04 of a step (under 0.9)"]
     # a busy run's row, cached in an earlier version: two tokens at 6.64 steps, where two steps would do
-    dearer = probe.ProbeRow("native", "float32", 577.2, {1: 1.0, 2: 6.64})
-    assert probe.row_problems(dearer) == ["a 2-token pass at 6.64 of a step (over 1.25 x 2 steps)"]
-    falling = probe.ProbeRow("native", "float32", 20.0, {1: 1.0, 4: 1.6, 8: 1.2})  # 25% under k=4
-    assert probe.row_problems(falling) == ["a 8-token pass at 1.20 of a step, under the 4-token pass's 1.60"]
+    dearer = probe_rows.ProbeRow("native", "float32", 577.2, {1: 1.0, 2: 6.64})
+    assert probe_rows.row_problems(dearer) == ["a 2-token pass at 6.64 of a step (over 1.25 x 2 steps)"]
+    falling = probe_rows.ProbeRow("native", "float32", 20.0, {1: 1.0, 4: 1.6, 8: 1.2})  # 25% under k=4
+    assert probe_rows.row_problems(falling) == ["a 8-token pass at 1.20 of a step, under the 4-token pass's 1.60"]
     slow = _sane_row(step_ms=1184.0)  # the issue's step: 59x its 20 ms floor
-    assert probe.row_problems(slow) == ["a step of 1184.0 ms, 59x its floor of 20.0 ms (at most 3x)"]
-    assert probe.row_problems(_sane_row("eager", step_ms=1184.0))  # the eager engine's bound is looser, not absent
+    assert probe_rows.row_problems(slow) == ["a step of 1184.0 ms, 59x its floor of 20.0 ms (at most 3x)"]
+    assert probe_rows.row_problems(_sane_row("eager", step_ms=1184.0))  # the eager engine's bound is looser, not absent
     fast = _sane_row(step_ms=15.0)
-    assert probe.row_problems(fast) == ["a step of 15.0 ms, under its floor of 20.0 ms"]
-    assert probe.row_problems(probe.ProbeRow("native", "float32", 0.0, {1: 1.0})) == ["step of 0.0 ms"]
+    assert probe_rows.row_problems(fast) == ["a step of 15.0 ms, under its floor of 20.0 ms"]
+    assert probe_rows.row_problems(probe_rows.ProbeRow("native", "float32", 0.0, {1: 1.0})) == ["step of 0.0 ms"]
 
 
 def _timings(step: float, relative: dict[int, float]):
@@ -248,8 +248,8 @@ def _timings(step: float, relative: dict[int, float]):
     return time_row, calls
 
 
-def _quiet_meter() -> probe.LoadMeter:
-    return probe.LoadMeter(busy_seconds=lambda: 0.0, own_seconds=lambda: 0.0, clock=iter([0.0, 10.0]).__next__,
+def _quiet_meter() -> probing.LoadMeter:
+    return probing.LoadMeter(busy_seconds=lambda: 0.0, own_seconds=lambda: 0.0, clock=iter([0.0, 10.0]).__next__,
                            load_average=lambda: 2.0, cores=2, threads=2)
 
 
@@ -306,7 +306,7 @@ def test_a_cached_row_that_fails_its_checks_is_left_out_and_older_files_load(tmp
 # ----- the load on the machine ------------------------------------------------------------------
 def test_the_load_meter_tells_a_busy_machine_from_a_quiet_one():
     def meter(busy, own, load_average=1.0, cores=2, threads=2):
-        return probe.LoadMeter(busy_seconds=iter(busy).__next__, own_seconds=iter(own).__next__,
+        return probing.LoadMeter(busy_seconds=iter(busy).__next__, own_seconds=iter(own).__next__,
                                clock=iter([100.0, 110.0]).__next__, load_average=lambda: load_average,
                                cores=cores, threads=threads).start().stop()
 
@@ -327,16 +327,16 @@ def test_the_load_meter_tells_a_busy_machine_from_a_quiet_one():
 
 def test_a_probe_notes_a_busy_machine_in_its_result(tmp_path):
     time_row, _ = _timings(0.020, {1: 1.0, 2: 1.1})
-    meter = probe.LoadMeter(busy_seconds=iter([0.0, 20.0]).__next__, own_seconds=iter([0.0, 10.0]).__next__,
+    meter = probing.LoadMeter(busy_seconds=iter([0.0, 20.0]).__next__, own_seconds=iter([0.0, 10.0]).__next__,
                             clock=iter([0.0, 10.0]).__next__, load_average=lambda: 3.0, cores=2, threads=2)
     result = probe.probe(lambda dtype, engine: tiny_model("llama"), "m", ["float32"], ["eager"], lengths=(1, 2),
                          repeats=1, time_row=time_row, sampler=FixedRates(), load_meter=meter)
     assert result.load.others_cores == pytest.approx(1.0) and result.load.busy
     data = json.loads(json.dumps(result.to_dict()))
     assert data["load"]["busy"] is True and data["load"]["load_average"] == 3.0
-    assert probe.ProbeResult.from_dict(data).load == result.load
+    assert probe_rows.ProbeResult.from_dict(data).load == result.load
     # its rows pass their checks, but contention slows the floor's rates too: not cached
-    assert probe.row_problems(result.rows[0]) == []
+    assert probe_rows.row_problems(result.rows[0]) == []
     assert result.problems == ["the machine was busy (other processes kept 1.0 of 2 cores busy, load average 3.00; "
                                "this process runs 2 threads)"]
     assert probe.save_probe(result, tmp_path) is None and not probe.probe_path(tmp_path, "m").exists()
@@ -344,43 +344,43 @@ def test_a_probe_notes_a_busy_machine_in_its_result(tmp_path):
 
 def test_busy_cpu_seconds_read_from_proc_stat(tmp_path):
     (tmp_path / "stat").write_text("cpu  2000 100 300 9000 50 10 20 70 0 0\ncpu0 1 2 3 4 5 6 7 8 0 0\n")
-    ticks = probe.os.sysconf("SC_CLK_TCK")
-    assert probe._busy_cpu_seconds(str(tmp_path / "stat")) == pytest.approx((2000 + 100 + 300 + 10 + 20 + 70) / ticks)
-    assert probe._busy_cpu_seconds(str(tmp_path / "absent")) is None
+    ticks = probing.os.sysconf("SC_CLK_TCK")
+    assert probing._busy_cpu_seconds(str(tmp_path / "stat")) == pytest.approx((2000 + 100 + 300 + 10 + 20 + 70) / ticks)
+    assert probing._busy_cpu_seconds(str(tmp_path / "absent")) is None
 
 
 # ----- a cached row checked when it is used -----------------------------------------------------
 def test_a_cached_row_is_kept_while_a_step_agrees_and_measured_again_when_not():
-    cached = probe.ProbeRow("native", "float32", 20.0, {1: 1.0, 8: 1.4})
-    fresh = probe.ProbeRow("native", "float32", 21.0, {1: 1.0, 8: 1.5})
+    cached = probe_rows.ProbeRow("native", "float32", 20.0, {1: 1.0, 8: 1.4})
+    fresh = probe_rows.ProbeRow("native", "float32", 21.0, {1: 1.0, 8: 1.5})
     remeasured = []
 
     def remeasure():
         remeasured.append(True)
         return fresh
 
-    assert probe.recheck_row(cached, lambda: 0.039, remeasure) is cached  # 1.95x: within 2x
-    assert probe.recheck_row(cached, lambda: 0.011, remeasure) is cached
+    assert probing.recheck_row(cached, lambda: 0.039, remeasure) is cached  # 1.95x: within 2x
+    assert probing.recheck_row(cached, lambda: 0.011, remeasure) is cached
     assert remeasured == []
     notes = []
-    assert probe.recheck_row(cached, lambda: 0.041, remeasure, notes.append) is fresh  # 2.05x slower
-    bogus = probe.ProbeRow("native", "float32", 1184.0, {1: 1.0, 8: 1.4})
-    assert probe.recheck_row(bogus, lambda: 0.020, remeasure) is fresh  # the issue's step, 59x a step timed now
+    assert probing.recheck_row(cached, lambda: 0.041, remeasure, notes.append) is fresh  # 2.05x slower
+    bogus = probe_rows.ProbeRow("native", "float32", 1184.0, {1: 1.0, 8: 1.4})
+    assert probing.recheck_row(bogus, lambda: 0.020, remeasure) is fresh  # the issue's step, 59x a step timed now
     assert len(remeasured) == 2
     assert notes == ["probe native float32: a step took 41.0 ms where the cached probe says 20.0 ms: "
                      "measuring the row again"]
     # new timings that fail their checks are no evidence against the cache
     notes.clear()
-    assert probe.recheck_row(cached, lambda: 0.200, lambda: None, notes.append) is cached
+    assert probing.recheck_row(cached, lambda: 0.200, lambda: None, notes.append) is cached
     assert len(notes) == 2 and "failed their checks" in notes[1]
 
 
 def test_a_row_measured_again_replaces_the_cached_one(tmp_path):
-    stale = probe.ProbeRow("native", "float32", 60.0, {1: 1.0, 8: 1.4})
-    other = probe.ProbeRow("native", "bfloat16", 14.0, {1: 1.0, 8: 1.7})
-    probe.save_probe(probe.ProbeResult(probe.machine_key(), "cpu", "m", [stale, other]), tmp_path)
+    stale = probe_rows.ProbeRow("native", "float32", 60.0, {1: 1.0, 8: 1.4})
+    other = probe_rows.ProbeRow("native", "bfloat16", 14.0, {1: 1.0, 8: 1.7})
+    probe.save_probe(probe_rows.ProbeResult(probe.machine_key(), "cpu", "m", [stale, other]), tmp_path)
     model = SimpleNamespace(name="m", native=object(), dtype=torch.float32, precision="float32")
-    fresh = probe.ProbeRow("native", "float32", 20.0, {1: 1.0, 8: 1.3})
+    fresh = probe_rows.ProbeRow("native", "float32", 20.0, {1: 1.0, 8: 1.3})
     assert probe.checked_model_row(model, tmp_path, time_step=lambda: 0.050, remeasure=lambda: fresh) == stale
     assert probe.load_probe(tmp_path, "m").rows == [stale, other]  # agreed: the file is left alone
     assert probe.checked_model_row(model, tmp_path, time_step=lambda: 0.020, remeasure=lambda: fresh) == fresh
@@ -392,8 +392,8 @@ def test_a_row_measured_again_replaces_the_cached_one(tmp_path):
 
 def test_the_default_recheck_times_the_model_itself(tmp_path):
     model = tiny_model("llama")
-    cached = probe.ProbeRow("eager", "float32", 1e6, {1: 1.0, 2: 1.1})  # a thousand seconds a step
-    probe.save_probe(probe.ProbeResult(probe.machine_key(), "cpu", model.name, [cached]), tmp_path)
+    cached = probe_rows.ProbeRow("eager", "float32", 1e6, {1: 1.0, 2: 1.1})  # a thousand seconds a step
+    probe.save_probe(probe_rows.ProbeResult(probe.machine_key(), "cpu", model.name, [cached]), tmp_path)
     notes = []
     row = probe.checked_model_row(model, tmp_path, on_note=notes.append)
     assert notes[0].startswith("probe eager float32: a step took ") and "measuring the row again" in notes[0]
@@ -406,7 +406,7 @@ def test_the_default_recheck_times_the_model_itself(tmp_path):
 
 # ----- a decode slower than the probe says ------------------------------------------------------
 def test_pace_check_says_when_the_passes_ran_three_times_slower():
-    row = probe.ProbeRow("native", "float32", 20.0, {1: 1.0, 4: 1.5})
+    row = probe_rows.ProbeRow("native", "float32", 20.0, {1: 1.0, 4: 1.5})
     pace = probe_rows.PaceCheck(row)
     for _ in range(10):
         pace.add(1, 0.055)  # 2.75x a step
@@ -430,11 +430,11 @@ def test_a_decode_slower_than_its_probe_row_says_so(draft):
 
     model = tiny_model("llama")
     prompt = [5, 6, 7, 5, 6, 7, 5, 6]
-    impossible = probe.ProbeRow("eager", "float32", 1e-6, {1: 1.0, 8: 1.5})  # a microsecond a step
+    impossible = probe_rows.ProbeRow("eager", "float32", 1e-6, {1: 1.0, 8: 1.5})  # a microsecond a step
     result = generate(model, prompt, max_new_tokens=12, draft=draft, stop_at_eos=False, probe_row=impossible)
     assert result.slow_note is not None and "slower than this machine's probe says" in result.slow_note
     assert result.to_dict()["slow_note"] == result.slow_note  # what --stats prints
-    generous = probe.ProbeRow("eager", "float32", 60_000.0, {1: 1.0, 8: 1.5})  # a minute a step
+    generous = probe_rows.ProbeRow("eager", "float32", 60_000.0, {1: 1.0, 8: 1.5})  # a minute a step
     assert generate(model, prompt, max_new_tokens=12, draft=draft, stop_at_eos=False,
                     probe_row=generous).slow_note is None
 
@@ -446,7 +446,7 @@ def test_health_says_when_decodes_run_slower_than_the_probe():
     from layerplan.decoding.scheduler import Job
     from layerplan.decoding.sampling_params import SamplingParams
 
-    impossible = probe.ProbeRow("eager", "float32", 1e-6, {1: 1.0})
+    impossible = probe_rows.ProbeRow("eager", "float32", 1e-6, {1: 1.0})
     app = create_app(tiny_model("llama"), probe_row=impossible)
     client = TestClient(app)
     assert client.get("/health").json()["slow_decode"] is None
@@ -460,18 +460,18 @@ def test_health_says_when_decodes_run_slower_than_the_probe():
 def test_a_servers_default_batch_is_the_fewest_rows_near_the_best_rate():
     """k / cost(k) is a pass's tokens per step: the default batch is the fewest rows at 90% of its
     best, not the best itself, whose last rows add little and slow every request in the pass."""
-    flat = probe.ProbeRow("native", "stored-fast", 3.0, {1: 1.0, 2: 1.05, 4: 1.1, 8: 1.2, 16: 1.4})
+    flat = probe_rows.ProbeRow("native", "stored-fast", 3.0, {1: 1.0, 2: 1.05, 4: 1.1, 8: 1.2, 16: 1.4})
     assert flat.fullest_pass() == 16  # rows nearly free: 16 / 1.4 = 11.4 a step, 8 / 1.2 = 6.7
-    bound = probe.ProbeRow("native", "stored-fast", 3.0, {1: 1.0, 2: 1.08, 4: 1.34, 8: 2.07, 12: 3.3, 16: 4.2})
+    bound = probe_rows.ProbeRow("native", "stored-fast", 3.0, {1: 1.0, 2: 1.08, 4: 1.34, 8: 2.07, 12: 3.3, 16: 4.2})
     # rates 1, 1.85, 2.99, 3.86, 3.64, 3.81: 90% of 3.86 is 3.48, first reached at 8 rows
     assert bound.fullest_pass() == 8 and bound.fullest_pass(share=0.75) == 4
-    assert probe.ProbeRow("native", "stored", 3.0, {1: 1.0, 2: 2.1}).fullest_pass() == 1
+    assert probe_rows.ProbeRow("native", "stored", 3.0, {1: 1.0, 2: 2.1}).fullest_pass() == 1
 
 
 def test_the_table_keeps_its_columns_for_long_dtype_names():
     """`stored-fast` is wider than the dtype heading: the numbers stay under their headings."""
-    rows = [probe.ProbeRow("native", "stored", 32.6, {1: 1.0, 4: 2.92}),
-            probe.ProbeRow("native", "stored-fast", 21.8, {1: 1.0, 4: 1.46})]
-    lines = probe.ProbeResult("key", "cpu", "m", rows).table().splitlines()
+    rows = [probe_rows.ProbeRow("native", "stored", 32.6, {1: 1.0, 4: 2.92}),
+            probe_rows.ProbeRow("native", "stored-fast", 21.8, {1: 1.0, 4: 1.46})]
+    lines = probe_rows.ProbeResult("key", "cpu", "m", rows).table().splitlines()
     ends = {line.index("ms/step") + len("ms/step") if "ms/step" in line else line.index(".") + 2 for line in lines}
     assert len(ends) == 1 and len({len(line) for line in lines}) == 1, lines  # every column under its heading

@@ -89,6 +89,14 @@ def physical_cores(cpuinfo: str | Path = "/proc/cpuinfo") -> int:
     return max(len(cores) or len(allowed), 1)
 
 
+def kernels_cpu_line(threads: int, kernels: str, cpuinfo: str | Path = "/proc/cpuinfo") -> str:
+    """The CPU line of figures a process without torch timed on the native kernels alone (the
+    light front end's probe): CpuInfo.line's, with the kernels' build where torch's would be."""
+    model, flags = read_cpuinfo(cpuinfo)
+    return (f"CPU: {model or platform.processor() or 'unknown CPU'}, {isa_level(flags)} (native kernels {kernels}), "
+            f"{threads} threads of {os.cpu_count() or 0}")
+
+
 def cpu_info(cpuinfo: str | Path = "/proc/cpuinfo") -> CpuInfo:
     import torch  # here: read_cpuinfo is read by processes without torch (layerplan/lite/)
 

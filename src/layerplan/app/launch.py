@@ -1,14 +1,15 @@
 """The `layerplan` command's entry: a GGUF's plain generation, a greedy conversation with it, its
-perplexity (under a plan of the model, in either protocol), its scan, its search and explore's
-grid run on the light front end (layerplan/lite/: numpy and the native kernels, a start of a
-tenth of a second), every other command line on the torch front end (app/cli/), which reads it
-as it always has.
+perplexity (under a plan of the model, in either protocol), its scan, its search, explore's grid
+and its probe run on the light front end (layerplan/lite/: numpy and the native kernels, a start
+of a tenth of a second), every other command line on the torch front end (app/cli/), which reads
+it as it always has.
 
 Which one runs changes no output: the light front end takes only command lines whose meaning it
 carries out as the torch one does (app/cli/generating.py light_request, app/cli/chatting.py
 light_chat_request, app/cli/scoring.py light_ppl_request and light_scan_request,
-app/cli/searching.py light_search_request, app/cli/exploring.py light_explore_request), and only
-models whose index it can read (kept, or made now from the file). Where it finds, once started,
+app/cli/searching.py light_search_request, app/cli/exploring.py light_explore_request,
+app/cli/timing.py light_probe_request), and only models whose index it can read (kept, or made
+now from the file). Where it finds, once started,
 that the model needs the torch front end, the command starts again as `python -m
 layerplan.app.cli` with LAYERPLAN_FRONT_END=torch: the kernels' library, loaded by then, links an
 OpenMP runtime that must not meet torch's in one process. (A conversation that asks for the
@@ -66,7 +67,7 @@ def main() -> None:
             if tokenizer is not None:
                 tokenizer.close()
             _leave_or_restart(status, taken, argv)
-    if argv[:1] in (["ppl"], ["scan"], ["explore"], ["search"]):
+    if argv[:1] in (["ppl"], ["scan"], ["explore"], ["search"], ["probe"]):
         _research_on_the_light_front_end(argv)
     from layerplan.app.cli import run_as_process
 
@@ -74,7 +75,7 @@ def main() -> None:
 
 
 def _research_on_the_light_front_end(argv: list[str]) -> None:
-    """A `ppl`, `scan`, `explore` or `search` line: carried out on the light front end where its
+    """A `ppl`, `scan`, `explore`, `search` or `probe` line: carried out on the light front end where its
     reader takes it (and the process leaves), else nothing (the torch front end reads it). The
     readers say None under LAYERPLAN_FRONT_END=torch (app/options.py light_context)."""
     command = argv[0]
@@ -105,6 +106,17 @@ def _research_on_the_light_front_end(argv: list[str]) -> None:
             from layerplan.lite.research import run_explore
 
             return run_explore(request, lambda result: report_explore(result, request.out))
+    elif command == "probe":
+        from layerplan.app.cli.timing import light_probe_request
+
+        request = light_probe_request(argv)
+
+        def run() -> int | None:
+            from layerplan.app.bars import Progress
+            from layerplan.lite.probing import run_probe
+
+            with Progress("probe") as progress:
+                return run_probe(request, progress)
     else:
         from layerplan.app.cli.searching import light_search_request, report_search
 

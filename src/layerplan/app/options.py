@@ -267,7 +267,8 @@ def light_context(command: click.Command, argv: list[str]) -> click.Context | No
     except ValueError:  # (click.Path's os.stat of a path with a NUL in it: only a caller's argv, never a shell's)
         return None
     given = context.params
-    if (given.get("dtype") not in ARITHMETICS or given.get("device", "cpu") != "cpu"
+    dtypes = given["dtypes"] if "dtypes" in given else [given.get("dtype")]  # (probe's: none given, the stored)
+    if (any(dtype not in ARITHMETICS for dtype in dtypes) or given.get("device", "cpu") != "cpu"
             or context.meta.get(DEVICE_MAP_KEY) is not None or context.meta.get(GPU_LAYERS_KEY)):
         return None
     return context

@@ -5,7 +5,8 @@ and whether it does depends on the CPU more than on anything else (a bf16 matrix
 costs one row's time with native bf16 instructions, eight rows' without). The probe times a pass
 over k = 1..16 new tokens after a short cached context, per dtype and engine, and caches the
 result per machine (CPU model and flags, threads, the native kernels; an eager row its torch build)
-and model (engine/probe_rows.py: the rows as data, without torch). bench, tune, serve and
+and model (engine/probe_rows.py: the rows as data; engine/probing.py: how they are timed, both
+without torch, for the light front end's probe too: lite/probing.py). bench, tune, serve and
 generate take their default dtype from it, and the adaptive draft length starts from its costs.
 
 Between its rounds the probe also measures what the machine allows at that moment: the rate of
@@ -27,9 +28,6 @@ machine is not cached either. A cached row is checked again when it is used, by 
 
 from __future__ import annotations
 
-import os
-import statistics
-import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -37,67 +35,14 @@ import torch
 
 from layerplan.engine.choices import PASS_LENGTHS
 from layerplan.engine.native import native_available, product_rate, read_rate
-from layerplan.engine.probe_rows import (MachineLoad, ProbeResult, ProbeRow, machine_key_of, probe_path_of, read_probe,
-                                         row_problems, summary_of)
+from layerplan.engine.probe_rows import ProbeResult, ProbeRow, machine_key_of, probe_path_of, read_probe
+from layerplan.engine.probing import (CONTEXT, RETRIES, LoadMeter, ids_needed, measure_row_by, probe_rows_by,
+                                      recheck_row, save_probe_of, timed_passes)
 from layerplan.engine.runner import forward, new_cache
-from layerplan.files import cache_dir, write_json_atomic
+from layerplan.files import cache_dir
 from layerplan.machine import cpu_info
 
-# k = 1 is timed as plain decoding runs it, one-token passes back to back: STEP_RUN of them, the
-# first STEP_WARM left out. A step right after a longer pass (or a pause) runs slower, ~40% after
-# a 16-token pass on a Xeon with AVX-512, recovering over ~10 steps: divided by such a step, every
-# k-token pass looked cheaper than a verify round is against plain decoding (c(4): 1.16 against
-# 1.45 measured in rounds), and drafts that lose were taken for drafts that pay
-STEP_RUN, STEP_WARM = 12, 8
-CONTEXT = 100  # cached positions before the timed pass (a short chat turn)
 READ_BYTES = 128 << 20  # at least this much, and 4x the last-level cache, read for the read rate
-RETRIES = 2  # a row that fails its checks is timed again this many times before the probe gives up on it
-RECHECK_RATIO = 2.0  # a cached row whose step, timed now, is off by more than this is measured again
-
-
-def _busy_cpu_seconds(path: str = "/proc/stat") -> float | None:
-    """Seconds all CPUs spent busy since boot (user, nice, system, irq, softirq, steal), or None."""
-    try:
-        fields = Path(path).read_text().split("\n", 1)[0].split()
-        user, nice, system, _idle, _iowait, irq, softirq, steal = (int(v) for v in fields[1:9])
-    except (OSError, ValueError, IndexError):
-        return None
-    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
-
-
-def _load_average() -> float | None:
-    try:
-        return os.getloadavg()[0]
-    except OSError:
-        return None
-
-
-class LoadMeter:
-    """Measures the other processes' CPU use between start() and stop(): all CPUs' busy time less
-    this process's own (every one of its threads). The readers are parameters so that a test can
-    hand it a busy or a quiet machine."""
-
-    def __init__(self, busy_seconds: Callable[[], float | None] = _busy_cpu_seconds,
-                 own_seconds: Callable[[], float] = time.process_time, clock: Callable[[], float] = time.monotonic,
-                 load_average: Callable[[], float | None] = _load_average, cores: int | None = None,
-                 threads: int | None = None) -> None:
-        self.busy_seconds, self.own_seconds = busy_seconds, own_seconds
-        self.clock, self.load_average = clock, load_average
-        self.cores = cores or os.cpu_count() or 1
-        self.threads = threads or torch.get_num_threads()
-        self.started: tuple[float | None, float, float] | None = None
-
-    def start(self) -> LoadMeter:
-        self.started = (self.busy_seconds(), self.own_seconds(), self.clock())
-        return self
-
-    def stop(self) -> MachineLoad:
-        busy0, own0, clock0 = self.started
-        busy1, own1, clock1 = self.busy_seconds(), self.own_seconds(), self.clock()
-        others = None
-        if busy0 is not None and busy1 is not None and clock1 > clock0:
-            others = max((busy1 - busy0) - (own1 - own0), 0.0) / (clock1 - clock0)
-        return MachineLoad(self.cores, self.threads, self.load_average(), others)
 
 
 def torch_build() -> str:
@@ -120,41 +65,33 @@ def load_probe(folder: Path, model_name: str) -> ProbeResult | None:
     return read_probe(folder, model_name, torch.get_num_threads(), torch_build())
 
 
+class ModelTimedPasses:
+    """probing.py's TimedPasses of a loaded model: its full plan's passes over random ids (seed 0)
+    in a cache of its own."""
+
+    def __init__(self, model, count: int) -> None:
+        self.model, self.plan = model, model.plan()
+        generator = torch.Generator().manual_seed(0)
+        self.ids = torch.randint(0, model.hf.config.vocab_size, (1, count), generator=generator, device=model.device)
+        self.cache = new_cache(self.plan, capacity=count + 1)
+
+    def prefill(self, count: int) -> None:
+        forward(self.model, self.ids[:, :count], self.plan, self.cache, 0, last_only=True)
+
+    def crop(self, length: int) -> None:
+        self.cache.crop(length)
+
+    def run(self, position: int, count: int) -> None:
+        forward(self.model, self.ids[:, position: position + count], self.plan, self.cache, position,
+                last_only=count == 1)
+
+
 def time_passes(model, lengths: Sequence[int] = PASS_LENGTHS, repeats: int = 5, context: int = CONTEXT,
                 on_progress: Callable[[int, int], None] | None = None,
                 between_rounds: Callable[[], None] | None = None) -> dict[int, float]:
-    """Median seconds of a pass over k new tokens after `context` cached ones, per k (k = 1: a
-    decoding step, timed among one-token passes back to back); the lengths are interleaved so
-    that drift in machine speed hits all alike. between_rounds runs after every timed round (the
-    machine's rates are sampled there)."""
-    plan = model.plan()
-    generator = torch.Generator().manual_seed(0)
-    vocab = model.hf.config.vocab_size
-    longest = max(*lengths, STEP_RUN)
-    ids = torch.randint(0, vocab, (1, context + longest), generator=generator, device=model.device)
-    cache = new_cache(plan, capacity=context + longest + 1)
-    forward(model, ids[:, :context], plan, cache, 0, last_only=True)
-    samples: dict[int, list[float]] = {k: [] for k in lengths}
-    total = (repeats + 1) * len(lengths)
-    for rep in range(repeats + 1):  # the first round warms up
-        for i, k in enumerate(lengths):
-            cache.crop(context)
-            if k == 1:  # a decoding step: one-token passes back to back, as plain decoding runs them
-                for j in range(STEP_RUN):
-                    start = time.perf_counter()
-                    forward(model, ids[:, context + j: context + j + 1], plan, cache, context + j, last_only=True)
-                    if rep and j >= STEP_WARM:
-                        samples[k].append(time.perf_counter() - start)
-            else:
-                start = time.perf_counter()
-                forward(model, ids[:, context: context + k], plan, cache, context)
-                if rep:
-                    samples[k].append(time.perf_counter() - start)
-            if on_progress:
-                on_progress(rep * len(lengths) + i + 1, total)
-        if rep and between_rounds:
-            between_rounds()
-    return {k: statistics.median(v) for k, v in samples.items()}
+    """probing.py timed_passes over a loaded model's passes."""
+    return timed_passes(ModelTimedPasses(model, ids_needed(lengths, context)), lengths, repeats, context,
+                        on_progress, between_rounds)
 
 
 def streamed_matrix_bytes(model, dtype: torch.dtype) -> tuple[int, int]:
@@ -222,29 +159,19 @@ def measure_row(model, engine: str, dtype: str, lengths: Sequence[int] = PASS_LE
                 sampler: RateSampler | None = None, retries: int = RETRIES,
                 on_progress: Callable[[int, int], None] | None = None, on_note: Callable[[str], None] | None = None,
                 time_row: Callable[..., dict[int, float]] = time_passes) -> tuple[ProbeRow, list[str]]:
-    """The model's row, timed by time_row (time_passes' signature) and timed again, up to `retries`
-    more times, while it fails its checks. Returns the row and its last timing's problems (empty:
-    it passed). sampler: the machine's rates between the rounds, for a model on the CPU (a GPU
-    row gets no floor from the CPU's rates)."""
+    """The model's row, timed by time_row (time_passes' signature) and timed again while it fails
+    its checks (probing.py measure_row_by). sampler: the machine's rates between the rounds, for
+    a model on the CPU (a GPU row gets no floor from the CPU's rates)."""
     if sampler is not None and (torch.device(model.device).type != "cpu" or dtype.startswith("stored")):
         sampler = None  # the sampled rates are the dense dtypes' products: not a floor for block formats
     weights_dtype = precision_dtype(dtype)
     if sampler is not None:
         sampler.dtype = weights_dtype
-        sampler.best()  # samples of an earlier row are not this one's
     weight_bytes, elements = streamed_matrix_bytes(model, weights_dtype)
-    for attempt in range(retries + 1):
-        times = time_row(model, lengths, repeats, on_progress=on_progress, between_rounds=sampler)
-        step = times[min(times)]
-        products, read = sampler.best() if sampler is not None else (None, None)
-        row = ProbeRow(engine, dtype, step * 1000, {k: t / step for k, t in sorted(times.items())}, products, read,
-                       weight_bytes, 2.0 * elements, torch_build() if engine != "native" else None)
-        problems = row_problems(row)
-        if not problems:
-            return row, []
-        if attempt < retries and on_note:
-            on_note(f"{summary_of(row, problems)}: timing it again ({retries - attempt} left)")
-    return row, problems
+    return measure_row_by(
+        lambda progress, rounds: time_row(model, lengths, repeats, on_progress=progress, between_rounds=rounds),
+        engine, dtype, weight_bytes, elements, sampler, retries, torch_build() if engine != "native" else None,
+        on_progress, on_note)
 
 
 def probe(load: Callable[[str, str], object], model_name: str, dtypes: Sequence[str], engines: Sequence[str],
@@ -252,45 +179,25 @@ def probe(load: Callable[[str, str], object], model_name: str, dtypes: Sequence[
           on_progress: Callable[[str, int, int], None] | None = None, on_note: Callable[[str], None] | None = None,
           retries: int = RETRIES, time_row: Callable[..., dict[int, float]] = time_passes,
           sampler: RateSampler | None = None, load_meter: LoadMeter | None = None) -> ProbeResult:
-    """load(dtype, engine) -> LoadedModel; an engine that cannot run here is left out. Each row is
-    checked and timed again while it fails (measure_row); one that still fails is kept, for the
-    table, and named in the result's problems, which keep the probe out of the cache (save_probe),
-    as does a busy machine: contention slows the rates that the floor is made of as well, so a
-    row timed beside busy neighbours can pass its checks (a 577 ms step over a 242 ms floor).
-    on_note: what the probe does about a failed row, one line each. time_row, sampler and
+    """load(dtype, engine) -> LoadedModel; an engine that cannot run here (None) is left out. Each
+    row is measured by measure_row, the whole as probing.py probe_rows_by does at torch's thread
+    count. on_note: what the probe does about a failed row, one line each. time_row, sampler and
     load_meter time the passes, the machine's rates and the others' CPU use (defaults: this machine)."""
-    result = ProbeResult(machine_key(), cpu_info().line(), model_name)
-    meter = (load_meter or LoadMeter()).start()
     sampler = sampler or RateSampler()
-    for dtype in dtypes:
-        for engine in engines:
-            model = load(dtype, engine)
-            if model is None:
-                continue
-            label = f"{engine} {dtype}"
-            row, problems = measure_row(
-                model, engine, dtype, lengths, repeats, sampler, retries,
-                on_progress=(lambda d, t, label=label: on_progress(label, d, t)) if on_progress else None,
-                on_note=on_note, time_row=time_row)
-            result.rows.append(row)
-            if problems:
-                result.problems.append(summary_of(row, problems))
-    result.load = meter.stop()
-    if result.load.busy:
-        result.problems.append(f"the machine was busy ({result.load.summary()}; this process runs "
-                               f"{result.load.threads} threads)")
-    return result
+
+    def measure(dtype: str, engine: str, progress) -> tuple[ProbeRow, list[str]] | None:
+        model = load(dtype, engine)
+        if model is None:
+            return None
+        return measure_row(model, engine, dtype, lengths, repeats, sampler, retries, progress, on_note, time_row)
+
+    return probe_rows_by(measure, model_name, dtypes, engines, torch.get_num_threads(), cpu_info().line(),
+                         on_progress, load_meter)
 
 
 def save_probe(result: ProbeResult, folder: Path) -> Path | None:
-    """Caches the probe; None, and nothing written, when it cannot be trusted (a row that fails its
-    checks, a busy machine: result.problems): its timings would steer every later --dtype auto and
-    draft length on this machine."""
-    if result.problems or any(row_problems(row) for row in result.rows):
-        return None
-    path = probe_path(folder, result.model)
-    write_json_atomic(path, result.to_dict())
-    return path
+    """probing.py save_probe_of, at torch's thread count."""
+    return save_probe_of(result, folder, torch.get_num_threads())
 
 
 def default_dtype(folder: Path, model_name: str, engine: str, native_bf16: bool) -> str:
@@ -337,26 +244,6 @@ def step_seconds(model, repeats: int = 3) -> float:
     return time_passes(model, (1,), repeats)[1]
 
 
-def recheck_row(row: ProbeRow, time_step: Callable[[], float], remeasure: Callable[[], ProbeRow | None],
-                on_note: Callable[[str], None] | None = None) -> ProbeRow:
-    """The cached row, when a step timed now (time_step() seconds) is within RECHECK_RATIO of its
-    step either way; else the row measured again (remeasure(): a row that passed its checks, or
-    None), or the cached row still when the new timings fail their checks: a machine too unsteady
-    to time is no evidence against the cache."""
-    now_ms = 1000 * time_step()
-    if now_ms > 0 and max(now_ms / row.step_ms, row.step_ms / now_ms) <= RECHECK_RATIO:
-        return row
-    say = on_note or (lambda _: None)
-    say(f"probe {row.engine} {row.dtype}: a step took {now_ms:.1f} ms where the cached probe says "
-        f"{row.step_ms:.1f} ms: measuring the row again")
-    fresh = remeasure()
-    if fresh is None:
-        say(f"probe {row.engine} {row.dtype}: the new timings failed their checks, or the machine is busy: "
-            "the cached row stays")
-        return row
-    return fresh
-
-
 def checked_model_row(model, folder: Path, time_step: Callable[[], float] | None = None,
                       remeasure: Callable[[], ProbeRow | None] | None = None,
                       on_note: Callable[[str], None] | None = None) -> ProbeRow | None:
@@ -370,7 +257,7 @@ def checked_model_row(model, folder: Path, time_step: Callable[[], float] | None
         return None
 
     def remeasure_model() -> ProbeRow | None:
-        meter = LoadMeter().start()
+        meter = LoadMeter(threads=torch.get_num_threads()).start()
         fresh, problems = measure_row(model, engine, dtype, sorted(row.relative), sampler=RateSampler(),
                                       on_note=on_note)
         return None if problems or meter.stop().busy else fresh

@@ -76,6 +76,12 @@ def lite_refusal(index: Path) -> str | None:
     return None
 
 
+def model_name_of(gguf: Path) -> str:
+    """The model's name, as the torch front end names the file's model (its probe's and scans'
+    caches are kept under it)."""
+    return DEFAULT_DISPLAY_NAME if gguf == default_gguf_path() else gguf.stem
+
+
 class LiteModel:
     """A GGUF's model as the kernels run it, from its index (see the module's docstring)."""
 
@@ -90,7 +96,7 @@ class LiteModel:
         refusal = lite_refusal(index)
         if refusal is not None:
             raise TorchFrontEnd(f"{gguf.name}: {refusal}")
-        self.name = DEFAULT_DISPLAY_NAME if gguf == default_gguf_path() else gguf.stem
+        self.name = model_name_of(gguf)
         self.source = str(gguf)
         self.arithmetic = arithmetic
         self.threads = threads or physical_cores()  # (torch's default, as the torch front end runs)

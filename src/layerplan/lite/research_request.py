@@ -5,7 +5,8 @@ comparison with the full model (app/cli/scoring.py light_ppl_request); a `layerp
 request, a GGUF's sub-layer or exit scan of a plan of this model (app/cli/scoring.py
 light_scan_request); a `layerplan search` request, every option of the command
 (app/cli/searching.py light_search_request); a `layerplan explore` request, its grid of layer
-orders (app/cli/exploring.py light_explore_request)."""
+orders (app/cli/exploring.py light_explore_request); a `layerplan probe` request, a GGUF's
+native rows (app/cli/timing.py light_probe_request, lite/probing.py)."""
 
 from __future__ import annotations
 
@@ -70,3 +71,14 @@ class LiteExploreRequest(FileRequest):
     tokens: int = 512
     text: str | None = None
     out: str = "runs/explore"
+
+
+@dataclass
+class LiteProbeRequest(FileRequest):
+    """app/cli/timing.py's `layerplan probe` on a GGUF's native rows (its stored arithmetics)."""
+
+    dtypes: list[str] = field(default_factory=list)  # the rows' precisions, stored ones only
+    max_length: int = 16  # passes over 1..max_length new tokens
+    repeats: int = 5
+    refresh: bool = False
+    as_json: bool = False

@@ -3,7 +3,6 @@ frontier (their command lines: app/cli/timing.py), and `models --architectures`,
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import click
@@ -23,7 +22,8 @@ from layerplan.engine.choices import STORED, STORED_ARITHMETIC, STORED_FAST
 from layerplan.engine.load import load_model
 from layerplan.engine.choices import ENGINES
 from layerplan.engine.native import native_available
-from layerplan.engine.probe import CONTEXT, load_probe, probe as run_probe, save_probe
+from layerplan.engine.probe import load_probe, probe as run_probe, save_probe
+from layerplan.engine.probing import cache_line, loading_line, probe_report
 from layerplan.engine.verify import check_architecture, config_for
 from layerplan.files import write_json_atomic
 from layerplan.machine import cpu_info
@@ -146,32 +146,27 @@ def run_probe_command(model, dtypes, engines, threads, max_length, repeats, refr
         dtypes = list(dtypes) or ([STORED, STORED_FAST] if stored_here else ["float32", "bfloat16"])
         engines = list(engines) or [e for e in ENGINES if e != "auto"]
         cached = None if refresh else load_probe(cache_dir(), name)
-        wanted = {(e, d) for e in engines for d in dtypes}
+
+        def timed_here(engine: str, dtype: str) -> bool:
+            """A GGUF as stored runs on the native kernels only (eagerly it is a reference)."""
+            return not ((engine == "native" and native_available() is not None)
+                        or (engine == "eager" and dtype in STORED_ARITHMETIC))
+
+        wanted = {(e, d) for e in engines for d in dtypes if timed_here(e, d)}
         if cached is None or not wanted <= {(r.engine, r.dtype) for r in cached.rows}:
             if "native" in engines and native_available() is not None:
                 click.echo(f"native engine left out: {native_available()}", err=True)
 
             def load_for_probe(dtype: str, engine: str):
-                if (engine == "native" and native_available() is not None) or (engine == "eager" and dtype in STORED_ARITHMETIC):
-                    return None  # a GGUF as stored runs on the native kernels only (eagerly it is a reference)
-                click.echo(f"loading {model} ({dtype}, engine {engine})…", err=True)
+                if not timed_here(engine, dtype):
+                    return None
+                click.echo(loading_line(model, dtype, engine), err=True)
                 return load_model(model, dtype=dtype, engine=engine, pack=None if engine == "eager" else False)
 
             with Progress("probe") as progress:
                 cached = run_probe(load_for_probe, name, dtypes, engines, tuple(range(1, max_length + 1)), repeats,
                                    on_progress=lambda label, done, total: progress(done, total),
                                    on_note=lambda line: click.echo(line, err=True))
-            path = save_probe(cached, cache_dir())
-            if path is None:
-                click.echo(f"warning: probe not cached, its timings cannot be trusted: {'; '.join(cached.problems)}",
-                           err=True)
-            else:
-                click.echo(f"cached in {path} ({cached.load.line()})", err=True)
-    if as_json:
-        click.echo(json.dumps(cached.to_dict(), indent=2))
-        return
-    click.echo(cached.cpu)
-    click.echo(f"{cached.model}: ms per decoding step, and the cost of a pass over k new tokens ÷ one step "
-               f"(after {CONTEXT} cached tokens)")
-    click.echo(cached.table())
+            click.echo(cache_line(cached, save_probe(cached, cache_dir())), err=True)
+    click.echo(probe_report(cached, as_json))
 

@@ -8,11 +8,12 @@ import importlib
 import click
 
 from layerplan.app import llamacpp
-from layerplan.app.options import (DRAFT_LENGTH_HELP, Output, auto_dtype_option, engine_option, model_option,
-                                   n_predict_option, threads_option, transformers_option)
+from layerplan.app.options import (DRAFT_LENGTH_HELP, Output, auto_dtype_option, engine_option, light_context,
+                                   model_option, n_predict_option, threads_option, transformers_option)
 from layerplan.decoding.draft_length import DRAFT_LENGTHS
 from layerplan.decoding.drafters.kinds import drafter_help
 from layerplan.engine.choices import ENGINES, PASS_LENGTHS, STORED, STORED_FAST
+from layerplan.lite.research_request import LiteProbeRequest
 
 
 @click.command()
@@ -100,6 +101,23 @@ def probe(**options) -> None:
     that this machine's product and memory-read rates, measured between the rounds, allow."""
     importlib.import_module("layerplan.app.cli.measuring").run_probe_command(**options)
 
+
+def light_probe_request(argv: list[str]) -> LiteProbeRequest | None:
+    """The light front end's request of `layerplan probe ...` (argv without the program), read by
+    this command: a GGUF's native rows in its stored arithmetics (those given, else both), which
+    is all the torch front end times of a GGUF where the kernels run. Rows of another dtype, or
+    of the eager engine alone, help, or a line the command refuses give None (the torch front end
+    reads it then)."""
+    context = light_context(probe, argv)
+    if context is None:
+        return None
+    given = context.params
+    if given["engines"] and "native" not in given["engines"]:
+        return None
+    return LiteProbeRequest(model=given["model"], threads=given["threads"],
+                            dtypes=list(given["dtypes"]) or [STORED, STORED_FAST],
+                            max_length=given["max_length"], repeats=given["repeats"], refresh=given["refresh"],
+                            as_json=given["as_json"])
 
 
 COMMANDS = (frontier, bench, probe)  # registered on main (the package's __init__: COMMAND_INDEX)
