@@ -7,6 +7,7 @@ step. engine/probe.py's docstring says why each is done so.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import statistics
@@ -183,6 +184,7 @@ def probe_rows_by(measure: MeasureRow, model_name: str, dtypes: Sequence[str], e
             label = f"{engine} {dtype}"
             measured = measure(dtype, engine,
                                (lambda d, t, label=label: on_progress(label, d, t)) if on_progress else None)
+            gc.collect()  # the row's model, before the next one loads (a torch model's modules hold cycles)
             if measured is None:
                 continue
             row, problems = measured
