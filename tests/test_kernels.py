@@ -237,7 +237,9 @@ def test_attention_refuses_positions_past_its_kv_slot(dtype):
         layer.run_attention(hidden, keys, values, 4, rope, 1.0, None)  # 4-6 of 6: does not
 
 
-@pytest.mark.parametrize("rows", [1, 4])  # a step reads the cache as it is; a pass of 4 widens it first
+# a step; a pass whose queries (2 a kv head a row) attend as one group, each run of the cache
+# widened in L1; one with more than LP_QUERIES a kv head, the slot widened whole first
+@pytest.mark.parametrize("rows", [1, 4, 20])
 def test_an_f16_kv_cache_holds_torchs_halves_of_the_keys_and_values(rows):
     """A KV cache in f16 (stored-fast's): every key and value written is torch's .half() of the one
     an fp32 cache gets, and attention over them stays within f16's rounding of the fp32 result."""
@@ -247,8 +249,8 @@ def test_an_f16_kv_cache_holds_torchs_halves_of_the_keys_and_values(rows):
     torch.manual_seed(0)
     prefix, step = torch.randn(1, 5, 32), torch.randn(1, rows, 32)
     cos, sin = chain_rotary_embedding(model.parts.rotary, torch.cat([prefix, step], 1), 0, 5 + rows, None)
-    half = [torch.zeros(1, a.kv_heads, 16, a.head_dim, dtype=torch.float16) for _ in range(2)]
-    wide = [torch.zeros(1, a.kv_heads, 16, a.head_dim) for _ in range(2)]
+    half = [torch.zeros(1, a.kv_heads, 32, a.head_dim, dtype=torch.float16) for _ in range(2)]
+    wide = [torch.zeros(1, a.kv_heads, 32, a.head_dim) for _ in range(2)]
     for cache in (half, wide):
         layer.run_attention(prefix, *cache, 0, (cos[..., :5, :], sin[..., :5, :]), 1.0, None)
     for h, w in zip(half, wide):

@@ -278,11 +278,14 @@ int lp_attend(const lp_attention *a, const float *q, float *o, long rows, long p
               long keep_recent, const unsigned char *tree, int dtype, int threads) {
     long D = a->head_dim, group = a->heads / a->kv_heads, end = pos0 + rows, capacity = kv->capacity;
     long kv_start = kv->start;
-    /* A pass's queries share each kv head's keys and values: a 16-bit cache is widened to fp32 once
-     * for all of them rather than once per query (exact, so the same numbers); a step (few queries
-     * per head) reads the cache as it is. */
+    /* A pass's queries share each kv head's keys and values. Up to LP_QUERIES of them (a head's
+     * group, a verify pass's rows) attend together, and attend_group widens each run of a 16-bit
+     * cache to fp32 once for all of them, in L1; more (a prompt's) would widen every run once per
+     * LP_QUERIES, so the slot is widened once, whole, first (exact either way, so the same
+     * numbers). Widening the slot whole writes and reads back twice its bytes: a verify pass's few
+     * queries paid more for that than for their scores. */
     long span = end - kv_start;
-    int widen = kv->dtype != LP_DTYPE_F32 && group * rows >= 8;
+    int widen = kv->dtype != LP_DTYPE_F32 && group * rows > LP_QUERIES;
     float *kw = widen ? lp_floats(a->kv_heads * span * D) : NULL;
     float *vw = widen ? lp_floats(a->kv_heads * span * D) : NULL;
     if (widen && (!kw || !vw)) {
