@@ -1,12 +1,13 @@
 """Two builds of the kernels timed in turns in one process: this checkout's against another's (or a
 build made with other LAYERPLAN_KERNEL_FLAGS), on one-row (or --rows) products of random blocks in
-the shapes and formats of the real Qwen2.5-Coder-1.5B Q4_K_M: each shape alone, and a whole
-decoding step's 113 products in a row. A product reads from memory, whose speed drifts on a shared
+the shapes and formats of the real Qwen2.5-Coder-1.5B Q4_K_M (or, --shapes smollm2, the packaged
+SmolLM2-135M Q4_1): each shape alone, and a whole decoding step's products in a row. A product reads from memory, whose speed drifts on a shared
 host by 10-20% within a minute; builds alternated product by product see the same drift, so the
 median of the paired ratios resolves a few percent where runs in turn do not. Both builds' outputs
 are checked equal, unless --arithmetic-changed says the builds compute differently.
 
     python benchmarks/kernel_builds_ab.py --against /path/to/other/checkout/src [--rows 1] [--rounds 30]
+                                          [--shapes qwen1.5b|smollm2]
     python benchmarks/kernel_builds_ab.py --against-flags=-DLP_AHEAD_PANELS=1
 
 Prints one JSON object: per case, both builds' median ms and GB/s and the ratio (this / other).
@@ -32,10 +33,15 @@ from quant_products import stored
 
 BUILD = "from layerplan.engine import kernel_library as kl; print(kl.build(kl.choose_isa(), kl._compiler()))"
 
-# (name, format, rows n, inputs k, how many in a row): the 1.5B's matrices, a step's worth of each
-SHAPES = [("qkv", "Q4_K", 1792, 1536, 28), ("o", "Q4_K", 1536, 1536, 28), ("gate_up", "Q4_K", 17920, 1536, 28),
-          ("down Q4_K", "Q4_K", 1536, 8960, 14), ("down Q6_K", "Q6_K", 1536, 8960, 14),
-          ("lm head", "Q6_K", 151936, 1536, 1)]
+# (name, format, rows n, inputs k, how many in a row): a model's matrices, a step's worth of each
+SHAPES = {
+    "qwen1.5b": [("qkv", "Q4_K", 1792, 1536, 28), ("o", "Q4_K", 1536, 1536, 28), ("gate_up", "Q4_K", 17920, 1536, 28),
+                 ("down Q4_K", "Q4_K", 1536, 8960, 14), ("down Q6_K", "Q6_K", 1536, 8960, 14),
+                 ("lm head", "Q6_K", 151936, 1536, 1)],
+    # the packaged SmolLM2-135M Q4_1: 30 layers, 9 heads and 3 kv heads of 64, the head tied, Q8_0
+    "smollm2": [("qkv", "Q4_1", 960, 576, 30), ("o", "Q4_1", 576, 576, 30), ("gate_up", "Q4_1", 3072, 576, 30),
+                ("down", "Q4_1", 576, 1536, 30), ("lm head", "Q8_0", 49152, 576, 1)],
+}
 
 
 def library_built(src: str | None, flags: str | None) -> Path:
@@ -55,6 +61,7 @@ def main() -> None:
     parser.add_argument("--against", help="another checkout's src folder, whose kernels are the other build")
     parser.add_argument("--against-flags", help="LAYERPLAN_KERNEL_FLAGS of the other build")
     parser.add_argument("--rows", type=int, default=1)
+    parser.add_argument("--shapes", choices=sorted(SHAPES), default="qwen1.5b", help="whose matrices")
     parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--arithmetic-changed", action="store_true",
@@ -69,7 +76,8 @@ def main() -> None:
     matrix = abi.structs["lp_matrix"]
     kept = []
     cases = {}  # name -> {build: [(lp_matrix, k, n), ...]}, bytes
-    for name, fmt_name, n, k, count in SHAPES:
+    shapes = SHAPES[args.shapes]
+    for name, fmt_name, n, k, count in shapes:
         fmt = abi.constants[f"LP_FORMAT_{fmt_name}"]
         rows = stored(fmt_name, n, k, rng)
         per_build = {}
@@ -84,8 +92,8 @@ def main() -> None:
                 mats.append((matrix(ctypes.c_void_p(buf.ctypes.data), None, n, k, fmt, abi.LP_ARITH_INT8), k, n))
             per_build[build] = mats
         cases[name] = (per_build, size * count)
-    xs = {k: rng.standard_normal((args.rows, k), dtype=np.float32) for k in {k for _, _, _, k, _ in SHAPES}}
-    widest = max(n for _, _, n, _, _ in SHAPES)
+    xs = {k: rng.standard_normal((args.rows, k), dtype=np.float32) for k in {k for _, _, _, k, _ in shapes}}
+    widest = max(n for _, _, n, _, _ in shapes)
     outputs = {build: np.zeros(args.rows * widest, np.float32) for build in libs}
 
     def run(build: str, mats) -> float:
@@ -99,7 +107,8 @@ def main() -> None:
 
     step = {build: [m for per_build, _ in cases.values() for m in per_build[build]] for build in libs}
     cases["whole step"] = (step, sum(size for _, size in cases.values()))
-    result = {"cpu": cpu_info().line(), "isa": libs["this"].isa, "rows": args.rows, "rounds": args.rounds,
+    result = {"cpu": cpu_info().line(), "isa": libs["this"].isa, "shapes": args.shapes, "rows": args.rows,
+              "rounds": args.rounds,
               "other": args.against or f"LAYERPLAN_KERNEL_FLAGS={args.against_flags}", "cases": {}}
     for name, (per_build, size) in cases.items():
         times = {build: [] for build in libs}

@@ -2,16 +2,11 @@
  * 32-byte tiles of int_tiles_avx2.h on vpdpbusd for one panel, and 64-byte tiles for two panels at
  * once (formats.h: lp_int_tiles_<format>). Its integers are AVX2's (every product and sum exact). */
 #include "quant_avx2.h"
-/* The pair tiles' prefetching for one row (a decoding step; AMD EPYC with AVX-512, products read
- * from memory, builds timed in turns in one process): panels longer than LP_PREFETCH_PANEL_MAX
- * bytes are left to the hardware's prefetchers, which follow a long panel's streams by themselves
- * (fetching them too was ~10% slower at k = 8960); shorter ones end too soon for that, and the
- * next pair's first panel is fetched while this pair's same sub-block is summed (fetching its
- * second panel too was 3-6% slower at k = 1536, fetching neither ~10%). Passes of more rows do
- * more work a byte and fetch the next pair's both panels (without, 8 rows were 10-16% slower). */
-#ifndef LP_PREFETCH_PANEL_MAX
-#define LP_PREFETCH_PANEL_MAX 32768
-#endif
+/* The pair tiles' prefetching (AMD EPYC with AVX-512, products read from memory, builds timed in
+ * turns in one process): one row takes pairs only of panels longer than LP_ONE_ROW_PAIR_PANEL
+ * (gemm.c), whose streams the hardware's prefetchers follow by themselves (fetching them too was
+ * ~10% slower at k = 8960). Passes of more rows do more work a byte and fetch the next pair's both
+ * panels (without, 8 rows were 10-16% slower). */
 
 #if !defined(__AVX512BW__) || !defined(__AVX512VL__) || !defined(__AVX512VNNI__) || !defined(__AVX512VBMI__)
 #error "products_int_avx512vnni.c is built with -mavx512bw -mavx512vl -mavx512vnni -mavx512vbmi"
@@ -149,8 +144,6 @@ ALWAYS void q6_k_ipair(const istate *a, const istate *b, int c, __m512i *wl, __m
             if (R > 1 && r0 == 0) { /* (the next pair's both panels) */                            \
                 PREFETCH_SUB(F, F##_SUB, wa, LP_AHEAD_PANELS * panel_bytes, s0);                   \
                 PREFETCH_SUB(F, F##_SUB, wa, (LP_AHEAD_PANELS + 1) * panel_bytes, s0);             \
-            } else if (R == 1 && panel_bytes <= LP_PREFETCH_PANEL_MAX) {                           \
-                PREFETCH_SUB(F, F##_SUB, wa, 2 * panel_bytes, s0);                                 \
             }                                                                                      \
             __m512 dl, dh, ol, oh;                                                                 \
             __m512i il, ih;                                                                        \
