@@ -3,10 +3,10 @@
  * once (formats.h: lp_int_tiles_<format>). Its integers are AVX2's (every product and sum exact). */
 #include "quant_avx2.h"
 /* The pair tiles' prefetching (AMD EPYC with AVX-512, products read from memory, builds timed in
- * turns in one process): one row takes pairs only of panels longer than LP_ONE_ROW_PAIR_PANEL
- * (gemm.c), whose streams the hardware's prefetchers follow by themselves (fetching them too was
- * ~10% slower at k = 8960). Passes of more rows do more work a byte and fetch the next pair's both
- * panels (without, 8 rows were 10-16% slower). */
+ * turns in one process): one row takes pairs only of panels longer than LP_ONE_ROW_PAIR_PANEL,
+ * two rows none (gemm.c); a long panel's streams the hardware's prefetchers follow by themselves
+ * (fetching them too was ~10% slower at k = 8960). Passes of more rows do more work a byte and
+ * fetch the next pair's both panels (without, 8 rows were 10-16% slower). */
 
 #if !defined(__AVX512BW__) || !defined(__AVX512VL__) || !defined(__AVX512VNNI__) || !defined(__AVX512VBMI__)
 #error "products_int_avx512vnni.c is built with -mavx512bw -mavx512vl -mavx512vnni -mavx512vbmi"
