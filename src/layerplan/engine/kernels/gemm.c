@@ -91,14 +91,13 @@ typedef struct {
     const float *x;
 } lp_product;
 
-/* A product of one or two rows (a decoding step, a two-token verify pass) takes its panels one at
- * a time: two short panels read at once, even with the next pair's first fetched ahead, read
- * slower than one at a time (SmolLM2's k = 576 and 1536, the 1.5B's k = 1536). A one-row product
- * takes long panels (over LP_ONE_ROW_PAIR_PANEL bytes) in pairs still, which read faster so (the
- * 1.5B's down projections, k = 8960); passes of LP_PAIRS_FROM_ROWS rows or more take pairs
- * throughout (benchmarks/kernel_builds_ab.py). */
-#ifndef LP_ONE_ROW_PAIR_PANEL
-#define LP_ONE_ROW_PAIR_PANEL 32768
+/* A product of one or two rows (a decoding step, a two-token verify pass) takes short panels one
+ * at a time and long ones (over LP_LONG_PANEL bytes) in pairs: two short panels read at once,
+ * even with the next pair's first fetched ahead, read slower than one at a time (SmolLM2's k = 576
+ * and 1536, the 1.5B's k = 1536), and two long ones faster (the 1.5B's down projections, k = 8960).
+ * Passes of LP_PAIRS_FROM_ROWS rows or more take pairs throughout (benchmarks/kernel_builds_ab.py). */
+#ifndef LP_LONG_PANEL
+#define LP_LONG_PANEL 32768
 #endif
 #ifndef LP_PAIRS_FROM_ROWS
 #define LP_PAIRS_FROM_ROWS 3
@@ -112,7 +111,7 @@ static void run_product(const lp_product *pr, long p0, long p1, float *y, long y
     }
     long m = pr->m, groups = (m + pr->int_tiles->most - 1) / pr->int_tiles->most; /* 10 rows = 5 + 5 */
     const lp_int_tiles *t = pr->int_tiles;
-    int pairs = t->pair_rows[1] != NULL && (m >= LP_PAIRS_FROM_ROWS || (m == 1 && pr->panel_bytes > LP_ONE_ROW_PAIR_PANEL));
+    int pairs = t->pair_rows[1] != NULL && (m >= LP_PAIRS_FROM_ROWS || pr->panel_bytes > LP_LONG_PANEL);
     for (long p = p0; p < p1;) {
         int pair = pairs && p + 1 < p1;
         for (long g = 0, r0 = 0; g < groups; g++) {
