@@ -91,17 +91,14 @@ typedef struct {
     const float *x;
 } lp_product;
 
-/* A product of one or two rows (a decoding step, a two-token verify pass) takes short panels one
- * at a time and long ones (over LP_LONG_PANEL bytes) in pairs: two short panels read at once,
- * even with the next pair's first fetched ahead, read slower than one at a time (SmolLM2's k = 576
- * and 1536, the 1.5B's k = 1536), and two long ones faster (the 1.5B's down projections, k = 8960).
- * Passes of LP_PAIRS_FROM_ROWS rows or more take pairs throughout (benchmarks/kernel_builds_ab.py). */
-#ifndef LP_LONG_PANEL
-#define LP_LONG_PANEL 32768
-#endif
-#ifndef LP_PAIRS_FROM_ROWS
-#define LP_PAIRS_FROM_ROWS 3
-#endif
+/* The longest panel (in bytes) a product of m rows takes one at a time on the one-panel integer
+ * tiles, rather than in pairs on the two-panel ones (the avx512vnni build's; the others have none).
+ * A pair of short panels read at once, even with the next pair's first fetched ahead, reads slower
+ * than one panel at a time, and a pair of long ones faster: with one or two rows (a step, a
+ * two-token verify pass) panels up to 32 KB go one at a time (SmolLM2's k = 576 and 1536, the
+ * 1.5B's k = 1536; its down projections, k = 8960, in pairs), with three or four rows those up
+ * to 10 KB (SmolLM2's k = 576), with more none (benchmarks/kernel_builds_ab.py). */
+static long single_panel_most(long m) { return m <= 2 ? 32768 : m <= 4 ? 10240 : 0; }
 
 /* panels [p0, p1) of the product into y (see run_panels) */
 static void run_product(const lp_product *pr, long p0, long p1, float *y, long ys, long ybase) {
@@ -111,7 +108,7 @@ static void run_product(const lp_product *pr, long p0, long p1, float *y, long y
     }
     long m = pr->m, groups = (m + pr->int_tiles->most - 1) / pr->int_tiles->most; /* 10 rows = 5 + 5 */
     const lp_int_tiles *t = pr->int_tiles;
-    int pairs = t->pair_rows[1] != NULL && (m >= LP_PAIRS_FROM_ROWS || pr->panel_bytes > LP_LONG_PANEL);
+    int pairs = t->pair_rows[1] != NULL && pr->panel_bytes > single_panel_most(m);
     for (long p = p0; p < p1;) {
         int pair = pairs && p + 1 < p1;
         for (long g = 0, r0 = 0; g < groups; g++) {

@@ -3,9 +3,9 @@
  * once (formats.h: lp_int_tiles_<format>). Its integers are AVX2's (every product and sum exact). */
 #include "quant_avx2.h"
 /* The pair tiles' prefetching (AMD EPYC with AVX-512, products read from memory, builds timed in
- * turns in one process): one or two rows take pairs only of long panels (gemm.c LP_LONG_PANEL),
- * whose streams the hardware's prefetchers follow by themselves (fetching them too was ~10% slower
- * at k = 8960 with one row). Passes of more rows do more work a byte and
+ * turns in one process): passes of few rows take pairs only of long panels (gemm.c
+ * single_panel_most), whose streams the hardware's prefetchers follow by themselves (fetching them
+ * too was ~10% slower at k = 8960 with one row). Passes of more rows do more work a byte and
  * fetch the next pair's both panels (without, 8 rows were 10-16% slower). */
 
 #if !defined(__AVX512BW__) || !defined(__AVX512VL__) || !defined(__AVX512VNNI__) || !defined(__AVX512VBMI__)
