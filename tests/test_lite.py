@@ -24,6 +24,7 @@ from layerplan.app.cli.generating import light_request
 from layerplan.app.cli.scoring import light_ppl_request, light_scan_request
 from layerplan.app.cli.exploring import light_explore_request
 from layerplan.app.cli.searching import light_search_request
+from layerplan.app.cli.timing import light_probe_request
 from layerplan.decoding.generate import generate
 from layerplan.decoding.loop import DecodeLoop
 from layerplan.lite.request import LiteRequest
@@ -602,8 +603,6 @@ def test_the_explore_lines_it_takes(argv, taken, monkeypatch):
     (["bench"], False),
 ])
 def test_the_probe_lines_it_takes(argv, taken, monkeypatch):
-    from layerplan.app.cli.timing import light_probe_request
-
     monkeypatch.delenv("LAYERPLAN_FRONT_END", raising=False)
     request = light_probe_request(argv)
     assert (request is not None) == taken
