@@ -9,11 +9,11 @@ carries out as the torch one does (app/cli/generating.py light_request, app/cli/
 light_chat_request, app/cli/scoring.py light_ppl_request and light_scan_request,
 app/cli/searching.py light_search_request, app/cli/exploring.py light_explore_request,
 app/cli/timing.py light_probe_request), and only models whose index it can read (kept, or made
-now from the file). Where it finds, once started,
-that the model needs the torch front end, the command starts again as `python -m
-layerplan.app.cli` with LAYERPLAN_FRONT_END=torch: the kernels' library, loaded by then, links an
-OpenMP runtime that must not meet torch's in one process. (A conversation that asks for the
-torch front end halfway is handed on so too, with its transcript: app/cli/chatting.py.)
+now from the file). Where it finds, once started, that the model needs the torch front end, the
+command starts again as `python -m layerplan.app.cli` with LAYERPLAN_FRONT_END=torch: the
+kernels' library, loaded by then, links an OpenMP runtime that must not meet torch's in one
+process. (A conversation that asks for the torch front end halfway is handed on so too, with its
+transcript: app/cli/chatting.py.)
 
 A kept index's tokenizer process is started (lite/tokenizer_process.py) before anything that
 starts threads is imported (a fork copies only the thread that calls it), from the model the line
@@ -75,9 +75,9 @@ def main() -> None:
 
 
 def _research_on_the_light_front_end(argv: list[str]) -> None:
-    """A `ppl`, `scan`, `explore`, `search` or `probe` line: carried out on the light front end where its
-    reader takes it (and the process leaves), else nothing (the torch front end reads it). The
-    readers say None under LAYERPLAN_FRONT_END=torch (app/options.py light_context)."""
+    """A `ppl`, `scan`, `explore`, `search` or `probe` line: carried out on the light front end
+    where its reader takes it (and the process leaves), else nothing (the torch front end reads
+    it). The readers say None under LAYERPLAN_FRONT_END=torch (app/options.py light_context)."""
     command = argv[0]
     if command == "ppl":
         from layerplan.app.cli.scoring import light_ppl_request
