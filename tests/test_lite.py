@@ -275,6 +275,24 @@ def test_the_light_probe_times_the_passes_and_counts_the_bytes_the_torch_front_e
     assert np.array_equal(lite.logits(passes.ids[8:12], passes.cache, 8, last_only=False), full[8:])
 
 
+def test_a_kept_probe_with_eager_rows_is_the_torch_front_ends_to_show(tmp_path):
+    """Only the torch front end can tell an eager row's torch build from its own: the light probe
+    leaves such a kept probe to it (None), unless --refresh times the rows afresh."""
+    from layerplan.engine.probe_rows import ProbeResult, ProbeRow, machine_key_of, probe_path_of
+    from layerplan.files import cache_dir, write_json_atomic
+    from layerplan.lite.probing import run_probe
+    from layerplan.lite.research_request import LiteProbeRequest
+
+    path = write_tiny_gguf(tiny_hf("llama", num_layers=2), tmp_path / "llama.gguf", "Q8_0")
+    request = LiteProbeRequest(model=str(path), threads=2, dtypes=["stored-fast"], max_length=2, repeats=1)
+    rows = [ProbeRow("native", "stored-fast", 5.0, {1: 1.0, 2: 1.2}),
+            ProbeRow("eager", "float32", 9.0, {1: 1.0, 2: 1.9}, torch="2.x AVX512")]
+    kept = ProbeResult(machine_key_of(2), "cpu", "llama", rows)
+    write_json_atomic(probe_path_of(cache_dir(), "llama", 2), kept.to_dict())
+    assert run_probe(request) is None
+    assert run_probe(LiteProbeRequest(**{**request.__dict__, "refresh": True, "as_json": True})) == 0
+
+
 def test_a_draft_view_writes_the_targets_slots_and_no_others(tmp_path):
     """A draft plan's pass through LiteCache.draft_view writes the target's slots of the steps it
     runs (the verify pass writes them again), at the drafted position only, and no other step's."""
