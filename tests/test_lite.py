@@ -625,8 +625,8 @@ def test_the_probe_lines_it_takes(argv, taken, monkeypatch):
     request = light_probe_request(argv)
     assert (request is not None) == taken
     if request is not None:  # the command's own reading; no --dtype: both stored arithmetics
-        dtypes = ["stored"] if "stored" in argv else ["stored-fast"] if "stored-fast" in argv else ["stored", "stored-fast"]
-        assert request.dtypes == dtypes
+        given = [dtype for dtype in ("stored", "stored-fast") if dtype in argv]
+        assert request.dtypes == (given or ["stored", "stored-fast"])
     if len(argv) > 4 and taken:
         assert (request.threads, request.max_length, request.repeats, request.refresh, request.as_json) == (
             1, 8, 2, True, True)

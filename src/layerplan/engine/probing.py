@@ -170,10 +170,11 @@ def probe_rows_by(measure: MeasureRow, model_name: str, dtypes: Sequence[str], e
                   threads: int, cpu: str, on_progress: Callable[[str, int, int], None] | None = None,
                   load_meter: LoadMeter | None = None) -> ProbeResult:
     """A probe of every (dtype, engine) that `measure` runs, under this machine's key for
-    `threads`; cpu: the CPU line of the process that times it (machine.py). A row that still fails its checks is kept, for the table, and named in the
-    result's problems, which keep the probe out of the cache (save_probe_of), as does a busy
-    machine: contention slows the rates that the floor is made of as well, so a row timed beside
-    busy neighbours can pass its checks (a 577 ms step over a 242 ms floor)."""
+    `threads`; cpu: the CPU line of the process that times it (machine.py). A row that still fails
+    its checks is kept, for the table, and named in the result's problems, which keep the probe
+    out of the cache (save_probe_of), as does a busy machine: contention slows the rates that the
+    floor is made of as well, so a row timed beside busy neighbours can pass its checks (a 577 ms
+    step over a 242 ms floor)."""
     result = ProbeResult(machine_key_of(threads), cpu, model_name)
     meter = load_meter or LoadMeter()
     if meter.threads is None:
