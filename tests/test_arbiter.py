@@ -6,7 +6,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from layerplan.app.bench import run_bench
+from layerplan.app.bench_runs import run_bench
 from layerplan.decoding.drafters.arbiter import Arbiter
 from layerplan.decoding.drafters.ngram import NgramDrafter
 from layerplan.decoding.drafters.plan import PlanDrafter

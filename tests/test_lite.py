@@ -24,7 +24,7 @@ from layerplan.app.cli.generating import light_request
 from layerplan.app.cli.scoring import light_ppl_request, light_scan_request
 from layerplan.app.cli.exploring import light_explore_request
 from layerplan.app.cli.searching import light_search_request
-from layerplan.app.cli.timing import light_probe_request
+from layerplan.app.cli.timing import light_bench_request, light_probe_request
 from layerplan.decoding.generate import generate
 from layerplan.decoding.loop import DecodeLoop
 from layerplan.lite.request import LiteRequest
@@ -630,6 +630,40 @@ def test_the_probe_lines_it_takes(argv, taken, monkeypatch):
     if len(argv) > 4 and taken:
         assert (request.threads, request.max_length, request.repeats, request.refresh, request.as_json) == (
             1, 8, 2, True, True)
+
+
+@pytest.mark.parametrize("argv,taken", [
+    (["bench"], True),
+    (["bench", "-m", "some.gguf", "--dtype", "stored", "-t", "1", "-n", "16", "--repeats", "2", "--prompt", "chat",
+      "--draft", "auto", "--draft", "exit:12", "--draft-length", "fixed", "--no-llama-cpp", "--llama-draft-max", "4",
+      "--out", "b.json"], True),
+    (["bench", "--engine", "native", "--no-transformers"], True),
+    (["bench", "--transformers"], False),  # transformers' rows: torch's
+    (["bench", "--hf-early-exit", "4"], False),
+    (["bench", "--hf-prompt-lookup", "10"], False),
+    (["bench", "--engine", "eager"], False),
+    (["bench", "--dtype", "float32"], False),
+    (["bench", "--draft", "online"], False),  # a draft that runs torch modules
+    (["bench", "--draft", "model:draft.safetensors"], False),  # a draft model that is no GGUF
+    (["bench", "--prompt", "poem"], False),  # no such prompt: the torch front end says so
+    (["bench", "--prompt", "code", "--prompt-file", "p.txt"], False),
+    (["bench", "--prompt-file", "/nonexistent/p.txt"], False),
+    (["bench", "--repeats", "0"], False),  # refused by the command
+    (["bench", "--help"], False),
+    (["probe"], False),
+])
+def test_the_bench_lines_it_takes(argv, taken, monkeypatch):
+    monkeypatch.delenv("LAYERPLAN_FRONT_END", raising=False)
+    request = light_bench_request(argv)
+    assert (request is not None) == taken
+    if request is not None and len(argv) == 1:  # every built-in prompt, chat and summary templated
+        assert list(request.prompts) == ["code", "chat", "summary", "continuation"]
+        assert request.chat == ["chat", "summary"] and request.drafts == [] and request.llama_cpp
+    if len(argv) > 4 and taken:
+        assert (request.model, request.dtype, request.threads, request.new_tokens, request.repeats) == (
+            "some.gguf", "stored", 1, 16, 2)
+        assert (list(request.prompts), request.drafts, request.draft_length) == (["chat"], ["auto", "exit:12"], "fixed")
+        assert (request.llama_cpp, request.llama_draft_max, request.out) == (False, 4, "b.json")
 
 
 @pytest.mark.parametrize("reader, command", [(light_ppl_request, "ppl"), (light_scan_request, "scan"),

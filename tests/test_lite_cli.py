@@ -423,6 +423,38 @@ def test_a_probe_on_the_light_front_end_times_the_rows_the_torch_one_reads(cache
     assert "native  stored-fast     4.0   1.00  1.10  1.30" in light.stdout
 
 
+def test_a_bench_on_the_light_front_end_times_what_the_torch_one_times(cache, tmp_path):
+    """`layerplan bench` of a GGUF as stored, without torch (-X importtime says what was imported):
+    the rows, tokens and drafting figures of the torch front end's run of the same line (a fixed
+    draft length: the rounds do not follow the clock), its CPU line naming the kernels' build."""
+    line = ["bench", "--prompt", "code", "--new-tokens", "8", "--repeats", "1", "--draft", "suffix", "--draft",
+            "exit:20", "--draft-length", "fixed", "--no-llama-cpp"]
+    env = {**os.environ, "LAYERPLAN_CACHE": str(cache), "LAYERPLAN_FRONT_END": ""}
+    light = subprocess.run([sys.executable, "-X", "importtime", "-m", "layerplan.app.launch", *line, "--out",
+                            str(tmp_path / "light.json")], capture_output=True, text=True, env=env, timeout=300)
+    assert light.returncode == 0, light.stderr
+    imported = {row.split("|")[-1].strip() for row in light.stderr.splitlines() if row.startswith("import time:")}
+    assert not [name for name in imported if name.split(".")[0] in ("torch", "transformers")]
+    on_torch = _run([*line, "--out", str(tmp_path / "torch.json")], cache, "torch")
+    assert on_torch.returncode == 0, on_torch.stderr
+    results = [json.loads((tmp_path / f"{name}.json").read_text()) for name in ("light", "torch")]
+
+    def rows(result: dict) -> list[tuple]:
+        return [(r["method"], r["prompt"], r["tokens"], r["same_as_plain"], r["acceptance_rate"],
+                 r["mean_accepted_length"], r["by_drafter"]) for r in result["rows"]]
+
+    assert rows(results[0]) == rows(results[1])
+    assert [r[0] for r in rows(results[0])] == ["layerplan plain", "layerplan draft=suffix", "layerplan draft=exit:20"]
+    assert all(r[3] for r in rows(results[0]))  # every draft's tokens are plain decoding's
+    assert {k: results[0][k] for k in ("model", "dtype", "threads", "new_tokens", "repeats", "reference")} == {
+        k: results[1][k] for k in ("model", "dtype", "threads", "new_tokens", "repeats", "reference")}
+    assert results[0]["cpu"]["torch"] is None and results[0]["cpu"]["kernels"]
+    assert re.search(r"^CPU: .*\(native kernels \w+\), \d+ threads of \d+$", light.stdout, re.M)
+    table = [row for row in light.stdout.splitlines() if row.startswith("code ")]
+    assert [row.split()[1:3] for row in table] == [["layerplan", "plain"], ["layerplan", "draft=suffix"],
+                                                   ["layerplan", "draft=exit:20"]]
+
+
 def test_a_reader_that_leaves_ends_the_command_without_a_traceback(cache):
     """`layerplan generate … | head -c 5`: the light front end stops at the closed pipe, as the torch
     front end does, with status 1 and nothing but its loading line on stderr."""

@@ -10,7 +10,8 @@ from click.testing import CliRunner
 from layerplan.app import cli
 from layerplan.app import bars as progress_bars
 from layerplan.app.cli import research
-from layerplan.app.bench import bench_methods, run_bench, wants_transformers
+from layerplan.app.bench import bench_methods, wants_transformers
+from layerplan.app.bench_runs import run_bench
 from layerplan.machine import cpu_info, isa_level, read_cpuinfo
 from tiny import tiny_model
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from layerplan.app import llamacpp
-from layerplan.app.bench import run_bench
+from layerplan.app.bench_runs import run_bench
 from layerplan.app.peers import (LlamaToolError, gguf_file_type, llama_bench, parse_llama_bench_json,
                                  parse_lookup_output)
 
@@ -191,9 +191,9 @@ def test_without_a_build_the_rows_are_left_out_with_the_command_that_builds_them
 
     monkeypatch.setenv("LAYERPLAN_CACHE", str(tmp_path))
     assert llamacpp.find_tools() is None
-    loaded = SimpleNamespace(source=str(tmp_path / "model.gguf"), dtype=torch.bfloat16)
     notes = []
-    assert llama_cpp_peers(loaded, ["ngram"], 8, on_note=notes.append) == ({}, {})
+    assert llama_cpp_peers(str(tmp_path / "model.gguf"), "bfloat16", 2, str, ["ngram"], 8,
+                           on_note=notes.append) == ({}, {})
     assert len(notes) == 1
     message = notes.pop()
     assert message.count("\n") == 0 and message.endswith(": layerplan peers build")
@@ -201,8 +201,7 @@ def test_without_a_build_the_rows_are_left_out_with_the_command_that_builds_them
     assert str(tmp_path / "llama.cpp") in message
 
     # a model that is not a GGUF file: left out, saying why
-    assert llama_cpp_peers(SimpleNamespace(source=str(tmp_path), dtype=torch.float32), [], 8,
-                           on_note=notes.append) == ({}, {})
+    assert llama_cpp_peers(str(tmp_path), "float32", 2, str, [], 8, on_note=notes.append) == ({}, {})
     assert len(notes) == 1 and "need the model as a GGUF file" in notes[0]
 
 

@@ -26,12 +26,16 @@ ISA_LEVELS = (
 class CpuInfo:
     model: str  # e.g. "AMD EPYC 7B13" ("unknown CPU" where the OS does not say)
     isa: str  # best of AMX / AVX-512 BF16 / AVX-512 / AVX2 the CPU reports, else "below AVX2" or "unknown"
-    torch_capability: str  # the kernels torch dispatches to (ATEN_CPU_CAPABILITY can lower it)
-    threads: int  # torch's intra-op threads
+    torch_capability: str | None  # the kernels torch dispatches to (ATEN_CPU_CAPABILITY can lower it)
+    threads: int  # torch's intra-op threads (the native kernels' threads in a process without torch)
     cores: int  # logical CPUs the OS reports
-    torch: str
+    torch: str | None  # None: timed in a process without torch, on the native kernels alone
+    kernels: str | None = None  # the native kernels' build, where torch's is not there to name
 
     def line(self) -> str:
+        if self.torch is None:
+            return (f"CPU: {self.model}, {self.isa} (native kernels {self.kernels}), "
+                    f"{self.threads} threads of {self.cores}")
         return (f"CPU: {self.model}, {self.isa} (torch kernels {self.torch_capability}), "
                 f"{self.threads} threads of {self.cores}, torch {self.torch}")
 
@@ -89,12 +93,12 @@ def physical_cores(cpuinfo: str | Path = "/proc/cpuinfo") -> int:
     return max(len(cores) or len(allowed), 1)
 
 
-def kernels_cpu_line(threads: int, kernels: str, cpuinfo: str | Path = "/proc/cpuinfo") -> str:
-    """The CPU line of figures a process without torch timed on the native kernels alone (the
-    light front end's probe): CpuInfo.line's, with the kernels' build where torch's would be."""
+def kernels_cpu_info(threads: int, kernels: str, cpuinfo: str | Path = "/proc/cpuinfo") -> CpuInfo:
+    """The CPU of figures a process without torch timed on the native kernels alone (the light
+    front end's probe and bench): its line names the kernels' build where torch's would be."""
     model, flags = read_cpuinfo(cpuinfo)
-    return (f"CPU: {model or platform.processor() or 'unknown CPU'}, {isa_level(flags)} (native kernels {kernels}), "
-            f"{threads} threads of {os.cpu_count() or 0}")
+    return CpuInfo(model=model or platform.processor() or "unknown CPU", isa=isa_level(flags), torch_capability=None,
+                   threads=threads, cores=os.cpu_count() or 0, torch=None, kernels=kernels)
 
 
 def cpu_info(cpuinfo: str | Path = "/proc/cpuinfo") -> CpuInfo:

@@ -1,19 +1,19 @@
 """The `layerplan` command's entry: a GGUF's plain generation, a greedy conversation with it, its
-perplexity (under a plan of the model, in either protocol), its scan, its search, explore's grid
-and its probe run on the light front end (layerplan/lite/: numpy and the native kernels, a start
-of a tenth of a second), every other command line on the torch front end (app/cli/), which reads
-it as it always has.
+perplexity (under a plan of the model, in either protocol), its scan, its search, explore's
+grid, its probe and its bench run on the light front end (layerplan/lite/: numpy and the native
+kernels, a start of a tenth of a second), every other command line on the torch front end
+(app/cli/), which reads it as it always has.
 
 Which one runs changes no output: the light front end takes only command lines whose meaning it
 carries out as the torch one does (app/cli/generating.py light_request, app/cli/chatting.py
 light_chat_request, app/cli/scoring.py light_ppl_request and light_scan_request,
 app/cli/searching.py light_search_request, app/cli/exploring.py light_explore_request,
-app/cli/timing.py light_probe_request), and only models whose index it can read (kept, or made
-now from the file). Where it finds, once started, that the model needs the torch front end, the
-command starts again as `python -m layerplan.app.cli` with LAYERPLAN_FRONT_END=torch: the
-kernels' library, loaded by then, links an OpenMP runtime that must not meet torch's in one
-process. (A conversation that asks for the torch front end halfway is handed on so too, with its
-transcript: app/cli/chatting.py.)
+app/cli/timing.py light_probe_request and light_bench_request), and only models whose index it
+can read (kept, or made now from the file). Where it finds, once started, that the model needs
+the torch front end, the command starts again as `python -m layerplan.app.cli` with
+LAYERPLAN_FRONT_END=torch: the kernels' library, loaded by then, links an OpenMP runtime that
+must not meet torch's in one process. (A conversation that asks for the torch front end halfway
+is handed on so too, with its transcript: app/cli/chatting.py.)
 
 A kept index's tokenizer process is started (lite/tokenizer_process.py) before anything that
 starts threads is imported (a fork copies only the thread that calls it), from the model the line
@@ -67,7 +67,7 @@ def main() -> None:
             if tokenizer is not None:
                 tokenizer.close()
             _leave_or_restart(status, taken, argv)
-    if argv[:1] in (["ppl"], ["scan"], ["explore"], ["search"], ["probe"]):
+    if argv[:1] in (["ppl"], ["scan"], ["explore"], ["search"], ["probe"], ["bench"]):
         _research_on_the_light_front_end(argv)
     from layerplan.app.cli import run_as_process
 
@@ -75,9 +75,9 @@ def main() -> None:
 
 
 def _research_on_the_light_front_end(argv: list[str]) -> None:
-    """A `ppl`, `scan`, `explore`, `search` or `probe` line: carried out on the light front end
-    where its reader takes it (and the process leaves), else nothing (the torch front end reads
-    it). The readers say None under LAYERPLAN_FRONT_END=torch (app/options.py light_context)."""
+    """A `ppl`, `scan`, `explore`, `search`, `probe` or `bench` line: carried out on the light
+    front end where its reader takes it (and the process leaves), else nothing (the torch front
+    end reads it). The readers say None under LAYERPLAN_FRONT_END=torch (app/options.py light_context)."""
     command = argv[0]
     if command == "ppl":
         from layerplan.app.cli.scoring import light_ppl_request
@@ -106,6 +106,17 @@ def _research_on_the_light_front_end(argv: list[str]) -> None:
             from layerplan.lite.research import run_explore
 
             return run_explore(request, lambda result: report_explore(result, request.out))
+    elif command == "bench":
+        from layerplan.app.cli.timing import light_bench_request
+
+        request = light_bench_request(argv)
+
+        def run() -> int | None:
+            from layerplan.app.bars import Progress
+            from layerplan.app.light_bench import run_light_bench
+
+            with Progress("bench") as progress:
+                return run_light_bench(request, progress)
     elif command == "probe":
         from layerplan.app.cli.timing import light_probe_request
 

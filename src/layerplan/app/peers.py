@@ -35,10 +35,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-import torch
 
 from layerplan.app import llamacpp
-from layerplan.app.bench import PLAIN
+from layerplan.app.bench_runs import PLAIN
 from layerplan.files import atomic_file, cache_dir
 
 # layerplan dtype -> (GGUF tensor type name, general.file_type value of llama.cpp's LLAMA_FTYPE)
@@ -179,8 +178,8 @@ def llama_bench_runner(tool: Path, gguf: Path, threads: int, pass_length: int = 
     test's (the prompt's length in one pass, then the new tokens), as every row is timed; the
     stats carry llama-bench's decoding rate (tg) and the pass cost (pp)."""
 
-    def run(ids, new_tokens: int):
-        result = llama_bench(tool, gguf, threads, new_tokens, int(ids.shape[1]), pass_length)
+    def run(ids: list[int], new_tokens: int):
+        result = llama_bench(tool, gguf, threads, new_tokens, len(ids), pass_length)
         seconds = result.pg_seconds if result.pg_seconds is not None else result.n_gen / result.tg_tokens_per_second
         steps = result.pass_steps(pass_length)
         return seconds, result.n_gen, {"decode_tokens_per_second": result.tg_tokens_per_second,
@@ -246,7 +245,7 @@ def llama_lookup_runner(tool: Path, gguf: Path, threads: int, prompt_text, draft
     """A bench Runner: llama-lookup's own timing of the prompt (prefill + decoding) per token.
     prompt_text(ids) gives the text whose tokens are `ids` (chat template applied)."""
 
-    def run(ids, new_tokens: int):
+    def run(ids: list[int], new_tokens: int):
         result = llama_lookup(tool, gguf, threads, prompt_text(ids), new_tokens, draft_max)
         return (result.prompt_seconds + result.decode_seconds, result.tokens,
                 {"decode_tokens_per_second": result.decode_tokens_per_second,
@@ -255,43 +254,42 @@ def llama_lookup_runner(tool: Path, gguf: Path, threads: int, prompt_text, draft
     return run
 
 
-def llama_cpp_peers(loaded, drafts, draft_max: int,
-                    on_note: Callable[[str], None] = lambda _: None) -> tuple[dict, dict]:
-    """llama.cpp's own tools on the model's GGUF as stored and rewritten at the model's precision:
+def llama_cpp_peers(source: str, dtype: str | None, threads: int, decode: Callable[[list[int]], str], drafts,
+                    draft_max: int, on_note: Callable[[str], None] = lambda _: None) -> tuple[dict, dict]:
+    """llama.cpp's own tools on the model's GGUF `source` as stored and rewritten at layerplan's
+    `dtype` (None: layerplan runs the file as stored, the same precision), on `threads` threads:
     ({method: runner}, {peer method: the layerplan methods it is compared with}); ({}, {}) with a
-    one-line note saying why not. on_note: what is left out, and a file written for the tools."""
-    if not loaded.source.endswith(".gguf"):
+    one-line note saying why not. decode(ids): the text whose tokens are ids, chat template and
+    special tokens kept (llama-lookup reads a prompt as text). on_note: what is left out, and a
+    file written for the tools."""
+    if not source.endswith(".gguf"):
         on_note("llama.cpp rows left out: they need the model as a GGUF file (--model FILE.gguf)")
         return {}, {}
     bin_dir = llamacpp.find_tools()
     if bin_dir is None:
         on_note(llamacpp.missing_message())
         return {}, {}
-    source, dtype = Path(loaded.source), str(loaded.dtype).replace("torch.", "")
-    stored = gguf_file_type(source)
-    files = {f"{stored} file": source}
-    if loaded.stored is not None:  # layerplan runs the file as stored: the file is the same precision
+    path = Path(source)
+    stored = gguf_file_type(path)
+    files = {f"{stored} file": path}
+    if dtype is None:
         pass
     elif dtype not in GGUF_PRECISIONS:
         on_note(f"llama.cpp rows at layerplan's precision left out: no {dtype} GGUF is written here")
     elif GGUF_PRECISIONS[dtype][0] != stored:
-        target = cache_dir() / "gguf" / f"{source.stem}-{dtype}.gguf"
+        target = cache_dir() / "gguf" / f"{path.stem}-{dtype}.gguf"
         if not target.exists():
             on_note(f"writing {target.name} for llama.cpp (once)…")
-        files[SHORT_DTYPES[dtype]] = gguf_at_precision(source, dtype, target)
-    threads = torch.get_num_threads()
+        files[SHORT_DTYPES[dtype]] = gguf_at_precision(path, dtype, target)
     runners, pairs = {}, {}
-    for label, path in files.items():
+    for label, file in files.items():
         name = f"llama.cpp llama-bench ({label})"
-        runners[name], pairs[name] = llama_bench_runner(bin_dir / "llama-bench", path, threads), [PLAIN]
+        runners[name], pairs[name] = llama_bench_runner(bin_dir / "llama-bench", file, threads), [PLAIN]
     counterparts = [f"layerplan draft={d}" for d in drafts if d.split(":")[0].split("+")[0] in LOOKUP_COUNTERPARTS]
     if counterparts:
-        def prompt_text(ids):  # the text whose tokens are ids: chat template and special tokens kept
-            return loaded.tokenizer.decode(ids[0].tolist(), skip_special_tokens=False)
-
-        for label, path in files.items():
+        for label, file in files.items():
             name = f"llama.cpp llama-lookup ({label})"
-            runners[name] = llama_lookup_runner(bin_dir / "llama-lookup", path, threads, prompt_text, draft_max)
+            runners[name] = llama_lookup_runner(bin_dir / "llama-lookup", file, threads, decode, draft_max)
             pairs[name] = counterparts
     return runners, pairs
 

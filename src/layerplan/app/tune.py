@@ -10,7 +10,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from layerplan.app.bench import BenchResult, bench_methods, run_bench
+from layerplan.app.bench import bench_methods
+from layerplan.app.bench_runs import BenchResult, run_bench
 from layerplan.app.prompts import CHAT_PROMPTS, PROMPTS
 from layerplan.decoding.drafters.saved import save_draft_plan
 from layerplan.decoding.frontier import FrontierResult, measure_frontier, pass_costs_of, self_drafts

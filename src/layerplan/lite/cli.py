@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Callable, Sequence
 
 from layerplan.decoding.budget import token_budget
 from layerplan.decoding.loop import DecodeLoop
+from layerplan.decoding.sampling_params import SamplingParams
 from layerplan.decoding.text import TextDelta, prompt_notes
-from layerplan.engine.probe_rows import PaceCheck
+from layerplan.engine.probe_rows import PaceCheck, ProbeRow
 from layerplan.files import WriteError, cache_dir
 from layerplan.lite import TorchFrontEnd
 from layerplan.lite.model import LiteModel, lite_refusal
@@ -101,20 +103,8 @@ def run(request: LiteRequest, tokenizer: TokenizerProcess | None = None) -> int 
 
         streamed = on_text if request.stream else None
         row = model.probe_row()  # (the pace's and the draft's costs, as the torch front end's generate)
-        if request.draft is None:
-            loop = DecodeLoop(model, ids, plan, request.max_new_tokens, request.stop, True, streamed,
-                              pace=PaceCheck(row), sampling=sampling, seed=request.seed)
-        else:  # speculative rounds (imported here: a plain start does not wait for them)
-            from layerplan.decoding.drafters.registry import make_drafter
-            from layerplan.decoding.rounds import SpeculativeLoop
-
-            costs = dict(row.relative) if row is not None else {}
-            drafter = make_drafter(request.draft, model, plan, request.draft_confidence, pass_costs=costs,
-                                   load_draft=model.load_draft)
-            loop = SpeculativeLoop(model, ids, plan, drafter, request.max_new_tokens, request.stop, True, streamed,
-                                   pace=PaceCheck(row), sampling=sampling, seed=request.seed,
-                                   draft_length=request.draft_length, pass_costs=costs)
-        result = loop.run()
+        result = decode_loop(model, ids, plan, request.max_new_tokens, row, request.stop, streamed, sampling,
+                             request.seed, request.draft, request.draft_length, request.draft_confidence).run()
     except ENDINGS as error:
         return ended_by(error)
     print("" if request.stream else result.text, flush=True)
@@ -127,6 +117,26 @@ def run(request: LiteRequest, tokenizer: TokenizerProcess | None = None) -> int 
         summary = {k: v for k, v in result.to_dict().items() if k not in ("text", "token_ids")}
         print(json.dumps(summary, indent=2), file=sys.stderr)
     return 0
+
+
+def decode_loop(model: LiteModel, ids: list[int], plan, max_new_tokens: int, row: ProbeRow | None,
+                stop: Sequence[str] = (), on_text: Callable[[TextDelta], None] | None = None,
+                sampling: SamplingParams | None = None, seed: int | None = None, draft: str | None = None,
+                draft_length: str | None = None, draft_confidence: float = 0.0) -> DecodeLoop:
+    """The decode of `ids` as the torch front end's generate runs it: plain, or speculative rounds
+    of `draft` (a draft the light front end runs); row: this machine's probe row for the model,
+    the pace's and the draft's pass costs (None: none cached)."""
+    if draft is None:
+        return DecodeLoop(model, ids, plan, max_new_tokens, stop, True, on_text, pace=PaceCheck(row),
+                          sampling=sampling, seed=seed)
+    # (speculative rounds, imported here: a plain start does not wait for them)
+    from layerplan.decoding.drafters.registry import make_drafter
+    from layerplan.decoding.rounds import SpeculativeLoop
+
+    costs = dict(row.relative) if row is not None else {}
+    drafter = make_drafter(draft, model, plan, draft_confidence, pass_costs=costs, load_draft=model.load_draft)
+    return SpeculativeLoop(model, ids, plan, drafter, max_new_tokens, stop, True, on_text, pace=PaceCheck(row),
+                           sampling=sampling, seed=seed, draft_length=draft_length, pass_costs=costs)
 
 
 # what a request may end with, before its output (ended_by)

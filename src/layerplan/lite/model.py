@@ -183,9 +183,14 @@ class LiteModel:
         torch front end checks a row by a timed step after a 100-token prefill, which a start here
         does not wait for. None: none cached."""
         probe = read_probe(cache_dir(), self.name, self.threads)
-        return probe.row("native", STORED_PRECISION[self.arithmetic]) if probe is not None else None
+        return probe.row("native", self.precision) if probe is not None else None
 
     # ----- plans and passes ----------------------------------------------------------------------
+    @property
+    def precision(self) -> str:
+        """The dtype the torch front end names for this arithmetic (stored, stored-fast)."""
+        return STORED_PRECISION[self.arithmetic]
+
     @property
     def num_layers(self) -> int:
         return self.config.layers

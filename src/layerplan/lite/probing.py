@@ -22,7 +22,7 @@ from layerplan.files import cache_dir
 from layerplan.lite.cli import ENDINGS, ended_by
 from layerplan.lite.model import LiteModel, model_name_of
 from layerplan.lite.research_request import LiteProbeRequest
-from layerplan.machine import kernels_cpu_line, physical_cores
+from layerplan.machine import kernels_cpu_info, physical_cores
 from layerplan.models.gguf_place import gguf_of
 
 
@@ -86,7 +86,7 @@ def run_probe(request: LiteProbeRequest, on_progress: Callable[[int, int], None]
                     on_note=lambda line: print(line, file=sys.stderr, flush=True))
 
             cached = probe_rows_by(measure, name, request.dtypes, ["native"], threads,
-                                   kernels_cpu_line(threads, choose_isa().name),
+                                   kernels_cpu_info(threads, choose_isa().name).line(),
                                    (lambda _label, done, total: on_progress(done, total)) if on_progress else None)
             print(cache_line(cached, save_probe_of(cached, folder, threads)), file=sys.stderr)
     except ENDINGS as error:

@@ -6,7 +6,9 @@ request, a GGUF's sub-layer or exit scan of a plan of this model (app/cli/scorin
 light_scan_request); a `layerplan search` request, every option of the command
 (app/cli/searching.py light_search_request); a `layerplan explore` request, its grid of layer
 orders (app/cli/exploring.py light_explore_request); a `layerplan probe` request, a GGUF's
-native rows (app/cli/timing.py light_probe_request, lite/probing.py)."""
+native rows (app/cli/timing.py light_probe_request, lite/probing.py); a `layerplan bench`
+request, its plain and drafted decodes against llama.cpp's tools (app/cli/timing.py
+light_bench_request, app/light_bench.py)."""
 
 from __future__ import annotations
 
@@ -82,3 +84,19 @@ class LiteProbeRequest(FileRequest):
     repeats: int = 5
     refresh: bool = False
     as_json: bool = False
+
+
+@dataclass
+class LiteBenchRequest(FileRequest):
+    """app/cli/timing.py's `layerplan bench` on a GGUF as stored: layerplan's plain decoding and
+    drafts the light front end runs, and llama.cpp's tools, on prompts read already."""
+
+    prompts: dict[str, str] = field(default_factory=dict)  # {name: text}
+    chat: list[str] = field(default_factory=list)  # the prompts that go through the chat template
+    new_tokens: int = 64
+    repeats: int = 3
+    drafts: list[str] = field(default_factory=list)
+    draft_length: str | None = None
+    llama_cpp: bool = True
+    llama_draft_max: int = 8
+    out: str = "runs/bench.json"

@@ -6,11 +6,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import click
+import torch
 
-from layerplan.app import llamacpp
 from layerplan.app.bars import Progress
-from layerplan.app.bench import bench_methods, load_for_timing, run_bench, wants_transformers
+from layerplan.app.bench import bench_methods, load_for_timing, wants_transformers
+from layerplan.app.bench_runs import run_bench
 from layerplan.app.cli.common import checked_probe_row, command_dtype, load, note, set_threads, user_errors
+from layerplan.app.cli.timing import report_bench
 from layerplan.app.peers import llama_cpp_peers
 from layerplan.app.prompts import CHAT_PROMPTS, PROMPTS, pick_prompts, read_prompt_file
 from layerplan.app.report import frontier_plot
@@ -116,25 +118,16 @@ def run_bench_command(model, dtype, engine, threads, new_tokens, repeats, prompt
                              "--no-transformers")
         stock, fast = load_for_timing(model, dtype, engine, on_note=note, transformers=transformers)
         token_budget(1, new_tokens, fast.context_length, new_tokens_name="--new-tokens")  # before any decoding
-        peers, pairs = llama_cpp_peers(fast, drafts, llama_draft_max, on_note=note) if llama_cpp else ({}, {})
+        peers, pairs = llama_cpp_peers(
+            fast.source, None if fast.stored is not None else str(fast.dtype).replace("torch.", ""),
+            torch.get_num_threads(), lambda ids: fast.tokenizer.decode(ids, skip_special_tokens=False), drafts,
+            llama_draft_max, on_note=note) if llama_cpp else ({}, {})
         methods = bench_methods(stock, fast, list(drafts), list(hf_exits), hf_prompt_lookup, draft_length, peers,
                                 probe_row=checked_probe_row(fast))
         with Progress("bench") as progress:
             result = run_bench(stock or fast, methods, prompts, new_tokens, repeats, on_progress=progress, chat=chat,
                                precision=fast.precision)
-    click.echo(result.cpu.line())
-    click.echo(f"{result.model}, {result.dtype}, {result.threads} threads, up to {new_tokens} new tokens, "
-               f"median of {repeats}; '{result.versus}' = {result.reference} ms/token ÷ this row's; "
-               "dec/s: decoding alone")
-    click.echo(result.table())
-    if pairs:
-        bin_dir = llamacpp.find_tools()
-        click.echo(f"layerplan vs llama.cpp's own tools ({llamacpp.peer_name(bin_dir)}, {bin_dir}; "
-                   f"llama-lookup drafts up to {llama_draft_max}):")
-        for line in result.peer_lines(pairs):
-            click.echo("  " + line)
-    write_json_atomic(out, result.to_dict())
-    click.echo(f"wrote {out}")
+    report_bench(result, pairs, llama_draft_max, out)
 
 
 def run_probe_command(model, dtypes, engines, threads, max_length, repeats, refresh, as_json) -> None:

@@ -1,5 +1,7 @@
 """`layerplan bench`, `frontier` and `probe`: their command lines, defined without torch (a command's
-help and a mistyped option answer at once); running one imports its work (app/cli/measuring.py)."""
+help and a mistyped option answer at once); running one imports its work (app/cli/measuring.py),
+or, for the lines the light front end takes (light_bench_request, light_probe_request), that
+front end's (app/light_bench.py, lite/probing.py)."""
 
 from __future__ import annotations
 
@@ -8,12 +10,16 @@ import importlib
 import click
 
 from layerplan.app import llamacpp
+from layerplan.app.bench_runs import BenchResult
 from layerplan.app.options import (DRAFT_LENGTH_HELP, Output, auto_dtype_option, engine_option, light_context,
                                    model_option, n_predict_option, threads_option, transformers_option)
+from layerplan.app.prompts import CHAT_PROMPTS, PROMPTS, pick_prompts, read_prompt_file
 from layerplan.decoding.draft_length import DRAFT_LENGTHS
-from layerplan.decoding.drafters.kinds import drafter_help
+from layerplan.decoding.drafters.kinds import draft_models, drafter_help, drafts_on_the_light_front_end
 from layerplan.engine.choices import ENGINES, PASS_LENGTHS, STORED, STORED_FAST
-from layerplan.lite.research_request import LiteProbeRequest
+from layerplan.files import write_json_atomic
+from layerplan.lite.research_request import LiteBenchRequest, LiteProbeRequest
+from layerplan.models.gguf_place import gguf_of
 
 
 @click.command()
@@ -118,6 +124,56 @@ def light_probe_request(argv: list[str]) -> LiteProbeRequest | None:
                             dtypes=list(given["dtypes"]) or [STORED, STORED_FAST],
                             max_length=given["max_length"], repeats=given["repeats"], refresh=given["refresh"],
                             as_json=given["as_json"])
+
+
+def light_bench_request(argv: list[str]) -> LiteBenchRequest | None:
+    """The light front end's request of `layerplan bench ...` (argv without the program), read by
+    this command: a GGUF as stored, layerplan's plain decoding and drafts the light front end runs
+    (those of `generate`), and llama.cpp's rows. transformers' rows (--transformers, its assistants),
+    the eager engine, another dtype, a draft that runs torch modules, prompts that cannot be read,
+    help, or a line the command refuses give None (the torch front end reads it then, and says what
+    it says)."""
+    context = light_context(bench, argv)
+    if context is None:
+        return None
+    given = context.params
+    if given["transformers"] or given["hf_exits"] or given["hf_prompt_lookup"] or given["engine"] == "eager":
+        return None
+    drafts = list(given["drafts"])
+    if any(not drafts_on_the_light_front_end(d) or any(gguf_of(path) is None for path in draft_models(d))
+           for d in drafts):
+        return None
+    try:
+        if given["prompt_file"] and given["prompt_names"]:
+            return None  # (the torch front end's message)
+        if given["prompt_file"]:
+            prompts, chat = read_prompt_file(given["prompt_file"])
+        else:
+            prompts, chat = pick_prompts(given["prompt_names"], PROMPTS), CHAT_PROMPTS
+    except ValueError:  # (said by the torch front end, in its words)
+        return None
+    return LiteBenchRequest(model=given["model"], dtype=given["dtype"], engine=given["engine"],
+                            threads=given["threads"], prompts=prompts, chat=sorted(chat), new_tokens=given["new_tokens"],
+                            repeats=given["repeats"], drafts=drafts, draft_length=given["draft_length"],
+                            llama_cpp=given["llama_cpp"], llama_draft_max=given["llama_draft_max"], out=given["out"])
+
+
+def report_bench(result: BenchResult, pairs: dict[str, list[str]], llama_draft_max: int, out: str) -> None:
+    """`layerplan bench`'s table, its ratios to llama.cpp's rows (pairs: llama_cpp_peers'), and its
+    JSON written to `out` (either front end's result)."""
+    click.echo(result.cpu.line())
+    click.echo(f"{result.model}, {result.dtype}, {result.threads} threads, up to {result.new_tokens} new tokens, "
+               f"median of {result.repeats}; '{result.versus}' = {result.reference} ms/token ÷ this row's; "
+               "dec/s: decoding alone")
+    click.echo(result.table())
+    if pairs:
+        bin_dir = llamacpp.find_tools()
+        click.echo(f"layerplan vs llama.cpp's own tools ({llamacpp.peer_name(bin_dir)}, {bin_dir}; "
+                   f"llama-lookup drafts up to {llama_draft_max}):")
+        for line in result.peer_lines(pairs):
+            click.echo("  " + line)
+    write_json_atomic(out, result.to_dict())
+    click.echo(f"wrote {out}")
 
 
 COMMANDS = (frontier, bench, probe)  # registered on main (the package's __init__: COMMAND_INDEX)
