@@ -140,6 +140,7 @@ FAST_ARCHITECTURES = {"llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3_text
 SERIAL_MODULES = {"test_chaos.py", "test_storage_outage.py", "test_playground.py"}
 SERIAL_TESTS = {  # module: its tests that run alone
     "test_probe.py": {"test_rate_sampler_measures_this_machine", "test_the_default_recheck_times_the_model_itself"},
+    "test_lite.py": {"test_a_light_bench_checks_its_probe_row_as_the_torch_front_end_does"},
     "test_serve_bad_input.py": {"test_tokenizing_a_long_prompt_does_not_hold_up_health"},
     "test_chat.py": {"test_a_person_at_a_terminal", "test_sigint_mid_reply_stops_the_reply_not_the_piped_session"},
 }

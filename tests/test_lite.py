@@ -250,6 +250,35 @@ def test_the_light_model_reads_this_machines_probe_row_without_torch(tmp_path):
     assert LiteModel(tmp_path / "llama.gguf", "fast", threads=lite.threads + 1).probe_row() is None  # another key
 
 
+def test_a_light_bench_checks_its_probe_row_as_the_torch_front_end_does(tmp_path):
+    """lite/probing.py checked_row: a cached row whose step a step timed now agrees with (within
+    RECHECK_RATIO) is the row as cached; one a thousand times off is timed again, over the same
+    pass lengths, and replaces the cached row on disk, the other rows kept."""
+    from layerplan.engine.probe_rows import ProbeResult, ProbeRow, machine_key_of, probe_path_of, read_probe
+    from layerplan.engine.probing import ids_needed, timed_passes
+    from layerplan.files import cache_dir, write_json_atomic
+    from layerplan.lite.probing import LiteTimedPasses, checked_row
+
+    _, lite = _pair(tmp_path, "llama", "Q8_0", "stored-fast")
+    assert checked_row(lite) is None  # none cached
+    path = probe_path_of(cache_dir(), lite.name, lite.threads)
+    exact = ProbeRow("native", "stored", 7.0, {1: 1.0, 2: 1.6})
+    step_ms = 1000 * timed_passes(LiteTimedPasses(lite, ids_needed((1,))), (1,), 3)[1]
+    agreeing = ProbeRow("native", "stored-fast", step_ms, {1: 1.0, 2: 1.2, 3: 1.4})
+    write_json_atomic(path, ProbeResult(machine_key_of(lite.threads), "cpu", lite.name, [exact, agreeing]).to_dict())
+    assert checked_row(lite) == agreeing  # (within 2x of a step timed now, on a quiet machine)
+    stale = ProbeRow("native", "stored-fast", 1e6, {1: 1.0, 2: 1.2, 3: 1.4})  # a thousand seconds a step
+    write_json_atomic(path, ProbeResult(machine_key_of(lite.threads), "cpu", lite.name, [exact, stale]).to_dict())
+    notes = []
+    row = checked_row(lite, notes.append)
+    assert notes[0].startswith("probe native stored-fast: a step took ") and "measuring the row again" in notes[0]
+    if row == stale:  # the tiny model's new timings failed their checks, or the machine was busy: kept
+        assert "the cached row stays" in notes[-1]
+        pytest.skip("the tiny model's new timings failed their checks here: the cached row stays (said)")
+    assert (row.engine, row.dtype, sorted(row.relative)) == ("native", "stored-fast", [1, 2, 3]) and row.step_ms < 1e6
+    assert read_probe(cache_dir(), lite.name, lite.threads).rows == [exact, row]
+
+
 @pytest.mark.parametrize("arch,matrix_type", [("llama", "Q8_0"), ("gemma3", "Q4_0")])
 def test_the_light_probe_times_the_passes_and_counts_the_bytes_the_torch_front_ends_does(tmp_path, arch, matrix_type):
     """engine/probing.py's timing over the light model's passes: a step's one-token passes back to

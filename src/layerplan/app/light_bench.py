@@ -21,6 +21,7 @@ from layerplan.engine.kernel_library import choose_isa
 from layerplan.engine.probe_rows import ProbeRow
 from layerplan.lite.cli import ENDINGS, decode_loop, ended_by, load_for
 from layerplan.lite.model import LiteModel
+from layerplan.lite.probing import checked_row
 from layerplan.lite.research_request import LiteBenchRequest
 from layerplan.machine import kernels_cpu_info
 from layerplan.messages import one_line
@@ -52,7 +53,7 @@ def run_light_bench(request: LiteBenchRequest, on_progress: Callable[[int, int],
         peers, pairs = llama_cpp_peers(
             model.source, None, model.threads, lambda ids: model.tokenizer.decode(ids, skip_special_tokens=False),
             request.drafts, request.llama_draft_max, on_note=note) if request.llama_cpp else ({}, {})
-        row = model.probe_row()
+        row = checked_row(model, on_note=note)  # (as the torch front end's bench checks its row)
         methods = {PLAIN: lite_runner(model, row)}
         for draft in request.drafts:
             methods[f"layerplan draft={draft}"] = lite_runner(model, row, draft, request.draft_length)

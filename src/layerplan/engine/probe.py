@@ -36,8 +36,8 @@ import torch
 from layerplan.engine.choices import PASS_LENGTHS
 from layerplan.engine.native import native_available, product_rate, read_rate
 from layerplan.engine.probe_rows import ProbeResult, ProbeRow, machine_key_of, probe_path_of, read_probe
-from layerplan.engine.probing import (CONTEXT, RETRIES, LoadMeter, ids_needed, measure_row_by, probe_rows_by,
-                                      recheck_row, save_probe_of, timed_passes)
+from layerplan.engine.probing import (CONTEXT, RETRIES, STEP_REPEATS, LoadMeter, ids_needed, measure_row_by,
+                                      probe_rows_by, recheck_row, save_probe_of, timed_passes)
 from layerplan.engine.runner import forward, new_cache
 from layerplan.files import cache_dir
 from layerplan.machine import cpu_info
@@ -238,7 +238,7 @@ def model_pass_costs(model) -> dict[int, float]:
     return pass_costs(cache_dir(), model.name, *model_engine_dtype(model))
 
 
-def step_seconds(model, repeats: int = 3) -> float:
+def step_seconds(model, repeats: int = STEP_REPEATS) -> float:
     """One decoding step after CONTEXT cached tokens, as the probe times it (a warm-up step, then
     the median of `repeats`): the cheap check of a cached row."""
     return time_passes(model, (1,), repeats)[1]

@@ -29,6 +29,7 @@ STEP_RUN, STEP_WARM = 12, 8
 CONTEXT = 100  # cached positions before the timed pass (a short chat turn)
 RETRIES = 2  # a row that fails its checks is timed again this many times before the probe gives up on it
 RECHECK_RATIO = 2.0  # a cached row whose step, timed now, is off by more than this is measured again
+STEP_REPEATS = 3  # timed steps (after a warm-up) of a cached row's check (recheck_row's time_step)
 
 # time_row(on_progress, between_rounds) -> {k: median seconds of a k-token pass}
 TimeRow = Callable[[Callable[[int, int], None] | None, Callable[[], None] | None], dict[int, float]]

@@ -16,8 +16,9 @@ import numpy as np
 from layerplan.engine.choices import STORED_ARITHMETIC
 from layerplan.engine.kernel_library import choose_isa
 from layerplan.engine.probe_rows import ProbeRow, probe_path_of, read_probe
-from layerplan.engine.probing import (CONTEXT, cache_line, ids_needed, loading_line, measure_row_by, probe_report,
-                                      probe_rows_by, save_probe_of, timed_passes)
+from layerplan.engine.probing import (CONTEXT, STEP_REPEATS, LoadMeter, cache_line, ids_needed, loading_line,
+                                      measure_row_by, probe_report, probe_rows_by, recheck_row, save_probe_of,
+                                      timed_passes)
 from layerplan.files import cache_dir
 from layerplan.lite.cli import ENDINGS, ended_by
 from layerplan.lite.model import LiteModel, model_name_of
@@ -55,6 +56,34 @@ def streamed_bytes(model: LiteModel) -> tuple[int, int]:
     head = f"{kernels.head_name}.weight"
     streamed = [t for name, t in kernels.tensors.items() if name != embedding or name == head]
     return sum(t.nbytes for t in streamed), sum(t.rows * t.columns for t in streamed)
+
+
+def checked_row(model: LiteModel, on_note: Callable[[str], None] | None = None) -> ProbeRow | None:
+    """The cached probe row for the model as it runs here (LiteModel.probe_row; None: none cached),
+    checked as the torch front end checks its row (engine/probe.py checked_model_row): a step timed
+    after CONTEXT cached tokens, and the row timed again where the step is off by more than
+    RECHECK_RATIO (engine/probing.py recheck_row); a row timed again replaces the cached one. For
+    the commands that time the model anyway (bench), not for a start (generate)."""
+    folder = cache_dir()
+    cached = read_probe(folder, model.name, model.threads)
+    row = cached.row("native", model.precision) if cached is not None else None
+    if row is None:
+        return None
+    lengths = tuple(sorted(row.relative))
+    passes = LiteTimedPasses(model, ids_needed(lengths))
+
+    def remeasure() -> ProbeRow | None:
+        meter = LoadMeter(threads=model.threads).start()
+        fresh, problems = measure_row_by(
+            lambda progress_of, rounds: timed_passes(passes, lengths, on_progress=progress_of, between_rounds=rounds),
+            "native", model.precision, *streamed_bytes(model), on_note=on_note)
+        return None if problems or meter.stop().busy else fresh
+
+    checked = recheck_row(row, lambda: timed_passes(passes, (1,), STEP_REPEATS)[1], remeasure, on_note)
+    if checked is not row:
+        cached.rows = [checked if r is row else r for r in cached.rows]
+        save_probe_of(cached, folder, model.threads)
+    return checked
 
 
 def run_probe(request: LiteProbeRequest, on_progress: Callable[[int, int], None] | None = None) -> int | None:
