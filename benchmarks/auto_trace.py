@@ -193,9 +193,7 @@ def measure_light(model_path: str, new_tokens: int = 64, rounds: int = 5) -> lis
     a run as each command has, with this machine's cached probe row as the command reads it
     (LiteModel.probe_row; none cached: the arbiter learns the verify costs from its passes). No
     torch in the process."""
-    from layerplan.decoding.drafters.registry import make_drafter
-    from layerplan.decoding.loop import DecodeLoop
-    from layerplan.decoding.rounds import SpeculativeLoop
+    from layerplan.lite.cli import decode_loop
     from layerplan.lite.model import LiteModel
     from layerplan.lite.request import ARITHMETICS
     from layerplan.models.gguf_place import gguf_of
@@ -208,10 +206,7 @@ def measure_light(model_path: str, new_tokens: int = 64, rounds: int = 5) -> lis
     print(f"probe row: {'none cached' if row is None else costs}", file=sys.stderr)
 
     def decode(ids: list[int], tokens: int, drafted: bool):
-        if not drafted:
-            return DecodeLoop(model, ids, plan, tokens).run()
-        drafter = make_drafter("auto", model, plan, pass_costs=costs)
-        return SpeculativeLoop(model, ids, plan, drafter, tokens, pass_costs=costs).run()
+        return decode_loop(model, ids, plan, tokens, row, draft="auto" if drafted else None).run()
 
     return _alternated(lambda text, chat: model.encode(text, chat), decode, new_tokens, rounds)
 
