@@ -438,6 +438,8 @@ def test_a_bench_on_the_light_front_end_times_what_the_torch_one_times(cache, tm
     on_torch = _run([*line, "--out", str(tmp_path / "torch.json")], cache, "torch")
     assert on_torch.returncode == 0, on_torch.stderr
     results = [json.loads((tmp_path / f"{name}.json").read_text()) for name in ("light", "torch")]
+    said = [row for row in light.stderr.splitlines() if not row.startswith("import time:")]
+    assert said == on_torch.stderr.splitlines() == ["loading smollm2 (stored-fast, engine native)…"]
 
     def rows(result: dict) -> list[tuple]:
         return [(r["method"], r["prompt"], r["tokens"], r["same_as_plain"], r["acceptance_rate"],

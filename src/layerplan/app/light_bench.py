@@ -18,6 +18,7 @@ from layerplan.app.cli.timing import report_bench
 from layerplan.app.peers import LlamaToolError, llama_cpp_peers
 from layerplan.decoding.budget import token_budget
 from layerplan.engine.kernel_library import choose_isa
+from layerplan.engine.probing import loading_line
 from layerplan.engine.probe_rows import ProbeRow
 from layerplan.lite.cli import ENDINGS, decode_loop, ended_by, load_for
 from layerplan.lite.model import LiteModel
@@ -48,7 +49,7 @@ def run_light_bench(request: LiteBenchRequest, on_progress: Callable[[int, int],
         print(line, file=sys.stderr, flush=True)
 
     try:
-        model = load_for(request)
+        model = load_for(request, line=loading_line(request.model, request.precision, "native"))  # (bench's)
         token_budget(1, request.new_tokens, model.context_length, new_tokens_name="--new-tokens")
         peers, pairs = llama_cpp_peers(
             model.source, None, model.threads, lambda ids: model.tokenizer.decode(ids, skip_special_tokens=False),

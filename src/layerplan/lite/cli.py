@@ -63,13 +63,13 @@ def _packing_bar(done: int, total: int) -> None:
           end="", file=sys.stderr, flush=True)
 
 
-def load_for(request: FileRequest, tokenizer: TokenizerProcess | None = None) -> LiteModel:
-    """The request's model, after app/cli/common.py's loading line; its panels' packing drawn on a
-    terminal (a first use)."""
+def load_for(request: FileRequest, tokenizer: TokenizerProcess | None = None, line: str | None = None) -> LiteModel:
+    """The request's model, after its loading line (None: app/cli/common.py's); its panels'
+    packing drawn on a terminal (a first use)."""
     first = (f"; its first use: indexed and packed for the kernels once, into {cache_dir()}"
              if request.first_use else "")
-    print(one_line(f"loading {request.model} ({request.precision}, cpu, engine {request.engine}{first})…"),
-          file=sys.stderr, flush=True)
+    line = line or f"loading {request.model} ({request.precision}, cpu, engine {request.engine}{first})…"
+    print(one_line(line), file=sys.stderr, flush=True)
     model = LiteModel(gguf_of(request.model), ARITHMETICS[request.dtype], request.threads,
                       on_packed=_packing_bar if sys.stderr.isatty() else None, tokenizer=tokenizer)
     if request.model_b:  # (app/cli/common.py attach's line)
