@@ -7,6 +7,7 @@ import pytest
 
 from layerplan.decoding.frontier import (acceptance_of, best_length, break_even_acceptance, measure_frontier,
                                          self_drafts, verify_cost)
+from layerplan.decoding.generate import decode_by
 from tiny import tiny_model
 
 
@@ -44,7 +45,7 @@ def test_a_tiny_models_frontier_places_every_draft():
     model = tiny_model("llama", num_layers=4)
     drafts = self_drafts(model)
     assert drafts == ["exit:2", "exit:3", "online", "ngram", "suffix"]
-    result = measure_frontier(model, ["exit:2", "ngram"], [[5, 6, 7, 5, 6, 7, 5, 6], [9, 8, 7]],
+    result = measure_frontier(model, decode_by(model), ["exit:2", "ngram"], [[5, 6, 7, 5, 6, 7, 5, 6], [9, 8, 7]],
                               {1: 1.0, 2: 1.1, 3: 1.2, 4: 1.3, 5: 1.4}, new_tokens=12, gamma=3)
     assert [p.draft for p in result.points] == ["exit:2", "ngram"]
     for point in result.points:

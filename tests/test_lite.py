@@ -24,7 +24,7 @@ from layerplan.app.cli.generating import light_request
 from layerplan.app.cli.scoring import light_ppl_request, light_scan_request
 from layerplan.app.cli.exploring import light_explore_request
 from layerplan.app.cli.searching import light_search_request
-from layerplan.app.cli.timing import light_bench_request, light_probe_request
+from layerplan.app.cli.timing import light_bench_request, light_frontier_request, light_probe_request
 from layerplan.decoding.generate import generate
 from layerplan.decoding.loop import DecodeLoop
 from layerplan.lite.request import LiteRequest
@@ -693,6 +693,32 @@ def test_the_bench_lines_it_takes(argv, taken, monkeypatch):
             "some.gguf", "stored", 1, 16, 2)
         assert (list(request.prompts), request.drafts, request.draft_length) == (["chat"], ["auto", "exit:12"], "fixed")
         assert (request.llama_cpp, request.llama_draft_max, request.out) == (False, 4, "b.json")
+
+
+@pytest.mark.parametrize("argv,taken", [
+    (["frontier", "--draft", "exit:12", "--draft", "suffix"], True),
+    (["frontier", "-m", "some.gguf", "--dtype", "stored", "-t", "1", "--draft", "skip:mlp=3", "--prompt", "chat",
+      "-n", "16", "--gamma", "3", "--out", "f"], True),
+    (["frontier"], False),  # the default families: online skips and a 4-bit copy run torch modules
+    (["frontier", "--draft", "online"], False),
+    (["frontier", "--draft", "self:bits=q4_0"], False),
+    (["frontier", "--draft", "suffix", "--engine", "eager"], False),
+    (["frontier", "--draft", "suffix", "--dtype", "float32"], False),
+    (["frontier", "--draft", "suffix", "--prompt", "poem"], False),  # no such prompt: the torch front end says so
+    (["frontier", "--draft", "suffix", "--gamma", "0"], False),  # refused by the command
+    (["frontier", "--help"], False),
+])
+def test_the_frontier_lines_it_takes(argv, taken, monkeypatch):
+    monkeypatch.delenv("LAYERPLAN_FRONT_END", raising=False)
+    request = light_frontier_request(argv)
+    assert (request is not None) == taken
+    if request is not None and len(argv) == 5:  # the built-in code and summary prompts
+        assert list(request.prompts) == ["code", "summary"] and request.drafts == ["exit:12", "suffix"]
+        assert (request.new_tokens, request.gamma, request.out) == (48, 4, "runs/frontier")
+    if len(argv) > 5 and taken:
+        assert (request.model, request.dtype, request.threads, request.drafts, list(request.prompts)) == (
+            "some.gguf", "stored", 1, ["skip:mlp=3"], ["chat"])
+        assert (request.new_tokens, request.gamma, request.out) == (16, 3, "f")
 
 
 @pytest.mark.parametrize("reader, command", [(light_ppl_request, "ppl"), (light_scan_request, "scan"),

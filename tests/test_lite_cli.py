@@ -457,6 +457,27 @@ def test_a_bench_on_the_light_front_end_times_what_the_torch_one_times(cache, tm
                                                    ["layerplan", "draft=exit:20"]]
 
 
+def test_a_frontier_of_drafts_given_runs_without_torch_and_places_them_as_torch_does(cache, tmp_path):
+    """`layerplan frontier --draft ...` of a GGUF as stored, over drafts the light front end runs:
+    no torch imported, and each draft's counts (its acceptance) those of the torch front end's
+    run of the same line; the JSON and the picture written."""
+    line = ["frontier", "--draft", "exit:20", "--draft", "suffix", "--prompt", "code", "-n", "8"]
+    env = {**os.environ, "LAYERPLAN_CACHE": str(cache), "LAYERPLAN_FRONT_END": ""}
+    light = subprocess.run([sys.executable, "-X", "importtime", "-m", "layerplan.app.launch", *line, "--out",
+                            str(tmp_path / "light")], capture_output=True, text=True, env=env, timeout=300)
+    assert light.returncode == 0, light.stderr
+    imported = {row.split("|")[-1].strip() for row in light.stderr.splitlines() if row.startswith("import time:")}
+    assert not [name for name in imported if name.split(".")[0] in ("torch", "transformers")]
+    on_torch = _run([*line, "--out", str(tmp_path / "torch")], cache, "torch")
+    assert on_torch.returncode == 0, on_torch.stderr
+    results = [json.loads((tmp_path / name / "frontier.json").read_text()) for name in ("light", "torch")]
+    counts = [[(p["draft"], p["drafted"], p["accepted"], p["acceptance"]) for p in r["points"]] for r in results]
+    assert counts[0] == counts[1] and [c[0] for c in counts[0]] == ["exit:20", "suffix"]
+    assert results[0]["gamma"] == results[1]["gamma"] == 4 and results[0]["model"] == results[1]["model"]
+    assert "native kernels" in results[0]["cpu"] and (tmp_path / "light" / "frontier.png").stat().st_size > 0
+    assert light.stdout.splitlines()[-1] == f"wrote {tmp_path / 'light' / 'frontier.json'} and {tmp_path / 'light' / 'frontier.png'}"
+
+
 def test_a_reader_that_leaves_ends_the_command_without_a_traceback(cache):
     """`layerplan generate … | head -c 5`: the light front end stops at the closed pipe, as the torch
     front end does, with status 1 and nothing but its loading line on stderr."""

@@ -6,7 +6,7 @@ produced; every method stops at EOS or after `new_tokens`. Beside them, where a 
 the decoding rate alone (prefill left out): the figure llama.cpp's llama-bench prints (tg).
 
 Without torch: both front ends time their methods here (app/bench.py the torch front end's,
-app/light_bench.py the light one's), and a prompt's tokens reach every method as a list of ids.
+app/light_timing.py the light one's), and a prompt's tokens reach every method as a list of ids.
 """
 
 from __future__ import annotations

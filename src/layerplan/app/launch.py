@@ -1,19 +1,19 @@
 """The `layerplan` command's entry: a GGUF's plain generation, a greedy conversation with it, its
-perplexity (under a plan of the model, in either protocol), its scan, its search, explore's
-grid, its probe and its bench run on the light front end (layerplan/lite/: numpy and the native
-kernels, a start of a tenth of a second), every other command line on the torch front end
-(app/cli/), which reads it as it always has.
+perplexity (under a plan of the model, in either protocol), its scan, its search, explore's grid,
+its probe, its bench and its frontier (of drafts given) run on the light front end (layerplan/lite/:
+numpy and the native kernels, a start of a tenth of a second), every other command line on the torch
+front end (app/cli/), which reads it as it always has.
 
 Which one runs changes no output: the light front end takes only command lines whose meaning it
 carries out as the torch one does (app/cli/generating.py light_request, app/cli/chatting.py
 light_chat_request, app/cli/scoring.py light_ppl_request and light_scan_request,
 app/cli/searching.py light_search_request, app/cli/exploring.py light_explore_request,
-app/cli/timing.py light_probe_request and light_bench_request), and only models whose index it
-can read (kept, or made now from the file). Where it finds, once started, that the model needs
-the torch front end, the command starts again as `python -m layerplan.app.cli` with
-LAYERPLAN_FRONT_END=torch: the kernels' library, loaded by then, links an OpenMP runtime that
-must not meet torch's in one process. (A conversation that asks for the torch front end halfway
-is handed on so too, with its transcript: app/cli/chatting.py.)
+app/cli/timing.py light_probe_request, light_bench_request and light_frontier_request), and only
+models whose index it can read (kept, or made now from the file). Where it finds, once started, that
+the model needs the torch front end, the command starts again as `python -m layerplan.app.cli` with
+LAYERPLAN_FRONT_END=torch: the kernels' library, loaded by then, links an OpenMP runtime that must
+not meet torch's in one process. (A conversation that asks for the torch front end halfway is handed
+on so too, with its transcript: app/cli/chatting.py.)
 
 A kept index's tokenizer process is started (lite/tokenizer_process.py) before anything that
 starts threads is imported (a fork copies only the thread that calls it), from the model the line
@@ -67,7 +67,7 @@ def main() -> None:
             if tokenizer is not None:
                 tokenizer.close()
             _leave_or_restart(status, taken, argv)
-    if argv[:1] in (["ppl"], ["scan"], ["explore"], ["search"], ["probe"], ["bench"]):
+    if argv[:1] in (["ppl"], ["scan"], ["explore"], ["search"], ["probe"], ["bench"], ["frontier"]):
         _research_on_the_light_front_end(argv)
     from layerplan.app.cli import run_as_process
 
@@ -75,8 +75,8 @@ def main() -> None:
 
 
 def _research_on_the_light_front_end(argv: list[str]) -> None:
-    """A `ppl`, `scan`, `explore`, `search`, `probe` or `bench` line: carried out on the light
-    front end where its reader takes it (and the process leaves), else nothing (the torch front
+    """A `ppl`, `scan`, `explore`, `search`, `probe`, `bench` or `frontier` line: carried out on
+    the light front end where its reader takes it (and the process leaves), else nothing (the torch front
     end reads it). The readers say None under LAYERPLAN_FRONT_END=torch (app/options.py light_context)."""
     command = argv[0]
     if command == "ppl":
@@ -113,10 +113,21 @@ def _research_on_the_light_front_end(argv: list[str]) -> None:
 
         def run() -> int | None:
             from layerplan.app.bars import Progress
-            from layerplan.app.light_bench import run_light_bench
+            from layerplan.app.light_timing import run_light_bench
 
             with Progress("bench") as progress:
                 return run_light_bench(request, progress)
+    elif command == "frontier":
+        from layerplan.app.cli.timing import light_frontier_request
+
+        request = light_frontier_request(argv)
+
+        def run() -> int | None:
+            from layerplan.app.bars import Progress
+            from layerplan.app.light_timing import run_light_frontier
+
+            with Progress("frontier") as progress:
+                return run_light_frontier(request, progress)
     elif command == "probe":
         from layerplan.app.cli.timing import light_probe_request
 

@@ -15,7 +15,8 @@ from layerplan.app.bench_runs import BenchResult, run_bench
 from layerplan.app.prompts import CHAT_PROMPTS, PROMPTS
 from layerplan.decoding.drafters.saved import save_draft_plan
 from layerplan.decoding.frontier import FrontierResult, measure_frontier, pass_costs_of, self_drafts
-from layerplan.decoding.generate import generate
+from layerplan.decoding.generate import decode_by, generate
+from layerplan.engine.probe import time_passes
 from layerplan.engine.probe_rows import ProbeRow
 from layerplan.models.loading import LoadedModel
 from layerplan.search.evaluate import calibration_ids
@@ -129,10 +130,11 @@ def tune(
     saved_to = save_draft_plan(model, plan) if plan is not None else None
 
     _stage(on_stage, "frontier: each draft family's acceptance against its cost, and the break-even curve")
-    frontier = measure_frontier(model, self_drafts(model, plan.to_string() if plan is not None else None),
+    frontier = measure_frontier(model, decode_by(model),
+                                self_drafts(model, plan.to_string() if plan is not None else None),
                                 [model.encode(p, chat=k in CHAT_PROMPTS) for k, p in prompts.items()],
-                                pass_costs_of(model, probe_row), new_tokens, cpu=bench.cpu.line(),
-                                on_progress=on_progress)
+                                pass_costs_of(probe_row, lambda lengths: time_passes(model, lengths, repeats=3)),
+                                new_tokens, cpu=bench.cpu.line(), on_progress=on_progress)
     return TuneResult(model.name, model.precision, scanned, greedy, predicted, bench,
                       choices, best, plan.to_string() if plan is not None else None,
                       str(saved_to) if saved_to is not None else None, frontier, exact.precision)

@@ -22,8 +22,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from layerplan.decoding.draft_length import FixedLength, expected_speedup
-from layerplan.decoding.generate import generate
-from layerplan.engine.probe import time_passes
+from layerplan.decoding.text import GenerationResult
 from layerplan.engine.probe_rows import ProbeRow
 
 # the pass lengths measured where no probe row gives the verify costs
@@ -33,19 +32,27 @@ PASS_LENGTHS = tuple(range(1, 10))
 CURVE_COSTS = tuple(round(0.05 * i, 2) for i in range(0, 25))
 
 
-def pass_costs_of(model, probe_row: ProbeRow | None = None) -> dict[int, float]:
-    """k -> a k-token pass in plain steps: the probe row's, else timed now."""
+# decode(prompt, new_tokens, draft, draft_length) -> the greedy decode of one prompt's ids, plain
+# (draft None) or speculative (a front end's: decoding/generate.py decode_by for a loaded model,
+# lite/cli.py decode_loop for the light one's)
+Decode = Callable[[Sequence[int], int, str | None, object], GenerationResult]
+
+
+def pass_costs_of(probe_row: ProbeRow | None, time_lengths: Callable[[Sequence[int]], dict[int, float]]
+                  ) -> dict[int, float]:
+    """k -> a k-token pass in plain steps: the probe row's, else timed now (time_lengths(lengths):
+    seconds of a pass over each k, engine/probing.py timed_passes over the front end's model)."""
     if probe_row is not None and probe_row.relative:
         return dict(probe_row.relative)
-    seconds = time_passes(model, PASS_LENGTHS, repeats=3)
+    seconds = time_lengths(PASS_LENGTHS)
     return {k: t / seconds[1] for k, t in seconds.items()}
 
 
 def self_drafts(model, plan: str | None = None) -> list[str]:
-    """The drafts of the frontier's families for `model`: exits at half and three quarters of its
-    layers, online skips, a searched skip plan if given, a 4-bit copy of it (where it has a file to
-    quantize again from), and the lookups."""
-    layers = len(model.parts.layers)
+    """The drafts of the frontier's families for `model` (its num_layers and source): exits at
+    half and three quarters of its layers, online skips, a searched skip plan if given, a 4-bit
+    copy of it (where it has a file to quantize again from), and the lookups."""
+    layers = model.num_layers
     exits = sorted({max(1, layers // 2), max(1, 3 * layers // 4)})
     copy = ["self:bits=q4_0"] if model.source and Path(model.source).exists() else []
     return [*(f"exit:{e}" for e in exits), "online", *([plan] if plan else []), *copy, "ngram", "suffix"]
@@ -135,14 +142,15 @@ class FrontierResult:
         return max(self.points, key=lambda p: p.measured_speedup, default=None)
 
 
-def measure_frontier(model, drafts: Sequence[str], prompts: Sequence, pass_costs: dict[int, float],
+def measure_frontier(model, decode: Decode, drafts: Sequence[str], prompts: Sequence, pass_costs: dict[int, float],
                      new_tokens: int = 48, gamma: int = 4, cpu: str = "",
                      on_progress: Callable[[int, int], None] | None = None) -> FrontierResult:
-    """Each draft's point on the frontier of `model` (prompts: encoded ids or text), greedy, at the
-    fixed draft length `gamma`; pass_costs: k -> a k-token pass in plain steps (the probe's)."""
+    """Each draft's point on the frontier of `model` (its name and precision), decoded greedily by
+    `decode` at the fixed draft length `gamma` (prompts: encoded ids); pass_costs: k -> a k-token
+    pass in plain steps (the probe's)."""
     plain_seconds = plain_tokens = 0.0
     for prompt in prompts:
-        result = generate(model, prompt, max_new_tokens=new_tokens)
+        result = decode(prompt, new_tokens, None, None)
         plain_seconds += result.seconds - result.prefill_seconds
         plain_tokens += len(result.token_ids)
     plain_step = plain_seconds / max(plain_tokens, 1)
@@ -151,7 +159,7 @@ def measure_frontier(model, drafts: Sequence[str], prompts: Sequence, pass_costs
         seconds = tokens = accepted = rejections = drafted = 0
         draft_seconds = 0.0
         for prompt in prompts:
-            result = generate(model, prompt, max_new_tokens=new_tokens, draft=draft, draft_length=FixedLength(gamma))
+            result = decode(prompt, new_tokens, draft, FixedLength(gamma))
             seconds += result.seconds - result.prefill_seconds
             tokens += len(result.token_ids)
             ok, rejected = acceptance_of(result.stats)

@@ -63,6 +63,16 @@ def generate(
     return decoding.run()
 
 
+def decode_by(model: LoadedModel, probe_row: ProbeRow | None = None):
+    """A loaded model's greedy decode as decoding/frontier.py's Decode: (prompt ids, new tokens,
+    draft or None, its draft length) -> the result."""
+    def decode(prompt: Sequence[int], new_tokens: int, draft=None, draft_length=None) -> GenerationResult:
+        return generate(model, prompt, max_new_tokens=new_tokens, draft=draft, draft_length=draft_length,
+                        probe_row=probe_row)
+
+    return decode
+
+
 class Decoding(DecodeRequest):
     """One request's plain decode, a token at a time: the prompt's prefill, then for each token the
     logits of the last one, from a step of its own (step: generate) or from a pass shared with

@@ -8,7 +8,8 @@ light_scan_request); a `layerplan search` request, every option of the command
 orders (app/cli/exploring.py light_explore_request); a `layerplan probe` request, a GGUF's
 native rows (app/cli/timing.py light_probe_request, lite/probing.py); a `layerplan bench`
 request, its plain and drafted decodes against llama.cpp's tools (app/cli/timing.py
-light_bench_request, app/light_bench.py)."""
+light_bench_request, app/light_timing.py); a `layerplan frontier` request over drafts given
+(light_frontier_request)."""
 
 from __future__ import annotations
 
@@ -100,3 +101,15 @@ class LiteBenchRequest(FileRequest):
     llama_cpp: bool = True
     llama_draft_max: int = 8
     out: str = "runs/bench.json"
+
+
+@dataclass
+class LiteFrontierRequest(FileRequest):
+    """app/cli/timing.py's `layerplan frontier` on a GGUF as stored, over drafts the light front
+    end runs (given: the default families include drafts that run torch modules)."""
+
+    drafts: list[str] = field(default_factory=list)
+    prompts: dict[str, str] = field(default_factory=dict)  # {name: text}
+    new_tokens: int = 48
+    gamma: int = 4
+    out: str = "runs/frontier"

@@ -12,22 +12,21 @@ from layerplan.app.bars import Progress
 from layerplan.app.bench import bench_methods, load_for_timing, wants_transformers
 from layerplan.app.bench_runs import run_bench
 from layerplan.app.cli.common import checked_probe_row, command_dtype, load, note, set_threads, user_errors
-from layerplan.app.cli.timing import report_bench
+from layerplan.app.cli.timing import FRONTIER_PROMPTS, report_bench, report_frontier
 from layerplan.app.peers import llama_cpp_peers
 from layerplan.app.prompts import CHAT_PROMPTS, PROMPTS, pick_prompts, read_prompt_file
-from layerplan.app.report import frontier_plot
 from layerplan.decoding.budget import token_budget
 from layerplan.decoding.drafters.registry import make_drafter
 from layerplan.decoding.drafters.saved import saved_draft_path
 from layerplan.decoding.frontier import measure_frontier, pass_costs_of, self_drafts
+from layerplan.decoding.generate import decode_by
 from layerplan.engine.choices import STORED, STORED_ARITHMETIC, STORED_FAST
 from layerplan.engine.load import load_model
 from layerplan.engine.choices import ENGINES
 from layerplan.engine.native import native_available
-from layerplan.engine.probe import load_probe, probe as run_probe, save_probe
+from layerplan.engine.probe import load_probe, probe as run_probe, save_probe, time_passes
 from layerplan.engine.probing import cache_line, loading_line, probe_report
 from layerplan.engine.verify import check_architecture, config_for
-from layerplan.files import write_json_atomic
 from layerplan.machine import cpu_info
 from layerplan.models.architectures import STATUSES, architecture_statuses
 from layerplan.models.depth import model_depth
@@ -62,23 +61,12 @@ def run_architecture_check(check: str) -> None:
     raise SystemExit(0 if result.passed else 1)
 
 
-def frontier_line(result) -> str:
-    """Which self-drafts (every draft but the lookups) can pay here, in one line."""
-    own = [p for p in result.points if p.draft not in ("ngram", "suffix")]
-    best = max(own, key=lambda p: p.measured_speedup, default=None)
-    if best is None:
-        return "frontier: no self-draft measured"
-    paying = [p.draft for p in own if p.above_break_even]
-    return (f"frontier: best self-draft {best.draft}: {best.measured_speedup:.2f}x plain (α {best.acceptance:.2f}, "
-            f"draft step {best.draft_cost:.2f} of a plain one); above break-even: {', '.join(paying) or 'none'}")
-
-
 def run_frontier_command(model, dtype, engine, threads, drafts, prompt_names, new_tokens, gamma, out) -> None:
     """`layerplan frontier`'s work (its command line: timing.py)."""
     set_threads(threads)
     out_dir = Path(out)
     with user_errors():
-        prompts = pick_prompts(prompt_names) or {name: PROMPTS[name] for name in ("code", "summary")}
+        prompts = pick_prompts(prompt_names) or {name: PROMPTS[name] for name in FRONTIER_PROMPTS}
         loaded = load(model, command_dtype(model, dtype, engine), engine=engine)
         token_budget(1, new_tokens, loaded.context_length, new_tokens_name="--new-tokens")
         saved = saved_draft_path(loaded)
@@ -86,17 +74,11 @@ def run_frontier_command(model, dtype, engine, threads, drafts, prompt_names, ne
         for draft in chosen:
             make_drafter(draft, loaded)  # a bad spec fails here, in one line, before anything is timed
         encoded = [loaded.encode(p, chat=k in CHAT_PROMPTS) for k, p in prompts.items()]
+        costs = pass_costs_of(checked_probe_row(loaded), lambda lengths: time_passes(loaded, lengths, repeats=3))
         with Progress("frontier") as progress:
-            result = measure_frontier(loaded, chosen, encoded, pass_costs_of(loaded, checked_probe_row(loaded)),
-                                      new_tokens, gamma, cpu=cpu_info().line(), on_progress=progress)
-    write_json_atomic(out_dir / "frontier.json", result.to_dict())
-    frontier_plot(result, out_dir / "frontier.png")
-    for p in result.points:
-        click.echo(f"{p.draft:<28} α {p.acceptance:.2f}  draft step {p.draft_cost:.2f}  measured {p.measured_speedup:.2f}x"
-                   f"  predicted {p.predicted_speedup:.2f}x at γ={p.predicted_gamma}"
-                   f"  {'pays' if p.above_break_even else 'below break-even'}")
-    click.echo(frontier_line(result))
-    click.echo(f"wrote {out_dir / 'frontier.json'} and {out_dir / 'frontier.png'}")
+            result = measure_frontier(loaded, decode_by(loaded), chosen, encoded, costs, new_tokens, gamma,
+                                      cpu=cpu_info().line(), on_progress=progress)
+    report_frontier(result, out_dir)
 
 
 def run_bench_command(model, dtype, engine, threads, new_tokens, repeats, prompt_names, prompt_file, drafts,

@@ -15,7 +15,7 @@ from layerplan.app.bench import load_for_timing, wants_transformers
 from layerplan.app.cli.common import (attach, checked_probe_row, command_dtype, load, note, set_threads,
                                      user_errors)
 from layerplan.app.cli.exploring import report_explore
-from layerplan.app.cli.measuring import frontier_line
+from layerplan.app.cli.timing import frontier_line
 from layerplan.app.cli.scoring import report_scan, scan_kinds
 from layerplan.app.cli.searching import report_search
 from layerplan.app.merges import export_commands, scan_blocks, study_merges, write_scan

@@ -1,11 +1,12 @@
 """`layerplan bench`, `frontier` and `probe`: their command lines, defined without torch (a command's
 help and a mistyped option answer at once); running one imports its work (app/cli/measuring.py),
 or, for the lines the light front end takes (light_bench_request, light_probe_request), that
-front end's (app/light_bench.py, lite/probing.py)."""
+front end's (app/light_timing.py, lite/probing.py)."""
 
 from __future__ import annotations
 
 import importlib
+from pathlib import Path
 
 import click
 
@@ -14,12 +15,17 @@ from layerplan.app.bench_runs import BenchResult
 from layerplan.app.options import (DRAFT_LENGTH_HELP, Output, auto_dtype_option, engine_option, light_context,
                                    model_option, n_predict_option, threads_option, transformers_option)
 from layerplan.app.prompts import CHAT_PROMPTS, PROMPTS, pick_prompts, read_prompt_file
+from layerplan.app.report import frontier_plot
 from layerplan.decoding.draft_length import DRAFT_LENGTHS
 from layerplan.decoding.drafters.kinds import draft_models, drafter_help, drafts_on_the_light_front_end
+from layerplan.decoding.frontier import FrontierResult
 from layerplan.engine.choices import ENGINES, PASS_LENGTHS, STORED, STORED_FAST
 from layerplan.files import write_json_atomic
-from layerplan.lite.research_request import LiteBenchRequest, LiteProbeRequest
+from layerplan.lite.research_request import LiteBenchRequest, LiteFrontierRequest, LiteProbeRequest
 from layerplan.models.gguf_place import gguf_of
+
+
+FRONTIER_PROMPTS = ("code", "summary")  # frontier's built-in prompts unless --prompt names others
 
 
 @click.command()
@@ -158,6 +164,30 @@ def light_bench_request(argv: list[str]) -> LiteBenchRequest | None:
                             llama_cpp=given["llama_cpp"], llama_draft_max=given["llama_draft_max"], out=given["out"])
 
 
+def light_frontier_request(argv: list[str]) -> LiteFrontierRequest | None:
+    """The light front end's request of `layerplan frontier ...` (argv without the program), read by
+    this command: a GGUF as stored, over drafts given that the light front end runs. No draft
+    given (the default families: online skips and a 4-bit copy run torch modules), a draft that
+    runs torch modules, the eager engine, another dtype, an unknown prompt, help, or a line the
+    command refuses give None (the torch front end reads it then)."""
+    context = light_context(frontier, argv)
+    if context is None:
+        return None
+    given = context.params
+    drafts = list(given["drafts"])
+    if not drafts or given["engine"] == "eager" or any(
+            not drafts_on_the_light_front_end(d) or any(gguf_of(path) is None for path in draft_models(d))
+            for d in drafts):
+        return None
+    try:
+        prompts = pick_prompts(given["prompt_names"]) or {name: PROMPTS[name] for name in FRONTIER_PROMPTS}
+    except ValueError:  # (said by the torch front end, in its words)
+        return None
+    return LiteFrontierRequest(model=given["model"], dtype=given["dtype"], engine=given["engine"],
+                               threads=given["threads"], drafts=drafts, prompts=prompts,
+                               new_tokens=given["new_tokens"], gamma=given["gamma"], out=given["out"])
+
+
 def report_bench(result: BenchResult, pairs: dict[str, list[str]], llama_draft_max: int, out: str) -> None:
     """`layerplan bench`'s table, its ratios to llama.cpp's rows (pairs: llama_cpp_peers'), and its
     JSON written to `out` (either front end's result)."""
@@ -174,6 +204,30 @@ def report_bench(result: BenchResult, pairs: dict[str, list[str]], llama_draft_m
             click.echo("  " + line)
     write_json_atomic(out, result.to_dict())
     click.echo(f"wrote {out}")
+
+
+def frontier_line(result) -> str:
+    """Which self-drafts (every draft but the lookups) can pay here, in one line."""
+    own = [p for p in result.points if p.draft not in ("ngram", "suffix")]
+    best = max(own, key=lambda p: p.measured_speedup, default=None)
+    if best is None:
+        return "frontier: no self-draft measured"
+    paying = [p.draft for p in own if p.above_break_even]
+    return (f"frontier: best self-draft {best.draft}: {best.measured_speedup:.2f}x plain (α {best.acceptance:.2f}, "
+            f"draft step {best.draft_cost:.2f} of a plain one); above break-even: {', '.join(paying) or 'none'}")
+
+
+def report_frontier(result: FrontierResult, out_dir: Path) -> None:
+    """`layerplan frontier`'s lines, and its frontier.json and frontier.png written into `out_dir`
+    (either front end's result)."""
+    write_json_atomic(out_dir / "frontier.json", result.to_dict())
+    frontier_plot(result, out_dir / "frontier.png")
+    for p in result.points:
+        click.echo(f"{p.draft:<28} α {p.acceptance:.2f}  draft step {p.draft_cost:.2f}  measured {p.measured_speedup:.2f}x"
+                   f"  predicted {p.predicted_speedup:.2f}x at γ={p.predicted_gamma}"
+                   f"  {'pays' if p.above_break_even else 'below break-even'}")
+    click.echo(frontier_line(result))
+    click.echo(f"wrote {out_dir / 'frontier.json'} and {out_dir / 'frontier.png'}")
 
 
 COMMANDS = (frontier, bench, probe)  # registered on main (the package's __init__: COMMAND_INDEX)
