@@ -118,11 +118,10 @@ static void score_keys(const float *q, const void *kbase, long stride, long firs
     }
 }
 
-/* scores[0 : n] -> exp(score - the largest score), left unnormalised; returns their sum, added in
- * order. A NaN score is passed over by the maximum (f8_max keeps its second operand, as `>` does),
- * and which of two equal zeros is the largest does not matter (x - 0 and x + 0 are x, and
- * exp(-0) = exp(0)). */
-static float exp_scores(float *scores, long n) {
+/* scores[0 : n] -> exp(score - the largest score), left unnormalised (their sum: sum_scores). A NaN
+ * score is passed over by the maximum (f8_max keeps its second operand, as `>` does), and which of
+ * two equal zeros is the largest does not matter (x - 0 and x + 0 are x, and exp(-0) = exp(0)). */
+static void exp_scores(float *scores, long n) {
     lp_f8 best8 = f8_set1(-INFINITY);
     long p = 0;
     for (; p + 8 <= n; p += 8) best8 = f8_max(f8_load(scores + p), best8);
@@ -132,27 +131,61 @@ static float exp_scores(float *scores, long n) {
         if (lanes8[j] > best) best = lanes8[j];
     for (; p < n; p++)
         if (scores[p] > best) best = scores[p];
-    float total = 0.0f;
     p = 0;
-    for (; p + 8 <= n; p += 8) { /* exp in lanes (every position the same way), added in order */
+    for (; p + 8 <= n; p += 8) { /* exp in lanes (every position the same way) */
         lp_f8 sc = f8_load(scores + p);
-        lp_f8 ev = f8_zero_where_neg_inf(f8_exp(f8_sub(sc, f8_set1(best))), sc);
-        float e[8];
-        f8_store(e, ev);
-        f8_store(scores + p, ev);
-        for (int j = 0; j < 8; j++) total += e[j];
+        f8_store(scores + p, f8_zero_where_neg_inf(f8_exp(f8_sub(sc, f8_set1(best))), sc));
     }
     for (; p < n; p += 8) { /* the last, partial eight */
         float in[8], ev[8];
         for (int j = 0; j < 8; j++) in[j] = p + j < n ? scores[p + j] - best : 0.0f;
         f8_store(ev, f8_exp(f8_load(in)));
-        for (int j = 0; j < 8 && p + j < n; j++) {
-            float e = scores[p + j] == -INFINITY ? 0.0f : ev[j];
-            scores[p + j] = e;
-            total += e;
-        }
+        for (int j = 0; j < 8 && p + j < n; j++) scores[p + j] = scores[p + j] == -INFINITY ? 0.0f : ev[j];
     }
-    return total;
+}
+
+/* totals[s] = the sum of the `count` queries' exp'd scores (exp_scores), each added in position
+ * order, one chain a query: the chains of several queries advance together, so the adds of one
+ * hide the latency of the others' (each total is its own chain's, whatever the others). */
+static void sum_scores(float *const *scores, const long *lengths, long count, float *totals) {
+    long s0 = 0;
+    for (; s0 + 4 <= count; s0 += 4) { /* four chains at a time, in registers */
+        float t0 = 0.0f, t1 = 0.0f, t2 = 0.0f, t3 = 0.0f;
+        const float *a = scores[s0], *b = scores[s0 + 1], *c = scores[s0 + 2], *d = scores[s0 + 3];
+        long na = lengths[s0], nb = lengths[s0 + 1], nc = lengths[s0 + 2], nd = lengths[s0 + 3];
+        long both = na < nb ? na : nb, all = both < nc ? both : nc;
+        all = all < nd ? all : nd;
+        long p = 0;
+        for (; p < all; p++) {
+            t0 += a[p];
+            t1 += b[p];
+            t2 += c[p];
+            t3 += d[p];
+        }
+        for (long q = p; q < na; q++) t0 += a[q];
+        for (long q = p; q < nb; q++) t1 += b[q];
+        for (long q = p; q < nc; q++) t2 += c[q];
+        for (long q = p; q < nd; q++) t3 += d[q];
+        totals[s0] = t0, totals[s0 + 1] = t1, totals[s0 + 2] = t2, totals[s0 + 3] = t3;
+    }
+    if (s0 + 2 <= count) {
+        float t0 = 0.0f, t1 = 0.0f;
+        const float *a = scores[s0], *b = scores[s0 + 1];
+        long na = lengths[s0], nb = lengths[s0 + 1], both = na < nb ? na : nb, p = 0;
+        for (; p < both; p++) {
+            t0 += a[p];
+            t1 += b[p];
+        }
+        for (long q = p; q < na; q++) t0 += a[q];
+        for (long q = p; q < nb; q++) t1 += b[q];
+        totals[s0] = t0, totals[s0 + 1] = t1;
+        s0 += 2;
+    }
+    for (; s0 < count; s0++) {
+        float t = 0.0f;
+        for (long p = 0; p < lengths[s0]; p++) t += scores[s0][p];
+        totals[s0] = t;
+    }
 }
 
 /* One query of attend_group: its vector, its cache positions [first, last] (in the slot), which
@@ -203,8 +236,14 @@ static void attend_group(const lp_query *qs, long count, const void *kbase, cons
                            widen ? LP_DTYPE_F32 : kvt, d, qs[s].scores);
         }
     }
-    float totals[LP_QUERIES];
-    for (long s = 0; s < count; s++) totals[s] = exp_scores(qs[s].scores, qs[s].last - qs[s].first + 1);
+    float totals[LP_QUERIES], *exps[LP_QUERIES];
+    long lengths[LP_QUERIES];
+    for (long s = 0; s < count; s++) {
+        lengths[s] = qs[s].last - qs[s].first + 1;
+        exp_scores(qs[s].scores, lengths[s]);
+        exps[s] = qs[s].scores;
+    }
+    sum_scores(exps, lengths, count, totals);
     for (long r0 = lo; r0 <= hi; r0 += run) {
         long shift = widen ? r0 : 0;
         int vt = widen ? LP_DTYPE_F32 : kvt;
