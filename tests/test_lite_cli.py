@@ -423,20 +423,28 @@ def test_a_probe_on_the_light_front_end_times_the_rows_the_torch_one_reads(cache
     assert "native  stored-fast     4.0   1.00  1.10  1.30" in light.stdout
 
 
+def _on_both_front_ends(line: list[str], cache, out) -> tuple[subprocess.CompletedProcess, subprocess.CompletedProcess]:
+    """The line run on the light front end (-X importtime: it must import neither torch nor
+    transformers) and on the torch one, each with --out out("light") / out("torch"); both
+    succeeded."""
+    env = {**os.environ, "LAYERPLAN_CACHE": str(cache), "LAYERPLAN_FRONT_END": ""}
+    light = subprocess.run([sys.executable, "-X", "importtime", "-m", "layerplan.app.launch", *line, "--out",
+                            out("light")], capture_output=True, text=True, env=env, timeout=300)
+    assert light.returncode == 0, light.stderr
+    imported = {row.split("|")[-1].strip() for row in light.stderr.splitlines() if row.startswith("import time:")}
+    assert not [name for name in imported if name.split(".")[0] in ("torch", "transformers")]
+    on_torch = _run([*line, "--out", out("torch")], cache, "torch")
+    assert on_torch.returncode == 0, on_torch.stderr
+    return light, on_torch
+
+
 def test_a_bench_on_the_light_front_end_times_what_the_torch_one_times(cache, tmp_path):
     """`layerplan bench` of a GGUF as stored, without torch (-X importtime says what was imported):
     the rows, tokens and drafting figures of the torch front end's run of the same line (a fixed
     draft length: the rounds do not follow the clock), its CPU line naming the kernels' build."""
     line = ["bench", "--prompt", "code", "--new-tokens", "8", "--repeats", "1", "--draft", "suffix", "--draft",
             "exit:20", "--draft-length", "fixed", "--no-llama-cpp"]
-    env = {**os.environ, "LAYERPLAN_CACHE": str(cache), "LAYERPLAN_FRONT_END": ""}
-    light = subprocess.run([sys.executable, "-X", "importtime", "-m", "layerplan.app.launch", *line, "--out",
-                            str(tmp_path / "light.json")], capture_output=True, text=True, env=env, timeout=300)
-    assert light.returncode == 0, light.stderr
-    imported = {row.split("|")[-1].strip() for row in light.stderr.splitlines() if row.startswith("import time:")}
-    assert not [name for name in imported if name.split(".")[0] in ("torch", "transformers")]
-    on_torch = _run([*line, "--out", str(tmp_path / "torch.json")], cache, "torch")
-    assert on_torch.returncode == 0, on_torch.stderr
+    light, on_torch = _on_both_front_ends(line, cache, lambda name: str(tmp_path / f"{name}.json"))
     results = [json.loads((tmp_path / f"{name}.json").read_text()) for name in ("light", "torch")]
     said = [row for row in light.stderr.splitlines() if not row.startswith("import time:")]
     assert said == on_torch.stderr.splitlines() == ["loading smollm2 (stored-fast, engine native)…"]
@@ -462,14 +470,7 @@ def test_a_frontier_of_drafts_given_runs_without_torch_and_places_them_as_torch_
     no torch imported, and each draft's counts (its acceptance) those of the torch front end's
     run of the same line; the JSON and the picture written."""
     line = ["frontier", "--draft", "exit:20", "--draft", "suffix", "--prompt", "code", "-n", "8"]
-    env = {**os.environ, "LAYERPLAN_CACHE": str(cache), "LAYERPLAN_FRONT_END": ""}
-    light = subprocess.run([sys.executable, "-X", "importtime", "-m", "layerplan.app.launch", *line, "--out",
-                            str(tmp_path / "light")], capture_output=True, text=True, env=env, timeout=300)
-    assert light.returncode == 0, light.stderr
-    imported = {row.split("|")[-1].strip() for row in light.stderr.splitlines() if row.startswith("import time:")}
-    assert not [name for name in imported if name.split(".")[0] in ("torch", "transformers")]
-    on_torch = _run([*line, "--out", str(tmp_path / "torch")], cache, "torch")
-    assert on_torch.returncode == 0, on_torch.stderr
+    light, on_torch = _on_both_front_ends(line, cache, lambda name: str(tmp_path / name))
     results = [json.loads((tmp_path / name / "frontier.json").read_text()) for name in ("light", "torch")]
     counts = [[(p["draft"], p["drafted"], p["accepted"], p["acceptance"]) for p in r["points"]] for r in results]
     assert counts[0] == counts[1] and [c[0] for c in counts[0]] == ["exit:20", "suffix"]
