@@ -264,19 +264,20 @@ def test_a_light_bench_checks_its_probe_row_as_the_torch_front_end_does(tmp_path
     path = probe_path_of(cache_dir(), lite.name, lite.threads)
     exact = ProbeRow("native", "stored", 7.0, {1: 1.0, 2: 1.6})
     step_ms = 1000 * timed_passes(LiteTimedPasses(lite, ids_needed((1,))), (1,), 3)[1]
-    agreeing = ProbeRow("native", "stored-fast", step_ms, {1: 1.0, 2: 1.2, 3: 1.4})
+    agreeing = ProbeRow("native", "stored-fast", step_ms, {1: 1.0, 2: 1.2})
     write_json_atomic(path, ProbeResult(machine_key_of(lite.threads), "cpu", lite.name, [exact, agreeing]).to_dict())
     assert checked_row(lite) == agreeing  # (within 2x of a step timed now, on a quiet machine)
-    stale = ProbeRow("native", "stored-fast", 1e6, {1: 1.0, 2: 1.2, 3: 1.4})  # a thousand seconds a step
+    stale = ProbeRow("native", "stored-fast", 1e6, {1: 1.0, 2: 1.2})  # a thousand seconds a step
     write_json_atomic(path, ProbeResult(machine_key_of(lite.threads), "cpu", lite.name, [exact, stale]).to_dict())
     notes = []
     row = checked_row(lite, notes.append)
     assert notes[0].startswith("probe native stored-fast: a step took ") and "measuring the row again" in notes[0]
     if row == stale:  # the tiny model's new timings failed their checks, or the machine was busy: kept
         assert "the cached row stays" in notes[-1]
-        pytest.skip("the tiny model's new timings failed their checks here: the cached row stays (said)")
-    assert (row.engine, row.dtype, sorted(row.relative)) == ("native", "stored-fast", [1, 2, 3]) and row.step_ms < 1e6
-    assert read_probe(cache_dir(), lite.name, lite.threads).rows == [exact, row]
+        assert read_probe(cache_dir(), lite.name, lite.threads).rows == [exact, stale]
+    else:
+        assert (row.engine, row.dtype, sorted(row.relative)) == ("native", "stored-fast", [1, 2]) and row.step_ms < 1e6
+        assert read_probe(cache_dir(), lite.name, lite.threads).rows == [exact, row]
 
 
 @pytest.mark.parametrize("arch,matrix_type", [("llama", "Q8_0"), ("gemma3", "Q4_0")])
