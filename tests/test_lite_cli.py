@@ -492,16 +492,41 @@ def test_a_reader_that_leaves_ends_the_command_without_a_traceback(cache):
     assert "Traceback" not in stderr and stderr.count("\n") == 1, stderr
 
 
+def _real_file(name: str) -> str:
+    """The real GGUF `name` in the folder LAYERPLAN_REAL_MODELS names (real_models.sh fills it; `make
+    bench-real`), or the test skipped: the default suite downloads no real file."""
+    path = os.path.join(os.environ.get("LAYERPLAN_REAL_MODELS") or "/nonexistent", name)
+    if not os.path.exists(path):
+        pytest.skip(f"LAYERPLAN_REAL_MODELS does not name a folder with the real {name}")
+    return path
+
+
+@pytest.mark.parametrize("name", ["gemma-3-270m-Q4_K_M.gguf", "qwen2.5-coder-1.5b-instruct-Q4_K_M.gguf"])
+def test_a_real_gguf_bench_is_the_same_on_both_front_ends(name, tmp_path):
+    """A bench of plain decoding and a lookup and an exit draft on a real file (a fixed draft length:
+    the rounds do not follow the clock): the same rows, tokens and drafting figures from both front
+    ends. In `make bench-real` (LAYERPLAN_REAL_MODELS), never in the default suite."""
+    path = _real_file(name)
+    line = ["bench", "-m", path, "--prompt", "code", "--prompt", "chat", "-n", "16", "--repeats", "1", "--draft",
+            "suffix", "--draft", "exit:12", "--draft-length", "fixed", "--no-llama-cpp"]
+    cache = cache_dir()  # (the user's: the file's index and panels, made once)
+    rows = []
+    for front_end in ("", "torch"):
+        run = _run([*line, "--out", str(tmp_path / f"{front_end or 'light'}.json")], cache, front_end)
+        assert run.returncode == 0, run.stderr
+        result = json.loads((tmp_path / f"{front_end or 'light'}.json").read_text())
+        rows.append([(r["method"], r["prompt"], r["tokens"], r["same_as_plain"], r["acceptance_rate"], r["by_drafter"])
+                     for r in result["rows"]])
+    assert rows[0] == rows[1] and len(rows[0]) == 6 and all(r[3] for r in rows[0])
+
+
 @pytest.mark.parametrize("name", ["gemma-3-270m-Q4_K_M.gguf", "qwen2.5-coder-1.5b-instruct-Q4_K_M.gguf"])
 def test_a_real_gguf_ppl_is_the_same_on_both_front_ends(name, tmp_path):
     """A plan's perplexity in llama.cpp's protocol, with its comparison with the full model, on a real
     file (Gemma 3's tokenizer adds BOS, the 1.5B's 151,936-token rows span several NLL_ROWS): the
     same JSON from both front ends. In `make bench-real` (LAYERPLAN_REAL_MODELS names the folder
     real_models.sh fills), never in the default suite."""
-    folder = os.environ.get("LAYERPLAN_REAL_MODELS")
-    path = os.path.join(folder or "/nonexistent", name)
-    if not os.path.exists(path):
-        pytest.skip(f"LAYERPLAN_REAL_MODELS does not name a folder with the real {name}")
+    path = _real_file(name)
     argv = ["ppl", "-m", path, "--protocol", "llama.cpp", "--window", "128", "--max-tokens", "300", "--plan",
             "skip:mlp=5"]
     cache = cache_dir()  # (the user's: the file's index and panels, made once)
@@ -514,10 +539,7 @@ def test_a_real_gguf_ppl_is_the_same_on_both_front_ends(name, tmp_path):
 def test_a_real_gguf_scan_is_the_same_on_both_front_ends(name, tmp_path):
     """A scan of every MLP of a real file, under a base plan: the same scan.json from both front ends
     but for the seconds. In `make bench-real` (LAYERPLAN_REAL_MODELS), never in the default suite."""
-    folder = os.environ.get("LAYERPLAN_REAL_MODELS")
-    path = os.path.join(folder or "/nonexistent", name)
-    if not os.path.exists(path):
-        pytest.skip(f"LAYERPLAN_REAL_MODELS does not name a folder with the real {name}")
+    path = _real_file(name)
     cache = cache_dir()  # (the user's: the file's index and panels, made once)
     written = []
     for front_end in ("", "torch"):
@@ -536,10 +558,7 @@ def test_a_real_gguf_sampled_generate_is_the_same_on_both_front_ends(name):
     real vocabulary (262,144 and 151,936 tokens: top-p sorts its candidates alone): the same text
     and lines from both front ends. In `make bench-real` (LAYERPLAN_REAL_MODELS), never in the
     default suite."""
-    folder = os.environ.get("LAYERPLAN_REAL_MODELS")
-    path = os.path.join(folder or "/nonexistent", name)
-    if not os.path.exists(path):
-        pytest.skip(f"LAYERPLAN_REAL_MODELS does not name a folder with the real {name}")
+    path = _real_file(name)
     argv = ["generate", "-m", path, "Write a short poem about the sea.", "--chat", "-n", "32", "--temp", "0.8",
             "--top-k", "40", "--top-p", "0.95", "--min-p", "0.05", "-s", "5"]
     cache = cache_dir()  # (the user's: the file's index and panels, made once)
@@ -554,10 +573,7 @@ def test_a_real_gguf_drafted_generate_is_the_same_on_both_front_ends(name):
     """A suffix draft on code, greedy and seeded sampled; an exit of the model, seeded sampled;
     auto, greedy (decoding/rounds.py on the light front end, speculative.py on the torch one): the
     same text. In `make bench-real`."""
-    folder = os.environ.get("LAYERPLAN_REAL_MODELS")
-    path = os.path.join(folder or "/nonexistent", name)
-    if not os.path.exists(path):
-        pytest.skip(f"LAYERPLAN_REAL_MODELS does not name a folder with the real {name}")
+    path = _real_file(name)
     code = "Write a Python function that returns the squares of a list, then one that returns the cubes."
     cache = cache_dir()
     sampled = ["--temp", "0.7", "--top-p", "0.95", "-s", "3"]
