@@ -21,11 +21,11 @@ from layerplan.app.peers import LlamaToolError, llama_cpp_peers
 from layerplan.app.prompts import CHAT_PROMPTS
 from layerplan.decoding.budget import token_budget
 from layerplan.decoding.drafters.registry import make_drafter
-from layerplan.decoding.frontier import measure_frontier, pass_costs_of
+from layerplan.decoding.frontier import COST_REPEATS, measure_frontier, pass_costs_of
 from layerplan.decoding.text import GenerationResult
 from layerplan.engine.kernel_library import choose_isa
 from layerplan.engine.probe_rows import ProbeRow
-from layerplan.engine.probing import STEP_REPEATS, ids_needed, loading_line, timed_passes
+from layerplan.engine.probing import ids_needed, loading_line, timed_passes
 from layerplan.lite.cli import ENDINGS, decode_loop, ended_by, load_for
 from layerplan.lite.model import LiteModel
 from layerplan.lite.probing import LiteTimedPasses, checked_row
@@ -50,7 +50,6 @@ def lite_runner(model: LiteModel, row: ProbeRow | None, draft: str | None = None
 def run_light_bench(request: LiteBenchRequest, on_progress: Callable[[int, int], None] | None = None) -> int | None:
     """Carry out a runnable request as app/cli/measuring.py run_bench_command would: the exit
     status, or None where the model turned out to need the torch front end (before any output)."""
-
     try:
         model = load_for(request, line=loading_line(request.model, request.precision, "native"))  # (bench's)
         token_budget(1, request.new_tokens, model.context_length, new_tokens_name="--new-tokens")
@@ -86,7 +85,7 @@ def run_light_frontier(request: LiteFrontierRequest,
             make_drafter(draft, model, plan, load_draft=model.load_draft)
         encoded = [model.encode(text, chat=name in CHAT_PROMPTS) for name, text in request.prompts.items()]
         costs = pass_costs_of(checked_row(model, on_note=_note), lambda lengths: timed_passes(
-            LiteTimedPasses(model, ids_needed(lengths)), lengths, STEP_REPEATS))
+            LiteTimedPasses(model, ids_needed(lengths)), lengths, COST_REPEATS))
 
         def decode(prompt, new_tokens: int, draft, draft_length) -> GenerationResult:
             return decode_loop(model, prompt, plan, new_tokens, None, draft=draft, draft_length=draft_length).run()

@@ -27,6 +27,7 @@ from layerplan.engine.probe_rows import ProbeRow
 
 # the pass lengths measured where no probe row gives the verify costs
 PASS_LENGTHS = tuple(range(1, 10))
+COST_REPEATS = 3  # timings of each pass length where no probe row gives the costs (pass_costs_of)
 
 # the cost axis the break-even curve is drawn over (draft step / plain step)
 CURVE_COSTS = tuple(round(0.05 * i, 2) for i in range(0, 25))
@@ -41,7 +42,8 @@ Decode = Callable[[Sequence[int], int, str | None, object], GenerationResult]
 def pass_costs_of(probe_row: ProbeRow | None, time_lengths: Callable[[Sequence[int]], dict[int, float]]
                   ) -> dict[int, float]:
     """k -> a k-token pass in plain steps: the probe row's, else timed now (time_lengths(lengths):
-    seconds of a pass over each k, engine/probing.py timed_passes over the front end's model)."""
+    seconds of a pass over each k, engine/probing.py timed_passes over the front end's model,
+    COST_REPEATS times each)."""
     if probe_row is not None and probe_row.relative:
         return dict(probe_row.relative)
     seconds = time_lengths(PASS_LENGTHS)

@@ -1,7 +1,7 @@
 """`layerplan bench`, `frontier` and `probe`: their command lines, defined without torch (a command's
 help and a mistyped option answer at once); running one imports its work (app/cli/measuring.py),
-or, for the lines the light front end takes (light_bench_request, light_probe_request), that
-front end's (app/light_timing.py, lite/probing.py)."""
+or, for the lines the light front end takes (light_bench_request, light_frontier_request,
+light_probe_request), that front end's (app/light_timing.py, lite/probing.py)."""
 
 from __future__ import annotations
 
