@@ -25,10 +25,10 @@ from layerplan.decoding.frontier import COST_REPEATS, measure_frontier, pass_cos
 from layerplan.decoding.text import GenerationResult
 from layerplan.engine.kernel_library import choose_isa
 from layerplan.engine.probe_rows import ProbeRow
-from layerplan.engine.probing import ids_needed, loading_line, timed_passes
+from layerplan.engine.probing import loading_line
 from layerplan.lite.cli import ENDINGS, decode_loop, ended_by, load_for
 from layerplan.lite.model import LiteModel
-from layerplan.lite.probing import LiteTimedPasses, checked_row
+from layerplan.lite.probing import checked_row, time_passes
 from layerplan.lite.research_request import LiteBenchRequest, LiteFrontierRequest
 from layerplan.machine import kernels_cpu_info
 from layerplan.messages import one_line
@@ -84,8 +84,8 @@ def run_light_frontier(request: LiteFrontierRequest,
         for draft in request.drafts:  # a bad spec fails here, in one line, before anything is timed
             make_drafter(draft, model, plan, load_draft=model.load_draft)
         encoded = [model.encode(text, chat=name in CHAT_PROMPTS) for name, text in request.prompts.items()]
-        costs = pass_costs_of(checked_row(model, on_note=_note), lambda lengths: timed_passes(
-            LiteTimedPasses(model, ids_needed(lengths)), lengths, COST_REPEATS))
+        costs = pass_costs_of(checked_row(model, on_note=_note),
+                              lambda lengths: time_passes(model, lengths, COST_REPEATS))
 
         def decode(prompt, new_tokens: int, draft, draft_length) -> GenerationResult:
             return decode_loop(model, prompt, plan, new_tokens, None, draft=draft, draft_length=draft_length).run()

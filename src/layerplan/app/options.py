@@ -12,12 +12,13 @@ from dataclasses import dataclass
 import click
 
 from layerplan.decoding.draft_length import draft_length_help
+from layerplan.decoding.drafters.kinds import draft_models, drafts_on_the_light_front_end
 from layerplan.decoding.limits import SEED_RANGE
 from layerplan.engine.choices import BLOCK_PRECISIONS, DENSE_PRECISIONS, ENGINES
 from layerplan.files import WriteError, check_output
 from layerplan.lite import FRONT_END_VARIABLE
 from layerplan.lite.request import ARITHMETICS
-from layerplan.models.gguf_place import DEFAULT_MODEL
+from layerplan.models.gguf_place import DEFAULT_MODEL, gguf_of
 
 SEED = click.IntRange(*SEED_RANGE)  # (decoding/limits.py)
 MAX_THREADS = 1024
@@ -272,6 +273,14 @@ def light_context(command: click.Command, argv: list[str]) -> click.Context | No
             or context.meta.get(DEVICE_MAP_KEY) is not None or context.meta.get(GPU_LAYERS_KEY)):
         return None
     return context
+
+
+def light_runs_draft(spec: str) -> bool:
+    """Whether the light front end runs a --draft spec: every kind in it one it drafts by
+    (drafters/kinds.py drafts_on_the_light_front_end: not a draft that runs torch modules, nor a
+    token tree), and every draft model in it a GGUF (the torch front end loads any other, or says
+    why not)."""
+    return drafts_on_the_light_front_end(spec) and all(gguf_of(path) is not None for path in draft_models(spec))
 
 
 class Output(click.Path):

@@ -36,8 +36,8 @@ import torch
 from layerplan.engine.choices import PASS_LENGTHS
 from layerplan.engine.native import native_available, product_rate, read_rate
 from layerplan.engine.probe_rows import ProbeResult, ProbeRow, machine_key_of, probe_path_of, read_probe
-from layerplan.engine.probing import (CONTEXT, RETRIES, STEP_REPEATS, LoadMeter, ids_needed, measure_row_by,
-                                      probe_rows_by, recheck_row, save_probe_of, timed_passes)
+from layerplan.engine.probing import (CONTEXT, RETRIES, STEP_REPEATS, LoadMeter, checked_cached_row, ids_needed,
+                                      measure_row_by, probe_rows_by, save_probe_of, timed_passes, trusted_row)
 from layerplan.engine.runner import forward, new_cache
 from layerplan.files import cache_dir
 from layerplan.machine import cpu_info
@@ -251,21 +251,13 @@ def checked_model_row(model, folder: Path, time_step: Callable[[], float] | None
     step (recheck_row); a row measured again replaces the cached one. time_step and remeasure
     default to timing this model (step_seconds, measure_row)."""
     engine, dtype = model_engine_dtype(model)
-    cached = load_probe(folder, model.name)
-    row = cached.row(engine, dtype) if cached is not None else None
-    if row is None:
-        return None
+    threads = torch.get_num_threads()
 
-    def remeasure_model() -> ProbeRow | None:
-        meter = LoadMeter(threads=torch.get_num_threads()).start()
-        fresh, problems = measure_row(model, engine, dtype, sorted(row.relative), sampler=RateSampler(),
-                                      on_note=on_note)
-        return None if problems or meter.stop().busy else fresh
+    def remeasure_model(row: ProbeRow) -> ProbeRow | None:
+        return trusted_row(lambda: measure_row(model, engine, dtype, sorted(row.relative), sampler=RateSampler(),
+                                               on_note=on_note), threads)
 
-    checked = recheck_row(row, time_step or (lambda: step_seconds(model)), remeasure or remeasure_model, on_note)
-    if checked is not row:
-        cached.rows = [checked if r is row else r for r in cached.rows]
-        save_probe(cached, folder)
-    return checked
+    return checked_cached_row(load_probe(folder, model.name), engine, dtype, time_step or (lambda: step_seconds(model)),
+                              (lambda _row: remeasure()) if remeasure else remeasure_model, folder, threads, on_note)
 
 

@@ -231,6 +231,33 @@ def recheck_row(row: ProbeRow, time_step: Callable[[], float], remeasure: Callab
     return fresh
 
 
+def checked_cached_row(cached: ProbeResult | None, engine: str, dtype: str, time_step: Callable[[], float],
+                       remeasure: Callable[[ProbeRow], ProbeRow | None], folder: Path, threads: int,
+                       on_note: Callable[[str], None] | None = None) -> ProbeRow | None:
+    """cached's row for (engine, dtype) (None: none cached), checked by recheck_row: time_step()
+    a step timed now, remeasure(row) the row timed again over its pass lengths (None where that
+    cannot be trusted: trusted_row); a row timed again replaces the cached one, and the probe is
+    saved (timed at `threads`). Either front end's check of its row (engine/probe.py
+    checked_model_row, lite/probing.py checked_row)."""
+    row = cached.row(engine, dtype) if cached is not None else None
+    if row is None:
+        return None
+    checked = recheck_row(row, time_step, lambda: remeasure(row), on_note)
+    if checked is not row:
+        cached.rows = [checked if r is row else r for r in cached.rows]
+        save_probe_of(cached, folder, threads)
+    return checked
+
+
+def trusted_row(measure: Callable[[], tuple[ProbeRow, list[str]]], threads: int) -> ProbeRow | None:
+    """measure()'s row (a row and its problems: measure_row_by's), or None where it failed its
+    checks or the other processes kept the machine busy while it was timed (LoadMeter, this
+    process's `threads` compute threads)."""
+    meter = LoadMeter(threads=threads).start()
+    fresh, problems = measure()
+    return None if problems or meter.stop().busy else fresh
+
+
 def loading_line(model: str, dtype: str, engine: str) -> str:
     """What `layerplan probe` says on stderr as it loads the model for a row."""
     return f"loading {model} ({dtype}, engine {engine})…"

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -16,9 +16,9 @@ import numpy as np
 from layerplan.engine.choices import STORED_ARITHMETIC
 from layerplan.engine.kernel_library import choose_isa
 from layerplan.engine.probe_rows import ProbeRow, probe_path_of, read_probe
-from layerplan.engine.probing import (CONTEXT, STEP_REPEATS, LoadMeter, cache_line, ids_needed, loading_line,
-                                      measure_row_by, probe_report, probe_rows_by, recheck_row, save_probe_of,
-                                      timed_passes)
+from layerplan.engine.probing import (CONTEXT, STEP_REPEATS, cache_line, checked_cached_row, ids_needed,
+                                      loading_line, measure_row_by, probe_report, probe_rows_by, save_probe_of,
+                                      timed_passes, trusted_row)
 from layerplan.files import cache_dir
 from layerplan.lite.cli import ENDINGS, ended_by
 from layerplan.lite.model import LiteModel, model_name_of
@@ -65,25 +65,23 @@ def checked_row(model: LiteModel, on_note: Callable[[str], None] | None = None) 
     RECHECK_RATIO (engine/probing.py recheck_row); a row timed again replaces the cached one. For
     the commands that time the model anyway (bench), not for a start (generate)."""
     folder = cache_dir()
-    cached = read_probe(folder, model.name, model.threads)
-    row = cached.row("native", model.precision) if cached is not None else None
-    if row is None:
-        return None
-    lengths = tuple(sorted(row.relative))
-    passes = LiteTimedPasses(model, ids_needed(lengths))
 
-    def remeasure() -> ProbeRow | None:
-        meter = LoadMeter(threads=model.threads).start()
-        fresh, problems = measure_row_by(
+    def remeasure(row: ProbeRow) -> ProbeRow | None:
+        lengths = sorted(row.relative)
+        passes = LiteTimedPasses(model, ids_needed(lengths))
+        return trusted_row(lambda: measure_row_by(
             lambda progress_of, rounds: timed_passes(passes, lengths, on_progress=progress_of, between_rounds=rounds),
-            "native", model.precision, *streamed_bytes(model), on_note=on_note)
-        return None if problems or meter.stop().busy else fresh
+            "native", model.precision, *streamed_bytes(model), on_note=on_note), model.threads)
 
-    checked = recheck_row(row, lambda: timed_passes(passes, (1,), STEP_REPEATS)[1], remeasure, on_note)
-    if checked is not row:
-        cached.rows = [checked if r is row else r for r in cached.rows]
-        save_probe_of(cached, folder, model.threads)
-    return checked
+    return checked_cached_row(read_probe(folder, model.name, model.threads), "native", model.precision,
+                              lambda: time_passes(model, (1,), STEP_REPEATS)[1], remeasure, folder, model.threads,
+                              on_note)
+
+
+def time_passes(model: LiteModel, lengths: Sequence[int], repeats: int) -> dict[int, float]:
+    """engine/probing.py timed_passes over a LiteModel's passes (engine/probe.py time_passes's
+    twin, for the torch front end's model)."""
+    return timed_passes(LiteTimedPasses(model, ids_needed(lengths)), lengths, repeats)
 
 
 def run_probe(request: LiteProbeRequest, on_progress: Callable[[int, int], None] | None = None) -> int | None:

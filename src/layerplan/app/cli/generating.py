@@ -11,14 +11,13 @@ from pathlib import Path
 import click
 
 from layerplan.app.options import (DRAFT_LENGTH_HELP, ctx_size_option, decoding_model_options, light_context,
-                                   logit_bias_option, model_b_option, n_predict_option, output_penalty_options,
-                                   sampling_options)
+                                   light_runs_draft, logit_bias_option, model_b_option, n_predict_option,
+                                   output_penalty_options, sampling_options)
 from layerplan.corpus import read_text_file
 from layerplan.decoding.draft_length import DRAFT_LENGTHS
-from layerplan.decoding.drafters.kinds import draft_models, drafter_help, drafts_on_the_light_front_end
+from layerplan.decoding.drafters.kinds import drafter_help
 from layerplan.decoding.sampling_params import SamplingError
 from layerplan.lite.request import LiteRequest
-from layerplan.models.gguf_place import gguf_of
 
 # the options the light front end carries out no differently for any value the command takes:
 # whatever else a line gives must be the option's default (greedy sampling, no draft, ...)
@@ -97,10 +96,8 @@ def light_request(argv: list[str]) -> LiteRequest | None:
         if draft is not None:
             return None  # (both given: the torch front end's message)
         draft = f"model:{given['draft_model']}"
-    if draft is not None and not drafts_on_the_light_front_end(draft):
-        return None  # (a draft that runs torch modules, or a token tree: the torch front end's)
-    if draft is not None and any(gguf_of(path) is None for path in draft_models(draft)):
-        return None  # (a draft model that is no GGUF: the torch front end loads it, or says why not)
+    if draft is not None and not light_runs_draft(draft):
+        return None  # (a draft that runs torch modules, a token tree, a draft model that is no GGUF)
     request = LiteRequest(prompt=prompts[0], model=given["model"], model_b=given["model_b"], dtype=given["dtype"],
                           engine=given["engine"], threads=given["threads"], plan=given["plan"],
                           max_new_tokens=given["max_new_tokens"], stop=list(given["stop"]), stream=given["stream"],

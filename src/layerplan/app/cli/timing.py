@@ -13,16 +13,16 @@ import click
 from layerplan.app import llamacpp
 from layerplan.app.bench_runs import BenchResult
 from layerplan.app.options import (DRAFT_LENGTH_HELP, Output, auto_dtype_option, engine_option, light_context,
-                                   model_option, n_predict_option, threads_option, transformers_option)
+                                   light_runs_draft, model_option, n_predict_option, threads_option,
+                                   transformers_option)
 from layerplan.app.prompts import CHAT_PROMPTS, PROMPTS, pick_prompts, read_prompt_file
 from layerplan.app.report import frontier_plot
 from layerplan.decoding.draft_length import DRAFT_LENGTHS
-from layerplan.decoding.drafters.kinds import draft_models, drafter_help, drafts_on_the_light_front_end
+from layerplan.decoding.drafters.kinds import drafter_help
 from layerplan.decoding.frontier import FrontierResult
 from layerplan.engine.choices import ENGINES, PASS_LENGTHS, STORED, STORED_FAST
 from layerplan.files import write_json_atomic
 from layerplan.lite.research_request import LiteBenchRequest, LiteFrontierRequest, LiteProbeRequest
-from layerplan.models.gguf_place import gguf_of
 
 
 FRONTIER_PROMPTS = ("code", "summary")  # frontier's built-in prompts unless --prompt names others
@@ -146,8 +146,7 @@ def light_bench_request(argv: list[str]) -> LiteBenchRequest | None:
     if given["transformers"] or given["hf_exits"] or given["hf_prompt_lookup"] or given["engine"] == "eager":
         return None
     drafts = list(given["drafts"])
-    if any(not drafts_on_the_light_front_end(d) or any(gguf_of(path) is None for path in draft_models(d))
-           for d in drafts):
+    if not all(light_runs_draft(d) for d in drafts):
         return None
     try:
         if given["prompt_file"] and given["prompt_names"]:
@@ -175,9 +174,7 @@ def light_frontier_request(argv: list[str]) -> LiteFrontierRequest | None:
         return None
     given = context.params
     drafts = list(given["drafts"])
-    if not drafts or given["engine"] == "eager" or any(
-            not drafts_on_the_light_front_end(d) or any(gguf_of(path) is None for path in draft_models(d))
-            for d in drafts):
+    if not drafts or given["engine"] == "eager" or not all(light_runs_draft(d) for d in drafts):
         return None
     try:
         prompts = pick_prompts(given["prompt_names"]) or {name: PROMPTS[name] for name in FRONTIER_PROMPTS}
