@@ -23,11 +23,13 @@ from layerplan.engine.runner import forward, new_cache
 from layerplan.app.cli.generating import light_request
 from layerplan.app.cli.scoring import light_ppl_request, light_scan_request
 from layerplan.app.cli.exploring import light_explore_request
+from layerplan.app.cli.exporting import light_export_request
 from layerplan.app.cli.searching import light_search_request
 from layerplan.app.cli.timing import light_bench_request, light_frontier_request, light_probe_request
 from layerplan.decoding.generate import generate
 from layerplan.decoding.loop import DecodeLoop
-from layerplan.lite.request import LiteRequest
+from layerplan.lite.exporting import run_export
+from layerplan.lite.request import LiteExportRequest, LiteRequest
 from layerplan.lite import TorchFrontEnd
 from layerplan.lite.model import LiteModel, lite_refusal
 from layerplan.models.arch_table import ARCHITECTURES
@@ -915,3 +917,65 @@ def test_each_layers_attention_is_read_from_the_config_by_one_rule(tmp_path):
     (index / TENSORS_FILE).write_text(json.dumps({"version": INDEX_VERSION, "rotary": {"inv_freq": [1.0]},
                                                   "tensors": []}))
     assert lite_refusal(index) == "sliding-window attention runs on the torch front end"
+
+
+@pytest.mark.parametrize("argv,fmt", [
+    (["export", "0-20,15-29", "--out", "m.gguf"], "gguf"),
+    (["export", "0-20", "--out", "m", "--to", "gguf"], "gguf"),
+    (["export", "0-20", "-m", "missing.gguf", "--out", "m.gguf"], None),  # the torch front end says what is missing
+    (["export", "0-20", "--out", "m.yaml"], "mergekit"),
+    (["export", "0-20", "-m", "some/folder", "--out", "m.yml", "--dtype", "bfloat16"], "mergekit"),  # any model's config
+    (["export", "0-20", "--out", "folder"], None),  # a checkpoint: torch modules' weights
+    (["export", "0-20", "-m", "some/folder", "--out", "m.gguf"], None),  # not a GGUF: the torch front end says so
+    (["export", "0-20,b:0-3", "--model-b", "other.gguf", "--out", "m.gguf"], None),  # (its refusal, in its words)
+    (["export", "0-20", "--out", "m.gguf", "--to", "nonsense"], None),  # refused by the command
+    (["export", "--help"], None),
+])
+def test_the_export_lines_it_takes(argv, fmt, monkeypatch):
+    monkeypatch.delenv("LAYERPLAN_FRONT_END", raising=False)
+    request = light_export_request(argv)
+    assert (None if request is None else request.fmt) == fmt
+    if request is not None and "--dtype" in argv:
+        assert (request.model, request.out, request.yaml_dtype) == ("some/folder", "m.yml", "bfloat16")
+
+
+def test_a_light_export_leaves_layers_of_several_kinds_to_the_torch_front_end(tmp_path):
+    """Gemma 3's layers are sliding but every sixth: a GGUF names the pattern, not each layer, so the
+    torch front end checks a plan against it (export.py gguf_refusal); the light one hands it on
+    (None) and writes nothing. One kind of layer: written, its blocks the source's."""
+    from layerplan.models.gguf_file import read_header
+
+    gemma = write_tiny_gguf(tiny_hf("gemma3", num_layers=6), tmp_path / "gemma3.gguf", "Q8_0")
+    llama = write_tiny_gguf(tiny_hf("llama", num_layers=3), tmp_path / "llama.gguf", "Q8_0")
+    for path in (gemma, llama):
+        LiteModel(path, STORED_ARITHMETIC["stored"], threads=1)  # (its index)
+    assert run_export(LiteExportRequest(model=str(gemma), plan="0-5", out=str(tmp_path / "g.gguf"), fmt="gguf")) is None
+    assert not (tmp_path / "g.gguf").exists()
+    out = tmp_path / "l.gguf"
+    assert run_export(LiteExportRequest(model=str(llama), plan="0-2,1/mlp", out=str(out), fmt="gguf")) == 0
+    source, written = read_header(llama), read_header(out)
+    assert written.get("{arch}.block_count") == 4
+    blocks = {t.name: llama.read_bytes()[t.offset:t.offset + t.nbytes] for t in source.tensors}
+    for t in written.tensors:
+        data = out.read_bytes()[t.offset:t.offset + t.nbytes]
+        if t.name.startswith("blk.3.attn_output"):  # step 3 runs layer 1's MLP alone: its attention adds nothing
+            assert data == bytes(t.nbytes)
+        else:  # step j's tensors are layer (0, 1, 2, 1)[j]'s
+            if t.name.startswith("blk."):
+                _, step, rest = t.name.split(".", 2)
+                name = f"blk.{(0, 1, 2, 1)[int(step)]}.{rest}"
+            else:
+                name = t.name
+            assert data == blocks[name], t.name
+    # where the kernel cannot copy between the two files, the blocks are read and written in chunks
+    import layerplan.export_gguf as export_gguf
+
+    def refused(*args):
+        raise OSError(18, "Invalid cross-device link")
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(export_gguf.os, "copy_file_range", refused)
+        patch.setattr(export_gguf, "COPY_CHUNK", 100)  # (several chunks a tensor)
+        again = tmp_path / "again.gguf"
+        assert run_export(LiteExportRequest(model=str(llama), plan="0-2,1/mlp", out=str(again), fmt="gguf")) == 0
+    assert again.read_bytes() == out.read_bytes()

@@ -582,3 +582,22 @@ def test_a_real_gguf_drafted_generate_is_the_same_on_both_front_ends(name):
         light, torch_run = _run(argv, cache), _run(argv, cache, "torch")
         assert light.returncode == torch_run.returncode == 0, light.stderr + torch_run.stderr
         assert light.stdout == torch_run.stdout and len(light.stdout) > 40, (draft, sampling)
+
+
+def test_an_export_on_the_light_front_end_writes_the_torch_ones_bytes(cache, tmp_path):
+    """`layerplan export` of the packaged GGUF as a GGUF file and as mergekit YAML, without torch
+    (-X importtime): the torch front end's bytes and stdout line; a plan it cannot write as stored
+    blocks (a residual scale of 0.5), and one the model has no layer for, end with the torch front
+    end's line and status, and write nothing."""
+    for plan, name, line in (("0-20,15-29,3/mlp", "merged.gguf", "merged.gguf (37 layers, the source's stored types)"),
+                             ("0-20,15-29", "merged.yaml", "merged.yaml")):
+        light, on_torch = _on_both_front_ends(["export", plan], cache, lambda front: str(tmp_path / f"{front}-{name}"))
+        assert (tmp_path / f"light-{name}").read_bytes() == (tmp_path / f"torch-{name}").read_bytes()
+        assert light.stdout == on_torch.stdout.replace("torch-", "light-") == f"wrote {tmp_path}/light-{line}\n"
+    for plan in ("0-29@0.5", "0-40"):
+        said = [_run(["export", plan, "--out", str(tmp_path / f"{front}-bad.gguf")], cache, front)
+                for front in ("", "torch")]
+        assert said[0].returncode == said[1].returncode != 0
+        errors = [[row for row in run.stderr.splitlines() if row.startswith("Error:")] for run in said]
+        assert errors[0] == errors[1] and len(errors[0]) == 1, said[0].stderr
+        assert not list(tmp_path.glob("*-bad.gguf"))

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import torch
 
-from layerplan.files import atomic_file, replace_folder
+from layerplan.export_gguf import gguf_scale_refusal, write_gguf_plan
+from layerplan.files import replace_folder
 from layerplan.models.architectures import config_with_layers, update_parameters
 from layerplan.models.discovery import spec_of
 from layerplan.models.loading import LoadedModel, gguf_of
@@ -99,12 +100,6 @@ def export_checkpoint(model: LoadedModel, plan: LayerPlan, folder: str | os.Path
     return folder
 
 
-# A GGUF layer's tensors that make each sub-layer's update (llama.cpp's names, the same in every
-# architecture): a switched-off sub-layer exports with them zero, which adds exactly nothing to the
-# residual stream (a post-norm of zero is zero), in any stored type (all-zero bytes are zero weights).
-GGUF_UPDATE_TENSORS = {"attention": ("attn_output.",), "mlp": ("ffn_down.", "ffn_down_exps.", "ffn_down_shexp.")}
-
-
 def gguf_layer_types(config, depth: int) -> list[str]:
     """The kind of each layer a GGUF of this architecture with `depth` layers is read with: the
     architecture's pattern, as transformers' config computes it where no list is given (llama.cpp
@@ -135,12 +130,7 @@ def gguf_refusal(model: LoadedModel, plan: LayerPlan) -> str | None:
                         f"not layer by layer: the plan's layer {j} runs layer {step.layer} ({layer_types[step.layer]}) "
                         f"where a GGUF of {len(pattern)} layers has {wanted}; use --to checkpoint, or a plan that "
                         f"keeps the pattern")
-    for j, step in enumerate(plan.active_steps):
-        for sub_layer, on in (("attention", step.attention), ("mlp", step.mlp)):
-            if on and step.scale not in (0.0, 1.0):
-                return (f"step {j} scales its {sub_layer} by {step.scale:g}: a GGUF keeps the stored weights as they "
-                        "are, so only 0 (off) and 1 export; use --to checkpoint")
-    return None
+    return gguf_scale_refusal(plan)
 
 
 def export_gguf(model: LoadedModel, plan: LayerPlan, path: str | os.PathLike) -> Path:
@@ -148,57 +138,8 @@ def export_gguf(model: LoadedModel, plan: LayerPlan, path: str | os.PathLike) ->
     step j runs, in the source file's stored types, with the source's metadata (its block count,
     and every per-layer array, following the plan). Atomic. Refused, with the reason, where
     gguf_refusal says why."""
-    import gguf
-    import numpy as np
-
     model.check_plan(plan)
     refusal = gguf_refusal(model, plan)
     if refusal is not None:
         raise ValueError(refusal)
-    source = gguf_of(model.source)
-    steps = plan.active_steps
-    # a switched-off sub-layer's update tensors are written zero
-    zeroed = {j: tuple(name for sub_layer, on in (("attention", step.attention), ("mlp", step.mlp))
-                       if not on or step.scale == 0.0 for name in GGUF_UPDATE_TENSORS[sub_layer])
-              for j, step in enumerate(steps)}
-
-    reader = gguf.GGUFReader(source)
-    arch = reader.fields[gguf.Keys.General.ARCHITECTURE].contents()
-    depth = int(reader.fields[f"{arch}.block_count"].contents())
-    by_layer: dict[int, list] = {}
-    others = []
-    for tensor in reader.tensors:
-        if tensor.name.startswith("blk."):
-            by_layer.setdefault(int(tensor.name.split(".")[1]), []).append(tensor)
-        else:
-            others.append(tensor)
-    tensors = [(t.name, t.data, t.tensor_type) for t in others]  # (name, its stored bytes, its type)
-    for j, step in enumerate(steps):
-        for tensor in by_layer[step.layer]:
-            rest = tensor.name.split(".", 2)[2]
-            data = np.zeros_like(tensor.data) if rest.startswith(zeroed[j]) else tensor.data
-            tensors.append((f"blk.{j}.{rest}", data, tensor.tensor_type))
-
-    path = Path(path)
-    with atomic_file(path) as staged:
-        writer = gguf.GGUFWriter(staged, arch)
-        for field in reader.fields.values():
-            if field.name == gguf.Keys.General.ARCHITECTURE or field.name.startswith("GGUF."):
-                continue
-            kind = field.types[0]
-            sub_type = field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None
-            value = field.contents()
-            if field.name == f"{arch}.block_count":
-                value = len(steps)
-            elif sub_type is not None and field.name.startswith(f"{arch}.") and len(value) == depth:
-                value = [value[step.layer] for step in steps]  # a per-layer array follows the plan
-            writer.add_key_value(field.name, value, kind, sub_type=sub_type)
-        for name, data, kind in tensors:
-            writer.add_tensor_info(name, data.shape, data.dtype, data.nbytes, kind)
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_ti_data_to_file()
-        for _, data, _ in tensors:
-            writer.write_tensor_data(data, tensor_endianess=reader.endianess)
-        writer.close()
-    return path
+    return write_gguf_plan(gguf_of(model.source), plan, path)

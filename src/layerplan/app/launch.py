@@ -1,14 +1,16 @@
 """The `layerplan` command's entry: a GGUF's plain generation, a greedy conversation with it, its
 perplexity (under a plan of the model, in either protocol), its scan, its search, explore's grid,
-its probe, its bench and its frontier (of drafts given) run on the light front end (layerplan/lite/:
-numpy and the native kernels, a start of a tenth of a second), every other command line on the torch
-front end (app/cli/), which reads it as it always has.
+its probe, its bench, its frontier (of drafts given) and its export as a GGUF file or mergekit YAML
+run on the light front end (layerplan/lite/: numpy and the native kernels, a start of a tenth of a
+second), every other command line on the torch front end (app/cli/), which reads it as it always
+has.
 
 Which one runs changes no output: the light front end takes only command lines whose meaning it
 carries out as the torch one does (app/cli/generating.py light_request, app/cli/chatting.py
 light_chat_request, app/cli/scoring.py light_ppl_request and light_scan_request,
 app/cli/searching.py light_search_request, app/cli/exploring.py light_explore_request,
-app/cli/timing.py light_probe_request, light_bench_request and light_frontier_request), and only
+app/cli/timing.py light_probe_request, light_bench_request and light_frontier_request,
+app/cli/exporting.py light_export_request), and only
 models whose index it can read (kept, or made now from the file). Where it finds, once started, that
 the model needs the torch front end, the command starts again as `python -m layerplan.app.cli` with
 LAYERPLAN_FRONT_END=torch: the kernels' library, loaded by then, links an OpenMP runtime that must
@@ -67,7 +69,7 @@ def main() -> None:
             if tokenizer is not None:
                 tokenizer.close()
             _leave_or_restart(status, taken, argv)
-    if argv[:1] in (["ppl"], ["scan"], ["explore"], ["search"], ["probe"], ["bench"], ["frontier"]):
+    if argv[:1] in (["ppl"], ["scan"], ["explore"], ["search"], ["probe"], ["bench"], ["frontier"], ["export"]):
         _research_on_the_light_front_end(argv)
     from layerplan.app.cli import run_as_process
 
@@ -75,10 +77,11 @@ def main() -> None:
 
 
 def _research_on_the_light_front_end(argv: list[str]) -> None:
-    """A `ppl`, `scan`, `explore`, `search`, `probe`, `bench` or `frontier` line: carried out on
+    """A `ppl`, `scan`, `explore`, `search`, `probe`, `bench`, `frontier` or `export` line: carried out on
     the light front end where its reader takes it (and the process leaves), else nothing (the torch front
     end reads it). The readers say None under LAYERPLAN_FRONT_END=torch (app/options.py light_context)."""
     command = argv[0]
+    needs_index = True  # (the model's index, made now where it is not kept: lite/cli.py runnable)
     if command == "ppl":
         from layerplan.app.cli.scoring import light_ppl_request
 
@@ -128,6 +131,16 @@ def _research_on_the_light_front_end(argv: list[str]) -> None:
 
             with Progress("frontier") as progress:
                 return run_light_frontier(request, progress)
+    elif command == "export":
+        from layerplan.app.cli.exporting import light_export_request
+
+        request = light_export_request(argv)
+        needs_index = request is not None and request.fmt == "gguf"  # (mergekit YAML: any model's config)
+
+        def run() -> int | None:
+            from layerplan.lite.exporting import run_export
+
+            return run_export(request)
     elif command == "probe":
         from layerplan.app.cli.timing import light_probe_request
 
@@ -155,7 +168,7 @@ def _research_on_the_light_front_end(argv: list[str]) -> None:
         return
     from layerplan.lite.cli import runnable
 
-    taken = runnable(request)
+    taken = runnable(request) if needs_index else True
     _leave_or_restart(run() if taken else None, taken, argv)
 
 

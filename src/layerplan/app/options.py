@@ -249,14 +249,15 @@ def familiar_table() -> str:
     return "\n".join(rows)
 
 
-def light_context(command: click.Command, argv: list[str]) -> click.Context | None:
+def light_context(command: click.Command, argv: list[str], any_dtype: bool = False) -> click.Context | None:
     """`command`'s own reading of `layerplan NAME ...` (argv without the program), for the light
     front end to weigh (the light_*_request readers of app/cli/generating.py, scoring.py,
     searching.py, exploring.py): None where the line is another command's, asks for help, runs
     with LAYERPLAN_FRONT_END=torch, is refused by the command (the torch front end reads it then,
     and says what it says), or asks what only the torch front end runs: a dtype other than the
     GGUF's as stored, a device other than the CPU, a device map, GPU layers (-ngl: torch says
-    whether a GPU is there)."""
+    whether a GPU is there). any_dtype: the command's --dtype is a name it writes, not an
+    arithmetic (export's)."""
     if not argv or argv[0] != command.name or os.environ.get(FRONT_END_VARIABLE, "") == "torch":
         return None
     if any(arg in ("-h", "--help") for arg in argv[1:]):
@@ -269,7 +270,7 @@ def light_context(command: click.Command, argv: list[str]) -> click.Context | No
         return None
     given = context.params
     dtypes = given["dtypes"] if "dtypes" in given else [given.get("dtype")]  # (probe's: none given, the stored)
-    if (any(dtype not in ARITHMETICS for dtype in dtypes) or given.get("device", "cpu") != "cpu"
+    if ((not any_dtype and any(dtype not in ARITHMETICS for dtype in dtypes)) or given.get("device", "cpu") != "cpu"
             or context.meta.get(DEVICE_MAP_KEY) is not None or context.meta.get(GPU_LAYERS_KEY)):
         return None
     return context

@@ -83,3 +83,17 @@ class LiteChatRequest(FileRequest):
     settings: dict = field(default_factory=dict)
     named: list[str] = field(default_factory=list)
     load_file: str | None = None
+
+
+@dataclass
+class LiteExportRequest(FileRequest):
+    """`layerplan export` where no torch module is needed (app/cli/exporting.py
+    light_export_request): a GGUF's plan as a GGUF file of its stored blocks (fmt 'gguf'), or any
+    model's plan as mergekit YAML from its config (fmt 'mergekit'; yaml_dtype its dtype line,
+    model_b its source b)."""
+
+    plan: str = ""
+    out: str = ""
+    fmt: str = "gguf"
+    source: str | None = None
+    yaml_dtype: str = "float32"

@@ -33,6 +33,9 @@ _SCALARS = {0: ("<B", np.uint8), 1: ("<b", np.int8), 2: ("<H", np.uint16), 3: ("
             4: ("<I", np.uint32), 5: ("<i", np.int32), 6: ("<f", np.float32), 7: ("<?", np.bool_),
             10: ("<Q", np.uint64), 11: ("<q", np.int64), 12: ("<d", np.float64)}
 _STRING, _ARRAY = 8, 9
+# (for writers: a value type's struct format, and the string and array types)
+SCALAR_FORMATS = {kind: fmt for kind, (fmt, _) in _SCALARS.items()}
+STRING_TYPE, ARRAY_TYPE = _STRING, _ARRAY
 
 
 @dataclass(frozen=True)
@@ -71,6 +74,8 @@ class GGUFHeader:
     metadata: dict[str, Any]
     tensors: tuple[TensorInfo, ...]
     data_offset: int  # where the tensor data begins
+    # each metadata entry's (key, where its bytes start and end in the file): key, type and value
+    entry_spans: tuple[tuple[str, int, int], ...] = ()
 
     @property
     def architecture(self) -> str:
@@ -157,9 +162,12 @@ def _parse(data, path: Path) -> GGUFHeader:
         raise ModelError(f"{path}: cannot read it as a GGUF model: GGUF version {version} (2 and 3 are read)")
     tensor_count, metadata_count = cursor.unpack("<Q"), cursor.unpack("<Q")
     metadata: dict[str, Any] = {}
+    spans = []
     for _ in range(metadata_count):
+        start = cursor.at
         key = cursor.string()
         metadata[key] = cursor.value(cursor.unpack("<I"))
+        spans.append((key, start, cursor.at))
     infos = []
     for _ in range(tensor_count):
         name = cursor.string()
@@ -169,4 +177,4 @@ def _parse(data, path: Path) -> GGUFHeader:
     alignment = int(metadata.get("general.alignment", DEFAULT_ALIGNMENT))
     start = -(-cursor.at // alignment) * alignment
     tensors = tuple(TensorInfo(name, shape, kind, start + offset) for name, shape, kind, offset in infos)
-    return GGUFHeader(path, version, metadata, tensors, start)
+    return GGUFHeader(path, version, metadata, tensors, start, tuple(spans))

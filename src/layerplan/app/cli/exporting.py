@@ -7,8 +7,10 @@ import importlib
 
 import click
 
-from layerplan.app.options import export_dtype_option, model_b_option, model_option
-from layerplan.export_formats import EXPORT_FORMATS
+from layerplan.app.options import export_dtype_option, light_context, model_b_option, model_option
+from layerplan.export_formats import EXPORT_FORMATS, export_format_of
+from layerplan.lite.request import LiteExportRequest
+from layerplan.models.gguf_place import gguf_of
 
 
 @click.command()
@@ -31,6 +33,22 @@ def export(**options) -> None:
     pruned model usable as a standalone draft model."""
     importlib.import_module("layerplan.app.cli.running").run_export_command(**options)
 
+
+def light_export_request(argv: list[str]) -> LiteExportRequest | None:
+    """The light front end's request of `layerplan export ...` (argv without the program), read by
+    this command: a GGUF's plan as a GGUF file (its blocks copied, never run), or any model's plan
+    as mergekit YAML (its config alone). A checkpoint (written from torch modules), a GGUF file of
+    two models or of a source that is not a GGUF (the torch front end says why not), help, or a
+    line the command refuses give None."""
+    context = light_context(export, argv, any_dtype=True)
+    if context is None:
+        return None
+    given = context.params
+    fmt = given["fmt"] or export_format_of(given["out"])
+    if fmt == "checkpoint" or (fmt == "gguf" and (given["model_b"] or gguf_of(given["model"]) is None)):
+        return None
+    return LiteExportRequest(model=given["model"], model_b=given["model_b"], plan=given["plan"], out=given["out"],
+                             fmt=fmt, source=given["source"], yaml_dtype=given["dtype"])
 
 
 COMMANDS = (export,)  # registered on main (the package's __init__: COMMAND_INDEX)

@@ -1,0 +1,143 @@
+"""A plan of a GGUF written as a GGUF file of the source's stored blocks, without torch: layer j
+is a byte-for-byte copy of the tensors of the layer step j runs (llama.cpp runs the frankenmerge
+without quantizing again). Both front ends write it so: export.py export_gguf on the torch front
+end, after its checks of the loaded model; lite/exporting.py on the light one, from the file alone.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from pathlib import Path
+
+from layerplan.files import atomic_file
+from layerplan.models.gguf_file import (ARRAY_TYPE, DEFAULT_ALIGNMENT, MAGIC, SCALAR_FORMATS, STRING_TYPE, TensorInfo,
+                                        read_header)
+from layerplan.plan.plan import LayerPlan
+
+# A GGUF layer's tensors that make each sub-layer's update (llama.cpp's names, the same in every
+# architecture): a switched-off sub-layer exports with them zero, which adds exactly nothing to the
+# residual stream (a post-norm of zero is zero), in any stored type (all-zero bytes are zero weights).
+GGUF_UPDATE_TENSORS = {"attention": ("attn_output.",), "mlp": ("ffn_down.", "ffn_down_exps.", "ffn_down_shexp.")}
+
+
+def gguf_scale_refusal(plan: LayerPlan) -> str | None:
+    """Why the plan's residual scales cannot be written as stored blocks (one line), or None: a
+    GGUF keeps its weights as stored, so a sub-layer exports only on (1) or off (0)."""
+    for j, step in enumerate(plan.active_steps):
+        for sub_layer, on in (("attention", step.attention), ("mlp", step.mlp)):
+            if on and step.scale not in (0.0, 1.0):
+                return (f"step {j} scales its {sub_layer} by {step.scale:g}: a GGUF keeps the stored weights as they "
+                        "are, so only 0 (off) and 1 export; use --to checkpoint")
+    return None
+
+
+def write_gguf_plan(source: str | os.PathLike, plan: LayerPlan, path: str | os.PathLike) -> Path:
+    """Write the plan of the GGUF file `source` as a GGUF file (version 3) at `path`, atomically:
+    its metadata entries as the source's bytes, but the block count and each per-layer array
+    (an array of the architecture's with one item a layer), which follow the plan; layer j's
+    tensors the bytes of the layer step j runs, in their stored types (a switched-off sub-layer's
+    update tensors zero). The caller has checked the plan (gguf_scale_refusal, and layers of one
+    kind or in the file's pattern). Read from the header alone (models/gguf_file.py), the blocks
+    copied by the kernel: no reader builds a value of each vocabulary string."""
+    header = read_header(source)
+    arch = header.architecture
+    depth = int(header.get("{arch}.block_count"))
+    alignment = int(header.get("general.alignment", DEFAULT_ALIGNMENT))
+    steps = plan.active_steps
+    # a switched-off sub-layer's update tensors are written zero
+    zeroed = {j: tuple(name for sub_layer, on in (("attention", step.attention), ("mlp", step.mlp))
+                       if not on or step.scale == 0.0 for name in GGUF_UPDATE_TENSORS[sub_layer])
+              for j, step in enumerate(steps)}
+    by_layer: dict[int, list[TensorInfo]] = {}
+    tensors: list[tuple[str, TensorInfo, bool]] = []  # (name, the source's tensor, written zero)
+    for tensor in header.tensors:
+        if tensor.name.startswith("blk."):
+            by_layer.setdefault(int(tensor.name.split(".")[1]), []).append(tensor)
+        else:
+            tensors.append((tensor.name, tensor, False))
+    for j, step in enumerate(steps):
+        for tensor in by_layer[step.layer]:
+            rest = tensor.name.split(".", 2)[2]
+            tensors.append((f"blk.{j}.{rest}", tensor, rest.startswith(zeroed[j])))
+
+    path = Path(path)
+    with open(header.path, "rb", buffering=0) as source_file, atomic_file(path) as staged, \
+            open(staged, "wb", buffering=0) as out:
+        fd = source_file.fileno()
+        head = [MAGIC + struct.pack("<IQQ", 3, len(tensors), len(header.entry_spans))]
+        for key, start, end in header.entry_spans:
+            value, raw = header.metadata[key], os.pread(fd, end - start, start)
+            kind = struct.unpack_from("<I", raw, 8 + len(key.encode()))[0]
+            if key == f"{arch}.block_count":
+                head.append(_key(key) + struct.pack("<I", kind) + struct.pack(SCALAR_FORMATS[kind], len(steps)))
+            elif key.startswith(f"{arch}.") and kind == ARRAY_TYPE and len(value) == depth:
+                item = struct.unpack_from("<I", raw, 12 + len(key.encode()))[0]
+                head.append(_key(key) + _array(item, [value[step.layer] for step in steps]))
+            else:
+                head.append(raw)
+        offset = 0
+        for name, tensor, _ in tensors:
+            head.append(_key(name) + struct.pack(f"<I{len(tensor.shape)}QIQ", len(tensor.shape), *tensor.shape,
+                                                 tensor.type_id, offset))
+            offset += _padded(tensor.nbytes, alignment)
+        size = sum(len(part) for part in head)
+        head.append(bytes(_padded(size, alignment) - size))
+        _write_all(out, b"".join(head))
+        for _, tensor, zero in tensors:
+            if zero:
+                _write_all(out, bytes(tensor.nbytes))
+            else:
+                _copy(fd, out, tensor.offset, tensor.nbytes)
+            _write_all(out, bytes(_padded(tensor.nbytes, alignment) - tensor.nbytes))
+        os.fsync(out.fileno())
+    return path
+
+
+def _write_all(out, data: bytes) -> None:
+    """(an unbuffered file's write may write less than it is given)"""
+    view = memoryview(data)
+    while view:
+        view = view[out.write(view):]
+
+
+COPY_CHUNK = 16 << 20  # bytes a read where the kernel cannot copy between the files itself
+
+
+def _copy(fd: int, out, offset: int, size: int) -> None:
+    """size bytes of file descriptor fd from offset to out's position: by the kernel where it can
+    (copy_file_range: no pages in this process), else in chunks (the file's pages stay the page
+    cache's, not this process's memory)."""
+    done = 0
+    try:
+        while done < size:
+            copied = os.copy_file_range(fd, out.fileno(), size - done, offset + done)
+            if copied == 0:
+                break
+            done += copied
+    except OSError:  # (not between these files' file systems)
+        pass
+    while done < size:
+        chunk = os.pread(fd, min(COPY_CHUNK, size - done), offset + done)
+        if not chunk:
+            raise OSError(f"{size - done} bytes short of the tensor at byte {offset}: the file changed as it was read")
+        _write_all(out, chunk)
+        done += len(chunk)
+
+
+def _padded(size: int, alignment: int) -> int:
+    return -(-size // alignment) * alignment
+
+
+def _key(key: str) -> bytes:
+    """A GGUF string: u64 length, then UTF-8."""
+    raw = key.encode()
+    return struct.pack("<Q", len(raw)) + raw
+
+
+def _array(item: int, items: list) -> bytes:
+    """An array entry's type and value (its key written before it), its items of GGUF type item."""
+    head = struct.pack("<IIQ", ARRAY_TYPE, item, len(items))
+    if item == STRING_TYPE:
+        return head + b"".join(_key(text) for text in items)
+    return head + b"".join(struct.pack(SCALAR_FORMATS[item], value) for value in items)

@@ -1,0 +1,46 @@
+"""`layerplan export` on the light front end: a GGUF's plan as a GGUF file of its stored blocks
+(export_gguf.py), or any model's plan as mergekit YAML, written as app/cli/running.py's
+run_export_command writes them, with its lines, and without loading a model: neither needs
+more than the file's header, its index's config and the blocks' bytes.
+"""
+
+from __future__ import annotations
+
+from layerplan.engine.file_kernels import read_index
+from layerplan.export_gguf import gguf_scale_refusal, write_gguf_plan
+from layerplan.files import check_output, write_text_atomic
+from layerplan.lite import TorchFrontEnd
+from layerplan.lite.cli import ENDINGS, ended_by
+from layerplan.lite.request import LiteExportRequest
+from layerplan.models.depth import model_depth
+from layerplan.models.gguf_place import gguf_of, index_folder
+from layerplan.plan.formats import load_plan, to_mergekit
+from layerplan.plan.plan import check_attached
+
+
+def run_export(request: LiteExportRequest) -> int | None:
+    """Carry out the request: its exit status, or None where the torch front end is to (a GGUF of
+    layers of several kinds, whose pattern the torch front end checks the plan against)."""
+    try:
+        check_output(request.out, "file")  # before any work
+        depth, name = model_depth(request.model)
+        plan = load_plan(request.plan, depth, name)
+        if request.fmt == "mergekit":
+            sources = {"b": request.model_b} if request.model_b else None
+            write_text_atomic(request.out, to_mergekit(plan, request.source or request.model, request.yaml_dtype,
+                                                       sources))
+            print(f"wrote {request.out}")
+            return 0
+        gguf = gguf_of(request.model)
+        config, _ = read_index(index_folder(gguf))  # (made by lite/cli.py runnable)
+        if len(set(config.get("layer_types") or ())) > 1:
+            raise TorchFrontEnd("layers of several kinds: a GGUF names their pattern")
+        check_attached(plan)
+        refusal = gguf_scale_refusal(plan)
+        if refusal is not None:
+            raise ValueError(refusal)
+        path = write_gguf_plan(gguf, plan, request.out)
+        print(f"wrote {path} ({len(plan.active_steps)} layers, the source's stored types)")
+        return 0
+    except ENDINGS as error:
+        return ended_by(error)
