@@ -939,18 +939,28 @@ def test_the_export_lines_it_takes(argv, fmt, monkeypatch):
         assert (request.model, request.out, request.yaml_dtype) == ("some/folder", "m.yml", "bfloat16")
 
 
-def test_a_light_export_leaves_layers_of_several_kinds_to_the_torch_front_end(tmp_path):
-    """Gemma 3's layers are sliding but every sixth: a GGUF names the pattern, not each layer, so the
-    torch front end checks a plan against it (export.py gguf_refusal); the light one hands it on
-    (None) and writes nothing. One kind of layer: written, its blocks the source's."""
+def test_a_light_export_keeps_the_pattern_of_layer_kinds_as_the_torch_front_end_does(tmp_path, capsys):
+    """Gemma 3's layers are sliding but every sixth: a GGUF names the pattern, not each layer, so a
+    plan exports only where step j runs a layer of the pattern's kind at j (export.py gguf_refusal
+    on the torch front end; the light one has the rule from the index's config). Refused in the
+    torch front end's words, writing nothing; one kind of layer: written, its blocks the source's."""
+    from layerplan.export import gguf_refusal
     from layerplan.models.gguf_file import read_header
 
     gemma = write_tiny_gguf(tiny_hf("gemma3", num_layers=6), tmp_path / "gemma3.gguf", "Q8_0")
     llama = write_tiny_gguf(tiny_hf("llama", num_layers=3), tmp_path / "llama.gguf", "Q8_0")
     for path in (gemma, llama):
         LiteModel(path, STORED_ARITHMETIC["stored"], threads=1)  # (its index)
-    assert run_export(LiteExportRequest(model=str(gemma), plan="0-5", out=str(tmp_path / "g.gguf"), fmt="gguf")) is None
-    assert not (tmp_path / "g.gguf").exists()
+    on_torch = load_model(gemma, dtype="stored")
+    for plan, keeps in (("0-5,0-5", True), ("0-5", True), ("1-5", False), ("0-4,4-5", False)):
+        out = tmp_path / f"g-{plan}.gguf"
+        status = run_export(LiteExportRequest(model=str(gemma), plan=plan, out=str(out), fmt="gguf"))
+        refusal = gguf_refusal(on_torch, on_torch.plan(plan))
+        assert (status == 0) == keeps == (refusal is None) == out.exists()
+        if not keeps:
+            assert capsys.readouterr().err == f"Error: {refusal}\n"
+        else:
+            assert read_header(out).get("{arch}.block_count") == len(on_torch.plan(plan).active_steps)
     out = tmp_path / "l.gguf"
     assert run_export(LiteExportRequest(model=str(llama), plan="0-2,1/mlp", out=str(out), fmt="gguf")) == 0
     source, written = read_header(llama), read_header(out)

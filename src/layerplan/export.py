@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from layerplan.export_gguf import gguf_scale_refusal, write_gguf_plan
+from layerplan.export_gguf import gguf_pattern_refusal, gguf_scale_refusal, write_gguf_plan
 from layerplan.files import replace_folder
 from layerplan.models.architectures import config_with_layers, update_parameters
 from layerplan.models.discovery import spec_of
@@ -120,16 +120,10 @@ def gguf_refusal(model: LoadedModel, plan: LayerPlan) -> str | None:
         return "--to gguf writes one model's layers; a plan over two models exports --to checkpoint"
     layer_types = getattr(model.hf.config, "layer_types", None) or []
     if len(set(layer_types)) > 1:
-        # a GGUF names no layer's kind: its reader gives layer j the architecture's pattern's kind at j
-        # (llama.cpp's Gemma 3: every sixth layer full), so layer j must run a layer of that kind
-        pattern = gguf_layer_types(model.hf.config, len(plan.active_steps))
-        for j, step in enumerate(plan.active_steps):
-            if j >= len(pattern) or layer_types[step.layer] != pattern[j]:
-                wanted = pattern[j] if j < len(pattern) else "none"
-                return (f"{model.hf.config.model_type} has layers of several kinds, which a GGUF gives as a pattern, "
-                        f"not layer by layer: the plan's layer {j} runs layer {step.layer} ({layer_types[step.layer]}) "
-                        f"where a GGUF of {len(pattern)} layers has {wanted}; use --to checkpoint, or a plan that "
-                        f"keeps the pattern")
+        refusal = gguf_pattern_refusal(model.hf.config.model_type, layer_types,
+                                       gguf_layer_types(model.hf.config, len(plan.active_steps)), plan)
+        if refusal is not None:
+            return refusal
     return gguf_scale_refusal(plan)
 
 

@@ -32,6 +32,21 @@ def gguf_scale_refusal(plan: LayerPlan) -> str | None:
     return None
 
 
+def gguf_pattern_refusal(model_type: str, layer_types: list[str], pattern: list[str], plan: LayerPlan) -> str | None:
+    """Why a model of layers of several kinds (layer_types) cannot be written as the plan (one
+    line), or None. A GGUF names no layer's kind: its reader gives layer j the kind the
+    architecture's pattern for the file's depth has at j (`pattern`; llama.cpp's Gemma 3: every
+    sixth layer full), so step j must run a layer of that kind."""
+    for j, step in enumerate(plan.active_steps):
+        if j >= len(pattern) or layer_types[step.layer] != pattern[j]:
+            wanted = pattern[j] if j < len(pattern) else "none"
+            return (f"{model_type} has layers of several kinds, which a GGUF gives as a pattern, "
+                    f"not layer by layer: the plan's layer {j} runs layer {step.layer} ({layer_types[step.layer]}) "
+                    f"where a GGUF of {len(pattern)} layers has {wanted}; use --to checkpoint, or a plan that "
+                    f"keeps the pattern")
+    return None
+
+
 def write_gguf_plan(source: str | os.PathLike, plan: LayerPlan, path: str | os.PathLike) -> Path:
     """Write the plan of the GGUF file `source` as a GGUF file (version 3) at `path`, atomically:
     its metadata entries as the source's bytes, but the block count and each per-layer array

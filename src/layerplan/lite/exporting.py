@@ -7,20 +7,32 @@ more than the file's header, its index's config and the blocks' bytes.
 from __future__ import annotations
 
 from layerplan.engine.file_kernels import read_index
-from layerplan.export_gguf import gguf_scale_refusal, write_gguf_plan
+from layerplan.export_gguf import gguf_pattern_refusal, gguf_scale_refusal, write_gguf_plan
 from layerplan.files import check_output, write_text_atomic
 from layerplan.lite import TorchFrontEnd
 from layerplan.lite.cli import ENDINGS, ended_by
 from layerplan.lite.request import LiteExportRequest
 from layerplan.models.depth import model_depth
+from layerplan.models.file_index import full_config
 from layerplan.models.gguf_place import gguf_of, index_folder
 from layerplan.plan.formats import load_plan, to_mergekit
-from layerplan.plan.plan import check_attached
+from layerplan.plan.plan import LayerPlan, check_attached
+
+
+def pattern_of(config: dict, plan: LayerPlan) -> list[str]:
+    """The kinds of the layers of a GGUF of the model's architecture as deep as the plan, from the
+    index's config (models/file_index.py full_config: the rule its config class follows);
+    TorchFrontEnd where the index has no rule (transformers' config class has it)."""
+    if config.get("model_type") != "gemma3_text":
+        raise TorchFrontEnd(f"{config.get('model_type')}'s pattern of layer kinds")
+    return full_config({**config, "num_hidden_layers": len(plan.active_steps)})["layer_types"]
 
 
 def run_export(request: LiteExportRequest) -> int | None:
     """Carry out the request: its exit status, or None where the torch front end is to (a GGUF of
-    layers of several kinds, whose pattern the torch front end checks the plan against)."""
+    layers of several kinds whose pattern the index has no rule for). A plan whose layers leave
+    the file's pattern, or scale a sub-layer, is refused in the torch front end's words (export.py
+    gguf_refusal)."""
     try:
         check_output(request.out, "file")  # before any work
         depth, name = model_depth(request.model)
@@ -33,10 +45,10 @@ def run_export(request: LiteExportRequest) -> int | None:
             return 0
         gguf = gguf_of(request.model)
         config, _ = read_index(index_folder(gguf))  # (made by lite/cli.py runnable)
-        if len(set(config.get("layer_types") or ())) > 1:
-            raise TorchFrontEnd("layers of several kinds: a GGUF names their pattern")
         check_attached(plan)
-        refusal = gguf_scale_refusal(plan)
+        layer_types = config.get("layer_types") or []
+        refusal = (gguf_pattern_refusal(config["model_type"], layer_types, pattern_of(config, plan), plan)
+                   if len(set(layer_types)) > 1 else None) or gguf_scale_refusal(plan)
         if refusal is not None:
             raise ValueError(refusal)
         path = write_gguf_plan(gguf, plan, request.out)
