@@ -977,7 +977,7 @@ def test_a_light_export_keeps_the_pattern_of_layer_kinds_as_the_torch_front_end_
             else:
                 name = t.name
             assert data == blocks[name], t.name
-    # where the kernel cannot copy between the two files, the blocks are read and written in chunks
+    # where the operating system cannot copy between the two files, the blocks are read and written in chunks
     import layerplan.export_gguf as export_gguf
 
     def refused(*args):

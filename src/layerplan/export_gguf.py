@@ -54,7 +54,8 @@ def write_gguf_plan(source: str | os.PathLike, plan: LayerPlan, path: str | os.P
     tensors the bytes of the layer step j runs, in their stored types (a switched-off sub-layer's
     update tensors zero). The caller has checked the plan (gguf_scale_refusal, and layers of one
     kind or in the file's pattern). Read from the header alone (models/gguf_file.py), the blocks
-    copied by the kernel: no reader builds a value of each vocabulary string."""
+    copied by the operating system (copy_file_range): no reader builds a value of each vocabulary
+    string."""
     header = read_header(source)
     arch = header.architecture
     depth = int(header.get("{arch}.block_count"))
@@ -116,13 +117,13 @@ def _write_all(out, data: bytes) -> None:
         view = view[out.write(view):]
 
 
-COPY_CHUNK = 16 << 20  # bytes a read where the kernel cannot copy between the files itself
+COPY_CHUNK = 16 << 20  # bytes a read where the operating system cannot copy between the files itself
 
 
 def _copy(fd: int, out, offset: int, size: int) -> None:
-    """size bytes of file descriptor fd from offset to out's position: by the kernel where it can
-    (copy_file_range: no pages in this process), else in chunks (the file's pages stay the page
-    cache's, not this process's memory)."""
+    """size bytes of file descriptor fd from offset to out's position: by the operating system
+    where it can (copy_file_range: no pages in this process), else in chunks (the file's pages
+    stay the page cache's, not this process's memory)."""
     done = 0
     try:
         while done < size:
