@@ -17,6 +17,7 @@ from layerplan.export_gguf import gguf_pattern_refusal, gguf_scale_refusal, writ
 from layerplan.files import replace_folder
 from layerplan.models.architectures import config_with_layers, update_parameters
 from layerplan.models.discovery import spec_of
+from layerplan.models.gguf_file import read_header
 from layerplan.models.loading import LoadedModel, gguf_of
 from layerplan.plan.plan import LayerPlan
 
@@ -136,4 +137,4 @@ def export_gguf(model: LoadedModel, plan: LayerPlan, path: str | os.PathLike) ->
     refusal = gguf_refusal(model, plan)
     if refusal is not None:
         raise ValueError(refusal)
-    return write_gguf_plan(gguf_of(model.source), plan, path)
+    return write_gguf_plan(read_header(gguf_of(model.source)), plan, path)

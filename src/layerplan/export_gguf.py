@@ -11,8 +11,8 @@ import struct
 from pathlib import Path
 
 from layerplan.files import atomic_file
-from layerplan.models.gguf_file import (ARRAY_TYPE, DEFAULT_ALIGNMENT, MAGIC, SCALAR_FORMATS, STRING_TYPE, TensorInfo,
-                                        read_header)
+from layerplan.models.gguf_file import (ARRAY_TYPE, DEFAULT_ALIGNMENT, MAGIC, SCALAR_FORMATS, STRING_TYPE, GGUFHeader,
+                                        TensorInfo)
 from layerplan.plan.plan import LayerPlan
 
 # A GGUF layer's tensors that make each sub-layer's update (llama.cpp's names, the same in every
@@ -47,16 +47,15 @@ def gguf_pattern_refusal(model_type: str, layer_types: list[str], pattern: list[
     return None
 
 
-def write_gguf_plan(source: str | os.PathLike, plan: LayerPlan, path: str | os.PathLike) -> Path:
-    """Write the plan of the GGUF file `source` as a GGUF file (version 3) at `path`, atomically:
+def write_gguf_plan(header: GGUFHeader, plan: LayerPlan, path: str | os.PathLike) -> Path:
+    """Write the plan of the GGUF file whose header this is (models/gguf_file.py read_header) as a
+    GGUF file (version 3) at `path`, atomically:
     its metadata entries as the source's bytes, but the block count and each per-layer array
     (an array of the architecture's with one item a layer), which follow the plan; layer j's
     tensors the bytes of the layer step j runs, in their stored types (a switched-off sub-layer's
     update tensors zero). The caller has checked the plan (gguf_scale_refusal, and layers of one
-    kind or in the file's pattern). Read from the header alone (models/gguf_file.py), the blocks
-    copied by the operating system (copy_file_range): no reader builds a value of each vocabulary
-    string."""
-    header = read_header(source)
+    kind or in the file's pattern). Written from the header alone, the blocks copied by the
+    operating system (copy_file_range): no reader builds a value of each vocabulary string."""
     arch = header.architecture
     depth = int(header.get("{arch}.block_count"))
     alignment = int(header.get("general.alignment", DEFAULT_ALIGNMENT))
@@ -86,15 +85,15 @@ def write_gguf_plan(source: str | os.PathLike, plan: LayerPlan, path: str | os.P
             value, raw = header.metadata[key], os.pread(fd, end - start, start)
             kind = struct.unpack_from("<I", raw, 8 + len(key.encode()))[0]
             if key == f"{arch}.block_count":
-                head.append(_key(key) + struct.pack("<I", kind) + struct.pack(SCALAR_FORMATS[kind], len(steps)))
+                head.append(_string(key) + struct.pack("<I", kind) + struct.pack(SCALAR_FORMATS[kind], len(steps)))
             elif key.startswith(f"{arch}.") and kind == ARRAY_TYPE and len(value) == depth:
                 item = struct.unpack_from("<I", raw, 12 + len(key.encode()))[0]
-                head.append(_key(key) + _array(item, [value[step.layer] for step in steps]))
+                head.append(_string(key) + _array(item, [value[step.layer] for step in steps]))
             else:
                 head.append(raw)
         offset = 0
         for name, tensor, _ in tensors:
-            head.append(_key(name) + struct.pack(f"<I{len(tensor.shape)}QIQ", len(tensor.shape), *tensor.shape,
+            head.append(_string(name) + struct.pack(f"<I{len(tensor.shape)}QIQ", len(tensor.shape), *tensor.shape,
                                                  tensor.type_id, offset))
             offset += _padded(tensor.nbytes, alignment)
         size = sum(len(part) for part in head)
@@ -145,9 +144,9 @@ def _padded(size: int, alignment: int) -> int:
     return -(-size // alignment) * alignment
 
 
-def _key(key: str) -> bytes:
-    """A GGUF string: u64 length, then UTF-8."""
-    raw = key.encode()
+def _string(text: str) -> bytes:
+    """A GGUF string (a key, a tensor's name, an array's item): u64 length, then UTF-8."""
+    raw = text.encode()
     return struct.pack("<Q", len(raw)) + raw
 
 
@@ -155,5 +154,5 @@ def _array(item: int, items: list) -> bytes:
     """An array entry's type and value (its key written before it), its items of GGUF type item."""
     head = struct.pack("<IIQ", ARRAY_TYPE, item, len(items))
     if item == STRING_TYPE:
-        return head + b"".join(_key(text) for text in items)
+        return head + b"".join(_string(text) for text in items)
     return head + b"".join(struct.pack(SCALAR_FORMATS[item], value) for value in items)

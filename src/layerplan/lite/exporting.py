@@ -12,8 +12,9 @@ from layerplan.files import check_output, write_text_atomic
 from layerplan.lite import TorchFrontEnd
 from layerplan.lite.cli import ENDINGS, ended_by
 from layerplan.lite.request import LiteExportRequest
-from layerplan.models.depth import model_depth
+from layerplan.models.depth import display_name, gguf_depth, model_depth
 from layerplan.models.file_index import full_config
+from layerplan.models.gguf_file import read_header
 from layerplan.models.gguf_place import gguf_of, index_folder
 from layerplan.plan.formats import load_plan, to_mergekit
 from layerplan.plan.plan import LayerPlan, check_attached
@@ -35,15 +36,16 @@ def run_export(request: LiteExportRequest) -> int | None:
     gguf_refusal)."""
     try:
         check_output(request.out, "file")  # before any work
-        depth, name = model_depth(request.model)
-        plan = load_plan(request.plan, depth, name)
         if request.fmt == "mergekit":
+            plan = load_plan(request.plan, *model_depth(request.model))
             sources = {"b": request.model_b} if request.model_b else None
             write_text_atomic(request.out, to_mergekit(plan, request.source or request.model, request.yaml_dtype,
                                                        sources))
             print(f"wrote {request.out}")
             return 0
         gguf = gguf_of(request.model)
+        header = read_header(gguf)  # (once: the plan's depth, then the file written from it)
+        plan = load_plan(request.plan, gguf_depth(header), display_name(gguf))
         config, _ = read_index(index_folder(gguf))  # (made by lite/cli.py runnable)
         check_attached(plan)
         layer_types = config.get("layer_types") or []
@@ -51,7 +53,7 @@ def run_export(request: LiteExportRequest) -> int | None:
                    if len(set(layer_types)) > 1 else None) or gguf_scale_refusal(plan)
         if refusal is not None:
             raise ValueError(refusal)
-        path = write_gguf_plan(gguf, plan, request.out)
+        path = write_gguf_plan(header, plan, request.out)
         print(f"wrote {path} ({len(plan.active_steps)} layers, the source's stored types)")
         return 0
     except ENDINGS as error:

@@ -10,12 +10,20 @@ from pathlib import Path
 from typing import Any
 
 from layerplan.models.errors import ModelError
-from layerplan.models.gguf_file import read_header
+from layerplan.models.gguf_file import GGUFHeader, read_header
 from layerplan.models.gguf_place import DEFAULT_DISPLAY_NAME, DEFAULT_MODEL, default_gguf_path, gguf_of
 
 
 def display_name(gguf: Path) -> str:
     return DEFAULT_DISPLAY_NAME if gguf == default_gguf_path() else gguf.stem
+
+
+def gguf_depth(header: GGUFHeader) -> int:
+    """The number of decoder layers a GGUF's header gives (its block_count)."""
+    depth = header.get("{arch}.block_count")
+    if not isinstance(depth, int) or depth < 1:
+        raise ModelError(f"{header.path}: its metadata gives no block_count")
+    return depth
 
 
 def readable_gguf(source: str | os.PathLike | None) -> Path | None:
@@ -62,10 +70,7 @@ def model_depth(source: str | os.PathLike | None = None) -> tuple[int, str]:
     GGUF's from its header: nothing is converted or indexed)."""
     gguf = readable_gguf(source)
     if gguf is not None:
-        depth = read_header(gguf).get("{arch}.block_count")
-        if not isinstance(depth, int) or depth < 1:
-            raise ModelError(f"{gguf}: its metadata gives no block_count")
-        return depth, display_name(gguf)
+        return gguf_depth(read_header(gguf)), display_name(gguf)
     found = config_folder(source)
     if found is None:
         raise no_model(source)
