@@ -5,9 +5,11 @@ import json
 
 import pytest
 
-from layerplan.decoding.frontier import (acceptance_of, best_length, break_even_acceptance, measure_frontier,
-                                         self_drafts, verify_cost)
+from layerplan.decoding.frontier import (COST_REPEATS, PASS_LENGTHS, acceptance_of, best_length,
+                                         break_even_acceptance, measure_frontier, pass_costs_of, self_drafts,
+                                         verify_cost)
 from layerplan.decoding.generate import decode_by
+from layerplan.engine.probe_rows import ProbeRow
 from tiny import tiny_model
 
 
@@ -17,6 +19,21 @@ def test_verify_costs_are_the_probes_interpolated_and_extended():
     assert verify_cost(costs, 3) == pytest.approx(1.4)
     assert verify_cost(costs, 10) == pytest.approx(2.4 + 2 * 0.2)  # the last measured slope on
     assert verify_cost({}, 1) == 1.0
+
+
+def test_pass_costs_are_the_probe_rows_else_timed_by_the_front_ends_timer():
+    row = ProbeRow("native", "stored-fast", 3.0, {1: 1.0, 2: 1.1, 4: 1.3})
+    model, asked = object(), []
+
+    def time_passes(timed, lengths, repeats):
+        asked.append((timed, tuple(lengths), repeats))
+        return {k: 0.002 * (1 + 0.25 * (k - 1)) for k in lengths}
+
+    assert pass_costs_of(row, model, time_passes) == {1: 1.0, 2: 1.1, 4: 1.3}
+    assert not asked  # a probe row's costs are not timed again
+    costs = pass_costs_of(None, model, time_passes)
+    assert asked == [(model, PASS_LENGTHS, COST_REPEATS)]
+    assert costs[1] == 1.0 and costs[3] == pytest.approx(1.5) and costs[9] == pytest.approx(3.0)
 
 
 def test_break_even_is_where_the_best_draft_length_just_pays():

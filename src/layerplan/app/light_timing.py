@@ -21,7 +21,7 @@ from layerplan.app.peers import LlamaToolError, llama_cpp_peers
 from layerplan.app.prompts import CHAT_PROMPTS
 from layerplan.decoding.budget import token_budget
 from layerplan.decoding.drafters.registry import make_drafter
-from layerplan.decoding.frontier import COST_REPEATS, measure_frontier, pass_costs_of
+from layerplan.decoding.frontier import measure_frontier, pass_costs_of
 from layerplan.decoding.text import GenerationResult
 from layerplan.engine.kernel_library import choose_isa
 from layerplan.engine.probe_rows import ProbeRow
@@ -84,8 +84,7 @@ def run_light_frontier(request: LiteFrontierRequest,
         for draft in request.drafts:  # a bad spec fails here, in one line, before anything is timed
             make_drafter(draft, model, plan, load_draft=model.load_draft)
         encoded = [model.encode(text, chat=name in CHAT_PROMPTS) for name, text in request.prompts.items()]
-        costs = pass_costs_of(checked_row(model, on_note=_note),
-                              lambda lengths: time_passes(model, lengths, COST_REPEATS))
+        costs = pass_costs_of(checked_row(model, on_note=_note), model, time_passes)
 
         def decode(prompt, new_tokens: int, draft, draft_length) -> GenerationResult:
             return decode_loop(model, prompt, plan, new_tokens, None, draft=draft, draft_length=draft_length).run()

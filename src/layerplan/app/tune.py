@@ -14,8 +14,7 @@ from layerplan.app.bench import bench_methods
 from layerplan.app.bench_runs import BenchResult, run_bench
 from layerplan.app.prompts import CHAT_PROMPTS, PROMPTS
 from layerplan.decoding.drafters.saved import save_draft_plan
-from layerplan.decoding.frontier import (COST_REPEATS, FrontierResult, measure_frontier, pass_costs_of,
-                                         self_drafts)
+from layerplan.decoding.frontier import FrontierResult, measure_frontier, pass_costs_of, self_drafts
 from layerplan.decoding.generate import decode_by, generate
 from layerplan.engine.probe import time_passes
 from layerplan.engine.probe_rows import ProbeRow
@@ -134,7 +133,7 @@ def tune(
     frontier = measure_frontier(model, decode_by(model),
                                 self_drafts(model, plan.to_string() if plan is not None else None),
                                 [model.encode(p, chat=k in CHAT_PROMPTS) for k, p in prompts.items()],
-                                pass_costs_of(probe_row, lambda lengths: time_passes(model, lengths, COST_REPEATS)),
+                                pass_costs_of(probe_row, model, time_passes),
                                 new_tokens, cpu=bench.cpu.line(), on_progress=on_progress)
     return TuneResult(model.name, model.precision, scanned, greedy, predicted, bench,
                       choices, best, plan.to_string() if plan is not None else None,

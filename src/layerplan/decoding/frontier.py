@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 from layerplan.decoding.draft_length import FixedLength, expected_speedup
 from layerplan.decoding.text import GenerationResult
@@ -39,14 +40,14 @@ CURVE_COSTS = tuple(round(0.05 * i, 2) for i in range(0, 25))
 Decode = Callable[[Sequence[int], int, str | None, object], GenerationResult]
 
 
-def pass_costs_of(probe_row: ProbeRow | None, time_lengths: Callable[[Sequence[int]], dict[int, float]]
-                  ) -> dict[int, float]:
-    """k -> a k-token pass in plain steps: the probe row's, else timed now (time_lengths(lengths):
-    seconds of a pass over each k, engine/probing.py timed_passes over the front end's model,
-    COST_REPEATS times each)."""
+def pass_costs_of(probe_row: ProbeRow | None, model,
+                  time_passes: Callable[[Any, Sequence[int], int], dict[int, float]]) -> dict[int, float]:
+    """k -> a k-token pass in plain steps: the probe row's, else timed now on `model` by its front
+    end's time_passes(model, lengths, repeats) (seconds of a pass over each k: engine/probe.py's or
+    lite/probing.py's), COST_REPEATS times each."""
     if probe_row is not None and probe_row.relative:
         return dict(probe_row.relative)
-    seconds = time_lengths(PASS_LENGTHS)
+    seconds = time_passes(model, PASS_LENGTHS, COST_REPEATS)
     return {k: t / seconds[1] for k, t in seconds.items()}
 
 

@@ -18,7 +18,7 @@ from layerplan.app.prompts import CHAT_PROMPTS, PROMPTS, pick_prompts, read_prom
 from layerplan.decoding.budget import token_budget
 from layerplan.decoding.drafters.registry import make_drafter
 from layerplan.decoding.drafters.saved import saved_draft_path
-from layerplan.decoding.frontier import COST_REPEATS, measure_frontier, pass_costs_of, self_drafts
+from layerplan.decoding.frontier import measure_frontier, pass_costs_of, self_drafts
 from layerplan.decoding.generate import decode_by
 from layerplan.engine.choices import STORED, STORED_ARITHMETIC, STORED_FAST
 from layerplan.engine.load import load_model
@@ -74,7 +74,7 @@ def run_frontier_command(model, dtype, engine, threads, drafts, prompt_names, ne
         for draft in chosen:
             make_drafter(draft, loaded)  # a bad spec fails here, in one line, before anything is timed
         encoded = [loaded.encode(p, chat=k in CHAT_PROMPTS) for k, p in prompts.items()]
-        costs = pass_costs_of(checked_probe_row(loaded), lambda lengths: time_passes(loaded, lengths, COST_REPEATS))
+        costs = pass_costs_of(checked_probe_row(loaded), loaded, time_passes)
         with Progress("frontier") as progress:
             result = measure_frontier(loaded, decode_by(loaded), chosen, encoded, costs, new_tokens, gamma,
                                       cpu=cpu_info().line(), on_progress=progress)
