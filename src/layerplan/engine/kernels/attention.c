@@ -347,14 +347,15 @@ int lp_attend(const lp_attention *a, const float *q, float *o, long rows, long p
         /* each thread takes an even, contiguous share of the (head, row) items */
         int t = omp_get_thread_num(), nt = omp_get_num_threads();
         long items = a->heads * rows, i0 = items * t / nt, i1 = items * (t + 1) / nt;
-        float *scores = lp_floats(LP_QUERIES * (end + 8));
-        unsigned char *keep = (unsigned char *)malloc((size_t)(LP_QUERIES * (end + 8)));
-        if (!scores || !keep)
+        /* its scores and masks in one block */
+        size_t score_bytes = lp_piece(sizeof(float) * (size_t)(LP_QUERIES * (end + 8)));
+        float *scores = lp_floats((long)((score_bytes + lp_piece((size_t)(LP_QUERIES * (end + 8)))) / sizeof(float)));
+        if (!scores)
             __atomic_store_n(&failed, 1, __ATOMIC_RELAXED);
         else
-            attend_items(a, q, o, rows, pos0, kv, keep_sink, keep_recent, tree, dtype, kw, vw, i0, i1, scores, keep);
+            attend_items(a, q, o, rows, pos0, kv, keep_sink, keep_recent, tree, dtype, kw, vw, i0, i1, scores,
+                         (unsigned char *)scores + score_bytes);
         free(scores);
-        free(keep);
     }
     free(kw);
     free(vw);

@@ -51,6 +51,9 @@ static inline float lp_param(const void *p, int dtype, long i) {
 /* scratch for `count` floats on a 64-byte line (rows of sums are stored in halves of 64-byte
  * panels); NULL when the allocation fails */
 float *lp_floats(long count);
+/* bytes rounded up to whole 64-byte lines: the size of one piece of a block of lp_floats that
+ * holds several scratch buffers (one allocation where a call needs several) */
+static inline size_t lp_piece(size_t bytes) { return (bytes + 63) / 64 * 64; }
 void lp_load_f32(const void *src, int dtype, float *dst, long count);
 void lp_store(const float *src, void *dst, int dtype, long count);
 /* in place, to what a PyTorch op in `dtype` would have stored */

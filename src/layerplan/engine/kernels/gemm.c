@@ -123,6 +123,17 @@ static void run_product(const lp_product *pr, long p0, long p1, float *y, long y
     }
 }
 
+/* rows [r0, r1) of x (m rows of k inputs) quantized into xq, one row at a time */
+static void quantize_rows(const float *x, long k, long ksub, const lp_q8 *xq, long r0, long r1) {
+    for (long r = r0; r < r1; r++) {
+        int8_t *q = (int8_t *)xq->q + r * k;
+        if (ksub)
+            lp_q8k_quantize(x + r * k, 1, k, ksub, q, (float *)xq->d + r * (k / 256), (int16_t *)xq->bsum + r * (k / ksub));
+        else
+            lp_q8_quantize(x + r * k, 1, k, q, (float *)xq->d + r * (k / 32), (float *)xq->s + r * (k / 16));
+    }
+}
+
 int lp_gemm(const lp_matrix *mat, const float *x, long m, float *y, int threads) {
     const lp_format_traits *f = lp_format(mat->format);
     if (!f) return LP_E_TYPE;
@@ -137,26 +148,29 @@ int lp_gemm(const lp_matrix *mat, const float *x, long m, float *y, int threads)
     if (mat->arithmetic == LP_ARITH_INT8 && k % 32 == 0) pr.int_tiles = f->int_tiles;
     /* the panels the tiles for few rows take at once (four_panels; two_panels and the pairs) */
     long grain = pr.int_tiles ? 2 : m == 1 ? 4 : 2;
-    lp_run *runs = (lp_run *)aligned_alloc(64, sizeof(lp_run) * (size_t)threads);
-    /* the last, partial panel's outputs go to scratch of whole panels, then its valid columns to y */
-    float *tail = whole < panels ? lp_floats(m * LP_PANEL) : NULL;
-    int8_t *q = pr.int_tiles ? (int8_t *)malloc((size_t)(m * k)) : NULL;
-    /* the activations: Q8_0's scales and sums, or Q8_K's scales and integer sums (formats.h) */
+    /* one block for the product's scratch (its pieces 64-byte aligned): the runs, the last partial
+     * panel's outputs (whole panels of them, its valid columns then copied to y), and the
+     * activations quantized: Q8_0's scales and sums, or Q8_K's scales and integer sums (formats.h) */
     long ksub = pr.int_tiles ? pr.int_tiles->kquant_sub : 0;
-    float *ds = pr.int_tiles ? lp_floats(ksub ? m * (k / 256) : m * (k / 32 + k / 16)) : NULL;
-    int16_t *bsum = ksub ? (int16_t *)malloc(sizeof(int16_t) * (size_t)(m * (k / ksub))) : NULL;
-    if (!runs || (whole < panels && !tail) || (pr.int_tiles && (!q || !ds)) || (ksub && !bsum)) {
-        free(runs);
-        free(tail);
-        free(q);
-        free(ds);
-        free(bsum);
-        return LP_E_MEMORY;
-    }
+    size_t runs_bytes = lp_piece(sizeof(lp_run) * (size_t)threads),
+           tail_bytes = whole < panels ? lp_piece(sizeof(float) * (size_t)(m * LP_PANEL)) : 0,
+           q_bytes = pr.int_tiles ? lp_piece((size_t)(m * k)) : 0,
+           ds_bytes = pr.int_tiles ? lp_piece(sizeof(float) * (size_t)(ksub ? m * (k / 256) : m * (k / 32 + k / 16))) : 0,
+           bsum_bytes = ksub ? lp_piece(sizeof(int16_t) * (size_t)(m * (k / ksub))) : 0;
+    char *block = (char *)lp_floats((long)((runs_bytes + tail_bytes + q_bytes + ds_bytes + bsum_bytes) / sizeof(float)));
+    if (!block) return LP_E_MEMORY;
+    lp_run *runs = (lp_run *)block;
+    float *tail = tail_bytes ? (float *)(block + runs_bytes) : NULL;
+    int8_t *q = (int8_t *)(block + runs_bytes + tail_bytes);
+    float *ds = (float *)(block + runs_bytes + tail_bytes + q_bytes);
+    int16_t *bsum = ksub ? (int16_t *)(block + runs_bytes + tail_bytes + q_bytes + ds_bytes) : NULL;
     lp_q8 xq = {q, ds, ksub ? NULL : ds + m * (k / 32), bsum, k};
-    if (ksub) lp_q8k_quantize(x, m, k, ksub, q, ds, bsum);
-    else if (pr.int_tiles) lp_q8_quantize(x, m, k, q, ds, ds + m * (k / 32));
     if (pr.int_tiles) pr.xq = &xq;
+    /* one row's activations are quantized alone (the same numbers however the rows are shared):
+     * a pass of several rows shares them among the threads in its region, a step's one row is
+     * quantized here (shared, it would cost the region a barrier for a few microseconds' work) */
+    int quantize_shared = pr.int_tiles && m > 1 && threads > 1;
+    if (pr.int_tiles && !quantize_shared) quantize_rows(x, k, ksub, &xq, 0, m);
     for (int t = 0; t < threads; t++) {
         long first = whole * t / threads / grain * grain,
              end = t == threads - 1 ? whole : whole * (t + 1) / threads / grain * grain;
@@ -166,6 +180,10 @@ int lp_gemm(const lp_matrix *mat, const float *x, long m, float *y, int threads)
     {
         int t = omp_get_thread_num(), nt = omp_get_num_threads();
         long from, to;
+        if (quantize_shared) {
+            quantize_rows(x, k, ksub, &xq, m * t / nt, m * (t + 1) / nt);
+            #pragma omp barrier
+        }
         if (nt != threads) { /* fewer threads than asked: an even static split */
             run_product(&pr, whole * t / nt, whole * (t + 1) / nt, y, n, 0);
         } else {
@@ -188,11 +206,7 @@ int lp_gemm(const lp_matrix *mat, const float *x, long m, float *y, int threads)
                 memcpy(y + r * n + whole * LP_PANEL, tail + r * LP_PANEL, sizeof(float) * (size_t)(n - whole * LP_PANEL));
         }
     }
-    free(runs);
-    free(tail);
-    free(q);
-    free(ds);
-    free(bsum);
+    free(block);
     if (mat->bias)
         for (long r = 0; r < m; r++)
             for (long j = 0; j < n; j++) y[r * n + j] += mat->bias[j];

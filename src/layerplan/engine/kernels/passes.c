@@ -77,21 +77,28 @@ static int attention_segments(const lp_attention *a, const void *hidden, void *o
     if (total != rows) return LP_E_SHAPE;
     if (rows <= 0) return LP_OK;
     if (threads < 1) threads = 1;
-    /* each row's segment and its place in it */
-    long *seg_of = (long *)malloc(sizeof(long) * (size_t)rows), *first_of = (long *)malloc(sizeof(long) * (size_t)nsegs);
-    if (!seg_of || !first_of) {
-        free(seg_of);
-        free(first_of);
-        return LP_E_MEMORY;
-    }
+    /* the pass's scratch in one block: each row's segment and its place in it, the rows' floats */
+    size_t fl = sizeof(float);
+    size_t sizes[] = {sizeof(long) * (size_t)rows, sizeof(long) * (size_t)nsegs, fl * (size_t)(rows * H),
+                      fl * (size_t)(rows * (NQ + 2 * NK)), fl * (size_t)(rows * NQ), fl * (size_t)(rows * NK),
+                      fl * (size_t)(rows * NK), fl * (size_t)(rows * NQ), fl * (size_t)(rows * H),
+                      apart ? fl * (size_t)(rows * NK) : 0};
+    enum { PIECES = sizeof(sizes) / sizeof(sizes[0]) };
+    char *piece[PIECES], *block;
+    size_t bytes = 0;
+    for (int i = 0; i < PIECES; i++) bytes += lp_piece(sizes[i]);
+    block = (char *)lp_floats((long)(bytes / fl));
+    if (!block) return LP_E_MEMORY;
+    for (int i = 0; i < PIECES; i++) piece[i] = i ? piece[i - 1] + lp_piece(sizes[i - 1]) : block;
+    long *seg_of = (long *)piece[0], *first_of = (long *)piece[1];
     for (long s = 0, r0 = 0; s < nsegs; r0 += segs[s].rows, s++) {
         first_of[s] = r0;
         for (long r = r0; r < r0 + segs[s].rows; r++) seg_of[r] = s;
     }
-    float *x = lp_floats(rows * H), *qkv = lp_floats(rows * (NQ + 2 * NK)), *q = lp_floats(rows * NQ),
-          *k = lp_floats(rows * NK), *v = lp_floats(rows * NK), *o = lp_floats(rows * NQ), *u = lp_floats(rows * H);
-    float *v_apart = apart ? lp_floats(rows * NK) : NULL;
-    int status = x && qkv && q && k && v && o && u && (v_apart || !apart) ? LP_OK : LP_E_MEMORY;
+    float *x = (float *)piece[2], *qkv = (float *)piece[3], *q = (float *)piece[4], *k = (float *)piece[5],
+          *v = (float *)piece[6], *o = (float *)piece[7], *u = (float *)piece[8];
+    float *v_apart = apart ? (float *)piece[9] : NULL;
+    int status = LP_OK;
     int split = split_rows(rows, H, threads);
     if (status == LP_OK) {
         EACH_ROW(split, threads, rows, {
@@ -142,7 +149,7 @@ static int attention_segments(const lp_attention *a, const void *hidden, void *o
             lp_residual_add((const char *)hidden + r * H * es, u + r * H, x + r * H, (char *)out + r * H * es, H,
                             residual_scale, dtype);
         });
-    free(x); free(qkv); free(q); free(k); free(v); free(o); free(u); free(v_apart); free(seg_of); free(first_of);
+    free(block);
     return status;
 }
 
@@ -154,8 +161,13 @@ LP_API int lp_mlp_block(const lp_mlp *m, const void *hidden, void *out, long row
     if (m->activation != LP_ACT_SILU && m->activation != LP_ACT_GELU_TANH) return LP_E_SHAPE;
     if (rows <= 0) return LP_OK;
     if (threads < 1) threads = 1;
-    float *x = lp_floats(rows * H), *gu = lp_floats(rows * 2 * I), *g = lp_floats(rows * I), *d = lp_floats(rows * H);
-    int status = x && gu && g && d ? LP_OK : LP_E_MEMORY;
+    /* the pass's scratch in one block: x and d (rows, H), gu (rows, 2I), g (rows, I) */
+    size_t hb = lp_piece(sizeof(float) * (size_t)(rows * H)), ib = lp_piece(sizeof(float) * (size_t)(rows * I));
+    char *block = (char *)lp_floats((long)((2 * hb + 3 * ib) / sizeof(float)));
+    if (!block) return LP_E_MEMORY;
+    float *x = (float *)block, *d = (float *)(block + hb), *gu = (float *)(block + 2 * hb),
+          *g = (float *)(block + 2 * hb + 2 * ib);
+    int status = LP_OK;
     int split = split_rows(rows, H, threads), split_inner = split_rows(rows, I, threads);
     if (status == LP_OK) {
         EACH_ROW(split, threads, rows, {
@@ -175,7 +187,7 @@ LP_API int lp_mlp_block(const lp_mlp *m, const void *hidden, void *out, long row
             lp_residual_add((const char *)hidden + r * H * es, d + r * H, x + r * H, (char *)out + r * H * es, H,
                             residual_scale, dtype);
         });
-    free(x); free(gu); free(g); free(d);
+    free(block);
     return status;
 }
 
