@@ -943,14 +943,14 @@ def test_a_light_export_keeps_the_pattern_of_layer_kinds_as_the_torch_front_end_
     """Gemma 3's layers are sliding but every sixth: a GGUF names the pattern, not each layer, so a
     plan exports only where step j runs a layer of the pattern's kind at j (export.py gguf_refusal
     on the torch front end; the light one has the rule from the index's config). Refused in the
-    torch front end's words, writing nothing; one kind of layer: written, its blocks the source's."""
+    torch front end's words, writing nothing; one kind of layer: written, its blocks the source's.
+    The kinds come from the file's header: a file never seen gets no index (its tokenizer, seconds
+    for a large vocabulary)."""
     from layerplan.export import gguf_refusal
     from layerplan.models.gguf_file import read_header
 
     gemma = write_tiny_gguf(tiny_hf("gemma3", num_layers=6), tmp_path / "gemma3.gguf", "Q8_0")
     llama = write_tiny_gguf(tiny_hf("llama", num_layers=3), tmp_path / "llama.gguf", "Q8_0")
-    for path in (gemma, llama):
-        LiteModel(path, STORED_ARITHMETIC["stored"], threads=1)  # (its index)
     on_torch = load_model(gemma, dtype="stored")
     for plan, keeps in (("0-5,0-5", True), ("0-5", True), ("1-5", False), ("0-4,4-5", False)):
         out = tmp_path / f"g-{plan}.gguf"
@@ -963,6 +963,7 @@ def test_a_light_export_keeps_the_pattern_of_layer_kinds_as_the_torch_front_end_
             assert read_header(out).get("{arch}.block_count") == len(on_torch.plan(plan).active_steps)
     out = tmp_path / "l.gguf"
     assert run_export(LiteExportRequest(model=str(llama), plan="0-2,1/mlp", out=str(out), fmt="gguf")) == 0
+    assert not index_folder(llama).exists()
     source, written = read_header(llama), read_header(out)
     assert written.get("{arch}.block_count") == 4
     blocks = {t.name: llama.read_bytes()[t.offset:t.offset + t.nbytes] for t in source.tensors}

@@ -135,7 +135,7 @@ def _research_on_the_light_front_end(argv: list[str]) -> None:
         from layerplan.app.cli.exporting import light_export_request
 
         request = light_export_request(argv)
-        needs_index = request is not None and request.fmt == "gguf"  # (mergekit YAML: any model's config)
+        needs_index = False  # (a GGUF's header, or any model's config for mergekit YAML: lite/exporting.py)
 
         def run() -> int | None:
             from layerplan.lite.exporting import run_export
