@@ -11,7 +11,8 @@ light_chat_request, app/cli/scoring.py light_ppl_request and light_scan_request,
 app/cli/searching.py light_search_request, app/cli/exploring.py light_explore_request,
 app/cli/timing.py light_probe_request, light_bench_request and light_frontier_request,
 app/cli/exporting.py light_export_request), and only
-models whose index it can read (kept, or made now from the file). Where it finds, once started, that
+models whose index it can read (kept, or made now from the file; an export reads the file's header
+alone). Where it finds, once started, that
 the model needs the torch front end, the command starts again as `python -m layerplan.app.cli` with
 LAYERPLAN_FRONT_END=torch: the kernels' library, loaded by then, links an OpenMP runtime that must
 not meet torch's in one process. (A conversation that asks for the torch front end halfway is handed
