@@ -57,6 +57,17 @@ def test_an_output_that_cannot_be_written_is_refused_before_any_work(args):
     assert len(result.stderr.strip().splitlines()) == 1 and "loading" not in result.stderr
 
 
+@pytest.mark.parametrize("command", ["scan", "search", "explore", "tune", "frontier"])
+def test_a_folder_output_named_like_a_file_is_refused_before_any_work(command, tmp_path):
+    """`scan --out scan.json` made a folder scan.json holding scan.json and scan.png."""
+    result = CliRunner().invoke(main, [command, "--out", str(tmp_path / "scan.json")])
+    assert result.exit_code == 2 and "'scan.json' names a file; give a folder" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1 and "loading" not in result.stderr
+    assert list(tmp_path.iterdir()) == []
+    (tmp_path / "runs.json").mkdir()  # a folder that exists is one, whatever its name
+    assert check_output(tmp_path / "runs.json", "folder") == tmp_path / "runs.json"
+
+
 def test_check_output_creates_nothing(tmp_path):
     check_output(tmp_path / "a" / "b" / "c.json")
     check_output(tmp_path / "runs", "folder")

@@ -92,6 +92,11 @@ def _check_target(path: Path, folder: bool = False) -> os.stat_result | None:
     return info
 
 
+# the endings of the files a command writes: a folder output named with one (scan --out
+# scan.json) would become a folder of that name, the file inside it
+FILE_SUFFIXES = (".json", ".jsonl", ".png", ".html", ".csv", ".yaml", ".yml", ".txt", ".gguf", ".safetensors")
+
+
 def check_output(path: str | os.PathLike, kind: str = "file") -> Path:
     """Refuse, before any work, an output that could not be written: kind 'file' (a file written
     atomically), 'folder' (a folder that outputs are written into; it may exist, also as a link to
@@ -100,6 +105,10 @@ def check_output(path: str | os.PathLike, kind: str = "file") -> Path:
     path = Path(path)
     with writing(path):
         if kind == "folder":
+            if not path.exists() and path.suffix.lower() in FILE_SUFFIXES:
+                raise WriteError(errno.EISDIR, f"cannot write {path}: the output is a folder that its files go "
+                                               f"into, and '{path.name}' names a file; give a folder (made if "
+                                               f"it does not exist)")
             if path.exists() and not path.is_dir():
                 mode = os.stat(path).st_mode
                 what = "a file" if stat.S_ISREG(mode) else _kind(mode)
