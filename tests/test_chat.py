@@ -274,6 +274,20 @@ def test_a_full_context_is_one_line_and_the_conversation_stays(folder):
     assert session.messages == []
 
 
+def test_a_reply_until_the_context_is_full_takes_all_the_room_left(folder):
+    """-n -1 (llama.cpp's: until the context is full) a reply: the cache holds the whole context."""
+    from layerplan.decoding.budget import UNTIL_CONTEXT
+
+    small = load_model(str(folder), dtype="float32")
+    small.hf.config.max_position_embeddings = 48
+    session = ChatSession(small, ChatSettings(max_new_tokens=UNTIL_CONTEXT))
+    ids = session.prompt_ids([{"role": "user", "content": "hi"}])
+    reply = session.reply("hi")
+    assert reply.stop_reason == "length" and len(ids) + len(reply.token_ids) == 48
+    with pytest.raises(ValueError, match="or -1"):
+        ChatSettings(max_new_tokens=-2)
+
+
 # ----- the command, from a pipe (in process) --------------------------------------------------------
 def _chat(folder, lines, *options):
     runner = CliRunner()

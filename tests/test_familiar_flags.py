@@ -3,6 +3,7 @@ FAMILIAR_NAMES): every command the table names takes every flag it lists, the do
 the old `-t` (temperature) is refused in one line, and the new names mean what they say. And the
 command list `layerplan -h` shows without importing a command (app/cli/__init__.py COMMAND_INDEX)."""
 
+import json
 import re
 import subprocess
 import sys
@@ -79,6 +80,27 @@ def test_a_context_longer_than_the_models_is_refused(tmp_path):
     tiny_hf("llama", num_layers=2).save_pretrained(tmp_path / "tiny")
     result = CliRunner().invoke(main, ["generate", "--model", str(tmp_path / "tiny"), "-p", "hi", "-c", "999999"])
     assert result.exit_code == 1 and "-c/--ctx-size 999999 is more than" in result.output, result.output
+
+
+def test_n_minus_one_generates_until_the_context_is_full_as_llama_cpps_does():
+    """llama.cpp's -n -1 (and -2): as many tokens as the context leaves; generate and chat take them,
+    the timing commands (a count to time) and other negatives do not."""
+    from layerplan.app.cli.generating import light_request
+    from layerplan.decoding.budget import UNTIL_CONTEXT, token_budget
+
+    assert token_budget(13, UNTIL_CONTEXT, 40) == 27 and token_budget(13, 5, 40) == 5
+    for n in ("-1", "-2"):
+        assert light_request(["generate", "hi", "-n", n]).max_new_tokens == UNTIL_CONTEXT
+    for argv in (["generate", "hi", "-n", "-3"], ["chat", "-n", "-5"], ["bench", "-n", "-1"]):
+        result = CliRunner().invoke(main, argv)
+        assert result.exit_code == 2 and "is not in the range" in result.output, (argv, result.output)
+        assert ("-1: until the context is full" in result.output) == (argv[0] != "bench")
+    result = CliRunner().invoke(main, ["generate", "-p", "Count: 1, 2, 3,", "-n", "-1", "-c", "20", "--no-stream",
+                                       "--json"])  # (the packaged model: a tokenizer)
+    assert result.exit_code == 0, result.output
+    summary = json.loads(result.stderr[result.stderr.index("{"):])
+    new_tokens = sum(summary["provenance"].values())
+    assert summary["prompt_tokens"] + new_tokens == 20 and summary["stop_reason"] == "length", summary
 
 
 def test_gpu_layers_choose_the_gpu_where_one_is_seen_and_the_device_given_wins():

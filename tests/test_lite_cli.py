@@ -63,6 +63,7 @@ SAME_OUTPUT = [
     ["generate", "List three colors:", "-n", "24", "--stop", "\n\n", "--plan", "0-25,20-29"],
     ["generate", "Write a haiku about rain.", "-n", "20", "--plan", "exit:24", "--stop", "rain"],
     ["generate", "Hello", "-n", "0"],
+    ["generate", "Say hi.", "--chat", "-n", "-1"],  # llama.cpp's -1: until the context is full (or EOS)
     ["generate", "What is the capital of France?", "--chat", "-n", "24"],
     ["generate", "Name two planets.", "--chat", "-n", "16", "--dtype", "stored-fast", "--no-stream"],
     # greedy with the penalties and a logit bias (decoding/choice.py)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+from layerplan.decoding.budget import UNTIL_CONTEXT
 from layerplan.decoding.chat_state import STREAM_EVERY, ChatHistory, ChatSettings, Reply, draft_named
 from layerplan.decoding.drafters.registry import make_drafter
 from layerplan.decoding.output import chat_prompt_ids
@@ -88,7 +89,7 @@ class ChatSession(ChatHistory):
         kept = self.keep(ids)
         cache, self.cache, self.cached = self.cache, None, []  # a reply that fails leaves no half-written cache
         settings, sampling = self.settings, self.settings.sampling()
-        budget = min(settings.max_new_tokens, room)
+        budget = room if settings.max_new_tokens == UNTIL_CONTEXT else min(settings.max_new_tokens, room)
         if cache is None:
             cache = new_cache(self.plan, capacity=len(ids) + budget + 16)
             cache.keep_streams(self.plan, self.stream_steps(self.plan))

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import click
 
+from layerplan.decoding.budget import UNTIL_CONTEXT
 from layerplan.decoding.draft_length import draft_length_help
 from layerplan.decoding.drafters.kinds import draft_models, drafts_on_the_light_front_end
 from layerplan.decoding.limits import SEED_RANGE
@@ -50,11 +51,40 @@ threads_option = click.option("--threads", "-t", type=ThreadCount(), default=Non
                               help="CPU threads (default: torch's choice, one a core)")
 
 
-def n_predict_option(default: int, low: int = 1, help: str = "at most this many new tokens", dest: str = "max_new_tokens"):
+class TokenCount(click.ParamType):
+    """-n's count: a whole number from `low`, or (until_context) llama.cpp's -1 and -2, which
+    generate until the context is full (EOS and stop strings still end it): UNTIL_CONTEXT."""
+
+    name = "integer"
+
+    def __init__(self, low: int, until_context: bool) -> None:
+        self.low, self.until_context = low, until_context
+
+    def convert(self, value, param, ctx):
+        count = value if isinstance(value, int) and not isinstance(value, bool) else None
+        if count is None:
+            try:
+                count = int(str(value).strip())
+            except ValueError:
+                self.fail(f"'{value}' is not a whole number", param, ctx)
+        if self.until_context and count in (-1, -2):
+            return UNTIL_CONTEXT
+        if count < self.low:
+            also = " (or -1: until the context is full, as llama.cpp's -1 and -2)" if self.until_context else ""
+            self.fail(f"{count} is not in the range x>={self.low}{also}", param, ctx)
+        return count
+
+
+def n_predict_option(default: int, low: int = 1, help: str = "at most this many new tokens", dest: str = "max_new_tokens",
+                     until_context: bool = False):
     """-n: how many tokens to generate, as llama.cpp's -n/--n-predict; --max-new-tokens (transformers')
-    and --new-tokens (layerplan's earlier name in the timing commands) stay as aliases."""
+    and --new-tokens (layerplan's earlier name in the timing commands) stay as aliases. until_context:
+    -1 (and -2) generate until the context is full, as llama.cpp's."""
+    if until_context:
+        help += "; -1: until the context is full (llama.cpp's -1 and -2)"
     return click.option("--n-predict", "-n", "--max-new-tokens", "--new-tokens", dest,
-                        type=click.IntRange(min=low), default=default, show_default=True, metavar="N", help=help)
+                        type=TokenCount(low, until_context), default=default, show_default=True, metavar="N",
+                        help=help)
 
 
 ctx_size_option = click.option("--ctx-size", "-c", type=click.IntRange(min=0), default=0, show_default=True,
@@ -205,7 +235,8 @@ FAMILIAR_NAMES = (
                  ("generate", "chat", "serve", "bench", "ppl", "scan", "search", "explore")),
     FamiliarName("prompt", "-p, --prompt", "the input text", "-p, --prompt (or the first argument)", ("generate",)),
     FamiliarName("prompt from a file", "-f, --file", "", "-f, --file", ("generate",)),
-    FamiliarName("tokens to generate", "-n, --n-predict", "max_new_tokens", "-n, --n-predict (--max-new-tokens)",
+    FamiliarName("tokens to generate", "-n, --n-predict", "max_new_tokens",
+                 "-n, --n-predict (--max-new-tokens; -1: until the context is full, generate and chat)",
                  ("generate", "chat", "bench", "tune", "frontier")),
     FamiliarName("CPU threads", "-t, --threads", "torch.set_num_threads", "-t, --threads",
                  ("generate", "chat", "serve", "bench", "ppl", "scan", "search", "explore", "tune")),

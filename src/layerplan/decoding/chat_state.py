@@ -13,6 +13,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
+from layerplan.decoding.budget import UNTIL_CONTEXT
 from layerplan.decoding.draft_length import DRAFT_LENGTHS
 from layerplan.decoding.sampling_params import SamplingParams, check_seed
 from layerplan.decoding.text import GenerationResult, common_prefix
@@ -44,7 +45,7 @@ class ChatSettings:
     draft_length: str | None = None  # a draft's length policy (draft_length.py DRAFT_LENGTHS); None: adaptive
     temperature: float = 0.0  # 0: greedy
     seed: int | None = None  # every reply samples with it, so a reply follows from its transcript
-    max_new_tokens: int = 256  # per reply, within the model's context
+    max_new_tokens: int = 256  # per reply, within the model's context (UNTIL_CONTEXT: all it leaves)
     system: str | None = None  # a system message before the conversation
     top_k: int = 0  # the rest of the sampling settings (decoding/sampling_params.py SamplingParams)
     top_p: float = 1.0
@@ -65,8 +66,9 @@ class ChatSettings:
             raise ValueError(f"draft_length {self.draft_length!r} is not a draft length policy: "
                              f"{', '.join(DRAFT_LENGTHS)}")
         if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) \
-                or self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens {self.max_new_tokens!r} is out of range: a whole number >= 1")
+                or (self.max_new_tokens < 1 and self.max_new_tokens != UNTIL_CONTEXT):
+            raise ValueError(f"max_new_tokens {self.max_new_tokens!r} is out of range: a whole number >= 1, or "
+                             f"{UNTIL_CONTEXT} (until the context is full)")
 
     def sampling(self) -> SamplingParams:
         return SamplingParams.of(self)

@@ -316,14 +316,16 @@ class Scheduler:
 
 
 @torch.inference_mode()
-def generate_batch(model: LoadedModel, prompts: Sequence, plan: LayerPlan | None = None, max_new_tokens: int = 64,
+def generate_batch(model: LoadedModel, prompts: Sequence, plan: LayerPlan | None = None,
+                   max_new_tokens: int | Sequence[int] = 64,
                    sampling: SamplingParams | None = None, seeds: Sequence[int | None] | None = None,
                    stop: Sequence[str] = (), stop_at_eos: bool | Sequence[int] = True, chat: bool = False,
                    max_batch: int = DEFAULT_MAX_BATCH, draft: str | None = None,
                    draft_length=None) -> list[GenerationResult]:
     """generate() for every prompt, up to max_batch decoding at once (continuous batching: a
     prompt starts as soon as one ends), on this thread. Each result is its prompt's generate()
-    result, token for token where greedy. draft: a drafter spec. A lookup (ngram, suffix) gives
+    result, token for token where greedy; max_new_tokens: every prompt's, or each its own. draft: a
+    drafter spec. A lookup (ngram, suffix) gives
     each prompt a drafter of its own (whatever it runs), its chains verified in the batch's passes,
     its adaptive draft length starting from what the prompts before it measured (SharedRounds);
     lossless: the same greedy tokens. Sampled and
@@ -334,9 +336,12 @@ def generate_batch(model: LoadedModel, prompts: Sequence, plan: LayerPlan | None
     seeds = list(seeds) if seeds is not None else [None] * len(prompts)
     if len(seeds) != len(prompts):
         raise ValueError(f"{len(seeds)} seeds for {len(prompts)} prompts")
+    budgets = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
+    if len(budgets) != len(prompts):
+        raise ValueError(f"{len(budgets)} token budgets for {len(prompts)} prompts")
     scheduler = Scheduler(model, plan, draft, draft_length, max_batch=max_batch, drafter_per_job=True)
     sampling = sampling if sampling is not None else SamplingParams()
-    futures = [scheduler.submit(Job(prompt, max_new_tokens, sampling, seed, tuple(stop), stop_at_eos=stop_at_eos,
-                                    chat=chat)) for prompt, seed in zip(prompts, seeds)]
+    futures = [scheduler.submit(Job(prompt, budget, sampling, seed, tuple(stop), stop_at_eos=stop_at_eos,
+                                    chat=chat)) for prompt, seed, budget in zip(prompts, seeds, budgets)]
     scheduler.run(until_idle=True)
     return [future.result() for future in futures]

@@ -95,7 +95,8 @@ def run(request: LiteRequest, tokenizer: TokenizerProcess | None = None) -> int 
         ids = model.encode(request.prompt, request.chat)
         if not ids:
             raise ValueError("the prompt is empty (no tokens): give some text to continue")
-        token_budget(len(ids), request.max_new_tokens, model.context_length, new_tokens_name="--max-new-tokens")
+        max_new_tokens = token_budget(len(ids), request.max_new_tokens, model.context_length,
+                                      new_tokens_name="--max-new-tokens")
 
         def on_text(piece: TextDelta) -> None:
             sys.stdout.write(piece)
@@ -103,12 +104,12 @@ def run(request: LiteRequest, tokenizer: TokenizerProcess | None = None) -> int 
 
         streamed = on_text if request.stream else None
         row = model.probe_row()  # (the pace's and the draft's costs, as the torch front end's generate)
-        result = decode_loop(model, ids, plan, request.max_new_tokens, row, request.stop, streamed, sampling,
+        result = decode_loop(model, ids, plan, max_new_tokens, row, request.stop, streamed, sampling,
                              request.seed, request.draft, request.draft_length, request.draft_confidence).run()
     except ENDINGS as error:
         return ended_by(error)
     print("" if request.stream else result.text, flush=True)
-    for line in prompt_notes(result, request.chat, bool(model.chat.get("template")), request.max_new_tokens):
+    for line in prompt_notes(result, request.chat, bool(model.chat.get("template")), max_new_tokens):
         print(line, file=sys.stderr)
     if request.stats:  # app/cli/running.py's summary lines
         for line in result.summary_lines(request.precision, model.threads, read_cpuinfo()[0] or "unknown CPU"):

@@ -48,7 +48,7 @@ HANDOFF_VARIABLE = "LAYERPLAN_CHAT_HANDOFF"
 @sampling_options
 @output_penalty_options
 @logit_bias_option
-@n_predict_option(256, help="at most this many tokens a reply (within the context)")
+@n_predict_option(256, help="at most this many tokens a reply (within the context)", until_context=True)
 @click.option("--system", "-sys", "--system-prompt", "system", default=None,
               help="a system message before the conversation (/system)")
 @click.option("--load", "load_file", type=click.Path(dir_okay=False), default=None,

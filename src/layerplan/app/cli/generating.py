@@ -34,7 +34,8 @@ _CARRIED = {"prompt", "prompt_option", "prompt_path", "model", "model_b", "dtype
 @click.option("--file", "-f", "prompt_path", type=click.Path(dir_okay=False), default=None,
               help="read the prompt from this file (its whole text; llama.cpp's -f)")
 @decoding_model_options
-@n_predict_option(128, low=0, help="at most this many new tokens (prompt and new tokens fit the context)")
+@n_predict_option(128, low=0, help="at most this many new tokens (prompt and new tokens fit the context)",
+                  until_context=True)
 @ctx_size_option
 @sampling_options
 @output_penalty_options

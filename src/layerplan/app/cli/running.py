@@ -69,7 +69,8 @@ def run_generate_command(prompt, prompt_option, prompt_path, model, dtype, devic
         params.check_vocabulary(loaded.hf.config.vocab_size)
         layer_plan = loaded.plan(plan)
         ids = prompt_ids(loaded, prompt, chat)  # the server's context check, before any decoding
-        token_budget(ids.shape[1], max_new_tokens, loaded.context_length, new_tokens_name="--max-new-tokens")
+        max_new_tokens = token_budget(ids.shape[1], max_new_tokens, loaded.context_length,
+                                      new_tokens_name="--max-new-tokens")
         on_text = (lambda piece: click.echo(piece, nl=False)) if stream else None
         result = run_generate(loaded, ids, layer_plan, max_new_tokens, params, seed, stop,
                               chat=chat, on_text=on_text, draft=draft, draft_length=draft_length,
@@ -95,10 +96,10 @@ def generate_prompt_file(loaded, plan, prompts: dict[str, str], chat: set[str], 
         raise ValueError(f"--prompt-file drafts with a lookup drafter (ngram, suffix), each prompt its own; "
                          f"'{draft}' runs a model: give the prompts one at a time")
     ids = {name: prompt_ids(loaded, text, name in chat)[0].tolist() for name, text in prompts.items()}
-    for name, tokens in ids.items():  # every prompt's context check before any decoding
-        token_budget(len(tokens), max_new_tokens, loaded.context_length, new_tokens_name="--max-new-tokens")
+    budgets = [token_budget(len(tokens), max_new_tokens, loaded.context_length, new_tokens_name="--max-new-tokens")
+               for tokens in ids.values()]  # every prompt's context check before any decoding
     seeds = [seed + i if seed is not None else None for i in range(len(ids))]
-    results = generate_batch(loaded, list(ids.values()), plan, max_new_tokens, params, seeds, stop,
+    results = generate_batch(loaded, list(ids.values()), plan, budgets, params, seeds, stop,
                              max_batch=max_batch, draft=draft, draft_length=draft_length)
     return [{"name": name, "text": result.text, "tokens": len(result.token_ids), "stop_reason": result.stop_reason,
              "tokens_per_second": round(result.tokens_per_second, 2)} for name, result in zip(ids, results)]
