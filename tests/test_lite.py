@@ -543,7 +543,8 @@ def test_a_second_model_is_refused_in_the_torch_front_ends_words(tmp_path):
     (["generate", "Hi", "--top-p", "0.9"], LiteRequest("Hi", top_p=0.9)),  # (greedy: kept, and no token changes)
     (["generate", "Hi", "-c", "64"], None),
     (["generate", "Hi", "--device-map", "auto"], None),
-    (["generate", "Hi", "-n", "-1"], None),  # a bad value: the torch front end's message
+    (["generate", "Hi", "-n", "-3"], None),  # a bad value: the torch front end's message
+    (["generate", "Hi", "-n", "-1"], LiteRequest("Hi", max_new_tokens=-1)),  # llama.cpp's: until the context is full
     (["generate", "Hi", "--dtype", "float32"], None),
     (["generate", "Hi", "--device", "cuda"], None),
     (["generate", "-h"], None),
