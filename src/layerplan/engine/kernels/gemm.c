@@ -123,17 +123,6 @@ static void run_product(const lp_product *pr, long p0, long p1, float *y, long y
     }
 }
 
-/* rows [r0, r1) of x (m rows of k inputs) quantized into xq, one row at a time */
-static void quantize_rows(const float *x, long k, long ksub, const lp_q8 *xq, long r0, long r1) {
-    for (long r = r0; r < r1; r++) {
-        int8_t *q = (int8_t *)xq->q + r * k;
-        if (ksub)
-            lp_q8k_quantize(x + r * k, 1, k, ksub, q, (float *)xq->d + r * (k / 256), (int16_t *)xq->bsum + r * (k / ksub));
-        else
-            lp_q8_quantize(x + r * k, 1, k, q, (float *)xq->d + r * (k / 32), (float *)xq->s + r * (k / 16));
-    }
-}
-
 int lp_gemm(const lp_matrix *mat, const float *x, long m, float *y, int threads) {
     const lp_format_traits *f = lp_format(mat->format);
     if (!f) return LP_E_TYPE;
@@ -165,12 +154,11 @@ int lp_gemm(const lp_matrix *mat, const float *x, long m, float *y, int threads)
     float *ds = (float *)(block + runs_bytes + tail_bytes + q_bytes);
     int16_t *bsum = ksub ? (int16_t *)(block + runs_bytes + tail_bytes + q_bytes + ds_bytes) : NULL;
     lp_q8 xq = {q, ds, ksub ? NULL : ds + m * (k / 32), bsum, k};
+    /* (on this thread: a few rows' quantization does not repay the barrier that sharing it among
+     * the region's threads would cost) */
+    if (ksub) lp_q8k_quantize(x, m, k, ksub, q, ds, bsum);
+    else if (pr.int_tiles) lp_q8_quantize(x, m, k, q, ds, ds + m * (k / 32));
     if (pr.int_tiles) pr.xq = &xq;
-    /* one row's activations are quantized alone (the same numbers however the rows are shared):
-     * a pass of several rows shares them among the threads in its region, a step's one row is
-     * quantized here (shared, it would cost the region a barrier for a few microseconds' work) */
-    int quantize_shared = pr.int_tiles && m > 1 && threads > 1;
-    if (pr.int_tiles && !quantize_shared) quantize_rows(x, k, ksub, &xq, 0, m);
     for (int t = 0; t < threads; t++) {
         long first = whole * t / threads / grain * grain,
              end = t == threads - 1 ? whole : whole * (t + 1) / threads / grain * grain;
@@ -180,10 +168,6 @@ int lp_gemm(const lp_matrix *mat, const float *x, long m, float *y, int threads)
     {
         int t = omp_get_thread_num(), nt = omp_get_num_threads();
         long from, to;
-        if (quantize_shared) {
-            quantize_rows(x, k, ksub, &xq, m * t / nt, m * (t + 1) / nt);
-            #pragma omp barrier
-        }
         if (nt != threads) { /* fewer threads than asked: an even static split */
             run_product(&pr, whole * t / nt, whole * (t + 1) / nt, y, n, 0);
         } else {
