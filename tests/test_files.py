@@ -66,6 +66,8 @@ def test_a_folder_output_named_like_a_file_is_refused_before_any_work(command, t
     assert list(tmp_path.iterdir()) == []
     (tmp_path / "runs.json").mkdir()  # a folder that exists is one, whatever its name
     assert check_output(tmp_path / "runs.json", "folder") == tmp_path / "runs.json"
+    with pytest.raises(WriteError, match="'m.safetensors' names a file"):  # export's checkpoint folder
+        check_output(tmp_path / "m.safetensors", "checkpoint")
 
 
 def test_check_output_creates_nothing(tmp_path):

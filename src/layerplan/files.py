@@ -93,7 +93,7 @@ def _check_target(path: Path, folder: bool = False) -> os.stat_result | None:
 
 
 # the endings of the files a command writes: a folder output named with one (scan --out
-# scan.json) would become a folder of that name, the file inside it
+# scan.json; export --to checkpoint --out m.safetensors) would become a folder of that name
 FILE_SUFFIXES = (".json", ".jsonl", ".png", ".html", ".csv", ".yaml", ".yml", ".txt", ".gguf", ".safetensors")
 
 
@@ -104,11 +104,11 @@ def check_output(path: str | os.PathLike, kind: str = "file") -> Path:
     the nearest folder that exists is probed by making and removing a hidden folder in it."""
     path = Path(path)
     with writing(path):
+        if kind != "file" and not path.exists() and path.suffix.lower() in FILE_SUFFIXES:
+            raise WriteError(errno.EISDIR, f"cannot write {path}: the output is a folder that its files go "
+                                           f"into, and '{path.name}' names a file; give a folder (made if it "
+                                           f"does not exist)")
         if kind == "folder":
-            if not path.exists() and path.suffix.lower() in FILE_SUFFIXES:
-                raise WriteError(errno.EISDIR, f"cannot write {path}: the output is a folder that its files go "
-                                               f"into, and '{path.name}' names a file; give a folder (made if "
-                                               f"it does not exist)")
             if path.exists() and not path.is_dir():
                 mode = os.stat(path).st_mode
                 what = "a file" if stat.S_ISREG(mode) else _kind(mode)
