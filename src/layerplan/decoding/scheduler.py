@@ -324,11 +324,10 @@ def generate_batch(model: LoadedModel, prompts: Sequence, plan: LayerPlan | None
                    draft_length=None) -> list[GenerationResult]:
     """generate() for every prompt, up to max_batch decoding at once (continuous batching: a
     prompt starts as soon as one ends), on this thread. Each result is its prompt's generate()
-    result, token for token where greedy; max_new_tokens: every prompt's, or each its own. draft: a
-    drafter spec. A lookup (ngram, suffix) gives
-    each prompt a drafter of its own (whatever it runs), its chains verified in the batch's passes,
-    its adaptive draft length starting from what the prompts before it measured (SharedRounds);
-    lossless: the same greedy tokens. Sampled and
+    result, token for token where greedy. max_new_tokens: every prompt's, or each its own. draft: a
+    drafter spec. A lookup (ngram, suffix) gives each prompt a drafter of its own (whatever it
+    runs), its chains verified in the batch's passes, its adaptive draft length starting from what
+    the prompts before it measured (SharedRounds); lossless: the same greedy tokens. Sampled and
     drafted, the random draws follow the draft lengths: the same tokens as alone for a fixed length
     in a batch of one, else other draws from the same distribution."""
     if max_batch < 1:
