@@ -348,14 +348,15 @@ int lp_attend(const lp_attention *a, const float *q, float *o, long rows, long p
         int t = omp_get_thread_num(), nt = omp_get_num_threads();
         long items = a->heads * rows, i0 = items * t / nt, i1 = items * (t + 1) / nt;
         /* its scores and masks in one block */
-        size_t score_bytes = lp_piece(sizeof(float) * (size_t)(LP_QUERIES * (end + 8)));
-        float *scores = lp_floats((long)((score_bytes + lp_piece((size_t)(LP_QUERIES * (end + 8)))) / sizeof(float)));
-        if (!scores)
+        size_t sizes[] = {sizeof(float) * (size_t)(LP_QUERIES * (end + 8)), (size_t)(LP_QUERIES * (end + 8))};
+        void *piece[2];
+        void *block = lp_pieces(sizes, 2, piece);
+        if (!block)
             __atomic_store_n(&failed, 1, __ATOMIC_RELAXED);
         else
-            attend_items(a, q, o, rows, pos0, kv, keep_sink, keep_recent, tree, dtype, kw, vw, i0, i1, scores,
-                         (unsigned char *)scores + score_bytes);
-        free(scores);
+            attend_items(a, q, o, rows, pos0, kv, keep_sink, keep_recent, tree, dtype, kw, vw, i0, i1,
+                         (float *)piece[0], (unsigned char *)piece[1]);
+        free(block);
     }
     free(kw);
     free(vw);

@@ -51,9 +51,10 @@ static inline float lp_param(const void *p, int dtype, long i) {
 /* scratch for `count` floats on a 64-byte line (rows of sums are stored in halves of 64-byte
  * panels); NULL when the allocation fails */
 float *lp_floats(long count);
-/* bytes rounded up to whole 64-byte lines: the size of one piece of a block of lp_floats that
- * holds several scratch buffers (one allocation where a call needs several) */
-static inline size_t lp_piece(size_t bytes) { return (bytes + 63) / 64 * 64; }
+/* one lp_floats block for `count` scratch buffers (a call's, in one allocation where it needs
+ * several): piece[i] the start of sizes[i] bytes on a 64-byte line, NULL for none; returns the
+ * block, to free, or NULL (every piece NULL) when the allocation fails */
+void *lp_pieces(const size_t *sizes, int count, void **piece);
 void lp_load_f32(const void *src, int dtype, float *dst, long count);
 void lp_store(const float *src, void *dst, int dtype, long count);
 /* in place, to what a PyTorch op in `dtype` would have stored */

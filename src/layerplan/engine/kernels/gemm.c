@@ -141,18 +141,17 @@ int lp_gemm(const lp_matrix *mat, const float *x, long m, float *y, int threads)
      * panel's outputs (whole panels of them, its valid columns then copied to y), and the
      * activations quantized: Q8_0's scales and sums, or Q8_K's scales and integer sums (formats.h) */
     long ksub = pr.int_tiles ? pr.int_tiles->kquant_sub : 0;
-    size_t runs_bytes = lp_piece(sizeof(lp_run) * (size_t)threads),
-           tail_bytes = whole < panels ? lp_piece(sizeof(float) * (size_t)(m * LP_PANEL)) : 0,
-           q_bytes = pr.int_tiles ? lp_piece((size_t)(m * k)) : 0,
-           ds_bytes = pr.int_tiles ? lp_piece(sizeof(float) * (size_t)(ksub ? m * (k / 256) : m * (k / 32 + k / 16))) : 0,
-           bsum_bytes = ksub ? lp_piece(sizeof(int16_t) * (size_t)(m * (k / ksub))) : 0;
-    char *block = (char *)lp_floats((long)((runs_bytes + tail_bytes + q_bytes + ds_bytes + bsum_bytes) / sizeof(float)));
+    size_t sizes[] = {sizeof(lp_run) * (size_t)threads, whole < panels ? sizeof(float) * (size_t)(m * LP_PANEL) : 0,
+                      pr.int_tiles ? (size_t)(m * k) : 0,
+                      pr.int_tiles ? sizeof(float) * (size_t)(ksub ? m * (k / 256) : m * (k / 32 + k / 16)) : 0,
+                      ksub ? sizeof(int16_t) * (size_t)(m * (k / ksub)) : 0};
+    void *piece[5];
+    void *block = lp_pieces(sizes, 5, piece);
     if (!block) return LP_E_MEMORY;
-    lp_run *runs = (lp_run *)block;
-    float *tail = tail_bytes ? (float *)(block + runs_bytes) : NULL;
-    int8_t *q = (int8_t *)(block + runs_bytes + tail_bytes);
-    float *ds = (float *)(block + runs_bytes + tail_bytes + q_bytes);
-    int16_t *bsum = ksub ? (int16_t *)(block + runs_bytes + tail_bytes + q_bytes + ds_bytes) : NULL;
+    lp_run *runs = (lp_run *)piece[0];
+    float *tail = (float *)piece[1], *ds = (float *)piece[3];
+    int8_t *q = (int8_t *)piece[2];
+    int16_t *bsum = (int16_t *)piece[4];
     lp_q8 xq = {q, ds, ksub ? NULL : ds + m * (k / 32), bsum, k};
     /* (on this thread: a few rows' quantization does not repay the barrier that sharing it among
      * the region's threads would cost) */

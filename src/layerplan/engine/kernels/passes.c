@@ -83,13 +83,9 @@ static int attention_segments(const lp_attention *a, const void *hidden, void *o
                       fl * (size_t)(rows * (NQ + 2 * NK)), fl * (size_t)(rows * NQ), fl * (size_t)(rows * NK),
                       fl * (size_t)(rows * NK), fl * (size_t)(rows * NQ), fl * (size_t)(rows * H),
                       apart ? fl * (size_t)(rows * NK) : 0};
-    enum { PIECES = sizeof(sizes) / sizeof(sizes[0]) };
-    char *piece[PIECES], *block;
-    size_t bytes = 0;
-    for (int i = 0; i < PIECES; i++) bytes += lp_piece(sizes[i]);
-    block = (char *)lp_floats((long)(bytes / fl));
+    void *piece[10];
+    void *block = lp_pieces(sizes, 10, piece);
     if (!block) return LP_E_MEMORY;
-    for (int i = 0; i < PIECES; i++) piece[i] = i ? piece[i - 1] + lp_piece(sizes[i - 1]) : block;
     long *seg_of = (long *)piece[0], *first_of = (long *)piece[1];
     for (long s = 0, r0 = 0; s < nsegs; r0 += segs[s].rows, s++) {
         first_of[s] = r0;
@@ -97,17 +93,14 @@ static int attention_segments(const lp_attention *a, const void *hidden, void *o
     }
     float *x = (float *)piece[2], *qkv = (float *)piece[3], *q = (float *)piece[4], *k = (float *)piece[5],
           *v = (float *)piece[6], *o = (float *)piece[7], *u = (float *)piece[8];
-    float *v_apart = apart ? (float *)piece[9] : NULL;
-    int status = LP_OK;
+    float *v_apart = (float *)piece[9];
     int split = split_rows(rows, H, threads);
-    if (status == LP_OK) {
-        EACH_ROW(split, threads, rows, {
-            lp_load_f32((const char *)hidden + r * H * es, dtype, x + r * H, H);
-            lp_norm_rows(x + r * H, 1, H, &a->norm, dtype);
-        });
-        status = lp_gemm(&a->qkv, x, rows, qkv, threads);
-        if (status == LP_OK && apart) status = lp_gemm(&a->v, x, rows, v_apart, threads);
-    }
+    EACH_ROW(split, threads, rows, {
+        lp_load_f32((const char *)hidden + r * H * es, dtype, x + r * H, H);
+        lp_norm_rows(x + r * H, 1, H, &a->norm, dtype);
+    });
+    int status = lp_gemm(&a->qkv, x, rows, qkv, threads);
+    if (status == LP_OK && apart) status = lp_gemm(&a->v, x, rows, v_apart, threads);
     if (status == LP_OK) {
         EACH_ROW(split, threads, rows, {
             float *qr = q + r * NQ, *kr = k + r * NK, *vr = v + r * NK;
@@ -161,21 +154,19 @@ LP_API int lp_mlp_block(const lp_mlp *m, const void *hidden, void *out, long row
     if (m->activation != LP_ACT_SILU && m->activation != LP_ACT_GELU_TANH) return LP_E_SHAPE;
     if (rows <= 0) return LP_OK;
     if (threads < 1) threads = 1;
-    /* the pass's scratch in one block: x and d (rows, H), gu (rows, 2I), g (rows, I) */
-    size_t hb = lp_piece(sizeof(float) * (size_t)(rows * H)), ib = lp_piece(sizeof(float) * (size_t)(rows * I));
-    char *block = (char *)lp_floats((long)((2 * hb + 3 * ib) / sizeof(float)));
+    /* the pass's scratch in one block */
+    size_t sizes[] = {sizeof(float) * (size_t)(rows * H), sizeof(float) * (size_t)(rows * 2 * I),
+                      sizeof(float) * (size_t)(rows * I), sizeof(float) * (size_t)(rows * H)};
+    void *piece[4];
+    void *block = lp_pieces(sizes, 4, piece);
     if (!block) return LP_E_MEMORY;
-    float *x = (float *)block, *d = (float *)(block + hb), *gu = (float *)(block + 2 * hb),
-          *g = (float *)(block + 2 * hb + 2 * ib);
-    int status = LP_OK;
+    float *x = (float *)piece[0], *gu = (float *)piece[1], *g = (float *)piece[2], *d = (float *)piece[3];
     int split = split_rows(rows, H, threads), split_inner = split_rows(rows, I, threads);
-    if (status == LP_OK) {
-        EACH_ROW(split, threads, rows, {
-            lp_load_f32((const char *)hidden + r * H * es, dtype, x + r * H, H);
-            lp_norm_rows(x + r * H, 1, H, &m->norm, dtype);
-        });
-        status = lp_gemm(&m->gate_up, x, rows, gu, threads);
-    }
+    EACH_ROW(split, threads, rows, {
+        lp_load_f32((const char *)hidden + r * H * es, dtype, x + r * H, H);
+        lp_norm_rows(x + r * H, 1, H, &m->norm, dtype);
+    });
+    int status = lp_gemm(&m->gate_up, x, rows, gu, threads);
     if (status == LP_OK) {
         EACH_ROW(split_inner, threads, rows, { lp_gated_activation(gu + r * 2 * I, gu + r * 2 * I + I, g + r * I, I, m->activation, dtype); });
         status = lp_gemm(&m->down, g, rows, d, threads);

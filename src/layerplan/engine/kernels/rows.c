@@ -19,6 +19,18 @@ float *lp_floats(long count) {
     return p;
 }
 
+void *lp_pieces(const size_t *sizes, int count, void **piece) {
+    size_t bytes = 0;
+    for (int i = 0; i < count; i++) bytes += (sizes[i] + 63) / 64 * 64;
+    char *block = (char *)lp_floats((long)(bytes / sizeof(float)));
+    size_t at = 0;
+    for (int i = 0; i < count; i++) {
+        piece[i] = block && sizes[i] ? block + at : NULL;
+        at += (sizes[i] + 63) / 64 * 64;
+    }
+    return block;
+}
+
 void lp_load_f32(const void *src, int dtype, float *dst, long count) {
     const uint16_t *h = (const uint16_t *)src;
     long i = 0;
