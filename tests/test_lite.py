@@ -26,6 +26,7 @@ from layerplan.app.cli.exploring import light_explore_request
 from layerplan.app.cli.exporting import light_export_request
 from layerplan.app.cli.searching import light_search_request
 from layerplan.app.cli.timing import light_bench_request, light_frontier_request, light_probe_request
+from layerplan.decoding.budget import UNTIL_CONTEXT
 from layerplan.decoding.generate import generate
 from layerplan.decoding.loop import DecodeLoop
 from layerplan.lite.exporting import run_export
@@ -778,7 +779,8 @@ def test_any_command_line_is_taken_whole_or_left_to_the_torch_front_end(words):
         return
     assert request.prompt and request.prompt in words  # (the command's own reading: "-x" after "--" too)
     assert request.dtype in ("auto", "stored", "stored-fast") and request.engine in ("auto", "native")
-    assert request.max_new_tokens >= 0 and (request.threads is None or 1 <= request.threads <= 1024)
+    assert request.max_new_tokens >= 0 or request.max_new_tokens == UNTIL_CONTEXT  # (-n -1, -2: llama.cpp's)
+    assert request.threads is None or 1 <= request.threads <= 1024
 
 
 _PPL_WORDS = ["--window", "--stride", "64", "0", "-3", "--max-tokens", "--dtype", "stored", "float32", "--plan",
