@@ -15,7 +15,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from layerplan.decoding.budget import UNTIL_CONTEXT
 from layerplan.decoding.chat_state import STREAM_EVERY, ChatHistory, ChatSettings, Reply, draft_named
 from layerplan.decoding.drafters.registry import make_drafter
 from layerplan.decoding.output import chat_prompt_ids
@@ -85,11 +84,10 @@ class ChatSession(ChatHistory):
         stops it (the partial reply stays in the conversation)."""
         messages = [*self.messages, {"role": "user", "content": text}]
         ids = self.prompt_ids(messages)
-        room = self.room(ids)
+        budget = self.budget(ids)
         kept = self.keep(ids)
         cache, self.cache, self.cached = self.cache, None, []  # a reply that fails leaves no half-written cache
         settings, sampling = self.settings, self.settings.sampling()
-        budget = room if settings.max_new_tokens == UNTIL_CONTEXT else min(settings.max_new_tokens, room)
         if cache is None:
             cache = new_cache(self.plan, capacity=len(ids) + budget + 16)
             cache.keep_streams(self.plan, self.stream_steps(self.plan))

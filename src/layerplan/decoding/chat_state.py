@@ -372,6 +372,12 @@ class ChatHistory:
                              f"{self.model.context_length}: /reset starts a new one (/save keeps this one first)")
         return room
 
+    def budget(self, ids: Sequence[int]) -> int:
+        """The new tokens a reply after the conversation's ids may take: the settings' count
+        (UNTIL_CONTEXT: all the room) within the room the context leaves (ValueError: none)."""
+        room = self.room(ids)
+        return room if self.settings.max_new_tokens == UNTIL_CONTEXT else min(self.settings.max_new_tokens, room)
+
     def keep(self, ids: list[int]) -> int:
         """Crop the cache to the longest prefix its tokens share with ids (at least the last token
         left to run: its logits give the reply's first token); how many tokens it keeps."""

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from layerplan.decoding.budget import UNTIL_CONTEXT
 from layerplan.decoding.chat_state import ChatHistory, ChatSettings, Reply, draft_named
 from layerplan.decoding.drafters.kinds import drafts_on_the_light_front_end
 from layerplan.decoding.loop import DecodeLoop
@@ -107,8 +106,7 @@ class LightChatSession(ChatHistory):
         stops it (the partial reply stays in the conversation)."""
         messages = [*self.messages, {"role": "user", "content": text}]
         ids = self.prompt_ids(messages)
-        room = self.room(ids)
-        budget = room if self.settings.max_new_tokens == UNTIL_CONTEXT else min(self.settings.max_new_tokens, room)
+        budget = self.budget(ids)
         kept = self.keep(ids)
         cache, self.cache, self.cached = self.cache, None, []  # a reply that fails leaves no half-written cache
         need = len(ids) + budget + 1
